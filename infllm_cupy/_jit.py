@@ -1,0 +1,285 @@
+"""Find, fingerprint, compile and cache the CUDA sources in `kernels_cu/`.
+
+Kernels are compiled at run time by NVRTC through `cupy.RawModule`; there is no build step.
+Two cache levels: an in-process dict of compiled kernels, and CuPy's on-disk cubin cache
+(`CUPY_CACHE_DIR`, default `~/.cupy/kernel_cache`). CuPy keys its disk cache on the source text
+only, not on `#include`d headers, so every compiled source starts with a fingerprint of the file
+and of every header it includes (transitively): an edited header is never served stale.
+
+`compile_report` compiles any kernel for a named architecture with NVRTC alone (no GPU, no CUDA
+toolkit) and returns the registers, spills and shared memory that ptxas reports: the CPU check
+that every kernel builds for sm_80 and sm_90, and a cheap regression check on resources.
+
+Each launcher declares the template instances it uses with `register_instances`, so the CPU
+check covers every kernel the package can launch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import os
+import re
+from pathlib import Path
+
+KERNELS_DIR_ENV = "INFLLM_CUPY_KERNELS_DIR"
+BASE_OPTIONS = ("-std=c++17",)
+
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+
+
+class KernelCompileError(RuntimeError):
+    """NVRTC rejected a kernel; the message holds the kernel name and the full NVRTC log."""
+
+
+# --------------------------------------------------------------------------------------------
+# Sources
+# --------------------------------------------------------------------------------------------
+@functools.cache
+def kernels_dir() -> Path:
+    """The `kernels_cu/` folder: `$INFLLM_CUPY_KERNELS_DIR`, else the copy inside an installed
+    wheel (`infllm_cupy/kernels_cu`), else the one at the top of a source checkout."""
+    env = os.environ.get(KERNELS_DIR_ENV)
+    if env:
+        return Path(env).resolve()
+    pkg = Path(__file__).resolve().parent
+    for cand in (pkg / "kernels_cu", pkg.parent / "kernels_cu"):
+        if cand.is_dir() and any(cand.rglob("*.cu")):
+            return cand
+    raise FileNotFoundError(f"kernels_cu/ not found in {pkg} or {pkg.parent}; set {KERNELS_DIR_ENV}")
+
+
+def include_closure(source: str) -> list[Path]:
+    """`source` (relative to kernels_cu/) and every project header it includes, transitively.
+
+    Quoted includes resolve against the including file's folder, then against kernels_cu/.
+    Angle-bracket includes (CUDA's own headers) are not followed: they change with the NVRTC
+    version, which CuPy's cache key already holds.
+    """
+    root = kernels_dir()
+    first = (root / source).resolve()
+    if not first.is_file():
+        raise FileNotFoundError(f"kernel source {source!r} not found under {root}")
+    seen: dict[Path, None] = {}
+    stack = [first]
+    while stack:
+        path = stack.pop()
+        if path in seen:
+            continue
+        seen[path] = None
+        for inc in _INCLUDE_RE.findall(path.read_text()):
+            for base in (path.parent, root):
+                cand = (base / inc).resolve()
+                if cand.is_file():
+                    stack.append(cand)
+                    break
+            else:
+                raise FileNotFoundError(f'{path.relative_to(root)} includes "{inc}", which is not under {root}')
+    return list(seen)
+
+
+def source_fingerprint(source: str) -> str:
+    """sha256 over the paths and bytes of `source` and every header it includes."""
+    root = kernels_dir()
+    h = hashlib.sha256()
+    for path in sorted(include_closure(source)):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0")
+        h.update(path.read_bytes() + b"\0")
+    return h.hexdigest()[:20]
+
+
+def _code(source: str) -> str:
+    # The fingerprint line makes CuPy's disk-cache key change with any included header;
+    # `#line` makes NVRTC report errors against the real file name.
+    text = (kernels_dir() / source).read_text()
+    return f'// infllm_cupy fingerprint {source_fingerprint(source)}\n#line 1 "{source}"\n{text}'
+
+
+@functools.cache
+def cuda_include_dir() -> str | None:
+    """Folder holding cuda_bf16.h etc. from the `nvidia-cuda-runtime` wheel (None if absent)."""
+    try:
+        from cuda import pathfinder
+
+        d = pathfinder.find_nvidia_header_directory("cudart")
+        return str(d) if d else None
+    except Exception:  # the wheel layout is not ours to rely on; CuPy may still find the headers
+        return None
+
+
+def _include_options() -> tuple[str, ...]:
+    opts = [f"-I{kernels_dir()}"]
+    if (inc := cuda_include_dir()) is not None:
+        opts.append(f"-I{inc}")
+    return tuple(opts)
+
+
+# --------------------------------------------------------------------------------------------
+# Instance registry (what the package can launch)
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class KernelSet:
+    source: str
+    names: tuple[str, ...]
+    sm90a: bool = False  # compiled for sm_90a (wgmma/TMA) and launched only on capability (9, 0)
+
+
+_REGISTRY: dict[tuple[str, bool], KernelSet] = {}
+
+
+def register_instances(source: str, names, *, sm90a: bool = False) -> None:
+    """Declare the template instances a launcher may request from `source`."""
+    key = (source, sm90a)
+    old = _REGISTRY.get(key)
+    merged = tuple(dict.fromkeys((old.names if old else ()) + tuple(names)))
+    _REGISTRY[key] = KernelSet(source, merged, sm90a)
+
+
+def registered() -> list[KernelSet]:
+    return list(_REGISTRY.values())
+
+
+# --------------------------------------------------------------------------------------------
+# GPU path: cupy.RawModule
+# --------------------------------------------------------------------------------------------
+_KERNELS: dict[tuple, object] = {}
+
+
+def device_capability() -> tuple[int, int]:
+    import torch
+
+    return torch.cuda.get_device_capability()
+
+
+def get_kernel(source: str, name: str, *, sm90a: bool = False):
+    """Compile (once per process; once per machine through CuPy's disk cache) and return a kernel.
+
+    Args:
+        source (str):
+            Path relative to kernels_cu/, e.g. `"compress/mean_pool.cu"`.
+        name (str):
+            Kernel name or template name expression, e.g. `"compress_mean_pool<__nv_bfloat16, 128>"`.
+        sm90a (bool, Optional):
+            Compile for `sm_90a` (wgmma, setmaxnreg). Only valid on capability (9, 0). Default: False.
+
+    Returns:
+        cupy.RawKernel on the current device.
+    """
+    import cupy
+    import torch
+
+    dev = torch.cuda.current_device()
+    cap = torch.cuda.get_device_capability(dev)
+    key = (source, name, sm90a, dev)
+    kern = _KERNELS.get(key)
+    if kern is not None:
+        return kern
+    options = BASE_OPTIONS + _include_options()
+    if sm90a:
+        if cap != (9, 0):
+            raise ValueError(f"kernel {name} needs sm_90a (compute capability 9.0); this device is {cap}")
+        options += ("-arch=sm_90a",)
+    with cupy.cuda.Device(dev):
+        mod = cupy.RawModule(code=_code(source), options=options,
+                             name_expressions=[name] if "<" in name else None)
+        try:
+            kern = mod.get_function(name)
+        except cupy.cuda.compiler.CompileException as e:
+            raise KernelCompileError(f"NVRTC could not compile {name} from kernels_cu/{source} "
+                                     f"for sm_{cap[0]}{cap[1]}{'a' if sm90a else ''}:\n{e.get_message()}") from None
+    _KERNELS[key] = kern
+    return kern
+
+
+def clear_cache() -> None:
+    """Forget compiled kernels and the kernels_cu/ location (after editing kernels in a notebook)."""
+    _KERNELS.clear()
+    kernels_dir.cache_clear()
+
+
+# --------------------------------------------------------------------------------------------
+# CPU path: NVRTC alone, with the ptxas resource report
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class KernelResources:
+    name: str            # name expression
+    registers: int
+    spill_stores: int    # bytes
+    spill_loads: int     # bytes
+    stack_frame: int     # bytes
+    shared_static: int   # bytes of static shared memory
+
+    def __str__(self) -> str:
+        return (f"{self.name}: {self.registers} regs, {self.stack_frame} B stack, "
+                f"{self.spill_stores}/{self.spill_loads} B spill st/ld, {self.shared_static} B smem")
+
+
+@dataclasses.dataclass
+class CompileReport:
+    source: str
+    arch: str
+    kernels: list[KernelResources]
+    log: str
+
+
+def _check_nvrtc(result, what: str, prog=None, nvrtc=None, name="") -> None:
+    err = result[0] if isinstance(result, tuple) else result
+    if int(err) != 0:
+        log = _program_log(nvrtc, prog) if prog is not None else ""
+        raise KernelCompileError(f"NVRTC {what} failed for {name}: {err}\n{log}")
+
+
+def _program_log(nvrtc, prog) -> str:
+    _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+    buf = b" " * size
+    nvrtc.nvrtcGetProgramLog(prog, buf)
+    return buf.decode(errors="replace").rstrip("\0 \n")
+
+
+_PTXAS_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+_PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def compile_report(source: str, names, arch: str = "sm_90") -> CompileReport:
+    """Compile `names` (name expressions) from `source` for `arch` (e.g. "sm_80", "sm_90", "sm_90a")
+    with NVRTC alone, and parse ptxas' resource report per kernel. Needs no GPU."""
+    from cuda.bindings import nvrtc
+
+    names = list(names)
+    label = f"kernels_cu/{source} ({', '.join(names)}) for {arch}"
+    err, prog = nvrtc.nvrtcCreateProgram(_code(source).encode(), source.encode(), 0, [], [])
+    _check_nvrtc(err, "create", name=label)
+    try:
+        for n in names:
+            _check_nvrtc(nvrtc.nvrtcAddNameExpression(prog, n.encode()), "add name", name=label)
+        opts = [o.encode() for o in BASE_OPTIONS + _include_options()]
+        opts += [f"--gpu-architecture={arch}".encode(), b"--ptxas-options=-v", b"-ftz=true"]
+        res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        log = _program_log(nvrtc, prog)
+        if int(res[0]) != 0:
+            raise KernelCompileError(f"NVRTC could not compile {label}:\n{log}")
+        lowered = {}
+        for n in names:
+            e, low = nvrtc.nvrtcGetLoweredName(prog, n.encode())
+            _check_nvrtc(e, "lowered name", name=label)
+            lowered[low.decode() if isinstance(low, bytes) else str(low)] = n
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    return CompileReport(source, arch, _parse_ptxas(log, lowered), log)
+
+
+def _parse_ptxas(log: str, lowered: dict[str, str]) -> list[KernelResources]:
+    out, current = [], None
+    for line in log.splitlines():
+        if m := _PTXAS_ENTRY.search(line):
+            current = KernelResources(lowered.get(m.group(1), m.group(1)), 0, 0, 0, 0, 0)
+            out.append(current)
+        elif current is not None and (m := _PTXAS_FRAME.search(line)):
+            current.stack_frame, current.spill_stores, current.spill_loads = map(int, m.groups())
+        elif current is not None and (m := _PTXAS_REGS.search(line)):
+            current.registers = int(m.group(1))
+            if s := _PTXAS_SMEM.search(line):
+                current.shared_static = int(s.group(1))
+    return [k for k in out if k.name in lowered.values()]

@@ -1,0 +1,63 @@
+"""Launcher of kernels_cu/compress/mean_pool.cu: key compression on the GPU."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .. import _jit
+from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
+from .naive import check_compress_args, compressed_cu_seqlens, naive_compress_k
+
+SOURCE = "compress/mean_pool.cu"
+WARPS = 4  # mirrors #define WARPS in the .cu
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+_jit.register_instances(SOURCE, [f"compress_mean_pool<{CXX_TYPE[t]}, {d}>" for t in DTYPES for d in HEAD_DIMS])
+
+
+def compress_k(k: torch.Tensor, cu_seqlens_k: torch.Tensor, kernel_size: int = 32, kernel_stride: int = 16,
+               *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Mean of the keys over every complete window of each sequence (InfLLM-v2 key compression).
+
+    Args:
+        k (torch.Tensor):
+            Keys `[total_k, H, D]`, packed varlen. The kernel takes bf16/fp16/fp32 and D in {64, 128}.
+        cu_seqlens_k (torch.Tensor):
+            int32 `[B+1]` on k's device.
+        kernel_size, kernel_stride (int):
+            Window length and step: 32/16 (fine keys) or 128/64 (coarse keys). Default: 32, 16.
+        backend (str, Optional):
+            "auto" (kernel for CUDA tensors, reference for CPU), "kernels" or "reference".
+
+    Returns:
+        ck (torch.Tensor): `[total_c, H, D]`, k's dtype; window `i` of sequence `b` is the fp32 mean of
+            `k[s_b + i*stride : s_b + i*stride + kernel]`. Only complete windows exist, so a sequence
+            shorter than `kernel_size` contributes none.
+        cu_seqlens_c (torch.Tensor): int32 `[B+1]`.
+
+    Sizing the output reads `cu_seqlens_c[-1]` back to the host (one sync).
+    """
+    if backend not in ("auto", "kernels", "reference"):
+        raise ValueError(f"backend must be 'auto', 'kernels' or 'reference', got {backend!r}")
+    if backend == "reference" or (backend == "auto" and not k.is_cuda):
+        return naive_compress_k(k, cu_seqlens_k, kernel_size, kernel_stride)
+    check_compress_args(k, cu_seqlens_k, kernel_size, kernel_stride, dtypes=DTYPES)
+    if not k.is_cuda:
+        raise ValueError(f"k must be a CUDA tensor for backend='kernels', got one on {k.device}")
+    total_k, H, D = k.shape
+    if D not in HEAD_DIMS:
+        raise ValueError(f"k has head dim {D}; the compression kernel supports {HEAD_DIMS}")
+    k = k.contiguous()
+    cu_c = compressed_cu_seqlens(cu_seqlens_k, kernel_size, kernel_stride)
+    total_c = int(cu_c[-1])
+    out = empty((total_c, H, D), dtype=k.dtype, device=k.device)
+    if total_c == 0:
+        return out, cu_c
+    name = f"compress_mean_pool<{CXX_TYPE[k.dtype]}, {D}>"
+    launch(_jit.get_kernel(SOURCE, name), name=name,
+           grid=(cdiv(total_c * H, WARPS),), block=(32 * WARPS,),
+           args=(ptr(k), ptr(cu_seqlens_k), ptr(cu_c), ptr(out),
+                 np.int32(cu_seqlens_k.numel() - 1), np.int32(total_c), np.int32(H),
+                 np.int32(kernel_size), np.int32(kernel_stride)))
+    return out, cu_c

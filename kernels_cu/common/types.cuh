@@ -1,0 +1,52 @@
+// common/types.cuh: element-type helpers shared by all kernels.
+//
+// Kernels are templates over the storage type T in {__half, __nv_bfloat16, float}; all arithmetic
+// is done in fp32. NVRTC has no <cstdint> and no INFINITY macro, hence the spellings below.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+typedef long long int64;
+
+#define INFLLM_INF __int_as_float(0x7f800000)
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// An unsigned type of exactly BYTES bytes, for one wide load or store per thread.
+template <int BYTES> struct VecStorage;
+template <> struct VecStorage<2> { typedef unsigned short type; };
+template <> struct VecStorage<4> { typedef unsigned int type; };
+template <> struct VecStorage<8> { typedef uint2 type; };
+template <> struct VecStorage<16> { typedef uint4 type; };
+
+// N consecutive elements of T moved with one load/store (N * sizeof(T) in {2, 4, 8, 16}).
+template <typename T, int N>
+struct alignas(N * sizeof(T)) Vec {
+    typedef typename VecStorage<N * sizeof(T)>::type storage;
+    T elem[N];
+
+    __device__ __forceinline__ void load(const T* p) {
+        *reinterpret_cast<storage*>(elem) = *reinterpret_cast<const storage*>(p);
+    }
+    __device__ __forceinline__ void store(T* p) const {
+        *reinterpret_cast<storage*>(p) = *reinterpret_cast<const storage*>(elem);
+    }
+};
+
+// Index of the sequence that owns row `row` of a packed varlen tensor: the largest b with
+// cu[b] <= row, for cu = cumulative lengths [B+1]. Empty sequences are skipped naturally.
+__device__ __forceinline__ int find_sequence(const int* __restrict__ cu, int batch, int64 row) {
+    int lo = 0, hi = batch - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if ((int64)cu[mid] <= row) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}

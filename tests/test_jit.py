@@ -1,0 +1,110 @@
+"""The run-time compiler: finding kernels_cu/, fingerprints, NVRTC compiles with no GPU, the wheel."""
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import infllm_cupy  # noqa: F401  (imports every launcher, so the registry is complete)
+from infllm_cupy import _jit
+
+REPO = Path(__file__).resolve().parents[1]
+ALL_SOURCES = sorted(p.relative_to(REPO / "kernels_cu").as_posix() for p in (REPO / "kernels_cu").rglob("*.cu"))
+
+
+@pytest.fixture
+def kernels_copy(tmp_path, monkeypatch):
+    """A private copy of kernels_cu/ that the loader uses instead of the real one."""
+    dst = tmp_path / "kernels_cu"
+    shutil.copytree(REPO / "kernels_cu", dst)
+    monkeypatch.setenv(_jit.KERNELS_DIR_ENV, str(dst))
+    _jit.clear_cache()
+    yield dst
+    monkeypatch.delenv(_jit.KERNELS_DIR_ENV)
+    _jit.clear_cache()
+
+
+def test_kernels_dir_is_the_checkout():
+    assert _jit.kernels_dir() == REPO / "kernels_cu"
+
+
+def test_include_closure_follows_headers():
+    closure = {p.relative_to(_jit.kernels_dir()).as_posix() for p in _jit.include_closure("compress/mean_pool.cu")}
+    assert closure == {"compress/mean_pool.cu", "common/types.cuh"}
+
+
+def test_fingerprint_changes_with_an_included_header(kernels_copy):
+    before = _jit.source_fingerprint("compress/mean_pool.cu")
+    assert _jit.source_fingerprint("compress/mean_pool.cu") == before
+    hdr = kernels_copy / "common" / "types.cuh"
+    hdr.write_text(hdr.read_text() + "\n// edited\n")
+    assert _jit.source_fingerprint("compress/mean_pool.cu") != before
+    # and the fingerprint is what heads the compiled source text (CuPy's disk-cache key)
+    assert _jit._code("compress/mean_pool.cu").startswith(
+        f"// infllm_cupy fingerprint {_jit.source_fingerprint('compress/mean_pool.cu')}")
+
+
+def test_missing_header_is_reported(kernels_copy):
+    (kernels_copy / "compress" / "broken.cu").write_text('#include "common/nope.cuh"\n')
+    with pytest.raises(FileNotFoundError, match="nope.cuh"):
+        _jit.source_fingerprint("compress/broken.cu")
+
+
+def test_every_source_is_registered():
+    registered = {ks.source for ks in _jit.registered()}
+    assert set(ALL_SOURCES) <= registered, f"kernels nobody launches: {set(ALL_SOURCES) - registered}"
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("source", ALL_SOURCES)
+def test_every_kernel_compiles_without_a_gpu(source, arch):
+    for ks in (k for k in _jit.registered() if k.source == source):
+        report = _jit.compile_report(ks.source, ks.names, "sm_90a" if ks.sm90a else arch)
+        assert sorted(k.name for k in report.kernels) == sorted(ks.names), report.log
+        for k in report.kernels:
+            assert k.registers > 0, str(k)
+            assert k.spill_stores == 0 and k.spill_loads == 0, f"spills: {k}"
+
+
+def test_compile_error_names_the_kernel_and_shows_the_log(kernels_copy):
+    (kernels_copy / "compress" / "broken.cu").write_text(textwrap.dedent("""
+        template <typename T> __global__ void broken_kernel(T* x) { x[0] = undeclared_thing; }
+    """))
+    with pytest.raises(_jit.KernelCompileError, match=r"(?s)broken_kernel<float>.*undeclared_thing"):
+        _jit.compile_report("compress/broken.cu", ["broken_kernel<float>"], "sm_80")
+
+
+def test_installed_wheel_finds_and_compiles_its_kernels(tmp_path):
+    """Build a wheel from a copy of the checkout, install it elsewhere, and compile from there
+    with no CUDA toolkit on the PATH."""
+    src = tmp_path / "src"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__",
+                                                             ".whl", "notebooks", "benchmarks"))
+    wheels = tmp_path / "wheels"
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(src)], check=True)
+    (whl,) = wheels.glob("infllm_cupy-*.whl")
+    site = tmp_path / "site"
+    subprocess.run(pip + ["install", "--no-deps", "--target", str(site), str(whl)], check=True)
+    probe = textwrap.dedent("""
+        import shutil, infllm_cupy
+        from infllm_cupy import _jit
+        assert shutil.which("nvcc") is None, shutil.which("nvcc")
+        print(infllm_cupy.__file__)
+        print(_jit.kernels_dir())
+        for ks in _jit.registered():
+            r = _jit.compile_report(ks.source, ks.names, "sm_90a" if ks.sm90a else "sm_80")
+            assert len(r.kernels) == len(ks.names)
+        print("compiled", sum(len(ks.names) for ks in _jit.registered()))
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA", "INFLLM"))}
+    env["PYTHONPATH"] = str(site)
+    env["PATH"] = "/usr/bin:/bin"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, check=True,
+                         capture_output=True, text=True).stdout.splitlines()
+    assert out[0].startswith(str(site)), out
+    assert out[1] == str(site / "infllm_cupy" / "kernels_cu"), out
+    assert out[2].startswith("compiled ") and int(out[2].split()[1]) > 0
