@@ -1,0 +1,134 @@
+"""Public stage-2 ops: InfLLM-v2's token-level sparse attention and its query-block-layout form.
+
+CUDA tensors run kernels_cu/stage2 (one kernel for both forms); CPU tensors, or
+`backend="reference"`, run the PyTorch reference in naive.py.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._checks import check_tensor, seqlens_host, validate_values
+from ..stage1.naive import check_max_seqlen
+from .layout import BlockLayout
+from .naive import _check_attn_inputs, naive_sparse_attn_varlen
+from .sparse_fwd import DEFAULT_WARPS, check_kernel_inputs, n_mask_words, stage2_fwd, token_block_masks
+
+BACKENDS = ("auto", "kernels", "reference")
+
+
+def _use_kernels(backend: str, q: torch.Tensor) -> bool:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend == "kernels" or (backend == "auto" and q.is_cuda)
+
+
+def _scale(softmax_scale, D: int) -> float:
+    if softmax_scale is None:
+        return D ** -0.5
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
+        raise ValueError(f"softmax_scale must be a positive float or None, got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
+def _check_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    _check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    check_kernel_inputs(q, k, v)
+    if validate_values():
+        check_max_seqlen("max_seqlen_q", max_seqlen_q, seqlens_host(cu_seqlens_q))
+        check_max_seqlen("max_seqlen_k", max_seqlen_k, seqlens_host(cu_seqlens_k))
+    else:
+        check_max_seqlen("max_seqlen_q", max_seqlen_q, [])
+        check_max_seqlen("max_seqlen_k", max_seqlen_k, [])
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise NotImplementedError("the stage-2 kernels have no backward yet (issue 4); call under "
+                                  "torch.no_grad() or use backend='reference' for gradients")
+
+
+def sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                       cu_seqlens_k: torch.Tensor, topk_idx: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                       causal: bool = True, softmax_scale: float | None = None, return_lse: bool = False,
+                       *, backend: str = "auto", warps: int = DEFAULT_WARPS):
+    r"""Attention of each query token over the 64-key blocks its KV head selected (InfLLM-v2 stage 2).
+
+    Query `t` (row `r` of sequence `b`), head `hq`, attends keys `c` of its sequence with
+    `c // 64` in `topk_idx[hq // G, t]`, `c < Lk` and, if causal, `c <= r + Lk - Lq` (bottom-right
+    aligned, so only the diagonal block is masked inside). Negative (`-1` padding), out-of-range
+    and future indices select nothing; duplicates are harmless. A row with no allowed key gives
+    output 0 and `lse = +inf`. For `Lq = 2`, `Lk = 5`, blocks of 2 keys and `topk_idx = [[0, -1], [2, 0]]`:
+
+        1 1 0 0 0
+        1 1 0 0 1
+
+    Args:
+        q (torch.Tensor):
+            `[total_q, HQ, D]`, bf16 or fp16 (the reference also takes fp32/float64); D in {64, 128}.
+        k, v (torch.Tensor):
+            `[total_k, H, D]`, q's dtype, `HQ = G * H` for any G >= 1.
+        cu_seqlens_q, cu_seqlens_k (torch.Tensor):
+            int32 `[B+1]` on q's device.
+        topk_idx (torch.Tensor):
+            int32 `[H, total_q, K]`, block indices local to each sequence.
+        max_seqlen_q, max_seqlen_k (int):
+            Longest query / key sequence (sizes the launch; checked unless INFLLM_CUPY_VALIDATE=0).
+        causal (bool, Optional):
+            Default: `True`.
+        softmax_scale (float, Optional):
+            Default: `None` (`1 / sqrt(D)`).
+        return_lse (bool, Optional):
+            Also return `lse`, float32 `[HQ, total_q]`, natural log. Default: `False`.
+        backend (str, Optional):
+            "auto" (kernels for CUDA tensors), "kernels" or "reference". Default: "auto".
+        warps (int, Optional):
+            Warps per CTA of the kernel (4 or 8); a tuning knob. Default: 8.
+
+    Returns:
+        out (torch.Tensor): `[total_q, HQ, D]` in q's dtype; and `lse` with `return_lse`.
+    """
+    if not _use_kernels(backend, q):
+        return naive_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
+                                        causal, softmax_scale, return_lse)
+    _check_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    H = k.shape[1]
+    check_tensor("topk_idx", topk_idx, ndim=3, dtypes=(torch.int32,), shape=(H, q.shape[0], None),
+                 device=q.device)
+    scale = _scale(softmax_scale, q.shape[2])
+    q, k, v, topk_idx = (t.contiguous() for t in (q, k, v, topk_idx))
+    masks = token_block_masks(topk_idx, cu_seqlens_q, cu_seqlens_k, n_mask_words(max_seqlen_k))
+    out, lse = stage2_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, masks, cu_seqlens_q, q.shape[0], 1,
+                          max_seqlen_q, causal, scale, warps)
+    return (out, lse) if return_lse else out
+
+
+def block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                             cu_seqlens_k: torch.Tensor, layout: BlockLayout, max_seqlen_q: int, max_seqlen_k: int,
+                             causal: bool = True, softmax_scale: float | None = None, return_lse: bool = False,
+                             *, backend: str = "auto", warps: int = DEFAULT_WARPS):
+    r"""Sparse attention under a query-block layout (one selection per query block and KV head).
+
+    Same semantics as `sparse_attn_varlen` with every token of query block `i` selecting the
+    64-key blocks `j` with `layout.mask[(b,) h, i, j]`.
+
+    Args:
+        layout (BlockLayout):
+            `mask` bool `[H, NQB, NKB]` or `[B, H, NQB, NKB]` over 64-key blocks, and `q_block`.
+        Others: as `sparse_attn_varlen`.
+
+    Returns:
+        out (torch.Tensor): `[total_q, HQ, D]`; and `lse` with `return_lse`.
+    """
+    if not isinstance(layout, BlockLayout):
+        raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
+    B = cu_seqlens_q.numel() - 1
+    layout.check_against(k.shape[1], B, max_seqlen_q)
+    if not _use_kernels(backend, q):
+        return naive_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, layout.to_topk_idx(cu_seqlens_q),
+                                        max_seqlen_q, max_seqlen_k, causal, softmax_scale, return_lse)
+    _check_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    scale = _scale(softmax_scale, q.shape[2])
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    words, base, h_stride = layout.packed(n_mask_words(max_seqlen_k), q.device)
+    if base is None:
+        base = torch.zeros(B, dtype=torch.int32, device=q.device)
+    out, lse = stage2_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, words, base, h_stride, layout.q_block,
+                          max_seqlen_q, causal, scale, warps)
+    return (out, lse) if return_lse else out

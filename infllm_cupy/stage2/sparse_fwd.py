@@ -1,0 +1,91 @@
+"""Launchers of kernels_cu/stage2/{block_masks,sparse_fwd}.cu: block-sparse attention forward.
+
+Both input forms reach one kernel through per-row bitmasks over 64-key blocks:
+token-level `topk_idx` rows are packed on the GPU (`token_block_masks`), query-block layouts
+are packed by `BlockLayout.packed` (one row per query block).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .. import _jit
+from .._checks import KERNEL_DTYPES, check_tensor
+from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
+
+FWD_SOURCE = "stage2/sparse_fwd.cu"
+MASK_SOURCE = "stage2/block_masks.cu"
+BLOCK_N = 64            # keys per KV block, fixed by InfLLM-v2 (kernels_cu: BLOCK_N)
+HEAD_DIMS = (64, 128)
+WARP_CHOICES = (4, 8)
+DEFAULT_WARPS = 8
+MASK_WARPS = 8          # mirrors #define WARPS in block_masks.cu
+
+_jit.register_instances(FWD_SOURCE, [f"stage2_fwd<{CXX_TYPE[t]}, {d}, {w}>"
+                                     for t in KERNEL_DTYPES for d in HEAD_DIMS for w in WARP_CHOICES])
+_jit.register_instances(MASK_SOURCE, ["token_block_masks"])
+
+
+def n_mask_words(max_seqlen_k: int) -> int:
+    """uint32 words per bitmask row covering `cdiv(max_seqlen_k, 64)` blocks (at least 1)."""
+    return max(1, cdiv(cdiv(max_seqlen_k, BLOCK_N), 32))
+
+
+def token_block_masks(topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                      n_words: int) -> torch.Tensor:
+    """Bitmask rows `[H, total_q, n_words]` (int32 storage of uint32 bits) from `topk_idx [H, total_q, K]`.
+
+    Bit j of row (h, t) is set iff 0 <= j < cdiv(L_k, 64) appears in `topk_idx[h, t]`.
+    """
+    H, total_q, K = topk_idx.shape
+    masks = torch.empty((H, total_q, n_words), dtype=torch.int32, device=topk_idx.device)
+    if total_q == 0 or H == 0:
+        return masks
+    launch(_jit.get_kernel(MASK_SOURCE, "token_block_masks"), name="token_block_masks",
+           grid=(cdiv(total_q, MASK_WARPS), H), block=(32 * MASK_WARPS,),
+           shared_mem=MASK_WARPS * n_words * 4,
+           args=(ptr(topk_idx), ptr(cu_seqlens_q), ptr(cu_seqlens_k), ptr(masks),
+                 np.int32(cu_seqlens_q.numel() - 1), np.int32(total_q), np.int32(K), np.int32(n_words),
+                 np.int32(BLOCK_N)))
+    return masks
+
+
+def fwd_smem_bytes(D: int, warps: int, n_words: int, itemsize: int = 2) -> int:
+    return (16 * warps * D + 4 * BLOCK_N * D) * itemsize + 4 * n_words
+
+
+def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+               cu_seqlens_k: torch.Tensor, masks: torch.Tensor, mask_base: torch.Tensor, mask_h_stride: int,
+               mask_q_block: int, max_seqlen_q: int, causal: bool, softmax_scale: float,
+               warps: int = DEFAULT_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel on checked, contiguous inputs. Returns `out [total_q, HQ, D]` and
+    `lse [HQ, total_q]` float32. `masks` is `[..., n_words]` int32; see the .cu header for the rows."""
+    total_q, HQ, D = q.shape
+    H = k.shape[1]
+    G = HQ // H
+    B = cu_seqlens_q.numel() - 1
+    n_words = masks.shape[-1]
+    if warps not in WARP_CHOICES:
+        raise ValueError(f"warps must be one of {WARP_CHOICES}, got {warps}")
+    out = empty((total_q, HQ, D), dtype=q.dtype, device=q.device)
+    lse = empty((HQ, total_q), dtype=torch.float32, device=q.device)
+    rows_per_cta = 16 * warps
+    name = f"stage2_fwd<{CXX_TYPE[q.dtype]}, {D}, {warps}>"
+    launch(_jit.get_kernel(FWD_SOURCE, name), name=name,
+           grid=(cdiv(max_seqlen_q * G, rows_per_cta), H, B), block=(32 * warps,),
+           shared_mem=fwd_smem_bytes(D, warps, n_words, q.element_size()),
+           args=(ptr(q), ptr(k), ptr(v), ptr(masks), ptr(mask_base), ptr(cu_seqlens_q), ptr(cu_seqlens_k),
+                 ptr(out), ptr(lse), np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G),
+                 np.int32(n_words), np.int64(mask_h_stride), np.int32(mask_q_block),
+                 np.float32(softmax_scale * 1.4426950408889634), np.int32(1 if causal else 0)))
+    return out, lse
+
+
+def check_kernel_inputs(q, k, v) -> None:
+    """What the kernels support beyond the reference's own checks."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, dtypes=KERNEL_DTYPES)
+        if not t.is_cuda:
+            raise ValueError(f"{name} must be a CUDA tensor for backend='kernels', got one on {t.device}")
+    if q.shape[2] not in HEAD_DIMS:
+        raise ValueError(f"q has head dim {q.shape[2]}; the stage-2 kernels support {HEAD_DIMS}")

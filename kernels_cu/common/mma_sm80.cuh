@@ -1,0 +1,57 @@
+// common/mma_sm80.cuh: the SM80 tensor-core and async-copy primitives (run on sm_80 .. sm_90).
+//
+// Fragment layouts of mma.m16n8k16 (PTX ISA), with g = lane / 4 and c = lane % 4:
+//   A 16x16 (4 x b32): a0 (row g, k 2c..2c+1), a1 (row g+8, k 2c..), a2 (row g, k 8+2c..), a3 (row g+8, k 8+2c..)
+//   B 16x8  (2 x b32): b0 (k 2c..2c+1, col g), b1 (k 8+2c.., col g)
+//   C 16x8  (4 x f32): c0,c1 (row g, cols 2c, 2c+1), c2,c3 (row g+8, cols 2c, 2c+1)
+// ldmatrix.x4: lanes 8i..8i+7 address the 8 rows of matrix i; register i receives matrix i with
+// lane holding (row lane/4, cols 2(lane%4), +1) — or, with .trans, of the transposed matrix.
+#pragma once
+#include "common/types.cuh"
+
+typedef unsigned int u32;
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copy that bypasses L1; src_bytes = 0 writes zeros without reading.
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
+
+__device__ __forceinline__ void ldmatrix_x4(u32 r[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 r[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// C += A * B for one 16x8x16 tile, fp32 accumulate.
+template <typename T> __device__ __forceinline__ void mma_16816(float c[4], const u32 a[4], u32 b0, u32 b1);
+template <> __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <> __device__ __forceinline__ void mma_16816<__half>(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats rounded to T and packed into one b32 register (lower address = x).
+template <typename T> __device__ __forceinline__ u32 pack2(float x, float y);
+template <> __device__ __forceinline__ u32 pack2<__nv_bfloat16>(float x, float y) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+    return *reinterpret_cast<u32*>(&v);
+}
+template <> __device__ __forceinline__ u32 pack2<__half>(float x, float y) {
+    __half2 v = __floats2half2_rn(x, y);
+    return *reinterpret_cast<u32*>(&v);
+}

@@ -1,0 +1,163 @@
+"""Stage-2 forward kernel against the PyTorch reference (FlashAttention's error rule)."""
+import pytest
+import torch
+
+from infllm_cupy.stage2.attention import block_sparse_attn_varlen, sparse_attn_varlen
+from infllm_cupy.stage2.layout import BlockLayout
+from infllm_cupy.stage2.naive import naive_sparse_attn_varlen
+from infllm_cupy.testing import assert_close_to_ref, cu_seqlens_from_lengths, random_topk_idx
+
+# (lengths_q, lengths_k, HQ, H, D): ragged, not multiples of 64, one-token sequences, G from 1 to 32,
+# a non-power-of-two G, and queries shorter than keys (bottom-right causal alignment)
+CASES = [
+    ([1000], [1000], 32, 2, 128),
+    ([1, 63, 64, 65, 300], [1, 63, 64, 65, 300], 16, 1, 64),
+    ([513, 1], [513, 1], 8, 2, 128),
+    ([200, 777], [200, 777], 32, 1, 128),
+    ([333, 17], [333, 17], 2, 2, 64),
+    ([129, 70], [129, 70], 4, 2, 64),
+    ([260], [260], 24, 2, 128),
+    ([100, 37, 5], [700, 37, 64], 16, 1, 128),
+]
+IDS = [f"Lq{'-'.join(map(str, c[0]))}_Lk{'-'.join(map(str, c[1]))}_HQ{c[2]}_H{c[3]}_D{c[4]}" for c in CASES]
+
+
+def make_inputs(lengths_q, lengths_k, HQ, H, D, dtype, K=12, seed=0, **sel):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(lengths_q), HQ, D, generator=g).to("cuda", dtype)
+    k = torch.randn(sum(lengths_k), H, D, generator=g).to("cuda", dtype)
+    v = torch.randn(sum(lengths_k), H, D, generator=g).to("cuda", dtype)
+    idx = random_topk_idx(H, lengths_q, lengths_k, K, generator=g, **sel).cuda()
+    return q, k, v, cu_seqlens_from_lengths(lengths_q, "cuda"), cu_seqlens_from_lengths(lengths_k, "cuda"), idx
+
+
+def check_against_reference(out, lse, q, k, v, cu_q, cu_k, idx, mq, mk, causal):
+    ref, ref_lse = naive_sparse_attn_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, idx, mq, mk,
+                                            causal, return_lse=True)
+    lowp = naive_sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, mq, mk, causal, upcast=False)
+    assert_close_to_ref("out", out, ref, lowp, mult=2)
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), empty), "lse must be +inf exactly on rows with no allowed key"
+    assert bool((lse[empty] > 0).all())
+    assert not torch.isnan(lse).any()
+    # the LSE of the fp32 softmax: a few fp32 ulps of its magnitude
+    err = (lse[~empty].double() - ref_lse[~empty]).abs().max().item() if (~empty).any() else 0.0
+    assert err <= 1e-4 * max(1.0, ref_lse[~empty].abs().max().item()), f"lse error {err}"
+    assert bool((out[empty.T] == 0).all()), "rows with no allowed key must be exactly 0"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_token_level_against_reference(case, dtype, warps):
+    lq, lk, HQ, H, D = case
+    q, k, v, cu_q, cu_k, idx = make_inputs(lq, lk, HQ, H, D, dtype, empty_rows=True)
+    out, lse = sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, max(lq), max(lk), return_lse=True,
+                                  backend="kernels", warps=warps)
+    check_against_reference(out, lse, q, k, v, cu_q, cu_k, idx, max(lq), max(lk), True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_non_causal(dtype):
+    lq, lk = [1, 5, 90], [300, 64, 1000]          # decode-like rows against long caches
+    q, k, v, cu_q, cu_k, idx = make_inputs(lq, lk, 16, 2, 128, dtype)
+    out, lse = sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, max(lq), max(lk), causal=False, return_lse=True,
+                                  backend="kernels")
+    check_against_reference(out, lse, q, k, v, cu_q, cu_k, idx, max(lq), max(lk), False)
+
+
+@pytest.mark.gpu
+def test_every_block_selected_equals_dense_sdpa():
+    T, HQ, H, D = 777, 32, 2, 128
+    q, k, v, cu_q, cu_k, _ = make_inputs([T], [T], HQ, H, D, torch.bfloat16)
+    idx = torch.arange(-(-T // 64), dtype=torch.int32, device="cuda").expand(H, T, -1).contiguous()
+    out = sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, T, T, backend="kernels")
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
+        enable_gqa=True)[0].transpose(0, 1)
+    ref = naive_sparse_attn_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, idx, T, T)
+    assert_close_to_ref("out", out, ref, sdpa, mult=2)
+
+
+@pytest.mark.gpu
+def test_junk_indices_equal_the_clean_selection():
+    lq = [300, 129]
+    q, k, v, cu_q, cu_k, _ = make_inputs(lq, lq, 16, 1, 64, torch.bfloat16)
+    clean = random_topk_idx(1, lq, lq, 5, junk=False).cuda()
+    nb = 5
+    junk = torch.cat([clean, clean.flip(-1), torch.full_like(clean, -1), clean + 1000, -clean - 2,
+                      torch.full_like(clean, nb + 7)], dim=-1)
+    a = sparse_attn_varlen(q, k, v, cu_q, cu_k, clean, 300, 300, backend="kernels")
+    b = sparse_attn_varlen(q, k, v, cu_q, cu_k, junk, 300, 300, backend="kernels")
+    assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_block", [64, 128])
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_block_layout_equals_token_level(q_block, per_sequence):
+    lq = [1000, 300, 1]
+    HQ, H, D = 16, 2, 128
+    q, k, v, cu_q, cu_k, _ = make_inputs(lq, lq, HQ, H, D, torch.bfloat16)
+    nqb, nkb = -(-1000 // q_block), -(-1000 // 64)
+    shape = (len(lq), H, nqb, nkb) if per_sequence else (H, nqb, nkb)
+    mask = torch.rand(shape) < 0.3
+    mask[..., 0] = True
+    layout = BlockLayout(mask, q_block)
+    out, lse = block_sparse_attn_varlen(q, k, v, cu_q, cu_k, layout, 1000, 1000, return_lse=True, backend="kernels")
+    idx = layout.to_topk_idx(cu_q.cpu()).cuda()
+    check_against_reference(out, lse, q, k, v, cu_q, cu_k, idx, 1000, 1000, True)
+    tok = sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, 1000, 1000, backend="kernels")
+    assert torch.equal(out, tok)
+
+
+@pytest.mark.gpu
+def test_large_offsets_past_2_to_31():
+    """q has more than 2^31 elements: rows at the end must still be right (64-bit offsets)."""
+    T, HQ, H, D, K = 600_000, 32, 1, 128, 8
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(T, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    assert q.numel() > 2**31
+    k = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    cu = cu_seqlens_from_lengths([T], "cuda")
+    pos = torch.arange(T, device="cuda")
+    idx = (torch.rand(H, T, K, device="cuda", generator=g) * (pos[None, :, None] // 64 + 1)).long()
+    idx[..., 0] = pos // 64                                              # the diagonal block
+    idx = idx.to(torch.int32)
+    out, lse = sparse_attn_varlen(q, k, v, cu, cu, idx, T, T, return_lse=True, backend="kernels")
+    rows = torch.cat([torch.tensor([0, 1, 63, 64], device="cuda"), torch.randint(0, T, (24,), device="cuda"),
+                      torch.arange(T - 8, T, device="cuda")])
+    for t in rows.tolist():
+        blocks = torch.unique(idx[0, t].long())
+        keys = (blocks[:, None] * 64 + torch.arange(64, device="cuda")).flatten()
+        keys = keys[keys <= t]
+        s = (q[t].double() @ k[keys, 0].double().T) * D ** -0.5                 # [HQ, n]
+        want = torch.softmax(s, -1) @ v[keys, 0].double()
+        assert (out[t].double() - want).abs().max().item() < 2e-2, t
+        assert (lse[:, t].double() - torch.logsumexp(s, -1)).abs().max().item() < 1e-3, t
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bad, match", [
+    (dict(q=lambda q: q.float()), "q must have dtype"),
+    (dict(q=lambda q: q[..., :32].contiguous(), k=lambda k: k[..., :32].contiguous(),
+          v=lambda v: v[..., :32].contiguous()), "head dim 32"),
+    (dict(k=lambda k: k[:, :1].repeat(1, 3, 1)), "multiple of the key/value head count"),
+    (dict(idx=lambda i: i.long()), "topk_idx must have dtype int32"),
+    (dict(idx=lambda i: i[:, :-1]), "topk_idx must have shape"),
+    (dict(idx=lambda i: i.cpu()), "topk_idx must be on cuda"),
+    (dict(mq=lambda m: m - 1), "max_seqlen_q must be >="),
+    (dict(mk=lambda m: m - 1), "max_seqlen_k must be >="),
+    (dict(cu_q=lambda c: c.flip(0)), "cu_seqlens_q must"),
+])
+def test_bad_inputs_raise_before_launch(bad, match):
+    q, k, v, cu_q, cu_k, idx = make_inputs([100, 50], [100, 50], 16, 2, 128, torch.bfloat16)
+    args = dict(q=q, k=k, v=v, idx=idx, mq=100, mk=100, cu_q=cu_q)
+    for name, f in bad.items():
+        args[name] = f(args[name])
+    with pytest.raises((ValueError, TypeError), match=match):
+        sparse_attn_varlen(args["q"], args["k"], args["v"], args["cu_q"], cu_k, args["idx"], args["mq"], args["mk"],
+                           backend="kernels")
