@@ -1,0 +1,1 @@
+"""Benchmark scripts (`python benchmarks/bench_<area>.py --help`) and their shared harness."""

@@ -1,0 +1,218 @@
+"""The one timer, FLOP convention, table and JSON format shared by every script in `benchmarks/`.
+
+Timing: CUDA events recorded on torch's current stream (the stream our launchers and every anchor
+use), after warm-up runs, one event pair per iteration; scripts report the median. Without CUDA
+the same function falls back to `time.perf_counter` so the scripts can be smoke-tested on CPU.
+
+FLOP: effective, counted on the keys each query actually attends (causal clipping included):
+forward = 4 * D * sum over (query token, query head) of attended keys (2 matmuls of 2 FLOP per
+multiply-add); backward = 2.5x and forward+backward = 3.5x the forward (FlashAttention's convention).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = ("fwd", "bwd", "fwdbwd")
+MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
+
+
+def bench_gpu_time(fn: Callable[[], Any], *, warmup: int = 1, rep: int | None = None, target_ms: float = 800.0,
+                   min_rep: int = 3, max_rep: int = 30, device: str | torch.device | None = None) -> list[float]:
+    r"""Per-iteration milliseconds of `fn()`.
+
+    Args:
+        fn (Callable):
+            The work to time; its result is dropped.
+        warmup (int):
+            Untimed runs first (the first one may compile or autotune). Default: 1.
+        rep (int, Optional):
+            Timed runs. Default: `None`, which times one more warm-up run and picks
+            `ceil(target_ms / its time)` clamped to `[min_rep, max_rep]`.
+        device (str, Optional):
+            `"cuda"` times with CUDA events, `"cpu"` with `time.perf_counter`.
+            Default: `None` (CUDA when available).
+
+    Returns:
+        times (list[float]):
+            One entry per timed run, in ms; report `statistics.median(times)`.
+    """
+    use_cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    sync = torch.cuda.synchronize if use_cuda else (lambda: None)
+
+    def timed_run() -> float:
+        if not use_cuda:
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
+        stream = torch.cuda.current_stream()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        fn()
+        end.record(stream)
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    sync()
+    for _ in range(warmup):
+        fn()
+    sync()
+    if rep is None:
+        est = max(timed_run(), 1e-3)
+        rep = int(min(max(math.ceil(target_ms / est), min_rep), max_rep))
+    if not use_cuda:
+        return [timed_run() for _ in range(rep)]
+    stream = torch.cuda.current_stream()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    for s, e in zip(starts, ends):
+        s.record(stream)
+        fn()
+        e.record(stream)
+    sync()
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def summarize(times: Sequence[float]) -> dict[str, float]:
+    """Median and the 20th/80th percentiles (ms) of a list of timings."""
+    xs = sorted(times)
+
+    def q(p: float) -> float:
+        x = p * (len(xs) - 1)
+        lo, hi = math.floor(x), math.ceil(x)
+        return xs[lo] + (xs[hi] - xs[lo]) * (x - lo)
+
+    return {"ms": statistics.median(xs), "ms_p20": q(0.2), "ms_p80": q(0.8)}
+
+
+def flops_attn(keys: float, head_dim: int, mode: str = "fwd") -> float:
+    """Effective FLOP of attention. `keys` = sum over (query token, query head) of the keys it attends."""
+    return 4.0 * head_dim * float(keys) * MODE_FLOP_FACTOR[mode]
+
+
+def causal_dense_keys(B: int, T: int, HQ: int) -> int:
+    """`keys` of dense causal attention: every query attends itself and all earlier keys."""
+    return HQ * B * T * (T + 1) // 2
+
+
+def tflops(flop: float | None, ms: float | None) -> float | None:
+    return None if not flop or not ms else flop / (ms * 1e-3) / 1e12
+
+
+def _version(*dists: str) -> str:
+    for d in dists:
+        try:
+            return importlib.metadata.version(d)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return "-"
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    # the device machine gets a copy of the tree without .git: pass the commit in the environment
+    return os.environ.get("INFLLM_CUPY_COMMIT", "unknown")
+
+
+def env_stamp() -> dict[str, str]:
+    """GPU, library versions and commit: stamped on every JSON row and printed above the table."""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor() or 'none'})"
+    try:
+        import infllm_cupy
+        ours = getattr(infllm_cupy, "__version__", None) or _version("infllm-cupy", "infllm_cupy")
+    except Exception:  # noqa: BLE001 - the package may be mid-edit; the stamp must not fail
+        ours = _version("infllm-cupy", "infllm_cupy")
+    return {
+        "gpu": gpu,
+        "cuda": str(torch.version.cuda),
+        "torch": torch.__version__,
+        "cupy": _version("cupy-cuda13x", "cupy-cuda12x", "cupy"),
+        "triton": _version("triton"),
+        "fla": _version("fla-core", "flash-linear-attention"),
+        "infllm_cupy": ours,
+        "commit": _git_commit(),
+    }
+
+
+@dataclasses.dataclass
+class Row:
+    """One timed (implementation, shape, selection, K, mode); `ms` is None when it failed or was skipped."""
+    impl: str
+    config: str
+    selection: str = "-"
+    K: int | None = None
+    mode: str = "fwd"
+    ms: float | None = None
+    ms_p20: float | None = None
+    ms_p80: float | None = None
+    reps: int = 0
+    keys_per_q: float | None = None
+    flop: float | None = None
+    tflops: float | None = None
+    ratios: dict[str, float] = dataclasses.field(default_factory=dict)
+    note: str = ""
+
+
+def _fmt(x: Any) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        if x != x:
+            return "nan"
+        return f"{x:.1f}" if abs(x) >= 100 else f"{x:.2f}" if abs(x) >= 1 else f"{x:.3f}"
+    return str(x)
+
+
+def format_table(records: Sequence[dict[str, Any]], columns: Sequence[str], *, max_width: int = 60) -> str:
+    """Aligned text table of `records` (dicts) over `columns`; numbers right-aligned, text left-aligned."""
+    cells = [[_fmt(r.get(c))[:max_width] for c in columns] for r in records]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    numeric = [all(isinstance(r.get(c), (int, float)) or r.get(c) is None for r in records) for c in columns]
+
+    def line(vals: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(vals, widths, numeric)).rstrip()
+
+    out = [line(columns), line(["-" * w for w in widths])]
+    out += [line(row) for row in cells]
+    return "\n".join(out)
+
+
+ROW_COLUMNS = ("impl", "config", "selection", "K", "mode", "ms", "tflops", "keys_per_q", "reps", "note")
+
+
+def print_table(rows: Sequence[Row | dict[str, Any]], columns: Sequence[str] = ROW_COLUMNS, *,
+                title: str | None = None) -> None:
+    records = [dataclasses.asdict(r) if isinstance(r, Row) else r for r in rows]
+    if title:
+        print(f"\n{title}")
+    print(format_table(records, columns), flush=True)
+
+
+def write_json(rows: Sequence[Row], path: str | os.PathLike, env: dict[str, str] | None = None,
+               extra: dict[str, Any] | None = None) -> None:
+    """Write `{"env": ..., "rows": [...]}`; every row also carries the env stamp (GPU, versions, commit)."""
+    env = env_stamp() if env is None else env
+    payload = {"env": env, **(extra or {}), "rows": [{**dataclasses.asdict(r), **env} for r in rows]}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(payload, indent=1, default=str))
