@@ -1,0 +1,20 @@
+"""Stage 1: compressed-key scores, block pooling and top-k block selection."""
+from .naive import (
+    naive_pool_blocks,
+    naive_select_topk,
+    naive_stage1_scores,
+    naive_stage1_select,
+    q_block_idx_decode,
+    q_block_idx_prefill,
+    vis_limit,
+)
+
+__all__ = [
+    "naive_pool_blocks",
+    "naive_select_topk",
+    "naive_stage1_scores",
+    "naive_stage1_select",
+    "q_block_idx_decode",
+    "q_block_idx_prefill",
+    "vis_limit",
+]

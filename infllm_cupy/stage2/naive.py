@@ -1,0 +1,208 @@
+"""PyTorch reference of InfLLM-v2 stage 2 (spec section 7): attention over the selected key blocks,
+and dense varlen attention for the fallback path.
+
+Both build a boolean mask per query chunk and run masked softmax attention, vectorized over heads
+and tokens. Autograd through them is the reference backward.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._checks import check_cu_seqlens, check_heads, check_same_device, check_tensor, seqlens_host
+from ..stage1.naive import REF_DTYPES, check_int_args, check_max_seqlen, compute_dtype
+
+# Elements of one fp32 score tile `[H, G, chunk, keys]`: 16M (64 MB), enough to keep BLAS busy.
+_CHUNK_ELEMS = 1 << 24
+
+
+def _check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, *, k_name="k", v_name="v"):
+    check_tensor("q", q, ndim=3, dtypes=REF_DTYPES)
+    check_tensor(k_name, k, ndim=3, dtypes=(q.dtype,))
+    check_tensor(v_name, v, ndim=3, dtypes=(q.dtype,))
+    check_same_device(q=q, **{k_name: k, v_name: v})
+    G = check_heads(q.shape[1], k.shape[1], k_name=k_name)
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"{k_name} head dim {k.shape[2]} differs from q head dim {q.shape[2]}")
+    if v.shape != k.shape:
+        raise ValueError(f"{v_name} must have the shape of {k_name} {tuple(k.shape)}, got {tuple(v.shape)}")
+    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total=q.shape[0], device=q.device)
+    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total=k.shape[0], device=q.device,
+                     batch=cu_seqlens_q.numel() - 1)
+    return G
+
+
+def _masked_attention(q, k, v, allow, scale, upcast, need_lse):
+    """Softmax attention of one query chunk against one sequence's keys under a boolean mask.
+
+    `q [C, H, G, D]`, `k, v [N, H, D]`, `allow [H or 1, C, N]` bool. Returns `out [C, H, G, D]`
+    (dtype of q) and, if `need_lse`, `lse [H, G, C]` (`+inf` on rows with no allowed key), else None.
+    """
+    sdt = compute_dtype(q.dtype)
+    mdt = sdt if upcast else q.dtype
+    qh = (q.to(mdt) * scale).permute(1, 2, 0, 3)                       # [H, G, C, D]
+    kh = k.to(mdt).permute(1, 2, 0).unsqueeze(1)                       # [H, 1, D, N]
+    vh = v.to(mdt).permute(1, 0, 2).unsqueeze(1)                       # [H, 1, N, D]
+    s = torch.matmul(qh, kh).to(sdt)                                   # [H, G, C, N]
+    s = s.masked_fill(~allow[:, None], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    has_key = allow.any(dim=-1)[:, None, :, None]                      # [H or 1, 1, C, 1]
+    if not bool(has_key.all()):
+        # A row with no allowed key (softmax gives NaN there): output 0, as FA2 / InfLLM-v2. The
+        # masked_fill above sends no gradient into such rows, so the NaN never reaches q, k or v.
+        p = torch.where(has_key, p, torch.zeros_like(p))
+    out = torch.matmul(p.to(mdt), vh).permute(2, 0, 1, 3).to(q.dtype)  # [C, H, G, D]
+    if not need_lse:
+        return out, None
+    # lse = +inf on empty rows, so that a backward's exp(s - lse) is 0 there.
+    lse = torch.logsumexp(s.detach(), dim=-1)
+    lse = torch.where(has_key[..., 0], lse, torch.full_like(lse, float("inf")))
+    return out, lse
+
+
+def _chunk_rows(HQ: int, N: int) -> int:
+    return max(16, _CHUNK_ELEMS // max(1, HQ * N))
+
+
+def _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, upcast, need_lse, allow_fn):
+    """Loop over sequences and query chunks; `allow_fn(b, qrows, start, end, N) -> [H or 1, C, N]` bool
+    gives the block selection part of the mask (the causal part is added here).
+
+    Returns `out [total_q, HQ, D]` and `lse [HQ, total_q]` float32 (None unless `need_lse`).
+    """
+    _, HQ, D = q.shape
+    H = k.shape[1]
+    G = HQ // H
+    lq, lk = seqlens_host(cu_seqlens_q), seqlens_host(cu_seqlens_k)
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs, lses = [], []
+    for b, (Lq, Lk) in enumerate(zip(lq, lk)):
+        chunk = _chunk_rows(HQ, Lk)
+        for start in range(0, Lq, chunk):
+            end = min(Lq, start + chunk)
+            C = end - start
+            qrows = slice(cu_q[b] + start, cu_q[b] + end)
+            # Causal (bottom-right): row r sees keys j <= r + Lk - Lq; keys past the chunk's last row's
+            # limit are never used, so they are not computed.
+            N = max(0, min(Lk, end + Lk - Lq)) if causal else Lk
+            if N == 0:
+                outs.append(q.new_zeros(C, HQ, D))
+                lses.append(torch.full((HQ, C), float("inf"), dtype=torch.float32, device=q.device))
+                continue
+            allow = allow_fn(b, qrows, start, end, N)
+            if causal:
+                r = torch.arange(start, end, device=q.device)
+                j = torch.arange(N, device=q.device)
+                allow = allow & (j[None, :] <= (r + Lk - Lq)[:, None])[None]
+            keys = slice(cu_k[b], cu_k[b] + N)
+            o, lse = _masked_attention(q[qrows].reshape(C, H, G, D), k[keys], v[keys], allow, scale, upcast, need_lse)
+            outs.append(o.reshape(C, HQ, D))
+            if need_lse:
+                lses.append(lse.reshape(HQ, C).float())
+    out = torch.cat(outs, dim=0) if outs else q.new_zeros(0, HQ, D)
+    if not need_lse:
+        return out, None
+    lse = torch.cat(lses, dim=1) if lses else torch.zeros(HQ, 0, dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def naive_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                             cu_seqlens_k: torch.Tensor, topk_idx: torch.Tensor, max_seqlen_q: int,
+                             max_seqlen_k: int, causal: bool = True, softmax_scale: float | None = None,
+                             return_lse: bool = False, *, block_size: int = 64, upcast: bool = True):
+    r"""Attention of every query token over the key blocks its KV head selected (InfLLM-v2 stage 2).
+
+    Query `t` (row `r` of sequence `b`) in head `hq` attends to keys `j` of its sequence with
+    `j // block_size` in `topk_idx[hq // G, t]`, `j < Lk` and, when causal, `j <= r + Lk - Lq`
+    (bottom-right aligned). Entries that are negative (`-1` padding), `>= ceil(Lk / block_size)`
+    or future blocks select nothing; duplicates are harmless. For `Lq = 2`, `Lk = 5`,
+    `block_size = 2` and `topk_idx = [[0, -1], [2, 0]]` the allowed keys are:
+
+        1 1 0 0 0
+        1 1 0 0 1
+
+    A row with no allowed key gives output 0 and `lse = +inf`.
+
+    Args:
+        q (torch.Tensor):
+            Queries `[total_q, HQ, D]` (bf16, fp16, fp32 or float64).
+        k, v (torch.Tensor):
+            Keys and values `[total_k, H, D]`, same dtype; `HQ` a multiple of `H`.
+        cu_seqlens_q, cu_seqlens_k (torch.Tensor):
+            int32 `[B+1]`.
+        topk_idx (torch.Tensor):
+            int32 `[H, total_q, K]`: block indices local to each sequence.
+        max_seqlen_q, max_seqlen_k (int):
+            Longest query / key sequence (checked only).
+        causal (bool, Optional):
+            Default: `True`.
+        softmax_scale (float, Optional):
+            Default: `None` (`1 / sqrt(D)`).
+        return_lse (bool, Optional):
+            Also return the log-sum-exp. Default: `False`.
+        block_size (int, Optional):
+            Keys per block. Default: 64.
+        upcast (bool, Optional):
+            `True`: all math in fp32 (float64 for float64 inputs). `False`: the matmuls run in the input
+            dtype and only the softmax in fp32 (FlashAttention's low-precision twin for tolerances).
+            Default: `True`.
+
+    Returns:
+        out (torch.Tensor): `[total_q, HQ, D]` in q's dtype; with `return_lse`, also
+        lse (torch.Tensor): float32 `[HQ, total_q]`, natural log, no gradient.
+    """
+    _check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    H = k.shape[1]
+    check_tensor("topk_idx", topk_idx, ndim=3, dtypes=(torch.int32,), shape=(H, q.shape[0], None),
+                 device=q.device)
+    check_int_args(1, block_size=block_size)
+    lq, lk = seqlens_host(cu_seqlens_q), seqlens_host(cu_seqlens_k)
+    check_max_seqlen("max_seqlen_q", max_seqlen_q, lq)
+    check_max_seqlen("max_seqlen_k", max_seqlen_k, lk)
+    scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
+
+    def allow_fn(b, qrows, start, end, N):
+        n_blocks = -(-lk[b] // block_size)
+        t = topk_idx[:, qrows].long()                                  # [H, C, K]
+        # Unusable entries go to a spare column n_blocks, dropped after the scatter.
+        t = torch.where((t >= 0) & (t < n_blocks), t, torch.full_like(t, n_blocks))
+        sel = torch.zeros(H, end - start, n_blocks + 1, dtype=torch.bool, device=q.device)
+        sel.scatter_(2, t, True)
+        key_block = torch.arange(N, device=q.device) // block_size
+        return sel[:, :, key_block]                                    # [H, C, N]
+
+    out, lse = _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, upcast, return_lse, allow_fn)
+    return (out, lse) if return_lse else out
+
+
+def naive_dense_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                            cu_seqlens_k: torch.Tensor, causal: bool = True, softmax_scale: float | None = None,
+                            return_lse: bool = False, *, upcast: bool = True):
+    r"""Dense varlen attention with GQA, causal mask aligned bottom-right (`j <= r + Lk - Lq`).
+
+    Args:
+        q (torch.Tensor):
+            Queries `[total_q, HQ, D]`.
+        k, v (torch.Tensor):
+            Keys and values `[total_k, H, D]`.
+        cu_seqlens_q, cu_seqlens_k (torch.Tensor):
+            int32 `[B+1]`.
+        causal (bool, Optional):
+            Default: `True`.
+        softmax_scale (float, Optional):
+            Default: `None` (`1 / sqrt(D)`).
+        return_lse (bool, Optional):
+            Also return the float32 log-sum-exp `[HQ, total_q]`. Default: `False`.
+        upcast (bool, Optional):
+            As in `naive_sparse_attn_varlen`. Default: `True`.
+
+    Returns:
+        out (torch.Tensor): `[total_q, HQ, D]` in q's dtype (and lse with `return_lse`).
+    """
+    _check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
+
+    def allow_fn(b, qrows, start, end, N):
+        return torch.ones(1, end - start, N, dtype=torch.bool, device=q.device)
+
+    out, lse = _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, upcast, return_lse, allow_fn)
+    return (out, lse) if return_lse else out
