@@ -437,6 +437,7 @@ def main(argv=None) -> list[Row]:
             r.check_failed = check.startswith("check FAILED")
             print(check, flush=True)
             if not a.validate:  # the launcher's input validation reads cu_seqlens on the host: not timed
+                saved_validate = os.environ.get("INFLLM_CUPY_VALIDATE")
                 os.environ["INFLLM_CUPY_VALIDATE"] = "0"
         for T, B in a.configs:
             try:
@@ -448,6 +449,11 @@ def main(argv=None) -> list[Row]:
             if a.json:
                 write_json(sort_rows(r.rows), a.json, env, extra={"check": check, "argv": sys.argv[1:]})
 
+    if "saved_validate" in locals():  # leave the process as we found it (main() also runs inside tests)
+        if saved_validate is None:
+            os.environ.pop("INFLLM_CUPY_VALIDATE", None)
+        else:
+            os.environ["INFLLM_CUPY_VALIDATE"] = saved_validate
     peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
     add_ratios(r.rows)
     r.rows = sort_rows(r.rows)

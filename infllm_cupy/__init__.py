@@ -6,5 +6,23 @@ tensors run the PyTorch reference of the same op, so everything also works on a 
 __version__ = "0.1.0"
 
 from .compress import compress_k, naive_compress_k
+from .decode import naive_infllmv2_decode
+from .pipeline import InfLLMv2Config, naive_infllmv2_attention
+from .stage1 import naive_stage1_select
+from .stage2 import (BlockLayout, block_sparse_attn_varlen, naive_dense_attn_varlen, naive_sparse_attn_varlen,
+                     sparse_attn_varlen)
 
-__all__ = ["__version__", "compress_k", "naive_compress_k"]
+__all__ = [
+    "__version__",
+    "InfLLMv2Config",
+    "BlockLayout",
+    "compress_k",
+    "sparse_attn_varlen",
+    "block_sparse_attn_varlen",
+    "naive_compress_k",
+    "naive_stage1_select",
+    "naive_sparse_attn_varlen",
+    "naive_dense_attn_varlen",
+    "naive_infllmv2_attention",
+    "naive_infllmv2_decode",
+]
