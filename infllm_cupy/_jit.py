@@ -181,7 +181,7 @@ def get_kernel(source: str, name: str, *, sm90a: bool = False):
         options += ("-arch=sm_90a",)
     with cupy.cuda.Device(dev):
         mod = cupy.RawModule(code=_code(source), options=options,
-                             name_expressions=[name] if "<" in name else None)
+                             name_expressions=[name])
         try:
             kern = mod.get_function(name)
         except cupy.cuda.compiler.CompileException as e:
