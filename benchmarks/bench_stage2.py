@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import sys
 import time
@@ -186,7 +187,7 @@ def run_check(ours, args, device) -> str:
         try:
             topk = gen(K)
             call = (lambda f, *x, **kw: f(*x, cu, cu, topk, T, T, causal=True, **kw))
-            out = call(ours, q, k, v)
+            out = call(ours, q, k, v, **args.ours_kwargs)
             try:
                 ref = call(naive, q.float(), k.float(), v.float()).float()
             except Exception:  # noqa: BLE001 - a reference that only takes bf16
@@ -277,7 +278,7 @@ def bench_config(r: Runner, T: int, B: int, impls: list[str], ours, nsa, flex, B
             keys = G * int(attended_keys(topk, cu).sum())
             if "ours" in impls:
                 def ours_fwd(q_, k_, v_, topk=topk):
-                    return ours(q_, k_, v_, cu, cu, topk, T, T, causal=True)
+                    return ours(q_, k_, v_, cu, cu, topk, T, T, causal=True, **a.ours_kwargs)
                 for mode in a.modes:
                     r.time(Row("ours", cfg, label, K, mode, note="CHECK FAILED" if r.check_failed else ""),
                            ours_fwd if ours else None, (q, k, v), keys, skip="" if ours else r.ours_err,
@@ -376,6 +377,8 @@ def parse_args(argv=None):
                    help="after this many seconds, skip the remaining rows and print the tables (0: no limit)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-compile", action="store_true", help="run FlexAttention eagerly (always on CPU)")
+    p.add_argument("--ours-kwargs", default="{}", type=json.loads,
+                   help='extra keyword arguments for our op, as JSON (kernel variants), e.g. \'{"warps": 4}\'')
     p.add_argument("--validate", action="store_true",
                    help="keep our launcher's value checks (a host sync per call) while timing; the check runs them")
     a = p.parse_args(argv)

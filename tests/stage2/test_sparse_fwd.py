@@ -142,7 +142,7 @@ def test_large_offsets_past_2_to_31():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("bad, match", [
-    (dict(q=lambda q: q.float()), "q must have dtype"),
+    (dict(q=lambda q: q.float(), k=lambda k: k.float(), v=lambda v: v.float()), "q must have dtype"),
     (dict(q=lambda q: q[..., :32].contiguous(), k=lambda k: k[..., :32].contiguous(),
           v=lambda v: v[..., :32].contiguous()), "head dim 32"),
     (dict(k=lambda k: k[:, :1].repeat(1, 3, 1)), "multiple of the key/value head count"),
