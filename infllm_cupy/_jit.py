@@ -122,17 +122,19 @@ class KernelSet:
     source: str
     names: tuple[str, ...]
     sm90a: bool = False  # compiled for sm_90a (wgmma/TMA) and launched only on capability (9, 0)
+    strict: bool = True  # the CPU compile check also demands no register spills
 
 
-_REGISTRY: dict[tuple[str, bool], KernelSet] = {}
+_REGISTRY: dict[tuple[str, bool, bool], KernelSet] = {}
 
 
-def register_instances(source: str, names, *, sm90a: bool = False) -> None:
-    """Declare the template instances a launcher may request from `source`."""
-    key = (source, sm90a)
+def register_instances(source: str, names, *, sm90a: bool = False, strict: bool = True) -> None:
+    """Declare the template instances a launcher may request from `source`. `strict=False` marks
+    tuning variants allowed to spill registers (they are still compiled by the CPU check)."""
+    key = (source, sm90a, strict)
     old = _REGISTRY.get(key)
     merged = tuple(dict.fromkeys((old.names if old else ()) + tuple(names)))
-    _REGISTRY[key] = KernelSet(source, merged, sm90a)
+    _REGISTRY[key] = KernelSet(source, merged, sm90a, strict)
 
 
 def registered() -> list[KernelSet]:

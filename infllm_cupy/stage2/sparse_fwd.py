@@ -6,6 +6,8 @@ are packed by `BlockLayout.packed` (one row per query block).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -17,12 +19,51 @@ FWD_SOURCE = "stage2/sparse_fwd.cu"
 MASK_SOURCE = "stage2/block_masks.cu"
 BLOCK_N = 64            # keys per KV block, fixed by InfLLM-v2 (kernels_cu: BLOCK_N)
 HEAD_DIMS = (64, 128)
-WARP_CHOICES = (4, 8)
-DEFAULT_WARPS = 8
 MASK_WARPS = 8          # mirrors #define WARPS in block_masks.cu
 
-_jit.register_instances(FWD_SOURCE, [f"stage2_fwd<{CXX_TYPE[t]}, {d}, {w}>"
-                                     for t in KERNEL_DTYPES for d in HEAD_DIMS for w in WARP_CHOICES])
+
+@dataclasses.dataclass(frozen=True)
+class FwdTiles:
+    """Tile shape of the forward kernel (a tuning knob; every choice computes the same function).
+
+    warps: warps per CTA (4 or 8). m_tiles: 16-row m-tiles per warp (1 or 2; 2 gives a warp two
+    tokens at G = 16 that share every K/V fragment). sub_keys: keys per softmax sub-step (32 or 64).
+    """
+    warps: int = 8
+    m_tiles: int = 1
+    sub_keys: int = 64
+
+    def __post_init__(self):
+        if self.warps not in (4, 8) or self.m_tiles not in (1, 2) or self.sub_keys not in (32, 64):
+            raise ValueError(f"tiles must have warps in (4, 8), m_tiles in (1, 2), sub_keys in (32, 64); got {self}")
+
+    @property
+    def rows(self) -> int:
+        return 16 * self.m_tiles * self.warps
+
+    def name(self, dtype: torch.dtype, D: int) -> str:
+        return f"stage2_fwd<{CXX_TYPE[dtype]}, {D}, {self.warps}, {self.m_tiles}, {self.sub_keys}>"
+
+
+DEFAULT_TILES = FwdTiles()
+ALL_TILES = [FwdTiles(w, m, kn) for w in (4, 8) for m in (1, 2) for kn in (32, 64)]
+
+
+def as_tiles(tiles) -> FwdTiles:
+    if tiles is None:
+        return DEFAULT_TILES
+    if isinstance(tiles, FwdTiles):
+        return tiles
+    if isinstance(tiles, (tuple, list)) and len(tiles) == 3:
+        return FwdTiles(*tiles)
+    raise TypeError(f"tiles must be a FwdTiles or a (warps, m_tiles, sub_keys) tuple, got {tiles!r}")
+
+
+# MT = 2 at D = 128 spills a little under the 255-register cap: compiled and tested, but not the default.
+for _t in ALL_TILES:
+    for _d in HEAD_DIMS:
+        _jit.register_instances(FWD_SOURCE, [_t.name(dt, _d) for dt in KERNEL_DTYPES],
+                                strict=_t.m_tiles == 1)
 _jit.register_instances(MASK_SOURCE, ["token_block_masks"])
 
 
@@ -50,14 +91,14 @@ def token_block_masks(topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seq
     return masks
 
 
-def fwd_smem_bytes(D: int, warps: int, n_words: int, itemsize: int = 2) -> int:
-    return (16 * warps * D + 4 * BLOCK_N * D) * itemsize + 4 * n_words
+def fwd_smem_bytes(D: int, tiles: FwdTiles, n_words: int, itemsize: int = 2) -> int:
+    return (tiles.rows * D + 4 * BLOCK_N * D) * itemsize + 4 * n_words
 
 
 def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                cu_seqlens_k: torch.Tensor, masks: torch.Tensor, mask_base: torch.Tensor, mask_h_stride: int,
                mask_q_block: int, max_seqlen_q: int, causal: bool, softmax_scale: float,
-               warps: int = DEFAULT_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+               tiles: FwdTiles = DEFAULT_TILES) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on checked, contiguous inputs. Returns `out [total_q, HQ, D]` and
     `lse [HQ, total_q]` float32. `masks` is `[..., n_words]` int32; see the .cu header for the rows."""
     total_q, HQ, D = q.shape
@@ -65,15 +106,12 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
     G = HQ // H
     B = cu_seqlens_q.numel() - 1
     n_words = masks.shape[-1]
-    if warps not in WARP_CHOICES:
-        raise ValueError(f"warps must be one of {WARP_CHOICES}, got {warps}")
     out = empty((total_q, HQ, D), dtype=q.dtype, device=q.device)
     lse = empty((HQ, total_q), dtype=torch.float32, device=q.device)
-    rows_per_cta = 16 * warps
-    name = f"stage2_fwd<{CXX_TYPE[q.dtype]}, {D}, {warps}>"
+    name = tiles.name(q.dtype, D)
     launch(_jit.get_kernel(FWD_SOURCE, name), name=name,
-           grid=(cdiv(max_seqlen_q * G, rows_per_cta), H, B), block=(32 * warps,),
-           shared_mem=fwd_smem_bytes(D, warps, n_words, q.element_size()),
+           grid=(cdiv(max_seqlen_q * G, tiles.rows), H, B), block=(32 * tiles.warps,),
+           shared_mem=fwd_smem_bytes(D, tiles, n_words, q.element_size()),
            args=(ptr(q), ptr(k), ptr(v), ptr(masks), ptr(mask_base), ptr(cu_seqlens_q), ptr(cu_seqlens_k),
                  ptr(out), ptr(lse), np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G),
                  np.int32(n_words), np.int64(mask_h_stride), np.int32(mask_q_block),

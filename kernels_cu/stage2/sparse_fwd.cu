@@ -1,9 +1,10 @@
 // stage2/sparse_fwd.cu: token-level block-sparse attention forward (InfLLM-v2 stage 2), SM80 path.
 //
 // Launch contract (mirrored by infllm_cupy/stage2/sparse_fwd.py):
-//   kernel   stage2_fwd<T, D, WARPS>    T in {__half, __nv_bfloat16}, D in {64, 128}, WARPS in {4, 8}
-//   grid     (cdiv(max_seqlen_q * G, 16 * WARPS), H, B)      block (32 * WARPS)
-//   dyn smem (16 * WARPS * D + 4 * 64 * D) * sizeof(T) + 4 * n_words
+//   kernel   stage2_fwd<T, D, WARPS, MT>  T in {__half, __nv_bfloat16}, D in {64, 128}, WARPS in {4, 8},
+//            MT in {1, 2} m-tiles of 16 rows per warp; a CTA owns M = 16 * MT * WARPS rows
+//   grid     (cdiv(max_seqlen_q * G, M), H, B)      block (32 * WARPS)
+//   dyn smem (M * D + 4 * 64 * D) * sizeof(T) + 4 * n_words
 //   q        [total_q, HQ, D] T, contiguous          k, v [total_k, H, D] T, contiguous
 //   masks    uint32 bitmasks over 64-key blocks, n_words per row. The row of token r (local) of
 //            sequence b for KV head h is  mask_base[b] + h * mask_h_stride + r / mask_q_block:
@@ -13,9 +14,10 @@
 //   Semantics: query (r, head h*G+g) attends keys c of its sequence with c/64 set in its mask row,
 //   c < Lk and, when causal, c <= r + Lk - Lq (bottom-right). No allowed key: out = 0, lse = +inf.
 //
-// Shape of the work (notes/stage2_design.md): a CTA owns 16*WARPS consecutive rows of the
-// flattened (token, head-in-group) space of one sequence and one KV head: with G = 16 each warp is
-// one token's 16 heads. The CTA walks the union of its tokens' blocks in ascending order, streaming
+// Shape of the work (notes/stage2_design.md): a CTA owns M consecutive rows of the flattened
+// (token, head-in-group) space of one sequence and one KV head: with G = 16 each m-tile is one
+// token's 16 heads, and MT = 2 gives a warp two tokens that share every K/V fragment it loads
+// (FlashAttention-2's 32 rows per warp, half the shared-memory reads per FLOP of MT = 1). The CTA walks the union of its tokens' blocks in ascending order, streaming
 // each K/V block into shared memory once (cp.async, double buffered); a warp skips a block none of
 // its rows selected (warp-uniform, no divergence) and masks rows that did not select it, so a
 // block shared by all tokens costs what it costs in FlashAttention-2.
@@ -43,10 +45,10 @@ __device__ __forceinline__ int next_block(const unsigned* __restrict__ words, in
     }
 }
 
-// 8 warps: one CTA per SM with the full register file (128 registers would spill at D = 128);
-// 4 warps: two CTAs per SM.
-template <typename T, int D, int WARPS>
-__global__ void __launch_bounds__(32 * WARPS, WARPS == 8 ? 1 : 2)
+// Registers: MT = 1 at 8 warps would spill under a 128-register cap, so 8-warp CTAs run one per SM
+// with the full register file; 4-warp CTAs run two per SM (255 registers each).
+template <typename T, int D, int WARPS, int MT, int KN>
+__global__ void __launch_bounds__(32 * WARPS, WARPS == 4 ? 2 : 1)
 stage2_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
            const unsigned* __restrict__ masks, const int* __restrict__ mask_base,
            const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
@@ -54,8 +56,10 @@ stage2_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
            int total_q, int HQ, int H, int G, int n_words, long long mask_h_stride, int mask_q_block,
            float scale_log2, int causal) {
     constexpr int THREADS = 32 * WARPS;
-    constexpr int M = 16 * WARPS;
+    constexpr int WROWS = 16 * MT;              // rows per warp
+    constexpr int M = WROWS * WARPS;            // rows per CTA
     constexpr int CH = D / 8;                   // 16-byte chunks per row
+    constexpr int NR = 2 * MT;                  // rows held by one thread
     extern __shared__ __align__(128) unsigned char smem[];
     T* sQ = reinterpret_cast<T*>(smem);
     T* sK = sQ + M * D;                         // [2][BLOCK_N * D]
@@ -121,116 +125,168 @@ stage2_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
     if (j >= 0) load_kv(j, 0);
     cp_async_commit();
 
-    // ---- this thread's two rows (g and g + 8 of the warp's 16-row tile)
-    bool row_ok[2];
-    int rk[2];
-    const unsigned* mrow[2];
-    int64 Rr[2];
+    // ---- this thread's rows: g and g + 8 of each of the warp's MT m-tiles (row r = 2 * mt + i)
+    bool row_ok[NR];
+    int rk[NR];
+    const unsigned* mrow[NR];
+    int64 Rr[NR];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        Rr[i] = m0 + warp * 16 + (lane >> 2) + 8 * i;
-        row_ok[i] = Rr[i] < rows_total;
-        const int t = row_ok[i] ? (int)(Rr[i] / G) : t_lo;
-        rk[i] = causal ? t + shift : Lk - 1;
-        mrow[i] = mrows + (int64)(t / mask_q_block) * n_words;
+    for (int r = 0; r < NR; ++r) {
+        Rr[r] = m0 + warp * WROWS + (r >> 1) * 16 + (lane >> 2) + 8 * (r & 1);
+        row_ok[r] = Rr[r] < rows_total;
+        const int t = row_ok[r] ? (int)(Rr[r] / G) : t_lo;
+        rk[r] = causal ? t + shift : Lk - 1;
+        mrow[r] = mrows + (int64)(t / mask_q_block) * n_words;
     }
 
-    float o[D / 8][4];
+    float o[MT][D / 8][4];
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    float m_run[2] = {-INFLLM_INF, -INFLLM_INF};
-    float l_run[2] = {0.f, 0.f};
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
+    float m_run[NR], l_run[NR];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) { m_run[r] = -INFLLM_INF; l_run[r] = 0.f; }
 
     const int mi = lane >> 3, lr = lane & 7;    // ldmatrix: which matrix this lane addresses, and its row
+    // ldmatrix byte offsets. Every row an ldmatrix lane addresses has (row % 8) == lr, so the swizzle
+    // is a XOR of the chunk with lr, and chunk c and c + 8 differ by 128 bytes: four offsets per
+    // operand cover all of D (the rest are immediates), which keeps addresses out of the register file.
+    constexpr int ROWB = CH * 16;               // bytes per tile row
+    u32 q_off[4], k_off[4], v_off[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        q_off[c] = (warp * WROWS + (mi & 1) * 8 + lr) * ROWB + (((2 * c + (mi >> 1)) ^ lr) << 4);
+        k_off[c] = ((mi >> 1) * 8 + lr) * ROWB + (((2 * c + (mi & 1)) ^ lr) << 4);
+        v_off[c] = ((mi & 1) * 8 + lr) * ROWB + (((2 * c + (mi >> 1)) ^ lr) << 4);
+    }
+    const u32 sQa = smem_u32(sQ), sKa = smem_u32(sK), sVa = smem_u32(sV);
     int stage = 0;
     while (j >= 0) {
+        // One barrier per block: after it, block j is in shared memory for everyone and every warp
+        // is done with the other stage, which the next block's copy may then overwrite.
+        cp_async_wait<0>();
+        __syncthreads();
         const int jn = next_block(sU, nw, j + 1);
         if (jn >= 0) load_kv(jn, stage ^ 1);
         cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
 
-        bool sel[2];
+        bool sel[NR];
+        bool any = false, all_full = true;
+        const int kbase = j * BLOCK_N;
 #pragma unroll
-        for (int i = 0; i < 2; ++i)
-            sel[i] = row_ok[i] && ((__ldg(mrow[i] + (j >> 5)) >> (j & 31)) & 1u) && j * BLOCK_N <= rk[i];
-        if (__any_sync(0xffffffffu, sel[0] || sel[1])) {
-            const T* tK = sK + stage * BLOCK_N * D;
-            const T* tV = sV + stage * BLOCK_N * D;
-            // S = Q K^T for this warp's 16 rows and the block's 64 keys
-            float s[BLOCK_N / 8][4];
+        for (int r = 0; r < NR; ++r) {
+            sel[r] = row_ok[r] && ((__ldg(mrow[r] + (j >> 5)) >> (j & 31)) & 1u) && kbase <= rk[r];
+            any |= sel[r];
+            all_full &= sel[r] && kbase + BLOCK_N - 1 <= rk[r];
+        }
+        if (__any_sync(0xffffffffu, any)) {
+            const bool need_mask = !__all_sync(0xffffffffu, all_full);
+            const u32 tK = sKa + stage * (BLOCK_N * D * (int)sizeof(T));
+            const u32 tV = sVa + stage * (BLOCK_N * D * (int)sizeof(T));
+            // The block is processed in sub-steps of KN keys: KN = 32 halves the S registers
+            // (which lets MT = 2 fit at D = 128) at the price of a second online-softmax update.
+#pragma unroll 1
+            for (int sb = 0; sb < BLOCK_N / KN; ++sb) {
+                // S = Q K^T for this warp's rows and KN keys; each K fragment serves MT m-tiles
+                float s[MT][KN / 8][4];
 #pragma unroll
-            for (int n = 0; n < BLOCK_N / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+                for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                u32 a[4];
-                ldmatrix_x4(a, smem_u32(sQ + swz<D>(warp * 16 + (mi & 1) * 8 + lr, 2 * kk + (mi >> 1)) * 8));
+                    for (int n = 0; n < KN / 8; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
 #pragma unroll
-                for (int np = 0; np < BLOCK_N / 16; ++np) {
-                    u32 bk[4];
-                    ldmatrix_x4(bk, smem_u32(tK + swz<D>((2 * np + (mi >> 1)) * 8 + lr, 2 * kk + (mi & 1)) * 8));
-                    mma_16816<T>(s[2 * np], a, bk[0], bk[1]);
-                    mma_16816<T>(s[2 * np + 1], a, bk[2], bk[3]);
-                }
-            }
-            // mask, then online softmax in the log2 domain
-            const int kbase = j * BLOCK_N;
+                for (int kk = 0; kk < D / 16; ++kk) {
+                    u32 a[MT][4];
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const bool partial = kbase + BLOCK_N - 1 > rk[i];
-                float mx = -INFLLM_INF;
+                    for (int mt = 0; mt < MT; ++mt)
+                        ldmatrix_x4(a[mt], sQa + q_off[kk & 3] + (kk >> 2) * 128 + mt * 16 * ROWB);
 #pragma unroll
-                for (int n = 0; n < BLOCK_N / 8; ++n) {
+                    for (int np = 0; np < KN / 16; ++np) {
+                        u32 bk[4];
+                        ldmatrix_x4(bk, tK + k_off[kk & 3] + (kk >> 2) * 128 + (sb * KN + np * 16) * ROWB);
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        float x = s[n][2 * i + e] * scale_log2;
-                        const int c = kbase + n * 8 + (lane & 3) * 2 + e;
-                        if (!sel[i] || (partial && c > rk[i])) x = -INFLLM_INF;
-                        s[n][2 * i + e] = x;
-                        mx = fmaxf(mx, x);
+                        for (int mt = 0; mt < MT; ++mt) {
+                            mma_16816<T>(s[mt][2 * np], a[mt], bk[0], bk[1]);
+                            mma_16816<T>(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
+                        }
                     }
                 }
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                const float m_new = fmaxf(m_run[i], mx);
-                const float m_use = m_new == -INFLLM_INF ? 0.f : m_new;   // all masked so far: keep 0s
-                const float alpha = exp2f(m_run[i] - m_use);
-                m_run[i] = m_new;
-                float sum = 0.f;
+                // mask (only where some row needs it), then online softmax in the log2 domain
+                const int cbase = kbase + sb * KN;
+                bool rescale = false;
+                float alpha[NR];
 #pragma unroll
-                for (int n = 0; n < BLOCK_N / 8; ++n) {
+                for (int r = 0; r < NR; ++r) {
+                    float (*sr)[4] = s[r >> 1];
+                    const int e0 = 2 * (r & 1);
+                    float mx = -INFLLM_INF;
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const float p = exp2f(s[n][2 * i + e] - m_use);
-                        s[n][2 * i + e] = p;
-                        sum += p;
+                    for (int n = 0; n < KN / 8; ++n) {
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            float x = sr[n][e0 + e];
+                            if (need_mask) {
+                                const int c = cbase + n * 8 + (lane & 3) * 2 + e;
+                                if (!sel[r] || c > rk[r]) x = -INFLLM_INF;
+                                sr[n][e0 + e] = x;
+                            }
+                            mx = fmaxf(mx, x);
+                        }
                     }
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                    const float m_new = fmaxf(m_run[r], mx);
+                    // scores are raw q.k here; the scale folds into one FMA per element
+                    const float m_use = m_new == -INFLLM_INF ? 0.f : m_new * scale_log2;  // all masked so far: 0s
+                    alpha[r] = exp2f(m_run[r] * scale_log2 - m_use);
+                    rescale |= m_new != m_run[r];
+                    m_run[r] = m_new;
+                    float sum = 0.f;
+#pragma unroll
+                    for (int n = 0; n < KN / 8; ++n) {
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const float p = exp2f(fmaf(sr[n][e0 + e], scale_log2, -m_use));
+                            sr[n][e0 + e] = p;
+                            sum += p;
+                        }
+                    }
+                    l_run[r] = l_run[r] * alpha[r] + sum;
                 }
-                l_run[i] = l_run[i] * alpha + sum;
+                // the running max rarely moves after the first blocks: skip the O rescale then
+                if (__any_sync(0xffffffffu, rescale)) {
 #pragma unroll
-                for (int n = 0; n < D / 8; ++n) {
-                    o[n][2 * i] *= alpha;
-                    o[n][2 * i + 1] *= alpha;
+                    for (int r = 0; r < NR; ++r)
+#pragma unroll
+                        for (int n = 0; n < D / 8; ++n) {
+                            o[r >> 1][n][2 * (r & 1)] *= alpha[r];
+                            o[r >> 1][n][2 * (r & 1) + 1] *= alpha[r];
+                        }
                 }
-            }
-            // O += P V; the S accumulator layout is the A-operand layout, so P never leaves registers
+                // O += P V; the S accumulator layout is the A-operand layout, so P never leaves registers
 #pragma unroll
-            for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-                u32 a[4];
-                a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-                a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-                a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-                a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+                for (int kk = 0; kk < KN / 16; ++kk) {
+                    u32 a[MT][4];
 #pragma unroll
-                for (int dp = 0; dp < D / 16; ++dp) {
-                    u32 bv[4];
-                    ldmatrix_x4_trans(bv, smem_u32(tV + swz<D>(kk * 16 + (mi & 1) * 8 + lr, 2 * dp + (mi >> 1)) * 8));
-                    mma_16816<T>(o[2 * dp], a, bv[0], bv[1]);
-                    mma_16816<T>(o[2 * dp + 1], a, bv[2], bv[3]);
+                    for (int mt = 0; mt < MT; ++mt) {
+                        a[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                        a[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                        a[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                        a[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                    }
+#pragma unroll
+                    for (int dp = 0; dp < D / 16; ++dp) {
+                        u32 bv[4];
+                        ldmatrix_x4_trans(bv, tV + v_off[dp & 3] + (dp >> 2) * 128 + (sb * KN + kk * 16) * ROWB);
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt) {
+                            mma_16816<T>(o[mt][2 * dp], a[mt], bv[0], bv[1]);
+                            mma_16816<T>(o[mt][2 * dp + 1], a[mt], bv[2], bv[3]);
+                        }
+                    }
                 }
             }
         }
-        __syncthreads();  // every warp is done with this stage before the next load overwrites it
         stage ^= 1;
         j = jn;
     }
@@ -239,18 +295,20 @@ stage2_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
     // ---- epilogue: normalise, write O and the LSE
     const float LN2 = 0.69314718055994531f;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        float l = l_run[i];
+    for (int r = 0; r < NR; ++r) {
+        float l = l_run[r];
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
-        if (!row_ok[i]) continue;
-        const int t = (int)(Rr[i] / G), g = (int)(Rr[i] - (int64)t * G);
+        if (!row_ok[r]) continue;
+        const int t = (int)(Rr[r] / G), g = (int)(Rr[r] - (int64)t * G);
         const float inv = l > 0.f ? 1.f / l : 0.f;
+        const int e0 = 2 * (r & 1);
         T* dst = out + ((int64)(qs + t) * HQ + (int64)h * G + g) * D + (lane & 3) * 2;
 #pragma unroll
         for (int n = 0; n < D / 8; ++n)
-            *reinterpret_cast<u32*>(dst + n * 8) = pack2<T>(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
+            *reinterpret_cast<u32*>(dst + n * 8) = pack2<T>(o[r >> 1][n][e0] * inv, o[r >> 1][n][e0 + 1] * inv);
         if ((lane & 3) == 0)
-            lse[((int64)h * G + g) * total_q + qs + t] = l > 0.f ? (m_run[i] + log2f(l)) * LN2 : INFLLM_INF;
+            lse[((int64)h * G + g) * total_q + qs + t] =
+                l > 0.f ? (m_run[r] * scale_log2 + log2f(l)) * LN2 : INFLLM_INF;
     }
 }

@@ -5,6 +5,7 @@ import torch
 from infllm_cupy.stage2.attention import block_sparse_attn_varlen, sparse_attn_varlen
 from infllm_cupy.stage2.layout import BlockLayout
 from infllm_cupy.stage2.naive import naive_sparse_attn_varlen
+from infllm_cupy.stage2.sparse_fwd import FwdTiles
 from infllm_cupy.testing import assert_close_to_ref, cu_seqlens_from_lengths, random_topk_idx
 
 # (lengths_q, lengths_k, HQ, H, D): ragged, not multiples of 64, one-token sequences, G from 1 to 32,
@@ -46,15 +47,18 @@ def check_against_reference(out, lse, q, k, v, cu_q, cu_k, idx, mq, mk, causal):
     assert bool((out[empty.T] == 0).all()), "rows with no allowed key must be exactly 0"
 
 
+TILES = [FwdTiles(8, 1, 64), FwdTiles(4, 1, 64), FwdTiles(4, 1, 32), FwdTiles(4, 2, 32), FwdTiles(8, 2, 64)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("tiles", TILES, ids=lambda t: f"w{t.warps}m{t.m_tiles}k{t.sub_keys}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_token_level_against_reference(case, dtype, warps):
+def test_token_level_against_reference(case, dtype, tiles):
     lq, lk, HQ, H, D = case
     q, k, v, cu_q, cu_k, idx = make_inputs(lq, lk, HQ, H, D, dtype, empty_rows=True)
     out, lse = sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, max(lq), max(lk), return_lse=True,
-                                  backend="kernels", warps=warps)
+                                  backend="kernels", tiles=tiles)
     check_against_reference(out, lse, q, k, v, cu_q, cu_k, idx, max(lq), max(lk), True)
 
 
@@ -95,9 +99,10 @@ def test_junk_indices_equal_the_clean_selection():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [FwdTiles(8, 1, 64), FwdTiles(4, 2, 32)], ids=["w8m1k64", "w4m2k32"])
 @pytest.mark.parametrize("q_block", [64, 128])
 @pytest.mark.parametrize("per_sequence", [False, True])
-def test_block_layout_equals_token_level(q_block, per_sequence):
+def test_block_layout_equals_token_level(q_block, per_sequence, tiles):
     lq = [1000, 300, 1]
     HQ, H, D = 16, 2, 128
     q, k, v, cu_q, cu_k, _ = make_inputs(lq, lq, HQ, H, D, torch.bfloat16)
@@ -106,10 +111,11 @@ def test_block_layout_equals_token_level(q_block, per_sequence):
     mask = torch.rand(shape) < 0.3
     mask[..., 0] = True
     layout = BlockLayout(mask, q_block)
-    out, lse = block_sparse_attn_varlen(q, k, v, cu_q, cu_k, layout, 1000, 1000, return_lse=True, backend="kernels")
+    out, lse = block_sparse_attn_varlen(q, k, v, cu_q, cu_k, layout, 1000, 1000, return_lse=True, backend="kernels",
+                                        tiles=tiles)
     idx = layout.to_topk_idx(cu_q.cpu()).cuda()
     check_against_reference(out, lse, q, k, v, cu_q, cu_k, idx, 1000, 1000, True)
-    tok = sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, 1000, 1000, backend="kernels")
+    tok = sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, 1000, 1000, backend="kernels", tiles=tiles)
     assert torch.equal(out, tok)
 
 
