@@ -129,12 +129,12 @@ stage2_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
     bool row_ok[NR];
     int rk[NR];
     const unsigned* mrow[NR];
-    int64 Rr[NR];
+    auto row_of = [&](int r) { return m0 + warp * WROWS + (r >> 1) * 16 + (lane >> 2) + 8 * (r & 1); };
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
-        Rr[r] = m0 + warp * WROWS + (r >> 1) * 16 + (lane >> 2) + 8 * (r & 1);
-        row_ok[r] = Rr[r] < rows_total;
-        const int t = row_ok[r] ? (int)(Rr[r] / G) : t_lo;
+        const int64 R = row_of(r);
+        row_ok[r] = R < rows_total;
+        const int t = row_ok[r] ? (int)(R / G) : t_lo;
         rk[r] = causal ? t + shift : Lk - 1;
         mrow[r] = mrows + (int64)(t / mask_q_block) * n_words;
     }
@@ -300,7 +300,8 @@ stage2_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
         if (!row_ok[r]) continue;
-        const int t = (int)(Rr[r] / G), g = (int)(Rr[r] - (int64)t * G);
+        const int64 R = row_of(r);
+        const int t = (int)(R / G), g = (int)(R - (int64)t * G);
         const float inv = l > 0.f ? 1.f / l : 0.f;
         const int e0 = 2 * (r & 1);
         T* dst = out + ((int64)(qs + t) * HQ + (int64)h * G + g) * D + (lane & 3) * 2;
