@@ -224,20 +224,6 @@ class CompileReport:
     log: str
 
 
-def _check_nvrtc(result, what: str, prog=None, nvrtc=None, name="") -> None:
-    err = result[0] if isinstance(result, tuple) else result
-    if int(err) != 0:
-        log = _program_log(nvrtc, prog) if prog is not None else ""
-        raise KernelCompileError(f"NVRTC {what} failed for {name}: {err}\n{log}")
-
-
-def _program_log(nvrtc, prog) -> str:
-    _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-    buf = b" " * size
-    nvrtc.nvrtcGetProgramLog(prog, buf)
-    return buf.decode(errors="replace").rstrip("\0 \n")
-
-
 _PTXAS_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
 _PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
@@ -246,29 +232,26 @@ _PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
 
 def compile_report(source: str, names, arch: str = "sm_90") -> CompileReport:
     """Compile `names` (name expressions) from `source` for `arch` (e.g. "sm_80", "sm_90", "sm_90a")
-    with NVRTC alone, and parse ptxas' resource report per kernel. Needs no GPU."""
-    from cuda.bindings import nvrtc
+    with NVRTC alone, and parse ptxas' resource report per kernel. Needs no GPU and no driver: CuPy's
+    thin NVRTC binding works on a CPU-only machine (its RawModule does not)."""
+    from cupy_backends.cuda.libs import nvrtc
 
     names = list(names)
     label = f"kernels_cu/{source} ({', '.join(names)}) for {arch}"
-    err, prog = nvrtc.nvrtcCreateProgram(_code(source).encode(), source.encode(), 0, [], [])
-    _check_nvrtc(err, "create", name=label)
+    prog = nvrtc.createProgram(_code(source), source, [], [])
     try:
         for n in names:
-            _check_nvrtc(nvrtc.nvrtcAddNameExpression(prog, n.encode()), "add name", name=label)
-        opts = [o.encode() for o in BASE_OPTIONS + _include_options()]
-        opts += [f"--gpu-architecture={arch}".encode(), b"--ptxas-options=-v", b"-ftz=true"]
-        res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        log = _program_log(nvrtc, prog)
-        if int(res[0]) != 0:
-            raise KernelCompileError(f"NVRTC could not compile {label}:\n{log}")
-        lowered = {}
-        for n in names:
-            e, low = nvrtc.nvrtcGetLoweredName(prog, n.encode())
-            _check_nvrtc(e, "lowered name", name=label)
-            lowered[low.decode() if isinstance(low, bytes) else str(low)] = n
+            nvrtc.addNameExpression(prog, n)
+        opts = list(BASE_OPTIONS + _include_options()) + [f"--gpu-architecture={arch}", "--ptxas-options=-v",
+                                                          "-ftz=true"]
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError:
+            raise KernelCompileError(f"NVRTC could not compile {label}:\n{nvrtc.getProgramLog(prog)}") from None
+        log = nvrtc.getProgramLog(prog)
+        lowered = {nvrtc.getLoweredName(prog, n): n for n in names}
     finally:
-        nvrtc.nvrtcDestroyProgram(prog)
+        nvrtc.destroyProgram(prog)
     return CompileReport(source, arch, _parse_ptxas(log, lowered), log)
 
 
