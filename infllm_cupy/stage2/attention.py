@@ -78,8 +78,9 @@ def sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
             Also return `lse`, float32 `[HQ, total_q]`, natural log. Default: `False`.
         backend (str, Optional):
             "auto" (kernels for CUDA tensors), "kernels" or "reference". Default: "auto".
-        tiles (FwdTiles or (warps, m_tiles, sub_keys), Optional):
-            Kernel tile shape, a tuning knob (see `FwdTiles`). Default: `None` (the tuned default).
+        tiles (None, "sm90a", FwdTiles or (warps, m_tiles, sub_keys), Optional):
+            Which kernel: `None` picks the sm_90a (wgmma) kernel on Hopper and the tuned SM80 tile
+            shape elsewhere; "sm90a" or an SM80 `FwdTiles` force one. Default: `None`.
 
     Returns:
         out (torch.Tensor): `[total_q, HQ, D]` in q's dtype; and `lse` with `return_lse`.
@@ -95,7 +96,7 @@ def sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     q, k, v, topk_idx = (t.contiguous() for t in (q, k, v, topk_idx))
     masks = token_block_masks(topk_idx, cu_seqlens_q, cu_seqlens_k, n_mask_words(max_seqlen_k))
     out, lse = stage2_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, masks, cu_seqlens_q, q.shape[0], 1,
-                          max_seqlen_q, causal, scale, as_tiles(tiles))
+                          max_seqlen_q, causal, scale, as_tiles(tiles, q.device))
     return (out, lse) if return_lse else out
 
 
@@ -130,5 +131,5 @@ def block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if base is None:
         base = torch.zeros(B, dtype=torch.int32, device=q.device)
     out, lse = stage2_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, words, base, h_stride, layout.q_block,
-                          max_seqlen_q, causal, scale, as_tiles(tiles))
+                          max_seqlen_q, causal, scale, as_tiles(tiles, q.device))
     return (out, lse) if return_lse else out

@@ -16,6 +16,8 @@ from .._checks import KERNEL_DTYPES, check_tensor
 from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
 
 FWD_SOURCE = "stage2/sparse_fwd.cu"
+SM90_SOURCE = "stage2/sparse_fwd_sm90.cu"
+SM90_CONSUMERS, SM90_STAGES = 2, 4      # mirror NC and NS in sparse_fwd_sm90.cu
 MASK_SOURCE = "stage2/block_masks.cu"
 BLOCK_N = 64            # keys per KV block, fixed by InfLLM-v2 (kernels_cu: BLOCK_N)
 HEAD_DIMS = (64, 128)
@@ -50,14 +52,20 @@ DEFAULT_TILES = FwdTiles()
 ALL_TILES = [FwdTiles(w, m, kn) for w in (4, 8) for m in (1, 2) for kn in (32, 64)]
 
 
-def as_tiles(tiles) -> FwdTiles:
+SM90A = "sm90a"   # the Hopper kernel (wgmma, warp-specialised); chosen by default on capability 9.0
+
+
+def as_tiles(tiles, device=None):
+    """Resolve the `tiles` argument: None picks the sm_90a kernel on capability (9, 0) and the
+    default SM80 tiles elsewhere; "sm90a", a FwdTiles or a (warps, m_tiles, sub_keys) tuple force one."""
     if tiles is None:
-        return DEFAULT_TILES
-    if isinstance(tiles, FwdTiles):
+        cap = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
+        return SM90A if cap == (9, 0) else DEFAULT_TILES
+    if tiles == SM90A or isinstance(tiles, FwdTiles):
         return tiles
     if isinstance(tiles, (tuple, list)) and len(tiles) == 3:
         return FwdTiles(*tiles)
-    raise TypeError(f"tiles must be a FwdTiles or a (warps, m_tiles, sub_keys) tuple, got {tiles!r}")
+    raise TypeError(f"tiles must be None, 'sm90a', a FwdTiles or a (warps, m_tiles, sub_keys) tuple, got {tiles!r}")
 
 
 # MT = 2 spills a little under the 255-register cap (D = 128: 116 B; D = 64: 8 B), yet measures
@@ -66,6 +74,8 @@ for _t in ALL_TILES:
     for _d in HEAD_DIMS:
         _jit.register_instances(FWD_SOURCE, [_t.name(dt, _d) for dt in KERNEL_DTYPES],
                                 strict=_t.m_tiles == 1)
+_jit.register_instances(SM90_SOURCE, [f"stage2_fwd_sm90<{CXX_TYPE[dt]}, {d}>" for dt in KERNEL_DTYPES
+                                     for d in HEAD_DIMS], sm90a=True)
 _jit.register_instances(MASK_SOURCE, ["token_block_masks"])
 
 
@@ -93,14 +103,17 @@ def token_block_masks(topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seq
     return masks
 
 
-def fwd_smem_bytes(D: int, tiles: FwdTiles, n_words: int, itemsize: int = 2) -> int:
+def fwd_smem_bytes(D: int, tiles, n_words: int, itemsize: int = 2) -> int:
+    if tiles == SM90A:   # 1 KB alignment slack, Q tiles, K/V ring, mbarriers, CTA + per-warpgroup unions
+        return (1024 + (SM90_CONSUMERS * 64 * D + SM90_STAGES * 2 * BLOCK_N * D) * itemsize
+                + 16 * SM90_STAGES + 4 * n_words * (SM90_CONSUMERS + 1))
     return (tiles.rows * D + 4 * BLOCK_N * D) * itemsize + 4 * n_words
 
 
 def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                cu_seqlens_k: torch.Tensor, masks: torch.Tensor, mask_base: torch.Tensor, mask_h_stride: int,
                mask_q_block: int, max_seqlen_q: int, causal: bool, softmax_scale: float,
-               tiles: FwdTiles = DEFAULT_TILES) -> tuple[torch.Tensor, torch.Tensor]:
+               tiles=DEFAULT_TILES) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on checked, contiguous inputs. Returns `out [total_q, HQ, D]` and
     `lse [HQ, total_q]` float32. `masks` is `[..., n_words]` int32; see the .cu header for the rows."""
     total_q, HQ, D = q.shape
@@ -110,9 +123,14 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
     n_words = masks.shape[-1]
     out = empty((total_q, HQ, D), dtype=q.dtype, device=q.device)
     lse = empty((HQ, total_q), dtype=torch.float32, device=q.device)
-    name = tiles.name(q.dtype, D)
-    launch(_jit.get_kernel(FWD_SOURCE, name), name=name,
-           grid=(cdiv(max_seqlen_q * G, tiles.rows), H, B), block=(32 * tiles.warps,),
+    if tiles == SM90A:
+        name = f"stage2_fwd_sm90<{CXX_TYPE[q.dtype]}, {D}>"
+        kernel, rows, threads = _jit.get_kernel(SM90_SOURCE, name, sm90a=True), 64 * SM90_CONSUMERS, \
+            128 * (SM90_CONSUMERS + 1)
+    else:
+        name = tiles.name(q.dtype, D)
+        kernel, rows, threads = _jit.get_kernel(FWD_SOURCE, name), tiles.rows, 32 * tiles.warps
+    launch(kernel, name=name, grid=(cdiv(max_seqlen_q * G, rows), H, B), block=(threads,),
            shared_mem=fwd_smem_bytes(D, tiles, n_words, q.element_size()),
            args=(ptr(q), ptr(k), ptr(v), ptr(masks), ptr(mask_base), ptr(cu_seqlens_q), ptr(cu_seqlens_k),
                  ptr(out), ptr(lse), np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G),

@@ -8,6 +8,8 @@ from infllm_cupy.stage2.naive import naive_sparse_attn_varlen
 from infllm_cupy.stage2.sparse_fwd import FwdTiles
 from infllm_cupy.testing import assert_close_to_ref, cu_seqlens_from_lengths, random_topk_idx
 
+from conftest import HAS_GPU
+
 # (lengths_q, lengths_k, HQ, H, D): ragged, not multiples of 64, one-token sequences, G from 1 to 32,
 # a non-power-of-two G, and queries shorter than keys (bottom-right causal alignment)
 CASES = [
@@ -47,11 +49,17 @@ def check_against_reference(out, lse, q, k, v, cu_q, cu_k, idx, mq, mk, causal):
     assert bool((out[empty.T] == 0).all()), "rows with no allowed key must be exactly 0"
 
 
-TILES = [FwdTiles(8, 1, 64), FwdTiles(4, 1, 64), FwdTiles(4, 1, 32), FwdTiles(4, 2, 32), FwdTiles(8, 2, 64)]
+HOPPER = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)
+TILES = [FwdTiles(8, 1, 64), FwdTiles(4, 1, 64), FwdTiles(4, 1, 32), FwdTiles(4, 2, 32), FwdTiles(8, 2, 64),
+         pytest.param("sm90a", marks=pytest.mark.skipif(not HOPPER, reason="sm_90a kernel needs capability 9.0"))]
+
+
+def tiles_id(t):
+    return t if isinstance(t, str) else f"w{t.warps}m{t.m_tiles}k{t.sub_keys}"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", TILES, ids=lambda t: f"w{t.warps}m{t.m_tiles}k{t.sub_keys}")
+@pytest.mark.parametrize("tiles", TILES, ids=tiles_id)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_token_level_against_reference(case, dtype, tiles):
@@ -99,7 +107,7 @@ def test_junk_indices_equal_the_clean_selection():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [FwdTiles(8, 1, 64), FwdTiles(4, 2, 32)], ids=["w8m1k64", "w4m2k32"])
+@pytest.mark.parametrize("tiles", [FwdTiles(8, 1, 64), FwdTiles(4, 2, 32), TILES[-1]], ids=tiles_id)
 @pytest.mark.parametrize("q_block", [64, 128])
 @pytest.mark.parametrize("per_sequence", [False, True])
 def test_block_layout_equals_token_level(q_block, per_sequence, tiles):
