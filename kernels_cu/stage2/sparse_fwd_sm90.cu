@@ -13,8 +13,9 @@
 // 128-byte-swizzled stages with cp.async, signalling `full[s]`; consumers run S = Q K^T and
 // O += P V on wgmma (Q, K, V read from shared memory through descriptors, P from registers) and
 // release a stage through `empty[s]`. A consumer warpgroup whose tokens did not select a block
-// releases it without waiting: warpgroups advance independently, so a block that one token
-// picked costs that token's warpgroup alone (the SM80 kernel's barrier made every warp wait).
+// releases it as soon as it has arrived: warpgroups advance independently (up to the ring's
+// depth), so a block that one token picked costs that token's warpgroup alone (the SM80 kernel's
+// block barrier made every warp wait for the slowest).
 // Rows of a warpgroup that did not select a block are masked, as are keys past the causal limit.
 #include "common/types.cuh"
 #include "common/mma_sm80.cuh"
@@ -181,8 +182,11 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     int it = 0;
     for (int j = next_set(sU, n_words, 0); j >= 0; j = next_set(sU, n_words, j + 1), ++it) {
         const int s = it % NS;
+        // Every consumer waits for every stage, needed or not: parity waits are only sound for a
+        // waiter at most one phase ahead of the barrier, and a warpgroup that released stage s
+        // without waiting could otherwise see an old phase as the one it wants.
+        mbar_wait(bar_full + 8 * s, (it / NS) & 1);
         if ((myU[j >> 5] >> (j & 31)) & 1u) {          // warpgroup-uniform
-            mbar_wait(bar_full + 8 * s, (it / NS) & 1);
             const int kbase = j * BLOCK_N;
             bool sel[2], all_full = true;
 #pragma unroll
