@@ -24,6 +24,8 @@
 #define BLOCK_N 64
 #define NC 2   // consumer warpgroups
 #define NS 4   // K/V stages in the ring
+#define LAG 2  // the producer publishes stage it - LAG after issuing stage it (LAG <= NS - 2: consumers
+               // waiting on it - LAG must already have released the stage that issue reuses)
 
 // Byte offset of 16-byte chunk `ch` of `row` in a 128-byte-swizzled tile of `rows` rows
 // (64-element halves of a wider row stored one after the other).
@@ -128,17 +130,16 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
                 cp_async_16(sV + s * TILE_KV + dst, bytes ? v + off : v, bytes);
             }
             cp_async_commit();
-            if (it > 0) {   // the previous stage's copies are done: publish them to the tensor cores
-                cp_async_wait<1>();
+            // LAG + 1 blocks in flight per thread; the oldest is done: publish it to the tensor cores
+            if (it >= LAG) {
+                cp_async_wait<LAG>();
                 fence_proxy_async();
-                mbar_arrive(bar_full + 8 * ((it - 1) % NS));
+                mbar_arrive(bar_full + 8 * ((it - LAG) % NS));
             }
         }
-        if (it > 0) {
-            cp_async_wait<0>();
-            fence_proxy_async();
-            mbar_arrive(bar_full + 8 * ((it - 1) % NS));
-        }
+        cp_async_wait<0>();
+        fence_proxy_async();
+        for (int done = max(it - LAG, 0); done < it; ++done) mbar_arrive(bar_full + 8 * (done % NS));
         return;
     }
 
