@@ -106,7 +106,7 @@ def token_block_masks(topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seq
 def fwd_smem_bytes(D: int, tiles, n_words: int, itemsize: int = 2) -> int:
     if tiles == SM90A:   # 1 KB alignment slack, Q tiles, K/V ring, mbarriers, CTA + per-warpgroup unions
         return (1024 + (SM90_CONSUMERS * 64 * D + SM90_STAGES * 2 * BLOCK_N * D) * itemsize
-                + 16 * SM90_STAGES + 4 * n_words * (SM90_CONSUMERS + 1))
+                + 16 * SM90_STAGES * SM90_CONSUMERS + 4 * n_words * (SM90_CONSUMERS + 1))
     return (tiles.rows * D + 4 * BLOCK_N * D) * itemsize + 4 * n_words
 
 

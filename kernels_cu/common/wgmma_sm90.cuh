@@ -34,8 +34,11 @@ __device__ __forceinline__ void fence_regs(float (&d)[N]) {
 
 // D (+)= A B, both operands in shared memory, K-major: D[64 x N] fp32.
 template <typename T, int N> __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], u64 da, u64 db, int acc);
-// D (+)= A B, A from registers, B in shared memory MN-major (trans-b): D[64 x N] fp32.
-template <typename T, int N> __device__ __forceinline__ void wgmma_rs_tb(float (&d)[N / 2], const u32 (&a)[4], u64 db, int acc);
+// D (+)= A B, A from registers, B in shared memory MN-major (trans-b): D[64 x N] fp32. Issued only
+// when `on` (warpgroup-uniform): a guard predicate, not a branch, so that ptxas sees straight-line
+// code and keeps the wgmma asynchronous.
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_rs_tb(float (&d)[N / 2], const u32 (&a)[4], u64 db, int acc);
 
 template <> __device__ __forceinline__ void wgmma_ss<__nv_bfloat16, 64>(float (&d)[32], u64 da, u64 db, int acc) {
     asm volatile(
@@ -88,6 +91,11 @@ template <> __device__ __forceinline__ void wgmma_rs_tb<__half, 128>(float (&d)[
 // ---- mbarriers (CTA scope)
 __device__ __forceinline__ void mbar_init(u32 bar, int count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+// Arrives on `bar` once all of this thread's earlier cp.async copies have landed (the expected
+// count is not raised: init the barrier with the number of copying threads).
+__device__ __forceinline__ void mbar_arrive_cp_async(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
 }
 __device__ __forceinline__ void mbar_arrive(u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");

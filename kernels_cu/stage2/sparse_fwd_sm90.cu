@@ -4,18 +4,18 @@
 // sparse_fwd.cu, same semantics and outputs):
 //   kernel   stage2_fwd_sm90<T, D>      T in {__half, __nv_bfloat16}, D in {64, 128}; capability 9.0
 //   grid     (cdiv(max_seqlen_q * G, 64 * NC), H, B)     block (128 * (NC + 1))
-//   dyn smem fwd_sm90_smem_bytes(D, n_words): 1 KB alignment slack + NC Q tiles + NS K and V
-//            stages + 2 NS mbarriers + (NC + 1) * n_words union words
+//   dyn smem 1 KB alignment slack + NC Q tiles + NS K and V stages + 2 NC NS mbarriers
+//            + (NC + 1) * n_words union words (fwd_smem_bytes in the launcher)
 //
 // Warp-specialised, as FlashAttention-3: warpgroups 0..NC-1 are consumers, each owning 64 rows of
 // the flattened (token, head-in-group) space (4 tokens at G = 16); warpgroup NC is the producer.
 // The producer walks the union of the CTA's blocks and streams K/V blocks into an NS-deep ring of
-// 128-byte-swizzled stages with cp.async, signalling `full[s]`; consumers run S = Q K^T and
-// O += P V on wgmma (Q, K, V read from shared memory through descriptors, P from registers) and
-// release a stage through `empty[s]`. A consumer warpgroup whose tokens did not select a block
-// releases it as soon as it has arrived: warpgroups advance independently (up to the ring's
-// depth), so a block that one token picked costs that token's warpgroup alone (the SM80 kernel's
-// block barrier made every warp wait for the slowest).
+// 128-byte-swizzled stages with cp.async, whose completion arrives on `full(g, s)` of each
+// consumer warpgroup g that needs the block; consumers run S = Q K^T and O += P V on wgmma (Q, K,
+// V read from shared memory through descriptors, P from registers) and release a stage through
+// `empty(g, s)`. A warpgroup never touches the barriers of a block its tokens did not select:
+// warpgroups advance independently, so a block that one token picked costs that token's
+// warpgroup alone (the SM80 kernel's block barrier made every warp wait for the slowest).
 // Rows of a warpgroup that did not select a block are masked, as are keys past the causal limit.
 #include "common/types.cuh"
 #include "common/mma_sm80.cuh"
@@ -24,8 +24,6 @@
 #define BLOCK_N 64
 #define NC 2   // consumer warpgroups
 #define NS 4   // K/V stages in the ring
-#define LAG 2  // the producer publishes stage it - LAG after issuing stage it (LAG <= NS - 2: consumers
-               // waiting on it - LAG must already have released the stage that issue reuses)
 
 // Byte offset of 16-byte chunk `ch` of `row` in a 128-byte-swizzled tile of `rows` rows
 // (64-element halves of a wider row stored one after the other).
@@ -61,8 +59,12 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     const u32 raw = smem_u32(smem);
     const u32 base = (raw + 1023u) & ~1023u;   // swizzled tiles start on 1 KB boundaries
     const u32 sQ = base, sK = sQ + NC * TILE_Q, sV = sK + NS * TILE_KV;
-    const u32 bar_full = sV + NS * TILE_KV, bar_empty = bar_full + 8 * NS;
-    unsigned* sU = reinterpret_cast<unsigned*>(smem + (bar_empty + 8 * NS - raw));   // CTA union
+    // one full and one empty barrier per (consumer warpgroup, stage): a warpgroup only ever
+    // touches the barriers of blocks it needs, so skipping costs it nothing
+    const u32 bar_full = sV + NS * TILE_KV, bar_empty = bar_full + 8 * NS * NC;
+    auto full = [&](int g, int s) { return bar_full + 8 * (g * NS + s); };
+    auto empty = [&](int g, int s) { return bar_empty + 8 * (g * NS + s); };
+    unsigned* sU = reinterpret_cast<unsigned*>(smem + (bar_empty + 8 * NS * NC - raw));   // CTA union
     unsigned* sUw = sU + n_words;                                                    // [NC][n_words]
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
@@ -105,9 +107,9 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         }
     }
     if (tid == 0) {
-        for (int s = 0; s < NS; ++s) {
-            mbar_init(bar_full + 8 * s, 128);
-            mbar_init(bar_empty + 8 * s, 128 * NC);
+        for (int i = 0; i < NS * NC; ++i) {
+            mbar_init(bar_full + 8 * i, 128);     // the producer's 128 threads, through cp.async
+            mbar_init(bar_empty + 8 * i, 128);    // one consumer warpgroup
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -115,11 +117,20 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
 
     if (wg == NC) {
         // ================= producer warpgroup: K/V ring
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");   // registers go to the consumers
         const int ptid = tid - 128 * NC;
+        unsigned prev_need = 0;     // bit NC*s + g: warpgroup g needed the block now in stage s
+        unsigned empty_phase = 0;   // bit NS*g + s: parity of the next wait on empty(g, s)
         int it = 0;
         for (int j = next_set(sU, n_words, 0); j >= 0; j = next_set(sU, n_words, j + 1), ++it) {
             const int s = it % NS;
-            if (it >= NS) mbar_wait(bar_empty + 8 * s, (it / NS - 1) & 1);
+#pragma unroll
+            for (int g = 0; g < NC; ++g) {
+                if ((prev_need >> (NC * s + g)) & 1u) {
+                    mbar_wait(empty(g, s), (empty_phase >> (NS * g + s)) & 1u);
+                    empty_phase ^= 1u << (NS * g + s);
+                }
+            }
             for (int i = ptid; i < BLOCK_N * CH; i += 128) {
                 const int row = i / CH, ch = i % CH;
                 const int key = j * BLOCK_N + row;
@@ -129,21 +140,22 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
                 cp_async_16(sK + s * TILE_KV + dst, bytes ? k + off : k, bytes);
                 cp_async_16(sV + s * TILE_KV + dst, bytes ? v + off : v, bytes);
             }
-            cp_async_commit();
-            // LAG + 1 blocks in flight per thread; the oldest is done: publish it to the tensor cores
-            if (it >= LAG) {
-                cp_async_wait<LAG>();
-                fence_proxy_async();
-                mbar_arrive(bar_full + 8 * ((it - LAG) % NS));
+            unsigned need = 0;
+#pragma unroll
+            for (int g = 0; g < NC; ++g) {
+                if ((sUw[g * n_words + (j >> 5)] >> (j & 31)) & 1u) {
+                    mbar_arrive_cp_async(full(g, s));   // fires when this thread's copies land
+                    need |= 1u << g;
+                }
             }
+            prev_need = (prev_need & ~(((1u << NC) - 1) << (NC * s))) | (need << (NC * s));
         }
-        cp_async_wait<0>();
-        fence_proxy_async();
-        for (int done = max(it - LAG, 0); done < it; ++done) mbar_arrive(bar_full + 8 * (done % NS));
+        asm volatile("cp.async.wait_all;\n" ::: "memory");   // no copy outlives its thread
         return;
     }
 
     // ================= consumer warpgroup `wg`: 64 rows
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
     const int ctid = tid & 127, wwarp = warp & 3;
     const u32 myQ = sQ + wg * TILE_Q;
     for (int i = ctid; i < 64 * CH; i += 128) {
@@ -180,101 +192,143 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     float m_run[2] = {-INFLLM_INF, -INFLLM_INF}, l_run[2] = {0.f, 0.f};
     const unsigned* myU = sUw + wg * n_words;
 
-    int it = 0;
-    for (int j = next_set(sU, n_words, 0); j >= 0; j = next_set(sU, n_words, j + 1), ++it) {
-        const int s = it % NS;
-        // Every consumer waits for every stage, needed or not: parity waits are only sound for a
-        // waiter at most one phase ahead of the barrier, and a warpgroup that released stage s
-        // without waiting could otherwise see an old phase as the one it wants.
-        mbar_wait(bar_full + 8 * s, (it / NS) & 1);
-        if ((myU[j >> 5] >> (j & 31)) & 1u) {          // warpgroup-uniform
-            const int kbase = j * BLOCK_N;
-            bool sel[2], all_full = true;
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                sel[r] = row_ok[r] && ((__ldg(mrow[r] + (j >> 5)) >> (j & 31)) & 1u) && kbase <= rk[r];
-                all_full &= sel[r] && kbase + BLOCK_N - 1 <= rk[r];
-            }
-            const bool need_mask = !__all_sync(0xffffffffu, all_full);
+    unsigned full_phase = 0;                    // bit s: parity of the next wait on full(wg, s)
+    float sacc[32];
+    u32 pa[4][4];                               // P of the block whose P V is pending
 
-            // S = Q K^T: 64 rows x 64 keys, K-major operands straight from shared memory
-            float sacc[32];
-            wgmma_fence();
+    auto wait_full = [&](int s) {
+        mbar_wait(full(wg, s), (full_phase >> s) & 1u);
+        full_phase ^= 1u << s;
+        fence_proxy_async();
+    };
+    auto issue_s = [&](int s) {                 // S = Q K^T, 64 rows x 64 keys, K-major operands
 #pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                const u32 koff = (kk >> 2) * HALF + (kk & 3) * 32;
-                wgmma_ss<T, 64>(sacc, smem_desc(myQ + koff, 16, 1024), smem_desc(sK + s * TILE_KV + koff, 16, 1024),
-                                kk > 0);
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const u32 koff = (kk >> 2) * HALF + (kk & 3) * 32;
+            wgmma_ss<T, 64>(sacc, smem_desc(myQ + koff, 16, 1024), smem_desc(sK + s * TILE_KV + koff, 16, 1024),
+                            kk > 0);
+        }
+        wgmma_commit();
+    };
+    auto issue_pv = [&](int s) {                // O += P V, P from registers, V MN-major
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+            wgmma_rs_tb<T, D>(o, pa[kk], smem_desc(sV + s * TILE_KV + kk * 16 * 128, HALF, 1024), 1);
+        wgmma_commit();
+    };
+    // mask and online softmax of the finished S of block j; returns the O rescale factors
+    auto softmax = [&](int j, float (&alpha)[2]) {
+        const int kbase = j * BLOCK_N;
+        bool sel[2], all_full = true;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            sel[r] = row_ok[r] && ((__ldg(mrow[r] + (j >> 5)) >> (j & 31)) & 1u) && kbase <= rk[r];
+            all_full &= sel[r] && kbase + BLOCK_N - 1 <= rk[r];
+        }
+        const bool need_mask = !__all_sync(0xffffffffu, all_full);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = -INFLLM_INF;
+#pragma unroll
+            for (int n = 0; n < 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float x = sacc[4 * n + 2 * r + e];
+                    if (need_mask) {
+                        const int c = kbase + n * 8 + (lane & 3) * 2 + e;
+                        if (!sel[r] || c > rk[r]) x = -INFLLM_INF;
+                        sacc[4 * n + 2 * r + e] = x;
+                    }
+                    mx = fmaxf(mx, x);
+                }
             }
-            wgmma_commit();
-            wgmma_wait<0>();
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = fmaxf(m_run[r], mx);
+            // log2 domain, the scale folded into the exponent's FMA; all masked so far: keep 0s
+            const float m_use = m_new == -INFLLM_INF ? 0.f : m_new * scale_log2;
+            alpha[r] = exp2f(m_run[r] * scale_log2 - m_use);
+            m_run[r] = m_new;
+            float sum = 0.f;
+#pragma unroll
+            for (int n = 0; n < 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float p = exp2f(fmaf(sacc[4 * n + 2 * r + e], scale_log2, -m_use));
+                    sacc[4 * n + 2 * r + e] = p;
+                    sum += p;
+                }
+            }
+            l_run[r] = l_run[r] * alpha[r] + sum;
+        }
+    };
+    // O *= alpha (always: a conditional write ahead of a wgmma makes ptxas serialize), then P
+    auto rescale_and_pack = [&](const float (&alpha)[2]) {
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            o[4 * n] *= alpha[0];
+            o[4 * n + 1] *= alpha[0];
+            o[4 * n + 2] *= alpha[1];
+            o[4 * n + 3] *= alpha[1];
+        }
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {        // the accumulator layout is the A-operand layout
+            pa[kk][0] = pack2<T>(sacc[8 * kk + 0], sacc[8 * kk + 1]);
+            pa[kk][1] = pack2<T>(sacc[8 * kk + 2], sacc[8 * kk + 3]);
+            pa[kk][2] = pack2<T>(sacc[8 * kk + 4], sacc[8 * kk + 5]);
+            pa[kk][3] = pack2<T>(sacc[8 * kk + 6], sacc[8 * kk + 7]);
+        }
+    };
+    // next block this warpgroup needs after (j, it): updates both, j = -1 at the end
+    auto advance = [&](int& j, int& it) {
+        do { j = next_set(sU, n_words, j + 1); ++it; } while (j >= 0 && !((myU[j >> 5] >> (j & 31)) & 1u));
+    };
+
+    // Software pipeline over the blocks this warpgroup needs, in runs: inside a run, block n's
+    // S = Q K^T and block n-1's O += P V go to the tensor cores back to back and the warpgroup
+    // waits only for S, so the softmax of n overlaps the P V of n-1. A run ends where the next
+    // needed block is NS or more ring slots away (the producer may need the held stage back
+    // before it can fill that block's): the pending P V is flushed and its stage released. Every
+    // wgmma sits in straight-line code (loop bodies), so ptxas keeps them asynchronous.
+    int j = -1, it = -1;
+    advance(j, it);
+    while (j >= 0) {
+        float alpha[2];
+        int s = it % NS;
+        wait_full(s);
+        wgmma_fence();
+        issue_s(s);
+        wgmma_wait<0>();
+        fence_regs(sacc);
+        softmax(j, alpha);
+        rescale_and_pack(alpha);
+        int jn = j, itn = it;
+        advance(jn, itn);
+        while (jn >= 0 && itn - it < NS) {
+            const int sn = itn % NS;
+            wait_full(sn);
+            wgmma_fence();
+            issue_s(sn);
+            issue_pv(s);
+            wgmma_wait<1>();                    // S(n) done; the previous block's P V may still run
             fence_regs(sacc);
-
-            // mask, online softmax (log2 domain, scale folded into the exponent's FMA)
-            bool rescale = false;
-            float alpha[2];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float mx = -INFLLM_INF;
-#pragma unroll
-                for (int n = 0; n < 8; ++n) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        float x = sacc[4 * n + 2 * r + e];
-                        if (need_mask) {
-                            const int c = kbase + n * 8 + (lane & 3) * 2 + e;
-                            if (!sel[r] || c > rk[r]) x = -INFLLM_INF;
-                            sacc[4 * n + 2 * r + e] = x;
-                        }
-                        mx = fmaxf(mx, x);
-                    }
-                }
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                const float m_new = fmaxf(m_run[r], mx);
-                const float m_use = m_new == -INFLLM_INF ? 0.f : m_new * scale_log2;
-                alpha[r] = exp2f(m_run[r] * scale_log2 - m_use);
-                rescale |= m_new != m_run[r];
-                m_run[r] = m_new;
-                float sum = 0.f;
-#pragma unroll
-                for (int n = 0; n < 8; ++n) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const float p = exp2f(fmaf(sacc[4 * n + 2 * r + e], scale_log2, -m_use));
-                        sacc[4 * n + 2 * r + e] = p;
-                        sum += p;
-                    }
-                }
-                l_run[r] = l_run[r] * alpha[r] + sum;
-            }
-            if (__any_sync(0xffffffffu, rescale)) {
-#pragma unroll
-                for (int n = 0; n < D / 8; ++n) {
-                    o[4 * n] *= alpha[0];
-                    o[4 * n + 1] *= alpha[0];
-                    o[4 * n + 2] *= alpha[1];
-                    o[4 * n + 3] *= alpha[1];
-                }
-            }
-            // O += P V: P from registers (accumulator layout = A layout), V MN-major in shared memory
-            u32 pa[4][4];
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {
-                pa[kk][0] = pack2<T>(sacc[8 * kk + 0], sacc[8 * kk + 1]);
-                pa[kk][1] = pack2<T>(sacc[8 * kk + 2], sacc[8 * kk + 3]);
-                pa[kk][2] = pack2<T>(sacc[8 * kk + 4], sacc[8 * kk + 5]);
-                pa[kk][3] = pack2<T>(sacc[8 * kk + 6], sacc[8 * kk + 7]);
-            }
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-                wgmma_rs_tb<T, D>(o, pa[kk], smem_desc(sV + s * TILE_KV + kk * 16 * 128, HALF, 1024), 1);
-            wgmma_commit();
+            softmax(jn, alpha);
             wgmma_wait<0>();
             fence_regs(o);
+            mbar_arrive(empty(wg, s));
+            rescale_and_pack(alpha);
+            j = jn;
+            it = itn;
+            s = sn;
+            advance(jn, itn);
         }
-        mbar_arrive(bar_empty + 8 * s);
+        wgmma_fence();
+        issue_pv(s);
+        wgmma_wait<0>();
+        fence_regs(o);
+        mbar_arrive(empty(wg, s));
+        j = jn;
+        it = itn;
     }
 
     // ---- epilogue
