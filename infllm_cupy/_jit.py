@@ -177,6 +177,8 @@ def get_kernel(source: str, name: str, *, sm90a: bool = False):
     if kern is not None:
         return kern
     options = BASE_OPTIONS + _include_options()
+    if os.environ.get("INFLLM_CUPY_LINEINFO") == "1":   # source lines for Nsight Compute
+        options += ("-lineinfo",)
     if sm90a:
         if cap != (9, 0):
             raise ValueError(f"kernel {name} needs sm_90a (compute capability 9.0); this device is {cap}")
