@@ -1,0 +1,44 @@
+"""One stage-2 forward launch per requested kernel variant, for Nsight Compute.
+
+    ncu --kernel-name regex:stage2_fwd --section SpeedOfLight --section WarpStateStats \
+        python benchmarks/profile_stage2.py --tiles sm90a "[4,2,64]" --T 8192 --B 2 --K 64 --sel a
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.selections import block_shared, infllm_like, per_token, uniform_cu_seqlens  # noqa: E402
+from infllm_cupy.stage2 import sparse_attn_varlen  # noqa: E402
+
+SELECTIONS = {"a": block_shared, "b": per_token, "c": infllm_like}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tiles", nargs="+", default=["sm90a"], help='"sm90a" or JSON [warps, m_tiles, sub_keys]')
+    p.add_argument("--T", type=int, default=8192)
+    p.add_argument("--B", type=int, default=2)
+    p.add_argument("--K", type=int, default=64)
+    p.add_argument("--sel", default="a", choices=sorted(SELECTIONS))
+    a = p.parse_args()
+    HQ, H, D = 32, 2, 128
+    q = torch.randn(a.B * a.T, HQ, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(a.B * a.T, H, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(a.B * a.T, H, D, device="cuda", dtype=torch.bfloat16)
+    cu = uniform_cu_seqlens(a.B, a.T, "cuda")
+    topk = SELECTIONS[a.sel](a.B, a.T, H, a.K, device="cuda", seed=0)
+    with torch.no_grad():
+        for t in a.tiles:
+            tiles = t if t == "sm90a" else tuple(json.loads(t))
+            sparse_attn_varlen(q, k, v, cu, cu, topk, a.T, a.T, tiles=tiles)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
