@@ -119,6 +119,9 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         // ================= producer warpgroup: K/V ring
         asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");   // registers go to the consumers
         const int ptid = tid - 128 * NC;
+        constexpr int RSTEP = 128 / CH;             // rows one pass of the 128 threads covers
+        const int p_row0 = ptid / CH, p_ch = ptid % CH;
+        const u32 p_dst0 = swz128(p_row0, p_ch, BLOCK_N);
         unsigned prev_need = 0;     // bit NC*s + g: warpgroup g needed the block now in stage s
         unsigned empty_phase = 0;   // bit NS*g + s: parity of the next wait on empty(g, s)
         int it = 0;
@@ -131,14 +134,17 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
                     empty_phase ^= 1u << (NS * g + s);
                 }
             }
-            for (int i = ptid; i < BLOCK_N * CH; i += 128) {
-                const int row = i / CH, ch = i % CH;
-                const int key = j * BLOCK_N + row;
-                const int64 off = ((int64)(ks + key) * H + h) * D + ch * 8;
-                const int bytes = key < Lk ? 16 : 0;
-                const u32 dst = swz128(row, ch, BLOCK_N);
-                cp_async_16(sK + s * TILE_KV + dst, bytes ? k + off : k, bytes);
-                cp_async_16(sV + s * TILE_KV + dst, bytes ? v + off : v, bytes);
+            // this thread copies chunk `ch` of rows r0, r0 + RSTEP, ...: rows 8 apart share a swizzle
+            // phase, so the destinations are a constant stride apart, as are the sources
+            const int key0 = j * BLOCK_N + p_row0;
+            const int64 src0 = ((int64)(ks + key0) * H + h) * D + p_ch * 8;
+            const u32 dk = sK + s * TILE_KV + p_dst0, dv = sV + s * TILE_KV + p_dst0;
+#pragma unroll
+            for (int u = 0; u < BLOCK_N / RSTEP; ++u) {
+                const int bytes = key0 + u * RSTEP < Lk ? 16 : 0;
+                const int64 off = src0 + (int64)u * RSTEP * H * D;
+                cp_async_16(dk + u * RSTEP * 128, bytes ? k + off : k, bytes);
+                cp_async_16(dv + u * RSTEP * 128, bytes ? v + off : v, bytes);
             }
             unsigned need = 0;
 #pragma unroll
@@ -201,47 +207,51 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         full_phase ^= 1u << s;
         fence_proxy_async();
     };
+    // Descriptors are built once: the start-address field holds addr >> 4 and shared memory lies
+    // below 256 KB, so moving a descriptor by b bytes is adding b >> 4 (no carry out of the field).
+    const u64 q_desc = smem_desc(myQ, 16, 1024);
+    const u64 k_desc = smem_desc(sK, 16, 1024);
+    const u64 v_desc = smem_desc(sV, HALF, 1024);
     auto issue_s = [&](int s) {                 // S = Q K^T, 64 rows x 64 keys, K-major operands
+        const u64 kd = k_desc + ((s * TILE_KV) >> 4);
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
-            const u32 koff = (kk >> 2) * HALF + (kk & 3) * 32;
-            wgmma_ss<T, 64>(sacc, smem_desc(myQ + koff, 16, 1024), smem_desc(sK + s * TILE_KV + koff, 16, 1024),
-                            kk > 0);
+            const u32 koff = ((kk >> 2) * HALF + (kk & 3) * 32) >> 4;
+            wgmma_ss<T, 64>(sacc, q_desc + koff, kd + koff, kk > 0);
         }
         wgmma_commit();
     };
     auto issue_pv = [&](int s) {                // O += P V, P from registers, V MN-major
+        const u64 vd = v_desc + ((s * TILE_KV) >> 4);
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-            wgmma_rs_tb<T, D>(o, pa[kk], smem_desc(sV + s * TILE_KV + kk * 16 * 128, HALF, 1024), 1);
+        for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, D>(o, pa[kk], vd + ((kk * 16 * 128) >> 4), 1);
         wgmma_commit();
     };
     // mask and online softmax of the finished S of block j; returns the O rescale factors
     auto softmax = [&](int j, float (&alpha)[2]) {
+        // last visible key of each row in this block's terms: -1 when the row did not select it
         const int kbase = j * BLOCK_N;
-        bool sel[2], all_full = true;
+        int lim[2];
+        bool full_rows = true;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            sel[r] = row_ok[r] && ((__ldg(mrow[r] + (j >> 5)) >> (j & 31)) & 1u) && kbase <= rk[r];
-            all_full &= sel[r] && kbase + BLOCK_N - 1 <= rk[r];
+            const bool sel = row_ok[r] && ((__ldg(mrow[r] + (j >> 5)) >> (j & 31)) & 1u);
+            lim[r] = sel ? rk[r] - kbase : -1;
+            full_rows &= lim[r] >= BLOCK_N - 1;
         }
-        const bool need_mask = !__all_sync(0xffffffffu, all_full);
+        if (!__all_sync(0xffffffffu, full_rows)) {   // warp-uniform: most blocks need no mask
+            const int c0 = (lane & 3) * 2;
+#pragma unroll
+            for (int n = 0; n < 8; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    if (n * 8 + c0 + (i & 1) > lim[i >> 1]) sacc[4 * n + i] = -INFLLM_INF;
+        }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float mx = -INFLLM_INF;
 #pragma unroll
-            for (int n = 0; n < 8; ++n) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    float x = sacc[4 * n + 2 * r + e];
-                    if (need_mask) {
-                        const int c = kbase + n * 8 + (lane & 3) * 2 + e;
-                        if (!sel[r] || c > rk[r]) x = -INFLLM_INF;
-                        sacc[4 * n + 2 * r + e] = x;
-                    }
-                    mx = fmaxf(mx, x);
-                }
-            }
+            for (int n = 0; n < 8; ++n) mx = fmaxf(mx, fmaxf(sacc[4 * n + 2 * r], sacc[4 * n + 2 * r + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float m_new = fmaxf(m_run[r], mx);
