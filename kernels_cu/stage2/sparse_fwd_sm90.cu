@@ -212,12 +212,12 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     const u64 q_desc = smem_desc(myQ, 16, 1024);
     const u64 k_desc = smem_desc(sK, 16, 1024);
     const u64 v_desc = smem_desc(sV, HALF, 1024);
-    auto issue_s = [&](float (&d)[32], int s) { // S = Q K^T, 64 rows x 64 keys, K-major operands
+    auto issue_s = [&](int s) {                 // S = Q K^T, 64 rows x 64 keys, K-major operands
         const u64 kd = k_desc + ((s * TILE_KV) >> 4);
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             const u32 koff = ((kk >> 2) * HALF + (kk & 3) * 32) >> 4;
-            wgmma_ss<T, 64>(d, q_desc + koff, kd + koff, kk > 0);
+            wgmma_ss<T, 64>(sacc, q_desc + koff, kd + koff, kk > 0);
         }
         wgmma_commit();
     };
@@ -294,68 +294,49 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         do { j = next_set(sU, n_words, j + 1); ++it; } while (j >= 0 && !((myU[j >> 5] >> (j & 31)) & 1u));
     };
 
-    // Software pipeline over the blocks this warpgroup needs, in runs. In a run, while the
-    // warpgroup runs the softmax of block n, the tensor cores compute S(n+1) = Q K^T (into a
-    // second accumulator) and the previous block's O += P V. A run ends where the next needed
-    // block is NS or more ring slots past the oldest stage still held (the producer may need that
-    // stage back before it can fill the next one): the pipeline drains, its stages are released.
-    // Every wgmma sits in straight-line code (loop bodies), so ptxas keeps them asynchronous.
-    float s_nxt[32];
+    // Software pipeline over the blocks this warpgroup needs, in runs: inside a run, block n's
+    // S = Q K^T and block n-1's O += P V go to the tensor cores back to back and the warpgroup
+    // waits only for S, so the softmax of n overlaps the P V of n-1. A run ends where the next
+    // needed block is NS or more ring slots away (the producer may need the held stage back
+    // before it can fill that block's): the pending P V is flushed and its stage released. Every
+    // wgmma sits in straight-line code (loop bodies), so ptxas keeps them asynchronous.
     int j = -1, it = -1;
     advance(j, it);
     while (j >= 0) {
         float alpha[2];
-        int cur_j = j, cur_it = it, cur_s = it % NS;
-        wait_full(cur_s);
+        int s = it % NS;
+        wait_full(s);
         wgmma_fence();
-        issue_s(sacc, cur_s);
+        issue_s(s);
         wgmma_wait<0>();
         fence_regs(sacc);
-        int prev_it = cur_it, prev_s = 0;       // the block whose P V is pending (none: prev_it == cur_it)
-        bool have_prev = false;
-        // A P V is always pending at the loop head (here one with P = 0, which adds nothing): with
-        // the same wgmma groups in flight on every path ptxas can tell which wait retires which.
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
-        wgmma_fence();
-        issue_pv(cur_s);
+        softmax(j, alpha);
+        rescale_and_pack(alpha);
         int jn = j, itn = it;
         advance(jn, itn);
-        while (jn >= 0 && itn - prev_it < NS) {
+        while (jn >= 0 && itn - it < NS) {
             const int sn = itn % NS;
             wait_full(sn);
             wgmma_fence();
-            issue_s(s_nxt, sn);                 // S(n+1)
-            softmax(cur_j, alpha);              // of S(n), in sacc
-            // the previous P V and S(n+1) were issued before the softmax and are done or nearly:
-            // waiting for both keeps every accumulator read outside a wgmma's flight (ptxas C7514)
+            issue_s(sn);
+            issue_pv(s);
+            wgmma_wait<1>();                    // S(n) done; the previous block's P V may still run
+            fence_regs(sacc);
+            softmax(jn, alpha);
             wgmma_wait<0>();
             fence_regs(o);
-            fence_regs(s_nxt);
-            if (have_prev) mbar_arrive(empty(wg, prev_s));
+            mbar_arrive(empty(wg, s));
             rescale_and_pack(alpha);
-            wgmma_fence();
-            issue_pv(cur_s);                    // P V(n), in flight during the next softmax
-#pragma unroll
-            for (int i = 0; i < 32; ++i) sacc[i] = s_nxt[i];
-            prev_it = cur_it;
-            prev_s = cur_s;
-            have_prev = true;
-            cur_j = jn;
-            cur_it = itn;
-            cur_s = sn;
+            j = jn;
+            it = itn;
+            s = sn;
             advance(jn, itn);
         }
-        softmax(cur_j, alpha);
-        wgmma_wait<0>();
-        fence_regs(o);
-        if (have_prev) mbar_arrive(empty(wg, prev_s));
-        rescale_and_pack(alpha);
         wgmma_fence();
-        issue_pv(cur_s);
+        issue_pv(s);
         wgmma_wait<0>();
         fence_regs(o);
-        mbar_arrive(empty(wg, cur_s));
+        mbar_arrive(empty(wg, s));
         j = jn;
         it = itn;
     }
