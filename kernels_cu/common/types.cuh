@@ -50,3 +50,15 @@ __device__ __forceinline__ int find_sequence(const int* __restrict__ cu, int bat
     }
     return lo;
 }
+
+// Index of the first set bit at or after bit `from` of a bitmask of `n_words` words, or -1.
+__device__ __forceinline__ int next_set_bit(const unsigned* __restrict__ words, int n_words, int from) {
+    int w = from >> 5;
+    if (w >= n_words) return -1;
+    unsigned bits = words[w] & (~0u << (from & 31));
+    while (true) {
+        if (bits) return (w << 5) + __ffs(bits) - 1;
+        if (++w >= n_words) return -1;
+        bits = words[w];
+    }
+}

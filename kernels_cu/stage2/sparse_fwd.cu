@@ -1,8 +1,9 @@
 // stage2/sparse_fwd.cu: token-level block-sparse attention forward (InfLLM-v2 stage 2), SM80 path.
 //
 // Launch contract (mirrored by infllm_cupy/stage2/sparse_fwd.py):
-//   kernel   stage2_fwd<T, D, WARPS, MT>  T in {__half, __nv_bfloat16}, D in {64, 128}, WARPS in {4, 8},
-//            MT in {1, 2} m-tiles of 16 rows per warp; a CTA owns M = 16 * MT * WARPS rows
+//   kernel   stage2_fwd<T, D, WARPS, MT, KN>  T in {__half, __nv_bfloat16}, D in {64, 128}, WARPS in
+//            {4, 8}, MT in {1, 2} m-tiles of 16 rows per warp (a CTA owns M = 16 * MT * WARPS rows),
+//            KN in {32, 64} keys per softmax sub-step
 //   grid     (cdiv(max_seqlen_q * G, M), H, B)      block (32 * WARPS)
 //   dyn smem (M * D + 4 * 64 * D) * sizeof(T) + 4 * n_words
 //   q        [total_q, HQ, D] T, contiguous          k, v [total_k, H, D] T, contiguous
@@ -31,18 +32,6 @@
 template <int D>
 __device__ __forceinline__ int swz(int row, int chunk) {
     return row * (D / 8) + (chunk ^ (row & 7));
-}
-
-// Next set bit at or after `from` in the union bitmask, or -1.
-__device__ __forceinline__ int next_block(const unsigned* __restrict__ words, int n_words, int from) {
-    int w = from >> 5;
-    if (w >= n_words) return -1;
-    unsigned bits = words[w] & (~0u << (from & 31));
-    while (true) {
-        if (bits) return (w << 5) + __ffs(bits) - 1;
-        if (++w >= n_words) return -1;
-        bits = words[w];
-    }
 }
 
 // Registers: MT = 1 at 8 warps would spill under a 128-register cap, so 8-warp CTAs run one per SM
@@ -121,7 +110,7 @@ stage2_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
     };
 
     __syncthreads();  // sU complete
-    int j = next_block(sU, nw, 0);
+    int j = next_set_bit(sU, nw, 0);
     if (j >= 0) load_kv(j, 0);
     cp_async_commit();
 
@@ -167,7 +156,7 @@ stage2_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
         // is done with the other stage, which the next block's copy may then overwrite.
         cp_async_wait<0>();
         __syncthreads();
-        const int jn = next_block(sU, nw, j + 1);
+        const int jn = next_set_bit(sU, nw, j + 1);
         if (jn >= 0) load_kv(jn, stage ^ 1);
         cp_async_commit();
 

@@ -31,17 +31,6 @@ __device__ __forceinline__ u32 swz128(int row, int ch, int rows) {
     return (ch >> 3) * (rows * 128) + row * 128 + (((ch & 7) ^ (row & 7)) << 4);
 }
 
-__device__ __forceinline__ int next_set(const unsigned* __restrict__ words, int n_words, int from) {
-    int w = from >> 5;
-    if (w >= n_words) return -1;
-    unsigned bits = words[w] & (~0u << (from & 31));
-    while (true) {
-        if (bits) return (w << 5) + __ffs(bits) - 1;
-        if (++w >= n_words) return -1;
-        bits = words[w];
-    }
-}
-
 template <typename T, int D>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
 stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -125,7 +114,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         unsigned prev_need = 0;     // bit NC*s + g: warpgroup g needed the block now in stage s
         unsigned empty_phase = 0;   // bit NS*g + s: parity of the next wait on empty(g, s)
         int it = 0;
-        for (int j = next_set(sU, n_words, 0); j >= 0; j = next_set(sU, n_words, j + 1), ++it) {
+        for (int j = next_set_bit(sU, n_words, 0); j >= 0; j = next_set_bit(sU, n_words, j + 1), ++it) {
             const int s = it % NS;
 #pragma unroll
             for (int g = 0; g < NC; ++g) {
@@ -291,7 +280,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     };
     // next block this warpgroup needs after (j, it): updates both, j = -1 at the end
     auto advance = [&](int& j, int& it) {
-        do { j = next_set(sU, n_words, j + 1); ++it; } while (j >= 0 && !((myU[j >> 5] >> (j & 31)) & 1u));
+        do { j = next_set_bit(sU, n_words, j + 1); ++it; } while (j >= 0 && !((myU[j >> 5] >> (j & 31)) & 1u));
     };
 
     // Software pipeline over the blocks this warpgroup needs, in runs: inside a run, block n's
