@@ -1,4 +1,4 @@
-"""Launchers of kernels_cu/stage2/{block_masks,sparse_fwd}.cu: block-sparse attention forward.
+"""Launchers of kernels_cu/stage2/{block_masks,sparse_fwd,sparse_fwd_sm90}.cu: block-sparse attention forward.
 
 Both input forms reach one kernel through per-row bitmasks over 64-key blocks:
 token-level `topk_idx` rows are packed on the GPU (`token_block_masks`), query-block layouts
