@@ -198,15 +198,22 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     };
     // Descriptors are built once: the start-address field holds addr >> 4 and shared memory lies
     // below 256 KB, so moving a descriptor by b bytes is adding b >> 4 (no carry out of the field).
-    const u64 q_desc = smem_desc(myQ, 16, 1024);
     const u64 k_desc = smem_desc(sK, 16, 1024);
     const u64 v_desc = smem_desc(sV, HALF, 1024);
-    auto issue_s = [&](int s) {                 // S = Q K^T, 64 rows x 64 keys, K-major operands
+    // Q stays in registers as wgmma A fragments (the mma.m16n8k16 A layout per warp): S then reads
+    // only K from shared memory, half the operand traffic of the shared-memory form at N = 64.
+    u32 qa[D / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const int mi = lane >> 3, lr = lane & 7;
+        ldmatrix_x4(qa[kk], myQ + swz128(wwarp * 16 + (mi & 1) * 8 + lr, 2 * kk + (mi >> 1), 64));
+    }
+    auto issue_s = [&](int s) {                 // S = Q K^T, 64 rows x 64 keys, K K-major
         const u64 kd = k_desc + ((s * TILE_KV) >> 4);
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             const u32 koff = ((kk >> 2) * HALF + (kk & 3) * 32) >> 4;
-            wgmma_ss<T, 64>(sacc, q_desc + koff, kd + koff, kk > 0);
+            wgmma_rs<T, 64>(sacc, qa[kk], kd + koff, kk > 0);
         }
         wgmma_commit();
     };
