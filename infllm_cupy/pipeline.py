@@ -127,12 +127,12 @@ def check_kernel_path(cfg: InfLLMv2Config, q: torch.Tensor, k: torch.Tensor, v: 
         NotImplementedError: gradients are requested (the stage-2 kernel has no backward yet).
     """
     check_kernel_block_size(cfg.block_size)
+    check_kernel_inputs(q, k, v)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         # Same exception as sparse_attn_varlen raises, but before stage 1 spends its time.
         raise NotImplementedError("infllmv2_attention: stage 2 on the kernel path (sparse_attn_varlen) has no "
                                   "backward yet (issue 4); call it under torch.no_grad(), or pass "
                                   "backend='reference' for gradients")
-    check_kernel_inputs(q, k, v)
 
 
 def _kernel_compress_k(k, cu_seqlens_k, kernel_size=32, kernel_stride=16):

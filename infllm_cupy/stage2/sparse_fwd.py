@@ -17,9 +17,7 @@ from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
 
 FWD_SOURCE = "stage2/sparse_fwd.cu"
 SM90_SOURCE = "stage2/sparse_fwd_sm90.cu"
-SM90_CONSUMERS = 2                      # mirrors NC in sparse_fwd_sm90.cu
-SM90_STAGE_CHOICES = (4, 6)             # K/V ring depths compiled (template NS)
-SM90_STAGES = 6
+SM90_CONSUMERS, SM90_STAGES = 2, 4      # mirror NC and NS in sparse_fwd_sm90.cu
 MASK_SOURCE = "stage2/block_masks.cu"
 BLOCK_N = 64            # keys per KV block, fixed by InfLLM-v2 (kernels_cu: BLOCK_N)
 HEAD_DIMS = (64, 128)
@@ -55,7 +53,6 @@ ALL_TILES = [FwdTiles(w, m, kn) for w in (4, 8) for m in (1, 2) for kn in (32, 6
 
 
 SM90A = "sm90a"   # the Hopper kernel (wgmma, warp-specialised); chosen by default on capability 9.0
-SM90A_SHALLOW = "sm90a-4"   # the same with a 4-stage ring (a tuning knob)
 
 
 def as_tiles(tiles, device=None):
@@ -64,7 +61,7 @@ def as_tiles(tiles, device=None):
     if tiles is None:
         cap = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
         return SM90A if cap == (9, 0) else DEFAULT_TILES
-    if tiles in (SM90A, SM90A_SHALLOW) or isinstance(tiles, FwdTiles):
+    if tiles == SM90A or isinstance(tiles, FwdTiles):
         return tiles
     if isinstance(tiles, (tuple, list)) and len(tiles) == 3:
         return FwdTiles(*tiles)
@@ -77,8 +74,8 @@ for _t in ALL_TILES:
     for _d in HEAD_DIMS:
         _jit.register_instances(FWD_SOURCE, [_t.name(dt, _d) for dt in KERNEL_DTYPES],
                                 strict=_t.m_tiles == 1)
-_jit.register_instances(SM90_SOURCE, [f"stage2_fwd_sm90<{CXX_TYPE[dt]}, {d}, {ns}>" for dt in KERNEL_DTYPES
-                                     for d in HEAD_DIMS for ns in SM90_STAGE_CHOICES], sm90a=True)
+_jit.register_instances(SM90_SOURCE, [f"stage2_fwd_sm90<{CXX_TYPE[dt]}, {d}>" for dt in KERNEL_DTYPES
+                                     for d in HEAD_DIMS], sm90a=True)
 _jit.register_instances(MASK_SOURCE, ["token_block_masks"])
 
 
@@ -106,26 +103,10 @@ def token_block_masks(topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seq
     return masks
 
 
-MAX_SMEM = 232448   # dynamic shared memory a CTA may opt into on capability 9.0
-
-
-def sm90_stages(tiles, D: int, n_words: int, itemsize: int = 2) -> int:
-    """Ring depth: 6 stages where they fit beside the union bitmasks (up to ~1M keys at D = 128), else 4."""
-    if tiles == SM90A_SHALLOW:
-        return 4
-    deep = _sm90_smem(D, SM90_STAGES, n_words, itemsize)
-    return SM90_STAGES if deep <= MAX_SMEM else 4
-
-
-def _sm90_smem(D: int, ns: int, n_words: int, itemsize: int) -> int:
-    # 1 KB alignment slack, Q tiles, K/V ring, mbarriers, CTA + per-warpgroup unions
-    return (1024 + (SM90_CONSUMERS * 64 * D + ns * 2 * BLOCK_N * D) * itemsize
-            + 16 * ns * SM90_CONSUMERS + 4 * n_words * (SM90_CONSUMERS + 1))
-
-
 def fwd_smem_bytes(D: int, tiles, n_words: int, itemsize: int = 2) -> int:
-    if tiles in (SM90A, SM90A_SHALLOW):
-        return _sm90_smem(D, sm90_stages(tiles, D, n_words, itemsize), n_words, itemsize)
+    if tiles == SM90A:   # 1 KB alignment slack, Q tiles, K/V ring, mbarriers, CTA + per-warpgroup unions
+        return (1024 + (SM90_CONSUMERS * 64 * D + SM90_STAGES * 2 * BLOCK_N * D) * itemsize
+                + 16 * SM90_STAGES * SM90_CONSUMERS + 4 * n_words * (SM90_CONSUMERS + 1))
     return (tiles.rows * D + 4 * BLOCK_N * D) * itemsize + 4 * n_words
 
 
@@ -142,8 +123,8 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
     n_words = masks.shape[-1]
     out = empty((total_q, HQ, D), dtype=q.dtype, device=q.device)
     lse = empty((HQ, total_q), dtype=torch.float32, device=q.device)
-    if tiles in (SM90A, SM90A_SHALLOW):
-        name = f"stage2_fwd_sm90<{CXX_TYPE[q.dtype]}, {D}, {sm90_stages(tiles, D, n_words, q.element_size())}>"
+    if tiles == SM90A:
+        name = f"stage2_fwd_sm90<{CXX_TYPE[q.dtype]}, {D}>"
         kernel, rows, threads = _jit.get_kernel(SM90_SOURCE, name, sm90a=True), 64 * SM90_CONSUMERS, \
             128 * (SM90_CONSUMERS + 1)
     else:

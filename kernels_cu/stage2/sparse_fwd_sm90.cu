@@ -2,8 +2,7 @@
 //
 // Launch contract (mirrored by infllm_cupy/stage2/sparse_fwd.py; arguments as stage2_fwd in
 // sparse_fwd.cu, same semantics and outputs):
-//   kernel   stage2_fwd_sm90<T, D, NS>  T in {__half, __nv_bfloat16}, D in {64, 128}, NS K/V stages in
-//            {4, 6}; capability 9.0
+//   kernel   stage2_fwd_sm90<T, D>      T in {__half, __nv_bfloat16}, D in {64, 128}; capability 9.0
 //   grid     (cdiv(max_seqlen_q * G, 64 * NC), H, B)     block (128 * (NC + 1))
 //   dyn smem 1 KB alignment slack + NC Q tiles + NS K and V stages + 2 NC NS mbarriers
 //            + (NC + 1) * n_words union words (fwd_smem_bytes in the launcher)
@@ -24,6 +23,7 @@
 
 #define BLOCK_N 64
 #define NC 2   // consumer warpgroups
+#define NS 4   // K/V stages in the ring
 
 // Byte offset of 16-byte chunk `ch` of `row` in a 128-byte-swizzled tile of `rows` rows
 // (64-element halves of a wider row stored one after the other).
@@ -31,7 +31,7 @@ __device__ __forceinline__ u32 swz128(int row, int ch, int rows) {
     return (ch >> 3) * (rows * 128) + row * 128 + (((ch & 7) ^ (row & 7)) << 4);
 }
 
-template <typename T, int D, int NS>   // NS: K/V stages in the ring
+template <typename T, int D>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
 stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 const unsigned* __restrict__ masks, const int* __restrict__ mask_base,
