@@ -312,17 +312,14 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         if (!(wg == 1 && it == n_slots - 1)) asm volatile("bar.arrive %0, 256;\n" :: "r"(3 + (wg ^ 1)) : "memory");
     };
     if (wg == 1) asm volatile("bar.arrive 3, 256;\n" ::: "memory");
-    // next block this warpgroup needs after (j, it): updates both, j = -1 at the end
+    // next block this warpgroup needs after (j, it), taking the turns of the slots it skips
     auto advance = [&](int& j, int& it) {
-        do { j = next_set_bit(sU, n_words, j + 1); ++it; } while (j >= 0 && !((myU[j >> 5] >> (j & 31)) & 1u));
-    };
-    // the turns of the skipped slots strictly between `from` and `to`. Taken only while every
-    // stage this warpgroup holds is within NS slots: the other warpgroup may be waiting for a
-    // stage that the producer can fill only once ours is released.
-    auto skip_turns = [&](int from, int to) {
-        for (int x = from + 1; x < to; ++x) {
+        while (true) {
+            j = next_set_bit(sU, n_words, j + 1);
+            ++it;
+            if (j < 0 || ((myU[j >> 5] >> (j & 31)) & 1u)) return;
             turn_wait();
-            turn_pass(x);
+            turn_pass(it);
         }
     };
 
@@ -334,7 +331,6 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     // wgmma sits in straight-line code (loop bodies), so ptxas keeps them asynchronous.
     int j = -1, it = -1;
     advance(j, it);
-    skip_turns(-1, j >= 0 ? it : n_slots);
     while (j >= 0) {
         float alpha[2];
         int s = it % NS;
@@ -350,7 +346,6 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         int jn = j, itn = it;
         advance(jn, itn);
         while (jn >= 0 && itn - it < NS) {
-            skip_turns(it, itn);
             const int sn = itn % NS;
             wait_full(sn);
             turn_wait();
@@ -375,7 +370,6 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         wgmma_wait<0>();
         fence_regs(o);
         mbar_arrive(empty(wg, s));
-        skip_turns(it, jn >= 0 ? itn : n_slots);
         j = jn;
         it = itn;
     }
