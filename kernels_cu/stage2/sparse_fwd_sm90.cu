@@ -300,27 +300,8 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         }
     };
     // next block this warpgroup needs after (j, it): updates both, j = -1 at the end
-    // Ping-pong (FlashAttention-3): the two consumer warpgroups take turns to issue their GEMMs,
-    // so that one's softmax runs under the other's GEMMs. Each warpgroup takes exactly one turn
-    // per slot of the CTA's block sequence, needed or skipped, so the two stay matched however
-    // differently they skip. The turns only order issue; the mbarriers carry correctness.
-    // Named barriers 3 and 4: warpgroup g waits on 3 + g, the other arrives on it.
-    int n_slots = 0;
-    for (int w = 0; w < n_words; ++w) n_slots += __popc(sU[w]);
-    auto turn_wait = [&]() { named_barrier(3 + wg, 256); };
-    auto turn_pass = [&](int it) {   // warpgroup 1 passed its first turn ahead, so it skips its last
-        if (!(wg == 1 && it == n_slots - 1)) asm volatile("bar.arrive %0, 256;\n" :: "r"(3 + (wg ^ 1)) : "memory");
-    };
-    if (wg == 1) asm volatile("bar.arrive 3, 256;\n" ::: "memory");
-    // next block this warpgroup needs after (j, it), taking the turns of the slots it skips
     auto advance = [&](int& j, int& it) {
-        while (true) {
-            j = next_set_bit(sU, n_words, j + 1);
-            ++it;
-            if (j < 0 || ((myU[j >> 5] >> (j & 31)) & 1u)) return;
-            turn_wait();
-            turn_pass(it);
-        }
+        do { j = next_set_bit(sU, n_words, j + 1); ++it; } while (j >= 0 && !((myU[j >> 5] >> (j & 31)) & 1u));
     };
 
     // Software pipeline over the blocks this warpgroup needs, in runs: inside a run, block n's
@@ -335,10 +316,8 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         float alpha[2];
         int s = it % NS;
         wait_full(s);
-        turn_wait();
         wgmma_fence();
         issue_s(s);
-        turn_pass(it);
         wgmma_wait<0>();
         fence_regs(sacc);
         softmax(j, alpha);
@@ -348,11 +327,9 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         while (jn >= 0 && itn - it < NS) {
             const int sn = itn % NS;
             wait_full(sn);
-            turn_wait();
             wgmma_fence();
             issue_s(sn);
             issue_pv(s);
-            turn_pass(itn);
             wgmma_wait<1>();                    // S(n) done; the previous block's P V may still run
             fence_regs(sacc);
             softmax(jn, alpha);
