@@ -7,32 +7,12 @@ It prints what each stage took and what was selected, and writes a PNG of the se
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 
 import torch
 
-
-def synthetic_sequence(T: int, HQ: int, H: int, D: int, n_needles: int, dtype, device, seed: int = 0):
-    """Random q, k, v with structure stage 1 should find: `n_needles` far key blocks, each a 64-token
-    run of keys along its own direction, and a later run of 64 query tokens (all heads) along the
-    same direction. Returns q, k, v and a list of (needle key block, query start) pairs."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(T, HQ, D, generator=g)
-    k = torch.randn(T, H, D, generator=g)
-    v = torch.randn(T, H, D, generator=g)
-    nb = T // 64
-    needles = []
-    for i in range(n_needles):
-        kb = 1 + (i * (nb // 4)) // max(1, n_needles)                   # far back, in the first quarter
-        qs = (nb // 2 + (i * (nb // 2 - 2)) // max(1, n_needles)) * 64 + 17   # later, not block-aligned
-        u = torch.randn(D, generator=g)
-        u = u / u.norm() * math.sqrt(D)
-        k[kb * 64:(kb + 1) * 64] += 1.5 * u
-        q[qs:qs + 64] += 4.0 * u
-        needles.append((kb, qs))
-    return q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), needles
+from .synthetic import synthetic_sequence
 
 
 def _timed(fn, device):

@@ -1,5 +1,9 @@
 """InfLLM-v2 attention end to end (spec section 9): key compression, stage 1 (scores, block pooling,
 top-k) under `no_grad`, then stage 2 over the selected blocks; dense attention below `dense_len`.
+
+`infllmv2_attention` (and its module form `InfLLMv2Attention`) dispatches each stage to a CUDA
+kernel or to its PyTorch reference (`stages_for`); `naive_infllmv2_attention` is the reference of
+the whole pipeline.
 """
 from __future__ import annotations
 
@@ -8,17 +12,20 @@ from dataclasses import dataclass
 import torch
 
 from ._checks import seqlens_host
+from .compress.mean_pool import compress_k
 from .compress.naive import naive_compress_k
 from .stage1.naive import (
     REF_DTYPES,
     check_int_args,
     check_max_seqlen,
-    naive_pool_blocks,
-    naive_select_topk,
-    naive_stage1_scores,
-    q_block_idx_prefill,
+    naive_stage1_select,
 )
+from .stage2.attention import sparse_attn_varlen
 from .stage2.naive import _check_attn_inputs, naive_dense_attn_varlen, naive_sparse_attn_varlen
+from .stage2.sparse_fwd import BLOCK_N as KERNEL_BLOCK_SIZE
+from .stage2.sparse_fwd import check_kernel_inputs
+
+BACKENDS = ("auto", "kernels", "reference")
 
 
 @dataclass(frozen=True)
@@ -89,29 +96,198 @@ def check_config(config) -> InfLLMv2Config:
     return config
 
 
+def check_backend(backend) -> str:
+    """`backend` must be one of `BACKENDS`; returns it."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def uses_kernels(q: torch.Tensor, backend: str = "auto") -> bool:
+    """Whether `stages_for(q, backend)` picks the kernels: CUDA tensors under "auto" or "kernels".
+
+    CPU tensors always run the references (there are no CPU kernels), whatever `backend` says.
+    """
+    return check_backend(backend) != "reference" and q.is_cuda
+
+
+def check_kernel_block_size(block_size) -> None:
+    """The stage-2 kernels only do InfLLM-v2's 64-key blocks; any other `block_size` raises ValueError."""
+    if block_size != KERNEL_BLOCK_SIZE:
+        raise ValueError(f"config.block_size must be {KERNEL_BLOCK_SIZE} on the kernel path (the stage-2 kernels "
+                         f"only do {KERNEL_BLOCK_SIZE}-key blocks), got {block_size!r}; pass "
+                         f"backend='reference' for other block sizes")
+
+
+def check_kernel_path(cfg: InfLLMv2Config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Everything the sparse kernel path cannot do, raised before any launch.
+
+    Raises:
+        ValueError: `config.block_size` other than 64, or dtypes/head dims/devices the kernels lack.
+        NotImplementedError: gradients are requested (the stage-2 kernel has no backward yet).
+    """
+    check_kernel_block_size(cfg.block_size)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        # Same exception as sparse_attn_varlen raises, but before stage 1 spends its time.
+        raise NotImplementedError("infllmv2_attention: stage 2 on the kernel path (sparse_attn_varlen) has no "
+                                  "backward yet (issue 4); call it under torch.no_grad(), or pass "
+                                  "backend='reference' for gradients")
+    check_kernel_inputs(q, k, v)
+
+
+def _kernel_compress_k(k, cu_seqlens_k, kernel_size=32, kernel_stride=16):
+    """`compress_k` forced onto its kernel, with `naive_compress_k`'s signature."""
+    return compress_k(k, cu_seqlens_k, kernel_size, kernel_stride, backend="kernels")
+
+
+def _kernel_sparse_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal=True,
+                        softmax_scale=None, return_lse=False, *, block_size: int = 64, upcast: bool = True):
+    """`sparse_attn_varlen` on its kernel, taking `naive_sparse_attn_varlen`'s keywords.
+
+    The kernel has no `block_size` (always 64) and always accumulates in fp32 (`upcast=True`).
+    """
+    check_kernel_block_size(block_size)
+    if upcast is not True:
+        raise ValueError("upcast=False (the low-precision reference twin) has no kernel; use "
+                         "naive_sparse_attn_varlen")
+    return sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal,
+                              softmax_scale, return_lse, backend="kernels")
+
+
+# Elements of one boolean mask chunk of the SDPA fallback when Lq != Lk (bounds its memory).
+_SDPA_MASK_ELEMS = 1 << 26
+
+
+def sdpa_dense_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, causal: bool = True, softmax_scale: float | None = None,
+                           return_lse: bool = False, *, upcast: bool = True) -> torch.Tensor:
+    r"""Dense varlen attention through `torch.nn.functional.scaled_dot_product_attention`, one call per sequence.
+
+    Same semantics and signature as `naive_dense_attn_varlen` (GQA, causal mask aligned bottom-right:
+    row `r` sees keys `j <= r + Lk - Lq`; rows that see no key give 0). Sequences with `Lq == Lk`
+    take SDPA's own `is_causal` path (flash / cuDNN / efficient, whatever torch picks, with
+    backward); chunked-prefill sequences (`Lq < Lk`) pass an explicit boolean mask built per query
+    chunk. This is the kernel path's dense fallback: torch's fused kernels are as fast as any we
+    would write for dense attention.
+
+    Args:
+        q (torch.Tensor):
+            Queries `[total_q, HQ, D]`.
+        k, v (torch.Tensor):
+            Keys and values `[total_k, H, D]`, q's dtype; `HQ` a multiple of `H`.
+        cu_seqlens_q, cu_seqlens_k (torch.Tensor):
+            int32 `[B+1]`.
+        causal (bool, Optional):
+            Default: `True`.
+        softmax_scale (float, Optional):
+            Default: `None` (`1 / sqrt(D)`).
+        return_lse (bool, Optional):
+            Must be `False`: SDPA does not return the log-sum-exp. Default: `False`.
+        upcast (bool, Optional):
+            Accepted for the reference's signature; SDPA computes in its own precision. Default: `True`.
+
+    Returns:
+        out (torch.Tensor): `[total_q, HQ, D]` in q's dtype.
+    """
+    if return_lse:
+        raise ValueError("return_lse=True: torch SDPA does not return the log-sum-exp; use naive_dense_attn_varlen")
+    _check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    lq, lk = seqlens_host(cu_seqlens_q), seqlens_host(cu_seqlens_k)
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs = []
+    for b, (Lq, Lk) in enumerate(zip(lq, lk)):
+        if Lq == 0:
+            continue
+        qb = q[cu_q[b]:cu_q[b] + Lq].transpose(0, 1).unsqueeze(0)               # [1, HQ, Lq, D]
+        kb = k[cu_k[b]:cu_k[b] + Lk].transpose(0, 1).unsqueeze(0)               # [1, H, Lk, D]
+        vb = v[cu_k[b]:cu_k[b] + Lk].transpose(0, 1).unsqueeze(0)
+        # Rows before the first visible key (causal with Lq > Lk, or no keys at all) give 0.
+        n_empty = Lq if Lk == 0 else (max(0, Lq - Lk) if causal else 0)
+        if n_empty:
+            outs.append(q.new_zeros(n_empty, q.shape[1], q.shape[2]))
+            qb, Lq = qb[:, :, n_empty:], Lq - n_empty
+            if Lq == 0:
+                continue
+        if not causal or Lq == Lk:
+            o = sdpa(qb, kb, vb, is_causal=causal, scale=scale, enable_gqa=True)
+        else:
+            # Bottom-right alignment, which is_causal (top-left) does not give; masked per query chunk.
+            parts = []
+            chunk = max(1, _SDPA_MASK_ELEMS // Lk)
+            for s in range(0, Lq, chunk):
+                e = min(Lq, s + chunk)
+                n = e + Lk - Lq                                                 # keys the chunk can see
+                r = torch.arange(s, e, device=q.device)
+                mask = torch.arange(n, device=q.device)[None, :] <= (r + Lk - Lq)[:, None]
+                parts.append(sdpa(qb[:, :, s:e], kb[:, :, :n], vb[:, :, :n], attn_mask=mask, scale=scale,
+                                  enable_gqa=True))
+            o = torch.cat(parts, dim=2)
+        outs.append(o[0].transpose(0, 1))
+    return torch.cat(outs, dim=0) if outs else q.new_zeros(0, q.shape[1], q.shape[2])
+
+
 # Every stage by name; a kernel that replaces one must keep the reference's signature.
 _REFERENCE_STAGES = {
     "compress_k": naive_compress_k,
-    "stage1_scores": naive_stage1_scores,
-    "pool_blocks": naive_pool_blocks,
-    "select_topk": naive_select_topk,
+    "stage1_select": naive_stage1_select,
     "sparse_attn": naive_sparse_attn_varlen,
     "dense_attn": naive_dense_attn_varlen,
 }
 
 
-def stages_for(q: torch.Tensor) -> dict:
-    """Implementation of each stage for these inputs.
+def _stage1_kernel():
+    """The stage-1 kernel op (scores, block pooling and top-k), or None while there is none.
 
-    This is where the `backend` switch goes: CUDA tensors will get the CuPy kernels stage by stage,
-    each with the signature of the reference it replaces. Today every stage is the PyTorch reference.
+    This is the one place where it plugs into the kernel path: return the op here and every caller
+    of `stages_for` picks it up. It must take `naive_stage1_select`'s signature, including
+    `return_scores=True` (the pipeline's `return_aux` exposes scores and block scores).
+    TODO(issue 5, stage-1 kernel lands): return it instead of None.
     """
-    return dict(_REFERENCE_STAGES)
+    return None
+
+
+def stages_for(q: torch.Tensor, backend: str = "reference") -> dict:
+    """Implementation of each stage for these inputs, by name.
+
+    With CUDA tensors and `backend` "auto" or "kernels": `compress_k` and `sparse_attn` are the
+    kernels (`sparse_attn` raises ValueError for a `block_size` other than 64), `dense_attn` is torch
+    SDPA (`sdpa_dense_attn_varlen`), and `stage1_select` is the PyTorch reference running on the
+    GPU until its kernel exists (`_stage1_kernel`). Otherwise, or with `backend="reference"`, every
+    stage is the reference, which runs on CPU and CUDA tensors alike.
+
+    Args:
+        q (torch.Tensor):
+            The queries (only their device matters).
+        backend (str, Optional):
+            "auto", "kernels" or "reference". Default: "reference", so that reference pipelines
+            (`naive_infllmv2_attention`, the naive decode) stay references on the GPU.
+
+    Returns:
+        dict: `compress_k`, `stage1_select`, `sparse_attn`, `dense_attn` -> callables with the
+        signatures of `naive_compress_k`, `naive_stage1_select`, `naive_sparse_attn_varlen` and
+        `naive_dense_attn_varlen`.
+    """
+    stages = dict(_REFERENCE_STAGES)
+    if not uses_kernels(q, backend):
+        return stages
+    stages.update(compress_k=_kernel_compress_k, sparse_attn=_kernel_sparse_attn, dense_attn=sdpa_dense_attn_varlen)
+    stage1 = _stage1_kernel()
+    if stage1 is not None:
+        stages["stage1_select"] = stage1
+    return stages
+
+
+def stage_names(stages: dict) -> dict[str, str]:
+    """`{stage: "module.function"}` of a `stages_for` dict, for logs and benchmark tables."""
+    return {name: f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', repr(f))}"
+            for name, f in stages.items()}
 
 
 def select_blocks(stages: dict, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache_lens, causal,
                   cfg: InfLLMv2Config, ck1=None, cu_seqlens_c1=None, ck2=None, cu_seqlens_c2=None) -> dict:
-    """Compression (unless given) -> stage-1 scores -> pooling -> top-k, without gradients.
+    """Compression (unless given) -> stage 1 (scores, pooling, top-k), without gradients.
 
     Returns the dict of intermediates (`ck1`, `ck2`, `cu_seqlens_c1/c2`, `scores`, `block_scores`,
     `topk_idx`) that `return_aux` exposes.
@@ -124,16 +300,12 @@ def select_blocks(stages: dict, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         elif ck2 is None:
             ck2, cu_seqlens_c2 = stages["compress_k"](k, cu_seqlens_k, cfg.coarse_kernel_size,
                                                       cfg.coarse_kernel_stride)
-        scores = stages["stage1_scores"](
+        topk_idx, scores, block_scores = stages["stage1_select"](
             q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q, causal=causal,
-            softmax_scale=cfg.softmax_scale, score_dtype=cfg.score_dtype, kernel_stride=cfg.kernel_stride,
-            coarse_kernel_stride=cfg.coarse_kernel_stride)
-        block_scores = stages["pool_blocks"](
-            scores, cu_seqlens_q, cu_seqlens_c1, cache_lens, max_seqlen_q, init_blocks=cfg.init_blocks,
-            local_blocks=cfg.local_blocks, block_size=cfg.block_size, kernel_stride=cfg.kernel_stride)
-        q_blocks = q_block_idx_prefill(cu_seqlens_q, max_seqlen_q, cfg.block_size, cfg.varlen_offset_quirk,
-                                       cache_lens=cache_lens)
-        topk_idx = stages["select_topk"](block_scores, q_blocks, cfg.topk, cfg.local_blocks)
+            cache_lens=cache_lens, softmax_scale=cfg.softmax_scale, topk=cfg.topk, local_blocks=cfg.local_blocks,
+            init_blocks=cfg.init_blocks, block_size=cfg.block_size, kernel_stride=cfg.kernel_stride,
+            coarse_kernel_stride=cfg.coarse_kernel_stride, varlen_offset_quirk=cfg.varlen_offset_quirk,
+            score_dtype=cfg.score_dtype, return_scores=True)
     return {"ck1": ck1, "ck2": ck2, "cu_seqlens_c1": cu_seqlens_c1, "cu_seqlens_c2": cu_seqlens_c2,
             "scores": scores, "block_scores": block_scores, "topk_idx": topk_idx}
 
@@ -142,6 +314,34 @@ def dense_aux(**given) -> dict:
     """The aux dict of the dense path: no selection; compressed keys only if the caller gave them."""
     keys = ("ck1", "ck2", "cu_seqlens_c1", "cu_seqlens_c2", "scores", "block_scores", "topk_idx")
     return {"dense": True, **{k: given.get(k) for k in keys}}
+
+
+def _prefill(stages: dict, q, k, v, cu_seqlens_q, cu_seqlens_k, lq: list[int], lk: list[int], max_seqlen_q: int,
+             max_seqlen_k: int, cfg: InfLLMv2Config, return_aux: bool, kernel_path: bool):
+    """The prefill pipeline over checked inputs, with the given stage implementations."""
+    if max_seqlen_k < cfg.dense_len:
+        out = stages["dense_attn"](q, k, v, cu_seqlens_q, cu_seqlens_k, causal=True,
+                                   softmax_scale=cfg.softmax_scale)
+        return (out, dense_aux()) if return_aux else out
+    if kernel_path:
+        check_kernel_path(cfg, q, k, v)
+    cache_lens = torch.tensor([b - a for a, b in zip(lq, lk)], dtype=torch.int32, device=q.device)
+    aux = select_blocks(stages, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache_lens, True, cfg)
+    out = stages["sparse_attn"](q, k, v, cu_seqlens_q, cu_seqlens_k, aux["topk_idx"], max_seqlen_q, max_seqlen_k,
+                                causal=True, softmax_scale=cfg.softmax_scale, block_size=cfg.block_size)
+    return (out, dict(dense=False, **aux)) if return_aux else out
+
+
+def _check_prefill_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """Host lengths, with `max_seqlen_*` checked (or computed when None)."""
+    lq, lk = seqlens_host(cu_seqlens_q), seqlens_host(cu_seqlens_k)
+    max_seqlen_q = max(lq, default=0) if max_seqlen_q is None else max_seqlen_q
+    max_seqlen_k = max(lk, default=0) if max_seqlen_k is None else max_seqlen_k
+    check_max_seqlen("max_seqlen_q", max_seqlen_q, lq)
+    check_max_seqlen("max_seqlen_k", max_seqlen_k, lk)
+    if any(a > b for a, b in zip(lq, lk)):
+        raise ValueError(f"cu_seqlens_q: every query length must be <= its key length, got {lq} vs {lk}")
+    return lq, lk, max_seqlen_q, max_seqlen_k
 
 
 def naive_infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -177,18 +377,112 @@ def naive_infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """
     cfg = check_config(config)
     _check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    lq, lk = seqlens_host(cu_seqlens_q), seqlens_host(cu_seqlens_k)
-    check_max_seqlen("max_seqlen_q", max_seqlen_q, lq)
-    check_max_seqlen("max_seqlen_k", max_seqlen_k, lk)
-    if any(a > b for a, b in zip(lq, lk)):
-        raise ValueError(f"cu_seqlens_q: every query length must be <= its key length, got {lq} vs {lk}")
-    stages = stages_for(q)
-    if max_seqlen_k < cfg.dense_len:
-        out = stages["dense_attn"](q, k, v, cu_seqlens_q, cu_seqlens_k, causal=True,
-                                   softmax_scale=cfg.softmax_scale)
-        return (out, dense_aux()) if return_aux else out
-    cache_lens = torch.tensor([b - a for a, b in zip(lq, lk)], dtype=torch.int32, device=q.device)
-    aux = select_blocks(stages, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache_lens, True, cfg)
-    out = stages["sparse_attn"](q, k, v, cu_seqlens_q, cu_seqlens_k, aux["topk_idx"], max_seqlen_q, max_seqlen_k,
-                                causal=True, softmax_scale=cfg.softmax_scale, block_size=cfg.block_size)
-    return (out, dict(dense=False, **aux)) if return_aux else out
+    check_max_seqlen("max_seqlen_q", max_seqlen_q, [])
+    check_max_seqlen("max_seqlen_k", max_seqlen_k, [])
+    lq, lk, _, _ = _check_prefill_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return _prefill(stages_for(q, "reference"), q, k, v, cu_seqlens_q, cu_seqlens_k, lq, lk, max_seqlen_q,
+                    max_seqlen_k, cfg, return_aux, kernel_path=False)
+
+
+def infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                       cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
+                       max_seqlen_k: int | None = None, config: InfLLMv2Config | None = None, *,
+                       backend: str = "auto", return_aux: bool = False):
+    r"""InfLLM-v2 prefill attention: compression -> stage 1 -> top-k -> stage 2, on kernels where they exist.
+
+    Same semantics as `naive_infllmv2_attention` (MiniCPM4 defaults: kernels 32/16 and 128/64,
+    64-key blocks, `topk = 64` plus 33 forced local blocks and 1 init block, dense attention when
+    the longest key sequence is shorter than `dense_len = 8192`). Causal masking is aligned
+    bottom-right, so a query chunk shorter than its keys (chunked prefill) sees the cache. With
+    `block_size = 2`, `Lq = 2`, `Lk = 6` and a token that selected blocks `{0, 2}` (the last query):
+
+        keys   0 1 2 3 4 5
+        mask   1 1 0 0 1 1
+
+    Which implementation runs each stage (`stages_for`): for CUDA tensors with `backend` "auto" or
+    "kernels", key compression and stage 2 are the CUDA kernels, stage 1 is the PyTorch reference
+    on the GPU (its kernel plugs in at `_stage1_kernel`), and the dense fallback is torch SDPA per
+    sequence. `backend="reference"` runs every stage's reference; CPU tensors always do.
+
+    Gradients: stage 1 never takes any. The reference path is differentiable through stage 2; the
+    kernel path's stage 2 has no backward yet, so it raises NotImplementedError when `q`, `k` or `v`
+    require grad (under `torch.no_grad()` it runs); the dense SDPA fallback is differentiable.
+
+    Args:
+        q (torch.Tensor):
+            Queries `[total_q, HQ, D]`. Kernel path: bf16 or fp16, `D` in {64, 128}.
+        k, v (torch.Tensor):
+            Keys (post-RoPE) and values `[total_k, H, D]`, q's dtype; `HQ` a multiple of `H`.
+        cu_seqlens_q (torch.Tensor):
+            int32 `[B+1]`.
+        cu_seqlens_k (torch.Tensor, Optional):
+            int32 `[B+1]`, every `Lq <= Lk`. Default: `None` (`cu_seqlens_q`: plain prefill).
+        max_seqlen_q, max_seqlen_k (int, Optional):
+            Longest query / key sequence. Default: `None` (read from the `cu_seqlens`).
+        config (InfLLMv2Config, Optional):
+            Default: `None` (MiniCPM4 defaults). The kernel path needs `block_size = 64`.
+        backend (str, Optional):
+            "auto", "kernels" or "reference". Default: "auto".
+        return_aux (bool, Optional):
+            Also return the intermediates dict of `naive_infllmv2_attention`. Default: `False`.
+
+    Returns:
+        out (torch.Tensor): `[total_q, HQ, D]` in q's dtype (and the aux dict with `return_aux`).
+
+    Raises:
+        ValueError: bad inputs (naming the argument), a `backend` outside `BACKENDS`, or what the
+            kernel path cannot do (`config.block_size != 64`, dtype, head dim), before any launch.
+        NotImplementedError: gradients requested on the sparse kernel path.
+    """
+    cfg = check_config(config)
+    check_backend(backend)
+    if cu_seqlens_k is None:
+        cu_seqlens_k = cu_seqlens_q
+    _check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    lq, lk, max_seqlen_q, max_seqlen_k = _check_prefill_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                                max_seqlen_k)
+    return _prefill(stages_for(q, backend), q, k, v, cu_seqlens_q, cu_seqlens_k, lq, lk, max_seqlen_q, max_seqlen_k,
+                    cfg, return_aux, kernel_path=uses_kernels(q, backend))
+
+
+class InfLLMv2Attention(torch.nn.Module):
+    r"""`infllmv2_attention` as a module that holds its configuration (no parameters).
+
+    Args:
+        config (InfLLMv2Config, Optional):
+            Default: `None` (MiniCPM4 defaults).
+        backend (str, Optional):
+            "auto", "kernels" or "reference" (see `infllmv2_attention`). Default: "auto".
+
+    Example:
+        >>> attn = InfLLMv2Attention(InfLLMv2Config(dense_len=0))
+        >>> out = attn(q, k, v, cu_seqlens)            # q [total, HQ, D], k, v [total, H, D]
+    """
+
+    def __init__(self, config: InfLLMv2Config | None = None, *, backend: str = "auto"):
+        super().__init__()
+        self.config = check_config(config)
+        self.backend = check_backend(backend)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
+                max_seqlen_k: int | None = None) -> torch.Tensor:
+        r"""Attention output `[total_q, HQ, D]`.
+
+        Args:
+            q (torch.Tensor):
+                `[total_q, HQ, D]`.
+            k, v (torch.Tensor):
+                `[total_k, H, D]`.
+            cu_seqlens_q (torch.Tensor):
+                int32 `[B+1]`.
+            cu_seqlens_k (torch.Tensor, Optional):
+                int32 `[B+1]`. Default: `None` (`cu_seqlens_q`).
+            max_seqlen_q, max_seqlen_k (int, Optional):
+                Default: `None` (computed from the `cu_seqlens`, one host read).
+        """
+        return infllmv2_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, self.config,
+                                  backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return f"backend={self.backend!r}, config={self.config}"

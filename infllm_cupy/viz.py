@@ -1,9 +1,18 @@
-"""Plots of what stage 1 selected: sparsity maps and block-score heat maps (matplotlib, lazy import)."""
+"""What stage 1 selected, measured and drawn: sparsity maps, block-score heat maps, and how much of
+the dense attention mass the selected blocks capture (matplotlib, imported lazily by the plots).
+
+The measurements (`selection_density`, `attention_mass_captured`, `summarize_mass`,
+`per_query_block`, `topk_sweep`) run on CPU or CUDA tensors, chunked so that they work at 32k+
+tokens on a GPU; the `plot_*` helpers only draw their results.
+"""
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 
-from ._checks import check_tensor
+from ._checks import check_cu_seqlens, check_same_device, check_tensor, seqlens_host
 
 
 def selection_density(topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *,
@@ -52,9 +61,11 @@ def plot_selection(topk_idx, cu_seqlens_q, cu_seqlens_k, *, seq: int = 0, head: 
 
 
 def plot_block_scores(block_scores: torch.Tensor, cu_seqlens_q: torch.Tensor, *, seq: int = 0, head: int = 0,
-                      q_block: int = 64, ax=None, title: str | None = None):
+                      q_block: int = 64, log: bool = False, ax=None, title: str | None = None):
     """Heat map of stage-1 block scores `[H, total_q, n_blocks]`, max over the tokens of each query
-    block; forced blocks (+inf) are drawn at the top of the colour scale. Returns the Axes."""
+    block (query block `i` on y, key block `j` on x). Forced blocks (+inf: init and local) are drawn
+    in light grey, blocks without a score (future, or no fine key) are left blank. With `log`, the
+    colour is `log10` of the score. Returns the Axes."""
     import matplotlib.pyplot as plt
 
     cq = cu_seqlens_q.tolist()
@@ -63,15 +74,371 @@ def plot_block_scores(block_scores: torch.Tensor, cu_seqlens_q: torch.Tensor, *,
     nqb = -(-Lq // q_block)
     pad = nqb * q_block - Lq
     s = torch.nn.functional.pad(s, (0, 0, 0, pad), value=float("-inf"))
-    per_block = s.view(nqb, q_block, -1).amax(1)
-    finite = per_block[torch.isfinite(per_block)]
-    top = finite.max().item() if finite.numel() else 1.0
-    shown = per_block.clamp(max=top).masked_fill(per_block == float("-inf"), float("nan"))
+    per_block = s.view(nqb, q_block, -1).amax(1)                                 # [NQB, n_blocks]
+    forced = per_block == float("inf")
+    shown = per_block.masked_fill(~torch.isfinite(per_block), float("nan"))
+    if log:
+        shown = torch.log10(shown.masked_fill(shown <= 0, float("nan")))
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 5.5))
     im = ax.imshow(shown.numpy(), cmap="magma", interpolation="nearest", aspect="auto")
+    grey = torch.zeros(*forced.shape, 4)
+    grey[forced] = torch.tensor([0.82, 0.82, 0.82, 1.0])
+    ax.imshow(grey.numpy(), interpolation="nearest", aspect="auto")
     ax.set_xlabel("key block j (64 keys)")
     ax.set_ylabel(f"query block i ({q_block} tokens)")
     ax.set_title(title or f"stage-1 block scores, sequence {seq}, KV head {head}")
-    ax.figure.colorbar(im, ax=ax, label="max pooled score (forced blocks clipped to max)")
+    label = "max pooled score (forced blocks grey)"
+    ax.figure.colorbar(im, ax=ax, label=f"log10 {label}" if log else label)
+    return ax
+
+
+class CapturedMass(NamedTuple):
+    """What a selection keeps of dense causal attention, per query token (see `attention_mass_captured`).
+
+    `mass` float32 `[HQ, total_q]`: share of the token's dense softmax mass inside its selected keys.
+    `key_fraction` float32 `[H, total_q]`: share of its causal keys that the selection attends.
+    Both on the CPU; NaN for a token that sees no key.
+    """
+    mass: torch.Tensor
+    key_fraction: torch.Tensor
+
+
+# Elements of one fp32 logit chunk `[HQ, chunk, keys]` (128 MB): memory stays flat at any length.
+_MASS_CHUNK_ELEMS = 1 << 25
+
+
+def _selection_mask(topk_idx_rows: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    """bool `[H, C, n_blocks]` from `topk_idx` rows `[H, C, K]`; negative / out-of-range entries drop out."""
+    t = topk_idx_rows.long()
+    t = torch.where((t >= 0) & (t < n_blocks), t, torch.full_like(t, n_blocks))
+    sel = torch.zeros(*t.shape[:2], n_blocks + 1, dtype=torch.bool, device=t.device)
+    sel.scatter_(2, t, True)
+    return sel[..., :n_blocks]
+
+
+@torch.no_grad()
+def attention_mass_captured(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor, topk_idx, *,
+                            cu_seqlens_k: torch.Tensor | None = None, block_size: int = 64,
+                            softmax_scale: float | None = None, chunk_elems: int = _MASS_CHUNK_ELEMS):
+    r"""For each (query token, query head), the share of its dense causal softmax mass that falls in
+    the blocks its KV head selected.
+
+    The dense attention of query row `r` (sequence `b`, head `hq`) over keys `j <= r + Lk - Lq`
+    (bottom-right causal, stage 2's rule) gives probabilities `p_j`; the result is the sum of `p_j`
+    over keys whose block `j // block_size` is in `topk_idx[hq // G, t]` (set semantics: duplicates,
+    `-1` and out-of-range entries add nothing). 1.0 means stage 2 loses nothing against dense
+    attention for that query. Computed in fp32 (float64 for float64 inputs) over query chunks of
+    about `chunk_elems` logits, so a 32k-token sequence runs on a GPU in seconds.
+
+    Args:
+        q (torch.Tensor):
+            Queries `[total_q, HQ, D]`.
+        k (torch.Tensor):
+            Keys `[total_k, H, D]`, q's dtype and device; `HQ` a multiple of `H`.
+        cu_seqlens_q (torch.Tensor):
+            int32 `[B+1]`.
+        topk_idx (torch.Tensor or Mapping[Any, torch.Tensor]):
+            int32 `[H, total_q, K]` block indices local to each sequence, or several selections by name
+            (they share one pass over the dense attention).
+        cu_seqlens_k (torch.Tensor, Optional):
+            int32 `[B+1]`. Default: `None` (`cu_seqlens_q`).
+        block_size (int, Optional):
+            Keys per block. Default: 64.
+        softmax_scale (float, Optional):
+            Default: `None` (`1 / sqrt(D)`).
+        chunk_elems (int, Optional):
+            Logits per chunk (memory bound). Default: `2**25`.
+
+    Returns:
+        CapturedMass (or a dict of them, keyed as `topk_idx`): `mass [HQ, total_q]` and
+        `key_fraction [H, total_q]`, float32 on the CPU.
+    """
+    cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
+    check_tensor("q", q, ndim=3, dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64))
+    check_tensor("k", k, ndim=3, dtypes=(q.dtype,))
+    check_same_device(q=q, k=k)
+    if q.shape[1] % k.shape[1] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"q [*, HQ, D] and k [*, H, D] need HQ a multiple of H and the same D, got "
+                         f"{tuple(q.shape)} and {tuple(k.shape)}")
+    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total=q.shape[0], device=q.device)
+    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total=k.shape[0], device=q.device,
+                     batch=cu_seqlens_q.numel() - 1)
+    if not isinstance(topk_idx, (torch.Tensor, Mapping)):
+        raise TypeError(f"topk_idx must be a tensor or a mapping of tensors, got {type(topk_idx).__name__}")
+    single = isinstance(topk_idx, torch.Tensor)
+    selections = {None: topk_idx} if single else dict(topk_idx)
+    H = k.shape[1]
+    for name, idx in selections.items():
+        check_tensor("topk_idx" if single else f"topk_idx[{name!r}]", idx, ndim=3, dtypes=(torch.int32, torch.int64),
+                     shape=(H, q.shape[0], None), device=q.device)
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    total, HQ, D = q.shape
+    G = HQ // H
+    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lq, lk = seqlens_host(cu_seqlens_q), seqlens_host(cu_seqlens_k)
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    mass = {n: torch.full((HQ, total), float("nan")) for n in selections}
+    keys = {n: torch.full((H, total), float("nan")) for n in selections}
+    for b, (Lq, Lk) in enumerate(zip(lq, lk)):
+        chunk = max(1, chunk_elems // max(1, HQ * Lk))
+        kb = k[cu_k[b]:cu_k[b] + Lk].to(cdt).permute(1, 2, 0).unsqueeze(1)        # [H, 1, D, Lk]
+        for s in range(0, Lq, chunk):
+            e = min(Lq, s + chunk)
+            n = min(Lk, e + Lk - Lq)                                              # keys the chunk can see
+            if n <= 0:
+                continue
+            rows = slice(cu_q[b] + s, cu_q[b] + e)
+            last = torch.arange(s, e, device=q.device) + Lk - Lq                  # [C] last visible key
+            qh = q[rows].to(cdt).reshape(e - s, H, G, D).permute(1, 2, 0, 3)      # [H, G, C, D]
+            logits = torch.matmul(qh * scale, kb[..., :n])                        # [H, G, C, n]
+            j = torch.arange(n, device=q.device)
+            logits.masked_fill_(j[None, :] > last[:, None], float("-inf"))
+            p = torch.softmax(logits, dim=-1)
+            del logits
+            nb = -(-n // block_size)
+            p = torch.nn.functional.pad(p, (0, nb * block_size - n))
+            block_mass = p.view(H, G, e - s, nb, block_size).sum(-1)             # [H, G, C, nb]
+            del p
+            # causal keys of block c for each row: the row sees keys [0, last]
+            start = torch.arange(nb, device=q.device) * block_size
+            per_block = (last[:, None] + 1 - start[None, :]).clamp(0, block_size).to(cdt)   # [C, nb]
+            seen = (last + 1).clamp_min(0).to(cdt)                                 # [C]
+            for name, idx in selections.items():
+                sel = _selection_mask(idx[:, rows], nb)                            # [H, C, nb]
+                m = (block_mass * sel[:, None]).sum(-1)                            # [H, G, C]
+                mass[name][:, rows] = m.reshape(HQ, e - s).float().cpu()
+                kf = (per_block[None] * sel).sum(-1) / seen                        # [H, C]
+                keys[name][:, rows] = kf.float().cpu()
+    out = {n: CapturedMass(mass[n], keys[n]) for n in selections}
+    return out[None] if single else out
+
+
+def _token_positions(cu_seqlens_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence `[total_q]` and position inside it `[total_q]` of each packed token (CPU int64)."""
+    lengths = torch.as_tensor(seqlens_host(cu_seqlens_q), dtype=torch.int64)
+    seq = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    starts = cu_seqlens_q.detach().cpu().long()[:-1]
+    return seq, torch.arange(seq.numel()) - starts[seq]
+
+
+def summarize_mass(captured: CapturedMass, cu_seqlens_q: torch.Tensor, *, from_position: int = 0,
+                   seq: int | None = None) -> dict:
+    r"""Means of a `CapturedMass` over the query tokens at or past `from_position` in their sequence.
+
+    Early tokens have fewer causal blocks than the selection holds, so they keep all their mass;
+    `from_position` leaves them out of the means.
+
+    Args:
+        captured (CapturedMass):
+            From `attention_mass_captured`.
+        cu_seqlens_q (torch.Tensor):
+            int32 `[B+1]` (the one the mass was computed with).
+        from_position (int, Optional):
+            First position (inside each sequence) that counts. Default: 0.
+        seq (int, Optional):
+            Only this sequence. Default: `None` (all).
+
+    Returns:
+        dict: `mass` (float, over tokens and query heads), `mass_per_head` `[HQ]`, `mass_per_kv_head`
+        `[H]`, `key_fraction` (float), `key_fraction_per_kv_head` `[H]`, `tokens` (int, counted).
+    """
+    seq_of, pos = _token_positions(cu_seqlens_q)
+    keep = pos >= from_position
+    if seq is not None:
+        keep &= seq_of == seq
+    m, kf = captured.mass[:, keep], captured.key_fraction[:, keep]
+    HQ, H = m.shape[0], kf.shape[0]
+    per_head = m.nanmean(dim=1) if m.shape[1] else torch.full((HQ,), float("nan"))
+    kf_head = kf.nanmean(dim=1) if kf.shape[1] else torch.full((H,), float("nan"))
+    return {"mass": per_head.nanmean().item(), "mass_per_head": per_head,
+            "mass_per_kv_head": per_head.view(H, HQ // H).nanmean(dim=1),
+            "key_fraction": kf_head.nanmean().item(), "key_fraction_per_kv_head": kf_head,
+            "tokens": int(keep.sum())}
+
+
+def per_query_block(values: torch.Tensor, cu_seqlens_q: torch.Tensor, *, seq: int = 0,
+                    q_block: int = 64) -> torch.Tensor:
+    """Mean of per-token values `[X, total_q]` (e.g. `CapturedMass.mass`) over each `q_block`-token
+    query block of sequence `seq`: float32 `[X, cdiv(Lq, q_block)]`, NaN ignored."""
+    check_tensor("values", values, ndim=2)
+    cq = cu_seqlens_q.tolist()
+    x = values[:, cq[seq]:cq[seq + 1]].float().cpu()
+    Lq = x.shape[1]
+    nqb = -(-Lq // q_block)
+    x = torch.nn.functional.pad(x, (0, nqb * q_block - Lq), value=float("nan"))
+    return x.view(x.shape[0], nqb, q_block).nanmean(dim=-1)
+
+
+@torch.no_grad()
+def topk_sweep(block_scores: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int, topks: Sequence[int],
+               config=None, *, cache_lens=None) -> dict[int, torch.Tensor]:
+    r"""The selection for each `topk` in `topks`, from one set of stage-1 block scores.
+
+    Block scores do not depend on `topk` (only on the forced init and local blocks), so a sweep
+    reruns only the top-k step: `K = min(topk + local_blocks, n_blocks)` best blocks, ascending,
+    future blocks `-1`, as the pipeline does.
+
+    Args:
+        block_scores (torch.Tensor):
+            `[H, total_q, n_blocks]` (the pipeline's `return_aux["block_scores"]`).
+        cu_seqlens_q (torch.Tensor):
+            int32 `[B+1]`.
+        max_seqlen_q (int):
+            Longest query sequence.
+        topks (Sequence[int]):
+            Budgets to try (0: only the forced blocks).
+        config (InfLLMv2Config, Optional):
+            The configuration the scores came from (`local_blocks`, `block_size`,
+            `varlen_offset_quirk`). Default: `None` (MiniCPM4 defaults).
+        cache_lens (torch.Tensor or list[int], Optional):
+            As in the pipeline (chunked prefill). Default: `None`.
+
+    Returns:
+        dict[int, torch.Tensor]: topk -> `topk_idx` int32 `[H, total_q, K]`.
+    """
+    from .pipeline import check_config
+    from .stage1.naive import naive_select_topk, q_block_idx_prefill
+
+    cfg = check_config(config)
+    q_blocks = q_block_idx_prefill(cu_seqlens_q, max_seqlen_q, cfg.block_size, cfg.varlen_offset_quirk,
+                                   cache_lens=cache_lens)
+    return {int(t): naive_select_topk(block_scores, q_blocks, int(t), cfg.local_blocks) for t in topks}
+
+
+def _needle_marks(needles, head: int):
+    """(key block, query block) points of the needles that live in KV `head` (or in every head)."""
+    pts = []
+    for n in needles or ():
+        h = n[2] if len(n) > 2 else None
+        if h is None or h == head:
+            first, last = n[1] // 64, (n[1] + 63) // 64
+            pts += [(n[0], first), (n[0], last)]
+    return pts
+
+
+def _head_axes(n: int, width: float = 5.2, height: float = 4.6):
+    import matplotlib.pyplot as plt
+
+    cols = min(n, 4)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    for ax in axes.flat[n:]:
+        ax.set_visible(False)
+    return fig, list(axes.flat[:n])
+
+
+def plot_selection_maps(topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None = None,
+                        *, seq: int = 0, heads: Sequence[int] | None = None, needles=None, q_block: int = 64,
+                        block_size: int = 64, suptitle: str | None = None):
+    """Sparsity maps (`plot_selection`) side by side, one per KV head, with the needles (key block,
+    query blocks of the run) circled in red on the head that carries them. Returns the Figure."""
+    cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
+    heads = list(range(topk_idx.shape[0])) if heads is None else list(heads)
+    fig, axes = _head_axes(len(heads))
+    idx, cq, ck = topk_idx.cpu(), cu_seqlens_q.cpu(), cu_seqlens_k.cpu()
+    for h, ax in zip(heads, axes):
+        plot_selection(idx, cq, ck, seq=seq, head=h, q_block=q_block, block_size=block_size, ax=ax,
+                       title=f"KV head {h}")
+        pts = _needle_marks(needles, h)
+        if pts:
+            xs, ys = zip(*pts)
+            ax.scatter(xs, [y * 64 // q_block for y in ys], s=90, facecolors="none", edgecolors="red",
+                       linewidths=1.5, label="needle")
+            ax.legend(loc="upper right", fontsize=8)
+    if suptitle:
+        fig.suptitle(suptitle)
+    fig.tight_layout()
+    return fig
+
+
+def plot_block_score_maps(block_scores: torch.Tensor, cu_seqlens_q: torch.Tensor, *, seq: int = 0,
+                          heads: Sequence[int] | None = None, q_block: int = 64, log: bool = True, needles=None,
+                          suptitle: str | None = None):
+    """Stage-1 block-score heat maps (`plot_block_scores`), one per KV head, needles circled. Returns the Figure."""
+    heads = list(range(block_scores.shape[0])) if heads is None else list(heads)
+    fig, axes = _head_axes(len(heads))
+    for h, ax in zip(heads, axes):
+        plot_block_scores(block_scores, cu_seqlens_q, seq=seq, head=h, q_block=q_block, log=log, ax=ax,
+                          title=f"KV head {h}")
+        pts = _needle_marks(needles, h)
+        if pts:
+            xs, ys = zip(*pts)
+            ax.scatter(xs, [y * 64 // q_block for y in ys], s=90, facecolors="none", edgecolors="cyan",
+                       linewidths=1.5)
+    if suptitle:
+        fig.suptitle(suptitle)
+    fig.tight_layout()
+    return fig
+
+
+def plot_mass_by_query_block(curves: Mapping[str, torch.Tensor], *, q_block: int = 64, ax=None,
+                             title: str | None = None):
+    """Captured attention mass against the query block, one line per entry of `curves`
+    (label -> `[NQB]`, e.g. from `per_query_block`, averaged over heads). Returns the Axes."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 4))
+    for label, y in curves.items():
+        y = torch.as_tensor(y).float().cpu()
+        ax.plot(range(y.numel()), y.numpy(), label=label, lw=1.4)
+    ax.set_xlabel(f"query block i ({q_block} tokens)")
+    ax.set_ylabel("dense attention mass in the selected blocks")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title or "attention mass captured along the sequence")
+    return ax
+
+
+def plot_mass_vs_topk(topks: Sequence[int], summaries: Sequence[dict], *, ax=None, title: str | None = None):
+    """Mean captured mass against the top-k budget: one line per KV head and their mean (solid), and
+    the share of causal keys attended (dashed), from `summarize_mass` results in `topks` order.
+    Returns the Axes."""
+    import matplotlib.pyplot as plt
+
+    if len(topks) != len(summaries):
+        raise ValueError(f"topks and summaries must have the same length, got {len(topks)} and {len(summaries)}")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 4))
+    x = list(topks)
+    per_kv = torch.stack([s["mass_per_kv_head"] for s in summaries])             # [n_topk, H]
+    for h in range(per_kv.shape[1]):
+        ax.plot(x, per_kv[:, h].numpy(), marker="o", ms=3, lw=1, alpha=0.7, label=f"mass, KV head {h}")
+    ax.plot(x, [s["mass"] for s in summaries], marker="o", color="black", lw=2, label="mass, mean")
+    ax.plot(x, [s["key_fraction"] for s in summaries], ls="--", color="gray", marker="s", ms=3,
+            label="keys attended / causal keys")
+    positive = [t for t in x if t > 0]
+    if positive and min(x) >= 0:
+        ax.set_xscale("symlog", linthresh=min(positive))
+    ax.set_xticks(x, [str(t) for t in x])
+    ax.set_xlabel("topk (blocks picked by score, besides the forced init and local blocks)")
+    ax.set_ylabel("share")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title or "dense attention mass captured vs top-k budget")
+    return ax
+
+
+def plot_mass_per_head(summary: dict, *, ax=None, title: str | None = None):
+    """Bar chart of the captured mass of every query head (`summarize_mass(...)["mass_per_head"]`),
+    coloured by KV head. Returns the Axes."""
+    import matplotlib.pyplot as plt
+
+    per_head = summary["mass_per_head"]
+    H = summary["mass_per_kv_head"].numel()
+    G = per_head.numel() // H
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3.2))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    ax.bar(range(per_head.numel()), per_head.numpy(), color=[colors[(i // G) % len(colors)] for i in
+                                                            range(per_head.numel())])
+    ax.set_xlabel(f"query head (groups of {G} share a KV head)")
+    ax.set_ylabel("mass captured")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(title or "captured mass per query head")
     return ax
