@@ -241,8 +241,8 @@ def _stage1_kernel():
     """The stage-1 kernel op (scores, block pooling and top-k), or None while there is none.
 
     This is the one place where it plugs into the kernel path: return the op here and every caller
-    of `stages_for` picks it up. It must take `naive_stage1_select`'s signature, including
-    `return_scores=True` (the pipeline's `return_aux` exposes scores and block scores).
+    of `stages_for` picks it up. It must take `naive_stage1_select`'s signature; the pipeline
+    asks for `return_scores=True` only when `return_aux` exposes the scores and block scores.
     TODO(issue 5, stage-1 kernel lands): return it instead of None.
     """
     return None
@@ -286,11 +286,13 @@ def stage_names(stages: dict) -> dict[str, str]:
 
 
 def select_blocks(stages: dict, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache_lens, causal,
-                  cfg: InfLLMv2Config, ck1=None, cu_seqlens_c1=None, ck2=None, cu_seqlens_c2=None) -> dict:
+                  cfg: InfLLMv2Config, ck1=None, cu_seqlens_c1=None, ck2=None, cu_seqlens_c2=None, *,
+                  need_scores: bool = True) -> dict:
     """Compression (unless given) -> stage 1 (scores, pooling, top-k), without gradients.
 
     Returns the dict of intermediates (`ck1`, `ck2`, `cu_seqlens_c1/c2`, `scores`, `block_scores`,
-    `topk_idx`) that `return_aux` exposes.
+    `topk_idx`) that `return_aux` exposes; `scores` and `block_scores` are None unless `need_scores`
+    (a stage-1 kernel can then skip writing them).
     """
     with torch.no_grad():
         if ck1 is None:
@@ -300,12 +302,13 @@ def select_blocks(stages: dict, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         elif ck2 is None:
             ck2, cu_seqlens_c2 = stages["compress_k"](k, cu_seqlens_k, cfg.coarse_kernel_size,
                                                       cfg.coarse_kernel_stride)
-        topk_idx, scores, block_scores = stages["stage1_select"](
+        selected = stages["stage1_select"](
             q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q, causal=causal,
             cache_lens=cache_lens, softmax_scale=cfg.softmax_scale, topk=cfg.topk, local_blocks=cfg.local_blocks,
             init_blocks=cfg.init_blocks, block_size=cfg.block_size, kernel_stride=cfg.kernel_stride,
             coarse_kernel_stride=cfg.coarse_kernel_stride, varlen_offset_quirk=cfg.varlen_offset_quirk,
-            score_dtype=cfg.score_dtype, return_scores=True)
+            score_dtype=cfg.score_dtype, return_scores=need_scores)
+        topk_idx, scores, block_scores = selected if need_scores else (selected, None, None)
     return {"ck1": ck1, "ck2": ck2, "cu_seqlens_c1": cu_seqlens_c1, "cu_seqlens_c2": cu_seqlens_c2,
             "scores": scores, "block_scores": block_scores, "topk_idx": topk_idx}
 
@@ -326,7 +329,8 @@ def _prefill(stages: dict, q, k, v, cu_seqlens_q, cu_seqlens_k, lq: list[int], l
     if kernel_path:
         check_kernel_path(cfg, q, k, v)
     cache_lens = torch.tensor([b - a for a, b in zip(lq, lk)], dtype=torch.int32, device=q.device)
-    aux = select_blocks(stages, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache_lens, True, cfg)
+    aux = select_blocks(stages, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache_lens, True, cfg,
+                        need_scores=return_aux)
     out = stages["sparse_attn"](q, k, v, cu_seqlens_q, cu_seqlens_k, aux["topk_idx"], max_seqlen_q, max_seqlen_k,
                                 causal=True, softmax_scale=cfg.softmax_scale, block_size=cfg.block_size)
     return (out, dict(dense=False, **aux)) if return_aux else out

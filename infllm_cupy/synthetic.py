@@ -195,10 +195,10 @@ def structured_sequence(T: int, HQ: int, H: int, D: int, *, n_needles: int = 4, 
         needles.append(Needle(kb, qs, h))
 
     cu = torch.tensor([0, T], dtype=torch.int32, device=device)
-    params = dict(T=T, HQ=HQ, H=H, D=D, n_needles=n_needles, needle_logit=needle_logit,
-                  per_head_needles=per_head_needles, sink_tokens=sink_tokens, sink_logit=sink_logit,
-                  local_len=local_len, local_logit=local_logit, topic_len=topic_len, topic_logit=topic_logit,
-                  n_topics=n_topics, seed=seed)
+    params = {"T": T, "HQ": HQ, "H": H, "D": D, "n_needles": n_needles, "needle_logit": needle_logit,
+              "per_head_needles": per_head_needles, "sink_tokens": sink_tokens, "sink_logit": sink_logit,
+              "local_len": local_len, "local_logit": local_logit, "topic_len": topic_len,
+              "topic_logit": topic_logit, "n_topics": n_topics, "seed": seed}
     return SyntheticSequence(q.reshape(T, HQ, D).to(device, dtype), k.to(device, dtype), v.to(device, dtype), cu,
                              needles, sink_tokens, local_len, params)
 

@@ -1,0 +1,406 @@
+r"""InfLLM-v2 end to end (compression -> stage 1 -> top-k -> stage 2) against dense attention, in one process.
+
+    python benchmarks/bench_pipeline.py --quick                                  # smoke run, one small config
+    python benchmarks/bench_pipeline.py --configs 32kx8 --json benchmarks/results/pipeline_32k.json
+    python benchmarks/bench_pipeline.py --configs 32kx8,64kx4,128kx2 --max-configs 1   # the first one only
+
+Rows (impl), all forward under `no_grad`, on the same seeded bf16 inputs:
+    selection   compression + stage 1 + top-k: `pipeline.select_blocks` with the stages `stages_for`
+                picks for `--backend` (CUDA today: compression kernel, stage-1 PyTorch reference), only
+                `topk_idx` returned (as the pipeline runs it without `return_aux`)
+    stage2      stage 2 alone (`stages_for(...)["sparse_attn"]`) on the pipeline's own `topk_idx`
+    pipeline    `infllmv2_attention` (sparse path, `dense_len = 0`): selection + stage 2 + host glue
+    sdpa_cudnn  torch SDPA dense causal, cuDNN backend, `[B, HQ, T, D]`, enable_gqa
+    flex_union  FlexAttention (compiled) with a 128x128 BlockMask over the union of the pipeline's
+                `topk_idx` per 128-token query tile (benchmarks/selections.py): the least an exact
+                FlexAttention version of the same selection computes
+Memory: the selection's and the pipeline's extra GPU memory, `torch.cuda.max_memory_allocated()`
+during one call minus the memory allocated before it (inputs and earlier results excluded).
+TFLOP/s are effective (keys each query attends: the selection's for stage2/pipeline, the tiles' for
+Flex, causal dense for SDPA); `selection` has none. Ratios: anchor ms / pipeline ms (> 1: ours faster).
+The stage-1 reference takes about 0.8 s per 32k-token sequence on an H100 (T^2 growth): use
+`--configs` / `--max-configs` to keep one command within its time limit.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks._harness import (  # noqa: E402
+    Row,
+    bench_gpu_time,
+    causal_dense_keys,
+    env_stamp,
+    flops_attn,
+    format_table,
+    print_table,
+    summarize,
+    tflops,
+    write_json,
+)
+from benchmarks.bench_stage2 import _short, causal_mask, parse_config, shape_id  # noqa: E402
+from benchmarks.selections import attended_keys, to_flex_block_mask_inputs, uniform_cu_seqlens  # noqa: E402
+
+IMPLS = ("selection", "stage2", "pipeline", "sdpa_cudnn", "flex_union")
+ANCHORS = ("sdpa_cudnn", "flex_union")
+README_CONFIGS = "32kx8,64kx4,128kx2"
+
+
+def make_inputs(B: int, T: int, HQ: int, H: int, D: int, device, seed: int = 0, dtype=torch.bfloat16):
+    """Seeded packed `q [B*T, HQ, D]`, `k, v [B*T, H, D]` and uniform `cu_seqlens` `[B+1]`."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(B * T, HQ, D, generator=g, device=device, dtype=dtype)
+    k = torch.randn(B * T, H, D, generator=g, device=device, dtype=dtype)
+    v = torch.randn(B * T, H, D, generator=g, device=device, dtype=dtype)
+    return q, k, v, uniform_cu_seqlens(B, T, device)
+
+
+def extra_memory(fn: Callable[[], object], device: torch.device) -> tuple[float | None, object]:
+    """GiB that one `fn()` call allocates at its peak beyond what was allocated before; and its result."""
+    if device.type != "cuda":
+        return None, fn()
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30, out
+
+
+def tie_free_inputs(lengths, HQ: int, H: int, D: int, device, seed: int = 0, dtype=torch.bfloat16):
+    """Inputs on which every backend picks the same blocks: keys are multiples of 1/8 in [-1, 1], so
+    their window means are exact in fp32 and round the same way whichever code computes them."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q = torch.randn(total, HQ, D, generator=g)
+    k = torch.randint(-8, 9, (total, H, D), generator=g) / 8.0
+    v = torch.randn(total, H, D, generator=g)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths).cumsum(0)
+    return q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), cu.to(device)
+
+
+def check_against_reference(device: torch.device, backend: str, HQ: int, H: int, D: int) -> str:
+    """The pipeline on `backend` against the reference pipeline on a reduced ragged shape: identical
+    `topk_idx` (fp32 scores, tie-free keys) and output error at most 2x that of the reference done in
+    bf16 (FlashAttention's rule) against the float64 reference. Returns a one-line verdict."""
+    from infllm_cupy.pipeline import InfLLMv2Config, infllmv2_attention, naive_infllmv2_attention
+    from infllm_cupy.stage2.naive import naive_sparse_attn_varlen
+    from infllm_cupy.testing import max_abs_err
+
+    try:
+        lengths = [1000, 2049, 333]
+        q, k, v, cu = tie_free_inputs(lengths, HQ, H, D, device, seed=1234)
+        cfg = InfLLMv2Config(topk=4, local_blocks=2, dense_len=0, score_dtype=torch.float32)
+        L = max(lengths)
+        with torch.no_grad():
+            out, aux = infllmv2_attention(q, k, v, cu, cu, L, L, cfg, backend=backend, return_aux=True)
+            _, ref_aux = naive_infllmv2_attention(q, k, v, cu, cu, L, L, cfg, return_aux=True)
+            idx = ref_aux["topk_idx"]
+            ref = naive_sparse_attn_varlen(q.double(), k.double(), v.double(), cu, cu, idx, L, L)
+            lowp = naive_sparse_attn_varlen(q, k, v, cu, cu, idx, L, L, upcast=False)
+        same = torch.equal(aux["topk_idx"], idx)
+        err, base = max_abs_err(out, ref), max_abs_err(lowp, ref)
+        ok = same and not bool(torch.isnan(out).any()) and err <= 2 * base + 1e-5
+        return (f"check {'PASSED' if ok else 'FAILED'}: topk_idx {'identical' if same else 'DIFFERENT'}, "
+                f"max|out - ref64| = {err:.2e} (bf16 reference {base:.2e})")
+    except Exception as e:  # noqa: BLE001 - the verdict is reported, the timings still run
+        return f"check FAILED: {_short(e)}"
+
+
+class Runner:
+    """Times rows, records failures in `row.note` instead of raising, and keeps a time budget."""
+
+    def __init__(self, args, device: torch.device):
+        self.args, self.device = args, device
+        self.rows: list[Row] = []
+        self.t_start = time.perf_counter()
+
+    def over_budget(self) -> bool:
+        return self.args.budget_s > 0 and time.perf_counter() - self.t_start > self.args.budget_s
+
+    def time(self, row: Row, fn: Callable[[], object] | None, keys: float | None, n_q_rows: int, D: int,
+             skip: str = "", memory: dict | None = None, keep: Callable[[object], object] | None = None) -> Row:
+        """Time `fn` into `row`. With `memory`, the first warm-up run also records its extra GPU memory
+        as `memory[f"{row.impl}_GiB"]`, and `keep(result)` of that run is stored in `self.kept`."""
+        a = self.args
+        self.kept = None
+        if keys is not None:
+            row.keys_per_q = keys / n_q_rows
+            row.flop = flops_attn(keys, D, row.mode)
+        if skip or fn is None:
+            row.note = skip or "unavailable"
+        elif self.over_budget():
+            row.note = f"skipped: --budget-s {a.budget_s:g} s exceeded"
+        else:
+            try:
+                def run():
+                    with torch.no_grad():
+                        return fn()
+                warmup = a.warmup
+                if memory is not None:
+                    memory[f"{row.impl}_GiB"], out = extra_memory(run, self.device)
+                    self.kept = keep(out) if keep else None
+                    del out
+                    warmup = max(0, warmup - 1)
+                times = bench_gpu_time(run, warmup=warmup, rep=a.rep, target_ms=a.target_ms, min_rep=a.min_rep,
+                                       max_rep=a.max_rep, device=self.device)
+                st = summarize(times)
+                row.ms, row.ms_p20, row.ms_p80, row.reps = st["ms"], st["ms_p20"], st["ms_p80"], len(times)
+                row.tflops = tflops(row.flop, row.ms)
+            except Exception as e:  # noqa: BLE001 - one row failing must not kill the table
+                row.note = (row.note + "; " if row.note else "") + _short(e)
+            finally:
+                self.free()
+        self.rows.append(row)
+        print(f"  {row.impl:<10} {row.config} K={row.K} ms={row.ms if row.ms is None else round(row.ms, 3)} "
+              f"TFLOP/s={row.tflops if row.tflops is None else round(row.tflops, 1)} {row.note}", flush=True)
+        return row
+
+    def free(self):
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def load_flex(device: torch.device, compile_: bool):
+    """`(flex_attention or its compiled form, BlockMask, "")`, or `(None, None, reason)`."""
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    except Exception as e:  # noqa: BLE001
+        return None, None, f"flex_attention not importable: {_short(e)}"
+    if device.type == "cuda" and compile_:
+        return torch.compile(flex_attention, dynamic=False), BlockMask, ""
+    return flex_attention, BlockMask, ""
+
+
+def flex_union_fn(flex, BlockMask, topk_idx, q, k, v, B: int, T: int, HQ: int):
+    """`(fn, keys)`: FlexAttention over the 128x128 tiles covering `topk_idx` on `[B, heads, T, D]` copies."""
+    fb = to_flex_block_mask_inputs(topk_idx, B, T, HQ)
+    bm = BlockMask.from_kv_blocks(fb.kv_num_blocks, fb.kv_indices, fb.full_kv_num_blocks, fb.full_kv_indices,
+                                  BLOCK_SIZE=(128, 128), mask_mod=causal_mask, seq_lengths=(T, T))
+    qt, kt, vt = (x.view(B, T, x.shape[1], x.shape[2]).transpose(1, 2).contiguous() for x in (q, k, v))
+    return (lambda: flex(qt, kt, vt, block_mask=bm, enable_gqa=True)), fb.keys
+
+
+def sdpa_cudnn_fn(q, k, v, B: int, T: int):
+    """Dense causal SDPA on the cuDNN backend (any backend on CPU), `[B, heads, T, D]` copies."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qt, kt, vt = (x.view(B, T, x.shape[1], x.shape[2]).transpose(1, 2).contiguous() for x in (q, k, v))
+    backends = [SDPBackend.CUDNN_ATTENTION] if q.is_cuda else [SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION]
+
+    def run():
+        with sdpa_kernel(backends):
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+    return run
+
+
+def bench_config(r: Runner, T: int, B: int, flex, BlockMask, flex_note: str = "") -> dict:
+    """Time every requested row on one `(T, B)`; returns the memory record of the config."""
+    from infllm_cupy.pipeline import InfLLMv2Config, infllmv2_attention, select_blocks, stages_for
+
+    a, dev = r.args, r.device
+    HQ, H, D = a.hq, a.h, a.d
+    cfg_id = shape_id(B, T, HQ, H, D)
+    cfg = InfLLMv2Config(topk=a.topk, local_blocks=a.local_blocks, dense_len=0)
+    K = cfg.topk + cfg.local_blocks
+    print(f"\n== {cfg_id}: topk {cfg.topk} + local {cfg.local_blocks} (K = {K}), backend {a.backend}", flush=True)
+    q, k, v, cu = make_inputs(B, T, HQ, H, D, dev, a.seed)
+    stages = stages_for(q, a.backend)
+    cache_lens = torch.zeros(B, dtype=torch.int32, device=dev)
+    n_q_rows = B * T * HQ
+
+    def selection():
+        return select_blocks(stages, q, k, cu, cu, T, cache_lens, True, cfg, need_scores=False)
+
+    def pipeline():
+        return infllmv2_attention(q, k, v, cu, cu, T, T, cfg, backend=a.backend)
+
+    mem = {"config": cfg_id}
+    topk_idx = None
+    if "selection" in a.impls:
+        r.time(Row("selection", cfg_id, "-", K, "fwd"), selection, None, n_q_rows, D, memory=mem,
+               keep=lambda aux: aux["topk_idx"])
+        topk_idx = r.kept
+    if topk_idx is None:     # not requested, or it failed: the other rows still need the selection
+        with torch.no_grad():
+            topk_idx = selection()["topk_idx"]
+    r.free()
+    keys = (HQ // H) * int(attended_keys(topk_idx, cu).sum())
+
+    def stage2():
+        return stages["sparse_attn"](q, k, v, cu, cu, topk_idx, T, T, causal=True, block_size=cfg.block_size)
+
+    if "stage2" in a.impls:
+        r.time(Row("stage2", cfg_id, "-", K, "fwd"), stage2, keys, n_q_rows, D)
+    if "pipeline" in a.impls:
+        r.time(Row("pipeline", cfg_id, "-", K, "fwd"), pipeline, keys, n_q_rows, D, memory=mem)
+    if "sdpa_cudnn" in a.impls:
+        try:
+            fn, skip = sdpa_cudnn_fn(q, k, v, B, T), ""
+        except Exception as e:  # noqa: BLE001
+            fn, skip = None, f"setup: {_short(e)}"
+        r.time(Row("sdpa_cudnn", cfg_id, "-", None, "fwd"), fn, causal_dense_keys(B, T, HQ), n_q_rows, D, skip)
+        fn = None
+        r.free()
+    if "flex_union" in a.impls:
+        fn, fkeys, skip = None, None, flex_note
+        if flex is not None:
+            try:
+                fn, fkeys = flex_union_fn(flex, BlockMask, topk_idx, q, k, v, B, T, HQ)
+            except Exception as e:  # noqa: BLE001
+                skip = f"setup: {_short(e)}"
+        r.time(Row("flex_union", cfg_id, "-", K, "fwd"), fn, fkeys, n_q_rows, D, skip)
+    return mem
+
+
+def summary(rows: list[Row], memory: list[dict]) -> list[dict]:
+    """One line per config: ms of every row, anchor ms / pipeline ms, the selection's share and memory."""
+    by = {(x.config, x.impl): x for x in rows}
+    out = []
+    for m in memory:
+        c = m["config"]
+        ms = {i: (by[(c, i)].ms if (c, i) in by else None) for i in IMPLS}
+        pipe = ms["pipeline"]
+        rec = {"config": c, **{f"{i}_ms": ms[i] for i in IMPLS}}
+        for i in ANCHORS:
+            rec[f"{i}/pipeline"] = ms[i] / pipe if ms[i] and pipe else None
+            if (c, "pipeline") in by and ms[i] and pipe:
+                by[(c, "pipeline")].ratios[i] = ms[i] / pipe
+        rec["selection_share"] = ms["selection"] / pipe if ms["selection"] and pipe else None
+        rec["sel_mem_GiB"], rec["pipe_mem_GiB"] = m.get("selection_GiB"), m.get("pipeline_GiB")
+        out.append(rec)
+    return out
+
+
+def add_common_args(p: argparse.ArgumentParser, impls: tuple[str, ...]) -> None:
+    p.add_argument("--configs", default=None,
+                   help=f"comma-separated TxB (k = 1024). Default: {README_CONFIGS} (--quick: 8kx2; on CPU 512x2)")
+    p.add_argument("--max-configs", type=int, default=0, help="run only the first N configs (0: all)")
+    p.add_argument("--backend", default="auto", choices=("auto", "kernels", "reference"),
+                   help="stage implementations (infllm_cupy.pipeline.stages_for). Default: auto")
+    p.add_argument("--topk", type=int, default=64, help="blocks picked by score (MiniCPM4: 64)")
+    p.add_argument("--local-blocks", type=int, default=32, help="local window in blocks (MiniCPM4: 32)")
+    p.add_argument("--impls", default=",".join(impls), help=f"subset of {','.join(impls)}")
+    p.add_argument("--json", default=None, help="write all rows (with GPU, versions, commit) to this file")
+    p.add_argument("--skip-check", action="store_true", help="skip the check against the reference pipeline")
+    p.add_argument("--quick", action="store_true", help="smoke run: one small config, few repetitions")
+    p.add_argument("--hq", type=int, default=32)
+    p.add_argument("--h", type=int, default=2)
+    p.add_argument("--d", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing (compiles kernels). Default: 1")
+    p.add_argument("--rep", type=int, default=None, help="timed runs; default: adaptive (--target-ms)")
+    p.add_argument("--target-ms", type=float, default=1000.0, help="adaptive reps: about this much timed work")
+    p.add_argument("--min-rep", type=int, default=2)
+    p.add_argument("--max-rep", type=int, default=10)
+    p.add_argument("--budget-s", type=float, default=540.0,
+                   help="after this many seconds, skip the remaining rows and print the tables (0: no limit)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--no-compile", action="store_true", help="run FlexAttention eagerly (always on CPU)")
+    p.add_argument("--validate", action="store_true",
+                   help="keep the launchers' value checks (a host sync per call) while timing")
+
+
+def finish_args(p: argparse.ArgumentParser, a, impls: tuple[str, ...]):
+    dev = torch.device(a.device)
+    if a.configs is None:
+        a.configs = ("8kx2" if dev.type == "cuda" else "512x2") if a.quick else README_CONFIGS
+    a.configs = [parse_config(c) for c in a.configs.split(",") if c]
+    if a.max_configs > 0:
+        a.configs = a.configs[:a.max_configs]
+    a.impls = [i for i in a.impls.split(",") if i]
+    bad = [i for i in a.impls if i not in impls]
+    if bad:
+        p.error(f"--impls: unknown {bad}; choose from {list(impls)}")
+    if a.hq % a.h:
+        p.error("--hq must be a multiple of --h")
+    if a.quick:
+        a.target_ms, a.max_rep = min(a.target_ms, 300.0), min(a.max_rep, 5)
+    return a
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    add_common_args(p, IMPLS)
+    return finish_args(p, p.parse_args(argv), IMPLS)
+
+
+class no_validation:
+    """`INFLLM_CUPY_VALIDATE=0` inside the block (the launchers' host reads of `cu_seqlens` are not timed)."""
+
+    def __init__(self, keep: bool):
+        self.keep = keep
+
+    def __enter__(self):
+        self.saved = os.environ.get("INFLLM_CUPY_VALIDATE")
+        if not self.keep:
+            os.environ["INFLLM_CUPY_VALIDATE"] = "0"
+
+    def __exit__(self, *exc):
+        if self.saved is None:
+            os.environ.pop("INFLLM_CUPY_VALIDATE", None)
+        else:
+            os.environ["INFLLM_CUPY_VALIDATE"] = self.saved
+
+
+def main(argv=None) -> list[Row]:
+    a = parse_args(argv)
+    dev = torch.device(a.device)
+    env = env_stamp()
+    print("env: " + ", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
+    from infllm_cupy.pipeline import stage_names, stages_for
+
+    probe = torch.empty(0, device=dev)
+    for name, impl in stage_names(stages_for(probe, a.backend)).items():
+        print(f"stage {name:14s} {impl}")
+    check = "check skipped (--skip-check)" if a.skip_check else check_against_reference(dev, a.backend, a.hq, a.h,
+                                                                                          a.d)
+    print(check, flush=True)
+    flex, BlockMask, flex_note = (load_flex(dev, not a.no_compile) if "flex_union" in a.impls
+                                  else (None, None, "not requested"))
+    r = Runner(a, dev)
+    memory = []
+    with no_validation(a.validate):
+        for T, B in a.configs:
+            try:
+                memory.append(bench_config(r, T, B, flex, BlockMask, flex_note))
+            except Exception as e:  # noqa: BLE001 - e.g. OOM building inputs: record it, go on
+                r.rows.append(Row("config", shape_id(B, T, a.hq, a.h, a.d), note=f"config failed: {_short(e)}"))
+                print(f"config {T}x{B} failed: {_short(e)}", flush=True)
+            r.free()     # the config's inputs went out of scope with bench_config
+            if a.json:
+                write_json(r.rows, a.json, env, extra={"check": check, "memory": memory, "argv": sys.argv[1:]})
+    recs = summary(r.rows, memory)
+    print_table(r.rows, title="All rows (ms = median; TFLOP/s effective on attended keys; keys_per_q per query head)")
+    print("\nPer config: ms of each row, anchor ms / pipeline ms (> 1: ours faster), selection share of the "
+          "pipeline, extra GPU memory (GiB)")
+    cols = ["config", *[f"{i}_ms" for i in IMPLS], *[f"{i}/pipeline" for i in ANCHORS], "selection_share",
+            "sel_mem_GiB", "pipe_mem_GiB"]
+    print(format_table(recs, cols) if recs else "(no configs ran)")
+    print(f"\n{check}")
+    print(f"env: {env['gpu']}, torch {env['torch']}, cuda {env['cuda']}, cupy {env['cupy']}, commit {env['commit']}; "
+          f"wall {time.perf_counter() - r.t_start:.0f} s", flush=True)
+    if a.json:
+        write_json(r.rows, a.json, env, extra={"check": check, "memory": memory, "summary": recs,
+                                               "argv": sys.argv[1:]})
+    return r.rows
+
+
+if __name__ == "__main__":
+    main()

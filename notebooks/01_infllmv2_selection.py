@@ -1,0 +1,210 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 01 · What does InfLLM-v2 select, and what does it keep of dense attention?
+#
+# InfLLM-v2 attends, for every query token, to `topk + local_blocks` 64-key blocks chosen in
+# stage 1 from mean-compressed keys: block 0 and the 33 blocks ending at the query are forced, and the
+# top-k of the rest are picked by score. This notebook runs the whole pipeline
+# (`infllm_cupy.pipeline.infllmv2_attention`) on a synthetic sequence with known structure (an
+# attention sink, local context, recurring topics and far "needle" keys that later queries look for)
+# and asks:
+#
+# 1. which blocks each query block selects, per KV head (sparsity maps), and whether the needles are found;
+# 2. what the stage-1 block scores look like;
+# 3. how much of each query's **dense** softmax mass falls inside its selected blocks, and how that
+#    grows with the top-k budget.
+#
+# **How to run.** `jupytext.toml` pairs this file (the reviewed source) with
+# `01_infllmv2_selection.ipynb` (outputs stripped). On a GPU it runs at 32k tokens with MiniCPM4's
+# settings (key compression and stage 2 on the CUDA kernels, stage 1 on its PyTorch reference on the
+# GPU); from `notebooks/`: `jupyter execute --output=/tmp/01_executed 01_infllmv2_selection.ipynb`
+# (or open the `.ipynb` in Jupyter, or `python 01_infllmv2_selection.py`). On a CPU, `NB_SMOKE=1`
+# shrinks the sequence to 2k tokens and the window and budgets with it, and every stage runs its
+# PyTorch reference, in seconds; `tests/test_notebooks.py` runs it that way.
+# Figures go to `figures/` (or `$NB_FIG_DIR`).
+
+# %%
+import os
+from pathlib import Path
+
+import torch
+
+SEED = 0
+SMOKE = os.environ.get("NB_SMOKE") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16
+T = 2048 if SMOKE else 32768        # tokens of the one sequence
+HQ, H, D = 32, 2, 128               # MiniCPM4-8B: 32 query heads sharing 2 KV heads (G = 16), head dim 128
+TOPK = 8 if SMOKE else 64           # blocks picked by score (MiniCPM4: 64)
+LOCAL_BLOCKS = 4 if SMOKE else 32   # local window in blocks (MiniCPM4: 32, so 33 forced local blocks)
+TOPKS = [0, 2, 4, 8, 16] if SMOKE else [0, 8, 16, 32, 64, 128, 256]   # budgets of the sweep
+N_NEEDLES = 4
+LOCAL_LEN, TOPIC_LEN = (128, 256) if SMOKE else (256, 1024)          # correlation lengths, tokens
+FIG_DIR = Path(os.environ.get("NB_FIG_DIR", "figures"))
+FIG_DIR.mkdir(parents=True, exist_ok=True)
+
+# %%
+from infllm_cupy.pipeline import InfLLMv2Config, infllmv2_attention, stage_names, stages_for
+from infllm_cupy.synthetic import needle_recall, structured_sequence
+from infllm_cupy.testing import rel_l2_err
+from infllm_cupy.viz import (
+    attention_mass_captured,
+    per_query_block,
+    plot_block_score_maps,
+    plot_mass_by_query_block,
+    plot_mass_per_head,
+    plot_mass_vs_topk,
+    plot_selection_maps,
+    summarize_mass,
+    topk_sweep,
+)
+
+# %% [markdown]
+# ## A sequence with structure
+#
+# `structured_sequence` starts from unit-normal queries, keys and values (their logits
+# `q·k/√D` are about unit-normal too) and plants four things, each sized in logits:
+# a **sink** (key 0 gets +8 logits from every query), **local context** (+3 logits between a token and
+# its neighbours, fading over `LOCAL_LEN` tokens), **recurring topics** (+1.5 logits between tokens of
+# the same topic; eight topics take turns every `TOPIC_LEN` tokens, so attention also goes far back)
+# and four **needles**: a block of 64 keys early in the sequence and, much later, a run of 64 queries
+# that look for it (+8 logits). Each needle lives in one KV head only (needle `i` in head `i % H`).
+
+# %%
+data = structured_sequence(T, HQ, H, D, n_needles=N_NEEDLES, local_len=LOCAL_LEN, topic_len=TOPIC_LEN,
+                           dtype=DTYPE, device=DEVICE, seed=SEED)
+q, k, v, cu = data.q, data.k, data.v, data.cu_seqlens
+for n in data.needles:
+    print(f"needle in KV head {n.kv_head}: keys in block {n.key_block}, "
+          f"queried by tokens {n.query_start}-{n.query_start + 63} (query blocks {n.query_blocks})")
+
+# %% [markdown]
+# ## The pipeline
+#
+# `InfLLMv2Config` holds MiniCPM4's hyper-parameters (fine keys: mean over 32 tokens every 16; coarse
+# keys for the stage-1 normaliser: 128 every 64; 64-key blocks; 1 init block). MiniCPM4 runs dense
+# attention below `dense_len = 8192` keys; `dense_len=0` keeps this sequence sparse at any size. With
+# `return_aux=True` the pipeline also returns its intermediates: the stage-1 `scores` per fine key,
+# the pooled `block_scores` and the selection `topk_idx` `[H, T, K]`. `stages_for` tells which
+# implementation each stage ran.
+
+# %%
+cfg = InfLLMv2Config(topk=TOPK, local_blocks=LOCAL_BLOCKS, dense_len=0)
+with torch.no_grad():
+    out, aux = infllmv2_attention(q, k, v, cu, config=cfg, return_aux=True)
+topk_idx, block_scores = aux["topk_idx"], aux["block_scores"]
+for stage, impl in stage_names(stages_for(q, "auto")).items():
+    print(f"{stage:14s} {impl}")
+print(f"topk_idx {tuple(topk_idx.shape)}: K = {topk_idx.shape[-1]} slots = topk {cfg.topk} + local_blocks "
+      f"{cfg.local_blocks}; {cfg.init_blocks} init + {cfg.local_blocks + 1} local blocks are forced")
+
+# %% [markdown]
+# ## Which blocks each query block selects
+#
+# One map per KV head: query block `i` (64 tokens) on the y axis, key block `j` on the x axis, shaded
+# by the share of the block's tokens that selected `j` (tokens select individually; a query block's
+# tokens mostly agree). The diagonal band is the forced local window, column 0 the forced init block
+# (where the sink is). Red circles mark the needles in the head that carries them. The other
+# off-diagonal picks follow the recurring topics, and a block whose keys all point one way (a needle's
+# keys) keeps its norm under mean pooling, so it also scores high for queries that do not look for it.
+
+# %%
+fig = plot_selection_maps(topk_idx, cu, needles=data.needles,
+                          suptitle=f"selected blocks per KV head, T = {T}, topk = {TOPK}")
+fig.savefig(FIG_DIR / "01_selection_maps.png", dpi=110)
+
+# %%
+for n, r in zip(data.needles, needle_recall(topk_idx, data.needles)):
+    print(f"needle block {n.key_block} (KV head {n.kv_head}): selected by {r:.0%} of its 64 query tokens")
+
+# %% [markdown]
+# ## Stage-1 block scores
+#
+# Stage 1 scores every fine compressed key for every query token (a softmax over the keys with the
+# coarse keys' normaliser, summed over the 16 query heads of the KV head), then max-pools them into
+# 64-key blocks. Shown: the max over each query block's tokens, on a log scale; forced blocks in grey.
+# The needles stand out by two to three orders of magnitude, topic blocks by less.
+
+# %%
+fig = plot_block_score_maps(block_scores, cu, needles=data.needles, suptitle="stage-1 block scores (log10)")
+fig.savefig(FIG_DIR / "01_block_scores.png", dpi=110)
+
+# %% [markdown]
+# ## How much of dense attention the selection keeps
+#
+# For every query token and query head, `attention_mass_captured` computes the dense causal softmax
+# over all earlier keys and sums it over the keys the selection attends. 1.0 means that stage 2 gives
+# exactly the dense output for that query. Block scores do not depend on the budget, so `topk_sweep`
+# re-runs only the top-k step for each budget in `TOPKS` (0: only the forced blocks), and one pass over
+# the dense attention measures all of them. Tokens in the first half of the sequence have few causal
+# blocks (the early ones select all of them), so the means below count the second half only.
+
+# %%
+selections = topk_sweep(block_scores, cu, T, TOPKS, cfg)
+captured = attention_mass_captured(q, k, cu, selections)
+summaries = [summarize_mass(captured[t], cu, from_position=T // 2) for t in TOPKS]
+for t, s in zip(TOPKS, summaries):
+    print(f"topk {t:4d}: mass captured {s['mass']:.3f} (per KV head "
+          f"{', '.join(f'{x:.3f}' for x in s['mass_per_kv_head'].tolist())}) "
+          f"attending {s['key_fraction']:.1%} of the causal keys")
+
+# %% [markdown]
+# Along the sequence: the mean over query heads for a few budgets. With only the forced blocks,
+# what is kept is the sink and the local window; the budget adds the needles and the topic blocks.
+
+# %%
+shown = [t for t in TOPKS if t in (0, TOPK, max(TOPKS))] or TOPKS
+curves = {f"topk = {t}": per_query_block(captured[t].mass, cu).nanmean(dim=0) for t in shown}
+ax = plot_mass_by_query_block(curves, title=f"dense attention mass in the selected blocks, T = {T}")
+ax.figure.savefig(FIG_DIR / "01_mass_by_query_block.png", dpi=110)
+
+# %%
+ax = plot_mass_vs_topk(TOPKS, summaries, title=f"mass captured vs top-k (second half of T = {T})")
+ax.figure.savefig(FIG_DIR / "01_mass_vs_topk.png", dpi=110)
+
+# %% [markdown]
+# Per query head at the configured budget: heads of one KV head share its selection, but not their
+# attention, so their captured mass differs.
+
+# %%
+ax = plot_mass_per_head(summaries[TOPKS.index(TOPK)] if TOPK in TOPKS else summaries[-1],
+                        title=f"mass captured per query head, topk = {TOPK}")
+ax.figure.savefig(FIG_DIR / "01_mass_per_head.png", dpi=110)
+
+# %% [markdown]
+# ## Sparse against dense output
+#
+# The same call with `dense_len` above `T` takes the dense fallback (torch SDPA on a GPU, the PyTorch
+# reference on a CPU). The relative L2 error of the sparse output, overall and on the second half of
+# the sequence, is the price of the mass the selection leaves out.
+
+# %%
+dense_cfg = InfLLMv2Config(topk=TOPK, local_blocks=LOCAL_BLOCKS, dense_len=T + 1)
+with torch.no_grad():
+    dense = infllmv2_attention(q, k, v, cu, config=dense_cfg)
+print(f"relative L2 error of the sparse output: {rel_l2_err(out, dense):.3f} over all tokens, "
+      f"{rel_l2_err(out[T // 2:], dense[T // 2:]):.3f} over the second half")
+
+# %% [markdown]
+# ## What we saw
+#
+# - The forced blocks (sink and local window) alone keep part of the attention; the top-k picks find
+#   every needle in the head that carries it, and the topic blocks that recur far back.
+# - The captured mass rises much faster with the budget than the share of keys attended: the
+#   selection spends its keys where the attention is.
+# - Mean pooling favours blocks whose keys agree (a needle's keys), which then also win for
+#   unrelated queries: the sparsity maps show such columns.

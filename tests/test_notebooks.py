@@ -1,0 +1,197 @@
+"""Notebooks run in smoke mode on CPU and write their figures; each `.ipynb` is the stripped twin of its
+`.py`; and the package functions the notebooks narrate (synthetic data, attention mass captured)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from infllm_cupy.pipeline import InfLLMv2Config, naive_infllmv2_attention
+from infllm_cupy.synthetic import Needle, needle_recall, structured_sequence, synthetic_sequence
+from infllm_cupy.testing import cu_seqlens_from_lengths
+from infllm_cupy.viz import (
+    CapturedMass,
+    attention_mass_captured,
+    per_query_block,
+    plot_block_score_maps,
+    plot_mass_by_query_block,
+    plot_mass_per_head,
+    plot_mass_vs_topk,
+    plot_selection_maps,
+    summarize_mass,
+    topk_sweep,
+)
+
+NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9]*.py"))
+# figures each notebook must write (any other notebook must write at least one)
+FIGURES = {
+    "01_infllmv2_selection": ["01_selection_maps.png", "01_block_scores.png", "01_mass_by_query_block.png",
+                              "01_mass_vs_topk.png", "01_mass_per_head.png"],
+}
+
+
+def test_notebooks_exist():
+    assert NOTEBOOKS, f"no notebooks/*.py found in {NOTEBOOK_DIR}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs_in_smoke_mode(path, tmp_path, monkeypatch):
+    jupytext = pytest.importorskip("jupytext")
+    nbclient = pytest.importorskip("nbclient")
+    # the kernel inherits the environment: smoke sizes, no display, CPU even on a GPU machine
+    monkeypatch.setenv("NB_SMOKE", "1")
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("NB_FIG_DIR", str(tmp_path))
+    nb = jupytext.read(path)
+    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                                     resources={"metadata": {"path": str(path.parent)}})
+    client.execute()
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if o.get("output_type") == "error"]
+    assert not errors
+    written = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert written, f"{path.name} wrote no figure"
+    missing = set(FIGURES.get(path.stem, [])) - set(written)
+    assert not missing, f"{path.name} did not write {sorted(missing)}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_paired_ipynb_is_stripped_twin(path):
+    jupytext = pytest.importorskip("jupytext")
+    nbformat = pytest.importorskip("nbformat")
+    ipynb = path.with_suffix(".ipynb")
+    assert ipynb.exists(), f"{ipynb.name} missing: run `jupytext --to ipynb {path.name}`"
+    src = jupytext.read(path)
+    twin = nbformat.read(ipynb, as_version=4)
+    assert [(c.cell_type, c.source) for c in twin.cells] == [(c.cell_type, c.source) for c in src.cells], (
+        f"{ipynb.name} is out of date: run `jupytext --sync {path.name}`")
+    for c in twin.cells:
+        if c.cell_type == "code":
+            assert c.outputs == [] and c.execution_count is None, f"{ipynb.name} has outputs: strip them"
+
+
+# ------------------------------------------------------------------------------ synthetic sequences
+
+
+def test_structured_sequence_shapes_needles_and_seed():
+    a = structured_sequence(1024, 8, 2, 32, seed=3)
+    b = structured_sequence(1024, 8, 2, 32, seed=3, dtype=torch.float32)
+    assert a.q.shape == (1024, 8, 32) and a.k.shape == a.v.shape == (1024, 2, 32)
+    assert a.q.dtype == torch.bfloat16 and a.cu_seqlens.tolist() == [0, 1024]
+    assert torch.equal(a.k, b.k.to(torch.bfloat16))               # data do not depend on dtype or device
+    assert [n.kv_head for n in a.needles] == [0, 1, 0, 1]
+    assert all(1 <= n.key_block < 1024 // 64 // 4 + 1 and n.query_start >= 512 for n in a.needles)
+    assert a.needles[0].query_blocks == (a.needles[0].query_start // 64, (a.needles[0].query_start + 63) // 64)
+    # the sink: every query's logit to key 0 is far above its mean logit
+    logits = torch.einsum("thd,jhd->thj", a.q.float().view(1024, 2, 4, 32).mean(2), a.k.float()) / 32 ** 0.5
+    assert (logits[:, :, 0] - logits.mean(-1)).mean() > 4
+    with pytest.raises(ValueError, match=r"\bHQ\b"):
+        structured_sequence(1024, 6, 4, 32)
+    with pytest.raises(TypeError, match=r"\bT\b"):
+        structured_sequence(1024.0, 8, 2, 32)
+    with pytest.raises(ValueError, match=r"\bT\b"):
+        structured_sequence(200, 8, 2, 32)
+
+
+def test_synthetic_sequence_is_the_demo_one():
+    q, k, v, needles = synthetic_sequence(2048, 4, 2, 64, 3, torch.float32, "cpu", seed=1)
+    assert q.shape == (2048, 4, 64) and k.shape == v.shape == (2048, 2, 64)
+    assert len(needles) == 3 and all(len(n) == 2 for n in needles)
+    kb, qs = needles[0]
+    # queries of the run point along the keys of their block
+    align = torch.einsum("hd,jhd->j", q[qs + 5, :2], k[:, :]) / 64
+    assert int(align.argmax()) // 64 == kb
+
+
+def test_needle_recall():
+    idx = torch.full((2, 300, 3), -1, dtype=torch.int32)
+    idx[0, 100:164, 0] = 1                      # head 0: every query of the run selects block 1
+    idx[1, 100:132, 1] = 1                      # head 1: half of them
+    assert needle_recall(idx, [Needle(1, 100, 0), Needle(1, 100, 1), Needle(1, 100, None), (2, 100)]) == \
+        [1.0, 0.5, 0.75, 0.0]
+
+
+# ----------------------------------------------------------------------------------- mass captured
+
+
+def brute_force_mass(q, k, cu_q, cu_k, idx, bs):
+    """Per (query head, token): dense causal softmax summed over the selected blocks, float64, loops."""
+    HQ, H = q.shape[1], k.shape[1]
+    G = HQ // H
+    mass = torch.full((HQ, q.shape[0]), float("nan"), dtype=torch.float64)
+    keys = torch.full((H, q.shape[0]), float("nan"), dtype=torch.float64)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(cq) - 1):
+        Lq, Lk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
+        for r in range(Lq):
+            t = cq[b] + r
+            last = r + Lk - Lq
+            kk = k[ck[b]:ck[b] + last + 1].double()
+            for h in range(H):
+                sel = {int(x) for x in idx[h, t] if 0 <= x < -(-Lk // bs)}
+                inside = torch.tensor([j // bs in sel for j in range(last + 1)])
+                keys[h, t] = inside.double().mean()
+                for g in range(G):
+                    p = torch.softmax(kk[:, h] @ q[t, h * G + g].double() / q.shape[2] ** 0.5, 0)
+                    mass[h * G + g, t] = p[inside].sum()
+    return mass, keys
+
+
+def test_attention_mass_captured_matches_brute_force():
+    lq, lk = [150, 40], [150, 100]                       # one chunked-prefill sequence
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(sum(lq), 4, 8, generator=g, dtype=torch.float64)
+    k = 3 * torch.randn(sum(lk), 2, 8, generator=g, dtype=torch.float64)
+    cuq, cuk = cu_seqlens_from_lengths(lq), cu_seqlens_from_lengths(lk)
+    idx = torch.randint(-1, 4, (2, sum(lq), 3), generator=g, dtype=torch.int32)
+    idx[..., 2] = idx[..., 1]                            # duplicates count once
+    got = attention_mass_captured(q, k, cuq, idx, cu_seqlens_k=cuk, block_size=32, chunk_elems=500)
+    want_mass, want_keys = brute_force_mass(q, k, cuq, cuk, idx, 32)
+    assert isinstance(got, CapturedMass) and got.mass.dtype == torch.float32
+    torch.testing.assert_close(got.mass.double(), want_mass, atol=1e-6, rtol=0)
+    torch.testing.assert_close(got.key_fraction.double(), want_keys, atol=1e-6, rtol=0)
+    # all causal blocks selected -> everything captured; several selections share one pass
+    every = torch.arange(5, dtype=torch.int32).expand(2, sum(lq), 5).contiguous()
+    both = attention_mass_captured(q, k, cuq, {"some": idx, "all": every}, cu_seqlens_k=cuk, block_size=32)
+    torch.testing.assert_close(both["some"].mass, got.mass)
+    assert torch.allclose(both["all"].mass, torch.ones(1, dtype=torch.float32))
+    assert torch.allclose(both["all"].key_fraction, torch.ones(1, dtype=torch.float32))
+    with pytest.raises(TypeError, match=r"\btopk_idx\b"):
+        attention_mass_captured(q, k, cuq, [idx], cu_seqlens_k=cuk)
+    with pytest.raises(ValueError, match=r"\btopk_idx\b"):
+        attention_mass_captured(q, k, cuq, idx[:1], cu_seqlens_k=cuk)
+
+
+def test_sweep_summaries_and_plots(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = structured_sequence(1024, 4, 2, 32, local_len=64, topic_len=128, dtype=torch.float32)
+    cfg = InfLLMv2Config(topk=2, local_blocks=2, dense_len=0)
+    _, aux = naive_infllmv2_attention(data.q, data.k, data.v, data.cu_seqlens, data.cu_seqlens, 1024, 1024, cfg,
+                                      return_aux=True)
+    sweep = topk_sweep(aux["block_scores"], data.cu_seqlens, 1024, [0, 2, 8], cfg)
+    assert torch.equal(sweep[2], aux["topk_idx"]) and sweep[8].shape[-1] == 10
+    cm = attention_mass_captured(data.q, data.k, data.cu_seqlens, sweep)
+    sums = [summarize_mass(cm[t], data.cu_seqlens, from_position=512) for t in (0, 2, 8)]
+    assert [s["tokens"] for s in sums] == [512] * 3
+    masses = [s["mass"] for s in sums]
+    assert masses == sorted(masses) and 0 < masses[0] < masses[-1] <= 1     # more budget keeps more mass
+    assert sums[1]["mass_per_head"].shape == (4,) and sums[1]["mass_per_kv_head"].shape == (2,)
+    per_block = per_query_block(cm[2].mass, data.cu_seqlens)
+    assert per_block.shape == (4, 16) and torch.allclose(per_block[:, :3], torch.ones(4, 3))
+    figs = [plot_selection_maps(aux["topk_idx"], data.cu_seqlens, needles=data.needles),
+            plot_block_score_maps(aux["block_scores"], data.cu_seqlens, needles=data.needles),
+            plot_mass_by_query_block({"topk 2": per_block.mean(0)}).figure,
+            plot_mass_vs_topk([0, 2, 8], sums).figure, plot_mass_per_head(sums[1]).figure]
+    for i, f in enumerate(figs):
+        f.savefig(tmp_path / f"{i}.png", dpi=40)
+        plt.close(f)
+    assert len(list(tmp_path.glob("*.png"))) == 5
+    with pytest.raises(ValueError, match=r"\btopks\b"):
+        plot_mass_vs_topk([0, 2], sums)

@@ -1,0 +1,296 @@
+"""`infllmv2_attention` and `InfLLMv2Attention`: dispatch, the reference path on CPU, the kernel-path
+checks, the SDPA dense fallback, and (gpu marker) the kernel path against the reference."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from infllm_cupy.pipeline import (
+    BACKENDS,
+    InfLLMv2Attention,
+    InfLLMv2Config,
+    _kernel_sparse_attn,
+    check_kernel_block_size,
+    check_kernel_path,
+    infllmv2_attention,
+    naive_infllmv2_attention,
+    sdpa_dense_attn_varlen,
+    stage_names,
+    stages_for,
+)
+from infllm_cupy.stage2.naive import naive_dense_attn_varlen, naive_sparse_attn_varlen
+from infllm_cupy.testing import assert_close_to_ref, cu_seqlens_from_lengths
+
+ROOT = Path(__file__).resolve().parents[1]
+SPARSE = InfLLMv2Config(topk=3, local_blocks=2, dense_len=0)
+
+
+def make_qkv(lq, lk=None, HQ=4, H=2, D=32, dtype=torch.float32, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    lk = lq if lk is None else lk
+    q = torch.randn(sum(lq), HQ, D, generator=g)
+    k = 4 * torch.randn(sum(lk), H, D, generator=g)
+    v = torch.randn(sum(lk), H, D, generator=g)
+    return (x.to(device, dtype) for x in (q, k, v))
+
+
+def tie_free_qkv(lengths, HQ, H, D, dtype, device, seed=0):
+    """Keys are multiples of 1/8 in [-1, 1]: their window means are exact in fp32 and round alike in
+    the compression kernel and its reference, so both backends score (and pick) the same blocks."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q = torch.randn(total, HQ, D, generator=g)
+    k = torch.randint(-8, 9, (total, H, D), generator=g) / 8.0
+    v = torch.randn(total, H, D, generator=g)
+    return (x.to(device, dtype) for x in (q, k, v))
+
+
+# ---------------------------------------------------------------------------------------------- CPU
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpu_equals_naive_pipeline(backend, dtype):
+    # CPU tensors run the references whatever the backend: bit-identical to the reference pipeline
+    lengths = [1000, 200, 31]
+    q, k, v = make_qkv(lengths, dtype=dtype)
+    cu = cu_seqlens_from_lengths(lengths)
+    out, aux = infllmv2_attention(q, k, v, cu, cu, 1000, 1000, SPARSE, backend=backend, return_aux=True)
+    ref, ref_aux = naive_infllmv2_attention(q, k, v, cu, cu, 1000, 1000, SPARSE, return_aux=True)
+    assert torch.equal(out, ref)
+    assert not aux["dense"]
+    for key in ("ck1", "ck2", "scores", "block_scores", "topk_idx"):
+        assert torch.equal(aux[key], ref_aux[key]), key
+
+
+def test_cpu_dense_fallback_and_chunked_prefill_equal_naive():
+    lq, lk = [300, 90], [400, 90]
+    q, k, v = make_qkv(lq, lk)
+    cuq, cuk = cu_seqlens_from_lengths(lq), cu_seqlens_from_lengths(lk)
+    out, aux = infllmv2_attention(q, k, v, cuq, cuk, 300, 400, return_aux=True)     # 400 < dense_len
+    assert aux["dense"] and aux["topk_idx"] is None
+    assert torch.equal(out, naive_infllmv2_attention(q, k, v, cuq, cuk, 300, 400))
+    out = infllmv2_attention(q, k, v, cuq, cuk, config=SPARSE)
+    assert torch.equal(out, naive_infllmv2_attention(q, k, v, cuq, cuk, 300, 400, SPARSE))
+
+
+def test_cu_seqlens_k_and_max_seqlens_default_from_cu_seqlens_q():
+    lengths = [700, 65]
+    q, k, v = make_qkv(lengths)
+    cu = cu_seqlens_from_lengths(lengths)
+    want = naive_infllmv2_attention(q, k, v, cu, cu, 700, 700, SPARSE)
+    assert torch.equal(infllmv2_attention(q, k, v, cu, config=SPARSE), want)
+    assert torch.equal(infllmv2_attention(q, k, v, cu, None, 700, None, SPARSE), want)
+
+
+def test_stages_for_cpu_is_always_the_reference():
+    q = torch.zeros(1, 1, 8)
+    ref = stages_for(q)
+    assert set(ref) == {"compress_k", "stage1_select", "sparse_attn", "dense_attn"}
+    for backend in BACKENDS:
+        assert stages_for(q, backend) == ref
+    names = stage_names(ref)
+    assert names["sparse_attn"].endswith("naive_sparse_attn_varlen")
+    assert names["stage1_select"].endswith("naive_stage1_select")
+
+
+def test_rejects_bad_backend_and_config():
+    lengths = [100]
+    q, k, v = make_qkv(lengths)
+    cu = cu_seqlens_from_lengths(lengths)
+    for bad in ("cuda", "Kernels", None, 1):
+        with pytest.raises(ValueError, match=r"\bbackend\b"):
+            infllmv2_attention(q, k, v, cu, backend=bad)
+        with pytest.raises(ValueError, match=r"\bbackend\b"):
+            InfLLMv2Attention(backend=bad)
+        with pytest.raises(ValueError, match=r"\bbackend\b"):
+            stages_for(q, bad)
+    with pytest.raises(TypeError, match=r"\bconfig\b"):
+        infllmv2_attention(q, k, v, cu, config={"topk": 3})
+    with pytest.raises(TypeError, match=r"\bconfig\b"):
+        InfLLMv2Attention({"topk": 3})
+    with pytest.raises(ValueError, match=r"\bmax_seqlen_q\b"):
+        infllmv2_attention(q, k, v, cu, cu, 50, 100)
+    with pytest.raises(TypeError, match=r"\bmax_seqlen_k\b"):
+        infllmv2_attention(q, k, v, cu, cu, 100, 100.0)
+    with pytest.raises(ValueError, match=r"\bcu_seqlens_q\b"):
+        q2, k2, v2 = make_qkv([100], [60])
+        infllmv2_attention(q2, k2, v2, cu, cu_seqlens_from_lengths([60]))
+
+
+def test_kernel_path_checks_without_gpu():
+    check_kernel_block_size(64)
+    for bs in (16, 128, 32):
+        with pytest.raises(ValueError, match=r"block_size"):
+            check_kernel_block_size(bs)
+    q, k, v = make_qkv([200], dtype=torch.bfloat16, D=64)
+    cu = cu_seqlens_from_lengths([200])
+    cfg128 = InfLLMv2Config(block_size=128, dense_len=0)
+    with pytest.raises(ValueError, match=r"config\.block_size must be 64"):
+        check_kernel_path(cfg128, q, k, v)
+    # the wrapper the kernel path uses for stage 2 refuses before it reaches the kernel
+    idx = torch.zeros(2, 200, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"block_size"):
+        _kernel_sparse_attn(q, k, v, cu, cu, idx, 200, 200, block_size=128)
+    with pytest.raises(ValueError, match=r"upcast"):
+        _kernel_sparse_attn(q, k, v, cu, cu, idx, 200, 200, upcast=False)
+    # gradients: NotImplementedError (stage 2's kernel has no backward), before any stage runs
+    with pytest.raises(NotImplementedError, match=r"no\s+backward"):
+        check_kernel_path(SPARSE, q.requires_grad_(), k, v)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"CUDA"):       # CPU tensors are no kernel inputs
+        check_kernel_path(SPARSE, q, k, v)
+
+
+def test_module_forward_backward_through_reference():
+    lengths = [700, 130]
+    q, k, v = (x.requires_grad_() for x in make_qkv(lengths, D=16))
+    cu = cu_seqlens_from_lengths(lengths)
+    attn = InfLLMv2Attention(SPARSE, backend="reference")
+    assert "backend='reference'" in repr(attn) and attn.config is SPARSE
+    assert list(attn.parameters()) == []
+    out = attn(q, k, v, cu)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    ref = naive_infllmv2_attention(q, k, v, cu, cu, 700, 700, SPARSE)
+    want = torch.autograd.grad(ref, (q, k, v), do)
+    assert torch.equal(out, ref)
+    for g, w in zip(grads, want):
+        assert bool(torch.isfinite(g).all()) and g.abs().sum() > 0
+        torch.testing.assert_close(g, w)
+    # backend "auto" on CPU is the reference too, so the default module trains on CPU
+    out2 = InfLLMv2Attention(SPARSE)(q, k, v, cu, cu, 700, 700)
+    assert torch.equal(out2, ref) and out2.requires_grad
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_sdpa_dense_fallback_matches_reference(causal, monkeypatch):
+    # ragged, chunked prefill (Lq < Lk), a query longer than its keys (causal: leading rows empty -> 0),
+    # an empty query; a tiny mask budget so that the Lq != Lk path runs several chunks
+    from infllm_cupy import pipeline
+
+    monkeypatch.setattr(pipeline, "_SDPA_MASK_ELEMS", 1000)
+    lq, lk = [130, 64, 70, 0, 5], [300, 64, 50, 7, 0]
+    q, k, v = (x.requires_grad_() for x in make_qkv(lq, lk, HQ=6, H=2, D=16))
+    cuq, cuk = cu_seqlens_from_lengths(lq), cu_seqlens_from_lengths(lk)
+    out = sdpa_dense_attn_varlen(q, k, v, cuq, cuk, causal=causal)
+    ref = naive_dense_attn_varlen(q, k, v, cuq, cuk, causal=causal)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    do = torch.randn_like(out)
+    for g, w in zip(torch.autograd.grad(out, (q, k, v), do), torch.autograd.grad(ref, (q, k, v), do)):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match=r"return_lse"):
+        sdpa_dense_attn_varlen(q, k, v, cuq, cuk, return_lse=True)
+
+
+def _run_bench(module, argv):
+    sys.path.insert(0, str(ROOT))
+    try:
+        mod = __import__(f"benchmarks.{module}", fromlist=["main"])
+    finally:
+        sys.path.remove(str(ROOT))
+    return mod, mod.main(argv)
+
+
+@pytest.mark.parametrize("module", ["bench_pipeline", "bench_stage1"])
+def test_benchmark_scripts_help_and_cpu_run(module, capsys):
+    with pytest.raises(SystemExit) as e:
+        _run_bench(module, ["--help"])
+    assert e.value.code == 0 and "--max-configs" in capsys.readouterr().out
+    impls = ("selection,stage2,pipeline,sdpa_cudnn" if module == "bench_pipeline"
+             else "compress_fine,stage1_select,scores,pool,topk,selection,sdpa_cudnn")
+    _, rows = _run_bench(module, ["--device", "cpu", "--configs", "300x2,256x1", "--max-configs", "1", "--topk", "2",
+                                  "--local-blocks", "1", "--hq", "4", "--h", "2", "--d", "64", "--warmup", "0",
+                                  "--rep", "1", "--budget-s", "0", "--impls", impls])
+    out = capsys.readouterr().out
+    assert "check PASSED" in out
+    assert {r.impl for r in rows} == set(impls.split(","))
+    assert {r.config for r in rows} == {"B2-T300-HQ4-H2-D64"}
+    assert all(r.ms is not None and r.ms > 0 for r in rows), [(r.impl, r.note) for r in rows]
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+GPU_SHAPES = [  # (lengths, HQ, H, D)
+    ([1000, 333, 2049], 8, 2, 128),      # ragged, no length a multiple of 64
+    ([4097], 32, 2, 64),                 # one token past a block edge, G = 16
+    ([130, 700, 1025, 63], 4, 4, 128),   # G = 1, a sequence shorter than one block
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("lengths", "HQ", "H", "D"),
+                         [pytest.param(*s, id="L{}-HQ{}-H{}-D{}".format("_".join(map(str, s[0])), *s[1:]))
+                          for s in GPU_SHAPES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_kernels_match_reference_on_cuda(lengths, HQ, H, D, dtype):
+    q, k, v = tie_free_qkv(lengths, HQ, H, D, dtype, "cuda")
+    cu = cu_seqlens_from_lengths(lengths, "cuda")
+    L = max(lengths)
+    cfg = InfLLMv2Config(topk=4, local_blocks=2, dense_len=0, score_dtype=torch.float32)
+    with torch.no_grad():
+        out, aux = infllmv2_attention(q, k, v, cu, cu, L, L, cfg, backend="kernels", return_aux=True)
+        ref_out, ref_aux = infllmv2_attention(q, k, v, cu, cu, L, L, cfg, backend="reference", return_aux=True)
+        idx = ref_aux["topk_idx"]
+        ref64 = naive_sparse_attn_varlen(q.double(), k.double(), v.double(), cu, cu, idx, L, L)
+        lowp = naive_sparse_attn_varlen(q, k, v, cu, cu, idx, L, L, upcast=False)
+    assert torch.equal(aux["ck1"], ref_aux["ck1"]) and torch.equal(aux["ck2"], ref_aux["ck2"])
+    assert torch.equal(aux["topk_idx"], idx)
+    assert (idx >= 0).sum(-1).max() < -(-L // 64), "the selection must be sparse for the test to mean anything"
+    assert_close_to_ref("out (kernels)", out, ref64, lowp)
+    assert_close_to_ref("out (reference)", ref_out, ref64, lowp)
+
+
+@pytest.mark.gpu
+def test_kernel_path_chunked_prefill_on_cuda():
+    lq, lk = [360, 124], [1000, 700]
+    q, _, _ = tie_free_qkv(lq, 8, 2, 128, torch.bfloat16, "cuda", seed=1)
+    _, k, v = tie_free_qkv(lk, 8, 2, 128, torch.bfloat16, "cuda", seed=2)
+    cuq, cuk = cu_seqlens_from_lengths(lq, "cuda"), cu_seqlens_from_lengths(lk, "cuda")
+    cfg = InfLLMv2Config(topk=3, local_blocks=2, dense_len=0, score_dtype=torch.float32)
+    with torch.no_grad():
+        out, aux = infllmv2_attention(q, k, v, cuq, cuk, config=cfg, backend="kernels", return_aux=True)
+        _, ref_aux = infllmv2_attention(q, k, v, cuq, cuk, config=cfg, backend="reference", return_aux=True)
+        idx = ref_aux["topk_idx"]
+        ref64 = naive_sparse_attn_varlen(q.double(), k.double(), v.double(), cuq, cuk, idx, 360, 1000)
+        lowp = naive_sparse_attn_varlen(q, k, v, cuq, cuk, idx, 360, 1000, upcast=False)
+    assert torch.equal(aux["topk_idx"], idx)
+    assert_close_to_ref("out", out, ref64, lowp)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_dense_fallback_sdpa_on_cuda(dtype):
+    lq, lk = [1000, 77, 300], [1000, 77, 513]
+    q, k, v = (x.requires_grad_() for x in make_qkv(lq, lk, HQ=8, H=2, D=128, dtype=dtype, device="cuda"))
+    cuq, cuk = cu_seqlens_from_lengths(lq, "cuda"), cu_seqlens_from_lengths(lk, "cuda")
+    out, aux = infllmv2_attention(q, k, v, cuq, cuk, backend="kernels", return_aux=True)   # 1000 < dense_len
+    assert aux["dense"]
+    ref = naive_dense_attn_varlen(*(x.double() for x in (q, k, v)), cuq, cuk)
+    lowp = naive_dense_attn_varlen(q, k, v, cuq, cuk, upcast=False)
+    assert_close_to_ref("out", out, ref, lowp)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), do.double())
+    lowp_grads = torch.autograd.grad(lowp, (q, k, v), do)
+    for name, g, r, lp in zip(("dq", "dk", "dv"), grads, ref_grads, lowp_grads):
+        assert_close_to_ref(name, g, r, lp, mult=3)
+
+
+@pytest.mark.gpu
+def test_kernel_path_refuses_grads_and_other_block_sizes_on_cuda():
+    q, k, v = make_qkv([700], HQ=8, H=2, D=128, dtype=torch.bfloat16, device="cuda")
+    cu = cu_seqlens_from_lengths([700], "cuda")
+    with pytest.raises(NotImplementedError, match=r"no\s+backward"):
+        infllmv2_attention(q.requires_grad_(), k, v, cu, config=SPARSE, backend="kernels")
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"config\.block_size"):
+            infllmv2_attention(q, k, v, cu, config=InfLLMv2Config(block_size=128, dense_len=0), backend="auto")
+        # the reference path takes any block size, and gradients
+        infllmv2_attention(q, k, v, cu, config=InfLLMv2Config(block_size=128, dense_len=0), backend="reference")
+    out = InfLLMv2Attention(SPARSE, backend="reference")(q, k, v, cu)
+    assert out.requires_grad
+    with torch.no_grad():
+        assert InfLLMv2Attention(SPARSE)(q, k, v, cu).shape == q.shape
