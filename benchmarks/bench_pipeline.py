@@ -196,17 +196,25 @@ def flex_union_fn(flex, BlockMask, topk_idx, q, k, v, B: int, T: int, HQ: int):
     return (lambda: flex(qt, kt, vt, block_mask=bm, enable_gqa=True)), fb.keys
 
 
-def sdpa_cudnn_fn(q, k, v, B: int, T: int):
-    """Dense causal SDPA on the cuDNN backend (any backend on CPU), `[B, heads, T, D]` copies."""
+def sdpa_cudnn_fn(q, k, v, B: int, T: int) -> tuple[Callable[[], object], str]:
+    """`(fn, note)`: dense causal SDPA on the cuDNN backend (any backend on CPU) on `[B, heads, T, D]`
+    copies. If the backend refuses GQA, K/V are repeated to `HQ` heads and the note says so."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     qt, kt, vt = (x.view(B, T, x.shape[1], x.shape[2]).transpose(1, 2).contiguous() for x in (q, k, v))
     backends = [SDPBackend.CUDNN_ATTENTION] if q.is_cuda else [SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION]
 
-    def run():
-        with sdpa_kernel(backends):
-            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
-    return run
+    def call(kk, vv, gqa):
+        with sdpa_kernel(backends), torch.no_grad():
+            return torch.nn.functional.scaled_dot_product_attention(qt, kk, vv, is_causal=True, enable_gqa=gqa)
+
+    try:
+        call(kt, vt, True)
+        return (lambda: call(kt, vt, True)), ""
+    except RuntimeError as e:
+        G = q.shape[1] // k.shape[1]
+        kr, vr = (x.repeat_interleave(G, dim=1) for x in (kt, vt))
+        return (lambda: call(kr, vr, False)), f"KV repeated to HQ heads ({_short(e)[:80]})"
 
 
 def bench_config(r: Runner, T: int, B: int, flex, BlockMask, flex_note: str = "") -> dict:
@@ -251,10 +259,11 @@ def bench_config(r: Runner, T: int, B: int, flex, BlockMask, flex_note: str = ""
         r.time(Row("pipeline", cfg_id, "-", K, "fwd"), pipeline, keys, n_q_rows, D, memory=mem)
     if "sdpa_cudnn" in a.impls:
         try:
-            fn, skip = sdpa_cudnn_fn(q, k, v, B, T), ""
+            (fn, note), skip = sdpa_cudnn_fn(q, k, v, B, T), ""
         except Exception as e:  # noqa: BLE001
-            fn, skip = None, f"setup: {_short(e)}"
-        r.time(Row("sdpa_cudnn", cfg_id, "-", None, "fwd"), fn, causal_dense_keys(B, T, HQ), n_q_rows, D, skip)
+            fn, note, skip = None, "", f"setup: {_short(e)}"
+        r.time(Row("sdpa_cudnn", cfg_id, "-", None, "fwd", note=note), fn, causal_dense_keys(B, T, HQ), n_q_rows, D,
+               skip)
         fn = None
         r.free()
     if "flex_union" in a.impls:

@@ -111,10 +111,11 @@ def bench_config(r: Runner, T: int, B: int) -> dict:
         r.time(Row(impl, cfg_id, "-", K, "fwd"), fn, None, n_q_rows, D, skip, memory=mem)
     if "sdpa_cudnn" in a.impls:
         try:
-            fn, skip = sdpa_cudnn_fn(q, k, v, B, T), ""
+            (fn, note), skip = sdpa_cudnn_fn(q, k, v, B, T), ""
         except Exception as e:  # noqa: BLE001
-            fn, skip = None, f"setup: {_short(e)}"
-        r.time(Row("sdpa_cudnn", cfg_id, "-", None, "fwd"), fn, causal_dense_keys(B, T, HQ), n_q_rows, D, skip)
+            fn, note, skip = None, "", f"setup: {_short(e)}"
+        r.time(Row("sdpa_cudnn", cfg_id, "-", None, "fwd", note=note), fn, causal_dense_keys(B, T, HQ), n_q_rows, D,
+               skip)
     return mem
 
 

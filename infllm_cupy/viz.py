@@ -391,6 +391,7 @@ def plot_mass_by_query_block(curves: Mapping[str, torch.Tensor], *, q_block: int
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title or "attention mass captured along the sequence")
+    ax.figure.tight_layout()
     return ax
 
 
@@ -421,6 +422,7 @@ def plot_mass_vs_topk(topks: Sequence[int], summaries: Sequence[dict], *, ax=Non
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title or "dense attention mass captured vs top-k budget")
+    ax.figure.tight_layout()
     return ax
 
 
@@ -441,4 +443,5 @@ def plot_mass_per_head(summary: dict, *, ax=None, title: str | None = None):
     ax.set_ylabel("mass captured")
     ax.set_ylim(0, 1.02)
     ax.set_title(title or "captured mass per query head")
+    ax.figure.tight_layout()
     return ax
