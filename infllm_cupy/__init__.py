@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 
 from .compress import compress_k, naive_compress_k
 from .decode import naive_infllmv2_decode
-from .pipeline import InfLLMv2Config, naive_infllmv2_attention
+from .pipeline import InfLLMv2Attention, InfLLMv2Config, infllmv2_attention, naive_infllmv2_attention
 from .stage1 import naive_stage1_select
 from .stage2 import (BlockLayout, block_sparse_attn_varlen, naive_dense_attn_varlen, naive_sparse_attn_varlen,
                      sparse_attn_varlen)
@@ -15,6 +15,8 @@ from .stage2 import (BlockLayout, block_sparse_attn_varlen, naive_dense_attn_var
 __all__ = [
     "__version__",
     "InfLLMv2Config",
+    "InfLLMv2Attention",
+    "infllmv2_attention",
     "BlockLayout",
     "compress_k",
     "sparse_attn_varlen",
