@@ -8,6 +8,7 @@ from .naive import (
     q_block_idx_prefill,
     vis_limit,
 )
+from .select import stage1_select
 
 __all__ = [
     "naive_pool_blocks",
@@ -16,5 +17,6 @@ __all__ = [
     "naive_stage1_select",
     "q_block_idx_decode",
     "q_block_idx_prefill",
+    "stage1_select",
     "vis_limit",
 ]

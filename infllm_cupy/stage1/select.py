@@ -1,0 +1,266 @@
+"""Launcher of kernels_cu/stage1/select.cu: InfLLM-v2 stage 1 (scores, block pooling, top-k) in one kernel.
+
+The kernel never writes the `[H, total_q, n1]` score matrix: fine scores live in registers and in a
+per-token staging row of one 64-key tile; block scores live in shared memory (`TOK x out_len` keys
+per CTA) until each token's top-K is taken. Extra GPU memory is the output `[H, total_q, K]` alone,
+except in one corner (block-key rows of a CTA that do not fit in shared memory even at the smallest
+tile: on an H100, G = 1 beyond about 190k tokens, G = 2 beyond about 370k; half that with fp32
+scores), where they go to a global scratch `[H, total_q, ceil(out_len/64)*64]` of keys.
+`return_scores=True` also writes the scores and block scores (the original's stage-1 and pooling
+outputs) for inspection. Ties in the block scores go to the lower block index.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import torch
+
+from .. import _jit
+from .._checks import KERNEL_DTYPES, seqlens_host, validate_values
+from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
+from .naive import (
+    _check_stage1_inputs,
+    check_int_args,
+    check_lengths_arg,
+    check_max_seqlen,
+    naive_stage1_select,
+)
+
+SOURCE = "stage1/select.cu"
+HEAD_DIMS = (64, 128)
+SCORE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_GROUP = 128          # G <= 128: a token's rows fit in one CTA (4 warps x 32 rows)
+TILE = 64                # compressed keys per tile (kernels_cu: S1_TILE)
+STAGE_STRIDE = 68        # floats per staging row (kernels_cu: S1_ST)
+ROWS_PER_WARP = 32
+BLOCK_SIZE, KERNEL_STRIDE, COARSE_STRIDE = 64, 16, 64   # what the kernel is built for
+BACKENDS = ("auto", "kernels", "reference")
+
+
+SCORE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # kernels_cu: `kind`
+
+
+def _lgp(G: int) -> int:
+    """log2 of the padded group GP (the smallest power of two >= G)."""
+    return max(0, (G - 1).bit_length())
+
+
+def kernel_name(dtype: torch.dtype, score_dtype: torch.dtype, D: int) -> str:
+    key = "unsigned" if score_dtype == torch.float32 else "unsigned short"
+    return f"stage1_select<{CXX_TYPE[dtype]}, {key}, {D}>"
+
+
+# Every instance the launcher can request: 2 input dtypes x (16-bit, 32-bit scores) x 2 head dims
+# (the group shape and bf16 / fp16 scores are run-time arguments).
+_jit.register_instances(SOURCE, list(dict.fromkeys(kernel_name(dt, st, d) for dt in KERNEL_DTYPES
+                                                   for st in SCORE_DTYPES for d in HEAD_DIMS)))
+
+
+def smem_bytes(D: int, itemsize: int, warps: int, lgp: int, olp: int, key_bytes: int,
+               bs_in_smem: bool) -> int:
+    """Dynamic shared memory of one CTA (mirrors the layout in select.cu)."""
+    tok = (ROWS_PER_WARP * warps) >> lgp
+    return (2 * TILE * D * itemsize + tok * STAGE_STRIDE * 4 + (warps * 64 * 4 if lgp >= 5 else 0)
+            + (tok * olp * key_bytes if bs_in_smem else 0))
+
+
+def _smem_limits(device: torch.device) -> tuple[int, int]:
+    """(opt-in per-block maximum, per-SM capacity) of dynamic shared memory, in bytes."""
+    return _smem_limits_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _smem_limits_of(device_index: int) -> tuple[int, int]:
+    try:
+        import cupy
+
+        p = cupy.cuda.runtime.getDeviceProperties(device_index)
+        return int(p["sharedMemPerBlockOptin"]), int(p["sharedMemPerMultiprocessor"])
+    except (ImportError, KeyError, RuntimeError):   # conservative: A100's numbers
+        return 163 * 1024, 164 * 1024
+
+
+def choose_tiles(D: int, itemsize: int, lgp: int, olp: int, key_bytes: int, smem_max: int,
+                 smem_per_sm: int) -> tuple[int, bool]:
+    """(warps, block keys in shared memory) for one launch.
+
+    Prefers 4 warps (128 rows per CTA: each key tile read from L2 serves the most rows) at a size that
+    lets two CTAs share an SM; then fewer warps (fewer tokens, so less block-key memory); then any
+    size that fits one CTA per SM; else block keys in a global scratch.
+    """
+    min_warps = max(1, (1 << lgp) // ROWS_PER_WARP)
+    choices = [w for w in (4, 2, 1) if w >= min_warps]
+    two_per_sm = min(smem_per_sm // 2 - 1024, smem_max)
+    for limit in (two_per_sm, smem_max):
+        for w in choices:
+            if smem_bytes(D, itemsize, w, lgp, olp, key_bytes, True) <= limit:
+                return w, True
+    for w in choices:
+        if smem_bytes(D, itemsize, w, lgp, olp, key_bytes, False) <= smem_max:
+            return w, False
+    return choices[-1], False     # does not fit at all: the launcher reports it
+
+
+def _kernel_checks(q, score_dtype, block_size, kernel_stride, coarse_kernel_stride, softmax_scale):
+    if q.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"q must have dtype bfloat16 or float16 for backend='kernels', got "
+                        f"{str(q.dtype).replace('torch.', '')}")
+    if q.shape[2] not in HEAD_DIMS:
+        raise ValueError(f"q has head dim {q.shape[2]}; the stage-1 kernel supports {HEAD_DIMS}")
+    if score_dtype is not None and score_dtype not in SCORE_DTYPES:
+        raise ValueError(f"score_dtype must be bfloat16, float16, float32 or None for backend='kernels', "
+                         f"got {score_dtype!r}")
+    for name, value, want in (("block_size", block_size, BLOCK_SIZE),
+                              ("kernel_stride", kernel_stride, KERNEL_STRIDE),
+                              ("coarse_kernel_stride", coarse_kernel_stride, COARSE_STRIDE)):
+        if value != want:
+            raise ValueError(f"{name} must be {want} for backend='kernels' (the kernel's tiling), "
+                             f"got {value!r}")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool)
+                                      or not isinstance(softmax_scale, (int, float))
+                                      or not math.isfinite(softmax_scale) or softmax_scale <= 0):
+        raise ValueError(f"softmax_scale must be a positive float or None, got {softmax_scale!r}")
+
+
+def _require_cuda(q):
+    if not q.is_cuda:
+        raise ValueError(f"q must be a CUDA tensor for backend='kernels', got one on {q.device}")
+
+
+def stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                  cu_seqlens_c1: torch.Tensor, cu_seqlens_c2: torch.Tensor, max_seqlen_q: int, *,
+                  causal: bool = True, cache_lens=None, softmax_scale: float | None = None, topk: int = 64,
+                  local_blocks: int = 32, init_blocks: int = 1, block_size: int = 64, kernel_stride: int = 16,
+                  coarse_kernel_stride: int = 64, varlen_offset_quirk: bool = False,
+                  score_dtype: torch.dtype | None = torch.bfloat16, return_scores: bool = False,
+                  backend: str = "auto"):
+    r"""InfLLM-v2 stage 1 end to end: compressed-key scores, block pooling, top-k (spec 4-6).
+
+    Same signature and outputs as `naive_stage1_select`. For query row `r` of a sequence, KV head `h`
+    and its `G` query heads: coarse-key max and normaliser per head (pass 1), fine-key weights
+    `exp(scale q.ck1_i - scale m_g) / Z_g` summed over the group and rounded to `score_dtype`
+    (pass 2), max-pooled to 64-token blocks over fine keys `[4j-1, 4j+4)` with the init and
+    `local_blocks + 1` local blocks forced to `+inf`, and the `K = min(topk + local_blocks, out_len)`
+    best blocks, ascending, with blocks after the query's own block replaced by a `-1` tail.
+    Ties in the block scores go to the lower block index (the reference's `torch.topk` leaves them
+    unspecified). The kernel path never materialises the `[H, total_q, n1]` scores.
+
+    Args:
+        q (torch.Tensor):
+            `[total_q, HQ, D]`; kernels: bf16 or fp16, D in {64, 128}, `G = HQ / H` from 1 to 128.
+        ck1, ck2 (torch.Tensor):
+            Fine `[total_c1, H, D]` and coarse `[total_c2, H, D]` compressed keys (`compress_k` 32/16
+            and 128/64), q's dtype; pass `ck1` twice (with `cu_seqlens_c1`) for exact mode.
+        cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2 (torch.Tensor):
+            int32 `[B+1]` on q's device.
+        max_seqlen_q (int):
+            Longest query sequence (sets `out_len` and the launch).
+        causal (bool, Optional):
+            Prefill mask of spec 4.3 (bottom-right aligned); `False` for decode. Default: `True`.
+        cache_lens (torch.Tensor or list[int] or None, Optional):
+            `[B]` keys before each sequence's first query (`L - 1` in decode). Default: `None` (zeros).
+        softmax_scale (float, Optional):
+            Default: `None` (`1 / sqrt(D)`).
+        topk, local_blocks, init_blocks (int, Optional):
+            Default: 64, 32, 1 (MiniCPM4: K = 96).
+        block_size, kernel_stride, coarse_kernel_stride (int, Optional):
+            The kernels need 64, 16, 64. Default: 64, 16, 64.
+        varlen_offset_quirk (bool, Optional):
+            HF's `max_seqlen_q - L_b` offset of the query block in ragged batches. Default: `False`.
+        score_dtype (torch.dtype, Optional):
+            dtype of the scores and block scores on which top-k runs (bf16, fp16, fp32; `None` = fp32).
+            Default: `torch.bfloat16`, as the original.
+        return_scores (bool, Optional):
+            Also return `scores [H, total_q, max_n1]` and `block_scores [H, total_q, out_len]`.
+            Default: `False`.
+        backend (str, Optional):
+            "auto" (kernels for CUDA tensors), "kernels" or "reference". Default: "auto".
+
+    Returns:
+        topk_idx (torch.Tensor): int32 `[H, total_q, K]`; with `return_scores`, the tuple
+        `(topk_idx, scores, block_scores)`.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "reference" or (backend == "auto" and not q.is_cuda):
+        return naive_stage1_select(
+            q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q, causal=causal,
+            cache_lens=cache_lens, softmax_scale=softmax_scale, topk=topk, local_blocks=local_blocks,
+            init_blocks=init_blocks, block_size=block_size, kernel_stride=kernel_stride,
+            coarse_kernel_stride=coarse_kernel_stride, varlen_offset_quirk=varlen_offset_quirk,
+            score_dtype=score_dtype, return_scores=return_scores)
+
+    # ---- checks, all before any launch
+    G = _check_stage1_inputs(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2)
+    _kernel_checks(q, score_dtype, block_size, kernel_stride, coarse_kernel_stride, softmax_scale)
+    if G > MAX_GROUP:
+        raise ValueError(f"q has {q.shape[1]} heads for {ck1.shape[1]} KV heads (G = {G}); the stage-1 "
+                         f"kernel supports G <= {MAX_GROUP}")
+    _require_cuda(q)
+    check_int_args(0, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    B = cu_seqlens_q.numel() - 1
+    lq = seqlens_host(cu_seqlens_q) if validate_values() else []
+    check_max_seqlen("max_seqlen_q", max_seqlen_q, lq)
+    if isinstance(cache_lens, torch.Tensor) and cache_lens.device != q.device and cache_lens.is_cuda:
+        raise ValueError(f"cache_lens must be on {q.device} or the CPU, got {cache_lens.device}")
+    cache = check_lengths_arg("cache_lens", cache_lens, B, q.device)
+    if cache_lens is None or B == 0:
+        max_cache = 0
+    elif isinstance(cache_lens, torch.Tensor):
+        max_cache = int(cache_lens.max())          # one device-to-host copy for a CUDA tensor
+    else:
+        max_cache = max(int(x) for x in cache_lens)
+    if max_cache + max_seqlen_q >= 2**31 - 64:
+        raise ValueError(f"cache_lens + max_seqlen_q must stay below 2^31, got {max_cache} + {max_seqlen_q}")
+    sdt = torch.float32 if score_dtype is None else score_dtype
+
+    total_q, HQ, D = q.shape
+    H = ck1.shape[1]
+    out_len = cdiv(max_seqlen_q + max_cache, BLOCK_SIZE)
+    K = min(topk + local_blocks, out_len)
+    max_n1 = max(seqlens_host(cu_seqlens_c1), default=0) if return_scores else 0
+    topk_idx = empty((H, total_q, K), dtype=torch.int32, device=q.device)
+    scores = empty((H, total_q, max_n1), dtype=sdt, device=q.device) if return_scores else None
+    block_scores = empty((H, total_q, out_len), dtype=sdt, device=q.device) if return_scores else None
+    if total_q == 0 or H == 0 or out_len == 0 or (K == 0 and not return_scores):
+        return (topk_idx, scores, block_scores) if return_scores else topk_idx
+
+    lgp = _lgp(G)
+    olp = cdiv(out_len, 64) * 64
+    key_bytes = 4 if sdt == torch.float32 else 2
+    smem_max, smem_sm = _smem_limits(q.device)
+    warps, bs_in_smem = choose_tiles(D, q.element_size(), lgp, olp, key_bytes, smem_max, smem_sm)
+    tok = (ROWS_PER_WARP * warps) >> lgp
+    n_tiles = cdiv(max_seqlen_q, tok)
+    if n_tiles * B * H >= 2**31:
+        raise ValueError(f"too many CTAs ({n_tiles} token tiles x {B} sequences x {H} heads)")
+    scratch = None
+    if not bs_in_smem:
+        scratch = torch.empty((H, total_q, olp), dtype=torch.int32 if key_bytes == 4 else torch.int16,
+                              device=q.device)
+    shared = smem_bytes(D, q.element_size(), warps, lgp, olp, key_bytes, bs_in_smem)
+    if shared > smem_max:
+        raise ValueError(f"the stage-1 kernel needs {shared} B of shared memory for D = {D}, G = {G}; "
+                         f"this device allows {smem_max}")
+
+    q, ck1, ck2 = (t.contiguous() for t in (q, ck1, ck2))
+    cache_dev = cache.to(torch.int32).contiguous() if cache_lens is not None else None
+    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    null = np.uint64(0)
+    name = kernel_name(q.dtype, sdt, D)
+    opt = lambda t: ptr(t) if t is not None else null
+    launch(_jit.get_kernel(SOURCE, name), name=name, grid=(n_tiles * B * H,), block=(ROWS_PER_WARP * warps,),
+           shared_mem=shared,
+           args=(ptr(q), ptr(ck1), ptr(ck2), ptr(cu_seqlens_q), ptr(cu_seqlens_c1), ptr(cu_seqlens_c2),
+                 opt(cache_dev), ptr(topk_idx), opt(scores), opt(block_scores), opt(scratch),
+                 np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(lgp), np.int32(B),
+                 np.int32(n_tiles), np.int32(max_seqlen_q), np.int32(out_len), np.int32(olp), np.int32(K),
+                 np.int32(max_n1), np.int32(init_blocks), np.int32(local_blocks),
+                 np.int32(1 if varlen_offset_quirk else 0), np.int32(1 if causal else 0),
+                 np.int32(SCORE_KIND[sdt]), np.int32(KERNEL_STRIDE), np.int32(COARSE_STRIDE),
+                 np.float32(scale * 1.4426950408889634)))
+    return (topk_idx, scores, block_scores) if return_scores else topk_idx

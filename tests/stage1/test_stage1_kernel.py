@@ -1,0 +1,431 @@
+"""Stage-1 kernel (scores, pooling, top-k in one launch) against the PyTorch reference.
+
+Selections are compared modulo ties (FlashInfer's contract for top-k): the reference's `torch.topk`
+breaks ties arbitrarily and our scores may differ from its by one rounding of the score dtype. So
+each result is checked three ways: (1) our indices are exactly our own top-K of our own block
+scores (K largest, ties to the lower index, ascending, -1 tail); (2) our scores and block scores
+equal the reference's within one unit in the last place of the score dtype; (3) against the
+reference's own block scores, every block we selected scores >= every causal block we left out,
+up to that rounding, and the forced blocks are present. Rows without a near-tie at the K-th value
+must equal the reference exactly.
+"""
+
+import pytest
+import torch
+
+from infllm_cupy.compress.naive import naive_compress_k
+from infllm_cupy.stage1 import select as sel
+from infllm_cupy.stage1.naive import naive_stage1_select, q_block_idx_prefill
+from infllm_cupy.stage1.select import choose_tiles, smem_bytes, stage1_select
+from infllm_cupy.testing import cu_seqlens_from_lengths
+
+# one unit in the last place, relative, of each score dtype (and fp32 math in a different order)
+RTOL = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 1e-4}
+
+
+# --------------------------------------------------------------------------------------------
+# inputs and checks (shared by the GPU tests)
+# --------------------------------------------------------------------------------------------
+def make_inputs(lengths_q, HQ, H, D, dtype, *, lengths_k=None, exact=False, seed=0, device="cuda"):
+    """Random q and really compressed keys (keys scaled so that the softmax is not flat)."""
+    lengths_k = lengths_q if lengths_k is None else lengths_k
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(lengths_q), HQ, D, generator=g).to(dtype)
+    k = (4 * torch.randn(sum(lengths_k), H, D, generator=g)).to(dtype)
+    cu_k = cu_seqlens_from_lengths(lengths_k)
+    ck1, cu1 = naive_compress_k(k, cu_k, 32, 16)
+    ck2, cu2 = (ck1, cu1) if exact else naive_compress_k(k, cu_k, 128, 64)
+    cu_q = cu_seqlens_from_lengths(lengths_q)
+    return tuple(t.to(device) for t in (q, ck1, ck2, cu_q, cu1, cu2))
+
+
+def own_topk(block_scores, q_blocks, K):
+    """Our tie rule on given block scores: K largest (ties to the lower index), ascending, > q block -> -1."""
+    order = torch.sort(block_scores.float(), dim=-1, descending=True, stable=True).indices[..., :K]
+    idx = order.sort(dim=-1).values
+    return idx.masked_fill(idx > q_blocks.long()[None, :, None], -1).to(torch.int32)
+
+
+def assert_scores_close(name, got, ref, score_dtype):
+    """Elementwise within one ulp of the score dtype; +-inf and zeros exactly where the reference has them."""
+    assert got.shape == ref.shape and got.dtype == ref.dtype, (name, got.shape, ref.shape, got.dtype,
+                                                               ref.dtype)
+    assert not torch.isnan(got).any(), f"{name}: NaN (an element was never written?)"
+    g, r = got.double(), ref.double()
+    inf = torch.isinf(r)
+    assert torch.equal(torch.isinf(g), inf) and torch.equal(g[inf], r[inf]), f"{name}: +-inf positions differ"
+    fin = ~inf
+    err = (g[fin] - r[fin]).abs()
+    tol = RTOL[score_dtype] * r[fin].abs() + 1e-30
+    bad = err > tol
+    assert not bool(bad.any()), (f"{name}: {int(bad.sum())} elements off by more than one ulp; worst "
+                                 f"{err.max().item():.3e} at ref {r[fin][err.argmax()].item():.6e}")
+
+
+def check_contract(idx, q_blocks, off_bq, out_len, K, init_blocks, local_blocks):
+    """Structure of every row: ascending, no duplicates, -1 only as tail, nothing above the query
+    block, forced blocks present when the budget holds them all."""
+    H, T, k = idx.shape
+    assert k == K and idx.dtype == torch.int32
+    assert bool((idx >= -1).all()) and bool((idx < out_len).all()), "index out of range (unwritten?)"
+    valid = idx >= 0
+    assert bool((valid[..., 1:] <= valid[..., :-1]).all()), "-1 must be tail padding only"
+    both = valid[..., 1:] & valid[..., :-1]
+    assert bool((idx[..., 1:] > idx[..., :-1])[both].all()), "indices must be ascending and distinct"
+    assert bool((idx <= q_blocks.long()[None, :, None]).all()), "a future block survived"
+    j = torch.arange(out_len, device=idx.device)
+    ob = off_bq.long()[:, None]
+    forced = (j[None] < init_blocks) | ((j[None] <= ob) & (j[None] >= ob - local_blocks))     # [T, out_len]
+    fits = forced.sum(-1) <= K                                                                # [T]
+    want = forced & (j[None] <= q_blocks.long()[:, None]) & fits[:, None]
+    sel_mask = torch.zeros(H, T, out_len + 1, dtype=torch.bool, device=idx.device)
+    sel_mask.scatter_(-1, torch.where(valid, idx.long(), out_len), True)
+    assert bool((sel_mask[..., :out_len] | ~want[None]).all()), "a forced block is missing"
+    return sel_mask[..., :out_len]
+
+
+def check_modulo_ties(idx, ref_idx, ref_bs, q_blocks, K, score_dtype):
+    """Against the reference's own block scores: selected >= thr >= unselected causal blocks (thr = the
+    K-th largest reference score), up to two ulps (each side rounds once); exact equality on rows
+    without a near-tie at thr."""
+    H, T, out_len = ref_bs.shape
+    r = ref_bs.double()
+    thr = torch.sort(r, dim=-1, descending=True).values[..., K - 1:K]                         # [H, T, 1]
+    tol = torch.where(torch.isfinite(thr), 2 * RTOL[score_dtype] * thr.abs() + 1e-30, torch.zeros_like(thr))
+    valid = idx >= 0
+    sel_mask = torch.zeros(H, T, out_len + 1, dtype=torch.bool, device=idx.device)
+    sel_mask.scatter_(-1, torch.where(valid, idx.long(), out_len), True)
+    sel_mask = sel_mask[..., :out_len]
+    j = torch.arange(out_len, device=idx.device)
+    causal = (j[None, None] <= q_blocks.long()[None, :, None]).expand(H, T, out_len)
+    lo_ok = (r >= thr - tol) | ~sel_mask
+    assert bool(lo_ok.all()), f"{int((~lo_ok).sum())} selected blocks score below the K-th reference score"
+    hi_ok = (r <= thr + tol) | sel_mask | ~causal
+    assert bool(hi_ok.all()), f"{int((~hi_ok).sum())} causal blocks left out beat the K-th reference score"
+    n_sel = valid.sum(-1)
+    clearly_in = (causal & (r > thr + tol)).sum(-1)
+    maybe_in = (causal & (r >= thr - tol)).sum(-1)
+    assert bool((n_sel >= clearly_in).all()) and bool((n_sel <= torch.maximum(maybe_in, clearly_in)).all())
+    # rows whose near-ties at thr are all future blocks (masked to -1 anyway) are fully determined
+    near = (r == thr) | ((r - thr).abs() <= tol)
+    ambiguous = ((near & causal).sum(-1) > 0) & ((r >= thr - tol).sum(-1) > K)
+    rows = ~ambiguous
+    n_diff = int((idx[rows] != ref_idx[rows]).any(-1).sum())
+    assert n_diff == 0, f"{n_diff} unambiguous rows differ from the reference"
+    return int(rows.sum()), rows.numel()
+
+
+def reference(q, ck1, ck2, cu_q, cu1, cu2, max_seqlen_q, **kw):
+    return naive_stage1_select(q, ck1, ck2, cu_q, cu1, cu2, max_seqlen_q, return_scores=True, **kw)
+
+
+def run_and_check(q, ck1, ck2, cu_q, cu1, cu2, max_seqlen_q, *, score_dtype=torch.bfloat16, causal=True,
+                  cache_lens=None, topk=64, local_blocks=32, init_blocks=1, varlen_offset_quirk=False,
+                  min_unambiguous=0.0, backend="kernels"):
+    kw = {"causal": causal, "cache_lens": cache_lens, "topk": topk, "local_blocks": local_blocks,
+          "init_blocks": init_blocks, "varlen_offset_quirk": varlen_offset_quirk, "score_dtype": score_dtype}
+    args = (q, ck1, ck2, cu_q, cu1, cu2, max_seqlen_q)
+    idx, sc, bs = stage1_select(*args, return_scores=True, backend=backend, **kw)
+    plain = stage1_select(*args, backend=backend, **kw)
+    assert torch.equal(plain, idx), "the default path and return_scores must select the same blocks"
+    ref_idx, ref_sc, ref_bs = reference(*args, **kw)
+    sdt = torch.float32 if score_dtype is None else score_dtype
+    assert_scores_close("scores", sc, ref_sc, sdt)
+    assert_scores_close("block_scores", bs, ref_bs, sdt)
+    lengths = (cu_q[1:] - cu_q[:-1]).tolist()
+    cache = (torch.zeros(len(lengths), dtype=torch.int64) if cache_lens is None
+             else torch.as_tensor(cache_lens).cpu())
+    out_len = ref_bs.shape[-1]
+    K = min(topk + local_blocks, out_len)
+    q_blocks = q_block_idx_prefill(cu_q.cpu(), max_seqlen_q, 64, varlen_offset_quirk, cache_lens=cache)
+    off_bq = q_block_idx_prefill(cu_q.cpu(), max_seqlen_q, 64, False, cache_lens=cache)
+    q_blocks, off_bq = q_blocks.to(idx.device), off_bq.to(idx.device)
+    assert idx.shape == ref_idx.shape
+    # (1) our own top-K of our own block scores, exactly
+    assert torch.equal(idx, own_topk(bs, q_blocks, K)), "indices are not the top-K of the kernel's own scores"
+    # structure and forced blocks
+    check_contract(idx, q_blocks, off_bq, out_len, K, init_blocks, local_blocks)
+    # (3) against the reference modulo ties
+    n_rows, total = check_modulo_ties(idx, ref_idx, ref_bs, q_blocks, K, sdt)
+    assert n_rows >= min_unambiguous * total, f"only {n_rows}/{total} rows were unambiguous"
+    return idx, sc, bs
+
+
+# --------------------------------------------------------------------------------------------
+# GPU tests
+# --------------------------------------------------------------------------------------------
+# (lengths, HQ, H, D, dtype): ragged batches, both quirks (L % 16 == 15: 335, 1023; L % 64 == 63: 383,
+# 1023, 191), sequences shorter than 128, G in {1, 2, 3, 4, 8, 12, 16, 32, 64, 128}
+CASES = [
+    ([1000], 32, 2, 128, torch.bfloat16),
+    ([1023, 335, 383, 127, 64, 1, 200], 16, 1, 128, torch.bfloat16),
+    ([2000, 700], 8, 1, 64, torch.float16),
+    ([513, 130, 17], 4, 2, 64, torch.bfloat16),
+    ([900, 40], 4, 4, 128, torch.bfloat16),
+    ([777, 191], 16, 4, 64, torch.bfloat16),
+    ([600, 100], 32, 1, 128, torch.bfloat16),
+    ([500, 129], 64, 1, 64, torch.bfloat16),
+    ([400], 128, 1, 64, torch.float16),
+    ([450, 320], 24, 2, 128, torch.bfloat16),
+    ([333, 1], 6, 2, 64, torch.float16),
+]
+IDS = [f"L{'-'.join(map(str, c[0]))}_HQ{c[1]}_H{c[2]}_D{c[3]}_{str(c[4])[6:]}" for c in CASES]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("score_dtype", [torch.bfloat16, torch.float32], ids=["bf16scores", "fp32scores"])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_prefill_against_reference(case, score_dtype):
+    lengths, HQ, H, D, dtype = case
+    inputs = make_inputs(lengths, HQ, H, D, dtype)
+    # fp32 scores have no ties among past blocks: nearly every row must equal the reference exactly
+    run_and_check(*inputs, max(lengths), score_dtype=score_dtype,
+                  min_unambiguous=0.9 if score_dtype == torch.float32 else 0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("topk,local_blocks,init_blocks", [(64, 32, 1), (3, 2, 1), (0, 32, 1), (5, 0, 3)])
+def test_budgets(topk, local_blocks, init_blocks):
+    """Small budgets pad with -1; K below the forced count (topk = 0) keeps the lowest forced blocks."""
+    lengths = [1500, 383, 64]
+    inputs = make_inputs(lengths, 16, 2, 64, torch.bfloat16)
+    run_and_check(*inputs, max(lengths), topk=topk, local_blocks=local_blocks, init_blocks=init_blocks)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("score_dtype", [torch.bfloat16, torch.float16, None], ids=["bf16", "fp16", "none"])
+def test_score_dtypes(score_dtype):
+    lengths = [1200, 255]
+    inputs = make_inputs(lengths, 16, 2, 128, torch.bfloat16)
+    _, sc, bs = run_and_check(*inputs, max(lengths), score_dtype=score_dtype)
+    want = torch.float32 if score_dtype is None else score_dtype
+    assert sc.dtype == bs.dtype == want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("HQ,H", [(16, 1), (8, 2), (2, 2)])
+def test_exact_mode(HQ, H):
+    """ck2 = ck1: the coarse pass walks the fine keys with stride 16 (exact softmax over ck1)."""
+    lengths = [700, 335, 31, 100]
+    inputs = make_inputs(lengths, HQ, H, 64, torch.bfloat16, exact=True)
+    run_and_check(*inputs, max(lengths))
+    run_and_check(*inputs, max(lengths), score_dtype=torch.float32, min_unambiguous=0.9)
+
+
+@pytest.mark.gpu
+def test_varlen_offset_quirk():
+    lengths = [1100, 300, 70]
+    inputs = make_inputs(lengths, 16, 2, 64, torch.bfloat16)
+    run_and_check(*inputs, max(lengths), varlen_offset_quirk=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_chunked_prefill(dtype):
+    """Queries are the last Lq of Lk keys (cache_lens = Lk - Lq): bottom-right aligned visibility."""
+    lk, lq = [1500, 700, 383], [200, 64, 383]
+    q, ck1, ck2, cu_q, cu1, cu2 = make_inputs(lq, 16, 2, 128, dtype, lengths_k=lk)
+    cache = torch.tensor([a - b for a, b in zip(lk, lq)], dtype=torch.int32, device="cuda")
+    run_and_check(q, ck1, ck2, cu_q, cu1, cu2, max(lq), cache_lens=cache)
+    run_and_check(q, ck1, ck2, cu_q, cu1, cu2, max(lq), cache_lens=cache.tolist(), score_dtype=torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("HQ,H", [(32, 2), (8, 1), (3, 3)])
+def test_decode(HQ, H):
+    """One query per sequence, causal=False, cache_lens = L - 1: every compressed key is visible."""
+    lk = [4000, 1, 127, 128, 2047, 64 * 40 + 63]
+    q, ck1, ck2, _, cu1, cu2 = make_inputs(lk, HQ, H, 128, torch.bfloat16)
+    starts = cu_seqlens_from_lengths(lk)[1:].long() - 1
+    qd = q[starts.to(q.device)].contiguous()                               # the last token of each sequence
+    cu_q = torch.arange(len(lk) + 1, dtype=torch.int32, device="cuda")
+    cache = torch.tensor([L - 1 for L in lk], dtype=torch.int32, device="cuda")
+    run_and_check(qd, ck1, ck2, cu_q, cu1, cu2, 1, causal=False, cache_lens=cache)
+
+
+@pytest.mark.gpu
+def test_long_sequence():
+    """More tiles than any other case (out_len 180), README heads."""
+    lengths = [11500]
+    inputs = make_inputs(lengths, 32, 2, 128, torch.bfloat16)
+    run_and_check(*inputs, max(lengths))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", [(1, True), (2, True), (4, False), (1, False)],
+                         ids=["1warp", "2warps", "4warps_scratch", "1warp_scratch"])
+def test_tile_plans(monkeypatch, plan):
+    """Fewer warps per CTA (what long sequences at small G get) and block keys in the global scratch."""
+    monkeypatch.setattr(sel, "choose_tiles", lambda *a, **k: plan)
+    for lengths, HQ, H in (([2500, 300], 2, 2), ([1800, 63], 16, 1), ([700], 8, 1)):
+        inputs = make_inputs(lengths, HQ, H, 64, torch.bfloat16)
+        run_and_check(*inputs, max(lengths))
+
+
+@pytest.mark.gpu
+def test_outputs_are_fully_written():
+    """With NaN/sentinel-poisoned allocations (conftest sets INFLLM_CUPY_POISON=1) nothing stays unwritten."""
+    lengths = [650, 5, 129]
+    inputs = make_inputs(lengths, 16, 2, 64, torch.bfloat16)
+    idx, sc, bs = stage1_select(*inputs, max(lengths), return_scores=True, backend="kernels")
+    assert not bool((idx == -(2**30)).any())
+    assert not torch.isnan(sc).any() and not torch.isnan(bs).any()
+    idx2 = stage1_select(*inputs, max(lengths), backend="kernels")
+    assert not bool((idx2 == -(2**30)).any())
+
+
+@pytest.mark.gpu
+def test_deterministic():
+    lengths = [1300, 200]
+    inputs = make_inputs(lengths, 64, 1, 64, torch.bfloat16)       # G = 64: cross-warp group sums
+    a = stage1_select(*inputs, max(lengths), return_scores=True, backend="kernels")
+    b = stage1_select(*inputs, max(lengths), return_scores=True, backend="kernels")
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.gpu
+def test_large_offsets():
+    """q with more than 2^31 elements: the second sequence's rows start past 2^31 (64-bit offsets).
+
+    The first sequence has 132k queries but only 16 keys (no compressed key), so it costs only its
+    top-K over the forced blocks."""
+    HQ, H, D = 128, 1, 128
+    lq, lk = [132072, 1500], [16, 1500]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(sum(lq), HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    assert q.numel() > 2**31 and lq[0] * HQ * D > 2**31
+    k = (4 * torch.randn(sum(lk), H, D, device="cuda", generator=g)).to(torch.bfloat16)
+    cu_k = cu_seqlens_from_lengths(lk, "cuda")
+    ck1, cu1 = naive_compress_k(k, cu_k, 32, 16)
+    ck2, cu2 = naive_compress_k(k, cu_k, 128, 64)
+    cu_q = cu_seqlens_from_lengths(lq, "cuda")
+    idx = stage1_select(q, ck1, ck2, cu_q, cu1, cu2, max(lq), backend="kernels")
+    t0 = lq[0]
+    sub = (q[t0:], ck1, ck2, cu_seqlens_from_lengths([lq[1]], "cuda"),
+           cu_seqlens_from_lengths([int(cu1[2])], "cuda"), cu_seqlens_from_lengths([int(cu2[2])], "cuda"))
+    ref_idx, _, ref_bs = reference(*sub, max(lq))
+    out_len = ref_bs.shape[-1]
+    qb = q_block_idx_prefill(sub[3].cpu(), max(lq)).cuda()
+    check_modulo_ties(idx[:, t0:], ref_idx, ref_bs, qb, min(96, out_len), torch.bfloat16)
+    # first sequence: no fine key, so every block is -inf but the forced ones (+inf); our tie rule
+    # fills the budget with the lowest-index -inf blocks
+    out_len = -(-max(lq) // 64)
+    for t in (0, 1000, 65535, t0 - 1):
+        ob = t // 64
+        forced = sorted(set([0] + list(range(max(0, ob - 32), ob + 1))))
+        rest = [j for j in range(out_len) if j not in forced][:96 - len(forced)]
+        want = sorted(j for j in forced + rest if j <= ob)
+        assert idx[0, t].tolist() == want + [-1] * (96 - len(want)), t
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bad, exc, match", [
+    ({"q": lambda a: a.float(), "ck1": lambda a: a.float(), "ck2": lambda a: a.float()}, TypeError,
+     "q must have dtype"),
+    ({"q": lambda a: a[..., :32].contiguous(), "ck1": lambda a: a[..., :32].contiguous(),
+          "ck2": lambda a: a[..., :32].contiguous()}, ValueError, "head dim 32"),
+    ({"ck1": lambda a: a.half()}, TypeError, "ck1 must have dtype"),
+    ({"cu_q": lambda c: c.flip(0)}, ValueError, "cu_seqlens_q must"),
+    ({"cu1": lambda c: c[:2]}, ValueError, "cu_seqlens_c1"),
+    ({"mq": lambda m: m - 1}, ValueError, "max_seqlen_q must be >="),
+    ({"kw": lambda k: {**k, "block_size": 128}}, ValueError, "block_size"),
+    ({"kw": lambda k: {**k, "kernel_stride": 8}}, ValueError, "kernel_stride"),
+    ({"kw": lambda k: {**k, "coarse_kernel_stride": 32}}, ValueError, "coarse_kernel_stride"),
+    ({"kw": lambda k: {**k, "score_dtype": torch.float64}}, ValueError, "score_dtype"),
+    ({"kw": lambda k: {**k, "cache_lens": [0]}}, ValueError, "cache_lens"),
+    ({"kw": lambda k: {**k, "topk": -1}}, ValueError, "topk"),
+    ({"kw": lambda k: {**k, "softmax_scale": -1.0}}, ValueError, "softmax_scale"),
+    ({"kw": lambda k: {**k, "backend": "triton"}}, ValueError, "backend"),
+])
+def test_bad_inputs_raise_before_launch(bad, exc, match, monkeypatch):
+    def no_launch(*a, **k):
+        raise AssertionError("launched")
+    monkeypatch.setattr(sel, "launch", no_launch)
+    q, ck1, ck2, cu_q, cu1, cu2 = make_inputs([300, 200], 16, 2, 64, torch.bfloat16)
+    args = {"q": q, "ck1": ck1, "ck2": ck2, "cu_q": cu_q, "cu1": cu1, "cu2": cu2, "mq": 300,
+            "kw": {"backend": "kernels"}}
+    for name, f in bad.items():
+        args[name] = f(args[name])
+    with pytest.raises(exc, match=match):
+        stage1_select(args["q"], args["ck1"], args["ck2"], args["cu_q"], args["cu1"], args["cu2"], args["mq"],
+                      **args["kw"])
+
+
+@pytest.mark.gpu
+def test_group_too_large_raises():
+    q, ck1, ck2, cu_q, cu1, cu2 = make_inputs([100], 256, 1, 64, torch.bfloat16)
+    with pytest.raises(ValueError, match="G = 256"):
+        stage1_select(q, ck1, ck2, cu_q, cu1, cu2, 100, backend="kernels")
+
+
+# --------------------------------------------------------------------------------------------
+# CPU tests: dispatch, argument checks, launch planning
+# --------------------------------------------------------------------------------------------
+def test_cpu_tensors_run_the_reference():
+    lengths = [400, 130]
+    inputs = make_inputs(lengths, 8, 2, 32, torch.float32, device="cpu")
+    want = naive_stage1_select(*inputs, 400, topk=4, local_blocks=2, return_scores=True)
+    for backend in ("auto", "reference"):
+        got = stage1_select(*inputs, 400, topk=4, local_blocks=2, return_scores=True, backend=backend)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(stage1_select(*inputs, 400, topk=4, local_blocks=2), want[0])
+
+
+def test_own_topk_tie_rule():
+    bs = torch.tensor([[[1.0, 3.0, 3.0, float("inf"), 3.0, 0.0, float("-inf")]]])
+    assert own_topk(bs, torch.tensor([6]), 3).tolist() == [[[1, 2, 3]]]
+    assert own_topk(bs, torch.tensor([1]), 4).tolist() == [[[1, -1, -1, -1]]]
+    assert own_topk(bs, torch.tensor([6]), 6).tolist() == [[[0, 1, 2, 3, 4, 5]]]
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    ({"block_size": 128}, ValueError, "block_size"),
+    ({"kernel_stride": 8}, ValueError, "kernel_stride"),
+    ({"coarse_kernel_stride": 128}, ValueError, "coarse_kernel_stride"),
+    ({"score_dtype": torch.float64}, ValueError, "score_dtype"),
+    ({"softmax_scale": 0.0}, ValueError, "softmax_scale"),
+    ({"backend": "cuda"}, ValueError, "backend"),
+    ({}, ValueError, "q must be a CUDA tensor"),
+])
+def test_kernel_backend_checks_on_cpu(kw, exc, match):
+    inputs = make_inputs([300], 4, 2, 64, torch.bfloat16, device="cpu")
+    with pytest.raises(exc, match=match):
+        stage1_select(*inputs, 300, **{"backend": "kernels", **kw})
+
+
+def test_kernel_backend_rejects_fp32_and_odd_head_dims_on_cpu():
+    with pytest.raises(TypeError, match="q must have dtype"):
+        stage1_select(*make_inputs([100], 4, 2, 64, torch.float32, device="cpu"), 100, backend="kernels")
+    with pytest.raises(ValueError, match="head dim 32"):
+        stage1_select(*make_inputs([100], 4, 2, 32, torch.bfloat16, device="cpu"), 100, backend="kernels")
+    with pytest.raises(ValueError, match="G = 256"):
+        stage1_select(*make_inputs([100], 256, 1, 64, torch.bfloat16, device="cpu"), 100, backend="kernels")
+
+
+def test_launch_planning():
+    H100 = (227 * 1024, 228 * 1024)
+    # README config at 128k: 4 warps (8 tokens at G = 16), block keys in shared memory, two CTAs per SM
+    olp = 2048
+    w, in_smem = choose_tiles(128, 2, 4, olp, 2, *H100)
+    assert (w, in_smem) == (4, True) and smem_bytes(128, 2, 4, 4, olp, 2, True) <= 113 * 1024
+    # G = 1 at 128k: fewer warps (fewer tokens per CTA) before falling back to the global scratch
+    w, in_smem = choose_tiles(128, 2, 0, olp, 2, *H100)
+    assert in_smem and w == 1
+    assert choose_tiles(128, 2, 0, 8192, 2, *H100) == (4, False)
+    assert choose_tiles(64, 2, 0, 8192, 2, 24 * 1024, 48 * 1024) == (1, False)
+    # a token of G = 128 needs all four warps
+    assert choose_tiles(64, 2, 7, 64, 2, *H100)[0] == 4
+    for lgp in range(8):
+        assert smem_bytes(64, 2, 4, lgp, 64, 2, False) >= 2 * 64 * 64 * 2
+
+
+def test_every_instance_is_registered():
+    from infllm_cupy import _jit
+    names = {n for ks in _jit.registered() if ks.source == sel.SOURCE for n in ks.names}
+    for dt in (torch.bfloat16, torch.float16):
+        for st in (torch.bfloat16, torch.float16, torch.float32):
+            for d in (64, 128):
+                assert sel.kernel_name(dt, st, d) in names
+    assert len(names) == 8
+    assert [sel._lgp(G) for G in (1, 2, 3, 4, 5, 16, 17, 24, 32, 33, 64, 65, 128)] == \
+        [0, 1, 2, 2, 3, 4, 5, 5, 5, 6, 6, 7, 7]
