@@ -238,14 +238,12 @@ _REFERENCE_STAGES = {
 
 
 def _stage1_kernel():
-    """The stage-1 kernel op (scores, block pooling and top-k), or None while there is none.
+    """The stage-1 kernel op (scores, block pooling and top-k in one launch), with
+    `naive_stage1_select`'s signature; the pipeline asks for `return_scores=True` only when
+    `return_aux` exposes the scores and block scores."""
+    from .stage1.select import stage1_select
 
-    This is the one place where it plugs into the kernel path: return the op here and every caller
-    of `stages_for` picks it up. It must take `naive_stage1_select`'s signature; the pipeline
-    asks for `return_scores=True` only when `return_aux` exposes the scores and block scores.
-    TODO(issue 5, stage-1 kernel lands): return it instead of None.
-    """
-    return None
+    return stage1_select
 
 
 def stages_for(q: torch.Tensor, backend: str = "reference") -> dict:
@@ -253,9 +251,9 @@ def stages_for(q: torch.Tensor, backend: str = "reference") -> dict:
 
     With CUDA tensors and `backend` "auto" or "kernels": `compress_k` and `sparse_attn` are the
     kernels (`sparse_attn` raises ValueError for a `block_size` other than 64), `dense_attn` is torch
-    SDPA (`sdpa_dense_attn_varlen`), and `stage1_select` is the PyTorch reference running on the
-    GPU until its kernel exists (`_stage1_kernel`). Otherwise, or with `backend="reference"`, every
-    stage is the reference, which runs on CPU and CUDA tensors alike.
+    SDPA (`sdpa_dense_attn_varlen`), and `stage1_select` is the fused stage-1 kernel
+    (`infllm_cupy.stage1.select`). Otherwise, or with `backend="reference"`, every stage is the
+    reference, which runs on CPU and CUDA tensors alike.
 
     Args:
         q (torch.Tensor):
@@ -273,9 +271,7 @@ def stages_for(q: torch.Tensor, backend: str = "reference") -> dict:
     if not uses_kernels(q, backend):
         return stages
     stages.update(compress_k=_kernel_compress_k, sparse_attn=_kernel_sparse_attn, dense_attn=sdpa_dense_attn_varlen)
-    stage1 = _stage1_kernel()
-    if stage1 is not None:
-        stages["stage1_select"] = stage1
+    stages["stage1_select"] = _stage1_kernel()
     return stages
 
 
@@ -404,9 +400,8 @@ def infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
         mask   1 1 0 0 1 1
 
     Which implementation runs each stage (`stages_for`): for CUDA tensors with `backend` "auto" or
-    "kernels", key compression and stage 2 are the CUDA kernels, stage 1 is the PyTorch reference
-    on the GPU (its kernel plugs in at `_stage1_kernel`), and the dense fallback is torch SDPA per
-    sequence. `backend="reference"` runs every stage's reference; CPU tensors always do.
+    "kernels", key compression, stage 1 (scores, pooling, top-k in one launch) and stage 2 are the
+    CUDA kernels, and the dense fallback is torch SDPA per sequence. `backend="reference"` runs every stage's reference; CPU tensors always do.
 
     Gradients: stage 1 never takes any. The reference path is differentiable through stage 2; the
     kernel path's stage 2 has no backward yet, so it raises NotImplementedError when `q`, `k` or `v`
