@@ -10,6 +10,7 @@ multiply-add); backward = 2.5x and forward+backward = 3.5x the forward (FlashAtt
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.metadata
 import json
@@ -28,6 +29,37 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("fwd", "bwd", "fwdbwd")
 MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
+
+
+README_CONFIGS = "32kx8,64kx4,128kx2"   # InfLLM-v2's README benchmark: always 262,144 query tokens
+
+
+def add_run_args(p: argparse.ArgumentParser, *, target_ms: float, min_rep: int, max_rep: int) -> None:
+    """The arguments every benchmark script shares: configs, output, shapes, repetitions, device."""
+    p.add_argument("--configs", default=None,
+                   help=f"comma-separated TxB (k = 1024). Default: {README_CONFIGS} (--quick: 8kx2; on CPU 512x2)")
+    p.add_argument("--json", default=None, help="write all rows (with GPU, versions, commit) to this file")
+    p.add_argument("--quick", action="store_true", help="smoke run: one small config, few repetitions")
+    p.add_argument("--hq", type=int, default=32)
+    p.add_argument("--h", type=int, default=2)
+    p.add_argument("--d", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing (compiles kernels). Default: 1")
+    p.add_argument("--rep", type=int, default=None, help="timed runs; default: adaptive (--target-ms)")
+    p.add_argument("--target-ms", type=float, default=target_ms, help="adaptive reps: about this much timed work")
+    p.add_argument("--min-rep", type=int, default=min_rep)
+    p.add_argument("--max-rep", type=int, default=max_rep)
+    p.add_argument("--budget-s", type=float, default=540.0,
+                   help="after this many seconds, skip the remaining rows and print the tables (0: no limit)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--no-compile", action="store_true", help="run FlexAttention eagerly (always on CPU)")
+
+
+def env_line(env: dict[str, str], t_start: float, extra: str = "") -> str:
+    """The closing line of a run: GPU, versions, commit, wall time."""
+    return (f"env: {env['gpu']}, torch {env['torch']}, cuda {env['cuda']}, cupy {env['cupy']}, "
+            f"triton {env.get('triton', '-')}, fla {env.get('fla', '-')}, commit {env['commit']}; "
+            f"{extra + '; ' if extra else ''}wall {time.perf_counter() - t_start:.0f} s")
 
 
 def bench_gpu_time(fn: Callable[[], Any], *, warmup: int = 1, rep: int | None = None, target_ms: float = 800.0,

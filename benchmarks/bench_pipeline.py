@@ -38,9 +38,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._harness import (  # noqa: E402
+    README_CONFIGS,
     Row,
+    add_run_args,
     bench_gpu_time,
     causal_dense_keys,
+    env_line,
     env_stamp,
     flops_attn,
     format_table,
@@ -54,7 +57,6 @@ from benchmarks.selections import attended_keys, to_flex_block_mask_inputs, unif
 
 IMPLS = ("selection", "stage2", "pipeline", "sdpa_cudnn", "flex_union")
 ANCHORS = ("sdpa_cudnn", "flex_union")
-README_CONFIGS = "32kx8,64kx4,128kx2"
 
 
 def make_inputs(B: int, T: int, HQ: int, H: int, D: int, device, seed: int = 0, dtype=torch.bfloat16):
@@ -297,30 +299,14 @@ def summary(rows: list[Row], memory: list[dict]) -> list[dict]:
 
 
 def add_common_args(p: argparse.ArgumentParser, impls: tuple[str, ...]) -> None:
-    p.add_argument("--configs", default=None,
-                   help=f"comma-separated TxB (k = 1024). Default: {README_CONFIGS} (--quick: 8kx2; on CPU 512x2)")
+    add_run_args(p, target_ms=1000.0, min_rep=2, max_rep=10)
     p.add_argument("--max-configs", type=int, default=0, help="run only the first N configs (0: all)")
     p.add_argument("--backend", default="auto", choices=("auto", "kernels", "reference"),
                    help="stage implementations (infllm_cupy.pipeline.stages_for). Default: auto")
     p.add_argument("--topk", type=int, default=64, help="blocks picked by score (MiniCPM4: 64)")
     p.add_argument("--local-blocks", type=int, default=32, help="local window in blocks (MiniCPM4: 32)")
     p.add_argument("--impls", default=",".join(impls), help=f"subset of {','.join(impls)}")
-    p.add_argument("--json", default=None, help="write all rows (with GPU, versions, commit) to this file")
     p.add_argument("--skip-check", action="store_true", help="skip the check against the reference pipeline")
-    p.add_argument("--quick", action="store_true", help="smoke run: one small config, few repetitions")
-    p.add_argument("--hq", type=int, default=32)
-    p.add_argument("--h", type=int, default=2)
-    p.add_argument("--d", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing (compiles kernels). Default: 1")
-    p.add_argument("--rep", type=int, default=None, help="timed runs; default: adaptive (--target-ms)")
-    p.add_argument("--target-ms", type=float, default=1000.0, help="adaptive reps: about this much timed work")
-    p.add_argument("--min-rep", type=int, default=2)
-    p.add_argument("--max-rep", type=int, default=10)
-    p.add_argument("--budget-s", type=float, default=540.0,
-                   help="after this many seconds, skip the remaining rows and print the tables (0: no limit)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--no-compile", action="store_true", help="run FlexAttention eagerly (always on CPU)")
     p.add_argument("--validate", action="store_true",
                    help="keep the launchers' value checks (a host sync per call) while timing")
 
@@ -403,8 +389,7 @@ def main(argv=None) -> list[Row]:
             "sel_mem_GiB", "pipe_mem_GiB"]
     print(format_table(recs, cols) if recs else "(no configs ran)")
     print(f"\n{check}")
-    print(f"env: {env['gpu']}, torch {env['torch']}, cuda {env['cuda']}, cupy {env['cupy']}, commit {env['commit']}; "
-          f"wall {time.perf_counter() - r.t_start:.0f} s", flush=True)
+    print(env_line(env, r.t_start), flush=True)
     if a.json:
         write_json(r.rows, a.json, env, extra={"check": check, "memory": memory, "summary": recs,
                                                "argv": sys.argv[1:]})

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,7 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._harness import Row, causal_dense_keys, env_stamp, format_table, print_table, write_json  # noqa: E402
+from benchmarks._harness import (  # noqa: E402
+    Row, causal_dense_keys, env_line, env_stamp, format_table, print_table, write_json,
+)
 from benchmarks.bench_pipeline import (  # noqa: E402
     Runner,
     add_common_args,
@@ -171,8 +172,7 @@ def main(argv=None) -> list[Row]:
     cols = ["config", *[f"{i}_ms" for i in IMPLS], "selection/sdpa", *mem_cols]
     print(format_table(recs, cols) if recs else "(no configs ran)")
     print(f"\n{check}")
-    print(f"env: {env['gpu']}, torch {env['torch']}, cuda {env['cuda']}, cupy {env['cupy']}, commit {env['commit']}; "
-          f"wall {time.perf_counter() - r.t_start:.0f} s", flush=True)
+    print(env_line(env, r.t_start), flush=True)
     if a.json:
         write_json(r.rows, a.json, env, extra={"check": check, "memory": memory, "summary": recs,
                                                "argv": sys.argv[1:]})

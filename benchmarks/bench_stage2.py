@@ -37,8 +37,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._harness import (  # noqa: E402
-    MODES, Row, bench_gpu_time, causal_dense_keys, env_stamp, flops_attn, format_table, print_table,
-    summarize, tflops, write_json,
+    MODES, README_CONFIGS, Row, add_run_args, bench_gpu_time, causal_dense_keys, env_line, env_stamp, flops_attn,
+    format_table, print_table, summarize, tflops, write_json,
 )
 from benchmarks.selections import (  # noqa: E402
     SELECTION_NAMES, attended_keys, block_shared, infllm_like, make_selection, per_token, split_blocks,
@@ -47,7 +47,6 @@ from benchmarks.selections import (  # noqa: E402
 
 IMPLS = ("ours", "sdpa_cudnn", "sdpa_flash", "flex_same", "flex_union", "nsa")
 ANCHORS = IMPLS[1:]
-README_CONFIGS = "32kx8,64kx4,128kx2"
 BLOCK = 64
 
 
@@ -355,28 +354,12 @@ def pivot(rows: list[Row], field: str) -> tuple[list[dict], list[str]]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--configs", default=None,
-                   help=f"comma-separated TxB (k = 1024). Default: {README_CONFIGS} (--quick: 8kx2; on CPU 512x2)")
+    add_run_args(p, target_ms=600.0, min_rep=3, max_rep=20)
     p.add_argument("--K", default="64,96", help="selected 64-key blocks per query, comma-separated. Default: 64,96")
     p.add_argument("--selections", default="a,b,c", help="a (block-shared), b (per-token), c (InfLLM-like)")
     p.add_argument("--modes", default="fwd", help=f"comma-separated subset of {','.join(MODES)}. Default: fwd")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"subset of {','.join(IMPLS)}")
-    p.add_argument("--json", default=None, help="write all rows (with GPU, versions, commit) to this file")
     p.add_argument("--skip-check", action="store_true", help="skip ours-vs-reference check on a reduced shape")
-    p.add_argument("--quick", action="store_true", help="smoke run: one small config, few repetitions")
-    p.add_argument("--hq", type=int, default=32)
-    p.add_argument("--h", type=int, default=2)
-    p.add_argument("--d", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing. Default: 1")
-    p.add_argument("--rep", type=int, default=None, help="timed runs; default: adaptive (--target-ms)")
-    p.add_argument("--target-ms", type=float, default=600.0, help="adaptive reps: about this much timed work")
-    p.add_argument("--min-rep", type=int, default=3)
-    p.add_argument("--max-rep", type=int, default=20)
-    p.add_argument("--budget-s", type=float, default=540.0,
-                   help="after this many seconds, skip the remaining rows and print the tables (0: no limit)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--no-compile", action="store_true", help="run FlexAttention eagerly (always on CPU)")
     p.add_argument("--ours-kwargs", default="{}", type=json.loads,
                    help='extra keyword arguments for our op, as JSON (kernel variants), e.g. \'{"warps": 4}\'')
     p.add_argument("--validate", action="store_true",
@@ -467,9 +450,7 @@ def main(argv=None) -> list[Row]:
         print(f"\n{title}")
         print(format_table(recs, cols) if recs else "(no ours rows)")
     print(f"\n{check}")
-    print(f"env: {env['gpu']}, torch {env['torch']}, cuda {env['cuda']}, cupy {env['cupy']}, triton {env['triton']}, "
-          f"fla {env['fla']}, commit {env['commit']}; peak GPU memory {peak:.1f} GiB; "
-          f"wall {time.perf_counter() - r.t_start:.0f} s", flush=True)
+    print(env_line(env, r.t_start, f"peak GPU memory {peak:.1f} GiB"), flush=True)
     if a.json:
         write_json(r.rows, a.json, env, extra={"check": check, "argv": sys.argv[1:], "peak_gib": peak})
     return r.rows
