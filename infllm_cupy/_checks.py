@@ -65,8 +65,9 @@ def check_heads(hq: int, h: int, *, q_name: str = "q", k_name: str = "k") -> int
 
 
 def check_cu_seqlens(name: str, cu: torch.Tensor, *, total: int, device: torch.device | None = None,
-                     batch: int | None = None) -> None:
-    """`cu` must be int32 [B+1], start at 0, never decrease and end at `total`."""
+                     batch: int | None = None, max_seqlen: int | None = None, max_name: str = "max_seqlen") -> None:
+    """`cu` must be int32 [B+1], start at 0, never decrease and end at `total`; with `max_seqlen`,
+    no sequence may be longer than it (checked on the same host copy)."""
     check_tensor(name, cu, ndim=1, dtypes=(torch.int32,), device=device)
     if cu.numel() < 2:
         raise ValueError(f"{name} must have at least 2 entries ([0, len0, ...]), got {cu.numel()}")
@@ -81,6 +82,9 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, *, total: int, device: torch.d
         raise ValueError(f"{name} must be non-decreasing (cumulative sequence lengths), got {c.tolist()[:16]}")
     if int(c[-1]) != total:
         raise ValueError(f"{name} must end at the total token count {total}, got {int(c[-1])}")
+    longest = int((c[1:] - c[:-1]).max())
+    if max_seqlen is not None and max_seqlen < longest:
+        raise ValueError(f"{max_name} must be >= the longest sequence ({longest}), got {max_seqlen}")
 
 
 def seqlens_host(cu: torch.Tensor) -> list[int]:

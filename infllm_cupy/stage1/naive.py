@@ -150,7 +150,7 @@ def _stage1_rows(q, k1, k2, r, n1, n2, Lq, s1_stride, s2_stride, causal, scale):
     return torch.where(has_coarse[None, :, None], score, torch.zeros_like(score))
 
 
-def _check_stage1_inputs(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2):
+def _check_stage1_inputs(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q=None):
     check_tensor("q", q, ndim=3, dtypes=REF_DTYPES)
     check_tensor("ck1", ck1, ndim=3, dtypes=(q.dtype,))
     check_tensor("ck2", ck2, ndim=3, dtypes=(q.dtype,))
@@ -161,7 +161,8 @@ def _check_stage1_inputs(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2
                          f"got {tuple(ck2.shape)}")
     if ck1.shape[2] != q.shape[2]:
         raise ValueError(f"ck1 head dim {ck1.shape[2]} differs from q head dim {q.shape[2]}")
-    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total=q.shape[0], device=q.device)
+    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total=q.shape[0], device=q.device, max_seqlen=max_seqlen_q,
+                     max_name="max_seqlen_q")
     B = cu_seqlens_q.numel() - 1
     check_cu_seqlens("cu_seqlens_c1", cu_seqlens_c1, total=ck1.shape[0], device=q.device, batch=B)
     check_cu_seqlens("cu_seqlens_c2", cu_seqlens_c2, total=ck2.shape[0], device=q.device, batch=B)

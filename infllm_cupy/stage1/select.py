@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .. import _jit
-from .._checks import KERNEL_DTYPES, seqlens_host, validate_values
+from .._checks import KERNEL_DTYPES, seqlens_host
 from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
 from .naive import (
     _check_stage1_inputs,
@@ -193,7 +193,8 @@ def stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
             score_dtype=score_dtype, return_scores=return_scores)
 
     # ---- checks, all before any launch
-    G = _check_stage1_inputs(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2)
+    check_max_seqlen("max_seqlen_q", max_seqlen_q, [])    # its bound rides on the cu_seqlens_q check
+    G = _check_stage1_inputs(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q)
     _kernel_checks(q, score_dtype, block_size, kernel_stride, coarse_kernel_stride, softmax_scale)
     if G > MAX_GROUP:
         raise ValueError(f"q has {q.shape[1]} heads for {ck1.shape[1]} KV heads (G = {G}); the stage-1 "
@@ -203,8 +204,6 @@ def stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     B = cu_seqlens_q.numel() - 1
-    lq = seqlens_host(cu_seqlens_q) if validate_values() else []
-    check_max_seqlen("max_seqlen_q", max_seqlen_q, lq)
     if isinstance(cache_lens, torch.Tensor) and cache_lens.device != q.device and cache_lens.is_cuda:
         raise ValueError(f"cache_lens must be on {q.device} or the CPU, got {cache_lens.device}")
     cache = check_lengths_arg("cache_lens", cache_lens, B, q.device)

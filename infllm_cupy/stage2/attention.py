@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_tensor, seqlens_host, validate_values
+from .._checks import check_tensor
 from ..stage1.naive import check_max_seqlen
 from .layout import BlockLayout
 from .naive import _check_attn_inputs, naive_sparse_attn_varlen
@@ -31,14 +31,11 @@ def _scale(softmax_scale, D: int) -> float:
 
 
 def _check_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    _check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    # types here; the bounds against the real lengths ride on the cu_seqlens checks' one host copy each
+    check_max_seqlen("max_seqlen_q", max_seqlen_q, [])
+    check_max_seqlen("max_seqlen_k", max_seqlen_k, [])
+    _check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     check_kernel_inputs(q, k, v)
-    if validate_values():
-        check_max_seqlen("max_seqlen_q", max_seqlen_q, seqlens_host(cu_seqlens_q))
-        check_max_seqlen("max_seqlen_k", max_seqlen_k, seqlens_host(cu_seqlens_k))
-    else:
-        check_max_seqlen("max_seqlen_q", max_seqlen_q, [])
-        check_max_seqlen("max_seqlen_k", max_seqlen_k, [])
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise NotImplementedError("the stage-2 kernels have no backward yet (issue 4); call under "
                                   "torch.no_grad() or use backend='reference' for gradients")

@@ -15,7 +15,8 @@ from ..stage1.naive import REF_DTYPES, check_int_args, check_max_seqlen, compute
 _CHUNK_ELEMS = 1 << 24
 
 
-def _check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, *, k_name="k", v_name="v"):
+def _check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, *, k_name="k", v_name="v", max_seqlen_q=None,
+                       max_seqlen_k=None):
     check_tensor("q", q, ndim=3, dtypes=REF_DTYPES)
     check_tensor(k_name, k, ndim=3, dtypes=(q.dtype,))
     check_tensor(v_name, v, ndim=3, dtypes=(q.dtype,))
@@ -25,9 +26,10 @@ def _check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, *, k_name="k", v_nam
         raise ValueError(f"{k_name} head dim {k.shape[2]} differs from q head dim {q.shape[2]}")
     if v.shape != k.shape:
         raise ValueError(f"{v_name} must have the shape of {k_name} {tuple(k.shape)}, got {tuple(v.shape)}")
-    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total=q.shape[0], device=q.device)
+    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total=q.shape[0], device=q.device, max_seqlen=max_seqlen_q,
+                     max_name="max_seqlen_q")
     check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total=k.shape[0], device=q.device,
-                     batch=cu_seqlens_q.numel() - 1)
+                     batch=cu_seqlens_q.numel() - 1, max_seqlen=max_seqlen_k, max_name="max_seqlen_k")
     return G
 
 
