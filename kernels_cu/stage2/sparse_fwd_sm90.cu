@@ -243,42 +243,29 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
                 for (int i = 0; i < 4; ++i)
                     if (n * 8 + c0 + (i & 1) > lim[i >> 1]) sacc[4 * n + i] = -INFLLM_INF;
         }
-        // Both rows at once, reductions as trees and sums split four ways: short dependency chains
-        // (measured neutral on an H100, kept as the simpler form to read).
-        float mx[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            float t[8];
+            float mx = -INFLLM_INF;
 #pragma unroll
-            for (int n = 0; n < 8; ++n) t[n] = fmaxf(sacc[4 * n + 2 * r], sacc[4 * n + 2 * r + 1]);
-#pragma unroll
-            for (int w = 4; w >= 1; w >>= 1)
-#pragma unroll
-                for (int n = 0; n < w; ++n) t[n] = fmaxf(t[n], t[n + w]);
-            mx[r] = t[0];
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-#pragma unroll
-        for (int r = 0; r < 2; ++r) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        float m_use[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const float m_new = fmaxf(m_run[r], mx[r]);
+            for (int n = 0; n < 8; ++n) mx = fmaxf(mx, fmaxf(sacc[4 * n + 2 * r], sacc[4 * n + 2 * r + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = fmaxf(m_run[r], mx);
             // log2 domain, the scale folded into the exponent's FMA; all masked so far: keep 0s
-            m_use[r] = m_new == -INFLLM_INF ? 0.f : m_new * scale_log2;
-            alpha[r] = exp2f(m_run[r] * scale_log2 - m_use[r]);
+            const float m_use = m_new == -INFLLM_INF ? 0.f : m_new * scale_log2;
+            alpha[r] = exp2f(m_run[r] * scale_log2 - m_use);
             m_run[r] = m_new;
-        }
+            float sum = 0.f;
 #pragma unroll
-        for (int i = 0; i < 32; ++i) sacc[i] = exp2f(fmaf(sacc[i], scale_log2, -m_use[(i >> 1) & 1]));
+            for (int n = 0; n < 8; ++n) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float t[4];
-#pragma unroll
-            for (int n = 0; n < 4; ++n) t[n] = (sacc[4 * n + 2 * r] + sacc[4 * n + 2 * r + 1]) +
-                                              (sacc[4 * (n + 4) + 2 * r] + sacc[4 * (n + 4) + 2 * r + 1]);
-            l_run[r] = l_run[r] * alpha[r] + ((t[0] + t[1]) + (t[2] + t[3]));
+                for (int e = 0; e < 2; ++e) {
+                    const float p = exp2f(fmaf(sacc[4 * n + 2 * r + e], scale_log2, -m_use));
+                    sacc[4 * n + 2 * r + e] = p;
+                    sum += p;
+                }
+            }
+            l_run[r] = l_run[r] * alpha[r] + sum;
         }
     };
     // O *= alpha (always: a conditional write ahead of a wgmma makes ptxas serialize), then P
