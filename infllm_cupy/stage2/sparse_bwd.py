@@ -1,16 +1,91 @@
 """Launchers of kernels_cu/stage2/sparse_bwd.cu: block-sparse attention backward (dq, dk, dv).
 
-(Being written: the kernel launch lands in the next commit; the signature is final.)
+Four launches, all on torch's current stream and with no host synchronisation:
+`stage2_bwd_delta` (rowsum(dout * out)), `stage2_bwd_tiles` (for each KV block, the bitmask of
+64-row query tiles that selected it: the transposed index dk/dv need), `stage2_bwd_dq` (the
+forward's walk over each query tile's blocks) and `stage2_bwd_dkdv` (one CTA per KV block over
+its query tiles). Neither gradient kernel uses float atomics, so results are bit-identical from
+run to run: there is no separate deterministic mode because the default already is one.
 """
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import torch
+
+from .. import _jit
+from .._checks import KERNEL_DTYPES
+from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
+from .sparse_fwd import BLOCK_N, HEAD_DIMS
+
+BWD_SOURCE = "stage2/sparse_bwd.cu"
+QT = 64                 # query rows per dk/dv tile (mirrors #define QT)
+TILE_WARPS = 8          # warps per CTA of stage2_bwd_delta / stage2_bwd_tiles
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdTiles:
+    """Tile shape of the backward (a tuning knob; every choice computes the same function).
+
+    dq_warps: warps per dq CTA (4 or 8; 16 query rows each). dkdv_cols: query rows per dk/dv
+    sub-step (16, 32 or 64); a sub-step none of whose rows selected the warp's keys is skipped.
+    """
+    dq_warps: int = 4
+    dkdv_cols: int = 32
+
+    def __post_init__(self):
+        if self.dq_warps not in (4, 8) or self.dkdv_cols not in (16, 32, 64):
+            raise ValueError(f"backward tiles need dq_warps in (4, 8) and dkdv_cols in (16, 32, 64); got {self}")
+
+    def dq_name(self, dtype, D):
+        return f"stage2_bwd_dq<{CXX_TYPE[dtype]}, {D}, {self.dq_warps}>"
+
+    def dkdv_name(self, dtype, D):
+        return f"stage2_bwd_dkdv<{CXX_TYPE[dtype]}, {D}, {self.dkdv_cols}>"
+
+
+DEFAULT_BWD_TILES = BwdTiles()
+ALL_BWD_TILES = [BwdTiles(w, c) for w in (4, 8) for c in (16, 32, 64)]
+
+# dk/dv with 64-column sub-steps sits at the 255-register cap at D = 128 (16 B of spills on sm_90):
+# a tuning variant, compiled by the CPU check but allowed to spill; every other instance may not.
+for _dt in KERNEL_DTYPES:
+    for _d in HEAD_DIMS:
+        _jit.register_instances(BWD_SOURCE, [f"stage2_bwd_delta<{CXX_TYPE[_dt]}, {_d}>"])
+        for _t in ALL_BWD_TILES:
+            _jit.register_instances(BWD_SOURCE, [_t.dq_name(_dt, _d)])
+            _jit.register_instances(BWD_SOURCE, [_t.dkdv_name(_dt, _d)], strict=_t.dkdv_cols != 64)
+_jit.register_instances(BWD_SOURCE, ["stage2_bwd_tiles"])
+
+
+def dq_smem_bytes(D: int, tiles: BwdTiles, n_words: int, itemsize: int = 2) -> int:
+    return (2 * 16 * tiles.dq_warps * D + 4 * BLOCK_N * D) * itemsize + 4 * n_words
+
+
+def dkdv_smem_bytes(D: int, itemsize: int = 2) -> int:
+    return (2 * BLOCK_N * D + 4 * QT * D) * itemsize + 2 * 3 * QT * 4
+
+
+def tile_index(cu_seqlens_q: torch.Tensor, G: int, max_seqlen_k: int, total_q: int
+               ) -> tuple[torch.Tensor, int]:
+    """Offsets `ut_off` int64 `[B+1]` of each sequence's transposed index (in uint32 words, per KV
+    head) and the per-head allocation, an upper bound computed on the host from sizes alone (no sync)."""
+    B = cu_seqlens_q.numel() - 1
+    nkb = cdiv(max_seqlen_k, BLOCK_N)
+    lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int64)
+    groups = (lens * G + QT * 32 - 1) // (QT * 32)
+    ut_off = torch.zeros(B + 1, dtype=torch.int64, device=cu_seqlens_q.device)
+    ut_off[1:] = torch.cumsum(groups, 0) * nkb
+    # sum_b cdiv(L_b G, 2048) <= total_q G / 2048 + B
+    per_head = max(1, nkb * (total_q * G // (QT * 32) + B))
+    return ut_off, per_head
 
 
 def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, masks: torch.Tensor,
                mask_base: torch.Tensor, mask_h_stride: int, mask_q_block: int, max_seqlen_q: int,
-               max_seqlen_k: int, causal: bool, softmax_scale: float
+               max_seqlen_k: int, causal: bool, softmax_scale: float, tiles: BwdTiles = DEFAULT_BWD_TILES
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of `stage2_fwd` (same mask arguments) on checked, contiguous CUDA inputs.
 
@@ -18,4 +93,50 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     `dq [total_q, HQ, D]`, `dk, dv [total_k, H, D]` in q's dtype. Uses no float atomics: the result
     is bit-identical from run to run.
     """
-    raise NotImplementedError("stage-2 backward kernels are being written")
+    total_q, HQ, D = q.shape
+    total_k, H, _ = k.shape
+    G = HQ // H
+    B = cu_seqlens_q.numel() - 1
+    n_words = masks.shape[-1]
+    dev = q.device
+    dout, out, lse = dout.contiguous(), out.contiguous(), lse.contiguous()
+    dq = empty((total_q, HQ, D), dtype=q.dtype, device=dev)
+    dk = empty((total_k, H, D), dtype=k.dtype, device=dev)
+    dv = empty((total_k, H, D), dtype=v.dtype, device=dev)
+    if total_q == 0 or total_k == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    T = CXX_TYPE[q.dtype]
+    scale_log2 = np.float32(softmax_scale * 1.4426950408889634)
+
+    delta = torch.empty((HQ, total_q), dtype=torch.float32, device=dev)
+    name = f"stage2_bwd_delta<{T}, {D}>"
+    launch(_jit.get_kernel(BWD_SOURCE, name), name=name, grid=(cdiv(total_q * HQ, 8),), block=(256,),
+           args=(ptr(dout), ptr(out), ptr(delta), np.int32(total_q), np.int32(HQ)))
+
+    ut_off, per_head = tile_index(cu_seqlens_q, G, max_seqlen_k, total_q)
+    ut = torch.empty(H * per_head, dtype=torch.int32, device=dev)
+    max_groups = cdiv(cdiv(max_seqlen_q * G, QT), 32)
+    launch(_jit.get_kernel(BWD_SOURCE, "stage2_bwd_tiles"), name="stage2_bwd_tiles",
+           grid=(cdiv(max_groups * n_words, TILE_WARPS), H, B), block=(32 * TILE_WARPS,),
+           args=(ptr(masks), ptr(mask_base), ptr(cu_seqlens_q), ptr(cu_seqlens_k), ptr(ut_off), ptr(ut),
+                 np.int64(per_head), np.int32(G), np.int32(n_words), np.int64(mask_h_stride),
+                 np.int32(mask_q_block), np.int32(1 if causal else 0)))
+
+    name = tiles.dq_name(q.dtype, D)
+    launch(_jit.get_kernel(BWD_SOURCE, name), name=name,
+           grid=(cdiv(max_seqlen_q * G, 16 * tiles.dq_warps), H, B), block=(32 * tiles.dq_warps,),
+           shared_mem=dq_smem_bytes(D, tiles, n_words, q.element_size()),
+           args=(ptr(q), ptr(k), ptr(v), ptr(dout), ptr(lse), ptr(delta), ptr(masks), ptr(mask_base),
+                 ptr(cu_seqlens_q), ptr(cu_seqlens_k), ptr(dq), np.int32(total_q), np.int32(HQ), np.int32(H),
+                 np.int32(G), np.int32(n_words), np.int64(mask_h_stride), np.int32(mask_q_block), scale_log2,
+                 np.float32(softmax_scale), np.int32(1 if causal else 0)))
+
+    name = tiles.dkdv_name(q.dtype, D)
+    launch(_jit.get_kernel(BWD_SOURCE, name), name=name, grid=(cdiv(max_seqlen_k, BLOCK_N), H, B), block=(128,),
+           shared_mem=dkdv_smem_bytes(D, q.element_size()),
+           args=(ptr(q), ptr(k), ptr(v), ptr(dout), ptr(lse), ptr(delta), ptr(masks), ptr(mask_base),
+                 ptr(cu_seqlens_q), ptr(cu_seqlens_k), ptr(ut_off), ptr(ut), np.int64(per_head), ptr(dk), ptr(dv),
+                 np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words),
+                 np.int64(mask_h_stride), np.int32(mask_q_block), scale_log2, np.float32(softmax_scale),
+                 np.int32(1 if causal else 0)))
+    return dq, dk, dv

@@ -1,0 +1,508 @@
+// stage2/sparse_bwd.cu: token-level block-sparse attention backward (dq, dk, dv), SM80 path.
+//
+// Launch contract (mirrored by infllm_cupy/stage2/sparse_bwd.py). Inputs are those of stage2_fwd
+// (sparse_fwd.cu: q, k, v, the bitmask rows `masks` with mask_base / mask_h_stride / mask_q_block,
+// cu_seqlens_q/k, causal) plus dout [total_q, HQ, D] and the forward's lse [HQ, total_q] (natural log).
+//   stage2_bwd_delta<T, D>       grid (cdiv(total_q * HQ, 8)), block 256
+//       delta [HQ, total_q] f32 = rowsum(dout * out)
+//   stage2_bwd_tiles             grid (cdiv(max_groups * n_words, 8), H, B), block 256
+//       ut: for each (h, b, key block j) a bitmask over the sequence's query tiles of QT = 64
+//       flattened (token, head-in-group) rows; bit i is set iff some token of tile i selected j and
+//       may see it (causal). Row j of (h, b) starts at  h * ut_h_stride + ut_off[b] + j * words_b,
+//       words_b = cdiv(cdiv(Lq_b * G, 64), 32). Built by bit-transposing 32x32 blocks in registers:
+//       no atomics, no sort, no host sync.
+//   stage2_bwd_dq<T, D, WARPS>   grid (cdiv(max_seqlen_q * G, 16 * WARPS), H, B), block 32 * WARPS
+//       dyn smem (2 * 16 * WARPS * D + 4 * 64 * D) * sizeof(T) + 4 * n_words
+//       dq [total_q, HQ, D] T. The forward's loop (the union of the CTA's tokens' blocks) with
+//       dS = P * (dP - delta) and dq += dS K in place of the online softmax.
+//   stage2_bwd_dkdv<T, D, KN>    grid (cdiv(max_seqlen_k, 64), H, B), block 128
+//       dyn smem (2 * 64 * D + 4 * 64 * D) * sizeof(T) + 2 * 3 * 64 * 4
+//       dk, dv [total_k, H, D] T. One CTA per 64-key block walks the query tiles in its ut row,
+//       so it owns its keys' gradients outright: every key row is written exactly once (zeros when
+//       no query selected it) and there are no float atomics, so results are bit-identical run to run.
+// Semantics are the forward's: query (r, h*G+g) depends on key c iff c/64 is set in its mask row,
+// c < Lk and, when causal, c <= r + Lk - Lq. Gradients are scaled like FlashAttention's.
+#include "common/types.cuh"
+#include "common/mma_sm80.cuh"
+
+#define BLOCK_N 64
+#define QT 64          // query rows per dk/dv tile (flattened (token, head-in-group) rows)
+
+template <int D>
+__device__ __forceinline__ int swz(int row, int chunk) {
+    return row * (D / 8) + (chunk ^ (row & 7));
+}
+
+// ---------------------------------------------------------------------------------------------
+// delta = rowsum(dout * out) in fp32, one warp per (token, query head) row.
+template <typename T, int D>
+__global__ void __launch_bounds__(256)
+stage2_bwd_delta(const T* __restrict__ dout, const T* __restrict__ out, float* __restrict__ delta,
+                 int total_q, int HQ) {
+    constexpr int E = D / 32;
+    const int64 row = (int64)blockIdx.x * 8 + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= (int64)total_q * HQ) return;
+    Vec<T, E> a, b;
+    a.load(dout + row * D + lane * E);
+    b.load(out + row * D + lane * E);
+    float s = 0.f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) s += to_float(a.elem[e]) * to_float(b.elem[e]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0) {
+        const int t = (int)(row / HQ), hq = (int)(row - (int64)t * HQ);
+        delta[(int64)hq * total_q + t] = s;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Transposed selection: one warp per (32-tile group, mask word) of one (h, b). Lane i ORs the mask
+// words of tile i's tokens (clipped to blocks the tile may see), then 32 ballots turn the 32x32 bit
+// block around: lane k keeps the ballot of bit k, the tile bits of key block 32 w + k.
+__global__ void __launch_bounds__(256)
+stage2_bwd_tiles(const unsigned* __restrict__ masks, const int* __restrict__ mask_base,
+                 const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+                 const long long* __restrict__ ut_off, unsigned* __restrict__ ut, long long ut_h_stride,
+                 int G, int n_words, long long mask_h_stride, int mask_q_block, int causal) {
+    const int lane = threadIdx.x & 31;
+    const int64 item = (int64)blockIdx.x * 8 + (threadIdx.x >> 5);
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int qs = cu_seqlens_q[b], Lq = cu_seqlens_q[b + 1] - qs;
+    const int Lk = cu_seqlens_k[b + 1] - cu_seqlens_k[b];
+    const int64 rows_total = (int64)Lq * G;
+    const int tiles = (int)((rows_total + QT - 1) / QT);
+    const int groups = (tiles + 31) >> 5;
+    const int tg = (int)(item / n_words), w = (int)(item - (int64)tg * n_words);
+    if (tg >= groups) return;
+    const int nb = min((Lk + BLOCK_N - 1) / BLOCK_N, n_words * 32);
+    const int shift = causal ? Lk - Lq : 0;
+    const unsigned* mrows = masks + ((int64)mask_base[b] + (int64)h * mask_h_stride) * n_words;
+
+    unsigned u = 0;
+    const int tile = tg * 32 + lane;
+    if (tile < tiles) {
+        const int64 m0 = (int64)tile * QT;
+        const int t_lo = (int)(m0 / G), t_hi = (int)((min(m0 + QT, rows_total) - 1) / G);
+        int max_block = nb - 1;
+        if (causal) max_block = min(max_block, (t_hi + shift) < 0 ? -1 : (t_hi + shift) / BLOCK_N);
+        for (int r = t_lo / mask_q_block; r <= t_hi / mask_q_block; ++r)
+            u |= __ldg(mrows + (int64)r * n_words + w);
+        // keep bits 32 w + k <= max_block
+        const int keep = max_block - 32 * w + 1;           // number of low bits kept
+        u = keep <= 0 ? 0u : keep >= 32 ? u : u & ((1u << keep) - 1u);
+    }
+    unsigned mine = 0;
+#pragma unroll
+    for (int k = 0; k < 32; ++k) {
+        const unsigned r = __ballot_sync(0xffffffffu, (u >> k) & 1u);
+        if (lane == k) mine = r;
+    }
+    const int j = 32 * w + lane;
+    if (j < nb) ut[(int64)h * ut_h_stride + ut_off[b] + (int64)j * groups + tg] = mine;
+}
+
+// ---------------------------------------------------------------------------------------------
+// dq: CTA = M = 16 * WARPS consecutive flattened rows of one sequence and KV head, one m-tile per
+// warp; walks the union of its tokens' blocks like the forward and recomputes P from the lse.
+// 8-warp CTAs run one per SM with the full register file (a 128-register cap spills at D = 128).
+template <typename T, int D, int WARPS>
+__global__ void __launch_bounds__(32 * WARPS, WARPS == 4 ? 2 : 1)
+stage2_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+              const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+              const unsigned* __restrict__ masks, const int* __restrict__ mask_base,
+              const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+              T* __restrict__ dq, int total_q, int HQ, int H, int G, int n_words, long long mask_h_stride,
+              int mask_q_block, float scale_log2, float scale, int causal) {
+    constexpr int THREADS = 32 * WARPS;
+    constexpr int M = 16 * WARPS;
+    constexpr int CH = D / 8;
+    constexpr float LOG2E = 1.4426950408889634f;
+    extern __shared__ __align__(128) unsigned char smem[];
+    T* sQ = reinterpret_cast<T*>(smem);
+    T* sO = sQ + M * D;                         // dout tile
+    T* sK = sO + M * D;                         // [2][BLOCK_N * D]
+    T* sV = sK + 2 * BLOCK_N * D;               // [2][BLOCK_N * D]
+    unsigned* sU = reinterpret_cast<unsigned*>(sV + 2 * BLOCK_N * D);
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int qs = cu_seqlens_q[b], Lq = cu_seqlens_q[b + 1] - qs;
+    const int ks = cu_seqlens_k[b], Lk = cu_seqlens_k[b + 1] - ks;
+    const int64 rows_total = (int64)Lq * G;
+    const int64 m0 = (int64)blockIdx.x * M;
+    if (m0 >= rows_total) return;
+    const int shift = causal ? Lk - Lq : 0;
+    const int nb = (Lk + BLOCK_N - 1) / BLOCK_N;
+    const int t_lo = (int)(m0 / G);
+    const int t_hi = (int)((min(m0 + M, rows_total) - 1) / G);
+    int max_block = min(nb, n_words * 32) - 1;
+    if (causal) max_block = min(max_block, (t_hi + shift) < 0 ? -1 : (t_hi + shift) / BLOCK_N);
+    const int nw = max_block >= 0 ? (max_block >> 5) + 1 : 0;
+    const unsigned* mrows = masks + ((int64)mask_base[b] + (int64)h * mask_h_stride) * n_words;
+
+    const int q_lo = t_lo / mask_q_block, q_hi = t_hi / mask_q_block;
+    for (int w = tid; w < nw; w += THREADS) {
+        unsigned u = 0;
+        for (int r = q_lo; r <= q_hi; ++r) u |= __ldg(mrows + (int64)r * n_words + w);
+        if (w == (max_block >> 5) && (max_block & 31) != 31) u &= (2u << (max_block & 31)) - 1u;
+        sU[w] = u;
+    }
+    for (int i = tid; i < M * CH; i += THREADS) {
+        const int row = i / CH, ch = i % CH;
+        const int64 R = m0 + row;
+        int64 off = 0;
+        int bytes = 0;
+        if (R < rows_total) {
+            const int t = (int)(R / G), g = (int)(R - (int64)t * G);
+            off = ((int64)(qs + t) * HQ + (int64)h * G + g) * D + ch * 8;
+            bytes = 16;
+        }
+        cp_async_16(smem_u32(sQ + swz<D>(row, ch) * 8), q + off, bytes);
+        cp_async_16(smem_u32(sO + swz<D>(row, ch) * 8), dout + off, bytes);
+    }
+    cp_async_commit();
+
+    auto load_kv = [&](int j, int stage) {
+        T* dk_ = sK + stage * BLOCK_N * D;
+        T* dv_ = sV + stage * BLOCK_N * D;
+        for (int i = tid; i < BLOCK_N * CH; i += THREADS) {
+            const int row = i / CH, ch = i % CH;
+            const int key = j * BLOCK_N + row;
+            const int64 off = ((int64)(ks + key) * H + h) * D + ch * 8;
+            const int bytes = key < Lk ? 16 : 0;
+            cp_async_16(smem_u32(dk_ + swz<D>(row, ch) * 8), bytes ? k + off : k, bytes);
+            cp_async_16(smem_u32(dv_ + swz<D>(row, ch) * 8), bytes ? v + off : v, bytes);
+        }
+    };
+
+    __syncthreads();
+    int j = next_set_bit(sU, nw, 0);
+    if (j >= 0) load_kv(j, 0);
+    cp_async_commit();
+
+    // this thread's rows g and g + 8 of the warp's m-tile
+    bool row_ok[2];
+    int rk[2];
+    float lse2[2], dlt[2];
+    const unsigned* mrow[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int64 R = m0 + warp * 16 + (lane >> 2) + 8 * r;
+        row_ok[r] = R < rows_total;
+        const int t = row_ok[r] ? (int)(R / G) : t_lo;
+        const int g = row_ok[r] ? (int)(R - (int64)t * G) : 0;
+        rk[r] = causal ? t + shift : Lk - 1;
+        mrow[r] = mrows + (int64)(t / mask_q_block) * n_words;
+        const int64 li = ((int64)h * G + g) * total_q + qs + t;
+        const float l = row_ok[r] ? lse[li] : 0.f;
+        // +inf lse: the row has no allowed key and never reaches a selected, visible block
+        lse2[r] = l == INFLLM_INF ? 0.f : l * LOG2E;
+        dlt[r] = row_ok[r] ? delta[li] : 0.f;
+    }
+
+    float acc[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+
+    const int mi = lane >> 3, lr = lane & 7;
+    constexpr int ROWB = CH * 16;
+    u32 a_off[4], b_off[4], t_off[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        a_off[c] = (warp * 16 + (mi & 1) * 8 + lr) * ROWB + (((2 * c + (mi >> 1)) ^ lr) << 4);
+        b_off[c] = ((mi >> 1) * 8 + lr) * ROWB + (((2 * c + (mi & 1)) ^ lr) << 4);
+        t_off[c] = ((mi & 1) * 8 + lr) * ROWB + (((2 * c + (mi >> 1)) ^ lr) << 4);
+    }
+    const u32 sQa = smem_u32(sQ), sOa = smem_u32(sO), sKa = smem_u32(sK), sVa = smem_u32(sV);
+    int stage = 0;
+    while (j >= 0) {
+        cp_async_wait<0>();
+        __syncthreads();
+        const int jn = next_set_bit(sU, nw, j + 1);
+        if (jn >= 0) load_kv(jn, stage ^ 1);
+        cp_async_commit();
+
+        bool sel[2];
+        const int kbase = j * BLOCK_N;
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+            sel[r] = row_ok[r] && ((__ldg(mrow[r] + (j >> 5)) >> (j & 31)) & 1u) && kbase <= rk[r];
+        if (__any_sync(0xffffffffu, sel[0] || sel[1])) {
+            const u32 tK = sKa + stage * (BLOCK_N * D * (int)sizeof(T));
+            const u32 tV = sVa + stage * (BLOCK_N * D * (int)sizeof(T));
+            float s[BLOCK_N / 8][4], dp[BLOCK_N / 8][4];
+#pragma unroll
+            for (int n = 0; n < BLOCK_N / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
+            // S = Q K^T and dP = dO V^T
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                u32 aq[4], ao[4];
+                ldmatrix_x4(aq, sQa + a_off[kk & 3] + (kk >> 2) * 128);
+                ldmatrix_x4(ao, sOa + a_off[kk & 3] + (kk >> 2) * 128);
+#pragma unroll
+                for (int np = 0; np < BLOCK_N / 16; ++np) {
+                    u32 bk[4], bv[4];
+                    ldmatrix_x4(bk, tK + b_off[kk & 3] + (kk >> 2) * 128 + np * 16 * ROWB);
+                    ldmatrix_x4(bv, tV + b_off[kk & 3] + (kk >> 2) * 128 + np * 16 * ROWB);
+                    mma_16816<T>(s[2 * np], aq, bk[0], bk[1]);
+                    mma_16816<T>(s[2 * np + 1], aq, bk[2], bk[3]);
+                    mma_16816<T>(dp[2 * np], ao, bv[0], bv[1]);
+                    mma_16816<T>(dp[2 * np + 1], ao, bv[2], bv[3]);
+                }
+            }
+            // P from the saved lse, dS = P (dP - delta); masked entries are exactly 0
+#pragma unroll
+            for (int n = 0; n < BLOCK_N / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = e >> 1;
+                    const int c = kbase + n * 8 + (lane & 3) * 2 + (e & 1);
+                    const float p = sel[r] && c <= rk[r] ? exp2f(fmaf(s[n][e], scale_log2, -lse2[r])) : 0.f;
+                    s[n][e] = p * (dp[n][e] - dlt[r]);
+                }
+            // dq += dS K
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+                u32 a[4];
+                a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+                a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+                a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+                a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+                for (int dd = 0; dd < D / 16; ++dd) {
+                    u32 bk[4];
+                    ldmatrix_x4_trans(bk, tK + t_off[dd & 3] + (dd >> 2) * 128 + kk * 16 * ROWB);
+                    mma_16816<T>(acc[2 * dd], a, bk[0], bk[1]);
+                    mma_16816<T>(acc[2 * dd + 1], a, bk[2], bk[3]);
+                }
+            }
+        }
+        stage ^= 1;
+        j = jn;
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        if (!row_ok[r]) continue;
+        const int64 R = m0 + warp * 16 + (lane >> 2) + 8 * r;
+        const int t = (int)(R / G), g = (int)(R - (int64)t * G);
+        T* dst = dq + ((int64)(qs + t) * HQ + (int64)h * G + g) * D + (lane & 3) * 2;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n)
+            *reinterpret_cast<u32*>(dst + n * 8) = pack2<T>(acc[n][2 * r] * scale, acc[n][2 * r + 1] * scale);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// dk, dv: CTA = one 64-key block j of one (h, b); warp w owns keys 16 w .. 16 w + 15 and computes
+// the transposed products S^T = K Q^T and dP^T = V dO^T over a tile's 64 query rows, KN at a
+// time, so that P^T and dS^T are already A operands of dV += P^T dO and dK += dS^T Q.
+template <typename T, int D, int KN>
+__global__ void __launch_bounds__(128, 2)
+stage2_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                const unsigned* __restrict__ masks, const int* __restrict__ mask_base,
+                const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+                const long long* __restrict__ ut_off, const unsigned* __restrict__ ut, long long ut_h_stride,
+                T* __restrict__ dk, T* __restrict__ dv, int total_q, int HQ, int H, int G, int n_words,
+                long long mask_h_stride, int mask_q_block, float scale_log2, float scale, int causal) {
+    constexpr int THREADS = 128;
+    constexpr int CH = D / 8;
+    constexpr float LOG2E = 1.4426950408889634f;
+    extern __shared__ __align__(128) unsigned char smem[];
+    T* sK = reinterpret_cast<T*>(smem);
+    T* sV = sK + BLOCK_N * D;
+    T* sQ = sV + BLOCK_N * D;                   // [2][QT * D]
+    T* sO = sQ + 2 * QT * D;                    // [2][QT * D]
+    float* sL = reinterpret_cast<float*>(sO + 2 * QT * D);   // [2][QT] lse * log2(e)
+    float* sD = sL + 2 * QT;                                  // [2][QT] delta
+    int* sLim = reinterpret_cast<int*>(sD + 2 * QT);          // [2][QT] last visible key, -1: none
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int j = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int qs = cu_seqlens_q[b], Lq = cu_seqlens_q[b + 1] - qs;
+    const int ks = cu_seqlens_k[b], Lk = cu_seqlens_k[b + 1] - ks;
+    const int nb = (Lk + BLOCK_N - 1) / BLOCK_N;
+    if (j >= nb) return;
+    const int shift = causal ? Lk - Lq : 0;
+    const int64 rows_total = (int64)Lq * G;
+    const int tiles = (int)((rows_total + QT - 1) / QT);
+    const int groups = (tiles + 31) >> 5;
+    const unsigned* urow = ut + (int64)h * ut_h_stride + ut_off[b] + (int64)j * groups;
+    const unsigned* mrows = masks + ((int64)mask_base[b] + (int64)h * mask_h_stride) * n_words;
+    const int kbase = j * BLOCK_N;
+
+    for (int i = tid; i < BLOCK_N * CH; i += THREADS) {
+        const int row = i / CH, ch = i % CH;
+        const int key = kbase + row;
+        const int64 off = ((int64)(ks + key) * H + h) * D + ch * 8;
+        const int bytes = key < Lk ? 16 : 0;
+        cp_async_16(smem_u32(sK + swz<D>(row, ch) * 8), bytes ? k + off : k, bytes);
+        cp_async_16(smem_u32(sV + swz<D>(row, ch) * 8), bytes ? v + off : v, bytes);
+    }
+
+    // a query tile: Q and dO rows by cp.async, and each row's lse, delta and visibility of block j
+    auto load_tile = [&](int tile, int stage) {
+        const int64 m0 = (int64)tile * QT;
+        T* dq_ = sQ + stage * QT * D;
+        T* do_ = sO + stage * QT * D;
+        for (int i = tid; i < QT * CH; i += THREADS) {
+            const int row = i / CH, ch = i % CH;
+            const int64 R = m0 + row;
+            int64 off = 0;
+            int bytes = 0;
+            if (R < rows_total) {
+                const int t = (int)(R / G), g = (int)(R - (int64)t * G);
+                off = ((int64)(qs + t) * HQ + (int64)h * G + g) * D + ch * 8;
+                bytes = 16;
+            }
+            cp_async_16(smem_u32(dq_ + swz<D>(row, ch) * 8), q + off, bytes);
+            cp_async_16(smem_u32(do_ + swz<D>(row, ch) * 8), dout + off, bytes);
+        }
+        if (tid < QT) {
+            const int64 R = m0 + tid;
+            int lim = -1;
+            float l2 = 0.f, dl = 0.f;
+            if (R < rows_total) {
+                const int t = (int)(R / G), g = (int)(R - (int64)t * G);
+                const bool s = (__ldg(mrows + (int64)(t / mask_q_block) * n_words + (j >> 5)) >> (j & 31)) & 1u;
+                const int rk = causal ? t + shift : Lk - 1;
+                if (s && rk >= kbase) {
+                    lim = rk;
+                    const int64 li = ((int64)h * G + g) * total_q + qs + t;
+                    l2 = lse[li] * LOG2E;
+                    dl = delta[li];
+                }
+            }
+            sLim[stage * QT + tid] = lim;
+            sL[stage * QT + tid] = l2;
+            sD[stage * QT + tid] = dl;
+        }
+    };
+
+    auto next_tile = [&](int from) {   // first set bit >= from in this key block's tile row
+        return next_set_bit(urow, groups, from);
+    };
+    int tile = next_tile(0);
+    if (tile >= 0) load_tile(tile, 0);
+    cp_async_commit();
+
+    float adk[D / 8][4], adv[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) adk[n][e] = adv[n][e] = 0.f;
+
+    const int mi = lane >> 3, lr = lane & 7;
+    constexpr int ROWB = CH * 16;
+    u32 a_off[4], b_off[4], t_off[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        a_off[c] = (warp * 16 + (mi & 1) * 8 + lr) * ROWB + (((2 * c + (mi >> 1)) ^ lr) << 4);
+        b_off[c] = ((mi >> 1) * 8 + lr) * ROWB + (((2 * c + (mi & 1)) ^ lr) << 4);
+        t_off[c] = ((mi & 1) * 8 + lr) * ROWB + (((2 * c + (mi >> 1)) ^ lr) << 4);
+    }
+    const u32 sKa = smem_u32(sK), sVa = smem_u32(sV), sQa = smem_u32(sQ), sOa = smem_u32(sO);
+    const int key0 = kbase + warp * 16 + (lane >> 2);   // this thread's keys: key0 and key0 + 8
+    int stage = 0;
+    while (tile >= 0) {
+        cp_async_wait<0>();
+        __syncthreads();
+        const int tn = next_tile(tile + 1);
+        if (tn >= 0) load_tile(tn, stage ^ 1);
+        cp_async_commit();
+
+        const u32 tQ = sQa + stage * (QT * D * (int)sizeof(T));
+        const u32 tO = sOa + stage * (QT * D * (int)sizeof(T));
+        const int* lim = sLim + stage * QT;
+        const float* l2 = sL + stage * QT;
+        const float* dl = sD + stage * QT;
+#pragma unroll 1
+        for (int cb = 0; cb < QT; cb += KN) {
+            // skip KN columns (query rows) none of which sees this warp's 16 keys
+            bool act = false;
+#pragma unroll
+            for (int n = 0; n < KN / 8; ++n) {
+                const int m = cb + n * 8 + (lane & 3) * 2;
+                act |= lim[m] >= kbase + warp * 16 || lim[m + 1] >= kbase + warp * 16;
+            }
+            if (!__any_sync(0xffffffffu, act)) continue;
+            float s[KN / 8][4], dp[KN / 8][4];
+#pragma unroll
+            for (int n = 0; n < KN / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
+            // S^T = K Q^T, dP^T = V dO^T for this warp's 16 keys and KN query rows
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                u32 ak[4], av[4];
+                ldmatrix_x4(ak, sKa + a_off[kk & 3] + (kk >> 2) * 128);
+                ldmatrix_x4(av, sVa + a_off[kk & 3] + (kk >> 2) * 128);
+#pragma unroll
+                for (int np = 0; np < KN / 16; ++np) {
+                    u32 bq[4], bo[4];
+                    ldmatrix_x4(bq, tQ + b_off[kk & 3] + (kk >> 2) * 128 + (cb + np * 16) * ROWB);
+                    ldmatrix_x4(bo, tO + b_off[kk & 3] + (kk >> 2) * 128 + (cb + np * 16) * ROWB);
+                    mma_16816<T>(s[2 * np], ak, bq[0], bq[1]);
+                    mma_16816<T>(s[2 * np + 1], ak, bq[2], bq[3]);
+                    mma_16816<T>(dp[2 * np], av, bo[0], bo[1]);
+                    mma_16816<T>(dp[2 * np + 1], av, bo[2], bo[3]);
+                }
+            }
+            // P^T and dS^T; element e of n-tile n is key key0 + 8 (e >> 1), query row cb + 8 n + 2 c + (e & 1)
+#pragma unroll
+            for (int n = 0; n < KN / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int m = cb + n * 8 + (lane & 3) * 2 + (e & 1);
+                    const int key = key0 + 8 * (e >> 1);
+                    const float p = key <= lim[m] ? exp2f(fmaf(s[n][e], scale_log2, -l2[m])) : 0.f;
+                    s[n][e] = p;
+                    dp[n][e] = p * (dp[n][e] - dl[m]);
+                }
+            // dV += P^T dO, dK += dS^T Q
+#pragma unroll
+            for (int kk = 0; kk < KN / 16; ++kk) {
+                u32 ap[4], ad[4];
+                ap[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+                ap[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+                ap[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+                ap[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+                ad[0] = pack2<T>(dp[2 * kk][0], dp[2 * kk][1]);
+                ad[1] = pack2<T>(dp[2 * kk][2], dp[2 * kk][3]);
+                ad[2] = pack2<T>(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
+                ad[3] = pack2<T>(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+#pragma unroll
+                for (int dd = 0; dd < D / 16; ++dd) {
+                    u32 bo[4], bq[4];
+                    ldmatrix_x4_trans(bo, tO + t_off[dd & 3] + (dd >> 2) * 128 + (cb + kk * 16) * ROWB);
+                    ldmatrix_x4_trans(bq, tQ + t_off[dd & 3] + (dd >> 2) * 128 + (cb + kk * 16) * ROWB);
+                    mma_16816<T>(adv[2 * dd], ap, bo[0], bo[1]);
+                    mma_16816<T>(adv[2 * dd + 1], ap, bo[2], bo[3]);
+                    mma_16816<T>(adk[2 * dd], ad, bq[0], bq[1]);
+                    mma_16816<T>(adk[2 * dd + 1], ad, bq[2], bq[3]);
+                }
+            }
+        }
+        stage ^= 1;
+        tile = tn;
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = key0 + 8 * r;
+        if (key >= Lk) continue;
+        const int64 base = ((int64)(ks + key) * H + h) * D + (lane & 3) * 2;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            *reinterpret_cast<u32*>(dk + base + n * 8) = pack2<T>(adk[n][2 * r] * scale, adk[n][2 * r + 1] * scale);
+            *reinterpret_cast<u32*>(dv + base + n * 8) = pack2<T>(adv[n][2 * r], adv[n][2 * r + 1]);
+        }
+    }
+}

@@ -1,0 +1,143 @@
+"""Stage-2 backward kernels (launcher level: stage2_bwd) against the reference's autograd.
+
+FlashAttention's rule for gradients: the error of dq, dk, dv against the float64 reference may be
+at most 3x that of the same math done by PyTorch in the low precision (`upcast=False`). The public
+autograd wiring is tested in test_sparse_bwd.py; this file pins the kernels themselves.
+"""
+import pytest
+import torch
+
+from infllm_cupy.stage2.layout import BlockLayout
+from infllm_cupy.stage2.naive import naive_sparse_attn_varlen
+from infllm_cupy.stage2.sparse_bwd import ALL_BWD_TILES, DEFAULT_BWD_TILES, stage2_bwd
+from infllm_cupy.stage2.sparse_fwd import DEFAULT_TILES, n_mask_words, stage2_fwd, token_block_masks
+from infllm_cupy.testing import assert_close_to_ref, cu_seqlens_from_lengths, random_topk_idx
+
+pytestmark = pytest.mark.gpu
+
+# (lengths_q, lengths_k, HQ, H, D): ragged, not multiples of 64, one-token sequences, G 1..32
+CASES = [
+    ([1000], [1000], 32, 2, 128),
+    ([1, 63, 64, 65, 300], [1, 63, 64, 65, 300], 16, 1, 64),
+    ([513, 1], [513, 1], 8, 2, 128),
+    ([200, 777], [200, 777], 32, 1, 128),
+    ([333, 17], [333, 17], 2, 2, 64),
+    ([129, 70], [129, 70], 1, 1, 128),
+    ([260], [260], 24, 2, 128),
+    ([100, 37, 5], [700, 37, 64], 16, 1, 128),
+    ([2100, 90], [2100, 90], 4, 2, 64),
+]
+IDS = [f"Lq{'-'.join(map(str, c[0]))}_Lk{'-'.join(map(str, c[1]))}_HQ{c[2]}_H{c[3]}_D{c[4]}" for c in CASES]
+
+
+def make_inputs(lq, lk, HQ, H, D, dtype, K=12, seed=0, **sel):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(lq), HQ, D, generator=g).to("cuda", dtype)
+    k = torch.randn(sum(lk), H, D, generator=g).to("cuda", dtype)
+    v = torch.randn(sum(lk), H, D, generator=g).to("cuda", dtype)
+    do = torch.randn(sum(lq), HQ, D, generator=g).to("cuda", dtype)
+    idx = random_topk_idx(H, lq, lk, K, generator=g, **sel).cuda()
+    return q, k, v, do, cu_seqlens_from_lengths(lq, "cuda"), cu_seqlens_from_lengths(lk, "cuda"), idx
+
+
+def reference_grads(q, k, v, do, cu_q, cu_k, idx, mq, mk, causal, *, exact):
+    leaves = [t.detach().double().requires_grad_() if exact else t.detach().clone().requires_grad_()
+              for t in (q, k, v)]
+    out = naive_sparse_attn_varlen(*leaves, cu_q, cu_k, idx, mq, mk, causal, upcast=exact)
+    return torch.autograd.grad(out, leaves, do.double() if exact else do)
+
+
+def run_kernels(q, k, v, do, cu_q, cu_k, masks, base, h_stride, q_block, mq, mk, causal, tiles=DEFAULT_BWD_TILES):
+    scale = q.shape[-1] ** -0.5
+    out, lse = stage2_fwd(q, k, v, cu_q, cu_k, masks, base, h_stride, q_block, mq, causal, scale, DEFAULT_TILES)
+    return stage2_bwd(do, q, k, v, out, lse, cu_q, cu_k, masks, base, h_stride, q_block, mq, mk, causal, scale,
+                      tiles)
+
+
+def check_grads(grads, q, k, v, do, cu_q, cu_k, idx, mq, mk, causal):
+    ref = reference_grads(q, k, v, do, cu_q, cu_k, idx, mq, mk, causal, exact=True)
+    lowp = reference_grads(q, k, v, do, cu_q, cu_k, idx, mq, mk, causal, exact=False)
+    for name, g, r, lp in zip(("dq", "dk", "dv"), grads, ref, lowp):
+        assert g.dtype == q.dtype
+        assert_close_to_ref(name, g, r, lp, mult=3)
+        # exact zeros where no query reached the element (keys nobody selected, rows with no key)
+        zero = r == 0
+        assert bool((g[zero] == 0).all()), f"{name}: nonzero gradient where the reference is exactly 0"
+
+
+def token_masks(idx, cu_q, cu_k, mk):
+    return token_block_masks(idx, cu_q, cu_k, n_mask_words(mk))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_token_level_grads(case, dtype):
+    lq, lk, HQ, H, D = case
+    q, k, v, do, cu_q, cu_k, idx = make_inputs(lq, lk, HQ, H, D, dtype, empty_rows=True)
+    mq, mk = max(lq), max(lk)
+    masks = token_masks(idx, cu_q, cu_k, mk)
+    grads = run_kernels(q, k, v, do, cu_q, cu_k, masks, cu_q, q.shape[0], 1, mq, mk, True)
+    check_grads(grads, q, k, v, do, cu_q, cu_k, idx, mq, mk, True)
+
+
+@pytest.mark.parametrize("tiles", ALL_BWD_TILES, ids=lambda t: f"dq{t.dq_warps}_cols{t.dkdv_cols}")
+def test_every_tile_shape(tiles):
+    lq, HQ, H, D = [700, 129], 16, 2, 128
+    q, k, v, do, cu_q, cu_k, idx = make_inputs(lq, lq, HQ, H, D, torch.bfloat16, K=8)
+    masks = token_masks(idx, cu_q, cu_k, 700)
+    grads = run_kernels(q, k, v, do, cu_q, cu_k, masks, cu_q, q.shape[0], 1, 700, 700, True, tiles)
+    check_grads(grads, q, k, v, do, cu_q, cu_k, idx, 700, 700, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_non_causal_and_short_queries(dtype):
+    lq, lk = [1, 5, 90], [300, 64, 1000]
+    q, k, v, do, cu_q, cu_k, idx = make_inputs(lq, lk, 16, 2, 128, dtype)
+    masks = token_masks(idx, cu_q, cu_k, 1000)
+    for causal in (False, True):
+        grads = run_kernels(q, k, v, do, cu_q, cu_k, masks, cu_q, q.shape[0], 1, 90, 1000, causal)
+        check_grads(grads, q, k, v, do, cu_q, cu_k, idx, 90, 1000, causal)
+
+
+@pytest.mark.parametrize("q_block", [64, 128])
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_block_layout_grads(q_block, per_sequence):
+    lq = [1000, 300, 1]
+    HQ, H, D = 16, 2, 128
+    q, k, v, do, cu_q, cu_k, _ = make_inputs(lq, lq, HQ, H, D, torch.bfloat16)
+    nqb, nkb = -(-1000 // q_block), -(-1000 // 64)
+    shape = (len(lq), H, nqb, nkb) if per_sequence else (H, nqb, nkb)
+    mask = torch.rand(shape) < 0.3
+    mask[..., 0] = True
+    layout = BlockLayout(mask.cuda(), q_block)
+    words, base, h_stride = layout.packed(n_mask_words(1000), "cuda")
+    if base is None:
+        base = torch.zeros(len(lq), dtype=torch.int32, device="cuda")
+    grads = run_kernels(q, k, v, do, cu_q, cu_k, words, base, h_stride, q_block, 1000, 1000, True)
+    check_grads(grads, q, k, v, do, cu_q, cu_k, layout.to_topk_idx(cu_q), 1000, 1000, True)
+
+
+def test_bit_identical_across_runs():
+    lq, HQ, H, D = [1500, 333], 16, 2, 128
+    q, k, v, do, cu_q, cu_k, idx = make_inputs(lq, lq, HQ, H, D, torch.bfloat16, K=16)
+    masks = token_masks(idx, cu_q, cu_k, 1500)
+    a = run_kernels(q, k, v, do, cu_q, cu_k, masks, cu_q, q.shape[0], 1, 1500, 1500, True)
+    b = run_kernels(q, k, v, do, cu_q, cu_k, masks, cu_q, q.shape[0], 1, 1500, 1500, True)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_unselected_keys_get_exactly_zero():
+    # every token selects only block 0 and its own block: the keys of other blocks get dk = dv = 0
+    T, HQ, H, D = 640, 16, 1, 64
+    q, k, v, do, cu_q, cu_k, _ = make_inputs([T], [T], HQ, H, D, torch.bfloat16)
+    t = torch.arange(T, device="cuda")
+    idx = torch.stack([torch.zeros_like(t), t // 64], -1).to(torch.int32)[None].contiguous()
+    idx[0, 130:, 1] = 9   # tokens 130.. pick block 9 instead of their own: blocks 3..8 are then unselected
+    masks = token_masks(idx, cu_q, cu_k, T)
+    dq, dk, dv = run_kernels(q, k, v, do, cu_q, cu_k, masks, cu_q, T, 1, T, T, True)
+    # block 2 (tokens 128, 129 select it) and blocks 3..8: only 0, 1, 2 and 9 may be nonzero
+    for name, g in (("dk", dk), ("dv", dv)):
+        assert bool((g[192:576] == 0).all()), f"{name} of keys nobody selected must be exactly 0"
+        assert bool((g[:128] != 0).any())
+    check_grads((dq, dk, dv), q, k, v, do, cu_q, cu_k, idx, T, T, True)
