@@ -60,9 +60,15 @@ def check_grads(grads, q, k, v, do, cu_q, cu_k, idx, mq, mk, causal):
     for name, g, r, lp in zip(("dq", "dk", "dv"), grads, ref, lowp):
         assert g.dtype == q.dtype
         assert_close_to_ref(name, g, r, lp, mult=3)
-        # exact zeros where no query reached the element (keys nobody selected, rows with no key)
-        zero = r == 0
-        assert bool((g[zero] == 0).all()), f"{name}: nonzero gradient where the reference is exactly 0"
+    # exact zeros where no query reached the element: rows with no allowed key (lse = +inf) get
+    # dq = 0, keys no query selected (their reference dv row is exactly 0) get dk = dv = 0
+    _, lse = naive_sparse_attn_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, idx, mq, mk, causal,
+                                      return_lse=True)
+    empty_rows = torch.isinf(lse).T                               # [total_q, HQ]
+    assert bool((grads[0][empty_rows] == 0).all()), "dq of rows with no allowed key must be exactly 0"
+    unused = (ref[2] == 0).all(-1)                                 # [total_k, H]
+    for name, g in (("dk", grads[1]), ("dv", grads[2])):
+        assert bool((g[unused] == 0).all()), f"{name} of keys no query selected must be exactly 0"
 
 
 def token_masks(idx, cu_q, cu_k, mk):

@@ -1,0 +1,75 @@
+"""Stage-2 backward kernels: every BwdTiles variant and the per-kernel split, at one size.
+
+    python benchmarks/sweep_stage2_bwd.py --T 8192 --B 2 --K 64 --sel a b c
+
+Times `stage2_bwd` (launcher level, fixed forward outputs) with CUDA events after warm-up (median),
+next to our forward on the same inputs, and prints effective TFLOP/s (backward = 2.5x the forward's
+FLOP on attended keys). `--profile` adds one torch.profiler pass per selection with the time of each
+backward kernel (delta, tile index, dq, dk/dv). Development tool; bench_stage2.py is the comparison.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._harness import bench_gpu_time, flops_attn  # noqa: E402
+from benchmarks.selections import attended_keys, block_shared, infllm_like, per_token, uniform_cu_seqlens  # noqa: E402
+from infllm_cupy.stage2.sparse_bwd import ALL_BWD_TILES, stage2_bwd  # noqa: E402
+from infllm_cupy.stage2.sparse_fwd import as_tiles, n_mask_words, stage2_fwd, token_block_masks  # noqa: E402
+
+SELECTIONS = {"a": block_shared, "b": per_token, "c": infllm_like}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--T", type=int, default=8192)
+    p.add_argument("--B", type=int, default=2)
+    p.add_argument("--K", type=int, default=64)
+    p.add_argument("--D", type=int, default=128)
+    p.add_argument("--sel", nargs="+", default=["a", "b", "c"])
+    p.add_argument("--tiles", default="all", help="'all' or 'default'")
+    p.add_argument("--profile", action="store_true")
+    a = p.parse_args()
+    HQ, H, D, T, B = 32, 2, a.D, a.T, a.B
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B * T, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(B * T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(B * T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    do = torch.randn(B * T, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    cu = uniform_cu_seqlens(B, T, "cuda")
+    scale = D ** -0.5
+    tiles_list = ALL_BWD_TILES if a.tiles == "all" else [ALL_BWD_TILES[1]]
+    print(f"T={T} B={B} HQ={HQ} H={H} D={D} K={a.K} {torch.cuda.get_device_name()}")
+    for sel in a.sel:
+        topk = SELECTIONS[sel](B, T, H, a.K, device="cuda", seed=0)
+        keys = float(attended_keys(topk, cu).sum()) * (HQ // H)
+        masks = token_block_masks(topk, cu, cu, n_mask_words(T))
+        ft = as_tiles(None, q.device)
+        out, lse = stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale, ft)
+        fwd = statistics.median(bench_gpu_time(
+            lambda: stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale, ft)))
+        print(f"sel {sel}: fwd {fwd:.2f} ms {flops_attn(keys, D, 'fwd') / fwd / 1e9:.0f} TFLOP/s")
+
+        def bwd(t):
+            return stage2_bwd(do, q, k, v, out, lse, cu, cu, masks, cu, q.shape[0], 1, T, T, True, scale, t)
+
+        for t in tiles_list:
+            ms = statistics.median(bench_gpu_time(lambda t=t: bwd(t)))
+            print(f"  bwd dq_warps={t.dq_warps} dkdv_cols={t.dkdv_cols}: {ms:.2f} ms "
+                  f"{flops_attn(keys, D, 'bwd') / ms / 1e9:.0f} TFLOP/s (bwd/fwd {ms / fwd:.2f})", flush=True)
+        if a.profile:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                bwd(ALL_BWD_TILES[1])
+                torch.cuda.synchronize()
+            for ev in prof.key_averages():
+                if ev.device_type == torch.autograd.DeviceType.CUDA or "stage2" in ev.key:
+                    print(f"    {ev.key[:70]:<70} {ev.device_time_total / 1e3:8.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
