@@ -2,7 +2,8 @@
 
 Shape, dtype, device and contiguity checks are free. Checks on the *values* of `cu_seqlens`
 need one device-to-host copy; they run unless `INFLLM_CUPY_VALIDATE=0` (for training loops that
-cannot afford the sync and already trust their inputs).
+cannot afford the sync and already trust their inputs), and never while torch.compile traces (a
+host read would break the graph).
 """
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def validate_values() -> bool:
+    """Whether to run the checks on values (host copies): not under torch.compile, nor with
+    INFLLM_CUPY_VALIDATE=0."""
+    if torch.compiler.is_compiling():
+        return False
     return os.environ.get("INFLLM_CUPY_VALIDATE", "1") != "0"
 
 

@@ -124,14 +124,8 @@ def check_kernel_path(cfg: InfLLMv2Config, q: torch.Tensor, k: torch.Tensor, v: 
 
     Raises:
         ValueError: `config.block_size` other than 64, or dtypes/head dims/devices the kernels lack.
-        NotImplementedError: gradients are requested (the stage-2 kernel has no backward yet).
     """
     check_kernel_block_size(cfg.block_size)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        # Same exception as sparse_attn_varlen raises, but before stage 1 spends its time.
-        raise NotImplementedError("infllmv2_attention: stage 2 on the kernel path (sparse_attn_varlen) has no "
-                                  "backward yet (issue 4); call it under torch.no_grad(), or pass "
-                                  "backend='reference' for gradients")
     check_kernel_inputs(q, k, v)
 
 
@@ -403,9 +397,10 @@ def infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     "kernels", key compression, stage 1 (scores, pooling, top-k in one launch) and stage 2 are the
     CUDA kernels, and the dense fallback is torch SDPA per sequence. `backend="reference"` runs every stage's reference; CPU tensors always do.
 
-    Gradients: stage 1 never takes any. The reference path is differentiable through stage 2; the
-    kernel path's stage 2 has no backward yet, so it raises NotImplementedError when `q`, `k` or `v`
-    require grad (under `torch.no_grad()` it runs); the dense SDPA fallback is differentiable.
+    Gradients: `q`, `k` and `v` get theirs through stage 2 (the stage-2 backward kernel on the
+    kernel path, autograd of the reference otherwise) or through the dense fallback (SDPA's own
+    backward); compression, stage 1 and top-k run under `torch.no_grad()` and give none, as in
+    InfLLM-v2 (the selection is not trained).
 
     Args:
         q (torch.Tensor):
@@ -431,7 +426,6 @@ def infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     Raises:
         ValueError: bad inputs (naming the argument), a `backend` outside `BACKENDS`, or what the
             kernel path cannot do (`config.block_size != 64`, dtype, head dim), before any launch.
-        NotImplementedError: gradients requested on the sparse kernel path.
     """
     cfg = check_config(config)
     check_backend(backend)

@@ -137,11 +137,9 @@ def test_kernel_path_checks_without_gpu():
         _kernel_sparse_attn(q, k, v, cu, cu, idx, 200, 200, block_size=128)
     with pytest.raises(ValueError, match=r"upcast"):
         _kernel_sparse_attn(q, k, v, cu, cu, idx, 200, 200, upcast=False)
-    # gradients: NotImplementedError (stage 2's kernel has no backward), before any stage runs
-    with pytest.raises(NotImplementedError, match=r"no\s+backward"):
+    # gradients are no reason to refuse (stage 2 has a backward kernel); CPU tensors are no kernel inputs
+    with pytest.raises(ValueError, match=r"CUDA"):
         check_kernel_path(SPARSE, q.requires_grad_(), k, v)
-    with torch.no_grad(), pytest.raises(ValueError, match=r"CUDA"):       # CPU tensors are no kernel inputs
-        check_kernel_path(SPARSE, q, k, v)
 
 
 def test_module_forward_backward_through_reference():
@@ -280,15 +278,43 @@ def test_dense_fallback_sdpa_on_cuda(dtype):
 
 
 @pytest.mark.gpu
-def test_kernel_path_refuses_grads_and_other_block_sizes_on_cuda():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_kernel_path_backward_on_cuda(dtype):
+    # the sparse kernel path end to end with gradients: stage 1 under no_grad, stage 2's backward kernel
+    lengths = [1000, 333, 130]
+    q, k, v = (x.requires_grad_() for x in tie_free_qkv(lengths, 8, 2, 128, dtype, "cuda"))
+    cu = cu_seqlens_from_lengths(lengths, "cuda")
+    cfg = InfLLMv2Config(topk=3, local_blocks=2, dense_len=0, score_dtype=torch.float32)
+    out, aux = infllmv2_attention(q, k, v, cu, cu, config=cfg, backend="kernels", return_aux=True)
+    assert out.requires_grad and not aux["dense"]
+    assert all(not t.requires_grad for t in (aux["ck1"], aux["ck2"], aux["topk_idx"]))
+    with torch.no_grad():
+        _, ref_aux = infllmv2_attention(q, k, v, cu, cu, config=cfg, backend="reference", return_aux=True)
+    idx = ref_aux["topk_idx"]
+    assert torch.equal(aux["topk_idx"], idx)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = naive_sparse_attn_varlen(q64, k64, v64, cu, cu, idx, 1000, 1000)
+    lowp = naive_sparse_attn_varlen(q, k, v, cu, cu, idx, 1000, 1000, upcast=False)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), do.double())
+    lowp_grads = torch.autograd.grad(lowp, (q, k, v), do)
+    for name, g, r, lp in zip(("dq", "dk", "dv"), grads, ref_grads, lowp_grads):
+        assert_close_to_ref(name, g, r, lp, mult=3)
+
+
+@pytest.mark.gpu
+def test_kernel_path_grads_and_other_block_sizes_on_cuda():
     q, k, v = make_qkv([700], HQ=8, H=2, D=128, dtype=torch.bfloat16, device="cuda")
     cu = cu_seqlens_from_lengths([700], "cuda")
-    with pytest.raises(NotImplementedError, match=r"no\s+backward"):
-        infllmv2_attention(q.requires_grad_(), k, v, cu, config=SPARSE, backend="kernels")
+    out = infllmv2_attention(q.requires_grad_(), k, v, cu, config=SPARSE, backend="kernels")
+    assert out.requires_grad
+    (dq,) = torch.autograd.grad(out.float().square().sum(), (q,))
+    assert dq.shape == q.shape and bool(torch.isfinite(dq).all())
     with torch.no_grad():
         with pytest.raises(ValueError, match=r"config\.block_size"):
             infllmv2_attention(q, k, v, cu, config=InfLLMv2Config(block_size=128, dense_len=0), backend="auto")
-        # the reference path takes any block size, and gradients
+        # the reference path takes any block size
         infllmv2_attention(q, k, v, cu, config=InfLLMv2Config(block_size=128, dense_len=0), backend="reference")
     out = InfLLMv2Attention(SPARSE, backend="reference")(q, k, v, cu)
     assert out.requires_grad

@@ -36,7 +36,8 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def check_max_seqlen(name: str, value, lengths: Sequence[int]) -> int:
     """`value` must be an int no smaller than the longest sequence; returns it."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    # torch.SymInt: an int that torch.compile traces symbolically (automatic dynamic shapes)
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     longest = max(lengths, default=0)
     if value < 0 or (validate_values() and value < longest):

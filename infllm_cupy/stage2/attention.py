@@ -1,7 +1,9 @@
 """Public stage-2 ops: InfLLM-v2's token-level sparse attention and its query-block-layout form.
 
-CUDA tensors run kernels_cu/stage2 (one kernel for both forms); CPU tensors, or
-`backend="reference"`, run the PyTorch reference in naive.py.
+Both go through the custom ops of ops.py (differentiable in q, k, v; torch.compile traces them
+without graph breaks): CUDA tensors run kernels_cu/stage2 (one forward and one backward kernel for
+both forms), CPU tensors the PyTorch reference in naive.py inside the same ops. `backend="reference"`
+calls the reference directly (plain autograd, no custom op).
 """
 from __future__ import annotations
 
@@ -11,15 +13,18 @@ from .._checks import check_tensor
 from ..stage1.naive import check_max_seqlen
 from .layout import BlockLayout
 from .naive import _check_attn_inputs, naive_sparse_attn_varlen
-from .sparse_fwd import as_tiles, check_kernel_inputs, n_mask_words, stage2_fwd, token_block_masks
+from .ops import block_sparse_attn_fwd, sparse_attn_fwd, tiles_arg
+from .sparse_fwd import check_kernel_inputs
 
 BACKENDS = ("auto", "kernels", "reference")
 
 
-def _use_kernels(backend: str, q: torch.Tensor) -> bool:
+def _use_op(backend: str, q: torch.Tensor) -> bool:
+    """Whether the call goes through the custom op (everything but `backend="reference"`); raises on
+    an unknown backend, and, for "kernels" or CUDA tensors, on what the kernels cannot do."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return backend == "kernels" or (backend == "auto" and q.is_cuda)
+    return backend != "reference"
 
 
 def _scale(softmax_scale, D: int) -> float:
@@ -30,15 +35,15 @@ def _scale(softmax_scale, D: int) -> float:
     return float(softmax_scale)
 
 
-def _check_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    # types here; the bounds against the real lengths ride on the cu_seqlens checks' one host copy each
+def _check_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend):
+    """Every check of the op path, before the op. The bounds of `max_seqlen_*` against the real
+    lengths ride on the cu_seqlens checks' one host copy each (skipped under torch.compile and with
+    INFLLM_CUPY_VALIDATE=0, see `validate_values`)."""
     check_max_seqlen("max_seqlen_q", max_seqlen_q, [])
     check_max_seqlen("max_seqlen_k", max_seqlen_k, [])
     _check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    check_kernel_inputs(q, k, v)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise NotImplementedError("the stage-2 kernels have no backward yet (issue 4); call under "
-                                  "torch.no_grad() or use backend='reference' for gradients")
+    if backend == "kernels" or q.is_cuda:
+        check_kernel_inputs(q, k, v)
 
 
 def sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -56,6 +61,13 @@ def sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
         1 1 0 0 0
         1 1 0 0 1
 
+    Differentiable in `q`, `k` and `v` (the stage-2 backward kernel on CUDA tensors, the
+    reference's autograd on CPU tensors); `topk_idx`, the `cu_seqlens` and `lse` get no gradient,
+    as in InfLLM-v2 (the selection is not trained through this op). The backward is deterministic
+    (no float atomics). Goes through the custom op `infllm_cupy::sparse_attn_fwd` (ops.py), so
+    `torch.compile(fullgraph=True)` traces it; under compilation the checks that read the
+    `cu_seqlens` back to the host are skipped (the shape, dtype and device checks stay).
+
     Args:
         q (torch.Tensor):
             `[total_q, HQ, D]`, bf16 or fp16 (the reference also takes fp32/float64); D in {64, 128}.
@@ -72,9 +84,12 @@ def sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
         softmax_scale (float, Optional):
             Default: `None` (`1 / sqrt(D)`).
         return_lse (bool, Optional):
-            Also return `lse`, float32 `[HQ, total_q]`, natural log. Default: `False`.
+            Also return `lse`, float32 `[HQ, total_q]`, natural log, no gradient. Default: `False`.
         backend (str, Optional):
-            "auto" (kernels for CUDA tensors), "kernels" or "reference". Default: "auto".
+            "auto": the custom op, which runs the kernels on CUDA tensors and the reference on CPU
+            tensors; "kernels": the op, refusing what the kernels cannot do (CPU tensors, fp32, other
+            head dims); "reference": `naive_sparse_attn_varlen` called directly (plain autograd, any
+            dtype, no custom op, so torch.compile graph-breaks on its host reads). Default: "auto".
         tiles (None, "sm90a", FwdTiles or (warps, m_tiles, sub_keys), Optional):
             Which kernel: `None` picks the sm_90a (wgmma) kernel on Hopper and the tuned SM80 tile
             shape elsewhere; "sm90a" or an SM80 `FwdTiles` force one. Default: `None`.
@@ -82,18 +97,15 @@ def sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     Returns:
         out (torch.Tensor): `[total_q, HQ, D]` in q's dtype; and `lse` with `return_lse`.
     """
-    if not _use_kernels(backend, q):
+    if not _use_op(backend, q):
         return naive_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
                                         causal, softmax_scale, return_lse)
-    _check_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _check_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend)
     H = k.shape[1]
     check_tensor("topk_idx", topk_idx, ndim=3, dtypes=(torch.int32,), shape=(H, q.shape[0], None),
                  device=q.device)
-    scale = _scale(softmax_scale, q.shape[2])
-    q, k, v, topk_idx = (t.contiguous() for t in (q, k, v, topk_idx))
-    masks = token_block_masks(topk_idx, cu_seqlens_q, cu_seqlens_k, n_mask_words(max_seqlen_k))
-    out, lse = stage2_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, masks, cu_seqlens_q, q.shape[0], 1,
-                          max_seqlen_q, causal, scale, as_tiles(tiles, q.device))
+    out, lse = sparse_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
+                               bool(causal), _scale(softmax_scale, q.shape[2]), tiles_arg(tiles))
     return (out, lse) if return_lse else out
 
 
@@ -104,7 +116,8 @@ def block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     r"""Sparse attention under a query-block layout (one selection per query block and KV head).
 
     Same semantics as `sparse_attn_varlen` with every token of query block `i` selecting the
-    64-key blocks `j` with `layout.mask[(b,) h, i, j]`.
+    64-key blocks `j` with `layout.mask[(b,) h, i, j]`. Differentiable in `q`, `k`, `v` (the layout
+    gets no gradient), through the custom op `infllm_cupy::block_sparse_attn_fwd`.
 
     Args:
         layout (BlockLayout):
@@ -118,15 +131,11 @@ def block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
     B = cu_seqlens_q.numel() - 1
     layout.check_against(k.shape[1], B, max_seqlen_q)
-    if not _use_kernels(backend, q):
+    if not _use_op(backend, q):
         return naive_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, layout.to_topk_idx(cu_seqlens_q),
                                         max_seqlen_q, max_seqlen_k, causal, softmax_scale, return_lse)
-    _check_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    scale = _scale(softmax_scale, q.shape[2])
-    q, k, v = (t.contiguous() for t in (q, k, v))
-    words, base, h_stride = layout.packed(n_mask_words(max_seqlen_k), q.device)
-    if base is None:
-        base = torch.zeros(B, dtype=torch.int32, device=q.device)
-    out, lse = stage2_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, words, base, h_stride, layout.q_block,
-                          max_seqlen_q, causal, scale, as_tiles(tiles, q.device))
+    _check_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend)
+    out, lse = block_sparse_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, layout.mask.to(q.device), layout.q_block,
+                                     max_seqlen_q, max_seqlen_k, bool(causal), _scale(softmax_scale, q.shape[2]),
+                                     tiles_arg(tiles))
     return (out, lse) if return_lse else out

@@ -65,6 +65,32 @@ def _chunk_rows(HQ: int, N: int) -> int:
     return max(16, _CHUNK_ELEMS // max(1, HQ * N))
 
 
+def _chunks(q, cu_seqlens_q, cu_seqlens_k, causal):
+    """The (sequence, query chunk) pieces of `_attend` and `_attend_bwd`: yields `(b, qrows, start,
+    end, N, keys, Lq, Lk)`, with `N` the keys the chunk can see (0: nothing to compute)."""
+    HQ = q.shape[1]
+    lq, lk = seqlens_host(cu_seqlens_q), seqlens_host(cu_seqlens_k)
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b, (Lq, Lk) in enumerate(zip(lq, lk)):
+        chunk = _chunk_rows(HQ, Lk)
+        for start in range(0, Lq, chunk):
+            end = min(Lq, start + chunk)
+            # Causal (bottom-right): row r sees keys j <= r + Lk - Lq; keys past the chunk's last row's
+            # limit are never used, so they are not computed.
+            N = max(0, min(Lk, end + Lk - Lq)) if causal else Lk
+            yield b, slice(cu_q[b] + start, cu_q[b] + end), start, end, N, slice(cu_k[b], cu_k[b] + N), Lq, Lk
+
+
+def _allow(allow_fn, b, qrows, start, end, N, Lq, Lk, causal, device):
+    """The block selection of `allow_fn` with the causal part added: bool `[H or 1, C, N]`."""
+    allow = allow_fn(b, qrows, start, end, N)
+    if causal:
+        r = torch.arange(start, end, device=device)
+        j = torch.arange(N, device=device)
+        allow = allow & (j[None, :] <= (r + Lk - Lq)[:, None])[None]
+    return allow
+
+
 def _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, upcast, need_lse, allow_fn):
     """Loop over sequences and query chunks; `allow_fn(b, qrows, start, end, N) -> [H or 1, C, N]` bool
     gives the block selection part of the mask (the causal part is added here).
@@ -74,32 +100,18 @@ def _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, upcast, need_lse
     _, HQ, D = q.shape
     H = k.shape[1]
     G = HQ // H
-    lq, lk = seqlens_host(cu_seqlens_q), seqlens_host(cu_seqlens_k)
-    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     outs, lses = [], []
-    for b, (Lq, Lk) in enumerate(zip(lq, lk)):
-        chunk = _chunk_rows(HQ, Lk)
-        for start in range(0, Lq, chunk):
-            end = min(Lq, start + chunk)
-            C = end - start
-            qrows = slice(cu_q[b] + start, cu_q[b] + end)
-            # Causal (bottom-right): row r sees keys j <= r + Lk - Lq; keys past the chunk's last row's
-            # limit are never used, so they are not computed.
-            N = max(0, min(Lk, end + Lk - Lq)) if causal else Lk
-            if N == 0:
-                outs.append(q.new_zeros(C, HQ, D))
-                lses.append(torch.full((HQ, C), float("inf"), dtype=torch.float32, device=q.device))
-                continue
-            allow = allow_fn(b, qrows, start, end, N)
-            if causal:
-                r = torch.arange(start, end, device=q.device)
-                j = torch.arange(N, device=q.device)
-                allow = allow & (j[None, :] <= (r + Lk - Lq)[:, None])[None]
-            keys = slice(cu_k[b], cu_k[b] + N)
-            o, lse = _masked_attention(q[qrows].reshape(C, H, G, D), k[keys], v[keys], allow, scale, upcast, need_lse)
-            outs.append(o.reshape(C, HQ, D))
-            if need_lse:
-                lses.append(lse.reshape(HQ, C).float())
+    for b, qrows, start, end, N, keys, Lq, Lk in _chunks(q, cu_seqlens_q, cu_seqlens_k, causal):
+        C = end - start
+        if N == 0:
+            outs.append(q.new_zeros(C, HQ, D))
+            lses.append(torch.full((HQ, C), float("inf"), dtype=torch.float32, device=q.device))
+            continue
+        allow = _allow(allow_fn, b, qrows, start, end, N, Lq, Lk, causal, q.device)
+        o, lse = _masked_attention(q[qrows].reshape(C, H, G, D), k[keys], v[keys], allow, scale, upcast, need_lse)
+        outs.append(o.reshape(C, HQ, D))
+        if need_lse:
+            lses.append(lse.reshape(HQ, C).float())
     out = torch.cat(outs, dim=0) if outs else q.new_zeros(0, HQ, D)
     if not need_lse:
         return out, None
@@ -162,18 +174,94 @@ def naive_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     check_max_seqlen("max_seqlen_k", max_seqlen_k, lk)
     scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
 
+    out, lse = _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, upcast, return_lse,
+                       _topk_allow_fn(topk_idx, lk, block_size))
+    return (out, lse) if return_lse else out
+
+
+def naive_sparse_attn_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, topk_idx: torch.Tensor,
+                                 max_seqlen_q: int, max_seqlen_k: int, causal: bool = True,
+                                 softmax_scale: float | None = None, *, block_size: int = 64):
+    r"""Gradients of `naive_sparse_attn_varlen` (upcast) for the output gradient `dout`, written out.
+
+    Recomputes the probabilities `P` chunk by chunk and applies attention's backward in the
+    compute dtype (fp32, float64 for float64 inputs): `dV = P^T dO`, `dS = P * (dO V^T - rowsum(dO * O))`,
+    `dQ = scale * dS K`, `dK = scale * dS^T Q`; the G query heads of a KV head sum into its dK, dV.
+    Rows with no allowed key give `dQ = 0`, and keys no query attends get `dK = dV = 0`. Equal to
+    autograd through the forward up to rounding; it exists because it runs where autograd cannot
+    (inside a custom op's implementation, below the autograd dispatch key: the CPU backward of the
+    `infllm_cupy::sparse_attn_bwd` op). `topk_idx` gets no gradient.
+
+    Args:
+        dout (torch.Tensor):
+            `[total_q, HQ, D]`, the gradient of the output.
+        Others: as `naive_sparse_attn_varlen`.
+
+    Returns:
+        (dq, dk, dv) (tuple of torch.Tensor): the shapes and dtypes of `q`, `k`, `v`.
+    """
+    _check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    H = k.shape[1]
+    check_tensor("topk_idx", topk_idx, ndim=3, dtypes=(torch.int32,), shape=(H, q.shape[0], None),
+                 device=q.device)
+    check_tensor("dout", dout, shape=tuple(q.shape), device=q.device)
+    check_int_args(1, block_size=block_size)
+    lq, lk = seqlens_host(cu_seqlens_q), seqlens_host(cu_seqlens_k)
+    check_max_seqlen("max_seqlen_q", max_seqlen_q, lq)
+    check_max_seqlen("max_seqlen_k", max_seqlen_k, lk)
+    scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    return _attend_bwd(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale,
+                       _topk_allow_fn(topk_idx, lk, block_size))
+
+
+def _topk_allow_fn(topk_idx, lk, block_size):
+    """`allow_fn` of `_attend` for token-level block indices `topk_idx [H, total_q, K]`."""
+    H = topk_idx.shape[0]
+
     def allow_fn(b, qrows, start, end, N):
         n_blocks = -(-lk[b] // block_size)
         t = topk_idx[:, qrows].long()                                  # [H, C, K]
         # Unusable entries go to a spare column n_blocks, dropped after the scatter.
         t = torch.where((t >= 0) & (t < n_blocks), t, torch.full_like(t, n_blocks))
-        sel = torch.zeros(H, end - start, n_blocks + 1, dtype=torch.bool, device=q.device)
+        sel = torch.zeros(H, end - start, n_blocks + 1, dtype=torch.bool, device=topk_idx.device)
         sel.scatter_(2, t, True)
-        key_block = torch.arange(N, device=q.device) // block_size
+        key_block = torch.arange(N, device=topk_idx.device) // block_size
         return sel[:, :, key_block]                                    # [H, C, N]
 
-    out, lse = _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, upcast, return_lse, allow_fn)
-    return (out, lse) if return_lse else out
+    return allow_fn
+
+
+def _attend_bwd(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, allow_fn):
+    """Backward of `_attend` (upcast): `(dq, dk, dv)` in the dtypes of q, k, v."""
+    _, HQ, D = q.shape
+    H = k.shape[1]
+    G = HQ // H
+    sdt = compute_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=sdt, device=q.device)
+    dk = torch.zeros(k.shape, dtype=sdt, device=q.device)
+    dv = torch.zeros(v.shape, dtype=sdt, device=q.device)
+    for b, qrows, start, end, N, keys, Lq, Lk in _chunks(q, cu_seqlens_q, cu_seqlens_k, causal):
+        if N == 0:
+            continue                                                   # rows that see no key: dq = 0
+        C = end - start
+        allow = _allow(allow_fn, b, qrows, start, end, N, Lq, Lk, causal, q.device)
+        qh = q[qrows].to(sdt).reshape(C, H, G, D).permute(1, 2, 0, 3)       # [H, G, C, D]
+        doh = dout[qrows].to(sdt).reshape(C, H, G, D).permute(1, 2, 0, 3)   # [H, G, C, D]
+        kh = k[keys].to(sdt).permute(1, 0, 2).unsqueeze(1)                  # [H, 1, N, D]
+        vh = v[keys].to(sdt).permute(1, 0, 2).unsqueeze(1)                  # [H, 1, N, D]
+        s = torch.matmul(qh * scale, kh.transpose(-1, -2))                  # [H, G, C, N]
+        s = s.masked_fill(~allow[:, None], float("-inf"))
+        has_key = allow.any(dim=-1)[:, None, :, None]
+        p = torch.softmax(s, dim=-1)
+        p = torch.where(has_key, p, torch.zeros_like(p))                    # empty rows: P = 0
+        o = torch.matmul(p, vh)                                             # [H, G, C, D]
+        dp = torch.matmul(doh, vh.transpose(-1, -2))                        # [H, G, C, N]
+        ds = p * (dp - (doh * o).sum(-1, keepdim=True))
+        dq[qrows] = (torch.matmul(ds, kh) * scale).permute(2, 0, 1, 3).reshape(C, HQ, D)
+        dk[keys] += torch.einsum("hgcn,hgcd->nhd", ds, qh) * scale
+        dv[keys] += torch.einsum("hgcn,hgcd->nhd", p, doh)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def naive_dense_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,

@@ -1,0 +1,253 @@
+"""Stage-2 attention as `torch.library` custom ops (namespace `infllm_cupy`): autograd and torch.compile.
+
+Four ops, a forward and a backward for each input form:
+
+    infllm_cupy::sparse_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
+                                 causal, softmax_scale, tiles) -> (out, lse)
+    infllm_cupy::sparse_attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q,
+                                 max_seqlen_k, causal, softmax_scale) -> (dq, dk, dv)
+    infllm_cupy::block_sparse_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q,
+                                       max_seqlen_k, causal, softmax_scale, tiles) -> (out, lse)
+    infllm_cupy::block_sparse_attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block,
+                                       max_seqlen_q, max_seqlen_k, causal, softmax_scale) -> (dq, dk, dv)
+
+CUDA tensors run the kernels (`stage2_fwd`, `stage2_bwd` over the bitmask rows of `token_block_masks` or
+`BlockLayout.packed`); CPU tensors run the PyTorch reference (`naive_sparse_attn_varlen`, and for
+the backward `naive_sparse_attn_varlen_bwd`, its gradient written out, which recomputes the
+probabilities from q and k and equals autograd through the reference up to rounding). The forward ops carry an
+autograd formula (`register_autograd`): gradients flow to q, k and v only; `lse` is marked
+non-differentiable; `topk_idx`, the layout, the `cu_seqlens` and the ints get none. The fake
+(meta) implementations give torch.compile the output shapes without running anything, so a model
+calling the ops traces with `fullgraph=True`.
+
+The ops assume checked inputs (the public wrappers in attention.py check them, naming the
+argument). `softmax_scale` is already resolved (a float); `tiles` is a string: "" (the default
+kernel for the device), "sm90a", or "warps,m_tiles,sub_keys" (see `tiles_arg`).
+
+Saved state: q, k, v, out, lse and the selection itself (`topk_idx` or the layout mask, both op
+inputs that are alive anyway). The backward rebuilds the bitmask rows from them (one small launch,
+`token_block_masks`, or `BlockLayout.packed`) instead of saving the masks of the forward: the
+rows cost `H * total_q * n_words * 4` bytes (64 MB at 128k tokens, H = 2), the rebuild well under
+1% of the backward's time.
+"""
+import torch
+
+from .layout import BlockLayout
+from .naive import naive_sparse_attn_varlen, naive_sparse_attn_varlen_bwd
+from .sparse_bwd import stage2_bwd
+from .sparse_fwd import SM90A, FwdTiles, as_tiles, n_mask_words, stage2_fwd, token_block_masks
+
+Tensor = torch.Tensor
+
+
+# ------------------------------------------------------------------------------------------- tiles
+
+
+def tiles_arg(tiles) -> str:
+    """The `tiles` argument of the public ops as the forward ops' string: None -> "" (resolved per
+    device at launch), "sm90a", or "warps,m_tiles,sub_keys". Raises as `as_tiles` on a bad value."""
+    if tiles is None:
+        return ""
+    t = as_tiles(tiles)                      # validates; no device lookup for a non-None value
+    return SM90A if t == SM90A else f"{t.warps},{t.m_tiles},{t.sub_keys}"
+
+
+def _tiles(s: str, device):
+    if s == "":
+        return as_tiles(None, device)
+    if s == SM90A:
+        return SM90A
+    return FwdTiles(*(int(x) for x in s.split(",")))
+
+
+# ------------------------------------------------------------------------------------ mask rows (CUDA)
+
+
+def _token_rows(topk_idx, cu_seqlens_q, cu_seqlens_k, total_q, max_seqlen_k):
+    """(masks, mask_base, mask_h_stride, mask_q_block) of the token-level form: one row per (h, token)."""
+    masks = token_block_masks(topk_idx.contiguous(), cu_seqlens_q, cu_seqlens_k, n_mask_words(max_seqlen_k))
+    return masks, cu_seqlens_q, total_q, 1
+
+
+def _layout_rows(layout_mask, q_block, batch, max_seqlen_k, device):
+    """(masks, mask_base, mask_h_stride, mask_q_block) of a layout: one row per (b, h, query block)."""
+    words, base, h_stride = BlockLayout(layout_mask, q_block).packed(n_mask_words(max_seqlen_k), device)
+    if base is None:            # one layout shared by every sequence
+        base = torch.zeros(batch, dtype=torch.int32, device=device)
+    return words, base, h_stride, q_block
+
+
+def _contig(*ts):
+    return tuple(t.contiguous() for t in ts)
+
+
+# ------------------------------------------------------------------------------ reference (CPU) parts
+
+
+def _ref_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal, softmax_scale):
+    out, lse = naive_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
+                                        causal, softmax_scale, return_lse=True)
+    return out.contiguous(), lse.contiguous()
+
+
+def _ref_bwd(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal,
+             softmax_scale):
+    # The reference's backward written out (it recomputes P; out and lse are not needed). Autograd
+    # cannot run here: an op's implementation runs below the autograd dispatch key, where
+    # torch.enable_grad() records nothing (and functorch's vjp trips opcheck's schema mode).
+    return tuple(g.contiguous() for g in naive_sparse_attn_varlen_bwd(
+        dout, q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal, softmax_scale))
+
+
+def _fake_fwd(q, k):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def _fake_bwd(q, k, v):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+# ------------------------------------------------------------------------------------- token level
+
+
+@torch.library.custom_op("infllm_cupy::sparse_attn_fwd", mutates_args=(), device_types="cuda")
+def sparse_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                    topk_idx: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
+                    tiles: str) -> tuple[Tensor, Tensor]:
+    """`(out [total_q, HQ, D], lse float32 [HQ, total_q])` of token-level sparse attention."""
+    q, k, v, cu_seqlens_q, cu_seqlens_k = _contig(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    rows = _token_rows(topk_idx, cu_seqlens_q, cu_seqlens_k, q.shape[0], max_seqlen_k)
+    return stage2_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *rows, max_seqlen_q, causal, softmax_scale,
+                      _tiles(tiles, q.device))
+
+
+@sparse_attn_fwd.register_kernel("cpu")
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal, softmax_scale, tiles):
+    return _ref_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal,
+                    softmax_scale)
+
+
+@sparse_attn_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal, softmax_scale, tiles):
+    return _fake_fwd(q, k)
+
+
+@torch.library.custom_op("infllm_cupy::sparse_attn_bwd", mutates_args=(), device_types="cuda")
+def sparse_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
+                    cu_seqlens_k: Tensor, topk_idx: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                    softmax_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """`(dq, dk, dv)` of `sparse_attn_fwd` (q's, k's and v's shapes and dtype)."""
+    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = _contig(dout.to(q.dtype), q, k, v, out, lse, cu_seqlens_q,
+                                                                  cu_seqlens_k)
+    rows = _token_rows(topk_idx, cu_seqlens_q, cu_seqlens_k, q.shape[0], max_seqlen_k)
+    return stage2_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *rows, max_seqlen_q, max_seqlen_k,
+                      causal, softmax_scale)
+
+
+@sparse_attn_bwd.register_kernel("cpu")
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal,
+      softmax_scale):
+    return _ref_bwd(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal,
+                    softmax_scale)
+
+
+@sparse_attn_bwd.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal,
+      softmax_scale):
+    return _fake_bwd(q, k, v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, sel = inputs[:6]
+    ctx.args = inputs[6:-1]          # the ints, causal, softmax_scale (tiles is the forward's alone)
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sel)
+
+
+def _n_none(n):
+    return (None,) * n
+
+
+def _sparse_backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k, topk_idx = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = sparse_attn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, topk_idx, *ctx.args)
+    return (dq, dk, dv) + _n_none(8)
+
+
+sparse_attn_fwd.register_autograd(_sparse_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------- block layouts
+
+
+@torch.library.custom_op("infllm_cupy::block_sparse_attn_fwd", mutates_args=(), device_types="cuda")
+def block_sparse_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                          layout_mask: Tensor, q_block: int, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                          softmax_scale: float, tiles: str) -> tuple[Tensor, Tensor]:
+    """`(out, lse)` under the query-block layout `BlockLayout(layout_mask, q_block)` (mask on q's device)."""
+    q, k, v, cu_seqlens_q, cu_seqlens_k = _contig(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    rows = _layout_rows(layout_mask, q_block, cu_seqlens_q.numel() - 1, max_seqlen_k, q.device)
+    return stage2_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *rows, max_seqlen_q, causal, softmax_scale,
+                      _tiles(tiles, q.device))
+
+
+def _layout_topk_idx(layout_mask, q_block, cu_seqlens_q):
+    return BlockLayout(layout_mask, q_block).to_topk_idx(cu_seqlens_q)
+
+
+@block_sparse_attn_fwd.register_kernel("cpu")
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+      tiles):
+    return _ref_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, _layout_topk_idx(layout_mask, q_block, cu_seqlens_q),
+                    max_seqlen_q, max_seqlen_k, causal, softmax_scale)
+
+
+@block_sparse_attn_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+      tiles):
+    return _fake_fwd(q, k)
+
+
+@torch.library.custom_op("infllm_cupy::block_sparse_attn_bwd", mutates_args=(), device_types="cuda")
+def block_sparse_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                          cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, layout_mask: Tensor, q_block: int,
+                          max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                          softmax_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """`(dq, dk, dv)` of `block_sparse_attn_fwd`."""
+    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = _contig(dout.to(q.dtype), q, k, v, out, lse, cu_seqlens_q,
+                                                                  cu_seqlens_k)
+    rows = _layout_rows(layout_mask, q_block, cu_seqlens_q.numel() - 1, max_seqlen_k, q.device)
+    return stage2_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *rows, max_seqlen_q, max_seqlen_k,
+                      causal, softmax_scale)
+
+
+@block_sparse_attn_bwd.register_kernel("cpu")
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal,
+      softmax_scale):
+    return _ref_bwd(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, _layout_topk_idx(layout_mask, q_block, cu_seqlens_q),
+                    max_seqlen_q, max_seqlen_k, causal, softmax_scale)
+
+
+@block_sparse_attn_bwd.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal,
+      softmax_scale):
+    return _fake_bwd(q, k, v)
+
+
+def _block_setup_context(ctx, inputs, output):
+    _setup_context(ctx, inputs[:6] + inputs[7:], output)
+    ctx.q_block = inputs[6]
+
+
+def _block_sparse_backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k, layout_mask = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = block_sparse_attn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, layout_mask, ctx.q_block, *ctx.args)
+    return (dq, dk, dv) + _n_none(9)
+
+
+block_sparse_attn_fwd.register_autograd(_block_sparse_backward, setup_context=_block_setup_context)
