@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._harness import bench_gpu_time, flops_attn  # noqa: E402
 from benchmarks.selections import attended_keys, block_shared, infllm_like, per_token, uniform_cu_seqlens  # noqa: E402
-from infllm_cupy.stage2.sparse_bwd import ALL_BWD_TILES, stage2_bwd  # noqa: E402
+from infllm_cupy.stage2.sparse_bwd import ALL_BWD_TILES, DEFAULT_BWD_TILES, SM90A, stage2_bwd  # noqa: E402
 from infllm_cupy.stage2.sparse_fwd import as_tiles, n_mask_words, stage2_fwd, token_block_masks  # noqa: E402
 
 SELECTIONS = {"a": block_shared, "b": per_token, "c": infllm_like}
@@ -32,7 +32,7 @@ def main() -> None:
     p.add_argument("--K", type=int, default=64)
     p.add_argument("--D", type=int, default=128)
     p.add_argument("--sel", nargs="+", default=["a", "b", "c"])
-    p.add_argument("--tiles", default="all", help="'all' or 'default'")
+    p.add_argument("--tiles", default="all", help="'all' (SM80 shapes and sm90a) or 'default' (SM80 default and sm90a)")
     p.add_argument("--profile", action="store_true")
     a = p.parse_args()
     HQ, H, D, T, B = 32, 2, a.D, a.T, a.B
@@ -43,7 +43,8 @@ def main() -> None:
     do = torch.randn(B * T, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
     cu = uniform_cu_seqlens(B, T, "cuda")
     scale = D ** -0.5
-    tiles_list = ALL_BWD_TILES if a.tiles == "all" else [ALL_BWD_TILES[1]]
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    tiles_list = (ALL_BWD_TILES if a.tiles == "all" else [DEFAULT_BWD_TILES]) + ([SM90A] if hopper else [])
     print(f"T={T} B={B} HQ={HQ} H={H} D={D} K={a.K} {torch.cuda.get_device_name()}")
     for sel in a.sel:
         topk = SELECTIONS[sel](B, T, H, a.K, device="cuda", seed=0)
@@ -60,11 +61,12 @@ def main() -> None:
 
         for t in tiles_list:
             ms = statistics.median(bench_gpu_time(lambda t=t: bwd(t)))
-            print(f"  bwd dq_warps={t.dq_warps} dkdv_cols={t.dkdv_cols}: {ms:.2f} ms "
+            label = t if isinstance(t, str) else f"dq_warps={t.dq_warps} dkdv_cols={t.dkdv_cols}"
+            print(f"  bwd {label}: {ms:.2f} ms "
                   f"{flops_attn(keys, D, 'bwd') / ms / 1e9:.0f} TFLOP/s (bwd/fwd {ms / fwd:.2f})", flush=True)
         if a.profile:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                bwd(ALL_BWD_TILES[1])
+                bwd(tiles_list[-1])
                 torch.cuda.synchronize()
             for ev in prof.key_averages():
                 if ev.device_type == torch.autograd.DeviceType.CUDA or "stage2" in ev.key:

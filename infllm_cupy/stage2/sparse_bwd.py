@@ -20,6 +20,8 @@ from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
 from .sparse_fwd import BLOCK_N, HEAD_DIMS
 
 BWD_SOURCE = "stage2/sparse_bwd.cu"
+SM90_SOURCE = "stage2/sparse_bwd_sm90.cu"
+SM90A = "sm90a"         # the Hopper (wgmma) dq and dk/dv kernels; the default on capability 9.0
 QT = 64                 # query rows per dk/dv tile (mirrors #define QT)
 TILE_WARPS = 8          # warps per CTA of stage2_bwd_delta / stage2_bwd_tiles
 
@@ -57,6 +59,21 @@ for _dt in KERNEL_DTYPES:
             _jit.register_instances(BWD_SOURCE, [_t.dq_name(_dt, _d)])
             _jit.register_instances(BWD_SOURCE, [_t.dkdv_name(_dt, _d)], strict=_t.dkdv_cols != 64)
 _jit.register_instances(BWD_SOURCE, ["stage2_bwd_tiles"])
+_jit.register_instances(SM90_SOURCE, [f"stage2_bwd_{kind}_sm90<{CXX_TYPE[dt]}, {d}>" for kind in ("dq", "dkdv")
+                                     for dt in KERNEL_DTYPES for d in HEAD_DIMS], sm90a=True)
+
+
+def as_bwd_tiles(tiles, device=None):
+    """None picks the sm_90a kernels on capability (9, 0) and the default SM80 tiles elsewhere;
+    "sm90a", a BwdTiles or a (dq_warps, dkdv_cols) tuple force one."""
+    if tiles is None:
+        cap = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
+        return SM90A if cap == (9, 0) else DEFAULT_BWD_TILES
+    if tiles == SM90A or isinstance(tiles, BwdTiles):
+        return tiles
+    if isinstance(tiles, (tuple, list)) and len(tiles) == 2:
+        return BwdTiles(*tiles)
+    raise TypeError(f"bwd tiles must be None, 'sm90a', a BwdTiles or a (dq_warps, dkdv_cols) tuple, got {tiles!r}")
 
 
 def dq_smem_bytes(D: int, tiles: BwdTiles, n_words: int, itemsize: int = 2) -> int:
@@ -65,6 +82,11 @@ def dq_smem_bytes(D: int, tiles: BwdTiles, n_words: int, itemsize: int = 2) -> i
 
 def dkdv_smem_bytes(D: int, itemsize: int = 2) -> int:
     return (2 * BLOCK_N * D + 4 * QT * D) * itemsize + 2 * 3 * QT * 4
+
+
+def sm90_smem_bytes(D: int, n_words: int, kind: str, itemsize: int = 2) -> int:
+    # 1 KB alignment slack for the swizzled tiles + six 64 x D tiles + the union words / row info
+    return 1024 + 6 * 64 * D * itemsize + (4 * n_words if kind == "dq" else 2 * 3 * QT * 4)
 
 
 def tile_index(cu_seqlens_q: torch.Tensor, G: int, max_seqlen_k: int, total_q: int
@@ -85,14 +107,15 @@ def tile_index(cu_seqlens_q: torch.Tensor, G: int, max_seqlen_k: int, total_q: i
 def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, masks: torch.Tensor,
                mask_base: torch.Tensor, mask_h_stride: int, mask_q_block: int, max_seqlen_q: int,
-               max_seqlen_k: int, causal: bool, softmax_scale: float, tiles: BwdTiles = DEFAULT_BWD_TILES
+               max_seqlen_k: int, causal: bool, softmax_scale: float, tiles=None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of `stage2_fwd` (same mask arguments) on checked, contiguous CUDA inputs.
 
     `dout`, `out` `[total_q, HQ, D]`, `lse` float32 `[HQ, total_q]` from the forward. Returns
     `dq [total_q, HQ, D]`, `dk, dv [total_k, H, D]` in q's dtype. Uses no float atomics: the result
-    is bit-identical from run to run.
+    is bit-identical from run to run. `tiles`: see `as_bwd_tiles`.
     """
+    tiles = as_bwd_tiles(tiles, q.device)
     total_q, HQ, D = q.shape
     total_k, H, _ = k.shape
     G = HQ // H
@@ -122,21 +145,30 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                  np.int64(per_head), np.int32(G), np.int32(n_words), np.int64(mask_h_stride),
                  np.int32(mask_q_block), np.int32(1 if causal else 0)))
 
-    name = tiles.dq_name(q.dtype, D)
-    launch(_jit.get_kernel(BWD_SOURCE, name), name=name,
-           grid=(cdiv(max_seqlen_q * G, 16 * tiles.dq_warps), H, B), block=(32 * tiles.dq_warps,),
-           shared_mem=dq_smem_bytes(D, tiles, n_words, q.element_size()),
-           args=(ptr(q), ptr(k), ptr(v), ptr(dout), ptr(lse), ptr(delta), ptr(masks), ptr(mask_base),
-                 ptr(cu_seqlens_q), ptr(cu_seqlens_k), ptr(dq), np.int32(total_q), np.int32(HQ), np.int32(H),
-                 np.int32(G), np.int32(n_words), np.int64(mask_h_stride), np.int32(mask_q_block), scale_log2,
-                 np.float32(softmax_scale), np.int32(1 if causal else 0)))
-
-    name = tiles.dkdv_name(q.dtype, D)
-    launch(_jit.get_kernel(BWD_SOURCE, name), name=name, grid=(cdiv(max_seqlen_k, BLOCK_N), H, B), block=(128,),
-           shared_mem=dkdv_smem_bytes(D, q.element_size()),
-           args=(ptr(q), ptr(k), ptr(v), ptr(dout), ptr(lse), ptr(delta), ptr(masks), ptr(mask_base),
-                 ptr(cu_seqlens_q), ptr(cu_seqlens_k), ptr(ut_off), ptr(ut), np.int64(per_head), ptr(dk), ptr(dv),
-                 np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words),
-                 np.int64(mask_h_stride), np.int32(mask_q_block), scale_log2, np.float32(softmax_scale),
-                 np.int32(1 if causal else 0)))
+    causal_i = np.int32(1 if causal else 0)
+    common = (ptr(q), ptr(k), ptr(v), ptr(dout), ptr(lse), ptr(delta), ptr(masks), ptr(mask_base),
+              ptr(cu_seqlens_q), ptr(cu_seqlens_k))
+    if tiles == SM90A:
+        dq_name, dq_rows, dq_threads = f"stage2_bwd_dq_sm90<{T}, {D}>", 64, 128
+        dq_kernel = _jit.get_kernel(SM90_SOURCE, dq_name, sm90a=True)
+        dq_smem = sm90_smem_bytes(D, n_words, "dq", q.element_size())
+        kv_name = f"stage2_bwd_dkdv_sm90<{T}, {D}>"
+        kv_kernel = _jit.get_kernel(SM90_SOURCE, kv_name, sm90a=True)
+        kv_smem = sm90_smem_bytes(D, n_words, "dkdv", q.element_size())
+    else:
+        dq_name, dq_rows, dq_threads = tiles.dq_name(q.dtype, D), 16 * tiles.dq_warps, 32 * tiles.dq_warps
+        dq_kernel = _jit.get_kernel(BWD_SOURCE, dq_name)
+        dq_smem = dq_smem_bytes(D, tiles, n_words, q.element_size())
+        kv_name = tiles.dkdv_name(q.dtype, D)
+        kv_kernel = _jit.get_kernel(BWD_SOURCE, kv_name)
+        kv_smem = dkdv_smem_bytes(D, q.element_size())
+    launch(dq_kernel, name=dq_name, grid=(cdiv(max_seqlen_q * G, dq_rows), H, B), block=(dq_threads,),
+           shared_mem=dq_smem,
+           args=common + (ptr(dq), np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words),
+                          np.int64(mask_h_stride), np.int32(mask_q_block), scale_log2, np.float32(softmax_scale),
+                          causal_i))
+    launch(kv_kernel, name=kv_name, grid=(cdiv(max_seqlen_k, BLOCK_N), H, B), block=(128,), shared_mem=kv_smem,
+           args=common + (ptr(ut_off), ptr(ut), np.int64(per_head), ptr(dk), ptr(dv), np.int32(total_q),
+                          np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words), np.int64(mask_h_stride),
+                          np.int32(mask_q_block), scale_log2, np.float32(softmax_scale), causal_i))
     return dq, dk, dv

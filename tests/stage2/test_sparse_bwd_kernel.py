@@ -9,9 +9,11 @@ import torch
 
 from infllm_cupy.stage2.layout import BlockLayout
 from infllm_cupy.stage2.naive import naive_sparse_attn_varlen
-from infllm_cupy.stage2.sparse_bwd import ALL_BWD_TILES, DEFAULT_BWD_TILES, stage2_bwd
+from infllm_cupy.stage2.sparse_bwd import ALL_BWD_TILES, DEFAULT_BWD_TILES, SM90A, stage2_bwd
 from infllm_cupy.stage2.sparse_fwd import DEFAULT_TILES, n_mask_words, stage2_fwd, token_block_masks
 from infllm_cupy.testing import assert_close_to_ref, cu_seqlens_from_lengths, random_topk_idx
+
+from conftest import HAS_GPU
 
 pytestmark = pytest.mark.gpu
 
@@ -27,6 +29,15 @@ CASES = [
     ([100, 37, 5], [700, 37, 64], 16, 1, 128),
     ([2100, 90], [2100, 90], 4, 2, 64),
 ]
+HOPPER = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)
+SM90 = pytest.param(SM90A, marks=pytest.mark.skipif(not HOPPER, reason="sm_90a kernels need capability 9.0"))
+KERNELS = [SM90, DEFAULT_BWD_TILES]          # both paths on every case
+
+
+def kernels_id(t):
+    return t if isinstance(t, str) else f"dq{t.dq_warps}_cols{t.dkdv_cols}"
+
+
 IDS = [f"Lq{'-'.join(map(str, c[0]))}_Lk{'-'.join(map(str, c[1]))}_HQ{c[2]}_H{c[3]}_D{c[4]}" for c in CASES]
 
 
@@ -47,7 +58,7 @@ def reference_grads(q, k, v, do, cu_q, cu_k, idx, mq, mk, causal, *, exact):
     return torch.autograd.grad(out, leaves, do.double() if exact else do)
 
 
-def run_kernels(q, k, v, do, cu_q, cu_k, masks, base, h_stride, q_block, mq, mk, causal, tiles=DEFAULT_BWD_TILES):
+def run_kernels(q, k, v, do, cu_q, cu_k, masks, base, h_stride, q_block, mq, mk, causal, tiles=None):
     scale = q.shape[-1] ** -0.5
     out, lse = stage2_fwd(q, k, v, cu_q, cu_k, masks, base, h_stride, q_block, mq, causal, scale, DEFAULT_TILES)
     return stage2_bwd(do, q, k, v, out, lse, cu_q, cu_k, masks, base, h_stride, q_block, mq, mk, causal, scale,
@@ -75,18 +86,19 @@ def token_masks(idx, cu_q, cu_k, mk):
     return token_block_masks(idx, cu_q, cu_k, n_mask_words(mk))
 
 
+@pytest.mark.parametrize("tiles", KERNELS, ids=kernels_id)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_token_level_grads(case, dtype):
+def test_token_level_grads(case, dtype, tiles):
     lq, lk, HQ, H, D = case
     q, k, v, do, cu_q, cu_k, idx = make_inputs(lq, lk, HQ, H, D, dtype, empty_rows=True)
     mq, mk = max(lq), max(lk)
     masks = token_masks(idx, cu_q, cu_k, mk)
-    grads = run_kernels(q, k, v, do, cu_q, cu_k, masks, cu_q, q.shape[0], 1, mq, mk, True)
+    grads = run_kernels(q, k, v, do, cu_q, cu_k, masks, cu_q, q.shape[0], 1, mq, mk, True, tiles)
     check_grads(grads, q, k, v, do, cu_q, cu_k, idx, mq, mk, True)
 
 
-@pytest.mark.parametrize("tiles", ALL_BWD_TILES, ids=lambda t: f"dq{t.dq_warps}_cols{t.dkdv_cols}")
+@pytest.mark.parametrize("tiles", [SM90, *ALL_BWD_TILES], ids=kernels_id)
 def test_every_tile_shape(tiles):
     lq, HQ, H, D = [700, 129], 16, 2, 128
     q, k, v, do, cu_q, cu_k, idx = make_inputs(lq, lq, HQ, H, D, torch.bfloat16, K=8)
@@ -95,19 +107,21 @@ def test_every_tile_shape(tiles):
     check_grads(grads, q, k, v, do, cu_q, cu_k, idx, 700, 700, True)
 
 
+@pytest.mark.parametrize("tiles", KERNELS, ids=kernels_id)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_non_causal_and_short_queries(dtype):
+def test_non_causal_and_short_queries(dtype, tiles):
     lq, lk = [1, 5, 90], [300, 64, 1000]
     q, k, v, do, cu_q, cu_k, idx = make_inputs(lq, lk, 16, 2, 128, dtype)
     masks = token_masks(idx, cu_q, cu_k, 1000)
     for causal in (False, True):
-        grads = run_kernels(q, k, v, do, cu_q, cu_k, masks, cu_q, q.shape[0], 1, 90, 1000, causal)
+        grads = run_kernels(q, k, v, do, cu_q, cu_k, masks, cu_q, q.shape[0], 1, 90, 1000, causal, tiles)
         check_grads(grads, q, k, v, do, cu_q, cu_k, idx, 90, 1000, causal)
 
 
+@pytest.mark.parametrize("tiles", KERNELS, ids=kernels_id)
 @pytest.mark.parametrize("q_block", [64, 128])
 @pytest.mark.parametrize("per_sequence", [False, True])
-def test_block_layout_grads(q_block, per_sequence):
+def test_block_layout_grads(q_block, per_sequence, tiles):
     lq = [1000, 300, 1]
     HQ, H, D = 16, 2, 128
     q, k, v, do, cu_q, cu_k, _ = make_inputs(lq, lq, HQ, H, D, torch.bfloat16)
@@ -119,21 +133,23 @@ def test_block_layout_grads(q_block, per_sequence):
     words, base, h_stride = layout.packed(n_mask_words(1000), "cuda")
     if base is None:
         base = torch.zeros(len(lq), dtype=torch.int32, device="cuda")
-    grads = run_kernels(q, k, v, do, cu_q, cu_k, words, base, h_stride, q_block, 1000, 1000, True)
+    grads = run_kernels(q, k, v, do, cu_q, cu_k, words, base, h_stride, q_block, 1000, 1000, True, tiles)
     check_grads(grads, q, k, v, do, cu_q, cu_k, layout.to_topk_idx(cu_q), 1000, 1000, True)
 
 
-def test_bit_identical_across_runs():
+@pytest.mark.parametrize("tiles", KERNELS, ids=kernels_id)
+def test_bit_identical_across_runs(tiles):
     lq, HQ, H, D = [1500, 333], 16, 2, 128
     q, k, v, do, cu_q, cu_k, idx = make_inputs(lq, lq, HQ, H, D, torch.bfloat16, K=16)
     masks = token_masks(idx, cu_q, cu_k, 1500)
-    a = run_kernels(q, k, v, do, cu_q, cu_k, masks, cu_q, q.shape[0], 1, 1500, 1500, True)
-    b = run_kernels(q, k, v, do, cu_q, cu_k, masks, cu_q, q.shape[0], 1, 1500, 1500, True)
+    a = run_kernels(q, k, v, do, cu_q, cu_k, masks, cu_q, q.shape[0], 1, 1500, 1500, True, tiles)
+    b = run_kernels(q, k, v, do, cu_q, cu_k, masks, cu_q, q.shape[0], 1, 1500, 1500, True, tiles)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
 
 
-def test_unselected_keys_get_exactly_zero():
+@pytest.mark.parametrize("tiles", KERNELS, ids=kernels_id)
+def test_unselected_keys_get_exactly_zero(tiles):
     # every token selects only block 0 and its own block: the keys of other blocks get dk = dv = 0
     T, HQ, H, D = 640, 16, 1, 64
     q, k, v, do, cu_q, cu_k, _ = make_inputs([T], [T], HQ, H, D, torch.bfloat16)
@@ -141,7 +157,7 @@ def test_unselected_keys_get_exactly_zero():
     idx = torch.stack([torch.zeros_like(t), t // 64], -1).to(torch.int32)[None].contiguous()
     idx[0, 130:, 1] = 9   # tokens 130.. pick block 9 instead of their own: blocks 3..8 are then unselected
     masks = token_masks(idx, cu_q, cu_k, T)
-    dq, dk, dv = run_kernels(q, k, v, do, cu_q, cu_k, masks, cu_q, T, 1, T, T, True)
+    dq, dk, dv = run_kernels(q, k, v, do, cu_q, cu_k, masks, cu_q, T, 1, T, T, True, tiles)
     # block 2 (tokens 128, 129 select it) and blocks 3..8: only 0, 1, 2 and 9 may be nonzero
     for name, g in (("dk", dk), ("dv", dv)):
         assert bool((g[192:576] == 0).all()), f"{name} of keys nobody selected must be exactly 0"

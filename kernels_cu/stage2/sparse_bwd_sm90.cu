@@ -1,0 +1,421 @@
+// stage2/sparse_bwd_sm90.cu: token-level block-sparse attention backward, Hopper (sm_90a) path.
+//
+// Launch contract (mirrored by infllm_cupy/stage2/sparse_bwd.py). Arguments, semantics and outputs
+// are those of stage2_bwd_dq / stage2_bwd_dkdv in sparse_bwd.cu (delta and the transposed tile
+// index come from that file's two small kernels); capability 9.0 only.
+//   stage2_bwd_dq_sm90<T, D>     grid (cdiv(max_seqlen_q * G, 64), H, B)   block 128
+//       dyn smem 1 KB slack + 2 * 64 * D (Q, dO) + 2 * 2 * 64 * D (K, V double buffer) elements + 4 n_words
+//   stage2_bwd_dkdv_sm90<T, D>   grid (cdiv(max_seqlen_k, 64), H, B)       block 128
+//       dyn smem 1 KB slack + 2 * 64 * D (K, V) + 2 * 2 * 64 * D (Q, dO double buffer) elements + 2 * 3 * 64 * 4
+//
+// One warpgroup per CTA, every product on wgmma with 128-byte-swizzled shared-memory tiles (the
+// forward's layout): the SM80 kernels read each operand fragment through ldmatrix into every
+// warp's registers, which makes them shared-memory bound; wgmma reads B once per warpgroup.
+//   dq:   S = Q K^T, dP = dO V^T (both operands in shared memory), dS = P (dP - delta) in
+//         registers, dq += dS K (dS as the register A operand, K MN-major).
+//   dkdv: S^T = K Q^T, dP^T = V dO^T over one 64-row query tile, then dV += P^T dO and
+//         dK += dS^T Q with P^T / dS^T as register A operands (Q, dO MN-major).
+// Loads are cp.async double buffers with one CTA barrier per step (2 CTAs per SM overlap each
+// other's loads and elementwise work with wgmma).
+#include "common/types.cuh"
+#include "common/mma_sm80.cuh"
+#include "common/wgmma_sm90.cuh"
+
+#define BLOCK_N 64
+#define QT 64
+
+__device__ __forceinline__ u32 swz128(int row, int ch, int rows) {
+    return (ch >> 3) * (rows * 128) + row * 128 + (((ch & 7) ^ (row & 7)) << 4);
+}
+
+// 64 rows x D of a [*, stride_rows, D] tensor into a swizzled tile; rows with ok = false are zeros.
+template <typename T, int D>
+__device__ __forceinline__ void load_tile_rows(u32 dst, const T* __restrict__ src_base, int tid,
+                                               const int64 (&row_off)[64 * (D / 8) / 128], const bool (&row_ok)[64 * (D / 8) / 128]) {
+    constexpr int CH = D / 8;
+#pragma unroll
+    for (int u = 0; u < 64 * CH / 128; ++u) {
+        const int i = tid + 128 * u, row = i / CH, ch = i % CH;
+        cp_async_16(dst + swz128(row, ch, 64), row_ok[u] ? src_base + row_off[u] + ch * 8 : src_base, row_ok[u] ? 16 : 0);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+template <typename T, int D>
+__global__ void __launch_bounds__(128, 2)
+stage2_bwd_dq_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                   const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                   const unsigned* __restrict__ masks, const int* __restrict__ mask_base,
+                   const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+                   T* __restrict__ dq, int total_q, int HQ, int H, int G, int n_words, long long mask_h_stride,
+                   int mask_q_block, float scale_log2, float scale, int causal) {
+    constexpr int CH = D / 8;
+    constexpr u32 TILE = 64 * D * sizeof(T);
+    constexpr u32 HALF = 64 * 128;
+    constexpr float LOG2E = 1.4426950408889634f;
+    extern __shared__ unsigned char smem[];
+    const u32 raw = smem_u32(smem);
+    const u32 base = (raw + 1023u) & ~1023u;
+    const u32 sQ = base, sO = sQ + TILE, sK = sO + TILE, sV = sK + 2 * TILE;
+    unsigned* sU = reinterpret_cast<unsigned*>(smem + (sV + 2 * TILE - raw));
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int qs = cu_seqlens_q[b], Lq = cu_seqlens_q[b + 1] - qs;
+    const int ks = cu_seqlens_k[b], Lk = cu_seqlens_k[b + 1] - ks;
+    const int64 rows_total = (int64)Lq * G;
+    const int64 m0 = (int64)blockIdx.x * 64;
+    if (m0 >= rows_total) return;
+    const int shift = causal ? Lk - Lq : 0;
+    const int nb = (Lk + BLOCK_N - 1) / BLOCK_N;
+    const int t_lo = (int)(m0 / G);
+    const int t_hi = (int)((min(m0 + 64, rows_total) - 1) / G);
+    int max_block = min(nb, n_words * 32) - 1;
+    if (causal) max_block = min(max_block, (t_hi + shift) < 0 ? -1 : (t_hi + shift) / BLOCK_N);
+    const int nw = max_block >= 0 ? (max_block >> 5) + 1 : 0;
+    const unsigned* mrows = masks + ((int64)mask_base[b] + (int64)h * mask_h_stride) * n_words;
+
+    const int q_lo = t_lo / mask_q_block, q_hi = t_hi / mask_q_block;
+    for (int w = tid; w < nw; w += 128) {
+        unsigned u = 0;
+        for (int r = q_lo; r <= q_hi; ++r) u |= __ldg(mrows + (int64)r * n_words + w);
+        if (w == (max_block >> 5) && (max_block & 31) != 31) u &= (2u << (max_block & 31)) - 1u;
+        sU[w] = u;
+    }
+    {
+        constexpr int U = 64 * CH / 128;
+        int64 off[U];
+        bool ok[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int64 R = m0 + (tid + 128 * u) / CH;
+            ok[u] = R < rows_total;
+            const int t = ok[u] ? (int)(R / G) : 0, g = ok[u] ? (int)(R - (int64)t * G) : 0;
+            off[u] = ((int64)(qs + t) * HQ + (int64)h * G + g) * D;
+        }
+        load_tile_rows<T, D>(sQ, q, tid, off, ok);
+        load_tile_rows<T, D>(sO, dout, tid, off, ok);
+    }
+    cp_async_commit();
+
+    auto load_kv = [&](int j, int stage) {
+        constexpr int U = 64 * CH / 128;
+        int64 off[U];
+        bool ok[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int key = j * BLOCK_N + (tid + 128 * u) / CH;
+            ok[u] = key < Lk;
+            off[u] = ((int64)(ks + key) * H + h) * D;
+        }
+        load_tile_rows<T, D>(sK + stage * TILE, k, tid, off, ok);
+        load_tile_rows<T, D>(sV + stage * TILE, v, tid, off, ok);
+    };
+
+    __syncthreads();
+    int j = next_set_bit(sU, nw, 0);
+    if (j >= 0) load_kv(j, 0);
+    cp_async_commit();
+
+    bool row_ok[2];
+    int rk[2];
+    float lse2[2], dlt[2];
+    const unsigned* mrow[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int64 R = m0 + warp * 16 + (lane >> 2) + 8 * r;
+        row_ok[r] = R < rows_total;
+        const int t = row_ok[r] ? (int)(R / G) : t_lo;
+        const int g = row_ok[r] ? (int)(R - (int64)t * G) : 0;
+        rk[r] = causal ? t + shift : Lk - 1;
+        mrow[r] = mrows + (int64)(t / mask_q_block) * n_words;
+        const int64 li = ((int64)h * G + g) * total_q + qs + t;
+        const float l = row_ok[r] ? lse[li] : 0.f;
+        lse2[r] = l == INFLLM_INF ? 0.f : l * LOG2E;
+        dlt[r] = row_ok[r] ? delta[li] : 0.f;
+    }
+
+    float acc[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
+    float s[32], dp[32];
+    u32 da[4][4];
+    const u64 q_desc = smem_desc(sQ, 16, 1024), o_desc = smem_desc(sO, 16, 1024);
+    const u64 k_desc = smem_desc(sK, 16, 1024), v_desc = smem_desc(sV, 16, 1024);
+    const u64 kt_desc = smem_desc(sK, HALF, 1024);   // K as the MN-major B of dq += dS K
+
+    int stage = 0;
+    while (j >= 0) {
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();
+        const int jn = next_set_bit(sU, nw, j + 1);
+        if (jn >= 0) load_kv(jn, stage ^ 1);
+        cp_async_commit();
+
+        const int kbase = j * BLOCK_N;
+        int lim[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const bool sel = row_ok[r] && ((__ldg(mrow[r] + (j >> 5)) >> (j & 31)) & 1u);
+            lim[r] = sel ? rk[r] - kbase : -1;
+        }
+        const u64 kd = k_desc + ((stage * TILE) >> 4), vd = v_desc + ((stage * TILE) >> 4);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const u32 koff = ((kk >> 2) * HALF + (kk & 3) * 32) >> 4;
+            wgmma_ss<T, 64>(s, q_desc + koff, kd + koff, kk > 0);
+        }
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const u32 koff = ((kk >> 2) * HALF + (kk & 3) * 32) >> 4;
+            wgmma_ss<T, 64>(dp, o_desc + koff, vd + koff, kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(s);
+        fence_regs(dp);
+        const int c0 = (lane & 3) * 2;
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int r = i >> 1;
+                const float p = n * 8 + c0 + (i & 1) <= lim[r]
+                                    ? exp2f(fmaf(s[4 * n + i], scale_log2, -lse2[r])) : 0.f;
+                s[4 * n + i] = p * (dp[4 * n + i] - dlt[r]);
+            }
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            da[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
+            da[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+            da[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+            da[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+        const u64 ktd = kt_desc + ((stage * TILE) >> 4);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, D>(acc, da[kk], ktd + ((kk * 16 * 128) >> 4), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(acc);
+        stage ^= 1;
+        j = jn;
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        if (!row_ok[r]) continue;
+        const int64 R = m0 + warp * 16 + (lane >> 2) + 8 * r;
+        const int t = (int)(R / G), g = (int)(R - (int64)t * G);
+        T* dst = dq + ((int64)(qs + t) * HQ + (int64)h * G + g) * D + (lane & 3) * 2;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n)
+            *reinterpret_cast<u32*>(dst + n * 8) = pack2<T>(acc[4 * n + 2 * r] * scale, acc[4 * n + 2 * r + 1] * scale);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+template <typename T, int D>
+__global__ void __launch_bounds__(128, 2)
+stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                     const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                     const unsigned* __restrict__ masks, const int* __restrict__ mask_base,
+                     const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+                     const long long* __restrict__ ut_off, const unsigned* __restrict__ ut, long long ut_h_stride,
+                     T* __restrict__ dk, T* __restrict__ dv, int total_q, int HQ, int H, int G, int n_words,
+                     long long mask_h_stride, int mask_q_block, float scale_log2, float scale, int causal) {
+    constexpr int CH = D / 8;
+    constexpr u32 TILE = 64 * D * sizeof(T);
+    constexpr u32 HALF = 64 * 128;
+    constexpr float LOG2E = 1.4426950408889634f;
+    extern __shared__ unsigned char smem[];
+    const u32 raw = smem_u32(smem);
+    const u32 base = (raw + 1023u) & ~1023u;
+    const u32 sK = base, sV = sK + TILE, sQ = sV + TILE, sO = sQ + 2 * TILE;
+    float* sL = reinterpret_cast<float*>(smem + (sO + 2 * TILE - raw));   // [2][QT]
+    float* sD = sL + 2 * QT;                                               // [2][QT]
+    int* sLim = reinterpret_cast<int*>(sD + 2 * QT);                       // [2][QT]
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int j = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int qs = cu_seqlens_q[b], Lq = cu_seqlens_q[b + 1] - qs;
+    const int ks = cu_seqlens_k[b], Lk = cu_seqlens_k[b + 1] - ks;
+    const int nb = (Lk + BLOCK_N - 1) / BLOCK_N;
+    if (j >= nb) return;
+    const int shift = causal ? Lk - Lq : 0;
+    const int64 rows_total = (int64)Lq * G;
+    const int tiles = (int)((rows_total + QT - 1) / QT);
+    const int groups = (tiles + 31) >> 5;
+    const unsigned* urow = ut + (int64)h * ut_h_stride + ut_off[b] + (int64)j * groups;
+    const unsigned* mrows = masks + ((int64)mask_base[b] + (int64)h * mask_h_stride) * n_words;
+    const int kbase = j * BLOCK_N;
+
+    {
+        constexpr int U = 64 * CH / 128;
+        int64 off[U];
+        bool ok[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int key = kbase + (tid + 128 * u) / CH;
+            ok[u] = key < Lk;
+            off[u] = ((int64)(ks + key) * H + h) * D;
+        }
+        load_tile_rows<T, D>(sK, k, tid, off, ok);
+        load_tile_rows<T, D>(sV, v, tid, off, ok);
+    }
+
+    // row info of a tile, in two halves: fetch (global loads into registers, issued early) and
+    // commit (shared-memory stores, after this step's math, before the next barrier)
+    int f_word = 0, f_rk = -1;
+    float f_l = 0.f, f_d = 0.f;
+    auto fetch_info = [&](int tile) {
+        const int64 R = (int64)tile * QT + tid;
+        f_rk = -1;
+        if (tid < QT && R < rows_total) {
+            const int t = (int)(R / G), g = (int)(R - (int64)t * G);
+            const int64 li = ((int64)h * G + g) * total_q + qs + t;
+            f_word = (int)__ldg(mrows + (int64)(t / mask_q_block) * n_words + (j >> 5));
+            f_l = __ldg(lse + li);
+            f_d = __ldg(delta + li);
+            f_rk = causal ? t + shift : Lk - 1;
+        }
+    };
+    auto commit_info = [&](int stage) {
+        if (tid < QT) {
+            const bool sel = f_rk >= kbase && ((((unsigned)f_word) >> (j & 31)) & 1u);
+            sLim[stage * QT + tid] = sel ? f_rk - kbase : -1;
+            sL[stage * QT + tid] = sel ? f_l * LOG2E : 0.f;
+            sD[stage * QT + tid] = sel ? f_d : 0.f;
+        }
+    };
+    auto load_tile = [&](int tile, int stage) {
+        const u32 dq_ = sQ + stage * TILE, do_ = sO + stage * TILE;
+#pragma unroll 2
+        for (int u = 0; u < 64 * CH / 128; ++u) {
+            const int i = tid + 128 * u, row = i / CH, ch = i % CH;
+            const int64 R = (int64)tile * QT + row;
+            int64 off = 0;
+            int bytes = 0;
+            if (R < rows_total) {
+                const int t = (int)(R / G), g = (int)(R - (int64)t * G);
+                off = ((int64)(qs + t) * HQ + (int64)h * G + g) * D + ch * 8;
+                bytes = 16;
+            }
+            cp_async_16(dq_ + swz128(row, ch, 64), q + off, bytes);
+            cp_async_16(do_ + swz128(row, ch, 64), dout + off, bytes);
+        }
+    };
+
+    int tile = next_set_bit(urow, groups, 0);
+    if (tile >= 0) {
+        load_tile(tile, 0);
+        fetch_info(tile);
+        commit_info(0);
+    }
+    cp_async_commit();
+
+    float adk[D / 2], adv[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) adk[i] = adv[i] = 0.f;
+    float s[32], dp[32];
+    u32 pa[4][4], da[4][4];
+    const u64 k_desc = smem_desc(sK, 16, 1024), v_desc = smem_desc(sV, 16, 1024);
+    const u64 q_desc = smem_desc(sQ, 16, 1024), o_desc = smem_desc(sO, 16, 1024);      // K-major B
+    const u64 qt_desc = smem_desc(sQ, HALF, 1024), ot_desc = smem_desc(sO, HALF, 1024);  // MN-major B
+    const int c0 = (lane & 3) * 2;
+    const int key_r0 = warp * 16 + (lane >> 2);     // this thread's keys in the block: key_r0, key_r0 + 8
+
+    int stage = 0;
+    while (tile >= 0) {
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();
+        const int tn = next_set_bit(urow, groups, tile + 1);
+        if (tn >= 0) load_tile(tn, stage ^ 1);
+        cp_async_commit();
+
+        const u64 qd = q_desc + ((stage * TILE) >> 4), od = o_desc + ((stage * TILE) >> 4);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const u32 koff = ((kk >> 2) * HALF + (kk & 3) * 32) >> 4;
+            wgmma_ss<T, 64>(s, k_desc + koff, qd + koff, kk > 0);
+        }
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const u32 koff = ((kk >> 2) * HALF + (kk & 3) * 32) >> 4;
+            wgmma_ss<T, 64>(dp, v_desc + koff, od + koff, kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(s);
+        fence_regs(dp);
+        // element 4n + i: key key_r0 + 8 (i / 2), query row 8 n + c0 + i % 2 of the tile
+        const int* lim = sLim + stage * QT;
+        const float* l2 = sL + stage * QT;
+        const float* dl = sD + stage * QT;
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int m = n * 8 + c0 + e;
+                const int lm = lim[m];
+                const float lm2 = l2[m], dm = dl[m];
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int i = 4 * n + 2 * r + e;
+                    const float p = key_r0 + 8 * r <= lm ? exp2f(fmaf(s[i], scale_log2, -lm2)) : 0.f;
+                    s[i] = p;
+                    dp[i] = p * (dp[i] - dm);
+                }
+            }
+        // P^T goes to the dV wgmmas before dS^T is packed: fewer registers live at once
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            pa[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
+            pa[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+            pa[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+            pa[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+        const u64 qtd = qt_desc + ((stage * TILE) >> 4), otd = ot_desc + ((stage * TILE) >> 4);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, D>(adv, pa[kk], otd + ((kk * 16 * 128) >> 4), 1);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            da[kk][0] = pack2<T>(dp[8 * kk + 0], dp[8 * kk + 1]);
+            da[kk][1] = pack2<T>(dp[8 * kk + 2], dp[8 * kk + 3]);
+            da[kk][2] = pack2<T>(dp[8 * kk + 4], dp[8 * kk + 5]);
+            da[kk][3] = pack2<T>(dp[8 * kk + 6], dp[8 * kk + 7]);
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, D>(adk, da[kk], qtd + ((kk * 16 * 128) >> 4), 1);
+        wgmma_commit();
+        if (tn >= 0) {                          // overlaps the dV / dK wgmmas
+            fetch_info(tn);
+            commit_info(stage ^ 1);
+        }
+        wgmma_wait<0>();
+        fence_regs(adv);
+        fence_regs(adk);
+        stage ^= 1;
+        tile = tn;
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = kbase + key_r0 + 8 * r;
+        if (key >= Lk) continue;
+        const int64 o = ((int64)(ks + key) * H + h) * D + c0;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            *reinterpret_cast<u32*>(dk + o + n * 8) = pack2<T>(adk[4 * n + 2 * r] * scale, adk[4 * n + 2 * r + 1] * scale);
+            *reinterpret_cast<u32*>(dv + o + n * 8) = pack2<T>(adv[4 * n + 2 * r], adv[4 * n + 2 * r + 1]);
+        }
+    }
+}
