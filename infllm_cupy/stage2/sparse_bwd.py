@@ -116,6 +116,9 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     is bit-identical from run to run. `tiles`: see `as_bwd_tiles`.
     """
     tiles = as_bwd_tiles(tiles, q.device)
+    if max_seqlen_q * (q.shape[1] // k.shape[1]) >= 2**31:
+        raise ValueError(f"max_seqlen_q * G must be < 2**31 for the backward kernels (32-bit row indices within "
+                         f"a sequence), got {max_seqlen_q} * {q.shape[1] // k.shape[1]}")
     total_q, HQ, D = q.shape
     total_k, H, _ = k.shape
     G = HQ // H

@@ -272,10 +272,10 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     int f_word = 0, f_rk = -1;
     float f_l = 0.f, f_d = 0.f;
     auto fetch_info = [&](int tile) {
-        const int64 R = (int64)tile * QT + tid;
+        const unsigned R = (unsigned)tile * QT + tid;   // rows of one sequence fit in 31 bits (launcher)
         f_rk = -1;
-        if (tid < QT && R < rows_total) {
-            const int t = (int)(R / G), g = (int)(R - (int64)t * G);
+        if (tid < QT && R < (unsigned)rows_total) {
+            const int t = (int)(R / (unsigned)G), g = (int)(R - (unsigned)t * G);
             const int64 li = ((int64)h * G + g) * total_q + qs + t;
             f_word = (int)__ldg(mrows + (int64)(t / mask_q_block) * n_words + (j >> 5));
             f_l = __ldg(lse + li);
@@ -296,11 +296,11 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
 #pragma unroll 2
         for (int u = 0; u < 64 * CH / 128; ++u) {
             const int i = tid + 128 * u, row = i / CH, ch = i % CH;
-            const int64 R = (int64)tile * QT + row;
+            const unsigned R = (unsigned)tile * QT + row;
             int64 off = 0;
             int bytes = 0;
-            if (R < rows_total) {
-                const int t = (int)(R / G), g = (int)(R - (int64)t * G);
+            if (R < (unsigned)rows_total) {
+                const int t = (int)(R / (unsigned)G), g = (int)(R - (unsigned)t * G);
                 off = ((int64)(qs + t) * HQ + (int64)h * G + g) * D + ch * 8;
                 bytes = 16;
             }
@@ -334,7 +334,10 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         fence_proxy_async();
         __syncthreads();
         const int tn = next_set_bit(urow, groups, tile + 1);
-        if (tn >= 0) load_tile(tn, stage ^ 1);
+        if (tn >= 0) {
+            load_tile(tn, stage ^ 1);
+            fetch_info(tn);                     // global loads in flight during this tile's math
+        }
         cp_async_commit();
 
         const u64 qd = q_desc + ((stage * TILE) >> 4), od = o_desc + ((stage * TILE) >> 4);
@@ -395,10 +398,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, D>(adk, da[kk], qtd + ((kk * 16 * 128) >> 4), 1);
         wgmma_commit();
-        if (tn >= 0) {                          // overlaps the dV / dK wgmmas
-            fetch_info(tn);
-            commit_info(stage ^ 1);
-        }
+        if (tn >= 0) commit_info(stage ^ 1);   // overlaps the dV / dK wgmmas
         wgmma_wait<0>();
         fence_regs(adv);
         fence_regs(adk);
