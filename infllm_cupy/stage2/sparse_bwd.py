@@ -119,6 +119,9 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if max_seqlen_q * (q.shape[1] // k.shape[1]) >= 2**31:
         raise ValueError(f"max_seqlen_q * G must be < 2**31 for the backward kernels (32-bit row indices within "
                          f"a sequence), got {max_seqlen_q} * {q.shape[1] // k.shape[1]}")
+    if cdiv(max_seqlen_k, BLOCK_N) > 65535:
+        raise ValueError(f"max_seqlen_k must be <= {65535 * BLOCK_N} for the backward kernels (one grid.z slice "
+                         f"per 64-key block), got {max_seqlen_k}")
     total_q, HQ, D = q.shape
     total_k, H, _ = k.shape
     G = HQ // H
@@ -170,7 +173,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
            args=common + (ptr(dq), np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words),
                           np.int64(mask_h_stride), np.int32(mask_q_block), scale_log2, np.float32(softmax_scale),
                           causal_i))
-    launch(kv_kernel, name=kv_name, grid=(cdiv(max_seqlen_k, BLOCK_N), H, B), block=(128,), shared_mem=kv_smem,
+    launch(kv_kernel, name=kv_name, grid=(H, B, cdiv(max_seqlen_k, BLOCK_N)), block=(128,), shared_mem=kv_smem,
            args=common + (ptr(ut_off), ptr(ut), np.int64(per_head), ptr(dk), ptr(dv), np.int32(total_q),
                           np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words), np.int64(mask_h_stride),
                           np.int32(mask_q_block), scale_log2, np.float32(softmax_scale), causal_i))

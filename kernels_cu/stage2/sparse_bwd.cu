@@ -15,7 +15,7 @@
 //       dyn smem (2 * 16 * WARPS * D + 4 * 64 * D) * sizeof(T) + 4 * n_words
 //       dq [total_q, HQ, D] T. The forward's loop (the union of the CTA's tokens' blocks) with
 //       dS = P * (dP - delta) and dq += dS K in place of the online softmax.
-//   stage2_bwd_dkdv<T, D, KN>    grid (cdiv(max_seqlen_k, 64), H, B), block 128
+//   stage2_bwd_dkdv<T, D, KN>    grid (H, B, cdiv(max_seqlen_k, 64)), block 128
 //       dyn smem (2 * 64 * D + 4 * 64 * D) * sizeof(T) + 2 * 3 * 64 * 4
 //       dk, dv [total_k, H, D] T. One CTA per 64-key block walks the query tiles in its ut row,
 //       so it owns its keys' gradients outright: every key row is written exactly once (zeros when
@@ -131,7 +131,8 @@ stage2_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     const int qs = cu_seqlens_q[b], Lq = cu_seqlens_q[b + 1] - qs;
     const int ks = cu_seqlens_k[b], Lk = cu_seqlens_k[b + 1] - ks;
     const int64 rows_total = (int64)Lq * G;
-    const int64 m0 = (int64)blockIdx.x * M;
+    // last tiles first: they see the most blocks (causal), so the longest CTAs start earliest
+    const int64 m0 = (int64)(gridDim.x - 1 - blockIdx.x) * M;
     if (m0 >= rows_total) return;
     const int shift = causal ? Lk - Lq : 0;
     const int nb = (Lk + BLOCK_N - 1) / BLOCK_N;
@@ -324,7 +325,9 @@ stage2_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     int* sLim = reinterpret_cast<int*>(sD + 2 * QT);          // [2][QT] last visible key, -1: none
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int j = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    // key block slowest in the launch order: blocks 0, 1, ... (selected by the most query tiles:
+    // the forced init block, the earliest blocks) start first, so the longest CTAs do not trail
+    const int j = blockIdx.z, h = blockIdx.x, b = blockIdx.y;
     const int qs = cu_seqlens_q[b], Lq = cu_seqlens_q[b + 1] - qs;
     const int ks = cu_seqlens_k[b], Lk = cu_seqlens_k[b + 1] - ks;
     const int nb = (Lk + BLOCK_N - 1) / BLOCK_N;

@@ -5,7 +5,7 @@
 // index come from that file's two small kernels); capability 9.0 only.
 //   stage2_bwd_dq_sm90<T, D>     grid (cdiv(max_seqlen_q * G, 64), H, B)   block 128
 //       dyn smem 1 KB slack + 2 * 64 * D (Q, dO) + 2 * 2 * 64 * D (K, V double buffer) elements + 4 n_words
-//   stage2_bwd_dkdv_sm90<T, D>   grid (cdiv(max_seqlen_k, 64), H, B)       block 128
+//   stage2_bwd_dkdv_sm90<T, D>   grid (H, B, cdiv(max_seqlen_k, 64))       block 128
 //       dyn smem 1 KB slack + 2 * 64 * D (K, V) + 2 * 2 * 64 * D (Q, dO double buffer) elements + 2 * 3 * 64 * 4
 //
 // One warpgroup per CTA, every product on wgmma with 128-byte-swizzled shared-memory tiles (the
@@ -64,7 +64,8 @@ stage2_bwd_dq_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __
     const int qs = cu_seqlens_q[b], Lq = cu_seqlens_q[b + 1] - qs;
     const int ks = cu_seqlens_k[b], Lk = cu_seqlens_k[b + 1] - ks;
     const int64 rows_total = (int64)Lq * G;
-    const int64 m0 = (int64)blockIdx.x * 64;
+    // last tiles first: they see the most blocks (causal), so the longest CTAs start earliest
+    const int64 m0 = (int64)(gridDim.x - 1 - blockIdx.x) * 64;
     if (m0 >= rows_total) return;
     const int shift = causal ? Lk - Lq : 0;
     const int nb = (Lk + BLOCK_N - 1) / BLOCK_N;
@@ -240,7 +241,9 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     int* sLim = reinterpret_cast<int*>(sD + 2 * QT);                       // [2][QT]
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int j = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    // key block slowest in the launch order: blocks 0, 1, ... (selected by the most query tiles:
+    // the forced init block, the earliest blocks) start first, so the longest CTAs do not trail
+    const int j = blockIdx.z, h = blockIdx.x, b = blockIdx.y;
     const int qs = cu_seqlens_q[b], Lq = cu_seqlens_q[b + 1] - qs;
     const int ks = cu_seqlens_k[b], Lk = cu_seqlens_k[b + 1] - ks;
     const int nb = (Lk + BLOCK_N - 1) / BLOCK_N;
