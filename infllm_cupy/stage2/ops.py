@@ -27,8 +27,9 @@ kernel for the device), "sm90a", or "warps,m_tiles,sub_keys" (see `tiles_arg`).
 Saved state: q, k, v, out, lse and the selection itself (`topk_idx` or the layout mask, both op
 inputs that are alive anyway). The backward rebuilds the bitmask rows from them (one small launch,
 `token_block_masks`, or `BlockLayout.packed`) instead of saving the masks of the forward: the
-rows cost `H * total_q * n_words * 4` bytes (64 MB at 128k tokens, H = 2), the rebuild well under
-1% of the backward's time.
+rows cost `H * total_q * n_words * 4` bytes (64 MB at 128k tokens, H = 2) held from forward to
+backward, the rebuild one pass over `topk_idx` (not measured separately; small next to the
+backward's own launches). The CPU backward recomputes from q, k, v and ignores out and lse.
 """
 import torch
 
