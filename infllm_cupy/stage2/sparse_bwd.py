@@ -22,6 +22,8 @@ from .sparse_fwd import BLOCK_N, HEAD_DIMS
 BWD_SOURCE = "stage2/sparse_bwd.cu"
 SM90_SOURCE = "stage2/sparse_bwd_sm90.cu"
 SM90A = "sm90a"         # the Hopper (wgmma) dq and dk/dv kernels; the default on capability 9.0
+SM90A_TILES = "sm90a_tiles"   # the same, dk/dv over fixed 64-row tiles even where it could gather
+GATHER_G = (8, 64)      # group sizes for which the sm_90a dk/dv gathers the tokens of each key block
 QT = 64                 # query rows per dk/dv tile (mirrors #define QT)
 TILE_WARPS = 8          # warps per CTA of stage2_bwd_delta / stage2_bwd_tiles
 
@@ -59,17 +61,20 @@ for _dt in KERNEL_DTYPES:
             _jit.register_instances(BWD_SOURCE, [_t.dq_name(_dt, _d)])
             _jit.register_instances(BWD_SOURCE, [_t.dkdv_name(_dt, _d)], strict=_t.dkdv_cols != 64)
 _jit.register_instances(BWD_SOURCE, ["stage2_bwd_tiles"])
-_jit.register_instances(SM90_SOURCE, [f"stage2_bwd_{kind}_sm90<{CXX_TYPE[dt]}, {d}>" for kind in ("dq", "dkdv")
-                                     for dt in KERNEL_DTYPES for d in HEAD_DIMS], sm90a=True)
+_jit.register_instances(SM90_SOURCE, [f"stage2_bwd_dq_sm90<{CXX_TYPE[dt]}, {d}>" for dt in KERNEL_DTYPES
+                                     for d in HEAD_DIMS], sm90a=True)
+_jit.register_instances(SM90_SOURCE, [f"stage2_bwd_dkdv_sm90<{CXX_TYPE[dt]}, {d}, {g}>" for dt in KERNEL_DTYPES
+                                     for d in HEAD_DIMS for g in ("false", "true")], sm90a=True)
 
 
 def as_bwd_tiles(tiles, device=None):
     """None picks the sm_90a kernels on capability (9, 0) and the default SM80 tiles elsewhere;
-    "sm90a", a BwdTiles or a (dq_warps, dkdv_cols) tuple force one."""
+    "sm90a" (dk/dv gathers tokens when 8 <= G <= 64), "sm90a_tiles" (never gathers), a BwdTiles or a
+    (dq_warps, dkdv_cols) tuple force one."""
     if tiles is None:
         cap = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
         return SM90A if cap == (9, 0) else DEFAULT_BWD_TILES
-    if tiles == SM90A or isinstance(tiles, BwdTiles):
+    if tiles in (SM90A, SM90A_TILES) or isinstance(tiles, BwdTiles):
         return tiles
     if isinstance(tiles, (tuple, list)) and len(tiles) == 2:
         return BwdTiles(*tiles)
@@ -89,18 +94,20 @@ def sm90_smem_bytes(D: int, n_words: int, kind: str, itemsize: int = 2) -> int:
     return 1024 + 6 * 64 * D * itemsize + (4 * n_words if kind == "dq" else 2 * 3 * QT * 4)
 
 
-def tile_index(cu_seqlens_q: torch.Tensor, G: int, max_seqlen_k: int, total_q: int
+def tile_index(cu_seqlens_q: torch.Tensor, G: int, max_seqlen_k: int, total_q: int, tile_rows: int = QT
                ) -> tuple[torch.Tensor, int]:
     """Offsets `ut_off` int64 `[B+1]` of each sequence's transposed index (in uint32 words, per KV
-    head) and the per-head allocation, an upper bound computed on the host from sizes alone (no sync)."""
+    head) over tiles of `tile_rows` flattened rows, and the per-head allocation, an upper bound
+    computed on the host from sizes alone (no sync)."""
     B = cu_seqlens_q.numel() - 1
     nkb = cdiv(max_seqlen_k, BLOCK_N)
     lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int64)
-    groups = (lens * G + QT * 32 - 1) // (QT * 32)
+    bits = tile_rows * 32
+    groups = (lens * G + bits - 1) // bits
     ut_off = torch.zeros(B + 1, dtype=torch.int64, device=cu_seqlens_q.device)
     ut_off[1:] = torch.cumsum(groups, 0) * nkb
-    # sum_b cdiv(L_b G, 2048) <= total_q G / 2048 + B
-    per_head = max(1, nkb * (total_q * G // (QT * 32) + B))
+    # sum_b cdiv(L_b G, bits) <= total_q G / bits + B
+    per_head = max(1, nkb * (total_q * G // bits + B))
     return ut_off, per_head
 
 
@@ -142,23 +149,25 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     launch(_jit.get_kernel(BWD_SOURCE, name), name=name, grid=(cdiv(total_q * HQ, 8),), block=(256,),
            args=(ptr(dout), ptr(out), ptr(delta), np.int32(total_q), np.int32(HQ)))
 
-    ut_off, per_head = tile_index(cu_seqlens_q, G, max_seqlen_k, total_q)
+    gather = tiles == SM90A and GATHER_G[0] <= G <= GATHER_G[1]
+    tile_rows = G if gather else QT
+    ut_off, per_head = tile_index(cu_seqlens_q, G, max_seqlen_k, total_q, tile_rows)
     ut = torch.empty(H * per_head, dtype=torch.int32, device=dev)
-    max_groups = cdiv(cdiv(max_seqlen_q * G, QT), 32)
+    max_groups = cdiv(cdiv(max_seqlen_q * G, tile_rows), 32)
     launch(_jit.get_kernel(BWD_SOURCE, "stage2_bwd_tiles"), name="stage2_bwd_tiles",
            grid=(cdiv(max_groups * n_words, TILE_WARPS), H, B), block=(32 * TILE_WARPS,),
            args=(ptr(masks), ptr(mask_base), ptr(cu_seqlens_q), ptr(cu_seqlens_k), ptr(ut_off), ptr(ut),
                  np.int64(per_head), np.int32(G), np.int32(n_words), np.int64(mask_h_stride),
-                 np.int32(mask_q_block), np.int32(1 if causal else 0)))
+                 np.int32(mask_q_block), np.int32(1 if causal else 0), np.int32(tile_rows)))
 
     causal_i = np.int32(1 if causal else 0)
     common = (ptr(q), ptr(k), ptr(v), ptr(dout), ptr(lse), ptr(delta), ptr(masks), ptr(mask_base),
               ptr(cu_seqlens_q), ptr(cu_seqlens_k))
-    if tiles == SM90A:
+    if tiles in (SM90A, SM90A_TILES):
         dq_name, dq_rows, dq_threads = f"stage2_bwd_dq_sm90<{T}, {D}>", 64, 128
         dq_kernel = _jit.get_kernel(SM90_SOURCE, dq_name, sm90a=True)
         dq_smem = sm90_smem_bytes(D, n_words, "dq", q.element_size())
-        kv_name = f"stage2_bwd_dkdv_sm90<{T}, {D}>"
+        kv_name = f"stage2_bwd_dkdv_sm90<{T}, {D}, {'true' if gather else 'false'}>"
         kv_kernel = _jit.get_kernel(SM90_SOURCE, kv_name, sm90a=True)
         kv_smem = sm90_smem_bytes(D, n_words, "dkdv", q.element_size())
     else:

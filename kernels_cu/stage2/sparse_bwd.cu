@@ -6,11 +6,12 @@
 //   stage2_bwd_delta<T, D>       grid (cdiv(total_q * HQ, 8)), block 256
 //       delta [HQ, total_q] f32 = rowsum(dout * out)
 //   stage2_bwd_tiles             grid (cdiv(max_groups * n_words, 8), H, B), block 256
-//       ut: for each (h, b, key block j) a bitmask over the sequence's query tiles of QT = 64
-//       flattened (token, head-in-group) rows; bit i is set iff some token of tile i selected j and
-//       may see it (causal). Row j of (h, b) starts at  h * ut_h_stride + ut_off[b] + j * words_b,
-//       words_b = cdiv(cdiv(Lq_b * G, 64), 32). Built by bit-transposing 32x32 blocks in registers:
-//       no atomics, no sort, no host sync.
+//       ut: for each (h, b, key block j) a bitmask over the sequence's query tiles of `tile_rows`
+//       flattened (token, head-in-group) rows (64: the tiles of stage2_bwd_dkdv; G: one token per
+//       bit, the gathered tiles of stage2_bwd_dkdv_sm90); bit i is set iff some token of tile i
+//       selected j and may see it (causal). Row j of (h, b) starts at
+//       h * ut_h_stride + ut_off[b] + j * words_b, words_b = cdiv(cdiv(Lq_b * G, tile_rows), 32).
+//       Built by bit-transposing 32x32 blocks in registers: no atomics, no sort, no host sync.
 //   stage2_bwd_dq<T, D, WARPS>   grid (cdiv(max_seqlen_q * G, 16 * WARPS), H, B), block 32 * WARPS
 //       dyn smem (2 * 16 * WARPS * D + 4 * 64 * D) * sizeof(T) + 4 * n_words
 //       dq [total_q, HQ, D] T. The forward's loop (the union of the CTA's tokens' blocks) with
@@ -65,14 +66,14 @@ __global__ void __launch_bounds__(256)
 stage2_bwd_tiles(const unsigned* __restrict__ masks, const int* __restrict__ mask_base,
                  const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
                  const long long* __restrict__ ut_off, unsigned* __restrict__ ut, long long ut_h_stride,
-                 int G, int n_words, long long mask_h_stride, int mask_q_block, int causal) {
+                 int G, int n_words, long long mask_h_stride, int mask_q_block, int causal, int tile_rows) {
     const int lane = threadIdx.x & 31;
     const int64 item = (int64)blockIdx.x * 8 + (threadIdx.x >> 5);
     const int h = blockIdx.y, b = blockIdx.z;
     const int qs = cu_seqlens_q[b], Lq = cu_seqlens_q[b + 1] - qs;
     const int Lk = cu_seqlens_k[b + 1] - cu_seqlens_k[b];
     const int64 rows_total = (int64)Lq * G;
-    const int tiles = (int)((rows_total + QT - 1) / QT);
+    const int tiles = (int)((rows_total + tile_rows - 1) / tile_rows);
     const int groups = (tiles + 31) >> 5;
     const int tg = (int)(item / n_words), w = (int)(item - (int64)tg * n_words);
     if (tg >= groups) return;
@@ -83,8 +84,8 @@ stage2_bwd_tiles(const unsigned* __restrict__ masks, const int* __restrict__ mas
     unsigned u = 0;
     const int tile = tg * 32 + lane;
     if (tile < tiles) {
-        const int64 m0 = (int64)tile * QT;
-        const int t_lo = (int)(m0 / G), t_hi = (int)((min(m0 + QT, rows_total) - 1) / G);
+        const int64 m0 = (int64)tile * tile_rows;
+        const int t_lo = (int)(m0 / G), t_hi = (int)((min(m0 + tile_rows, rows_total) - 1) / G);
         int max_block = nb - 1;
         if (causal) max_block = min(max_block, (t_hi + shift) < 0 ? -1 : (t_hi + shift) / BLOCK_N);
         for (int r = t_lo / mask_q_block; r <= t_hi / mask_q_block; ++r)

@@ -5,8 +5,14 @@
 // index come from that file's two small kernels); capability 9.0 only.
 //   stage2_bwd_dq_sm90<T, D>     grid (cdiv(max_seqlen_q * G, 64), H, B)   block 128
 //       dyn smem 1 KB slack + 2 * 64 * D (Q, dO) + 2 * 2 * 64 * D (K, V double buffer) elements + 4 n_words
-//   stage2_bwd_dkdv_sm90<T, D>   grid (H, B, cdiv(max_seqlen_k, 64))       block 128
+//   stage2_bwd_dkdv_sm90<T, D, GATHER>   grid (H, B, cdiv(max_seqlen_k, 64))   block 128
 //       dyn smem 1 KB slack + 2 * 64 * D (K, V) + 2 * 2 * 64 * D (Q, dO double buffer) elements + 2 * 3 * 64 * 4
+//       GATHER = false: `ut` indexes 64-row tiles (stage2_bwd_tiles with tile_rows = 64), as the SM80
+//       kernel. GATHER = true (8 <= G <= 64): `ut` indexes tokens (tile_rows = G) and a tile gathers
+//       the next 64 / G tokens that selected the block, wherever they are: with per-token
+//       selections a key block's 64-row tiles then hold only rows that use it (a 4-token tile of
+//       consecutive tokens holds about one at G = 16), and block-shared selections give the same
+//       tiles as before.
 //
 // One warpgroup per CTA, every product on wgmma with 128-byte-swizzled shared-memory tiles (the
 // forward's layout): the SM80 kernels read each operand fragment through ldmatrix into every
@@ -219,7 +225,9 @@ stage2_bwd_dq_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __
 }
 
 // ---------------------------------------------------------------------------------------------
-template <typename T, int D>
+#define GATHER_MAX 8   // tokens per gathered tile (64 / G for G >= 8)
+
+template <typename T, int D, bool GATHER>
 __global__ void __launch_bounds__(128, 2)
 stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                      const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -250,11 +258,58 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     if (j >= nb) return;
     const int shift = causal ? Lk - Lq : 0;
     const int64 rows_total = (int64)Lq * G;
-    const int tiles = (int)((rows_total + QT - 1) / QT);
-    const int groups = (tiles + 31) >> 5;
+    // bits of one index row: tokens (GATHER) or 64-row tiles
+    const int units = GATHER ? Lq : (int)((rows_total + QT - 1) / QT);
+    const int groups = (units + 31) >> 5;
     const unsigned* urow = ut + (int64)h * ut_h_stride + ut_off[b] + (int64)j * groups;
     const unsigned* mrows = masks + ((int64)mask_base[b] + (int64)h * mask_h_stride) * n_words;
     const int kbase = j * BLOCK_N;
+    const int tpt = GATHER ? min(64 / G, GATHER_MAX) : 0;   // tokens per gathered tile
+
+    // The next tile to load. Tile mode: its index `tile` (rows 64 tile ..). Gather mode: the
+    // tokens tok[0 .. ntok) (rows s G .. s G + G - 1 are token tok[s]'s heads); every thread
+    // walks the index row itself from `cursor`, so the list needs no barrier to be shared.
+    int tile = -1, ntok = 0, cursor = 0;
+    int tok[GATHER_MAX];
+#pragma unroll
+    for (int i = 0; i < GATHER_MAX; ++i) tok[i] = 0;
+    auto advance = [&]() -> bool {
+        if (!GATHER) {
+            tile = next_set_bit(urow, groups, tile + 1);
+            return tile >= 0;
+        }
+        ntok = 0;
+#pragma unroll
+        for (int i = 0; i < GATHER_MAX; ++i) {
+            if (i < tpt && cursor < units) {
+                const int t = next_set_bit(urow, groups, cursor);
+                if (t >= 0) {
+                    tok[i] = t;
+                    ntok = i + 1;
+                    cursor = t + 1;
+                } else {
+                    cursor = units;
+                }
+            }
+        }
+        return ntok > 0;
+    };
+    // token and head of row `row` of the next tile; false past the tile's rows
+    auto row_token = [&](int row, int& t, int& g) -> bool {
+        if (GATHER) {
+            const int slot = row / G;
+            int tt = tok[0];
+#pragma unroll
+            for (int i = 1; i < GATHER_MAX; ++i) if (slot == i) tt = tok[i];
+            t = tt;
+            g = row - slot * G;
+            return slot < ntok;
+        }
+        const unsigned R = (unsigned)tile * QT + row;   // rows of one sequence fit in 31 bits (launcher)
+        t = (int)(R / (unsigned)G);
+        g = (int)(R - (unsigned)t * G);
+        return R < (unsigned)rows_total;
+    };
 
     {
         constexpr int U = 64 * CH / 128;
@@ -274,11 +329,10 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     // commit (shared-memory stores, after this step's math, before the next barrier)
     int f_word = 0, f_rk = -1;
     float f_l = 0.f, f_d = 0.f;
-    auto fetch_info = [&](int tile) {
-        const unsigned R = (unsigned)tile * QT + tid;   // rows of one sequence fit in 31 bits (launcher)
+    auto fetch_info = [&]() {
         f_rk = -1;
-        if (tid < QT && R < (unsigned)rows_total) {
-            const int t = (int)(R / (unsigned)G), g = (int)(R - (unsigned)t * G);
+        int t, g;
+        if (tid < QT && row_token(tid, t, g)) {
             const int64 li = ((int64)h * G + g) * total_q + qs + t;
             f_word = (int)__ldg(mrows + (int64)(t / mask_q_block) * n_words + (j >> 5));
             f_l = __ldg(lse + li);
@@ -294,16 +348,15 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
             sD[stage * QT + tid] = sel ? f_d : 0.f;
         }
     };
-    auto load_tile = [&](int tile, int stage) {
+    auto load_tile = [&](int stage) {
         const u32 dq_ = sQ + stage * TILE, do_ = sO + stage * TILE;
 #pragma unroll 2
         for (int u = 0; u < 64 * CH / 128; ++u) {
             const int i = tid + 128 * u, row = i / CH, ch = i % CH;
-            const unsigned R = (unsigned)tile * QT + row;
+            int t, g;
             int64 off = 0;
             int bytes = 0;
-            if (R < (unsigned)rows_total) {
-                const int t = (int)(R / (unsigned)G), g = (int)(R - (unsigned)t * G);
+            if (row_token(row, t, g)) {
                 off = ((int64)(qs + t) * HQ + (int64)h * G + g) * D + ch * 8;
                 bytes = 16;
             }
@@ -312,10 +365,10 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         }
     };
 
-    int tile = next_set_bit(urow, groups, 0);
-    if (tile >= 0) {
-        load_tile(tile, 0);
-        fetch_info(tile);
+    bool have = advance();
+    if (have) {
+        load_tile(0);
+        fetch_info();
         commit_info(0);
     }
     cp_async_commit();
@@ -332,14 +385,14 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     const int key_r0 = warp * 16 + (lane >> 2);     // this thread's keys in the block: key_r0, key_r0 + 8
 
     int stage = 0;
-    while (tile >= 0) {
+    while (have) {
         cp_async_wait<0>();
         fence_proxy_async();
         __syncthreads();
-        const int tn = next_set_bit(urow, groups, tile + 1);
-        if (tn >= 0) {
-            load_tile(tn, stage ^ 1);
-            fetch_info(tn);                     // global loads in flight during this tile's math
+        const bool have_next = advance();
+        if (have_next) {
+            load_tile(stage ^ 1);
+            fetch_info();                       // global loads in flight during this tile's math
         }
         cp_async_commit();
 
@@ -401,12 +454,12 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, D>(adk, da[kk], qtd + ((kk * 16 * 128) >> 4), 1);
         wgmma_commit();
-        if (tn >= 0) commit_info(stage ^ 1);   // overlaps the dV / dK wgmmas
+        if (have_next) commit_info(stage ^ 1);   // overlaps the dV / dK wgmmas
         wgmma_wait<0>();
         fence_regs(adv);
         fence_regs(adk);
         stage ^= 1;
-        tile = tn;
+        have = have_next;
     }
     cp_async_wait<0>();
 
