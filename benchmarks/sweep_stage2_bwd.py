@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._harness import bench_gpu_time, flops_attn  # noqa: E402
 from benchmarks.selections import attended_keys, block_shared, infllm_like, per_token, uniform_cu_seqlens  # noqa: E402
-from infllm_cupy.stage2.sparse_bwd import ALL_BWD_TILES, DEFAULT_BWD_TILES, SM90A, SM90A_TILES, stage2_bwd  # noqa: E402
+from infllm_cupy.stage2.sparse_bwd import ALL_BWD_TILES, DEFAULT_BWD_TILES, SM90A, SM90A_GATHER, stage2_bwd  # noqa: E402
 from infllm_cupy.stage2.sparse_fwd import as_tiles, n_mask_words, stage2_fwd, token_block_masks  # noqa: E402
 
 SELECTIONS = {"a": block_shared, "b": per_token, "c": infllm_like}
@@ -44,7 +44,7 @@ def main() -> None:
     cu = uniform_cu_seqlens(B, T, "cuda")
     scale = D ** -0.5
     hopper = torch.cuda.get_device_capability() == (9, 0)
-    tiles_list = (ALL_BWD_TILES if a.tiles == "all" else [DEFAULT_BWD_TILES]) + ([SM90A_TILES, SM90A] if hopper else [])
+    tiles_list = (ALL_BWD_TILES if a.tiles == "all" else [DEFAULT_BWD_TILES]) + ([SM90A, SM90A_GATHER] if hopper else [])
     print(f"T={T} B={B} HQ={HQ} H={H} D={D} K={a.K} {torch.cuda.get_device_name()}")
     for sel in a.sel:
         topk = SELECTIONS[sel](B, T, H, a.K, device="cuda", seed=0)

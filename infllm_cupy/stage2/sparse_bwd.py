@@ -10,6 +10,7 @@ run to run: there is no separate deterministic mode because the default already 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import torch
@@ -21,9 +22,10 @@ from .sparse_fwd import BLOCK_N, HEAD_DIMS
 
 BWD_SOURCE = "stage2/sparse_bwd.cu"
 SM90_SOURCE = "stage2/sparse_bwd_sm90.cu"
-SM90A = "sm90a"         # the Hopper (wgmma) dq and dk/dv kernels; the default on capability 9.0
-SM90A_TILES = "sm90a_tiles"   # the same, dk/dv over fixed 64-row tiles even where it could gather
-GATHER_G = (8, 64)      # group sizes for which the sm_90a dk/dv gathers the tokens of each key block
+SM90A = "sm90a"         # the Hopper (wgmma) dq and dk/dv kernels, dk/dv over fixed 64-row tiles; default on 9.0
+SM90A_GATHER = "sm90a_gather"   # the same, dk/dv gathering the tokens that selected each key block
+GATHER_G = (8, 64)      # group sizes for which "sm90a_gather" gathers (others use fixed tiles)
+KERNEL_ENV = "INFLLM_CUPY_BWD_KERNEL"   # the default backward kernel: sm90a, sm90a_gather or dq_warps,dkdv_cols
 QT = 64                 # query rows per dk/dv tile (mirrors #define QT)
 TILE_WARPS = 8          # warps per CTA of stage2_bwd_delta / stage2_bwd_tiles
 
@@ -68,17 +70,24 @@ _jit.register_instances(SM90_SOURCE, [f"stage2_bwd_dkdv_sm90<{CXX_TYPE[dt]}, {d}
 
 
 def as_bwd_tiles(tiles, device=None):
-    """None picks the sm_90a kernels on capability (9, 0) and the default SM80 tiles elsewhere;
-    "sm90a" (dk/dv gathers tokens when 8 <= G <= 64), "sm90a_tiles" (never gathers), a BwdTiles or a
-    (dq_warps, dkdv_cols) tuple force one."""
+    """Resolve the backward kernel choice. None: `$INFLLM_CUPY_BWD_KERNEL` if set, else "sm90a" on
+    capability (9, 0) and the default SM80 tiles elsewhere. "sm90a" (dk/dv over fixed 64-row
+    tiles: fastest where neighbouring tokens share blocks, as in InfLLM-v2), "sm90a_gather" (dk/dv
+    over gathered tokens: fastest for per-token selections with little sharing; 8 <= G <= 64),
+    a BwdTiles or a (dq_warps, dkdv_cols) tuple force one."""
     if tiles is None:
-        cap = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
-        return SM90A if cap == (9, 0) else DEFAULT_BWD_TILES
-    if tiles in (SM90A, SM90A_TILES) or isinstance(tiles, BwdTiles):
+        env = os.environ.get(KERNEL_ENV, "")
+        if env:
+            tiles = env if env in (SM90A, SM90A_GATHER) else tuple(int(x) for x in env.split(","))
+        else:
+            cap = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
+            return SM90A if cap == (9, 0) else DEFAULT_BWD_TILES
+    if tiles in (SM90A, SM90A_GATHER) or isinstance(tiles, BwdTiles):
         return tiles
     if isinstance(tiles, (tuple, list)) and len(tiles) == 2:
         return BwdTiles(*tiles)
-    raise TypeError(f"bwd tiles must be None, 'sm90a', a BwdTiles or a (dq_warps, dkdv_cols) tuple, got {tiles!r}")
+    raise TypeError(f"backward kernel must be None, 'sm90a', 'sm90a_gather', a BwdTiles or a (dq_warps, dkdv_cols) "
+                    f"tuple, got {tiles!r}")
 
 
 def dq_smem_bytes(D: int, tiles: BwdTiles, n_words: int, itemsize: int = 2) -> int:
@@ -149,7 +158,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     launch(_jit.get_kernel(BWD_SOURCE, name), name=name, grid=(cdiv(total_q * HQ, 8),), block=(256,),
            args=(ptr(dout), ptr(out), ptr(delta), np.int32(total_q), np.int32(HQ)))
 
-    gather = tiles == SM90A and GATHER_G[0] <= G <= GATHER_G[1]
+    gather = tiles == SM90A_GATHER and GATHER_G[0] <= G <= GATHER_G[1]
     tile_rows = G if gather else QT
     ut_off, per_head = tile_index(cu_seqlens_q, G, max_seqlen_k, total_q, tile_rows)
     ut = torch.empty(H * per_head, dtype=torch.int32, device=dev)
@@ -163,7 +172,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     causal_i = np.int32(1 if causal else 0)
     common = (ptr(q), ptr(k), ptr(v), ptr(dout), ptr(lse), ptr(delta), ptr(masks), ptr(mask_base),
               ptr(cu_seqlens_q), ptr(cu_seqlens_k))
-    if tiles in (SM90A, SM90A_TILES):
+    if tiles in (SM90A, SM90A_GATHER):
         dq_name, dq_rows, dq_threads = f"stage2_bwd_dq_sm90<{T}, {D}>", 64, 128
         dq_kernel = _jit.get_kernel(SM90_SOURCE, dq_name, sm90a=True)
         dq_smem = sm90_smem_bytes(D, n_words, "dq", q.element_size())

@@ -9,7 +9,7 @@ import torch
 
 from infllm_cupy.stage2.layout import BlockLayout
 from infllm_cupy.stage2.naive import naive_sparse_attn_varlen
-from infllm_cupy.stage2.sparse_bwd import ALL_BWD_TILES, DEFAULT_BWD_TILES, SM90A, SM90A_TILES, stage2_bwd
+from infllm_cupy.stage2.sparse_bwd import ALL_BWD_TILES, DEFAULT_BWD_TILES, SM90A, SM90A_GATHER, stage2_bwd
 from infllm_cupy.stage2.sparse_fwd import DEFAULT_TILES, n_mask_words, stage2_fwd, token_block_masks
 from infllm_cupy.testing import assert_close_to_ref, cu_seqlens_from_lengths, random_topk_idx
 
@@ -31,9 +31,9 @@ CASES = [
 ]
 HOPPER = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)
 SM90 = pytest.param(SM90A, marks=pytest.mark.skipif(not HOPPER, reason="sm_90a kernels need capability 9.0"))
-SM90_TILES = pytest.param(SM90A_TILES, marks=pytest.mark.skipif(not HOPPER, reason="sm_90a kernels need capability 9.0"))
-# every path on every case: sm_90a gathering tokens (8 <= G <= 64), sm_90a over fixed tiles, SM80
-KERNELS = [SM90, SM90_TILES, DEFAULT_BWD_TILES]
+SM90_GATHER = pytest.param(SM90A_GATHER, marks=pytest.mark.skipif(not HOPPER, reason="sm_90a kernels need capability 9.0"))
+# every path on every case: sm_90a over fixed tiles, sm_90a gathering tokens (8 <= G <= 64), SM80
+KERNELS = [SM90, SM90_GATHER, DEFAULT_BWD_TILES]
 
 
 def kernels_id(t):
