@@ -9,10 +9,10 @@
 //       dyn smem 1 KB slack + 2 * 64 * D (K, V) + 2 * 2 * 64 * D (Q, dO double buffer) elements + 2 * 3 * 64 * 4
 //       GATHER = false ("sm90a", the default): `ut` indexes 64-row tiles (stage2_bwd_tiles with
 //       tile_rows = 64), as the SM80 kernel. GATHER = true ("sm90a_gather", 8 <= G <= 64): `ut`
-//       indexes tokens (tile_rows = G) and a tile gathers the next 64 / G tokens that selected the block, wherever they are: with per-token
-//       selections a key block's 64-row tiles then hold only rows that use it (a 4-token tile of
-//       consecutive tokens holds about one at G = 16), and block-shared selections give the same
-//       tiles as before.
+//       indexes tokens (tile_rows = G) and a tile gathers the next 64 / G tokens that selected the
+//       block, wherever they are: with per-token selections a key block's 64-row tiles then hold
+//       only rows that use it (a 4-token tile of consecutive tokens holds about one at G = 16);
+//       block-shared selections give the same tiles, at some cost for the walk (NOTES.md).
 //
 // One warpgroup per CTA, every product on wgmma with 128-byte-swizzled shared-memory tiles (the
 // forward's layout): the SM80 kernels read each operand fragment through ldmatrix into every
