@@ -154,6 +154,10 @@ def _version(*dists: str) -> str:
 
 
 def _git_commit() -> str:
+    # the device machine's copy of the tree may carry no .git, or a stale one (seen: a run stamped
+    # with an older commit): an explicit INFLLM_CUPY_COMMIT wins
+    if os.environ.get("INFLLM_CUPY_COMMIT"):
+        return os.environ["INFLLM_CUPY_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                              text=True, timeout=10)
@@ -163,8 +167,7 @@ def _git_commit() -> str:
             return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    # the device machine gets a copy of the tree without .git: pass the commit in the environment
-    return os.environ.get("INFLLM_CUPY_COMMIT", "unknown")
+    return "unknown"
 
 
 def env_stamp() -> dict[str, str]:
