@@ -76,9 +76,16 @@ def as_bwd_tiles(tiles, device=None):
     over gathered tokens: fastest for per-token selections with little sharing; 8 <= G <= 64),
     a BwdTiles or a (dq_warps, dkdv_cols) tuple force one."""
     if tiles is None:
-        env = os.environ.get(KERNEL_ENV, "")
+        env = os.environ.get(KERNEL_ENV, "").strip()
         if env:
-            tiles = env if env in (SM90A, SM90A_GATHER) else tuple(int(x) for x in env.split(","))
+            if env in (SM90A, SM90A_GATHER):
+                tiles = env
+            else:
+                try:
+                    tiles = tuple(int(x) for x in env.split(","))
+                except ValueError:
+                    raise ValueError(f"${KERNEL_ENV} must be '{SM90A}', '{SM90A_GATHER}' or 'dq_warps,dkdv_cols' "
+                                     f"(e.g. '4,32'), got {env!r}") from None
         else:
             cap = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
             return SM90A if cap == (9, 0) else DEFAULT_BWD_TILES
