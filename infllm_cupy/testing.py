@@ -61,3 +61,52 @@ def random_topk_idx(H: int, lengths_q, lengths_k, K: int, *, block_size: int = 6
             idx = torch.where(empty, torch.full_like(idx, -1), idx)
         rows.append(idx)
     return torch.cat(rows, dim=1).to(torch.int32).to(device) if rows else torch.zeros(H, 0, K, dtype=torch.int32)
+
+
+def sparse_attn_inputs(lengths_q, lengths_k, HQ: int, H: int, D: int, dtype: torch.dtype, *, K: int = 12,
+                       seed: int = 0, device="cuda", **sel):
+    """Random `q, k, v, dout` (never zeros), `cu_seqlens_q`, `cu_seqlens_k` and a `topk_idx` with
+    junk entries (`random_topk_idx(..., **sel)`) for stage-2 tests, drawn from one seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(lengths_q), HQ, D, generator=g).to(device, dtype)
+    k = torch.randn(sum(lengths_k), H, D, generator=g).to(device, dtype)
+    v = torch.randn(sum(lengths_k), H, D, generator=g).to(device, dtype)
+    do = torch.randn(sum(lengths_q), HQ, D, generator=g).to(device, dtype)
+    idx = random_topk_idx(H, lengths_q, lengths_k, K, generator=g, **sel).to(device)
+    cu_q, cu_k = cu_seqlens_from_lengths(lengths_q, device), cu_seqlens_from_lengths(lengths_k, device)
+    return q, k, v, do, cu_q, cu_k, idx
+
+
+def reference_sparse_grads(q, k, v, dout, cu_q, cu_k, topk_idx, max_q, max_k, causal, *, exact: bool):
+    """`(out, lse, (dq, dk, dv))` of the stage-2 reference through autograd: in float64 (`exact`) or
+    as the low-precision twin (`upcast=False`, FlashAttention's baseline)."""
+    from .stage2.naive import naive_sparse_attn_varlen
+
+    leaves = [t.detach().double().requires_grad_() if exact else t.detach().clone().requires_grad_()
+              for t in (q, k, v)]
+    out, lse = naive_sparse_attn_varlen(*leaves, cu_q, cu_k, topk_idx, max_q, max_k, causal, return_lse=True,
+                                        upcast=exact)
+    return out.detach(), lse, torch.autograd.grad(out, leaves, dout.double() if exact else dout)
+
+
+def check_sparse_grads(grads, q, k, v, dout, cu_q, cu_k, topk_idx, max_q, max_k, causal, *, out=None):
+    """Assert stage-2 gradients (and `out`, if given) against the reference by FlashAttention's rule
+    (3x the low-precision error for gradients, 2x for the output), with exact zeros where nothing
+    reached an element: dq of rows with no allowed key (lse = +inf), dk and dv of keys no query
+    selected (their float64 reference dv row is exactly 0). Returns `(empty_rows [total_q, HQ],
+    unused_keys [total_k, H])` so a caller can require that its case exercises both."""
+    ref_out, ref_lse, ref = reference_sparse_grads(q, k, v, dout, cu_q, cu_k, topk_idx, max_q, max_k, causal,
+                                                   exact=True)
+    lowp_out, _, lowp = reference_sparse_grads(q, k, v, dout, cu_q, cu_k, topk_idx, max_q, max_k, causal,
+                                               exact=False)
+    if out is not None:
+        assert_close_to_ref("out", out, ref_out, lowp_out, mult=2)
+    for name, g, r, lp, x in zip(("dq", "dk", "dv"), grads, ref, lowp, (q, k, v)):
+        assert g.dtype == x.dtype and g.shape == x.shape and g.is_contiguous(), f"{name}: dtype/shape/layout"
+        assert_close_to_ref(name, g, r, lp, mult=3)
+    empty_rows = torch.isinf(ref_lse).T
+    assert bool((grads[0][empty_rows] == 0).all()), "dq of rows with no allowed key must be exactly 0"
+    unused = (ref[2] == 0).all(-1)
+    for name, g in (("dk", grads[1]), ("dv", grads[2])):
+        assert bool((g[unused] == 0).all()), f"{name} of keys no query selected must be exactly 0"
+    return empty_rows, unused

@@ -15,9 +15,9 @@ from conftest import HAS_GPU
 
 from infllm_cupy.stage2.attention import block_sparse_attn_varlen, sparse_attn_varlen
 from infllm_cupy.stage2.layout import BlockLayout
-from infllm_cupy.stage2.naive import naive_sparse_attn_varlen
 from infllm_cupy.stage2.sparse_fwd import FwdTiles
-from infllm_cupy.testing import assert_close_to_ref, cu_seqlens_from_lengths, random_topk_idx, rel_l2_err
+from infllm_cupy.testing import (check_sparse_grads, cu_seqlens_from_lengths, random_topk_idx, rel_l2_err,
+                                 sparse_attn_inputs)
 
 pytestmark = pytest.mark.gpu
 
@@ -39,16 +39,6 @@ DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=[
 HOPPER = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)
 
 
-def make_inputs(lq, lk, HQ, H, D, dtype, K=12, seed=0, **sel):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(sum(lq), HQ, D, generator=g).to("cuda", dtype)
-    k = torch.randn(sum(lk), H, D, generator=g).to("cuda", dtype)
-    v = torch.randn(sum(lk), H, D, generator=g).to("cuda", dtype)
-    do = torch.randn(sum(lq), HQ, D, generator=g).to("cuda", dtype)       # random, never all zeros
-    idx = random_topk_idx(H, lq, lk, K, generator=g, **sel).cuda()         # -1, duplicates, out of range, future
-    return q, k, v, do, cu_seqlens_from_lengths(lq, "cuda"), cu_seqlens_from_lengths(lk, "cuda"), idx
-
-
 def op_grads(fn, q, k, v, do, *args, **kw):
     """(out, lse, (dq, dk, dv)) of `fn(q, k, v, *args, return_lse=True, **kw)` through autograd."""
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -57,29 +47,8 @@ def op_grads(fn, q, k, v, do, *args, **kw):
     return out.detach(), lse, torch.autograd.grad(out, leaves, do)
 
 
-def reference(q, k, v, do, cu_q, cu_k, idx, mq, mk, causal, *, exact):
-    """The reference's out, lse and autograd gradients: float64 (`exact`) or the low-precision twin."""
-    leaves = [t.detach().double().requires_grad_() if exact else t.detach().clone().requires_grad_()
-              for t in (q, k, v)]
-    out, lse = naive_sparse_attn_varlen(*leaves, cu_q, cu_k, idx, mq, mk, causal, return_lse=True, upcast=exact)
-    return out.detach(), lse, torch.autograd.grad(out, leaves, do.double() if exact else do)
-
-
 def check(out, grads, q, k, v, do, cu_q, cu_k, idx, mq, mk, causal):
-    ref_out, ref_lse, ref = reference(q, k, v, do, cu_q, cu_k, idx, mq, mk, causal, exact=True)
-    lowp_out, _, lowp = reference(q, k, v, do, cu_q, cu_k, idx, mq, mk, causal, exact=False)
-    assert_close_to_ref("out", out, ref_out, lowp_out, mult=2)
-    for name, g, r, lp, x in zip(("dq", "dk", "dv"), grads, ref, lowp, (q, k, v)):
-        assert g.dtype == x.dtype and g.shape == x.shape and g.is_contiguous()
-        assert_close_to_ref(name, g, r, lp, mult=3)
-    # exact zeros: rows with no allowed key (lse = +inf) get dq = 0; keys no query selected (their
-    # float64 reference dv row is exactly 0: every attended key has p > 0) get dk = dv = 0
-    empty_rows = torch.isinf(ref_lse).T                                    # [total_q, HQ]
-    assert bool((grads[0][empty_rows] == 0).all()), "dq of rows with no allowed key must be exactly 0"
-    unused = (ref[2] == 0).all(-1)                                         # [total_k, H]
-    for name, g in (("dk", grads[1]), ("dv", grads[2])):
-        assert bool((g[unused] == 0).all()), f"{name} of keys no query selected must be exactly 0"
-    return empty_rows, unused
+    return check_sparse_grads(grads, q, k, v, do, cu_q, cu_k, idx, mq, mk, causal, out=out)
 
 
 # ------------------------------------------------------------------------------------- token level
@@ -89,7 +58,7 @@ def check(out, grads, q, k, v, do, cu_q, cu_k, idx, mq, mk, causal):
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_token_level_grads(case, dtype):
     lq, lk, HQ, H, D = case
-    q, k, v, do, cu_q, cu_k, idx = make_inputs(lq, lk, HQ, H, D, dtype, empty_rows=True)
+    q, k, v, do, cu_q, cu_k, idx = sparse_attn_inputs(lq, lk, HQ, H, D, dtype, empty_rows=True)
     mq, mk = max(lq), max(lk)
     out, _, grads = op_grads(sparse_attn_varlen, q, k, v, do, cu_q, cu_k, idx, mq, mk, backend="kernels")
     empty_rows, unused = check(out, grads, q, k, v, do, cu_q, cu_k, idx, mq, mk, True)
@@ -99,7 +68,7 @@ def test_token_level_grads(case, dtype):
 @DTYPES
 def test_non_causal(dtype):
     lq, lk = [1, 5, 90, 63], [300, 64, 1000, 63]          # decode-like rows against long caches
-    q, k, v, do, cu_q, cu_k, idx = make_inputs(lq, lk, 16, 2, 128, dtype)
+    q, k, v, do, cu_q, cu_k, idx = sparse_attn_inputs(lq, lk, 16, 2, 128, dtype)
     out, _, grads = op_grads(sparse_attn_varlen, q, k, v, do, cu_q, cu_k, idx, 90, 1000, False, backend="kernels")
     check(out, grads, q, k, v, do, cu_q, cu_k, idx, 90, 1000, False)
 
@@ -113,7 +82,7 @@ TILES = [None, FwdTiles(8, 1, 64), FwdTiles(4, 2, 32),
 def test_backward_after_every_forward_kernel(tiles):
     # the backward reads the forward's out and lse, whichever forward kernel wrote them
     lq = [700, 129, 1]
-    q, k, v, do, cu_q, cu_k, idx = make_inputs(lq, lq, 16, 2, 128, torch.bfloat16, empty_rows=True)
+    q, k, v, do, cu_q, cu_k, idx = sparse_attn_inputs(lq, lq, 16, 2, 128, torch.bfloat16, empty_rows=True)
     out, _, grads = op_grads(sparse_attn_varlen, q, k, v, do, cu_q, cu_k, idx, 700, 700, backend="kernels",
                              tiles=tiles)
     check(out, grads, q, k, v, do, cu_q, cu_k, idx, 700, 700, True)
@@ -121,7 +90,7 @@ def test_backward_after_every_forward_kernel(tiles):
 
 def test_junk_indices_give_the_clean_gradients():
     lq = [300, 129]
-    q, k, v, do, cu_q, cu_k, _ = make_inputs(lq, lq, 16, 1, 64, torch.bfloat16)
+    q, k, v, do, cu_q, cu_k, _ = sparse_attn_inputs(lq, lq, 16, 1, 64, torch.bfloat16)
     clean = random_topk_idx(1, lq, lq, 5, junk=False).cuda()
     junk = torch.cat([clean, clean.flip(-1), torch.full_like(clean, -1), clean + 1000, -clean - 2,
                       torch.full_like(clean, 5 + 7)], dim=-1)
@@ -133,7 +102,7 @@ def test_junk_indices_give_the_clean_gradients():
 
 def test_bit_identical_across_runs():
     lq = [1500, 333, 1]
-    q, k, v, do, cu_q, cu_k, idx = make_inputs(lq, lq, 16, 2, 128, torch.bfloat16, K=16)
+    q, k, v, do, cu_q, cu_k, idx = sparse_attn_inputs(lq, lq, 16, 2, 128, torch.bfloat16, K=16)
     _, _, a = op_grads(sparse_attn_varlen, q, k, v, do, cu_q, cu_k, idx, 1500, 1500)
     _, _, b = op_grads(sparse_attn_varlen, q, k, v, do, cu_q, cu_k, idx, 1500, 1500)
     for x, y in zip(a, b):
@@ -143,7 +112,7 @@ def test_bit_identical_across_runs():
 def test_grad_of_one_input_only():
     # only one of q, k, v requires grad (e.g. frozen K/V): its gradient is the one of the full run
     lq = [400, 65]
-    q, k, v, do, cu_q, cu_k, idx = make_inputs(lq, lq, 8, 2, 64, torch.bfloat16)
+    q, k, v, do, cu_q, cu_k, idx = sparse_attn_inputs(lq, lq, 8, 2, 64, torch.bfloat16)
     _, _, full = op_grads(sparse_attn_varlen, q, k, v, do, cu_q, cu_k, idx, 400, 400)
     for i in range(3):
         inputs = [q, k, v]
@@ -161,7 +130,7 @@ def test_grad_of_one_input_only():
 def test_block_layout_grads(q_block, per_sequence, dtype):
     lq = [1000, 300, 1, 130]
     HQ, H, D = 16, 2, 128
-    q, k, v, do, cu_q, cu_k, _ = make_inputs(lq, lq, HQ, H, D, dtype)
+    q, k, v, do, cu_q, cu_k, _ = sparse_attn_inputs(lq, lq, HQ, H, D, dtype)
     nqb, nkb = -(-1000 // q_block), -(-1000 // 64)
     shape = (len(lq), H, nqb, nkb) if per_sequence else (H, nqb, nkb)
     mask = torch.rand(shape, generator=torch.Generator().manual_seed(1)) < 0.3

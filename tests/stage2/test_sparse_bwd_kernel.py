@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from infllm_cupy.stage2.layout import BlockLayout
-from infllm_cupy.stage2.naive import naive_sparse_attn_varlen
 from infllm_cupy.stage2.sparse_bwd import ALL_BWD_TILES, DEFAULT_BWD_TILES, SM90A, SM90A_GATHER, stage2_bwd
 from infllm_cupy.stage2.sparse_fwd import DEFAULT_TILES, n_mask_words, stage2_fwd, token_block_masks
-from infllm_cupy.testing import assert_close_to_ref, cu_seqlens_from_lengths, random_topk_idx
+from infllm_cupy.testing import check_sparse_grads, sparse_attn_inputs
 
 from conftest import HAS_GPU
 
@@ -30,8 +29,9 @@ CASES = [
     ([2100, 90], [2100, 90], 4, 2, 64),
 ]
 HOPPER = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)
-SM90 = pytest.param(SM90A, marks=pytest.mark.skipif(not HOPPER, reason="sm_90a kernels need capability 9.0"))
-SM90_GATHER = pytest.param(SM90A_GATHER, marks=pytest.mark.skipif(not HOPPER, reason="sm_90a kernels need capability 9.0"))
+NEEDS_HOPPER = pytest.mark.skipif(not HOPPER, reason="sm_90a kernels need capability 9.0")
+SM90 = pytest.param(SM90A, marks=NEEDS_HOPPER)
+SM90_GATHER = pytest.param(SM90A_GATHER, marks=NEEDS_HOPPER)
 # every path on every case: sm_90a over fixed tiles, sm_90a gathering tokens (8 <= G <= 64), SM80
 KERNELS = [SM90, SM90_GATHER, DEFAULT_BWD_TILES]
 
@@ -43,45 +43,11 @@ def kernels_id(t):
 IDS = [f"Lq{'-'.join(map(str, c[0]))}_Lk{'-'.join(map(str, c[1]))}_HQ{c[2]}_H{c[3]}_D{c[4]}" for c in CASES]
 
 
-def make_inputs(lq, lk, HQ, H, D, dtype, K=12, seed=0, **sel):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(sum(lq), HQ, D, generator=g).to("cuda", dtype)
-    k = torch.randn(sum(lk), H, D, generator=g).to("cuda", dtype)
-    v = torch.randn(sum(lk), H, D, generator=g).to("cuda", dtype)
-    do = torch.randn(sum(lq), HQ, D, generator=g).to("cuda", dtype)
-    idx = random_topk_idx(H, lq, lk, K, generator=g, **sel).cuda()
-    return q, k, v, do, cu_seqlens_from_lengths(lq, "cuda"), cu_seqlens_from_lengths(lk, "cuda"), idx
-
-
-def reference_grads(q, k, v, do, cu_q, cu_k, idx, mq, mk, causal, *, exact):
-    leaves = [t.detach().double().requires_grad_() if exact else t.detach().clone().requires_grad_()
-              for t in (q, k, v)]
-    out = naive_sparse_attn_varlen(*leaves, cu_q, cu_k, idx, mq, mk, causal, upcast=exact)
-    return torch.autograd.grad(out, leaves, do.double() if exact else do)
-
-
 def run_kernels(q, k, v, do, cu_q, cu_k, masks, base, h_stride, q_block, mq, mk, causal, tiles=None):
     scale = q.shape[-1] ** -0.5
     out, lse = stage2_fwd(q, k, v, cu_q, cu_k, masks, base, h_stride, q_block, mq, causal, scale, DEFAULT_TILES)
     return stage2_bwd(do, q, k, v, out, lse, cu_q, cu_k, masks, base, h_stride, q_block, mq, mk, causal, scale,
                       tiles)
-
-
-def check_grads(grads, q, k, v, do, cu_q, cu_k, idx, mq, mk, causal):
-    ref = reference_grads(q, k, v, do, cu_q, cu_k, idx, mq, mk, causal, exact=True)
-    lowp = reference_grads(q, k, v, do, cu_q, cu_k, idx, mq, mk, causal, exact=False)
-    for name, g, r, lp in zip(("dq", "dk", "dv"), grads, ref, lowp):
-        assert g.dtype == q.dtype
-        assert_close_to_ref(name, g, r, lp, mult=3)
-    # exact zeros where no query reached the element: rows with no allowed key (lse = +inf) get
-    # dq = 0, keys no query selected (their reference dv row is exactly 0) get dk = dv = 0
-    _, lse = naive_sparse_attn_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, idx, mq, mk, causal,
-                                      return_lse=True)
-    empty_rows = torch.isinf(lse).T                               # [total_q, HQ]
-    assert bool((grads[0][empty_rows] == 0).all()), "dq of rows with no allowed key must be exactly 0"
-    unused = (ref[2] == 0).all(-1)                                 # [total_k, H]
-    for name, g in (("dk", grads[1]), ("dv", grads[2])):
-        assert bool((g[unused] == 0).all()), f"{name} of keys no query selected must be exactly 0"
 
 
 def token_masks(idx, cu_q, cu_k, mk):
@@ -93,31 +59,31 @@ def token_masks(idx, cu_q, cu_k, mk):
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_token_level_grads(case, dtype, tiles):
     lq, lk, HQ, H, D = case
-    q, k, v, do, cu_q, cu_k, idx = make_inputs(lq, lk, HQ, H, D, dtype, empty_rows=True)
+    q, k, v, do, cu_q, cu_k, idx = sparse_attn_inputs(lq, lk, HQ, H, D, dtype, empty_rows=True)
     mq, mk = max(lq), max(lk)
     masks = token_masks(idx, cu_q, cu_k, mk)
     grads = run_kernels(q, k, v, do, cu_q, cu_k, masks, cu_q, q.shape[0], 1, mq, mk, True, tiles)
-    check_grads(grads, q, k, v, do, cu_q, cu_k, idx, mq, mk, True)
+    check_sparse_grads(grads, q, k, v, do, cu_q, cu_k, idx, mq, mk, True)
 
 
 @pytest.mark.parametrize("tiles", [SM90, *ALL_BWD_TILES], ids=kernels_id)
 def test_every_tile_shape(tiles):
     lq, HQ, H, D = [700, 129], 16, 2, 128
-    q, k, v, do, cu_q, cu_k, idx = make_inputs(lq, lq, HQ, H, D, torch.bfloat16, K=8)
+    q, k, v, do, cu_q, cu_k, idx = sparse_attn_inputs(lq, lq, HQ, H, D, torch.bfloat16, K=8)
     masks = token_masks(idx, cu_q, cu_k, 700)
     grads = run_kernels(q, k, v, do, cu_q, cu_k, masks, cu_q, q.shape[0], 1, 700, 700, True, tiles)
-    check_grads(grads, q, k, v, do, cu_q, cu_k, idx, 700, 700, True)
+    check_sparse_grads(grads, q, k, v, do, cu_q, cu_k, idx, 700, 700, True)
 
 
 @pytest.mark.parametrize("tiles", KERNELS, ids=kernels_id)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_non_causal_and_short_queries(dtype, tiles):
     lq, lk = [1, 5, 90], [300, 64, 1000]
-    q, k, v, do, cu_q, cu_k, idx = make_inputs(lq, lk, 16, 2, 128, dtype)
+    q, k, v, do, cu_q, cu_k, idx = sparse_attn_inputs(lq, lk, 16, 2, 128, dtype)
     masks = token_masks(idx, cu_q, cu_k, 1000)
     for causal in (False, True):
         grads = run_kernels(q, k, v, do, cu_q, cu_k, masks, cu_q, q.shape[0], 1, 90, 1000, causal, tiles)
-        check_grads(grads, q, k, v, do, cu_q, cu_k, idx, 90, 1000, causal)
+        check_sparse_grads(grads, q, k, v, do, cu_q, cu_k, idx, 90, 1000, causal)
 
 
 @pytest.mark.parametrize("tiles", KERNELS, ids=kernels_id)
@@ -126,7 +92,7 @@ def test_non_causal_and_short_queries(dtype, tiles):
 def test_block_layout_grads(q_block, per_sequence, tiles):
     lq = [1000, 300, 1]
     HQ, H, D = 16, 2, 128
-    q, k, v, do, cu_q, cu_k, _ = make_inputs(lq, lq, HQ, H, D, torch.bfloat16)
+    q, k, v, do, cu_q, cu_k, _ = sparse_attn_inputs(lq, lq, HQ, H, D, torch.bfloat16)
     nqb, nkb = -(-1000 // q_block), -(-1000 // 64)
     shape = (len(lq), H, nqb, nkb) if per_sequence else (H, nqb, nkb)
     mask = torch.rand(shape) < 0.3
@@ -136,13 +102,13 @@ def test_block_layout_grads(q_block, per_sequence, tiles):
     if base is None:
         base = torch.zeros(len(lq), dtype=torch.int32, device="cuda")
     grads = run_kernels(q, k, v, do, cu_q, cu_k, words, base, h_stride, q_block, 1000, 1000, True, tiles)
-    check_grads(grads, q, k, v, do, cu_q, cu_k, layout.to_topk_idx(cu_q), 1000, 1000, True)
+    check_sparse_grads(grads, q, k, v, do, cu_q, cu_k, layout.to_topk_idx(cu_q), 1000, 1000, True)
 
 
 @pytest.mark.parametrize("tiles", KERNELS, ids=kernels_id)
 def test_bit_identical_across_runs(tiles):
     lq, HQ, H, D = [1500, 333], 16, 2, 128
-    q, k, v, do, cu_q, cu_k, idx = make_inputs(lq, lq, HQ, H, D, torch.bfloat16, K=16)
+    q, k, v, do, cu_q, cu_k, idx = sparse_attn_inputs(lq, lq, HQ, H, D, torch.bfloat16, K=16)
     masks = token_masks(idx, cu_q, cu_k, 1500)
     a = run_kernels(q, k, v, do, cu_q, cu_k, masks, cu_q, q.shape[0], 1, 1500, 1500, True, tiles)
     b = run_kernels(q, k, v, do, cu_q, cu_k, masks, cu_q, q.shape[0], 1, 1500, 1500, True, tiles)
@@ -154,7 +120,7 @@ def test_bit_identical_across_runs(tiles):
 def test_unselected_keys_get_exactly_zero(tiles):
     # every token selects only block 0 and its own block: the keys of other blocks get dk = dv = 0
     T, HQ, H, D = 640, 16, 1, 64
-    q, k, v, do, cu_q, cu_k, _ = make_inputs([T], [T], HQ, H, D, torch.bfloat16)
+    q, k, v, do, cu_q, cu_k, _ = sparse_attn_inputs([T], [T], HQ, H, D, torch.bfloat16)
     t = torch.arange(T, device="cuda")
     idx = torch.stack([torch.zeros_like(t), t // 64], -1).to(torch.int32)[None].contiguous()
     idx[0, 130:, 1] = 9   # tokens 130.. pick block 9 instead of their own: blocks 3..8 are then unselected
@@ -164,4 +130,4 @@ def test_unselected_keys_get_exactly_zero(tiles):
     for name, g in (("dk", dk), ("dv", dv)):
         assert bool((g[192:576] == 0).all()), f"{name} of keys nobody selected must be exactly 0"
         assert bool((g[:128] != 0).any())
-    check_grads((dq, dk, dv), q, k, v, do, cu_q, cu_k, idx, T, T, True)
+    check_sparse_grads((dq, dk, dv), q, k, v, do, cu_q, cu_k, idx, T, T, True)
