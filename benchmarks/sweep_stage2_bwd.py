@@ -18,11 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._harness import bench_gpu_time, flops_attn  # noqa: E402
-from benchmarks.selections import attended_keys, block_shared, infllm_like, per_token, uniform_cu_seqlens  # noqa: E402
+from benchmarks.selections import SELECTIONS, attended_keys, make_selection, uniform_cu_seqlens  # noqa: E402
 from infllm_cupy.stage2.sparse_bwd import ALL_BWD_TILES, DEFAULT_BWD_TILES, SM90A, SM90A_GATHER, stage2_bwd  # noqa: E402
 from infllm_cupy.stage2.sparse_fwd import as_tiles, n_mask_words, stage2_fwd, token_block_masks  # noqa: E402
-
-SELECTIONS = {"a": block_shared, "b": per_token, "c": infllm_like}
 
 
 def main() -> None:
@@ -31,7 +29,7 @@ def main() -> None:
     p.add_argument("--B", type=int, default=2)
     p.add_argument("--K", type=int, default=64)
     p.add_argument("--D", type=int, default=128)
-    p.add_argument("--sel", nargs="+", default=["a", "b", "c"])
+    p.add_argument("--sel", nargs="+", default=["a", "b", "c"], choices=sorted(SELECTIONS))
     p.add_argument("--tiles", default="all", help="'all' (SM80 shapes and sm90a) or 'default' (SM80 default and sm90a)")
     p.add_argument("--profile", action="store_true")
     a = p.parse_args()
@@ -47,7 +45,7 @@ def main() -> None:
     tiles_list = (ALL_BWD_TILES if a.tiles == "all" else [DEFAULT_BWD_TILES]) + ([SM90A, SM90A_GATHER] if hopper else [])
     print(f"T={T} B={B} HQ={HQ} H={H} D={D} K={a.K} {torch.cuda.get_device_name()}")
     for sel in a.sel:
-        topk = SELECTIONS[sel](B, T, H, a.K, device="cuda", seed=0)
+        topk = make_selection(sel, B, T, H, a.K, device="cuda", seed=0)
         keys = float(attended_keys(topk, cu).sum()) * (HQ // H)
         masks = token_block_masks(topk, cu, cu, n_mask_words(T))
         ft = as_tiles(None, q.device)
