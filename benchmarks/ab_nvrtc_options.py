@@ -1,0 +1,115 @@
+"""A/B of NVRTC option sets over the hot kernels, in one process (development tool).
+
+    python benchmarks/ab_nvrtc_options.py --sets base ftz --rounds 2
+
+For each round and each option set: forget the compiled kernels, set `_jit.BASE_OPTIONS`, then time
+(CUDA events, median) the stage-2 forward on selections a/b/c (K = 64) and the backward on a, at
+`--T2 x --B2`, and `stage1_select` (K = 96, MiniCPM4 budget) at each `--T1` with B = 1. Rounds
+alternate the sets so that clock drift shows as a difference between rounds, not between sets.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._harness import bench_gpu_time, flops_attn  # noqa: E402
+from benchmarks.selections import attended_keys, make_selection, uniform_cu_seqlens  # noqa: E402
+from infllm_cupy import _jit  # noqa: E402
+
+OPTION_SETS = {
+    "base": ("-std=c++17",),
+    "ftz": ("-std=c++17", "-ftz=true"),
+    "fast": ("-std=c++17", "-ftz=true", "-prec-div=false", "-prec-sqrt=false"),
+}
+
+
+def median_ms(fn) -> float:
+    return statistics.median(bench_gpu_time(fn))
+
+
+def stage2_rows(T: int, B: int, K: int) -> list[tuple[str, object, float]]:
+    from infllm_cupy.stage2.sparse_bwd import stage2_bwd
+    from infllm_cupy.stage2.sparse_fwd import as_tiles, n_mask_words, stage2_fwd, token_block_masks
+
+    HQ, H, D = 32, 2, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, do = (torch.randn(B * T, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    k, v = (torch.randn(B * T, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    cu = uniform_cu_seqlens(B, T, "cuda")
+    scale = D ** -0.5
+    rows = []
+    for sel in "abc":
+        topk = make_selection(sel, B, T, H, K, device="cuda", seed=0)
+        flop = flops_attn(float(attended_keys(topk, cu).sum()) * (HQ // H), D, "fwd")
+        masks = token_block_masks(topk, cu, cu, n_mask_words(T))
+
+        def fwd(masks=masks):
+            return stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale, as_tiles(None, q.device))
+
+        rows.append((f"fwd {sel} {T // 1024}k x {B} K{K}", fwd, flop))
+        if sel == "a":
+            def bwd(masks=masks, fwd=fwd):
+                out, lse = fwd()
+                return stage2_bwd(do, q, k, v, out, lse, cu, cu, masks, cu, q.shape[0], 1, T, T, True, scale, None)
+
+            rows.append((f"fwd+bwd {sel} {T // 1024}k x {B} K{K}", bwd, 3.5 * flop))
+    return rows
+
+
+def stage1_rows(T: int) -> list[tuple[str, object, float]]:
+    from infllm_cupy.compress import compress_k
+    from infllm_cupy.stage1.select import stage1_select
+
+    HQ, H, D = 32, 2, 128
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(T, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    cu = uniform_cu_seqlens(1, T, "cuda")
+    ck1, cu1 = compress_k(k, cu, 32, 16, backend="kernels")
+    ck2, cu2 = compress_k(k, cu, 128, 64, backend="kernels")
+    # FLOP of the two score passes on visible compressed keys (causal: half of each)
+    flop = 2.0 * D * T * HQ * (ck1.shape[0] + ck2.shape[0]) / 2
+
+    def run():
+        return stage1_select(q, ck1, ck2, cu, cu1, cu2, T, topk=64, local_blocks=32)
+
+    return [(f"stage1 {T // 1024}k x 1 K96", run, flop)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--sets", nargs="+", default=["base", "ftz"], choices=sorted(OPTION_SETS))
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--T2", type=int, default=32768)
+    p.add_argument("--B2", type=int, default=2)
+    p.add_argument("--T1", type=int, nargs="*", default=[65536, 131072])
+    p.add_argument("--skip-stage2", action="store_true")
+    a = p.parse_args()
+    rows = ([] if a.skip_stage2 else stage2_rows(a.T2, a.B2, 64)) + [r for T in a.T1 for r in stage1_rows(T)]
+    results: dict[tuple[str, str], list[float]] = {}
+    for rnd in range(a.rounds):
+        order = a.sets if rnd % 2 == 0 else list(reversed(a.sets))
+        for s in order:
+            _jit.BASE_OPTIONS = OPTION_SETS[s]
+            _jit.clear_cache()
+            for name, fn, _ in rows:
+                fn()
+                torch.cuda.synchronize()
+                ms = median_ms(fn)
+                results.setdefault((name, s), []).append(ms)
+                print(f"round {rnd} {s:5s} {name:28s} {ms:8.2f} ms", flush=True)
+    print(f"\n{'workload':28s} " + " ".join(f"{s + ' ms':>10s} {'TF/s':>6s}" for s in a.sets)
+          + "   " + " ".join(f"{s}/{a.sets[0]}" for s in a.sets[1:]))
+    for name, _, flop in rows:
+        best = {s: min(results[(name, s)]) for s in a.sets}
+        print(f"{name:28s} " + " ".join(f"{best[s]:10.2f} {flop / best[s] / 1e9:6.0f}" for s in a.sets)
+              + "   " + " ".join(f"{best[a.sets[0]] / best[s]:.3f}x" for s in a.sets[1:]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""Two `stage1_select` launches (K = 96) on random inputs, for Nsight Compute (development tool).
+
+    ncu --kernel-name regex:stage1_select --launch-skip 1 --launch-count 1 \
+        --section SpeedOfLight --section WarpStateStats python benchmarks/profile_stage1.py --T 32768
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.selections import uniform_cu_seqlens  # noqa: E402
+from infllm_cupy.compress import compress_k  # noqa: E402
+from infllm_cupy.stage1.select import stage1_select  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--T", type=int, default=32768)
+    p.add_argument("--B", type=int, default=1)
+    a = p.parse_args()
+    HQ, H, D = 32, 2, 128
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(a.B * a.T, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(a.B * a.T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    cu = uniform_cu_seqlens(a.B, a.T, "cuda")
+    ck1, cu1 = compress_k(k, cu, 32, 16, backend="kernels")
+    ck2, cu2 = compress_k(k, cu, 128, 64, backend="kernels")
+    for _ in range(2):
+        stage1_select(q, ck1, ck2, cu, cu1, cu2, a.T, topk=64, local_blocks=32)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
