@@ -1,8 +1,10 @@
-"""A/B of NVRTC option sets over the hot kernels, in one process (development tool).
+"""A/B of NVRTC option sets or kernel trees over the hot kernels, in one process (development tool).
 
     python benchmarks/ab_nvrtc_options.py --sets base ftz --rounds 2
+    python benchmarks/ab_nvrtc_options.py --sets old=/tmp/old/kernels_cu new=kernels_cu
 
-For each round and each option set: forget the compiled kernels, set `_jit.BASE_OPTIONS`, then time
+A set is a named option set, or `label=DIR`: the kernels_cu/ tree at DIR with the default options.
+For each round and each set: forget the compiled kernels, set `_jit.BASE_OPTIONS` (or the tree), then time
 (CUDA events, median) the stage-2 forward on selections a/b/c (K = 64) and the backward on a, at
 `--T2 x --B2`, and `stage1_select` (K = 96, MiniCPM4 budget) at each `--T1` with B = 1. Rounds
 alternate the sets so that clock drift shows as a difference between rounds, not between sets.
@@ -10,6 +12,7 @@ alternate the sets so that clock drift shows as a difference between rounds, not
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -17,15 +20,30 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._harness import bench_gpu_time, flops_attn  # noqa: E402
-from benchmarks.selections import attended_keys, make_selection, uniform_cu_seqlens  # noqa: E402
-from infllm_cupy import _jit  # noqa: E402
+from benchmarks._harness import bench_gpu_time, flops_attn
+from benchmarks.selections import attended_keys, make_selection, uniform_cu_seqlens
+from infllm_cupy import _jit
 
 OPTION_SETS = {
     "base": ("-std=c++17",),
     "ftz": ("-std=c++17", "-ftz=true"),
     "fast": ("-std=c++17", "-ftz=true", "-prec-div=false", "-prec-sqrt=false"),
 }
+
+
+DEFAULT_OPTIONS = _jit.BASE_OPTIONS
+
+
+def select_set(s: str) -> None:
+    """Make set `s` the one `_jit` compiles with, and forget every compiled kernel."""
+    if "=" in s:
+        os.environ[_jit.KERNELS_DIR_ENV] = str(Path(s.split("=", 1)[1]).resolve())
+        _jit.BASE_OPTIONS = DEFAULT_OPTIONS
+    else:
+        os.environ.pop(_jit.KERNELS_DIR_ENV, None)
+        _jit.BASE_OPTIONS = OPTION_SETS[s]
+    _jit.kernels_dir.cache_clear()
+    _jit.clear_cache()
 
 
 def median_ms(fn) -> float:
@@ -83,28 +101,29 @@ def stage1_rows(T: int) -> list[tuple[str, object, float]]:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--sets", nargs="+", default=["base", "ftz"], choices=sorted(OPTION_SETS))
+    p.add_argument("--sets", nargs="+", default=["base", "ftz"], help=f"{sorted(OPTION_SETS)} or label=DIR")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--T2", type=int, default=32768)
     p.add_argument("--B2", type=int, default=2)
     p.add_argument("--T1", type=int, nargs="*", default=[65536, 131072])
     p.add_argument("--skip-stage2", action="store_true")
+    p.add_argument("--K2", type=int, default=64)
     a = p.parse_args()
-    rows = ([] if a.skip_stage2 else stage2_rows(a.T2, a.B2, 64)) + [r for T in a.T1 for r in stage1_rows(T)]
+    rows = ([] if a.skip_stage2 else stage2_rows(a.T2, a.B2, a.K2)) + [r for T in a.T1 for r in stage1_rows(T)]
     results: dict[tuple[str, str], list[float]] = {}
     for rnd in range(a.rounds):
         order = a.sets if rnd % 2 == 0 else list(reversed(a.sets))
         for s in order:
-            _jit.BASE_OPTIONS = OPTION_SETS[s]
-            _jit.clear_cache()
+            select_set(s)
             for name, fn, _ in rows:
                 fn()
                 torch.cuda.synchronize()
                 ms = median_ms(fn)
                 results.setdefault((name, s), []).append(ms)
-                print(f"round {rnd} {s:5s} {name:28s} {ms:8.2f} ms", flush=True)
-    print(f"\n{'workload':28s} " + " ".join(f"{s + ' ms':>10s} {'TF/s':>6s}" for s in a.sets)
-          + "   " + " ".join(f"{s}/{a.sets[0]}" for s in a.sets[1:]))
+                print(f"round {rnd} {s.split('=')[0]:5s} {name:28s} {ms:8.2f} ms", flush=True)
+    labels = [s.split("=", 1)[0] for s in a.sets]
+    print(f"\n{'workload':28s} " + " ".join(f"{lb + ' ms':>10s} {'TF/s':>6s}" for lb in labels)
+          + "   " + " ".join(f"{lb}/{labels[0]}" for lb in labels[1:]))
     for name, _, flop in rows:
         best = {s: min(results[(name, s)]) for s in a.sets}
         print(f"{name:28s} " + " ".join(f"{best[s]:10.2f} {flop / best[s] / 1e9:6.0f}" for s in a.sets)

@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.selections import uniform_cu_seqlens  # noqa: E402
-from infllm_cupy.compress import compress_k  # noqa: E402
-from infllm_cupy.stage1.select import stage1_select  # noqa: E402
+from benchmarks.selections import uniform_cu_seqlens
+from infllm_cupy.compress import compress_k
+from infllm_cupy.stage1.select import stage1_select
 
 
 def main() -> None:

@@ -357,18 +357,23 @@ stage1_select(const T* __restrict__ q, const T* __restrict__ ck1, const T* __res
         for (int cc = 0; cc < 4; ++cc) k_off[cc] = ((mi >> 1) * 8 + lr) * ROWB + (((2 * cc + (mi & 1)) ^ lr) << 4);
         __syncthreads();                           // every warp has its Q: the tiles may be overwritten
 
+        // Each thread copies the same 16-byte chunk `ld_ch` of rows ld_row0, ld_row0 + ld_rstep, ...
+        // of every tile: the per-copy address math is one pointer step (the generic i / CH, i % CH
+        // form with 64-bit offsets cost ~30 instructions per copy, a quarter of the kernel's issue slots).
+        const int ld_ch = tid % CH, ld_row0 = tid / CH, ld_rstep = nthreads / CH;
+        const int64 key_stride = (int64)H * D;                 // elements between consecutive keys
         auto load_tile = [&](int u, int stage) {
             const bool coarse = u < nc;
             const T* base = coarse ? ck2 : ck1;
             const int cs = coarse ? c2s : c1s, n = coarse ? n2 : n1;
             const int key0 = (coarse ? u : u - nc) * S1_TILE;
-            T* dst = sK + stage * S1_TILE * D;
-            for (int i = tid; i < S1_TILE * CH; i += nthreads) {
-                const int row = i / CH, ch = i % CH;
-                const int key = key0 + row;
-                const int bytes = key < n ? 16 : 0;
-                const T* src = bytes ? base + ((int64)(cs + key) * H + h) * D + ch * 8 : base;
-                cp_async_16(smem_u32(dst + swz<D>(row, ch) * 8), src, bytes);
+            const int rows = min(S1_TILE, n - key0);           // keys of the tile that exist
+            const T* src = base + (int64)(cs + key0 + ld_row0) * key_stride + (int64)h * D + ld_ch * 8;
+            const u32 dst = sKa + stage * (S1_TILE * D * (int)sizeof(T));
+#pragma unroll 4
+            for (int row = ld_row0; row < S1_TILE; row += ld_rstep, src += ld_rstep * key_stride) {
+                const int bytes = row < rows ? 16 : 0;
+                cp_async_16(dst + swz<D>(row, ld_ch) * 16, bytes ? src : base, bytes);
             }
         };
         load_tile(0, 0);
@@ -546,24 +551,23 @@ stage1_select(const T* __restrict__ q, const T* __restrict__ ck1, const T* __res
         const int qb = (r + cache + q_shift) / 64;
         const key_t key_carry = score_key<KT>(sT[tok * S1_ST + 3], kind);   // column 64 nf - 1 (or -inf)
         auto finish = [&](key_t* row) {
-            for (int j = lane; j < olp; j += 32) {
-                key_t k;
-                if (j >= out_len) {
-                    k = 0;                          // below every real key: never selected
-                } else if (j < init_blocks || (j <= off_bq && j >= off_bq - local_blocks)) {
-                    k = key_inf;
-                } else if (j >= jt) {
+            // blocks [0, jt) were pooled in the tile loop; only the tail and the forced blocks change
+            for (int j = jt + lane; j < olp; j += 32) {
+                key_t k = 0;                        // padding: below every real key, never selected
+                if (j < out_len) {
                     // columns >= 64 nf are invisible to every token of the CTA: 0 where they exist
                     const key_t own = 4 * j < n1 ? key_zero : key_ninf;
                     const key_t prev = j == 0 ? key_ninf : j == jt ? key_carry : (4 * j - 1 < n1 ? key_zero : key_ninf);
                     k = own > prev ? own : prev;
-                } else {
-                    k = row[j];
                 }
                 row[j] = k;
-                if (block_scores != nullptr && j < out_len) block_scores[trow * out_len + j] = Score<KT>::unkey(k);
             }
+            __syncwarp();                           // forced blocks overwrite tail values of other lanes
+            for (int j = lane; j < min(init_blocks, out_len); j += 32) row[j] = key_inf;
+            for (int j = max(0, off_bq - local_blocks) + lane; j <= off_bq; j += 32) row[j] = key_inf;
             __syncwarp();
+            if (block_scores != nullptr)
+                for (int j = lane; j < out_len; j += 32) block_scores[trow * out_len + j] = Score<KT>::unkey(row[j]);
             if (K > 0) select_row(row, olp, K, qb, lane, topk_idx + trow * K);
         };
         if (bs_scratch) finish(bs_scratch + (scratch_row0 + tok) * olp);
