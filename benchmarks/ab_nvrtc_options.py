@@ -3,7 +3,8 @@
     python benchmarks/ab_nvrtc_options.py --sets base ftz --rounds 2
     python benchmarks/ab_nvrtc_options.py --sets old=/tmp/old/kernels_cu new=kernels_cu
 
-A set is a named option set, or `label=DIR`: the kernels_cu/ tree at DIR with the default options.
+A set is a named option set, or `label=DIR[,VAR=VALUE...]`: the kernels_cu/ tree at DIR with the
+default options (and the environment variables given, e.g. INFLLM_CUPY_STAGE1_KERNEL=sm80).
 For each round and each set: forget the compiled kernels, set `_jit.BASE_OPTIONS` (or the tree), then time
 (CUDA events, median) the stage-2 forward on selections a/b/c (K = 64) and the backward on a, at
 `--T2 x --B2`, and `stage1_select` (K = 96, MiniCPM4 budget) at each `--T1` with B = 1. Rounds
@@ -32,12 +33,20 @@ OPTION_SETS = {
 
 
 DEFAULT_OPTIONS = _jit.BASE_OPTIONS
+EXTRA_ENV_SEEN: set[str] = set()
 
 
 def select_set(s: str) -> None:
     """Make set `s` the one `_jit` compiles with, and forget every compiled kernel."""
+    for var in EXTRA_ENV_SEEN:
+        os.environ.pop(var, None)
     if "=" in s:
-        os.environ[_jit.KERNELS_DIR_ENV] = str(Path(s.split("=", 1)[1]).resolve())
+        tree, *env = s.split("=", 1)[1].split(",")
+        os.environ[_jit.KERNELS_DIR_ENV] = str(Path(tree).resolve())
+        for kv in env:                      # label=DIR,VAR=VALUE: also set VAR for this set
+            var, value = kv.split("=", 1)
+            os.environ[var] = value
+            EXTRA_ENV_SEEN.add(var)
         _jit.BASE_OPTIONS = DEFAULT_OPTIONS
     else:
         os.environ.pop(_jit.KERNELS_DIR_ENV, None)

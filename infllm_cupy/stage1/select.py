@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import numpy as np
 import torch
@@ -29,6 +30,11 @@ from .naive import (
 )
 
 SOURCE = "stage1/select.cu"
+SOURCE_SM90 = "stage1/select_sm90.cu"
+KERNEL_ENV = "INFLLM_CUPY_STAGE1_KERNEL"   # "sm80" or "sm90a": which kernel runs (default: sm90a on H100 when G <= 16)
+KERNEL_CHOICES = ("sm80", "sm90a")
+SM90_MAX_LGP = 4         # the sm_90a kernel: a token's rows fit in one warp's 16 (G <= 16)
+SM90_THREADS = 256
 HEAD_DIMS = (64, 128)
 SCORE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_GROUP = 128          # G <= 128: a token's rows fit in one CTA (4 warps x 32 rows)
@@ -47,15 +53,37 @@ def _lgp(G: int) -> int:
     return max(0, (G - 1).bit_length())
 
 
-def kernel_name(dtype: torch.dtype, score_dtype: torch.dtype, D: int) -> str:
+def kernel_name(dtype: torch.dtype, score_dtype: torch.dtype, D: int, sm90a: bool = False) -> str:
     key = "unsigned" if score_dtype == torch.float32 else "unsigned short"
-    return f"stage1_select<{CXX_TYPE[dtype]}, {key}, {D}>"
+    return f"stage1_select{'_sm90' if sm90a else ''}<{CXX_TYPE[dtype]}, {key}, {D}>"
 
 
 # Every instance the launcher can request: 2 input dtypes x (16-bit, 32-bit scores) x 2 head dims
-# (the group shape and bf16 / fp16 scores are run-time arguments).
-_jit.register_instances(SOURCE, list(dict.fromkeys(kernel_name(dt, st, d) for dt in KERNEL_DTYPES
-                                                   for st in SCORE_DTYPES for d in HEAD_DIMS)))
+# (the group shape and bf16 / fp16 scores are run-time arguments), for each of the two kernels.
+for _sm90a, _src in ((False, SOURCE), (True, SOURCE_SM90)):
+    _jit.register_instances(_src, list(dict.fromkeys(kernel_name(dt, st, d, _sm90a) for dt in KERNEL_DTYPES
+                                                     for st in SCORE_DTYPES for d in HEAD_DIMS)), sm90a=_sm90a)
+
+
+def use_sm90_kernel(capability: tuple[int, int], lgp: int, choice: str | None = None) -> bool:
+    """Whether the sm_90a kernel runs: `choice` (None: `$INFLLM_CUPY_STAGE1_KERNEL`, else automatic)
+    is "sm80" or "sm90a"; automatic picks sm90a on compute capability 9.0 when G <= 16."""
+    if choice is None:
+        choice = os.environ.get(KERNEL_ENV) or None
+    if choice is not None and choice not in KERNEL_CHOICES:
+        raise ValueError(f"{KERNEL_ENV} must be one of {KERNEL_CHOICES}, got {choice!r}")
+    fits = capability == (9, 0) and lgp <= SM90_MAX_LGP
+    if choice == "sm90a" and not fits:
+        raise ValueError(f"{KERNEL_ENV}=sm90a needs compute capability 9.0 and G <= 16 (got capability "
+                         f"{capability}, G <= {1 << lgp})")
+    return fits if choice is None else choice == "sm90a"
+
+
+def smem_bytes_sm90(D: int, itemsize: int, lgp: int, olp: int, key_bytes: int, bs_in_smem: bool) -> int:
+    """Dynamic shared memory of one sm_90a CTA (mirrors select_sm90.cu): alignment slack, two Q
+    tiles and two key tiles of 64 rows, the staging rows and the block-key rows."""
+    tok = 128 >> lgp
+    return 1024 + 4 * TILE * D * itemsize + tok * STAGE_STRIDE * 4 + (tok * olp * key_bytes if bs_in_smem else 0)
 
 
 def smem_bytes(D: int, itemsize: int, warps: int, lgp: int, olp: int, key_bytes: int,
@@ -232,8 +260,14 @@ def stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
     olp = cdiv(out_len, 64) * 64
     key_bytes = 4 if sdt == torch.float32 else 2
     smem_max, smem_sm = _smem_limits(q.device)
-    warps, bs_in_smem = choose_tiles(D, q.element_size(), lgp, olp, key_bytes, smem_max, smem_sm)
-    tok = (ROWS_PER_WARP * warps) >> lgp
+    sm90a = use_sm90_kernel(torch.cuda.get_device_capability(q.device), lgp)
+    if sm90a:
+        warps = SM90_THREADS // 32
+        bs_in_smem = smem_bytes_sm90(D, q.element_size(), lgp, olp, key_bytes, True) <= smem_max
+        tok = 128 >> lgp
+    else:
+        warps, bs_in_smem = choose_tiles(D, q.element_size(), lgp, olp, key_bytes, smem_max, smem_sm)
+        tok = (ROWS_PER_WARP * warps) >> lgp
     n_tiles = cdiv(max_seqlen_q, tok)
     if n_tiles * B * H >= 2**31:
         raise ValueError(f"too many CTAs ({n_tiles} token tiles x {B} sequences x {H} heads)")
@@ -241,7 +275,8 @@ def stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
     if not bs_in_smem:
         scratch = torch.empty((H, total_q, olp), dtype=torch.int32 if key_bytes == 4 else torch.int16,
                               device=q.device)
-    shared = smem_bytes(D, q.element_size(), warps, lgp, olp, key_bytes, bs_in_smem)
+    shared = (smem_bytes_sm90(D, q.element_size(), lgp, olp, key_bytes, bs_in_smem) if sm90a
+              else smem_bytes(D, q.element_size(), warps, lgp, olp, key_bytes, bs_in_smem))
     if shared > smem_max:
         raise ValueError(f"the stage-1 kernel needs {shared} B of shared memory for D = {D}, G = {G}; "
                          f"this device allows {smem_max}")
@@ -250,9 +285,10 @@ def stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
     cache_dev = cache.to(torch.int32).contiguous() if cache_lens is not None else None
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
     null = np.uint64(0)
-    name = kernel_name(q.dtype, sdt, D)
+    name = kernel_name(q.dtype, sdt, D, sm90a)
     opt = lambda t: ptr(t) if t is not None else null
-    launch(_jit.get_kernel(SOURCE, name), name=name, grid=(n_tiles * B * H,), block=(ROWS_PER_WARP * warps,),
+    kernel = _jit.get_kernel(SOURCE_SM90, name, sm90a=True) if sm90a else _jit.get_kernel(SOURCE, name)
+    launch(kernel, name=name, grid=(n_tiles * B * H,), block=(32 * warps,),
            shared_mem=shared,
            args=(ptr(q), ptr(ck1), ptr(ck2), ptr(cu_seqlens_q), ptr(cu_seqlens_c1), ptr(cu_seqlens_c2),
                  opt(cache_dev), ptr(topk_idx), opt(scores), opt(block_scores), opt(scratch),

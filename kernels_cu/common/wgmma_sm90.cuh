@@ -14,6 +14,12 @@
 
 typedef unsigned long long u64;
 
+// Byte offset of 16-byte chunk `ch` of `row` in a 128-byte-swizzled tile of `rows` rows
+// (64-element halves of a wider row stored one after the other).
+__device__ __forceinline__ u32 swz128(int row, int ch, int rows) {
+    return (ch >> 3) * (rows * 128) + row * 128 + (((ch & 7) ^ (row & 7)) << 4);
+}
+
 __device__ __forceinline__ u64 smem_desc(u32 addr, u32 lbo_bytes, u32 sbo_bytes) {
     return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((lbo_bytes & 0x3FFFF) >> 4) << 16) |
            ((u64)((sbo_bytes & 0x3FFFF) >> 4) << 32) | (1ull << 62);

@@ -30,10 +30,6 @@
 #define BLOCK_N 64
 #define QT 64
 
-__device__ __forceinline__ u32 swz128(int row, int ch, int rows) {
-    return (ch >> 3) * (rows * 128) + row * 128 + (((ch & 7) ^ (row & 7)) << 4);
-}
-
 // 64 rows x D of a [*, stride_rows, D] tensor into a swizzled tile; rows with ok = false are zeros.
 template <typename T, int D>
 __device__ __forceinline__ void load_tile_rows(u32 dst, const T* __restrict__ src_base, int tid,

@@ -25,12 +25,6 @@
 #define NC 2   // consumer warpgroups
 #define NS 4   // K/V stages in the ring
 
-// Byte offset of 16-byte chunk `ch` of `row` in a 128-byte-swizzled tile of `rows` rows
-// (64-element halves of a wider row stored one after the other).
-__device__ __forceinline__ u32 swz128(int row, int ch, int rows) {
-    return (ch >> 3) * (rows * 128) + row * 128 + (((ch & 7) ^ (row & 7)) << 4);
-}
-
 template <typename T, int D>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
 stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,

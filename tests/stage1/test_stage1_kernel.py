@@ -16,8 +16,31 @@ import torch
 from infllm_cupy.compress.naive import naive_compress_k
 from infllm_cupy.stage1 import select as sel
 from infllm_cupy.stage1.naive import naive_stage1_select, q_block_idx_prefill
-from infllm_cupy.stage1.select import choose_tiles, smem_bytes, stage1_select
+from infllm_cupy.stage1.select import (
+    choose_tiles,
+    smem_bytes,
+    smem_bytes_sm90,
+    stage1_select,
+    use_sm90_kernel,
+)
 from infllm_cupy.testing import cu_seqlens_from_lengths
+
+
+# Every GPU test runs twice: with the automatic kernel choice (the sm_90a kernel for G <= 16 on an
+# H100, the SM80 kernel otherwise) and with the SM80 kernel forced.
+@pytest.fixture(autouse=True)
+def _stage1_kernel(request, monkeypatch):
+    choice = getattr(request, "param", "auto")
+    if choice == "auto":
+        monkeypatch.delenv(sel.KERNEL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(sel.KERNEL_ENV, choice)
+    return choice
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.definition.get_closest_marker("gpu") is not None:
+        metafunc.parametrize("_stage1_kernel", ["auto", "sm80"], indirect=True)
 
 # one unit in the last place, relative, of each score dtype (and fp32 math in a different order)
 RTOL = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 1e-4}
@@ -256,8 +279,19 @@ def test_long_sequence():
                          ids=["1warp", "2warps", "4warps_scratch", "1warp_scratch"])
 def test_tile_plans(monkeypatch, plan):
     """Fewer warps per CTA (what long sequences at small G get) and block keys in the global scratch."""
+    monkeypatch.setenv(sel.KERNEL_ENV, "sm80")        # the plans are the SM80 kernel's
     monkeypatch.setattr(sel, "choose_tiles", lambda *a, **k: plan)
     for lengths, HQ, H in (([2500, 300], 2, 2), ([1800, 63], 16, 1), ([700], 8, 1)):
+        inputs = make_inputs(lengths, HQ, H, 64, torch.bfloat16)
+        run_and_check(*inputs, max(lengths))
+
+
+@pytest.mark.gpu
+def test_sm90_block_keys_in_scratch(monkeypatch):
+    """The sm_90a kernel with its block-key rows in the global scratch (very long sequences)."""
+    real = sel.smem_bytes_sm90
+    monkeypatch.setattr(sel, "smem_bytes_sm90", lambda *a: real(*a) + (1 << 30) * bool(a[-1]))
+    for lengths, HQ, H in (([2500, 300], 2, 2), ([1800, 63], 16, 1)):
         inputs = make_inputs(lengths, HQ, H, 64, torch.bfloat16)
         run_and_check(*inputs, max(lengths))
 
@@ -419,13 +453,35 @@ def test_launch_planning():
         assert smem_bytes(64, 2, 4, lgp, 64, 2, False) >= 2 * 64 * 64 * 2
 
 
+def test_kernel_choice(monkeypatch):
+    monkeypatch.delenv(sel.KERNEL_ENV, raising=False)
+    assert use_sm90_kernel((9, 0), 4) and not use_sm90_kernel((9, 0), 5) and not use_sm90_kernel((8, 0), 0)
+    assert not use_sm90_kernel((9, 0), 0, "sm80") and use_sm90_kernel((9, 0), 2, "sm90a")
+    monkeypatch.setenv(sel.KERNEL_ENV, "sm80")
+    assert not use_sm90_kernel((9, 0), 4)
+    for bad_env, cap, lgp, match in (("sm70", (9, 0), 4, "must be one of"), ("sm90a", (8, 0), 4, "capability 9.0"),
+                                     ("sm90a", (9, 0), 5, "G <= 16")):
+        monkeypatch.setenv(sel.KERNEL_ENV, bad_env)
+        with pytest.raises(ValueError, match=sel.KERNEL_ENV if match == "must be one of" else match):
+            use_sm90_kernel(cap, lgp)
+
+
+def test_sm90_launch_planning():
+    # README config (bf16, D = 128, G = 16) at 128k: block keys in shared memory, two CTAs per SM
+    assert smem_bytes_sm90(128, 2, 4, 2048, 2, True) <= 113 * 1024
+    # the layout: alignment slack + 2 Q + 2 key tiles + staging (+ block keys)
+    assert smem_bytes_sm90(64, 2, 0, 64, 2, False) == 1024 + 4 * 64 * 64 * 2 + 128 * 68 * 4
+    assert smem_bytes_sm90(64, 2, 0, 64, 4, True) == smem_bytes_sm90(64, 2, 0, 64, 4, False) + 128 * 64 * 4
+
+
 def test_every_instance_is_registered():
     from infllm_cupy import _jit
-    names = {n for ks in _jit.registered() if ks.source == sel.SOURCE for n in ks.names}
-    for dt in (torch.bfloat16, torch.float16):
-        for st in (torch.bfloat16, torch.float16, torch.float32):
-            for d in (64, 128):
-                assert sel.kernel_name(dt, st, d) in names
-    assert len(names) == 8
+    for src, sm90a in ((sel.SOURCE, False), (sel.SOURCE_SM90, True)):
+        names = {n for ks in _jit.registered() if ks.source == src and ks.sm90a == sm90a for n in ks.names}
+        for dt in (torch.bfloat16, torch.float16):
+            for st in (torch.bfloat16, torch.float16, torch.float32):
+                for d in (64, 128):
+                    assert sel.kernel_name(dt, st, d, sm90a) in names
+        assert len(names) == 8
     assert [sel._lgp(G) for G in (1, 2, 3, 4, 5, 16, 17, 24, 32, 33, 64, 65, 128)] == \
         [0, 1, 2, 2, 3, 4, 5, 5, 5, 6, 6, 7, 7]

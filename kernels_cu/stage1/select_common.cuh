@@ -1,0 +1,334 @@
+// stage1/select_common.cuh: the parts of InfLLM-v2 stage 1 that the SM80 kernel (select.cu) and the
+// sm_90a kernel (select_sm90.cu) share: score-dtype keys, visibility limits, the per-tile softmax
+// steps on mma.m16n8 accumulator fragments, the group sum (reduce-scatter), block pooling and the
+// per-token top-K. Fragments: s[mt][n][e] = (row 16 mt + g + 8 (e / 2), column 8 n + 2 c + e % 2),
+// g = lane / 4, c = lane % 4; a thread's rows rr = 2 mt + half.
+#pragma once
+#include "common/types.cuh"
+
+#define S1_TILE 64         // compressed keys per tile
+#define S1_ST 68           // staging row: [3] = carry (previous tile's column 63), [4 + c] = column c
+#define S1_FULL 0xffffffffu
+#define S1_BIG 0x7fffffff
+
+// ------------------------------------------------------------------------------------------------
+// Score dtype: scores are kept as the bit pattern of the score dtype (kind 0 = float32, 1 = bf16,
+// 2 = fp16; KT = unsigned for float32, unsigned short for the 16-bit ones), and compared through
+// order-preserving keys (key(a) < key(b) iff a < b, for non-NaN values)
+// ------------------------------------------------------------------------------------------------
+template <typename KT> struct Score;
+template <> struct Score<unsigned short> {
+    static constexpr int KEY_BITS = 16;
+    static __device__ __forceinline__ unsigned short bits(float x, int kind) {
+        return kind == 2 ? __half_as_ushort(__float2half_rn(x)) : __bfloat16_as_ushort(__float2bfloat16_rn(x));
+    }
+    static __device__ __forceinline__ float value(unsigned short b, int kind) {
+        return kind == 2 ? __half2float(__ushort_as_half(b)) : __uint_as_float((unsigned)b << 16);
+    }
+    static __device__ __forceinline__ unsigned short key(unsigned short b) {
+        const unsigned u = b;
+        return (unsigned short)((u & 0x8000u) ? (~u & 0xffffu) : (u | 0x8000u));
+    }
+    static __device__ __forceinline__ unsigned short unkey(unsigned short k) {
+        const unsigned u = k;
+        return (unsigned short)((u & 0x8000u) ? (u & 0x7fffu) : (~u & 0xffffu));
+    }
+};
+template <> struct Score<unsigned> {
+    static constexpr int KEY_BITS = 32;
+    static __device__ __forceinline__ unsigned bits(float x, int) { return __float_as_uint(x); }
+    static __device__ __forceinline__ float value(unsigned b, int) { return __uint_as_float(b); }
+    static __device__ __forceinline__ unsigned key(unsigned b) { return (b & 0x80000000u) ? ~b : (b | 0x80000000u); }
+    static __device__ __forceinline__ unsigned unkey(unsigned k) { return (k & 0x80000000u) ? (k & 0x7fffffffu) : ~k; }
+};
+template <typename KT>
+__device__ __forceinline__ float round_score(float x, int kind) { return Score<KT>::value(Score<KT>::bits(x, kind), kind); }
+template <typename KT>
+__device__ __forceinline__ KT score_key(float x, int kind) { return Score<KT>::key(Score<KT>::bits(x, kind)); }
+
+// 16-bit keys are read two per 32-bit word (key 2w in the low half, 2w+1 in the high half).
+// Number of keys in `w` that are >= c (resp. > c).
+__device__ __forceinline__ unsigned count_ge(unsigned w, unsigned c, unsigned short*) {
+    return (unsigned)(w >= (c << 16)) + (unsigned)((w << 16) >= (c << 16));
+}
+__device__ __forceinline__ unsigned count_gt(unsigned w, unsigned c, unsigned short*) {
+    return (unsigned)(w > ((c << 16) | 0xffffu)) + (unsigned)((w << 16) > (c << 16));
+}
+__device__ __forceinline__ unsigned count_ge(unsigned w, unsigned c, unsigned*) { return (unsigned)(w >= c); }
+__device__ __forceinline__ unsigned count_gt(unsigned w, unsigned c, unsigned*) { return (unsigned)(w > c); }
+
+// Visible compressed keys of query row r (spec 4.3, mask.h of the original); C truncating division.
+__device__ __forceinline__ int vis_limit(int r, int s, int n, int Lq, int causal) {
+    if (!causal) return n;
+    const int lim = (r + 1) / s - 1 + n - (Lq - s + 1) / s;
+    return min(n, max(0, lim));
+}
+
+// Sum over the lanes that differ in bits 2 .. 2+LV-1 (the low LV bits of the accumulator row g =
+// lane / 4), scattering the result: v holds 16 values v[2n + e] = column 8n + 2(lane%4) + e; after
+// the call v[0 .. 16 >> LV) holds the sums of n-tiles n0 .. n0 + (8 >> LV), n0 = (g % 2^LV) * (8 >> LV).
+template <int LV, int STEP = 0>
+__device__ __forceinline__ void reduce_scatter(float (&v)[16], int lane) {
+    if constexpr (STEP < LV) {
+        constexpr int k = LV - 1 - STEP;       // reduces g bit k (lane bit 2 + k)
+        constexpr int half = 8 >> STEP;        // values kept
+        // lanes with the bit set keep the upper half; the selects are bit masks so that the compiler
+        // never turns them into a select of addresses (which would put v in local memory)
+        const unsigned up = 0u - ((lane >> (2 + k)) & 1u);
+#pragma unroll
+        for (int i = 0; i < half; ++i) {
+            const unsigned lo = __float_as_uint(v[i]), hi = __float_as_uint(v[i + half]);
+            const float send = __uint_as_float((lo & up) | (hi & ~up));
+            const float keep = __uint_as_float((hi & up) | (lo & ~up));
+            v[i] = keep + __shfl_xor_sync(S1_FULL, send, 4 << k);
+        }
+        reduce_scatter<LV, STEP + 1>(v, lane);
+    }
+}
+
+// The per-token top-K over a block-key row `row` (olp keys, out_len real, padding keys 0).
+template <typename key_t>
+__device__ __forceinline__ void select_row(key_t* row, int olp, int K, int qb, int lane, int* __restrict__ out) {
+    constexpr int KPW = 4 / sizeof(key_t);                    // keys per 32-bit word
+    constexpr int BITS = Score<key_t>::KEY_BITS;
+    const unsigned* words = reinterpret_cast<const unsigned*>(row);
+    const int nwords = olp / KPW;                             // a multiple of 32
+    key_t* tag = nullptr;
+    // K-th largest key: the largest T with #(key >= T) >= K, one bit at a time from the top
+    unsigned T = 0;
+#pragma unroll 1
+    for (int bit = BITS - 1; bit >= 0; --bit) {
+        const unsigned cand = T | (1u << bit);
+        unsigned cnt = 0;
+#pragma unroll 4
+        for (int x = lane; x < nwords; x += 32) cnt += count_ge(words[x], cand, tag);
+        cnt = __reduce_add_sync(S1_FULL, cnt);
+        if (cnt >= (unsigned)K) T = cand;
+    }
+    unsigned gt = 0;
+#pragma unroll 4
+    for (int x = lane; x < nwords; x += 32) gt += count_gt(words[x], T, tag);
+    const int need = K - (int)__reduce_add_sync(S1_FULL, gt); // ties at T to take, lowest index first
+    // ascending sweep; keys in index order: lane-major, low half first
+    const unsigned lt = (1u << lane) - 1u;
+    int eq_seen = 0, taken = 0;
+#pragma unroll 1
+    for (int base = 0; base < nwords && taken < K; base += 32) {
+        const unsigned w = words[base + lane];
+        unsigned kk[KPW];
+        if (KPW == 2) { kk[0] = w & 0xffffu; kk[KPW - 1] = w >> 16; } else { kk[0] = w; }
+        bool eq[KPW], tk[KPW];
+        unsigned be[KPW], bt[KPW];
+        int below = 0;
+#pragma unroll
+        for (int x = 0; x < KPW; ++x) {
+            eq[x] = kk[x] == T;
+            be[x] = __ballot_sync(S1_FULL, eq[x]);
+            below += __popc(be[x] & lt);
+        }
+        int rank = eq_seen + below;
+#pragma unroll
+        for (int x = 0; x < KPW; ++x) {
+            tk[x] = kk[x] > T || (eq[x] && rank < need);
+            rank += eq[x];
+            eq_seen += __popc(be[x]);
+        }
+        int pos = taken;
+#pragma unroll
+        for (int x = 0; x < KPW; ++x) {
+            bt[x] = __ballot_sync(S1_FULL, tk[x]);
+            pos += __popc(bt[x] & lt);
+        }
+#pragma unroll
+        for (int x = 0; x < KPW; ++x) {
+            const int j = (base + lane) * KPW + x;
+            if (tk[x]) out[pos] = j > qb ? -1 : j;
+            pos += tk[x];
+            taken += __popc(bt[x]);
+        }
+    }
+}
+
+// Pass 2, after the probabilities: sum each token's rows (s holds this thread's MT m-tiles x 8 n-tiles)
+// and write the tile's 64 token columns, rounded to the score dtype (-inf past n1), to the token's
+// staging row; GP >= 64 (nwt > 1) writes unrounded per-warp partial sums to sP instead.
+//   LG <= 3: an m-tile holds 16 / GP tokens; rows g and g + 8 are different tokens
+//   LG == 4: an m-tile is one token;  LG == 5 (MT = 2 only): the warp's 32 rows belong to one token
+// tfirst is the warp's first token; its m-tiles hold consecutive rows.
+template <typename KT, int LG, int MT>
+__device__ __forceinline__ void stage_tokens(float (&s)[MT][8][4], float* __restrict__ sT, float* __restrict__ sP,
+                                             int warp, int lane, int tfirst, int nwt, int kb, int n1, int kind) {
+    static_assert(LG <= 4 || MT == 2, "a token of 32 rows needs both m-tiles of the warp");
+    const int g = lane >> 2, c = lane & 3;
+    if (LG >= 4) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int n = 0; n < 8; ++n) { s[mt][n][0] += s[mt][n][2]; s[mt][n][1] += s[mt][n][3]; }
+    }
+    if (LG == 5) {
+#pragma unroll
+        for (int n = 0; n < 8; ++n) { s[0][n][0] += s[MT - 1][n][0]; s[0][n][1] += s[MT - 1][n][1]; }
+    }
+    constexpr int NVEC = LG == 5 ? 1 : LG == 4 ? MT : 2 * MT;   // (m-tile, half) vectors left
+    constexpr int LV = LG < 3 ? LG : 3;                  // butterfly levels over g
+    constexpr int NN = 8 >> LV;                          // n-tiles kept per lane
+    const int n0 = (g & ((1 << LV) - 1)) * NN;
+#pragma unroll
+    for (int vi = 0; vi < NVEC; ++vi) {
+        const int mt = LG <= 3 ? vi >> 1 : LG == 4 ? vi : 0, hf = LG <= 3 ? vi & 1 : 0;
+        float v[16];
+#pragma unroll
+        for (int n = 0; n < 8; ++n) { v[2 * n] = s[mt][n][2 * hf]; v[2 * n + 1] = s[mt][n][2 * hf + 1]; }
+        reduce_scatter<LV>(v, lane);
+        const int tw = LG <= 3 ? tfirst + mt * (16 >> LG) + hf * (8 >> LG) + (g >> LG) : LG == 4 ? tfirst + mt : tfirst;
+#pragma unroll
+        for (int i = 0; i < NN; ++i) {
+            const int col = 8 * (n0 + i) + 2 * c;
+            if (LG == 5 && nwt > 1) {
+                *reinterpret_cast<float2*>(sP + warp * 64 + col) = make_float2(v[2 * i], v[2 * i + 1]);
+            } else {
+                const float a = kb + col < n1 ? round_score<KT>(v[2 * i], kind) : -INFLLM_INF;
+                const float b = kb + col + 1 < n1 ? round_score<KT>(v[2 * i + 1], kind) : -INFLLM_INF;
+                *reinterpret_cast<float2*>(sT + tw * S1_ST + 4 + col) = make_float2(a, b);
+            }
+        }
+    }
+}
+
+// Pass 1 on one tile of coarse scores: online max and sum per row over the keys below lim2.
+template <int MT>
+__device__ __forceinline__ void coarse_update(float (&s)[MT][8][4], const int (&lim2)[2 * MT], float (&m_run)[2 * MT],
+                                              float (&z_run)[2 * MT], int kb, int c, float sl2) {
+    int mn = S1_BIG;
+#pragma unroll
+    for (int rr = 0; rr < 2 * MT; ++rr) mn = min(mn, lim2[rr]);
+    if (__any_sync(S1_FULL, mn < kb + S1_TILE)) {     // only the tiles at some row's visibility limit
+#pragma unroll
+        for (int rr = 0; rr < 2 * MT; ++rr)
+#pragma unroll
+            for (int n = 0; n < 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    if (kb + 8 * n + 2 * c + e >= lim2[rr]) s[rr >> 1][n][2 * (rr & 1) + e] = -INFLLM_INF;
+    }
+#pragma unroll
+    for (int rr = 0; rr < 2 * MT; ++rr) {
+        const int mt = rr >> 1, e0 = 2 * (rr & 1);
+        float mx = -INFLLM_INF;
+#pragma unroll
+        for (int n = 0; n < 8; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][e0], s[mt][n][e0 + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(S1_FULL, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(S1_FULL, mx, 2));
+        const float m_new = fmaxf(m_run[rr], mx);
+        const float m_use = m_new == -INFLLM_INF ? 0.f : m_new * sl2;   // all masked so far
+        const float alpha = exp2f(fmaf(m_run[rr], sl2, -m_use));
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) sum += exp2f(fmaf(s[mt][n][e0 + e], sl2, -m_use));
+        z_run[rr] = fmaf(z_run[rr], alpha, sum);
+        m_run[rr] = m_new;
+    }
+}
+
+// After the last coarse tile: p = exp2(s * sl2 - bias) = exp(scale (s - m)) / Z for every row.
+template <int NR>
+__device__ __forceinline__ void coarse_bias(const float (&z_run)[NR], const float (&m_run)[NR], const int (&lim1)[NR],
+                                            float (&bias)[NR], float sl2) {
+#pragma unroll
+    for (int rr = 0; rr < NR; ++rr) {
+        float z = z_run[rr];
+        z += __shfl_xor_sync(S1_FULL, z, 1);
+        z += __shfl_xor_sync(S1_FULL, z, 2);
+        bias[rr] = lim1[rr] != S1_BIG ? fmaf(m_run[rr], sl2, log2f(z)) : INFLLM_INF;
+    }
+}
+
+// Pass 2 on one tile of fine scores: probabilities, 0 at keys at or past lim1.
+template <int MT>
+__device__ __forceinline__ void fine_probs(float (&s)[MT][8][4], const int (&lim1)[2 * MT], const float (&bias)[2 * MT],
+                                           int kb, int c, float sl2) {
+    int mn = S1_BIG;
+#pragma unroll
+    for (int rr = 0; rr < 2 * MT; ++rr) mn = min(mn, lim1[rr]);
+    const bool need = __any_sync(S1_FULL, mn < kb + S1_TILE);
+#pragma unroll
+    for (int rr = 0; rr < 2 * MT; ++rr)
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float& x = s[rr >> 1][n][2 * (rr & 1) + e];
+                x = exp2f(fmaf(x, sl2, -bias[rr]));
+            }
+    if (need) {                 // only the tiles at some row's visibility limit
+#pragma unroll
+        for (int rr = 0; rr < 2 * MT; ++rr)
+#pragma unroll
+            for (int n = 0; n < 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    if (kb + 8 * n + 2 * c + e >= lim1[rr]) s[rr >> 1][n][2 * (rr & 1) + e] = 0.f;
+    }
+}
+
+// One warp's tokens tfirst .. tfirst + tpw - 1 after their staging rows hold fine tile `kb / 64`:
+// the inspection scores of the tile, the tile's 16 block keys (block jl = max over staging
+// [3 + 4 jl, 8 + 4 jl) = columns [4 jl - 1, 4 jl + 4)), and the carry of column 63 to the next tile.
+// bs0 + tok * olp is token tok's block-key row; score_row0 is the scores row of the CTA's token 0.
+template <typename KT>
+__device__ __forceinline__ void pool_tile(float* __restrict__ sT, KT* __restrict__ bs0, int olp, KT* __restrict__ scores,
+                                          int64 score_row0, int max_n1, int tfirst, int tpw, int ntok, int kb,
+                                          int n1, int out_len, int lane, int kind) {
+    __syncwarp();
+    if (scores != nullptr) {
+        for (int i = lane; i < tpw * 64; i += 32) {
+            const int tok = tfirst + (i >> 6), col = i & 63, cg = kb + col;
+            if (tok < ntok && cg < max_n1)
+                scores[(score_row0 + tok) * max_n1 + cg] = Score<KT>::bits(cg < n1 ? sT[tok * S1_ST + 4 + col] : 0.f, kind);
+        }
+    }
+    const int jb = kb / 4;
+    for (int i = lane; i < tpw * 16; i += 32) {
+        const int tok = tfirst + (i >> 4), jl = i & 15;
+        const float* st = sT + tok * S1_ST;
+        const float4 o = *reinterpret_cast<const float4*>(st + 4 + 4 * jl);
+        const float mx = fmaxf(fmaxf(fmaxf(o.x, o.y), fmaxf(o.z, o.w)), st[3 + 4 * jl]);
+        if (tok < ntok && jb + jl < out_len) bs0[(int64)tok * olp + jb + jl] = score_key<KT>(mx, kind);
+    }
+    __syncwarp();
+    for (int i = lane; i < tpw; i += 32) sT[(tfirst + i) * S1_ST + 3] = sT[(tfirst + i) * S1_ST + 67];
+}
+
+// After the last tile, one warp per token: complete its block-key row (the tail no tile reached,
+// padding, forced init and local blocks), write the inspection block scores, take the top-K.
+//   row: the token's olp block keys, [0, jt) pooled by the tiles; carry: pooled column 64 nf - 1
+//   (-inf when no fine tile ran); off_bq / qb: the token's own block for forcing / for the -1 tail
+template <typename KT>
+__device__ __forceinline__ void finish_token(KT* row, int jt, float carry, int off_bq, int qb, int n1, int olp,
+                                             int out_len, int init_blocks, int local_blocks, int K,
+                                             KT* __restrict__ block_scores, int64 trow, int* __restrict__ topk_idx,
+                                             int lane, int kind) {
+    const KT key_inf = score_key<KT>(INFLLM_INF, kind), key_zero = score_key<KT>(0.f, kind);
+    const KT key_ninf = score_key<KT>(-INFLLM_INF, kind), key_carry = score_key<KT>(carry, kind);
+    // blocks [0, jt) were pooled in the tile loop; only the tail and the forced blocks change
+    for (int j = jt + lane; j < olp; j += 32) {
+        KT k = 0;                               // padding: below every real key, never selected
+        if (j < out_len) {
+            // columns >= 64 nf are invisible to every token of the CTA: 0 where they exist
+            const KT own = 4 * j < n1 ? key_zero : key_ninf;
+            const KT prev = j == 0 ? key_ninf : j == jt ? key_carry : (4 * j - 1 < n1 ? key_zero : key_ninf);
+            k = own > prev ? own : prev;
+        }
+        row[j] = k;
+    }
+    __syncwarp();                               // forced blocks overwrite tail values of other lanes
+    for (int j = lane; j < min(init_blocks, out_len); j += 32) row[j] = key_inf;
+    for (int j = max(0, off_bq - local_blocks) + lane; j <= off_bq; j += 32) row[j] = key_inf;
+    __syncwarp();
+    if (block_scores != nullptr)
+        for (int j = lane; j < out_len; j += 32) block_scores[trow * out_len + j] = Score<KT>::unkey(row[j]);
+    if (K > 0) select_row(row, olp, K, qb, lane, topk_idx + trow * K);
+}

@@ -1,0 +1,212 @@
+// stage1/select_sm90.cu: InfLLM-v2 stage 1 in one kernel, Hopper (sm_90a) path. Same semantics,
+// arguments and outputs as stage1_select in select.cu (its header states them); only the shape of
+// the work differs.
+//
+// Launch contract (mirrored by infllm_cupy/stage1/select.py):
+//   kernel   stage1_select_sm90<T, KT, D>   (T, KT, D as stage1_select); capability 9.0, G <= 16
+//   grid     (n_tiles * B * H)   n_tiles = cdiv(max_seqlen_q, TOK), TOK = 128 / GP; CTA order as stage1_select
+//   block    256 (two warpgroups: 128 rows = TOK tokens x GP rows; lgp <= 4)
+//   dyn smem 1024 (alignment) + 2 * 64 * D * sizeof(T) (Q, two 64-row tiles) + 2 * 64 * D * sizeof(T)
+//            (two key tiles) + TOK * 68 * 4 (staging rows) + (bs_scratch ? 0 : TOK * olp * sizeof(KT))
+//
+// Why a second kernel: the SM80 kernel runs at ~40% issue utilisation with two warps per scheduler;
+// its warps stall on their own dependency chains (mma.sync accumulators, exp, shuffles), and 128
+// mma.sync + 32 ldmatrix per warp and tile take a fifth of its instructions. Here each warpgroup
+// computes its 64 x 64 score tile with 8 asynchronous wgmma (Q and K both read from 128-byte-
+// swizzled shared memory, so Q costs no registers), the accumulator is 32 registers per thread,
+// and the kernel fits two CTAs (16 warps) per SM. The pooling of tile u - 1 runs while the tensor
+// cores compute tile u. Warp w owns rows 16 w .. 16 w + 15 (a token at G = 16), so the softmax
+// steps, the group sum and the top-K are select_common.cuh's with one m-tile per warp.
+#include "common/types.cuh"
+#include "common/mma_sm80.cuh"
+#include "common/wgmma_sm90.cuh"
+#include "stage1/select_common.cuh"
+
+template <typename T, typename KT, int D>
+__global__ void __launch_bounds__(256, 2)
+stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* __restrict__ ck2,
+                   const int* __restrict__ cu_q, const int* __restrict__ cu_c1, const int* __restrict__ cu_c2,
+                   const int* __restrict__ cache_lens, int* __restrict__ topk_idx, KT* __restrict__ scores,
+                   KT* __restrict__ block_scores, KT* __restrict__ bs_scratch,
+                   int total_q, int HQ, int H, int G, int lgp, int B, int n_tiles, int max_seqlen_q,
+                   int out_len, int olp, int K, int max_n1, int init_blocks, int local_blocks,
+                   int quirk, int causal, int kind, int s1, int s2c, float sl2) {
+    typedef KT key_t;
+    constexpr int CH = D / 8;                 // 16-byte chunks per row
+    constexpr int MT = 1;                     // m-tiles per warp (16 rows)
+    constexpr u32 TILE = 64 * D * sizeof(T);  // one 64-row tile (Q of a warpgroup, or 64 keys)
+    constexpr u32 HALF = 64 * 128;            // bytes of one 64-row, 64-element half tile
+    constexpr int NTHREADS = 256;
+    constexpr int KROWS = 64 * CH / NTHREADS; // key rows one thread copies per tile
+    extern __shared__ unsigned char smem[];
+    const u32 raw = smem_u32(smem);
+    const u32 base = (raw + 1023u) & ~1023u;  // swizzled tiles start on 1 KB boundaries
+    const u32 sQ = base, sK = sQ + 2 * TILE;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+    const int GP = 1 << lgp;
+    const int TOK = 128 >> lgp;               // tokens per CTA
+    const int h = blockIdx.x % H;
+    const int rest = blockIdx.x / H;
+    const int b = rest % B;
+    const int tile = n_tiles - 1 - rest / B;  // heaviest (last) token tiles first
+    const int qs = cu_q[b], Lq = cu_q[b + 1] - qs;
+    const int t0 = tile * TOK;
+    if (t0 >= Lq) return;
+    const int c1s = cu_c1[b], n1 = cu_c1[b + 1] - c1s;
+    const int c2s = cu_c2[b], n2 = cu_c2[b + 1] - c2s;
+    const int cache = cache_lens ? cache_lens[b] : 0;
+    const int s2 = n1 == n2 ? s1 : s2c;       // exact mode: the coarse pass walks the fine keys
+    const int ntok = min(TOK, Lq - t0);
+    const int r_hi = t0 + ntok - 1;           // visible counts grow with r: the last token bounds the tiles
+    const int l2_hi = vis_limit(r_hi, s2, n2, Lq, causal);
+    const int l1_hi = l2_hi > 0 ? vis_limit(r_hi, s1, n1, Lq, causal) : 0;
+    const int nf = (l1_hi + S1_TILE - 1) / S1_TILE;           // fine tiles
+    const int nc = nf > 0 ? (l2_hi + S1_TILE - 1) / S1_TILE : 0;
+    const int NT = nc + nf;
+
+    float* sT = reinterpret_cast<float*>(smem + (sK + 2 * TILE - raw));              // [TOK][68]
+    key_t* sB = reinterpret_cast<key_t*>(sT + TOK * S1_ST);                          // [TOK][olp]
+    const int64 score_row0 = (int64)h * total_q + qs + t0;                            // row of token 0
+    key_t* bs0 = bs_scratch ? bs_scratch + score_row0 * olp : sB;                    // token tok: bs0 + tok * olp
+
+    for (int i = tid; i < TOK; i += NTHREADS) sT[i * S1_ST + 3] = -INFLLM_INF;        // no column -1
+
+    // ---- this thread's rows rr = half: CTA row 16 warp + 8 half + g
+    const int g = lane >> 2, c = lane & 3;
+    int lim1[2], lim2[2];
+    float bias[2], m_run[2], z_run[2];
+    bool live = false;
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        const int R = warp * 16 + rr * 8 + g;
+        const int tok = R >> lgp, gh = R & (GP - 1);
+        const bool valid = tok < ntok && gh < G;
+        const int r = t0 + tok;
+        const int l2 = valid ? vis_limit(r, s2, n2, Lq, causal) : 0;
+        const int l1 = valid && l2 > 0 ? vis_limit(r, s1, n1, Lq, causal) : 0;
+        // padding rows (and rows whose token sees no coarse key) get probabilities exp2(-inf) = 0
+        lim2[rr] = valid ? l2 : S1_BIG;
+        lim1[rr] = valid && l2 > 0 ? l1 : S1_BIG;
+        bias[rr] = INFLLM_INF;
+        m_run[rr] = -INFLLM_INF;
+        z_run[rr] = 0.f;
+        live |= tok < ntok;
+    }
+    live = __any_sync(S1_FULL, live);          // the warp has a real token
+    const int tpw = 16 >> lgp;                 // tokens whose staging and pooling this warp owns
+    const int tfirst = (warp * 16) >> lgp;
+
+    if (NT > 0) {
+        // ---- Q: 128 rows, two 64-row swizzled tiles (one per warpgroup), resident for the whole loop
+        for (int i = tid; i < 128 * CH; i += NTHREADS) {
+            const int row = i / CH, ch = i % CH;
+            const int tok = row >> lgp, gh = row & (GP - 1);
+            const T* src = q;
+            int bytes = 0;
+            if (tok < ntok && gh < G) {
+                src = q + ((int64)(qs + t0 + tok) * HQ + (int64)h * G + gh) * D + ch * 8;
+                bytes = 16;
+            }
+            cp_async_16(sQ + (row >> 6) * TILE + swz128(row & 63, ch, 64), src, bytes);
+        }
+        cp_async_commit();
+
+        // each thread copies chunk ld_ch of key rows ld_row0 + NTHREADS / CH * i (rows 8 apart share a
+        // swizzle phase, so destinations and sources step by constants)
+        const int ld_ch = tid % CH, ld_row0 = tid / CH;
+        constexpr int RSTEP = NTHREADS / CH;
+        const int64 key_stride = (int64)H * D;
+        const u32 ld_dst0 = swz128(ld_row0, ld_ch, 64);
+        auto load_tile = [&](int u, int stage) {
+            const bool coarse = u < nc;
+            const T* src_base = coarse ? ck2 : ck1;
+            const int cs = coarse ? c2s : c1s, n = coarse ? n2 : n1;
+            const int key0 = (coarse ? u : u - nc) * S1_TILE;
+            const int rows = min(S1_TILE, n - key0);
+            const T* src = src_base + (int64)(cs + key0 + ld_row0) * key_stride + (int64)h * D + ld_ch * 8;
+            const u32 dst = sK + stage * TILE + ld_dst0;
+#pragma unroll
+            for (int i = 0; i < KROWS; ++i) {
+                const int bytes = ld_row0 + i * RSTEP < rows ? 16 : 0;
+                cp_async_16(dst + i * RSTEP * 128, bytes ? src + i * RSTEP * key_stride : src_base, bytes);
+            }
+        };
+        load_tile(0, 0);
+        cp_async_commit();
+
+        // descriptors built once; moving one by b bytes adds b >> 4 (addresses lie below 256 KB)
+        const u64 q_desc = smem_desc(sQ + wg * TILE, 16, 1024);
+        const u64 k_desc = smem_desc(sK, 16, 1024);
+        float s[MT][8][4];
+        float (&sacc)[32] = reinterpret_cast<float (&)[32]>(s);
+
+        int stage = 0;
+        int pend_kb = -1;                       // fine tile whose pooling is pending (its first key)
+#pragma unroll 1
+        for (int u = 0; u < NT; ++u) {
+            // tile u (and, at u = 0, Q) landed; every warp is done with the other stage, whose
+            // wgmma were waited on in the previous iteration: the next copy may overwrite it
+            cp_async_wait<0>();
+            fence_proxy_async();
+            __syncthreads();
+            if (u + 1 < NT) load_tile(u + 1, stage ^ 1);
+            cp_async_commit();
+            const bool fine = u >= nc;
+            const int kb = (fine ? u - nc : u) * S1_TILE;    // first key of the tile
+
+            // S = Q K^T on the tensor cores (both warpgroups, always: wgmma is warpgroup-collective)
+            const u64 kd = k_desc + ((stage * TILE) >> 4);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                const u32 koff = ((kk >> 2) * HALF + (kk & 3) * 32) >> 4;
+                wgmma_ss<T, 64>(sacc, q_desc + koff, kd + koff, kk > 0);
+            }
+            wgmma_commit();
+            // meanwhile: pool the previous fine tile from the staging rows
+            if (pend_kb >= 0 && live)
+                pool_tile<KT>(sT, bs0, olp, scores, score_row0, max_n1, tfirst, tpw, ntok, pend_kb, n1, out_len, lane, kind);
+            wgmma_wait<0>();
+            fence_regs(sacc);
+
+            if (!fine) {
+                // ---- pass 1: online max and sum over the visible coarse keys
+                if (live) coarse_update<MT>(s, lim2, m_run, z_run, kb, c, sl2);
+                if (u == nc - 1) coarse_bias(z_run, m_run, lim1, bias, sl2);
+                pend_kb = -1;
+            } else {
+                // ---- pass 2: fine-key probabilities, summed over each token's rows, staged
+                if (live) {
+                    fine_probs<MT>(s, lim1, bias, kb, c, sl2);
+                    switch (lgp) {   // CTA-uniform
+                        case 0: stage_tokens<KT, 0, MT>(s, sT, nullptr, warp, lane, tfirst, 1, kb, n1, kind); break;
+                        case 1: stage_tokens<KT, 1, MT>(s, sT, nullptr, warp, lane, tfirst, 1, kb, n1, kind); break;
+                        case 2: stage_tokens<KT, 2, MT>(s, sT, nullptr, warp, lane, tfirst, 1, kb, n1, kind); break;
+                        case 3: stage_tokens<KT, 3, MT>(s, sT, nullptr, warp, lane, tfirst, 1, kb, n1, kind); break;
+                        default: stage_tokens<KT, 4, MT>(s, sT, nullptr, warp, lane, tfirst, 1, kb, n1, kind); break;
+                    }
+                }
+                pend_kb = kb;
+            }
+            stage ^= 1;
+        }
+        if (pend_kb >= 0 && live)
+            pool_tile<KT>(sT, bs0, olp, scores, score_row0, max_n1, tfirst, tpw, ntok, pend_kb, n1, out_len, lane, kind);
+        cp_async_wait<0>();
+    }
+    __syncthreads();                               // every token's block keys and carry are in place
+
+    // ---- per token: finish the block-key row (forced, uncomputed tail, padding), then top-K
+    const int jt = 16 * nf;                        // first block whose fine keys no token here sees
+    const int q_shift = quirk ? max_seqlen_q - Lq : 0;
+#pragma unroll 1
+    for (int tok = warp; tok < ntok; tok += NTHREADS / 32) {
+        const int r = t0 + tok;
+        const int64 trow = score_row0 + tok;
+        finish_token<KT>(bs0 + (int64)tok * olp, jt, sT[tok * S1_ST + 3], (r + cache) / 64, (r + cache + q_shift) / 64,
+                         n1, olp, out_len, init_blocks, local_blocks, K, block_scores, trow, topk_idx, lane, kind);
+        if (scores != nullptr)
+            for (int cg = 64 * nf + lane; cg < max_n1; cg += 32) scores[trow * max_n1 + cg] = Score<KT>::bits(0.f, kind);
+    }
+}
