@@ -313,8 +313,9 @@ __device__ __forceinline__ void finish_token(KT* row, int jt, float carry, int o
                                              int lane, int kind) {
     const KT key_inf = score_key<KT>(INFLLM_INF, kind), key_zero = score_key<KT>(0.f, kind);
     const KT key_ninf = score_key<KT>(-INFLLM_INF, kind), key_carry = score_key<KT>(carry, kind);
-    // blocks [0, jt) were pooled in the tile loop; only the tail and the forced blocks change
-    for (int j = jt + lane; j < olp; j += 32) {
+    // blocks [0, min(jt, out_len)) were pooled in the tile loop; the tail, the padding and the forced
+    // blocks are written here
+    for (int j = min(jt, out_len) + lane; j < olp; j += 32) {
         KT k = 0;                               // padding: below every real key, never selected
         if (j < out_len) {
             // columns >= 64 nf are invisible to every token of the CTA: 0 where they exist
