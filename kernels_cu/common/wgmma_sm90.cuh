@@ -25,6 +25,13 @@ __device__ __forceinline__ u64 smem_desc(u32 addr, u32 lbo_bytes, u32 sbo_bytes)
            ((u64)((sbo_bytes & 0x3FFFF) >> 4) << 32) | (1ull << 62);
 }
 
+// A descriptor from its 32-bit halves (lets callers move the start address with 32-bit adds).
+__device__ __forceinline__ u64 desc_of(u32 lo, u32 hi) {
+    u64 d;
+    asm("mov.b64 %0, {%1, %2};" : "=l"(d) : "r"(lo), "r"(hi));
+    return d;
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>

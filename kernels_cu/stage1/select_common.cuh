@@ -296,7 +296,7 @@ __device__ __forceinline__ void pool_tile(float* __restrict__ sT, KT* __restrict
         const float* st = sT + tok * S1_ST;
         const float4 o = *reinterpret_cast<const float4*>(st + 4 + 4 * jl);
         const float mx = fmaxf(fmaxf(fmaxf(o.x, o.y), fmaxf(o.z, o.w)), st[3 + 4 * jl]);
-        if (tok < ntok && jb + jl < out_len) bs0[(int64)tok * olp + jb + jl] = score_key<KT>(mx, kind);
+        if (tok < ntok && jb + jl < out_len) (bs0 + (int64)tok * olp)[jb + jl] = score_key<KT>(mx, kind);
     }
     __syncwarp();
     for (int i = lane; i < tpw; i += 32) sT[(tfirst + i) * S1_ST + 3] = sT[(tfirst + i) * S1_ST + 67];

@@ -116,7 +116,7 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
         // swizzle phase, so destinations and sources step by constants)
         const int ld_ch = tid % CH, ld_row0 = tid / CH;
         constexpr int RSTEP = NTHREADS / CH;
-        const int64 key_stride = (int64)H * D;
+        const int64 key_stride = (int64)H * D, row_step = RSTEP * key_stride;
         const u32 ld_dst0 = swz128(ld_row0, ld_ch, 64);
         auto load_tile = [&](int u, int stage) {
             const bool coarse = u < nc;
@@ -127,17 +127,24 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
             const T* src = src_base + (int64)(cs + key0 + ld_row0) * key_stride + (int64)h * D + ld_ch * 8;
             const u32 dst = sK + stage * TILE + ld_dst0;
 #pragma unroll
-            for (int i = 0; i < KROWS; ++i) {
+            for (int i = 0; i < KROWS; ++i, src += row_step) {
                 const int bytes = ld_row0 + i * RSTEP < rows ? 16 : 0;
-                cp_async_16(dst + i * RSTEP * 128, bytes ? src + i * RSTEP * key_stride : src_base, bytes);
+                cp_async_16(dst + i * RSTEP * 128, bytes ? src : src_base, bytes);
             }
         };
         load_tile(0, 0);
         cp_async_commit();
 
-        // descriptors built once; moving one by b bytes adds b >> 4 (addresses lie below 256 KB)
-        const u64 q_desc = smem_desc(sQ + wg * TILE, 16, 1024);
-        const u64 k_desc = smem_desc(sK, 16, 1024);
+        // descriptors built once, as 32-bit halves: moving one by b bytes adds b >> 4 to the low half
+        // (the start-address field; addresses lie below 256 KB, so nothing carries out of it)
+        const u64 q_desc = smem_desc(sQ + wg * TILE, 16, 1024), k_desc = smem_desc(sK, 16, 1024);
+        const u32 q_lo = (u32)q_desc, k_lo = (u32)k_desc, desc_hi = (u32)(k_desc >> 32);
+        // block keys in shared memory or in the global scratch: two call sites, so that the shared
+        // one compiles to shared-memory loads and stores (a generic pointer costs 64-bit math)
+        auto pool = [&](int kb) {
+            if (bs_scratch) pool_tile<KT>(sT, bs0, olp, scores, score_row0, max_n1, tfirst, tpw, ntok, kb, n1, out_len, lane, kind);
+            else pool_tile<KT>(sT, sB, olp, scores, score_row0, max_n1, tfirst, tpw, ntok, kb, n1, out_len, lane, kind);
+        };
         float s[MT][8][4];
         float (&sacc)[32] = reinterpret_cast<float (&)[32]>(s);
 
@@ -156,17 +163,16 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
             const int kb = (fine ? u - nc : u) * S1_TILE;    // first key of the tile
 
             // S = Q K^T on the tensor cores (both warpgroups, always: wgmma is warpgroup-collective)
-            const u64 kd = k_desc + ((stage * TILE) >> 4);
+            const u32 kd = k_lo + ((stage * TILE) >> 4);
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) {
                 const u32 koff = ((kk >> 2) * HALF + (kk & 3) * 32) >> 4;
-                wgmma_ss<T, 64>(sacc, q_desc + koff, kd + koff, kk > 0);
+                wgmma_ss<T, 64>(sacc, desc_of(q_lo + koff, desc_hi), desc_of(kd + koff, desc_hi), kk > 0);
             }
             wgmma_commit();
             // meanwhile: pool the previous fine tile from the staging rows
-            if (pend_kb >= 0 && live)
-                pool_tile<KT>(sT, bs0, olp, scores, score_row0, max_n1, tfirst, tpw, ntok, pend_kb, n1, out_len, lane, kind);
+            if (pend_kb >= 0 && live) pool(pend_kb);
             wgmma_wait<0>();
             fence_regs(sacc);
 
@@ -191,8 +197,7 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
             }
             stage ^= 1;
         }
-        if (pend_kb >= 0 && live)
-            pool_tile<KT>(sT, bs0, olp, scores, score_row0, max_n1, tfirst, tpw, ntok, pend_kb, n1, out_len, lane, kind);
+        if (pend_kb >= 0 && live) pool(pend_kb);
         cp_async_wait<0>();
     }
     __syncthreads();                               // every token's block keys and carry are in place
@@ -204,8 +209,14 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
     for (int tok = warp; tok < ntok; tok += NTHREADS / 32) {
         const int r = t0 + tok;
         const int64 trow = score_row0 + tok;
-        finish_token<KT>(bs0 + (int64)tok * olp, jt, sT[tok * S1_ST + 3], (r + cache) / 64, (r + cache + q_shift) / 64,
-                         n1, olp, out_len, init_blocks, local_blocks, K, block_scores, trow, topk_idx, lane, kind);
+        const float carry = sT[tok * S1_ST + 3];
+        const int off_bq = (r + cache) / 64, qb = (r + cache + q_shift) / 64;
+        if (bs_scratch)
+            finish_token<KT>(bs0 + (int64)tok * olp, jt, carry, off_bq, qb, n1, olp, out_len, init_blocks, local_blocks, K, block_scores,
+                             trow, topk_idx, lane, kind);
+        else
+            finish_token<KT>(sB + tok * olp, jt, carry, off_bq, qb, n1, olp, out_len, init_blocks, local_blocks, K,
+                             block_scores, trow, topk_idx, lane, kind);
         if (scores != nullptr)
             for (int cg = 64 * nf + lane; cg < max_n1; cg += 32) scores[trow * max_n1 + cg] = Score<KT>::bits(0.f, kind);
     }
