@@ -145,6 +145,8 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
             if (bs_scratch) pool_tile<KT>(sT, bs0, olp, scores, score_row0, max_n1, tfirst, tpw, ntok, kb, n1, out_len, lane, kind);
             else pool_tile<KT>(sT, sB, olp, scores, score_row0, max_n1, tfirst, tpw, ntok, kb, n1, out_len, lane, kind);
         };
+        float carry = -INFLLM_INF;              // G16 path: the previous tile's column 63
+        KT* srow = scores != nullptr ? scores + (score_row0 + tfirst) * max_n1 : nullptr;
         float s[MT][8][4];
         float (&sacc)[32] = reinterpret_cast<float (&)[32]>(s);
 
@@ -190,14 +192,18 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
                         case 1: stage_tokens<KT, 1, MT>(s, sT, nullptr, warp, lane, tfirst, 1, kb, n1, kind); break;
                         case 2: stage_tokens<KT, 2, MT>(s, sT, nullptr, warp, lane, tfirst, 1, kb, n1, kind); break;
                         case 3: stage_tokens<KT, 3, MT>(s, sT, nullptr, warp, lane, tfirst, 1, kb, n1, kind); break;
-                        default: stage_tokens<KT, 4, MT>(s, sT, nullptr, warp, lane, tfirst, 1, kb, n1, kind); break;
+                        default:    // one token per warp: sum and pool in registers, no staging row
+                            if (bs_scratch) sum_pool_token16<KT>(s, carry, bs0 + (int64)tfirst * olp, srow, max_n1, kb, n1, out_len, lane, kind);
+                            else sum_pool_token16<KT>(s, carry, sB + tfirst * olp, srow, max_n1, kb, n1, out_len, lane, kind);
+                            break;
                     }
                 }
-                pend_kb = kb;
+                pend_kb = lgp == 4 ? -1 : kb;
             }
             stage ^= 1;
         }
         if (pend_kb >= 0 && live) pool(pend_kb);
+        if (lgp == 4 && live && lane == 0) sT[tfirst * S1_ST + 3] = carry;    // for the finish below
         cp_async_wait<0>();
     }
     __syncthreads();                               // every token's block keys and carry are in place
@@ -205,6 +211,7 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
     // ---- per token: finish the block-key row (forced, uncomputed tail, padding), then top-K
     const int jt = 16 * nf;                        // first block whose fine keys no token here sees
     const int q_shift = quirk ? max_seqlen_q - Lq : 0;
+    unsigned* hist = reinterpret_cast<unsigned*>(smem + (sQ - raw)) + warp * 256;   // top-K histogram: the tiles are free now
 #pragma unroll 1
     for (int tok = warp; tok < ntok; tok += NTHREADS / 32) {
         const int r = t0 + tok;
@@ -213,10 +220,10 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
         const int off_bq = (r + cache) / 64, qb = (r + cache + q_shift) / 64;
         if (bs_scratch)
             finish_token<KT>(bs0 + (int64)tok * olp, jt, carry, off_bq, qb, n1, olp, out_len, init_blocks, local_blocks, K, block_scores,
-                             trow, topk_idx, lane, kind);
+                             trow, topk_idx, hist, lane, kind);
         else
             finish_token<KT>(sB + tok * olp, jt, carry, off_bq, qb, n1, olp, out_len, init_blocks, local_blocks, K,
-                             block_scores, trow, topk_idx, lane, kind);
+                             block_scores, trow, topk_idx, hist, lane, kind);
         if (scores != nullptr)
             for (int cg = 64 * nf + lane; cg < max_n1; cg += 32) scores[trow * max_n1 + cg] = Score<KT>::bits(0.f, kind);
     }
