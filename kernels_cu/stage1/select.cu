@@ -270,13 +270,12 @@ stage1_select(const T* __restrict__ q, const T* __restrict__ ck1, const T* __res
     // ---- per token: finish the block-key row (forced, uncomputed tail, padding), then top-K
     const int jt = 16 * nf;                        // first block whose fine keys no token here sees
     const int q_shift = quirk ? max_seqlen_q - Lq : 0;
-    unsigned* hist = reinterpret_cast<unsigned*>(smem) + warp * 256;   // top-K histogram: the tiles are free now
 #pragma unroll 1
     for (int tok = warp; tok < ntok; tok += nwarps) {
         const int r = t0 + tok;
         const int64 trow = score_row0 + tok;
         finish_token<KT>(bs0 + (int64)tok * olp, jt, sT[tok * S1_ST + 3], (r + cache) / 64, (r + cache + q_shift) / 64,
-                         n1, olp, out_len, init_blocks, local_blocks, K, block_scores, trow, topk_idx, hist, lane, kind);
+                         n1, olp, out_len, init_blocks, local_blocks, K, block_scores, trow, topk_idx, lane, kind);
         if (scores != nullptr)
             for (int cg = 64 * nf + lane; cg < max_n1; cg += 32) scores[trow * max_n1 + cg] = Score<KT>::bits(0.f, kind);
     }

@@ -75,68 +75,60 @@ __device__ __forceinline__ void reduce_scatter(float (&v)[16], int lane) {
     }
 }
 
-// The per-token top-K over a block-key row `row` (olp keys, out_len real, padding keys 0). `hist`:
-// 256 words of shared memory owned by the calling warp.
-// The K-th largest key T comes from a radix select over 8-bit digits, most significant first (2
-// rounds for 16-bit keys, 4 for 32-bit): each round histograms the digit of the keys that match the
-// prefix found so far and picks the largest digit d with #(keys above) + #(digit >= d) >= K. Lanes
-// holding the same digit are merged by __match_any_sync, so each (instruction, digit) has one shared-
-// memory atomic and none collide even when most keys share a digit. (A binary search over the key bits
-// took 17 passes over the row, a tenth of the kernel at 128k tokens.)
+// Keys >= c (resp. > c) among the first nw words of a block-key row: 16-bit keys are read two per
+// 32-bit word (key 2w in the low half, 2w + 1 in the high half).
 template <typename key_t>
-__device__ __forceinline__ void select_row(key_t* row, int olp, int K, int qb, int lane, int* __restrict__ out,
-                                           unsigned* __restrict__ hist) {
-    constexpr int KPW = 4 / sizeof(key_t);                    // keys per 32-bit word
-    constexpr int BITS = Score<key_t>::KEY_BITS;
-    const unsigned* words = reinterpret_cast<const unsigned*>(row);
-    const int nwords = olp / KPW;                             // a multiple of 32
-    unsigned T = 0;                                           // the digits found so far
-    int above = 0;                                            // keys whose prefix beats T's
-#pragma unroll 1
-    for (int shift = BITS - 8; shift >= 0; shift -= 8) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) hist[lane + 32 * i] = 0;
-        __syncwarp();
-        const unsigned hi_mask = shift + 8 < BITS ? ~0u << (shift + 8) : 0u;   // digits above this one
-#pragma unroll 2
-        for (int x = lane; x < nwords; x += 32) {
-            const unsigned w = words[x];
-#pragma unroll
-            for (int e = 0; e < KPW; ++e) {
-                const unsigned k = KPW == 2 ? (e == 0 ? w & 0xffffu : w >> 16) : w;
-                const bool match = (k & hi_mask) == T;
-                const unsigned d = (k >> shift) & 255u;
-                const unsigned grp = __match_any_sync(S1_FULL, match ? d : 256u + lane);
-                if (match && lane == __ffs(grp) - 1) atomicAdd(hist + d, (unsigned)__popc(grp));
-            }
-        }
-        __syncwarp();
-        // lane l holds bins 8 l .. 8 l + 7; ge[i] = #(matching keys with digit >= 8 l + i) + above
-        unsigned cnt[8];
-        int tot = 0;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) { cnt[i] = hist[8 * lane + i]; tot += cnt[i]; }
-        int higher = tot;                                     // inclusive suffix sum over lanes >= l
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int t = __shfl_down_sync(S1_FULL, higher, o);
-            if (lane + o < 32) higher += t;
-        }
-        int ge = above + higher - tot;                        // keys with digit >= 8 (l + 1)
-        int best = -1, best_gt = 0;                           // largest qualifying bin of this lane
-#pragma unroll
-        for (int i = 7; i >= 0; --i) {
-            const int gt_i = ge;                              // keys with digit > 8 l + i
-            ge += (int)cnt[i];
-            if (best < 0 && ge >= K) { best = i; best_gt = gt_i; }
-        }
-        const unsigned qual = __ballot_sync(S1_FULL, best >= 0);   // never 0: the invariant keeps >= K keys
-        const int src = 31 - __clz(qual);                          // cnt_ge falls with the digit
-        const int d = __shfl_sync(S1_FULL, 8 * lane + best, src);
-        above = __shfl_sync(S1_FULL, best_gt, src);
-        T |= (unsigned)d << shift;
-        __syncwarp();                                         // hist is reset next round
+__device__ __forceinline__ int count_keys(const unsigned* words, int nw, unsigned c, bool strict, int lane) {
+    unsigned cnt = 0;
+    const unsigned c_ge = strict ? c + 1 : c;                  // > c is >= c + 1 (c below the key maximum)
+#pragma unroll 4
+    for (int x = lane; x < nw; x += 32) {
+        const unsigned w = words[x];
+        cnt += sizeof(key_t) == 2 ? (unsigned)(w >= (c_ge << 16)) + (unsigned)((w << 16) >= (c_ge << 16))
+                                  : (unsigned)(w >= c_ge);
     }
+    return (int)__reduce_add_sync(S1_FULL, cnt);
+}
+
+// The K-th largest key of the first nw words: the largest T with #(key >= T) >= K, one bit at a time
+// from the top; `above` = #(key > T).
+template <typename key_t>
+__device__ __forceinline__ unsigned kth_key(const unsigned* words, int nw, int K, int& above, int lane) {
+    constexpr int BITS = Score<key_t>::KEY_BITS;
+    unsigned T = 0;
+#pragma unroll 1
+    for (int bit = BITS - 1; bit >= 0; --bit) {
+        const unsigned cand = T | (1u << bit);
+        if (count_keys<key_t>(words, nw, cand, false, lane) >= K) T = cand;
+    }
+    constexpr unsigned KEY_MAX = BITS == 16 ? 0xffffu : 0xffffffffu;
+    above = T == KEY_MAX ? 0 : count_keys<key_t>(words, nw, T, true, lane);
+    return T;
+}
+
+// The per-token top-K over a block-key row `row` (olp keys, out_len real, padding keys 0): the K
+// largest (ties to the lower index), ascending, blocks above qb replaced by -1.
+// The search first runs on the prefix of jpre keys (jpre a multiple of 64, at least K and past the
+// token's own block): blocks after the token's own one are invisible to it (score 0 or -inf, or
+// padding), so for most tokens the top-K lies in the prefix, which is on average half the row. It
+// is kept when its K-th key T is >= every key after the prefix (then no later key can displace a
+// prefix key: later ties lose to lower indices); otherwise the search reruns on the whole row.
+template <typename key_t>
+__device__ __forceinline__ void select_row(key_t* row, int olp, int jpre, int K, int qb, int lane, int* __restrict__ out) {
+    constexpr int KPW = 4 / sizeof(key_t);                    // keys per 32-bit word
+    const unsigned* words = reinterpret_cast<const unsigned*>(row);
+    int nwords = olp / KPW;                                   // a multiple of 32
+    const int npre = min(jpre / KPW, nwords);                 // a multiple of 32 too
+    unsigned tail_max = 0;
+    for (int x = npre + lane; x < nwords; x += 32) {
+        const unsigned w = words[x];
+        tail_max = max(tail_max, sizeof(key_t) == 2 ? max(w & 0xffffu, w >> 16) : w);
+    }
+    tail_max = __reduce_max_sync(S1_FULL, tail_max);
+    int above;
+    unsigned T = kth_key<key_t>(words, npre, K, above, lane);
+    if (npre < nwords && T < tail_max) T = kth_key<key_t>(words, nwords, K, above, lane);
+    else nwords = npre;
     const int need = K - above;                               // ties at T to take, lowest index first
     // ascending sweep; keys in index order: lane-major, low half first
     const unsigned lt = (1u << lane) - 1u;
@@ -367,13 +359,12 @@ __device__ __forceinline__ void pool_tile(float* __restrict__ sT, KT* __restrict
 // After the last tile, one warp per token: complete its block-key row (the tail no tile reached,
 // padding, forced init and local blocks), write the inspection block scores, take the top-K.
 //   row: the token's olp block keys, [0, jt) pooled by the tiles; carry: pooled column 64 nf - 1
-//   (-inf when no fine tile ran); off_bq / qb: the token's own block for forcing / for the -1 tail;
-//   hist: 256 words of shared memory for this warp
+//   (-inf when no fine tile ran); off_bq / qb: the token's own block for forcing / for the -1 tail
 template <typename KT>
 __device__ __forceinline__ void finish_token(KT* row, int jt, float carry, int off_bq, int qb, int n1, int olp,
                                              int out_len, int init_blocks, int local_blocks, int K,
                                              KT* __restrict__ block_scores, int64 trow, int* __restrict__ topk_idx,
-                                             unsigned* __restrict__ hist, int lane, int kind) {
+                                             int lane, int kind) {
     const KT key_inf = score_key<KT>(INFLLM_INF, kind), key_zero = score_key<KT>(0.f, kind);
     const KT key_ninf = score_key<KT>(-INFLLM_INF, kind), key_carry = score_key<KT>(carry, kind);
     // blocks [0, min(jt, out_len)) were pooled in the tile loop; the tail, the padding and the forced
@@ -394,5 +385,7 @@ __device__ __forceinline__ void finish_token(KT* row, int jt, float carry, int o
     __syncwarp();
     if (block_scores != nullptr)
         for (int j = lane; j < out_len; j += 32) block_scores[trow * out_len + j] = Score<KT>::unkey(row[j]);
-    if (K > 0) select_row(row, olp, K, qb, lane, topk_idx + trow * K, hist);
+    // the search prefix: blocks up to max(own block, K - 1), rounded up to 64 keys
+    const int jpre = (max(off_bq, K - 1) / 64 + 1) * 64;
+    if (K > 0) select_row(row, olp, jpre, K, qb, lane, topk_idx + trow * K);
 }

@@ -211,7 +211,6 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
     // ---- per token: finish the block-key row (forced, uncomputed tail, padding), then top-K
     const int jt = 16 * nf;                        // first block whose fine keys no token here sees
     const int q_shift = quirk ? max_seqlen_q - Lq : 0;
-    unsigned* hist = reinterpret_cast<unsigned*>(smem + (sQ - raw)) + warp * 256;   // top-K histogram: the tiles are free now
 #pragma unroll 1
     for (int tok = warp; tok < ntok; tok += NTHREADS / 32) {
         const int r = t0 + tok;
@@ -220,10 +219,10 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
         const int off_bq = (r + cache) / 64, qb = (r + cache + q_shift) / 64;
         if (bs_scratch)
             finish_token<KT>(bs0 + (int64)tok * olp, jt, carry, off_bq, qb, n1, olp, out_len, init_blocks, local_blocks, K, block_scores,
-                             trow, topk_idx, hist, lane, kind);
+                             trow, topk_idx, lane, kind);
         else
             finish_token<KT>(sB + tok * olp, jt, carry, off_bq, qb, n1, olp, out_len, init_blocks, local_blocks, K,
-                             block_scores, trow, topk_idx, hist, lane, kind);
+                             block_scores, trow, topk_idx, lane, kind);
         if (scores != nullptr)
             for (int cg = 64 * nf + lane; cg < max_n1; cg += 32) scores[trow * max_n1 + cg] = Score<KT>::bits(0.f, kind);
     }
