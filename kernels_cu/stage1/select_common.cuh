@@ -223,18 +223,16 @@ __device__ __forceinline__ void stage_tokens(float (&s)[MT][8][4], float* __rest
 // and 2 jl + 1 and of lane 2 jl - 1's second column (for jl = 0: `carry`, column kb - 1 of the
 // previous tile, updated here to column kb + 63). row: the token's block keys; scores_row: its
 // inspection scores or null.
-// v: the tile's two rows per thread already added, v[2 n + e] = column 8 n + 2 c + e (pair_rows).
-__device__ __forceinline__ void pair_rows(const float (&s)[1][8][4], float (&v)[16]) {
+template <typename KT>
+__device__ __forceinline__ void sum_pool_token16(float (&s)[1][8][4], float& carry, KT* __restrict__ row,
+                                                 KT* __restrict__ scores_row, int max_n1, int kb, int n1, int out_len,
+                                                 int lane, int kind) {
+    float v[16];
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
         v[2 * n] = s[0][n][0] + s[0][n][2];
         v[2 * n + 1] = s[0][n][1] + s[0][n][3];
     }
-}
-template <typename KT>
-__device__ __forceinline__ void sum_pool_token16(float (&v)[16], float& carry, KT* __restrict__ row,
-                                                 KT* __restrict__ scores_row, int max_n1, int kb, int n1, int out_len,
-                                                 int lane, int kind) {
     reduce_scatter<3>(v, lane);
     const int col = kb + 2 * lane;
     const float a = col < n1 ? round_score<KT>(v[0], kind) : -INFLLM_INF;

@@ -14,8 +14,8 @@
 // mma.sync + 32 ldmatrix per warp and tile take a fifth of its instructions. Here each warpgroup
 // computes its 64 x 64 score tile with 8 asynchronous wgmma (Q and K both read from 128-byte-
 // swizzled shared memory, so Q costs no registers), the accumulator is 32 registers per thread,
-// and the kernel fits two CTAs (16 warps) per SM. The group sum and pooling of tile u - 1 run while
-// the tensor cores compute tile u. Warp w owns rows 16 w .. 16 w + 15 (a token at G = 16), so the softmax
+// and the kernel fits two CTAs (16 warps) per SM. The pooling of tile u - 1 runs while the tensor
+// cores compute tile u. Warp w owns rows 16 w .. 16 w + 15 (a token at G = 16), so the softmax
 // steps, the group sum and the top-K are select_common.cuh's with one m-tile per warp.
 #include "common/types.cuh"
 #include "common/mma_sm80.cuh"
@@ -145,15 +145,8 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
             if (bs_scratch) pool_tile<KT>(sT, bs0, olp, scores, score_row0, max_n1, tfirst, tpw, ntok, kb, n1, out_len, lane, kind);
             else pool_tile<KT>(sT, sB, olp, scores, score_row0, max_n1, tfirst, tpw, ntok, kb, n1, out_len, lane, kind);
         };
-        // G16 path: the pending tile's row-pair sums and first key, and the last pooled column
-        float vpend[16];
-        int vkb = -1;
-        float carry = -INFLLM_INF;
+        float carry = -INFLLM_INF;              // G16 path: the previous tile's column 63
         KT* srow = scores != nullptr ? scores + (score_row0 + tfirst) * max_n1 : nullptr;
-        auto sum_pool16 = [&](int kb) {
-            if (bs_scratch) sum_pool_token16<KT>(vpend, carry, bs0 + (int64)tfirst * olp, srow, max_n1, kb, n1, out_len, lane, kind);
-            else sum_pool_token16<KT>(vpend, carry, sB + tfirst * olp, srow, max_n1, kb, n1, out_len, lane, kind);
-        };
         float s[MT][8][4];
         float (&sacc)[32] = reinterpret_cast<float (&)[32]>(s);
 
@@ -180,10 +173,8 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
                 wgmma_ss<T, 64>(sacc, desc_of(q_lo + koff, desc_hi), desc_of(kd + koff, desc_hi), kk > 0);
             }
             wgmma_commit();
-            // meanwhile: pool the previous fine tile (G16: sum its rows first, in registers)
+            // meanwhile: pool the previous fine tile from the staging rows
             if (pend_kb >= 0 && live) pool(pend_kb);
-            if (vkb >= 0 && live) sum_pool16(vkb);
-            vkb = -1;
             wgmma_wait<0>();
             fence_regs(sacc);
 
@@ -201,9 +192,9 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
                         case 1: stage_tokens<KT, 1, MT>(s, sT, nullptr, warp, lane, tfirst, 1, kb, n1, kind); break;
                         case 2: stage_tokens<KT, 2, MT>(s, sT, nullptr, warp, lane, tfirst, 1, kb, n1, kind); break;
                         case 3: stage_tokens<KT, 3, MT>(s, sT, nullptr, warp, lane, tfirst, 1, kb, n1, kind); break;
-                        default:    // one token per warp: the group sum and pooling wait for the next wgmma
-                            pair_rows(s, vpend);
-                            vkb = kb;
+                        default:    // one token per warp: sum and pool in registers, no staging row
+                            if (bs_scratch) sum_pool_token16<KT>(s, carry, bs0 + (int64)tfirst * olp, srow, max_n1, kb, n1, out_len, lane, kind);
+                            else sum_pool_token16<KT>(s, carry, sB + tfirst * olp, srow, max_n1, kb, n1, out_len, lane, kind);
                             break;
                     }
                 }
@@ -212,7 +203,6 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
             stage ^= 1;
         }
         if (pend_kb >= 0 && live) pool(pend_kb);
-        if (vkb >= 0 && live) sum_pool16(vkb);
         if (lgp == 4 && live && lane == 0) sT[tfirst * S1_ST + 3] = carry;    // for the finish below
         cp_async_wait<0>();
     }
