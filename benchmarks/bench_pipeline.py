@@ -6,8 +6,8 @@ r"""InfLLM-v2 end to end (compression -> stage 1 -> top-k -> stage 2) against de
 
 Rows (impl), all forward under `no_grad`, on the same seeded bf16 inputs:
     selection   compression + stage 1 + top-k: `pipeline.select_blocks` with the stages `stages_for`
-                picks for `--backend` (CUDA today: compression kernel, stage-1 PyTorch reference), only
-                `topk_idx` returned (as the pipeline runs it without `return_aux`)
+                picks for `--backend` (CUDA: the compression and stage-1 kernels), only `topk_idx`
+                returned (as the pipeline runs it without `return_aux`)
     stage2      stage 2 alone (`stages_for(...)["sparse_attn"]`) on the pipeline's own `topk_idx`
     pipeline    `infllmv2_attention` (sparse path, `dense_len = 0`): selection + stage 2 + host glue
     sdpa_cudnn  torch SDPA dense causal, cuDNN backend, `[B, HQ, T, D]`, enable_gqa
