@@ -80,31 +80,15 @@ stage1_select(const T* __restrict__ q, const T* __restrict__ ck1, const T* __res
     const int LG = min(lgp, 5);
     const int TOK = (32 * nwarps) >> lgp;     // tokens per CTA
     const int nwt = GP > 32 ? GP >> 5 : 1;    // warps per token
-    const int h = blockIdx.x % H;
-    const int rest = blockIdx.x / H;
-    const int b = rest % B;
-    const int tile = n_tiles - 1 - rest / B;  // heaviest (last) token tiles first
-    const int qs = cu_q[b], Lq = cu_q[b + 1] - qs;
-    const int t0 = tile * TOK;
-    if (t0 >= Lq) return;
-    const int c1s = cu_c1[b], n1 = cu_c1[b + 1] - c1s;
-    const int c2s = cu_c2[b], n2 = cu_c2[b + 1] - c2s;
-    const int cache = cache_lens ? cache_lens[b] : 0;
-    const int s2 = n1 == n2 ? s1 : s2c;       // exact mode: the coarse pass walks the fine keys
-    const int ntok = min(TOK, Lq - t0);
-    // visible counts grow with r: the CTA's last token bounds the tiles
-    const int r_hi = t0 + ntok - 1;
-    const int l2_hi = vis_limit(r_hi, s2, n2, Lq, causal);
-    const int l1_hi = l2_hi > 0 ? vis_limit(r_hi, s1, n1, Lq, causal) : 0;
-    const int nf = (l1_hi + S1_TILE - 1) / S1_TILE;           // fine tiles
-    const int nc = nf > 0 ? (l2_hi + S1_TILE - 1) / S1_TILE : 0;
-    const int NT = nc + nf;
+    S1Cta w;
+    if (!s1_cta(w, TOK, H, B, n_tiles, cu_q, cu_c1, cu_c2, cache_lens, s1, s2c, causal)) return;
+    const int NT = w.nc + w.nf;
 
     T* sK = reinterpret_cast<T*>(smem);                                               // [2][64 * D]
     float* sT = reinterpret_cast<float*>(smem + 2 * S1_TILE * D * sizeof(T));         // [TOK][68]
     float* sP = sT + TOK * S1_ST;                                                     // [nwarps][64]
     key_t* sB = reinterpret_cast<key_t*>(sP + (LG == 5 ? nwarps * 64 : 0));           // [TOK][olp]
-    const int64 score_row0 = (int64)h * total_q + qs + t0;                            // row of token 0
+    const int64 score_row0 = (int64)w.h * total_q + w.qs + w.t0;                      // row of token 0
     key_t* bs0 = bs_scratch ? bs_scratch + score_row0 * olp : sB;                    // token tok: bs0 + tok * olp
 
     for (int i = tid; i < TOK; i += nthreads) sT[i * S1_ST + 3] = -INFLLM_INF;        // no column -1
@@ -115,22 +99,9 @@ stage1_select(const T* __restrict__ q, const T* __restrict__ ck1, const T* __res
     float bias[4], m_run[4], z_run[4];
     bool live = false;
 #pragma unroll
-    for (int rr = 0; rr < 4; ++rr) {
-        const int R = warp * 32 + (rr >> 1) * 16 + (rr & 1) * 8 + g;
-        const int tok = R >> lgp, gh = R & (GP - 1);
-        const bool valid = tok < ntok && gh < G;
-        const int r = t0 + tok;
-        const int l2 = valid ? vis_limit(r, s2, n2, Lq, causal) : 0;
-        const int l1 = valid && l2 > 0 ? vis_limit(r, s1, n1, Lq, causal) : 0;
-        // rows that are padding (or whose token sees no coarse key) are not masked: their
-        // probabilities are exp2(-inf) = 0 through bias = +inf
-        lim2[rr] = valid ? l2 : S1_BIG;
-        lim1[rr] = valid && l2 > 0 ? l1 : S1_BIG;
-        bias[rr] = INFLLM_INF;
-        m_run[rr] = -INFLLM_INF;
-        z_run[rr] = 0.f;
-        live |= tok < ntok;
-    }
+    for (int rr = 0; rr < 4; ++rr)
+        live |= s1_row_init(w, warp * 32 + (rr >> 1) * 16 + (rr & 1) * 8 + g, lgp, G, s1, causal, lim1[rr], lim2[rr],
+                            bias[rr], m_run[rr], z_run[rr]);
     live = __any_sync(S1_FULL, live);          // the warp has a real token
 
     // tokens whose staging and pooling this warp owns (GP >= 64: the first warp of the token)
@@ -146,8 +117,8 @@ stage1_select(const T* __restrict__ q, const T* __restrict__ ck1, const T* __res
             const int tok = row >> lgp, gh = row & (GP - 1);
             const T* src = q;
             int bytes = 0;
-            if (tok < ntok && gh < G) {
-                src = q + ((int64)(qs + t0 + tok) * HQ + (int64)h * G + gh) * D + ch * 8;
+            if (tok < w.ntok && gh < G) {
+                src = q + ((int64)(w.qs + w.t0 + tok) * HQ + (int64)w.h * G + gh) * D + ch * 8;
                 bytes = 16;
             }
             cp_async_16(smem_u32(sK + swz<D>(row, ch) * 8), src, bytes);
@@ -175,12 +146,12 @@ stage1_select(const T* __restrict__ q, const T* __restrict__ ck1, const T* __res
         const int ld_ch = tid % CH, ld_row0 = tid / CH, ld_rstep = nthreads / CH;
         const int64 key_stride = (int64)H * D;                 // elements between consecutive keys
         auto load_tile = [&](int u, int stage) {
-            const bool coarse = u < nc;
+            const bool coarse = u < w.nc;
             const T* base = coarse ? ck2 : ck1;
-            const int cs = coarse ? c2s : c1s, n = coarse ? n2 : n1;
-            const int key0 = (coarse ? u : u - nc) * S1_TILE;
+            const int cs = coarse ? w.c2s : w.c1s, n = coarse ? w.n2 : w.n1;
+            const int key0 = (coarse ? u : u - w.nc) * S1_TILE;
             const int rows = min(S1_TILE, n - key0);           // keys of the tile that exist
-            const T* src = base + (int64)(cs + key0 + ld_row0) * key_stride + (int64)h * D + ld_ch * 8;
+            const T* src = base + (int64)(cs + key0 + ld_row0) * key_stride + (int64)w.h * D + ld_ch * 8;
             const u32 dst = sKa + stage * (S1_TILE * D * (int)sizeof(T));
 #pragma unroll 4
             for (int row = ld_row0; row < S1_TILE; row += ld_rstep, src += ld_rstep * key_stride) {
@@ -200,8 +171,8 @@ stage1_select(const T* __restrict__ q, const T* __restrict__ ck1, const T* __res
             __syncthreads();
             if (u + 1 < NT) load_tile(u + 1, stage ^ 1);
             cp_async_commit();
-            const bool fine = u >= nc;
-            const int kb = (fine ? u - nc : u) * S1_TILE;    // first key of the tile
+            const bool fine = u >= w.nc;
+            const int kb = (fine ? u - w.nc : u) * S1_TILE;    // first key of the tile
 
             float s[MT][8][4];
             if (live) {
@@ -228,18 +199,18 @@ stage1_select(const T* __restrict__ q, const T* __restrict__ ck1, const T* __res
             if (!fine) {
                 // ---- pass 1: online max and sum over the visible coarse keys
                 if (live) coarse_update<MT>(s, lim2, m_run, z_run, kb, c, sl2);
-                if (u == nc - 1) coarse_bias(z_run, m_run, lim1, bias, sl2);
+                if (u == w.nc - 1) coarse_bias(z_run, m_run, lim1, bias, sl2);
             } else {
                 // ---- pass 2: fine-key probabilities, summed over each token's rows
                 if (live) {
                     fine_probs<MT>(s, lim1, bias, kb, c, sl2);
                     switch (LG) {   // CTA-uniform
-                        case 0: stage_tokens<KT, 0, MT>(s, sT, sP, warp, lane, tfirst, nwt, kb, n1, kind); break;
-                        case 1: stage_tokens<KT, 1, MT>(s, sT, sP, warp, lane, tfirst, nwt, kb, n1, kind); break;
-                        case 2: stage_tokens<KT, 2, MT>(s, sT, sP, warp, lane, tfirst, nwt, kb, n1, kind); break;
-                        case 3: stage_tokens<KT, 3, MT>(s, sT, sP, warp, lane, tfirst, nwt, kb, n1, kind); break;
-                        case 4: stage_tokens<KT, 4, MT>(s, sT, sP, warp, lane, tfirst, nwt, kb, n1, kind); break;
-                        default: stage_tokens<KT, 5, MT>(s, sT, sP, warp, lane, tfirst, nwt, kb, n1, kind); break;
+                        case 0: stage_tokens<KT, 0, MT>(s, sT, sP, warp, lane, tfirst, nwt, kb, w.n1, kind); break;
+                        case 1: stage_tokens<KT, 1, MT>(s, sT, sP, warp, lane, tfirst, nwt, kb, w.n1, kind); break;
+                        case 2: stage_tokens<KT, 2, MT>(s, sT, sP, warp, lane, tfirst, nwt, kb, w.n1, kind); break;
+                        case 3: stage_tokens<KT, 3, MT>(s, sT, sP, warp, lane, tfirst, nwt, kb, w.n1, kind); break;
+                        case 4: stage_tokens<KT, 4, MT>(s, sT, sP, warp, lane, tfirst, nwt, kb, w.n1, kind); break;
+                        default: stage_tokens<KT, 5, MT>(s, sT, sP, warp, lane, tfirst, nwt, kb, w.n1, kind); break;
                     }
                 }
                 if (nwt > 1) {
@@ -253,13 +224,13 @@ stage1_select(const T* __restrict__ q, const T* __restrict__ ck1, const T* __res
                             acc.y += p.y;
                         }
                         const int col = 2 * lane;
-                        const float a = kb + col < n1 ? round_score<KT>(acc.x, kind) : -INFLLM_INF;
-                        const float bb = kb + col + 1 < n1 ? round_score<KT>(acc.y, kind) : -INFLLM_INF;
+                        const float a = kb + col < w.n1 ? round_score<KT>(acc.x, kind) : -INFLLM_INF;
+                        const float bb = kb + col + 1 < w.n1 ? round_score<KT>(acc.y, kind) : -INFLLM_INF;
                         *reinterpret_cast<float2*>(sT + tfirst * S1_ST + 4 + col) = make_float2(a, bb);
                     }
                 }
                 if (live && owner)
-                    pool_tile<KT>(sT, bs0, olp, scores, score_row0, max_n1, tfirst, tpw, ntok, kb, n1, out_len, lane, kind);
+                    pool_tile<KT>(sT, bs0, olp, scores, score_row0, max_n1, tfirst, tpw, w.ntok, kb, w.n1, out_len, lane, kind);
             }
             stage ^= 1;
         }
@@ -268,15 +239,6 @@ stage1_select(const T* __restrict__ q, const T* __restrict__ ck1, const T* __res
     __syncthreads();                               // every token's block keys and carry are in place
 
     // ---- per token: finish the block-key row (forced, uncomputed tail, padding), then top-K
-    const int jt = 16 * nf;                        // first block whose fine keys no token here sees
-    const int q_shift = quirk ? max_seqlen_q - Lq : 0;
-#pragma unroll 1
-    for (int tok = warp; tok < ntok; tok += nwarps) {
-        const int r = t0 + tok;
-        const int64 trow = score_row0 + tok;
-        finish_token<KT>(bs0 + (int64)tok * olp, jt, sT[tok * S1_ST + 3], (r + cache) / 64, (r + cache + q_shift) / 64,
-                         n1, olp, out_len, init_blocks, local_blocks, K, block_scores, trow, topk_idx, lane, kind);
-        if (scores != nullptr)
-            for (int cg = 64 * nf + lane; cg < max_n1; cg += 32) scores[trow * max_n1 + cg] = Score<KT>::bits(0.f, kind);
-    }
+    s1_finish_all<KT>(w, warp, nwarps, lane, sT, sB, bs_scratch, score_row0, olp, out_len, init_blocks, local_blocks, K,
+                      max_n1, quirk, max_seqlen_q, scores, block_scores, topk_idx, kind);
 }

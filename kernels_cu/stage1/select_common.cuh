@@ -250,6 +250,70 @@ __device__ __forceinline__ void sum_pool_token16(float (&s)[1][8][4], float& car
     if (!(lane & 1) && j < out_len) row[j] = score_key<KT>(fmaxf(fmaxf(m, m_next), prev), kind);
 }
 
+// Sets the elements of row rr at keys >= lim[rr] (key index kb + column) to `value`.
+template <int MT>
+__device__ __forceinline__ void mask_from(float (&s)[MT][8][4], const int (&lim)[2 * MT], int kb, int c, float value) {
+#pragma unroll
+    for (int rr = 0; rr < 2 * MT; ++rr)
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+                if (kb + 8 * n + 2 * c + e >= lim[rr]) s[rr >> 1][n][2 * (rr & 1) + e] = value;
+}
+
+// A CTA's share of the work: KV head h of sequence b, tokens t0 .. t0 + ntok - 1 (TOK per CTA, the
+// heaviest last token tiles first), and the key tiles they need: nc coarse, then nf fine.
+struct S1Cta {
+    int h, b, qs, Lq, t0, ntok, c1s, n1, c2s, n2, cache, s2, nc, nf;
+};
+
+// Fills `w` for this CTA; false when the CTA has no token (its sequence is shorter).
+__device__ __forceinline__ bool s1_cta(S1Cta& w, int TOK, int H, int B, int n_tiles, const int* __restrict__ cu_q,
+                                       const int* __restrict__ cu_c1, const int* __restrict__ cu_c2,
+                                       const int* __restrict__ cache_lens, int s1, int s2c, int causal) {
+    w.h = blockIdx.x % H;
+    const int rest = blockIdx.x / H;
+    w.b = rest % B;
+    const int tile = n_tiles - 1 - rest / B;
+    w.qs = cu_q[w.b];
+    w.Lq = cu_q[w.b + 1] - w.qs;
+    w.t0 = tile * TOK;
+    if (w.t0 >= w.Lq) return false;
+    w.c1s = cu_c1[w.b];
+    w.n1 = cu_c1[w.b + 1] - w.c1s;
+    w.c2s = cu_c2[w.b];
+    w.n2 = cu_c2[w.b + 1] - w.c2s;
+    w.cache = cache_lens ? cache_lens[w.b] : 0;
+    w.s2 = w.n1 == w.n2 ? s1 : s2c;       // exact mode: the coarse pass walks the fine keys
+    w.ntok = min(TOK, w.Lq - w.t0);
+    // visible counts grow with r: the CTA's last token bounds the tiles
+    const int r_hi = w.t0 + w.ntok - 1;
+    const int l2_hi = vis_limit(r_hi, w.s2, w.n2, w.Lq, causal);
+    const int l1_hi = l2_hi > 0 ? vis_limit(r_hi, s1, w.n1, w.Lq, causal) : 0;
+    w.nf = (l1_hi + S1_TILE - 1) / S1_TILE;
+    w.nc = w.nf > 0 ? (l2_hi + S1_TILE - 1) / S1_TILE : 0;
+    return true;
+}
+
+// Visibility limits and softmax state of CTA row R (token R >> lgp, head R % GP); true when the
+// token exists. Padding rows (and rows whose token sees no coarse key) are not masked: their
+// probabilities are exp2(-inf) = 0 through bias = +inf.
+__device__ __forceinline__ bool s1_row_init(const S1Cta& w, int R, int lgp, int G, int s1, int causal, int& lim1,
+                                            int& lim2, float& bias, float& m_run, float& z_run) {
+    const int tok = R >> lgp, gh = R & ((1 << lgp) - 1);
+    const bool valid = tok < w.ntok && gh < G;
+    const int r = w.t0 + tok;
+    const int l2 = valid ? vis_limit(r, w.s2, w.n2, w.Lq, causal) : 0;
+    const int l1 = valid && l2 > 0 ? vis_limit(r, s1, w.n1, w.Lq, causal) : 0;
+    lim2 = valid ? l2 : S1_BIG;
+    lim1 = valid && l2 > 0 ? l1 : S1_BIG;
+    bias = INFLLM_INF;
+    m_run = -INFLLM_INF;
+    z_run = 0.f;
+    return tok < w.ntok;
+}
+
 // Pass 1 on one tile of coarse scores: online max and sum per row over the keys below lim2.
 template <int MT>
 __device__ __forceinline__ void coarse_update(float (&s)[MT][8][4], const int (&lim2)[2 * MT], float (&m_run)[2 * MT],
@@ -257,15 +321,7 @@ __device__ __forceinline__ void coarse_update(float (&s)[MT][8][4], const int (&
     int mn = S1_BIG;
 #pragma unroll
     for (int rr = 0; rr < 2 * MT; ++rr) mn = min(mn, lim2[rr]);
-    if (__any_sync(S1_FULL, mn < kb + S1_TILE)) {     // only the tiles at some row's visibility limit
-#pragma unroll
-        for (int rr = 0; rr < 2 * MT; ++rr)
-#pragma unroll
-            for (int n = 0; n < 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 2; ++e)
-                    if (kb + 8 * n + 2 * c + e >= lim2[rr]) s[rr >> 1][n][2 * (rr & 1) + e] = -INFLLM_INF;
-    }
+    if (__any_sync(S1_FULL, mn < kb + S1_TILE)) mask_from<MT>(s, lim2, kb, c, -INFLLM_INF);
 #pragma unroll
     for (int rr = 0; rr < 2 * MT; ++rr) {
         const int mt = rr >> 1, e0 = 2 * (rr & 1);
@@ -317,15 +373,7 @@ __device__ __forceinline__ void fine_probs(float (&s)[MT][8][4], const int (&lim
                 float& x = s[rr >> 1][n][2 * (rr & 1) + e];
                 x = exp2f(fmaf(x, sl2, -bias[rr]));
             }
-    if (need) {                 // only the tiles at some row's visibility limit
-#pragma unroll
-        for (int rr = 0; rr < 2 * MT; ++rr)
-#pragma unroll
-            for (int n = 0; n < 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 2; ++e)
-                    if (kb + 8 * n + 2 * c + e >= lim1[rr]) s[rr >> 1][n][2 * (rr & 1) + e] = 0.f;
-    }
+    if (need) mask_from<MT>(s, lim1, kb, c, 0.f);   // only the tiles at some row's visibility limit
 }
 
 // One warp's tokens tfirst .. tfirst + tpw - 1 after their staging rows hold fine tile `kb / 64`:
@@ -388,4 +436,33 @@ __device__ __forceinline__ void finish_token(KT* row, int jt, float carry, int o
     // the search prefix: blocks up to max(own block, K - 1), rounded up to 64 keys
     const int jpre = (max(off_bq, K - 1) / 64 + 1) * 64;
     if (K > 0) select_row(row, olp, jpre, K, qb, lane, topk_idx + trow * K);
+}
+
+// After the tile loop and a CTA barrier: warp `warp` of `nwarps` finishes tokens warp, warp + nwarps,
+// ... (finish_token), and writes the inspection scores past the last fine tile as 0. Block keys are
+// in shared memory (sB) unless bs_scratch is given; two call sites, so that the shared one compiles
+// to shared-memory accesses. sT[tok * S1_ST + 3] holds each token's carry (pooled column 64 nf - 1).
+template <typename KT>
+__device__ __forceinline__ void s1_finish_all(const S1Cta& w, int warp, int nwarps, int lane, const float* sT, KT* sB,
+                                              KT* __restrict__ bs_scratch, int64 score_row0, int olp, int out_len,
+                                              int init_blocks, int local_blocks, int K, int max_n1, int quirk,
+                                              int max_seqlen_q, KT* __restrict__ scores, KT* __restrict__ block_scores,
+                                              int* __restrict__ topk_idx, int kind) {
+    const int jt = 16 * w.nf;                        // first block whose fine keys no token here sees
+    const int q_shift = quirk ? max_seqlen_q - w.Lq : 0;
+#pragma unroll 1
+    for (int tok = warp; tok < w.ntok; tok += nwarps) {
+        const int r = w.t0 + tok;
+        const int64 trow = score_row0 + tok;
+        const float carry = sT[tok * S1_ST + 3];
+        const int off_bq = (r + w.cache) / 64, qb = (r + w.cache + q_shift) / 64;
+        if (bs_scratch)
+            finish_token<KT>(bs_scratch + trow * olp, jt, carry, off_bq, qb, w.n1, olp, out_len, init_blocks, local_blocks,
+                             K, block_scores, trow, topk_idx, lane, kind);
+        else
+            finish_token<KT>(sB + tok * olp, jt, carry, off_bq, qb, w.n1, olp, out_len, init_blocks, local_blocks, K,
+                             block_scores, trow, topk_idx, lane, kind);
+        if (scores != nullptr)
+            for (int cg = 64 * w.nf + lane; cg < max_n1; cg += 32) scores[trow * max_n1 + cg] = Score<KT>::bits(0.f, kind);
+    }
 }

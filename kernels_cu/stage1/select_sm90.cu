@@ -46,28 +46,13 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
     const int GP = 1 << lgp;
     const int TOK = 128 >> lgp;               // tokens per CTA
-    const int h = blockIdx.x % H;
-    const int rest = blockIdx.x / H;
-    const int b = rest % B;
-    const int tile = n_tiles - 1 - rest / B;  // heaviest (last) token tiles first
-    const int qs = cu_q[b], Lq = cu_q[b + 1] - qs;
-    const int t0 = tile * TOK;
-    if (t0 >= Lq) return;
-    const int c1s = cu_c1[b], n1 = cu_c1[b + 1] - c1s;
-    const int c2s = cu_c2[b], n2 = cu_c2[b + 1] - c2s;
-    const int cache = cache_lens ? cache_lens[b] : 0;
-    const int s2 = n1 == n2 ? s1 : s2c;       // exact mode: the coarse pass walks the fine keys
-    const int ntok = min(TOK, Lq - t0);
-    const int r_hi = t0 + ntok - 1;           // visible counts grow with r: the last token bounds the tiles
-    const int l2_hi = vis_limit(r_hi, s2, n2, Lq, causal);
-    const int l1_hi = l2_hi > 0 ? vis_limit(r_hi, s1, n1, Lq, causal) : 0;
-    const int nf = (l1_hi + S1_TILE - 1) / S1_TILE;           // fine tiles
-    const int nc = nf > 0 ? (l2_hi + S1_TILE - 1) / S1_TILE : 0;
-    const int NT = nc + nf;
+    S1Cta w;
+    if (!s1_cta(w, TOK, H, B, n_tiles, cu_q, cu_c1, cu_c2, cache_lens, s1, s2c, causal)) return;
+    const int NT = w.nc + w.nf;
 
     float* sT = reinterpret_cast<float*>(smem + (sK + 2 * TILE - raw));              // [TOK][68]
     key_t* sB = reinterpret_cast<key_t*>(sT + TOK * S1_ST);                          // [TOK][olp]
-    const int64 score_row0 = (int64)h * total_q + qs + t0;                            // row of token 0
+    const int64 score_row0 = (int64)w.h * total_q + w.qs + w.t0;                      // row of token 0
     key_t* bs0 = bs_scratch ? bs_scratch + score_row0 * olp : sB;                    // token tok: bs0 + tok * olp
 
     for (int i = tid; i < TOK; i += NTHREADS) sT[i * S1_ST + 3] = -INFLLM_INF;        // no column -1
@@ -78,21 +63,9 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
     float bias[2], m_run[2], z_run[2];
     bool live = false;
 #pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-        const int R = warp * 16 + rr * 8 + g;
-        const int tok = R >> lgp, gh = R & (GP - 1);
-        const bool valid = tok < ntok && gh < G;
-        const int r = t0 + tok;
-        const int l2 = valid ? vis_limit(r, s2, n2, Lq, causal) : 0;
-        const int l1 = valid && l2 > 0 ? vis_limit(r, s1, n1, Lq, causal) : 0;
-        // padding rows (and rows whose token sees no coarse key) get probabilities exp2(-inf) = 0
-        lim2[rr] = valid ? l2 : S1_BIG;
-        lim1[rr] = valid && l2 > 0 ? l1 : S1_BIG;
-        bias[rr] = INFLLM_INF;
-        m_run[rr] = -INFLLM_INF;
-        z_run[rr] = 0.f;
-        live |= tok < ntok;
-    }
+    for (int rr = 0; rr < 2; ++rr)
+        live |= s1_row_init(w, warp * 16 + rr * 8 + g, lgp, G, s1, causal, lim1[rr], lim2[rr], bias[rr], m_run[rr],
+                            z_run[rr]);
     live = __any_sync(S1_FULL, live);          // the warp has a real token
     const int tpw = 16 >> lgp;                 // tokens whose staging and pooling this warp owns
     const int tfirst = (warp * 16) >> lgp;
@@ -104,8 +77,8 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
             const int tok = row >> lgp, gh = row & (GP - 1);
             const T* src = q;
             int bytes = 0;
-            if (tok < ntok && gh < G) {
-                src = q + ((int64)(qs + t0 + tok) * HQ + (int64)h * G + gh) * D + ch * 8;
+            if (tok < w.ntok && gh < G) {
+                src = q + ((int64)(w.qs + w.t0 + tok) * HQ + (int64)w.h * G + gh) * D + ch * 8;
                 bytes = 16;
             }
             cp_async_16(sQ + (row >> 6) * TILE + swz128(row & 63, ch, 64), src, bytes);
@@ -119,12 +92,12 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
         const int64 key_stride = (int64)H * D, row_step = RSTEP * key_stride;
         const u32 ld_dst0 = swz128(ld_row0, ld_ch, 64);
         auto load_tile = [&](int u, int stage) {
-            const bool coarse = u < nc;
+            const bool coarse = u < w.nc;
             const T* src_base = coarse ? ck2 : ck1;
-            const int cs = coarse ? c2s : c1s, n = coarse ? n2 : n1;
-            const int key0 = (coarse ? u : u - nc) * S1_TILE;
+            const int cs = coarse ? w.c2s : w.c1s, n = coarse ? w.n2 : w.n1;
+            const int key0 = (coarse ? u : u - w.nc) * S1_TILE;
             const int rows = min(S1_TILE, n - key0);
-            const T* src = src_base + (int64)(cs + key0 + ld_row0) * key_stride + (int64)h * D + ld_ch * 8;
+            const T* src = src_base + (int64)(cs + key0 + ld_row0) * key_stride + (int64)w.h * D + ld_ch * 8;
             const u32 dst = sK + stage * TILE + ld_dst0;
 #pragma unroll
             for (int i = 0; i < KROWS; ++i, src += row_step) {
@@ -142,8 +115,8 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
         // block keys in shared memory or in the global scratch: two call sites, so that the shared
         // one compiles to shared-memory loads and stores (a generic pointer costs 64-bit math)
         auto pool = [&](int kb) {
-            if (bs_scratch) pool_tile<KT>(sT, bs0, olp, scores, score_row0, max_n1, tfirst, tpw, ntok, kb, n1, out_len, lane, kind);
-            else pool_tile<KT>(sT, sB, olp, scores, score_row0, max_n1, tfirst, tpw, ntok, kb, n1, out_len, lane, kind);
+            if (bs_scratch) pool_tile<KT>(sT, bs0, olp, scores, score_row0, max_n1, tfirst, tpw, w.ntok, kb, w.n1, out_len, lane, kind);
+            else pool_tile<KT>(sT, sB, olp, scores, score_row0, max_n1, tfirst, tpw, w.ntok, kb, w.n1, out_len, lane, kind);
         };
         float carry = -INFLLM_INF;              // G16 path: the previous tile's column 63
         KT* srow = scores != nullptr ? scores + (score_row0 + tfirst) * max_n1 : nullptr;
@@ -161,8 +134,8 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
             __syncthreads();
             if (u + 1 < NT) load_tile(u + 1, stage ^ 1);
             cp_async_commit();
-            const bool fine = u >= nc;
-            const int kb = (fine ? u - nc : u) * S1_TILE;    // first key of the tile
+            const bool fine = u >= w.nc;
+            const int kb = (fine ? u - w.nc : u) * S1_TILE;    // first key of the tile
 
             // S = Q K^T on the tensor cores (both warpgroups, always: wgmma is warpgroup-collective)
             const u32 kd = k_lo + ((stage * TILE) >> 4);
@@ -181,20 +154,20 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
             if (!fine) {
                 // ---- pass 1: online max and sum over the visible coarse keys
                 if (live) coarse_update<MT>(s, lim2, m_run, z_run, kb, c, sl2);
-                if (u == nc - 1) coarse_bias(z_run, m_run, lim1, bias, sl2);
+                if (u == w.nc - 1) coarse_bias(z_run, m_run, lim1, bias, sl2);
                 pend_kb = -1;
             } else {
                 // ---- pass 2: fine-key probabilities, summed over each token's rows, staged
                 if (live) {
                     fine_probs<MT>(s, lim1, bias, kb, c, sl2);
                     switch (lgp) {   // CTA-uniform
-                        case 0: stage_tokens<KT, 0, MT>(s, sT, nullptr, warp, lane, tfirst, 1, kb, n1, kind); break;
-                        case 1: stage_tokens<KT, 1, MT>(s, sT, nullptr, warp, lane, tfirst, 1, kb, n1, kind); break;
-                        case 2: stage_tokens<KT, 2, MT>(s, sT, nullptr, warp, lane, tfirst, 1, kb, n1, kind); break;
-                        case 3: stage_tokens<KT, 3, MT>(s, sT, nullptr, warp, lane, tfirst, 1, kb, n1, kind); break;
+                        case 0: stage_tokens<KT, 0, MT>(s, sT, nullptr, warp, lane, tfirst, 1, kb, w.n1, kind); break;
+                        case 1: stage_tokens<KT, 1, MT>(s, sT, nullptr, warp, lane, tfirst, 1, kb, w.n1, kind); break;
+                        case 2: stage_tokens<KT, 2, MT>(s, sT, nullptr, warp, lane, tfirst, 1, kb, w.n1, kind); break;
+                        case 3: stage_tokens<KT, 3, MT>(s, sT, nullptr, warp, lane, tfirst, 1, kb, w.n1, kind); break;
                         default:    // one token per warp: sum and pool in registers, no staging row
-                            if (bs_scratch) sum_pool_token16<KT>(s, carry, bs0 + (int64)tfirst * olp, srow, max_n1, kb, n1, out_len, lane, kind);
-                            else sum_pool_token16<KT>(s, carry, sB + tfirst * olp, srow, max_n1, kb, n1, out_len, lane, kind);
+                            if (bs_scratch) sum_pool_token16<KT>(s, carry, bs0 + (int64)tfirst * olp, srow, max_n1, kb, w.n1, out_len, lane, kind);
+                            else sum_pool_token16<KT>(s, carry, sB + tfirst * olp, srow, max_n1, kb, w.n1, out_len, lane, kind);
                             break;
                     }
                 }
@@ -209,21 +182,6 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
     __syncthreads();                               // every token's block keys and carry are in place
 
     // ---- per token: finish the block-key row (forced, uncomputed tail, padding), then top-K
-    const int jt = 16 * nf;                        // first block whose fine keys no token here sees
-    const int q_shift = quirk ? max_seqlen_q - Lq : 0;
-#pragma unroll 1
-    for (int tok = warp; tok < ntok; tok += NTHREADS / 32) {
-        const int r = t0 + tok;
-        const int64 trow = score_row0 + tok;
-        const float carry = sT[tok * S1_ST + 3];
-        const int off_bq = (r + cache) / 64, qb = (r + cache + q_shift) / 64;
-        if (bs_scratch)
-            finish_token<KT>(bs0 + (int64)tok * olp, jt, carry, off_bq, qb, n1, olp, out_len, init_blocks, local_blocks, K, block_scores,
-                             trow, topk_idx, lane, kind);
-        else
-            finish_token<KT>(sB + tok * olp, jt, carry, off_bq, qb, n1, olp, out_len, init_blocks, local_blocks, K,
-                             block_scores, trow, topk_idx, lane, kind);
-        if (scores != nullptr)
-            for (int cg = 64 * nf + lane; cg < max_n1; cg += 32) scores[trow * max_n1 + cg] = Score<KT>::bits(0.f, kind);
-    }
+    s1_finish_all<KT>(w, warp, NTHREADS / 32, lane, sT, sB, bs_scratch, score_row0, olp, out_len, init_blocks, local_blocks, K,
+                      max_n1, quirk, max_seqlen_q, scores, block_scores, topk_idx, kind);
 }
