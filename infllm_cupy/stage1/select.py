@@ -163,7 +163,7 @@ def stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
                   local_blocks: int = 32, init_blocks: int = 1, block_size: int = 64, kernel_stride: int = 16,
                   coarse_kernel_stride: int = 64, varlen_offset_quirk: bool = False,
                   score_dtype: torch.dtype | None = torch.bfloat16, return_scores: bool = False,
-                  backend: str = "auto"):
+                  backend: str = "auto", _topk_prefix: int = 0):
     r"""InfLLM-v2 stage 1 end to end: compressed-key scores, block pooling, top-k (spec 4-6).
 
     Same signature and outputs as `naive_stage1_select`. For query row `r` of a sequence, KV head `h`
@@ -205,6 +205,10 @@ def stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
             Default: `False`.
         backend (str, Optional):
             "auto" (kernels for CUDA tensors), "kernels" or "reference". Default: "auto".
+        _topk_prefix (int, Optional):
+            Test hook of the kernels' top-K (0: automatic). The search runs first on the blocks up to
+            a token's own block and reruns on the whole row when a later block beats its K-th key;
+            a positive value shortens that prefix to this many blocks so that tests reach the rerun.
 
     Returns:
         topk_idx (torch.Tensor): int32 `[H, total_q, K]`; with `return_scores`, the tuple
@@ -297,5 +301,5 @@ def stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
                  np.int32(max_n1), np.int32(init_blocks), np.int32(local_blocks),
                  np.int32(1 if varlen_offset_quirk else 0), np.int32(1 if causal else 0),
                  np.int32(SCORE_KIND[sdt]), np.int32(KERNEL_STRIDE), np.int32(COARSE_STRIDE),
-                 np.float32(scale * 1.4426950408889634)))
+                 np.float32(scale * 1.4426950408889634), np.int32(_topk_prefix)))
     return (topk_idx, scores, block_scores) if return_scores else topk_idx

@@ -26,7 +26,8 @@
 //   bs_scratch KT [H, total_q, olp] or null: block-score keys in global memory instead of shared memory
 //            (only when TOK * olp keys do not fit in shared memory)
 //   olp      out_len rounded up to a multiple of 64;   s1 = 16 (fine stride), s2c = 64 (coarse stride)
-//   sl2      softmax_scale * log2(e)
+//   sl2      softmax_scale * log2(e);   topk_prefix: 0, or a test hook forcing the top-K's whole-row
+//            rerun (finish_token in select_common.cuh)
 //
 // Semantics (exactly infllm_cupy/stage1/naive.py): for query row r of sequence b (Lq queries, n1 fine
 // and n2 coarse keys; exact mode iff n1 == n2, then the coarse pass uses stride s1), visible counts
@@ -67,7 +68,7 @@ stage1_select(const T* __restrict__ q, const T* __restrict__ ck1, const T* __res
               KT* __restrict__ block_scores, KT* __restrict__ bs_scratch,
               int total_q, int HQ, int H, int G, int lgp, int B, int n_tiles, int max_seqlen_q,
               int out_len, int olp, int K, int max_n1, int init_blocks, int local_blocks,
-              int quirk, int causal, int kind, int s1, int s2c, float sl2) {
+              int quirk, int causal, int kind, int s1, int s2c, float sl2, int topk_prefix) {
     typedef KT key_t;
     constexpr int CH = D / 8;                 // 16-byte chunks per row
     constexpr int ROWB = CH * 16;             // bytes per tile row
@@ -240,5 +241,5 @@ stage1_select(const T* __restrict__ q, const T* __restrict__ ck1, const T* __res
 
     // ---- per token: finish the block-key row (forced, uncomputed tail, padding), then top-K
     s1_finish_all<KT>(w, warp, nwarps, lane, sT, sB, bs_scratch, score_row0, olp, out_len, init_blocks, local_blocks, K,
-                      max_n1, quirk, max_seqlen_q, scores, block_scores, topk_idx, kind);
+                      max_n1, quirk, max_seqlen_q, scores, block_scores, topk_idx, topk_prefix, kind);
 }

@@ -412,7 +412,7 @@ template <typename KT>
 __device__ __forceinline__ void finish_token(KT* row, int jt, float carry, int off_bq, int qb, int n1, int olp,
                                              int out_len, int init_blocks, int local_blocks, int K,
                                              KT* __restrict__ block_scores, int64 trow, int* __restrict__ topk_idx,
-                                             int lane, int kind) {
+                                             int topk_prefix, int lane, int kind) {
     const KT key_inf = score_key<KT>(INFLLM_INF, kind), key_zero = score_key<KT>(0.f, kind);
     const KT key_ninf = score_key<KT>(-INFLLM_INF, kind), key_carry = score_key<KT>(carry, kind);
     // blocks [0, min(jt, out_len)) were pooled in the tile loop; the tail, the padding and the forced
@@ -433,8 +433,9 @@ __device__ __forceinline__ void finish_token(KT* row, int jt, float carry, int o
     __syncwarp();
     if (block_scores != nullptr)
         for (int j = lane; j < out_len; j += 32) block_scores[trow * out_len + j] = Score<KT>::unkey(row[j]);
-    // the search prefix: blocks up to max(own block, K - 1), rounded up to 64 keys
-    const int jpre = (max(off_bq, K - 1) / 64 + 1) * 64;
+    // the search prefix: blocks up to max(own block, K - 1), rounded up to 64 keys (topk_prefix > 0,
+    // a test hook, replaces the own block by topk_prefix - 1 so that the whole-row rerun is exercised)
+    const int jpre = ((topk_prefix > 0 ? max(topk_prefix, K) - 1 : max(off_bq, K - 1)) / 64 + 1) * 64;
     if (K > 0) select_row(row, olp, jpre, K, qb, lane, topk_idx + trow * K);
 }
 
@@ -447,7 +448,7 @@ __device__ __forceinline__ void s1_finish_all(const S1Cta& w, int warp, int nwar
                                               KT* __restrict__ bs_scratch, int64 score_row0, int olp, int out_len,
                                               int init_blocks, int local_blocks, int K, int max_n1, int quirk,
                                               int max_seqlen_q, KT* __restrict__ scores, KT* __restrict__ block_scores,
-                                              int* __restrict__ topk_idx, int kind) {
+                                              int* __restrict__ topk_idx, int topk_prefix, int kind) {
     const int jt = 16 * w.nf;                        // first block whose fine keys no token here sees
     const int q_shift = quirk ? max_seqlen_q - w.Lq : 0;
 #pragma unroll 1
@@ -458,10 +459,10 @@ __device__ __forceinline__ void s1_finish_all(const S1Cta& w, int warp, int nwar
         const int off_bq = (r + w.cache) / 64, qb = (r + w.cache + q_shift) / 64;
         if (bs_scratch)
             finish_token<KT>(bs_scratch + trow * olp, jt, carry, off_bq, qb, w.n1, olp, out_len, init_blocks, local_blocks,
-                             K, block_scores, trow, topk_idx, lane, kind);
+                             K, block_scores, trow, topk_idx, topk_prefix, lane, kind);
         else
             finish_token<KT>(sB + tok * olp, jt, carry, off_bq, qb, w.n1, olp, out_len, init_blocks, local_blocks, K,
-                             block_scores, trow, topk_idx, lane, kind);
+                             block_scores, trow, topk_idx, topk_prefix, lane, kind);
         if (scores != nullptr)
             for (int cg = 64 * w.nf + lane; cg < max_n1; cg += 32) scores[trow * max_n1 + cg] = Score<KT>::bits(0.f, kind);
     }

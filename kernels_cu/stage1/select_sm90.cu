@@ -30,7 +30,7 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
                    KT* __restrict__ block_scores, KT* __restrict__ bs_scratch,
                    int total_q, int HQ, int H, int G, int lgp, int B, int n_tiles, int max_seqlen_q,
                    int out_len, int olp, int K, int max_n1, int init_blocks, int local_blocks,
-                   int quirk, int causal, int kind, int s1, int s2c, float sl2) {
+                   int quirk, int causal, int kind, int s1, int s2c, float sl2, int topk_prefix) {
     typedef KT key_t;
     constexpr int CH = D / 8;                 // 16-byte chunks per row
     constexpr int MT = 1;                     // m-tiles per warp (16 rows)
@@ -183,5 +183,5 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
 
     // ---- per token: finish the block-key row (forced, uncomputed tail, padding), then top-K
     s1_finish_all<KT>(w, warp, NTHREADS / 32, lane, sT, sB, bs_scratch, score_row0, olp, out_len, init_blocks, local_blocks, K,
-                      max_n1, quirk, max_seqlen_q, scores, block_scores, topk_idx, kind);
+                      max_n1, quirk, max_seqlen_q, scores, block_scores, topk_idx, topk_prefix, kind);
 }

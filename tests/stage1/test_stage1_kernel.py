@@ -287,6 +287,24 @@ def test_tile_plans(monkeypatch, plan):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("prefix,topk,local_blocks", [(1, 64, 32), (1, 8, 4), (100, 8, 4)])
+def test_topk_whole_row_rerun(prefix, topk, local_blocks):
+    """The top-K searches the blocks up to a token's own block first; a prefix shorter than the
+    visible blocks (test hook) must fall back to the whole row and give the same selection."""
+    lengths = [11500, 700]
+    inputs = make_inputs(lengths, 16, 2, 128, torch.bfloat16)
+    kw = {"backend": "kernels", "topk": topk, "local_blocks": local_blocks}
+    auto = stage1_select(*inputs, max(lengths), **kw)
+    short = stage1_select(*inputs, max(lengths), _topk_prefix=prefix, **kw)
+    assert torch.equal(auto, short)
+    for score_dtype in (torch.bfloat16, torch.float32):
+        idx, _, bs = stage1_select(*inputs, max(lengths), return_scores=True, score_dtype=score_dtype,
+                                   _topk_prefix=prefix, **kw)
+        q_blocks = q_block_idx_prefill(inputs[3].cpu(), max(lengths)).to(idx.device)
+        assert torch.equal(idx, own_topk(bs, q_blocks, idx.shape[-1]))
+
+
+@pytest.mark.gpu
 def test_sm90_block_keys_in_scratch(monkeypatch):
     """The sm_90a kernel with its block-key rows in the global scratch (very long sequences)."""
     real = sel.smem_bytes_sm90
