@@ -6,7 +6,7 @@
 A set is a named option set, or `label=DIR[,VAR=VALUE...]`: the kernels_cu/ tree at DIR with the
 default options (and the environment variables given, e.g. INFLLM_CUPY_STAGE1_KERNEL=sm80).
 For each round and each set: forget the compiled kernels, set `_jit.BASE_OPTIONS` (or the tree), then time
-(CUDA events, median) the stage-2 forward on selections a/b/c (K = 64) and the backward on a, at
+(CUDA events, median) the stage-2 forward and forward+backward on selections a/b/c (K = 64), at
 `--T2 x --B2`, and `stage1_select` (K = 96, MiniCPM4 budget) at each `--T1` with B = 1. Rounds
 alternate the sets so that clock drift shows as a difference between rounds, not between sets.
 """
@@ -59,7 +59,7 @@ def median_ms(fn) -> float:
     return statistics.median(bench_gpu_time(fn))
 
 
-def stage2_rows(T: int, B: int, K: int) -> list[tuple[str, object, float]]:
+def stage2_rows(T: int, B: int, K: int, bwd_gather: bool = False) -> list[tuple[str, object, float]]:
     from infllm_cupy.stage2.sparse_bwd import stage2_bwd
     from infllm_cupy.stage2.sparse_fwd import as_tiles, n_mask_words, stage2_fwd, token_block_masks
 
@@ -79,12 +79,12 @@ def stage2_rows(T: int, B: int, K: int) -> list[tuple[str, object, float]]:
             return stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale, as_tiles(None, q.device))
 
         rows.append((f"fwd {sel} {T // 1024}k x {B} K{K}", fwd, flop))
-        if sel == "a":
-            def bwd(masks=masks, fwd=fwd):
-                out, lse = fwd()
-                return stage2_bwd(do, q, k, v, out, lse, cu, cu, masks, cu, q.shape[0], 1, T, T, True, scale, None)
+        for kernel in ([None, "sm90a_gather"] if bwd_gather else [None]):
+            def bwd(masks=masks, fwd=fwd, kernel=kernel):
+                out, lse = fwd()   # the forward is part of the timed work: same for every set
+                return stage2_bwd(do, q, k, v, out, lse, cu, cu, masks, cu, q.shape[0], 1, T, T, True, scale, kernel)
 
-            rows.append((f"fwd+bwd {sel} {T // 1024}k x {B} K{K}", bwd, 3.5 * flop))
+            rows.append((f"fwd+bwd {sel} {T // 1024}k x {B} K{K}{' gather' if kernel else ''}", bwd, 3.5 * flop))
     return rows
 
 
@@ -117,8 +117,9 @@ def main() -> None:
     p.add_argument("--T1", type=int, nargs="*", default=[65536, 131072])
     p.add_argument("--skip-stage2", action="store_true")
     p.add_argument("--K2", type=int, default=64)
+    p.add_argument("--gather", action="store_true", help="also time the sm90a_gather backward")
     a = p.parse_args()
-    rows = ([] if a.skip_stage2 else stage2_rows(a.T2, a.B2, a.K2)) + [r for T in a.T1 for r in stage1_rows(T)]
+    rows = ([] if a.skip_stage2 else stage2_rows(a.T2, a.B2, a.K2, a.gather)) + [r for T in a.T1 for r in stage1_rows(T)]
     results: dict[tuple[str, str], list[float]] = {}
     for rnd in range(a.rounds):
         order = a.sets if rnd % 2 == 0 else list(reversed(a.sets))

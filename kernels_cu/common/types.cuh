@@ -62,3 +62,21 @@ __device__ __forceinline__ int next_set_bit(const unsigned* __restrict__ words, 
         bits = words[w];
     }
 }
+
+// n / d for 0 <= n < 2^31 without a division instruction sequence: a power of two shifts, any
+// other d multiplies by ceil(2^(31 + l) / d) (l = ceil(log2 d), the multiplier fits 32 bits) and
+// keeps the high word shifted by l - 1 (Granlund-Montgomery). init costs one 64-bit division.
+struct FastDiv {
+    unsigned mul, shift;   // mul == 0: d is a power of two
+    __device__ __forceinline__ void init(unsigned d) {
+        const unsigned l = 32 - __clz(d - 1);            // ceil(log2 d); d = 1: __clz(0) = 32
+        if ((d & (d - 1)) == 0) {
+            mul = 0;
+            shift = l;
+        } else {
+            mul = (unsigned)(((1ull << (31 + l)) + d - 1) / d);
+            shift = l - 1;
+        }
+    }
+    __device__ __forceinline__ unsigned div(unsigned n) const { return mul ? __umulhi(n, mul) >> shift : n >> shift; }
+};

@@ -351,29 +351,33 @@ stage2_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     }
 
     // a query tile: Q and dO rows by cp.async, and each row's lse, delta and visibility of block j
+    // rows of one sequence fit in 31 bits (launcher), so row -> (token, head) is a FastDiv: a 64-bit
+    // division per copy had cost more than the copy's share of the math
+    FastDiv divG;
+    divG.init((unsigned)G);
     auto load_tile = [&](int tile, int stage) {
-        const int64 m0 = (int64)tile * QT;
+        const unsigned m0 = (unsigned)tile * QT;
         T* dq_ = sQ + stage * QT * D;
         T* do_ = sO + stage * QT * D;
         for (int i = tid; i < QT * CH; i += THREADS) {
             const int row = i / CH, ch = i % CH;
-            const int64 R = m0 + row;
+            const unsigned R = m0 + row;
             int64 off = 0;
             int bytes = 0;
-            if (R < rows_total) {
-                const int t = (int)(R / G), g = (int)(R - (int64)t * G);
-                off = ((int64)(qs + t) * HQ + (int64)h * G + g) * D + ch * 8;
+            if (R < (unsigned)rows_total) {
+                const int t = (int)divG.div(R), g = (int)(R - (unsigned)t * G);
+                off = (int64)(qs + t) * (HQ * D) + ((h * G + g) * D + ch * 8);
                 bytes = 16;
             }
             cp_async_16(smem_u32(dq_ + swz<D>(row, ch) * 8), q + off, bytes);
             cp_async_16(smem_u32(do_ + swz<D>(row, ch) * 8), dout + off, bytes);
         }
         if (tid < QT) {
-            const int64 R = m0 + tid;
+            const unsigned R = m0 + tid;
             int lim = -1;
             float l2 = 0.f, dl = 0.f;
-            if (R < rows_total) {
-                const int t = (int)(R / G), g = (int)(R - (int64)t * G);
+            if (R < (unsigned)rows_total) {
+                const int t = (int)divG.div(R), g = (int)(R - (unsigned)t * G);
                 const bool s = (__ldg(mrows + (int64)(t / mask_q_block) * n_words + (j >> 5)) >> (j & 31)) & 1u;
                 const int rk = causal ? t + shift : Lk - 1;
                 if (s && rk >= kbase) {

@@ -266,6 +266,8 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     // tokens tok[0 .. ntok) (rows s G .. s G + G - 1 are token tok[s]'s heads); every thread
     // walks the index row itself from `cursor`, so the list needs no barrier to be shared.
     int tile = -1, ntok = 0, cursor = 0;
+    FastDiv divG;
+    divG.init((unsigned)G);
     int tok[GATHER_MAX];
 #pragma unroll
     for (int i = 0; i < GATHER_MAX; ++i) tok[i] = 0;
@@ -290,10 +292,12 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         }
         return ntok > 0;
     };
-    // token and head of row `row` of the next tile; false past the tile's rows
+    // token and head of row `row` of the next tile; false past the tile's rows. Every copy of a
+    // tile row needs this: a division by G was ~20 instructions of each copy (half the kernel's
+    // instructions with the 64-bit offset math), FastDiv is two.
     auto row_token = [&](int row, int& t, int& g) -> bool {
         if (GATHER) {
-            const int slot = row / G;
+            const int slot = (int)divG.div((unsigned)row);
             int tt = tok[0];
 #pragma unroll
             for (int i = 1; i < GATHER_MAX; ++i) if (slot == i) tt = tok[i];
@@ -302,7 +306,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
             return slot < ntok;
         }
         const unsigned R = (unsigned)tile * QT + row;   // rows of one sequence fit in 31 bits (launcher)
-        t = (int)(R / (unsigned)G);
+        t = (int)divG.div(R);
         g = (int)(R - (unsigned)t * G);
         return R < (unsigned)rows_total;
     };
@@ -353,7 +357,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
             int64 off = 0;
             int bytes = 0;
             if (row_token(row, t, g)) {
-                off = ((int64)(qs + t) * HQ + (int64)h * G + g) * D + ch * 8;
+                off = (int64)(qs + t) * (HQ * D) + ((h * G + g) * D + ch * 8);
                 bytes = 16;
             }
             cp_async_16(dq_ + swz128(row, ch, 64), q + off, bytes);
