@@ -59,7 +59,7 @@ def median_ms(fn) -> float:
     return statistics.median(bench_gpu_time(fn))
 
 
-def stage2_rows(T: int, B: int, K: int, bwd_gather: bool = False) -> list[tuple[str, object, float]]:
+def stage2_rows(T: int, B: int, K: int, bwd_kernels=()) -> list[tuple[str, object, float]]:
     from infllm_cupy.stage2.sparse_bwd import stage2_bwd
     from infllm_cupy.stage2.sparse_fwd import as_tiles, n_mask_words, stage2_fwd, token_block_masks
 
@@ -79,12 +79,12 @@ def stage2_rows(T: int, B: int, K: int, bwd_gather: bool = False) -> list[tuple[
             return stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale, as_tiles(None, q.device))
 
         rows.append((f"fwd {sel} {T // 1024}k x {B} K{K}", fwd, flop))
-        for kernel in ([None, "sm90a_gather"] if bwd_gather else [None]):
+        for kernel in [None, *bwd_kernels]:
             def bwd(masks=masks, fwd=fwd, kernel=kernel):
                 out, lse = fwd()   # the forward is part of the timed work: same for every set
                 return stage2_bwd(do, q, k, v, out, lse, cu, cu, masks, cu, q.shape[0], 1, T, T, True, scale, kernel)
 
-            rows.append((f"fwd+bwd {sel} {T // 1024}k x {B} K{K}{' gather' if kernel else ''}", bwd, 3.5 * flop))
+            rows.append((f"fwd+bwd {sel} {T // 1024}k x {B} K{K} {kernel or ''}", bwd, 3.5 * flop))
     return rows
 
 
@@ -117,9 +117,9 @@ def main() -> None:
     p.add_argument("--T1", type=int, nargs="*", default=[65536, 131072])
     p.add_argument("--skip-stage2", action="store_true")
     p.add_argument("--K2", type=int, default=64)
-    p.add_argument("--gather", action="store_true", help="also time the sm90a_gather backward")
+    p.add_argument("--bwd", nargs="*", default=[], help="also time these backward kernels (e.g. sm90a_gather)")
     a = p.parse_args()
-    rows = ([] if a.skip_stage2 else stage2_rows(a.T2, a.B2, a.K2, a.gather)) + [r for T in a.T1 for r in stage1_rows(T)]
+    rows = ([] if a.skip_stage2 else stage2_rows(a.T2, a.B2, a.K2, a.bwd)) + [r for T in a.T1 for r in stage1_rows(T)]
     results: dict[tuple[str, str], list[float]] = {}
     for rnd in range(a.rounds):
         order = a.sets if rnd % 2 == 0 else list(reversed(a.sets))
@@ -130,13 +130,13 @@ def main() -> None:
                 torch.cuda.synchronize()
                 ms = median_ms(fn)
                 results.setdefault((name, s), []).append(ms)
-                print(f"round {rnd} {s.split('=')[0]:5s} {name:28s} {ms:8.2f} ms", flush=True)
+                print(f"round {rnd} {s.split('=')[0]:5s} {name:36s} {ms:8.2f} ms", flush=True)
     labels = [s.split("=", 1)[0] for s in a.sets]
-    print(f"\n{'workload':28s} " + " ".join(f"{lb + ' ms':>10s} {'TF/s':>6s}" for lb in labels)
+    print(f"\n{'workload':36s} " + " ".join(f"{lb + ' ms':>10s} {'TF/s':>6s}" for lb in labels)
           + "   " + " ".join(f"{lb}/{labels[0]}" for lb in labels[1:]))
     for name, _, flop in rows:
         best = {s: min(results[(name, s)]) for s in a.sets}
-        print(f"{name:28s} " + " ".join(f"{best[s]:10.2f} {flop / best[s] / 1e9:6.0f}" for s in a.sets)
+        print(f"{name:36s} " + " ".join(f"{best[s]:10.2f} {flop / best[s] / 1e9:6.0f}" for s in a.sets)
               + "   " + " ".join(f"{best[a.sets[0]] / best[s]:.3f}x" for s in a.sets[1:]))
 
 

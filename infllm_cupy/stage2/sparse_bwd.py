@@ -24,6 +24,8 @@ BWD_SOURCE = "stage2/sparse_bwd.cu"
 SM90_SOURCE = "stage2/sparse_bwd_sm90.cu"
 SM90A = "sm90a"         # the Hopper (wgmma) dq and dk/dv kernels, dk/dv over fixed 64-row tiles; default on 9.0
 SM90A_GATHER = "sm90a_gather"   # the same, dk/dv gathering the tokens that selected each key block
+SM90A_AUTO = "sm90a_auto"       # both dk/dv kernels, each key block done by the one its fill favours
+SM90A_KINDS = (SM90A, SM90A_GATHER, SM90A_AUTO)
 GATHER_G = (8, 64)      # group sizes for which "sm90a_gather" gathers (others use fixed tiles)
 KERNEL_ENV = "INFLLM_CUPY_BWD_KERNEL"   # the default backward kernel: sm90a, sm90a_gather or dq_warps,dkdv_cols
 QT = 64                 # query rows per dk/dv tile (mirrors #define QT)
@@ -74,27 +76,29 @@ def as_bwd_tiles(tiles, device=None):
     capability (9, 0) and the default SM80 tiles elsewhere. "sm90a" (dk/dv over fixed 64-row
     tiles: fastest where neighbouring tokens share blocks, as in InfLLM-v2), "sm90a_gather" (dk/dv
     over gathered tokens: fastest for per-token selections with little sharing; 8 <= G <= 64),
+    "sm90a_auto" (both, each 64-key block done by the one its tile fill favours; 8 <= G <= 64),
     a BwdTiles or a (dq_warps, dkdv_cols) tuple force one."""
     if tiles is None:
         env = os.environ.get(KERNEL_ENV, "").strip()
         if env:
-            if env in (SM90A, SM90A_GATHER):
+            if env in SM90A_KINDS:
                 tiles = env
             else:
                 try:
                     tiles = tuple(int(x) for x in env.split(","))
                 except ValueError:
-                    raise ValueError(f"${KERNEL_ENV} must be '{SM90A}', '{SM90A_GATHER}' or 'dq_warps,dkdv_cols' "
+                    raise ValueError(f"${KERNEL_ENV} must be '{SM90A}', '{SM90A_GATHER}', '{SM90A_AUTO}' or "
+                                     f"'dq_warps,dkdv_cols' "
                                      f"(e.g. '4,32'), got {env!r}") from None
         else:
             cap = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
             return SM90A if cap == (9, 0) else DEFAULT_BWD_TILES
-    if tiles in (SM90A, SM90A_GATHER) or isinstance(tiles, BwdTiles):
+    if tiles in SM90A_KINDS or isinstance(tiles, BwdTiles):
         return tiles
     if isinstance(tiles, (tuple, list)) and len(tiles) == 2:
         return BwdTiles(*tiles)
-    raise TypeError(f"backward kernel must be None, 'sm90a', 'sm90a_gather', a BwdTiles or a (dq_warps, dkdv_cols) "
-                    f"tuple, got {tiles!r}")
+    raise TypeError(f"backward kernel must be None, 'sm90a', 'sm90a_gather', 'sm90a_auto', a BwdTiles or a "
+                    f"(dq_warps, dkdv_cols) tuple, got {tiles!r}")
 
 
 def dq_smem_bytes(D: int, tiles: BwdTiles, n_words: int, itemsize: int = 2) -> int:
@@ -165,41 +169,58 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     launch(_jit.get_kernel(BWD_SOURCE, name), name=name, grid=(cdiv(total_q * HQ, 8),), block=(256,),
            args=(ptr(dout), ptr(out), ptr(delta), np.int32(total_q), np.int32(HQ)))
 
-    gather = tiles == SM90A_GATHER and GATHER_G[0] <= G <= GATHER_G[1]
-    tile_rows = G if gather else QT
-    ut_off, per_head = tile_index(cu_seqlens_q, G, max_seqlen_k, total_q, tile_rows)
-    ut = torch.empty(H * per_head, dtype=torch.int32, device=dev)
-    max_groups = cdiv(cdiv(max_seqlen_q * G, tile_rows), 32)
-    launch(_jit.get_kernel(BWD_SOURCE, "stage2_bwd_tiles"), name="stage2_bwd_tiles",
-           grid=(cdiv(max_groups * n_words, TILE_WARPS), H, B), block=(32 * TILE_WARPS,),
-           args=(ptr(masks), ptr(mask_base), ptr(cu_seqlens_q), ptr(cu_seqlens_k), ptr(ut_off), ptr(ut),
-                 np.int64(per_head), np.int32(G), np.int32(n_words), np.int64(mask_h_stride),
-                 np.int32(mask_q_block), np.int32(1 if causal else 0), np.int32(tile_rows)))
+    fits = GATHER_G[0] <= G <= GATHER_G[1]
+    gather, split = tiles == SM90A_GATHER and fits, tiles == SM90A_AUTO and fits
+
+    def build_index(tile_rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The transposed selection over units of `tile_rows` rows (64: fixed tiles, G: tokens)."""
+        ut_off, per_head = tile_index(cu_seqlens_q, G, max_seqlen_k, total_q, tile_rows)
+        ut = torch.empty(H * per_head, dtype=torch.int32, device=dev)
+        max_groups = cdiv(cdiv(max_seqlen_q * G, tile_rows), 32)
+        launch(_jit.get_kernel(BWD_SOURCE, "stage2_bwd_tiles"), name="stage2_bwd_tiles",
+               grid=(cdiv(max_groups * n_words, TILE_WARPS), H, B), block=(32 * TILE_WARPS,),
+               args=(ptr(masks), ptr(mask_base), ptr(cu_seqlens_q), ptr(cu_seqlens_k), ptr(ut_off), ptr(ut),
+                     np.int64(per_head), np.int32(G), np.int32(n_words), np.int64(mask_h_stride),
+                     np.int32(mask_q_block), np.int32(1 if causal else 0), np.int32(tile_rows)))
+        return ut_off, ut, per_head
+
+    by_tiles = None if gather else build_index(QT)
+    by_tokens = build_index(G) if gather or split else None
 
     causal_i = np.int32(1 if causal else 0)
     common = (ptr(q), ptr(k), ptr(v), ptr(dout), ptr(lse), ptr(delta), ptr(masks), ptr(mask_base),
               ptr(cu_seqlens_q), ptr(cu_seqlens_k))
-    if tiles in (SM90A, SM90A_GATHER):
+    if tiles in SM90A_KINDS:
         dq_name, dq_rows, dq_threads = f"stage2_bwd_dq_sm90<{T}, {D}>", 64, 128
         dq_kernel = _jit.get_kernel(SM90_SOURCE, dq_name, sm90a=True)
         dq_smem = sm90_smem_bytes(D, n_words, "dq", q.element_size())
-        kv_name = f"stage2_bwd_dkdv_sm90<{T}, {D}, {'true' if gather else 'false'}>"
-        kv_kernel = _jit.get_kernel(SM90_SOURCE, kv_name, sm90a=True)
         kv_smem = sm90_smem_bytes(D, n_words, "dkdv", q.element_size())
+        # (gather mode, own index, the other mode's index or None): "sm90a_auto" runs both instances
+        if split:
+            runs = [(False, by_tiles, by_tokens), (True, by_tokens, by_tiles)]
+        else:
+            runs = [(True, by_tokens, None)] if gather else [(False, by_tiles, None)]
+        null = np.uint64(0)
+        kv_launches = [(f"stage2_bwd_dkdv_sm90<{T}, {D}, {'true' if g else 'false'}>", True,
+                        (ptr(own[0]), ptr(own[1]), np.int64(own[2]))
+                        + ((ptr(other[0]), ptr(other[1]), np.int64(other[2])) if other else (null, null, np.int64(0))))
+                       for g, own, other in runs]
     else:
         dq_name, dq_rows, dq_threads = tiles.dq_name(q.dtype, D), 16 * tiles.dq_warps, 32 * tiles.dq_warps
         dq_kernel = _jit.get_kernel(BWD_SOURCE, dq_name)
         dq_smem = dq_smem_bytes(D, tiles, n_words, q.element_size())
-        kv_name = tiles.dkdv_name(q.dtype, D)
-        kv_kernel = _jit.get_kernel(BWD_SOURCE, kv_name)
         kv_smem = dkdv_smem_bytes(D, q.element_size())
+        kv_launches = [(tiles.dkdv_name(q.dtype, D), False,
+                        (ptr(by_tiles[0]), ptr(by_tiles[1]), np.int64(by_tiles[2])))]
     launch(dq_kernel, name=dq_name, grid=(cdiv(max_seqlen_q * G, dq_rows), H, B), block=(dq_threads,),
            shared_mem=dq_smem,
            args=common + (ptr(dq), np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words),
                           np.int64(mask_h_stride), np.int32(mask_q_block), scale_log2, np.float32(softmax_scale),
                           causal_i))
-    launch(kv_kernel, name=kv_name, grid=(H, B, cdiv(max_seqlen_k, BLOCK_N)), block=(128,), shared_mem=kv_smem,
-           args=common + (ptr(ut_off), ptr(ut), np.int64(per_head), ptr(dk), ptr(dv), np.int32(total_q),
-                          np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words), np.int64(mask_h_stride),
-                          np.int32(mask_q_block), scale_log2, np.float32(softmax_scale), causal_i))
+    for kv_name, sm90a, index_args in kv_launches:
+        kv_kernel = _jit.get_kernel(SM90_SOURCE, kv_name, sm90a=True) if sm90a else _jit.get_kernel(BWD_SOURCE, kv_name)
+        launch(kv_kernel, name=kv_name, grid=(H, B, cdiv(max_seqlen_k, BLOCK_N)), block=(128,), shared_mem=kv_smem,
+               args=common + index_args + (ptr(dk), ptr(dv), np.int32(total_q), np.int32(HQ), np.int32(H),
+                                           np.int32(G), np.int32(n_words), np.int64(mask_h_stride),
+                                           np.int32(mask_q_block), scale_log2, np.float32(softmax_scale), causal_i))
     return dq, dk, dv

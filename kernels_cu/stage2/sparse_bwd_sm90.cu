@@ -13,6 +13,8 @@
 //       block, wherever they are: with per-token selections a key block's 64-row tiles then hold
 //       only rows that use it (a 4-token tile of consecutive tokens holds about one at G = 16);
 //       block-shared selections give the same tiles, at some cost for the walk (NOTES.md).
+//       vt_off / vt: null, or ("sm90a_auto") the other mode's index: then the launcher runs both
+//       instances and each keeps the key blocks its mode does best (see the fill test below).
 //
 // One warpgroup per CTA, every product on wgmma with 128-byte-swizzled shared-memory tiles (the
 // forward's layout): the SM80 kernels read each operand fragment through ldmatrix into every
@@ -223,6 +225,16 @@ stage2_bwd_dq_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __
 // ---------------------------------------------------------------------------------------------
 #define GATHER_MAX 8   // tokens per gathered tile (64 / G for G >= 8)
 
+// Sum of `x` over the 128 threads of the CTA (every thread gets it); a CTA barrier.
+__device__ __forceinline__ int cta_sum128(int x) {
+    __shared__ int part[4];
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    __syncthreads();                       // `part` may still be read by a previous call
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = x;
+    __syncthreads();
+    return part[0] + part[1] + part[2] + part[3];
+}
+
 template <typename T, int D, bool GATHER>
 __global__ void __launch_bounds__(128, 2)
 stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -230,6 +242,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      const unsigned* __restrict__ masks, const int* __restrict__ mask_base,
                      const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
                      const long long* __restrict__ ut_off, const unsigned* __restrict__ ut, long long ut_h_stride,
+                     const long long* __restrict__ vt_off, const unsigned* __restrict__ vt, long long vt_h_stride,
                      T* __restrict__ dk, T* __restrict__ dv, int total_q, int HQ, int H, int G, int n_words,
                      long long mask_h_stride, int mask_q_block, float scale_log2, float scale, int causal) {
     constexpr int CH = D / 8;
@@ -261,6 +274,24 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     const unsigned* mrows = masks + ((int64)mask_base[b] + (int64)h * mask_h_stride) * n_words;
     const int kbase = j * BLOCK_N;
     const int tpt = GATHER ? min(64 / G, GATHER_MAX) : 0;   // tokens per gathered tile
+
+    // "sm90a_auto" (vt != null): both kernels run over every key block and each keeps the blocks
+    // its mode does best; vt is the other mode's index. The fill of the block's fixed tiles, (tokens
+    // that selected it) x G / (64-row tiles that contain one of them x 64), decides: below 1/2 the
+    // gathered tiles (full rows) win, above it the fixed ones (no walk). Both kernels count the
+    // same two index rows, so every block is done by exactly one of them.
+    if (vt != nullptr) {
+        const int units_v = GATHER ? (int)((rows_total + QT - 1) / QT) : Lq;
+        const int groups_v = (units_v + 31) >> 5;
+        const unsigned* vrow = vt + (int64)h * vt_h_stride + vt_off[b] + (int64)j * groups_v;
+        int own = 0, other = 0;
+        for (int w = tid; w < groups; w += 128) own += __popc(__ldg(urow + w));
+        for (int w = tid; w < groups_v; w += 128) other += __popc(__ldg(vrow + w));
+        const int tokens = cta_sum128(GATHER ? own : other);
+        const int tiles_n = cta_sum128(GATHER ? other : own);
+        const bool gather_wins = 2 * (int64)tokens * G < (int64)tiles_n * QT;
+        if (gather_wins != GATHER) return;
+    }
 
     // The next tile to load. Tile mode: its index `tile` (rows 64 tile ..). Gather mode: the
     // tokens tok[0 .. ntok) (rows s G .. s G + G - 1 are token tok[s]'s heads); every thread

@@ -2,8 +2,17 @@
 import pytest
 import torch
 
-from infllm_cupy.stage2.sparse_bwd import (DEFAULT_BWD_TILES, KERNEL_ENV, QT, SM90A, SM90A_GATHER, BwdTiles,
-                                           as_bwd_tiles, tile_index)
+from infllm_cupy.stage2.sparse_bwd import (
+    DEFAULT_BWD_TILES,
+    KERNEL_ENV,
+    QT,
+    SM90A,
+    SM90A_AUTO,
+    SM90A_GATHER,
+    BwdTiles,
+    as_bwd_tiles,
+    tile_index,
+)
 
 
 def test_kernel_choice(monkeypatch):
@@ -14,6 +23,8 @@ def test_kernel_choice(monkeypatch):
     assert as_bwd_tiles((8, 64)) == BwdTiles(8, 64)
     monkeypatch.setenv(KERNEL_ENV, SM90A_GATHER)
     assert as_bwd_tiles(None) == SM90A_GATHER
+    monkeypatch.setenv(KERNEL_ENV, SM90A_AUTO)
+    assert as_bwd_tiles(None) == SM90A_AUTO
     monkeypatch.setenv(KERNEL_ENV, "4,16")
     assert as_bwd_tiles(None) == BwdTiles(4, 16)
     assert as_bwd_tiles(SM90A) == SM90A            # an explicit choice beats the environment

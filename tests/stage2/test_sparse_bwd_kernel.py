@@ -6,13 +6,19 @@ autograd wiring is tested in test_sparse_bwd.py; this file pins the kernels them
 """
 import pytest
 import torch
+from conftest import HAS_GPU
 
 from infllm_cupy.stage2.layout import BlockLayout
-from infllm_cupy.stage2.sparse_bwd import ALL_BWD_TILES, DEFAULT_BWD_TILES, SM90A, SM90A_GATHER, stage2_bwd
+from infllm_cupy.stage2.sparse_bwd import (
+    ALL_BWD_TILES,
+    DEFAULT_BWD_TILES,
+    SM90A,
+    SM90A_AUTO,
+    SM90A_GATHER,
+    stage2_bwd,
+)
 from infllm_cupy.stage2.sparse_fwd import DEFAULT_TILES, n_mask_words, stage2_fwd, token_block_masks
 from infllm_cupy.testing import check_sparse_grads, sparse_attn_inputs
-
-from conftest import HAS_GPU
 
 pytestmark = pytest.mark.gpu
 
@@ -32,8 +38,10 @@ HOPPER = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)
 NEEDS_HOPPER = pytest.mark.skipif(not HOPPER, reason="sm_90a kernels need capability 9.0")
 SM90 = pytest.param(SM90A, marks=NEEDS_HOPPER)
 SM90_GATHER = pytest.param(SM90A_GATHER, marks=NEEDS_HOPPER)
-# every path on every case: sm_90a over fixed tiles, sm_90a gathering tokens (8 <= G <= 64), SM80
-KERNELS = [SM90, SM90_GATHER, DEFAULT_BWD_TILES]
+SM90_AUTO = pytest.param(SM90A_AUTO, marks=NEEDS_HOPPER)
+# every path on every case: sm_90a over fixed tiles, sm_90a gathering tokens (8 <= G <= 64), both
+# split per key block by tile fill, SM80
+KERNELS = [SM90, SM90_GATHER, SM90_AUTO, DEFAULT_BWD_TILES]
 
 
 def kernels_id(t):
