@@ -10,6 +10,7 @@ run to run: there is no separate deterministic mode because the default already 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import numpy as np
@@ -112,6 +113,12 @@ def dkdv_smem_bytes(D: int, itemsize: int = 2) -> int:
 def sm90_smem_bytes(D: int, n_words: int, kind: str, itemsize: int = 2) -> int:
     # 1 KB alignment slack for the swizzled tiles + six 64 x D tiles + the union words / row info
     return 1024 + 6 * 64 * D * itemsize + (4 * n_words if kind == "dq" else 2 * 3 * QT * 4)
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One extra stream per device, for the second dk/dv kernel of "sm90a_auto"."""
+    return torch.cuda.Stream(device=device)
 
 
 def tile_index(cu_seqlens_q: torch.Tensor, G: int, max_seqlen_k: int, total_q: int, tile_rows: int = QT
@@ -217,10 +224,25 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
            args=common + (ptr(dq), np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words),
                           np.int64(mask_h_stride), np.int32(mask_q_block), scale_log2, np.float32(softmax_scale),
                           causal_i))
-    for kv_name, sm90a, index_args in kv_launches:
+    def launch_dkdv(kv_name: str, sm90a: bool, index_args: tuple) -> None:
         kv_kernel = _jit.get_kernel(SM90_SOURCE, kv_name, sm90a=True) if sm90a else _jit.get_kernel(BWD_SOURCE, kv_name)
         launch(kv_kernel, name=kv_name, grid=(H, B, cdiv(max_seqlen_k, BLOCK_N)), block=(128,), shared_mem=kv_smem,
                args=common + index_args + (ptr(dk), ptr(dv), np.int32(total_q), np.int32(HQ), np.int32(H),
                                            np.int32(G), np.int32(n_words), np.int64(mask_h_stride),
                                            np.int32(mask_q_block), scale_log2, np.float32(softmax_scale), causal_i))
+
+    if len(kv_launches) == 2:
+        # the two halves of "sm90a_auto" run side by side: one after the other, the first one's
+        # heaviest block (block 0, selected by every token) would run alone at its end. The side
+        # stream forks from and joins back into the current one, so every later use of these
+        # tensors (and of the memory they free) is ordered after both kernels.
+        main = torch.cuda.current_stream(dev)
+        side = _side_stream(dev)
+        side.wait_stream(main)
+        launch_dkdv(*kv_launches[0])
+        with torch.cuda.stream(side):
+            launch_dkdv(*kv_launches[1])
+        main.wait_stream(side)
+    else:
+        launch_dkdv(*kv_launches[0])
     return dq, dk, dv
