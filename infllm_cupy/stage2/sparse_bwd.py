@@ -23,9 +23,9 @@ from .sparse_fwd import BLOCK_N, HEAD_DIMS
 
 BWD_SOURCE = "stage2/sparse_bwd.cu"
 SM90_SOURCE = "stage2/sparse_bwd_sm90.cu"
-SM90A = "sm90a"         # the Hopper (wgmma) dq and dk/dv kernels, dk/dv over fixed 64-row tiles; default on 9.0
+SM90A = "sm90a"         # the Hopper (wgmma) dq and dk/dv kernels, dk/dv over fixed 64-row tiles
 SM90A_GATHER = "sm90a_gather"   # the same, dk/dv gathering the tokens that selected each key block
-SM90A_AUTO = "sm90a_auto"       # both dk/dv kernels, each key block done by the one its fill favours
+SM90A_AUTO = "sm90a_auto"       # both dk/dv kernels, each key block done by the one its fill favours; default on 9.0
 SM90A_KINDS = (SM90A, SM90A_GATHER, SM90A_AUTO)
 GATHER_G = (8, 64)      # group sizes for which "sm90a_gather" gathers (others use fixed tiles)
 KERNEL_ENV = "INFLLM_CUPY_BWD_KERNEL"   # the default backward kernel: sm90a, sm90a_gather or dq_warps,dkdv_cols
@@ -73,7 +73,7 @@ _jit.register_instances(SM90_SOURCE, [f"stage2_bwd_dkdv_sm90<{CXX_TYPE[dt]}, {d}
 
 
 def as_bwd_tiles(tiles, device=None):
-    """Resolve the backward kernel choice. None: `$INFLLM_CUPY_BWD_KERNEL` if set, else "sm90a" on
+    """Resolve the backward kernel choice. None: `$INFLLM_CUPY_BWD_KERNEL` if set, else "sm90a_auto" on
     capability (9, 0) and the default SM80 tiles elsewhere. "sm90a" (dk/dv over fixed 64-row
     tiles: fastest where neighbouring tokens share blocks, as in InfLLM-v2), "sm90a_gather" (dk/dv
     over gathered tokens: fastest for per-token selections with little sharing; 8 <= G <= 64),
@@ -93,7 +93,7 @@ def as_bwd_tiles(tiles, device=None):
                                      f"(e.g. '4,32'), got {env!r}") from None
         else:
             cap = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
-            return SM90A if cap == (9, 0) else DEFAULT_BWD_TILES
+            return SM90A_AUTO if cap == (9, 0) else DEFAULT_BWD_TILES
     if tiles in SM90A_KINDS or isinstance(tiles, BwdTiles):
         return tiles
     if isinstance(tiles, (tuple, list)) and len(tiles) == 2:
