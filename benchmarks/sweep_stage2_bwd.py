@@ -19,7 +19,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._harness import bench_gpu_time, flops_attn  # noqa: E402
 from benchmarks.selections import SELECTIONS, attended_keys, make_selection, uniform_cu_seqlens  # noqa: E402
-from infllm_cupy.stage2.sparse_bwd import ALL_BWD_TILES, DEFAULT_BWD_TILES, SM90A, SM90A_GATHER, stage2_bwd  # noqa: E402
+from infllm_cupy.stage2.sparse_bwd import (  # noqa: E402
+    ALL_BWD_TILES,
+    DEFAULT_BWD_TILES,
+    SM90A,
+    SM90A_AUTO,
+    SM90A_GATHER,
+    stage2_bwd,
+)
 from infllm_cupy.stage2.sparse_fwd import as_tiles, n_mask_words, stage2_fwd, token_block_masks  # noqa: E402
 
 
@@ -30,7 +37,7 @@ def main() -> None:
     p.add_argument("--K", type=int, default=64)
     p.add_argument("--D", type=int, default=128)
     p.add_argument("--sel", nargs="+", default=["a", "b", "c"], choices=sorted(SELECTIONS))
-    p.add_argument("--tiles", default="all", help="'all' (SM80 shapes and sm90a) or 'default' (SM80 default and sm90a)")
+    p.add_argument("--tiles", default="all", help="'all' (SM80 shapes and the sm90a kernels) or 'default' (SM80 default and the sm90a kernels)")
     p.add_argument("--profile", action="store_true")
     a = p.parse_args()
     HQ, H, D, T, B = 32, 2, a.D, a.T, a.B
@@ -42,7 +49,7 @@ def main() -> None:
     cu = uniform_cu_seqlens(B, T, "cuda")
     scale = D ** -0.5
     hopper = torch.cuda.get_device_capability() == (9, 0)
-    tiles_list = (ALL_BWD_TILES if a.tiles == "all" else [DEFAULT_BWD_TILES]) + ([SM90A, SM90A_GATHER] if hopper else [])
+    tiles_list = (ALL_BWD_TILES if a.tiles == "all" else [DEFAULT_BWD_TILES]) + ([SM90A, SM90A_GATHER, SM90A_AUTO] if hopper else [])
     print(f"T={T} B={B} HQ={HQ} H={H} D={D} K={a.K} {torch.cuda.get_device_name()}")
     for sel in a.sel:
         topk = make_selection(sel, B, T, H, a.K, device="cuda", seed=0)
