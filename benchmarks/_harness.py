@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import importlib.metadata
 import json
 import math
@@ -116,6 +117,13 @@ def bench_gpu_time(fn: Callable[[], Any], *, warmup: int = 1, rep: int | None = 
         e.record(stream)
     sync()
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def free_gpu_memory(device: torch.device) -> None:
+    """Drop unreachable tensors and hand cached blocks back (between rows and configs)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def summarize(times: Sequence[float]) -> dict[str, float]:

@@ -47,6 +47,7 @@ from benchmarks._harness import (  # noqa: E402
     env_stamp,
     flops_attn,
     format_table,
+    free_gpu_memory,
     print_table,
     summarize,
     tflops,
@@ -173,9 +174,24 @@ class Runner:
         return row
 
     def free(self):
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_gpu_memory(self.device)
+
+    def run_configs(self, bench_config: Callable[[int, int], dict], env: dict, check: str) -> list[dict]:
+        """`bench_config(T, B)` for every `--configs` entry (a failing config becomes a row with a note),
+        writing the JSON after each; returns the configs' memory records."""
+        a, memory = self.args, []
+        with no_validation(a.validate):
+            for T, B in a.configs:
+                try:
+                    memory.append(bench_config(T, B))
+                except Exception as e:  # noqa: BLE001 - e.g. OOM building inputs: record it, go on
+                    self.rows.append(Row("config", shape_id(B, T, a.hq, a.h, a.d),
+                                         note=f"config failed: {_short(e)}"))
+                    print(f"config {T}x{B} failed: {_short(e)}", flush=True)
+                self.free()     # the config's inputs went out of scope with bench_config
+                if a.json:
+                    write_json(self.rows, a.json, env, extra={"check": check, "memory": memory, "argv": sys.argv[1:]})
+        return memory
 
 
 def load_flex(device: torch.device, compile_: bool):
@@ -370,17 +386,7 @@ def main(argv=None) -> list[Row]:
     flex, BlockMask, flex_note = (load_flex(dev, not a.no_compile) if "flex_union" in a.impls
                                   else (None, None, "not requested"))
     r = Runner(a, dev)
-    memory = []
-    with no_validation(a.validate):
-        for T, B in a.configs:
-            try:
-                memory.append(bench_config(r, T, B, flex, BlockMask, flex_note))
-            except Exception as e:  # noqa: BLE001 - e.g. OOM building inputs: record it, go on
-                r.rows.append(Row("config", shape_id(B, T, a.hq, a.h, a.d), note=f"config failed: {_short(e)}"))
-                print(f"config {T}x{B} failed: {_short(e)}", flush=True)
-            r.free()     # the config's inputs went out of scope with bench_config
-            if a.json:
-                write_json(r.rows, a.json, env, extra={"check": check, "memory": memory, "argv": sys.argv[1:]})
+    memory = r.run_configs(lambda T, B: bench_config(r, T, B, flex, BlockMask, flex_note), env, check)
     recs = summary(r.rows, memory)
     print_table(r.rows, title="All rows (ms = median; TFLOP/s effective on attended keys; keys_per_q per query head)")
     print("\nPer config: ms of each row, anchor ms / pipeline ms (> 1: ours faster), selection share of the "

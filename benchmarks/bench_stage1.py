@@ -40,7 +40,6 @@ from benchmarks.bench_pipeline import (  # noqa: E402
     check_against_reference,
     finish_args,
     make_inputs,
-    no_validation,
     sdpa_cudnn_fn,
 )
 from benchmarks.bench_stage2 import _short, shape_id  # noqa: E402
@@ -154,17 +153,7 @@ def main(argv=None) -> list[Row]:
                                                                                           a.d)
     print(check, flush=True)
     r = Runner(a, dev)
-    memory = []
-    with no_validation(a.validate):
-        for T, B in a.configs:
-            try:
-                memory.append(bench_config(r, T, B))
-            except Exception as e:  # noqa: BLE001 - e.g. OOM: record it, go on
-                r.rows.append(Row("config", shape_id(B, T, a.hq, a.h, a.d), note=f"config failed: {_short(e)}"))
-                print(f"config {T}x{B} failed: {_short(e)}", flush=True)
-            r.free()     # the config's inputs went out of scope with bench_config
-            if a.json:
-                write_json(r.rows, a.json, env, extra={"check": check, "memory": memory, "argv": sys.argv[1:]})
+    memory = r.run_configs(lambda T, B: bench_config(r, T, B), env, check)
     recs = summary(r.rows, memory)
     print_table(r.rows, title="All rows (ms = median)")
     print("\nPer config: ms of each step, selection ms / dense SDPA ms, extra GPU memory of each step (GiB)")

@@ -21,7 +21,6 @@ Ratio columns = anchor ms / ours ms (> 1: ours is faster). Anchors that fail are
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -38,7 +37,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks._harness import (  # noqa: E402
     MODES, README_CONFIGS, Row, add_run_args, bench_gpu_time, causal_dense_keys, env_line, env_stamp, flops_attn,
-    format_table, print_table, summarize, tflops, write_json,
+    format_table, free_gpu_memory, print_table, summarize, tflops, write_json,
 )
 from benchmarks.selections import (  # noqa: E402
     SELECTION_NAMES, attended_keys, block_shared, infllm_like, make_selection, per_token, split_blocks,
@@ -157,9 +156,7 @@ class Runner:
         return row
 
     def free(self):
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_gpu_memory(self.device)
 
 
 def run_check(ours, args, device) -> str:
