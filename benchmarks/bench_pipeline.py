@@ -193,6 +193,20 @@ class Runner:
                     write_json(self.rows, a.json, env, extra={"check": check, "memory": memory, "argv": sys.argv[1:]})
         return memory
 
+    def report(self, title: str, heading: str, recs: list[dict], cols: list[str], env: dict, check: str,
+               memory: list[dict]) -> list[Row]:
+        """Print every row, then the per-config summary `recs` in `cols` (read from the tail), the check
+        and the env line; write the final JSON. Returns the rows."""
+        print_table(self.rows, title=title)
+        print(f"\n{heading}")
+        print(format_table(recs, cols) if recs else "(no configs ran)")
+        print(f"\n{check}")
+        print(env_line(env, self.t_start), flush=True)
+        if self.args.json:
+            write_json(self.rows, self.args.json, env, extra={"check": check, "memory": memory, "summary": recs,
+                                                              "argv": sys.argv[1:]})
+        return self.rows
+
 
 def load_flex(device: torch.device, compile_: bool):
     """`(flex_attention or its compiled form, BlockMask, "")`, or `(None, None, reason)`."""
@@ -387,19 +401,11 @@ def main(argv=None) -> list[Row]:
                                   else (None, None, "not requested"))
     r = Runner(a, dev)
     memory = r.run_configs(lambda T, B: bench_config(r, T, B, flex, BlockMask, flex_note), env, check)
-    recs = summary(r.rows, memory)
-    print_table(r.rows, title="All rows (ms = median; TFLOP/s effective on attended keys; keys_per_q per query head)")
-    print("\nPer config: ms of each row, anchor ms / pipeline ms (> 1: ours faster), selection share of the "
-          "pipeline, extra GPU memory (GiB)")
     cols = ["config", *[f"{i}_ms" for i in IMPLS], *[f"{i}/pipeline" for i in ANCHORS], "selection_share",
             "sel_mem_GiB", "pipe_mem_GiB"]
-    print(format_table(recs, cols) if recs else "(no configs ran)")
-    print(f"\n{check}")
-    print(env_line(env, r.t_start), flush=True)
-    if a.json:
-        write_json(r.rows, a.json, env, extra={"check": check, "memory": memory, "summary": recs,
-                                               "argv": sys.argv[1:]})
-    return r.rows
+    return r.report("All rows (ms = median; TFLOP/s effective on attended keys; keys_per_q per query head)",
+                    "Per config: ms of each row, anchor ms / pipeline ms (> 1: ours faster), selection share of the "
+                    "pipeline, extra GPU memory (GiB)", summary(r.rows, memory), cols, env, check, memory)
 
 
 if __name__ == "__main__":

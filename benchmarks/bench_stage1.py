@@ -31,9 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._harness import (  # noqa: E402
-    Row, causal_dense_keys, env_line, env_stamp, format_table, print_table, write_json,
-)
+from benchmarks._harness import Row, causal_dense_keys, env_stamp  # noqa: E402
 from benchmarks.bench_pipeline import (  # noqa: E402
     Runner,
     add_common_args,
@@ -155,17 +153,11 @@ def main(argv=None) -> list[Row]:
     r = Runner(a, dev)
     memory = r.run_configs(lambda T, B: bench_config(r, T, B), env, check)
     recs = summary(r.rows, memory)
-    print_table(r.rows, title="All rows (ms = median)")
-    print("\nPer config: ms of each step, selection ms / dense SDPA ms, extra GPU memory of each step (GiB)")
     mem_cols = [f"{i}_GiB" for i in IMPLS if any(f"{i}_GiB" in rec for rec in recs)]
     cols = ["config", *[f"{i}_ms" for i in IMPLS], "selection/sdpa", *mem_cols]
-    print(format_table(recs, cols) if recs else "(no configs ran)")
-    print(f"\n{check}")
-    print(env_line(env, r.t_start), flush=True)
-    if a.json:
-        write_json(r.rows, a.json, env, extra={"check": check, "memory": memory, "summary": recs,
-                                               "argv": sys.argv[1:]})
-    return r.rows
+    return r.report("All rows (ms = median)",
+                    "Per config: ms of each step, selection ms / dense SDPA ms, extra GPU memory of each step (GiB)",
+                    recs, cols, env, check, memory)
 
 
 if __name__ == "__main__":
