@@ -249,20 +249,28 @@ def sdpa_cudnn_fn(q, k, v, B: int, T: int) -> tuple[Callable[[], object], str]:
         return (lambda: call(kr, vr, False)), f"KV repeated to HQ heads ({_short(e)[:80]})"
 
 
-def bench_config(r: Runner, T: int, B: int, flex, BlockMask, flex_note: str = "") -> dict:
-    """Time every requested row on one `(T, B)`; returns the memory record of the config."""
-    from infllm_cupy.pipeline import InfLLMv2Config, infllmv2_attention, select_blocks, stages_for
+def config_setup(r: Runner, T: int, B: int) -> tuple:
+    """What every row of one `(T, B)` shares: `(cfg_id, cfg, K, q, k, v, cu, stages, cache_lens,
+    n_q_rows)` with the MiniCPM4 config at `--topk` / `--local-blocks` and seeded inputs."""
+    from infllm_cupy.pipeline import InfLLMv2Config, stages_for
 
-    a, dev = r.args, r.device
-    HQ, H, D = a.hq, a.h, a.d
-    cfg_id = shape_id(B, T, HQ, H, D)
+    a = r.args
+    cfg_id = shape_id(B, T, a.hq, a.h, a.d)
     cfg = InfLLMv2Config(topk=a.topk, local_blocks=a.local_blocks, dense_len=0)
     K = cfg.topk + cfg.local_blocks
     print(f"\n== {cfg_id}: topk {cfg.topk} + local {cfg.local_blocks} (K = {K}), backend {a.backend}", flush=True)
-    q, k, v, cu = make_inputs(B, T, HQ, H, D, dev, a.seed)
-    stages = stages_for(q, a.backend)
-    cache_lens = torch.zeros(B, dtype=torch.int32, device=dev)
-    n_q_rows = B * T * HQ
+    q, k, v, cu = make_inputs(B, T, a.hq, a.h, a.d, r.device, a.seed)
+    cache_lens = torch.zeros(B, dtype=torch.int32, device=r.device)
+    return cfg_id, cfg, K, q, k, v, cu, stages_for(q, a.backend), cache_lens, B * T * a.hq
+
+
+def bench_config(r: Runner, T: int, B: int, flex, BlockMask, flex_note: str = "") -> dict:
+    """Time every requested row on one `(T, B)`; returns the memory record of the config."""
+    from infllm_cupy.pipeline import infllmv2_attention, select_blocks
+
+    a = r.args
+    HQ, H, D = a.hq, a.h, a.d
+    cfg_id, cfg, K, q, k, v, cu, stages, cache_lens, n_q_rows = config_setup(r, T, B)
 
     def selection():
         return select_blocks(stages, q, k, cu, cu, T, cache_lens, True, cfg, need_scores=False)

@@ -36,11 +36,11 @@ from benchmarks.bench_pipeline import (  # noqa: E402
     Runner,
     add_common_args,
     check_against_reference,
+    config_setup,
     finish_args,
-    make_inputs,
     sdpa_cudnn_fn,
 )
-from benchmarks.bench_stage2 import _short, shape_id  # noqa: E402
+from benchmarks.bench_stage2 import _short  # noqa: E402
 
 IMPLS = ("compress_fine", "compress_coarse", "stage1_select", "scores", "pool", "topk", "selection", "sdpa_cudnn")
 STEPS = ("scores", "pool", "topk")
@@ -48,7 +48,7 @@ STEPS = ("scores", "pool", "topk")
 
 def bench_config(r: Runner, T: int, B: int) -> dict:
     """Time every requested row on one `(T, B)`; returns the memory record of the config."""
-    from infllm_cupy.pipeline import InfLLMv2Config, select_blocks, stages_for
+    from infllm_cupy.pipeline import select_blocks
     from infllm_cupy.stage1.naive import (
         naive_pool_blocks,
         naive_select_topk,
@@ -57,16 +57,9 @@ def bench_config(r: Runner, T: int, B: int) -> dict:
         q_block_idx_prefill,
     )
 
-    a, dev = r.args, r.device
-    HQ, H, D = a.hq, a.h, a.d
-    cfg_id = shape_id(B, T, HQ, H, D)
-    cfg = InfLLMv2Config(topk=a.topk, local_blocks=a.local_blocks, dense_len=0)
-    K = cfg.topk + cfg.local_blocks
-    print(f"\n== {cfg_id}: topk {cfg.topk} + local {cfg.local_blocks} (K = {K}), backend {a.backend}", flush=True)
-    q, k, v, cu = make_inputs(B, T, HQ, H, D, dev, a.seed)
-    stages = stages_for(q, a.backend)
-    cache_lens = torch.zeros(B, dtype=torch.int32, device=dev)
-    n_q_rows = B * T * HQ
+    a = r.args
+    HQ, D = a.hq, a.d
+    cfg_id, cfg, K, q, k, v, cu, stages, cache_lens, n_q_rows = config_setup(r, T, B)
     mem = {"config": cfg_id}
     with torch.no_grad():
         (ck1, cu1), (ck2, cu2) = (stages["compress_k"](k, cu, cfg.kernel_size, cfg.kernel_stride),
