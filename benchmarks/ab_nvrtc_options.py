@@ -88,11 +88,11 @@ def stage2_rows(T: int, B: int, K: int, bwd_kernels=()) -> list[tuple[str, objec
     return rows
 
 
-def stage1_rows(T: int) -> list[tuple[str, object, float]]:
+def stage1_rows(T: int, H: int = 2) -> list[tuple[str, object, float]]:
     from infllm_cupy.compress import compress_k
     from infllm_cupy.stage1.select import stage1_select
 
-    HQ, H, D = 32, 2, 128
+    HQ, D = 32, 128
     g = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(T, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
     k = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -105,7 +105,7 @@ def stage1_rows(T: int) -> list[tuple[str, object, float]]:
     def run():
         return stage1_select(q, ck1, ck2, cu, cu1, cu2, T, topk=64, local_blocks=32)
 
-    return [(f"stage1 {T // 1024}k x 1 K96", run, flop)]
+    return [(f"stage1 {T // 1024}k x 1 K96 G{HQ // H}", run, flop)]
 
 
 def main() -> None:
@@ -116,10 +116,11 @@ def main() -> None:
     p.add_argument("--B2", type=int, default=2)
     p.add_argument("--T1", type=int, nargs="*", default=[65536, 131072])
     p.add_argument("--skip-stage2", action="store_true")
+    p.add_argument("--H1", type=int, nargs="+", default=[2], help="KV heads of the stage-1 rows (HQ = 32)")
     p.add_argument("--K2", type=int, default=64)
     p.add_argument("--bwd", nargs="*", default=[], help="also time these backward kernels (e.g. sm90a_gather)")
     a = p.parse_args()
-    rows = ([] if a.skip_stage2 else stage2_rows(a.T2, a.B2, a.K2, a.bwd)) + [r for T in a.T1 for r in stage1_rows(T)]
+    rows = ([] if a.skip_stage2 else stage2_rows(a.T2, a.B2, a.K2, a.bwd)) + [r for T in a.T1 for H in a.H1 for r in stage1_rows(T, H)]
     results: dict[tuple[str, str], list[float]] = {}
     for rnd in range(a.rounds):
         order = a.sets if rnd % 2 == 0 else list(reversed(a.sets))

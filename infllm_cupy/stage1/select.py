@@ -31,9 +31,9 @@ from .naive import (
 
 SOURCE = "stage1/select.cu"
 SOURCE_SM90 = "stage1/select_sm90.cu"
-KERNEL_ENV = "INFLLM_CUPY_STAGE1_KERNEL"   # "sm80" or "sm90a": which kernel runs (default: sm90a on H100 when G <= 16)
+KERNEL_ENV = "INFLLM_CUPY_STAGE1_KERNEL"   # "sm80" or "sm90a": which kernel runs (default: sm90a on H100 when G <= 32)
 KERNEL_CHOICES = ("sm80", "sm90a")
-SM90_MAX_LGP = 4         # the sm_90a kernel: a token's rows fit in one warp's 16 (G <= 16)
+SM90_MAX_LGP = 5         # the sm_90a kernel: a token's rows fit in one or two warps' 16 (G <= 32)
 SM90_THREADS = 256
 HEAD_DIMS = (64, 128)
 SCORE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -67,23 +67,25 @@ for _sm90a, _src in ((False, SOURCE), (True, SOURCE_SM90)):
 
 def use_sm90_kernel(capability: tuple[int, int], lgp: int, choice: str | None = None) -> bool:
     """Whether the sm_90a kernel runs: `choice` (None: `$INFLLM_CUPY_STAGE1_KERNEL`, else automatic)
-    is "sm80" or "sm90a"; automatic picks sm90a on compute capability 9.0 when G <= 16."""
+    is "sm80" or "sm90a"; automatic picks sm90a on compute capability 9.0 when G <= 32."""
     if choice is None:
         choice = os.environ.get(KERNEL_ENV) or None
     if choice is not None and choice not in KERNEL_CHOICES:
         raise ValueError(f"{KERNEL_ENV} must be one of {KERNEL_CHOICES}, got {choice!r}")
     fits = capability == (9, 0) and lgp <= SM90_MAX_LGP
     if choice == "sm90a" and not fits:
-        raise ValueError(f"{KERNEL_ENV}=sm90a needs compute capability 9.0 and G <= 16 (got capability "
+        raise ValueError(f"{KERNEL_ENV}=sm90a needs compute capability 9.0 and G <= 32 (got capability "
                          f"{capability}, G <= {1 << lgp})")
     return fits if choice is None else choice == "sm90a"
 
 
 def smem_bytes_sm90(D: int, itemsize: int, lgp: int, olp: int, key_bytes: int, bs_in_smem: bool) -> int:
     """Dynamic shared memory of one sm_90a CTA (mirrors select_sm90.cu): alignment slack, two Q
-    tiles and two key tiles of 64 rows, the staging rows and the block-key rows."""
+    tiles and two key tiles of 64 rows, the staging rows, per-warp column sums (G > 16) and the
+    block-key rows."""
     tok = 128 >> lgp
-    return 1024 + 4 * TILE * D * itemsize + tok * STAGE_STRIDE * 4 + (tok * olp * key_bytes if bs_in_smem else 0)
+    return (1024 + 4 * TILE * D * itemsize + tok * STAGE_STRIDE * 4 + (8 * 64 * 4 if lgp == 5 else 0)
+            + (tok * olp * key_bytes if bs_in_smem else 0))
 
 
 def smem_bytes(D: int, itemsize: int, warps: int, lgp: int, olp: int, key_bytes: int,

@@ -217,16 +217,15 @@ __device__ __forceinline__ void stage_tokens(float (&s)[MT][8][4], float* __rest
     }
 }
 
-// G in 9..16 with one m-tile per token (the warp's 16 rows are one token, sm_90a kernel): the group
-// sum, rounding and pooling of one fine tile without the staging row. After the reduce-scatter lane
-// L holds columns 2L and 2L + 1, so block jl (columns 4 jl - 1 .. 4 jl + 3) is the max of lanes 2 jl
-// and 2 jl + 1 and of lane 2 jl - 1's second column (for jl = 0: `carry`, column kb - 1 of the
-// previous tile, updated here to column kb + 63). row: the token's block keys; scores_row: its
-// inspection scores or null.
-template <typename KT>
-__device__ __forceinline__ void sum_pool_token16(float (&s)[1][8][4], float& carry, KT* __restrict__ row,
-                                                 KT* __restrict__ scores_row, int max_n1, int kb, int n1, int out_len,
-                                                 int lane, int kind) {
+// Tokens of 16 or 32 rows in the sm_90a kernel (G in 9..32, one m-tile of 16 rows per warp): the
+// group sum, rounding and pooling of one fine tile without the staging row. After the reduce-scatter
+// lane L holds the sums of columns 2L and 2L + 1 over the warp's rows (warp_rows_sum; at G > 16 two
+// warps' sums are added), so block jl (columns 4 jl - 1 .. 4 jl + 3) is the max of lanes 2 jl and
+// 2 jl + 1 and of lane 2 jl - 1's second column (for jl = 0: `carry`, column kb - 1 of the previous
+// tile, updated here to column kb + 63). row: the token's block keys; scores_row: its inspection
+// scores or null.
+// The sum over the warp's 16 rows of columns 2 lane and 2 lane + 1 (unrounded).
+__device__ __forceinline__ float2 warp_rows_sum(float (&s)[1][8][4], int lane) {
     float v[16];
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
@@ -234,9 +233,18 @@ __device__ __forceinline__ void sum_pool_token16(float (&s)[1][8][4], float& car
         v[2 * n + 1] = s[0][n][1] + s[0][n][3];
     }
     reduce_scatter<3>(v, lane);
+    return make_float2(v[0], v[1]);
+}
+
+// Round a token's sums of columns 2 lane, 2 lane + 1 of one fine tile, write the inspection scores,
+// and pool the tile's 16 blocks.
+template <typename KT>
+__device__ __forceinline__ void pool_columns(float2 sum, float& carry, KT* __restrict__ row,
+                                             KT* __restrict__ scores_row, int max_n1, int kb, int n1, int out_len,
+                                             int lane, int kind) {
     const int col = kb + 2 * lane;
-    const float a = col < n1 ? round_score<KT>(v[0], kind) : -INFLLM_INF;
-    const float b = col + 1 < n1 ? round_score<KT>(v[1], kind) : -INFLLM_INF;
+    const float a = col < n1 ? round_score<KT>(sum.x, kind) : -INFLLM_INF;
+    const float b = col + 1 < n1 ? round_score<KT>(sum.y, kind) : -INFLLM_INF;
     if (scores_row != nullptr) {
         if (col < max_n1) scores_row[col] = Score<KT>::bits(col < n1 ? a : 0.f, kind);
         if (col + 1 < max_n1) scores_row[col + 1] = Score<KT>::bits(col + 1 < n1 ? b : 0.f, kind);
@@ -248,6 +256,13 @@ __device__ __forceinline__ void sum_pool_token16(float (&s)[1][8][4], float& car
     carry = __shfl_sync(S1_FULL, b, 31);
     const int j = (kb >> 2) + (lane >> 1);
     if (!(lane & 1) && j < out_len) row[j] = score_key<KT>(fmaxf(fmaxf(m, m_next), prev), kind);
+}
+
+template <typename KT>
+__device__ __forceinline__ void sum_pool_token16(float (&s)[1][8][4], float& carry, KT* __restrict__ row,
+                                                 KT* __restrict__ scores_row, int max_n1, int kb, int n1, int out_len,
+                                                 int lane, int kind) {
+    pool_columns<KT>(warp_rows_sum(s, lane), carry, row, scores_row, max_n1, kb, n1, out_len, lane, kind);
 }
 
 // Sets the elements of row rr at keys >= lim[rr] (key index kb + column) to `value`.

@@ -3,11 +3,12 @@
 // the work differs.
 //
 // Launch contract (mirrored by infllm_cupy/stage1/select.py):
-//   kernel   stage1_select_sm90<T, KT, D>   (T, KT, D as stage1_select); capability 9.0, G <= 16
+//   kernel   stage1_select_sm90<T, KT, D>   (T, KT, D as stage1_select); capability 9.0, G <= 32
 //   grid     (n_tiles * B * H)   n_tiles = cdiv(max_seqlen_q, TOK), TOK = 128 / GP; CTA order as stage1_select
-//   block    256 (two warpgroups: 128 rows = TOK tokens x GP rows; lgp <= 4)
+//   block    256 (two warpgroups: 128 rows = TOK tokens x GP rows; lgp <= 5)
 //   dyn smem 1024 (alignment) + 2 * 64 * D * sizeof(T) (Q, two 64-row tiles) + 2 * 64 * D * sizeof(T)
-//            (two key tiles) + TOK * 68 * 4 (staging rows) + (bs_scratch ? 0 : TOK * olp * sizeof(KT))
+//            (two key tiles) + TOK * 68 * 4 (staging rows) + (lgp == 5 ? 8 * 64 * 4 : 0) (per-warp column
+//            sums) + (bs_scratch ? 0 : TOK * olp * sizeof(KT))
 //
 // Why a second kernel: the SM80 kernel runs at ~40% issue utilisation with two warps per scheduler;
 // its warps stall on their own dependency chains (mma.sync accumulators, exp, shuffles), and 128
@@ -51,7 +52,8 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
     const int NT = w.nc + w.nf;
 
     float* sT = reinterpret_cast<float*>(smem + (sK + 2 * TILE - raw));              // [TOK][68]
-    key_t* sB = reinterpret_cast<key_t*>(sT + TOK * S1_ST);                          // [TOK][olp]
+    float* sP = sT + TOK * S1_ST;                                                     // [8][64] if lgp == 5
+    key_t* sB = reinterpret_cast<key_t*>(sP + (lgp == 5 ? 8 * 64 : 0));               // [TOK][olp]
     const int64 score_row0 = (int64)w.h * total_q + w.qs + w.t0;                      // row of token 0
     key_t* bs0 = bs_scratch ? bs_scratch + score_row0 * olp : sB;                    // token tok: bs0 + tok * olp
 
@@ -118,8 +120,13 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
             if (bs_scratch) pool_tile<KT>(sT, bs0, olp, scores, score_row0, max_n1, tfirst, tpw, w.ntok, kb, w.n1, out_len, lane, kind);
             else pool_tile<KT>(sT, sB, olp, scores, score_row0, max_n1, tfirst, tpw, w.ntok, kb, w.n1, out_len, lane, kind);
         };
-        float carry = -INFLLM_INF;              // G16 path: the previous tile's column 63
+        // G > 8 paths: the previous tile's column 63, and pooling from a lane's two column sums
+        float carry = -INFLLM_INF;
         KT* srow = scores != nullptr ? scores + (score_row0 + tfirst) * max_n1 : nullptr;
+        auto pool_cols = [&](float2 sum, int kb) {
+            if (bs_scratch) pool_columns<KT>(sum, carry, bs0 + (int64)tfirst * olp, srow, max_n1, kb, w.n1, out_len, lane, kind);
+            else pool_columns<KT>(sum, carry, sB + tfirst * olp, srow, max_n1, kb, w.n1, out_len, lane, kind);
+        };
         float s[MT][8][4];
         float (&sacc)[32] = reinterpret_cast<float (&)[32]>(s);
 
@@ -165,18 +172,29 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
                         case 1: stage_tokens<KT, 1, MT>(s, sT, nullptr, warp, lane, tfirst, 1, kb, w.n1, kind); break;
                         case 2: stage_tokens<KT, 2, MT>(s, sT, nullptr, warp, lane, tfirst, 1, kb, w.n1, kind); break;
                         case 3: stage_tokens<KT, 3, MT>(s, sT, nullptr, warp, lane, tfirst, 1, kb, w.n1, kind); break;
-                        default:    // one token per warp: sum and pool in registers, no staging row
-                            if (bs_scratch) sum_pool_token16<KT>(s, carry, bs0 + (int64)tfirst * olp, srow, max_n1, kb, w.n1, out_len, lane, kind);
-                            else sum_pool_token16<KT>(s, carry, sB + tfirst * olp, srow, max_n1, kb, w.n1, out_len, lane, kind);
+                        case 4:     // one token per warp: sum and pool in registers, no staging row
+                            pool_cols(warp_rows_sum(s, lane), kb);
+                            break;
+                        default:    // a token on two warps: each sums its 16 rows, the first adds both
+                            *reinterpret_cast<float2*>(sP + warp * 64 + 2 * lane) = warp_rows_sum(s, lane);
                             break;
                     }
                 }
-                pend_kb = lgp == 4 ? -1 : kb;
+                if (lgp == 5) {
+                    __syncthreads();                 // the partner's sums are in sP
+                    if (live && (warp & 1) == 0) {
+                        const float2 mine = *reinterpret_cast<const float2*>(sP + warp * 64 + 2 * lane);
+                        const float2 theirs = *reinterpret_cast<const float2*>(sP + (warp + 1) * 64 + 2 * lane);
+                        pool_cols(make_float2(mine.x + theirs.x, mine.y + theirs.y), kb);
+                    }
+                }
+                pend_kb = lgp >= 4 ? -1 : kb;
             }
             stage ^= 1;
         }
         if (pend_kb >= 0 && live) pool(pend_kb);
-        if (lgp == 4 && live && lane == 0) sT[tfirst * S1_ST + 3] = carry;    // for the finish below
+        if (lgp >= 4 && live && lane == 0 && (lgp == 4 || (warp & 1) == 0))
+            sT[tfirst * S1_ST + 3] = carry;    // for the finish below
         cp_async_wait<0>();
     }
     __syncthreads();                               // every token's block keys and carry are in place

@@ -473,12 +473,12 @@ def test_launch_planning():
 
 def test_kernel_choice(monkeypatch):
     monkeypatch.delenv(sel.KERNEL_ENV, raising=False)
-    assert use_sm90_kernel((9, 0), 4) and not use_sm90_kernel((9, 0), 5) and not use_sm90_kernel((8, 0), 0)
+    assert use_sm90_kernel((9, 0), 5) and not use_sm90_kernel((9, 0), 6) and not use_sm90_kernel((8, 0), 0)
     assert not use_sm90_kernel((9, 0), 0, "sm80") and use_sm90_kernel((9, 0), 2, "sm90a")
     monkeypatch.setenv(sel.KERNEL_ENV, "sm80")
     assert not use_sm90_kernel((9, 0), 4)
     for bad_env, cap, lgp, match in (("sm70", (9, 0), 4, "must be one of"), ("sm90a", (8, 0), 4, "capability 9.0"),
-                                     ("sm90a", (9, 0), 5, "G <= 16")):
+                                     ("sm90a", (9, 0), 6, "G <= 32")):
         monkeypatch.setenv(sel.KERNEL_ENV, bad_env)
         with pytest.raises(ValueError, match=sel.KERNEL_ENV if match == "must be one of" else match):
             use_sm90_kernel(cap, lgp)
@@ -490,6 +490,7 @@ def test_sm90_launch_planning():
     # the layout: alignment slack + 2 Q + 2 key tiles + staging (+ block keys)
     assert smem_bytes_sm90(64, 2, 0, 64, 2, False) == 1024 + 4 * 64 * 64 * 2 + 128 * 68 * 4
     assert smem_bytes_sm90(64, 2, 0, 64, 4, True) == smem_bytes_sm90(64, 2, 0, 64, 4, False) + 128 * 64 * 4
+    assert smem_bytes_sm90(64, 2, 5, 64, 2, False) == 1024 + 4 * 64 * 64 * 2 + 4 * 68 * 4 + 8 * 64 * 4
 
 
 def test_every_instance_is_registered():
