@@ -59,7 +59,7 @@ def median_ms(fn) -> float:
     return statistics.median(bench_gpu_time(fn))
 
 
-def stage2_rows(T: int, B: int, K: int, bwd_kernels=()) -> list[tuple[str, object, float]]:
+def stage2_rows(T: int, B: int, K: int, bwd_kernels=(), fwd_kernels=(None,), skip_fwdbwd=False) -> list[tuple[str, object, float]]:
     from infllm_cupy.stage2.sparse_bwd import stage2_bwd
     from infllm_cupy.stage2.sparse_fwd import as_tiles, n_mask_words, stage2_fwd, token_block_masks
 
@@ -75,11 +75,16 @@ def stage2_rows(T: int, B: int, K: int, bwd_kernels=()) -> list[tuple[str, objec
         flop = flops_attn(float(attended_keys(topk, cu).sum()) * (HQ // H), D, "fwd")
         masks = token_block_masks(topk, cu, cu, n_mask_words(T))
 
+        for fk in fwd_kernels:
+            def fwd_k(masks=masks, fk=fk):
+                return stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale, as_tiles(fk, q.device))
+
+            rows.append((f"fwd {sel} {T // 1024}k x {B} K{K} {fk or ''}", fwd_k, flop))
+
         def fwd(masks=masks):
             return stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale, as_tiles(None, q.device))
 
-        rows.append((f"fwd {sel} {T // 1024}k x {B} K{K}", fwd, flop))
-        for kernel in [None, *bwd_kernels]:
+        for kernel in [] if skip_fwdbwd else [None, *bwd_kernels]:
             def bwd(masks=masks, fwd=fwd, kernel=kernel):
                 out, lse = fwd()   # the forward is part of the timed work: same for every set
                 return stage2_bwd(do, q, k, v, out, lse, cu, cu, masks, cu, q.shape[0], 1, T, T, True, scale, kernel)
@@ -119,8 +124,11 @@ def main() -> None:
     p.add_argument("--H1", type=int, nargs="+", default=[2], help="KV heads of the stage-1 rows (HQ = 32)")
     p.add_argument("--K2", type=int, default=64)
     p.add_argument("--bwd", nargs="*", default=[], help="also time these backward kernels (e.g. sm90a_gather)")
+    p.add_argument("--fwd", nargs="*", default=[], help="forward kernels to time (default: the automatic choice), "
+                   "e.g. sm90a_single sm90a_pair sm90a")
+    p.add_argument("--skip-fwdbwd", action="store_true", help="time only the forward rows of stage 2")
     a = p.parse_args()
-    rows = ([] if a.skip_stage2 else stage2_rows(a.T2, a.B2, a.K2, a.bwd)) + [r for T in a.T1 for H in a.H1 for r in stage1_rows(T, H)]
+    rows = ([] if a.skip_stage2 else stage2_rows(a.T2, a.B2, a.K2, a.bwd, a.fwd or [None], a.skip_fwdbwd)) + [r for T in a.T1 for H in a.H1 for r in stage1_rows(T, H)]
     results: dict[tuple[str, str], list[float]] = {}
     for rnd in range(a.rounds):
         order = a.sets if rnd % 2 == 0 else list(reversed(a.sets))

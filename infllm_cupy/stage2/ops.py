@@ -36,7 +36,7 @@ import torch
 from .layout import BlockLayout
 from .naive import naive_sparse_attn_varlen, naive_sparse_attn_varlen_bwd
 from .sparse_bwd import stage2_bwd
-from .sparse_fwd import SM90A, FwdTiles, as_tiles, n_mask_words, stage2_fwd, token_block_masks
+from .sparse_fwd import SM90A_FWD, FwdTiles, as_tiles, n_mask_words, stage2_fwd, token_block_masks
 
 Tensor = torch.Tensor
 
@@ -46,18 +46,18 @@ Tensor = torch.Tensor
 
 def tiles_arg(tiles) -> str:
     """The `tiles` argument of the public ops as the forward ops' string: None -> "" (resolved per
-    device at launch), "sm90a", or "warps,m_tiles,sub_keys". Raises as `as_tiles` on a bad value."""
+    device at launch), "sm90a" (or a forced-step variant), or "warps,m_tiles,sub_keys". Raises as `as_tiles` on a bad value."""
     if tiles is None:
         return ""
     t = as_tiles(tiles)                      # validates; no device lookup for a non-None value
-    return SM90A if t == SM90A else f"{t.warps},{t.m_tiles},{t.sub_keys}"
+    return t if t in SM90A_FWD else f"{t.warps},{t.m_tiles},{t.sub_keys}"
 
 
 def _tiles(s: str, device):
     if s == "":
         return as_tiles(None, device)
-    if s == SM90A:
-        return SM90A
+    if s in SM90A_FWD:
+        return s
     return FwdTiles(*(int(x) for x in s.split(",")))
 
 

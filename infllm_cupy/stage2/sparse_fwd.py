@@ -53,6 +53,13 @@ ALL_TILES = [FwdTiles(w, m, kn) for w in (4, 8) for m in (1, 2) for kn in (32, 6
 
 
 SM90A = "sm90a"   # the Hopper kernel (wgmma, warp-specialised); chosen by default on capability 9.0
+SM90A_PAIR = "sm90a_pair"       # the same kernel with 128-key steps forced in every CTA (tests, A/B)
+SM90A_SINGLE = "sm90a_single"   # ... with 64-key steps forced
+SM90A_FWD = (SM90A, SM90A_PAIR, SM90A_SINGLE)
+# A CTA runs 128-key steps (two selected blocks per softmax step) when they compute at most this
+# factor more keys than 64-key steps (kernels_cu/stage2/sparse_fwd_sm90.cu, choose_step_mode).
+PAIR_WASTE = 1.15
+_PAIR_WASTE_OF = {SM90A_PAIR: 1e30, SM90A_SINGLE: 0.0}
 
 
 def as_tiles(tiles, device=None):
@@ -61,7 +68,7 @@ def as_tiles(tiles, device=None):
     if tiles is None:
         cap = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
         return SM90A if cap == (9, 0) else DEFAULT_TILES
-    if tiles == SM90A or isinstance(tiles, FwdTiles):
+    if tiles in SM90A_FWD or isinstance(tiles, FwdTiles):
         return tiles
     if isinstance(tiles, (tuple, list)) and len(tiles) == 3:
         return FwdTiles(*tiles)
@@ -104,9 +111,10 @@ def token_block_masks(topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seq
 
 
 def fwd_smem_bytes(D: int, tiles, n_words: int, itemsize: int = 2) -> int:
-    if tiles == SM90A:   # 1 KB alignment slack, Q tiles, K/V ring, mbarriers, CTA + per-warpgroup unions
+    if tiles in SM90A_FWD:   # 1 KB alignment slack, Q tiles, K/V ring, mbarriers, CTA + per-warpgroup
+        # unions, step-mode counters
         return (1024 + (SM90_CONSUMERS * 64 * D + SM90_STAGES * 2 * BLOCK_N * D) * itemsize
-                + 16 * SM90_STAGES * SM90_CONSUMERS + 4 * n_words * (SM90_CONSUMERS + 1))
+                + 16 * SM90_STAGES * SM90_CONSUMERS + 4 * n_words * (SM90_CONSUMERS + 1) + 16)
     return (tiles.rows * D + 4 * BLOCK_N * D) * itemsize + 4 * n_words
 
 
@@ -123,7 +131,9 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
     n_words = masks.shape[-1]
     out = empty((total_q, HQ, D), dtype=q.dtype, device=q.device)
     lse = empty((HQ, total_q), dtype=torch.float32, device=q.device)
-    if tiles == SM90A:
+    extra = ()
+    if tiles in SM90A_FWD:
+        extra = (np.float32(_PAIR_WASTE_OF.get(tiles, PAIR_WASTE)),)
         name = f"stage2_fwd_sm90<{CXX_TYPE[q.dtype]}, {D}>"
         kernel, rows, threads = _jit.get_kernel(SM90_SOURCE, name, sm90a=True), 64 * SM90_CONSUMERS, \
             128 * (SM90_CONSUMERS + 1)
@@ -135,7 +145,7 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
            args=(ptr(q), ptr(k), ptr(v), ptr(masks), ptr(mask_base), ptr(cu_seqlens_q), ptr(cu_seqlens_k),
                  ptr(out), ptr(lse), np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G),
                  np.int32(n_words), np.int64(mask_h_stride), np.int32(mask_q_block),
-                 np.float32(softmax_scale * 1.4426950408889634), np.int32(1 if causal else 0)))
+                 np.float32(softmax_scale * 1.4426950408889634), np.int32(1 if causal else 0)) + extra)
     return out, lse
 
 

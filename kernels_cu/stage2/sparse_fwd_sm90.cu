@@ -5,7 +5,9 @@
 //   kernel   stage2_fwd_sm90<T, D>      T in {__half, __nv_bfloat16}, D in {64, 128}; capability 9.0
 //   grid     (cdiv(max_seqlen_q * G, 64 * NC), H, B)     block (128 * (NC + 1))
 //   dyn smem 1 KB alignment slack + NC Q tiles + NS K and V stages + 2 NC NS mbarriers
-//            + (NC + 1) * n_words union words (fwd_smem_bytes in the launcher)
+//            + (NC + 1) * n_words union words + 16 B of step-mode counters (fwd_smem_bytes)
+//   pair_waste  the CTA runs 128-key steps when 2 * (slots its warpgroups need) <= pair_waste *
+//               (blocks they need); 0 forces 64-key steps, a huge value forces 128-key steps
 //
 // Warp-specialised, as FlashAttention-3: warpgroups 0..NC-1 are consumers, each owning 64 rows of
 // the flattened (token, head-in-group) space (4 tokens at G = 16); warpgroup NC is the producer.
@@ -17,6 +19,16 @@
 // warpgroups advance independently, so a block that one token picked costs that token's
 // warpgroup alone (the SM80 kernel's block barrier made every warp wait for the slowest).
 // Rows of a warpgroup that did not select a block are masked, as are keys past the causal limit.
+//
+// Two step shapes, chosen per CTA at run time (both compute the same function):
+//   64-key steps  one block per softmax step, S = Q K^T as m64n64 with Q in registers.
+//   128-key steps the CTA union is cut into slots of two consecutive blocks (ring stages 2i, 2i+1,
+//                 whose K rows are contiguous: the K ring is stored [D half][NS * 64 rows]), and a
+//                 warpgroup that needs either block of a slot runs S over both as one m64n128
+//                 product and one softmax step: half the O rescales, row maxima and waits per key,
+//                 and wgmma at N = 128. A block the warpgroup did not select is masked, so the mode
+//                 pays off only where the warpgroups need most blocks of their slots (block-shared
+//                 and InfLLM-like selections); the setup counts both costs and picks.
 #include "common/types.cuh"
 #include "common/mma_sm80.cuh"
 #include "common/wgmma_sm90.cuh"
@@ -25,6 +37,116 @@
 #define NC 2   // consumer warpgroups
 #define NS 4   // K/V stages in the ring
 
+// Mask and online softmax of a finished S over NB blocks (64 * NB columns; columns 64b.. belong to
+// block b), in place: S becomes P. lim[b][r]: last visible key of this thread's row r in block b's
+// terms (-1: the row did not select it). Returns the O rescale factors of the two rows.
+template <int NB>
+__device__ __forceinline__ void softmax_step(float (&s)[32 * NB], const int (&lim)[NB][2], float (&m_run)[2],
+                                             float (&l_run)[2], float scale_log2, float (&alpha)[2]) {
+    bool full_rows = true;
+#pragma unroll
+    for (int b = 0; b < NB; ++b) full_rows &= lim[b][0] >= BLOCK_N - 1 && lim[b][1] >= BLOCK_N - 1;
+    if (!__all_sync(0xffffffffu, full_rows)) {   // warp-uniform: most blocks need no mask
+        const int c0 = (threadIdx.x & 3) * 2;
+#pragma unroll
+        for (int n = 0; n < 8 * NB; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                if ((n & 7) * 8 + c0 + (i & 1) > lim[n >> 3][i >> 1]) s[4 * n + i] = -INFLLM_INF;
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float mx = -INFLLM_INF;
+#pragma unroll
+        for (int n = 0; n < 8 * NB; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * r], s[4 * n + 2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_run[r], mx);
+        // log2 domain, the scale folded into the exponent's FMA; all masked so far: keep 0s
+        const float m_use = m_new == -INFLLM_INF ? 0.f : m_new * scale_log2;
+        alpha[r] = exp2f(m_run[r] * scale_log2 - m_use);
+        m_run[r] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < 8 * NB; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float p = exp2f(fmaf(s[4 * n + 2 * r + e], scale_log2, -m_use));
+                s[4 * n + 2 * r + e] = p;
+                sum += p;
+            }
+        }
+        l_run[r] = l_run[r] * alpha[r] + sum;
+    }
+}
+
+// O *= alpha (always: a conditional write ahead of a wgmma makes ptxas serialize), then P to the
+// wgmma A operand (the accumulator layout is the A-operand layout, 16 keys per fragment).
+template <typename T, int NB, int D>
+__device__ __forceinline__ void rescale_and_pack(float (&o)[D / 2], const float (&s)[32 * NB], u32 (&pa)[4 * NB][4],
+                                                 const float (&alpha)[2]) {
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+        o[4 * n] *= alpha[0];
+        o[4 * n + 1] *= alpha[0];
+        o[4 * n + 2] *= alpha[1];
+        o[4 * n + 3] *= alpha[1];
+    }
+#pragma unroll
+    for (int kk = 0; kk < 4 * NB; ++kk)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) pa[kk][i] = pack2<T>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
+}
+
+// Step-mode choice of a CTA, run by one warp (lane l takes union words l, l + 32, ...): counts the
+// blocks its consumer warpgroups need and the slots (pairs of consecutive CTA-union blocks, in
+// union order) holding at least one of them. 128-key steps compute 128 keys per needed slot,
+// 64-key steps 64 per needed block: mode[2] = 1 when 2 * slots <= pair_waste * blocks.
+template <int NCW>
+__device__ void choose_step_mode(const unsigned* sU, const unsigned* sUw, int n_words, float pair_waste,
+                                 int* mode, int lane) {
+    int blocks = 0, slots = 0, before = 0;      // before: union blocks in earlier rounds' words
+    for (int w0 = 0; w0 < n_words; w0 += 32) {
+        const int w = w0 + lane;
+        const unsigned u = w < n_words ? sU[w] : 0u;
+        const int cnt = __popc(u);
+        int incl = cnt;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const int t = __shfl_up_sync(0xffffffffu, incl, d);
+            if (lane >= d) incl += t;
+        }
+        int pos = before + incl - cnt;          // union position of this word's first block
+        for (unsigned bits = u; bits; bits &= bits - 1, ++pos) {
+            if (pos & 1) continue;              // a slot's second block: counted with its first
+            const int b = __ffs(bits) - 1;
+            const unsigned rest = bits & (bits - 1);
+            int w2 = w, b2 = -1;                // the slot's second block: next set bit, maybe in a later word
+            if (rest) b2 = __ffs(rest) - 1;
+            else
+                for (w2 = w + 1; w2 < n_words; ++w2)
+                    if (sU[w2]) { b2 = __ffs(sU[w2]) - 1; break; }
+#pragma unroll
+            for (int g = 0; g < NCW; ++g)
+                slots += ((sUw[g * n_words + w] >> b) & 1u) | (b2 >= 0 ? (sUw[g * n_words + w2] >> b2) & 1u : 0u);
+        }
+        if (w < n_words)
+#pragma unroll
+            for (int g = 0; g < NCW; ++g) blocks += __popc(sUw[g * n_words + w]);
+        before += __shfl_sync(0xffffffffu, incl, 31);
+    }
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) {
+        blocks += __shfl_xor_sync(0xffffffffu, blocks, d);
+        slots += __shfl_xor_sync(0xffffffffu, slots, d);
+    }
+    if (lane == 0) {
+        mode[0] = blocks;
+        mode[1] = slots;
+        mode[2] = 2.f * (float)slots <= pair_waste * (float)blocks;
+    }
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
 stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -32,12 +154,13 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
                 const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
                 T* __restrict__ out, float* __restrict__ lse,
                 int total_q, int HQ, int H, int G, int n_words, long long mask_h_stride, int mask_q_block,
-                float scale_log2, int causal) {
+                float scale_log2, int causal, float pair_waste) {
     constexpr int M = 64 * NC;
     constexpr int CH = D / 8;
     constexpr u32 TILE_Q = 64 * D * sizeof(T);
     constexpr u32 TILE_KV = BLOCK_N * D * sizeof(T);
     constexpr u32 HALF = 64 * 128;             // bytes of one 64-row, 64-element half tile
+    constexpr u32 KSTAGE = BLOCK_N * 128;      // K ring [D half][NS * 64 rows]: a stage's offset in a half
     extern __shared__ unsigned char smem[];
     const u32 raw = smem_u32(smem);
     const u32 base = (raw + 1023u) & ~1023u;   // swizzled tiles start on 1 KB boundaries
@@ -49,6 +172,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     auto empty = [&](int g, int s) { return bar_empty + 8 * (g * NS + s); };
     unsigned* sU = reinterpret_cast<unsigned*>(smem + (bar_empty + 8 * NS * NC - raw));   // CTA union
     unsigned* sUw = sU + n_words;                                                    // [NC][n_words]
+    int* sMode = reinterpret_cast<int*>(sUw + NC * n_words);   // [blocks needed, slots needed, pair?]
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
     const int h = blockIdx.y, b = blockIdx.z;
@@ -97,6 +221,9 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
+    if (warp == 0) choose_step_mode<NC>(sU, sUw, n_words, pair_waste, sMode, lane);
+    __syncthreads();
+    const bool pair = sMode[2] != 0;
 
     if (wg == NC) {
         // ================= producer warpgroup: K/V ring
@@ -104,11 +231,18 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         const int ptid = tid - 128 * NC;
         constexpr int RSTEP = 128 / CH;             // rows one pass of the 128 threads covers
         const int p_row0 = ptid / CH, p_ch = ptid % CH;
-        const u32 p_dst0 = swz128(p_row0, p_ch, BLOCK_N);
+        const u32 p_dst_k = swz128(p_row0, p_ch, NS * BLOCK_N), p_dst_v = swz128(p_row0, p_ch, BLOCK_N);
         unsigned prev_need = 0;     // bit NC*s + g: warpgroup g needed the block now in stage s
         unsigned empty_phase = 0;   // bit NS*g + s: parity of the next wait on empty(g, s)
-        int it = 0;
-        for (int j = next_set_bit(sU, n_words, 0); j >= 0; j = next_set_bit(sU, n_words, j + 1), ++it) {
+        auto need_of = [&](int j) {
+            unsigned need = 0;
+#pragma unroll
+            for (int g = 0; g < NC; ++g) need |= ((sUw[g * n_words + (j >> 5)] >> (j & 31)) & 1u) << g;
+            return need;
+        };
+        // ring position `it` <- block j (j < 0: zeros, the missing half of an odd last slot); the
+        // copies arrive on the full barriers of the warpgroups in `need`
+        auto load_block = [&](int it, int j, unsigned need) {
             const int s = it % NS;
 #pragma unroll
             for (int g = 0; g < NC; ++g) {
@@ -121,23 +255,31 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
             // phase, so the destinations are a constant stride apart, as are the sources
             const int key0 = j * BLOCK_N + p_row0;
             const int64 src0 = ((int64)(ks + key0) * H + h) * D + p_ch * 8;
-            const u32 dk = sK + s * TILE_KV + p_dst0, dv = sV + s * TILE_KV + p_dst0;
+            const u32 dk = sK + s * KSTAGE + p_dst_k, dv = sV + s * TILE_KV + p_dst_v;
 #pragma unroll
             for (int u = 0; u < BLOCK_N / RSTEP; ++u) {
-                const int bytes = key0 + u * RSTEP < Lk ? 16 : 0;
+                const int bytes = j >= 0 && key0 + u * RSTEP < Lk ? 16 : 0;
                 const int64 off = src0 + (int64)u * RSTEP * H * D;
                 cp_async_16(dk + u * RSTEP * 128, bytes ? k + off : k, bytes);
                 cp_async_16(dv + u * RSTEP * 128, bytes ? v + off : v, bytes);
             }
-            unsigned need = 0;
 #pragma unroll
-            for (int g = 0; g < NC; ++g) {
-                if ((sUw[g * n_words + (j >> 5)] >> (j & 31)) & 1u) {
-                    mbar_arrive_cp_async(full(g, s));   // fires when this thread's copies land
-                    need |= 1u << g;
-                }
-            }
+            for (int g = 0; g < NC; ++g)
+                if ((need >> g) & 1u) mbar_arrive_cp_async(full(g, s));   // fires when this thread's copies land
             prev_need = (prev_need & ~(((1u << NC) - 1) << (NC * s))) | (need << (NC * s));
+        };
+        int it = 0;
+        for (int j = next_set_bit(sU, n_words, 0); j >= 0;) {
+            if (pair) {     // a slot: both blocks go to every warpgroup that needs either
+                const int j2 = next_set_bit(sU, n_words, j + 1);
+                const unsigned need = need_of(j) | (j2 >= 0 ? need_of(j2) : 0u);
+                load_block(it++, j, need);
+                load_block(it++, j2, need);
+                j = j2 < 0 ? -1 : next_set_bit(sU, n_words, j2 + 1);
+            } else {
+                load_block(it++, j, need_of(j));
+                j = next_set_bit(sU, n_words, j + 1);
+            }
         }
         asm volatile("cp.async.wait_all;\n" ::: "memory");   // no copy outlives its thread
         return;
@@ -180,157 +322,190 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
     float m_run[2] = {-INFLLM_INF, -INFLLM_INF}, l_run[2] = {0.f, 0.f};
     const unsigned* myU = sUw + wg * n_words;
+    auto mine = [&](int j) { return j >= 0 && ((myU[j >> 5] >> (j & 31)) & 1u); };
 
     unsigned full_phase = 0;                    // bit s: parity of the next wait on full(wg, s)
-    float sacc[32];
-    u32 pa[4][4];                               // P of the block whose P V is pending
-
     auto wait_full = [&](int s) {
         mbar_wait(full(wg, s), (full_phase >> s) & 1u);
         full_phase ^= 1u << s;
-        fence_proxy_async();
+    };
+    // last visible key of this thread's two rows in block j's terms: -1 when the row did not
+    // select it (or j < 0, the missing half of a slot)
+    auto block_lims = [&](int j, int (&lim)[2]) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const bool sel = j >= 0 && row_ok[r] && ((__ldg(mrow[r] + (j >> 5)) >> (j & 31)) & 1u);
+            lim[r] = sel ? rk[r] - j * BLOCK_N : -1;
+        }
     };
     // Descriptors are built once: the start-address field holds addr >> 4 and shared memory lies
     // below 256 KB, so moving a descriptor by b bytes is adding b >> 4 (no carry out of the field).
     const u64 k_desc = smem_desc(sK, 16, 1024);
     const u64 v_desc = smem_desc(sV, HALF, 1024);
-    // Q stays in registers as wgmma A fragments (the mma.m16n8k16 A layout per warp): S then reads
-    // only K from shared memory, half the operand traffic of the shared-memory form at N = 64.
-    u32 qa[D / 16][4];
+    auto k_off = [](int kk) { return (u32)(((kk >> 2) * (NS * KSTAGE) + (kk & 3) * 32) >> 4); };
+    // O += P V over NB consecutive ring stages from s, P from registers, V MN-major
+    auto issue_pv = [&](int s, auto& pa) {
+        constexpr int NKK = sizeof(pa) / sizeof(pa[0]);
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-        const int mi = lane >> 3, lr = lane & 7;
-        ldmatrix_x4(qa[kk], myQ + swz128(wwarp * 16 + (mi & 1) * 8 + lr, 2 * kk + (mi >> 1), 64));
-    }
-    auto issue_s = [&](int s) {                 // S = Q K^T, 64 rows x 64 keys, K K-major
-        const u64 kd = k_desc + ((s * TILE_KV) >> 4);
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const u32 koff = ((kk >> 2) * HALF + (kk & 3) * 32) >> 4;
-            wgmma_rs<T, 64>(sacc, qa[kk], kd + koff, kk > 0);
-        }
+        for (int kk = 0; kk < NKK; ++kk)
+            wgmma_rs_tb<T, D>(o, pa[kk], v_desc + ((((s + (kk >> 2)) * TILE_KV) + (kk & 3) * 16 * 128) >> 4), 1);
         wgmma_commit();
-    };
-    auto issue_pv = [&](int s) {                // O += P V, P from registers, V MN-major
-        const u64 vd = v_desc + ((s * TILE_KV) >> 4);
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, D>(o, pa[kk], vd + ((kk * 16 * 128) >> 4), 1);
-        wgmma_commit();
-    };
-    // mask and online softmax of the finished S of block j; returns the O rescale factors
-    auto softmax = [&](int j, float (&alpha)[2]) {
-        // last visible key of each row in this block's terms: -1 when the row did not select it
-        const int kbase = j * BLOCK_N;
-        int lim[2];
-        bool full_rows = true;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const bool sel = row_ok[r] && ((__ldg(mrow[r] + (j >> 5)) >> (j & 31)) & 1u);
-            lim[r] = sel ? rk[r] - kbase : -1;
-            full_rows &= lim[r] >= BLOCK_N - 1;
-        }
-        if (!__all_sync(0xffffffffu, full_rows)) {   // warp-uniform: most blocks need no mask
-            const int c0 = (lane & 3) * 2;
-#pragma unroll
-            for (int n = 0; n < 8; ++n)
-#pragma unroll
-                for (int i = 0; i < 4; ++i)
-                    if (n * 8 + c0 + (i & 1) > lim[i >> 1]) sacc[4 * n + i] = -INFLLM_INF;
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = -INFLLM_INF;
-#pragma unroll
-            for (int n = 0; n < 8; ++n) mx = fmaxf(mx, fmaxf(sacc[4 * n + 2 * r], sacc[4 * n + 2 * r + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(m_run[r], mx);
-            // log2 domain, the scale folded into the exponent's FMA; all masked so far: keep 0s
-            const float m_use = m_new == -INFLLM_INF ? 0.f : m_new * scale_log2;
-            alpha[r] = exp2f(m_run[r] * scale_log2 - m_use);
-            m_run[r] = m_new;
-            float sum = 0.f;
-#pragma unroll
-            for (int n = 0; n < 8; ++n) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float p = exp2f(fmaf(sacc[4 * n + 2 * r + e], scale_log2, -m_use));
-                    sacc[4 * n + 2 * r + e] = p;
-                    sum += p;
-                }
-            }
-            l_run[r] = l_run[r] * alpha[r] + sum;
-        }
-    };
-    // O *= alpha (always: a conditional write ahead of a wgmma makes ptxas serialize), then P
-    auto rescale_and_pack = [&](const float (&alpha)[2]) {
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            o[4 * n] *= alpha[0];
-            o[4 * n + 1] *= alpha[0];
-            o[4 * n + 2] *= alpha[1];
-            o[4 * n + 3] *= alpha[1];
-        }
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {        // the accumulator layout is the A-operand layout
-            pa[kk][0] = pack2<T>(sacc[8 * kk + 0], sacc[8 * kk + 1]);
-            pa[kk][1] = pack2<T>(sacc[8 * kk + 2], sacc[8 * kk + 3]);
-            pa[kk][2] = pack2<T>(sacc[8 * kk + 4], sacc[8 * kk + 5]);
-            pa[kk][3] = pack2<T>(sacc[8 * kk + 6], sacc[8 * kk + 7]);
-        }
-    };
-    // next block this warpgroup needs after (j, it): updates both, j = -1 at the end
-    auto advance = [&](int& j, int& it) {
-        do { j = next_set_bit(sU, n_words, j + 1); ++it; } while (j >= 0 && !((myU[j >> 5] >> (j & 31)) & 1u));
     };
 
-    // Software pipeline over the blocks this warpgroup needs, in runs: inside a run, block n's
-    // S = Q K^T and block n-1's O += P V go to the tensor cores back to back and the warpgroup
+    // Software pipeline over the steps this warpgroup needs, in runs: inside a run, step n's
+    // S = Q K^T and step n-1's O += P V go to the tensor cores back to back and the warpgroup
     // waits only for S, so the softmax of n overlaps the P V of n-1. A run ends where the next
-    // needed block is NS or more ring slots away (the producer may need the held stage back
-    // before it can fill that block's): the pending P V is flushed and its stage released. Every
-    // wgmma sits in straight-line code (loop bodies), so ptxas keeps them asynchronous.
-    int j = -1, it = -1;
-    advance(j, it);
-    while (j >= 0) {
-        float alpha[2];
-        int s = it % NS;
-        wait_full(s);
-        wgmma_fence();
-        issue_s(s);
-        wgmma_wait<0>();
-        fence_regs(sacc);
-        softmax(j, alpha);
-        rescale_and_pack(alpha);
-        int jn = j, itn = it;
-        advance(jn, itn);
-        while (jn >= 0 && itn - it < NS) {
-            const int sn = itn % NS;
-            wait_full(sn);
+    // step's last block is NS or more ring positions past the held step's first (the producer may
+    // need the held stages back before it can fill it): the pending P V is flushed and its stages
+    // released. Every wgmma sits in straight-line code (loop bodies), so ptxas keeps them
+    // asynchronous.
+    if (!pair) {
+        // ---- 64-key steps. Q stays in registers as wgmma A fragments (the mma.m16n8k16 A layout
+        // per warp): S then reads only K from shared memory.
+        float sacc[32];
+        u32 pa[4][4];                           // P of the block whose P V is pending
+        u32 qa[D / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const int mi = lane >> 3, lr = lane & 7;
+            ldmatrix_x4(qa[kk], myQ + swz128(wwarp * 16 + (mi & 1) * 8 + lr, 2 * kk + (mi >> 1), 64));
+        }
+        auto issue_s = [&](int s) {             // S = Q K^T, 64 rows x 64 keys, K K-major
+            const u64 kd = k_desc + ((s * KSTAGE) >> 4);
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) wgmma_rs<T, 64>(sacc, qa[kk], kd + k_off(kk), kk > 0);
+            wgmma_commit();
+        };
+        auto step = [&](int j, float (&alpha)[2]) {
+            int lim[1][2];
+            block_lims(j, lim[0]);
+            softmax_step<1>(sacc, lim, m_run, l_run, scale_log2, alpha);
+        };
+        // next block this warpgroup needs after (j, it): updates both, j = -1 at the end
+        auto advance = [&](int& j, int& it) {
+            do { j = next_set_bit(sU, n_words, j + 1); ++it; } while (j >= 0 && !mine(j));
+        };
+        int j = -1, it = -1;
+        advance(j, it);
+        while (j >= 0) {
+            float alpha[2];
+            int s = it % NS;
+            wait_full(s);
+            fence_proxy_async();
             wgmma_fence();
-            issue_s(sn);
-            issue_pv(s);
-            wgmma_wait<1>();                    // S(n) done; the previous block's P V may still run
+            issue_s(s);
+            wgmma_wait<0>();
             fence_regs(sacc);
-            softmax(jn, alpha);
+            step(j, alpha);
+            rescale_and_pack<T, 1, D>(o, sacc, pa, alpha);
+            int jn = j, itn = it;
+            advance(jn, itn);
+            while (jn >= 0 && itn - it < NS) {
+                const int sn = itn % NS;
+                wait_full(sn);
+                fence_proxy_async();
+                wgmma_fence();
+                issue_s(sn);
+                issue_pv(s, pa);
+                wgmma_wait<1>();                // S(n) done; the previous block's P V may still run
+                fence_regs(sacc);
+                step(jn, alpha);
+                wgmma_wait<0>();
+                fence_regs(o);
+                mbar_arrive(empty(wg, s));
+                rescale_and_pack<T, 1, D>(o, sacc, pa, alpha);
+                j = jn;
+                it = itn;
+                s = sn;
+                advance(jn, itn);
+            }
+            wgmma_fence();
+            issue_pv(s, pa);
             wgmma_wait<0>();
             fence_regs(o);
             mbar_arrive(empty(wg, s));
-            rescale_and_pack(alpha);
             j = jn;
             it = itn;
-            s = sn;
-            advance(jn, itn);
         }
-        wgmma_fence();
-        issue_pv(s);
-        wgmma_wait<0>();
-        fence_regs(o);
-        mbar_arrive(empty(wg, s));
-        j = jn;
-        it = itn;
+    } else {
+        // ---- 128-key steps over slots (ring positions it, it + 1; it even, so the two stages'
+        // K rows are contiguous). Q is read from shared memory: registers go to the 64-column S.
+        float sacc[64];
+        u32 pa[8][4];
+        const u64 q_desc = smem_desc(myQ, 16, 1024);
+        auto issue_s = [&](int s) {             // S = Q [K_a; K_b]^T, 64 rows x 128 keys
+            const u64 kd = k_desc + ((s * KSTAGE) >> 4);
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk)
+                wgmma_ss<T, 128>(sacc, q_desc + ((((kk >> 2) * HALF) + (kk & 3) * 32) >> 4), kd + k_off(kk), kk > 0);
+            wgmma_commit();
+        };
+        auto step = [&](int ja, int jb, float (&alpha)[2]) {
+            int lim[2][2];
+            block_lims(ja, lim[0]);
+            block_lims(jb, lim[1]);
+            softmax_step<2>(sacc, lim, m_run, l_run, scale_log2, alpha);
+        };
+        // next slot this warpgroup needs after (ja, jb, it): jb = -1 for an odd last slot, ja = -1 at the end
+        auto advance = [&](int& ja, int& jb, int& it) {
+            do {
+                ja = next_set_bit(sU, n_words, max(ja, jb) + 1);
+                jb = ja >= 0 ? next_set_bit(sU, n_words, ja + 1) : -1;
+                it += 2;
+            } while (ja >= 0 && !mine(ja) && !mine(jb));
+        };
+        auto wait_slot = [&](int s) {
+            wait_full(s);
+            wait_full(s + 1);
+            fence_proxy_async();
+        };
+        auto release_slot = [&](int s) {
+            mbar_arrive(empty(wg, s));
+            mbar_arrive(empty(wg, s + 1));
+        };
+        int ja = -1, jb = -1, it = -2;
+        advance(ja, jb, it);
+        while (ja >= 0) {
+            float alpha[2];
+            int s = it % NS;
+            wait_slot(s);
+            wgmma_fence();
+            issue_s(s);
+            wgmma_wait<0>();
+            fence_regs(sacc);
+            step(ja, jb, alpha);
+            rescale_and_pack<T, 2, D>(o, sacc, pa, alpha);
+            int na = ja, nb2 = jb, itn = it;
+            advance(na, nb2, itn);
+            while (na >= 0 && itn + 1 - it < NS) {
+                const int sn = itn % NS;
+                wait_slot(sn);
+                wgmma_fence();
+                issue_s(sn);
+                issue_pv(s, pa);
+                wgmma_wait<1>();
+                fence_regs(sacc);
+                step(na, nb2, alpha);
+                wgmma_wait<0>();
+                fence_regs(o);
+                release_slot(s);
+                rescale_and_pack<T, 2, D>(o, sacc, pa, alpha);
+                ja = na;
+                jb = nb2;
+                it = itn;
+                s = sn;
+                advance(na, nb2, itn);
+            }
+            wgmma_fence();
+            issue_pv(s, pa);
+            wgmma_wait<0>();
+            fence_regs(o);
+            release_slot(s);
+            ja = na;
+            jb = nb2;
+            it = itn;
+        }
     }
-
     // ---- epilogue
     const float LN2 = 0.69314718055994531f;
 #pragma unroll

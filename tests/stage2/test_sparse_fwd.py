@@ -50,8 +50,11 @@ def check_against_reference(out, lse, q, k, v, cu_q, cu_k, idx, mq, mk, causal):
 
 
 HOPPER = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)
+NEEDS_HOPPER = pytest.mark.skipif(not HOPPER, reason="sm_90a kernel needs capability 9.0")
+# the sm_90a kernel with its per-CTA step choice, and with each step shape forced in every CTA
+SM90_VARIANTS = [pytest.param(t, marks=NEEDS_HOPPER) for t in ("sm90a_pair", "sm90a_single", "sm90a")]
 TILES = [FwdTiles(8, 1, 64), FwdTiles(4, 1, 64), FwdTiles(4, 1, 32), FwdTiles(4, 2, 32), FwdTiles(8, 2, 64),
-         pytest.param("sm90a", marks=pytest.mark.skipif(not HOPPER, reason="sm_90a kernel needs capability 9.0"))]
+         *SM90_VARIANTS]
 
 
 def tiles_id(t):
@@ -107,7 +110,26 @@ def test_junk_indices_equal_the_clean_selection():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [FwdTiles(8, 1, 64), FwdTiles(4, 2, 32), TILES[-1]], ids=tiles_id)
+@pytest.mark.parametrize("tiles", SM90_VARIANTS, ids=tiles_id)
+@pytest.mark.parametrize("selection", ["a", "c"])
+@pytest.mark.parametrize("HQ", [32, 2], ids=["G16", "G1"])
+def test_structured_selections(selection, HQ, tiles):
+    """Block-shared (a) and InfLLM-like (c) selections of the benchmark, where the automatic step
+    choice takes 128-key steps in most CTAs (G16) or mixes both (G1: two query blocks per CTA)."""
+    from benchmarks.selections import make_selection
+
+    T, H, D, K = 2000, 2, 128, 20
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2 * T, HQ, D, generator=g).to("cuda", torch.bfloat16)
+    k, v = (torch.randn(2 * T, H, D, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    cu = cu_seqlens_from_lengths([T, T], "cuda")
+    idx = make_selection(selection, 2, T, H, K, seed=3).cuda()
+    out, lse = sparse_attn_varlen(q, k, v, cu, cu, idx, T, T, return_lse=True, backend="kernels", tiles=tiles)
+    check_against_reference(out, lse, q, k, v, cu, cu, idx, T, T, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [FwdTiles(8, 1, 64), FwdTiles(4, 2, 32), *SM90_VARIANTS], ids=tiles_id)
 @pytest.mark.parametrize("q_block", [64, 128])
 @pytest.mark.parametrize("per_sequence", [False, True])
 def test_block_layout_equals_token_level(q_block, per_sequence, tiles):
