@@ -21,7 +21,7 @@ SELECTIONS = {"a": block_shared, "b": per_token, "c": infllm_like}
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--tiles", nargs="+", default=["sm90a"], help='"sm90a" or JSON [warps, m_tiles, sub_keys]')
+    p.add_argument("--tiles", nargs="+", default=["sm90a"], help='"sm90a", "sm90a_pair", "sm90a_single" or JSON [warps, m_tiles, sub_keys]')
     p.add_argument("--T", type=int, default=8192)
     p.add_argument("--B", type=int, default=2)
     p.add_argument("--K", type=int, default=64)
@@ -35,7 +35,7 @@ def main() -> None:
     topk = SELECTIONS[a.sel](a.B, a.T, H, a.K, device="cuda", seed=0)
     with torch.no_grad():
         for t in a.tiles:
-            tiles = t if t == "sm90a" else tuple(json.loads(t))
+            tiles = t if t.startswith("sm90a") else tuple(json.loads(t))
             sparse_attn_varlen(q, k, v, cu, cu, topk, a.T, a.T, tiles=tiles)
     torch.cuda.synchronize()
 

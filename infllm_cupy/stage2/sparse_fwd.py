@@ -56,10 +56,9 @@ SM90A = "sm90a"   # the Hopper kernel (wgmma, warp-specialised); chosen by defau
 SM90A_PAIR = "sm90a_pair"       # the same kernel with 128-key steps forced in every CTA (tests, A/B)
 SM90A_SINGLE = "sm90a_single"   # ... with 64-key steps forced
 SM90A_FWD = (SM90A, SM90A_PAIR, SM90A_SINGLE)
-# A CTA runs 128-key steps (two selected blocks per softmax step) when they compute at most this
-# factor more keys than 64-key steps (kernels_cu/stage2/sparse_fwd_sm90.cu, choose_step_mode).
-PAIR_WASTE = 1.15
-_PAIR_WASTE_OF = {SM90A_PAIR: 1e30, SM90A_SINGLE: 0.0}
+# pair_mode of the sm_90a kernel: 1 = 128-key steps (two selected blocks per softmax step) in the
+# CTAs where they waste nothing, 2 = everywhere, 0 = nowhere (kernels_cu/stage2/sparse_fwd_sm90.cu)
+_PAIR_MODE = {SM90A: 1, SM90A_PAIR: 2, SM90A_SINGLE: 0}
 
 
 def as_tiles(tiles, device=None):
@@ -111,10 +110,9 @@ def token_block_masks(topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seq
 
 
 def fwd_smem_bytes(D: int, tiles, n_words: int, itemsize: int = 2) -> int:
-    if tiles in SM90A_FWD:   # 1 KB alignment slack, Q tiles, K/V ring, mbarriers, CTA + per-warpgroup
-        # unions, step-mode counters
+    if tiles in SM90A_FWD:   # 1 KB alignment slack, Q tiles, K/V ring, mbarriers, CTA + per-warpgroup unions
         return (1024 + (SM90_CONSUMERS * 64 * D + SM90_STAGES * 2 * BLOCK_N * D) * itemsize
-                + 16 * SM90_STAGES * SM90_CONSUMERS + 4 * n_words * (SM90_CONSUMERS + 1) + 16)
+                + 16 * SM90_STAGES * SM90_CONSUMERS + 4 * n_words * (SM90_CONSUMERS + 1))
     return (tiles.rows * D + 4 * BLOCK_N * D) * itemsize + 4 * n_words
 
 
@@ -133,7 +131,7 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
     lse = empty((HQ, total_q), dtype=torch.float32, device=q.device)
     extra = ()
     if tiles in SM90A_FWD:
-        extra = (np.float32(_PAIR_WASTE_OF.get(tiles, PAIR_WASTE)),)
+        extra = (np.int32(_PAIR_MODE[tiles]),)
         name = f"stage2_fwd_sm90<{CXX_TYPE[q.dtype]}, {D}>"
         kernel, rows, threads = _jit.get_kernel(SM90_SOURCE, name, sm90a=True), 64 * SM90_CONSUMERS, \
             128 * (SM90_CONSUMERS + 1)

@@ -5,9 +5,9 @@
 //   kernel   stage2_fwd_sm90<T, D>      T in {__half, __nv_bfloat16}, D in {64, 128}; capability 9.0
 //   grid     (cdiv(max_seqlen_q * G, 64 * NC), H, B)     block (128 * (NC + 1))
 //   dyn smem 1 KB alignment slack + NC Q tiles + NS K and V stages + 2 NC NS mbarriers
-//            + (NC + 1) * n_words union words + 16 B of step-mode counters (fwd_smem_bytes)
-//   pair_waste  the CTA runs 128-key steps when 2 * (slots its warpgroups need) <= pair_waste *
-//               (blocks they need); 0 forces 64-key steps, a huge value forces 128-key steps
+//            + (NC + 1) * n_words union words (fwd_smem_bytes in the launcher)
+//   pair_mode   0: 64-key steps everywhere; 1: 128-key steps in the CTAs where every consumer
+//               warpgroup needs every block of the CTA union; 2: 128-key steps everywhere (tests)
 //
 // Warp-specialised, as FlashAttention-3: warpgroups 0..NC-1 are consumers, each owning 64 rows of
 // the flattened (token, head-in-group) space (4 tokens at G = 16); warpgroup NC is the producer.
@@ -26,9 +26,11 @@
 //                 whose K rows are contiguous: the K ring is stored [D half][NS * 64 rows]), and a
 //                 warpgroup that needs either block of a slot runs S over both as one m64n128
 //                 product and one softmax step: half the O rescales, row maxima and waits per key,
-//                 and wgmma at N = 128. A block the warpgroup did not select is masked, so the mode
-//                 pays off only where the warpgroups need most blocks of their slots (block-shared
-//                 and InfLLM-like selections); the setup counts both costs and picks.
+//                 and wgmma at N = 128. A block the warpgroup did not select is masked: computed
+//                 for nothing. Measured (NOTES.md, v4), 128-key steps are 7-10% faster where no
+//                 block is wasted and already slower at the ~10% waste of InfLLM-like selections,
+//                 so pair_mode 1 takes them only where the waste is zero (block-shared selections
+//                 and query-block layouts, whose tokens of a CTA share one selection).
 #include "common/types.cuh"
 #include "common/mma_sm80.cuh"
 #include "common/wgmma_sm90.cuh"
@@ -98,55 +100,6 @@ __device__ __forceinline__ void rescale_and_pack(float (&o)[D / 2], const float 
         for (int i = 0; i < 4; ++i) pa[kk][i] = pack2<T>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
 }
 
-// Step-mode choice of a CTA, run by one warp (lane l takes union words l, l + 32, ...): counts the
-// blocks its consumer warpgroups need and the slots (pairs of consecutive CTA-union blocks, in
-// union order) holding at least one of them. 128-key steps compute 128 keys per needed slot,
-// 64-key steps 64 per needed block: mode[2] = 1 when 2 * slots <= pair_waste * blocks.
-template <int NCW>
-__device__ void choose_step_mode(const unsigned* sU, const unsigned* sUw, int n_words, float pair_waste,
-                                 int* mode, int lane) {
-    int blocks = 0, slots = 0, before = 0;      // before: union blocks in earlier rounds' words
-    for (int w0 = 0; w0 < n_words; w0 += 32) {
-        const int w = w0 + lane;
-        const unsigned u = w < n_words ? sU[w] : 0u;
-        const int cnt = __popc(u);
-        int incl = cnt;
-#pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-            const int t = __shfl_up_sync(0xffffffffu, incl, d);
-            if (lane >= d) incl += t;
-        }
-        int pos = before + incl - cnt;          // union position of this word's first block
-        for (unsigned bits = u; bits; bits &= bits - 1, ++pos) {
-            if (pos & 1) continue;              // a slot's second block: counted with its first
-            const int b = __ffs(bits) - 1;
-            const unsigned rest = bits & (bits - 1);
-            int w2 = w, b2 = -1;                // the slot's second block: next set bit, maybe in a later word
-            if (rest) b2 = __ffs(rest) - 1;
-            else
-                for (w2 = w + 1; w2 < n_words; ++w2)
-                    if (sU[w2]) { b2 = __ffs(sU[w2]) - 1; break; }
-#pragma unroll
-            for (int g = 0; g < NCW; ++g)
-                slots += ((sUw[g * n_words + w] >> b) & 1u) | (b2 >= 0 ? (sUw[g * n_words + w2] >> b2) & 1u : 0u);
-        }
-        if (w < n_words)
-#pragma unroll
-            for (int g = 0; g < NCW; ++g) blocks += __popc(sUw[g * n_words + w]);
-        before += __shfl_sync(0xffffffffu, incl, 31);
-    }
-#pragma unroll
-    for (int d = 16; d > 0; d >>= 1) {
-        blocks += __shfl_xor_sync(0xffffffffu, blocks, d);
-        slots += __shfl_xor_sync(0xffffffffu, slots, d);
-    }
-    if (lane == 0) {
-        mode[0] = blocks;
-        mode[1] = slots;
-        mode[2] = 2.f * (float)slots <= pair_waste * (float)blocks;
-    }
-}
-
 template <typename T, int D>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
 stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -154,7 +107,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
                 const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
                 T* __restrict__ out, float* __restrict__ lse,
                 int total_q, int HQ, int H, int G, int n_words, long long mask_h_stride, int mask_q_block,
-                float scale_log2, int causal, float pair_waste) {
+                float scale_log2, int causal, int pair_mode) {
     constexpr int M = 64 * NC;
     constexpr int CH = D / 8;
     constexpr u32 TILE_Q = 64 * D * sizeof(T);
@@ -172,7 +125,6 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     auto empty = [&](int g, int s) { return bar_empty + 8 * (g * NS + s); };
     unsigned* sU = reinterpret_cast<unsigned*>(smem + (bar_empty + 8 * NS * NC - raw));   // CTA union
     unsigned* sUw = sU + n_words;                                                    // [NC][n_words]
-    int* sMode = reinterpret_cast<int*>(sUw + NC * n_words);   // [blocks needed, slots needed, pair?]
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
     const int h = blockIdx.y, b = blockIdx.z;
@@ -185,7 +137,25 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     const int nb = min((Lk + BLOCK_N - 1) / BLOCK_N, n_words * 32);
     const unsigned* mrows = masks + ((int64)mask_base[b] + (int64)h * mask_h_stride) * n_words;
 
+    // ---- each consumer warpgroup's Q tile: issued first, so that it lands during the setup
+    if (wg < NC) {
+        for (int i = tid & 127; i < 64 * CH; i += 128) {
+            const int row = i / CH, ch = i % CH;
+            const int64 R = m0 + 64 * wg + row;
+            const T* src = q;
+            int bytes = 0;
+            if (R < rows_total) {
+                const int t = (int)(R / G), g = (int)(R - (int64)t * G);
+                src = q + ((int64)(qs + t) * HQ + (int64)h * G + g) * D + ch * 8;
+                bytes = 16;
+            }
+            cp_async_16(sQ + wg * TILE_Q + swz128(row, ch, 64), src, bytes);
+        }
+        cp_async_commit();
+    }
+
     // ---- per-warpgroup unions (clipped to what its last row may see) and the CTA union
+    bool same_union = true;     // every warpgroup with rows needs every block of the CTA union
     {
         int q_lo[NC], q_hi[NC], lim[NC];
 #pragma unroll
@@ -199,18 +169,20 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
             if (causal) lim[g] = min(lim[g], (t_hi + shift) < 0 ? -1 : (t_hi + shift) / BLOCK_N);
         }
         for (int w = tid; w < n_words; w += 128 * (NC + 1)) {
-            unsigned all = 0;
+            unsigned u[NC], all = 0;
 #pragma unroll
             for (int g = 0; g < NC; ++g) {
-                unsigned u = 0;
-                for (int r = q_lo[g]; r <= q_hi[g]; ++r) u |= __ldg(mrows + (int64)r * n_words + w);
+                u[g] = 0;
+                for (int r = q_lo[g]; r <= q_hi[g]; ++r) u[g] |= __ldg(mrows + (int64)r * n_words + w);
                 const int lo_bit = w * 32;
-                if (lim[g] < lo_bit) u = 0;
-                else if (lim[g] < lo_bit + 31) u &= (2u << (lim[g] - lo_bit)) - 1u;
-                sUw[g * n_words + w] = u;
-                all |= u;
+                if (lim[g] < lo_bit) u[g] = 0;
+                else if (lim[g] < lo_bit + 31) u[g] &= (2u << (lim[g] - lo_bit)) - 1u;
+                sUw[g * n_words + w] = u[g];
+                all |= u[g];
             }
             sU[w] = all;
+#pragma unroll
+            for (int g = 0; g < NC; ++g) same_union &= q_lo[g] > q_hi[g] || u[g] == all;   // no rows: no work
         }
     }
     if (tid == 0) {
@@ -220,10 +192,10 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    __syncthreads();
-    if (warp == 0) choose_step_mode<NC>(sU, sUw, n_words, pair_waste, sMode, lane);
-    __syncthreads();
-    const bool pair = sMode[2] != 0;
+    // (also the barrier that publishes the unions and the mbarriers) 128-key steps where allowed
+    // and no warpgroup would compute a block it did not select
+    const bool all_same = __syncthreads_and(same_union);
+    const bool pair = pair_mode == 2 || (pair_mode == 1 && all_same);
 
     if (wg == NC) {
         // ================= producer warpgroup: K/V ring
@@ -287,22 +259,9 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
 
     // ================= consumer warpgroup `wg`: 64 rows
     asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
-    const int ctid = tid & 127, wwarp = warp & 3;
+    const int wwarp = warp & 3;
     const u32 myQ = sQ + wg * TILE_Q;
-    for (int i = ctid; i < 64 * CH; i += 128) {
-        const int row = i / CH, ch = i % CH;
-        const int64 R = m0 + 64 * wg + row;
-        const T* src = q;
-        int bytes = 0;
-        if (R < rows_total) {
-            const int t = (int)(R / G), g = (int)(R - (int64)t * G);
-            src = q + ((int64)(qs + t) * HQ + (int64)h * G + g) * D + ch * 8;
-            bytes = 16;
-        }
-        cp_async_16(myQ + swz128(row, ch, 64), src, bytes);
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
+    cp_async_wait<0>();     // this thread's Q copies, issued before the setup
     fence_proxy_async();
     named_barrier(1 + wg, 128);
 

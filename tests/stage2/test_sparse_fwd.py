@@ -110,12 +110,14 @@ def test_junk_indices_equal_the_clean_selection():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", SM90_VARIANTS, ids=tiles_id)
-@pytest.mark.parametrize("selection", ["a", "c"])
+@pytest.mark.skipif(not HOPPER, reason="sm_90a kernel needs capability 9.0")
+@pytest.mark.parametrize("selection", ["a", "b", "c"])
 @pytest.mark.parametrize("HQ", [32, 2], ids=["G16", "G1"])
-def test_structured_selections(selection, HQ, tiles):
-    """Block-shared (a) and InfLLM-like (c) selections of the benchmark, where the automatic step
-    choice takes 128-key steps in most CTAs (G16) or mixes both (G1: two query blocks per CTA)."""
+def test_step_shapes_on_benchmark_selections(selection, HQ):
+    """The benchmark's block-shared (a), per-token (b) and InfLLM-like (c) selections through both
+    step shapes of the sm_90a kernel and its automatic choice. At G = 16 a CTA's tokens share one
+    query block, so under (a) every CTA qualifies for 128-key steps and the automatic choice must
+    equal them bit for bit; under (b) no CTA does and it must equal 64-key steps."""
     from benchmarks.selections import make_selection
 
     T, H, D, K = 2000, 2, 128, 20
@@ -124,8 +126,16 @@ def test_structured_selections(selection, HQ, tiles):
     k, v = (torch.randn(2 * T, H, D, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
     cu = cu_seqlens_from_lengths([T, T], "cuda")
     idx = make_selection(selection, 2, T, H, K, seed=3).cuda()
-    out, lse = sparse_attn_varlen(q, k, v, cu, cu, idx, T, T, return_lse=True, backend="kernels", tiles=tiles)
-    check_against_reference(out, lse, q, k, v, cu, cu, idx, T, T, True)
+    outs = {}
+    for tiles in ("sm90a_pair", "sm90a_single", "sm90a"):
+        out, lse = sparse_attn_varlen(q, k, v, cu, cu, idx, T, T, return_lse=True, backend="kernels", tiles=tiles)
+        check_against_reference(out, lse, q, k, v, cu, cu, idx, T, T, True)
+        outs[tiles] = out
+    assert not torch.equal(outs["sm90a_pair"], outs["sm90a_single"])   # the two shapes round differently
+    if HQ == 32 and selection == "a":
+        assert torch.equal(outs["sm90a"], outs["sm90a_pair"])
+    if selection == "b":
+        assert torch.equal(outs["sm90a"], outs["sm90a_single"])
 
 
 @pytest.mark.gpu
