@@ -228,12 +228,23 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
             const int key0 = j * BLOCK_N + p_row0;
             const int64 src0 = ((int64)(ks + key0) * H + h) * D + p_ch * 8;
             const u32 dk = sK + s * KSTAGE + p_dst_k, dv = sV + s * TILE_KV + p_dst_v;
+            if (j >= 0 && (j + 1) * BLOCK_N <= Lk) {     // a whole block: no per-copy predicates
+                const T* pk = k + src0;
+                const T* pv = v + src0;
+                const int64 step = (int64)RSTEP * H * D;
 #pragma unroll
-            for (int u = 0; u < BLOCK_N / RSTEP; ++u) {
-                const int bytes = j >= 0 && key0 + u * RSTEP < Lk ? 16 : 0;
-                const int64 off = src0 + (int64)u * RSTEP * H * D;
-                cp_async_16(dk + u * RSTEP * 128, bytes ? k + off : k, bytes);
-                cp_async_16(dv + u * RSTEP * 128, bytes ? v + off : v, bytes);
+                for (int u = 0; u < BLOCK_N / RSTEP; ++u) {
+                    cp_async_16_full(dk + u * RSTEP * 128, pk + u * step);
+                    cp_async_16_full(dv + u * RSTEP * 128, pv + u * step);
+                }
+            } else {                                     // the last block of a sequence, or zeros
+#pragma unroll
+                for (int u = 0; u < BLOCK_N / RSTEP; ++u) {
+                    const int bytes = j >= 0 && key0 + u * RSTEP < Lk ? 16 : 0;
+                    const int64 off = src0 + (int64)u * RSTEP * H * D;
+                    cp_async_16(dk + u * RSTEP * 128, bytes ? k + off : k, bytes);
+                    cp_async_16(dv + u * RSTEP * 128, bytes ? v + off : v, bytes);
+                }
             }
 #pragma unroll
             for (int g = 0; g < NC; ++g)
