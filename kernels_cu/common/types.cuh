@@ -52,6 +52,19 @@ __device__ __forceinline__ int find_sequence(const int* __restrict__ cu, int bat
 }
 
 // Index of the first set bit at or after bit `from` of a bitmask of `n_words` words, or -1.
+// 16-byte chunk `ch` of row R of a forward CTA's flattened (token, head-in-group) Q space:
+// q[qs + R / G, h * G + R % G, 8 ch ..] with `bytes` = 16, or the base with 0 (zero fill) past
+// the sequence's rows_total = L_q * G rows.
+template <typename T>
+__device__ __forceinline__ const T* q_row_chunk(const T* __restrict__ q, int64 R, int64 rows_total, int G, int qs,
+                                                int HQ, int h, int D, int ch, int& bytes) {
+    bytes = 0;
+    if (R >= rows_total) return q;
+    const int t = (int)(R / G), g = (int)(R - (int64)t * G);
+    bytes = 16;
+    return q + ((int64)(qs + t) * HQ + (int64)h * G + g) * D + ch * 8;
+}
+
 __device__ __forceinline__ int next_set_bit(const unsigned* __restrict__ words, int n_words, int from) {
     int w = from >> 5;
     if (w >= n_words) return -1;

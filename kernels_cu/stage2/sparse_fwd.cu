@@ -84,14 +84,8 @@ stage2_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
     // ---- Q tile: rows are (token, head) pairs, zero past the sequence
     for (int i = tid; i < M * CH; i += THREADS) {
         const int row = i / CH, ch = i % CH;
-        const int64 R = m0 + row;
-        const T* src = q;
-        int bytes = 0;
-        if (R < rows_total) {
-            const int t = (int)(R / G), g = (int)(R - (int64)t * G);
-            src = q + ((int64)(qs + t) * HQ + (int64)h * G + g) * D + ch * 8;
-            bytes = 16;
-        }
+        int bytes;
+        const T* src = q_row_chunk(q, m0 + row, rows_total, G, qs, HQ, h, D, ch, bytes);
         cp_async_16(smem_u32(sQ + swz<D>(row, ch) * 8), src, bytes);
     }
     cp_async_commit();

@@ -141,14 +141,8 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     if (wg < NC) {
         for (int i = tid & 127; i < 64 * CH; i += 128) {
             const int row = i / CH, ch = i % CH;
-            const int64 R = m0 + 64 * wg + row;
-            const T* src = q;
-            int bytes = 0;
-            if (R < rows_total) {
-                const int t = (int)(R / G), g = (int)(R - (int64)t * G);
-                src = q + ((int64)(qs + t) * HQ + (int64)h * G + g) * D + ch * 8;
-                bytes = 16;
-            }
+            int bytes;
+            const T* src = q_row_chunk(q, m0 + 64 * wg + row, rows_total, G, qs, HQ, h, D, ch, bytes);
             cp_async_16(sQ + wg * TILE_Q + swz128(row, ch, 64), src, bytes);
         }
         cp_async_commit();
