@@ -59,3 +59,30 @@ template <> __device__ __forceinline__ u32 pack2<__half>(float x, float y) {
     __half2 v = __floats2half2_rn(x, y);
     return *reinterpret_cast<u32*>(&v);
 }
+
+// ldmatrix.x4 lane addresses (byte offsets) into a swizzled tile of rowb-byte rows, whose 16-byte
+// chunk ch of row r sits at chunk ch ^ (r % 8); entry c covers k chunks 2c, 2c + 1 of a 64-element
+// half (add 128 per further half):
+//   a_off  the A operand: 16 rows from row0 (a multiple of 8);
+//   b_off  a B operand stored N-major: 16 N rows (two n8 tiles) x 16 k;
+//   t_off  a B operand stored K-major, read with ldmatrix .trans: 16 K rows x 16 n.
+__device__ __forceinline__ void ldsm_offsets(int lane, int row0, int rowb, u32 (&a_off)[4], u32 (&b_off)[4],
+                                             u32 (&t_off)[4]) {
+    const int mi = lane >> 3, lr = lane & 7;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        a_off[c] = (row0 + (mi & 1) * 8 + lr) * rowb + (((2 * c + (mi >> 1)) ^ lr) << 4);
+        b_off[c] = ((mi >> 1) * 8 + lr) * rowb + (((2 * c + (mi & 1)) ^ lr) << 4);
+        t_off[c] = ((mi & 1) * 8 + lr) * rowb + (((2 * c + (mi >> 1)) ^ lr) << 4);
+    }
+}
+
+// The A fragment of a 16x16 operand from two 16x8 accumulator tiles (columns 0-7 and 8-15): the
+// C layout of mma.m16n8k16 is its A layout, so P or dS feeds the next product from registers.
+template <typename T>
+__device__ __forceinline__ void a_from_acc(const float (&lo)[4], const float (&hi)[4], u32 (&a)[4]) {
+    a[0] = pack2<T>(lo[0], lo[1]);
+    a[1] = pack2<T>(lo[2], lo[3]);
+    a[2] = pack2<T>(hi[0], hi[1]);
+    a[3] = pack2<T>(hi[2], hi[3]);
+}

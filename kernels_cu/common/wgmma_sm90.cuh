@@ -136,6 +136,16 @@ template <> __device__ __forceinline__ void wgmma_rs<__half, 64>(float (&d)[32],
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
 }
 
+// Register-A fragments (16 columns each) of a 64-row accumulator of 16 NKK columns: the m64nN
+// accumulator layout is the A-operand layout of the same rows, so P or dS feeds the next wgmma.
+template <typename T, int NKK>
+__device__ __forceinline__ void pack_a_frags(const float (&d)[8 * NKK], u32 (&a)[NKK][4]) {
+#pragma unroll
+    for (int kk = 0; kk < NKK; ++kk)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[kk][i] = pack2<T>(d[8 * kk + 2 * i], d[8 * kk + 2 * i + 1]);
+}
+
 // ---- mbarriers (CTA scope)
 __device__ __forceinline__ void mbar_init(u32 bar, int count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");

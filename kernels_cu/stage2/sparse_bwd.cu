@@ -25,9 +25,39 @@
 // c < Lk and, when causal, c <= r + Lk - Lq. Gradients are scaled like FlashAttention's.
 #include "common/types.cuh"
 #include "common/mma_sm80.cuh"
+#include "stage2/cta_common.cuh"
 
 #define BLOCK_N 64
 #define QT 64          // query rows per dk/dv tile (flattened (token, head-in-group) rows)
+
+// x = A_x B_x^T and y = A_y B_y^T for one warp's 16 rows and NCOL columns, reduced over D: the
+// S and dP products of both dq and dk/dv. A operands are the tiles at ax / ay (a_off: this warp's
+// rows), B operands the N-major tiles at bx / by (b_off; column n at n * 16 D bytes).
+template <typename T, int D, int NCOL>
+__device__ __forceinline__ void two_products(float (&x)[NCOL / 8][4], float (&y)[NCOL / 8][4], u32 ax, u32 ay, u32 bx,
+                                             u32 by, const u32 (&a_off)[4], const u32 (&b_off)[4]) {
+    constexpr int ROWB = D * 2;
+#pragma unroll
+    for (int n = 0; n < NCOL / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[n][e] = y[n][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        u32 a0[4], a1[4];
+        ldmatrix_x4(a0, ax + a_off[kk & 3] + (kk >> 2) * 128);
+        ldmatrix_x4(a1, ay + a_off[kk & 3] + (kk >> 2) * 128);
+#pragma unroll
+        for (int np = 0; np < NCOL / 16; ++np) {
+            u32 b0[4], b1[4];
+            ldmatrix_x4(b0, bx + b_off[kk & 3] + (kk >> 2) * 128 + np * 16 * ROWB);
+            ldmatrix_x4(b1, by + b_off[kk & 3] + (kk >> 2) * 128 + np * 16 * ROWB);
+            mma_16816<T>(x[2 * np], a0, b0[0], b0[1]);
+            mma_16816<T>(x[2 * np + 1], a0, b0[2], b0[3]);
+            mma_16816<T>(y[2 * np], a1, b1[0], b1[1]);
+            mma_16816<T>(y[2 * np + 1], a1, b1[2], b1[3]);
+        }
+    }
+}
 
 template <int D>
 __device__ __forceinline__ int swz(int row, int chunk) {
@@ -86,13 +116,8 @@ stage2_bwd_tiles(const unsigned* __restrict__ masks, const int* __restrict__ mas
     if (tile < tiles) {
         const int64 m0 = (int64)tile * tile_rows;
         const int t_lo = (int)(m0 / G), t_hi = (int)((min(m0 + tile_rows, rows_total) - 1) / G);
-        int max_block = nb - 1;
-        if (causal) max_block = min(max_block, (t_hi + shift) < 0 ? -1 : (t_hi + shift) / BLOCK_N);
-        for (int r = t_lo / mask_q_block; r <= t_hi / mask_q_block; ++r)
-            u |= __ldg(mrows + (int64)r * n_words + w);
-        // keep bits 32 w + k <= max_block
-        const int keep = max_block - 32 * w + 1;           // number of low bits kept
-        u = keep <= 0 ? 0u : keep >= 32 ? u : u & ((1u << keep) - 1u);
+        const int max_block = last_visible_block(nb, causal, t_hi, shift);
+        u = clip_word(rows_or(mrows, n_words, t_lo / mask_q_block, t_hi / mask_q_block, w), w, max_block);
     }
     unsigned mine = 0;
 #pragma unroll
@@ -119,7 +144,6 @@ stage2_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     constexpr int THREADS = 32 * WARPS;
     constexpr int M = 16 * WARPS;
     constexpr int CH = D / 8;
-    constexpr float LOG2E = 1.4426950408889634f;
     extern __shared__ __align__(128) unsigned char smem[];
     T* sQ = reinterpret_cast<T*>(smem);
     T* sO = sQ + M * D;                         // dout tile
@@ -139,18 +163,10 @@ stage2_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     const int nb = (Lk + BLOCK_N - 1) / BLOCK_N;
     const int t_lo = (int)(m0 / G);
     const int t_hi = (int)((min(m0 + M, rows_total) - 1) / G);
-    int max_block = min(nb, n_words * 32) - 1;
-    if (causal) max_block = min(max_block, (t_hi + shift) < 0 ? -1 : (t_hi + shift) / BLOCK_N);
-    const int nw = max_block >= 0 ? (max_block >> 5) + 1 : 0;
+    const int max_block = last_visible_block(min(nb, n_words * 32), causal, t_hi, shift);
+    const int nw = union_words(max_block);
     const unsigned* mrows = masks + ((int64)mask_base[b] + (int64)h * mask_h_stride) * n_words;
-
-    const int q_lo = t_lo / mask_q_block, q_hi = t_hi / mask_q_block;
-    for (int w = tid; w < nw; w += THREADS) {
-        unsigned u = 0;
-        for (int r = q_lo; r <= q_hi; ++r) u |= __ldg(mrows + (int64)r * n_words + w);
-        if (w == (max_block >> 5) && (max_block & 31) != 31) u &= (2u << (max_block & 31)) - 1u;
-        sU[w] = u;
-    }
+    cta_union(sU, mrows, n_words, t_lo / mask_q_block, t_hi / mask_q_block, max_block, nw, tid, THREADS);
     for (int i = tid; i < M * CH; i += THREADS) {
         const int row = i / CH, ch = i % CH;
         const int64 R = m0 + row;
@@ -189,34 +205,16 @@ stage2_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     int rk[2];
     float lse2[2], dlt[2];
     const unsigned* mrow[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int64 R = m0 + warp * 16 + (lane >> 2) + 8 * r;
-        row_ok[r] = R < rows_total;
-        const int t = row_ok[r] ? (int)(R / G) : t_lo;
-        const int g = row_ok[r] ? (int)(R - (int64)t * G) : 0;
-        rk[r] = causal ? t + shift : Lk - 1;
-        mrow[r] = mrows + (int64)(t / mask_q_block) * n_words;
-        const int64 li = ((int64)h * G + g) * total_q + qs + t;
-        const float l = row_ok[r] ? lse[li] : 0.f;
-        // +inf lse: the row has no allowed key and never reaches a selected, visible block
-        lse2[r] = l == INFLLM_INF ? 0.f : l * LOG2E;
-        dlt[r] = row_ok[r] ? delta[li] : 0.f;
-    }
+    dq_row_state(m0 + warp * 16 + (lane >> 2), rows_total, t_lo, G, causal, shift, Lk, mrows, mask_q_block, n_words, h,
+                 total_q, qs, lse, delta, row_ok, rk, mrow, lse2, dlt);
 
     float acc[D / 8][4];
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
 
-    const int mi = lane >> 3, lr = lane & 7;
     constexpr int ROWB = CH * 16;
     u32 a_off[4], b_off[4], t_off[4];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-        a_off[c] = (warp * 16 + (mi & 1) * 8 + lr) * ROWB + (((2 * c + (mi >> 1)) ^ lr) << 4);
-        b_off[c] = ((mi >> 1) * 8 + lr) * ROWB + (((2 * c + (mi & 1)) ^ lr) << 4);
-        t_off[c] = ((mi & 1) * 8 + lr) * ROWB + (((2 * c + (mi >> 1)) ^ lr) << 4);
-    }
+    ldsm_offsets(lane, warp * 16, ROWB, a_off, b_off, t_off);
     const u32 sQa = smem_u32(sQ), sOa = smem_u32(sO), sKa = smem_u32(sK), sVa = smem_u32(sV);
     int stage = 0;
     while (j >= 0) {
@@ -235,27 +233,8 @@ stage2_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
             const u32 tK = sKa + stage * (BLOCK_N * D * (int)sizeof(T));
             const u32 tV = sVa + stage * (BLOCK_N * D * (int)sizeof(T));
             float s[BLOCK_N / 8][4], dp[BLOCK_N / 8][4];
-#pragma unroll
-            for (int n = 0; n < BLOCK_N / 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
             // S = Q K^T and dP = dO V^T
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                u32 aq[4], ao[4];
-                ldmatrix_x4(aq, sQa + a_off[kk & 3] + (kk >> 2) * 128);
-                ldmatrix_x4(ao, sOa + a_off[kk & 3] + (kk >> 2) * 128);
-#pragma unroll
-                for (int np = 0; np < BLOCK_N / 16; ++np) {
-                    u32 bk[4], bv[4];
-                    ldmatrix_x4(bk, tK + b_off[kk & 3] + (kk >> 2) * 128 + np * 16 * ROWB);
-                    ldmatrix_x4(bv, tV + b_off[kk & 3] + (kk >> 2) * 128 + np * 16 * ROWB);
-                    mma_16816<T>(s[2 * np], aq, bk[0], bk[1]);
-                    mma_16816<T>(s[2 * np + 1], aq, bk[2], bk[3]);
-                    mma_16816<T>(dp[2 * np], ao, bv[0], bv[1]);
-                    mma_16816<T>(dp[2 * np + 1], ao, bv[2], bv[3]);
-                }
-            }
+            two_products<T, D, BLOCK_N>(s, dp, sQa, sOa, tK, tV, a_off, b_off);
             // P from the saved lse, dS = P (dP - delta); masked entries are exactly 0
 #pragma unroll
             for (int n = 0; n < BLOCK_N / 8; ++n)
@@ -270,10 +249,7 @@ stage2_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
 #pragma unroll
             for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
                 u32 a[4];
-                a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-                a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-                a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-                a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+                a_from_acc<T>(s[2 * kk], s[2 * kk + 1], a);
 #pragma unroll
                 for (int dd = 0; dd < D / 16; ++dd) {
                     u32 bk[4];
@@ -406,15 +382,9 @@ stage2_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __res
 #pragma unroll
         for (int e = 0; e < 4; ++e) adk[n][e] = adv[n][e] = 0.f;
 
-    const int mi = lane >> 3, lr = lane & 7;
     constexpr int ROWB = CH * 16;
     u32 a_off[4], b_off[4], t_off[4];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-        a_off[c] = (warp * 16 + (mi & 1) * 8 + lr) * ROWB + (((2 * c + (mi >> 1)) ^ lr) << 4);
-        b_off[c] = ((mi >> 1) * 8 + lr) * ROWB + (((2 * c + (mi & 1)) ^ lr) << 4);
-        t_off[c] = ((mi & 1) * 8 + lr) * ROWB + (((2 * c + (mi >> 1)) ^ lr) << 4);
-    }
+    ldsm_offsets(lane, warp * 16, ROWB, a_off, b_off, t_off);
     const u32 sKa = smem_u32(sK), sVa = smem_u32(sV), sQa = smem_u32(sQ), sOa = smem_u32(sO);
     const int key0 = kbase + warp * 16 + (lane >> 2);   // this thread's keys: key0 and key0 + 8
     int stage = 0;
@@ -441,27 +411,8 @@ stage2_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __res
             }
             if (!__any_sync(0xffffffffu, act)) continue;
             float s[KN / 8][4], dp[KN / 8][4];
-#pragma unroll
-            for (int n = 0; n < KN / 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
             // S^T = K Q^T, dP^T = V dO^T for this warp's 16 keys and KN query rows
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                u32 ak[4], av[4];
-                ldmatrix_x4(ak, sKa + a_off[kk & 3] + (kk >> 2) * 128);
-                ldmatrix_x4(av, sVa + a_off[kk & 3] + (kk >> 2) * 128);
-#pragma unroll
-                for (int np = 0; np < KN / 16; ++np) {
-                    u32 bq[4], bo[4];
-                    ldmatrix_x4(bq, tQ + b_off[kk & 3] + (kk >> 2) * 128 + (cb + np * 16) * ROWB);
-                    ldmatrix_x4(bo, tO + b_off[kk & 3] + (kk >> 2) * 128 + (cb + np * 16) * ROWB);
-                    mma_16816<T>(s[2 * np], ak, bq[0], bq[1]);
-                    mma_16816<T>(s[2 * np + 1], ak, bq[2], bq[3]);
-                    mma_16816<T>(dp[2 * np], av, bo[0], bo[1]);
-                    mma_16816<T>(dp[2 * np + 1], av, bo[2], bo[3]);
-                }
-            }
+            two_products<T, D, KN>(s, dp, sKa, sVa, tQ + cb * ROWB, tO + cb * ROWB, a_off, b_off);
             // P^T and dS^T; element e of n-tile n is key key0 + 8 (e >> 1), query row cb + 8 n + 2 c + (e & 1)
 #pragma unroll
             for (int n = 0; n < KN / 8; ++n)
@@ -477,14 +428,8 @@ stage2_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __res
 #pragma unroll
             for (int kk = 0; kk < KN / 16; ++kk) {
                 u32 ap[4], ad[4];
-                ap[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-                ap[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-                ap[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-                ap[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-                ad[0] = pack2<T>(dp[2 * kk][0], dp[2 * kk][1]);
-                ad[1] = pack2<T>(dp[2 * kk][2], dp[2 * kk][3]);
-                ad[2] = pack2<T>(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
-                ad[3] = pack2<T>(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+                a_from_acc<T>(s[2 * kk], s[2 * kk + 1], ap);
+                a_from_acc<T>(dp[2 * kk], dp[2 * kk + 1], ad);
 #pragma unroll
                 for (int dd = 0; dd < D / 16; ++dd) {
                     u32 bo[4], bq[4];

@@ -28,9 +28,32 @@
 #include "common/types.cuh"
 #include "common/mma_sm80.cuh"
 #include "common/wgmma_sm90.cuh"
+#include "stage2/cta_common.cuh"
 
 #define BLOCK_N 64
 #define QT 64
+
+// x = A_x B_x^T and y = A_y B_y^T, 64 x 64 each over D, all four operands K-major 64-row tiles in
+// 128-byte-swizzled shared memory (descriptors ax, bx, ay, by); issued together, then waited for.
+// The S and dP products of both dq and dk/dv.
+template <typename T, int D>
+__device__ __forceinline__ void ss_product_pair(float (&x)[32], u64 ax, u64 bx, float (&y)[32], u64 ay, u64 by) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const u32 koff = ((kk >> 2) * (64 * 128) + (kk & 3) * 32) >> 4;
+        wgmma_ss<T, 64>(x, ax + koff, bx + koff, kk > 0);
+    }
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const u32 koff = ((kk >> 2) * (64 * 128) + (kk & 3) * 32) >> 4;
+        wgmma_ss<T, 64>(y, ay + koff, by + koff, kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(x);
+    fence_regs(y);
+}
 
 // 64 rows x D of a [*, stride_rows, D] tensor into a swizzled tile; rows with ok = false are zeros.
 template <typename T, int D>
@@ -56,7 +79,6 @@ stage2_bwd_dq_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __
     constexpr int CH = D / 8;
     constexpr u32 TILE = 64 * D * sizeof(T);
     constexpr u32 HALF = 64 * 128;
-    constexpr float LOG2E = 1.4426950408889634f;
     extern __shared__ unsigned char smem[];
     const u32 raw = smem_u32(smem);
     const u32 base = (raw + 1023u) & ~1023u;
@@ -75,18 +97,10 @@ stage2_bwd_dq_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __
     const int nb = (Lk + BLOCK_N - 1) / BLOCK_N;
     const int t_lo = (int)(m0 / G);
     const int t_hi = (int)((min(m0 + 64, rows_total) - 1) / G);
-    int max_block = min(nb, n_words * 32) - 1;
-    if (causal) max_block = min(max_block, (t_hi + shift) < 0 ? -1 : (t_hi + shift) / BLOCK_N);
-    const int nw = max_block >= 0 ? (max_block >> 5) + 1 : 0;
+    const int max_block = last_visible_block(min(nb, n_words * 32), causal, t_hi, shift);
+    const int nw = union_words(max_block);
     const unsigned* mrows = masks + ((int64)mask_base[b] + (int64)h * mask_h_stride) * n_words;
-
-    const int q_lo = t_lo / mask_q_block, q_hi = t_hi / mask_q_block;
-    for (int w = tid; w < nw; w += 128) {
-        unsigned u = 0;
-        for (int r = q_lo; r <= q_hi; ++r) u |= __ldg(mrows + (int64)r * n_words + w);
-        if (w == (max_block >> 5) && (max_block & 31) != 31) u &= (2u << (max_block & 31)) - 1u;
-        sU[w] = u;
-    }
+    cta_union(sU, mrows, n_words, t_lo / mask_q_block, t_hi / mask_q_block, max_block, nw, tid, 128);
     {
         constexpr int U = 64 * CH / 128;
         int64 off[U];
@@ -126,19 +140,8 @@ stage2_bwd_dq_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __
     int rk[2];
     float lse2[2], dlt[2];
     const unsigned* mrow[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int64 R = m0 + warp * 16 + (lane >> 2) + 8 * r;
-        row_ok[r] = R < rows_total;
-        const int t = row_ok[r] ? (int)(R / G) : t_lo;
-        const int g = row_ok[r] ? (int)(R - (int64)t * G) : 0;
-        rk[r] = causal ? t + shift : Lk - 1;
-        mrow[r] = mrows + (int64)(t / mask_q_block) * n_words;
-        const int64 li = ((int64)h * G + g) * total_q + qs + t;
-        const float l = row_ok[r] ? lse[li] : 0.f;
-        lse2[r] = l == INFLLM_INF ? 0.f : l * LOG2E;
-        dlt[r] = row_ok[r] ? delta[li] : 0.f;
-    }
+    dq_row_state(m0 + warp * 16 + (lane >> 2), rows_total, t_lo, G, causal, shift, Lk, mrows, mask_q_block, n_words, h,
+                 total_q, qs, lse, delta, row_ok, rk, mrow, lse2, dlt);
 
     float acc[D / 2];
 #pragma unroll
@@ -165,22 +168,7 @@ stage2_bwd_dq_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __
             const bool sel = row_ok[r] && ((__ldg(mrow[r] + (j >> 5)) >> (j & 31)) & 1u);
             lim[r] = sel ? rk[r] - kbase : -1;
         }
-        const u64 kd = k_desc + ((stage * TILE) >> 4), vd = v_desc + ((stage * TILE) >> 4);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const u32 koff = ((kk >> 2) * HALF + (kk & 3) * 32) >> 4;
-            wgmma_ss<T, 64>(s, q_desc + koff, kd + koff, kk > 0);
-        }
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const u32 koff = ((kk >> 2) * HALF + (kk & 3) * 32) >> 4;
-            wgmma_ss<T, 64>(dp, o_desc + koff, vd + koff, kk > 0);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(s);
-        fence_regs(dp);
+        ss_product_pair<T, D>(s, q_desc, k_desc + ((stage * TILE) >> 4), dp, o_desc, v_desc + ((stage * TILE) >> 4));
         const int c0 = (lane & 3) * 2;
 #pragma unroll
         for (int n = 0; n < 8; ++n)
@@ -191,13 +179,7 @@ stage2_bwd_dq_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __
                                     ? exp2f(fmaf(s[4 * n + i], scale_log2, -lse2[r])) : 0.f;
                 s[4 * n + i] = p * (dp[4 * n + i] - dlt[r]);
             }
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            da[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
-            da[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
-            da[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
-            da[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
-        }
+        pack_a_frags<T, 4>(s, da);
         const u64 ktd = kt_desc + ((stage * TILE) >> 4);
         wgmma_fence();
 #pragma unroll
@@ -427,22 +409,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         }
         cp_async_commit();
 
-        const u64 qd = q_desc + ((stage * TILE) >> 4), od = o_desc + ((stage * TILE) >> 4);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const u32 koff = ((kk >> 2) * HALF + (kk & 3) * 32) >> 4;
-            wgmma_ss<T, 64>(s, k_desc + koff, qd + koff, kk > 0);
-        }
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const u32 koff = ((kk >> 2) * HALF + (kk & 3) * 32) >> 4;
-            wgmma_ss<T, 64>(dp, v_desc + koff, od + koff, kk > 0);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(s);
-        fence_regs(dp);
+        ss_product_pair<T, D>(s, k_desc, q_desc + ((stage * TILE) >> 4), dp, v_desc, o_desc + ((stage * TILE) >> 4));
         // element 4n + i: key key_r0 + 8 (i / 2), query row 8 n + c0 + i % 2 of the tile
         const int* lim = sLim + stage * QT;
         const float* l2 = sL + stage * QT;
@@ -463,24 +430,12 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
                 }
             }
         // P^T goes to the dV wgmmas before dS^T is packed: fewer registers live at once
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            pa[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
-            pa[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
-            pa[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
-            pa[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
-        }
+        pack_a_frags<T, 4>(s, pa);
         const u64 qtd = qt_desc + ((stage * TILE) >> 4), otd = ot_desc + ((stage * TILE) >> 4);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, D>(adv, pa[kk], otd + ((kk * 16 * 128) >> 4), 1);
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            da[kk][0] = pack2<T>(dp[8 * kk + 0], dp[8 * kk + 1]);
-            da[kk][1] = pack2<T>(dp[8 * kk + 2], dp[8 * kk + 3]);
-            da[kk][2] = pack2<T>(dp[8 * kk + 4], dp[8 * kk + 5]);
-            da[kk][3] = pack2<T>(dp[8 * kk + 6], dp[8 * kk + 7]);
-        }
+        pack_a_frags<T, 4>(dp, da);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, D>(adk, da[kk], qtd + ((kk * 16 * 128) >> 4), 1);

@@ -24,6 +24,7 @@
 // block shared by all tokens costs what it costs in FlashAttention-2.
 #include "common/types.cuh"
 #include "common/mma_sm80.cuh"
+#include "stage2/cta_common.cuh"
 
 #define BLOCK_N 64
 
@@ -67,19 +68,12 @@ stage2_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
     const int t_lo = (int)(m0 / G);
     const int t_hi = (int)((min(m0 + M, rows_total) - 1) / G);
     // last block any row of this CTA may see
-    int max_block = min(nb, n_words * 32) - 1;
-    if (causal) max_block = min(max_block, (t_hi + shift) < 0 ? -1 : (t_hi + shift) / BLOCK_N);
-    const int nw = max_block >= 0 ? (max_block >> 5) + 1 : 0;
+    const int max_block = last_visible_block(min(nb, n_words * 32), causal, t_hi, shift);
+    const int nw = union_words(max_block);
     const unsigned* mrows = masks + ((int64)mask_base[b] + (int64)h * mask_h_stride) * n_words;
 
     // ---- union of the CTA's tokens' blocks, clipped to max_block
-    const int q_lo = t_lo / mask_q_block, q_hi = t_hi / mask_q_block;
-    for (int w = tid; w < nw; w += THREADS) {
-        unsigned u = 0;
-        for (int r = q_lo; r <= q_hi; ++r) u |= __ldg(mrows + (int64)r * n_words + w);
-        if (w == (max_block >> 5) && (max_block & 31) != 31) u &= (2u << (max_block & 31)) - 1u;
-        sU[w] = u;
-    }
+    cta_union(sU, mrows, n_words, t_lo / mask_q_block, t_hi / mask_q_block, max_block, nw, tid, THREADS);
 
     // ---- Q tile: rows are (token, head) pairs, zero past the sequence
     for (int i = tid; i < M * CH; i += THREADS) {
@@ -131,18 +125,12 @@ stage2_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
 #pragma unroll
     for (int r = 0; r < NR; ++r) { m_run[r] = -INFLLM_INF; l_run[r] = 0.f; }
 
-    const int mi = lane >> 3, lr = lane & 7;    // ldmatrix: which matrix this lane addresses, and its row
-    // ldmatrix byte offsets. Every row an ldmatrix lane addresses has (row % 8) == lr, so the swizzle
-    // is a XOR of the chunk with lr, and chunk c and c + 8 differ by 128 bytes: four offsets per
-    // operand cover all of D (the rest are immediates), which keeps addresses out of the register file.
+    // ldmatrix byte offsets. Every row an ldmatrix lane addresses has (row % 8) == lane % 8, so the
+    // swizzle is a XOR of the chunk with it, and chunk c and c + 8 differ by 128 bytes: four offsets
+    // per operand cover all of D (the rest are immediates), which keeps addresses out of the register file.
     constexpr int ROWB = CH * 16;               // bytes per tile row
     u32 q_off[4], k_off[4], v_off[4];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-        q_off[c] = (warp * WROWS + (mi & 1) * 8 + lr) * ROWB + (((2 * c + (mi >> 1)) ^ lr) << 4);
-        k_off[c] = ((mi >> 1) * 8 + lr) * ROWB + (((2 * c + (mi & 1)) ^ lr) << 4);
-        v_off[c] = ((mi & 1) * 8 + lr) * ROWB + (((2 * c + (mi >> 1)) ^ lr) << 4);
-    }
+    ldsm_offsets(lane, warp * WROWS, ROWB, q_off, k_off, v_off);
     const u32 sQa = smem_u32(sQ), sKa = smem_u32(sK), sVa = smem_u32(sV);
     int stage = 0;
     while (j >= 0) {
@@ -252,10 +240,7 @@ stage2_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
                     u32 a[MT][4];
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
-                        a[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                        a[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                        a[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                        a[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                        a_from_acc<T>(s[mt][2 * kk], s[mt][2 * kk + 1], a[mt]);
                     }
 #pragma unroll
                     for (int dp = 0; dp < D / 16; ++dp) {

@@ -34,6 +34,7 @@
 #include "common/types.cuh"
 #include "common/mma_sm80.cuh"
 #include "common/wgmma_sm90.cuh"
+#include "stage2/cta_common.cuh"
 
 #define BLOCK_N 64
 #define NC 2   // consumer warpgroups
@@ -94,10 +95,7 @@ __device__ __forceinline__ void rescale_and_pack(float (&o)[D / 2], const float 
         o[4 * n + 2] *= alpha[1];
         o[4 * n + 3] *= alpha[1];
     }
-#pragma unroll
-    for (int kk = 0; kk < 4 * NB; ++kk)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) pa[kk][i] = pack2<T>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
+    pack_a_frags<T, 4 * NB>(s, pa);
 }
 
 template <typename T, int D>
@@ -159,18 +157,13 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
             const int t_lo = (int)(r_lo / G), t_hi = (int)(r_hi / G);
             q_lo[g] = t_lo / mask_q_block;
             q_hi[g] = t_hi / mask_q_block;
-            lim[g] = nb - 1;
-            if (causal) lim[g] = min(lim[g], (t_hi + shift) < 0 ? -1 : (t_hi + shift) / BLOCK_N);
+            lim[g] = last_visible_block(nb, causal, t_hi, shift);
         }
         for (int w = tid; w < n_words; w += 128 * (NC + 1)) {
             unsigned u[NC], all = 0;
 #pragma unroll
             for (int g = 0; g < NC; ++g) {
-                u[g] = 0;
-                for (int r = q_lo[g]; r <= q_hi[g]; ++r) u[g] |= __ldg(mrows + (int64)r * n_words + w);
-                const int lo_bit = w * 32;
-                if (lim[g] < lo_bit) u[g] = 0;
-                else if (lim[g] < lo_bit + 31) u[g] &= (2u << (lim[g] - lo_bit)) - 1u;
+                u[g] = clip_word(rows_or(mrows, n_words, q_lo[g], q_hi[g], w), w, lim[g]);
                 sUw[g * n_words + w] = u[g];
                 all |= u[g];
             }
