@@ -27,6 +27,18 @@ def assert_close_to_ref(name: str, out: torch.Tensor, ref: torch.Tensor, ref_low
         f"rel L2 {rel_l2_err(out, ref):.2e}")
 
 
+def assert_grads_close_to_ref(out: torch.Tensor, ref: torch.Tensor, ref_lowp: torch.Tensor, inputs, ref_inputs) -> None:
+    """dq, dk, dv of `out` against the float64 `ref` by FlashAttention's rule (at most 3x the error of
+    `ref_lowp`, the same math in low precision), for one random dout. `inputs` are the (q, k, v) that
+    `out` and `ref_lowp` were computed from, `ref_inputs` the float64 leaves of `ref`."""
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, inputs, do)
+    ref_grads = torch.autograd.grad(ref, ref_inputs, do.double())
+    lowp_grads = torch.autograd.grad(ref_lowp, inputs, do)
+    for name, g, r, lp in zip(("dq", "dk", "dv"), grads, ref_grads, lowp_grads):
+        assert_close_to_ref(name, g, r, lp, mult=3)
+
+
 def cu_seqlens_from_lengths(lengths, device="cpu") -> torch.Tensor:
     """int32 `[B+1]` cumulative lengths."""
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)

@@ -21,6 +21,24 @@ def _has_gpu() -> bool:
 
 HAS_GPU = _has_gpu()
 
+# Stage-2 kernel cases, forward and backward: (lengths_q, lengths_k, HQ, H, D). Ragged batches,
+# lengths not multiples of 64, one-token sequences, G from 1 to 32 (a non-power of two among them),
+# queries shorter than keys (bottom-right causal alignment) and a sequence past 2048 tokens.
+STAGE2_CASES = [
+    ([1000], [1000], 32, 2, 128),
+    ([1, 63, 64, 65, 300], [1, 63, 64, 65, 300], 16, 1, 64),
+    ([513, 1], [513, 1], 8, 2, 128),
+    ([200, 777], [200, 777], 32, 1, 128),
+    ([333, 17], [333, 17], 2, 2, 64),
+    ([129, 70], [129, 70], 4, 2, 64),
+    ([129, 70], [129, 70], 1, 1, 128),
+    ([260], [260], 24, 2, 128),
+    ([100, 37, 5], [700, 37, 64], 16, 1, 128),
+    ([2100, 90], [2100, 90], 4, 2, 64),
+]
+STAGE2_IDS = [f"Lq{'-'.join(map(str, c[0]))}_Lk{'-'.join(map(str, c[1]))}_HQ{c[2]}_H{c[3]}_D{c[4]}"
+              for c in STAGE2_CASES]
+
 
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU and CuPy")

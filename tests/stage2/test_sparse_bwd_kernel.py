@@ -6,7 +6,7 @@ autograd wiring is tested in test_sparse_bwd.py; this file pins the kernels them
 """
 import pytest
 import torch
-from conftest import HAS_GPU
+from conftest import HAS_GPU, STAGE2_CASES, STAGE2_IDS
 
 from infllm_cupy.stage2.layout import BlockLayout
 from infllm_cupy.stage2.sparse_bwd import (
@@ -22,18 +22,7 @@ from infllm_cupy.testing import check_sparse_grads, sparse_attn_inputs
 
 pytestmark = pytest.mark.gpu
 
-# (lengths_q, lengths_k, HQ, H, D): ragged, not multiples of 64, one-token sequences, G 1..32
-CASES = [
-    ([1000], [1000], 32, 2, 128),
-    ([1, 63, 64, 65, 300], [1, 63, 64, 65, 300], 16, 1, 64),
-    ([513, 1], [513, 1], 8, 2, 128),
-    ([200, 777], [200, 777], 32, 1, 128),
-    ([333, 17], [333, 17], 2, 2, 64),
-    ([129, 70], [129, 70], 1, 1, 128),
-    ([260], [260], 24, 2, 128),
-    ([100, 37, 5], [700, 37, 64], 16, 1, 128),
-    ([2100, 90], [2100, 90], 4, 2, 64),
-]
+CASES = STAGE2_CASES
 HOPPER = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)
 NEEDS_HOPPER = pytest.mark.skipif(not HOPPER, reason="sm_90a kernels need capability 9.0")
 SM90 = pytest.param(SM90A, marks=NEEDS_HOPPER)
@@ -48,7 +37,7 @@ def kernels_id(t):
     return t if isinstance(t, str) else f"dq{t.dq_warps}_cols{t.dkdv_cols}"
 
 
-IDS = [f"Lq{'-'.join(map(str, c[0]))}_Lk{'-'.join(map(str, c[1]))}_HQ{c[2]}_H{c[3]}_D{c[4]}" for c in CASES]
+IDS = STAGE2_IDS
 
 
 def run_kernels(q, k, v, do, cu_q, cu_k, masks, base, h_stride, q_block, mq, mk, causal, tiles=None):

@@ -8,21 +8,9 @@ from infllm_cupy.stage2.naive import naive_sparse_attn_varlen
 from infllm_cupy.stage2.sparse_fwd import FwdTiles
 from infllm_cupy.testing import assert_close_to_ref, cu_seqlens_from_lengths, random_topk_idx
 
-from conftest import HAS_GPU
+from conftest import HAS_GPU, STAGE2_CASES, STAGE2_IDS
 
-# (lengths_q, lengths_k, HQ, H, D): ragged, not multiples of 64, one-token sequences, G from 1 to 32,
-# a non-power-of-two G, and queries shorter than keys (bottom-right causal alignment)
-CASES = [
-    ([1000], [1000], 32, 2, 128),
-    ([1, 63, 64, 65, 300], [1, 63, 64, 65, 300], 16, 1, 64),
-    ([513, 1], [513, 1], 8, 2, 128),
-    ([200, 777], [200, 777], 32, 1, 128),
-    ([333, 17], [333, 17], 2, 2, 64),
-    ([129, 70], [129, 70], 4, 2, 64),
-    ([260], [260], 24, 2, 128),
-    ([100, 37, 5], [700, 37, 64], 16, 1, 128),
-]
-IDS = [f"Lq{'-'.join(map(str, c[0]))}_Lk{'-'.join(map(str, c[1]))}_HQ{c[2]}_H{c[3]}_D{c[4]}" for c in CASES]
+CASES, IDS = STAGE2_CASES, STAGE2_IDS
 
 
 def make_inputs(lengths_q, lengths_k, HQ, H, D, dtype, K=12, seed=0, **sel):
