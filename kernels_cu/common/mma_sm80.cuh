@@ -60,6 +60,14 @@ template <> __device__ __forceinline__ u32 pack2<__half>(float x, float y) {
     return *reinterpret_cast<u32*>(&v);
 }
 
+// Shared-memory tiles of the SM80 kernels are rows of D/8 16-byte chunks; chunk c of row r is
+// stored at chunk c ^ (r % 8) so that the 8 row addresses of one ldmatrix hit 8 different bank
+// groups. Index (in 16-byte chunks) of chunk `chunk` of `row`:
+template <int D>
+__device__ __forceinline__ int swz(int row, int chunk) {
+    return row * (D / 8) + (chunk ^ (row & 7));
+}
+
 // ldmatrix.x4 lane addresses (byte offsets) into a swizzled tile of rowb-byte rows, whose 16-byte
 // chunk ch of row r sits at chunk ch ^ (r % 8); entry c covers k chunks 2c, 2c + 1 of a 64-element
 // half (add 128 per further half):

@@ -55,11 +55,6 @@
 
 #include "stage1/select_common.cuh"
 
-template <int D>
-__device__ __forceinline__ int swz(int row, int chunk) {
-    return row * (D / 8) + (chunk ^ (row & 7));
-}
-
 template <typename T, typename KT, int D>
 __global__ void __launch_bounds__(128, 2)
 stage1_select(const T* __restrict__ q, const T* __restrict__ ck1, const T* __restrict__ ck2,

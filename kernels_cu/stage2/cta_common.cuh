@@ -5,6 +5,7 @@
 // Mask rows are uint32 words over 64-key blocks: bit k of word w is block 32 w + k.
 #pragma once
 #include "common/types.cuh"
+#include "common/mma_sm80.cuh"
 
 // Last 64-key block a token <= t_hi may see: n_blocks - 1 (n_blocks already capped at the mask
 // width), or the block of key t_hi + shift when causal; -1 when none.
@@ -58,5 +59,21 @@ __device__ __forceinline__ void dq_row_state(int64 row0, int64 rows_total, int t
         const float l = row_ok[r] ? lse[li] : 0.f;
         lse2[r] = l == INFLLM_INF ? 0.f : l * 1.4426950408889634f;
         dlt[r] = row_ok[r] ? delta[li] : 0.f;
+    }
+}
+
+// Keys 64 j .. 64 j + 63 of KV head h (rows past L_k as zeros) into the swizzled SM80 tiles dk and
+// dv (`swz`), by cp.async; threads tid of `threads` share the copies, the caller commits.
+template <typename T, int D>
+__device__ __forceinline__ void load_kv_block(T* dk, T* dv, const T* __restrict__ k, const T* __restrict__ v, int j,
+                                              int ks, int Lk, int H, int h, int tid, int threads) {
+    constexpr int CH = D / 8;
+    for (int i = tid; i < 64 * CH; i += threads) {
+        const int row = i / CH, ch = i % CH;
+        const int key = j * 64 + row;
+        const int64 off = ((int64)(ks + key) * H + h) * D + ch * 8;
+        const int bytes = key < Lk ? 16 : 0;
+        cp_async_16(smem_u32(dk + swz<D>(row, ch) * 8), bytes ? k + off : k, bytes);
+        cp_async_16(smem_u32(dv + swz<D>(row, ch) * 8), bytes ? v + off : v, bytes);
     }
 }

@@ -59,11 +59,6 @@ __device__ __forceinline__ void two_products(float (&x)[NCOL / 8][4], float (&y)
     }
 }
 
-template <int D>
-__device__ __forceinline__ int swz(int row, int chunk) {
-    return row * (D / 8) + (chunk ^ (row & 7));
-}
-
 // ---------------------------------------------------------------------------------------------
 // delta = rowsum(dout * out) in fp32, one warp per (token, query head) row.
 template <typename T, int D>
@@ -183,16 +178,7 @@ stage2_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     cp_async_commit();
 
     auto load_kv = [&](int j, int stage) {
-        T* dk_ = sK + stage * BLOCK_N * D;
-        T* dv_ = sV + stage * BLOCK_N * D;
-        for (int i = tid; i < BLOCK_N * CH; i += THREADS) {
-            const int row = i / CH, ch = i % CH;
-            const int key = j * BLOCK_N + row;
-            const int64 off = ((int64)(ks + key) * H + h) * D + ch * 8;
-            const int bytes = key < Lk ? 16 : 0;
-            cp_async_16(smem_u32(dk_ + swz<D>(row, ch) * 8), bytes ? k + off : k, bytes);
-            cp_async_16(smem_u32(dv_ + swz<D>(row, ch) * 8), bytes ? v + off : v, bytes);
-        }
+        load_kv_block<T, D>(sK + stage * BLOCK_N * D, sV + stage * BLOCK_N * D, k, v, j, ks, Lk, H, h, tid, THREADS);
     };
 
     __syncthreads();

@@ -28,13 +28,6 @@
 
 #define BLOCK_N 64
 
-// Shared-memory tiles are rows of D/8 16-byte chunks; chunk c of row r is stored at chunk
-// c ^ (r % 8) so that the 8 row addresses of one ldmatrix hit 8 different bank groups.
-template <int D>
-__device__ __forceinline__ int swz(int row, int chunk) {
-    return row * (D / 8) + (chunk ^ (row & 7));
-}
-
 // Registers: MT = 1 at 8 warps would spill under a 128-register cap, so 8-warp CTAs run one per SM
 // with the full register file; 4-warp CTAs run two per SM (255 registers each).
 template <typename T, int D, int WARPS, int MT, int KN>
@@ -85,16 +78,7 @@ stage2_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
     cp_async_commit();
 
     auto load_kv = [&](int j, int stage) {
-        T* dk = sK + stage * BLOCK_N * D;
-        T* dv = sV + stage * BLOCK_N * D;
-        for (int i = tid; i < BLOCK_N * CH; i += THREADS) {
-            const int row = i / CH, ch = i % CH;
-            const int key = j * BLOCK_N + row;
-            const int64 off = ((int64)(ks + key) * H + h) * D + ch * 8;
-            const int bytes = key < Lk ? 16 : 0;
-            cp_async_16(smem_u32(dk + swz<D>(row, ch) * 8), bytes ? k + off : k, bytes);
-            cp_async_16(smem_u32(dv + swz<D>(row, ch) * 8), bytes ? v + off : v, bytes);
-        }
+        load_kv_block<T, D>(sK + stage * BLOCK_N * D, sV + stage * BLOCK_N * D, k, v, j, ks, Lk, H, h, tid, THREADS);
     };
 
     __syncthreads();  // sU complete
