@@ -3,9 +3,12 @@
     python benchmarks/ab_fwd_interleaved.py --variants old=/tmp/old/kernels_cu:sm90a new=kernels_cu:sm90a \
         new_pair=kernels_cu:sm90a_pair --T 32768 --B 2 --K 64 --reps 40 [--mode fwdbwd]
 
-A variant is `label=DIR:TILES`: the kernels_cu/ tree at DIR and the forward `tiles` argument
+A variant is `label=DIR:TILES[@PKG]`: the kernels_cu/ tree at DIR and the forward `tiles` argument
 ("sm90a", "sm90a_pair", "sm90a_single", or "warps,m_tiles,sub_keys" for the SM80 kernel). With
-`--mode fwdbwd` each call is the forward plus the default backward (`stage2_bwd`).
+`--mode fwdbwd` each call is the forward plus the default backward (`stage2_bwd`). `@PKG` launches
+through the `infllm_cupy/` package folder PKG instead of this one, for a tree whose kernels take
+other arguments (e.g. `git archive OLD infllm_cupy kernels_cu | tar -x -C /tmp/old`, then
+`old=/tmp/old/kernels_cu:sm90a@/tmp/old/infllm_cupy`).
 
 Each variant runs once under its tree first, and every kernel `_jit.get_kernel` hands out then is
 recorded; timed calls get their variant's recorded kernels, so the trees never recompile. Each
@@ -17,47 +20,61 @@ showed a 10% difference between two runs of the same kernel.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import statistics
 import sys
+import types
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._harness import flops_attn  # noqa: E402
-from benchmarks.selections import attended_keys, make_selection, uniform_cu_seqlens  # noqa: E402
-from infllm_cupy import _jit  # noqa: E402
-from infllm_cupy.stage2 import sparse_bwd, sparse_fwd  # noqa: E402
-
-REAL_GET_KERNEL = _jit.get_kernel
+from benchmarks._harness import flops_attn
+from benchmarks.selections import attended_keys, make_selection, uniform_cu_seqlens
+from infllm_cupy import _jit
+from infllm_cupy.stage2 import sparse_bwd, sparse_fwd
 
 
-def parse_tiles(tiles: str):
+def launchers(pkg: str | None, tag: str):
+    """(_jit, sparse_fwd, sparse_bwd) of this package, or of the package folder `pkg`, loaded under
+    the name `tag` without its `__init__` files (they would register the torch ops a second time)."""
+    if pkg is None:
+        return _jit, sparse_fwd, sparse_bwd
+    for name, path in ((tag, Path(pkg)), (tag + ".stage2", Path(pkg) / "stage2")):
+        mod = types.ModuleType(name)
+        mod.__path__ = [str(path.resolve())]
+        sys.modules[name] = mod
+    return tuple(importlib.import_module(f"{tag}.{m}") for m in ("_jit", "stage2.sparse_fwd", "stage2.sparse_bwd"))
+
+
+def parse_tiles(tiles: str, fwd_module):
     """A variant's tiles text as `stage2_fwd` takes it: an sm_90a name or an SM80 FwdTiles."""
-    return sparse_fwd.as_tiles(tuple(int(x) for x in tiles.split(",")) if "," in tiles else tiles)
+    return fwd_module.as_tiles(tuple(int(x) for x in tiles.split(",")) if "," in tiles else tiles)
 
 
-def use_tree(tree: str) -> None:
-    os.environ[_jit.KERNELS_DIR_ENV] = str(Path(tree).resolve())
-    _jit.kernels_dir.cache_clear()
-    _jit.clear_cache()
+def use_tree(jit, tree: str) -> None:
+    os.environ[jit.KERNELS_DIR_ENV] = str(Path(tree).resolve())
+    jit.kernels_dir.cache_clear()
+    jit.clear_cache()
 
 
-def recorded(fn, kernels: dict):
-    """`fn` with `_jit.get_kernel` answering from `kernels` (filled on a miss)."""
+def recorded(fn, jit, kernels: dict):
+    """`fn` with `jit.get_kernel` answering from `kernels` (filled on a miss)."""
+    real = jit.get_kernel
+
     def get_kernel(source, name, **kw):
         key = (source, name, tuple(sorted(kw.items())))
         if key not in kernels:
-            kernels[key] = REAL_GET_KERNEL(source, name, **kw)
+            kernels[key] = real(source, name, **kw)
         return kernels[key]
 
     def run():
-        _jit.get_kernel = get_kernel
+        jit.get_kernel = get_kernel
         try:
             return fn()
         finally:
-            _jit.get_kernel = REAL_GET_KERNEL
+            jit.get_kernel = real
     return run
 
 
@@ -80,8 +97,10 @@ def main() -> None:
     variants = []
     for spec in a.variants:
         label, rest = spec.split("=", 1)
+        rest, pkg = rest.split("@", 1) if "@" in rest else (rest, None)
         tree, tiles = rest.rsplit(":", 1)
-        variants.append((label, tree, parse_tiles(tiles), {}))
+        mods = launchers(pkg, f"_ab_pkg_{len(variants)}")
+        variants.append((label, tree, parse_tiles(tiles, mods[1]), mods, {}))
     print(f"{a.mode}: {'selection':10s} " + " ".join(f"{lb + ' ms':>14s} {'TF/s':>5s}" for lb, *_ in variants)
           + "   " + " ".join(f"{lb}/{variants[0][0]}" for lb, *_ in variants[1:]))
     for sel in a.selections.split(","):
@@ -89,14 +108,14 @@ def main() -> None:
         flop = flops_attn(float(attended_keys(topk, cu).sum()) * (HQ // H), D, "fwd") * (3.5 if a.mode == "fwdbwd" else 1)
         masks = sparse_fwd.token_block_masks(topk, cu, cu, sparse_fwd.n_mask_words(a.T))
         calls = []
-        for label, tree, tiles, kernels in variants:
-            def work(tiles=tiles, masks=masks):
-                out, lse = sparse_fwd.stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, a.T, True, scale, tiles)
+        for label, tree, tiles, (jit, fwd, bwd), kernels in variants:
+            def work(tiles=tiles, masks=masks, fwd=fwd, bwd=bwd):
+                out, lse = fwd.stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, a.T, True, scale, tiles)
                 if a.mode == "fwdbwd":
-                    sparse_bwd.stage2_bwd(do, q, k, v, out, lse, cu, cu, masks, cu, q.shape[0], 1, a.T, a.T, True, scale)
+                    bwd.stage2_bwd(do, q, k, v, out, lse, cu, cu, masks, cu, q.shape[0], 1, a.T, a.T, True, scale)
 
-            use_tree(tree)                      # record this tree's kernels (compiles them)
-            run = recorded(work, kernels)
+            use_tree(jit, tree)                 # record this tree's kernels (compiles them)
+            run = recorded(work, jit, kernels)
             run()
             calls.append((label, run))
         torch.cuda.synchronize()

@@ -14,6 +14,7 @@ import torch
 from .. import _jit
 from .._checks import KERNEL_DTYPES, check_tensor
 from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
+from .._tma import rows_map
 
 FWD_SOURCE = "stage2/sparse_fwd.cu"
 SM90_SOURCE = "stage2/sparse_fwd_sm90.cu"
@@ -112,7 +113,7 @@ def token_block_masks(topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seq
 def fwd_smem_bytes(D: int, tiles, n_words: int, itemsize: int = 2) -> int:
     if tiles in SM90A_FWD:   # 1 KB alignment slack, Q tiles, K/V ring, mbarriers, CTA + per-warpgroup unions
         return (1024 + (SM90_CONSUMERS * 64 * D + SM90_STAGES * 2 * BLOCK_N * D) * itemsize
-                + 16 * SM90_STAGES * SM90_CONSUMERS + 4 * n_words * (SM90_CONSUMERS + 1))
+                + 8 * SM90_STAGES * (2 * SM90_CONSUMERS + 1) + 4 * n_words * (SM90_CONSUMERS + 1))
     return (tiles.rows * D + 4 * BLOCK_N * D) * itemsize + 4 * n_words
 
 
@@ -129,21 +130,23 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
     n_words = masks.shape[-1]
     out = empty((total_q, HQ, D), dtype=q.dtype, device=q.device)
     lse = empty((HQ, total_q), dtype=torch.float32, device=q.device)
-    extra = ()
+    if tiles in SM90A_FWD and k.shape[0] == 0:
+        tiles = DEFAULT_TILES   # no keys: no tensor map to encode (the SM80 kernel writes the empty rows)
+    scalars = (ptr(masks), ptr(mask_base), ptr(cu_seqlens_q), ptr(cu_seqlens_k), ptr(out), ptr(lse),
+               np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words),
+               np.int64(mask_h_stride), np.int32(mask_q_block), np.float32(softmax_scale * 1.4426950408889634),
+               np.int32(1 if causal else 0))
     if tiles in SM90A_FWD:
-        extra = (np.int32(_PAIR_MODE[tiles]),)
         name = f"stage2_fwd_sm90<{CXX_TYPE[q.dtype]}, {D}>"
         kernel, rows, threads = _jit.get_kernel(SM90_SOURCE, name, sm90a=True), 64 * SM90_CONSUMERS, \
             128 * (SM90_CONSUMERS + 1)
+        args = (ptr(q), rows_map(k, BLOCK_N), rows_map(v, BLOCK_N)) + scalars + (np.int32(_PAIR_MODE[tiles]),)
     else:
         name = tiles.name(q.dtype, D)
         kernel, rows, threads = _jit.get_kernel(FWD_SOURCE, name), tiles.rows, 32 * tiles.warps
+        args = (ptr(q), ptr(k), ptr(v)) + scalars
     launch(kernel, name=name, grid=(cdiv(max_seqlen_q * G, rows), H, B), block=(threads,),
-           shared_mem=fwd_smem_bytes(D, tiles, n_words, q.element_size()),
-           args=(ptr(q), ptr(k), ptr(v), ptr(masks), ptr(mask_base), ptr(cu_seqlens_q), ptr(cu_seqlens_k),
-                 ptr(out), ptr(lse), np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G),
-                 np.int32(n_words), np.int64(mask_h_stride), np.int32(mask_q_block),
-                 np.float32(softmax_scale * 1.4426950408889634), np.int32(1 if causal else 0)) + extra)
+           shared_mem=fwd_smem_bytes(D, tiles, n_words, q.element_size()), args=args)
     return out, lse
 
 
@@ -153,5 +156,8 @@ def check_kernel_inputs(q, k, v) -> None:
         check_tensor(name, t, dtypes=KERNEL_DTYPES)
         if not t.is_cuda:
             raise ValueError(f"{name} must be a CUDA tensor for backend='kernels', got one on {t.device}")
+        if t.data_ptr() % 16:   # 16-byte copies (cp.async, TMA) read rows from the base address
+            raise ValueError(f"{name} must start at a 16-byte aligned address (got {t.data_ptr():#x}); "
+                             f"call .clone() on it")
     if q.shape[2] not in HEAD_DIMS:
         raise ValueError(f"q has head dim {q.shape[2]}; the stage-2 kernels support {HEAD_DIMS}")

@@ -169,3 +169,26 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 __device__ __forceinline__ void named_barrier(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
+
+// ---- TMA: bulk tensor copies global -> shared, completing on an mbarrier's transaction count
+// A CUtensorMap encoded on the host (infllm_cupy/_tma.py) and passed by value as a
+// `const __grid_constant__` kernel parameter, so its address is a generic address in param space.
+struct alignas(64) TmaMap { u64 bits[16]; };
+
+__device__ __forceinline__ void tma_prefetch_map(const TmaMap& map) {
+    asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<u64>(&map)) : "memory");
+}
+// One arrival on `bar` that also raises the bytes its current phase waits for by `bytes`.
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
+}
+// The box of `map` at element coordinates (c0 inner, c1 outer) to `dst`; elements out of the
+// tensor's bounds (negative coordinates too) arrive as zeros. Completes `bar`'s transactions.
+__device__ __forceinline__ void tma_load_2d(u32 dst, const TmaMap& map, int c0, int c1, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+        :: "r"(dst), "l"(reinterpret_cast<u64>(&map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void st_shared_zero16(u32 addr) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" :: "r"(addr), "r"(0) : "memory");
+}

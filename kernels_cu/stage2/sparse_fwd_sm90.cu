@@ -1,24 +1,31 @@
 // stage2/sparse_fwd_sm90.cu: token-level block-sparse attention forward, Hopper (sm_90a) path.
 //
 // Launch contract (mirrored by infllm_cupy/stage2/sparse_fwd.py; arguments as stage2_fwd in
-// sparse_fwd.cu, same semantics and outputs):
+// sparse_fwd.cu, same semantics and outputs, except that K and V come as TMA tensor maps):
 //   kernel   stage2_fwd_sm90<T, D>      T in {__half, __nv_bfloat16}, D in {64, 128}; capability 9.0
 //   grid     (cdiv(max_seqlen_q * G, 64 * NC), H, B)     block (128 * (NC + 1))
-//   dyn smem 1 KB alignment slack + NC Q tiles + NS K and V stages + 2 NC NS mbarriers
+//   dyn smem 1 KB alignment slack + NC Q tiles + NS K and V stages + (2 NC + 1) NS mbarriers
 //            + (NC + 1) * n_words union words (fwd_smem_bytes in the launcher)
+//   tmap_k, tmap_v  K and V [total_k, H, D] viewed as [total_k, H * D], boxes of 64 rows x 64
+//               elements, 128-byte swizzle, zero fill (infllm_cupy/_tma.py, kv_map)
 //   pair_mode   0: 64-key steps everywhere; 1: 128-key steps in the CTAs where every consumer
 //               warpgroup needs every block of the CTA union; 2: 128-key steps everywhere (tests)
 //
 // Warp-specialised, as FlashAttention-3: warpgroups 0..NC-1 are consumers, each owning 64 rows of
 // the flattened (token, head-in-group) space (4 tokens at G = 16); warpgroup NC is the producer.
 // The producer walks the union of the CTA's blocks and streams K/V blocks into an NS-deep ring of
-// 128-byte-swizzled stages with cp.async, whose completion arrives on `full(g, s)` of each
-// consumer warpgroup g that needs the block; consumers run S = Q K^T and O += P V on wgmma (Q, K,
-// V read from shared memory through descriptors, P from registers) and release a stage through
-// `empty(g, s)`. A warpgroup never touches the barriers of a block its tokens did not select:
-// warpgroups advance independently, so a block that one token picked costs that token's
-// warpgroup alone (the SM80 kernel's block barrier made every warp wait for the slowest).
-// Rows of a warpgroup that did not select a block are masked, as are keys past the causal limit.
+// 128-byte-swizzled stages. Its warp 0 is the loader: one thread issues the stage's TMA copies,
+// which complete on `loaded(s)`. Its warp 1 forwards: it waits for `loaded(s)`, zeroes the V rows
+// past the sequence's end in a last partial block (the copy brought the next sequence's rows),
+// and arrives on `full(g, s)` of each consumer warpgroup g that needs the block. (A TMA copy
+// completes on one barrier; each warpgroup needs its own, because a warpgroup that skips blocks
+// cannot track the parity of a barrier that others advance.) Consumers run S = Q K^T and
+// O += P V on wgmma (Q, K, V read from shared memory through descriptors, P from registers) and
+// release a stage through `empty(g, s)`. A warpgroup never touches the barriers of a block its
+// tokens did not select: warpgroups advance independently, so a block that one token picked costs
+// that token's warpgroup alone (the SM80 kernel's block barrier made every warp wait for the
+// slowest). Rows of a warpgroup that did not select a block are masked, as are keys past the
+// causal limit or the sequence's end.
 //
 // Two step shapes, chosen per CTA at run time (both compute the same function):
 //   64-key steps  one block per softmax step, S = Q K^T as m64n64 with Q in registers.
@@ -100,7 +107,7 @@ __device__ __forceinline__ void rescale_and_pack(float (&o)[D / 2], const float 
 
 template <typename T, int D>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
-stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, const __grid_constant__ TmaMap tmap_v,
                 const unsigned* __restrict__ masks, const int* __restrict__ mask_base,
                 const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
                 T* __restrict__ out, float* __restrict__ lse,
@@ -121,7 +128,9 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     const u32 bar_full = sV + NS * TILE_KV, bar_empty = bar_full + 8 * NS * NC;
     auto full = [&](int g, int s) { return bar_full + 8 * (g * NS + s); };
     auto empty = [&](int g, int s) { return bar_empty + 8 * (g * NS + s); };
-    unsigned* sU = reinterpret_cast<unsigned*>(smem + (bar_empty + 8 * NS * NC - raw));   // CTA union
+    const u32 bar_loaded = bar_empty + 8 * NS * NC;   // one per stage: the TMA copies landed
+    auto loaded = [&](int s) { return bar_loaded + 8 * s; };
+    unsigned* sU = reinterpret_cast<unsigned*>(smem + (bar_loaded + 8 * NS - raw));   // CTA union
     unsigned* sUw = sU + n_words;                                                    // [NC][n_words]
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
@@ -174,9 +183,10 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     }
     if (tid == 0) {
         for (int i = 0; i < NS * NC; ++i) {
-            mbar_init(bar_full + 8 * i, 128);     // the producer's 128 threads, through cp.async
+            mbar_init(bar_full + 8 * i, 1);       // the forwarding producer warp
             mbar_init(bar_empty + 8 * i, 128);    // one consumer warpgroup
         }
+        for (int s = 0; s < NS; ++s) mbar_init(loaded(s), 1);   // the loader's arrive.expect_tx
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     // (also the barrier that publishes the unions and the mbarriers) 128-key steps where allowed
@@ -187,71 +197,76 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     if (wg == NC) {
         // ================= producer warpgroup: K/V ring
         asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");   // registers go to the consumers
-        const int ptid = tid - 128 * NC;
-        constexpr int RSTEP = 128 / CH;             // rows one pass of the 128 threads covers
-        const int p_row0 = ptid / CH, p_ch = ptid % CH;
-        const u32 p_dst_k = swz128(p_row0, p_ch, NS * BLOCK_N), p_dst_v = swz128(p_row0, p_ch, BLOCK_N);
-        unsigned prev_need = 0;     // bit NC*s + g: warpgroup g needed the block now in stage s
-        unsigned empty_phase = 0;   // bit NS*g + s: parity of the next wait on empty(g, s)
-        auto need_of = [&](int j) {
+        const int pwarp = warp - 4 * NC;
+        if (pwarp > 1) return;
+        auto need_of = [&](int j) {     // bit g: consumer warpgroup g needs block j
             unsigned need = 0;
 #pragma unroll
             for (int g = 0; g < NC; ++g) need |= ((sUw[g * n_words + (j >> 5)] >> (j & 31)) & 1u) << g;
             return need;
         };
-        // ring position `it` <- block j (j < 0: zeros, the missing half of an odd last slot); the
-        // copies arrive on the full barriers of the warpgroups in `need`
-        auto load_block = [&](int it, int j, unsigned need) {
-            const int s = it % NS;
-#pragma unroll
-            for (int g = 0; g < NC; ++g) {
-                if ((prev_need >> (NC * s + g)) & 1u) {
-                    mbar_wait(empty(g, s), (empty_phase >> (NS * g + s)) & 1u);
-                    empty_phase ^= 1u << (NS * g + s);
+        // visit(it, j, need) for ring position `it` <- block j, in the order both warps follow; in
+        // a slot both blocks go to every warpgroup that needs either, and j < 0 is the missing
+        // half of an odd last slot (zeros)
+        auto walk = [&](auto&& visit) {
+            int it = 0;
+            for (int j = next_set_bit(sU, n_words, 0); j >= 0;) {
+                if (pair) {
+                    const int j2 = next_set_bit(sU, n_words, j + 1);
+                    const unsigned need = need_of(j) | (j2 >= 0 ? need_of(j2) : 0u);
+                    visit(it++, j, need);
+                    visit(it++, j2, need);
+                    j = j2 < 0 ? -1 : next_set_bit(sU, n_words, j2 + 1);
+                } else {
+                    visit(it++, j, need_of(j));
+                    j = next_set_bit(sU, n_words, j + 1);
                 }
             }
-            // this thread copies chunk `ch` of rows r0, r0 + RSTEP, ...: rows 8 apart share a swizzle
-            // phase, so the destinations are a constant stride apart, as are the sources
-            const int key0 = j * BLOCK_N + p_row0;
-            const int64 src0 = ((int64)(ks + key0) * H + h) * D + p_ch * 8;
-            const u32 dk = sK + s * KSTAGE + p_dst_k, dv = sV + s * TILE_KV + p_dst_v;
-            if (j >= 0 && (j + 1) * BLOCK_N <= Lk) {     // a whole block: no per-copy predicates
-                const T* pk = k + src0;
-                const T* pv = v + src0;
-                const int64 step = (int64)RSTEP * H * D;
-#pragma unroll
-                for (int u = 0; u < BLOCK_N / RSTEP; ++u) {
-                    cp_async_16_full(dk + u * RSTEP * 128, pk + u * step);
-                    cp_async_16_full(dv + u * RSTEP * 128, pv + u * step);
-                }
-            } else {                                     // the last block of a sequence, or zeros
-#pragma unroll
-                for (int u = 0; u < BLOCK_N / RSTEP; ++u) {
-                    const int bytes = j >= 0 && key0 + u * RSTEP < Lk ? 16 : 0;
-                    const int64 off = src0 + (int64)u * RSTEP * H * D;
-                    cp_async_16(dk + u * RSTEP * 128, bytes ? k + off : k, bytes);
-                    cp_async_16(dv + u * RSTEP * 128, bytes ? v + off : v, bytes);
-                }
-            }
-#pragma unroll
-            for (int g = 0; g < NC; ++g)
-                if ((need >> g) & 1u) mbar_arrive_cp_async(full(g, s));   // fires when this thread's copies land
-            prev_need = (prev_need & ~(((1u << NC) - 1) << (NC * s))) | (need << (NC * s));
         };
-        int it = 0;
-        for (int j = next_set_bit(sU, n_words, 0); j >= 0;) {
-            if (pair) {     // a slot: both blocks go to every warpgroup that needs either
-                const int j2 = next_set_bit(sU, n_words, j + 1);
-                const unsigned need = need_of(j) | (j2 >= 0 ? need_of(j2) : 0u);
-                load_block(it++, j, need);
-                load_block(it++, j2, need);
-                j = j2 < 0 ? -1 : next_set_bit(sU, n_words, j2 + 1);
-            } else {
-                load_block(it++, j, need_of(j));
-                j = next_set_bit(sU, n_words, j + 1);
-            }
+        if (pwarp == 0) {
+            // ---- loader: one thread, 2 D / 64 TMA boxes per block
+            if (lane != 0) return;
+            tma_prefetch_map(tmap_k);
+            tma_prefetch_map(tmap_v);
+            unsigned prev_need = 0;     // bit NC*s + g: warpgroup g needed the block now in stage s
+            unsigned empty_phase = 0;   // bit NS*g + s: parity of the next wait on empty(g, s)
+            walk([&](int it, int j, unsigned need) {
+                const int s = it % NS;
+#pragma unroll
+                for (int g = 0; g < NC; ++g) {
+                    if ((prev_need >> (NC * s + g)) & 1u) {
+                        mbar_wait(empty(g, s), (empty_phase >> (NS * g + s)) & 1u);
+                        empty_phase ^= 1u << (NS * g + s);
+                    }
+                }
+                mbar_arrive_expect_tx(loaded(s), 2 * TILE_KV);
+                const int row = j >= 0 ? ks + j * BLOCK_N : -BLOCK_N;   // all out of bounds: zeros
+#pragma unroll
+                for (int half = 0; half < D / 64; ++half) {
+                    tma_load_2d(sK + half * (NS * KSTAGE) + s * KSTAGE, tmap_k, h * D + half * 64, row, loaded(s));
+                    tma_load_2d(sV + s * TILE_KV + half * HALF, tmap_v, h * D + half * 64, row, loaded(s));
+                }
+                prev_need = (prev_need & ~(((1u << NC) - 1) << (NC * s))) | (need << (NC * s));
+            });
+        } else {
+            // ---- forwarder: every position's stage fills once, so its parity is (it / NS) & 1
+            walk([&](int it, int j, unsigned need) {
+                const int s = it % NS;
+                mbar_wait(loaded(s), (it / NS) & 1);
+                const int valid = j >= 0 ? Lk - j * BLOCK_N : BLOCK_N;
+                if (valid < BLOCK_N) {      // P is 0 there, but 0 * (non-finite V) would not be
+                    for (int i = lane; i < (BLOCK_N - valid) * CH; i += 32)
+                        st_shared_zero16(sV + s * TILE_KV + swz128(valid + i / CH, i % CH, BLOCK_N));
+                    fence_proxy_async();    // generic-proxy writes that wgmma reads
+                    __syncwarp();
+                }
+                if (lane == 0) {
+#pragma unroll
+                    for (int g = 0; g < NC; ++g)
+                        if ((need >> g) & 1u) mbar_arrive(full(g, s));
+                }
+            });
         }
-        asm volatile("cp.async.wait_all;\n" ::: "memory");   // no copy outlives its thread
         return;
     }
 
@@ -348,7 +363,6 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
             float alpha[2];
             int s = it % NS;
             wait_full(s);
-            fence_proxy_async();
             wgmma_fence();
             issue_s(s);
             wgmma_wait<0>();
@@ -360,7 +374,6 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
             while (jn >= 0 && itn - it < NS) {
                 const int sn = itn % NS;
                 wait_full(sn);
-                fence_proxy_async();
                 wgmma_fence();
                 issue_s(sn);
                 issue_pv(s, pa);
@@ -414,7 +427,6 @@ stage2_fwd_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         auto wait_slot = [&](int s) {
             wait_full(s);
             wait_full(s + 1);
-            fence_proxy_async();
         };
         auto release_slot = [&](int s) {
             mbar_arrive(empty(wg, s));

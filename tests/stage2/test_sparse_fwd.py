@@ -146,6 +146,25 @@ def test_block_layout_equals_token_level(q_block, per_sequence, tiles):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [FwdTiles(4, 1, 64), *SM90_VARIANTS], ids=tiles_id)
+def test_non_finite_keys_of_the_next_sequence_stay_out(tiles):
+    """A sequence whose last key block is partial: the copies of that block may bring the next
+    sequence's rows into masked positions. Non-finite values there must not reach its output."""
+    lq = lk = [100, 77, 64]
+    q, k, v, cu_q, cu_k, idx = make_inputs(lq, lk, 16, 2, 128, torch.bfloat16, K=8)
+    k[100:164], v[100:164] = float("nan"), float("inf")   # all of sequence 1's first block
+    out, lse = sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, 100, 100, return_lse=True, backend="kernels",
+                                  tiles=tiles)
+    first, last = slice(0, 100), slice(177, 241)
+    for rows in (first, last):
+        n = rows.stop - rows.start
+        cu1 = cu_seqlens_from_lengths([n], "cuda")
+        q1, k1, v1 = (t[rows].contiguous() for t in (q, k, v))
+        check_against_reference(out[rows], lse[:, rows].contiguous(), q1, k1, v1, cu1, cu1,
+                                idx[:, rows].contiguous(), n, n, True)
+
+
+@pytest.mark.gpu
 def test_large_offsets_past_2_to_31():
     """q has more than 2^31 elements: rows at the end must still be right (64-bit offsets)."""
     T, HQ, H, D, K = 600_000, 32, 1, 128, 8
@@ -184,6 +203,8 @@ def test_large_offsets_past_2_to_31():
     (dict(mq=lambda m: m - 1), "max_seqlen_q must be >="),
     (dict(mk=lambda m: m - 1), "max_seqlen_k must be >="),
     (dict(cu_q=lambda c: c.flip(0)), "cu_seqlens_q must"),
+    (dict(v=lambda v: torch.empty(v.numel() + 1, dtype=v.dtype, device=v.device)[1:].view(v.shape).copy_(v)),
+     "v must start at a 16-byte aligned address"),
 ])
 def test_bad_inputs_raise_before_launch(bad, match):
     q, k, v, cu_q, cu_k, idx = make_inputs([100, 50], [100, 50], 16, 2, 128, torch.bfloat16)

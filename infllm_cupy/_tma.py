@@ -1,0 +1,71 @@
+"""Tensor maps for Hopper's bulk tensor copies (TMA), encoded on the host by the CUDA driver.
+
+A kernel that copies with `cp.async.bulk.tensor` reads a 128-byte `CUtensorMap` describing the
+global tensor (address, sizes, strides), the box one copy moves and the shared-memory swizzle.
+The driver's `cuTensorMapEncodeTiled` builds it; we call it through ctypes on `libcuda`, which
+every CUDA machine has (no toolkit), and pass the result by value as a `__grid_constant__`
+kernel parameter (`TmaMap` in kernels_cu/common/wgmma_sm90.cuh). CuPy passes a one-element
+NumPy array by value, which is how the 128 bytes reach the launch.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+import torch
+
+TMAP_DTYPE = np.dtype([("bits", np.uint64, (16,))])   # 128 opaque bytes
+TMAP_BYTES = 128
+
+# cuda.h enums (CUtensorMapDataType, ...Interleave, ...Swizzle, ...L2promotion, ...FloatOOBfill)
+_DTYPE_UINT16 = 1        # 16-bit elements copied as bits: bf16 and fp16 alike, zeros are 0 bits
+_INTERLEAVE_NONE = 0
+_SWIZZLE_128B = 3
+_L2_PROMOTION_256B = 3
+_OOB_FILL_ZEROS = 0
+
+
+@functools.cache
+def _encode_tiled():
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = lib.cuTensorMapEncodeTiled
+    u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+@functools.lru_cache(maxsize=256)
+def _rows_map(addr: int, rows: int, cols: int, box_rows: int) -> np.ndarray:
+    # the driver wants a 64-byte aligned CUtensorMap: encode into an aligned slice of a buffer
+    buf = np.zeros(TMAP_BYTES + 64, dtype=np.uint8)
+    off = -buf.ctypes.data % 64
+    out = buf[off:off + TMAP_BYTES]
+    dims = (ctypes.c_uint64 * 2)(cols, rows)
+    strides = (ctypes.c_uint64 * 1)(cols * 2)
+    box = (ctypes.c_uint32 * 2)(64, box_rows)
+    elem_strides = (ctypes.c_uint32 * 2)(1, 1)
+    err = _encode_tiled()(out.ctypes.data, _DTYPE_UINT16, 2, addr, dims, strides, box, elem_strides,
+                          _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZEROS)
+    if err != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {err} (address {addr:#x}, "
+                           f"{rows} rows of {cols} 16-bit elements, boxes of {box_rows} x 64)")
+    tmap = np.empty(1, dtype=TMAP_DTYPE)
+    tmap.view(np.uint8)[:] = out
+    return tmap
+
+
+def rows_map(t: torch.Tensor, box_rows: int) -> np.ndarray:
+    """Tensor map over a contiguous 16-bit CUDA tensor `[rows, ...]` viewed as `[rows, cols]`:
+    boxes of `box_rows` rows by 64 elements (128 bytes), 128-byte swizzle, zeros out of bounds.
+    Needs a 16-byte aligned address and at least one row."""
+    if t.element_size() != 2 or not t.is_contiguous() or t.shape[0] == 0:
+        raise ValueError(f"rows_map needs a contiguous, non-empty 16-bit tensor, got {t.dtype} {tuple(t.shape)}")
+    if t.data_ptr() % 16:
+        raise ValueError(f"rows_map needs a 16-byte aligned tensor, got address {t.data_ptr():#x}")
+    cols = t.numel() // t.shape[0]
+    if cols % 64:
+        raise ValueError(f"rows_map needs rows of a multiple of 64 elements, got {cols}")
+    return _rows_map(t.data_ptr(), t.shape[0], cols, box_rows)
