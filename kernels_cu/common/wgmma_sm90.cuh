@@ -169,6 +169,10 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 __device__ __forceinline__ void named_barrier(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
+// Counts this warp towards named barrier `id` without waiting on it.
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
 
 // ---- TMA: bulk tensor copies global -> shared, completing on an mbarrier's transaction count
 // A CUtensorMap encoded on the host (infllm_cupy/_tma.py) and passed by value as a

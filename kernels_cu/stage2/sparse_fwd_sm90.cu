@@ -46,6 +46,9 @@
 #define BLOCK_N 64
 #define NC 2   // consumer warpgroups
 #define NS 4   // K/V stages in the ring
+#ifndef FWD_PINGPONG
+#define FWD_PINGPONG 1   // 0 compiles the ping-pong out (A/B runs)
+#endif
 
 // Mask and online softmax of a finished S over NB blocks (64 * NB columns; columns 64b.. belong to
 // block b), in place: S becomes P. lim[b][r]: last visible key of this thread's row r in block b's
@@ -432,14 +435,24 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
             mbar_arrive(empty(wg, s));
             mbar_arrive(empty(wg, s + 1));
         };
+        // Ping-pong, as FlashAttention-3: where both warpgroups run the same slots (each needs the
+        // whole union, and both have rows), they take turns to issue their wgmma groups (named
+        // barriers 3 and 4), so that one warpgroup's softmax runs while the other's products
+        // hold the tensor cores, instead of both softmaxes at once with the tensor cores idle.
         int ja = -1, jb = -1, it = -2;
         advance(ja, jb, it);
+        const bool pp = FWD_PINGPONG && NC == 2 && all_same && m0 + M <= rows_total && ja >= 0;
+        auto my_turn = [&]() { if (pp) named_barrier(3 + wg, 256); };
+        auto your_turn = [&]() { if (pp) named_barrier_arrive(3 + (wg ^ 1), 256); };
+        if (pp && wg == 1) named_barrier_arrive(3, 256);   // warpgroup 0 goes first
         while (ja >= 0) {
             float alpha[2];
             int s = it % NS;
             wait_slot(s);
+            my_turn();
             wgmma_fence();
             issue_s(s);
+            your_turn();
             wgmma_wait<0>();
             fence_regs(sacc);
             step(ja, jb, alpha);
@@ -449,9 +462,11 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
             while (na >= 0 && itn + 1 - it < NS) {
                 const int sn = itn % NS;
                 wait_slot(sn);
+                my_turn();
                 wgmma_fence();
                 issue_s(sn);
                 issue_pv(s, pa);
+                your_turn();
                 wgmma_wait<1>();
                 fence_regs(sacc);
                 step(na, nb2, alpha);
@@ -465,8 +480,10 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 s = sn;
                 advance(na, nb2, itn);
             }
+            my_turn();
             wgmma_fence();
             issue_pv(s, pa);
+            if (na >= 0 || wg == 0) your_turn();   // every turn warpgroup 0 takes was given: no spare arrival
             wgmma_wait<0>();
             fence_regs(o);
             release_slot(s);
