@@ -18,7 +18,9 @@ from .._tma import rows_map
 
 FWD_SOURCE = "stage2/sparse_fwd.cu"
 SM90_SOURCE = "stage2/sparse_fwd_sm90.cu"
-SM90_CONSUMERS, SM90_STAGES = 2, 4      # mirror NC and NS in sparse_fwd_sm90.cu
+SM90_CONSUMERS = 2      # mirrors NC in sparse_fwd_sm90.cu
+SM90_STAGES = (6, 4)    # K/V ring depths compiled (template NS), deepest first: the deepest that fits
+SMEM_PER_BLOCK = 227 * 1024   # the H100's (and H200's) dynamic shared memory limit per block
 MASK_SOURCE = "stage2/block_masks.cu"
 BLOCK_N = 64            # keys per KV block, fixed by InfLLM-v2 (kernels_cu: BLOCK_N)
 HEAD_DIMS = (64, 128)
@@ -81,8 +83,8 @@ for _t in ALL_TILES:
     for _d in HEAD_DIMS:
         _jit.register_instances(FWD_SOURCE, [_t.name(dt, _d) for dt in KERNEL_DTYPES],
                                 strict=_t.m_tiles == 1)
-_jit.register_instances(SM90_SOURCE, [f"stage2_fwd_sm90<{CXX_TYPE[dt]}, {d}>" for dt in KERNEL_DTYPES
-                                     for d in HEAD_DIMS], sm90a=True)
+_jit.register_instances(SM90_SOURCE, [f"stage2_fwd_sm90<{CXX_TYPE[dt]}, {d}, {ns}>" for dt in KERNEL_DTYPES
+                                     for d in HEAD_DIMS for ns in SM90_STAGES], sm90a=True)
 _jit.register_instances(MASK_SOURCE, ["token_block_masks"])
 
 
@@ -110,10 +112,23 @@ def token_block_masks(topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seq
     return masks
 
 
+def sm90_smem_bytes(D: int, stages: int, n_words: int, itemsize: int = 2) -> int:
+    """1 KB alignment slack, Q tiles, K/V ring, mbarriers, CTA + per-warpgroup unions."""
+    return (1024 + (SM90_CONSUMERS * 64 * D + stages * 2 * BLOCK_N * D) * itemsize
+            + 8 * stages * (2 * SM90_CONSUMERS + 1) + 4 * n_words * (SM90_CONSUMERS + 1))
+
+
+def sm90_stages(D: int, n_words: int, itemsize: int = 2) -> int:
+    """The deepest compiled K/V ring that fits the shared memory (the mask words grow with max_seqlen_k)."""
+    for ns in SM90_STAGES:
+        if sm90_smem_bytes(D, ns, n_words, itemsize) <= SMEM_PER_BLOCK:
+            return ns
+    return SM90_STAGES[-1]   # too long for any: the launch names the shared memory it asked for
+
+
 def fwd_smem_bytes(D: int, tiles, n_words: int, itemsize: int = 2) -> int:
-    if tiles in SM90A_FWD:   # 1 KB alignment slack, Q tiles, K/V ring, mbarriers, CTA + per-warpgroup unions
-        return (1024 + (SM90_CONSUMERS * 64 * D + SM90_STAGES * 2 * BLOCK_N * D) * itemsize
-                + 8 * SM90_STAGES * (2 * SM90_CONSUMERS + 1) + 4 * n_words * (SM90_CONSUMERS + 1))
+    if tiles in SM90A_FWD:
+        return sm90_smem_bytes(D, sm90_stages(D, n_words, itemsize), n_words, itemsize)
     return (tiles.rows * D + 4 * BLOCK_N * D) * itemsize + 4 * n_words
 
 
@@ -137,7 +152,7 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
                np.int64(mask_h_stride), np.int32(mask_q_block), np.float32(softmax_scale * 1.4426950408889634),
                np.int32(1 if causal else 0))
     if tiles in SM90A_FWD:
-        name = f"stage2_fwd_sm90<{CXX_TYPE[q.dtype]}, {D}>"
+        name = f"stage2_fwd_sm90<{CXX_TYPE[q.dtype]}, {D}, {sm90_stages(D, n_words, q.element_size())}>"
         kernel, rows, threads = _jit.get_kernel(SM90_SOURCE, name, sm90a=True), 64 * SM90_CONSUMERS, \
             128 * (SM90_CONSUMERS + 1)
         args = (ptr(q), rows_map(k, BLOCK_N), rows_map(v, BLOCK_N)) + scalars + (np.int32(_PAIR_MODE[tiles]),)

@@ -2,7 +2,9 @@
 //
 // Launch contract (mirrored by infllm_cupy/stage2/sparse_fwd.py; arguments as stage2_fwd in
 // sparse_fwd.cu, same semantics and outputs, except that K and V come as TMA tensor maps):
-//   kernel   stage2_fwd_sm90<T, D>      T in {__half, __nv_bfloat16}, D in {64, 128}; capability 9.0
+//   kernel   stage2_fwd_sm90<T, D, NS>  T in {__half, __nv_bfloat16}, D in {64, 128}, NS in {4, 6} K/V ring
+//            stages (6 where the shared memory holds them: 10% faster on block-shared selections,
+//            NOTES.md); capability 9.0
 //   grid     (cdiv(max_seqlen_q * G, 64 * NC), H, B)     block (128 * (NC + 1))
 //   dyn smem 1 KB alignment slack + NC Q tiles + NS K and V stages + (2 NC + 1) NS mbarriers
 //            + (NC + 1) * n_words union words (fwd_smem_bytes in the launcher)
@@ -45,7 +47,6 @@
 
 #define BLOCK_N 64
 #define NC 2   // consumer warpgroups
-#define NS 4   // K/V stages in the ring
 #ifndef FWD_PINGPONG
 #define FWD_PINGPONG 1   // 0 compiles the ping-pong out (A/B runs)
 #endif
@@ -108,7 +109,7 @@ __device__ __forceinline__ void rescale_and_pack(float (&o)[D / 2], const float 
     pack_a_frags<T, 4 * NB>(s, pa);
 }
 
-template <typename T, int D>
+template <typename T, int D, int NS>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
 stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, const __grid_constant__ TmaMap tmap_v,
                 const unsigned* __restrict__ masks, const int* __restrict__ mask_base,

@@ -101,14 +101,18 @@ def test_junk_indices_equal_the_clean_selection():
 @pytest.mark.skipif(not HOPPER, reason="sm_90a kernel needs capability 9.0")
 @pytest.mark.parametrize("selection", ["a", "b", "c"])
 @pytest.mark.parametrize("HQ", [32, 2], ids=["G16", "G1"])
-def test_step_shapes_on_benchmark_selections(selection, HQ):
+@pytest.mark.parametrize("stages", [6, 4], ids=["ring6", "ring4"])
+def test_step_shapes_on_benchmark_selections(selection, HQ, stages, monkeypatch):
     """The benchmark's block-shared (a), per-token (b) and InfLLM-like (c) selections through both
-    step shapes of the sm_90a kernel and its automatic choice. At G = 16 a CTA's tokens share one
-    query block, so under (a) every CTA qualifies for 128-key steps and the automatic choice must
-    equal them bit for bit."""
+    step shapes of the sm_90a kernel and its automatic choice, with each K/V ring depth. At G = 16
+    a CTA's tokens share one query block, so under (a) every CTA qualifies for 128-key steps (and
+    the full ones for the warpgroups' ping-pong) and the automatic choice must equal them bit for
+    bit. T * G is not a multiple of the CTA's 128 rows: the last CTA has a warpgroup without rows."""
     from benchmarks.selections import make_selection
+    from infllm_cupy.stage2 import sparse_fwd
 
-    T, H, D, K = 2000, 2, 128, 20
+    monkeypatch.setattr(sparse_fwd, "SM90_STAGES", (stages,))
+    T, H, D, K = 2001, 2, 128, 20
     g = torch.Generator().manual_seed(5)
     q = torch.randn(2 * T, HQ, D, generator=g).to("cuda", torch.bfloat16)
     k, v = (torch.randn(2 * T, H, D, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
