@@ -7,7 +7,6 @@ are packed by `BlockLayout.packed` (one row per query block).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import numpy as np
 import torch
@@ -113,16 +112,10 @@ def token_block_masks(topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seq
     return masks
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def sm90_smem_bytes(D: int, stages: int, n_words: int, itemsize: int = 2) -> int:
-    """1 KB alignment slack, Q tiles, K/V ring, mbarriers (ring and union buffers), two buffers of
-    CTA + per-warpgroup unions and flags."""
+    """1 KB alignment slack, Q tiles, K/V ring, mbarriers, CTA + per-warpgroup unions."""
     return (1024 + (SM90_CONSUMERS * 64 * D + stages * 2 * BLOCK_N * D) * itemsize
-            + 8 * stages * (2 * SM90_CONSUMERS + 1) + 8 * 4 + 2 * 4 * (n_words * (SM90_CONSUMERS + 1) + 1))
+            + 8 * stages * (2 * SM90_CONSUMERS + 1) + 4 * n_words * (SM90_CONSUMERS + 1))
 
 
 def sm90_stages(D: int, n_words: int, itemsize: int = 2) -> int:
@@ -162,18 +155,12 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
         name = f"stage2_fwd_sm90<{CXX_TYPE[q.dtype]}, {D}, {sm90_stages(D, n_words, q.element_size())}>"
         kernel, rows, threads = _jit.get_kernel(SM90_SOURCE, name, sm90a=True), 64 * SM90_CONSUMERS, \
             128 * (SM90_CONSUMERS + 1)
-        # persistent CTAs, one per SM, over the (row tile, head, sequence) space
-        tiles_x = cdiv(max_seqlen_q * G, rows)
-        n_tiles = tiles_x * H * B
-        grid = (min(n_tiles, _sm_count(q.device)),)
-        args = (ptr(q), rows_map(k, BLOCK_N), rows_map(v, BLOCK_N)) + scalars + (
-            np.int32(_PAIR_MODE[tiles]), np.int32(tiles_x), np.int32(n_tiles))
+        args = (ptr(q), rows_map(k, BLOCK_N), rows_map(v, BLOCK_N)) + scalars + (np.int32(_PAIR_MODE[tiles]),)
     else:
         name = tiles.name(q.dtype, D)
         kernel, rows, threads = _jit.get_kernel(FWD_SOURCE, name), tiles.rows, 32 * tiles.warps
-        grid = (cdiv(max_seqlen_q * G, rows), H, B)
         args = (ptr(q), ptr(k), ptr(v)) + scalars
-    launch(kernel, name=name, grid=grid, block=(threads,),
+    launch(kernel, name=name, grid=(cdiv(max_seqlen_q * G, rows), H, B), block=(threads,),
            shared_mem=fwd_smem_bytes(D, tiles, n_words, q.element_size()), args=args)
     return out, lse
 

@@ -5,11 +5,9 @@
 //   kernel   stage2_fwd_sm90<T, D, NS>  T in {__half, __nv_bfloat16}, D in {64, 128}, NS in {4, 6} K/V ring
 //            stages (6 where the shared memory holds them: 10% faster on block-shared selections,
 //            NOTES.md); capability 9.0
-//   grid     (min(n_tiles, SMs))  persistent       block (128 * (NC + 1))
-//   tiles    tiles_x = cdiv(max_seqlen_q * G, 64 * NC) row tiles per (KV head, sequence); tile
-//            v = x + tiles_x * (h + H * b), n_tiles = tiles_x * H * B
-//   dyn smem 1 KB alignment slack + NC Q tiles + NS K and V stages + (2 NC + 1) NS + 4 mbarriers
-//            + 2 x ((NC + 1) * n_words union words + 1 flag word) (sm90_smem_bytes in the launcher)
+//   grid     (cdiv(max_seqlen_q * G, 64 * NC), H, B)     block (128 * (NC + 1))
+//   dyn smem 1 KB alignment slack + NC Q tiles + NS K and V stages + (2 NC + 1) NS mbarriers
+//            + (NC + 1) * n_words union words (fwd_smem_bytes in the launcher)
 //   tmap_k, tmap_v  K and V [total_k, H, D] viewed as [total_k, H * D], boxes of 64 rows x 64
 //               elements, 128-byte swizzle, zero fill (infllm_cupy/_tma.py, kv_map)
 //   pair_mode   0: 64-key steps everywhere; 1: 128-key steps in the CTAs where every consumer
@@ -17,8 +15,7 @@
 //
 // Warp-specialised, as FlashAttention-3: warpgroups 0..NC-1 are consumers, each owning 64 rows of
 // the flattened (token, head-in-group) space (4 tokens at G = 16); warpgroup NC is the producer.
-// Its warp 2 is the scheduler: it builds each tile's block unions a tile ahead, into one of two
-// buffers. The producer walks the union of the tile's blocks and streams K/V blocks into an NS-deep ring of
+// The producer walks the union of the CTA's blocks and streams K/V blocks into an NS-deep ring of
 // 128-byte-swizzled stages. Its warp 0 is the loader: one thread issues the stage's TMA copies,
 // which complete on `loaded(s)`. Its warp 1 forwards: it waits for `loaded(s)`, zeroes the V rows
 // past the sequence's end in a last partial block (the copy brought the next sequence's rows),
@@ -112,32 +109,6 @@ __device__ __forceinline__ void rescale_and_pack(float (&o)[D / 2], const float 
     pack_a_frags<T, 4 * NB>(s, pa);
 }
 
-// One tile: 64 * NC rows of the flattened (token, head-in-group) space of KV head h in sequence b.
-// Virtual tile v = x + tiles_x * (h + H * b); tiles past a sequence's rows are empty.
-struct FwdTile {
-    int h, qs, Lq, ks, Lk, shift, nb;
-    int64 rows_total, m0;
-    const unsigned* mrows;
-};
-__device__ __forceinline__ FwdTile fwd_tile(int v, int tiles_x, int H, int G, int n_words, int causal,
-                                            const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
-                                            const unsigned* __restrict__ masks, const int* __restrict__ mask_base,
-                                            long long mask_h_stride) {
-    FwdTile t;
-    const int x = v % tiles_x, hb = v / tiles_x, b = hb / H;
-    t.h = hb - b * H;
-    t.qs = cu_seqlens_q[b];
-    t.Lq = cu_seqlens_q[b + 1] - t.qs;
-    t.ks = cu_seqlens_k[b];
-    t.Lk = cu_seqlens_k[b + 1] - t.ks;
-    t.rows_total = (int64)t.Lq * G;
-    t.m0 = (int64)x * (64 * NC);
-    t.shift = causal ? t.Lk - t.Lq : 0;
-    t.nb = min((t.Lk + BLOCK_N - 1) / BLOCK_N, n_words * 32);
-    t.mrows = masks + ((int64)mask_base[b] + (int64)t.h * mask_h_stride) * n_words;
-    return t;
-}
-
 template <typename T, int D, int NS>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
 stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, const __grid_constant__ TmaMap tmap_v,
@@ -145,7 +116,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
                 T* __restrict__ out, float* __restrict__ lse,
                 int total_q, int HQ, int H, int G, int n_words, long long mask_h_stride, int mask_q_block,
-                float scale_log2, int causal, int pair_mode, int tiles_x, int n_tiles) {
+                float scale_log2, int causal, int pair_mode) {
     constexpr int M = 64 * NC;
     constexpr int CH = D / 8;
     constexpr u32 TILE_Q = 64 * D * sizeof(T);
@@ -163,126 +134,98 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
     auto empty = [&](int g, int s) { return bar_empty + 8 * (g * NS + s); };
     const u32 bar_loaded = bar_empty + 8 * NS * NC;   // one per stage: the TMA copies landed
     auto loaded = [&](int s) { return bar_loaded + 8 * s; };
-    // union buffers of tiles i (buffer i % 2): `ready` once the scheduler wrote them, `free` once
-    // every reader (both consumer warpgroups, loader, forwarder) is done with them
-    const u32 bar_uready = bar_loaded + 8 * NS, bar_ufree = bar_uready + 16;
-    auto uready = [&](int p) { return bar_uready + 8 * p; };
-    auto ufree = [&](int p) { return bar_ufree + 8 * p; };
-    // buffer p: CTA union [n_words], per-warpgroup unions [NC][n_words], flags (bit 0: every
-    // warpgroup with rows needs every block of the CTA union)
-    unsigned* const sUbuf = reinterpret_cast<unsigned*>(smem + (bar_ufree + 16 - raw));
-    const int ubuf_words = (NC + 1) * n_words + 1;
-    auto cta_u = [&](int p) { return sUbuf + p * ubuf_words; };
-    auto flags = [&](int p) { return sUbuf + p * ubuf_words + (NC + 1) * n_words; };
+    unsigned* sU = reinterpret_cast<unsigned*>(smem + (bar_loaded + 8 * NS - raw));   // CTA union
+    unsigned* sUw = sU + n_words;                                                    // [NC][n_words]
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
-    auto tile_of = [&](int v) {
-        return fwd_tile(v, tiles_x, H, G, n_words, causal, cu_seqlens_q, cu_seqlens_k, masks, mask_base, mask_h_stride);
-    };
-    // a consumer warpgroup's Q tile (rows past the sequence as zeros), by cp.async
-    auto issue_q = [&](int v) {
-        const FwdTile t = tile_of(v);
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int qs = cu_seqlens_q[b], Lq = cu_seqlens_q[b + 1] - qs;
+    const int ks = cu_seqlens_k[b], Lk = cu_seqlens_k[b + 1] - ks;
+    const int64 rows_total = (int64)Lq * G;
+    const int64 m0 = (int64)blockIdx.x * M;
+    if (m0 >= rows_total) return;
+    const int shift = causal ? Lk - Lq : 0;
+    const int nb = min((Lk + BLOCK_N - 1) / BLOCK_N, n_words * 32);
+    const unsigned* mrows = masks + ((int64)mask_base[b] + (int64)h * mask_h_stride) * n_words;
+
+    // ---- each consumer warpgroup's Q tile: issued first, so that it lands during the setup
+    if (wg < NC) {
         for (int i = tid & 127; i < 64 * CH; i += 128) {
             const int row = i / CH, ch = i % CH;
             int bytes;
-            const T* src = q_row_chunk(q, t.m0 + 64 * wg + row, t.rows_total, G, t.qs, HQ, t.h, D, ch, bytes);
+            const T* src = q_row_chunk(q, m0 + 64 * wg + row, rows_total, G, qs, HQ, h, D, ch, bytes);
             cp_async_16(sQ + wg * TILE_Q + swz128(row, ch, 64), src, bytes);
         }
         cp_async_commit();
-    };
-    if (wg < NC) issue_q(blockIdx.x);   // lands during the setup
+    }
+
+    // ---- per-warpgroup unions (clipped to what its last row may see) and the CTA union
+    bool same_union = true;     // every warpgroup with rows needs every block of the CTA union
+    {
+        int q_lo[NC], q_hi[NC], lim[NC];
+#pragma unroll
+        for (int g = 0; g < NC; ++g) {
+            const int64 r_lo = m0 + 64 * g, r_hi = min(m0 + 64 * (g + 1), rows_total) - 1;
+            if (r_lo > r_hi) { q_lo[g] = 1; q_hi[g] = 0; lim[g] = -1; continue; }
+            const int t_lo = (int)(r_lo / G), t_hi = (int)(r_hi / G);
+            q_lo[g] = t_lo / mask_q_block;
+            q_hi[g] = t_hi / mask_q_block;
+            lim[g] = last_visible_block(nb, causal, t_hi, shift);
+        }
+        for (int w = tid; w < n_words; w += 128 * (NC + 1)) {
+            unsigned u[NC], all = 0;
+#pragma unroll
+            for (int g = 0; g < NC; ++g) {
+                u[g] = clip_word(rows_or(mrows, n_words, q_lo[g], q_hi[g], w), w, lim[g]);
+                sUw[g * n_words + w] = u[g];
+                all |= u[g];
+            }
+            sU[w] = all;
+#pragma unroll
+            for (int g = 0; g < NC; ++g) same_union &= q_lo[g] > q_hi[g] || u[g] == all;   // no rows: no work
+        }
+    }
     if (tid == 0) {
         for (int i = 0; i < NS * NC; ++i) {
             mbar_init(bar_full + 8 * i, 1);       // the forwarding producer warp
             mbar_init(bar_empty + 8 * i, 128);    // one consumer warpgroup
         }
         for (int s = 0; s < NS; ++s) mbar_init(loaded(s), 1);   // the loader's arrive.expect_tx
-        for (int p = 0; p < 2; ++p) {
-            mbar_init(uready(p), 1);              // the scheduler warp
-            mbar_init(ufree(p), 128 * NC + 2);    // consumer threads, loader, forwarder
-        }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    __syncthreads();
-
-    // Persistent CTAs: this CTA runs tiles i = 0, 1, ... (virtual tiles blockIdx.x + i * gridDim.x),
-    // so that the next tile's union, Q and first K/V blocks load while this one computes: a
-    // CTA's setup (a chain of dependent loads) was exposed once per ~70 us tile, 4% of the time.
-    // Ring positions continue across tiles; 128-key slots start on even positions (one position
-    // is skipped where needed: every party skips it alike).
+    // (also the barrier that publishes the unions and the mbarriers) 128-key steps where allowed
+    // and no warpgroup would compute a block it did not select
+    const bool all_same = __syncthreads_and(same_union);
+    const bool pair = pair_mode == 2 || (pair_mode == 1 && all_same);
 
     if (wg == NC) {
-        // ================= producer warpgroup: union scheduler, TMA loader, forwarder
+        // ================= producer warpgroup: K/V ring
         asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");   // registers go to the consumers
         const int pwarp = warp - 4 * NC;
-        if (pwarp == 3) return;
-        if (pwarp == 2) {
-            // ---- scheduler: per-warpgroup unions (clipped to what its last row may see) and the CTA union
-            for (int i = 0, v = blockIdx.x; v < n_tiles; ++i, v += gridDim.x) {
-                const int p = i & 1;
-                if (i >= 2) mbar_wait(ufree(p), ((i >> 1) - 1) & 1);   // tile i - 2's readers are done
-                const FwdTile t = tile_of(v);
-                unsigned* sU = cta_u(p);
-                int q_lo[NC], q_hi[NC], lim[NC];
-#pragma unroll
-                for (int g = 0; g < NC; ++g) {
-                    const int64 r_lo = t.m0 + 64 * g, r_hi = min(t.m0 + 64 * (g + 1), t.rows_total) - 1;
-                    if (r_lo > r_hi) { q_lo[g] = 1; q_hi[g] = 0; lim[g] = -1; continue; }
-                    const int t_lo = (int)(r_lo / G), t_hi = (int)(r_hi / G);
-                    q_lo[g] = t_lo / mask_q_block;
-                    q_hi[g] = t_hi / mask_q_block;
-                    lim[g] = last_visible_block(t.nb, causal, t_hi, t.shift);
-                }
-                bool same_union = true;
-                for (int w = lane; w < n_words; w += 32) {
-                    unsigned u[NC], all = 0;
-#pragma unroll
-                    for (int g = 0; g < NC; ++g) {
-                        u[g] = clip_word(rows_or(t.mrows, n_words, q_lo[g], q_hi[g], w), w, lim[g]);
-                        sU[(g + 1) * n_words + w] = u[g];
-                        all |= u[g];
-                    }
-                    sU[w] = all;
-#pragma unroll
-                    for (int g = 0; g < NC; ++g) same_union &= q_lo[g] > q_hi[g] || u[g] == all;   // no rows: no work
-                }
-                same_union = __all_sync(0xffffffffu, same_union);
-                if (lane == 0) *flags(p) = same_union ? 1u : 0u;
-                __syncwarp();
-                if (lane == 0) mbar_arrive(uready(p));
-            }
-            return;
-        }
-        auto need_of = [&](const unsigned* sU, int j) {     // bit g: consumer warpgroup g needs block j
+        if (pwarp > 1) return;
+        auto need_of = [&](int j) {     // bit g: consumer warpgroup g needs block j
             unsigned need = 0;
 #pragma unroll
-            for (int g = 0; g < NC; ++g) need |= ((sU[(g + 1) * n_words + (j >> 5)] >> (j & 31)) & 1u) << g;
+            for (int g = 0; g < NC; ++g) need |= ((sUw[g * n_words + (j >> 5)] >> (j & 31)) & 1u) << g;
             return need;
         };
-        // visit(it, j, need) for ring position `it` <- block j of tile i, in the order both warps
-        // follow; in a slot both blocks go to every warpgroup that needs either, and j < 0 is the
-        // missing half of an odd last slot (zeros)
-        int it = 0;
-        auto walk = [&](int i, auto&& visit) {
-            const int p = i & 1;
-            mbar_wait(uready(p), (i >> 1) & 1);
-            const unsigned* sU = cta_u(p);
-            const bool pair = pair_mode == 2 || (pair_mode == 1 && (*flags(p) & 1u));
-            it += pair && (it & 1);
+        // visit(it, j, need) for ring position `it` <- block j, in the order both warps follow; in
+        // a slot both blocks go to every warpgroup that needs either, and j < 0 is the missing
+        // half of an odd last slot (zeros)
+        auto walk = [&](auto&& visit) {
+            int it = 0;
             for (int j = next_set_bit(sU, n_words, 0); j >= 0;) {
                 if (pair) {
                     const int j2 = next_set_bit(sU, n_words, j + 1);
-                    const unsigned need = need_of(sU, j) | (j2 >= 0 ? need_of(sU, j2) : 0u);
+                    const unsigned need = need_of(j) | (j2 >= 0 ? need_of(j2) : 0u);
                     visit(it++, j, need);
                     visit(it++, j2, need);
                     j = j2 < 0 ? -1 : next_set_bit(sU, n_words, j2 + 1);
                 } else {
-                    visit(it++, j, need_of(sU, j));
+                    visit(it++, j, need_of(j));
                     j = next_set_bit(sU, n_words, j + 1);
                 }
             }
-            __syncwarp(__activemask());   // the loader runs on lane 0 alone
-            if (lane == 0) mbar_arrive(ufree(p));
         };
         if (pwarp == 0) {
             // ---- loader: one thread, 2 D / 64 TMA boxes per block
@@ -291,307 +234,281 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
             tma_prefetch_map(tmap_v);
             unsigned prev_need = 0;     // bit NC*s + g: warpgroup g needed the block now in stage s
             unsigned empty_phase = 0;   // bit NS*g + s: parity of the next wait on empty(g, s)
-            for (int i = 0, v = blockIdx.x; v < n_tiles; ++i, v += gridDim.x) {
-                const FwdTile t = tile_of(v);
-                walk(i, [&](int pos, int j, unsigned need) {
-                    const int s = pos % NS;
+            walk([&](int it, int j, unsigned need) {
+                const int s = it % NS;
 #pragma unroll
-                    for (int g = 0; g < NC; ++g) {
-                        if ((prev_need >> (NC * s + g)) & 1u) {
-                            mbar_wait(empty(g, s), (empty_phase >> (NS * g + s)) & 1u);
-                            empty_phase ^= 1u << (NS * g + s);
-                        }
+                for (int g = 0; g < NC; ++g) {
+                    if ((prev_need >> (NC * s + g)) & 1u) {
+                        mbar_wait(empty(g, s), (empty_phase >> (NS * g + s)) & 1u);
+                        empty_phase ^= 1u << (NS * g + s);
                     }
-                    mbar_arrive_expect_tx(loaded(s), 2 * TILE_KV);
-                    const int row = j >= 0 ? t.ks + j * BLOCK_N : -BLOCK_N;   // all out of bounds: zeros
+                }
+                mbar_arrive_expect_tx(loaded(s), 2 * TILE_KV);
+                const int row = j >= 0 ? ks + j * BLOCK_N : -BLOCK_N;   // all out of bounds: zeros
 #pragma unroll
-                    for (int half = 0; half < D / 64; ++half) {
-                        tma_load_2d(sK + half * (NS * KSTAGE) + s * KSTAGE, tmap_k, t.h * D + half * 64, row, loaded(s));
-                        tma_load_2d(sV + s * TILE_KV + half * HALF, tmap_v, t.h * D + half * 64, row, loaded(s));
-                    }
-                    prev_need = (prev_need & ~(((1u << NC) - 1) << (NC * s))) | (need << (NC * s));
-                });
-            }
+                for (int half = 0; half < D / 64; ++half) {
+                    tma_load_2d(sK + half * (NS * KSTAGE) + s * KSTAGE, tmap_k, h * D + half * 64, row, loaded(s));
+                    tma_load_2d(sV + s * TILE_KV + half * HALF, tmap_v, h * D + half * 64, row, loaded(s));
+                }
+                prev_need = (prev_need & ~(((1u << NC) - 1) << (NC * s))) | (need << (NC * s));
+            });
         } else {
-            // ---- forwarder
-            unsigned loaded_phase = 0;  // bit s: parity of the next wait on loaded(s)
-            for (int i = 0, v = blockIdx.x; v < n_tiles; ++i, v += gridDim.x) {
-                const FwdTile t = tile_of(v);
-                walk(i, [&](int pos, int j, unsigned need) {
-                    const int s = pos % NS;
-                    mbar_wait(loaded(s), (loaded_phase >> s) & 1u);
-                    loaded_phase ^= 1u << s;
-                    const int valid = j >= 0 ? t.Lk - j * BLOCK_N : BLOCK_N;
-                    if (valid < BLOCK_N) {      // P is 0 there, but 0 * (non-finite V) would not be
-                        for (int e = lane; e < (BLOCK_N - valid) * CH; e += 32)
-                            st_shared_zero16(sV + s * TILE_KV + swz128(valid + e / CH, e % CH, BLOCK_N));
-                        fence_proxy_async();    // generic-proxy writes that wgmma reads
-                        __syncwarp();
-                    }
-                    if (lane == 0) {
+            // ---- forwarder: every position's stage fills once, so its parity is (it / NS) & 1
+            walk([&](int it, int j, unsigned need) {
+                const int s = it % NS;
+                mbar_wait(loaded(s), (it / NS) & 1);
+                const int valid = j >= 0 ? Lk - j * BLOCK_N : BLOCK_N;
+                if (valid < BLOCK_N) {      // P is 0 there, but 0 * (non-finite V) would not be
+                    for (int i = lane; i < (BLOCK_N - valid) * CH; i += 32)
+                        st_shared_zero16(sV + s * TILE_KV + swz128(valid + i / CH, i % CH, BLOCK_N));
+                    fence_proxy_async();    // generic-proxy writes that wgmma reads
+                    __syncwarp();
+                }
+                if (lane == 0) {
 #pragma unroll
-                        for (int g = 0; g < NC; ++g)
-                            if ((need >> g) & 1u) mbar_arrive(full(g, s));
-                    }
-                });
-            }
+                    for (int g = 0; g < NC; ++g)
+                        if ((need >> g) & 1u) mbar_arrive(full(g, s));
+                }
+            });
         }
         return;
     }
 
-    // ================= consumer warpgroup `wg`: 64 rows of each tile
+    // ================= consumer warpgroup `wg`: 64 rows
     asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
     const int wwarp = warp & 3;
     const u32 myQ = sQ + wg * TILE_Q;
+    cp_async_wait<0>();     // this thread's Q copies, issued before the setup
+    fence_proxy_async();
+    named_barrier(1 + wg, 128);
+
+    bool row_ok[2];
+    int rk[2];
+    const unsigned* mrow[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int64 R = m0 + 64 * wg + wwarp * 16 + (lane >> 2) + 8 * r;
+        row_ok[r] = R < rows_total;
+        const int t = row_ok[r] ? (int)(R / G) : 0;
+        rk[r] = causal ? t + shift : Lk - 1;
+        mrow[r] = mrows + (int64)(t / mask_q_block) * n_words;
+    }
+    float o[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    float m_run[2] = {-INFLLM_INF, -INFLLM_INF}, l_run[2] = {0.f, 0.f};
+    const unsigned* myU = sUw + wg * n_words;
+    auto mine = [&](int j) { return j >= 0 && ((myU[j >> 5] >> (j & 31)) & 1u); };
+
     unsigned full_phase = 0;                    // bit s: parity of the next wait on full(wg, s)
     auto wait_full = [&](int s) {
         mbar_wait(full(wg, s), (full_phase >> s) & 1u);
         full_phase ^= 1u << s;
+    };
+    // last visible key of this thread's two rows in block j's terms: -1 when the row did not
+    // select it (or j < 0, the missing half of a slot)
+    auto block_lims = [&](int j, int (&lim)[2]) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const bool sel = j >= 0 && row_ok[r] && ((__ldg(mrow[r] + (j >> 5)) >> (j & 31)) & 1u);
+            lim[r] = sel ? rk[r] - j * BLOCK_N : -1;
+        }
     };
     // Descriptors are built once: the start-address field holds addr >> 4 and shared memory lies
     // below 256 KB, so moving a descriptor by b bytes is adding b >> 4 (no carry out of the field).
     const u64 k_desc = smem_desc(sK, 16, 1024);
     const u64 v_desc = smem_desc(sV, HALF, 1024);
     auto k_off = [](int kk) { return (u32)(((kk >> 2) * (NS * KSTAGE) + (kk & 3) * 32) >> 4); };
-    int ring = 0;                               // ring position where the next tile starts
-    for (int i = 0, v = blockIdx.x; v < n_tiles; ++i, v += gridDim.x) {
-        const int p = i & 1;
-        bool row_ok[2], cta_full;
-        int rk[2];
-        const unsigned* mrow[2];
-        {   // the tile's geometry is loaded again for the epilogue: fewer registers held in the loop
-            const FwdTile t = tile_of(v);
-            cta_full = t.m0 + M <= t.rows_total;
+    // O += P V over NB consecutive ring stages from s, P from registers, V MN-major
+    auto issue_pv = [&](int s, auto& pa) {
+        constexpr int NKK = sizeof(pa) / sizeof(pa[0]);
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int64 R = t.m0 + 64 * wg + wwarp * 16 + (lane >> 2) + 8 * r;
-                row_ok[r] = R < t.rows_total;
-                const int tok = row_ok[r] ? (int)(R / G) : 0;
-                rk[r] = causal ? tok + t.shift : t.Lk - 1;
-                mrow[r] = t.mrows + (int64)(tok / mask_q_block) * n_words;
-            }
+        for (int kk = 0; kk < NKK; ++kk)
+            wgmma_rs_tb<T, D>(o, pa[kk], v_desc + ((((s + (kk >> 2)) * TILE_KV) + (kk & 3) * 16 * 128) >> 4), 1);
+        wgmma_commit();
+    };
+
+    // Software pipeline over the steps this warpgroup needs, in runs: inside a run, step n's
+    // S = Q K^T and step n-1's O += P V go to the tensor cores back to back and the warpgroup
+    // waits only for S, so the softmax of n overlaps the P V of n-1. A run ends where the next
+    // step's last block is NS or more ring positions past the held step's first (the producer may
+    // need the held stages back before it can fill it): the pending P V is flushed and its stages
+    // released. Every wgmma sits in straight-line code (loop bodies), so ptxas keeps them
+    // asynchronous.
+    if (!pair) {
+        // ---- 64-key steps. Q stays in registers as wgmma A fragments (the mma.m16n8k16 A layout
+        // per warp): S then reads only K from shared memory.
+        float sacc[32];
+        u32 pa[4][4];                           // P of the block whose P V is pending
+        u32 qa[D / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const int mi = lane >> 3, lr = lane & 7;
+            ldmatrix_x4(qa[kk], myQ + swz128(wwarp * 16 + (mi & 1) * 8 + lr, 2 * kk + (mi >> 1), 64));
         }
-        float o[D / 2];
+        auto issue_s = [&](int s) {             // S = Q K^T, 64 rows x 64 keys, K K-major
+            const u64 kd = k_desc + ((s * KSTAGE) >> 4);
 #pragma unroll
-        for (int e = 0; e < D / 2; ++e) o[e] = 0.f;
-        float m_run[2] = {-INFLLM_INF, -INFLLM_INF}, l_run[2] = {0.f, 0.f};
-        mbar_wait(uready(p), (i >> 1) & 1);
-        const unsigned* sU = cta_u(p);
-        const unsigned* myU = sU + (wg + 1) * n_words;
-        auto mine = [&](int j) { return j >= 0 && ((myU[j >> 5] >> (j & 31)) & 1u); };
-        // 128-key steps where allowed and no warpgroup would compute a block it did not select
-        const bool all_same = *flags(p) & 1u;
-        const bool pair = pair_mode == 2 || (pair_mode == 1 && all_same);
-        ring += pair && (ring & 1);
-        cp_async_wait<0>();     // this thread's Q copies, issued during the previous tile
-        fence_proxy_async();
-        named_barrier(1 + wg, 128);
-        // last visible key of this thread's two rows in block j's terms: -1 when the row did not
-        // select it (or j < 0, the missing half of a slot)
-        auto block_lims = [&](int j, int (&lim)[2]) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const bool sel = j >= 0 && row_ok[r] && ((__ldg(mrow[r] + (j >> 5)) >> (j & 31)) & 1u);
-                lim[r] = sel ? rk[r] - j * BLOCK_N : -1;
-            }
-        };
-        // O += P V over NB consecutive ring stages from s, P from registers, V MN-major
-        auto issue_pv = [&](int s, auto& pa) {
-            constexpr int NKK = sizeof(pa) / sizeof(pa[0]);
-#pragma unroll
-            for (int kk = 0; kk < NKK; ++kk)
-                wgmma_rs_tb<T, D>(o, pa[kk], v_desc + ((((s + (kk >> 2)) * TILE_KV) + (kk & 3) * 16 * 128) >> 4), 1);
+            for (int kk = 0; kk < D / 16; ++kk) wgmma_rs<T, 64>(sacc, qa[kk], kd + k_off(kk), kk > 0);
             wgmma_commit();
         };
-
-        // Software pipeline over the steps this warpgroup needs, in runs: inside a run, step n's
-        // S = Q K^T and step n-1's O += P V go to the tensor cores back to back and the warpgroup
-        // waits only for S, so the softmax of n overlaps the P V of n-1. A run ends where the next
-        // step's last block is NS or more ring positions past the held step's first (the producer may
-        // need the held stages back before it can fill it): the pending P V is flushed and its stages
-        // released. Every wgmma sits in straight-line code (loop bodies), so ptxas keeps them
-        // asynchronous.
-        if (!pair) {
-            // ---- 64-key steps. Q stays in registers as wgmma A fragments (the mma.m16n8k16 A layout
-            // per warp): S then reads only K from shared memory.
-            float sacc[32];
-            u32 pa[4][4];                           // P of the block whose P V is pending
-            u32 qa[D / 16][4];
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                const int mi = lane >> 3, lr = lane & 7;
-                ldmatrix_x4(qa[kk], myQ + swz128(wwarp * 16 + (mi & 1) * 8 + lr, 2 * kk + (mi >> 1), 64));
-            }
-            auto issue_s = [&](int s) {             // S = Q K^T, 64 rows x 64 keys, K K-major
-                const u64 kd = k_desc + ((s * KSTAGE) >> 4);
-#pragma unroll
-                for (int kk = 0; kk < D / 16; ++kk) wgmma_rs<T, 64>(sacc, qa[kk], kd + k_off(kk), kk > 0);
-                wgmma_commit();
-            };
-            auto step = [&](int j, float (&alpha)[2]) {
-                int lim[1][2];
-                block_lims(j, lim[0]);
-                softmax_step<1>(sacc, lim, m_run, l_run, scale_log2, alpha);
-            };
-            // next block this warpgroup needs after (j, it): updates both, j = -1 at the end
-            auto advance = [&](int& j, int& it) {
-                do { j = next_set_bit(sU, n_words, j + 1); ++it; } while (j >= 0 && !mine(j));
-            };
-            int j = -1, it = ring - 1;
-            advance(j, it);
-            while (j >= 0) {
-                float alpha[2];
-                int s = it % NS;
-                wait_full(s);
+        auto step = [&](int j, float (&alpha)[2]) {
+            int lim[1][2];
+            block_lims(j, lim[0]);
+            softmax_step<1>(sacc, lim, m_run, l_run, scale_log2, alpha);
+        };
+        // next block this warpgroup needs after (j, it): updates both, j = -1 at the end
+        auto advance = [&](int& j, int& it) {
+            do { j = next_set_bit(sU, n_words, j + 1); ++it; } while (j >= 0 && !mine(j));
+        };
+        int j = -1, it = -1;
+        advance(j, it);
+        while (j >= 0) {
+            float alpha[2];
+            int s = it % NS;
+            wait_full(s);
+            wgmma_fence();
+            issue_s(s);
+            wgmma_wait<0>();
+            fence_regs(sacc);
+            step(j, alpha);
+            rescale_and_pack<T, 1, D>(o, sacc, pa, alpha);
+            int jn = j, itn = it;
+            advance(jn, itn);
+            while (jn >= 0 && itn - it < NS) {
+                const int sn = itn % NS;
+                wait_full(sn);
                 wgmma_fence();
-                issue_s(s);
-                wgmma_wait<0>();
-                fence_regs(sacc);
-                step(j, alpha);
-                rescale_and_pack<T, 1, D>(o, sacc, pa, alpha);
-                int jn = j, itn = it;
-                advance(jn, itn);
-                while (jn >= 0 && itn - it < NS) {
-                    const int sn = itn % NS;
-                    wait_full(sn);
-                    wgmma_fence();
-                    issue_s(sn);
-                    issue_pv(s, pa);
-                    wgmma_wait<1>();                // S(n) done; the previous block's P V may still run
-                    fence_regs(sacc);
-                    step(jn, alpha);
-                    wgmma_wait<0>();
-                    fence_regs(o);
-                    mbar_arrive(empty(wg, s));
-                    rescale_and_pack<T, 1, D>(o, sacc, pa, alpha);
-                    j = jn;
-                    it = itn;
-                    s = sn;
-                    advance(jn, itn);
-                }
-                wgmma_fence();
+                issue_s(sn);
                 issue_pv(s, pa);
+                wgmma_wait<1>();                // S(n) done; the previous block's P V may still run
+                fence_regs(sacc);
+                step(jn, alpha);
                 wgmma_wait<0>();
                 fence_regs(o);
                 mbar_arrive(empty(wg, s));
+                rescale_and_pack<T, 1, D>(o, sacc, pa, alpha);
                 j = jn;
                 it = itn;
+                s = sn;
+                advance(jn, itn);
             }
-            ring = it;
-        } else {
-            // ---- 128-key steps over slots (ring positions it, it + 1; it even, so the two stages'
-            // K rows are contiguous). Q is read from shared memory: registers go to the 64-column S.
-            float sacc[64];
-            u32 pa[8][4];
-            const u64 q_desc = smem_desc(myQ, 16, 1024);
-            auto issue_s = [&](int s) {             // S = Q [K_a; K_b]^T, 64 rows x 128 keys
-                const u64 kd = k_desc + ((s * KSTAGE) >> 4);
+            wgmma_fence();
+            issue_pv(s, pa);
+            wgmma_wait<0>();
+            fence_regs(o);
+            mbar_arrive(empty(wg, s));
+            j = jn;
+            it = itn;
+        }
+    } else {
+        // ---- 128-key steps over slots (ring positions it, it + 1; it even, so the two stages'
+        // K rows are contiguous). Q is read from shared memory: registers go to the 64-column S.
+        float sacc[64];
+        u32 pa[8][4];
+        const u64 q_desc = smem_desc(myQ, 16, 1024);
+        auto issue_s = [&](int s) {             // S = Q [K_a; K_b]^T, 64 rows x 128 keys
+            const u64 kd = k_desc + ((s * KSTAGE) >> 4);
 #pragma unroll
-                for (int kk = 0; kk < D / 16; ++kk)
-                    wgmma_ss<T, 128>(sacc, q_desc + ((((kk >> 2) * HALF) + (kk & 3) * 32) >> 4), kd + k_off(kk), kk > 0);
-                wgmma_commit();
-            };
-            auto step = [&](int ja, int jb, float (&alpha)[2]) {
-                int lim[2][2];
-                block_lims(ja, lim[0]);
-                block_lims(jb, lim[1]);
-                softmax_step<2>(sacc, lim, m_run, l_run, scale_log2, alpha);
-            };
-            // next slot this warpgroup needs after (ja, jb, it): jb = -1 for an odd last slot, ja = -1 at the end
-            auto advance = [&](int& ja, int& jb, int& it) {
-                do {
-                    ja = next_set_bit(sU, n_words, max(ja, jb) + 1);
-                    jb = ja >= 0 ? next_set_bit(sU, n_words, ja + 1) : -1;
-                    it += 2;
-                } while (ja >= 0 && !mine(ja) && !mine(jb));
-            };
-            auto wait_slot = [&](int s) {
-                wait_full(s);
-                wait_full(s + 1);
-            };
-            auto release_slot = [&](int s) {
-                mbar_arrive(empty(wg, s));
-                mbar_arrive(empty(wg, s + 1));
-            };
-            // Ping-pong, as FlashAttention-3: where both warpgroups run the same slots (each needs the
-            // whole union, and both have rows), they take turns to issue their wgmma groups (named
-            // barriers 3 and 4), so that one warpgroup's softmax runs while the other's products
-            // hold the tensor cores, instead of both softmaxes at once with the tensor cores idle.
-            int ja = -1, jb = -1, it = ring - 2;
-            advance(ja, jb, it);
-            const bool pp = FWD_PINGPONG && NC == 2 && all_same && cta_full && ja >= 0;
-            auto my_turn = [&]() { if (pp) named_barrier(3 + wg, 256); };
-            auto your_turn = [&]() { if (pp) named_barrier_arrive(3 + (wg ^ 1), 256); };
-            if (pp && wg == 1) named_barrier_arrive(3, 256);   // warpgroup 0 goes first
-            while (ja >= 0) {
-                float alpha[2];
-                int s = it % NS;
-                wait_slot(s);
+            for (int kk = 0; kk < D / 16; ++kk)
+                wgmma_ss<T, 128>(sacc, q_desc + ((((kk >> 2) * HALF) + (kk & 3) * 32) >> 4), kd + k_off(kk), kk > 0);
+            wgmma_commit();
+        };
+        auto step = [&](int ja, int jb, float (&alpha)[2]) {
+            int lim[2][2];
+            block_lims(ja, lim[0]);
+            block_lims(jb, lim[1]);
+            softmax_step<2>(sacc, lim, m_run, l_run, scale_log2, alpha);
+        };
+        // next slot this warpgroup needs after (ja, jb, it): jb = -1 for an odd last slot, ja = -1 at the end
+        auto advance = [&](int& ja, int& jb, int& it) {
+            do {
+                ja = next_set_bit(sU, n_words, max(ja, jb) + 1);
+                jb = ja >= 0 ? next_set_bit(sU, n_words, ja + 1) : -1;
+                it += 2;
+            } while (ja >= 0 && !mine(ja) && !mine(jb));
+        };
+        auto wait_slot = [&](int s) {
+            wait_full(s);
+            wait_full(s + 1);
+        };
+        auto release_slot = [&](int s) {
+            mbar_arrive(empty(wg, s));
+            mbar_arrive(empty(wg, s + 1));
+        };
+        // Ping-pong, as FlashAttention-3: where both warpgroups run the same slots (each needs the
+        // whole union, and both have rows), they take turns to issue their wgmma groups (named
+        // barriers 3 and 4), so that one warpgroup's softmax runs while the other's products
+        // hold the tensor cores, instead of both softmaxes at once with the tensor cores idle.
+        int ja = -1, jb = -1, it = -2;
+        advance(ja, jb, it);
+        const bool pp = FWD_PINGPONG && NC == 2 && all_same && m0 + M <= rows_total && ja >= 0;
+        auto my_turn = [&]() { if (pp) named_barrier(3 + wg, 256); };
+        auto your_turn = [&]() { if (pp) named_barrier_arrive(3 + (wg ^ 1), 256); };
+        if (pp && wg == 1) named_barrier_arrive(3, 256);   // warpgroup 0 goes first
+        while (ja >= 0) {
+            float alpha[2];
+            int s = it % NS;
+            wait_slot(s);
+            my_turn();
+            wgmma_fence();
+            issue_s(s);
+            your_turn();
+            wgmma_wait<0>();
+            fence_regs(sacc);
+            step(ja, jb, alpha);
+            rescale_and_pack<T, 2, D>(o, sacc, pa, alpha);
+            int na = ja, nb2 = jb, itn = it;
+            advance(na, nb2, itn);
+            while (na >= 0 && itn + 1 - it < NS) {
+                const int sn = itn % NS;
+                wait_slot(sn);
                 my_turn();
                 wgmma_fence();
-                issue_s(s);
-                your_turn();
-                wgmma_wait<0>();
-                fence_regs(sacc);
-                step(ja, jb, alpha);
-                rescale_and_pack<T, 2, D>(o, sacc, pa, alpha);
-                int na = ja, nb2 = jb, itn = it;
-                advance(na, nb2, itn);
-                while (na >= 0 && itn + 1 - it < NS) {
-                    const int sn = itn % NS;
-                    wait_slot(sn);
-                    my_turn();
-                    wgmma_fence();
-                    issue_s(sn);
-                    issue_pv(s, pa);
-                    your_turn();
-                    wgmma_wait<1>();
-                    fence_regs(sacc);
-                    step(na, nb2, alpha);
-                    wgmma_wait<0>();
-                    fence_regs(o);
-                    release_slot(s);
-                    rescale_and_pack<T, 2, D>(o, sacc, pa, alpha);
-                    ja = na;
-                    jb = nb2;
-                    it = itn;
-                    s = sn;
-                    advance(na, nb2, itn);
-                }
-                my_turn();
-                wgmma_fence();
+                issue_s(sn);
                 issue_pv(s, pa);
-                if (na >= 0 || wg == 0) your_turn();   // every turn warpgroup 0 takes was given: no spare arrival
+                your_turn();
+                wgmma_wait<1>();
+                fence_regs(sacc);
+                step(na, nb2, alpha);
                 wgmma_wait<0>();
                 fence_regs(o);
                 release_slot(s);
+                rescale_and_pack<T, 2, D>(o, sacc, pa, alpha);
                 ja = na;
                 jb = nb2;
                 it = itn;
+                s = sn;
+                advance(na, nb2, itn);
             }
-            ring = it;
+            my_turn();
+            wgmma_fence();
+            issue_pv(s, pa);
+            if (na >= 0 || wg == 0) your_turn();   // every turn warpgroup 0 takes was given: no spare arrival
+            wgmma_wait<0>();
+            fence_regs(o);
+            release_slot(s);
+            ja = na;
+            jb = nb2;
+            it = itn;
         }
-        mbar_arrive(ufree(p));                  // done with this tile's unions
-        // every wgmma of this tile has completed: the Q buffer is free for the next tile
-        if (v + (int)gridDim.x < n_tiles) issue_q(v + gridDim.x);
-        // ---- epilogue
-        const FwdTile t = tile_of(v);
-        const float LN2 = 0.69314718055994531f;
+    }
+    // ---- epilogue
+    const float LN2 = 0.69314718055994531f;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float l = l_run[r];
-            l += __shfl_xor_sync(0xffffffffu, l, 1);
-            l += __shfl_xor_sync(0xffffffffu, l, 2);
-            if (!row_ok[r]) continue;
-            const int64 R = t.m0 + 64 * wg + wwarp * 16 + (lane >> 2) + 8 * r;
-            const int tok = (int)(R / G), g = (int)(R - (int64)tok * G);
-            const float inv = l > 0.f ? 1.f / l : 0.f;
-            T* dst = out + ((int64)(t.qs + tok) * HQ + (int64)t.h * G + g) * D + (lane & 3) * 2;
+    for (int r = 0; r < 2; ++r) {
+        float l = l_run[r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        if (!row_ok[r]) continue;
+        const int64 R = m0 + 64 * wg + wwarp * 16 + (lane >> 2) + 8 * r;
+        const int t = (int)(R / G), g = (int)(R - (int64)t * G);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        T* dst = out + ((int64)(qs + t) * HQ + (int64)h * G + g) * D + (lane & 3) * 2;
 #pragma unroll
-            for (int n = 0; n < D / 8; ++n)
-                *reinterpret_cast<u32*>(dst + n * 8) = pack2<T>(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
-            if ((lane & 3) == 0)
-                lse[((int64)t.h * G + g) * total_q + t.qs + tok] = l > 0.f ? (m_run[r] * scale_log2 + log2f(l)) * LN2 : INFLLM_INF;
-        }
+        for (int n = 0; n < D / 8; ++n)
+            *reinterpret_cast<u32*>(dst + n * 8) = pack2<T>(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
+        if ((lane & 3) == 0)
+            lse[((int64)h * G + g) * total_q + qs + t] = l > 0.f ? (m_run[r] * scale_log2 + log2f(l)) * LN2 : INFLLM_INF;
     }
 }
