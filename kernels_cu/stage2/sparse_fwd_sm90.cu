@@ -47,6 +47,13 @@
 
 #define BLOCK_N 64
 #define NC 2   // consumer warpgroups
+// Registers per thread after setmaxnreg. A CTA keeps the registers of its launch (the
+// __launch_bounds__ cap, 168 at 384 threads) and setmaxnreg.inc waits until the pool holds what
+// it asks for: asking more than the pool has hangs the CTA, hence the assert.
+#define REG_CONSUMER 224
+#define REG_PRODUCER 56
+static_assert(NC * REG_CONSUMER + REG_PRODUCER <= (NC + 1) * ((65536 / (128 * (NC + 1))) & ~7),
+              "setmaxnreg budget exceeds the registers the CTA launches with");
 #ifndef FWD_PINGPONG
 #define FWD_PINGPONG 1   // 0 compiles the ping-pong out (A/B runs)
 #endif
@@ -200,7 +207,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
 
     if (wg == NC) {
         // ================= producer warpgroup: K/V ring
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");   // registers go to the consumers
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(REG_PRODUCER) : "memory");   // registers go to the consumers
         const int pwarp = warp - 4 * NC;
         if (pwarp > 1) return;
         auto need_of = [&](int j) {     // bit g: consumer warpgroup g needs block j
@@ -275,7 +282,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
     }
 
     // ================= consumer warpgroup `wg`: 64 rows
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(REG_CONSUMER) : "memory");
     const int wwarp = warp & 3;
     const u32 myQ = sQ + wg * TILE_Q;
     cp_async_wait<0>();     // this thread's Q copies, issued before the setup
