@@ -68,12 +68,19 @@ __device__ __forceinline__ void softmax_step(float (&s)[32 * NB], const int (&li
 #pragma unroll
     for (int b = 0; b < NB; ++b) full_rows &= lim[b][0] >= BLOCK_N - 1 && lim[b][1] >= BLOCK_N - 1;
     if (!__all_sync(0xffffffffu, full_rows)) {   // warp-uniform: most blocks need no mask
+        // thread's first column c0 moved to the limit's side, so that each test compares a
+        // register with an immediate (c0 + a constant in a register costed 16 more instructions)
         const int c0 = (threadIdx.x & 3) * 2;
+        int thr[NB][2];
+#pragma unroll
+        for (int b = 0; b < NB; ++b)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) thr[b][r] = lim[b][r] - c0;
 #pragma unroll
         for (int n = 0; n < 8 * NB; ++n)
 #pragma unroll
             for (int i = 0; i < 4; ++i)
-                if ((n & 7) * 8 + c0 + (i & 1) > lim[n >> 3][i >> 1]) s[4 * n + i] = -INFLLM_INF;
+                if ((n & 7) * 8 + (i & 1) > thr[n >> 3][i >> 1]) s[4 * n + i] = -INFLLM_INF;
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
