@@ -19,7 +19,7 @@ import torch
 from .. import _jit
 from .._checks import KERNEL_DTYPES
 from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
-from .sparse_fwd import BLOCK_N, HEAD_DIMS
+from .sparse_fwd import BLOCK_N, HEAD_DIMS, check_aligned
 
 BWD_SOURCE = "stage2/sparse_bwd.cu"
 SM90_SOURCE = "stage2/sparse_bwd_sm90.cu"
@@ -149,6 +149,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     `dq [total_q, HQ, D]`, `dk, dv [total_k, H, D]` in q's dtype. Uses no float atomics: the result
     is bit-identical from run to run. `tiles`: see `as_bwd_tiles`.
     """
+    check_aligned(dout=dout, q=q, k=k, v=v, out=out)
     tiles = as_bwd_tiles(tiles, q.device)
     if max_seqlen_q * (q.shape[1] // k.shape[1]) >= 2**31:
         raise ValueError(f"max_seqlen_q * G must be < 2**31 for the backward kernels (32-bit row indices within "

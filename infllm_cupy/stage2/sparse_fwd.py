@@ -138,6 +138,7 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
                tiles=DEFAULT_TILES) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on checked, contiguous inputs. Returns `out [total_q, HQ, D]` and
     `lse [HQ, total_q]` float32. `masks` is `[..., n_words]` int32; see the .cu header for the rows."""
+    check_aligned(q=q, k=k, v=v)
     total_q, HQ, D = q.shape
     H = k.shape[1]
     G = HQ // H
@@ -165,14 +166,20 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
     return out, lse
 
 
+def check_aligned(**tensors: torch.Tensor) -> None:
+    """The kernels copy rows in 16-byte pieces (cp.async, TMA) from each tensor's base address.
+    Called by the launchers, inside the ops: a traced caller (torch.compile) has no addresses."""
+    for name, t in tensors.items():
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name} must start at a 16-byte aligned address (got {t.data_ptr():#x}); "
+                             f"call .clone() on it")
+
+
 def check_kernel_inputs(q, k, v) -> None:
     """What the kernels support beyond the reference's own checks."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, dtypes=KERNEL_DTYPES)
         if not t.is_cuda:
             raise ValueError(f"{name} must be a CUDA tensor for backend='kernels', got one on {t.device}")
-        if t.data_ptr() % 16:   # 16-byte copies (cp.async, TMA) read rows from the base address
-            raise ValueError(f"{name} must start at a 16-byte aligned address (got {t.data_ptr():#x}); "
-                             f"call .clone() on it")
     if q.shape[2] not in HEAD_DIMS:
         raise ValueError(f"q has head dim {q.shape[2]}; the stage-2 kernels support {HEAD_DIMS}")
