@@ -54,6 +54,9 @@
 #define REG_PRODUCER 56
 static_assert(NC * REG_CONSUMER + REG_PRODUCER <= (NC + 1) * ((65536 / (128 * (NC + 1))) & ~7),
               "setmaxnreg budget exceeds the registers the CTA launches with");
+#ifndef FWD_LATE_RESCALE
+#define FWD_LATE_RESCALE 1   // rescale O while the next S runs (0: right after P V, A/B runs)
+#endif
 #ifndef FWD_PINGPONG
 #define FWD_PINGPONG 1   // 0 compiles the ping-pong out (A/B runs)
 #endif
@@ -105,6 +108,18 @@ __device__ __forceinline__ void softmax_step(float (&s)[32 * NB], const int (&li
             }
         }
         l_run[r] = l_run[r] * alpha[r] + sum;
+    }
+}
+
+// O *= alpha (always: a conditional write ahead of a wgmma makes ptxas serialize).
+template <int D>
+__device__ __forceinline__ void rescale_o(float (&o)[D / 2], const float (&alpha)[2]) {
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+        o[4 * n] *= alpha[0];
+        o[4 * n + 1] *= alpha[0];
+        o[4 * n + 2] *= alpha[1];
+        o[4 * n + 3] *= alpha[1];
     }
 }
 
@@ -386,7 +401,11 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
             wgmma_wait<0>();
             fence_regs(sacc);
             step(j, alpha);
+#if FWD_LATE_RESCALE
+            pack_a_frags<T, 4>(sacc, pa);       // O is rescaled just before its P V, below
+#else
             rescale_and_pack<T, 1, D>(o, sacc, pa, alpha);
+#endif
             int jn = j, itn = it;
             advance(jn, itn);
             while (jn >= 0 && itn - it < NS) {
@@ -394,6 +413,10 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 wait_full(sn);
                 wgmma_fence();
                 issue_s(sn);
+#if FWD_LATE_RESCALE
+                rescale_o<D>(o, alpha);         // while S runs (O holds every earlier P V)
+                wgmma_fence();
+#endif
                 issue_pv(s, pa);
                 wgmma_wait<1>();                // S(n) done; the previous block's P V may still run
                 fence_regs(sacc);
@@ -401,12 +424,19 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 wgmma_wait<0>();
                 fence_regs(o);
                 mbar_arrive(empty(wg, s));
+#if FWD_LATE_RESCALE
+                pack_a_frags<T, 4>(sacc, pa);
+#else
                 rescale_and_pack<T, 1, D>(o, sacc, pa, alpha);
+#endif
                 j = jn;
                 it = itn;
                 s = sn;
                 advance(jn, itn);
             }
+#if FWD_LATE_RESCALE
+            rescale_o<D>(o, alpha);
+#endif
             wgmma_fence();
             issue_pv(s, pa);
             wgmma_wait<0>();
@@ -471,7 +501,11 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
             wgmma_wait<0>();
             fence_regs(sacc);
             step(ja, jb, alpha);
+#if FWD_LATE_RESCALE
+            pack_a_frags<T, 8>(sacc, pa);       // O is rescaled just before its P V, below
+#else
             rescale_and_pack<T, 2, D>(o, sacc, pa, alpha);
+#endif
             int na = ja, nb2 = jb, itn = it;
             advance(na, nb2, itn);
             while (na >= 0 && itn + 1 - it < NS) {
@@ -480,6 +514,10 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 my_turn();
                 wgmma_fence();
                 issue_s(sn);
+#if FWD_LATE_RESCALE
+                rescale_o<D>(o, alpha);         // while S runs (O holds every earlier P V), not
+                wgmma_fence();                  // between P V's completion and the next issue
+#endif
                 issue_pv(s, pa);
                 your_turn();
                 wgmma_wait<1>();
@@ -488,7 +526,11 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 wgmma_wait<0>();
                 fence_regs(o);
                 release_slot(s);
+#if FWD_LATE_RESCALE
+                pack_a_frags<T, 8>(sacc, pa);
+#else
                 rescale_and_pack<T, 2, D>(o, sacc, pa, alpha);
+#endif
                 ja = na;
                 jb = nb2;
                 it = itn;
@@ -496,6 +538,9 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 advance(na, nb2, itn);
             }
             my_turn();
+#if FWD_LATE_RESCALE
+            rescale_o<D>(o, alpha);
+#endif
             wgmma_fence();
             issue_pv(s, pa);
             if (na >= 0 || wg == 0) your_turn();   // every turn warpgroup 0 takes was given: no spare arrival
