@@ -381,9 +381,8 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
             for (int kk = 0; kk < D / 16; ++kk) wgmma_rs<T, 64>(sacc, qa[kk], kd + k_off(kk), kk > 0);
             wgmma_commit();
         };
-        auto step = [&](int j, float (&alpha)[2]) {
-            int lim[1][2];
-            block_lims(j, lim[0]);
+        // the mask limits of block j: loaded while S runs, off the path from S to the softmax
+        auto step = [&](const int (&lim)[1][2], float (&alpha)[2]) {
             softmax_step<1>(sacc, lim, m_run, l_run, scale_log2, alpha);
         };
         // next block this warpgroup needs after (j, it): updates both, j = -1 at the end
@@ -398,9 +397,11 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
             wait_full(s);
             wgmma_fence();
             issue_s(s);
+            int lim[1][2];
+            block_lims(j, lim[0]);
             wgmma_wait<0>();
             fence_regs(sacc);
-            step(j, alpha);
+            step(lim, alpha);
 #if FWD_LATE_RESCALE
             pack_a_frags<T, 4>(sacc, pa);       // O is rescaled just before its P V, below
 #else
@@ -418,9 +419,12 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 wgmma_fence();
 #endif
                 issue_pv(s, pa);
+                int jf = jn, itf = itn;         // the block after: found while S runs
+                advance(jf, itf);
+                block_lims(jn, lim[0]);
                 wgmma_wait<1>();                // S(n) done; the previous block's P V may still run
                 fence_regs(sacc);
-                step(jn, alpha);
+                step(lim, alpha);
                 wgmma_wait<0>();
                 fence_regs(o);
                 mbar_arrive(empty(wg, s));
@@ -432,7 +436,8 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 j = jn;
                 it = itn;
                 s = sn;
-                advance(jn, itn);
+                jn = jf;
+                itn = itf;
             }
 #if FWD_LATE_RESCALE
             rescale_o<D>(o, alpha);
@@ -458,10 +463,12 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 wgmma_ss<T, 128>(sacc, q_desc + ((((kk >> 2) * HALF) + (kk & 3) * 32) >> 4), kd + k_off(kk), kk > 0);
             wgmma_commit();
         };
-        auto step = [&](int ja, int jb, float (&alpha)[2]) {
-            int lim[2][2];
+        // the mask limits of the slot's blocks: loaded while S runs, off the path from S to the softmax
+        auto slot_lims = [&](int ja, int jb, int (&lim)[2][2]) {
             block_lims(ja, lim[0]);
             block_lims(jb, lim[1]);
+        };
+        auto step = [&](const int (&lim)[2][2], float (&alpha)[2]) {
             softmax_step<2>(sacc, lim, m_run, l_run, scale_log2, alpha);
         };
         // next slot this warpgroup needs after (ja, jb, it): jb = -1 for an odd last slot, ja = -1 at the end
@@ -498,9 +505,11 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
             wgmma_fence();
             issue_s(s);
             your_turn();
+            int lim[2][2];
+            slot_lims(ja, jb, lim);
             wgmma_wait<0>();
             fence_regs(sacc);
-            step(ja, jb, alpha);
+            step(lim, alpha);
 #if FWD_LATE_RESCALE
             pack_a_frags<T, 8>(sacc, pa);       // O is rescaled just before its P V, below
 #else
@@ -520,9 +529,12 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
 #endif
                 issue_pv(s, pa);
                 your_turn();
+                int fa = na, fb = nb2, itf = itn;   // the slot after: found while S runs
+                advance(fa, fb, itf);
+                slot_lims(na, nb2, lim);
                 wgmma_wait<1>();
                 fence_regs(sacc);
-                step(na, nb2, alpha);
+                step(lim, alpha);
                 wgmma_wait<0>();
                 fence_regs(o);
                 release_slot(s);
@@ -535,7 +547,9 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 jb = nb2;
                 it = itn;
                 s = sn;
-                advance(na, nb2, itn);
+                na = fa;
+                nb2 = fb;
+                itn = itf;
             }
             my_turn();
 #if FWD_LATE_RESCALE
