@@ -54,9 +54,6 @@
 #define REG_PRODUCER 56
 static_assert(NC * REG_CONSUMER + REG_PRODUCER <= (NC + 1) * ((65536 / (128 * (NC + 1))) & ~7),
               "setmaxnreg budget exceeds the registers the CTA launches with");
-#ifndef FWD_LATE_RESCALE
-#define FWD_LATE_RESCALE 1   // rescale O while the next S runs (0: right after P V, A/B runs)
-#endif
 #ifndef FWD_PINGPONG
 #define FWD_PINGPONG 1   // 0 compiles the ping-pong out (A/B runs)
 #endif
@@ -121,21 +118,6 @@ __device__ __forceinline__ void rescale_o(float (&o)[D / 2], const float (&alpha
         o[4 * n + 2] *= alpha[1];
         o[4 * n + 3] *= alpha[1];
     }
-}
-
-// O *= alpha (always: a conditional write ahead of a wgmma makes ptxas serialize), then P to the
-// wgmma A operand (the accumulator layout is the A-operand layout, 16 keys per fragment).
-template <typename T, int NB, int D>
-__device__ __forceinline__ void rescale_and_pack(float (&o)[D / 2], const float (&s)[32 * NB], u32 (&pa)[4 * NB][4],
-                                                 const float (&alpha)[2]) {
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-        o[4 * n] *= alpha[0];
-        o[4 * n + 1] *= alpha[0];
-        o[4 * n + 2] *= alpha[1];
-        o[4 * n + 3] *= alpha[1];
-    }
-    pack_a_frags<T, 4 * NB>(s, pa);
 }
 
 template <typename T, int D, int NS>
@@ -402,11 +384,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
             wgmma_wait<0>();
             fence_regs(sacc);
             step(lim, alpha);
-#if FWD_LATE_RESCALE
             pack_a_frags<T, 4>(sacc, pa);       // O is rescaled just before its P V, below
-#else
-            rescale_and_pack<T, 1, D>(o, sacc, pa, alpha);
-#endif
             int jn = j, itn = it;
             advance(jn, itn);
             while (jn >= 0 && itn - it < NS) {
@@ -414,10 +392,8 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 wait_full(sn);
                 wgmma_fence();
                 issue_s(sn);
-#if FWD_LATE_RESCALE
                 rescale_o<D>(o, alpha);         // while S runs (O holds every earlier P V)
                 wgmma_fence();
-#endif
                 issue_pv(s, pa);
                 int jf = jn, itf = itn;         // the block after: found while S runs
                 advance(jf, itf);
@@ -428,20 +404,14 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 wgmma_wait<0>();
                 fence_regs(o);
                 mbar_arrive(empty(wg, s));
-#if FWD_LATE_RESCALE
                 pack_a_frags<T, 4>(sacc, pa);
-#else
-                rescale_and_pack<T, 1, D>(o, sacc, pa, alpha);
-#endif
                 j = jn;
                 it = itn;
                 s = sn;
                 jn = jf;
                 itn = itf;
             }
-#if FWD_LATE_RESCALE
             rescale_o<D>(o, alpha);
-#endif
             wgmma_fence();
             issue_pv(s, pa);
             wgmma_wait<0>();
@@ -510,11 +480,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
             wgmma_wait<0>();
             fence_regs(sacc);
             step(lim, alpha);
-#if FWD_LATE_RESCALE
             pack_a_frags<T, 8>(sacc, pa);       // O is rescaled just before its P V, below
-#else
-            rescale_and_pack<T, 2, D>(o, sacc, pa, alpha);
-#endif
             int na = ja, nb2 = jb, itn = it;
             advance(na, nb2, itn);
             while (na >= 0 && itn + 1 - it < NS) {
@@ -523,10 +489,8 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 my_turn();
                 wgmma_fence();
                 issue_s(sn);
-#if FWD_LATE_RESCALE
                 rescale_o<D>(o, alpha);         // while S runs (O holds every earlier P V), not
                 wgmma_fence();                  // between P V's completion and the next issue
-#endif
                 issue_pv(s, pa);
                 your_turn();
                 int fa = na, fb = nb2, itf = itn;   // the slot after: found while S runs
@@ -538,11 +502,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 wgmma_wait<0>();
                 fence_regs(o);
                 release_slot(s);
-#if FWD_LATE_RESCALE
                 pack_a_frags<T, 8>(sacc, pa);
-#else
-                rescale_and_pack<T, 2, D>(o, sacc, pa, alpha);
-#endif
                 ja = na;
                 jb = nb2;
                 it = itn;
@@ -552,9 +512,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 itn = itf;
             }
             my_turn();
-#if FWD_LATE_RESCALE
             rescale_o<D>(o, alpha);
-#endif
             wgmma_fence();
             issue_pv(s, pa);
             if (na >= 0 || wg == 0) your_turn();   // every turn warpgroup 0 takes was given: no spare arrival
