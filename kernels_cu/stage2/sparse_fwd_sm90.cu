@@ -9,7 +9,7 @@
 //   dyn smem 1 KB alignment slack + NC Q tiles + NS K and V stages + (2 NC + 1) NS mbarriers
 //            + (NC + 1) * n_words union words (fwd_smem_bytes in the launcher)
 //   tmap_k, tmap_v  K and V [total_k, H, D] viewed as [total_k, H * D], boxes of 64 rows x 64
-//               elements, 128-byte swizzle, zero fill (infllm_cupy/_tma.py, kv_map)
+//               elements, 128-byte swizzle, zero fill (infllm_cupy/_tma.py, rows_map)
 //   pair_mode   0: 64-key steps everywhere; 1: 128-key steps in the CTAs where every consumer
 //               warpgroup needs every block of the CTA union; 2: 128-key steps everywhere (tests)
 //
@@ -28,6 +28,12 @@
 // that token's warpgroup alone (the SM80 kernel's block barrier made every warp wait for the
 // slowest). Rows of a warpgroup that did not select a block are masked, as are keys past the
 // causal limit or the sequence's end.
+//
+// Per step, a consumer issues S(n+1), rescales O (every earlier P V has completed), issues P(n) V,
+// and only then walks to the next block and loads its mask limits, while S runs: what lies
+// between S's completion and the next issue (softmax, P V wait, P packing) is the step's critical
+// path. Where both warpgroups run the same slots they take turns to issue (ping-pong, FA3), so
+// that one's softmax overlaps the other's products.
 //
 // Two step shapes, chosen per CTA at run time (both compute the same function):
 //   64-key steps  one block per softmax step, S = Q K^T as m64n64 with Q in registers.
