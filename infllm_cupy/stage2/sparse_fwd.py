@@ -146,8 +146,10 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
     n_words = masks.shape[-1]
     out = empty((total_q, HQ, D), dtype=q.dtype, device=q.device)
     lse = empty((HQ, total_q), dtype=torch.float32, device=q.device)
-    if tiles in SM90A_FWD and k.shape[0] == 0:
-        tiles = DEFAULT_TILES   # no keys: no tensor map to encode (the SM80 kernel writes the empty rows)
+    if tiles in SM90A_FWD and not 0 < k.shape[0] < 2**31 - BLOCK_N:
+        # no keys: no tensor map to encode (the SM80 kernel writes the empty rows); TMA row
+        # coordinates are int32
+        tiles = DEFAULT_TILES
     scalars = (ptr(masks), ptr(mask_base), ptr(cu_seqlens_q), ptr(cu_seqlens_k), ptr(out), ptr(lse),
                np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words),
                np.int64(mask_h_stride), np.int32(mask_q_block), np.float32(softmax_scale * 1.4426950408889634),
