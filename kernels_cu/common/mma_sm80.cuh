@@ -19,10 +19,6 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes));
 }
-// The same copy with all 16 bytes known to be in bounds (no source-size operand).
-__device__ __forceinline__ void cp_async_16_full(u32 dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(src));
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }

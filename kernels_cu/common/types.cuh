@@ -51,7 +51,6 @@ __device__ __forceinline__ int find_sequence(const int* __restrict__ cu, int bat
     return lo;
 }
 
-// Index of the first set bit at or after bit `from` of a bitmask of `n_words` words, or -1.
 // 16-byte chunk `ch` of row R of a forward CTA's flattened (token, head-in-group) Q space:
 // q[qs + R / G, h * G + R % G, 8 ch ..] with `bytes` = 16, or the base with 0 (zero fill) past
 // the sequence's rows_total = L_q * G rows.
@@ -65,6 +64,7 @@ __device__ __forceinline__ const T* q_row_chunk(const T* __restrict__ q, int64 R
     return q + ((int64)(qs + t) * HQ + (int64)h * G + g) * D + ch * 8;
 }
 
+// Index of the first set bit at or after bit `from` of a bitmask of `n_words` words, or -1.
 __device__ __forceinline__ int next_set_bit(const unsigned* __restrict__ words, int n_words, int from) {
     int w = from >> 5;
     if (w >= n_words) return -1;

@@ -369,10 +369,6 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
             for (int kk = 0; kk < D / 16; ++kk) wgmma_rs<T, 64>(sacc, qa[kk], kd + k_off(kk), kk > 0);
             wgmma_commit();
         };
-        // the mask limits of block j: loaded while S runs, off the path from S to the softmax
-        auto step = [&](const int (&lim)[1][2], float (&alpha)[2]) {
-            softmax_step<1>(sacc, lim, m_run, l_run, scale_log2, alpha);
-        };
         // next block this warpgroup needs after (j, it): updates both, j = -1 at the end
         auto advance = [&](int& j, int& it) {
             do { j = next_set_bit(sU, n_words, j + 1); ++it; } while (j >= 0 && !mine(j));
@@ -385,11 +381,11 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
             wait_full(s);
             wgmma_fence();
             issue_s(s);
-            int lim[1][2];
+            int lim[1][2];                      // block j's mask limits: loaded while S runs
             block_lims(j, lim[0]);
             wgmma_wait<0>();
             fence_regs(sacc);
-            step(lim, alpha);
+            softmax_step<1>(sacc, lim, m_run, l_run, scale_log2, alpha);
             pack_a_frags<T, 4>(sacc, pa);       // O is rescaled just before its P V, below
             int jn = j, itn = it;
             advance(jn, itn);
@@ -406,7 +402,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 block_lims(jn, lim[0]);
                 wgmma_wait<1>();                // S(n) done; the previous block's P V may still run
                 fence_regs(sacc);
-                step(lim, alpha);
+                softmax_step<1>(sacc, lim, m_run, l_run, scale_log2, alpha);
                 wgmma_wait<0>();
                 fence_regs(o);
                 mbar_arrive(empty(wg, s));
@@ -443,9 +439,6 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
         auto slot_lims = [&](int ja, int jb, int (&lim)[2][2]) {
             block_lims(ja, lim[0]);
             block_lims(jb, lim[1]);
-        };
-        auto step = [&](const int (&lim)[2][2], float (&alpha)[2]) {
-            softmax_step<2>(sacc, lim, m_run, l_run, scale_log2, alpha);
         };
         // next slot this warpgroup needs after (ja, jb, it): jb = -1 for an odd last slot, ja = -1 at the end
         auto advance = [&](int& ja, int& jb, int& it) {
@@ -485,7 +478,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
             slot_lims(ja, jb, lim);
             wgmma_wait<0>();
             fence_regs(sacc);
-            step(lim, alpha);
+            softmax_step<2>(sacc, lim, m_run, l_run, scale_log2, alpha);
             pack_a_frags<T, 8>(sacc, pa);       // O is rescaled just before its P V, below
             int na = ja, nb2 = jb, itn = it;
             advance(na, nb2, itn);
@@ -504,7 +497,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 slot_lims(na, nb2, lim);
                 wgmma_wait<1>();
                 fence_regs(sacc);
-                step(lim, alpha);
+                softmax_step<2>(sacc, lim, m_run, l_run, scale_log2, alpha);
                 wgmma_wait<0>();
                 fence_regs(o);
                 release_slot(s);
