@@ -166,6 +166,11 @@ __device__ __forceinline__ void mbar_wait(u32 bar, int parity) {
 }
 // Shared memory written through the generic proxy (st.shared, cp.async) that wgmma reads next.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// x, known to be the same in every lane, as a value ptxas can hold in a uniform register (REDUX
+// writes one): wgmma descriptors built from it are then uniform-datapath adds, where a per-lane
+// value costs a vector-to-uniform move (R2UR) and 64-bit vector adds before every wgmma.
+__device__ __forceinline__ int warp_uniform(int x) { return __reduce_max_sync(0xffffffffu, x); }
+
 __device__ __forceinline__ void named_barrier(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }

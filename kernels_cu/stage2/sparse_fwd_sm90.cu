@@ -333,15 +333,19 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
     };
     // Descriptors are built once: the start-address field holds addr >> 4 and shared memory lies
     // below 256 KB, so moving a descriptor by b bytes is adding b >> 4 (no carry out of the field).
+    // Every per-step part (ring stage, warpgroup) goes through warp_uniform, so that ptxas builds
+    // the descriptors in uniform registers: from per-lane values it moved each one to a uniform
+    // register before every wgmma (48 R2UR and ~50 more moves and adds per 128-key step).
     const u64 k_desc = smem_desc(sK, 16, 1024);
     const u64 v_desc = smem_desc(sV, HALF, 1024);
     auto k_off = [](int kk) { return (u32)(((kk >> 2) * (NS * KSTAGE) + (kk & 3) * 32) >> 4); };
     // O += P V over NB consecutive ring stages from s, P from registers, V MN-major
     auto issue_pv = [&](int s, auto& pa) {
         constexpr int NKK = sizeof(pa) / sizeof(pa[0]);
+        const u64 vd = v_desc + ((warp_uniform(s) * TILE_KV) >> 4);
 #pragma unroll
         for (int kk = 0; kk < NKK; ++kk)
-            wgmma_rs_tb<T, D>(o, pa[kk], v_desc + ((((s + (kk >> 2)) * TILE_KV) + (kk & 3) * 16 * 128) >> 4), 1);
+            wgmma_rs_tb<T, D>(o, pa[kk], vd + (((kk >> 2) * TILE_KV + (kk & 3) * 16 * 128) >> 4), 1);
         wgmma_commit();
     };
 
@@ -364,7 +368,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
             ldmatrix_x4(qa[kk], myQ + swz128(wwarp * 16 + (mi & 1) * 8 + lr, 2 * kk + (mi >> 1), 64));
         }
         auto issue_s = [&](int s) {             // S = Q K^T, 64 rows x 64 keys, K K-major
-            const u64 kd = k_desc + ((s * KSTAGE) >> 4);
+            const u64 kd = k_desc + ((warp_uniform(s) * KSTAGE) >> 4);
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) wgmma_rs<T, 64>(sacc, qa[kk], kd + k_off(kk), kk > 0);
             wgmma_commit();
@@ -427,9 +431,11 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
         // K rows are contiguous). Q is read from shared memory: registers go to the 64-column S.
         float sacc[64];
         u32 pa[8][4];
-        const u64 q_desc = smem_desc(myQ, 16, 1024);
         auto issue_s = [&](int s) {             // S = Q [K_a; K_b]^T, 64 rows x 128 keys
-            const u64 kd = k_desc + ((s * KSTAGE) >> 4);
+            // Q's descriptor is rebuilt here, not hoisted: ptxas then keeps it in uniform
+            // registers instead of 8 per-lane descriptors moved over before each wgmma
+            const u64 q_desc = smem_desc(sQ + warp_uniform(wg) * TILE_Q, 16, 1024);
+            const u64 kd = k_desc + ((warp_uniform(s) * KSTAGE) >> 4);
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk)
                 wgmma_ss<T, 128>(sacc, q_desc + ((((kk >> 2) * HALF) + (kk & 3) * 32) >> 4), kd + k_off(kk), kk > 0);
