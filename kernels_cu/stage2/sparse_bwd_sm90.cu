@@ -34,10 +34,11 @@
 #define QT 64
 
 // x = A_x B_x^T and y = A_y B_y^T, 64 x 64 each over D, all four operands K-major 64-row tiles in
-// 128-byte-swizzled shared memory (descriptors ax, bx, ay, by); issued together, then waited for.
-// The S and dP products of both dq and dk/dv.
+// 128-byte-swizzled shared memory (descriptors ax, bx, ay, by); issued together as one group,
+// waited for by ss_product_pair_wait. The S and dP products of both dq and dk/dv: the caller
+// walks to its next block or tile and issues its loads while they run.
 template <typename T, int D>
-__device__ __forceinline__ void ss_product_pair(float (&x)[32], u64 ax, u64 bx, float (&y)[32], u64 ay, u64 by) {
+__device__ __forceinline__ void ss_product_pair_issue(float (&x)[32], u64 ax, u64 bx, float (&y)[32], u64 ay, u64 by) {
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -50,6 +51,9 @@ __device__ __forceinline__ void ss_product_pair(float (&x)[32], u64 ax, u64 bx, 
         wgmma_ss<T, 64>(y, ay + koff, by + koff, kk > 0);
     }
     wgmma_commit();
+}
+
+__device__ __forceinline__ void ss_product_pair_wait(float (&x)[32], float (&y)[32]) {
     wgmma_wait<0>();
     fence_regs(x);
     fence_regs(y);
@@ -157,6 +161,9 @@ stage2_bwd_dq_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __
         cp_async_wait<0>();
         fence_proxy_async();
         __syncthreads();
+        // S and dP first; the walk to the next block, its loads and this block's mask limits
+        // run while they compute (the other stage's buffers are free: its products completed)
+        ss_product_pair_issue<T, D>(s, q_desc, k_desc + ((stage * TILE) >> 4), dp, o_desc, v_desc + ((stage * TILE) >> 4));
         const int jn = next_set_bit(sU, nw, j + 1);
         if (jn >= 0) load_kv(jn, stage ^ 1);
         cp_async_commit();
@@ -168,7 +175,7 @@ stage2_bwd_dq_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __
             const bool sel = row_ok[r] && ((__ldg(mrow[r] + (j >> 5)) >> (j & 31)) & 1u);
             lim[r] = sel ? rk[r] - kbase : -1;
         }
-        ss_product_pair<T, D>(s, q_desc, k_desc + ((stage * TILE) >> 4), dp, o_desc, v_desc + ((stage * TILE) >> 4));
+        ss_product_pair_wait(s, dp);
         const int c0 = (lane & 3) * 2;
 #pragma unroll
         for (int n = 0; n < 8; ++n)
@@ -402,14 +409,15 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         cp_async_wait<0>();
         fence_proxy_async();
         __syncthreads();
+        // S^T and dP^T first; the walk to the next tile and its loads run while they compute
+        ss_product_pair_issue<T, D>(s, k_desc, q_desc + ((stage * TILE) >> 4), dp, v_desc, o_desc + ((stage * TILE) >> 4));
         const bool have_next = advance();
         if (have_next) {
             load_tile(stage ^ 1);
             fetch_info();                       // global loads in flight during this tile's math
         }
         cp_async_commit();
-
-        ss_product_pair<T, D>(s, k_desc, q_desc + ((stage * TILE) >> 4), dp, v_desc, o_desc + ((stage * TILE) >> 4));
+        ss_product_pair_wait(s, dp);
         // element 4n + i: key key_r0 + 8 (i / 2), query row 8 n + c0 + i % 2 of the tile
         const int* lim = sLim + stage * QT;
         const float* l2 = sL + stage * QT;

@@ -264,27 +264,38 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(REG_PRODUCER) : "memory");   // registers go to the consumers
         const int pwarp = warp - 4 * NC;
         if (pwarp > 1) return;
-        auto need_of = [&](int j) {     // bit g: consumer warpgroup g needs block j
-            unsigned need = 0;
-#pragma unroll
-            for (int g = 0; g < NC; ++g) need |= ((sUw[g * n_words + (j >> 5)] >> (j & 31)) & 1u) << g;
-            return need;
-        };
-        // visit(it, j, need) for ring position `it` <- block j, in the order both warps follow; in
-        // a slot both blocks go to every warpgroup that needs either, and j < 0 is the missing
-        // half of an odd last slot (zeros)
+        // visit(it, j, need) for ring position `it` <- block j, in the order both warps follow
+        // (need bit g: consumer warpgroup g needs the block); in a slot both blocks go to every
+        // warpgroup that needs either, and j < 0 is the missing half of an odd last slot (zeros).
+        // The current union words sit in registers, as in the consumers' RingWalk.
         auto walk = [&](auto&& visit) {
+            int w = -1;
+            unsigned left = 0u, gw[NC];
+            auto next = [&](unsigned& need) {   // the next union block (-1 at the end) and who needs it
+                while (left == 0u) {
+                    if (++w >= n_words) { need = 0u; return -1; }
+                    left = sU[w];
+#pragma unroll
+                    for (int g = 0; g < NC; ++g) gw[g] = sUw[g * n_words + w];
+                }
+                const unsigned low = left & (0u - left);
+                left ^= low;
+                need = 0u;
+#pragma unroll
+                for (int g = 0; g < NC; ++g) need |= (gw[g] & low) ? 1u << g : 0u;
+                return (w << 5) + 31 - __clz(low);
+            };
             int it = 0;
-            for (int j = next_set_bit(sU, n_words, 0); j >= 0;) {
+            unsigned need_a, need_b;
+            for (int j = next(need_a); j >= 0;) {
                 if (pair) {
-                    const int j2 = next_set_bit(sU, n_words, j + 1);
-                    const unsigned need = need_of(j) | (j2 >= 0 ? need_of(j2) : 0u);
-                    visit(it++, j, need);
-                    visit(it++, j2, need);
-                    j = j2 < 0 ? -1 : next_set_bit(sU, n_words, j2 + 1);
+                    const int j2 = next(need_b);
+                    visit(it++, j, need_a | need_b);
+                    visit(it++, j2, need_a | need_b);
+                    j = j2 < 0 ? -1 : next(need_a);
                 } else {
-                    visit(it++, j, need_of(j));
-                    j = next_set_bit(sU, n_words, j + 1);
+                    visit(it++, j, need_a);
+                    j = next(need_a);
                 }
             }
         };
