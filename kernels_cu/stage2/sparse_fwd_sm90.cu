@@ -377,11 +377,19 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
         full_phase ^= 1u << s;
     };
     // last visible key of this thread's two rows in block j's terms: -1 when the row did not
-    // select it (or j < 0, the missing half of a slot)
+    // select it (or j < 0, the missing half of a slot). Each row's mask word is kept and loaded
+    // again only when j moves to another word (blocks come in ascending order).
+    int row_w = -1;                             // word index of row_bits (the same for both rows)
+    unsigned row_bits[2] = {0u, 0u};
     auto block_lims = [&](int j, int (&lim)[2]) {
+        if (j >= 0 && (j >> 5) != row_w) {      // warp-uniform
+            row_w = j >> 5;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) row_bits[r] = row_ok[r] ? __ldg(mrow[r] + row_w) : 0u;
+        }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const bool sel = j >= 0 && row_ok[r] && ((__ldg(mrow[r] + (j >> 5)) >> (j & 31)) & 1u);
+            const bool sel = j >= 0 && ((row_bits[r] >> (j & 31)) & 1u);
             lim[r] = sel ? rk[r] - j * BLOCK_N : -1;
         }
     };
