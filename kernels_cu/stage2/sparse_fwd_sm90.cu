@@ -67,9 +67,15 @@ static_assert(NC * REG_CONSUMER + REG_PRODUCER <= (NC + 1) * ((65536 / (128 * (N
 // Mask and online softmax of a finished S over NB blocks (64 * NB columns; columns 64b.. belong to
 // block b), in place: S becomes P. lim[b][r]: last visible key of this thread's row r in block b's
 // terms (-1: the row did not select it). Returns the O rescale factors of the two rows.
+//
+// m_run is each row's reference maximum, the one P is taken against: it moves only when some row
+// of the warp sees a maximum more than max_slack (2^8 in P, raw score units) above its own, as
+// FlashAttention-4 does; otherwise P <= 256 (exact in fp32, and bf16/fp16 keep their relative
+// precision), every alpha is 1 and rescale_o skips its 64 multiplies. Out = O / l and
+// LSE = m_run + log l are the same either way.
 template <int NB>
 __device__ __forceinline__ void softmax_step(float (&s)[32 * NB], const int (&lim)[NB][2], float (&m_run)[2],
-                                             float (&l_run)[2], float scale_log2, float (&alpha)[2]) {
+                                             float (&l_run)[2], float scale_log2, float max_slack, float (&alpha)[2]) {
     bool full_rows = true;
 #pragma unroll
     for (int b = 0; b < NB; ++b) full_rows &= lim[b][0] >= BLOCK_N - 1 && lim[b][1] >= BLOCK_N - 1;
@@ -88,17 +94,23 @@ __device__ __forceinline__ void softmax_step(float (&s)[32 * NB], const int (&li
             for (int i = 0; i < 4; ++i)
                 if ((n & 7) * 8 + (i & 1) > thr[n >> 3][i >> 1]) s[4 * n + i] = -INFLLM_INF;
     }
+    float mx[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        float mx = -INFLLM_INF;
+        mx[r] = -INFLLM_INF;
 #pragma unroll
-        for (int n = 0; n < 8 * NB; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * r], s[4 * n + 2 * r + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m_run[r], mx);
+        for (int n = 0; n < 8 * NB; ++n) mx[r] = fmaxf(mx[r], fmaxf(s[4 * n + 2 * r], s[4 * n + 2 * r + 1]));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    }
+    // (a row whose reference is still -inf moves on any finite maximum)
+    const bool move = __any_sync(0xffffffffu, mx[0] > m_run[0] + max_slack || mx[1] > m_run[1] + max_slack);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float m_new = move ? fmaxf(m_run[r], mx[r]) : m_run[r];
         // log2 domain, the scale folded into the exponent's FMA; all masked so far: keep 0s
         const float m_use = m_new == -INFLLM_INF ? 0.f : m_new * scale_log2;
-        alpha[r] = exp2f(m_run[r] * scale_log2 - m_use);
+        alpha[r] = move ? exp2f(m_run[r] * scale_log2 - m_use) : 1.f;
         m_run[r] = m_new;
         float sum = 0.f;
 #pragma unroll
@@ -158,9 +170,12 @@ struct RingWalk {
     }
 };
 
-// O *= alpha (always: a conditional write ahead of a wgmma makes ptxas serialize).
+// O *= alpha, skipped where the warp's reference maxima did not move (softmax_step). A
+// warp-uniform branch placed after the S wgmma issue: ptxas keeps the issue back to back (without
+// it, it spread the 64 multiplies between the S wgmmas).
 template <int D>
 __device__ __forceinline__ void rescale_o(float (&o)[D / 2], const float (&alpha)[2]) {
+    if (__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) return;
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
         o[4 * n] *= alpha[0];
@@ -369,6 +384,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
     float m_run[2] = {-INFLLM_INF, -INFLLM_INF}, l_run[2] = {0.f, 0.f};
+    const float max_slack = 8.f / scale_log2;   // 2^8 in P, in raw score units (softmax_step)
     RingWalk walk(sU, sUw + wg * n_words, n_words);
 
     unsigned full_phase = 0;                    // bit s: parity of the next wait on full(wg, s)
@@ -452,7 +468,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
             block_lims(j, lim[0]);
             wgmma_wait<0>();
             fence_regs(sacc);
-            softmax_step<1>(sacc, lim, m_run, l_run, scale_log2, alpha);
+            softmax_step<1>(sacc, lim, m_run, l_run, scale_log2, max_slack, alpha);
             pack_a_frags<T, 4>(sacc, pa);       // O is rescaled just before its P V, below
             int jn = j, itn = it;
             advance(jn, itn);
@@ -469,7 +485,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 block_lims(jn, lim[0]);
                 wgmma_wait<1>();                // S(n) done; the previous block's P V may still run
                 fence_regs(sacc);
-                softmax_step<1>(sacc, lim, m_run, l_run, scale_log2, alpha);
+                softmax_step<1>(sacc, lim, m_run, l_run, scale_log2, max_slack, alpha);
                 wgmma_wait<0>();
                 fence_regs(o);
                 mbar_arrive(empty(wg, s));
@@ -549,7 +565,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
             slot_lims(ja, jb, lim);
             wgmma_wait<0>();
             fence_regs(sacc);
-            softmax_step<2>(sacc, lim, m_run, l_run, scale_log2, alpha);
+            softmax_step<2>(sacc, lim, m_run, l_run, scale_log2, max_slack, alpha);
             pack_a_frags<T, 8>(sacc, pa);       // O is rescaled just before its P V, below
             int na = ja, nb2 = jb, itn = it;
             advance(na, nb2, itn);
@@ -568,7 +584,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 slot_lims(na, nb2, lim);
                 wgmma_wait<1>();
                 fence_regs(sacc);
-                softmax_step<2>(sacc, lim, m_run, l_run, scale_log2, alpha);
+                softmax_step<2>(sacc, lim, m_run, l_run, scale_log2, max_slack, alpha);
                 wgmma_wait<0>();
                 fence_regs(o);
                 release_slot(s);
