@@ -9,6 +9,8 @@ For each round and each set: forget the compiled kernels, set `_jit.BASE_OPTIONS
 (CUDA events, median) the stage-2 forward and forward+backward on selections a/b/c (K = 64), at
 `--T2 x --B2`, and `stage1_select` (K = 96, MiniCPM4 budget) at each `--T1` with B = 1. Rounds
 alternate the sets so that clock drift shows as a difference between rounds, not between sets.
+CuPy appends -ftz=true to every compile, so "base" and "ftz" build the same code (found in the
+2026-11-22 fifth session; the earlier "ftz is neutral" result compared two identical builds).
 """
 from __future__ import annotations
 

@@ -23,9 +23,11 @@ import re
 from pathlib import Path
 
 KERNELS_DIR_ENV = "INFLLM_CUPY_KERNELS_DIR"
-# No -ftz=true: measured neutral on the H100 (stage-2 fwd/bwd, stage 1), and flushing subnormal
-# probabilities to zero changes which blocks stage 1 picks with float32 scores.
 BASE_OPTIONS = ("-std=c++17",)
+# CuPy's RawModule appends -ftz=true to every NVRTC compile (cupy/cuda/compiler.py), so the kernels
+# run flush-to-zero whatever BASE_OPTIONS says; compile_report adds it too, so that its register
+# and spill counts are those of the code that runs.
+CUPY_ADDED_OPTIONS = ("-ftz=true",)
 
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 
@@ -246,7 +248,8 @@ def compile_report(source: str, names, arch: str = "sm_90") -> CompileReport:
     try:
         for n in names:
             nvrtc.addNameExpression(prog, n)
-        opts = list(BASE_OPTIONS + _include_options()) + [f"--gpu-architecture={arch}", "--ptxas-options=-v"]
+        opts = list(BASE_OPTIONS + CUPY_ADDED_OPTIONS + _include_options()) + [f"--gpu-architecture={arch}",
+                                                                               "--ptxas-options=-v"]
         try:
             nvrtc.compileProgram(prog, opts)
         except nvrtc.NVRTCError:
