@@ -93,8 +93,9 @@ def sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
         tiles (None, "sm90a", FwdTiles or (warps, m_tiles, sub_keys), Optional):
             Which kernel: `None` picks the sm_90a (wgmma) kernel on Hopper and the tuned SM80 tile
             shape elsewhere; "sm90a" or an SM80 `FwdTiles` force one ("sm90a_pair" and
-            "sm90a_single" force the sm_90a kernel's 128- or 64-key softmax steps in every CTA, for
-            tests and A/B runs; "sm90a" picks per CTA). Default: `None`.
+            "sm90a_single" force the sm_90a kernel's 128- or 64-key softmax steps in every CTA,
+            "sm90a_split" 64-key steps with a K/V ring per warpgroup, for tests and A/B runs;
+            "sm90a" picks per CTA). Default: `None`.
 
     Returns:
         out (torch.Tensor): `[total_q, HQ, D]` in q's dtype; and `lse` with `return_lse`.

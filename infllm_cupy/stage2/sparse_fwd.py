@@ -57,11 +57,14 @@ ALL_TILES = [FwdTiles(w, m, kn) for w in (4, 8) for m in (1, 2) for kn in (32, 6
 
 SM90A = "sm90a"   # the Hopper kernel (wgmma, warp-specialised); chosen by default on capability 9.0
 SM90A_PAIR = "sm90a_pair"       # the same kernel with 128-key steps forced in every CTA (tests, A/B)
-SM90A_SINGLE = "sm90a_single"   # ... with 64-key steps forced
-SM90A_FWD = (SM90A, SM90A_PAIR, SM90A_SINGLE)
+SM90A_SINGLE = "sm90a_single"   # ... with 64-key steps forced, one K/V ring shared by the warpgroups
+SM90A_SPLIT = "sm90a_split"     # ... with 64-key steps and a ring per warpgroup forced
+SM90A_FWD = (SM90A, SM90A_PAIR, SM90A_SINGLE, SM90A_SPLIT)
 # pair_mode of the sm_90a kernel: 1 = 128-key steps (two selected blocks per softmax step) in the
-# CTAs where they waste nothing, 2 = everywhere, 0 = nowhere (kernels_cu/stage2/sparse_fwd_sm90.cu)
-_PAIR_MODE = {SM90A: 1, SM90A_PAIR: 2, SM90A_SINGLE: 0}
+# CTAs where they waste nothing and split rings where the warpgroups share few blocks, 2 = 128-key
+# steps everywhere, 0 = nowhere (one shared ring), 3 = split rings everywhere
+# (kernels_cu/stage2/sparse_fwd_sm90.cu)
+_PAIR_MODE = {SM90A: 1, SM90A_PAIR: 2, SM90A_SINGLE: 0, SM90A_SPLIT: 3}
 
 
 def as_tiles(tiles, device=None):

@@ -10,8 +10,11 @@
 //            + (NC + 1) * n_words union words (fwd_smem_bytes in the launcher)
 //   tmap_k, tmap_v  K and V [total_k, H, D] viewed as [total_k, H * D], boxes of 64 rows x 64
 //               elements, 128-byte swizzle, zero fill (infllm_cupy/_tma.py, rows_map)
-//   pair_mode   0: 64-key steps everywhere; 1: 128-key steps in the CTAs where every consumer
-//               warpgroup needs every block of the CTA union; 2: 128-key steps everywhere (tests)
+//   pair_mode   0: 64-key steps everywhere, one ring; 1: 128-key steps in the CTAs where every
+//               consumer warpgroup needs every block of the CTA union, split rings (one per
+//               warpgroup) in the CTAs whose warpgroups share under a quarter of it, else 64-key
+//               steps on one ring; 2: 128-key steps everywhere; 3: 64-key steps on split rings
+//               everywhere (2 and 3: tests)
 //
 // Warp-specialised, as FlashAttention-3: warpgroups 0..NC-1 are consumers, each owning 64 rows of
 // the flattened (token, head-in-group) space (4 tokens at G = 16); warpgroup NC is the producer.
@@ -273,12 +276,36 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
     // and no warpgroup would compute a block it did not select
     const bool all_same = __syncthreads_and(same_union);
     const bool pair = pair_mode == 2 || (pair_mode == 1 && all_same);
+    // Split rings, in CTAs of 64-key steps whose warpgroups need few common blocks (per-token
+    // picks at long context): each warpgroup gets its own NS / 2 stages, filled along its own
+    // union, so that neither holds stages the other one waits for; a block both need is loaded
+    // twice. pair_mode 3 splits every such CTA (tests), 1 those where under a quarter of the
+    // union is common. Every warp counts the same shared words, so all agree.
+    constexpr int NH = NS / 2;
+    bool split = false;
+    if (NC == 2 && !pair && (pair_mode == 1 || pair_mode == 3)) {
+        int both = 0, any = 0;
+        for (int w = lane; w < n_words; w += 32) {
+            both += __popc(sUw[w] & sUw[n_words + w]);
+            any += __popc(sU[w]);
+        }
+        both = __reduce_add_sync(0xffffffffu, both);
+        any = __reduce_add_sync(0xffffffffu, any);
+        split = pair_mode == 3 || 4 * both < any;
+    }
+    // ring position -> stage, and the parity of that stage's fills up to it (constant divisors)
+    auto stage_of = [&](int g, int it) { return split ? g * NH + it % NH : it % NS; };
+    auto fill_parity = [&](int it) { return (split ? it / NH : it / NS) & 1; };
 
     if (wg == NC) {
         // ================= producer warpgroup: K/V ring
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(REG_PRODUCER) : "memory");   // registers go to the consumers
         const int pwarp = warp - 4 * NC;
-        if (pwarp > 1) return;
+        if (pwarp > (split ? 3 : 1)) return;
+        // warps 0 and 1 load and forward; with split rings warps 2 and 3 do the same for
+        // warpgroup 1's ring and warps 0 and 1 serve warpgroup 0's
+        const int ring = split ? pwarp >> 1 : 0;
+        const unsigned* walk_words = split ? sUw + ring * n_words : sU;
         // visit(it, j, need) for ring position `it` <- block j, in the order both warps follow
         // (need bit g: consumer warpgroup g needs the block); in a slot both blocks go to every
         // warpgroup that needs either, and j < 0 is the missing half of an odd last slot (zeros).
@@ -289,7 +316,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
             auto next = [&](unsigned& need) {   // the next union block (-1 at the end) and who needs it
                 while (left == 0u) {
                     if (++w >= n_words) { need = 0u; return -1; }
-                    left = sU[w];
+                    left = walk_words[w];
 #pragma unroll
                     for (int g = 0; g < NC; ++g) gw[g] = sUw[g * n_words + w];
                 }
@@ -298,6 +325,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 need = 0u;
 #pragma unroll
                 for (int g = 0; g < NC; ++g) need |= (gw[g] & low) ? 1u << g : 0u;
+                if (split) need = 1u << ring;   // the other warpgroup gets its own copy
                 return (w << 5) + 31 - __clz(low);
             };
             int it = 0;
@@ -314,7 +342,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 }
             }
         };
-        if (pwarp == 0) {
+        if ((pwarp & 1) == 0) {
             // ---- loader: one thread, 2 D / 64 TMA boxes per block
             if (lane != 0) return;
             tma_prefetch_map(tmap_k);
@@ -322,7 +350,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
             unsigned prev_need = 0;     // bit NC*s + g: warpgroup g needed the block now in stage s
             unsigned empty_phase = 0;   // bit NS*g + s: parity of the next wait on empty(g, s)
             walk([&](int it, int j, unsigned need) {
-                const int s = it % NS;
+                const int s = stage_of(ring, it);
 #pragma unroll
                 for (int g = 0; g < NC; ++g) {
                     if ((prev_need >> (NC * s + g)) & 1u) {
@@ -340,10 +368,10 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 prev_need = (prev_need & ~(((1u << NC) - 1) << (NC * s))) | (need << (NC * s));
             });
         } else {
-            // ---- forwarder: every position's stage fills once, so its parity is (it / NS) & 1
+            // ---- forwarder: every position's stage fills once, so its parity is the fill count's
             walk([&](int it, int j, unsigned need) {
-                const int s = it % NS;
-                mbar_wait(loaded(s), (it / NS) & 1);
+                const int s = stage_of(ring, it);
+                mbar_wait(loaded(s), fill_parity(it));
                 const int valid = j >= 0 ? Lk - j * BLOCK_N : BLOCK_N;
                 if (valid < BLOCK_N) {      // P is 0 there, but 0 * (non-finite V) would not be
                     for (int i = lane; i < (BLOCK_N - valid) * CH; i += 32)
@@ -430,9 +458,9 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
     // Software pipeline over the steps this warpgroup needs, in runs: inside a run, step n's
     // S = Q K^T and step n-1's O += P V go to the tensor cores back to back and the warpgroup
     // waits only for S, so the softmax of n overlaps the P V of n-1. A run ends where the next
-    // step's last block is NS or more ring positions past the held step's first (the producer may
-    // need the held stages back before it can fill it): the pending P V is flushed and its stages
-    // released. Every wgmma sits in straight-line code (loop bodies), so ptxas keeps them
+    // step's last block is a ring length (NS, or NS / 2 with split rings) or more positions past
+    // the held step's first (the producer may need the held stages back before it can fill it):
+    // the pending P V is flushed and its stages released. Every wgmma sits in straight-line code (loop bodies), so ptxas keeps them
     // asynchronous.
     if (!pair) {
         // ---- 64-key steps. Q stays in registers as wgmma A fragments (the mma.m16n8k16 A layout
@@ -451,16 +479,19 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
             for (int kk = 0; kk < D / 16; ++kk) wgmma_rs<T, 64>(sacc, qa[kk], kd + k_off(kk), kk > 0);
             wgmma_commit();
         };
-        // the next block this warpgroup needs and its ring position (j = -1 at the end)
+        // the next block this warpgroup needs and its ring position (j = -1 at the end): its rank
+        // in the CTA union, or with split rings in the warpgroup's own union
+        int own = -1;
+        const int ring_len = split ? NH : NS;   // stages this warpgroup cycles through
         auto advance = [&](int& j, int& it) {
             j = walk.next_mine();
-            it = walk.it;
+            it = split ? ++own : walk.it;
         };
         int j = -1, it = -1;
         advance(j, it);
         while (j >= 0) {
             float alpha[2];
-            int s = it % NS;
+            int s = stage_of(wg, it);
             wait_full(s);
             wgmma_fence();
             issue_s(s);
@@ -472,8 +503,8 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
             pack_a_frags<T, 4>(sacc, pa);       // O is rescaled just before its P V, below
             int jn = j, itn = it;
             advance(jn, itn);
-            while (jn >= 0 && itn - it < NS) {
-                const int sn = itn % NS;
+            while (jn >= 0 && itn - it < ring_len) {
+                const int sn = stage_of(wg, itn);
                 wait_full(sn);
                 wgmma_fence();
                 issue_s(sn);

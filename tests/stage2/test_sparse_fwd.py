@@ -40,7 +40,7 @@ def check_against_reference(out, lse, q, k, v, cu_q, cu_k, idx, mq, mk, causal):
 HOPPER = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)
 NEEDS_HOPPER = pytest.mark.skipif(not HOPPER, reason="sm_90a kernel needs capability 9.0")
 # the sm_90a kernel with its per-CTA step choice, and with each step shape forced in every CTA
-SM90_VARIANTS = [pytest.param(t, marks=NEEDS_HOPPER) for t in ("sm90a_pair", "sm90a_single", "sm90a")]
+SM90_VARIANTS = [pytest.param(t, marks=NEEDS_HOPPER) for t in ("sm90a_pair", "sm90a_single", "sm90a_split", "sm90a")]
 TILES = [FwdTiles(8, 1, 64), FwdTiles(4, 1, 64), FwdTiles(4, 1, 32), FwdTiles(4, 2, 32), FwdTiles(8, 2, 64),
          *SM90_VARIANTS]
 
@@ -119,7 +119,7 @@ def test_step_shapes_on_benchmark_selections(selection, HQ, stages, monkeypatch)
     cu = cu_seqlens_from_lengths([T, T], "cuda")
     idx = make_selection(selection, 2, T, H, K, seed=3).cuda()
     outs = {}
-    for tiles in ("sm90a_pair", "sm90a_single", "sm90a"):
+    for tiles in ("sm90a_pair", "sm90a_single", "sm90a_split", "sm90a"):
         out, lse = sparse_attn_varlen(q, k, v, cu, cu, idx, T, T, return_lse=True, backend="kernels", tiles=tiles)
         check_against_reference(out, lse, q, k, v, cu, cu, idx, T, T, True)
         outs[tiles] = out
