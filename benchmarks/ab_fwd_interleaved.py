@@ -4,8 +4,8 @@
         new_pair=kernels_cu:sm90a_pair --T 32768 --B 2 --K 64 --reps 40 [--mode fwdbwd]
 
 A variant is `label=DIR:TILES[@PKG]`: the kernels_cu/ tree at DIR and the forward `tiles` argument
-("sm90a", "sm90a_pair", "sm90a_single", or "warps,m_tiles,sub_keys" for the SM80 kernel). With
-`--mode fwdbwd` each call is the forward plus the default backward (`stage2_bwd`). `@PKG` launches
+("sm90a", "sm90a_pair", "sm90a_single", "sm90a_split", or "warps,m_tiles,sub_keys" for the SM80
+kernel). With `--mode fwdbwd` each call is the forward plus the default backward (`stage2_bwd`). `@PKG` launches
 through the `infllm_cupy/` package folder PKG instead of this one, for a tree whose kernels take
 other arguments (e.g. `git archive OLD infllm_cupy kernels_cu | tar -x -C /tmp/old`, then
 `old=/tmp/old/kernels_cu:sm90a@/tmp/old/infllm_cupy`).

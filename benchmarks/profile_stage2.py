@@ -21,7 +21,7 @@ SELECTIONS = {"a": block_shared, "b": per_token, "c": infllm_like}
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--tiles", nargs="+", default=["sm90a"], help='"sm90a", "sm90a_pair", "sm90a_single" or JSON [warps, m_tiles, sub_keys]')
+    p.add_argument("--tiles", nargs="+", default=["sm90a"], help='"sm90a", "sm90a_pair", "sm90a_single", "sm90a_split" or JSON [warps, m_tiles, sub_keys]')
     p.add_argument("--T", type=int, default=8192)
     p.add_argument("--B", type=int, default=2)
     p.add_argument("--K", type=int, default=64)
