@@ -5,9 +5,9 @@
 
 A variant is `label=DIR:TILES[@PKG]`: the kernels_cu/ tree at DIR and the forward `tiles` argument
 ("sm90a", "sm90a_pair", "sm90a_single", "sm90a_split", or "warps,m_tiles,sub_keys" for the SM80
-kernel). With `--mode fwdbwd` each call is the forward plus the default backward (`stage2_bwd`). `@PKG` launches
-through the `infllm_cupy/` package folder PKG instead of this one, for a tree whose kernels take
-other arguments (e.g. `git archive OLD infllm_cupy kernels_cu | tar -x -C /tmp/old`, then
+kernel). With `--mode fwdbwd` each call is the forward plus the default backward (`stage2_bwd`).
+`@PKG` launches through the `infllm_cupy/` package folder PKG instead of this one, for a tree whose
+kernels take other arguments (e.g. `git archive OLD infllm_cupy kernels_cu | tar -x -C /tmp/old`, then
 `old=/tmp/old/kernels_cu:sm90a@/tmp/old/infllm_cupy`).
 
 Each variant runs once under its tree first, and every kernel `_jit.get_kernel` hands out then is

@@ -60,11 +60,11 @@ SM90A_PAIR = "sm90a_pair"       # the same kernel with 128-key steps forced in e
 SM90A_SINGLE = "sm90a_single"   # ... with 64-key steps forced, one K/V ring shared by the warpgroups
 SM90A_SPLIT = "sm90a_split"     # ... with 64-key steps and a ring per warpgroup forced
 SM90A_FWD = (SM90A, SM90A_PAIR, SM90A_SINGLE, SM90A_SPLIT)
-# pair_mode of the sm_90a kernel: 1 = 128-key steps (two selected blocks per softmax step) in the
+# step_mode of the sm_90a kernel: 1 = 128-key steps (two selected blocks per softmax step) in the
 # CTAs where they waste nothing and split rings where the warpgroups share few blocks, 2 = 128-key
 # steps everywhere, 0 = nowhere (one shared ring), 3 = split rings everywhere
 # (kernels_cu/stage2/sparse_fwd_sm90.cu)
-_PAIR_MODE = {SM90A: 1, SM90A_PAIR: 2, SM90A_SINGLE: 0, SM90A_SPLIT: 3}
+_STEP_MODE = {SM90A: 1, SM90A_PAIR: 2, SM90A_SINGLE: 0, SM90A_SPLIT: 3}
 
 
 def as_tiles(tiles, device=None):
@@ -161,7 +161,7 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
         name = f"stage2_fwd_sm90<{CXX_TYPE[q.dtype]}, {D}, {sm90_stages(D, n_words, q.element_size())}>"
         kernel, rows, threads = _jit.get_kernel(SM90_SOURCE, name, sm90a=True), 64 * SM90_CONSUMERS, \
             128 * (SM90_CONSUMERS + 1)
-        args = (ptr(q), rows_map(k, BLOCK_N), rows_map(v, BLOCK_N)) + scalars + (np.int32(_PAIR_MODE[tiles]),)
+        args = (ptr(q), rows_map(k, BLOCK_N), rows_map(v, BLOCK_N)) + scalars + (np.int32(_STEP_MODE[tiles]),)
     else:
         name = tiles.name(q.dtype, D)
         kernel, rows, threads = _jit.get_kernel(FWD_SOURCE, name), tiles.rows, 32 * tiles.warps

@@ -10,7 +10,7 @@
 //            + (NC + 1) * n_words union words (fwd_smem_bytes in the launcher)
 //   tmap_k, tmap_v  K and V [total_k, H, D] viewed as [total_k, H * D], boxes of 64 rows x 64
 //               elements, 128-byte swizzle, zero fill (infllm_cupy/_tma.py, rows_map)
-//   pair_mode   0: 64-key steps everywhere, one ring; 1: 128-key steps in the CTAs where every
+//   step_mode   0: 64-key steps everywhere, one ring; 1: 128-key steps in the CTAs where every
 //               consumer warpgroup needs every block of the CTA union, split rings (one per
 //               warpgroup) in the CTAs whose warpgroups share under a quarter of it, else 64-key
 //               steps on one ring; 2: 128-key steps everywhere; 3: 64-key steps on split rings
@@ -47,7 +47,7 @@
 //                 and wgmma at N = 128. A block the warpgroup did not select is masked: computed
 //                 for nothing. Measured (NOTES.md, v4), 128-key steps are 7-10% faster where no
 //                 block is wasted and already slower at the ~10% waste of InfLLM-like selections,
-//                 so pair_mode 1 takes them only where the waste is zero (block-shared selections
+//                 so step_mode 1 takes them only where the waste is zero (block-shared selections
 //                 and query-block layouts, whose tokens of a CTA share one selection).
 #include "common/types.cuh"
 #include "common/mma_sm80.cuh"
@@ -195,7 +195,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
                 T* __restrict__ out, float* __restrict__ lse,
                 int total_q, int HQ, int H, int G, int n_words, long long mask_h_stride, int mask_q_block,
-                float scale_log2, int causal, int pair_mode) {
+                float scale_log2, int causal, int step_mode) {
     constexpr int M = 64 * NC;
     constexpr int CH = D / 8;
     constexpr u32 TILE_Q = 64 * D * sizeof(T);
@@ -275,15 +275,15 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
     // (also the barrier that publishes the unions and the mbarriers) 128-key steps where allowed
     // and no warpgroup would compute a block it did not select
     const bool all_same = __syncthreads_and(same_union);
-    const bool pair = pair_mode == 2 || (pair_mode == 1 && all_same);
+    const bool pair = step_mode == 2 || (step_mode == 1 && all_same);
     // Split rings, in CTAs of 64-key steps whose warpgroups need few common blocks (per-token
     // picks at long context): each warpgroup gets its own NS / 2 stages, filled along its own
     // union, so that neither holds stages the other one waits for; a block both need is loaded
-    // twice. pair_mode 3 splits every such CTA (tests), 1 those where under a quarter of the
+    // twice. step_mode 3 splits every such CTA (tests), 1 those where under a quarter of the
     // union is common. Every warp counts the same shared words, so all agree.
     constexpr int NH = NS / 2;
     bool split = false;
-    if (NC == 2 && !pair && (pair_mode == 1 || pair_mode == 3)) {
+    if (NC == 2 && !pair && (step_mode == 1 || step_mode == 3)) {
         int both = 0, any = 0;
         for (int w = lane; w < n_words; w += 32) {
             both += __popc(sUw[w] & sUw[n_words + w]);
@@ -291,7 +291,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
         }
         both = __reduce_add_sync(0xffffffffu, both);
         any = __reduce_add_sync(0xffffffffu, any);
-        split = pair_mode == 3 || 4 * both < any;
+        split = step_mode == 3 || 4 * both < any;
     }
     // ring position -> stage, and the parity of that stage's fills up to it (constant divisors)
     auto stage_of = [&](int g, int it) { return split ? g * NH + it % NH : it % NS; };
@@ -460,8 +460,8 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
     // waits only for S, so the softmax of n overlaps the P V of n-1. A run ends where the next
     // step's last block is a ring length (NS, or NS / 2 with split rings) or more positions past
     // the held step's first (the producer may need the held stages back before it can fill it):
-    // the pending P V is flushed and its stages released. Every wgmma sits in straight-line code (loop bodies), so ptxas keeps them
-    // asynchronous.
+    // the pending P V is flushed and its stages released. Every wgmma sits in straight-line code
+    // (loop bodies), so ptxas keeps them asynchronous.
     if (!pair) {
         // ---- 64-key steps. Q stays in registers as wgmma A fragments (the mma.m16n8k16 A layout
         // per warp): S then reads only K from shared memory.
@@ -487,7 +487,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
             j = walk.next_mine();
             it = split ? ++own : walk.it;
         };
-        int j = -1, it = -1;
+        int j, it;
         advance(j, it);
         while (j >= 0) {
             float alpha[2];
@@ -501,7 +501,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
             fence_regs(sacc);
             softmax_step<1>(sacc, lim, m_run, l_run, scale_log2, max_slack, alpha);
             pack_a_frags<T, 4>(sacc, pa);       // O is rescaled just before its P V, below
-            int jn = j, itn = it;
+            int jn, itn;
             advance(jn, itn);
             while (jn >= 0 && itn - it < ring_len) {
                 const int sn = stage_of(wg, itn);
@@ -511,7 +511,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 rescale_o<D>(o, alpha);         // while S runs (O holds every earlier P V)
                 wgmma_fence();
                 issue_pv(s, pa);
-                int jf = jn, itf = itn;         // the block after: found while S runs
+                int jf, itf;                    // the block after: found while S runs
                 advance(jf, itf);
                 block_lims(jn, lim[0]);
                 wgmma_wait<1>();                // S(n) done; the previous block's P V may still run
@@ -578,7 +578,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
         // whole union, and both have rows), they take turns to issue their wgmma groups (named
         // barriers 3 and 4), so that one warpgroup's softmax runs while the other's products
         // hold the tensor cores, instead of both softmaxes at once with the tensor cores idle.
-        int ja = -1, jb = -1, it = -2;
+        int ja, jb, it;
         advance(ja, jb, it);
         const bool pp = FWD_PINGPONG && NC == 2 && all_same && m0 + M <= rows_total && ja >= 0;
         auto my_turn = [&]() { if (pp) named_barrier(3 + wg, 256); };
@@ -598,7 +598,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
             fence_regs(sacc);
             softmax_step<2>(sacc, lim, m_run, l_run, scale_log2, max_slack, alpha);
             pack_a_frags<T, 8>(sacc, pa);       // O is rescaled just before its P V, below
-            int na = ja, nb2 = jb, itn = it;
+            int na, nb2, itn;
             advance(na, nb2, itn);
             while (na >= 0 && itn + 1 - it < NS) {
                 const int sn = itn % NS;
@@ -610,7 +610,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 wgmma_fence();                  // between P V's completion and the next issue
                 issue_pv(s, pa);
                 your_turn();
-                int fa = na, fb = nb2, itf = itn;   // the slot after: found while S runs
+                int fa, fb, itf;                // the slot after: found while S runs
                 advance(fa, fb, itf);
                 slot_lims(na, nb2, lim);
                 wgmma_wait<1>();
