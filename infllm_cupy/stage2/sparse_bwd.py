@@ -19,14 +19,19 @@ import torch
 from .. import _jit
 from .._checks import KERNEL_DTYPES
 from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
-from .sparse_fwd import BLOCK_N, HEAD_DIMS, check_aligned
+from .sparse_fwd import BLOCK_N, HEAD_DIMS, SM90_CONSUMERS, SMEM_PER_BLOCK, check_aligned, sm90_smem_bytes as fwd_smem
+from .sparse_fwd import SM90_SOURCE as RING_SOURCE
+from .._tma import rows_map
 
 BWD_SOURCE = "stage2/sparse_bwd.cu"
 SM90_SOURCE = "stage2/sparse_bwd_sm90.cu"
 SM90A = "sm90a"         # the Hopper (wgmma) dq and dk/dv kernels, dk/dv over fixed 64-row tiles
 SM90A_GATHER = "sm90a_gather"   # the same, dk/dv gathering the tokens that selected each key block
 SM90A_AUTO = "sm90a_auto"       # both dk/dv kernels, each key block done by the one its fill favours; default on 9.0
-SM90A_KINDS = (SM90A, SM90A_GATHER, SM90A_AUTO)
+SM90A_SPLIT = "sm90a_split"     # as "sm90a", with dq on one K/V ring per warpgroup in every CTA (tests)
+SM90A_KINDS = (SM90A, SM90A_GATHER, SM90A_AUTO, SM90A_SPLIT)
+# step_mode of the dq ring kernel per kind (sparse_fwd_sm90.cu): 0 one shared ring, 1 per CTA, 3 split
+_DQ_STEP_MODE = {SM90A: 0, SM90A_GATHER: 1, SM90A_AUTO: 1, SM90A_SPLIT: 3}
 GATHER_G = (8, 64)      # group sizes for which "sm90a_gather" gathers (others use fixed tiles)
 KERNEL_ENV = "INFLLM_CUPY_BWD_KERNEL"   # the default backward kernel: sm90a, sm90a_gather or dq_warps,dkdv_cols
 QT = 64                 # query rows per dk/dv tile (mirrors #define QT)
@@ -66,8 +71,9 @@ for _dt in KERNEL_DTYPES:
             _jit.register_instances(BWD_SOURCE, [_t.dq_name(_dt, _d)])
             _jit.register_instances(BWD_SOURCE, [_t.dkdv_name(_dt, _d)], strict=_t.dkdv_cols != 64)
 _jit.register_instances(BWD_SOURCE, ["stage2_bwd_tiles"])
-_jit.register_instances(SM90_SOURCE, [f"stage2_bwd_dq_sm90<{CXX_TYPE[dt]}, {d}>" for dt in KERNEL_DTYPES
-                                     for d in HEAD_DIMS], sm90a=True)
+DQ_RING_STAGES = (6, 4)   # K/V ring depths of stage2_bwd_dq_ring_sm90 (template NS), deepest first
+_jit.register_instances(RING_SOURCE, [f"stage2_bwd_dq_ring_sm90<{CXX_TYPE[dt]}, {d}, {ns}>" for dt in KERNEL_DTYPES
+                                      for d in HEAD_DIMS for ns in DQ_RING_STAGES], sm90a=True)
 _jit.register_instances(SM90_SOURCE, [f"stage2_bwd_dkdv_sm90<{CXX_TYPE[dt]}, {d}, {g}>" for dt in KERNEL_DTYPES
                                      for d in HEAD_DIMS for g in ("false", "true")], sm90a=True)
 
@@ -98,7 +104,7 @@ def as_bwd_tiles(tiles, device=None):
         return tiles
     if isinstance(tiles, (tuple, list)) and len(tiles) == 2:
         return BwdTiles(*tiles)
-    raise TypeError(f"backward kernel must be None, 'sm90a', 'sm90a_gather', 'sm90a_auto', a BwdTiles or a "
+    raise TypeError(f"backward kernel must be None, one of {SM90A_KINDS}, a BwdTiles or a "
                     f"(dq_warps, dkdv_cols) tuple, got {tiles!r}")
 
 
@@ -108,6 +114,19 @@ def dq_smem_bytes(D: int, tiles: BwdTiles, n_words: int, itemsize: int = 2) -> i
 
 def dkdv_smem_bytes(D: int, itemsize: int = 2) -> int:
     return (2 * BLOCK_N * D + 4 * QT * D) * itemsize + 2 * 3 * QT * 4
+
+
+def dq_ring_smem_bytes(D: int, stages: int, n_words: int, itemsize: int = 2) -> int:
+    """The forward's layout (sparse_fwd.sm90_smem_bytes) plus one dout tile per consumer warpgroup."""
+    return fwd_smem(D, stages, n_words, itemsize) + SM90_CONSUMERS * 64 * D * itemsize
+
+
+def dq_ring_stages(D: int, n_words: int, itemsize: int = 2) -> int:
+    """The deepest compiled dq ring that fits the shared memory."""
+    for ns in DQ_RING_STAGES:
+        if dq_ring_smem_bytes(D, ns, n_words, itemsize) <= SMEM_PER_BLOCK:
+            return ns
+    return DQ_RING_STAGES[-1]   # too long for any: the launch names the shared memory it asked for
 
 
 def sm90_smem_bytes(D: int, n_words: int, kind: str, itemsize: int = 2) -> int:
@@ -198,10 +217,26 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     causal_i = np.int32(1 if causal else 0)
     common = (ptr(q), ptr(k), ptr(v), ptr(dout), ptr(lse), ptr(delta), ptr(masks), ptr(mask_base),
               ptr(cu_seqlens_q), ptr(cu_seqlens_k))
+    dq_args = common + (ptr(dq), np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words),
+                        np.int64(mask_h_stride), np.int32(mask_q_block), scale_log2, np.float32(softmax_scale),
+                        causal_i)
     if tiles in SM90A_KINDS:
-        dq_name, dq_rows, dq_threads = f"stage2_bwd_dq_sm90<{T}, {D}>", 64, 128
-        dq_kernel = _jit.get_kernel(SM90_SOURCE, dq_name, sm90a=True)
-        dq_smem = sm90_smem_bytes(D, n_words, "dq", q.element_size())
+        # dq on the forward's warp-specialised K/V ring (TMA producer, two consumer warpgroups);
+        # TMA row coordinates are int32, hence the bound (the SM80 dq kernel takes any size)
+        if total_k < 2**31 - BLOCK_N:
+            ns = dq_ring_stages(D, n_words, q.element_size())
+            dq_name, dq_rows, dq_threads = f"stage2_bwd_dq_ring_sm90<{T}, {D}, {ns}>", 64 * SM90_CONSUMERS, \
+                128 * (SM90_CONSUMERS + 1)
+            dq_kernel = _jit.get_kernel(RING_SOURCE, dq_name, sm90a=True)
+            dq_smem = dq_ring_smem_bytes(D, ns, n_words, q.element_size())
+            dq_args = (ptr(q), ptr(dout), rows_map(k, BLOCK_N), rows_map(v, BLOCK_N), ptr(lse), ptr(delta), ptr(masks),
+                       ptr(mask_base), ptr(cu_seqlens_q), ptr(cu_seqlens_k)) + dq_args[len(common):] \
+                + (np.int32(_DQ_STEP_MODE[tiles]),)
+        else:
+            dq_name, dq_rows, dq_threads = DEFAULT_BWD_TILES.dq_name(q.dtype, D), 16 * DEFAULT_BWD_TILES.dq_warps, \
+                32 * DEFAULT_BWD_TILES.dq_warps
+            dq_kernel = _jit.get_kernel(BWD_SOURCE, dq_name)
+            dq_smem = dq_smem_bytes(D, DEFAULT_BWD_TILES, n_words, q.element_size())
         kv_smem = sm90_smem_bytes(D, n_words, "dkdv", q.element_size())
         # (gather mode, own index, the other mode's index or None): "sm90a_auto" runs both instances
         if split:
@@ -221,10 +256,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         kv_launches = [(tiles.dkdv_name(q.dtype, D), False,
                         (ptr(by_tiles[0]), ptr(by_tiles[1]), np.int64(by_tiles[2])))]
     launch(dq_kernel, name=dq_name, grid=(cdiv(max_seqlen_q * G, dq_rows), H, B), block=(dq_threads,),
-           shared_mem=dq_smem,
-           args=common + (ptr(dq), np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words),
-                          np.int64(mask_h_stride), np.int32(mask_q_block), scale_log2, np.float32(softmax_scale),
-                          causal_i))
+           shared_mem=dq_smem, args=dq_args)
     def launch_dkdv(kv_name: str, sm90a: bool, index_args: tuple) -> None:
         kv_kernel = _jit.get_kernel(SM90_SOURCE, kv_name, sm90a=True) if sm90a else _jit.get_kernel(BWD_SOURCE, kv_name)
         launch(kv_kernel, name=kv_name, grid=(H, B, cdiv(max_seqlen_k, BLOCK_N)), block=(128,), shared_mem=kv_smem,

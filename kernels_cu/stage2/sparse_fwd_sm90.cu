@@ -188,14 +188,16 @@ __device__ __forceinline__ void rescale_o(float (&o)[D / 2], const float (&alpha
     }
 }
 
-template <typename T, int D, int NS>
-__global__ void __launch_bounds__(128 * (NC + 1), 1)
-stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, const __grid_constant__ TmaMap tmap_v,
-                const unsigned* __restrict__ masks, const int* __restrict__ mask_base,
-                const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
-                T* __restrict__ out, float* __restrict__ lse,
-                int total_q, int HQ, int H, int G, int n_words, long long mask_h_stride, int mask_q_block,
-                float scale_log2, int causal, int step_mode) {
+// The CTA body of both kernels of this file. DQ = false: the forward (out, lse written). DQ = true:
+// the backward's dq over the same ring (out = dq; lse and delta read; dout tiles beside Q).
+template <typename T, int D, int NS, bool DQ>
+__device__ __forceinline__ void
+ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap& tmap_k, const TmaMap& tmap_v,
+              const unsigned* __restrict__ masks, const int* __restrict__ mask_base,
+              const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+              T* __restrict__ out, float* __restrict__ lse, const float* __restrict__ delta,
+              int total_q, int HQ, int H, int G, int n_words, long long mask_h_stride, int mask_q_block,
+              float scale_log2, float scale, int causal, int step_mode) {
     constexpr int M = 64 * NC;
     constexpr int CH = D / 8;
     constexpr u32 TILE_Q = 64 * D * sizeof(T);
@@ -205,7 +207,8 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
     extern __shared__ unsigned char smem[];
     const u32 raw = smem_u32(smem);
     const u32 base = (raw + 1023u) & ~1023u;   // swizzled tiles start on 1 KB boundaries
-    const u32 sQ = base, sK = sQ + NC * TILE_Q, sV = sK + NS * TILE_KV;
+    // Q tiles, then (DQ) the dout tiles, then the K and V rings
+    const u32 sQ = base, sO = sQ + NC * TILE_Q, sK = sO + (DQ ? NC * TILE_Q : 0), sV = sK + NS * TILE_KV;
     // one full and one empty barrier per (consumer warpgroup, stage): a warpgroup only ever
     // touches the barriers of blocks it needs, so skipping costs it nothing
     const u32 bar_full = sV + NS * TILE_KV, bar_empty = bar_full + 8 * NS * NC;
@@ -221,7 +224,8 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
     const int qs = cu_seqlens_q[b], Lq = cu_seqlens_q[b + 1] - qs;
     const int ks = cu_seqlens_k[b], Lk = cu_seqlens_k[b + 1] - ks;
     const int64 rows_total = (int64)Lq * G;
-    const int64 m0 = (int64)blockIdx.x * M;
+    // dq: last tiles first (they see the most blocks when causal), so the longest CTAs start early
+    const int64 m0 = (int64)(DQ ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * M;
     if (m0 >= rows_total) return;
     const int shift = causal ? Lk - Lq : 0;
     const int nb = min((Lk + BLOCK_N - 1) / BLOCK_N, n_words * 32);
@@ -234,6 +238,8 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
             int bytes;
             const T* src = q_row_chunk(q, m0 + 64 * wg + row, rows_total, G, qs, HQ, h, D, ch, bytes);
             cp_async_16(sQ + wg * TILE_Q + swz128(row, ch, 64), src, bytes);
+            if constexpr (DQ)
+                cp_async_16(sO + wg * TILE_Q + swz128(row, ch, 64), bytes ? dout + (src - q) : dout, bytes);
         }
         cp_async_commit();
     }
@@ -275,7 +281,7 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
     // (also the barrier that publishes the unions and the mbarriers) 128-key steps where allowed
     // and no warpgroup would compute a block it did not select
     const bool all_same = __syncthreads_and(same_union);
-    const bool pair = step_mode == 2 || (step_mode == 1 && all_same);
+    const bool pair = !DQ && (step_mode == 2 || (step_mode == 1 && all_same));   // dq: 64-key steps only
     // Split rings, in CTAs of 64-key steps whose warpgroups need few common blocks (per-token
     // picks at long context): each warpgroup gets its own NS / 2 stages, filled along its own
     // union, so that neither holds stages the other one waits for; a block both need is loaded
@@ -374,8 +380,12 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 mbar_wait(loaded(s), fill_parity(it));
                 const int valid = j >= 0 ? Lk - j * BLOCK_N : BLOCK_N;
                 if (valid < BLOCK_N) {      // P is 0 there, but 0 * (non-finite V) would not be
-                    for (int i = lane; i < (BLOCK_N - valid) * CH; i += 32)
-                        st_shared_zero16(sV + s * TILE_KV + swz128(valid + i / CH, i % CH, BLOCK_N));
+                    for (int i = lane; i < (BLOCK_N - valid) * CH; i += 32) {
+                        const int row = valid + i / CH, ch = i % CH;
+                        st_shared_zero16(sV + s * TILE_KV + swz128(row, ch, BLOCK_N));
+                        if constexpr (DQ)   // dS is 0 there, and dq += dS K reads K's rows
+                            st_shared_zero16(sK + (ch >> 3) * (NS * KSTAGE) + s * KSTAGE + swz128(row, ch & 7, BLOCK_N));
+                    }
                     fence_proxy_async();    // generic-proxy writes that wgmma reads
                     __syncwarp();
                 }
@@ -400,13 +410,19 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
     bool row_ok[2];
     int rk[2];
     const unsigned* mrow[2];
+    float lse2[2], dlt[2];                      // dq: each row's lse (log2 units) and delta
+    if constexpr (DQ) {
+        dq_row_state(m0 + 64 * wg + wwarp * 16 + (lane >> 2), rows_total, 0, G, causal, shift, Lk, mrows, mask_q_block,
+                     n_words, h, total_q, qs, lse, delta, row_ok, rk, mrow, lse2, dlt);
+    } else {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int64 R = m0 + 64 * wg + wwarp * 16 + (lane >> 2) + 8 * r;
-        row_ok[r] = R < rows_total;
-        const int t = row_ok[r] ? (int)(R / G) : 0;
-        rk[r] = causal ? t + shift : Lk - 1;
-        mrow[r] = mrows + (int64)(t / mask_q_block) * n_words;
+        for (int r = 0; r < 2; ++r) {
+            const int64 R = m0 + 64 * wg + wwarp * 16 + (lane >> 2) + 8 * r;
+            row_ok[r] = R < rows_total;
+            const int t = row_ok[r] ? (int)(R / G) : 0;
+            rk[r] = causal ? t + shift : Lk - 1;
+            mrow[r] = mrows + (int64)(t / mask_q_block) * n_words;
+        }
     }
     float o[D / 2];
 #pragma unroll
@@ -462,7 +478,107 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
     // the held step's first (the producer may need the held stages back before it can fill it):
     // the pending P V is flushed and its stages released. Every wgmma sits in straight-line code
     // (loop bodies), so ptxas keeps them asynchronous.
-    if (!pair) {
+    if constexpr (DQ) {
+        // ---- dq: per block S = Q K^T and dP = dO V^T (Q, dO in shared memory: registers go to dq) as
+        // one group, dS = P (dP - delta) with P from the saved lse, then dq += dS K (K MN-major in
+        // its ring stage). Pipelined as the forward's 64-key steps: block n+1's S and dP go to the
+        // tensor cores right before block n's dq product, and the wait is for S and dP only.
+        float sacc[32], dpacc[32];
+        u32 pa[4][4];                           // dS of the block whose dq product is pending
+        const u64 vk_desc = smem_desc(sV, 16, 1024);              // V K-major: B of dP = dO V^T
+        const u64 kt_desc = smem_desc(sK, NS * KSTAGE, 1024);     // K MN-major: B of dq += dS K
+        auto issue_sdp = [&](int s) {
+            const u64 kd = k_desc + ((warp_uniform(s) * KSTAGE) >> 4);
+            const u64 vd = vk_desc + ((warp_uniform(s) * TILE_KV) >> 4);
+            const u64 qd = smem_desc(sQ + warp_uniform(wg) * TILE_Q, 16, 1024);
+            const u64 od = smem_desc(sO + warp_uniform(wg) * TILE_Q, 16, 1024);
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) wgmma_ss<T, 64>(sacc, qd + ((((kk >> 2) * HALF) + (kk & 3) * 32) >> 4), kd + k_off(kk), kk > 0);
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                const u32 off = (((kk >> 2) * HALF) + (kk & 3) * 32) >> 4;
+                wgmma_ss<T, 64>(dpacc, od + off, vd + off, kk > 0);
+            }
+            wgmma_commit();
+        };
+        auto issue_dq = [&](int s) {
+            const u64 kd = kt_desc + ((warp_uniform(s) * KSTAGE) >> 4);
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, D>(o, pa[kk], kd + ((kk * 16 * 128) >> 4), 1);
+            wgmma_commit();
+        };
+        // dS = P (dP - delta) in place of S; P = 0 past each row's limit (a row that did not select
+        // the block: all of it)
+        auto ds_step = [&](const int (&lim)[2]) {
+            const bool full_rows = lim[0] >= BLOCK_N - 1 && lim[1] >= BLOCK_N - 1;
+            const int c0 = (lane & 3) * 2;
+            if (__all_sync(0xffffffffu, full_rows)) {
+#pragma unroll
+                for (int i = 0; i < 32; ++i)
+                    sacc[i] = exp2f(fmaf(sacc[i], scale_log2, -lse2[(i >> 1) & 1])) * (dpacc[i] - dlt[(i >> 1) & 1]);
+            } else {
+#pragma unroll
+                for (int i = 0; i < 32; ++i) {
+                    const int r = (i >> 1) & 1;
+                    const float p = ((i >> 2) & 7) * 8 + (i & 1) <= lim[r] - c0 ? exp2f(fmaf(sacc[i], scale_log2, -lse2[r])) : 0.f;
+                    sacc[i] = p * (dpacc[i] - dlt[r]);
+                }
+            }
+        };
+        int own = -1;
+        const int ring_len = split ? NH : NS;
+        auto advance = [&](int& j, int& it) {
+            j = walk.next_mine();
+            it = split ? ++own : walk.it;
+        };
+        int j, it;
+        advance(j, it);
+        while (j >= 0) {
+            int s = stage_of(wg, it);
+            wait_full(s);
+            wgmma_fence();
+            issue_sdp(s);
+            int lim[2];
+            block_lims(j, lim);
+            wgmma_wait<0>();
+            fence_regs(sacc);
+            fence_regs(dpacc);
+            ds_step(lim);
+            pack_a_frags<T, 4>(sacc, pa);
+            int jn, itn;
+            advance(jn, itn);
+            while (jn >= 0 && itn - it < ring_len) {
+                const int sn = stage_of(wg, itn);
+                wait_full(sn);
+                wgmma_fence();
+                issue_sdp(sn);
+                issue_dq(s);
+                int jf, itf;                    // the block after: found while the products run
+                advance(jf, itf);
+                block_lims(jn, lim);
+                wgmma_wait<1>();                // S, dP of block n+1 done; dq of block n may still run
+                fence_regs(sacc);
+                fence_regs(dpacc);
+                ds_step(lim);
+                wgmma_wait<0>();
+                fence_regs(o);
+                mbar_arrive(empty(wg, s));
+                pack_a_frags<T, 4>(sacc, pa);
+                j = jn;
+                it = itn;
+                s = sn;
+                jn = jf;
+                itn = itf;
+            }
+            wgmma_fence();
+            issue_dq(s);
+            wgmma_wait<0>();
+            fence_regs(o);
+            mbar_arrive(empty(wg, s));
+            j = jn;
+            it = itn;
+        }
+    } else if (!pair) {
         // ---- 64-key steps. Q stays in registers as wgmma A fragments (the mma.m16n8k16 A layout
         // per warp): S then reads only K from shared memory.
         float sacc[32];
@@ -642,6 +758,19 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
         }
     }
     // ---- epilogue
+    if constexpr (DQ) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            if (!row_ok[r]) continue;
+            const int64 R = m0 + 64 * wg + wwarp * 16 + (lane >> 2) + 8 * r;
+            const int t = (int)(R / G), g = (int)(R - (int64)t * G);
+            T* dst = out + ((int64)(qs + t) * HQ + (int64)h * G + g) * D + (lane & 3) * 2;
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n)
+                *reinterpret_cast<u32*>(dst + n * 8) = pack2<T>(o[4 * n + 2 * r] * scale, o[4 * n + 2 * r + 1] * scale);
+        }
+        return;
+    }
     const float LN2 = 0.69314718055994531f;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -659,4 +788,31 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
         if ((lane & 3) == 0)
             lse[((int64)h * G + g) * total_q + qs + t] = l > 0.f ? (m_run[r] * scale_log2 + log2f(l)) * LN2 : INFLLM_INF;
     }
+}
+
+template <typename T, int D, int NS>
+__global__ void __launch_bounds__(128 * (NC + 1), 1)
+stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, const __grid_constant__ TmaMap tmap_v,
+                const unsigned* __restrict__ masks, const int* __restrict__ mask_base,
+                const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+                T* __restrict__ out, float* __restrict__ lse,
+                int total_q, int HQ, int H, int G, int n_words, long long mask_h_stride, int mask_q_block,
+                float scale_log2, int causal, int step_mode) {
+    ring_cta_sm90<T, D, NS, false>(q, nullptr, tmap_k, tmap_v, masks, mask_base, cu_seqlens_q, cu_seqlens_k, out, lse,
+                                   nullptr, total_q, HQ, H, G, n_words, mask_h_stride, mask_q_block, scale_log2, 1.f,
+                                   causal, step_mode);
+}
+
+template <typename T, int D, int NS>
+__global__ void __launch_bounds__(128 * (NC + 1), 1)
+stage2_bwd_dq_ring_sm90(const T* __restrict__ q, const T* __restrict__ dout, const __grid_constant__ TmaMap tmap_k,
+                        const __grid_constant__ TmaMap tmap_v, const float* __restrict__ lse,
+                        const float* __restrict__ delta, const unsigned* __restrict__ masks,
+                        const int* __restrict__ mask_base, const int* __restrict__ cu_seqlens_q,
+                        const int* __restrict__ cu_seqlens_k, T* __restrict__ dq, int total_q, int HQ, int H, int G,
+                        int n_words, long long mask_h_stride, int mask_q_block, float scale_log2, float scale,
+                        int causal, int step_mode) {
+    ring_cta_sm90<T, D, NS, true>(q, dout, tmap_k, tmap_v, masks, mask_base, cu_seqlens_q, cu_seqlens_k, dq,
+                                  const_cast<float*>(lse), delta, total_q, HQ, H, G, n_words, mask_h_stride,
+                                  mask_q_block, scale_log2, scale, causal, step_mode);
 }

@@ -15,6 +15,7 @@ from infllm_cupy.stage2.sparse_bwd import (
     SM90A,
     SM90A_AUTO,
     SM90A_GATHER,
+    SM90A_SPLIT,
     stage2_bwd,
 )
 from infllm_cupy.stage2.sparse_fwd import DEFAULT_TILES, n_mask_words, stage2_fwd, token_block_masks
@@ -28,9 +29,10 @@ NEEDS_HOPPER = pytest.mark.skipif(not HOPPER, reason="sm_90a kernels need capabi
 SM90 = pytest.param(SM90A, marks=NEEDS_HOPPER)
 SM90_GATHER = pytest.param(SM90A_GATHER, marks=NEEDS_HOPPER)
 SM90_AUTO = pytest.param(SM90A_AUTO, marks=NEEDS_HOPPER)
-# every path on every case: sm_90a over fixed tiles, sm_90a gathering tokens (8 <= G <= 64), both
-# split per key block by tile fill, SM80
-KERNELS = [SM90, SM90_GATHER, SM90_AUTO, DEFAULT_BWD_TILES]
+SM90_SPLIT = pytest.param(SM90A_SPLIT, marks=NEEDS_HOPPER)
+# every path on every case: sm_90a over fixed tiles (dq on one shared K/V ring), sm_90a gathering
+# tokens (8 <= G <= 64), both split per key block by tile fill, dq on a ring per warpgroup, SM80
+KERNELS = [SM90, SM90_GATHER, SM90_AUTO, SM90_SPLIT, DEFAULT_BWD_TILES]
 
 
 def kernels_id(t):
