@@ -2,9 +2,9 @@
 
 Four launches, all on torch's current stream and with no host synchronisation:
 `stage2_bwd_delta` (rowsum(dout * out)), `stage2_bwd_tiles` (for each KV block, the bitmask of
-64-row query tiles that selected it: the transposed index dk/dv need), `stage2_bwd_dq` (the
-forward's walk over each query tile's blocks) and `stage2_bwd_dkdv` (one CTA per KV block over
-its query tiles). Neither gradient kernel uses float atomics, so results are bit-identical from
+64-row query tiles that selected it: the transposed index dk/dv need), dq (the forward's walk over
+each query tile's blocks; on Hopper `stage2_bwd_dq_ring_sm90`, the forward's warp-specialised K/V
+ring) and dk/dv (one CTA per KV block over its query tiles). Neither gradient kernel uses float atomics, so results are bit-identical from
 run to run: there is no separate deterministic mode because the default already is one.
 """
 from __future__ import annotations
@@ -19,9 +19,10 @@ import torch
 from .. import _jit
 from .._checks import KERNEL_DTYPES
 from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
-from .sparse_fwd import BLOCK_N, HEAD_DIMS, SM90_CONSUMERS, SMEM_PER_BLOCK, check_aligned, sm90_smem_bytes as fwd_smem
-from .sparse_fwd import SM90_SOURCE as RING_SOURCE
 from .._tma import rows_map
+from .sparse_fwd import BLOCK_N, HEAD_DIMS, SM90_CONSUMERS, SMEM_PER_BLOCK, check_aligned
+from .sparse_fwd import SM90_SOURCE as RING_SOURCE
+from .sparse_fwd import sm90_smem_bytes as fwd_smem
 
 BWD_SOURCE = "stage2/sparse_bwd.cu"
 SM90_SOURCE = "stage2/sparse_bwd_sm90.cu"
@@ -129,9 +130,9 @@ def dq_ring_stages(D: int, n_words: int, itemsize: int = 2) -> int:
     return DQ_RING_STAGES[-1]   # too long for any: the launch names the shared memory it asked for
 
 
-def sm90_smem_bytes(D: int, n_words: int, kind: str, itemsize: int = 2) -> int:
-    # 1 KB alignment slack for the swizzled tiles + six 64 x D tiles + the union words / row info
-    return 1024 + 6 * 64 * D * itemsize + (4 * n_words if kind == "dq" else 2 * 3 * QT * 4)
+def dkdv_sm90_smem_bytes(D: int, itemsize: int = 2) -> int:
+    # 1 KB alignment slack for the swizzled tiles + six 64 x D tiles + the row info
+    return 1024 + 6 * 64 * D * itemsize + 2 * 3 * QT * 4
 
 
 @functools.cache
@@ -237,7 +238,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                 32 * DEFAULT_BWD_TILES.dq_warps
             dq_kernel = _jit.get_kernel(BWD_SOURCE, dq_name)
             dq_smem = dq_smem_bytes(D, DEFAULT_BWD_TILES, n_words, q.element_size())
-        kv_smem = sm90_smem_bytes(D, n_words, "dkdv", q.element_size())
+        kv_smem = dkdv_sm90_smem_bytes(D, q.element_size())
         # (gather mode, own index, the other mode's index or None): "sm90a_auto" runs both instances
         if split:
             runs = [(False, by_tiles, by_tokens), (True, by_tokens, by_tiles)]

@@ -1,10 +1,9 @@
-// stage2/sparse_bwd_sm90.cu: token-level block-sparse attention backward, Hopper (sm_90a) path.
+// stage2/sparse_bwd_sm90.cu: token-level block-sparse attention backward, Hopper (sm_90a) path: dk, dv.
 //
 // Launch contract (mirrored by infllm_cupy/stage2/sparse_bwd.py). Arguments, semantics and outputs
-// are those of stage2_bwd_dq / stage2_bwd_dkdv in sparse_bwd.cu (delta and the transposed tile
-// index come from that file's two small kernels); capability 9.0 only.
-//   stage2_bwd_dq_sm90<T, D>     grid (cdiv(max_seqlen_q * G, 64), H, B)   block 128
-//       dyn smem 1 KB slack + 2 * 64 * D (Q, dO) + 2 * 2 * 64 * D (K, V double buffer) elements + 4 n_words
+// are those of stage2_bwd_dkdv in sparse_bwd.cu (delta and the transposed tile index come from that
+// file's two small kernels); capability 9.0 only. The sm_90a dq kernel runs on the forward's K/V
+// ring and lives beside it (stage2_bwd_dq_ring_sm90 in sparse_fwd_sm90.cu).
 //   stage2_bwd_dkdv_sm90<T, D, GATHER>   grid (H, B, cdiv(max_seqlen_k, 64))   block 128
 //       dyn smem 1 KB slack + 2 * 64 * D (K, V) + 2 * 2 * 64 * D (Q, dO double buffer) elements + 2 * 3 * 64 * 4
 //       GATHER = false ("sm90a", the default): `ut` indexes 64-row tiles (stage2_bwd_tiles with
@@ -17,12 +16,10 @@
 //       instances and each keeps the key blocks its mode does best (see the fill test below).
 //
 // One warpgroup per CTA, every product on wgmma with 128-byte-swizzled shared-memory tiles (the
-// forward's layout): the SM80 kernels read each operand fragment through ldmatrix into every
-// warp's registers, which makes them shared-memory bound; wgmma reads B once per warpgroup.
-//   dq:   S = Q K^T, dP = dO V^T (both operands in shared memory), dS = P (dP - delta) in
-//         registers, dq += dS K (dS as the register A operand, K MN-major).
-//   dkdv: S^T = K Q^T, dP^T = V dO^T over one 64-row query tile, then dV += P^T dO and
-//         dK += dS^T Q with P^T / dS^T as register A operands (Q, dO MN-major).
+// forward's layout): the SM80 kernel reads each operand fragment through ldmatrix into every
+// warp's registers, which makes it shared-memory bound; wgmma reads B once per warpgroup.
+//   S^T = K Q^T, dP^T = V dO^T over one 64-row query tile, then dV += P^T dO and
+//   dK += dS^T Q with P^T / dS^T as register A operands (Q, dO MN-major).
 // Loads are cp.async double buffers with one CTA barrier per step (2 CTAs per SM overlap each
 // other's loads and elementwise work with wgmma).
 #include "common/types.cuh"
@@ -35,7 +32,7 @@
 
 // x = A_x B_x^T and y = A_y B_y^T, 64 x 64 each over D, all four operands K-major 64-row tiles in
 // 128-byte-swizzled shared memory (descriptors ax, bx, ay, by); issued together as one group,
-// waited for by ss_product_pair_wait. The S and dP products of both dq and dk/dv: the caller
+// waited for by ss_product_pair_wait. The S^T and dP^T products of dk/dv: the caller
 // walks to its next block or tile and issues its loads while they run.
 template <typename T, int D>
 __device__ __forceinline__ void ss_product_pair_issue(float (&x)[32], u64 ax, u64 bx, float (&y)[32], u64 ay, u64 by) {
@@ -68,146 +65,6 @@ __device__ __forceinline__ void load_tile_rows(u32 dst, const T* __restrict__ sr
     for (int u = 0; u < 64 * CH / 128; ++u) {
         const int i = tid + 128 * u, row = i / CH, ch = i % CH;
         cp_async_16(dst + swz128(row, ch, 64), row_ok[u] ? src_base + row_off[u] + ch * 8 : src_base, row_ok[u] ? 16 : 0);
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-template <typename T, int D>
-__global__ void __launch_bounds__(128, 2)
-stage2_bwd_dq_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                   const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-                   const unsigned* __restrict__ masks, const int* __restrict__ mask_base,
-                   const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
-                   T* __restrict__ dq, int total_q, int HQ, int H, int G, int n_words, long long mask_h_stride,
-                   int mask_q_block, float scale_log2, float scale, int causal) {
-    constexpr int CH = D / 8;
-    constexpr u32 TILE = 64 * D * sizeof(T);
-    constexpr u32 HALF = 64 * 128;
-    extern __shared__ unsigned char smem[];
-    const u32 raw = smem_u32(smem);
-    const u32 base = (raw + 1023u) & ~1023u;
-    const u32 sQ = base, sO = sQ + TILE, sK = sO + TILE, sV = sK + 2 * TILE;
-    unsigned* sU = reinterpret_cast<unsigned*>(smem + (sV + 2 * TILE - raw));
-
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const int qs = cu_seqlens_q[b], Lq = cu_seqlens_q[b + 1] - qs;
-    const int ks = cu_seqlens_k[b], Lk = cu_seqlens_k[b + 1] - ks;
-    const int64 rows_total = (int64)Lq * G;
-    // last tiles first: they see the most blocks (causal), so the longest CTAs start earliest
-    const int64 m0 = (int64)(gridDim.x - 1 - blockIdx.x) * 64;
-    if (m0 >= rows_total) return;
-    const int shift = causal ? Lk - Lq : 0;
-    const int nb = (Lk + BLOCK_N - 1) / BLOCK_N;
-    const int t_lo = (int)(m0 / G);
-    const int t_hi = (int)((min(m0 + 64, rows_total) - 1) / G);
-    const int max_block = last_visible_block(min(nb, n_words * 32), causal, t_hi, shift);
-    const int nw = union_words(max_block);
-    const unsigned* mrows = masks + ((int64)mask_base[b] + (int64)h * mask_h_stride) * n_words;
-    cta_union(sU, mrows, n_words, t_lo / mask_q_block, t_hi / mask_q_block, max_block, nw, tid, 128);
-    {
-        constexpr int U = 64 * CH / 128;
-        int64 off[U];
-        bool ok[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int64 R = m0 + (tid + 128 * u) / CH;
-            ok[u] = R < rows_total;
-            const int t = ok[u] ? (int)(R / G) : 0, g = ok[u] ? (int)(R - (int64)t * G) : 0;
-            off[u] = ((int64)(qs + t) * HQ + (int64)h * G + g) * D;
-        }
-        load_tile_rows<T, D>(sQ, q, tid, off, ok);
-        load_tile_rows<T, D>(sO, dout, tid, off, ok);
-    }
-    cp_async_commit();
-
-    auto load_kv = [&](int j, int stage) {
-        constexpr int U = 64 * CH / 128;
-        int64 off[U];
-        bool ok[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int key = j * BLOCK_N + (tid + 128 * u) / CH;
-            ok[u] = key < Lk;
-            off[u] = ((int64)(ks + key) * H + h) * D;
-        }
-        load_tile_rows<T, D>(sK + stage * TILE, k, tid, off, ok);
-        load_tile_rows<T, D>(sV + stage * TILE, v, tid, off, ok);
-    };
-
-    __syncthreads();
-    int j = next_set_bit(sU, nw, 0);
-    if (j >= 0) load_kv(j, 0);
-    cp_async_commit();
-
-    bool row_ok[2];
-    int rk[2];
-    float lse2[2], dlt[2];
-    const unsigned* mrow[2];
-    dq_row_state(m0 + warp * 16 + (lane >> 2), rows_total, t_lo, G, causal, shift, Lk, mrows, mask_q_block, n_words, h,
-                 total_q, qs, lse, delta, row_ok, rk, mrow, lse2, dlt);
-
-    float acc[D / 2];
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
-    float s[32], dp[32];
-    u32 da[4][4];
-    const u64 q_desc = smem_desc(sQ, 16, 1024), o_desc = smem_desc(sO, 16, 1024);
-    const u64 k_desc = smem_desc(sK, 16, 1024), v_desc = smem_desc(sV, 16, 1024);
-    const u64 kt_desc = smem_desc(sK, HALF, 1024);   // K as the MN-major B of dq += dS K
-
-    int stage = 0;
-    while (j >= 0) {
-        cp_async_wait<0>();
-        fence_proxy_async();
-        __syncthreads();
-        // S and dP first; the walk to the next block, its loads and this block's mask limits
-        // run while they compute (the other stage's buffers are free: its products completed)
-        ss_product_pair_issue<T, D>(s, q_desc, k_desc + ((stage * TILE) >> 4), dp, o_desc, v_desc + ((stage * TILE) >> 4));
-        const int jn = next_set_bit(sU, nw, j + 1);
-        if (jn >= 0) load_kv(jn, stage ^ 1);
-        cp_async_commit();
-
-        const int kbase = j * BLOCK_N;
-        int lim[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const bool sel = row_ok[r] && ((__ldg(mrow[r] + (j >> 5)) >> (j & 31)) & 1u);
-            lim[r] = sel ? rk[r] - kbase : -1;
-        }
-        ss_product_pair_wait(s, dp);
-        const int c0 = (lane & 3) * 2;
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int r = i >> 1;
-                const float p = n * 8 + c0 + (i & 1) <= lim[r]
-                                    ? exp2f(fmaf(s[4 * n + i], scale_log2, -lse2[r])) : 0.f;
-                s[4 * n + i] = p * (dp[4 * n + i] - dlt[r]);
-            }
-        pack_a_frags<T, 4>(s, da);
-        const u64 ktd = kt_desc + ((stage * TILE) >> 4);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, D>(acc, da[kk], ktd + ((kk * 16 * 128) >> 4), 1);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(acc);
-        stage ^= 1;
-        j = jn;
-    }
-    cp_async_wait<0>();
-
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        if (!row_ok[r]) continue;
-        const int64 R = m0 + warp * 16 + (lane >> 2) + 8 * r;
-        const int t = (int)(R / G), g = (int)(R - (int64)t * G);
-        T* dst = dq + ((int64)(qs + t) * HQ + (int64)h * G + g) * D + (lane & 3) * 2;
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n)
-            *reinterpret_cast<u32*>(dst + n * 8) = pack2<T>(acc[4 * n + 2 * r] * scale, acc[4 * n + 2 * r + 1] * scale);
     }
 }
 

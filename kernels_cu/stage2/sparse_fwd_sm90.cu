@@ -15,6 +15,11 @@
 //               warpgroup) in the CTAs whose warpgroups share under a quarter of it, else 64-key
 //               steps on one ring; 2: 128-key steps everywhere; 3: 64-key steps on split rings
 //               everywhere (2 and 3: tests)
+//   kernel   stage2_bwd_dq_ring_sm90<T, D, NS>  the backward's dq on the same ring (infllm_cupy/stage2/
+//            sparse_bwd.py): arguments as stage2_bwd_dq in sparse_bwd.cu with K and V as the tensor
+//            maps above and step_mode last (0, 1 or 3; no 128-key steps); grid and block as above,
+//            CTAs in reverse order (last tiles first: causal, they see the most blocks); dyn smem as
+//            above plus NC dout tiles (placed after the Q tiles). NS in {4, 6}: the deepest that fits.
 //
 // Warp-specialised, as FlashAttention-3: warpgroups 0..NC-1 are consumers, each owning 64 rows of
 // the flattened (token, head-in-group) space (4 tokens at G = 16); warpgroup NC is the producer.
