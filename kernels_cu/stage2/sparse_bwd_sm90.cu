@@ -462,8 +462,29 @@ stage2_bwd_dkdv_ws_sm90(const T* __restrict__ q, const T* __restrict__ k, const 
             g = (int)(R - (unsigned)t * G);
             return R < (unsigned)rows_total;
         };
-        for (int i = 0; i < n_tiles; ++i) {
+        // Row info of the next tile (mask word, lse, delta), fetched a tile ahead: issued right
+        // after a tile's copies, consumed after the next stage wait, so that the loads' latency
+        // does not hold each tile's full barrier (it did: one global round trip per tile).
+        bool f_ok = false;
+        unsigned f_word = 0u;
+        int f_rk = -1;
+        float f_l = 0.f, f_d = 0.f;
+        auto fetch_info = [&]() {
+            int t, g;
+            f_ok = ptid < QT && row_token(ptid, t, g);
+            if (f_ok) {
+                const int64 li = ((int64)h * G + g) * total_q + qs + t;
+                f_word = __ldg(mrows + (int64)(t / mask_q_block) * n_words + (j >> 5));
+                f_l = __ldg(lse + li);
+                f_d = __ldg(delta + li);
+                f_rk = causal ? t + shift : Lk - 1;
+            }
+        };
+        if (n_tiles > 0) {
             advance();
+            fetch_info();
+        }
+        for (int i = 0; i < n_tiles; ++i) {
             const int use = i >> 1, s = (i & 1) * NH + use % NH;
             if (use >= NH) mbar_wait(bar_empty + 8 * s, (use / NH - 1) & 1);
             const u32 dq_ = sQ + s * TILE, do_ = sO + s * TILE;
@@ -482,24 +503,17 @@ stage2_bwd_dkdv_ws_sm90(const T* __restrict__ q, const T* __restrict__ k, const 
             }
             mbar_arrive_cp_async(bar_full + 8 * s);
             if (ptid < QT) {
-                int t, g, lim = -1;
-                float l2 = 0.f, dl = 0.f;
-                if (row_token(ptid, t, g)) {
-                    const int64 li = ((int64)h * G + g) * total_q + qs + t;
-                    const unsigned word = __ldg(mrows + (int64)(t / mask_q_block) * n_words + (j >> 5));
-                    const int rk = causal ? t + shift : Lk - 1;
-                    if (rk >= kbase && ((word >> (j & 31)) & 1u)) {
-                        lim = rk - kbase;
-                        l2 = __ldg(lse + li) * LOG2E;
-                        dl = __ldg(delta + li);
-                    }
-                }
+                const bool sel = f_ok && f_rk >= kbase && ((f_word >> (j & 31)) & 1u);
                 float* info = sInfo + s * 3 * QT;
-                reinterpret_cast<int*>(info)[ptid] = lim;
-                info[QT + ptid] = l2;
-                info[2 * QT + ptid] = dl;
+                reinterpret_cast<int*>(info)[ptid] = sel ? f_rk - kbase : -1;
+                info[QT + ptid] = sel ? f_l * LOG2E : 0.f;
+                info[2 * QT + ptid] = sel ? f_d : 0.f;
             }
             mbar_arrive(bar_full + 8 * s);
+            if (i + 1 < n_tiles) {
+                advance();
+                fetch_info();
+            }
         }
         return;
     }
