@@ -77,8 +77,10 @@ _jit.register_instances(RING_SOURCE, [f"stage2_bwd_dq_ring_sm90<{CXX_TYPE[dt]}, 
                                       for d in HEAD_DIMS for ns in DQ_RING_STAGES], sm90a=True)
 _jit.register_instances(SM90_SOURCE, [f"stage2_bwd_dkdv_sm90<{CXX_TYPE[dt]}, {d}, {g}>" for dt in KERNEL_DTYPES
                                      for d in HEAD_DIMS for g in ("false", "true")], sm90a=True)
-DKDV_WS_STAGES = {64: 6, 128: 4}   # Q/dO ring depth of stage2_bwd_dkdv_ws_sm90 per head dim (what fits)
-_jit.register_instances(SM90_SOURCE, [f"stage2_bwd_dkdv_ws_sm90<{CXX_TYPE[dt]}, {d}, {g}, {DKDV_WS_STAGES[d]}>"
+DKDV_WS_CONSUMERS = 1              # consumer warpgroups of stage2_bwd_dkdv_ws_sm90 (1: two CTAs per SM)
+DKDV_WS_STAGES = {64: 4, 128: 2}   # its Q/dO ring depth per head dim (what fits two CTAs per SM)
+_jit.register_instances(SM90_SOURCE, [f"stage2_bwd_dkdv_ws_sm90<{CXX_TYPE[dt]}, {d}, {g}, {DKDV_WS_STAGES[d]}, "
+                                      f"{DKDV_WS_CONSUMERS}>"
                                      for dt in KERNEL_DTYPES for d in HEAD_DIMS for g in ("false", "true")],
                         sm90a=True)
 
@@ -255,7 +257,8 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         else:
             runs = [(True, by_tokens, None)] if gather else [(False, by_tiles, None)]
         null = np.uint64(0)
-        kv_launches = [(f"stage2_bwd_dkdv_ws_sm90<{T}, {D}, {'true' if g else 'false'}, {DKDV_WS_STAGES[D]}>", True,
+        kv_launches = [(f"stage2_bwd_dkdv_ws_sm90<{T}, {D}, {'true' if g else 'false'}, {DKDV_WS_STAGES[D]}, "
+                        f"{DKDV_WS_CONSUMERS}>", True,
                         (ptr(own[0]), ptr(own[1]), np.int64(own[2]))
                         + ((ptr(other[0]), ptr(other[1]), np.int64(other[2])) if other else (null, null, np.int64(0))))
                        for g, own, other in runs]
@@ -270,7 +273,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
            shared_mem=dq_smem, args=dq_args)
     def launch_dkdv(kv_name: str, sm90a: bool, index_args: tuple) -> None:
         kv_kernel = _jit.get_kernel(SM90_SOURCE, kv_name, sm90a=True) if sm90a else _jit.get_kernel(BWD_SOURCE, kv_name)
-        launch(kv_kernel, name=kv_name, grid=(H, B, cdiv(max_seqlen_k, BLOCK_N)), block=(384 if sm90a else 128,),
+        launch(kv_kernel, name=kv_name, grid=(H, B, cdiv(max_seqlen_k, BLOCK_N)), block=(128 * (DKDV_WS_CONSUMERS + 1) if sm90a else 128,),
                shared_mem=kv_smem,
                args=common + index_args + (ptr(dk), ptr(dv), np.int32(total_q), np.int32(HQ), np.int32(H),
                                            np.int32(G), np.int32(n_words), np.int64(mask_h_stride),

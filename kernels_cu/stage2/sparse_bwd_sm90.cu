@@ -336,11 +336,14 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
 // of its own; each accumulates dK and dV over its tiles, and warpgroup 1 hands its sums to
 // warpgroup 0 through shared memory at the end. The consumers do no address math and meet no CTA
 // barrier per tile (the one-warpgroup kernel above spends half its instructions on its loader).
-#define DKDV_REG_CONSUMER 224
-#define DKDV_REG_PRODUCER 56
+// NCW consumer warpgroups (1 or 2): with one, two CTAs share an SM (registers: 2 x (consumer +
+// producer) x 128 threads fill the file), as the one-warpgroup kernel's do.
+template <int NCW> struct DkdvRegs;
+template <> struct DkdvRegs<1> { static constexpr int consumer = 200, producer = 56; };
+template <> struct DkdvRegs<2> { static constexpr int consumer = 224, producer = 56; };
 
-template <typename T, int D, bool GATHER, int NS>
-__global__ void __launch_bounds__(384, 1)
+template <typename T, int D, bool GATHER, int NS, int NCW>
+__global__ void __launch_bounds__(128 * (NCW + 1), NCW == 1 ? 2 : 1)
 stage2_bwd_dkdv_ws_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                         const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
                         const unsigned* __restrict__ masks, const int* __restrict__ mask_base,
@@ -352,7 +355,7 @@ stage2_bwd_dkdv_ws_sm90(const T* __restrict__ q, const T* __restrict__ k, const 
     constexpr int CH = D / 8;
     constexpr u32 TILE = 64 * D * sizeof(T);
     constexpr u32 HALF = 64 * 128;
-    constexpr int NH = NS / 2;                  // stages per consumer warpgroup
+    constexpr int NH = NS / NCW;                // stages per consumer warpgroup
     constexpr float LOG2E = 1.4426950408889634f;
     extern __shared__ unsigned char smem[];
     const u32 raw = smem_u32(smem);
@@ -403,10 +406,10 @@ stage2_bwd_dkdv_ws_sm90(const T* __restrict__ q, const T* __restrict__ k, const 
     }
     __syncthreads();
 
-    if (wg == 2) {
+    if (wg == NCW) {
         // ================= producer warpgroup
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(DKDV_REG_PRODUCER) : "memory");
-        const int ptid = tid - 256;
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(DkdvRegs<NCW>::producer) : "memory");
+        const int ptid = tid - 128 * NCW;
         {   // K and V of the key block, rows past L_k as zeros
             constexpr int U = 64 * CH / 128;
             int64 off[U];
@@ -485,7 +488,7 @@ stage2_bwd_dkdv_ws_sm90(const T* __restrict__ q, const T* __restrict__ k, const 
             fetch_info();
         }
         for (int i = 0; i < n_tiles; ++i) {
-            const int use = i >> 1, s = (i & 1) * NH + use % NH;
+            const int use = i / NCW, s = (i % NCW) * NH + use % NH;
             if (use >= NH) mbar_wait(bar_empty + 8 * s, (use / NH - 1) & 1);
             const u32 dq_ = sQ + s * TILE, do_ = sO + s * TILE;
 #pragma unroll 2
@@ -518,8 +521,8 @@ stage2_bwd_dkdv_ws_sm90(const T* __restrict__ q, const T* __restrict__ k, const 
         return;
     }
 
-    // ================= consumer warpgroup wg: tiles wg, wg + 2, ...
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(DKDV_REG_CONSUMER) : "memory");
+    // ================= consumer warpgroup wg: tiles wg, wg + NCW, ...
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(DkdvRegs<NCW>::consumer) : "memory");
     const int wwarp = warp & 3;
     float adk[D / 2], adv[D / 2];
 #pragma unroll
@@ -532,8 +535,8 @@ stage2_bwd_dkdv_ws_sm90(const T* __restrict__ q, const T* __restrict__ k, const 
     const int c0 = (lane & 3) * 2;
     const int key_r0 = wwarp * 16 + (lane >> 2);
     mbar_wait(bar_kv, 0);
-    for (int i = wg; i < n_tiles; i += 2) {
-        const int use = i >> 1, st = warp_uniform(wg * NH + use % NH);
+    for (int i = wg; i < n_tiles; i += NCW) {
+        const int use = i / NCW, st = warp_uniform(wg * NH + use % NH);
         mbar_wait(bar_full + 8 * st, (use / NH) & 1);
         fence_proxy_async();                    // the stage's cp.async writes, read by wgmma
         ss_product_pair_issue<T, D>(s, k_desc, q_desc + ((st * TILE) >> 4), dp, v_desc, o_desc + ((st * TILE) >> 4));
@@ -572,22 +575,24 @@ stage2_bwd_dkdv_ws_sm90(const T* __restrict__ q, const T* __restrict__ k, const 
 
     // ---- warpgroup 1's sums into warpgroup 0's, through the ring's shared memory (free: every
     // tile was consumed, so the producer has finished and both warpgroups are past their last read)
-    named_barrier(1, 256);
-    float* red = reinterpret_cast<float*>(smem + (sQ - raw));   // [2][D / 2][128]
-    const int ct = tid & 127;
-    if (wg == 1) {
+    if constexpr (NCW == 2) {
+        named_barrier(1, 256);
+        float* red = reinterpret_cast<float*>(smem + (sQ - raw));   // [2][D / 2][128]
+        const int ct = tid & 127;
+        if (wg == 1) {
+#pragma unroll
+            for (int x = 0; x < D / 2; ++x) {
+                red[x * 128 + ct] = adk[x];
+                red[(D / 2 + x) * 128 + ct] = adv[x];
+            }
+        }
+        named_barrier(1, 256);
+        if (wg == 1) return;
 #pragma unroll
         for (int x = 0; x < D / 2; ++x) {
-            red[x * 128 + ct] = adk[x];
-            red[(D / 2 + x) * 128 + ct] = adv[x];
+            adk[x] += red[x * 128 + ct];
+            adv[x] += red[(D / 2 + x) * 128 + ct];
         }
-    }
-    named_barrier(1, 256);
-    if (wg == 1) return;
-#pragma unroll
-    for (int x = 0; x < D / 2; ++x) {
-        adk[x] += red[x * 128 + ct];
-        adv[x] += red[(D / 2 + x) * 128 + ct];
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
