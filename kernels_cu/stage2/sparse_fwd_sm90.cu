@@ -483,122 +483,82 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
     // the held step's first (the producer may need the held stages back before it can fill it):
     // the pending P V is flushed and its stages released. Every wgmma sits in straight-line code
     // (loop bodies), so ptxas keeps them asynchronous.
-    if constexpr (DQ) {
-        // ---- dq: per block S = Q K^T and dP = dO V^T (Q, dO in shared memory: registers go to dq) as
-        // one group, dS = P (dP - delta) with P from the saved lse, then dq += dS K (K MN-major in
-        // its ring stage). Pipelined as the forward's 64-key steps: block n+1's S and dP go to the
-        // tensor cores right before block n's dq product, and the wait is for S and dP only.
-        float sacc[32], dpacc[32];
-        u32 pa[4][4];                           // dS of the block whose dq product is pending
-        const u64 vk_desc = smem_desc(sV, 16, 1024);              // V K-major: B of dP = dO V^T
-        const u64 kt_desc = smem_desc(sK, NS * KSTAGE, 1024);     // K MN-major: B of dq += dS K
-        auto issue_sdp = [&](int s) {
-            const u64 kd = k_desc + ((warp_uniform(s) * KSTAGE) >> 4);
-            const u64 vd = vk_desc + ((warp_uniform(s) * TILE_KV) >> 4);
-            const u64 qd = smem_desc(sQ + warp_uniform(wg) * TILE_Q, 16, 1024);
-            const u64 od = smem_desc(sO + warp_uniform(wg) * TILE_Q, 16, 1024);
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) wgmma_ss<T, 64>(sacc, qd + ((((kk >> 2) * HALF) + (kk & 3) * 32) >> 4), kd + k_off(kk), kk > 0);
+    if (!pair) {
+        // ---- 64-key steps (the forward's where 128-key steps do not pay; dq's always). Per block
+        // the first products, then the second:
+        //   forward  S = Q K^T with Q in registers as wgmma A fragments (the mma.m16n8k16 A layout
+        //            per warp), so S reads only K from shared memory; softmax; O += P V.
+        //   dq       S = Q K^T and dP = dO V^T as one group (Q, dO in shared memory: registers go to
+        //            dq); dS = P (dP - delta) with P from the saved lse; dq += dS K (K MN-major in its
+        //            ring stage).
+        float sacc[32];
+        float dpacc[DQ ? 32 : 1];
+        u32 pa[4][4];                           // P (dq: dS) of the block whose second product is pending
+        u32 qa[DQ ? 1 : D / 16][4];
+        if constexpr (!DQ) {
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) {
-                const u32 off = (((kk >> 2) * HALF) + (kk & 3) * 32) >> 4;
-                wgmma_ss<T, 64>(dpacc, od + off, vd + off, kk > 0);
+                const int mi = lane >> 3, lr = lane & 7;
+                ldmatrix_x4(qa[kk], myQ + swz128(wwarp * 16 + (mi & 1) * 8 + lr, 2 * kk + (mi >> 1), 64));
             }
-            wgmma_commit();
-        };
-        auto issue_dq = [&](int s) {
-            const u64 kd = kt_desc + ((warp_uniform(s) * KSTAGE) >> 4);
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, D>(o, pa[kk], kd + ((kk * 16 * 128) >> 4), 1);
-            wgmma_commit();
-        };
-        // dS = P (dP - delta) in place of S; P = 0 past each row's limit (a row that did not select
-        // the block: all of it)
-        auto ds_step = [&](const int (&lim)[2]) {
-            const bool full_rows = lim[0] >= BLOCK_N - 1 && lim[1] >= BLOCK_N - 1;
-            const int c0 = (lane & 3) * 2;
-            if (__all_sync(0xffffffffu, full_rows)) {
-#pragma unroll
-                for (int i = 0; i < 32; ++i)
-                    sacc[i] = exp2f(fmaf(sacc[i], scale_log2, -lse2[(i >> 1) & 1])) * (dpacc[i] - dlt[(i >> 1) & 1]);
-            } else {
-#pragma unroll
-                for (int i = 0; i < 32; ++i) {
-                    const int r = (i >> 1) & 1;
-                    const float p = ((i >> 2) & 7) * 8 + (i & 1) <= lim[r] - c0 ? exp2f(fmaf(sacc[i], scale_log2, -lse2[r])) : 0.f;
-                    sacc[i] = p * (dpacc[i] - dlt[r]);
-                }
-            }
-        };
-        int own = -1;
-        const int ring_len = split ? NH : NS;
-        auto advance = [&](int& j, int& it) {
-            j = walk.next_mine();
-            it = split ? ++own : walk.it;
-        };
-        int j, it;
-        advance(j, it);
-        while (j >= 0) {
-            int s = stage_of(wg, it);
-            wait_full(s);
-            wgmma_fence();
-            issue_sdp(s);
-            int lim[2];
-            block_lims(j, lim);
-            wgmma_wait<0>();
-            fence_regs(sacc);
-            fence_regs(dpacc);
-            ds_step(lim);
-            pack_a_frags<T, 4>(sacc, pa);
-            int jn, itn;
-            advance(jn, itn);
-            while (jn >= 0 && itn - it < ring_len) {
-                const int sn = stage_of(wg, itn);
-                wait_full(sn);
-                wgmma_fence();
-                issue_sdp(sn);
-                issue_dq(s);
-                int jf, itf;                    // the block after: found while the products run
-                advance(jf, itf);
-                block_lims(jn, lim);
-                wgmma_wait<1>();                // S, dP of block n+1 done; dq of block n may still run
-                fence_regs(sacc);
-                fence_regs(dpacc);
-                ds_step(lim);
-                wgmma_wait<0>();
-                fence_regs(o);
-                mbar_arrive(empty(wg, s));
-                pack_a_frags<T, 4>(sacc, pa);
-                j = jn;
-                it = itn;
-                s = sn;
-                jn = jf;
-                itn = itf;
-            }
-            wgmma_fence();
-            issue_dq(s);
-            wgmma_wait<0>();
-            fence_regs(o);
-            mbar_arrive(empty(wg, s));
-            j = jn;
-            it = itn;
         }
-    } else if (!pair) {
-        // ---- 64-key steps. Q stays in registers as wgmma A fragments (the mma.m16n8k16 A layout
-        // per warp): S then reads only K from shared memory.
-        float sacc[32];
-        u32 pa[4][4];                           // P of the block whose P V is pending
-        u32 qa[D / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const int mi = lane >> 3, lr = lane & 7;
-            ldmatrix_x4(qa[kk], myQ + swz128(wwarp * 16 + (mi & 1) * 8 + lr, 2 * kk + (mi >> 1), 64));
-        }
-        auto issue_s = [&](int s) {             // S = Q K^T, 64 rows x 64 keys, K K-major
+        const u64 vk_desc = smem_desc(sV, 16, 1024);              // dq: V K-major, B of dP = dO V^T
+        const u64 kt_desc = smem_desc(sK, NS * KSTAGE, 1024);     // dq: K MN-major, B of dq += dS K
+        auto issue_first = [&](int s) {
             const u64 kd = k_desc + ((warp_uniform(s) * KSTAGE) >> 4);
+            if constexpr (DQ) {
+                const u64 vd = vk_desc + ((warp_uniform(s) * TILE_KV) >> 4);
+                const u64 qd = smem_desc(sQ + warp_uniform(wg) * TILE_Q, 16, 1024);
+                const u64 od = smem_desc(sO + warp_uniform(wg) * TILE_Q, 16, 1024);
 #pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) wgmma_rs<T, 64>(sacc, qa[kk], kd + k_off(kk), kk > 0);
+                for (int kk = 0; kk < D / 16; ++kk) {
+                    const u32 off = (((kk >> 2) * HALF) + (kk & 3) * 32) >> 4;
+                    wgmma_ss<T, 64>(sacc, qd + off, kd + k_off(kk), kk > 0);
+                }
+#pragma unroll
+                for (int kk = 0; kk < D / 16; ++kk) {
+                    const u32 off = (((kk >> 2) * HALF) + (kk & 3) * 32) >> 4;
+                    wgmma_ss<T, 64>(dpacc, od + off, vd + off, kk > 0);
+                }
+            } else {                            // S = Q K^T, 64 rows x 64 keys, K K-major
+#pragma unroll
+                for (int kk = 0; kk < D / 16; ++kk) wgmma_rs<T, 64>(sacc, qa[kk], kd + k_off(kk), kk > 0);
+            }
             wgmma_commit();
+        };
+        auto issue_second = [&](int s) {
+            if constexpr (DQ) {
+                const u64 kd = kt_desc + ((warp_uniform(s) * KSTAGE) >> 4);
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, D>(o, pa[kk], kd + ((kk * 16 * 128) >> 4), 1);
+                wgmma_commit();
+            } else {
+                issue_pv(s, pa);
+            }
+        };
+        // after the first products' wait: S becomes P (forward) or dS (dq), in place
+        auto step = [&](const int (&lim)[1][2], float (&alpha)[2]) {
+            fence_regs(sacc);
+            if constexpr (DQ) {
+                fence_regs(dpacc);
+                // P = 0 past each row's limit (a row that did not select the block: all of it)
+                const int c0 = (lane & 3) * 2;
+                if (__all_sync(0xffffffffu, lim[0][0] >= BLOCK_N - 1 && lim[0][1] >= BLOCK_N - 1)) {
+#pragma unroll
+                    for (int i = 0; i < 32; ++i)
+                        sacc[i] = exp2f(fmaf(sacc[i], scale_log2, -lse2[(i >> 1) & 1])) * (dpacc[i] - dlt[(i >> 1) & 1]);
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 32; ++i) {
+                        const int r = (i >> 1) & 1;
+                        const float p = ((i >> 2) & 7) * 8 + (i & 1) <= lim[0][r] - c0
+                                            ? exp2f(fmaf(sacc[i], scale_log2, -lse2[r])) : 0.f;
+                        sacc[i] = p * (dpacc[i] - dlt[r]);
+                    }
+                }
+            } else {
+                softmax_step<1>(sacc, lim, m_run, l_run, scale_log2, max_slack, alpha);
+            }
         };
         // the next block this warpgroup needs and its ring position (j = -1 at the end): its rank
         // in the CTA union, or with split rings in the warpgroup's own union
@@ -615,12 +575,11 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
             int s = stage_of(wg, it);
             wait_full(s);
             wgmma_fence();
-            issue_s(s);
+            issue_first(s);
             int lim[1][2];                      // block j's mask limits: loaded while S runs
             block_lims(j, lim[0]);
             wgmma_wait<0>();
-            fence_regs(sacc);
-            softmax_step<1>(sacc, lim, m_run, l_run, scale_log2, max_slack, alpha);
+            step(lim, alpha);
             pack_a_frags<T, 4>(sacc, pa);       // O is rescaled just before its P V, below
             int jn, itn;
             advance(jn, itn);
@@ -628,16 +587,15 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
                 const int sn = stage_of(wg, itn);
                 wait_full(sn);
                 wgmma_fence();
-                issue_s(sn);
-                rescale_o<D>(o, alpha);         // while S runs (O holds every earlier P V)
+                issue_first(sn);
+                if constexpr (!DQ) rescale_o<D>(o, alpha);   // while S runs (O holds every earlier P V)
                 wgmma_fence();
-                issue_pv(s, pa);
+                issue_second(s);
                 int jf, itf;                    // the block after: found while S runs
                 advance(jf, itf);
                 block_lims(jn, lim[0]);
-                wgmma_wait<1>();                // S(n) done; the previous block's P V may still run
-                fence_regs(sacc);
-                softmax_step<1>(sacc, lim, m_run, l_run, scale_log2, max_slack, alpha);
+                wgmma_wait<1>();                // S(n) done; the previous block's second product may still run
+                step(lim, alpha);
                 wgmma_wait<0>();
                 fence_regs(o);
                 mbar_arrive(empty(wg, s));
@@ -648,9 +606,9 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
                 jn = jf;
                 itn = itf;
             }
-            rescale_o<D>(o, alpha);
+            if constexpr (!DQ) rescale_o<D>(o, alpha);
             wgmma_fence();
-            issue_pv(s, pa);
+            issue_second(s);
             wgmma_wait<0>();
             fence_regs(o);
             mbar_arrive(empty(wg, s));

@@ -19,7 +19,7 @@ from infllm_cupy.stage2.sparse_bwd import (
     stage2_bwd,
 )
 from infllm_cupy.stage2.sparse_fwd import DEFAULT_TILES, n_mask_words, stage2_fwd, token_block_masks
-from infllm_cupy.testing import check_sparse_grads, sparse_attn_inputs
+from infllm_cupy.testing import check_sparse_grads, cu_seqlens_from_lengths, sparse_attn_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -63,6 +63,24 @@ def test_token_level_grads(case, dtype, tiles):
     masks = token_masks(idx, cu_q, cu_k, mk)
     grads = run_kernels(q, k, v, do, cu_q, cu_k, masks, cu_q, q.shape[0], 1, mq, mk, True, tiles)
     check_sparse_grads(grads, q, k, v, do, cu_q, cu_k, idx, mq, mk, True)
+
+
+@pytest.mark.parametrize("tiles", KERNELS, ids=kernels_id)
+def test_non_finite_rows_of_the_next_sequence_stay_out(tiles):
+    """Sequence 0 ends inside a key block, so the copies of that block bring sequence 1's first rows
+    into masked positions (the sm_90a dq's TMA copies whole blocks; dq += dS K reads K's rows there).
+    Non-finite keys and values there must not reach sequence 0's (or 2's) gradients."""
+    lq = [100, 77, 64]
+    q, k, v, do, cu_q, cu_k, idx = sparse_attn_inputs(lq, lq, 16, 2, 128, torch.bfloat16, K=8)
+    k[100:164], v[100:164] = float("nan"), float("inf")   # all of sequence 1's first block
+    masks = token_masks(idx, cu_q, cu_k, 100)
+    grads = run_kernels(q, k, v, do, cu_q, cu_k, masks, cu_q, q.shape[0], 1, 100, 100, True, tiles)
+    for rows in (slice(0, 100), slice(177, 241)):
+        n = rows.stop - rows.start
+        cu1 = cu_seqlens_from_lengths([n], "cuda")
+        part = [t[rows].contiguous() for t in (q, k, v, do)]
+        check_sparse_grads(tuple(g[rows].contiguous() for g in grads), *part, cu1, cu1,
+                           idx[:, rows].contiguous(), n, n, True)
 
 
 @pytest.mark.parametrize("tiles", [SM90, *ALL_BWD_TILES], ids=kernels_id)
