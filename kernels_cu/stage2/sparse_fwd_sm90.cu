@@ -588,8 +588,10 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
                 wait_full(sn);
                 wgmma_fence();
                 issue_first(sn);
-                if constexpr (!DQ) rescale_o<D>(o, alpha);   // while S runs (O holds every earlier P V)
-                wgmma_fence();
+                if constexpr (!DQ) {
+                    rescale_o<D>(o, alpha);     // while S runs (O holds every earlier P V)
+                    wgmma_fence();
+                }
                 issue_second(s);
                 int jf, itf;                    // the block after: found while S runs
                 advance(jf, itf);
