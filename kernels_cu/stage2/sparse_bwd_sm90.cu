@@ -326,3 +326,324 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         }
     }
 }
+// dk/dv, warp-specialised: stage2_bwd_dkdv_ws_sm90<T, D, GATHER, NS>, grid (H, B, cdiv(max_seqlen_k,
+// 64)), block 384, arguments as stage2_bwd_dkdv_sm90; dyn smem: dkdv_ws_smem_bytes in the launcher.
+// Warpgroup 2 is the producer: it loads the key block's K and V once, then walks the key block's
+// query tiles and copies each tile's Q and dO rows (cp.async, completing on the stage's mbarrier)
+// and its row info (mask limit, lse, delta) into an NS-deep ring. Tiles alternate between
+// consumer warpgroups 0 and 1; each accumulates dK and dV over its tiles, and warpgroup 1 hands
+// its sums to warpgroup 0 through shared memory at the end.
+// A consumer pipelines over its tiles as FlashAttention-3's backward does: P^T and dS^T of a tile
+// go to shared memory (the A operands of dV += P^T dO and dK += dS^T Q), so that the next tile's
+// S^T and dP^T can run while they do, and its softmax-side work overlaps them. In registers the
+// four 64 x 64 fragments (P^T, dS^T as well) would not fit beside the dK, dV sums.
+#define DKDV_REG_CONSUMER 224
+#define DKDV_REG_PRODUCER 56
+
+template <typename T, int D, bool GATHER, int NS>
+__global__ void __launch_bounds__(384, 1)
+stage2_bwd_dkdv_ws_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                        const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                        const unsigned* __restrict__ masks, const int* __restrict__ mask_base,
+                        const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+                        const long long* __restrict__ ut_off, const unsigned* __restrict__ ut, long long ut_h_stride,
+                        const long long* __restrict__ vt_off, const unsigned* __restrict__ vt, long long vt_h_stride,
+                        T* __restrict__ dk, T* __restrict__ dv, int total_q, int HQ, int H, int G, int n_words,
+                        long long mask_h_stride, int mask_q_block, float scale_log2, float scale, int causal) {
+    constexpr int CH = D / 8;
+    constexpr u32 TILE = 64 * D * sizeof(T);
+    constexpr u32 HALF = 64 * 128;
+    constexpr float LOG2E = 1.4426950408889634f;
+    extern __shared__ unsigned char smem[];
+    const u32 raw = smem_u32(smem);
+    const u32 base = (raw + 1023u) & ~1023u;
+    constexpr u32 PT = 64 * 64 * sizeof(T);    // one 64 x 64 P^T or dS^T tile
+    const u32 sK = base, sV = sK + TILE, sQ = sV + TILE, sO = sQ + NS * TILE;   // ring: Q and dO stages
+    const u32 sP = sO + NS * TILE;              // [2 warpgroups][P^T, dS^T]
+    float* sInfo = reinterpret_cast<float*>(smem + (sP + 4 * PT - raw));        // [NS][3][QT]: lim, l2, dl
+    const u32 bar_full = smem_u32(sInfo + NS * 3 * QT), bar_empty = bar_full + 8 * NS, bar_kv = bar_empty + 8 * NS;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+    const int j = blockIdx.z, h = blockIdx.x, b = blockIdx.y;
+    const int qs = cu_seqlens_q[b], Lq = cu_seqlens_q[b + 1] - qs;
+    const int ks = cu_seqlens_k[b], Lk = cu_seqlens_k[b + 1] - ks;
+    const int nb = (Lk + BLOCK_N - 1) / BLOCK_N;
+    if (j >= nb) return;
+    const int shift = causal ? Lk - Lq : 0;
+    const int64 rows_total = (int64)Lq * G;
+    const int units = GATHER ? Lq : (int)((rows_total + QT - 1) / QT);
+    const int groups = (units + 31) >> 5;
+    const unsigned* urow = ut + (int64)h * ut_h_stride + ut_off[b] + (int64)j * groups;
+    const unsigned* mrows = masks + ((int64)mask_base[b] + (int64)h * mask_h_stride) * n_words;
+    const int kbase = j * BLOCK_N;
+    const int tpt = GATHER ? min(64 / G, GATHER_MAX) : 0;
+
+    // Units (tiles or tokens) of this key block, counted by every warp alike; "sm90a_auto" also
+    // counts the other index and keeps the block only if its mode wins (as stage2_bwd_dkdv_sm90)
+    auto warp_count = [&](const unsigned* row, int n) {
+        int c = 0;
+        for (int w = lane; w < n; w += 32) c += __popc(__ldg(row + w));
+        return __reduce_add_sync(0xffffffffu, c);
+    };
+    const int n_units = warp_count(urow, groups);
+    if (vt != nullptr) {
+        const int units_v = GATHER ? (int)((rows_total + QT - 1) / QT) : Lq;
+        const int groups_v = (units_v + 31) >> 5;
+        const int other = warp_count(vt + (int64)h * vt_h_stride + vt_off[b] + (int64)j * groups_v, groups_v);
+        const int tokens = GATHER ? n_units : other, tiles_n = GATHER ? other : n_units;
+        if ((2 * (int64)tokens * G < (int64)tiles_n * QT) != GATHER) return;
+    }
+    const int n_tiles = GATHER ? (n_units + tpt - 1) / max(tpt, 1) : n_units;
+
+    if (tid == 0) {
+        for (int s = 0; s < NS; ++s) {
+            mbar_init(bar_full + 8 * s, 2 * 128);   // each producer thread: its copies, its row info
+            mbar_init(bar_empty + 8 * s, 128);      // the consumer warpgroup
+        }
+        mbar_init(bar_kv, 128);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 2) {
+        // ================= producer warpgroup
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(DKDV_REG_PRODUCER) : "memory");
+        const int ptid = tid - 256;
+        {   // K and V of the key block, rows past L_k as zeros
+            constexpr int U = 64 * CH / 128;
+            int64 off[U];
+            bool ok[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int key = kbase + (ptid + 128 * u) / CH;
+                ok[u] = key < Lk;
+                off[u] = ((int64)(ks + key) * H + h) * D;
+            }
+            load_tile_rows<T, D>(sK, k, ptid, off, ok);
+            load_tile_rows<T, D>(sV, v, ptid, off, ok);
+            mbar_arrive_cp_async(bar_kv);
+        }
+        int tile = -1, cursor = 0, ntok = 0;
+        FastDiv divG;
+        divG.init((unsigned)G);
+        int tok[GATHER_MAX];
+#pragma unroll
+        for (int i = 0; i < GATHER_MAX; ++i) tok[i] = 0;
+        auto advance = [&]() {
+            if (!GATHER) {
+                tile = next_set_bit(urow, groups, tile + 1);
+                return;
+            }
+            ntok = 0;
+#pragma unroll
+            for (int i = 0; i < GATHER_MAX; ++i) {
+                if (i < tpt && cursor < units) {
+                    const int t = next_set_bit(urow, groups, cursor);
+                    if (t >= 0) {
+                        tok[i] = t;
+                        ntok = i + 1;
+                        cursor = t + 1;
+                    } else {
+                        cursor = units;
+                    }
+                }
+            }
+        };
+        auto row_token = [&](int row, int& t, int& g) -> bool {
+            if (GATHER) {
+                const int slot = (int)divG.div((unsigned)row);
+                int tt = tok[0];
+#pragma unroll
+                for (int i = 1; i < GATHER_MAX; ++i) if (slot == i) tt = tok[i];
+                t = tt;
+                g = row - slot * G;
+                return slot < ntok;
+            }
+            const unsigned R = (unsigned)tile * QT + row;
+            t = (int)divG.div(R);
+            g = (int)(R - (unsigned)t * G);
+            return R < (unsigned)rows_total;
+        };
+        // Row info of the next tile (mask word, lse, delta), fetched a tile ahead: issued right
+        // after a tile's copies, consumed after the next stage wait, so that the loads' latency
+        // does not hold each tile's full barrier (it did: one global round trip per tile).
+        bool f_ok = false;
+        unsigned f_word = 0u;
+        int f_rk = -1;
+        float f_l = 0.f, f_d = 0.f;
+        auto fetch_info = [&]() {
+            int t, g;
+            f_ok = ptid < QT && row_token(ptid, t, g);
+            if (f_ok) {
+                const int64 li = ((int64)h * G + g) * total_q + qs + t;
+                f_word = __ldg(mrows + (int64)(t / mask_q_block) * n_words + (j >> 5));
+                f_l = __ldg(lse + li);
+                f_d = __ldg(delta + li);
+                f_rk = causal ? t + shift : Lk - 1;
+            }
+        };
+        if (n_tiles > 0) {
+            advance();
+            fetch_info();
+        }
+        for (int i = 0; i < n_tiles; ++i) {
+            const int s = i % NS, use = i / NS;   // one ring, filled in tile order
+            if (use >= 1) mbar_wait(bar_empty + 8 * s, (use - 1) & 1);
+            const u32 dq_ = sQ + s * TILE, do_ = sO + s * TILE;
+#pragma unroll 2
+            for (int u = 0; u < 64 * CH / 128; ++u) {
+                const int c = ptid + 128 * u, row = c / CH, ch = c % CH;
+                int t, g;
+                int64 off = 0;
+                int bytes = 0;
+                if (row_token(row, t, g)) {
+                    off = (int64)(qs + t) * (HQ * D) + ((h * G + g) * D + ch * 8);
+                    bytes = 16;
+                }
+                cp_async_16(dq_ + swz128(row, ch, 64), q + off, bytes);
+                cp_async_16(do_ + swz128(row, ch, 64), dout + off, bytes);
+            }
+            mbar_arrive_cp_async(bar_full + 8 * s);
+            if (ptid < QT) {
+                const bool sel = f_ok && f_rk >= kbase && ((f_word >> (j & 31)) & 1u);
+                float* info = sInfo + s * 3 * QT;
+                reinterpret_cast<int*>(info)[ptid] = sel ? f_rk - kbase : -1;
+                info[QT + ptid] = sel ? f_l * LOG2E : 0.f;
+                info[2 * QT + ptid] = sel ? f_d : 0.f;
+            }
+            mbar_arrive(bar_full + 8 * s);
+            if (i + 1 < n_tiles) {
+                advance();
+                fetch_info();
+            }
+        }
+        return;
+    }
+
+    // ================= consumer warpgroup wg: tiles wg, wg + 2, ...
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(DKDV_REG_CONSUMER) : "memory");
+    const int wwarp = warp & 3;
+    float adk[D / 2], adv[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) adk[i] = adv[i] = 0.f;
+    float s[32], dp[32];
+    const u32 myP = sP + wg * 2 * PT, myDS = myP + PT;
+    const u64 k_desc = smem_desc(sK, 16, 1024), v_desc = smem_desc(sV, 16, 1024);
+    const u64 q_desc = smem_desc(sQ, 16, 1024), o_desc = smem_desc(sO, 16, 1024);      // K-major B
+    const u64 qt_desc = smem_desc(sQ, HALF, 1024), ot_desc = smem_desc(sO, HALF, 1024);  // MN-major B
+    const int c0 = (lane & 3) * 2;
+    const int key_r0 = wwarp * 16 + (lane >> 2);
+    auto wait_tile = [&](int i) {               // tile i's stage, filled for the (i / NS)-th time
+        const int st = i % NS;
+        mbar_wait(bar_full + 8 * st, (i / NS) & 1);
+        fence_proxy_async();                    // its cp.async writes, read by wgmma
+        return warp_uniform(st);
+    };
+    auto issue_sdp = [&](int st) {             // S^T = K Q^T, dP^T = V dO^T: one group
+        ss_product_pair_issue<T, D>(s, k_desc, q_desc + ((st * TILE) >> 4), dp, v_desc, o_desc + ((st * TILE) >> 4));
+    };
+    // P^T and dS^T of the tile in stage st, in place of S^T and dP^T (element 4n + i: key
+    // key_r0 + 8 (i / 2), query row 8 n + c0 + i % 2 of the tile)
+    auto softmax_side = [&](int st) {
+        const float* info = sInfo + st * 3 * QT;
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int m = n * 8 + c0 + e;
+                const int lm = reinterpret_cast<const int*>(info)[m];
+                const float lm2 = info[QT + m], dm = info[2 * QT + m];
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int x = 4 * n + 2 * r + e;
+                    const float p = key_r0 + 8 * r <= lm ? exp2f(fmaf(s[x], scale_log2, -lm2)) : 0.f;
+                    s[x] = p;
+                    dp[x] = p * (dp[x] - dm);
+                }
+            }
+    };
+    // P^T, dS^T into this warpgroup's 128-byte-swizzled K-major tiles (64 keys x 64 query rows),
+    // visible to its next wgmmas
+    auto store_pds = [&]() {
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const u32 off = swz128(key_r0 + 8 * r, n, 64) + (lane & 3) * 4;
+                st_shared_u32(myP + off, pack2<T>(s[4 * n + 2 * r], s[4 * n + 2 * r + 1]));
+                st_shared_u32(myDS + off, pack2<T>(dp[4 * n + 2 * r], dp[4 * n + 2 * r + 1]));
+            }
+        fence_proxy_async();
+        named_barrier(1 + wg, 128);
+    };
+    const u64 p_desc = smem_desc(myP, 16, 1024), ds_desc = smem_desc(myDS, 16, 1024);
+    mbar_wait(bar_kv, 0);
+    fence_proxy_async();
+    int i = wg;
+    if (i < n_tiles) {
+        const int st = wait_tile(i);
+        issue_sdp(st);
+        ss_product_pair_wait(s, dp);
+        softmax_side(st);
+        store_pds();
+    }
+    for (; i < n_tiles; i += 2) {
+        const int st = warp_uniform(i % NS);
+        const bool more = i + 2 < n_tiles;      // warp-uniform
+        int stn = 0;
+        if (more) {                             // the next tile's S^T, dP^T first: waited for first
+            stn = wait_tile(i + 2);
+            issue_sdp(stn);
+        }
+        // dV += P^T dO, dK += dS^T Q of this tile, both operands in shared memory
+        const u64 qtd = qt_desc + ((st * TILE) >> 4), otd = ot_desc + ((st * TILE) >> 4);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_ss_tb<T, D>(adv, p_desc + 2 * kk, otd + ((kk * 16 * 128) >> 4), 1);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_ss_tb<T, D>(adk, ds_desc + 2 * kk, qtd + ((kk * 16 * 128) >> 4), 1);
+        wgmma_commit();
+        if (more) {
+            wgmma_wait<1>();
+            fence_regs(s);
+            fence_regs(dp);
+            softmax_side(stn);                  // while dV, dK run
+        }
+        wgmma_wait<0>();
+        fence_regs(adv);
+        fence_regs(adk);
+        mbar_arrive(bar_empty + 8 * st);        // Q, dO of this tile, and P^T, dS^T, are free
+        if (more) store_pds();
+    }
+
+    // ---- warpgroup 1's sums into warpgroup 0's, through the ring's shared memory (free: every
+    // tile was consumed, so the producer has finished and both warpgroups are past their last read)
+    named_barrier(3, 256);
+    float* red = reinterpret_cast<float*>(smem + (sQ - raw));   // [2][D / 2][128]
+    const int ct = tid & 127;
+    if (wg == 1) {
+#pragma unroll
+        for (int x = 0; x < D / 2; ++x) {
+            red[x * 128 + ct] = adk[x];
+            red[(D / 2 + x) * 128 + ct] = adv[x];
+        }
+    }
+    named_barrier(3, 256);
+    if (wg == 1) return;
+#pragma unroll
+    for (int x = 0; x < D / 2; ++x) {
+        adk[x] += red[x * 128 + ct];
+        adv[x] += red[(D / 2 + x) * 128 + ct];
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = kbase + key_r0 + 8 * r;
+        if (key >= Lk) continue;
+        const int64 o = ((int64)(ks + key) * H + h) * D + c0;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            *reinterpret_cast<u32*>(dk + o + n * 8) = pack2<T>(adk[4 * n + 2 * r] * scale, adk[4 * n + 2 * r + 1] * scale);
+            *reinterpret_cast<u32*>(dv + o + n * 8) = pack2<T>(adv[4 * n + 2 * r], adv[4 * n + 2 * r + 1]);
+        }
+    }
+}
