@@ -326,3 +326,324 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         }
     }
 }
+// dk/dv, warp-specialised: stage2_bwd_dkdv_ws_sm90<T, D, GATHER, NS>, grid (H, B, cdiv(max_seqlen_k,
+// 64)), block 384, arguments as stage2_bwd_dkdv_sm90; dyn smem: dkdv_ws_smem_bytes in the launcher.
+// Warpgroup 2 is the producer: it loads the key block's K and V once, then walks the key block's
+// query tiles and copies each tile's Q and dO rows (cp.async, completing on the stage's mbarrier)
+// and its row info (mask limit, lse, delta) into an NS-deep ring. Both consumer warpgroups read
+// every tile, and split its four products between them, two each:
+//   warpgroup 0  S^T = K Q^T, P^T (from the saved lse), dV += P^T dO
+//   warpgroup 1  dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q
+// P^T goes from 0 to 1 through a double-buffered fp32 exchange in shared memory. Each consumer
+// then holds one 64 x D sum, so its loop pipelines as dq's does: the next tile's first product is
+// issued before this tile's second, and the wait is for the first only. A stage serves both
+// consumers, so the ring runs ahead of them (one warpgroup per tile, with its own tiles, left no
+// stage free to load ahead in 227 KB: NOTES.md).
+#define DKDV_REG_CONSUMER 224
+#define DKDV_REG_PRODUCER 56
+
+template <typename T, int D, bool GATHER, int NS>
+__global__ void __launch_bounds__(384, 1)
+stage2_bwd_dkdv_ws_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                        const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                        const unsigned* __restrict__ masks, const int* __restrict__ mask_base,
+                        const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+                        const long long* __restrict__ ut_off, const unsigned* __restrict__ ut, long long ut_h_stride,
+                        const long long* __restrict__ vt_off, const unsigned* __restrict__ vt, long long vt_h_stride,
+                        T* __restrict__ dk, T* __restrict__ dv, int total_q, int HQ, int H, int G, int n_words,
+                        long long mask_h_stride, int mask_q_block, float scale_log2, float scale, int causal) {
+    constexpr int CH = D / 8;
+    constexpr u32 TILE = 64 * D * sizeof(T);
+    constexpr u32 HALF = 64 * 128;
+    constexpr float LOG2E = 1.4426950408889634f;
+    extern __shared__ unsigned char smem[];
+    const u32 raw = smem_u32(smem);
+    const u32 base = (raw + 1023u) & ~1023u;
+    const u32 sK = base, sV = sK + TILE, sQ = sV + TILE, sO = sQ + NS * TILE;   // ring: Q and dO stages
+    float* xP = reinterpret_cast<float*>(smem + (sO + NS * TILE - raw));        // [2][32][128] P^T exchange
+    float* sInfo = xP + 2 * 32 * 128;                                           // [NS][3][QT]: lim, l2, dl
+    const u32 bar_full = smem_u32(sInfo + NS * 3 * QT), bar_empty = bar_full + 8 * NS, bar_kv = bar_empty + 8 * NS;
+    const u32 bar_pfull = bar_kv + 8, bar_pempty = bar_pfull + 16;            // [2] each: exchange buffers
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+    const int j = blockIdx.z, h = blockIdx.x, b = blockIdx.y;
+    const int qs = cu_seqlens_q[b], Lq = cu_seqlens_q[b + 1] - qs;
+    const int ks = cu_seqlens_k[b], Lk = cu_seqlens_k[b + 1] - ks;
+    const int nb = (Lk + BLOCK_N - 1) / BLOCK_N;
+    if (j >= nb) return;
+    const int shift = causal ? Lk - Lq : 0;
+    const int64 rows_total = (int64)Lq * G;
+    const int units = GATHER ? Lq : (int)((rows_total + QT - 1) / QT);
+    const int groups = (units + 31) >> 5;
+    const unsigned* urow = ut + (int64)h * ut_h_stride + ut_off[b] + (int64)j * groups;
+    const unsigned* mrows = masks + ((int64)mask_base[b] + (int64)h * mask_h_stride) * n_words;
+    const int kbase = j * BLOCK_N;
+    const int tpt = GATHER ? min(64 / G, GATHER_MAX) : 0;
+
+    // Units (tiles or tokens) of this key block, counted by every warp alike; "sm90a_auto" also
+    // counts the other index and keeps the block only if its mode wins (as stage2_bwd_dkdv_sm90)
+    auto warp_count = [&](const unsigned* row, int n) {
+        int c = 0;
+        for (int w = lane; w < n; w += 32) c += __popc(__ldg(row + w));
+        return __reduce_add_sync(0xffffffffu, c);
+    };
+    const int n_units = warp_count(urow, groups);
+    if (vt != nullptr) {
+        const int units_v = GATHER ? (int)((rows_total + QT - 1) / QT) : Lq;
+        const int groups_v = (units_v + 31) >> 5;
+        const int other = warp_count(vt + (int64)h * vt_h_stride + vt_off[b] + (int64)j * groups_v, groups_v);
+        const int tokens = GATHER ? n_units : other, tiles_n = GATHER ? other : n_units;
+        if ((2 * (int64)tokens * G < (int64)tiles_n * QT) != GATHER) return;
+    }
+    const int n_tiles = GATHER ? (n_units + tpt - 1) / max(tpt, 1) : n_units;
+
+    if (tid == 0) {
+        for (int s = 0; s < NS; ++s) {
+            mbar_init(bar_full + 8 * s, 2 * 128);   // each producer thread: its copies, its row info
+            mbar_init(bar_empty + 8 * s, 2 * 128);  // both consumer warpgroups
+        }
+        mbar_init(bar_kv, 128);
+        for (int x = 0; x < 2; ++x) {
+            mbar_init(bar_pfull + 8 * x, 128);      // warpgroup 0 wrote P^T
+            mbar_init(bar_pempty + 8 * x, 128);     // warpgroup 1 read it
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 2) {
+        // ================= producer warpgroup
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(DKDV_REG_PRODUCER) : "memory");
+        const int ptid = tid - 256;
+        {   // K and V of the key block, rows past L_k as zeros
+            constexpr int U = 64 * CH / 128;
+            int64 off[U];
+            bool ok[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int key = kbase + (ptid + 128 * u) / CH;
+                ok[u] = key < Lk;
+                off[u] = ((int64)(ks + key) * H + h) * D;
+            }
+            load_tile_rows<T, D>(sK, k, ptid, off, ok);
+            load_tile_rows<T, D>(sV, v, ptid, off, ok);
+            mbar_arrive_cp_async(bar_kv);
+        }
+        int tile = -1, cursor = 0, ntok = 0;
+        FastDiv divG;
+        divG.init((unsigned)G);
+        int tok[GATHER_MAX];
+#pragma unroll
+        for (int i = 0; i < GATHER_MAX; ++i) tok[i] = 0;
+        auto advance = [&]() {
+            if (!GATHER) {
+                tile = next_set_bit(urow, groups, tile + 1);
+                return;
+            }
+            ntok = 0;
+#pragma unroll
+            for (int i = 0; i < GATHER_MAX; ++i) {
+                if (i < tpt && cursor < units) {
+                    const int t = next_set_bit(urow, groups, cursor);
+                    if (t >= 0) {
+                        tok[i] = t;
+                        ntok = i + 1;
+                        cursor = t + 1;
+                    } else {
+                        cursor = units;
+                    }
+                }
+            }
+        };
+        auto row_token = [&](int row, int& t, int& g) -> bool {
+            if (GATHER) {
+                const int slot = (int)divG.div((unsigned)row);
+                int tt = tok[0];
+#pragma unroll
+                for (int i = 1; i < GATHER_MAX; ++i) if (slot == i) tt = tok[i];
+                t = tt;
+                g = row - slot * G;
+                return slot < ntok;
+            }
+            const unsigned R = (unsigned)tile * QT + row;
+            t = (int)divG.div(R);
+            g = (int)(R - (unsigned)t * G);
+            return R < (unsigned)rows_total;
+        };
+        // Row info of the next tile (mask word, lse, delta), fetched a tile ahead: issued right
+        // after a tile's copies, consumed after the next stage wait, so that the loads' latency
+        // does not hold each tile's full barrier (it did: one global round trip per tile).
+        bool f_ok = false;
+        unsigned f_word = 0u;
+        int f_rk = -1;
+        float f_l = 0.f, f_d = 0.f;
+        auto fetch_info = [&]() {
+            int t, g;
+            f_ok = ptid < QT && row_token(ptid, t, g);
+            if (f_ok) {
+                const int64 li = ((int64)h * G + g) * total_q + qs + t;
+                f_word = __ldg(mrows + (int64)(t / mask_q_block) * n_words + (j >> 5));
+                f_l = __ldg(lse + li);
+                f_d = __ldg(delta + li);
+                f_rk = causal ? t + shift : Lk - 1;
+            }
+        };
+        if (n_tiles > 0) {
+            advance();
+            fetch_info();
+        }
+        for (int i = 0; i < n_tiles; ++i) {
+            const int s = i % NS, use = i / NS;   // one ring, filled in tile order
+            if (use >= 1) mbar_wait(bar_empty + 8 * s, (use - 1) & 1);
+            const u32 dq_ = sQ + s * TILE, do_ = sO + s * TILE;
+#pragma unroll 2
+            for (int u = 0; u < 64 * CH / 128; ++u) {
+                const int c = ptid + 128 * u, row = c / CH, ch = c % CH;
+                int t, g;
+                int64 off = 0;
+                int bytes = 0;
+                if (row_token(row, t, g)) {
+                    off = (int64)(qs + t) * (HQ * D) + ((h * G + g) * D + ch * 8);
+                    bytes = 16;
+                }
+                cp_async_16(dq_ + swz128(row, ch, 64), q + off, bytes);
+                cp_async_16(do_ + swz128(row, ch, 64), dout + off, bytes);
+            }
+            mbar_arrive_cp_async(bar_full + 8 * s);
+            if (ptid < QT) {
+                const bool sel = f_ok && f_rk >= kbase && ((f_word >> (j & 31)) & 1u);
+                float* info = sInfo + s * 3 * QT;
+                reinterpret_cast<int*>(info)[ptid] = sel ? f_rk - kbase : -1;
+                info[QT + ptid] = sel ? f_l * LOG2E : 0.f;
+                info[2 * QT + ptid] = sel ? f_d : 0.f;
+            }
+            mbar_arrive(bar_full + 8 * s);
+            if (i + 1 < n_tiles) {
+                advance();
+                fetch_info();
+            }
+        }
+        return;
+    }
+
+    // ================= consumer warpgroups: 0 the P^T side (dV), 1 the dS^T side (dK)
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(DKDV_REG_CONSUMER) : "memory");
+    const int wwarp = warp & 3, ct = tid & 127;
+    const bool pside = wg == 0;
+    float acc[D / 2];                           // dV (warpgroup 0) or dK (warpgroup 1), unscaled
+#pragma unroll
+    for (int x = 0; x < D / 2; ++x) acc[x] = 0.f;
+    float s[32];                                // S^T -> P^T (0), dP^T -> dS^T (1)
+    u32 fa[4][4];                               // P^T or dS^T of the tile whose second product is pending
+    // first product: A = K (0) or V (1), B = Q or dO of the stage, both K-major
+    const u64 a_desc = smem_desc(pside ? sK : sV, 16, 1024);
+    const u64 b_desc = smem_desc(pside ? sQ : sO, 16, 1024);
+    // second product's B, MN-major: dO (dV += P^T dO) or Q (dK += dS^T Q)
+    const u64 bt_desc = smem_desc(pside ? sO : sQ, HALF, 1024);
+    const int c0 = (lane & 3) * 2;
+    const int key_r0 = wwarp * 16 + (lane >> 2);
+    auto wait_tile = [&](int i) {               // tile i's stage, filled for the (i / NS)-th time
+        const int st = i % NS;
+        mbar_wait(bar_full + 8 * st, (i / NS) & 1);
+        fence_proxy_async();                    // its cp.async writes, read by wgmma
+        return warp_uniform(st);
+    };
+    auto issue_first = [&](int st) {
+        const u64 bd = b_desc + ((st * TILE) >> 4);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const u32 koff = ((kk >> 2) * HALF + (kk & 3) * 32) >> 4;
+            wgmma_ss<T, 64>(s, a_desc + koff, bd + koff, kk > 0);
+        }
+        wgmma_commit();
+    };
+    // (no wgmma fence here when it follows issue_first: a fence between the two issues makes the
+    // warpgroup wait for the first product, as it did in dq)
+    auto issue_second = [&](int st) {
+        const u64 bd = bt_desc + ((st * TILE) >> 4);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, D>(acc, fa[kk], bd + ((kk * 16 * 128) >> 4), 1);
+        wgmma_commit();
+    };
+    // tile i's S^T -> P^T (handed to warpgroup 1) or dP^T -> dS^T (with the P^T handed over);
+    // element 4n + x: key key_r0 + 8 (x / 2), query row 8 n + c0 + x % 2 of the tile
+    auto elementwise = [&](int i, int st) {
+        const float* info = sInfo + st * 3 * QT;
+        const int xb = i & 1, par = (i >> 1) & 1;
+        float* xbuf = xP + xb * 32 * 128 + ct;
+        if (pside) {
+#pragma unroll
+            for (int n = 0; n < 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int m = n * 8 + c0 + e;
+                    const int lm = reinterpret_cast<const int*>(info)[m];
+                    const float lm2 = info[QT + m];
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const int x = 4 * n + 2 * r + e;
+                        s[x] = key_r0 + 8 * r <= lm ? exp2f(fmaf(s[x], scale_log2, -lm2)) : 0.f;
+                    }
+                }
+            if (i >= 2) mbar_wait(bar_pempty + 8 * xb, par ^ 1);   // warpgroup 1 read tile i - 2's
+#pragma unroll
+            for (int x = 0; x < 32; ++x) xbuf[x * 128] = s[x];
+            mbar_arrive(bar_pfull + 8 * xb);
+        } else {
+            mbar_wait(bar_pfull + 8 * xb, par);
+#pragma unroll
+            for (int n = 0; n < 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float dm = info[2 * QT + n * 8 + c0 + e];
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const int x = 4 * n + 2 * r + e;
+                        s[x] = xbuf[x * 128] * (s[x] - dm);
+                    }
+                }
+            mbar_arrive(bar_pempty + 8 * xb);
+        }
+    };
+    mbar_wait(bar_kv, 0);
+    fence_proxy_async();
+    if (n_tiles > 0) {
+        const int st = wait_tile(0);
+        issue_first(st);
+        wgmma_wait<0>();
+        fence_regs(s);
+        elementwise(0, st);
+        pack_a_frags<T, 4>(s, fa);
+    }
+    for (int i = 0; i < n_tiles; ++i) {
+        const int st = warp_uniform(i % NS);
+        const bool more = i + 1 < n_tiles;
+        int stn = 0;
+        if (more) {
+            stn = wait_tile(i + 1);
+            issue_first(stn);
+        }
+        if (!more) wgmma_fence();               // fa was packed after the last wait
+        issue_second(st);
+        if (more) {
+            wgmma_wait<1>();
+            fence_regs(s);
+            elementwise(i + 1, stn);            // while tile i's second product runs
+        }
+        wgmma_wait<0>();
+        fence_regs(acc);
+        mbar_arrive(bar_empty + 8 * st);
+        if (more) pack_a_frags<T, 4>(s, fa);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = kbase + key_r0 + 8 * r;
+        if (key >= Lk) continue;
+        T* dst = (pside ? dv : dk) + ((int64)(ks + key) * H + h) * D + c0;
+        const float f = pside ? 1.f : scale;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n)
+            *reinterpret_cast<u32*>(dst + n * 8) = pack2<T>(acc[4 * n + 2 * r] * f, acc[4 * n + 2 * r + 1] * f);
+    }
+}
