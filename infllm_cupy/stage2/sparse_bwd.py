@@ -77,10 +77,6 @@ _jit.register_instances(RING_SOURCE, [f"stage2_bwd_dq_ring_sm90<{CXX_TYPE[dt]}, 
                                       for d in HEAD_DIMS for ns in DQ_RING_STAGES], sm90a=True)
 _jit.register_instances(SM90_SOURCE, [f"stage2_bwd_dkdv_sm90<{CXX_TYPE[dt]}, {d}, {g}>" for dt in KERNEL_DTYPES
                                      for d in HEAD_DIMS for g in ("false", "true")], sm90a=True)
-DKDV_WS_STAGES = {64: 6, 128: 4}   # Q/dO ring depth of stage2_bwd_dkdv_ws_sm90 per head dim (what fits)
-_jit.register_instances(SM90_SOURCE, [f"stage2_bwd_dkdv_ws_sm90<{CXX_TYPE[dt]}, {d}, {g}, {DKDV_WS_STAGES[d]}>"
-                                     for dt in KERNEL_DTYPES for d in HEAD_DIMS for g in ("false", "true")],
-                        sm90a=True)
 
 
 def as_bwd_tiles(tiles, device=None):
@@ -132,13 +128,6 @@ def dq_ring_stages(D: int, n_words: int, itemsize: int = 2) -> int:
         if dq_ring_smem_bytes(D, ns, n_words, itemsize) <= SMEM_PER_BLOCK:
             return ns
     return DQ_RING_STAGES[-1]   # too long for any: the launch names the shared memory it asked for
-
-
-def dkdv_ws_smem_bytes(D: int, itemsize: int = 2) -> int:
-    # 1 KB slack, K and V, the Q/dO ring, the fp32 P^T exchange (2 x 64 x 64), the ring's row info,
-    # 2 NS + 5 mbarriers
-    ns = DKDV_WS_STAGES[D]
-    return 1024 + (2 + 2 * ns) * 64 * D * itemsize + 2 * 64 * 64 * 4 + ns * 3 * QT * 4 + 8 * (2 * ns + 5)
 
 
 def dkdv_sm90_smem_bytes(D: int, itemsize: int = 2) -> int:
@@ -249,14 +238,14 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                 32 * DEFAULT_BWD_TILES.dq_warps
             dq_kernel = _jit.get_kernel(BWD_SOURCE, dq_name)
             dq_smem = dq_smem_bytes(D, DEFAULT_BWD_TILES, n_words, q.element_size())
-        kv_smem = dkdv_ws_smem_bytes(D, q.element_size())
+        kv_smem = dkdv_sm90_smem_bytes(D, q.element_size())
         # (gather mode, own index, the other mode's index or None): "sm90a_auto" runs both instances
         if split:
             runs = [(False, by_tiles, by_tokens), (True, by_tokens, by_tiles)]
         else:
             runs = [(True, by_tokens, None)] if gather else [(False, by_tiles, None)]
         null = np.uint64(0)
-        kv_launches = [(f"stage2_bwd_dkdv_ws_sm90<{T}, {D}, {'true' if g else 'false'}, {DKDV_WS_STAGES[D]}>", True,
+        kv_launches = [(f"stage2_bwd_dkdv_sm90<{T}, {D}, {'true' if g else 'false'}>", True,
                         (ptr(own[0]), ptr(own[1]), np.int64(own[2]))
                         + ((ptr(other[0]), ptr(other[1]), np.int64(other[2])) if other else (null, null, np.int64(0))))
                        for g, own, other in runs]
@@ -271,8 +260,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
            shared_mem=dq_smem, args=dq_args)
     def launch_dkdv(kv_name: str, sm90a: bool, index_args: tuple) -> None:
         kv_kernel = _jit.get_kernel(SM90_SOURCE, kv_name, sm90a=True) if sm90a else _jit.get_kernel(BWD_SOURCE, kv_name)
-        launch(kv_kernel, name=kv_name, grid=(H, B, cdiv(max_seqlen_k, BLOCK_N)), block=(384 if sm90a else 128,),
-               shared_mem=kv_smem,
+        launch(kv_kernel, name=kv_name, grid=(H, B, cdiv(max_seqlen_k, BLOCK_N)), block=(128,), shared_mem=kv_smem,
                args=common + index_args + (ptr(dk), ptr(dv), np.int32(total_q), np.int32(HQ), np.int32(H),
                                            np.int32(G), np.int32(n_words), np.int64(mask_h_stride),
                                            np.int32(mask_q_block), scale_log2, np.float32(softmax_scale), causal_i))
