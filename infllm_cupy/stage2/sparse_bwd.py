@@ -36,8 +36,6 @@ _DQ_STEP_MODE = {SM90A: 0, SM90A_GATHER: 1, SM90A_AUTO: 1, SM90A_SPLIT: 3}
 GATHER_G = (8, 64)      # group sizes for which "sm90a_gather" gathers (others use fixed tiles)
 KERNEL_ENV = "INFLLM_CUPY_BWD_KERNEL"   # the default backward kernel: sm90a, sm90a_gather or dq_warps,dkdv_cols
 QT = 64                 # query rows per dk/dv tile (mirrors #define QT)
-DKDV_PASS_BYTES = 16 << 20   # Q + dO bytes of one (head, sequence) per sm_90a dk/dv pass (stays in L2)
-DKDV_MAX_PASSES = 64
 TILE_WARPS = 8          # warps per CTA of stage2_bwd_delta / stage2_bwd_tiles
 
 
@@ -260,33 +258,12 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                         (ptr(by_tiles[0]), ptr(by_tiles[1]), np.int64(by_tiles[2])))]
     launch(dq_kernel, name=dq_name, grid=(cdiv(max_seqlen_q * G, dq_rows), H, B), block=(dq_threads,),
            shared_mem=dq_smem, args=dq_args)
-    # sm_90a dk/dv in passes over query ranges when one (head, sequence)'s Q and dO exceed
-    # DKDV_PASS_BYTES: each key block reads every query tile that selected it, and with the tiles of
-    # a whole long sequence in flight they missed L2 (Nsight, 32k x 2: 10% hit rate, DRAM 75% busy).
-    # A pass's tiles fit in L2; each pass adds into fp32 sums, one CTA per key block, in pass order.
-    passes = 1
-    if tiles in SM90A_KINDS:
-        passes = max(1, min(DKDV_MAX_PASSES, cdiv(max_seqlen_q * G * D * q.element_size() * 2, DKDV_PASS_BYTES)))
-    chunk = cdiv(max_seqlen_q, passes)
-    dk32 = dv32 = None
-    if passes > 1:
-        dk32 = torch.zeros((total_k, H, D), dtype=torch.float32, device=dev)
-        dv32 = torch.zeros((total_k, H, D), dtype=torch.float32, device=dev)
-
     def launch_dkdv(kv_name: str, sm90a: bool, index_args: tuple) -> None:
         kv_kernel = _jit.get_kernel(SM90_SOURCE, kv_name, sm90a=True) if sm90a else _jit.get_kernel(BWD_SOURCE, kv_name)
-        args = common + index_args + (ptr(dk), ptr(dv), np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G),
-                                      np.int32(n_words), np.int64(mask_h_stride), np.int32(mask_q_block), scale_log2,
-                                      np.float32(softmax_scale), causal_i)
-        grid = (H, B, cdiv(max_seqlen_k, BLOCK_N))
-        if not sm90a:
-            launch(kv_kernel, name=kv_name, grid=grid, block=(128,), shared_mem=kv_smem, args=args)
-            return
-        null = np.uint64(0)
-        for p in range(passes):
-            extra = ((ptr(dk32), ptr(dv32), np.int32(p * chunk), np.int32(min(max_seqlen_q, (p + 1) * chunk)))
-                     if passes > 1 else (null, null, np.int32(0), np.int32(max_seqlen_q)))
-            launch(kv_kernel, name=kv_name, grid=grid, block=(128,), shared_mem=kv_smem, args=args + extra)
+        launch(kv_kernel, name=kv_name, grid=(H, B, cdiv(max_seqlen_k, BLOCK_N)), block=(128,), shared_mem=kv_smem,
+               args=common + index_args + (ptr(dk), ptr(dv), np.int32(total_q), np.int32(HQ), np.int32(H),
+                                           np.int32(G), np.int32(n_words), np.int64(mask_h_stride),
+                                           np.int32(mask_q_block), scale_log2, np.float32(softmax_scale), causal_i))
 
     if len(kv_launches) == 2:
         # the two halves of "sm90a_auto" run side by side: one after the other, the first one's
@@ -302,7 +279,4 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         main.wait_stream(side)
     else:
         launch_dkdv(*kv_launches[0])
-    if passes > 1:
-        dk = dk32.mul_(softmax_scale).to(k.dtype)
-        dv = dv32.to(v.dtype)
     return dq, dk, dv

@@ -90,8 +90,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      const long long* __restrict__ ut_off, const unsigned* __restrict__ ut, long long ut_h_stride,
                      const long long* __restrict__ vt_off, const unsigned* __restrict__ vt, long long vt_h_stride,
                      T* __restrict__ dk, T* __restrict__ dv, int total_q, int HQ, int H, int G, int n_words,
-                     long long mask_h_stride, int mask_q_block, float scale_log2, float scale, int causal,
-                     float* __restrict__ dk32, float* __restrict__ dv32, int q_lo, int q_hi) {
+                     long long mask_h_stride, int mask_q_block, float scale_log2, float scale, int causal) {
     constexpr int CH = D / 8;
     constexpr u32 TILE = 64 * D * sizeof(T);
     constexpr u32 HALF = 64 * 128;
@@ -105,20 +104,9 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     int* sLim = reinterpret_cast<int*>(sD + 2 * QT);                       // [2][QT]
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    // Launch order. One pass (dk32 null): key block slowest, so blocks 0, 1, ... (selected by the
-    // most query tiles: the forced init block, the earliest blocks) start first and the longest
-    // CTAs do not trail. Passes over query ranges (dk32 set): block 0 of every (head, sequence)
-    // first, then one (head, sequence) after another with the key block fastest, so that the CTAs
-    // in flight read the query tiles of one (head, sequence) and one range, which fit in L2.
-    int j = blockIdx.z, h = blockIdx.x, b = blockIdx.y;
-    if (dk32 != nullptr) {
-        const int HB = gridDim.x * gridDim.y, nkb = gridDim.z;
-        const int L = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-        const int hb = L < HB ? L : (L - HB) / (nkb - 1);   // (nkb = 1: every L < HB)
-        j = L < HB ? 0 : 1 + (L - HB) % (nkb - 1);
-        h = hb % gridDim.x;
-        b = hb / gridDim.x;
-    }
+    // key block slowest in the launch order: blocks 0, 1, ... (selected by the most query tiles:
+    // the forced init block, the earliest blocks) start first, so the longest CTAs do not trail
+    const int j = blockIdx.z, h = blockIdx.x, b = blockIdx.y;
     const int qs = cu_seqlens_q[b], Lq = cu_seqlens_q[b + 1] - qs;
     const int ks = cu_seqlens_k[b], Lk = cu_seqlens_k[b + 1] - ks;
     const int nb = (Lk + BLOCK_N - 1) / BLOCK_N;
@@ -132,10 +120,6 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     const unsigned* mrows = masks + ((int64)mask_base[b] + (int64)h * mask_h_stride) * n_words;
     const int kbase = j * BLOCK_N;
     const int tpt = GATHER ? min(64 / G, GATHER_MAX) : 0;   // tokens per gathered tile
-    // this pass's units: the tokens q_lo .. q_hi - 1, or the tiles whose first row is one of theirs
-    const int u_lo = GATHER ? min(q_lo, units) : (int)min(((int64)q_lo * G + QT - 1) / QT, (int64)units);
-    const int u_hi = GATHER ? min(q_hi, units) : (int)min(((int64)q_hi * G + QT - 1) / QT, (int64)units);
-    const int groups_hi = (u_hi + 31) >> 5;     // index words the walk reads (up to u_hi)
 
     // "sm90a_auto" (vt != null): both kernels run over every key block and each keeps the blocks
     // its mode does best; vt is the other mode's index. The fill of the block's fixed tiles, (tokens
@@ -158,7 +142,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     // The next tile to load. Tile mode: its index `tile` (rows 64 tile ..). Gather mode: the
     // tokens tok[0 .. ntok) (rows s G .. s G + G - 1 are token tok[s]'s heads); every thread
     // walks the index row itself from `cursor`, so the list needs no barrier to be shared.
-    int tile = u_lo - 1, ntok = 0, cursor = u_lo;
+    int tile = -1, ntok = 0, cursor = 0;
     FastDiv divG;
     divG.init((unsigned)G);
     int tok[GATHER_MAX];
@@ -166,21 +150,20 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     for (int i = 0; i < GATHER_MAX; ++i) tok[i] = 0;
     auto advance = [&]() -> bool {
         if (!GATHER) {
-            tile = next_set_bit(urow, groups_hi, tile + 1);
-            if (tile >= u_hi) tile = -1;
+            tile = next_set_bit(urow, groups, tile + 1);
             return tile >= 0;
         }
         ntok = 0;
 #pragma unroll
         for (int i = 0; i < GATHER_MAX; ++i) {
-            if (i < tpt && cursor < u_hi) {
-                const int t = next_set_bit(urow, groups_hi, cursor);
-                if (t >= 0 && t < u_hi) {
+            if (i < tpt && cursor < units) {
+                const int t = next_set_bit(urow, groups, cursor);
+                if (t >= 0) {
                     tok[i] = t;
                     ntok = i + 1;
                     cursor = t + 1;
                 } else {
-                    cursor = u_hi;
+                    cursor = units;
                 }
             }
         }
@@ -204,9 +187,6 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         g = (int)(R - (unsigned)t * G);
         return R < (unsigned)rows_total;
     };
-
-    bool have = advance();
-    if (!have && dk32 != nullptr) return;       // a pass without tiles adds nothing
 
     {
         constexpr int U = 64 * CH / 128;
@@ -262,6 +242,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         }
     };
 
+    bool have = advance();
     if (have) {
         load_tile(0);
         fetch_info();
@@ -338,17 +319,6 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         const int key = kbase + key_r0 + 8 * r;
         if (key >= Lk) continue;
         const int64 o = ((int64)(ks + key) * H + h) * D + c0;
-        if (dk32 != nullptr) {                  // passes: this CTA alone adds to its rows, in pass order
-#pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-                float2* pk = reinterpret_cast<float2*>(dk32 + o + n * 8);
-                float2* pv = reinterpret_cast<float2*>(dv32 + o + n * 8);
-                const float2 xk = *pk, xv = *pv;
-                *pk = make_float2(xk.x + adk[4 * n + 2 * r], xk.y + adk[4 * n + 2 * r + 1]);
-                *pv = make_float2(xv.x + adv[4 * n + 2 * r], xv.y + adv[4 * n + 2 * r + 1]);
-            }
-            continue;
-        }
 #pragma unroll
         for (int n = 0; n < D / 8; ++n) {
             *reinterpret_cast<u32*>(dk + o + n * 8) = pack2<T>(adk[4 * n + 2 * r] * scale, adk[4 * n + 2 * r + 1] * scale);

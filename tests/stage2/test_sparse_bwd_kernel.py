@@ -8,7 +8,6 @@ import pytest
 import torch
 from conftest import HAS_GPU, STAGE2_CASES, STAGE2_IDS
 
-from infllm_cupy.stage2 import sparse_bwd
 from infllm_cupy.stage2.layout import BlockLayout
 from infllm_cupy.stage2.sparse_bwd import (
     ALL_BWD_TILES,
@@ -82,24 +81,6 @@ def test_non_finite_rows_of_the_next_sequence_stay_out(tiles):
         part = [t[rows].contiguous() for t in (q, k, v, do)]
         check_sparse_grads(tuple(g[rows].contiguous() for g in grads), *part, cu1, cu1,
                            idx[:, rows].contiguous(), n, n, True)
-
-
-@pytest.mark.parametrize("tiles", [SM90, SM90_GATHER, SM90_AUTO], ids=kernels_id)
-@pytest.mark.parametrize("pass_bytes", [1, 300_000], ids=["64_passes", "14_passes"])
-def test_dkdv_in_query_passes(tiles, pass_bytes, monkeypatch):
-    """The sm_90a dk/dv runs long sequences in passes over query ranges (so that a pass's query
-    tiles stay in L2), adding into fp32 sums. Forced here at small sizes: 16-token ranges (64
-    passes, most tiles and tokens cut at a range edge) and ~72-token ranges. Checked against the
-    reference, and bit-identical from run to run (one CTA per key block adds, in pass order)."""
-    monkeypatch.setattr(sparse_bwd, "DKDV_PASS_BYTES", pass_bytes)
-    lq, HQ, H, D = [1000, 300, 1, 77], 16, 2, 128
-    q, k, v, do, cu_q, cu_k, idx = sparse_attn_inputs(lq, lq, HQ, H, D, torch.bfloat16, empty_rows=True)
-    masks = token_masks(idx, cu_q, cu_k, 1000)
-    grads = run_kernels(q, k, v, do, cu_q, cu_k, masks, cu_q, q.shape[0], 1, 1000, 1000, True, tiles)
-    check_sparse_grads(grads, q, k, v, do, cu_q, cu_k, idx, 1000, 1000, True)
-    again = run_kernels(q, k, v, do, cu_q, cu_k, masks, cu_q, q.shape[0], 1, 1000, 1000, True, tiles)
-    for g, g2 in zip(grads, again):
-        assert torch.equal(g, g2), "dk/dv passes must be bit-identical run to run"
 
 
 @pytest.mark.parametrize("tiles", [SM90, *ALL_BWD_TILES], ids=kernels_id)
