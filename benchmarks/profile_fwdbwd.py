@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.selections import SELECTIONS, make_selection, uniform_cu_seqlens  # noqa: E402
-from infllm_cupy.stage2 import sparse_attn_varlen  # noqa: E402
+from benchmarks.selections import SELECTIONS, make_selection, uniform_cu_seqlens
+from infllm_cupy.stage2 import sparse_attn_varlen
 
 
 def main() -> None:
@@ -29,14 +29,17 @@ def main() -> None:
     a = p.parse_args()
     HQ, H, D, T, B = 32, 2, a.D, a.T, a.B
     g = torch.Generator(device="cuda").manual_seed(0)
-    mk = lambda h: torch.randn(B * T, h, D, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+
+    def mk(h):
+        return torch.randn(B * T, h, D, device="cuda", dtype=torch.bfloat16, generator=g)
+
     q, k, v, do = mk(HQ).requires_grad_(), mk(H).requires_grad_(), mk(H).requires_grad_(), mk(HQ)
     cu = uniform_cu_seqlens(B, T, "cuda")
     print(f"T={T} B={B} HQ={HQ} H={H} D={D} K={a.K} {torch.cuda.get_device_name()}")
     for sel in a.sel:
         topk = make_selection(sel, B, T, H, a.K, device="cuda", seed=0)
 
-        def step():
+        def step(topk=topk):
             q.grad = k.grad = v.grad = None
             sparse_attn_varlen(q, k, v, cu, cu, topk, T, T).backward(do)
 
