@@ -4,8 +4,9 @@ Four launches, all on torch's current stream and with no host synchronisation:
 `stage2_bwd_delta` (rowsum(dout * out)), `stage2_bwd_tiles` (for each KV block, the bitmask of
 64-row query tiles that selected it: the transposed index dk/dv need), dq (the forward's walk over
 each query tile's blocks; on Hopper `stage2_bwd_dq_ring_sm90`, the forward's warp-specialised K/V
-ring) and dk/dv (one CTA per KV block over its query tiles). Neither gradient kernel uses float atomics, so results are bit-identical from
-run to run: there is no separate deterministic mode because the default already is one.
+ring) and dk/dv (one CTA per KV block over its query tiles). Neither gradient kernel uses float
+atomics, so results are bit-identical from run to run: there is no separate deterministic mode
+because the default already is one.
 """
 from __future__ import annotations
 
