@@ -21,9 +21,16 @@ from .. import _jit
 from .._checks import KERNEL_DTYPES
 from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
 from .._tma import rows_map
-from .sparse_fwd import BLOCK_N, HEAD_DIMS, SM90_CONSUMERS, SMEM_PER_BLOCK, check_aligned
+from .sparse_fwd import (
+    BLOCK_N,
+    HEAD_DIMS,
+    SM90_CONSUMERS,
+    SM90_STAGES,
+    check_aligned,
+    sm90_smem_bytes,
+    sm90_stages,
+)
 from .sparse_fwd import SM90_SOURCE as RING_SOURCE
-from .sparse_fwd import sm90_smem_bytes as fwd_smem
 
 BWD_SOURCE = "stage2/sparse_bwd.cu"
 SM90_SOURCE = "stage2/sparse_bwd_sm90.cu"
@@ -73,9 +80,8 @@ for _dt in KERNEL_DTYPES:
             _jit.register_instances(BWD_SOURCE, [_t.dq_name(_dt, _d)])
             _jit.register_instances(BWD_SOURCE, [_t.dkdv_name(_dt, _d)], strict=_t.dkdv_cols != 64)
 _jit.register_instances(BWD_SOURCE, ["stage2_bwd_tiles"])
-DQ_RING_STAGES = (6, 4)   # K/V ring depths of stage2_bwd_dq_ring_sm90 (template NS), deepest first
 _jit.register_instances(RING_SOURCE, [f"stage2_bwd_dq_ring_sm90<{CXX_TYPE[dt]}, {d}, {ns}>" for dt in KERNEL_DTYPES
-                                      for d in HEAD_DIMS for ns in DQ_RING_STAGES], sm90a=True)
+                                      for d in HEAD_DIMS for ns in SM90_STAGES], sm90a=True)
 _jit.register_instances(SM90_SOURCE, [f"stage2_bwd_dkdv_sm90<{CXX_TYPE[dt]}, {d}, {g}>" for dt in KERNEL_DTYPES
                                      for d in HEAD_DIMS for g in ("false", "true")], sm90a=True)
 
@@ -116,19 +122,6 @@ def dq_smem_bytes(D: int, tiles: BwdTiles, n_words: int, itemsize: int = 2) -> i
 
 def dkdv_smem_bytes(D: int, itemsize: int = 2) -> int:
     return (2 * BLOCK_N * D + 4 * QT * D) * itemsize + 2 * 3 * QT * 4
-
-
-def dq_ring_smem_bytes(D: int, stages: int, n_words: int, itemsize: int = 2) -> int:
-    """The forward's layout (sparse_fwd.sm90_smem_bytes) plus one dout tile per consumer warpgroup."""
-    return fwd_smem(D, stages, n_words, itemsize) + SM90_CONSUMERS * 64 * D * itemsize
-
-
-def dq_ring_stages(D: int, n_words: int, itemsize: int = 2) -> int:
-    """The deepest compiled dq ring that fits the shared memory."""
-    for ns in DQ_RING_STAGES:
-        if dq_ring_smem_bytes(D, ns, n_words, itemsize) <= SMEM_PER_BLOCK:
-            return ns
-    return DQ_RING_STAGES[-1]   # too long for any: the launch names the shared memory it asked for
 
 
 def dkdv_sm90_smem_bytes(D: int, itemsize: int = 2) -> int:
@@ -219,20 +212,20 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     causal_i = np.int32(1 if causal else 0)
     common = (ptr(q), ptr(k), ptr(v), ptr(dout), ptr(lse), ptr(delta), ptr(masks), ptr(mask_base),
               ptr(cu_seqlens_q), ptr(cu_seqlens_k))
-    dq_args = common + (ptr(dq), np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words),
-                        np.int64(mask_h_stride), np.int32(mask_q_block), scale_log2, np.float32(softmax_scale),
-                        causal_i)
+    dq_scalars = (ptr(dq), np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words),
+                  np.int64(mask_h_stride), np.int32(mask_q_block), scale_log2, np.float32(softmax_scale), causal_i)
+    dq_args = common + dq_scalars
     if tiles in SM90A_KINDS:
         # dq on the forward's warp-specialised K/V ring (TMA producer, two consumer warpgroups);
         # TMA row coordinates are int32, hence the bound (the SM80 dq kernel takes any size)
         if total_k < 2**31 - BLOCK_N:
-            ns = dq_ring_stages(D, n_words, q.element_size())
+            ns = sm90_stages(D, n_words, q.element_size(), dq=True)
             dq_name, dq_rows, dq_threads = f"stage2_bwd_dq_ring_sm90<{T}, {D}, {ns}>", 64 * SM90_CONSUMERS, \
                 128 * (SM90_CONSUMERS + 1)
             dq_kernel = _jit.get_kernel(RING_SOURCE, dq_name, sm90a=True)
-            dq_smem = dq_ring_smem_bytes(D, ns, n_words, q.element_size())
+            dq_smem = sm90_smem_bytes(D, ns, n_words, q.element_size(), dq=True)
             dq_args = (ptr(q), ptr(dout), rows_map(k, BLOCK_N), rows_map(v, BLOCK_N), ptr(lse), ptr(delta), ptr(masks),
-                       ptr(mask_base), ptr(cu_seqlens_q), ptr(cu_seqlens_k)) + dq_args[len(common):] \
+                       ptr(mask_base), ptr(cu_seqlens_q), ptr(cu_seqlens_k)) + dq_scalars \
                 + (np.int32(_DQ_STEP_MODE[tiles]),)
         else:
             dq_name, dq_rows, dq_threads = DEFAULT_BWD_TILES.dq_name(q.dtype, D), 16 * DEFAULT_BWD_TILES.dq_warps, \

@@ -115,16 +115,19 @@ def token_block_masks(topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seq
     return masks
 
 
-def sm90_smem_bytes(D: int, stages: int, n_words: int, itemsize: int = 2) -> int:
-    """1 KB alignment slack, Q tiles, K/V ring, mbarriers, CTA + per-warpgroup unions."""
-    return (1024 + (SM90_CONSUMERS * 64 * D + stages * 2 * BLOCK_N * D) * itemsize
+def sm90_smem_bytes(D: int, stages: int, n_words: int, itemsize: int = 2, dq: bool = False) -> int:
+    """1 KB alignment slack, Q tiles (and with `dq`, the backward's dout tiles), K/V ring,
+    mbarriers, CTA + per-warpgroup unions."""
+    tiles = SM90_CONSUMERS * (2 if dq else 1)
+    return (1024 + (tiles * 64 * D + stages * 2 * BLOCK_N * D) * itemsize
             + 8 * stages * (2 * SM90_CONSUMERS + 1) + 4 * n_words * (SM90_CONSUMERS + 1))
 
 
-def sm90_stages(D: int, n_words: int, itemsize: int = 2) -> int:
-    """The deepest compiled K/V ring that fits the shared memory (the mask words grow with max_seqlen_k)."""
+def sm90_stages(D: int, n_words: int, itemsize: int = 2, dq: bool = False) -> int:
+    """The deepest compiled K/V ring that fits the shared memory (the mask words grow with
+    max_seqlen_k), for the forward or (`dq`) the backward's dq instance of the same kernel."""
     for ns in SM90_STAGES:
-        if sm90_smem_bytes(D, ns, n_words, itemsize) <= SMEM_PER_BLOCK:
+        if sm90_smem_bytes(D, ns, n_words, itemsize, dq) <= SMEM_PER_BLOCK:
             return ns
     return SM90_STAGES[-1]   # too long for any: the launch names the shared memory it asked for
 
