@@ -45,6 +45,7 @@ GATHER_G = (8, 64)      # group sizes for which "sm90a_gather" gathers (others u
 KERNEL_ENV = "INFLLM_CUPY_BWD_KERNEL"   # the default backward kernel: sm90a, sm90a_gather or dq_warps,dkdv_cols
 QT = 64                 # query rows per dk/dv tile (mirrors #define QT)
 TILE_WARPS = 8          # warps per CTA of stage2_bwd_delta / stage2_bwd_tiles
+BLOCK0_PART_TILES = 1024  # query tiles per part of block 0 in the sm_90a dk/dv (dkdv_block0_parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +84,9 @@ _jit.register_instances(BWD_SOURCE, ["stage2_bwd_tiles"])
 _jit.register_instances(RING_SOURCE, [f"stage2_bwd_dq_ring_sm90<{CXX_TYPE[dt]}, {d}, {ns}>" for dt in KERNEL_DTYPES
                                       for d in HEAD_DIMS for ns in SM90_STAGES], sm90a=True)
 _jit.register_instances(SM90_SOURCE, [f"stage2_bwd_dkdv_sm90<{CXX_TYPE[dt]}, {d}, {g}>" for dt in KERNEL_DTYPES
-                                     for d in HEAD_DIMS for g in ("false", "true")], sm90a=True)
+                                     for d in HEAD_DIMS for g in ("false", "true")]
+                         + [f"stage2_bwd_dkdv_parts<{CXX_TYPE[dt]}, {d}>" for dt in KERNEL_DTYPES for d in HEAD_DIMS],
+                         sm90a=True)
 
 
 def as_bwd_tiles(tiles, device=None):
@@ -122,6 +125,12 @@ def dq_smem_bytes(D: int, tiles: BwdTiles, n_words: int, itemsize: int = 2) -> i
 
 def dkdv_smem_bytes(D: int, itemsize: int = 2) -> int:
     return (2 * BLOCK_N * D + 4 * QT * D) * itemsize + 2 * 3 * QT * 4
+
+
+def dkdv_block0_parts(max_seqlen_q: int, G: int) -> int:
+    """CTAs that share block 0's query tiles in the sm_90a dk/dv (every token selects block 0, so
+    alone it would be the longest CTA): about BLOCK0_PART_TILES tiles each, at most 32."""
+    return max(1, min(32, cdiv(cdiv(max_seqlen_q * G, QT), BLOCK0_PART_TILES)))
 
 
 def dkdv_sm90_smem_bytes(D: int, itemsize: int = 2) -> int:
@@ -252,12 +261,22 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                         (ptr(by_tiles[0]), ptr(by_tiles[1]), np.int64(by_tiles[2])))]
     launch(dq_kernel, name=dq_name, grid=(cdiv(max_seqlen_q * G, dq_rows), H, B), block=(dq_threads,),
            shared_mem=dq_smem, args=dq_args)
+    n_kb = cdiv(max_seqlen_k, BLOCK_N)
+    split0 = dkdv_block0_parts(max_seqlen_q, G) if tiles in SM90A_KINDS else 1
+    part0 = torch.empty(H * B * split0 * 2 * BLOCK_N * D if split0 > 1 else 0, dtype=torch.float32, device=dev)
+
     def launch_dkdv(kv_name: str, sm90a: bool, index_args: tuple) -> None:
-        kv_kernel = _jit.get_kernel(SM90_SOURCE, kv_name, sm90a=True) if sm90a else _jit.get_kernel(BWD_SOURCE, kv_name)
-        launch(kv_kernel, name=kv_name, grid=(H, B, cdiv(max_seqlen_k, BLOCK_N)), block=(128,), shared_mem=kv_smem,
-               args=common + index_args + (ptr(dk), ptr(dv), np.int32(total_q), np.int32(HQ), np.int32(H),
-                                           np.int32(G), np.int32(n_words), np.int64(mask_h_stride),
-                                           np.int32(mask_q_block), scale_log2, np.float32(softmax_scale), causal_i))
+        tail = (np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words), np.int64(mask_h_stride),
+                np.int32(mask_q_block), scale_log2, np.float32(softmax_scale), causal_i)
+        if sm90a:
+            # the CTA order and block 0's parts of the launch contract (sparse_bwd_sm90.cu)
+            launch(_jit.get_kernel(SM90_SOURCE, kv_name, sm90a=True), name=kv_name,
+                   grid=(H * B * (split0 + n_kb - 1),), block=(128,), shared_mem=kv_smem,
+                   args=common + index_args + (ptr(dk), ptr(dv), ptr(part0), np.int32(B), np.int32(n_kb),
+                                               np.int32(split0)) + tail)
+        else:
+            launch(_jit.get_kernel(BWD_SOURCE, kv_name), name=kv_name, grid=(H, B, n_kb), block=(128,),
+                   shared_mem=kv_smem, args=common + index_args + (ptr(dk), ptr(dv)) + tail)
 
     if len(kv_launches) == 2:
         # the two halves of "sm90a_auto" run side by side: one after the other, the first one's
@@ -273,4 +292,9 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         main.wait_stream(side)
     else:
         launch_dkdv(*kv_launches[0])
+    if split0 > 1:
+        name = f"stage2_bwd_dkdv_parts<{T}, {D}>"
+        launch(_jit.get_kernel(SM90_SOURCE, name, sm90a=True), name=name, grid=(H * B,), block=(256,),
+               args=(ptr(part0), ptr(cu_seqlens_k), ptr(dk), ptr(dv), np.int32(H), np.int32(split0),
+                     np.float32(softmax_scale)))
     return dq, dk, dv

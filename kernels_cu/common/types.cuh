@@ -76,6 +76,18 @@ __device__ __forceinline__ int next_set_bit(const unsigned* __restrict__ words, 
     }
 }
 
+// Highest set bit <= from of a bit array, or -1 (from < 0 gives -1).
+__device__ __forceinline__ int prev_set_bit(const unsigned* __restrict__ words, int from) {
+    if (from < 0) return -1;
+    int w = from >> 5;
+    unsigned bits = words[w] & (~0u >> (31 - (from & 31)));
+    while (true) {
+        if (bits) return (w << 5) + 31 - __clz(bits);
+        if (--w < 0) return -1;
+        bits = words[w];
+    }
+}
+
 // n / d for 0 <= n < 2^31 without a division instruction sequence: a power of two shifts, any
 // other d multiplies by ceil(2^(31 + l) / d) (l = ceil(log2 d), the multiplier fits 32 bits) and
 // keeps the high word shifted by l - 1 (Granlund-Montgomery). init costs one 64-bit division.

@@ -4,7 +4,15 @@
 // are those of stage2_bwd_dkdv in sparse_bwd.cu (delta and the transposed tile index come from that
 // file's two small kernels); capability 9.0 only. The sm_90a dq kernel runs on the forward's K/V
 // ring and lives beside it (stage2_bwd_dq_ring_sm90 in sparse_fwd_sm90.cu).
-//   stage2_bwd_dkdv_sm90<T, D, GATHER>   grid (H, B, cdiv(max_seqlen_k, 64))   block 128
+//   stage2_bwd_dkdv_sm90<T, D, GATHER>   grid (H B split0 + H B (n_kb - 1))   block 128
+//       n_kb = cdiv(max_seqlen_k, 64). CTA order (why: NOTES.md, "dk/dv for L2"): first the
+//       split0 parts of block 0 of every (sequence, head) (block 0 is selected by every token:
+//       alone it would be the longest CTA), then one (sequence, head) after another, key blocks
+//       1, 2, ... in order. Every CTA walks its query tiles from the last one down, so the CTAs
+//       in flight (mostly of one head) read the same recent tiles while they are in L2.
+//       split0 > 1: part p of block 0 takes the p-th of split0 equal runs of its tiles (counted
+//       from the top) and stores its unscaled fp32 sums to part0 [H B][split0][2][64][D] (dK, dV);
+//       stage2_bwd_dkdv_parts adds them in part order (deterministic) into dk, dv.
 //       dyn smem 1 KB slack + 2 * 64 * D (K, V) + 2 * 2 * 64 * D (Q, dO double buffer) elements + 2 * 3 * 64 * 4
 //       GATHER = false ("sm90a", the default): `ut` indexes 64-row tiles (stage2_bwd_tiles with
 //       tile_rows = 64), as the SM80 kernel. GATHER = true ("sm90a_gather", 8 <= G <= 64): `ut`
@@ -81,6 +89,36 @@ __device__ __forceinline__ int cta_sum128(int x) {
     return part[0] + part[1] + part[2] + part[3];
 }
 
+// Units of a key block's index row with rank [r0, r1) counted from the highest set bit, where
+// r0, r1 cut the row into `parts` equal runs: returns the highest of them (the descending walk's
+// first position, -1 when none) and their count. Each thread counts one chunk of words; the one
+// whose chunk holds rank r0 finds the bit. Two CTA barriers; once per CTA.
+__device__ __forceinline__ int part_start(const unsigned* __restrict__ urow, int groups, int part, int parts, int& count) {
+    __shared__ int cnt[128];
+    __shared__ int s_pos;
+    const int tid = threadIdx.x;
+    const int per = (groups + 127) / 128, w0 = min(groups, tid * per), w1 = min(groups, w0 + per);
+    int c = 0;
+    for (int w = w0; w < w1; ++w) c += __popc(__ldg(urow + w));
+    cnt[tid] = c;
+    if (tid == 0) s_pos = -1;
+    __syncthreads();
+    int total = 0, above = 0;
+    for (int i = 0; i < 128; ++i) {
+        total += cnt[i];
+        above += i > tid ? cnt[i] : 0;
+    }
+    const int r0 = (int)((int64)total * part / parts), r1 = (int)((int64)total * (part + 1) / parts);
+    if (r0 < r1 && above <= r0 && r0 < above + c) {
+        int pos = prev_set_bit(urow, 32 * w1 - 1);
+        for (int skip = r0 - above; skip > 0; --skip) pos = prev_set_bit(urow, pos - 1);
+        s_pos = pos;
+    }
+    __syncthreads();
+    count = r1 - r0;
+    return s_pos;
+}
+
 template <typename T, int D, bool GATHER>
 __global__ void __launch_bounds__(128, 2)
 stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -89,7 +127,8 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
                      const long long* __restrict__ ut_off, const unsigned* __restrict__ ut, long long ut_h_stride,
                      const long long* __restrict__ vt_off, const unsigned* __restrict__ vt, long long vt_h_stride,
-                     T* __restrict__ dk, T* __restrict__ dv, int total_q, int HQ, int H, int G, int n_words,
+                     T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ part0, int n_seq, int n_kb, int split0,
+                     int total_q, int HQ, int H, int G, int n_words,
                      long long mask_h_stride, int mask_q_block, float scale_log2, float scale, int causal) {
     constexpr int CH = D / 8;
     constexpr u32 TILE = 64 * D * sizeof(T);
@@ -104,9 +143,20 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     int* sLim = reinterpret_cast<int*>(sD + 2 * QT);                       // [2][QT]
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    // key block slowest in the launch order: blocks 0, 1, ... (selected by the most query tiles:
-    // the forced init block, the earliest blocks) start first, so the longest CTAs do not trail
-    const int j = blockIdx.z, h = blockIdx.x, b = blockIdx.y;
+    // the CTA order of the launch contract: block 0's parts of every (sequence, head), then
+    // (sequence, head) slowest and key block fastest
+    const int HB = H * n_seq;
+    int j, hb, part = -1;
+    if ((int)blockIdx.x < HB * split0) {
+        hb = blockIdx.x / split0;
+        j = 0;
+        if (split0 > 1) part = blockIdx.x % split0;
+    } else {
+        const int rest = blockIdx.x - HB * split0;
+        hb = rest / (n_kb - 1);
+        j = 1 + rest % (n_kb - 1);
+    }
+    const int b = hb / H, h = hb - b * H;
     const int qs = cu_seqlens_q[b], Lq = cu_seqlens_q[b + 1] - qs;
     const int ks = cu_seqlens_k[b], Lk = cu_seqlens_k[b + 1] - ks;
     const int nb = (Lk + BLOCK_N - 1) / BLOCK_N;
@@ -139,10 +189,13 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         if (gather_wins != GATHER) return;
     }
 
-    // The next tile to load. Tile mode: its index `tile` (rows 64 tile ..). Gather mode: the
-    // tokens tok[0 .. ntok) (rows s G .. s G + G - 1 are token tok[s]'s heads); every thread
-    // walks the index row itself from `cursor`, so the list needs no barrier to be shared.
-    int tile = -1, ntok = 0, cursor = 0;
+    // The next tile to load, walking the index row downwards. Tile mode: its index `tile` (rows
+    // 64 tile ..). Gather mode: the tokens tok[0 .. ntok) (rows s G .. s G + G - 1 are token
+    // tok[s]'s heads); every thread walks the index row itself from `cursor` down, so the list
+    // needs no barrier to be shared. `left`: units this CTA may still take (its part of block 0).
+    int left = 1 << 30, top = units - 1;
+    if (part >= 0) top = part_start(urow, groups, part, split0, left);
+    int tile = top + 1, ntok = 0, cursor = top;
     FastDiv divG;
     divG.init((unsigned)G);
     int tok[GATHER_MAX];
@@ -150,21 +203,22 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     for (int i = 0; i < GATHER_MAX; ++i) tok[i] = 0;
     auto advance = [&]() -> bool {
         if (!GATHER) {
-            tile = next_set_bit(urow, groups, tile + 1);
+            if (left <= 0) return false;
+            tile = prev_set_bit(urow, tile - 1);
+            --left;
             return tile >= 0;
         }
         ntok = 0;
 #pragma unroll
         for (int i = 0; i < GATHER_MAX; ++i) {
-            if (i < tpt && cursor < units) {
-                const int t = next_set_bit(urow, groups, cursor);
+            if (i < tpt && cursor >= 0 && left > 0) {
+                const int t = prev_set_bit(urow, cursor);
                 if (t >= 0) {
                     tok[i] = t;
                     ntok = i + 1;
-                    cursor = t + 1;
-                } else {
-                    cursor = units;
+                    --left;
                 }
+                cursor = t - 1;
             }
         }
         return ntok > 0;
@@ -314,6 +368,21 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     }
     cp_async_wait<0>();
 
+    if (part >= 0) {
+        // unscaled fp32 sums of this part of block 0; stage2_bwd_dkdv_parts adds the parts
+        float* pk = part0 + ((int64)hb * split0 + part) * 2 * 64 * D;
+        float* pv = pk + 64 * D;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int o = (key_r0 + 8 * r) * D + c0;
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                *reinterpret_cast<float2*>(pk + o + n * 8) = make_float2(adk[4 * n + 2 * r], adk[4 * n + 2 * r + 1]);
+                *reinterpret_cast<float2*>(pv + o + n * 8) = make_float2(adv[4 * n + 2 * r], adv[4 * n + 2 * r + 1]);
+            }
+        }
+        return;
+    }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int key = kbase + key_r0 + 8 * r;
@@ -324,5 +393,26 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
             *reinterpret_cast<u32*>(dk + o + n * 8) = pack2<T>(adk[4 * n + 2 * r] * scale, adk[4 * n + 2 * r + 1] * scale);
             *reinterpret_cast<u32*>(dv + o + n * 8) = pack2<T>(adv[4 * n + 2 * r], adv[4 * n + 2 * r + 1]);
         }
+    }
+}
+
+// dk, dv of block 0 from the split0 parts' fp32 sums (see the launch contract), added in part
+// order so the result is the same bits on every run.   grid (H B)   block 256
+template <typename T, int D>
+__global__ void __launch_bounds__(256)
+stage2_bwd_dkdv_parts(const float* __restrict__ part0, const int* __restrict__ cu_seqlens_k, T* __restrict__ dk,
+                      T* __restrict__ dv, int H, int split0, float scale) {
+    const int hb = blockIdx.x, b = hb / H, h = hb - b * H;
+    const int ks = cu_seqlens_k[b], Lk = min(cu_seqlens_k[b + 1] - ks, 64);
+    const float* pk = part0 + (int64)hb * split0 * 2 * 64 * D;
+    for (int i = threadIdx.x; i < Lk * D; i += blockDim.x) {
+        float sk = 0.f, sv = 0.f;
+        for (int p = 0; p < split0; ++p) {
+            sk += pk[(int64)p * 2 * 64 * D + i];
+            sv += pk[(int64)p * 2 * 64 * D + 64 * D + i];
+        }
+        const int64 o = ((int64)(ks + i / D) * H + h) * D + i % D;
+        dk[o] = from_float<T>(sk * scale);
+        dv[o] = from_float<T>(sv);
     }
 }

@@ -148,3 +148,23 @@ def test_unselected_keys_get_exactly_zero(tiles):
         assert bool((g[192:576] == 0).all()), f"{name} of keys nobody selected must be exactly 0"
         assert bool((g[:128] != 0).any())
     check_sparse_grads((dq, dk, dv), q, k, v, do, cu_q, cu_k, idx, T, T, True)
+
+
+@pytest.mark.parametrize("tiles", [SM90, SM90_GATHER, SM90_AUTO], ids=kernels_id)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_block0_split_over_parts(tiles, dtype, monkeypatch):
+    """Block 0 (every token selects it) is shared by several dk/dv CTAs whose fp32 sums a second
+    kernel adds. Small parts force the split at test sizes: 24 parts here, so the one-token
+    sequence leaves 23 of its parts empty (they must still store zeros) and the ragged lengths
+    cut the runs anywhere. Results must match the reference and be the same bits twice."""
+    import infllm_cupy.stage2.sparse_bwd as sb
+    monkeypatch.setattr(sb, "BLOCK0_PART_TILES", 16)
+    lq, HQ, H, D = [1500, 1, 333], 16, 2, 128
+    assert sb.dkdv_block0_parts(1500, HQ // H) == 24
+    q, k, v, do, cu_q, cu_k, idx = sparse_attn_inputs(lq, lq, HQ, H, D, dtype, K=16, empty_rows=True)
+    masks = token_masks(idx, cu_q, cu_k, 1500)
+    a = run_kernels(q, k, v, do, cu_q, cu_k, masks, cu_q, q.shape[0], 1, 1500, 1500, True, tiles)
+    check_sparse_grads(a, q, k, v, do, cu_q, cu_k, idx, 1500, 1500, True)
+    b = run_kernels(q, k, v, do, cu_q, cu_k, masks, cu_q, q.shape[0], 1, 1500, 1500, True, tiles)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
