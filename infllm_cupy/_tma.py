@@ -69,3 +69,36 @@ def rows_map(t: torch.Tensor, box_rows: int) -> np.ndarray:
     if cols % 64:
         raise ValueError(f"rows_map needs rows of a multiple of 64 elements, got {cols}")
     return _rows_map(t.data_ptr(), t.shape[0], cols, box_rows)
+
+
+@functools.lru_cache(maxsize=256)
+def _heads_map(addr: int, n: int, heads: int, cols: int, box_heads: int, box_n: int) -> np.ndarray:
+    buf = np.zeros(TMAP_BYTES + 64, dtype=np.uint8)
+    off = -buf.ctypes.data % 64
+    out = buf[off:off + TMAP_BYTES]
+    dims = (ctypes.c_uint64 * 3)(cols, heads, n)
+    strides = (ctypes.c_uint64 * 2)(cols * 2, heads * cols * 2)
+    box = (ctypes.c_uint32 * 3)(64, box_heads, box_n)
+    elem_strides = (ctypes.c_uint32 * 3)(1, 1, 1)
+    err = _encode_tiled()(out.ctypes.data, _DTYPE_UINT16, 3, addr, dims, strides, box, elem_strides,
+                          _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZEROS)
+    if err != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {err} (address {addr:#x}, "
+                           f"[{n}, {heads}, {cols}] 16-bit elements, boxes of {box_n} x {box_heads} x 64)")
+    tmap = np.empty(1, dtype=TMAP_DTYPE)
+    tmap.view(np.uint8)[:] = out
+    return tmap
+
+
+def heads_map(t: torch.Tensor, box_heads: int) -> np.ndarray:
+    """Tensor map over a contiguous 16-bit CUDA tensor `[n, heads, cols]` whose boxes are
+    `64 // box_heads` rows of `n` by `box_heads` heads by 64 elements, 128-byte swizzle, zeros out of
+    bounds: in shared memory, 64 rows of 128 bytes ordered (row of n, head), the layout of a
+    64-row tile of flattened (token, head-in-group) rows. Needs `box_heads` to divide 64."""
+    if t.element_size() != 2 or not t.is_contiguous() or t.dim() != 3 or t.shape[0] == 0:
+        raise ValueError(f"heads_map needs a contiguous, non-empty 3-d 16-bit tensor, got {t.dtype} {tuple(t.shape)}")
+    if t.data_ptr() % 16 or t.shape[2] % 64 or 64 % box_heads or box_heads > t.shape[1]:
+        raise ValueError(f"heads_map needs a 16-byte aligned tensor with rows of a multiple of 64 elements and "
+                         f"box_heads dividing 64 (at most {t.shape[1]}), got address {t.data_ptr():#x}, "
+                         f"shape {tuple(t.shape)}, box_heads {box_heads}")
+    return _heads_map(t.data_ptr(), t.shape[0], t.shape[1], t.shape[2], box_heads, 64 // box_heads)

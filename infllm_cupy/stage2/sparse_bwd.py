@@ -20,7 +20,7 @@ import torch
 from .. import _jit
 from .._checks import KERNEL_DTYPES
 from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
-from .._tma import rows_map
+from .._tma import TMAP_DTYPE, heads_map, rows_map
 from .sparse_fwd import (
     BLOCK_N,
     HEAD_DIMS,
@@ -45,6 +45,8 @@ GATHER_G = (8, 64)      # group sizes for which "sm90a_gather" gathers (others u
 KERNEL_ENV = "INFLLM_CUPY_BWD_KERNEL"   # the default backward kernel: sm90a, sm90a_gather or dq_warps,dkdv_cols
 QT = 64                 # query rows per dk/dv tile (mirrors #define QT)
 TILE_WARPS = 8          # warps per CTA of stage2_bwd_delta / stage2_bwd_tiles
+DKDV_TMA_ENV = "INFLLM_CUPY_DKDV_TMA"       # "0": sm_90a dk/dv loads every tile by cp.async (A/B knob)
+DKDV_ORDER_ENV = "INFLLM_CUPY_DKDV_ORDER"   # sm_90a dk/dv CTA order: 1 (sequence, head) slowest, 0 key block slowest
 BLOCK0_PART_TILES = 1024  # query tiles per part of block 0 in the sm_90a dk/dv (dkdv_block0_parts)
 
 
@@ -265,6 +267,12 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     split0 = dkdv_block0_parts(max_seqlen_q, G) if tiles in SM90A_KINDS else 1
     part0 = torch.empty(H * B * split0 * 2 * BLOCK_N * D if split0 > 1 else 0, dtype=torch.float32, device=dev)
 
+    # fixed tiles of 64 / G tokens x G heads come by TMA (boxes of heads_map) where G divides 64
+    dkdv_tma = tiles in SM90A_KINDS and 64 % G == 0 and os.environ.get(DKDV_TMA_ENV, "1") != "0"
+    no_map = np.zeros(1, dtype=TMAP_DTYPE)
+    tmaps = (heads_map(q, G), heads_map(dout, G)) if dkdv_tma else (no_map, no_map)
+    dkdv_order = int(os.environ.get(DKDV_ORDER_ENV, "1"))
+
     def launch_dkdv(kv_name: str, sm90a: bool, index_args: tuple) -> None:
         tail = (np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words), np.int64(mask_h_stride),
                 np.int32(mask_q_block), scale_log2, np.float32(softmax_scale), causal_i)
@@ -273,7 +281,8 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
             launch(_jit.get_kernel(SM90_SOURCE, kv_name, sm90a=True), name=kv_name,
                    grid=(H * B * (split0 + n_kb - 1),), block=(128,), shared_mem=kv_smem,
                    args=common + index_args + (ptr(dk), ptr(dv), ptr(part0), np.int32(B), np.int32(n_kb),
-                                               np.int32(split0)) + tail)
+                                               np.int32(split0), np.int32(dkdv_order)) + tmaps
+                   + (np.int32(dkdv_tma),) + tail)
         else:
             launch(_jit.get_kernel(BWD_SOURCE, kv_name), name=kv_name, grid=(H, B, n_kb), block=(128,),
                    shared_mem=kv_smem, args=common + index_args + (ptr(dk), ptr(dv)) + tail)

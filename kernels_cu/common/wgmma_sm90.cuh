@@ -198,6 +198,12 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TmaMap& map, int c0, 
         "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
         :: "r"(dst), "l"(reinterpret_cast<u64>(&map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
 }
+// The same for a 3-d map at coordinates (c0 inner, c1, c2 outer).
+__device__ __forceinline__ void tma_load_3d(u32 dst, const TmaMap& map, int c0, int c1, int c2, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+        :: "r"(dst), "l"(reinterpret_cast<u64>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
+}
 __device__ __forceinline__ void st_shared_zero16(u32 addr) {
     asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" :: "r"(addr), "r"(0) : "memory");
 }

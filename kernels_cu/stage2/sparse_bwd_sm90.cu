@@ -128,6 +128,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      const long long* __restrict__ ut_off, const unsigned* __restrict__ ut, long long ut_h_stride,
                      const long long* __restrict__ vt_off, const unsigned* __restrict__ vt, long long vt_h_stride,
                      T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ part0, int n_seq, int n_kb, int split0,
+                     int order, const __grid_constant__ TmaMap tmap_q, const __grid_constant__ TmaMap tmap_do, int use_tma,
                      int total_q, int HQ, int H, int G, int n_words,
                      long long mask_h_stride, int mask_q_block, float scale_log2, float scale, int causal) {
     constexpr int CH = D / 8;
@@ -141,6 +142,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     float* sL = reinterpret_cast<float*>(smem + (sO + 2 * TILE - raw));   // [2][QT]
     float* sD = sL + 2 * QT;                                               // [2][QT]
     int* sLim = reinterpret_cast<int*>(sD + 2 * QT);                       // [2][QT]
+    __shared__ alignas(8) unsigned long long tile_bar[2];                  // TMA fills of the Q/dO stages
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     // the CTA order of the launch contract: block 0's parts of every (sequence, head), then
@@ -153,8 +155,13 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         if (split0 > 1) part = blockIdx.x % split0;
     } else {
         const int rest = blockIdx.x - HB * split0;
-        hb = rest / (n_kb - 1);
-        j = 1 + rest % (n_kb - 1);
+        if (order) {
+            hb = rest / (n_kb - 1);
+            j = 1 + rest % (n_kb - 1);
+        } else {                         // key block slowest (the order before NOTES' "v6")
+            j = 1 + rest / HB;
+            hb = rest % HB;
+        }
     }
     const int b = hb / H, h = hb - b * H;
     const int qs = cu_seqlens_q[b], Lq = cu_seqlens_q[b + 1] - qs;
@@ -196,17 +203,27 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     int left = 1 << 30, top = units - 1;
     if (part >= 0) top = part_start(urow, groups, part, split0, left);
     int tile = top + 1, ntok = 0, cursor = top;
-    FastDiv divG;
+    // tile mode: the index word being walked (wcur) and its bits not taken yet, so most steps
+    // read no memory
+    int wcur = top >> 5;
+    unsigned wbits = top >= 0 ? __ldg(urow + wcur) & (~0u >> (31 - (top & 31))) : 0u;
+    FastDiv divG, divM;
     divG.init((unsigned)G);
+    divM.init((unsigned)mask_q_block);
     int tok[GATHER_MAX];
 #pragma unroll
     for (int i = 0; i < GATHER_MAX; ++i) tok[i] = 0;
     auto advance = [&]() -> bool {
         if (!GATHER) {
             if (left <= 0) return false;
-            tile = prev_set_bit(urow, tile - 1);
+            while (wbits == 0u) {
+                if (--wcur < 0) return false;
+                wbits = __ldg(urow + wcur);
+            }
+            tile = 32 * wcur + 31 - __clz(wbits);
+            wbits &= ~(1u << (tile & 31));
             --left;
-            return tile >= 0;
+            return true;
         }
         ntok = 0;
 #pragma unroll
@@ -265,7 +282,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         int t, g;
         if (tid < QT && row_token(tid, t, g)) {
             const int64 li = ((int64)h * G + g) * total_q + qs + t;
-            f_word = (int)__ldg(mrows + (int64)(t / mask_q_block) * n_words + (j >> 5));
+            f_word = (int)__ldg(mrows + (int64)divM.div((unsigned)t) * n_words + (j >> 5));
             f_l = __ldg(lse + li);
             f_d = __ldg(delta + li);
             f_rk = causal ? t + shift : Lk - 1;
@@ -279,8 +296,34 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
             sD[stage * QT + tid] = sel ? f_d : 0.f;
         }
     };
-    auto load_tile = [&](int stage) {
+    // Q/dO of the next tile into `stage`. Whole fixed tiles (G divides 64, so a tile is 64 / G
+    // tokens x G heads, a box of the 3-d maps) come by two or four TMA copies from one thread and
+    // complete on tile_bar[stage]; a sequence's last, partial tile and gathered tiles by cp.async,
+    // 16 bytes per thread and copy, rows past the tile zero-filled. Returns whether TMA was used.
+    const u32 bar0 = smem_u32(&tile_bar[0]);
+    if (!GATHER && use_tma) {
+        if (tid == 0) {
+            mbar_init(bar0, 1);
+            mbar_init(bar0 + 8, 1);
+            asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        }
+        __syncthreads();                // every thread may wait on them
+    }
+    auto load_tile = [&](int stage) -> bool {
         const u32 dq_ = sQ + stage * TILE, do_ = sO + stage * TILE;
+        if (!GATHER && use_tma && (int64)(tile + 1) * QT <= rows_total) {
+            if (tid == 0) {
+                const u32 bar = bar0 + 8 * stage;
+                const int t0 = (int)divG.div((unsigned)tile * QT);
+                mbar_arrive_expect_tx(bar, 2 * TILE);
+#pragma unroll
+                for (int half = 0; half < D / 64; ++half) {
+                    tma_load_3d(dq_ + half * HALF, tmap_q, half * 64, h * G, qs + t0, bar);
+                    tma_load_3d(do_ + half * HALF, tmap_do, half * 64, h * G, qs + t0, bar);
+                }
+            }
+            return true;
+        }
 #pragma unroll 2
         for (int u = 0; u < 64 * CH / 128; ++u) {
             const int i = tid + 128 * u, row = i / CH, ch = i % CH;
@@ -294,13 +337,15 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
             cp_async_16(dq_ + swz128(row, ch, 64), q + off, bytes);
             cp_async_16(do_ + swz128(row, ch, 64), dout + off, bytes);
         }
+        return false;
     };
 
+    // bit s: stage s's current fill came by TMA / the parity its barrier completes next
+    unsigned tma_fill = 0u, tma_parity = 0u;
     bool have = advance();
     if (have) {
-        load_tile(0);
+        if (load_tile(0)) tma_fill = 1u;
         fetch_info();
-        commit_info(0);
     }
     cp_async_commit();
 
@@ -317,14 +362,22 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
 
     int stage = 0;
     while (have) {
+        // this tile's row info was fetched during the previous tile: its loads had all of that
+        // tile's math to land (committing it right after the math exposed their latency)
+        commit_info(stage);
         cp_async_wait<0>();
+        if ((tma_fill >> stage) & 1u) {
+            mbar_wait(bar0 + 8 * stage, (tma_parity >> stage) & 1u);
+            tma_parity ^= 1u << stage;
+        }
         fence_proxy_async();
         __syncthreads();
         // S^T and dP^T first; the walk to the next tile and its loads run while they compute
         ss_product_pair_issue<T, D>(s, k_desc, q_desc + ((stage * TILE) >> 4), dp, v_desc, o_desc + ((stage * TILE) >> 4));
         const bool have_next = advance();
         if (have_next) {
-            load_tile(stage ^ 1);
+            const unsigned bit = 1u << (stage ^ 1);
+            tma_fill = load_tile(stage ^ 1) ? tma_fill | bit : tma_fill & ~bit;
             fetch_info();                       // global loads in flight during this tile's math
         }
         cp_async_commit();
@@ -359,7 +412,6 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, D>(adk, da[kk], qtd + ((kk * 16 * 128) >> 4), 1);
         wgmma_commit();
-        if (have_next) commit_info(stage ^ 1);   // overlaps the dV / dK wgmmas
         wgmma_wait<0>();
         fence_regs(adv);
         fence_regs(adk);

@@ -158,7 +158,7 @@ def test_block0_split_over_parts(tiles, dtype, monkeypatch):
     sequence leaves 23 of its parts empty (they must still store zeros) and the ragged lengths
     cut the runs anywhere. Results must match the reference and be the same bits twice."""
     import infllm_cupy.stage2.sparse_bwd as sb
-    monkeypatch.setattr(sb, "BLOCK0_PART_TILES", 16)
+    monkeypatch.setattr(sb, "BLOCK0_PART_TILES", 8)
     lq, HQ, H, D = [1500, 1, 333], 16, 2, 128
     assert sb.dkdv_block0_parts(1500, HQ // H) == 24
     q, k, v, do, cu_q, cu_k, idx = sparse_attn_inputs(lq, lq, HQ, H, D, dtype, K=16, empty_rows=True)
