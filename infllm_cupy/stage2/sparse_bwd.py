@@ -46,7 +46,7 @@ KERNEL_ENV = "INFLLM_CUPY_BWD_KERNEL"   # the default backward kernel: sm90a, sm
 QT = 64                 # query rows per dk/dv tile (mirrors #define QT)
 TILE_WARPS = 8          # warps per CTA of stage2_bwd_delta / stage2_bwd_tiles
 DKDV_TMA_ENV = "INFLLM_CUPY_DKDV_TMA"       # "0": sm_90a dk/dv loads every tile by cp.async (A/B knob)
-DKDV_ORDER_ENV = "INFLLM_CUPY_DKDV_ORDER"   # sm_90a dk/dv CTA order: 1 (sequence, head) slowest, 0 key block slowest
+DKDV_ORDER_ENV = "INFLLM_CUPY_DKDV_ORDER"   # force the sm_90a dk/dv CTA order: 1 (sequence, head) slowest, 0 key block slowest
 BLOCK0_PART_TILES = 1024  # query tiles per part of block 0 in the sm_90a dk/dv (dkdv_block0_parts)
 
 
@@ -252,7 +252,8 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         null = np.uint64(0)
         kv_launches = [(f"stage2_bwd_dkdv_sm90<{T}, {D}, {'true' if g else 'false'}>", True,
                         (ptr(own[0]), ptr(own[1]), np.int64(own[2]))
-                        + ((ptr(other[0]), ptr(other[1]), np.int64(other[2])) if other else (null, null, np.int64(0))))
+                        + ((ptr(other[0]), ptr(other[1]), np.int64(other[2])) if other else (null, null, np.int64(0))),
+                        g)
                        for g, own, other in runs]
     else:
         dq_name, dq_rows, dq_threads = tiles.dq_name(q.dtype, D), 16 * tiles.dq_warps, 32 * tiles.dq_warps
@@ -260,7 +261,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         dq_smem = dq_smem_bytes(D, tiles, n_words, q.element_size())
         kv_smem = dkdv_smem_bytes(D, q.element_size())
         kv_launches = [(tiles.dkdv_name(q.dtype, D), False,
-                        (ptr(by_tiles[0]), ptr(by_tiles[1]), np.int64(by_tiles[2])))]
+                        (ptr(by_tiles[0]), ptr(by_tiles[1]), np.int64(by_tiles[2])), False)]
     launch(dq_kernel, name=dq_name, grid=(cdiv(max_seqlen_q * G, dq_rows), H, B), block=(dq_threads,),
            shared_mem=dq_smem, args=dq_args)
     n_kb = cdiv(max_seqlen_k, BLOCK_N)
@@ -271,9 +272,11 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     dkdv_tma = tiles in SM90A_KINDS and 64 % G == 0 and os.environ.get(DKDV_TMA_ENV, "1") != "0"
     no_map = np.zeros(1, dtype=TMAP_DTYPE)
     tmaps = (heads_map(q, G), heads_map(dout, G)) if dkdv_tma else (no_map, no_map)
-    dkdv_order = int(os.environ.get(DKDV_ORDER_ENV, "1"))
+    # CTA order per instance: (sequence, head) slowest for fixed tiles (the CTAs in flight then
+    # share recent query tiles in L2), key block slowest for gathered ones (measured: NOTES.md, v6)
+    order_env = os.environ.get(DKDV_ORDER_ENV)
 
-    def launch_dkdv(kv_name: str, sm90a: bool, index_args: tuple) -> None:
+    def launch_dkdv(kv_name: str, sm90a: bool, index_args: tuple, gather: bool) -> None:
         tail = (np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words), np.int64(mask_h_stride),
                 np.int32(mask_q_block), scale_log2, np.float32(softmax_scale), causal_i)
         if sm90a:
@@ -281,8 +284,8 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
             launch(_jit.get_kernel(SM90_SOURCE, kv_name, sm90a=True), name=kv_name,
                    grid=(H * B * (split0 + n_kb - 1),), block=(128,), shared_mem=kv_smem,
                    args=common + index_args + (ptr(dk), ptr(dv), ptr(part0), np.int32(B), np.int32(n_kb),
-                                               np.int32(split0), np.int32(dkdv_order)) + tmaps
-                   + (np.int32(dkdv_tma),) + tail)
+                                               np.int32(split0), np.int32(int(order_env) if order_env else not gather))
+                   + tmaps + (np.int32(dkdv_tma),) + tail)
         else:
             launch(_jit.get_kernel(BWD_SOURCE, kv_name), name=kv_name, grid=(H, B, n_kb), block=(128,),
                    shared_mem=kv_smem, args=common + index_args + (ptr(dk), ptr(dv)) + tail)

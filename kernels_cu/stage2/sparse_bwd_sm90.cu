@@ -288,13 +288,18 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
             f_rk = causal ? t + shift : Lk - 1;
         }
     };
-    auto commit_info = [&](int stage) {
+    // sL holds +inf for a row that did not select the block, so exp2(S - lse) is 0 there without
+    // a compare; returns whether the row sees only part of the block (the causal diagonal)
+    auto commit_info = [&](int stage) -> bool {
+        bool cut = false;
         if (tid < QT) {
             const bool sel = f_rk >= kbase && ((((unsigned)f_word) >> (j & 31)) & 1u);
             sLim[stage * QT + tid] = sel ? f_rk - kbase : -1;
-            sL[stage * QT + tid] = sel ? f_l * LOG2E : 0.f;
+            sL[stage * QT + tid] = sel ? f_l * LOG2E : INFLLM_INF;
             sD[stage * QT + tid] = sel ? f_d : 0.f;
+            cut = sel && f_rk - kbase < BLOCK_N - 1;
         }
+        return cut;
     };
     // Q/dO of the next tile into `stage`. Whole fixed tiles (G divides 64, so a tile is 64 / G
     // tokens x G heads, a box of the 3-d maps) come by two or four TMA copies from one thread and
@@ -364,14 +369,15 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     while (have) {
         // this tile's row info was fetched during the previous tile: its loads had all of that
         // tile's math to land (committing it right after the math exposed their latency)
-        commit_info(stage);
+        const bool cut = commit_info(stage);
         cp_async_wait<0>();
         if ((tma_fill >> stage) & 1u) {
             mbar_wait(bar0 + 8 * stage, (tma_parity >> stage) & 1u);
             tma_parity ^= 1u << stage;
         }
         fence_proxy_async();
-        __syncthreads();
+        // any row of the tile cut by the causal diagonal: then every element is compared
+        const bool any_cut = __syncthreads_or(cut);
         // S^T and dP^T first; the walk to the next tile and its loads run while they compute
         ss_product_pair_issue<T, D>(s, k_desc, q_desc + ((stage * TILE) >> 4), dp, v_desc, o_desc + ((stage * TILE) >> 4));
         const bool have_next = advance();
@@ -386,29 +392,48 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         const int* lim = sLim + stage * QT;
         const float* l2 = sL + stage * QT;
         const float* dl = sD + stage * QT;
+        // rows m, m + 1 (e = 0, 1) are adjacent: one 64-bit load each for lse, delta (and limits)
+        if (!any_cut) {
 #pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int m = n * 8 + c0 + e;
-                const int lm = lim[m];
-                const float lm2 = l2[m], dm = dl[m];
+            for (int n = 0; n < 8; ++n) {
+                const int m = n * 8 + c0;
+                const float2 lm2 = *reinterpret_cast<const float2*>(l2 + m), dm = *reinterpret_cast<const float2*>(dl + m);
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
-                    const int i = 4 * n + 2 * r + e;
-                    const float p = key_r0 + 8 * r <= lm ? exp2f(fmaf(s[i], scale_log2, -lm2)) : 0.f;
-                    s[i] = p;
-                    dp[i] = p * (dp[i] - dm);
+                    const int i = 4 * n + 2 * r;
+                    const float p0 = exp2f(fmaf(s[i], scale_log2, -lm2.x)), p1 = exp2f(fmaf(s[i + 1], scale_log2, -lm2.y));
+                    s[i] = p0;
+                    s[i + 1] = p1;
+                    dp[i] = p0 * (dp[i] - dm.x);
+                    dp[i + 1] = p1 * (dp[i + 1] - dm.y);
                 }
             }
-        // P^T goes to the dV wgmmas before dS^T is packed: fewer registers live at once
+        } else {
+#pragma unroll
+            for (int n = 0; n < 8; ++n) {
+                const int m = n * 8 + c0;
+                const int2 lm = *reinterpret_cast<const int2*>(lim + m);
+                const float2 lm2 = *reinterpret_cast<const float2*>(l2 + m), dm = *reinterpret_cast<const float2*>(dl + m);
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int i = 4 * n + 2 * r;
+                    const float p0 = key_r0 + 8 * r <= lm.x ? exp2f(fmaf(s[i], scale_log2, -lm2.x)) : 0.f;
+                    const float p1 = key_r0 + 8 * r <= lm.y ? exp2f(fmaf(s[i + 1], scale_log2, -lm2.y)) : 0.f;
+                    s[i] = p0;
+                    s[i + 1] = p1;
+                    dp[i] = p0 * (dp[i] - dm.x);
+                    dp[i + 1] = p1 * (dp[i + 1] - dm.y);
+                }
+            }
+        }
+        // both A operands packed before one fence: a wgmma.fence between the dV and dK issues
+        // would wait for the dV group to finish
         pack_a_frags<T, 4>(s, pa);
+        pack_a_frags<T, 4>(dp, da);
         const u64 qtd = qt_desc + ((stage * TILE) >> 4), otd = ot_desc + ((stage * TILE) >> 4);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, D>(adv, pa[kk], otd + ((kk * 16 * 128) >> 4), 1);
-        pack_a_frags<T, 4>(dp, da);
-        wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, D>(adk, da[kk], qtd + ((kk * 16 * 128) >> 4), 1);
         wgmma_commit();
