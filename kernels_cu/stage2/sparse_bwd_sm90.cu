@@ -5,14 +5,19 @@
 // file's two small kernels); capability 9.0 only. The sm_90a dq kernel runs on the forward's K/V
 // ring and lives beside it (stage2_bwd_dq_ring_sm90 in sparse_fwd_sm90.cu).
 //   stage2_bwd_dkdv_sm90<T, D, GATHER>   grid (H B split0 + H B (n_kb - 1))   block 128
-//       n_kb = cdiv(max_seqlen_k, 64). CTA order (why: NOTES.md, "dk/dv for L2"): first the
-//       split0 parts of block 0 of every (sequence, head) (block 0 is selected by every token:
-//       alone it would be the longest CTA), then one (sequence, head) after another, key blocks
-//       1, 2, ... in order. Every CTA walks its query tiles from the last one down, so the CTAs
-//       in flight (mostly of one head) read the same recent tiles while they are in L2.
+//       n_kb = cdiv(max_seqlen_k, 64). CTA order: first the split0 parts of block 0 of every
+//       (sequence, head) (every token selects block 0: alone it would be the longest CTA), then
+//       order = 1: one (sequence, head) after another, key blocks 1, 2, ... within it (CTAs in
+//       flight then mostly share a head, and as every CTA walks its query tiles from the last one
+//       down, they read the same recent tiles while those are in L2); order = 0: key block
+//       slowest, (sequence, head) fastest. The launcher uses 1 for fixed tiles, 0 for gathered
+//       ones (NOTES.md, backward v6/v7).
 //       split0 > 1: part p of block 0 takes the p-th of split0 equal runs of its tiles (counted
 //       from the top) and stores its unscaled fp32 sums to part0 [H B][split0][2][64][D] (dK, dV);
 //       stage2_bwd_dkdv_parts adds them in part order (deterministic) into dk, dv.
+//       tmap_q / tmap_do (use_tma = 1, needs 64 % G == 0, GATHER = false): 3-d maps over q, dout
+//       [total_q, HQ, D] with boxes of 64 / G tokens x G heads x 64 elements (_tma.heads_map):
+//       a whole 64-row tile is then one box per 64 columns, copied by one thread.
 //       dyn smem 1 KB slack + 2 * 64 * D (K, V) + 2 * 2 * 64 * D (Q, dO double buffer) elements + 2 * 3 * 64 * 4
 //       GATHER = false ("sm90a", the default): `ut` indexes 64-row tiles (stage2_bwd_tiles with
 //       tile_rows = 64), as the SM80 kernel. GATHER = true ("sm90a_gather", 8 <= G <= 64): `ut`
@@ -22,14 +27,17 @@
 //       block-shared selections give the same tiles, at some cost for the walk (NOTES.md).
 //       vt_off / vt: null, or ("sm90a_auto") the other mode's index: then the launcher runs both
 //       instances and each keeps the key blocks its mode does best (see the fill test below).
+//   stage2_bwd_dkdv_parts<T, D>   grid (H B)   block 256: block 0's dk, dv from the parts.
 //
 // One warpgroup per CTA, every product on wgmma with 128-byte-swizzled shared-memory tiles (the
 // forward's layout): the SM80 kernel reads each operand fragment through ldmatrix into every
 // warp's registers, which makes it shared-memory bound; wgmma reads B once per warpgroup.
 //   S^T = K Q^T, dP^T = V dO^T over one 64-row query tile, then dV += P^T dO and
 //   dK += dS^T Q with P^T / dS^T as register A operands (Q, dO MN-major).
-// Loads are cp.async double buffers with one CTA barrier per step (2 CTAs per SM overlap each
-// other's loads and elementwise work with wgmma).
+// Q/dO tiles are double-buffered (TMA where use_tma and the tile lies inside its sequence, else
+// cp.async with zero-filled rows past the sequence), one CTA barrier per tile; 2 CTAs per SM
+// overlap each other's loads and elementwise work with wgmma. Per-thread cp.async address math
+// was most of the instructions before TMA (NOTES.md, backward v6).
 #include "common/types.cuh"
 #include "common/mma_sm80.cuh"
 #include "common/wgmma_sm90.cuh"
