@@ -47,9 +47,9 @@
 #define QT 64
 
 // x = A_x B_x^T and y = A_y B_y^T, 64 x 64 each over D, all four operands K-major 64-row tiles in
-// 128-byte-swizzled shared memory (descriptors ax, bx, ay, by); issued as two groups, x first, so
-// the caller can wait for x alone (wgmma_wait<1>) and work on it while y computes. The S^T and
-// dP^T products of dk/dv: the caller walks to its next tile and issues its loads while they run.
+// 128-byte-swizzled shared memory (descriptors ax, bx, ay, by); issued together as one group,
+// waited for by ss_product_pair_wait. The S^T and dP^T products of dk/dv: the caller
+// walks to its next block or tile and issues its loads while they run.
 template <typename T, int D>
 __device__ __forceinline__ void ss_product_pair_issue(float (&x)[32], u64 ax, u64 bx, float (&y)[32], u64 ay, u64 by) {
     wgmma_fence();
@@ -58,7 +58,6 @@ __device__ __forceinline__ void ss_product_pair_issue(float (&x)[32], u64 ax, u6
         const u32 koff = ((kk >> 2) * (64 * 128) + (kk & 3) * 32) >> 4;
         wgmma_ss<T, 64>(x, ax + koff, bx + koff, kk > 0);
     }
-    wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
         const u32 koff = ((kk >> 2) * (64 * 128) + (kk & 3) * 32) >> 4;
@@ -67,6 +66,11 @@ __device__ __forceinline__ void ss_product_pair_issue(float (&x)[32], u64 ax, u6
     wgmma_commit();
 }
 
+__device__ __forceinline__ void ss_product_pair_wait(float (&x)[32], float (&y)[32]) {
+    wgmma_wait<0>();
+    fence_regs(x);
+    fence_regs(y);
+}
 
 // 64 rows x D of a [*, stride_rows, D] tensor into a swizzled tile; rows with ok = false are zeros.
 template <typename T, int D>
@@ -391,9 +395,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
             fetch_info();                       // global loads in flight during this tile's math
         }
         cp_async_commit();
-        // P^T as soon as S^T is done, while dP^T still computes; then dS^T
-        wgmma_wait<1>();
-        fence_regs(s);
+        ss_product_pair_wait(s, dp);
         // element 4n + i: key key_r0 + 8 (i / 2), query row 8 n + c0 + i % 2 of the tile
         const int* lim = sLim + stage * QT;
         const float* l2 = sL + stage * QT;
@@ -402,12 +404,16 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         if (!any_cut) {
 #pragma unroll
             for (int n = 0; n < 8; ++n) {
-                const float2 lm2 = *reinterpret_cast<const float2*>(l2 + n * 8 + c0);
+                const int m = n * 8 + c0;
+                const float2 lm2 = *reinterpret_cast<const float2*>(l2 + m), dm = *reinterpret_cast<const float2*>(dl + m);
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     const int i = 4 * n + 2 * r;
-                    s[i] = exp2f(fmaf(s[i], scale_log2, -lm2.x));
-                    s[i + 1] = exp2f(fmaf(s[i + 1], scale_log2, -lm2.y));
+                    const float p0 = exp2f(fmaf(s[i], scale_log2, -lm2.x)), p1 = exp2f(fmaf(s[i + 1], scale_log2, -lm2.y));
+                    s[i] = p0;
+                    s[i + 1] = p1;
+                    dp[i] = p0 * (dp[i] - dm.x);
+                    dp[i + 1] = p1 * (dp[i + 1] - dm.y);
                 }
             }
         } else {
@@ -415,25 +421,17 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
             for (int n = 0; n < 8; ++n) {
                 const int m = n * 8 + c0;
                 const int2 lm = *reinterpret_cast<const int2*>(lim + m);
-                const float2 lm2 = *reinterpret_cast<const float2*>(l2 + m);
+                const float2 lm2 = *reinterpret_cast<const float2*>(l2 + m), dm = *reinterpret_cast<const float2*>(dl + m);
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     const int i = 4 * n + 2 * r;
-                    s[i] = key_r0 + 8 * r <= lm.x ? exp2f(fmaf(s[i], scale_log2, -lm2.x)) : 0.f;
-                    s[i + 1] = key_r0 + 8 * r <= lm.y ? exp2f(fmaf(s[i + 1], scale_log2, -lm2.y)) : 0.f;
+                    const float p0 = key_r0 + 8 * r <= lm.x ? exp2f(fmaf(s[i], scale_log2, -lm2.x)) : 0.f;
+                    const float p1 = key_r0 + 8 * r <= lm.y ? exp2f(fmaf(s[i + 1], scale_log2, -lm2.y)) : 0.f;
+                    s[i] = p0;
+                    s[i + 1] = p1;
+                    dp[i] = p0 * (dp[i] - dm.x);
+                    dp[i + 1] = p1 * (dp[i + 1] - dm.y);
                 }
-            }
-        }
-        wgmma_wait<0>();
-        fence_regs(dp);
-#pragma unroll
-        for (int n = 0; n < 8; ++n) {
-            const float2 dm = *reinterpret_cast<const float2*>(dl + n * 8 + c0);
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int i = 4 * n + 2 * r;
-                dp[i] = s[i] * (dp[i] - dm.x);
-                dp[i + 1] = s[i + 1] * (dp[i + 1] - dm.y);
             }
         }
         // both A operands packed before one fence: a wgmma.fence between the dV and dK issues
