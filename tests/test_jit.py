@@ -68,6 +68,11 @@ def test_every_kernel_compiles_without_a_gpu(source, arch):
             assert k.registers > 0, str(k)
             if ks.strict:
                 assert k.spill_stores == 0 and k.spill_loads == 0, f"spills: {k}"
+        if ks.sm90a:
+            # ptxas C7511: it serialised the kernel's wgmmas (each waits for the one before), e.g.
+            # for want of registers to keep a group in flight; the kernel still runs, at a fraction
+            # of its speed (NOTES.md, backward v8), so it is a failure here
+            assert "C7511" not in report.log, report.log
 
 
 def test_compile_error_names_the_kernel_and_shows_the_log(kernels_copy):
