@@ -37,24 +37,32 @@ def _encode_tiled():
     return fn
 
 
-@functools.lru_cache(maxsize=256)
-def _rows_map(addr: int, rows: int, cols: int, box_rows: int) -> np.ndarray:
+def _encode(addr: int, dims: tuple, box: tuple, what: str) -> np.ndarray:
+    """A CUtensorMap over 16-bit elements at `addr`: `dims` innermost first (dense rows, so the
+    byte strides follow from them), boxes of `box`, 128-byte swizzle, zeros out of bounds."""
+    rank = len(dims)
     # the driver wants a 64-byte aligned CUtensorMap: encode into an aligned slice of a buffer
     buf = np.zeros(TMAP_BYTES + 64, dtype=np.uint8)
     off = -buf.ctypes.data % 64
     out = buf[off:off + TMAP_BYTES]
-    dims = (ctypes.c_uint64 * 2)(cols, rows)
-    strides = (ctypes.c_uint64 * 1)(cols * 2)
-    box = (ctypes.c_uint32 * 2)(64, box_rows)
-    elem_strides = (ctypes.c_uint32 * 2)(1, 1)
-    err = _encode_tiled()(out.ctypes.data, _DTYPE_UINT16, 2, addr, dims, strides, box, elem_strides,
-                          _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZEROS)
+    strides = [2 * dims[0]]
+    for d in dims[1:-1]:
+        strides.append(strides[-1] * d)
+    err = _encode_tiled()(out.ctypes.data, _DTYPE_UINT16, rank, addr, (ctypes.c_uint64 * rank)(*dims),
+                          (ctypes.c_uint64 * (rank - 1))(*strides), (ctypes.c_uint32 * rank)(*box),
+                          (ctypes.c_uint32 * rank)(*([1] * rank)), _INTERLEAVE_NONE, _SWIZZLE_128B,
+                          _L2_PROMOTION_256B, _OOB_FILL_ZEROS)
     if err != 0:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {err} (address {addr:#x}, "
-                           f"{rows} rows of {cols} 16-bit elements, boxes of {box_rows} x 64)")
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {err} (address {addr:#x}, {what})")
     tmap = np.empty(1, dtype=TMAP_DTYPE)
     tmap.view(np.uint8)[:] = out
     return tmap
+
+
+@functools.lru_cache(maxsize=256)
+def _rows_map(addr: int, rows: int, cols: int, box_rows: int) -> np.ndarray:
+    return _encode(addr, (cols, rows), (64, box_rows),
+                   f"{rows} rows of {cols} 16-bit elements, boxes of {box_rows} x 64")
 
 
 def rows_map(t: torch.Tensor, box_rows: int) -> np.ndarray:
@@ -73,21 +81,8 @@ def rows_map(t: torch.Tensor, box_rows: int) -> np.ndarray:
 
 @functools.lru_cache(maxsize=256)
 def _heads_map(addr: int, n: int, heads: int, cols: int, box_heads: int, box_n: int) -> np.ndarray:
-    buf = np.zeros(TMAP_BYTES + 64, dtype=np.uint8)
-    off = -buf.ctypes.data % 64
-    out = buf[off:off + TMAP_BYTES]
-    dims = (ctypes.c_uint64 * 3)(cols, heads, n)
-    strides = (ctypes.c_uint64 * 2)(cols * 2, heads * cols * 2)
-    box = (ctypes.c_uint32 * 3)(64, box_heads, box_n)
-    elem_strides = (ctypes.c_uint32 * 3)(1, 1, 1)
-    err = _encode_tiled()(out.ctypes.data, _DTYPE_UINT16, 3, addr, dims, strides, box, elem_strides,
-                          _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZEROS)
-    if err != 0:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {err} (address {addr:#x}, "
-                           f"[{n}, {heads}, {cols}] 16-bit elements, boxes of {box_n} x {box_heads} x 64)")
-    tmap = np.empty(1, dtype=TMAP_DTYPE)
-    tmap.view(np.uint8)[:] = out
-    return tmap
+    return _encode(addr, (cols, heads, n), (64, box_heads, box_n),
+                   f"[{n}, {heads}, {cols}] 16-bit elements, boxes of {box_n} x {box_heads} x 64")
 
 
 def heads_map(t: torch.Tensor, box_heads: int) -> np.ndarray:
