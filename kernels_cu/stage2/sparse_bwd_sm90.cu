@@ -87,8 +87,6 @@ __device__ __forceinline__ void load_tile_rows(u32 dst, const T* __restrict__ sr
 // ---------------------------------------------------------------------------------------------
 #define GATHER_MAX 8   // tokens per gathered tile (64 / G for G >= 8)
 
-template <int N> struct IntC { static constexpr int value = N; };
-
 // Sum of `x` over the 128 threads of the CTA (every thread gets it); a CTA barrier.
 __device__ __forceinline__ int cta_sum128(int x) {
     __shared__ int part[4];
@@ -375,11 +373,8 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     const int c0 = (lane & 3) * 2;
     const int key_r0 = warp * 16 + (lane >> 2);     // this thread's keys in the block: key_r0, key_r0 + 8
 
-    // One tile's step with its double-buffer stage as a compile-time constant (the loop below
-    // alternates the two instances), so shared-memory addresses and wgmma descriptors fold to
-    // constants instead of being rebuilt in uniform registers every tile. Returns have_next.
-    auto tile_step = [&](auto stage_c) -> bool {
-        constexpr int stage = decltype(stage_c)::value;
+    int stage = 0;
+    while (have) {
         // this tile's row info was fetched during the previous tile: its loads had all of that
         // tile's math to land (committing it right after the math exposed their latency)
         const bool cut = commit_info(stage);
@@ -453,11 +448,8 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         wgmma_wait<0>();
         fence_regs(adv);
         fence_regs(adk);
-        return have_next;
-    };
-    while (have) {
-        have = tile_step(IntC<0>{});
-        if (have) have = tile_step(IntC<1>{});
+        stage ^= 1;
+        have = have_next;
     }
     cp_async_wait<0>();
 
