@@ -47,8 +47,6 @@ QT = 64                 # query rows per dk/dv tile (mirrors #define QT)
 TILE_WARPS = 8          # warps per CTA of stage2_bwd_delta / stage2_bwd_tiles
 DKDV_TMA_ENV = "INFLLM_CUPY_DKDV_TMA"       # "0": sm_90a dk/dv loads every tile by cp.async (A/B knob)
 DKDV_ORDER_ENV = "INFLLM_CUPY_DKDV_ORDER"   # force the sm_90a dk/dv CTA order: 1 (sequence, head) slowest, 0 key block slowest
-DKDV_WS_ENV = "INFLLM_CUPY_DKDV_WS"         # "0": fixed tiles on the one-warpgroup dk/dv (A/B knob)
-DKDV_WS_STAGES = {64: 8, 128: 4}            # Q/dO ring depth of the warp-specialised dk/dv per head dim
 BLOCK0_PART_TILES = 1024  # query tiles per part of block 0 in the sm_90a dk/dv (dkdv_block0_parts)
 
 
@@ -89,9 +87,7 @@ _jit.register_instances(RING_SOURCE, [f"stage2_bwd_dq_ring_sm90<{CXX_TYPE[dt]}, 
                                       for d in HEAD_DIMS for ns in SM90_STAGES], sm90a=True)
 _jit.register_instances(SM90_SOURCE, [f"stage2_bwd_dkdv_sm90<{CXX_TYPE[dt]}, {d}, {g}>" for dt in KERNEL_DTYPES
                                      for d in HEAD_DIMS for g in ("false", "true")]
-                         + [f"stage2_bwd_dkdv_parts<{CXX_TYPE[dt]}, {d}>" for dt in KERNEL_DTYPES for d in HEAD_DIMS]
-                         + [f"stage2_bwd_dkdv_ws_sm90<{CXX_TYPE[dt]}, {d}, {DKDV_WS_STAGES[d]}>" for dt in KERNEL_DTYPES
-                            for d in HEAD_DIMS],
+                         + [f"stage2_bwd_dkdv_parts<{CXX_TYPE[dt]}, {d}>" for dt in KERNEL_DTYPES for d in HEAD_DIMS],
                          sm90a=True)
 
 
@@ -137,13 +133,6 @@ def dkdv_block0_parts(max_seqlen_q: int, G: int) -> int:
     """CTAs that share block 0's query tiles in the sm_90a dk/dv (every token selects block 0, so
     alone it would be the longest CTA): about BLOCK0_PART_TILES tiles each, at most 32."""
     return max(1, min(32, cdiv(cdiv(max_seqlen_q * G, QT), BLOCK0_PART_TILES)))
-
-
-def dkdv_ws_smem_bytes(D: int, itemsize: int = 2) -> int:
-    # 1 KB alignment slack, K, V and the Q/dO ring, the two fp32 P^T exchange buffers, the ring's
-    # row info and the mbarriers (full and empty per stage, K/V, two exchange pairs)
-    ns = DKDV_WS_STAGES[D]
-    return 1024 + (2 + 2 * ns) * 64 * D * itemsize + 2 * 32 * 128 * 4 + ns * 3 * QT * 4 + 8 * (2 * ns + 5)
 
 
 def dkdv_sm90_smem_bytes(D: int, itemsize: int = 2) -> int:
@@ -291,14 +280,9 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         tail = (np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words), np.int64(mask_h_stride),
                 np.int32(mask_q_block), scale_log2, np.float32(softmax_scale), causal_i)
         if sm90a:
-            # the CTA order and block 0's parts of the launch contract (sparse_bwd_sm90.cu); fixed
-            # tiles by TMA on the warp-specialised kernel
-            threads, smem = 128, kv_smem
-            if not gather and dkdv_tma and os.environ.get(DKDV_WS_ENV, "1") != "0":
-                kv_name = f"stage2_bwd_dkdv_ws_sm90<{T}, {D}, {DKDV_WS_STAGES[D]}>"
-                threads, smem = 384, dkdv_ws_smem_bytes(D, q.element_size())
+            # the CTA order and block 0's parts of the launch contract (sparse_bwd_sm90.cu)
             launch(_jit.get_kernel(SM90_SOURCE, kv_name, sm90a=True), name=kv_name,
-                   grid=(H * B * (split0 + n_kb - 1),), block=(threads,), shared_mem=smem,
+                   grid=(H * B * (split0 + n_kb - 1),), block=(128,), shared_mem=kv_smem,
                    args=common + index_args + (ptr(dk), ptr(dv), ptr(part0), np.int32(B), np.int32(n_kb),
                                                np.int32(split0), np.int32(int(order_env) if order_env else not gather))
                    + tmaps + (np.int32(dkdv_tma),) + tail)

@@ -104,13 +104,11 @@ __device__ __forceinline__ int cta_sum128(int x) {
 __device__ __forceinline__ int part_start(const unsigned* __restrict__ urow, int groups, int part, int parts, int& count) {
     __shared__ int cnt[128];
     __shared__ int s_pos;
-    const int tid = threadIdx.x;   // threads 0..127 count (any block of >= 128 threads calls it)
+    const int tid = threadIdx.x;
     const int per = (groups + 127) / 128, w0 = min(groups, tid * per), w1 = min(groups, w0 + per);
     int c = 0;
-    if (tid < 128) {
-        for (int w = w0; w < w1; ++w) c += __popc(__ldg(urow + w));
-        cnt[tid] = c;
-    }
+    for (int w = w0; w < w1; ++w) c += __popc(__ldg(urow + w));
+    cnt[tid] = c;
     if (tid == 0) s_pos = -1;
     __syncthreads();
     int total = 0, above = 0;
@@ -119,7 +117,7 @@ __device__ __forceinline__ int part_start(const unsigned* __restrict__ urow, int
         above += i > tid ? cnt[i] : 0;
     }
     const int r0 = (int)((int64)total * part / parts), r1 = (int)((int64)total * (part + 1) / parts);
-    if (tid < 128 && r0 < r1 && above <= r0 && r0 < above + c) {
+    if (r0 < r1 && above <= r0 && r0 < above + c) {
         int pos = prev_set_bit(urow, 32 * w1 - 1);
         for (int skip = r0 - above; skip > 0; --skip) pos = prev_set_bit(urow, pos - 1);
         s_pos = pos;
@@ -127,27 +125,6 @@ __device__ __forceinline__ int part_start(const unsigned* __restrict__ urow, int
     __syncthreads();
     count = r1 - r0;
     return s_pos;
-}
-
-// Key block j, (sequence, head) hb = b H + h and part of block 0 (-1: whole) of this CTA, in the
-// order of the launch contract.
-__device__ __forceinline__ void dkdv_cta(int H, int n_seq, int n_kb, int split0, int order, int& j, int& hb, int& part) {
-    const int HB = H * n_seq;
-    part = -1;
-    if ((int)blockIdx.x < HB * split0) {
-        hb = blockIdx.x / split0;
-        j = 0;
-        if (split0 > 1) part = blockIdx.x % split0;
-    } else {
-        const int rest = blockIdx.x - HB * split0;
-        if (order) {
-            hb = rest / (n_kb - 1);
-            j = 1 + rest % (n_kb - 1);
-        } else {
-            j = 1 + rest / HB;
-            hb = rest % HB;
-        }
-    }
 }
 
 template <typename T, int D, bool GATHER>
@@ -176,8 +153,24 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     __shared__ alignas(8) unsigned long long tile_bar[2];                  // TMA fills of the Q/dO stages
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    int j, hb, part;
-    dkdv_cta(H, n_seq, n_kb, split0, order, j, hb, part);
+    // the CTA order of the launch contract: block 0's parts of every (sequence, head), then
+    // (sequence, head) slowest and key block fastest
+    const int HB = H * n_seq;
+    int j, hb, part = -1;
+    if ((int)blockIdx.x < HB * split0) {
+        hb = blockIdx.x / split0;
+        j = 0;
+        if (split0 > 1) part = blockIdx.x % split0;
+    } else {
+        const int rest = blockIdx.x - HB * split0;
+        if (order) {
+            hb = rest / (n_kb - 1);
+            j = 1 + rest % (n_kb - 1);
+        } else {                         // key block slowest (the order before NOTES' "v6")
+            j = 1 + rest / HB;
+            hb = rest % HB;
+        }
+    }
     const int b = hb / H, h = hb - b * H;
     const int qs = cu_seqlens_q[b], Lq = cu_seqlens_q[b + 1] - qs;
     const int ks = cu_seqlens_k[b], Lk = cu_seqlens_k[b + 1] - ks;
@@ -485,321 +478,6 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
             *reinterpret_cast<u32*>(dk + o + n * 8) = pack2<T>(adk[4 * n + 2 * r] * scale, adk[4 * n + 2 * r + 1] * scale);
             *reinterpret_cast<u32*>(dv + o + n * 8) = pack2<T>(adv[4 * n + 2 * r], adv[4 * n + 2 * r + 1]);
         }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// dk/dv, warp-specialised (fixed 64-row tiles whose Q/dO come by TMA: 64 % G == 0).
-//   stage2_bwd_dkdv_ws_sm90<T, D, NS>   grid and arguments as stage2_bwd_dkdv_sm90 (GATHER = false,
-//   use_tma = 1)   block 384   dyn smem: dkdv_ws_smem_bytes in the launcher, one CTA per SM.
-// Warpgroup 2 produces: K and V of the key block once (cp.async), then for each query tile (walked
-// downwards, as the one-warpgroup kernel) Q and dO by TMA (cp.async with zero rows for a
-// sequence's last, partial tile) and the tile's row info into an NS-deep ring. Both consumer
-// warpgroups read every stage and split the four products:
-//   warpgroup 0  S^T = K Q^T, P^T (from the saved lse), dV += P^T dO
-//   warpgroup 1  dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q
-// with P^T handed from 0 to 1 through a double-buffered fp32 exchange. Each consumer holds one
-// 64 x D sum, which leaves it the registers to pipeline: the next tile's first product is issued
-// before this tile's second, and its softmax-side work runs while the second computes. (The
-// same split with a cp.async producer lost, NOTES.md "v5": the producer's per-row address math
-// was the bound. With TMA the producer is one thread's copies and 64 threads' row info.)
-#define DKDV_WS_REG_CONSUMER 224
-#define DKDV_WS_REG_PRODUCER 56
-
-template <typename T, int D, int NS>
-__global__ void __launch_bounds__(384, 1)
-stage2_bwd_dkdv_ws_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                        const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-                        const unsigned* __restrict__ masks, const int* __restrict__ mask_base,
-                        const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
-                        const long long* __restrict__ ut_off, const unsigned* __restrict__ ut, long long ut_h_stride,
-                        const long long* __restrict__ vt_off, const unsigned* __restrict__ vt, long long vt_h_stride,
-                        T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ part0, int n_seq, int n_kb, int split0,
-                        int order, const __grid_constant__ TmaMap tmap_q, const __grid_constant__ TmaMap tmap_do, int use_tma,
-                        int total_q, int HQ, int H, int G, int n_words,
-                        long long mask_h_stride, int mask_q_block, float scale_log2, float scale, int causal) {
-    constexpr int CH = D / 8;
-    constexpr u32 TILE = 64 * D * sizeof(T);
-    constexpr u32 HALF = 64 * 128;
-    constexpr float LOG2E = 1.4426950408889634f;
-    extern __shared__ unsigned char smem[];
-    const u32 raw = smem_u32(smem);
-    const u32 base = (raw + 1023u) & ~1023u;
-    const u32 sK = base, sV = sK + TILE, sQ = sV + TILE, sO = sQ + NS * TILE;   // ring: Q and dO stages
-    float* xP = reinterpret_cast<float*>(smem + (sO + NS * TILE - raw));        // [2][32][128] P^T exchange
-    float* sInfo = xP + 2 * 32 * 128;                                           // [NS][3][QT]: lim, l2, dl
-    const u32 bar_full = smem_u32(sInfo + NS * 3 * QT), bar_empty = bar_full + 8 * NS, bar_kv = bar_empty + 8 * NS;
-    const u32 bar_pfull = bar_kv + 8, bar_pempty = bar_pfull + 16;            // [2] each: exchange buffers
-
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
-    int j, hb, part;
-    dkdv_cta(H, n_seq, n_kb, split0, order, j, hb, part);
-    const int b = hb / H, h = hb - b * H;
-    const int qs = cu_seqlens_q[b], Lq = cu_seqlens_q[b + 1] - qs;
-    const int ks = cu_seqlens_k[b], Lk = cu_seqlens_k[b + 1] - ks;
-    const int nb = (Lk + BLOCK_N - 1) / BLOCK_N;
-    if (j >= nb) return;
-    const int shift = causal ? Lk - Lq : 0;
-    const int64 rows_total = (int64)Lq * G;
-    const int units = (int)((rows_total + QT - 1) / QT);
-    const int groups = (units + 31) >> 5;
-    const unsigned* urow = ut + (int64)h * ut_h_stride + ut_off[b] + (int64)j * groups;
-    const unsigned* mrows = masks + ((int64)mask_base[b] + (int64)h * mask_h_stride) * n_words;
-    const int kbase = j * BLOCK_N;
-
-    // "sm90a_auto": the same fill test as stage2_bwd_dkdv_sm90 (every warp counts alike)
-    auto warp_count = [&](const unsigned* row, int n) {
-        int c = 0;
-        for (int w = lane; w < n; w += 32) c += __popc(__ldg(row + w));
-        return __reduce_add_sync(0xffffffffu, c);
-    };
-    const int n_all = warp_count(urow, groups);
-    if (vt != nullptr) {
-        const int groups_v = (Lq + 31) >> 5;
-        const int tokens = warp_count(vt + (int64)h * vt_h_stride + vt_off[b] + (int64)j * groups_v, groups_v);
-        if (2 * (int64)tokens * G < (int64)n_all * QT) return;
-    }
-    // the tiles this CTA takes: all of the block's, or its part of block 0 (from `top` down)
-    int n_tiles = n_all, top = units - 1;
-    if (part >= 0) top = part_start(urow, groups, part, split0, n_tiles);
-
-    if (tid == 0) {
-        for (int st = 0; st < NS; ++st) {
-            mbar_init(bar_full + 8 * st, 2 * 128);   // each producer thread twice: copies, row info
-            mbar_init(bar_empty + 8 * st, 2 * 128);  // both consumer warpgroups
-        }
-        mbar_init(bar_kv, 128);
-        for (int x = 0; x < 2; ++x) {
-            mbar_init(bar_pfull + 8 * x, 128);      // warpgroup 0 wrote P^T
-            mbar_init(bar_pempty + 8 * x, 128);     // warpgroup 1 read it
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
-
-    if (wg == 2) {
-        // ================= producer warpgroup
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(DKDV_WS_REG_PRODUCER) : "memory");
-        const int ptid = tid - 256;
-        {   // K and V of the key block, rows past L_k as zeros
-            constexpr int U = 64 * CH / 128;
-            int64 off[U];
-            bool ok[U];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int key = kbase + (ptid + 128 * u) / CH;
-                ok[u] = key < Lk;
-                off[u] = ((int64)(ks + key) * H + h) * D;
-            }
-            load_tile_rows<T, D>(sK, k, ptid, off, ok);
-            load_tile_rows<T, D>(sV, v, ptid, off, ok);
-            mbar_arrive_cp_async(bar_kv);
-        }
-        FastDiv divG, divM;
-        divG.init((unsigned)G);
-        divM.init((unsigned)mask_q_block);
-        int wcur = top >> 5, tile = -1;
-        unsigned wbits = top >= 0 ? __ldg(urow + wcur) & (~0u >> (31 - (top & 31))) : 0u;
-        auto advance = [&]() {
-            while (wbits == 0u && wcur > 0) wbits = __ldg(urow + --wcur);
-            tile = 32 * wcur + 31 - __clz(wbits);
-            wbits &= ~(1u << (tile & 31));
-        };
-        // the next tile's row info, fetched a tile ahead (its loads' latency then overlaps a tile)
-        int f_word = 0, f_rk = -1;
-        float f_l = 0.f, f_d = 0.f;
-        auto fetch_info = [&]() {
-            f_rk = -1;
-            const unsigned R = (unsigned)tile * QT + ptid;
-            if (ptid < QT && R < (unsigned)rows_total) {
-                const int t = (int)divG.div(R), g = (int)(R - (unsigned)t * G);
-                const int64 li = ((int64)h * G + g) * total_q + qs + t;
-                f_word = (int)__ldg(mrows + (int64)divM.div((unsigned)t) * n_words + (j >> 5));
-                f_l = __ldg(lse + li);
-                f_d = __ldg(delta + li);
-                f_rk = causal ? t + shift : Lk - 1;
-            }
-        };
-        if (n_tiles > 0) {
-            advance();
-            fetch_info();
-        }
-        for (int i = 0; i < n_tiles; ++i) {
-            const int st = i % NS, use = i / NS;   // one ring, filled in tile order
-            if (use >= 1) mbar_wait(bar_empty + 8 * st, (use - 1) & 1);
-            const u32 dq_ = sQ + st * TILE, do_ = sO + st * TILE, full = bar_full + 8 * st;
-            if ((int64)(tile + 1) * QT <= rows_total) {
-                if (ptid == 0) {
-                    const int t0 = (int)divG.div((unsigned)tile * QT);
-                    mbar_arrive_expect_tx(full, 2 * TILE);
-#pragma unroll
-                    for (int half = 0; half < D / 64; ++half) {
-                        tma_load_3d(dq_ + half * HALF, tmap_q, half * 64, h * G, qs + t0, full);
-                        tma_load_3d(do_ + half * HALF, tmap_do, half * 64, h * G, qs + t0, full);
-                    }
-                } else {
-                    mbar_arrive(full);
-                }
-            } else {
-#pragma unroll 2
-                for (int u = 0; u < 64 * CH / 128; ++u) {
-                    const int c = ptid + 128 * u, row = c / CH, ch = c % CH;
-                    const unsigned R = (unsigned)tile * QT + row;
-                    int64 off = 0;
-                    int bytes = 0;
-                    if (R < (unsigned)rows_total) {
-                        const int t = (int)divG.div(R), g = (int)(R - (unsigned)t * G);
-                        off = (int64)(qs + t) * (HQ * D) + ((h * G + g) * D + ch * 8);
-                        bytes = 16;
-                    }
-                    cp_async_16(dq_ + swz128(row, ch, 64), q + off, bytes);
-                    cp_async_16(do_ + swz128(row, ch, 64), dout + off, bytes);
-                }
-                mbar_arrive_cp_async(full);
-            }
-            if (ptid < QT) {
-                const bool sel = f_rk >= kbase && ((((unsigned)f_word) >> (j & 31)) & 1u);
-                float* info = sInfo + st * 3 * QT;
-                reinterpret_cast<int*>(info)[ptid] = sel ? f_rk - kbase : -1;
-                info[QT + ptid] = sel ? f_l * LOG2E : 0.f;
-                info[2 * QT + ptid] = sel ? f_d : 0.f;
-            }
-            mbar_arrive(full);
-            if (i + 1 < n_tiles) {
-                advance();
-                fetch_info();
-            }
-        }
-        return;
-    }
-
-    // ================= consumer warpgroups: 0 the P^T side (dV), 1 the dS^T side (dK)
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(DKDV_WS_REG_CONSUMER) : "memory");
-    const int wwarp = warp & 3, ct = tid & 127;
-    const bool pside = wg == 0;
-    float acc[D / 2];                           // dV (warpgroup 0) or dK (warpgroup 1), unscaled
-#pragma unroll
-    for (int x = 0; x < D / 2; ++x) acc[x] = 0.f;
-    float s[32];                                // S^T -> P^T (0), dP^T -> dS^T (1)
-    u32 fa[4][4];                               // P^T or dS^T of the tile whose second product is pending
-    const u64 a_desc = smem_desc(pside ? sK : sV, 16, 1024);
-    const u64 b_desc = smem_desc(pside ? sQ : sO, 16, 1024);
-    const u64 bt_desc = smem_desc(pside ? sO : sQ, HALF, 1024);   // MN-major B of the second product
-    const int c0 = (lane & 3) * 2;
-    const int key_r0 = wwarp * 16 + (lane >> 2);
-    auto wait_tile = [&](int i) {               // tile i's stage, filled for the (i / NS)-th time
-        const int st = i % NS;
-        mbar_wait(bar_full + 8 * st, (i / NS) & 1);
-        fence_proxy_async();                    // a partial tile's cp.async writes, read by wgmma
-        return warp_uniform(st);
-    };
-    auto issue_first = [&](int st) {
-        const u64 bd = b_desc + ((st * TILE) >> 4);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const u32 koff = ((kk >> 2) * HALF + (kk & 3) * 32) >> 4;
-            wgmma_ss<T, 64>(s, a_desc + koff, bd + koff, kk > 0);
-        }
-        wgmma_commit();
-    };
-    // no fence before the second issue: a fence between the two makes the warpgroup wait for
-    // the first product (NOTES.md); fa was packed before issue_first's fence
-    auto issue_second = [&](int st) {
-        const u64 bd = bt_desc + ((st * TILE) >> 4);
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, D>(acc, fa[kk], bd + ((kk * 16 * 128) >> 4), 1);
-        wgmma_commit();
-    };
-    // tile i's S^T -> P^T (handed to warpgroup 1) or dP^T -> dS^T (with the P^T handed over);
-    // element 4n + x: key key_r0 + 8 (x / 2), query row 8 n + c0 + x % 2 of the tile
-    auto elementwise = [&](int i, int st) {
-        const float* info = sInfo + st * 3 * QT;
-        const int xb = i & 1, par = (i >> 1) & 1;
-        float* xbuf = xP + xb * 32 * 128 + ct;
-        if (pside) {
-#pragma unroll
-            for (int n = 0; n < 8; ++n) {
-                const int m = n * 8 + c0;
-                const int2 lm = *reinterpret_cast<const int2*>(reinterpret_cast<const int*>(info) + m);
-                const float2 lm2 = *reinterpret_cast<const float2*>(info + QT + m);
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int x = 4 * n + 2 * r;
-                    s[x] = key_r0 + 8 * r <= lm.x ? exp2f(fmaf(s[x], scale_log2, -lm2.x)) : 0.f;
-                    s[x + 1] = key_r0 + 8 * r <= lm.y ? exp2f(fmaf(s[x + 1], scale_log2, -lm2.y)) : 0.f;
-                }
-            }
-            if (i >= 2) mbar_wait(bar_pempty + 8 * xb, par ^ 1);   // warpgroup 1 read tile i - 2's
-#pragma unroll
-            for (int x = 0; x < 32; ++x) xbuf[x * 128] = s[x];
-            mbar_arrive(bar_pfull + 8 * xb);
-        } else {
-            mbar_wait(bar_pfull + 8 * xb, par);
-#pragma unroll
-            for (int n = 0; n < 8; ++n) {
-                const float2 dm = *reinterpret_cast<const float2*>(info + 2 * QT + n * 8 + c0);
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int x = 4 * n + 2 * r;
-                    s[x] = xbuf[x * 128] * (s[x] - dm.x);
-                    s[x + 1] = xbuf[(x + 1) * 128] * (s[x + 1] - dm.y);
-                }
-            }
-            mbar_arrive(bar_pempty + 8 * xb);
-        }
-    };
-    mbar_wait(bar_kv, 0);
-    fence_proxy_async();                        // K, V came by cp.async; wgmma reads them
-    if (n_tiles > 0) {
-        const int st = wait_tile(0);
-        issue_first(st);
-        wgmma_wait<0>();
-        fence_regs(s);
-        elementwise(0, st);
-        pack_a_frags<T, 4>(s, fa);
-    }
-    for (int i = 0; i < n_tiles; ++i) {
-        const int st = warp_uniform(i % NS);
-        const bool more = i + 1 < n_tiles;
-        int stn = 0;
-        if (more) {
-            stn = wait_tile(i + 1);
-            issue_first(stn);
-        }
-        if (!more) wgmma_fence();               // fa was packed after the last wait
-        issue_second(st);
-        if (more) {
-            wgmma_wait<1>();
-            fence_regs(s);
-            elementwise(i + 1, stn);            // while tile i's second product runs
-        }
-        wgmma_wait<0>();
-        fence_regs(acc);
-        mbar_arrive(bar_empty + 8 * st);
-        if (more) pack_a_frags<T, 4>(s, fa);
-    }
-    if (part >= 0) {
-        // unscaled fp32 sums of this part of block 0 (layout of the one-warpgroup kernel)
-        float* dst = part0 + ((int64)hb * split0 + part) * 2 * 64 * D + (pside ? 64 * D : 0);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int o = (key_r0 + 8 * r) * D + c0;
-#pragma unroll
-            for (int n = 0; n < D / 8; ++n)
-                *reinterpret_cast<float2*>(dst + o + n * 8) = make_float2(acc[4 * n + 2 * r], acc[4 * n + 2 * r + 1]);
-        }
-        return;
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int key = kbase + key_r0 + 8 * r;
-        if (key >= Lk) continue;
-        T* dst = (pside ? dv : dk) + ((int64)(ks + key) * H + h) * D + c0;
-        const float f = pside ? 1.f : scale;
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n)
-            *reinterpret_cast<u32*>(dst + n * 8) = pack2<T>(acc[4 * n + 2 * r] * f, acc[4 * n + 2 * r + 1] * f);
     }
 }
 
