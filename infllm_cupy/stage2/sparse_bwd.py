@@ -46,7 +46,6 @@ KERNEL_ENV = "INFLLM_CUPY_BWD_KERNEL"   # the default backward kernel: sm90a, sm
 QT = 64                 # query rows per dk/dv tile (mirrors #define QT)
 TILE_WARPS = 8          # warps per CTA of stage2_bwd_delta / stage2_bwd_tiles
 DKDV_TMA_ENV = "INFLLM_CUPY_DKDV_TMA"       # "0": sm_90a dk/dv loads every tile by cp.async (A/B knob)
-DKDV_WGS_ENV = "INFLLM_CUPY_DKDV_WGS"       # "2": two key blocks per sm_90a dk/dv CTA, ping-ponged (A/B knob)
 DKDV_ORDER_ENV = "INFLLM_CUPY_DKDV_ORDER"   # force the sm_90a dk/dv CTA order: 1 (sequence, head) slowest, 0 key block slowest
 BLOCK0_PART_TILES = 1024  # query tiles per part of block 0 in the sm_90a dk/dv (dkdv_block0_parts)
 
@@ -86,8 +85,8 @@ for _dt in KERNEL_DTYPES:
 _jit.register_instances(BWD_SOURCE, ["stage2_bwd_tiles"])
 _jit.register_instances(RING_SOURCE, [f"stage2_bwd_dq_ring_sm90<{CXX_TYPE[dt]}, {d}, {ns}>" for dt in KERNEL_DTYPES
                                       for d in HEAD_DIMS for ns in SM90_STAGES], sm90a=True)
-_jit.register_instances(SM90_SOURCE, [f"stage2_bwd_dkdv_sm90<{CXX_TYPE[dt]}, {d}, {g}, {w}>" for dt in KERNEL_DTYPES
-                                     for d in HEAD_DIMS for g in ("false", "true") for w in (1, 2)]
+_jit.register_instances(SM90_SOURCE, [f"stage2_bwd_dkdv_sm90<{CXX_TYPE[dt]}, {d}, {g}>" for dt in KERNEL_DTYPES
+                                     for d in HEAD_DIMS for g in ("false", "true")]
                          + [f"stage2_bwd_dkdv_parts<{CXX_TYPE[dt]}, {d}>" for dt in KERNEL_DTYPES for d in HEAD_DIMS],
                          sm90a=True)
 
@@ -136,11 +135,9 @@ def dkdv_block0_parts(max_seqlen_q: int, G: int) -> int:
     return max(1, min(32, cdiv(cdiv(max_seqlen_q * G, QT), BLOCK0_PART_TILES)))
 
 
-def dkdv_sm90_smem_bytes(D: int, itemsize: int = 2, wgs: int = 1) -> int:
-    # 1 KB alignment slack for the swizzled tiles + per warpgroup six 64 x D tiles and the row
-    # info, rounded to 1 KB (each warpgroup's tiles start 1 KB aligned)
-    per_wg = 6 * 64 * D * itemsize + 2 * 3 * QT * 4
-    return 1024 + (per_wg if wgs == 1 else wgs * (-(-per_wg // 1024) * 1024))
+def dkdv_sm90_smem_bytes(D: int, itemsize: int = 2) -> int:
+    # 1 KB alignment slack for the swizzled tiles + six 64 x D tiles + the row info
+    return 1024 + 6 * 64 * D * itemsize + 2 * 3 * QT * 4
 
 
 @functools.cache
@@ -246,15 +243,14 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                 32 * DEFAULT_BWD_TILES.dq_warps
             dq_kernel = _jit.get_kernel(BWD_SOURCE, dq_name)
             dq_smem = dq_smem_bytes(D, DEFAULT_BWD_TILES, n_words, q.element_size())
-        wgs = int(os.environ.get(DKDV_WGS_ENV, "1"))
-        kv_smem = dkdv_sm90_smem_bytes(D, q.element_size(), wgs)
+        kv_smem = dkdv_sm90_smem_bytes(D, q.element_size())
         # (gather mode, own index, the other mode's index or None): "sm90a_auto" runs both instances
         if split:
             runs = [(False, by_tiles, by_tokens), (True, by_tokens, by_tiles)]
         else:
             runs = [(True, by_tokens, None)] if gather else [(False, by_tiles, None)]
         null = np.uint64(0)
-        kv_launches = [(f"stage2_bwd_dkdv_sm90<{T}, {D}, {'true' if g else 'false'}, {wgs}>", True,
+        kv_launches = [(f"stage2_bwd_dkdv_sm90<{T}, {D}, {'true' if g else 'false'}>", True,
                         (ptr(own[0]), ptr(own[1]), np.int64(own[2]))
                         + ((ptr(other[0]), ptr(other[1]), np.int64(other[2])) if other else (null, null, np.int64(0))),
                         g)
@@ -286,7 +282,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         if sm90a:
             # the CTA order and block 0's parts of the launch contract (sparse_bwd_sm90.cu)
             launch(_jit.get_kernel(SM90_SOURCE, kv_name, sm90a=True), name=kv_name,
-                   grid=(cdiv(H * B * (split0 + n_kb - 1), wgs),), block=(128 * wgs,), shared_mem=kv_smem,
+                   grid=(H * B * (split0 + n_kb - 1),), block=(128,), shared_mem=kv_smem,
                    args=common + index_args + (ptr(dk), ptr(dv), ptr(part0), np.int32(B), np.int32(n_kb),
                                                np.int32(split0), np.int32(int(order_env) if order_env else not gather))
                    + tmaps + (np.int32(dkdv_tma),) + tail)

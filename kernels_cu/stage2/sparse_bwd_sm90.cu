@@ -87,52 +87,30 @@ __device__ __forceinline__ void load_tile_rows(u32 dst, const T* __restrict__ sr
 // ---------------------------------------------------------------------------------------------
 #define GATHER_MAX 8   // tokens per gathered tile (64 / G for G >= 8)
 
-// The 128 threads of one warpgroup meet: the whole CTA when it is one warpgroup, else named
-// barrier 1 + wg (each warpgroup of a WGS = 2 CTA runs a key block of its own).
-template <int WGS>
-__device__ __forceinline__ void wg_sync(int wg) {
-    if constexpr (WGS == 1) __syncthreads();
-    else named_barrier(1 + wg, 128);
-}
-// The same, returning whether `p` holds for any of the warpgroup's threads.
-template <int WGS>
-__device__ __forceinline__ bool wg_sync_or(int wg, bool p) {
-    if constexpr (WGS == 1) {
-        return __syncthreads_or(p);
-    } else {
-        u32 r;
-        asm volatile("{\n.reg .pred a, b;\nsetp.ne.u32 a, %1, 0;\nbar.red.or.pred b, %2, 128, a;\nselp.u32 %0, 1, 0, b;\n}\n"
-                     : "=r"(r) : "r"((u32)p), "r"(1 + wg) : "memory");
-        return r != 0u;
-    }
-}
-
-// Sum of `x` over the warpgroup's 128 threads (every thread gets it); `part` [4] is the
-// warpgroup's scratch. Two warpgroup barriers.
-template <int WGS>
-__device__ __forceinline__ int wg_sum128(int x, int wg, int* part) {
+// Sum of `x` over the 128 threads of the CTA (every thread gets it); a CTA barrier.
+__device__ __forceinline__ int cta_sum128(int x) {
+    __shared__ int part[4];
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-    wg_sync<WGS>(wg);                      // `part` may still be read by a previous call
-    if ((threadIdx.x & 31) == 0) part[(threadIdx.x >> 5) & 3] = x;
-    wg_sync<WGS>(wg);
+    __syncthreads();                       // `part` may still be read by a previous call
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = x;
+    __syncthreads();
     return part[0] + part[1] + part[2] + part[3];
 }
 
 // Units of a key block's index row with rank [r0, r1) counted from the highest set bit, where
 // r0, r1 cut the row into `parts` equal runs: returns the highest of them (the descending walk's
-// first position, -1 when none) and their count. Each thread of the warpgroup counts one chunk of
-// words (cnt [128], s_pos: its scratch); the one whose chunk holds rank r0 finds the bit. Two
-// warpgroup barriers; once per key block.
-template <int WGS>
-__device__ __forceinline__ int part_start(const unsigned* __restrict__ urow, int groups, int part, int parts, int& count,
-                                          int wg, int* cnt, int* s_pos) {
-    const int tid = threadIdx.x & 127;
+// first position, -1 when none) and their count. Each thread counts one chunk of words; the one
+// whose chunk holds rank r0 finds the bit. Two CTA barriers; once per CTA.
+__device__ __forceinline__ int part_start(const unsigned* __restrict__ urow, int groups, int part, int parts, int& count) {
+    __shared__ int cnt[128];
+    __shared__ int s_pos;
+    const int tid = threadIdx.x;
     const int per = (groups + 127) / 128, w0 = min(groups, tid * per), w1 = min(groups, w0 + per);
     int c = 0;
     for (int w = w0; w < w1; ++w) c += __popc(__ldg(urow + w));
     cnt[tid] = c;
-    if (tid == 0) *s_pos = -1;
-    wg_sync<WGS>(wg);
+    if (tid == 0) s_pos = -1;
+    __syncthreads();
     int total = 0, above = 0;
     for (int i = 0; i < 128; ++i) {
         total += cnt[i];
@@ -142,15 +120,15 @@ __device__ __forceinline__ int part_start(const unsigned* __restrict__ urow, int
     if (r0 < r1 && above <= r0 && r0 < above + c) {
         int pos = prev_set_bit(urow, 32 * w1 - 1);
         for (int skip = r0 - above; skip > 0; --skip) pos = prev_set_bit(urow, pos - 1);
-        *s_pos = pos;
+        s_pos = pos;
     }
-    wg_sync<WGS>(wg);
+    __syncthreads();
     count = r1 - r0;
-    return *s_pos;
+    return s_pos;
 }
 
-template <typename T, int D, bool GATHER, int WGS>
-__global__ void __launch_bounds__(128 * WGS, 3 - WGS)
+template <typename T, int D, bool GATHER>
+__global__ void __launch_bounds__(128, 2)
 stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                      const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
                      const unsigned* __restrict__ masks, const int* __restrict__ mask_base,
@@ -166,31 +144,25 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     constexpr u32 HALF = 64 * 128;
     constexpr float LOG2E = 1.4426950408889634f;
     extern __shared__ unsigned char smem[];
-    // each warpgroup: its own K, V, Q/dO double buffer and row info (WG_BYTES apart)
-    constexpr u32 WG_BYTES = (6 * TILE + 2 * 3 * QT * 4 + 1023u) & ~1023u;
-    const int wg = WGS == 2 ? (int)(threadIdx.x >> 7) : 0;
     const u32 raw = smem_u32(smem);
-    const u32 base = ((raw + 1023u) & ~1023u) + wg * WG_BYTES;
+    const u32 base = (raw + 1023u) & ~1023u;
     const u32 sK = base, sV = sK + TILE, sQ = sV + TILE, sO = sQ + 2 * TILE;
     float* sL = reinterpret_cast<float*>(smem + (sO + 2 * TILE - raw));   // [2][QT]
     float* sD = sL + 2 * QT;                                               // [2][QT]
     int* sLim = reinterpret_cast<int*>(sD + 2 * QT);                       // [2][QT]
-    __shared__ alignas(8) unsigned long long tile_bar[WGS][2];             // TMA fills of the Q/dO stages
-    __shared__ int wg_scratch[WGS][128 + 4 + 1];                           // part_start, wg_sum128
-    __shared__ int wg_tiles[WGS];                                          // tiles of each warpgroup's block
+    __shared__ alignas(8) unsigned long long tile_bar[2];                  // TMA fills of the Q/dO stages
 
-    const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31;
-    // the CTA order of the launch contract over "virtual CTAs" (one per warpgroup): block 0's
-    // parts of every (sequence, head), then (sequence, head) slowest and key block fastest
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    // the CTA order of the launch contract: block 0's parts of every (sequence, head), then
+    // (sequence, head) slowest and key block fastest
     const int HB = H * n_seq;
-    const int vcta = (int)blockIdx.x * WGS + wg, n_vcta = HB * (split0 + n_kb - 1);
     int j, hb, part = -1;
-    if (vcta < HB * split0) {
-        hb = vcta / split0;
+    if ((int)blockIdx.x < HB * split0) {
+        hb = blockIdx.x / split0;
         j = 0;
-        if (split0 > 1) part = vcta % split0;
+        if (split0 > 1) part = blockIdx.x % split0;
     } else {
-        const int rest = min(vcta, n_vcta - 1) - HB * split0;
+        const int rest = blockIdx.x - HB * split0;
         if (order) {
             hb = rest / (n_kb - 1);
             j = 1 + rest % (n_kb - 1);
@@ -203,9 +175,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     const int qs = cu_seqlens_q[b], Lq = cu_seqlens_q[b + 1] - qs;
     const int ks = cu_seqlens_k[b], Lk = cu_seqlens_k[b + 1] - ks;
     const int nb = (Lk + BLOCK_N - 1) / BLOCK_N;
-    // WGS = 2: a warpgroup without work still meets the other at the tile-count exchange below
-    bool active = vcta < n_vcta && j < nb;
-    if (WGS == 1 && !active) return;
+    if (j >= nb) return;
     const int shift = causal ? Lk - Lq : 0;
     const int64 rows_total = (int64)Lq * G;
     // bits of one index row: tokens (GATHER) or 64-row tiles
@@ -221,21 +191,17 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     // that selected it) x G / (64-row tiles that contain one of them x 64), decides: below 1/2 the
     // gathered tiles (full rows) win, above it the fixed ones (no walk). Both kernels count the
     // same two index rows, so every block is done by exactly one of them.
-    int* scratch = wg_scratch[wg];
-    if (vt != nullptr && active) {
+    if (vt != nullptr) {
         const int units_v = GATHER ? (int)((rows_total + QT - 1) / QT) : Lq;
         const int groups_v = (units_v + 31) >> 5;
         const unsigned* vrow = vt + (int64)h * vt_h_stride + vt_off[b] + (int64)j * groups_v;
         int own = 0, other = 0;
         for (int w = tid; w < groups; w += 128) own += __popc(__ldg(urow + w));
         for (int w = tid; w < groups_v; w += 128) other += __popc(__ldg(vrow + w));
-        const int tokens = wg_sum128<WGS>(GATHER ? own : other, wg, scratch + 128);
-        const int tiles_n = wg_sum128<WGS>(GATHER ? other : own, wg, scratch + 128);
+        const int tokens = cta_sum128(GATHER ? own : other);
+        const int tiles_n = cta_sum128(GATHER ? other : own);
         const bool gather_wins = 2 * (int64)tokens * G < (int64)tiles_n * QT;
-        if (gather_wins != GATHER) {
-            if (WGS == 1) return;
-            active = false;
-        }
+        if (gather_wins != GATHER) return;
     }
 
     // The next tile to load, walking the index row downwards. Tile mode: its index `tile` (rows
@@ -243,27 +209,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     // tok[s]'s heads); every thread walks the index row itself from `cursor` down, so the list
     // needs no barrier to be shared. `left`: units this CTA may still take (its part of block 0).
     int left = 1 << 30, top = units - 1;
-    if (part >= 0 && active) top = part_start<WGS>(urow, groups, part, split0, left, wg, scratch, scratch + 132);
-    // WGS = 2: the warpgroups take turns to issue their wgmmas (ping-pong, as the forward) for as
-    // many tiles as both have; that needs each one's tile count up front
-    int pp_tiles = 0;
-    if constexpr (WGS == 2) {
-        int n = 0;
-        if (active) {
-            int c = 0;
-            if (part >= 0) {
-                c = left;
-            } else {
-                for (int w = tid; w < groups; w += 128) c += __popc(__ldg(urow + w));
-                c = wg_sum128<WGS>(c, wg, scratch + 128);
-            }
-            n = GATHER ? (c + tpt - 1) / max(tpt, 1) : c;
-        }
-        if (tid == 0) wg_tiles[wg] = n;
-        __syncthreads();
-        pp_tiles = min(wg_tiles[0], wg_tiles[1]);
-        if (!active) return;
-    }
+    if (part >= 0) top = part_start(urow, groups, part, split0, left);
     int tile = top + 1, ntok = 0, cursor = top;
     // tile mode: the index word being walked (wcur) and its bits not taken yet, so most steps
     // read no memory
@@ -367,14 +313,14 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     // tokens x G heads, a box of the 3-d maps) come by two or four TMA copies from one thread and
     // complete on tile_bar[stage]; a sequence's last, partial tile and gathered tiles by cp.async,
     // 16 bytes per thread and copy, rows past the tile zero-filled. Returns whether TMA was used.
-    const u32 bar0 = smem_u32(&tile_bar[wg][0]);
+    const u32 bar0 = smem_u32(&tile_bar[0]);
     if (!GATHER && use_tma) {
         if (tid == 0) {
             mbar_init(bar0, 1);
             mbar_init(bar0 + 8, 1);
             asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         }
-        wg_sync<WGS>(wg);               // every thread may wait on them
+        __syncthreads();                // every thread may wait on them
     }
     auto load_tile = [&](int stage) -> bool {
         const u32 dq_ = sQ + stage * TILE, do_ = sO + stage * TILE;
@@ -427,8 +373,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     const int c0 = (lane & 3) * 2;
     const int key_r0 = warp * 16 + (lane >> 2);     // this thread's keys in the block: key_r0, key_r0 + 8
 
-    int stage = 0, tile_no = 0;
-    if (WGS == 2 && pp_tiles > 0 && wg == 1) named_barrier_arrive(3, 256);   // warpgroup 0 goes first
+    int stage = 0;
     while (have) {
         // this tile's row info was fetched during the previous tile: its loads had all of that
         // tile's math to land (committing it right after the math exposed their latency)
@@ -440,12 +385,9 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         }
         fence_proxy_async();
         // any row of the tile cut by the causal diagonal: then every element is compared
-        const bool any_cut = wg_sync_or<WGS>(wg, cut);
-        const bool pp = WGS == 2 && tile_no < pp_tiles;
+        const bool any_cut = __syncthreads_or(cut);
         // S^T and dP^T first; the walk to the next tile and its loads run while they compute
-        if (pp) named_barrier(3 + wg, 256);                 // my turn
         ss_product_pair_issue<T, D>(s, k_desc, q_desc + ((stage * TILE) >> 4), dp, v_desc, o_desc + ((stage * TILE) >> 4));
-        if (pp) named_barrier_arrive(3 + (wg ^ 1), 256);    // your turn
         const bool have_next = advance();
         if (have_next) {
             const unsigned bit = 1u << (stage ^ 1);
@@ -497,19 +439,16 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         pack_a_frags<T, 4>(s, pa);
         pack_a_frags<T, 4>(dp, da);
         const u64 qtd = qt_desc + ((stage * TILE) >> 4), otd = ot_desc + ((stage * TILE) >> 4);
-        if (pp) named_barrier(3 + wg, 256);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, D>(adv, pa[kk], otd + ((kk * 16 * 128) >> 4), 1);
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, D>(adk, da[kk], qtd + ((kk * 16 * 128) >> 4), 1);
         wgmma_commit();
-        if (pp) named_barrier_arrive(3 + (wg ^ 1), 256);
         wgmma_wait<0>();
         fence_regs(adv);
         fence_regs(adk);
         stage ^= 1;
-        ++tile_no;
         have = have_next;
     }
     cp_async_wait<0>();
