@@ -281,8 +281,9 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         load_tile_rows<T, D>(sV, v, tid, off, ok);
     }
 
-    // row info of a tile, in two halves: fetch (global loads into registers, issued early) and
-    // commit (shared-memory stores, after this step's math, before the next barrier)
+    // row info of a tile, in two halves: fetch (global loads into registers, issued while the
+    // previous tile computes) and commit (shared-memory stores at the top of the tile's own step,
+    // before its barrier)
     int f_word = 0, f_rk = -1;
     float f_l = 0.f, f_d = 0.f;
     auto fetch_info = [&]() {
