@@ -116,3 +116,13 @@ def test_installed_wheel_finds_and_compiles_its_kernels(tmp_path):
     assert out[0].startswith(str(site)), out
     assert out[1] == str(site / "infllm_cupy" / "kernels_cu"), out
     assert out[2].startswith("compiled ") and int(out[2].split()[1]) > 0
+
+
+def test_wgmma_rates_tool_compiles_without_a_gpu():
+    # benchmarks/wgmma_rates.cu (the dk/dv tile-step rates, NOTES.md) lives outside kernels_cu/ and
+    # is not registered: compile it here so that header changes cannot silently break it
+    from benchmarks import wgmma_rates
+
+    log = wgmma_rates.ptxas_log()
+    assert log.count("Used ") == len(wgmma_rates.NAMES), log
+    assert "C7511" not in log, log

@@ -36,7 +36,11 @@
 //   dK += dS^T Q with P^T / dS^T as register A operands (Q, dO MN-major).
 // Q/dO tiles are double-buffered (TMA where use_tma and the tile lies inside its sequence, else
 // cp.async with zero-filled rows past the sequence), one CTA barrier per tile; 2 CTAs per SM
-// overlap each other's loads and elementwise work with wgmma. Per-thread cp.async address math
+// overlap each other's loads and elementwise work with wgmma. A tile's S^T/dP^T group is issued
+// before the previous tile's dV/dK group has been waited for (wait_group 1, then a CTA barrier
+// frees that tile's Q/dO stage for the next load), so the tensor pipe runs both back to back;
+// not in the gathering instance at D = 128, which has no registers for it (NOTES.md, v12).
+// Per-thread cp.async address math
 // was most of the instructions before TMA (NOTES.md, backward v6).
 #include "common/types.cuh"
 #include "common/mma_sm80.cuh"
@@ -142,6 +146,9 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     constexpr int CH = D / 8;
     constexpr u32 TILE = 64 * D * sizeof(T);
     constexpr u32 HALF = 64 * 128;
+    // a tile's S^T/dP^T issue goes behind the previous tile's dV/dK group, not after waiting for it;
+    // the gathering walk at D = 128 has no registers for both groups in flight (ptxas spills)
+    constexpr bool PIPE = !GATHER || D < 128;
     constexpr float LOG2E = 1.4426950408889634f;
     extern __shared__ unsigned char smem[];
     const u32 raw = smem_u32(smem);
@@ -387,8 +394,16 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         fence_proxy_async();
         // any row of the tile cut by the causal diagonal: then every element is compared
         const bool any_cut = __syncthreads_or(cut);
-        // S^T and dP^T first; the walk to the next tile and its loads run while they compute
+        // S^T and dP^T first, queued behind the previous tile's dV/dK so the tensor pipe runs both
+        // back to back; once that group is done in every warp (wait 1 + barrier) its Q/dO stage is
+        // free, and the walk to the next tile and its loads run while S^T/dP^T compute
         ss_product_pair_issue<T, D>(s, k_desc, q_desc + ((stage * TILE) >> 4), dp, v_desc, o_desc + ((stage * TILE) >> 4));
+        if (PIPE) {
+            wgmma_wait<1>();
+            fence_regs(adv);
+            fence_regs(adk);
+            __syncthreads();
+        }
         const bool have_next = advance();
         if (have_next) {
             const unsigned bit = 1u << (stage ^ 1);
@@ -446,12 +461,17 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, D>(adk, da[kk], qtd + ((kk * 16 * 128) >> 4), 1);
         wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(adv);
-        fence_regs(adk);
+        if (!PIPE) {
+            wgmma_wait<0>();
+            fence_regs(adv);
+            fence_regs(adk);
+        }
         stage ^= 1;
         have = have_next;
     }
+    wgmma_wait<0>();
+    fence_regs(adv);
+    fence_regs(adk);
     cp_async_wait<0>();
 
     if (part >= 0) {
