@@ -37,13 +37,16 @@ def tile_lists(T: int, B: int, seed: int = 0) -> dict:
     return out
 
 
-def cta_order(order: str, B: int, nb: int) -> list:
+def cta_order(order: str, B: int, nb: int, heavy: int = 1) -> list:
     """Launch order. "key": key block slowest (the kernel's order 0); "hb": block 0 of every (h, b)
-    first, then (h, b) slowest (order 1)."""
+    first, then (h, b) slowest (order 1); with `heavy` > 1, blocks 1 .. heavy - 1 of every (h, b)
+    ((h, b) slowest) come before the rest."""
     if order == "key":
         return [(h, b, j) for j in range(nb) for b in range(B) for h in range(H)]
     first = [(h, b, 0) for b in range(B) for h in range(H)]
-    return first + [(h, b, j) for b in range(B) for h in range(H) for j in range(1, nb)]
+    cut = min(max(heavy, 1), nb)
+    return first + [(h, b, j) for b in range(B) for h in range(H) for j in range(1, cut)] \
+        + [(h, b, j) for b in range(B) for h in range(H) for j in range(cut, nb)]
 
 
 def simulate(lists: dict, ctas: list, walk: str, split0: int, cap_tiles: int) -> tuple[float, int, float]:
@@ -91,10 +94,11 @@ def main() -> None:
     p.add_argument("--walk", default="down", choices=["up", "down"])
     p.add_argument("--split0", type=int, default=8, help="parts of block 0")
     p.add_argument("--cap", type=int, default=1200, help="L2 capacity in 32-KB tiles")
+    p.add_argument("--heavy", type=int, default=1, help="order hb: key blocks 1 .. heavy - 1 first")
     a = p.parse_args()
     lists = tile_lists(a.T, a.B)
-    hit, end, ideal = simulate(lists, cta_order(a.order, a.B, a.T // 64), a.walk, a.split0, a.cap)
-    print(f"T={a.T} B={a.B} order={a.order} walk={a.walk} split0={a.split0}: L2 hit rate {hit:.3f}, "
+    hit, end, ideal = simulate(lists, cta_order(a.order, a.B, a.T // 64, a.heavy), a.walk, a.split0, a.cap)
+    print(f"T={a.T} B={a.B} order={a.order} heavy={a.heavy} walk={a.walk} split0={a.split0}: L2 hit rate {hit:.3f}, "
           f"makespan {end} steps (ideal {ideal:.0f})")
 
 
