@@ -20,9 +20,10 @@ from infllm_cupy import _jit
 
 TILE_FLOPS = 4 * 2 * 64 * 64 * 128
 FLOPS = {0: TILE_FLOPS // 2, 1: TILE_FLOPS // 2, 2: TILE_FLOPS, 3: TILE_FLOPS, 4: TILE_FLOPS, 5: TILE_FLOPS,
-         6: TILE_FLOPS, 7: TILE_FLOPS}
+         6: TILE_FLOPS, 7: TILE_FLOPS, 8: TILE_FLOPS}
 LABEL = {0: "S^T,dP^T SS m64n64", 1: "dV,dK RS m64n128", 2: "both, waited", 3: "S^T,dP^T SS m64n128",
-         4: "both + exp2/dS/pack", 5: "4 + Q/dO 32 KB loads", 6: "4 pipelined", 7: "5 pipelined"}
+         4: "both + exp2/dS/pack", 5: "4 + Q/dO 32 KB loads", 6: "4 pipelined", 7: "5 pipelined",
+         8: "7, exp2 as one FMA"}
 
 
 SOURCE = Path(__file__).parent / "wgmma_rates.cu"
