@@ -40,8 +40,7 @@
 // before the previous tile's dV/dK group has been waited for (wait_group 1, then a CTA barrier
 // frees that tile's Q/dO stage for the next load), so the tensor pipe runs both back to back;
 // not in the gathering instance at D = 128, which has no registers for it (NOTES.md, v12).
-// Per-thread cp.async address math
-// was most of the instructions before TMA (NOTES.md, backward v6).
+// Per-thread cp.async address math was most of the instructions before TMA (NOTES.md, backward v6).
 #include "common/types.cuh"
 #include "common/mma_sm80.cuh"
 #include "common/wgmma_sm90.cuh"
