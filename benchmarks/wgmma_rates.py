@@ -36,19 +36,7 @@ def options() -> tuple[str, ...]:
 
 def ptxas_log() -> str:
     """Compile every mode with NVRTC alone (no GPU needed) and return ptxas' log."""
-    from cupy_backends.cuda.libs import nvrtc
-
-    prog = nvrtc.createProgram(SOURCE.read_text(), SOURCE.name, [], [])
-    try:
-        for n in NAMES:
-            nvrtc.addNameExpression(prog, n)
-        try:
-            nvrtc.compileProgram(prog, list(options() + _jit.CUPY_ADDED_OPTIONS) + ["--ptxas-options=-v"])
-        except nvrtc.NVRTCError:
-            raise RuntimeError(f"NVRTC could not compile {SOURCE.name}:\n{nvrtc.getProgramLog(prog)}") from None
-        return nvrtc.getProgramLog(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
+    return _jit.compile_report(SOURCE.name, NAMES, "sm_90a", code=SOURCE.read_text()).log
 
 
 def main() -> None:

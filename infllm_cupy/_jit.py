@@ -236,15 +236,16 @@ _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 _PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
 
 
-def compile_report(source: str, names, arch: str = "sm_90") -> CompileReport:
+def compile_report(source: str, names, arch: str = "sm_90", code: str | None = None) -> CompileReport:
     """Compile `names` (name expressions) from `source` for `arch` (e.g. "sm_80", "sm_90", "sm_90a")
     with NVRTC alone, and parse ptxas' resource report per kernel. Needs no GPU and no driver: CuPy's
-    thin NVRTC binding works on a CPU-only machine (its RawModule does not)."""
+    thin NVRTC binding works on a CPU-only machine (its RawModule does not). `code`: the source text
+    of a file outside kernels_cu/ (development tools), which may include kernels_cu/ headers."""
     from cupy_backends.cuda.libs import nvrtc
 
     names = list(names)
-    label = f"kernels_cu/{source} ({', '.join(names)}) for {arch}"
-    prog = nvrtc.createProgram(_code(source), source, [], [])
+    label = f"{source if code is not None else 'kernels_cu/' + source} ({', '.join(names)}) for {arch}"
+    prog = nvrtc.createProgram(_code(source) if code is None else code, source, [], [])
     try:
         for n in names:
             nvrtc.addNameExpression(prog, n)

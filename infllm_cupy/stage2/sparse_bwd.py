@@ -275,10 +275,10 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     # CTA order per instance: (sequence, head) slowest for fixed tiles (the CTAs in flight then
     # share recent query tiles in L2), key block slowest for gathered ones (measured: NOTES.md, v6)
     order_env = os.environ.get(DKDV_ORDER_ENV)
+    tail = (np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words), np.int64(mask_h_stride),
+            np.int32(mask_q_block), scale_log2, np.float32(softmax_scale), causal_i)
 
     def launch_dkdv(kv_name: str, sm90a: bool, index_args: tuple, gather: bool) -> None:
-        tail = (np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words), np.int64(mask_h_stride),
-                np.int32(mask_q_block), scale_log2, np.float32(softmax_scale), causal_i)
         if sm90a:
             # the CTA order and block 0's parts of the launch contract (sparse_bwd_sm90.cu)
             launch(_jit.get_kernel(SM90_SOURCE, kv_name, sm90a=True), name=kv_name,
