@@ -32,10 +32,10 @@ from infllm_cupy.stage2 import sparse_attn_varlen
 QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
 
-def sample_while(fn, seconds: float) -> tuple[float, list[list[str]]]:
+def sample_while(fn, seconds: float, sync=torch.cuda.synchronize) -> tuple[float, list[list[str]]]:
     """Run `fn` back to back for `seconds` under nvidia-smi sampling; (ms per call, samples)."""
     fn()
-    torch.cuda.synchronize()
+    sync()
     smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-lms", "100"],
                            stdout=subprocess.PIPE, text=True)
     t0, n = time.perf_counter(), 0
@@ -43,8 +43,8 @@ def sample_while(fn, seconds: float) -> tuple[float, list[list[str]]]:
         fn()
         n += 1
         if n % 4 == 0:
-            torch.cuda.synchronize()
-    torch.cuda.synchronize()
+            sync()
+    sync()
     el = time.perf_counter() - t0
     smi.terminate()
     out = smi.communicate()[0]

@@ -1,10 +1,12 @@
 """Sustained wgmma rates of the dk/dv kernel's product shapes (development tool).
 
-    python benchmarks/wgmma_rates.py [--iters 4000]
+    python benchmarks/wgmma_rates.py [--iters 4000] [--sustain 4]
 
 Compiles benchmarks/wgmma_rates.cu for sm_90a and times each MODE (see its header) with 1 and 2
 CTAs per SM (CUDA events, median of 5). TFLOP/s are counted on the products issued; the bf16 dense
-peak of an H100 SXM is about 989. Needs a GPU of capability 9.0.
+peak of an H100 SXM is about 989. Needs a GPU of capability 9.0. `--sustain S` also runs each mode
+at 2 CTAs per SM back to back for S seconds under nvidia-smi sampling (benchmarks/clock_probe.py):
+short runs go at boost clock, long ones at whatever the power cap leaves.
 """
 from __future__ import annotations
 
@@ -42,7 +44,10 @@ def ptxas_log() -> str:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=4000)
+    p.add_argument("--sustain", type=float, default=0.0)
+    p.add_argument("--modes", default=",".join(str(m) for m in FLOPS))
     a = p.parse_args()
+    modes = [int(m) for m in a.modes.split(",")]
     mod = cp.RawModule(code=SOURCE.read_text(), options=options(), name_expressions=NAMES)
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     out = cp.empty(sms * 2 * 128, dtype=cp.float32)
@@ -50,7 +55,8 @@ def main() -> None:
     src = (cp.random.standard_normal(n_chunks * 2 * 64 * 128, dtype=cp.float32) * 0.5).astype(cp.float16).view(cp.uint8)
     print(f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, {sms} SMs, iters {a.iters}")
     for per_sm, smem in ((1, 160 * 1024), (2, 100 * 1024)):
-        for m, flop in FLOPS.items():
+        for m in modes:
+            flop = FLOPS[m]
             k = mod.get_function(f"wgmma_rates<{m}>")
             k.max_dynamic_shared_size_bytes = smem
             grid = sms * per_sm
@@ -64,7 +70,15 @@ def main() -> None:
                 times.append(cp.cuda.get_elapsed_time(e0, e1))
             ms = statistics.median(times[1:])
             tf = flop * a.iters * grid / (ms * 1e-3) / 1e12
-            print(f"  {per_sm} CTA/SM  mode {m} {LABEL[m]:<24} {ms:8.3f} ms  {tf:6.0f} TFLOP/s")
+            print(f"  {per_sm} CTA/SM  mode {m} {LABEL[m]:<24} {ms:8.3f} ms  {tf:6.0f} TFLOP/s", flush=True)
+            if a.sustain > 0 and per_sm == 2:
+                from benchmarks.clock_probe import report, sample_while
+
+                def run(k=k, grid=grid, smem=smem):
+                    k((grid,), (128,), (out, src, cp.int32(n_chunks), cp.int32(a.iters)), shared_mem=smem)
+                    cp.cuda.runtime.deviceSynchronize()
+                ms_s, rows = sample_while(run, a.sustain, sync=cp.cuda.runtime.deviceSynchronize)
+                report(f"    sustained {1e-9 * flop * a.iters * grid / ms_s:5.0f} TFLOP/s", ms_s, rows)
 
 
 if __name__ == "__main__":
