@@ -87,6 +87,9 @@ def main() -> None:
     p.add_argument("--selections", default="a,b,c")
     p.add_argument("--mode", default="fwd", choices=["fwd", "fwdbwd"])
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--block", type=int, default=0,
+                   help="time blocks of this many calls per variant (after --settle untimed ones) instead of single calls")
+    p.add_argument("--settle", type=int, default=2)
     a = p.parse_args()
     HQ, H, D = 32, 2, 128
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -122,15 +125,20 @@ def main() -> None:
         for _, run in calls:                    # warm-up with recorded kernels only
             run()
         events = {lb: [] for lb, _ in calls}
-        for _ in range(a.reps):
-            for lb, run in calls:
+        per = max(a.block, 1)
+        for rep in range(a.reps):
+            r = rep % len(calls)                # rotated, so every variant follows every other
+            for lb, run in calls[r:] + calls[:r]:
+                for _ in range(a.settle if a.block else 0):
+                    run()
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 e0.record()
-                run()
+                for _ in range(per):
+                    run()
                 e1.record()
                 events[lb].append((e0, e1))
         torch.cuda.synchronize()
-        med = {lb: statistics.median(e0.elapsed_time(e1) for e0, e1 in ev) for lb, ev in events.items()}
+        med = {lb: statistics.median(e0.elapsed_time(e1) / per for e0, e1 in ev) for lb, ev in events.items()}
         first = med[variants[0][0]]
         print(f"{a.mode}: {sel + ' K' + str(a.K):10s} "
               + " ".join(f"{med[lb]:14.2f} {flop / med[lb] / 1e9:5.0f}" for lb, _ in calls)
