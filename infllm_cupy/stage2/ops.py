@@ -119,7 +119,7 @@ def sparse_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_se
     q, k, v, cu_seqlens_q, cu_seqlens_k = _contig(q, k, v, cu_seqlens_q, cu_seqlens_k)
     rows = _token_rows(topk_idx, cu_seqlens_q, cu_seqlens_k, q.shape[0], max_seqlen_k)
     return stage2_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *rows, max_seqlen_q, causal, softmax_scale,
-                      _tiles(tiles, q.device))
+                      _tiles(tiles, q.device), max_seqlen_k=max_seqlen_k)
 
 
 @sparse_attn_fwd.register_kernel("cpu")
@@ -192,7 +192,7 @@ def block_sparse_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     q, k, v, cu_seqlens_q, cu_seqlens_k = _contig(q, k, v, cu_seqlens_q, cu_seqlens_k)
     rows = _layout_rows(layout_mask, q_block, cu_seqlens_q.numel() - 1, max_seqlen_k, q.device)
     return stage2_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *rows, max_seqlen_q, causal, softmax_scale,
-                      _tiles(tiles, q.device))
+                      _tiles(tiles, q.device), max_seqlen_k=max_seqlen_k)
 
 
 def _layout_topk_idx(layout_mask, q_block, cu_seqlens_q):

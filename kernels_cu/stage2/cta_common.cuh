@@ -21,6 +21,12 @@ __device__ __forceinline__ unsigned clip_word(unsigned u, int w, int max_block) 
     return keep <= 0 ? 0u : keep >= 32 ? u : u & ((1u << keep) - 1u);
 }
 
+// Word w of a mask row with the bits of blocks below min_block cleared.
+__device__ __forceinline__ unsigned clip_word_below(unsigned u, int w, int min_block) {
+    const int drop = min_block - 32 * w;         // low bits dropped
+    return drop <= 0 ? u : drop >= 32 ? 0u : u & (~0u << drop);
+}
+
 // OR of word w over mask rows q_lo..q_hi.
 __device__ __forceinline__ unsigned rows_or(const unsigned* __restrict__ mrows, int n_words, int q_lo, int q_hi, int w) {
     unsigned u = 0;

@@ -15,6 +15,12 @@
 //               warpgroup) in the CTAs whose warpgroups share under a quarter of it, else 64-key
 //               steps on one ring; 2: 128-key steps everywhere; 3: 64-key steps on split rings
 //               everywhere (2 and 3: tests)
+//   blk_lo, blk_hi  key-range pass: only 64-key blocks [blk_lo, blk_hi) are attended (0, 2^30: all).
+//               out and lse are then that pass's partial result (normalised over the pass's keys),
+//               merged by stage2_fwd_merge (sparse_fwd_merge.cu); with blk_lo > 0 a CTA whose rows
+//               see no block of the range (causal) exits without writing, so the launcher presets
+//               lse to +inf. Why passes: at long contexts, per-token picks read K/V blocks all over
+//               a sequence whose K/V exceed the L2; a pass's range fits it (NOTES.md, forward v7)
 //   kernel   stage2_bwd_dq_ring_sm90<T, D, NS>  the backward's dq on the same ring (infllm_cupy/stage2/
 //            sparse_bwd.py): arguments as stage2_bwd_dq in sparse_bwd.cu with K and V as the tensor
 //            maps above and step_mode last (0, 1 or 3; no 128-key steps); grid and block as above,
@@ -202,7 +208,7 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
               const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
               T* __restrict__ out, float* __restrict__ lse, const float* __restrict__ delta,
               int total_q, int HQ, int H, int G, int n_words, long long mask_h_stride, int mask_q_block,
-              float scale_log2, float scale, int causal, int step_mode) {
+              float scale_log2, float scale, int causal, int step_mode, int blk_lo, int blk_hi) {
     constexpr int M = 64 * NC;
     constexpr int CH = D / 8;
     constexpr u32 TILE_Q = 64 * D * sizeof(T);
@@ -233,7 +239,11 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
     const int64 m0 = (int64)(DQ ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * M;
     if (m0 >= rows_total) return;
     const int shift = causal ? Lk - Lq : 0;
-    const int nb = min((Lk + BLOCK_N - 1) / BLOCK_N, n_words * 32);
+    // key-range pass (blk_lo > 0 or blk_hi < the block count): only blocks [blk_lo, blk_hi) count.
+    // A CTA whose rows see none of them (causal) writes nothing: the launcher preset their lse to
+    // +inf, which marks "nothing from this pass" for the merge
+    const int nb = min(min((Lk + BLOCK_N - 1) / BLOCK_N, n_words * 32), blk_hi);
+    if (blk_lo > 0 && last_visible_block(nb, causal, (int)((min(m0 + M, rows_total) - 1) / G), shift) < blk_lo) return;
     const unsigned* mrows = masks + ((int64)mask_base[b] + (int64)h * mask_h_stride) * n_words;
 
     // ---- each consumer warpgroup's Q tile: issued first, so that it lands during the setup
@@ -266,7 +276,7 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
             unsigned u[NC], all = 0;
 #pragma unroll
             for (int g = 0; g < NC; ++g) {
-                u[g] = clip_word(rows_or(mrows, n_words, q_lo[g], q_hi[g], w), w, lim[g]);
+                u[g] = clip_word_below(clip_word(rows_or(mrows, n_words, q_lo[g], q_hi[g], w), w, lim[g]), w, blk_lo);
                 sUw[g * n_words + w] = u[g];
                 all |= u[g];
             }
@@ -762,10 +772,10 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
                 T* __restrict__ out, float* __restrict__ lse,
                 int total_q, int HQ, int H, int G, int n_words, long long mask_h_stride, int mask_q_block,
-                float scale_log2, int causal, int step_mode) {
+                float scale_log2, int causal, int step_mode, int blk_lo, int blk_hi) {
     ring_cta_sm90<T, D, NS, false>(q, nullptr, tmap_k, tmap_v, masks, mask_base, cu_seqlens_q, cu_seqlens_k, out, lse,
                                    nullptr, total_q, HQ, H, G, n_words, mask_h_stride, mask_q_block, scale_log2, 1.f,
-                                   causal, step_mode);
+                                   causal, step_mode, blk_lo, blk_hi);
 }
 
 template <typename T, int D, int NS>
@@ -779,5 +789,5 @@ stage2_bwd_dq_ring_sm90(const T* __restrict__ q, const T* __restrict__ dout, con
                         int causal, int step_mode) {
     ring_cta_sm90<T, D, NS, true>(q, dout, tmap_k, tmap_v, masks, mask_base, cu_seqlens_q, cu_seqlens_k, dq,
                                   const_cast<float*>(lse), delta, total_q, HQ, H, G, n_words, mask_h_stride,
-                                  mask_q_block, scale_log2, scale, causal, step_mode);
+                                  mask_q_block, scale_log2, scale, causal, step_mode, 0, 1 << 30);
 }

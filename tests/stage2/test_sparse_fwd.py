@@ -62,6 +62,55 @@ def test_token_level_against_reference(case, dtype, tiles):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="sm_90a kernel needs capability 9.0")
+@pytest.mark.parametrize("passes", [2, 3, 7])
+@pytest.mark.parametrize("tiles", ["sm90a", "sm90a_pair", "sm90a_split"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_key_range_passes_against_reference(case, dtype, tiles, passes, monkeypatch):
+    """The sm_90a forward in key-range passes merged by lse (the long-context path, forced here on
+    short sequences): rows a pass does not reach keep their poisoned partial outputs unread, rows no
+    pass reaches stay 0 with lse +inf, and the merge must differ from one pass only by rounding."""
+    from infllm_cupy.stage2 import sparse_fwd
+
+    lq, lk, HQ, H, D = case
+    q, k, v, cu_q, cu_k, idx = make_inputs(lq, lk, HQ, H, D, dtype, empty_rows=True)
+    monkeypatch.setenv("INFLLM_CUPY_FWD_PASSES", str(passes))
+    assert sparse_fwd.kv_passes_for(max(lk), D, 2) == passes
+    out, lse = sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, max(lq), max(lk), return_lse=True,
+                                  backend="kernels", tiles=tiles)
+    check_against_reference(out, lse, q, k, v, cu_q, cu_k, idx, max(lq), max(lk), True)
+    monkeypatch.setenv("INFLLM_CUPY_FWD_PASSES", "1")
+    one, _ = sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, max(lq), max(lk), return_lse=True,
+                                backend="kernels", tiles=tiles)
+    if max(lk) > 64:       # more than one block: the passes path ran, and its merge rounds differently
+        assert not torch.equal(out, one)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="sm_90a kernel needs capability 9.0")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_key_range_passes_non_causal(dtype, monkeypatch):
+    monkeypatch.setenv("INFLLM_CUPY_FWD_PASSES", "3")
+    lq, lk = [1, 5, 90], [300, 64, 1000]
+    q, k, v, cu_q, cu_k, idx = make_inputs(lq, lk, 16, 2, 128, dtype)
+    out, lse = sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, max(lq), max(lk), causal=False, return_lse=True,
+                                  backend="kernels")
+    check_against_reference(out, lse, q, k, v, cu_q, cu_k, idx, max(lq), max(lk), False)
+
+
+def test_kv_passes_policy(monkeypatch):
+    """One pass while a sequence's K/V per KV head fit 16 MB, then one per 16 MB, at most 8."""
+    from infllm_cupy.stage2.sparse_fwd import kv_passes_for
+
+    monkeypatch.delenv("INFLLM_CUPY_FWD_PASSES", raising=False)
+    assert [kv_passes_for(n, 128, 2) for n in (1, 16384, 32768, 65536, 131072, 10**7)] == [1, 1, 1, 2, 4, 8]
+    assert kv_passes_for(32768, 64, 2) == 1
+    monkeypatch.setenv("INFLLM_CUPY_FWD_PASSES", "3")
+    assert kv_passes_for(1, 128, 2) == 3
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_non_causal(dtype):
     lq, lk = [1, 5, 90], [300, 64, 1000]          # decode-like rows against long caches
