@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import os
 import statistics
 import sys
@@ -88,7 +89,8 @@ def main() -> None:
     p.add_argument("--mode", default="fwd", choices=["fwd", "fwdbwd"])
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--block", type=int, default=0,
-                   help="time blocks of this many calls per variant (after --settle untimed ones) instead of single calls")
+                   help="time blocks of this many calls per variant (after --settle untimed ones), "
+                        "not single calls")
     p.add_argument("--settle", type=int, default=2)
     a = p.parse_args()
     HQ, H, D = 32, 2, 128
@@ -112,8 +114,12 @@ def main() -> None:
         masks = sparse_fwd.token_block_masks(topk, cu, cu, sparse_fwd.n_mask_words(a.T))
         calls = []
         for label, tree, tiles, (jit, fwd, bwd), kernels in variants:
-            def work(tiles=tiles, masks=masks, fwd=fwd, bwd=bwd):
-                out, lse = fwd.stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, a.T, True, scale, tiles)
+            # the token-level op's key-range pass threshold, where the tree's launcher has one
+            extra = {"split_min": 2 * a.K} if "split_min" in inspect.signature(fwd.stage2_fwd).parameters else {}
+
+            def work(extra=extra, tiles=tiles, masks=masks, fwd=fwd, bwd=bwd):
+                out, lse = fwd.stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, a.T, True, scale, tiles,
+                                          **extra)
                 if a.mode == "fwdbwd":
                     bwd.stage2_bwd(do, q, k, v, out, lse, cu, cu, masks, cu, q.shape[0], 1, a.T, a.T, True, scale)
 

@@ -118,8 +118,9 @@ def sparse_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_se
     """`(out [total_q, HQ, D], lse float32 [HQ, total_q])` of token-level sparse attention."""
     q, k, v, cu_seqlens_q, cu_seqlens_k = _contig(q, k, v, cu_seqlens_q, cu_seqlens_k)
     rows = _token_rows(topk_idx, cu_seqlens_q, cu_seqlens_k, q.shape[0], max_seqlen_k)
+    # key-range passes for CTAs whose tokens picked over 2 K different blocks (per-token picks)
     return stage2_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *rows, max_seqlen_q, causal, softmax_scale,
-                      _tiles(tiles, q.device), max_seqlen_k=max_seqlen_k)
+                      _tiles(tiles, q.device), max_seqlen_k=max_seqlen_k, split_min=2 * topk_idx.shape[2])
 
 
 @sparse_attn_fwd.register_kernel("cpu")

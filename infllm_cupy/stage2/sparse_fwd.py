@@ -23,11 +23,11 @@ SM90_CONSUMERS = 2      # mirrors NC in sparse_fwd_sm90.cu
 SM90_STAGES = (6, 4)    # K/V ring depths compiled (template NS), deepest first: the deepest that fits
 SMEM_PER_BLOCK = 227 * 1024   # the H100's (and H200's) dynamic shared memory limit per block
 MASK_SOURCE = "stage2/block_masks.cu"
-MERGE_SOURCE = "stage2/sparse_fwd_merge.cu"
 # Key-range passes of the sm_90a forward: at long contexts a sequence's K/V (per KV head) outgrow
-# the L2, and per-token picks read blocks all over it, so every CTA's copies miss to DRAM. Each
-# pass attends the blocks of one key range whose K/V fit PASS_KV_BYTES; a merge kernel combines
-# the passes' outputs by their lse. NOTES.md (forward v7) has the measurements.
+# the L2, and per-token picks read blocks all over it, so most copies miss to DRAM. Each pass
+# attends the blocks of one key range whose K/V fit PASS_KV_BYTES and merges its rows into the
+# output by lse; only CTAs whose union exceeds `split_min` blocks split (the kernel's launch
+# contract). NOTES.md (forward v7) has the measurements.
 PASS_KV_BYTES = 16 << 20
 MAX_KV_PASSES = 8
 BLOCK_N = 64            # keys per KV block, fixed by InfLLM-v2 (kernels_cu: BLOCK_N)
@@ -97,8 +97,6 @@ for _t in ALL_TILES:
 _jit.register_instances(SM90_SOURCE, [f"stage2_fwd_sm90<{CXX_TYPE[dt]}, {d}, {ns}>" for dt in KERNEL_DTYPES
                                      for d in HEAD_DIMS for ns in SM90_STAGES], sm90a=True)
 _jit.register_instances(MASK_SOURCE, ["token_block_masks"])
-_jit.register_instances(MERGE_SOURCE, [f"stage2_fwd_merge<{CXX_TYPE[dt]}, {d}>" for dt in KERNEL_DTYPES
-                                      for d in HEAD_DIMS])
 
 
 def kv_passes_for(max_seqlen_k: int, D: int, itemsize: int) -> int:
@@ -162,11 +160,13 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
                cu_seqlens_k: torch.Tensor, masks: torch.Tensor, mask_base: torch.Tensor, mask_h_stride: int,
                mask_q_block: int, max_seqlen_q: int, causal: bool, softmax_scale: float,
                tiles=DEFAULT_TILES, max_seqlen_k: int | None = None,
-               kv_passes: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               split_min: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on checked, contiguous inputs. Returns `out [total_q, HQ, D]` and
     `lse [HQ, total_q]` float32. `masks` is `[..., n_words]` int32; see the .cu header for the rows.
-    The sm_90a kernel runs in `kv_passes` key ranges (default `kv_passes_for(max_seqlen_k, ...)`;
-    `max_seqlen_k` defaults to what the mask rows cover) merged by `stage2_fwd_merge`."""
+    With `split_min` (the token-level op passes 2 K) the sm_90a kernel runs in
+    `kv_passes_for(max_seqlen_k, ...)` key-range passes, and CTAs whose union of blocks exceeds
+    `split_min` split over them (`$INFLLM_CUPY_FWD_SPLIT_MIN` overrides it); `max_seqlen_k`
+    defaults to what the mask rows cover."""
     check_aligned(q=q, k=k, v=v)
     total_q, HQ, D = q.shape
     H = k.shape[1]
@@ -194,25 +194,18 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
     kernel = _jit.get_kernel(SM90_SOURCE, name, sm90a=True)
     maps = (rows_map(k, BLOCK_N), rows_map(v, BLOCK_N))
     n_kb = cdiv(max_seqlen_k, BLOCK_N) if max_seqlen_k is not None else 32 * n_words
-    passes = kv_passes if kv_passes is not None else kv_passes_for(n_kb * BLOCK_N, D, q.element_size())
+    passes = 1 if split_min is None else kv_passes_for(n_kb * BLOCK_N, D, q.element_size())
     per = cdiv(n_kb, max(1, min(passes, n_kb)))
     passes = cdiv(n_kb, per) if n_kb > 0 else 1
-    if passes > 1:
-        # each pass writes its own partial output and lse (+inf where it saw no key of a row)
-        out_p = empty((passes, total_q, HQ, D), dtype=q.dtype, device=q.device)
-        lse_p = torch.full((passes, HQ, total_q), float("inf"), dtype=torch.float32, device=q.device)
+    grid = (cdiv(max_seqlen_q * G, 64 * SM90_CONSUMERS), H, B)
+    split = torch.empty(grid[::-1], dtype=torch.int32, device=q.device) if passes > 1 else None
+    split_min = int(os.environ.get("INFLLM_CUPY_FWD_SPLIT_MIN", split_min or 0))
     for p in range(passes):
-        dst, dst_lse = (out_p[p], lse_p[p]) if passes > 1 else (out, lse)
         blk_hi = (p + 1) * per if p < passes - 1 else 1 << 30
-        launch(kernel, name=name, grid=(cdiv(max_seqlen_q * G, 64 * SM90_CONSUMERS), H, B),
-               block=(128 * (SM90_CONSUMERS + 1),), shared_mem=smem,
-               args=(ptr(q),) + maps + head + (ptr(dst), ptr(dst_lse)) + tail
-               + (np.int32(_STEP_MODE[tiles]), np.int32(p * per), np.int32(blk_hi)))
-    if passes > 1:
-        merge = f"stage2_fwd_merge<{CXX_TYPE[q.dtype]}, {D}>"
-        launch(_jit.get_kernel(MERGE_SOURCE, merge), name=merge, grid=(cdiv(HQ * total_q, 256 // (D // 8)),),
-               block=(256,), args=(ptr(out_p), ptr(lse_p), ptr(out), ptr(lse), np.int32(total_q), np.int32(HQ),
-                                   np.int32(passes)))
+        launch(kernel, name=name, grid=grid, block=(128 * (SM90_CONSUMERS + 1),), shared_mem=smem,
+               args=(ptr(q),) + maps + head + (ptr(out), ptr(lse)) + tail
+               + (np.int32(_STEP_MODE[tiles]), np.int32(p * per), np.int32(blk_hi),
+                  ptr(split) if split is not None else np.uint64(0), np.int32(split_min)))
     return out, lse
 
 

@@ -55,6 +55,14 @@ template <> __device__ __forceinline__ u32 pack2<__half>(float x, float y) {
     __half2 v = __floats2half2_rn(x, y);
     return *reinterpret_cast<u32*>(&v);
 }
+// The two elements of a packed b32 register as floats (inverse of pack2 up to rounding).
+template <typename T> __device__ __forceinline__ float2 unpack2(u32 w);
+template <> __device__ __forceinline__ float2 unpack2<__nv_bfloat16>(u32 w) {
+    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&w));
+}
+template <> __device__ __forceinline__ float2 unpack2<__half>(u32 w) {
+    return __half22float2(*reinterpret_cast<__half2*>(&w));
+}
 
 // Shared-memory tiles of the SM80 kernels are rows of D/8 16-byte chunks; chunk c of row r is
 // stored at chunk c ^ (r % 8) so that the 8 row addresses of one ldmatrix hit 8 different bank

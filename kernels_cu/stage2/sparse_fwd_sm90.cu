@@ -15,12 +15,16 @@
 //               warpgroup) in the CTAs whose warpgroups share under a quarter of it, else 64-key
 //               steps on one ring; 2: 128-key steps everywhere; 3: 64-key steps on split rings
 //               everywhere (2 and 3: tests)
-//   blk_lo, blk_hi  key-range pass: only 64-key blocks [blk_lo, blk_hi) are attended (0, 2^30: all).
-//               out and lse are then that pass's partial result (normalised over the pass's keys),
-//               merged by stage2_fwd_merge (sparse_fwd_merge.cu); with blk_lo > 0 a CTA whose rows
-//               see no block of the range (causal) exits without writing, so the launcher presets
-//               lse to +inf. Why passes: at long contexts, per-token picks read K/V blocks all over
-//               a sequence whose K/V exceed the L2; a pass's range fits it (NOTES.md, forward v7)
+//   blk_lo, blk_hi, cta_split, split_min  key-range passes. One launch: 0, 2^30, null, -. P passes
+//               over 64-key block ranges [blk_lo, blk_hi), launched in order on one stream with
+//               cta_split an int per CTA ([B][H][gridDim.x]): pass 0 (blk_lo = 0) counts each CTA's
+//               whole union and records in cta_split whether it exceeds split_min blocks; a CTA
+//               that does not split attends all its blocks in pass 0, one that does only those in
+//               [0, blk_hi). A later pass runs only the CTAs that split, attends the range's blocks
+//               and merges its rows into out and lse by their lse (out rounded to T in between).
+//               Why: at long contexts per-token picks read K/V blocks all over a sequence whose
+//               K/V outgrow the L2, so most copies go to DRAM; one pass's range fits the L2.
+//               Block-shared CTAs (small unions) gain nothing from it (NOTES.md, forward v7).
 //   kernel   stage2_bwd_dq_ring_sm90<T, D, NS>  the backward's dq on the same ring (infllm_cupy/stage2/
 //            sparse_bwd.py): arguments as stage2_bwd_dq in sparse_bwd.cu with K and V as the tensor
 //            maps above and step_mode last (0, 1 or 3; no 128-key steps); grid and block as above,
@@ -208,7 +212,8 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
               const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
               T* __restrict__ out, float* __restrict__ lse, const float* __restrict__ delta,
               int total_q, int HQ, int H, int G, int n_words, long long mask_h_stride, int mask_q_block,
-              float scale_log2, float scale, int causal, int step_mode, int blk_lo, int blk_hi) {
+              float scale_log2, float scale, int causal, int step_mode, int blk_lo, int blk_hi,
+              int* __restrict__ cta_split, int split_min) {
     constexpr int M = 64 * NC;
     constexpr int CH = D / 8;
     constexpr u32 TILE_Q = 64 * D * sizeof(T);
@@ -239,11 +244,15 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
     const int64 m0 = (int64)(DQ ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * M;
     if (m0 >= rows_total) return;
     const int shift = causal ? Lk - Lq : 0;
-    // key-range pass (blk_lo > 0 or blk_hi < the block count): only blocks [blk_lo, blk_hi) count.
-    // A CTA whose rows see none of them (causal) writes nothing: the launcher preset their lse to
-    // +inf, which marks "nothing from this pass" for the merge
-    const int nb = min(min((Lk + BLOCK_N - 1) / BLOCK_N, n_words * 32), blk_hi);
-    if (blk_lo > 0 && last_visible_block(nb, causal, (int)((min(m0 + M, rows_total) - 1) / G), shift) < blk_lo) return;
+    const int nb = min((Lk + BLOCK_N - 1) / BLOCK_N, n_words * 32);
+    // key-range passes (cta_split != null; see the launch contract): pass 0 decides per CTA and
+    // records it; in a later pass only the CTAs that split run, and only those whose rows can see a
+    // block of the pass's range (causal)
+    const bool passes = cta_split != nullptr, later_pass = passes && blk_lo > 0;
+    const int cta_id = (b * H + h) * (int)gridDim.x + (int)blockIdx.x;
+    if (later_pass && (cta_split[cta_id] == 0 ||
+                       last_visible_block(nb, causal, (int)((min(m0 + M, rows_total) - 1) / G), shift) < blk_lo))
+        return;
     const unsigned* mrows = masks + ((int64)mask_base[b] + (int64)h * mask_h_stride) * n_words;
 
     // ---- each consumer warpgroup's Q tile: issued first, so that it lands during the setup
@@ -259,8 +268,12 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
         cp_async_commit();
     }
 
-    // ---- per-warpgroup unions (clipped to what its last row may see) and the CTA union
+    // ---- per-warpgroup unions (clipped to what its last row may see, and to the pass's key range
+    // except in pass 0, which first counts the whole union) and the CTA union
     bool same_union = true;     // every warpgroup with rows needs every block of the CTA union
+    const bool first_pass = passes && !later_pass;
+    const int clip_hi = first_pass ? nb : min(nb, blk_hi);
+    int n_union = 0;            // pass 0: this thread's words of the whole CTA union, counted
     {
         int q_lo[NC], q_hi[NC], lim[NC];
 #pragma unroll
@@ -270,7 +283,7 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
             const int t_lo = (int)(r_lo / G), t_hi = (int)(r_hi / G);
             q_lo[g] = t_lo / mask_q_block;
             q_hi[g] = t_hi / mask_q_block;
-            lim[g] = last_visible_block(nb, causal, t_hi, shift);
+            lim[g] = last_visible_block(clip_hi, causal, t_hi, shift);
         }
         for (int w = tid; w < n_words; w += 128 * (NC + 1)) {
             unsigned u[NC], all = 0;
@@ -281,9 +294,15 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
                 all |= u[g];
             }
             sU[w] = all;
+            n_union += __popc(all);
 #pragma unroll
             for (int g = 0; g < NC; ++g) same_union &= q_lo[g] > q_hi[g] || u[g] == all;   // no rows: no work
         }
+    }
+    __shared__ int s_union_count[4 * (NC + 1)];
+    if (first_pass) {
+        n_union = __reduce_add_sync(0xffffffffu, n_union);
+        if (lane == 0) s_union_count[warp] = n_union;
     }
     if (tid == 0) {
         for (int i = 0; i < NS * NC; ++i) {
@@ -296,6 +315,23 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
     // (also the barrier that publishes the unions and the mbarriers) 128-key steps where allowed
     // and no warpgroup would compute a block it did not select
     const bool all_same = __syncthreads_and(same_union);
+    if (first_pass) {
+        // a CTA whose tokens picked many different blocks (per-token selections: a union of over
+        // split_min blocks) splits over the passes; the others do all their blocks in this pass
+        int total = 0;
+#pragma unroll
+        for (int i = 0; i < 4 * (NC + 1); ++i) total += s_union_count[i];
+        const bool split_cta = total > split_min;
+        if (tid == 0) cta_split[cta_id] = split_cta ? 1 : 0;
+        if (split_cta) {
+            for (int w = tid; w < n_words; w += 128 * (NC + 1)) {
+                sU[w] = clip_word(sU[w], w, blk_hi - 1);
+#pragma unroll
+                for (int g = 0; g < NC; ++g) sUw[g * n_words + w] = clip_word(sUw[g * n_words + w], w, blk_hi - 1);
+            }
+            __syncthreads();
+        }
+    }
     const bool pair = !DQ && (step_mode == 2 || (step_mode == 1 && all_same));   // dq: 64-key steps only
     // Split rings, in CTAs of 64-key steps whose warpgroups need few common blocks (per-token
     // picks at long context): each warpgroup gets its own NS / 2 stages, filled along its own
@@ -747,6 +783,20 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
         return;
     }
     const float LN2 = 0.69314718055994531f;
+    // a later pass merges into what the earlier ones wrote (out normalised over their keys, lse):
+    // every lane reads its rows' earlier lse before any lane of the warp writes one
+    float lse_prev[2] = {INFLLM_INF, INFLLM_INF};
+    if (later_pass) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int64 R = m0 + 64 * wg + wwarp * 16 + (lane >> 2) + 8 * r;
+            if (row_ok[r]) {
+                const int t = (int)(R / G), g = (int)(R - (int64)t * G);
+                lse_prev[r] = lse[((int64)h * G + g) * total_q + qs + t];
+            }
+        }
+        __syncwarp();
+    }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float l = l_run[r];
@@ -755,13 +805,33 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
         if (!row_ok[r]) continue;
         const int64 R = m0 + 64 * wg + wwarp * 16 + (lane >> 2) + 8 * r;
         const int t = (int)(R / G), g = (int)(R - (int64)t * G);
-        const float inv = l > 0.f ? 1.f / l : 0.f;
+        float inv = l > 0.f ? 1.f / l : 0.f;
+        float row_lse = l > 0.f ? (m_run[r] * scale_log2 + log2f(l)) * LN2 : INFLLM_INF;
         T* dst = out + ((int64)(qs + t) * HQ + (int64)h * G + g) * D + (lane & 3) * 2;
+        if (later_pass) {
+            if (l == 0.f) continue;                         // nothing in this pass: keep the earlier result
+            if (lse_prev[r] != INFLLM_INF) {
+                // out = (w_prev out_prev + w_this o / l) / (w_prev + w_this), weights exp(lse - max)
+                const float mx = fmaxf(lse_prev[r], row_lse);
+                const float w_prev = __expf(lse_prev[r] - mx), w_this = __expf(row_lse - mx);
+                const float norm = 1.f / (w_prev + w_this);
+                const float c_prev = w_prev * norm;
+                inv *= w_this * norm;
+#pragma unroll
+                for (int n = 0; n < D / 8; ++n) {
+                    const float2 prev = unpack2<T>(*reinterpret_cast<const u32*>(dst + n * 8));
+                    o[4 * n + 2 * r] = fmaf(o[4 * n + 2 * r], inv, c_prev * prev.x);
+                    o[4 * n + 2 * r + 1] = fmaf(o[4 * n + 2 * r + 1], inv, c_prev * prev.y);
+                }
+                inv = 1.f;
+                row_lse = mx + __logf(w_prev + w_this);
+            }
+        }
 #pragma unroll
         for (int n = 0; n < D / 8; ++n)
             *reinterpret_cast<u32*>(dst + n * 8) = pack2<T>(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
         if ((lane & 3) == 0)
-            lse[((int64)h * G + g) * total_q + qs + t] = l > 0.f ? (m_run[r] * scale_log2 + log2f(l)) * LN2 : INFLLM_INF;
+            lse[((int64)h * G + g) * total_q + qs + t] = row_lse;
     }
 }
 
@@ -772,10 +842,11 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
                 T* __restrict__ out, float* __restrict__ lse,
                 int total_q, int HQ, int H, int G, int n_words, long long mask_h_stride, int mask_q_block,
-                float scale_log2, int causal, int step_mode, int blk_lo, int blk_hi) {
+                float scale_log2, int causal, int step_mode, int blk_lo, int blk_hi, int* __restrict__ cta_split,
+                int split_min) {
     ring_cta_sm90<T, D, NS, false>(q, nullptr, tmap_k, tmap_v, masks, mask_base, cu_seqlens_q, cu_seqlens_k, out, lse,
                                    nullptr, total_q, HQ, H, G, n_words, mask_h_stride, mask_q_block, scale_log2, 1.f,
-                                   causal, step_mode, blk_lo, blk_hi);
+                                   causal, step_mode, blk_lo, blk_hi, cta_split, split_min);
 }
 
 template <typename T, int D, int NS>
@@ -789,5 +860,5 @@ stage2_bwd_dq_ring_sm90(const T* __restrict__ q, const T* __restrict__ dout, con
                         int causal, int step_mode) {
     ring_cta_sm90<T, D, NS, true>(q, dout, tmap_k, tmap_v, masks, mask_base, cu_seqlens_q, cu_seqlens_k, dq,
                                   const_cast<float*>(lse), delta, total_q, HQ, H, G, n_words, mask_h_stride,
-                                  mask_q_block, scale_log2, scale, causal, step_mode, 0, 1 << 30);
+                                  mask_q_block, scale_log2, scale, causal, step_mode, 0, 1 << 30, nullptr, 0);
 }
