@@ -28,7 +28,7 @@ MASK_SOURCE = "stage2/block_masks.cu"
 # attends the blocks of one key range whose K/V fit PASS_KV_BYTES and merges its rows into the
 # output by lse; only CTAs whose union exceeds `split_min` blocks split (the kernel's launch
 # contract). NOTES.md (forward v7) has the measurements.
-PASS_KV_BYTES = 16 << 20
+PASS_KV_BYTES = 32 << 20
 MAX_KV_PASSES = 8
 BLOCK_N = 64            # keys per KV block, fixed by InfLLM-v2 (kernels_cu: BLOCK_N)
 HEAD_DIMS = (64, 128)
@@ -101,7 +101,7 @@ _jit.register_instances(MASK_SOURCE, ["token_block_masks"])
 
 def kv_passes_for(max_seqlen_k: int, D: int, itemsize: int) -> int:
     """Key-range passes of the sm_90a forward: as many as keep one pass's K and V of one sequence
-    and KV head within PASS_KV_BYTES (1 up to 32k keys at D = 128 in bf16, 4 at 128k).
+    and KV head within PASS_KV_BYTES (1 up to 64k keys at D = 128 in bf16, 2 at 128k).
     `$INFLLM_CUPY_FWD_PASSES` overrides it (A/B runs and tests)."""
     env = os.environ.get("INFLLM_CUPY_FWD_PASSES")
     if env:

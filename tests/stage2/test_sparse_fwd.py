@@ -105,11 +105,11 @@ def test_key_range_passes_non_causal(dtype, monkeypatch):
 
 
 def test_kv_passes_policy(monkeypatch):
-    """One pass while a sequence's K/V per KV head fit 16 MB, then one per 16 MB, at most 8."""
+    """One pass while a sequence's K/V per KV head fit 32 MB, then one per 32 MB, at most 8."""
     from infllm_cupy.stage2.sparse_fwd import kv_passes_for
 
     monkeypatch.delenv("INFLLM_CUPY_FWD_PASSES", raising=False)
-    assert [kv_passes_for(n, 128, 2) for n in (1, 16384, 32768, 65536, 131072, 10**7)] == [1, 1, 1, 2, 4, 8]
+    assert [kv_passes_for(n, 128, 2) for n in (1, 16384, 32768, 65536, 131072, 10**7)] == [1, 1, 1, 1, 2, 8]
     assert kv_passes_for(32768, 64, 2) == 1
     monkeypatch.setenv("INFLLM_CUPY_FWD_PASSES", "3")
     assert kv_passes_for(1, 128, 2) == 3
