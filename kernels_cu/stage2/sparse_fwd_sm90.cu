@@ -237,6 +237,12 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
     const int h = blockIdx.y, b = blockIdx.z;
+    // key-range passes (cta_split != null; see the launch contract): pass 0 decides per CTA and
+    // records it; a later pass runs only the CTAs that split (checked first: most CTAs of a
+    // block-shared selection leave here), and only those whose rows can see a block of its range
+    const bool passes = cta_split != nullptr, later_pass = passes && blk_lo > 0;
+    const int cta_id = (b * H + h) * (int)gridDim.x + (int)blockIdx.x;
+    if (later_pass && cta_split[cta_id] == 0) return;
     const int qs = cu_seqlens_q[b], Lq = cu_seqlens_q[b + 1] - qs;
     const int ks = cu_seqlens_k[b], Lk = cu_seqlens_k[b + 1] - ks;
     const int64 rows_total = (int64)Lq * G;
@@ -245,13 +251,7 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
     if (m0 >= rows_total) return;
     const int shift = causal ? Lk - Lq : 0;
     const int nb = min((Lk + BLOCK_N - 1) / BLOCK_N, n_words * 32);
-    // key-range passes (cta_split != null; see the launch contract): pass 0 decides per CTA and
-    // records it; in a later pass only the CTAs that split run, and only those whose rows can see a
-    // block of the pass's range (causal)
-    const bool passes = cta_split != nullptr, later_pass = passes && blk_lo > 0;
-    const int cta_id = (b * H + h) * (int)gridDim.x + (int)blockIdx.x;
-    if (later_pass && (cta_split[cta_id] == 0 ||
-                       last_visible_block(nb, causal, (int)((min(m0 + M, rows_total) - 1) / G), shift) < blk_lo))
+    if (later_pass && last_visible_block(nb, causal, (int)((min(m0 + M, rows_total) - 1) / G), shift) < blk_lo)
         return;
     const unsigned* mrows = masks + ((int64)mask_base[b] + (int64)h * mask_h_stride) * n_words;
 
