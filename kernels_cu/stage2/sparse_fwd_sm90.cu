@@ -15,13 +15,15 @@
 //               warpgroup) in the CTAs whose warpgroups share under a quarter of it, else 64-key
 //               steps on one ring; 2: 128-key steps everywhere; 3: 64-key steps on split rings
 //               everywhere (2 and 3: tests)
-//   blk_lo, blk_hi, cta_split, split_min  key-range passes. One launch: 0, 2^30, null, -. P passes
+//   blk_lo, blk_hi, cta_split, split_min, x_off  key-range passes. One launch: 0, 2^30, null, -, 0. P passes
 //               over 64-key block ranges [blk_lo, blk_hi), launched in order on one stream with
 //               cta_split an int per CTA ([B][H][gridDim.x]): pass 0 (blk_lo = 0) counts each CTA's
 //               whole union and records in cta_split whether it exceeds split_min blocks; a CTA
 //               that does not split attends all its blocks in pass 0, one that does only those in
 //               [0, blk_hi). A later pass runs only the CTAs that split, attends the range's blocks
 //               and merges its rows into out and lse by their lse (out rounded to T in between).
+//               x_off: the launch covers CTAs x_off .. x_off + gridDim.x - 1 of the row grid (a
+//               later pass may leave out leading CTAs whose rows cannot see its range).
 //               Why: at long contexts per-token picks read K/V blocks all over a sequence whose
 //               K/V outgrow the L2, so most copies go to DRAM; one pass's range fits the L2.
 //               Block-shared CTAs (small unions) gain nothing from it (NOTES.md, forward v7).
@@ -213,7 +215,7 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
               T* __restrict__ out, float* __restrict__ lse, const float* __restrict__ delta,
               int total_q, int HQ, int H, int G, int n_words, long long mask_h_stride, int mask_q_block,
               float scale_log2, float scale, int causal, int step_mode, int blk_lo, int blk_hi,
-              int* __restrict__ cta_split, int split_min) {
+              int* __restrict__ cta_split, int split_min, int x_off) {
     constexpr int M = 64 * NC;
     constexpr int CH = D / 8;
     constexpr u32 TILE_Q = 64 * D * sizeof(T);
@@ -241,13 +243,14 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
     // records it; a later pass runs only the CTAs that split (checked first: most CTAs of a
     // block-shared selection leave here), and only those whose rows can see a block of its range
     const bool passes = cta_split != nullptr, later_pass = passes && blk_lo > 0;
-    const int cta_id = (b * H + h) * (int)gridDim.x + (int)blockIdx.x;
+    const int cta_x = (int)blockIdx.x + x_off;
+    const int cta_id = (b * H + h) * ((int)gridDim.x + x_off) + cta_x;
     if (later_pass && cta_split[cta_id] == 0) return;
     const int qs = cu_seqlens_q[b], Lq = cu_seqlens_q[b + 1] - qs;
     const int ks = cu_seqlens_k[b], Lk = cu_seqlens_k[b + 1] - ks;
     const int64 rows_total = (int64)Lq * G;
     // dq: last tiles first (they see the most blocks when causal), so the longest CTAs start early
-    const int64 m0 = (int64)(DQ ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * M;
+    const int64 m0 = (int64)(DQ ? gridDim.x - 1 - blockIdx.x : cta_x) * M;
     if (m0 >= rows_total) return;
     const int shift = causal ? Lk - Lq : 0;
     const int nb = min((Lk + BLOCK_N - 1) / BLOCK_N, n_words * 32);
@@ -843,10 +846,10 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 T* __restrict__ out, float* __restrict__ lse,
                 int total_q, int HQ, int H, int G, int n_words, long long mask_h_stride, int mask_q_block,
                 float scale_log2, int causal, int step_mode, int blk_lo, int blk_hi, int* __restrict__ cta_split,
-                int split_min) {
+                int split_min, int x_off) {
     ring_cta_sm90<T, D, NS, false>(q, nullptr, tmap_k, tmap_v, masks, mask_base, cu_seqlens_q, cu_seqlens_k, out, lse,
                                    nullptr, total_q, HQ, H, G, n_words, mask_h_stride, mask_q_block, scale_log2, 1.f,
-                                   causal, step_mode, blk_lo, blk_hi, cta_split, split_min);
+                                   causal, step_mode, blk_lo, blk_hi, cta_split, split_min, x_off);
 }
 
 template <typename T, int D, int NS>
@@ -860,5 +863,5 @@ stage2_bwd_dq_ring_sm90(const T* __restrict__ q, const T* __restrict__ dout, con
                         int causal, int step_mode) {
     ring_cta_sm90<T, D, NS, true>(q, dout, tmap_k, tmap_v, masks, mask_base, cu_seqlens_q, cu_seqlens_k, dq,
                                   const_cast<float*>(lse), delta, total_q, HQ, H, G, n_words, mask_h_stride,
-                                  mask_q_block, scale_log2, scale, causal, step_mode, 0, 1 << 30, nullptr, 0);
+                                  mask_q_block, scale_log2, scale, causal, step_mode, 0, 1 << 30, nullptr, 0, 0);
 }

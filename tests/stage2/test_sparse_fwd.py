@@ -93,6 +93,30 @@ def test_key_range_passes_against_reference(case, dtype, tiles, passes, split_mi
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="sm_90a kernel needs capability 9.0")
+@pytest.mark.parametrize("split_min", ["0", "default"])
+@pytest.mark.parametrize("selection", ["a", "b", "c"])
+def test_key_range_passes_one_cu_seqlens(selection, split_min, monkeypatch):
+    """One cu_seqlens tensor for queries and keys: later passes leave out the leading CTAs (their
+    tokens precede the pass's keys). Benchmark selections, G = 16 and G = 1 rows per token."""
+    from benchmarks.selections import make_selection
+
+    monkeypatch.setenv("INFLLM_CUPY_FWD_PASSES", "3")
+    if split_min != "default":
+        monkeypatch.setenv("INFLLM_CUPY_FWD_SPLIT_MIN", split_min)
+    for HQ in (32, 2):
+        T, H, D, K = 2001, 2, 128, 20
+        g = torch.Generator().manual_seed(7)
+        q = torch.randn(2 * T, HQ, D, generator=g).to("cuda", torch.bfloat16)
+        k, v = (torch.randn(2 * T, H, D, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+        cu = cu_seqlens_from_lengths([T + 300, T - 300], "cuda")   # ragged; the selection's rows are
+        # drawn for two sequences of T, so some picks fall out of range (ignored, as the reference does)
+        idx = make_selection(selection, 2, T, H, K, seed=3).cuda()
+        out, lse = sparse_attn_varlen(q, k, v, cu, cu, idx, T + 300, T + 300, return_lse=True, backend="kernels")
+        check_against_reference(out, lse, q, k, v, cu, cu, idx, T + 300, T + 300, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="sm_90a kernel needs capability 9.0")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_key_range_passes_non_causal(dtype, monkeypatch):
     monkeypatch.setenv("INFLLM_CUPY_FWD_PASSES", "3")
