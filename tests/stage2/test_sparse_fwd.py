@@ -93,14 +93,17 @@ def test_key_range_passes_against_reference(case, dtype, tiles, passes, split_mi
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="sm_90a kernel needs capability 9.0")
+@pytest.mark.parametrize("validate", ["1", "0"])
 @pytest.mark.parametrize("split_min", ["0", "default"])
 @pytest.mark.parametrize("selection", ["a", "b", "c"])
-def test_key_range_passes_one_cu_seqlens(selection, split_min, monkeypatch):
+def test_key_range_passes_one_cu_seqlens(selection, split_min, validate, monkeypatch):
     """One cu_seqlens tensor for queries and keys: later passes leave out the leading CTAs (their
-    tokens precede the pass's keys). Benchmark selections, G = 16 and G = 1 rows per token."""
+    tokens precede the pass's keys). Benchmark selections, G = 16 and G = 1 rows per token; with
+    host reads allowed, later passes are skipped where no CTA split (selection a, default)."""
     from benchmarks.selections import make_selection
 
     monkeypatch.setenv("INFLLM_CUPY_FWD_PASSES", "3")
+    monkeypatch.setenv("INFLLM_CUPY_VALIDATE", validate)
     if split_min != "default":
         monkeypatch.setenv("INFLLM_CUPY_FWD_SPLIT_MIN", split_min)
     for HQ in (32, 2):
