@@ -274,7 +274,6 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
     // ---- per-warpgroup unions (clipped to what its last row may see, and to the pass's key range
     // except in pass 0, which first counts the whole union) and the CTA union
     bool same_union = true;     // every warpgroup with rows needs every block of the CTA union
-    bool uniform[NC];           // all of a warpgroup's rows selected the same blocks (block-shared)
     const bool first_pass = passes && !later_pass;
     const int clip_hi = first_pass ? nb : min(nb, blk_hi);
     int n_union = 0;            // pass 0: this thread's words of the whole CTA union, counted
@@ -283,7 +282,6 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
 #pragma unroll
         for (int g = 0; g < NC; ++g) {
             const int64 r_lo = m0 + 64 * g, r_hi = min(m0 + 64 * (g + 1), rows_total) - 1;
-            uniform[g] = true;
             if (r_lo > r_hi) { q_lo[g] = 1; q_hi[g] = 0; lim[g] = -1; continue; }
             const int t_lo = (int)(r_lo / G), t_hi = (int)(r_hi / G);
             q_lo[g] = t_lo / mask_q_block;
@@ -294,10 +292,7 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
             unsigned u[NC], all = 0;
 #pragma unroll
             for (int g = 0; g < NC; ++g) {
-                unsigned a;
-                const unsigned o = rows_or_and(mrows, n_words, q_lo[g], q_hi[g], w, a);
-                u[g] = clip_word_below(clip_word(o, w, lim[g]), w, blk_lo);
-                uniform[g] &= u[g] == clip_word_below(clip_word(a, w, lim[g]), w, blk_lo);
+                u[g] = clip_word_below(clip_word(rows_or(mrows, n_words, q_lo[g], q_hi[g], w), w, lim[g]), w, blk_lo);
                 sUw[g * n_words + w] = u[g];
                 all |= u[g];
             }
@@ -323,15 +318,6 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
     // (also the barrier that publishes the unions and the mbarriers) 128-key steps where allowed
     // and no warpgroup would compute a block it did not select
     const bool all_same = __syncthreads_and(same_union);
-    // a warpgroup whose rows all selected the same blocks reads its rows' selection bits from its
-    // union in shared memory instead of their mask rows in global memory: at long contexts each
-    // block of a walk sits in another mask word, and that load's latency was on every step
-    bool wg_uniform = false;
-#pragma unroll
-    for (int g = 0; g < NC; ++g) {
-        const bool ug = __syncthreads_and(uniform[g]);
-        if (g == wg) wg_uniform = ug;
-    }
     if (first_pass) {
         // a CTA whose tokens picked many different blocks (per-token selections: a union of over
         // split_min blocks) splits over the passes; the others do all their blocks in this pass
@@ -513,8 +499,7 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
         if (j >= 0 && (j >> 5) != row_w) {      // warp-uniform
             row_w = j >> 5;
 #pragma unroll
-            for (int r = 0; r < 2; ++r)
-                row_bits[r] = !row_ok[r] ? 0u : wg_uniform ? sUw[wg * n_words + row_w] : __ldg(mrow[r] + row_w);
+            for (int r = 0; r < 2; ++r) row_bits[r] = row_ok[r] ? __ldg(mrow[r] + row_w) : 0u;
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
