@@ -198,7 +198,8 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
     per = cdiv(n_kb, max(1, min(passes, n_kb)))
     passes = cdiv(n_kb, per) if n_kb > 0 else 1
     grid = (cdiv(max_seqlen_q * G, 64 * SM90_CONSUMERS), H, B)
-    split = torch.empty(grid[::-1], dtype=torch.int32, device=q.device) if passes > 1 else None
+    # zeros: CTAs past a short sequence's rows write no flag, and `split.any()` below reads them all
+    split = torch.zeros(grid[::-1], dtype=torch.int32, device=q.device) if passes > 1 else None
     split_min = int(os.environ.get("INFLLM_CUPY_FWD_SPLIT_MIN", split_min or 0))
     # where every sequence has as many queries as keys (one cu_seqlens tensor for both: no host
     # copy needed to know it), a later causal pass leaves out the leading CTAs, whose tokens all
