@@ -34,6 +34,19 @@ __device__ __forceinline__ unsigned rows_or(const unsigned* __restrict__ mrows, 
     return u;
 }
 
+// OR of word w over mask rows q_lo..q_hi, and (in `all`) their AND.
+__device__ __forceinline__ unsigned rows_or_and(const unsigned* __restrict__ mrows, int n_words, int q_lo, int q_hi,
+                                                int w, unsigned& all) {
+    unsigned u = 0, a = ~0u;
+    for (int r = q_lo; r <= q_hi; ++r) {
+        const unsigned x = __ldg(mrows + (int64)r * n_words + w);
+        u |= x;
+        a &= x;
+    }
+    all = a;
+    return u;
+}
+
 // Mask words that hold blocks 0..max_block.
 __device__ __forceinline__ int union_words(int max_block) { return max_block >= 0 ? (max_block >> 5) + 1 : 0; }
 

@@ -277,6 +277,7 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
     const bool first_pass = passes && !later_pass;
     const int clip_hi = first_pass ? nb : min(nb, blk_hi);
     int n_union = 0;            // pass 0: this thread's words of the whole CTA union, counted
+    unsigned mixed = 0u;        // bit g: rows of warpgroup g differ in some block of its union (this thread's words)
     {
         int q_lo[NC], q_hi[NC], lim[NC];
 #pragma unroll
@@ -292,7 +293,10 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
             unsigned u[NC], all = 0;
 #pragma unroll
             for (int g = 0; g < NC; ++g) {
-                u[g] = clip_word_below(clip_word(rows_or(mrows, n_words, q_lo[g], q_hi[g], w), w, lim[g]), w, blk_lo);
+                unsigned a;
+                u[g] = clip_word_below(clip_word(rows_or_and(mrows, n_words, q_lo[g], q_hi[g], w, a), w, lim[g]), w,
+                                       blk_lo);
+                if (u[g] != clip_word_below(clip_word(a, w, lim[g]), w, blk_lo)) mixed |= 1u << g;
                 sUw[g * n_words + w] = u[g];
                 all |= u[g];
             }
@@ -303,6 +307,9 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
         }
     }
     __shared__ int s_union_count[4 * (NC + 1)];
+    __shared__ unsigned s_mixed[4 * (NC + 1)];   // per warp, published by the barrier below
+    mixed = __reduce_or_sync(0xffffffffu, mixed);
+    if (lane == 0) s_mixed[warp] = mixed;
     if (first_pass) {
         n_union = __reduce_add_sync(0xffffffffu, n_union);
         if (lane == 0) s_union_count[warp] = n_union;
@@ -495,7 +502,21 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
     // again only when j moves to another word (blocks come in ascending order).
     int row_w = -1;                             // word index of row_bits (the same for both rows)
     unsigned row_bits[2] = {0u, 0u};
+    // Where every row of this warpgroup selected every block of its union (block-shared
+    // selections, query-block layouts) and the walk only brings blocks of that union (64-key steps
+    // walk their own; 128-key slots do where all warpgroups need the whole CTA union), a row's
+    // limit needs no mask word: at long contexts each block of a walk sits in another word, and
+    // its load was ~1% of the instructions (NOTES.md, tenth session).
+    bool rows_share = true;
+#pragma unroll
+    for (int i = 0; i < 4 * (NC + 1); ++i) rows_share &= ((s_mixed[i] >> wg) & 1u) == 0u;
+    rows_share = rows_share && (!pair || all_same);
     auto block_lims = [&](int j, int (&lim)[2]) {
+        if (rows_share) {                       // warp-uniform
+#pragma unroll
+            for (int r = 0; r < 2; ++r) lim[r] = j >= 0 && row_ok[r] ? rk[r] - j * BLOCK_N : -1;
+            return;
+        }
         if (j >= 0 && (j >> 5) != row_w) {      // warp-uniform
             row_w = j >> 5;
 #pragma unroll
