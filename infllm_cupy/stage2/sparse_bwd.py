@@ -48,6 +48,14 @@ TILE_WARPS = 8          # warps per CTA of stage2_bwd_delta / stage2_bwd_tiles
 DKDV_TMA_ENV = "INFLLM_CUPY_DKDV_TMA"       # "0": sm_90a dk/dv loads every tile by cp.async (A/B knob)
 DKDV_ORDER_ENV = "INFLLM_CUPY_DKDV_ORDER"   # force the sm_90a dk/dv CTA order: 1 (sequence, head) slowest, 0 key block slowest
 BLOCK0_PART_TILES = 1024  # query tiles per part of block 0 in the sm_90a dk/dv (dkdv_block0_parts)
+# Query-range passes of the sm_90a dk/dv: where one (sequence, head)'s Q and dO exceed
+# DKDV_PASS_BYTES, each pass walks only the query tiles of one token range, so that the tiles the
+# CTAs in flight read stay in L2; the sums go through fp32 buffers in pass order (deterministic).
+# More passes cost more fp32 traffic: 8 is the best measured at 32k, 64k and 128k (NOTES.md,
+# tenth session). `$INFLLM_CUPY_DKDV_PASSES` forces a count (1: none; tests, A/B runs).
+DKDV_PASSES_ENV = "INFLLM_CUPY_DKDV_PASSES"
+DKDV_PASS_BYTES = 32 << 20
+DKDV_MAX_PASSES = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +141,14 @@ def dkdv_block0_parts(max_seqlen_q: int, G: int) -> int:
     """CTAs that share block 0's query tiles in the sm_90a dk/dv (every token selects block 0, so
     alone it would be the longest CTA): about BLOCK0_PART_TILES tiles each, at most 32."""
     return max(1, min(32, cdiv(cdiv(max_seqlen_q * G, QT), BLOCK0_PART_TILES)))
+
+
+def dkdv_passes(max_seqlen_q: int, G: int, D: int, itemsize: int) -> int:
+    """Query-range passes of the sm_90a dk/dv: one per DKDV_PASS_BYTES of a sequence's Q and dO
+    per KV head, at most DKDV_MAX_PASSES (1 up to 8k tokens at G = 16, D = 128; 8 from 32k)."""
+    env = os.environ.get(DKDV_PASSES_ENV)
+    n = int(env) if env else min(DKDV_MAX_PASSES, cdiv(max_seqlen_q * G * D * itemsize * 2, DKDV_PASS_BYTES))
+    return max(1, min(n, max_seqlen_q))
 
 
 def dkdv_sm90_smem_bytes(D: int, itemsize: int = 2) -> int:
@@ -265,7 +281,12 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     launch(dq_kernel, name=dq_name, grid=(cdiv(max_seqlen_q * G, dq_rows), H, B), block=(dq_threads,),
            shared_mem=dq_smem, args=dq_args)
     n_kb = cdiv(max_seqlen_k, BLOCK_N)
-    split0 = dkdv_block0_parts(max_seqlen_q, G) if tiles in SM90A_KINDS else 1
+    passes = dkdv_passes(max_seqlen_q, G, D, q.element_size()) if tiles in SM90A_KINDS else 1
+    # with passes block 0 needs no parts: a pass holds a part of its tiles anyway
+    split0 = dkdv_block0_parts(max_seqlen_q, G) if tiles in SM90A_KINDS and passes == 1 else 1
+    chunk = cdiv(max_seqlen_q, passes)
+    dk32 = torch.zeros((total_k, H, D), dtype=torch.float32, device=dev) if passes > 1 else None
+    dv32 = torch.zeros((total_k, H, D), dtype=torch.float32, device=dev) if passes > 1 else None
     part0 = torch.empty(H * B * split0 * 2 * BLOCK_N * D if split0 > 1 else 0, dtype=torch.float32, device=dev)
 
     # fixed tiles of 64 / G tokens x G heads come by TMA (boxes of heads_map) where G divides 64
@@ -281,11 +302,16 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     def launch_dkdv(kv_name: str, sm90a: bool, index_args: tuple, gather: bool) -> None:
         if sm90a:
             # the CTA order and block 0's parts of the launch contract (sparse_bwd_sm90.cu)
-            launch(_jit.get_kernel(SM90_SOURCE, kv_name, sm90a=True), name=kv_name,
-                   grid=(H * B * (split0 + n_kb - 1),), block=(128,), shared_mem=kv_smem,
-                   args=common + index_args + (ptr(dk), ptr(dv), ptr(part0), np.int32(B), np.int32(n_kb),
-                                               np.int32(split0), np.int32(int(order_env) if order_env else not gather))
-                   + tmaps + (np.int32(dkdv_tma),) + tail)
+            for p in range(passes):
+                pass_args = ((ptr(dk32), ptr(dv32), np.int32(p * chunk), np.int32((p + 1) * chunk),
+                              np.int32(p == passes - 1)) if passes > 1
+                             else (np.uint64(0), np.uint64(0), np.int32(0), np.int32(max_seqlen_q), np.int32(1)))
+                launch(_jit.get_kernel(SM90_SOURCE, kv_name, sm90a=True), name=kv_name,
+                       grid=(H * B * (split0 + n_kb - 1),), block=(128,), shared_mem=kv_smem,
+                       args=common + index_args + (ptr(dk), ptr(dv), ptr(part0), np.int32(B), np.int32(n_kb),
+                                                   np.int32(split0),
+                                                   np.int32(int(order_env) if order_env else not gather))
+                       + tmaps + (np.int32(dkdv_tma),) + tail + pass_args)
         else:
             launch(_jit.get_kernel(BWD_SOURCE, kv_name), name=kv_name, grid=(H, B, n_kb), block=(128,),
                    shared_mem=kv_smem, args=common + index_args + (ptr(dk), ptr(dv)) + tail)

@@ -27,6 +27,14 @@
 //       block-shared selections give the same tiles, at some cost for the walk (NOTES.md).
 //       vt_off / vt: null, or ("sm90a_auto") the other mode's index: then the launcher runs both
 //       instances and each keeps the key blocks its mode does best (see the fill test below).
+//       dk32, dv32, q_lo, q_hi, last_pass: query-range passes. One launch: null, null, 0,
+//       max_seqlen_q, 1. P launches in order on one stream, split0 = 1: each walks only the units
+//       (tiles or tokens) whose first row is one of the tokens q_lo .. q_hi - 1 of its sequence and
+//       adds its sums to fp32 dk32, dv32 [total_k, H, D] (zeroed before the first pass); the last
+//       pass (last_pass = 1, every CTA, tiles or not) writes dk, dv from them. Why: a CTA reads
+//       each query tile it needs once per key block, and one (sequence, head)'s Q and dO (256 MB at
+//       32k, G = 16) outgrow the L2; within a pass the CTAs in flight read one range's tiles
+//       (NOTES.md, tenth session).
 //   stage2_bwd_dkdv_parts<T, D>   grid (H B)   block 256: block 0's dk, dv from the parts.
 //
 // One warpgroup per CTA, every product on wgmma with 128-byte-swizzled shared-memory tiles (the
@@ -141,7 +149,8 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ part0, int n_seq, int n_kb, int split0,
                      int order, const __grid_constant__ TmaMap tmap_q, const __grid_constant__ TmaMap tmap_do, int use_tma,
                      int total_q, int HQ, int H, int G, int n_words,
-                     long long mask_h_stride, int mask_q_block, float scale_log2, float scale, int causal) {
+                     long long mask_h_stride, int mask_q_block, float scale_log2, float scale, int causal,
+                     float* __restrict__ dk32, float* __restrict__ dv32, int q_lo, int q_hi, int last_pass) {
     constexpr int CH = D / 8;
     constexpr u32 TILE = 64 * D * sizeof(T);
     constexpr u32 HALF = 64 * 128;
@@ -214,7 +223,13 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     // 64 tile ..). Gather mode: the tokens tok[0 .. ntok) (rows s G .. s G + G - 1 are token
     // tok[s]'s heads); every thread walks the index row itself from `cursor` down, so the list
     // needs no barrier to be shared. `left`: units this CTA may still take (its part of block 0).
-    int left = 1 << 30, top = units - 1;
+    // query-range passes (dk32 set): this pass takes the units whose first row is one of the
+    // tokens q_lo .. q_hi - 1
+    const bool passes = dk32 != nullptr;
+    const int u_lo = !passes ? 0 : GATHER ? min(q_lo, units) : (int)min(((int64)q_lo * G + QT - 1) / QT, (int64)units);
+    const int u_hi = !passes ? units : GATHER ? min(q_hi, units)
+                                              : (int)min(((int64)q_hi * G + QT - 1) / QT, (int64)units);
+    int left = 1 << 30, top = u_hi - 1;
     if (part >= 0) top = part_start(urow, groups, part, split0, left);
     int tile = top + 1, ntok = 0, cursor = top;
     // tile mode: the index word being walked (wcur) and its bits not taken yet, so most steps
@@ -235,6 +250,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
                 wbits = __ldg(urow + wcur);
             }
             tile = 32 * wcur + 31 - __clz(wbits);
+            if (tile < u_lo) return false;
             wbits &= ~(1u << (tile & 31));
             --left;
             return true;
@@ -244,12 +260,12 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         for (int i = 0; i < GATHER_MAX; ++i) {
             if (i < tpt && cursor >= 0 && left > 0) {
                 const int t = prev_set_bit(urow, cursor);
-                if (t >= 0) {
+                if (t >= u_lo) {
                     tok[i] = t;
                     ntok = i + 1;
                     --left;
                 }
-                cursor = t - 1;
+                cursor = t >= u_lo ? t - 1 : -1;
             }
         }
         return ntok > 0;
@@ -273,6 +289,9 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         return R < (unsigned)rows_total;
     };
 
+    // the first tile; a pass that finds none adds nothing (except the last, which writes dk, dv)
+    bool have = advance();
+    if (passes && !have && !last_pass) return;
     {
         constexpr int U = 64 * CH / 128;
         int64 off[U];
@@ -362,7 +381,6 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
 
     // bit s: stage s's current fill came by TMA / the parity its barrier completes next
     unsigned tma_fill = 0u, tma_parity = 0u;
-    bool have = advance();
     if (have) {
         if (load_tile(0)) tma_fill = 1u;
         fetch_info();
@@ -493,6 +511,23 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         const int key = kbase + key_r0 + 8 * r;
         if (key >= Lk) continue;
         const int64 o = ((int64)(ks + key) * H + h) * D + c0;
+        if (passes) {       // this CTA alone owns these rows in this pass; passes run in order
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                float2* pk = reinterpret_cast<float2*>(dk32 + o + n * 8);
+                float2* pv = reinterpret_cast<float2*>(dv32 + o + n * 8);
+                const float2 xk = *pk, xv = *pv;
+                adk[4 * n + 2 * r] += xk.x;
+                adk[4 * n + 2 * r + 1] += xk.y;
+                adv[4 * n + 2 * r] += xv.x;
+                adv[4 * n + 2 * r + 1] += xv.y;
+                if (!last_pass) {
+                    *pk = make_float2(adk[4 * n + 2 * r], adk[4 * n + 2 * r + 1]);
+                    *pv = make_float2(adv[4 * n + 2 * r], adv[4 * n + 2 * r + 1]);
+                }
+            }
+            if (!last_pass) continue;
+        }
 #pragma unroll
         for (int n = 0; n < D / 8; ++n) {
             *reinterpret_cast<u32*>(dk + o + n * 8) = pack2<T>(adk[4 * n + 2 * r] * scale, adk[4 * n + 2 * r + 1] * scale);

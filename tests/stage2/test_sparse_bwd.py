@@ -109,6 +109,27 @@ def test_bit_identical_across_runs():
         assert torch.equal(x, y)
 
 
+@pytest.mark.skipif(not HOPPER, reason="the query-range passes are the sm_90a dk/dv's")
+@pytest.mark.parametrize("passes", [3, 8])
+@DTYPES
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_query_range_passes(case, dtype, passes, monkeypatch):
+    """The sm_90a dk/dv in query-range passes (forced; real sizes take them from 8k tokens on):
+    fp32 sums carried through the passes, the last one writing dk, dv; key blocks with tiles in
+    some passes only, passes a block has no tile in, keys no query picked (exact zeros), both
+    instances of "sm90a_auto", and ranges that cut a sequence's tiles unevenly. Twice, bit for bit."""
+    monkeypatch.setenv("INFLLM_CUPY_DKDV_PASSES", str(passes))
+    lq, lk, HQ, H, D = case
+    q, k, v, do, cu_q, cu_k, idx = sparse_attn_inputs(lq, lk, HQ, H, D, dtype, empty_rows=True)
+    mq, mk = max(lq), max(lk)
+    out, _, grads = op_grads(sparse_attn_varlen, q, k, v, do, cu_q, cu_k, idx, mq, mk, backend="kernels")
+    empty_rows, unused = check(out, grads, q, k, v, do, cu_q, cu_k, idx, mq, mk, True)
+    assert empty_rows.any() and unused.any()
+    _, _, again = op_grads(sparse_attn_varlen, q, k, v, do, cu_q, cu_k, idx, mq, mk, backend="kernels")
+    for x, y in zip(grads, again):
+        assert torch.equal(x, y)
+
+
 def test_grad_of_one_input_only():
     # only one of q, k, v requires grad (e.g. frozen K/V): its gradient is the one of the full run
     lq = [400, 65]
