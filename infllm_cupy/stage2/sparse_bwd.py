@@ -302,16 +302,16 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     def launch_dkdv(kv_name: str, sm90a: bool, index_args: tuple, gather: bool) -> None:
         if sm90a:
             # the CTA order and block 0's parts of the launch contract (sparse_bwd_sm90.cu)
-            for p in range(passes):
+            kernel = _jit.get_kernel(SM90_SOURCE, kv_name, sm90a=True)
+            args = common + index_args + (ptr(dk), ptr(dv), ptr(part0), np.int32(B), np.int32(n_kb), np.int32(split0),
+                                          np.int32(int(order_env) if order_env else not gather)) \
+                + tmaps + (np.int32(dkdv_tma),) + tail
+            for p in range(passes):         # the query-range passes of the launch contract, in order
                 pass_args = ((ptr(dk32), ptr(dv32), np.int32(p * chunk), np.int32((p + 1) * chunk),
                               np.int32(p == passes - 1)) if passes > 1
                              else (np.uint64(0), np.uint64(0), np.int32(0), np.int32(max_seqlen_q), np.int32(1)))
-                launch(_jit.get_kernel(SM90_SOURCE, kv_name, sm90a=True), name=kv_name,
-                       grid=(H * B * (split0 + n_kb - 1),), block=(128,), shared_mem=kv_smem,
-                       args=common + index_args + (ptr(dk), ptr(dv), ptr(part0), np.int32(B), np.int32(n_kb),
-                                                   np.int32(split0),
-                                                   np.int32(int(order_env) if order_env else not gather))
-                       + tmaps + (np.int32(dkdv_tma),) + tail + pass_args)
+                launch(kernel, name=kv_name, grid=(H * B * (split0 + n_kb - 1),), block=(128,), shared_mem=kv_smem,
+                       args=args + pass_args)
         else:
             launch(_jit.get_kernel(BWD_SOURCE, kv_name), name=kv_name, grid=(H, B, n_kb), block=(128,),
                    shared_mem=kv_smem, args=common + index_args + (ptr(dk), ptr(dv)) + tail)

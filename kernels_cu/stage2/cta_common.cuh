@@ -27,13 +27,6 @@ __device__ __forceinline__ unsigned clip_word_below(unsigned u, int w, int min_b
     return drop <= 0 ? u : drop >= 32 ? 0u : u & (~0u << drop);
 }
 
-// OR of word w over mask rows q_lo..q_hi.
-__device__ __forceinline__ unsigned rows_or(const unsigned* __restrict__ mrows, int n_words, int q_lo, int q_hi, int w) {
-    unsigned u = 0;
-    for (int r = q_lo; r <= q_hi; ++r) u |= __ldg(mrows + (int64)r * n_words + w);
-    return u;
-}
-
 // OR of word w over mask rows q_lo..q_hi, and (in `all`) their AND.
 __device__ __forceinline__ unsigned rows_or_and(const unsigned* __restrict__ mrows, int n_words, int q_lo, int q_hi,
                                                 int w, unsigned& all) {
@@ -45,6 +38,12 @@ __device__ __forceinline__ unsigned rows_or_and(const unsigned* __restrict__ mro
     }
     all = a;
     return u;
+}
+
+// OR of word w over mask rows q_lo..q_hi (the unused AND compiles away).
+__device__ __forceinline__ unsigned rows_or(const unsigned* __restrict__ mrows, int n_words, int q_lo, int q_hi, int w) {
+    unsigned all;
+    return rows_or_and(mrows, n_words, q_lo, q_hi, w, all);
 }
 
 // Mask words that hold blocks 0..max_block.
