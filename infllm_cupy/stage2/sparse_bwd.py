@@ -54,10 +54,6 @@ BLOCK0_PART_TILES = 1024  # query tiles per part of block 0 in the sm_90a dk/dv 
 # More passes cost more fp32 traffic: 8 is the best measured at 32k, 64k and 128k (NOTES.md,
 # tenth session). `$INFLLM_CUPY_DKDV_PASSES` forces a count (1: none; tests, A/B runs).
 DKDV_PASSES_ENV = "INFLLM_CUPY_DKDV_PASSES"
-# sm_90a dk/dv, fixed tiles by TMA: each tile is also prefetched into the L2 this many tile steps
-# before its load (NOTES.md, eleventh session); INFLLM_CUPY_DKDV_L2_AHEAD=N forces N (0: off)
-DKDV_L2_AHEAD = 2
-DKDV_L2_AHEAD_ENV = "INFLLM_CUPY_DKDV_L2_AHEAD"
 DKDV_PASS_BYTES = 32 << 20
 DKDV_MAX_PASSES = 8
 
@@ -300,7 +296,6 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     # CTA order per instance: (sequence, head) slowest for fixed tiles (the CTAs in flight then
     # share recent query tiles in L2), key block slowest for gathered ones (measured: NOTES.md, v6)
     order_env = os.environ.get(DKDV_ORDER_ENV)
-    l2_ahead = np.int32(int(os.environ.get(DKDV_L2_AHEAD_ENV, DKDV_L2_AHEAD)))
     tail = (np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words), np.int64(mask_h_stride),
             np.int32(mask_q_block), scale_log2, np.float32(softmax_scale), causal_i)
 
@@ -316,7 +311,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                               np.int32(p == passes - 1)) if passes > 1
                              else (np.uint64(0), np.uint64(0), np.int32(0), np.int32(max_seqlen_q), np.int32(1)))
                 launch(kernel, name=kv_name, grid=(H * B * (split0 + n_kb - 1),), block=(128,), shared_mem=kv_smem,
-                       args=args + pass_args + (l2_ahead,))
+                       args=args + pass_args)
         else:
             launch(_jit.get_kernel(BWD_SOURCE, kv_name), name=kv_name, grid=(H, B, n_kb), block=(128,),
                    shared_mem=kv_smem, args=common + index_args + (ptr(dk), ptr(dv)) + tail)

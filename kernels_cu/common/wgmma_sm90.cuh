@@ -204,12 +204,6 @@ __device__ __forceinline__ void tma_load_3d(u32 dst, const TmaMap& map, int c0, 
         "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
         :: "r"(dst), "l"(reinterpret_cast<u64>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
 }
-// The box of a 3-d `map` at (c0, c1, c2) into the L2 only (no shared memory, no barrier): a
-// load of the same box later finds it there instead of waiting on DRAM.
-__device__ __forceinline__ void tma_prefetch_l2_3d(const TmaMap& map, int c0, int c1, int c2) {
-    asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];\n"
-                 :: "l"(reinterpret_cast<u64>(&map)), "r"(c0), "r"(c1), "r"(c2) : "memory");
-}
 __device__ __forceinline__ void st_shared_zero16(u32 addr) {
     asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" :: "r"(addr), "r"(0) : "memory");
 }

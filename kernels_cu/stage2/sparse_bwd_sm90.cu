@@ -35,8 +35,6 @@
 //       each query tile it needs once per key block, and one (sequence, head)'s Q and dO (256 MB at
 //       32k, G = 16) outgrow the L2; within a pass the CTAs in flight read one range's tiles
 //       (NOTES.md, tenth session).
-//       l2_ahead: TMA tiles are also prefetched into the L2 this many tile steps before their
-//       load (0: off; tile mode with use_tma only). It changes no result, only when bytes arrive.
 //   stage2_bwd_dkdv_parts<T, D>   grid (H B)   block 256: block 0's dk, dv from the parts.
 //
 // One warpgroup per CTA, every product on wgmma with 128-byte-swizzled shared-memory tiles (the
@@ -152,8 +150,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      int order, const __grid_constant__ TmaMap tmap_q, const __grid_constant__ TmaMap tmap_do, int use_tma,
                      int total_q, int HQ, int H, int G, int n_words,
                      long long mask_h_stride, int mask_q_block, float scale_log2, float scale, int causal,
-                     float* __restrict__ dk32, float* __restrict__ dv32, int q_lo, int q_hi, int last_pass,
-                     int l2_ahead) {
+                     float* __restrict__ dk32, float* __restrict__ dv32, int q_lo, int q_hi, int last_pass) {
     constexpr int CH = D / 8;
     constexpr u32 TILE = 64 * D * sizeof(T);
     constexpr u32 HALF = 64 * 128;
@@ -382,52 +379,11 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         return false;
     };
 
-    // L2 prefetch `l2_ahead` tiles ahead of the loads (thread 0, whole TMA tiles): a second cursor
-    // walks the index row like `advance`, its state in shared memory (no registers to spare at
-    // D = 128). Tile n + 1 is loaded during tile n's step, and tile n + 1 + l2_ahead prefetched:
-    // a load that missed the L2 otherwise waited on DRAM with one step of lead.
-    __shared__ int s_pf_w;
-    __shared__ unsigned s_pf_bits;
-    const bool pf_on = !GATHER && use_tma && l2_ahead > 0 && tid == 0;
-    auto prefetch_next = [&](bool issue) {
-        int w = s_pf_w;
-        unsigned bits = s_pf_bits;
-        while (bits == 0u) {
-            if (--w < 0) {
-                s_pf_w = -1;
-                return;
-            }
-            bits = __ldg(urow + w);
-        }
-        const int t = 32 * w + 31 - __clz(bits);
-        if (t < u_lo) {
-            s_pf_w = -1;
-            s_pf_bits = 0u;
-            return;
-        }
-        s_pf_w = w;
-        s_pf_bits = bits & ~(1u << (t & 31));
-        if (issue && (int64)(t + 1) * QT <= rows_total) {
-            const int t0 = (int)divG.div((unsigned)t * QT);
-#pragma unroll
-            for (int half = 0; half < D / 64; ++half) {
-                tma_prefetch_l2_3d(tmap_q, half * 64, h * G, qs + t0);
-                tma_prefetch_l2_3d(tmap_do, half * 64, h * G, qs + t0);
-            }
-        }
-    };
-
     // bit s: stage s's current fill came by TMA / the parity its barrier completes next
     unsigned tma_fill = 0u, tma_parity = 0u;
     if (have) {
         if (load_tile(0)) tma_fill = 1u;
         fetch_info();
-        if (pf_on) {
-            // the cursor starts at the walk's; tile 1 is loaded at once, tiles 2 .. l2_ahead now
-            s_pf_w = wcur;
-            s_pf_bits = wbits;
-            for (int i = 0; i < l2_ahead; ++i) prefetch_next(i > 0);
-        }
     }
     cp_async_commit();
 
@@ -469,7 +425,6 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         if (have_next) {
             const unsigned bit = 1u << (stage ^ 1);
             tma_fill = load_tile(stage ^ 1) ? tma_fill | bit : tma_fill & ~bit;
-            if (pf_on) prefetch_next(true);
             fetch_info();                       // global loads in flight during this tile's math
         }
         cp_async_commit();

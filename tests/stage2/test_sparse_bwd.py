@@ -130,28 +130,6 @@ def test_query_range_passes(case, dtype, passes, monkeypatch):
         assert torch.equal(x, y)
 
 
-@pytest.mark.skipif(not HOPPER, reason="the L2 prefetch is the sm_90a dk/dv's")
-@pytest.mark.parametrize("passes", [1, 3])
-@pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_l2_prefetch_changes_no_bits(case, passes, monkeypatch):
-    """The dk/dv's L2 prefetch cursor (it walks the index row ahead of the loads, stopping at a
-    pass's range) moves bytes earlier and nothing else: the same bits with it off, 1 and 5 tiles
-    ahead, with and without query-range passes."""
-    monkeypatch.setenv("INFLLM_CUPY_DKDV_PASSES", str(passes))
-    lq, lk, HQ, H, D = case
-    q, k, v, do, cu_q, cu_k, idx = sparse_attn_inputs(lq, lk, HQ, H, D, torch.bfloat16, empty_rows=True)
-    mq, mk = max(lq), max(lk)
-    runs = []
-    for ahead in (0, 1, 5):
-        monkeypatch.setenv("INFLLM_CUPY_DKDV_L2_AHEAD", str(ahead))
-        out, _, grads = op_grads(sparse_attn_varlen, q, k, v, do, cu_q, cu_k, idx, mq, mk, backend="kernels")
-        runs.append(grads)
-    check(out, runs[-1], q, k, v, do, cu_q, cu_k, idx, mq, mk, True)
-    for grads in runs[1:]:
-        for x, y in zip(runs[0], grads):
-            assert torch.equal(x, y)
-
-
 def test_grad_of_one_input_only():
     # only one of q, k, v requires grad (e.g. frozen K/V): its gradient is the one of the full run
     lq = [400, 65]
