@@ -49,41 +49,61 @@ def cta_order(order: str, B: int, nb: int, heavy: int = 1) -> list:
         + [(h, b, j) for b in range(B) for h in range(H) for j in range(cut, nb)]
 
 
-def simulate(lists: dict, ctas: list, walk: str, split0: int, cap_tiles: int) -> tuple[float, int, float]:
-    work = []
-    for c in ctas:
-        qbs = lists[c][::-1] if walk == "down" else lists[c]
-        n = len(qbs)
-        parts = split0 if c[2] == 0 else 1
-        work += [(c, qbs[p * n // parts:(p + 1) * n // parts]) for p in range(parts)]
-    lru, hits, reads, nxt, end = collections.OrderedDict(), 0, 0, 0, 0
-    heap = []
-
-    def tiles(i):
-        (h, b, _), qbs = work[i]
-        return [(h, b, qb, t) for qb in qbs for t in range(TILES_PER_QB)]
-
-    for s in range(min(SLOTS, len(work))):
-        heapq.heappush(heap, (0, s, 0, tiles(s)))
-    nxt, seq = min(SLOTS, len(work)), SLOTS
-    while heap:
-        now, s, k, tl = heapq.heappop(heap)
-        if k == len(tl):
-            end = max(end, now)
-            if nxt < len(work):
-                heapq.heappush(heap, (now, seq, 0, tiles(nxt)))
-                nxt, seq = nxt + 1, seq + 1
+def simulate(lists: dict, ctas: list, walk: str, split0: int, cap_tiles: int, passes: int = 1,
+             nqb: int = 0) -> tuple[float, int, float]:
+    """L2 hit rate, makespan and ideal makespan. `passes` > 1: the kernel's query-range passes, one
+    after the other (query blocks [p nqb / P, (p + 1) nqb / P) in pass p; a CTA with none exits at
+    once; the LRU carries over). walk "phase": each CTA walks its (descending) list cyclically from
+    the point a wavefront that sweeps the pass's range once per mean CTA length has reached when
+    the CTA starts (the mean taken from the lists: an oracle a kernel would estimate)."""
+    lru, hits, reads, end = collections.OrderedDict(), 0, 0, 0
+    total = 0
+    for p in range(passes):
+        lo, hi = p * nqb // passes, (p + 1) * nqb // passes
+        work = []
+        for c in ctas:
+            qbs = [qb for qb in lists[c] if passes == 1 or lo <= qb < hi]
+            qbs = qbs if walk == "up" else qbs[::-1]
+            n = len(qbs)
+            if n == 0:
+                continue
+            parts = split0 if c[2] == 0 and passes == 1 else 1
+            work += [(c, qbs[i * n // parts:(i + 1) * n // parts]) for i in range(parts)]
+        if not work:
             continue
-        reads += 1
-        if tl[k] in lru:
-            hits += 1
-            lru.move_to_end(tl[k])
-        else:
-            lru[tl[k]] = None
-            if len(lru) > cap_tiles:
-                lru.popitem(last=False)
-        heapq.heappush(heap, (now + 1, s, k + 1, tl))
-    return hits / reads, end, reads / SLOTS
+        total += sum(len(q) for _, q in work) * TILES_PER_QB
+        sweep = TILES_PER_QB * sum(len(q) for _, q in work) / len(work)
+        start, heap = end, []
+
+        def tiles(i, now):
+            (h, b, _), qbs = work[i]
+            if walk == "phase" and len(qbs) > 1:
+                x = hi - 1 - ((now - start) / sweep % 1.0) * (hi - lo)   # the wavefront's query block
+                k = next((i for i, qb in enumerate(qbs) if qb <= x), 0)
+                qbs = qbs[k:] + qbs[:k]
+            return [(h, b, qb, t) for qb in qbs for t in range(TILES_PER_QB)]
+
+        for s in range(min(SLOTS, len(work))):
+            heapq.heappush(heap, (start, s, 0, tiles(s, start)))
+        nxt, seq = min(SLOTS, len(work)), SLOTS
+        while heap:
+            now, s, k, tl = heapq.heappop(heap)
+            if k == len(tl):
+                end = max(end, now)
+                if nxt < len(work):
+                    heapq.heappush(heap, (now, seq, 0, tiles(nxt, now)))
+                    nxt, seq = nxt + 1, seq + 1
+                continue
+            reads += 1
+            if tl[k] in lru:
+                hits += 1
+                lru.move_to_end(tl[k])
+            else:
+                lru[tl[k]] = None
+                if len(lru) > cap_tiles:
+                    lru.popitem(last=False)
+            heapq.heappush(heap, (now + 1, s, k + 1, tl))
+    return hits / reads, end, total / SLOTS
 
 
 def main() -> None:
@@ -91,14 +111,17 @@ def main() -> None:
     p.add_argument("--T", type=int, default=32768)
     p.add_argument("--B", type=int, default=2)
     p.add_argument("--order", default="hb", choices=["key", "hb"])
-    p.add_argument("--walk", default="down", choices=["up", "down"])
+    p.add_argument("--walk", default="down", choices=["up", "down", "phase"])
+    p.add_argument("--passes", type=int, default=1, help="query-range passes (the kernel's dkdv_passes)")
     p.add_argument("--split0", type=int, default=8, help="parts of block 0")
     p.add_argument("--cap", type=int, default=1200, help="L2 capacity in 32-KB tiles")
     p.add_argument("--heavy", type=int, default=1, help="order hb: key blocks 1 .. heavy - 1 first")
     a = p.parse_args()
     lists = tile_lists(a.T, a.B)
-    hit, end, ideal = simulate(lists, cta_order(a.order, a.B, a.T // 64, a.heavy), a.walk, a.split0, a.cap)
-    print(f"T={a.T} B={a.B} order={a.order} heavy={a.heavy} walk={a.walk} split0={a.split0}: L2 hit rate {hit:.3f}, "
+    hit, end, ideal = simulate(lists, cta_order(a.order, a.B, a.T // 64, a.heavy), a.walk, a.split0, a.cap,
+                               a.passes, a.T // 64)
+    print(f"T={a.T} B={a.B} order={a.order} heavy={a.heavy} walk={a.walk} split0={a.split0} passes={a.passes}: "
+          f"L2 hit rate {hit:.3f}, "
           f"makespan {end} steps (ideal {ideal:.0f})")
 
 
