@@ -7,6 +7,8 @@ own work needs no synchronisation.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 
 import numpy as np
@@ -46,8 +48,12 @@ def empty(shape, *, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def launch(kernel, *, name: str, grid, block, args, shared_mem: int = 0) -> None:
-    """Launch `kernel` on torch's current stream, with the kernel's name in any error."""
+def launch(kernel, *, name: str, grid, block, args, shared_mem: int = 0, pdl: bool = False) -> None:
+    """Launch `kernel` on torch's current stream, with the kernel's name in any error.
+
+    `pdl`: launch as a programmatic dependent of the previous kernel in the stream (sm_90: it may
+    start before that one ends; the kernel orders itself with griddepcontrol). CuPy has no launch
+    with attributes, so this goes to the driver's cuLaunchKernelEx through ctypes."""
     import cupy
 
     grid = tuple(int(g) for g in grid)
@@ -55,9 +61,64 @@ def launch(kernel, *, name: str, grid, block, args, shared_mem: int = 0) -> None
         return  # nothing to do: an empty grid is not a launch error
     if shared_mem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared_mem:
         kernel.max_dynamic_shared_size_bytes = shared_mem
+    block = tuple(int(b) for b in block)
     try:
         with torch.cuda.device(torch.cuda.current_device()):
-            kernel(grid, tuple(int(b) for b in block), args, shared_mem=shared_mem, stream=current_stream())
-    except cupy.cuda.driver.CUDADriverError as e:
+            if pdl:
+                _launch_programmatic(kernel, grid, block, args, shared_mem)
+            else:
+                kernel(grid, block, args, shared_mem=shared_mem, stream=current_stream())
+    except (cupy.cuda.driver.CUDADriverError, _DriverError) as e:
         raise RuntimeError(f"launch of kernel {name} failed (grid={grid}, block={block}, "
                            f"shared_mem={shared_mem}): {e}") from e
+
+
+class _DriverError(RuntimeError):
+    pass
+
+
+class _LaunchAttribute(ctypes.Structure):      # CUlaunchAttribute (cuda.h): id, 4 pad bytes, 64-byte value
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):         # CUlaunchConfig (cuda.h)
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6          # CUlaunchAttributeID (cuda.h)
+
+
+@functools.cache
+def _driver():
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
+                                     ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    lib.cuLaunchKernelEx.restype = ctypes.c_int
+    lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    return lib
+
+
+def _launch_programmatic(kernel, grid, block, args, shared_mem: int) -> None:
+    # every argument by address, as cuLaunchKernelEx takes them: NumPy scalars as 0-d arrays of
+    # their own type (the kernels' int32 / int64 / float / pointer parameters), tensor maps as
+    # their 128 bytes
+    bufs = []
+    for a in args:
+        if isinstance(a, np.ndarray):
+            bufs.append(np.ascontiguousarray(a))
+        elif isinstance(a, np.generic):
+            bufs.append(np.array(a))
+        else:
+            raise TypeError(f"kernel arguments are NumPy scalars or arrays, got {type(a).__name__}")
+    params = (ctypes.c_void_p * len(bufs))(*[b.ctypes.data for b in bufs])
+    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=(1).to_bytes(4, "little"))
+    grid3, block3 = (*grid, 1, 1)[:3], (*block, 1, 1)[:3]
+    cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid3), (ctypes.c_uint * 3)(*block3), shared_mem,
+                        ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), ctypes.pointer(attr), 1)
+    lib = _driver()
+    res = lib.cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(kernel.kernel.ptr), params, None)
+    if res != 0:
+        msg = ctypes.c_char_p()
+        lib.cuGetErrorString(res, ctypes.byref(msg))
+        raise _DriverError(f"cuLaunchKernelEx: error {res} ({(msg.value or b'?').decode()})")

@@ -56,6 +56,10 @@ BLOCK0_PART_TILES = 1024  # query tiles per part of block 0 in the sm_90a dk/dv 
 DKDV_PASSES_ENV = "INFLLM_CUPY_DKDV_PASSES"
 DKDV_PASS_BYTES = 32 << 20
 DKDV_MAX_PASSES = 8
+# "1": passes after the first launched as programmatic dependents (PDL), so that the next pass's
+# CTAs take SMs while this one's last CTAs drain (the kernel orders the dk32 / dv32 sums itself).
+# Off until measured on a GPU (NOTES.md, eleventh session).
+DKDV_PDL_ENV = "INFLLM_CUPY_DKDV_PDL"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,6 +300,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     # CTA order per instance: (sequence, head) slowest for fixed tiles (the CTAs in flight then
     # share recent query tiles in L2), key block slowest for gathered ones (measured: NOTES.md, v6)
     order_env = os.environ.get(DKDV_ORDER_ENV)
+    pdl = os.environ.get(DKDV_PDL_ENV) == "1"
     tail = (np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words), np.int64(mask_h_stride),
             np.int32(mask_q_block), scale_log2, np.float32(softmax_scale), causal_i)
 
@@ -311,7 +316,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                               np.int32(p == passes - 1)) if passes > 1
                              else (np.uint64(0), np.uint64(0), np.int32(0), np.int32(max_seqlen_q), np.int32(1)))
                 launch(kernel, name=kv_name, grid=(H * B * (split0 + n_kb - 1),), block=(128,), shared_mem=kv_smem,
-                       args=args + pass_args)
+                       args=args + pass_args, pdl=pdl and p > 0)
         else:
             launch(_jit.get_kernel(BWD_SOURCE, kv_name), name=kv_name, grid=(H, B, n_kb), block=(128,),
                    shared_mem=kv_smem, args=common + index_args + (ptr(dk), ptr(dv)) + tail)

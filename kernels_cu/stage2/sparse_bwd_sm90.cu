@@ -34,7 +34,10 @@
 //       pass (last_pass = 1, every CTA, tiles or not) writes dk, dv from them. Why: a CTA reads
 //       each query tile it needs once per key block, and one (sequence, head)'s Q and dO (256 MB at
 //       32k, G = 16) outgrow the L2; within a pass the CTAs in flight read one range's tiles
-//       (NOTES.md, tenth session).
+//       (NOTES.md, tenth session). Passes after the first may be launched with programmatic stream
+//       serialization (PDL): each CTA allows the next pass to start at once and waits for the pass
+//       before (griddepcontrol) before it reads dk32, dv32 or exits, so no pass ends before the
+//       one before it. Without the attribute both instructions do nothing.
 //   stage2_bwd_dkdv_parts<T, D>   grid (H B)   block 256: block 0's dk, dv from the parts.
 //
 // One warpgroup per CTA, every product on wgmma with 128-byte-swizzled shared-memory tiles (the
@@ -168,6 +171,10 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     __shared__ alignas(8) unsigned long long tile_bar[2];                  // TMA fills of the Q/dO stages
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    // query-range passes launched as programmatic dependents (launch contract): the next pass's
+    // CTAs may take SMs as this one's last CTAs drain; every exit below waits for the pass before
+    // (a no-op without the attribute), so a pass completes only after the one before it has
+    grid_dep_launch_dependents();
     // the CTA order of the launch contract: block 0's parts of every (sequence, head), then
     // (sequence, head) slowest and key block fastest
     const int HB = H * n_seq;
@@ -190,7 +197,10 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     const int qs = cu_seqlens_q[b], Lq = cu_seqlens_q[b + 1] - qs;
     const int ks = cu_seqlens_k[b], Lk = cu_seqlens_k[b + 1] - ks;
     const int nb = (Lk + BLOCK_N - 1) / BLOCK_N;
-    if (j >= nb) return;
+    if (j >= nb) {
+        grid_dep_wait();
+        return;
+    }
     const int shift = causal ? Lk - Lq : 0;
     const int64 rows_total = (int64)Lq * G;
     // bits of one index row: tokens (GATHER) or 64-row tiles
@@ -216,7 +226,10 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         const int tokens = cta_sum128(GATHER ? own : other);
         const int tiles_n = cta_sum128(GATHER ? other : own);
         const bool gather_wins = 2 * (int64)tokens * G < (int64)tiles_n * QT;
-        if (gather_wins != GATHER) return;
+        if (gather_wins != GATHER) {
+            grid_dep_wait();
+            return;
+        }
     }
 
     // The next tile to load, walking the index row downwards. Tile mode: its index `tile` (rows
@@ -291,7 +304,10 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
 
     // the first tile; a pass that finds none adds nothing (except the last, which writes dk, dv)
     bool have = advance();
-    if (passes && !have && !last_pass) return;
+    if (passes && !have && !last_pass) {
+        grid_dep_wait();
+        return;
+    }
     {
         constexpr int U = 64 * CH / 128;
         int64 off[U];
@@ -506,6 +522,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         }
         return;
     }
+    grid_dep_wait();    // the pass before has added its sums to dk32, dv32
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int key = kbase + key_r0 + 8 * r;

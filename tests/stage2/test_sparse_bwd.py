@@ -130,6 +130,27 @@ def test_query_range_passes(case, dtype, passes, monkeypatch):
         assert torch.equal(x, y)
 
 
+@pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch of the sm_90a dk/dv passes")
+@pytest.mark.parametrize("passes", [2, 8])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_query_range_passes_as_programmatic_dependents(case, passes, monkeypatch):
+    """INFLLM_CUPY_DKDV_PDL=1: passes after the first start while the one before drains and order
+    their dk32 / dv32 sums with griddepcontrol: the same bits as passes launched one after the other
+    (twice, so a race would have two chances to show)."""
+    monkeypatch.setenv("INFLLM_CUPY_DKDV_PASSES", str(passes))
+    lq, lk, HQ, H, D = case
+    q, k, v, do, cu_q, cu_k, idx = sparse_attn_inputs(lq, lk, HQ, H, D, torch.bfloat16, empty_rows=True)
+    mq, mk = max(lq), max(lk)
+    monkeypatch.setenv("INFLLM_CUPY_DKDV_PDL", "0")
+    _, _, plain = op_grads(sparse_attn_varlen, q, k, v, do, cu_q, cu_k, idx, mq, mk, backend="kernels")
+    monkeypatch.setenv("INFLLM_CUPY_DKDV_PDL", "1")
+    for _ in range(2):
+        out, _, grads = op_grads(sparse_attn_varlen, q, k, v, do, cu_q, cu_k, idx, mq, mk, backend="kernels")
+        for x, y in zip(plain, grads):
+            assert torch.equal(x, y)
+    check(out, grads, q, k, v, do, cu_q, cu_k, idx, mq, mk, True)
+
+
 def test_grad_of_one_input_only():
     # only one of q, k, v requires grad (e.g. frozen K/V): its gradient is the one of the full run
     lq = [400, 65]
