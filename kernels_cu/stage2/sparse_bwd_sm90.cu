@@ -34,10 +34,11 @@
 //       pass (last_pass = 1, every CTA, tiles or not) writes dk, dv from them. Why: a CTA reads
 //       each query tile it needs once per key block, and one (sequence, head)'s Q and dO (256 MB at
 //       32k, G = 16) outgrow the L2; within a pass the CTAs in flight read one range's tiles
-//       (NOTES.md, tenth session). Passes after the first may be launched with programmatic stream
-//       serialization (PDL): each CTA allows the next pass to start at once and waits for the pass
-//       before (griddepcontrol) before it reads dk32, dv32 or exits, so no pass ends before the
-//       one before it. Without the attribute both instructions do nothing.
+//       (NOTES.md, tenth session).
+//       pdl = 1 (passes only; the launcher gives every pass after the first the programmatic
+//       stream serialization attribute): each CTA lets the next pass start at once and waits for
+//       the pass before (griddepcontrol) before it reads dk32, dv32 or exits, so no pass ends
+//       before the one before it. pdl = 0: neither instruction runs.
 //   stage2_bwd_dkdv_parts<T, D>   grid (H B)   block 256: block 0's dk, dv from the parts.
 //
 // One warpgroup per CTA, every product on wgmma with 128-byte-swizzled shared-memory tiles (the
@@ -153,7 +154,8 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      int order, const __grid_constant__ TmaMap tmap_q, const __grid_constant__ TmaMap tmap_do, int use_tma,
                      int total_q, int HQ, int H, int G, int n_words,
                      long long mask_h_stride, int mask_q_block, float scale_log2, float scale, int causal,
-                     float* __restrict__ dk32, float* __restrict__ dv32, int q_lo, int q_hi, int last_pass) {
+                     float* __restrict__ dk32, float* __restrict__ dv32, int q_lo, int q_hi, int last_pass,
+                     int pdl) {
     constexpr int CH = D / 8;
     constexpr u32 TILE = 64 * D * sizeof(T);
     constexpr u32 HALF = 64 * 128;
@@ -174,7 +176,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     // query-range passes launched as programmatic dependents (launch contract): the next pass's
     // CTAs may take SMs as this one's last CTAs drain; every exit below waits for the pass before
     // (a no-op without the attribute), so a pass completes only after the one before it has
-    grid_dep_launch_dependents();
+    if (pdl) grid_dep_launch_dependents();
     // the CTA order of the launch contract: block 0's parts of every (sequence, head), then
     // (sequence, head) slowest and key block fastest
     const int HB = H * n_seq;
@@ -198,7 +200,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     const int ks = cu_seqlens_k[b], Lk = cu_seqlens_k[b + 1] - ks;
     const int nb = (Lk + BLOCK_N - 1) / BLOCK_N;
     if (j >= nb) {
-        grid_dep_wait();
+        if (pdl) grid_dep_wait();
         return;
     }
     const int shift = causal ? Lk - Lq : 0;
@@ -227,7 +229,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         const int tiles_n = cta_sum128(GATHER ? other : own);
         const bool gather_wins = 2 * (int64)tokens * G < (int64)tiles_n * QT;
         if (gather_wins != GATHER) {
-            grid_dep_wait();
+            if (pdl) grid_dep_wait();
             return;
         }
     }
@@ -305,7 +307,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     // the first tile; a pass that finds none adds nothing (except the last, which writes dk, dv)
     bool have = advance();
     if (passes && !have && !last_pass) {
-        grid_dep_wait();
+        if (pdl) grid_dep_wait();
         return;
     }
     {
@@ -522,7 +524,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         }
         return;
     }
-    grid_dep_wait();    // the pass before has added its sums to dk32, dv32
+    if (pdl) grid_dep_wait();   // the pass before has added its sums to dk32, dv32
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int key = kbase + key_r0 + 8 * r;
