@@ -8,7 +8,9 @@ A variant is `label=DIR:TILES[@PKG]`: the kernels_cu/ tree at DIR and the forwar
 kernel). With `--mode fwdbwd` each call is the forward plus the default backward (`stage2_bwd`).
 `@PKG` launches through the `infllm_cupy/` package folder PKG instead of this one, for a tree whose
 kernels take other arguments (e.g. `git archive OLD infllm_cupy kernels_cu | tar -x -C /tmp/old`, then
-`old=/tmp/old/kernels_cu:sm90a@/tmp/old/infllm_cupy`).
+`old=/tmp/old/kernels_cu:sm90a@/tmp/old/infllm_cupy`). Trailing `%NAME=VALUE` parts set environment
+variables around that variant's calls only (launch-time knobs), e.g.
+`pdl=kernels_cu:sm90a%INFLLM_CUPY_DKDV_PDL=1%INFLLM_CUPY_DKDV_PASSES=16`.
 
 Each variant runs once under its tree first, and every kernel `_jit.get_kernel` hands out then is
 recorded; timed calls get their variant's recorded kernels, so the trees never recompile. Each
@@ -60,9 +62,11 @@ def use_tree(jit, tree: str) -> None:
     jit.clear_cache()
 
 
-def recorded(fn, jit, kernels: dict):
-    """`fn` with `jit.get_kernel` answering from `kernels` (filled on a miss)."""
+def recorded(fn, jit, kernels: dict, env: dict | None = None):
+    """`fn` with `jit.get_kernel` answering from `kernels` (filled on a miss) and the variables
+    `env` set in os.environ during the call."""
     real = jit.get_kernel
+    env = env or {}
 
     def get_kernel(source, name, **kw):
         key = (source, name, tuple(sorted(kw.items())))
@@ -72,16 +76,23 @@ def recorded(fn, jit, kernels: dict):
 
     def run():
         jit.get_kernel = get_kernel
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
             return fn()
         finally:
             jit.get_kernel = real
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     return run
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--variants", nargs="+", required=True, help="label=DIR:TILES")
+    p.add_argument("--variants", nargs="+", required=True, help="label=DIR:TILES[@PKG][%%NAME=VALUE...]")
     p.add_argument("--T", type=int, default=32768)
     p.add_argument("--B", type=int, default=2)
     p.add_argument("--K", type=int, default=64)
@@ -102,10 +113,12 @@ def main() -> None:
     variants = []
     for spec in a.variants:
         label, rest = spec.split("=", 1)
+        rest, *env_parts = rest.split("%")
+        env = dict(e.split("=", 1) for e in env_parts)
         rest, pkg = rest.split("@", 1) if "@" in rest else (rest, None)
         tree, tiles = rest.rsplit(":", 1)
         mods = launchers(pkg, f"_ab_pkg_{len(variants)}")
-        variants.append((label, tree, parse_tiles(tiles, mods[1]), mods, {}))
+        variants.append((label, tree, parse_tiles(tiles, mods[1]), mods, {}, env))
     print(f"{a.mode}: {'selection':10s} " + " ".join(f"{lb + ' ms':>14s} {'TF/s':>5s}" for lb, *_ in variants)
           + "   " + " ".join(f"{lb}/{variants[0][0]}" for lb, *_ in variants[1:]))
     for sel in a.selections.split(","):
@@ -113,7 +126,7 @@ def main() -> None:
         flop = flops_attn(float(attended_keys(topk, cu).sum()) * (HQ // H), D, "fwd") * (3.5 if a.mode == "fwdbwd" else 1)
         masks = sparse_fwd.token_block_masks(topk, cu, cu, sparse_fwd.n_mask_words(a.T))
         calls = []
-        for label, tree, tiles, (jit, fwd, bwd), kernels in variants:
+        for label, tree, tiles, (jit, fwd, bwd), kernels, env in variants:
             # the token-level op's key-range pass threshold, where the tree's launcher has one
             extra = {"split_min": 2 * a.K} if "split_min" in inspect.signature(fwd.stage2_fwd).parameters else {}
 
@@ -124,7 +137,7 @@ def main() -> None:
                     bwd.stage2_bwd(do, q, k, v, out, lse, cu, cu, masks, cu, q.shape[0], 1, a.T, a.T, True, scale)
 
             use_tree(jit, tree)                 # record this tree's kernels (compiles them)
-            run = recorded(work, jit, kernels)
+            run = recorded(work, jit, kernels, env)
             run()
             calls.append((label, run))
         torch.cuda.synchronize()
