@@ -37,8 +37,8 @@
 //       (NOTES.md, tenth session).
 //       pdl = 1 (passes only; the launcher gives every pass after the first the programmatic
 //       stream serialization attribute): each CTA lets the next pass start at once and waits for
-//       the pass before (griddepcontrol) before it reads dk32, dv32 or exits, so no pass ends
-//       before the one before it. pdl = 0: neither instruction runs.
+//       the pass before (griddepcontrol) before it reads dk32, dv32; CTA 0 waits on every path,
+//       so no pass completes before the one before it. pdl = 0: neither instruction runs.
 //   stage2_bwd_dkdv_parts<T, D>   grid (H B)   block 256: block 0's dk, dv from the parts.
 //
 // One warpgroup per CTA, every product on wgmma with 128-byte-swizzled shared-memory tiles (the
@@ -174,8 +174,10 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     // query-range passes launched as programmatic dependents (launch contract): the next pass's
-    // CTAs may take SMs as this one's last CTAs drain; every exit below waits for the pass before
-    // (a no-op without the attribute), so a pass completes only after the one before it has
+    // CTAs may take SMs as this one's last CTAs drain. A CTA waits for the pass before where it
+    // reads dk32 / dv32; of the CTAs that leave early only CTA 0 waits, which is enough to keep a
+    // pass from completing before the one before it (a pass p + 1 waits for p alone) without
+    // holding SMs with CTAs that have nothing to do
     if (pdl) grid_dep_launch_dependents();
     // the CTA order of the launch contract: block 0's parts of every (sequence, head), then
     // (sequence, head) slowest and key block fastest
@@ -200,7 +202,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     const int ks = cu_seqlens_k[b], Lk = cu_seqlens_k[b + 1] - ks;
     const int nb = (Lk + BLOCK_N - 1) / BLOCK_N;
     if (j >= nb) {
-        if (pdl) grid_dep_wait();
+        if (pdl && blockIdx.x == 0) grid_dep_wait();
         return;
     }
     const int shift = causal ? Lk - Lq : 0;
@@ -229,7 +231,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         const int tiles_n = cta_sum128(GATHER ? other : own);
         const bool gather_wins = 2 * (int64)tokens * G < (int64)tiles_n * QT;
         if (gather_wins != GATHER) {
-            if (pdl) grid_dep_wait();
+            if (pdl && blockIdx.x == 0) grid_dep_wait();
             return;
         }
     }
@@ -307,7 +309,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     // the first tile; a pass that finds none adds nothing (except the last, which writes dk, dv)
     bool have = advance();
     if (passes && !have && !last_pass) {
-        if (pdl) grid_dep_wait();
+        if (pdl && blockIdx.x == 0) grid_dep_wait();
         return;
     }
     {
