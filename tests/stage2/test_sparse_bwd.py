@@ -151,6 +151,25 @@ def test_query_range_passes_as_programmatic_dependents(case, passes, monkeypatch
     check(out, grads, q, k, v, do, cu_q, cu_k, idx, mq, mk, True)
 
 
+@pytest.mark.skipif(not HOPPER, reason="the query-range passes are the sm_90a dk/dv's")
+@pytest.mark.parametrize("pdl", ["0", "1"])
+def test_query_range_pass_with_no_tile(pdl, monkeypatch):
+    """A pass in which no query selects anything (every CTA of it leaves at once): the next pass
+    must still add its sums after the pass before, with plain and with programmatic launches."""
+    monkeypatch.setenv("INFLLM_CUPY_DKDV_PASSES", "4")
+    monkeypatch.setenv("INFLLM_CUPY_DKDV_PDL", pdl)
+    lq = [700, 130, 1]
+    q, k, v, do, cu_q, cu_k, idx = sparse_attn_inputs(lq, lq, 16, 1, 128, torch.bfloat16)
+    chunk = -(-700 // 4)
+    for s0, n in zip(cu_q[:-1].tolist(), lq):
+        idx[:, s0 + chunk:s0 + min(n, 2 * chunk)] = -1      # pass 1's tokens select nothing
+    out, _, grads = op_grads(sparse_attn_varlen, q, k, v, do, cu_q, cu_k, idx, 700, 700, backend="kernels")
+    check(out, grads, q, k, v, do, cu_q, cu_k, idx, 700, 700, True)
+    _, _, again = op_grads(sparse_attn_varlen, q, k, v, do, cu_q, cu_k, idx, 700, 700, backend="kernels")
+    for x, y in zip(grads, again):
+        assert torch.equal(x, y)
+
+
 def test_grad_of_one_input_only():
     # only one of q, k, v requires grad (e.g. frozen K/V): its gradient is the one of the full run
     lq = [400, 65]
