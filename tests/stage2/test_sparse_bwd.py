@@ -170,6 +170,25 @@ def test_query_range_pass_with_no_tile(pdl, monkeypatch):
         assert torch.equal(x, y)
 
 
+@pytest.mark.skipif(not HOPPER, reason="the sm_90a dq kernel computes delta only with INFLLM_CUPY_DQ_DELTA=1")
+@DTYPES
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_delta_in_dq(case, dtype, monkeypatch):
+    """INFLLM_CUPY_DQ_DELTA=1: no stage2_bwd_delta launch; the dq kernel sums rowsum(dout * out)
+    for its rows and writes delta for dk/dv. Against the reference (its sums run in another order
+    than the delta kernel's, so not the default's bits), and twice bit for bit, with passes."""
+    monkeypatch.setenv("INFLLM_CUPY_DQ_DELTA", "1")
+    monkeypatch.setenv("INFLLM_CUPY_DKDV_PASSES", "3")
+    lq, lk, HQ, H, D = case
+    q, k, v, do, cu_q, cu_k, idx = sparse_attn_inputs(lq, lk, HQ, H, D, dtype, empty_rows=True)
+    mq, mk = max(lq), max(lk)
+    out, _, grads = op_grads(sparse_attn_varlen, q, k, v, do, cu_q, cu_k, idx, mq, mk, backend="kernels")
+    check(out, grads, q, k, v, do, cu_q, cu_k, idx, mq, mk, True)
+    _, _, again = op_grads(sparse_attn_varlen, q, k, v, do, cu_q, cu_k, idx, mq, mk, backend="kernels")
+    for x, y in zip(grads, again):
+        assert torch.equal(x, y)
+
+
 def test_grad_of_one_input_only():
     # only one of q, k, v requires grad (e.g. frozen K/V): its gradient is the one of the full run
     lq = [400, 65]
