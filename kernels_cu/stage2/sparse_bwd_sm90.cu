@@ -175,9 +175,9 @@ stage2_bwd_fill_mode(const long long* __restrict__ tile_off, const unsigned* __r
         return;
     }
     const int tile_groups = (int)(((int64)Lq * G + QT * 32 - 1) / (QT * 32)), tok_groups = (Lq + 31) >> 5;
-    const bool wins = fill_gather_wins(tile_idx + (int64)h * tile_h_stride + tile_off[b] + (int64)j * tile_groups,
-                                       tile_groups, tok_idx + (int64)h * tok_h_stride + tok_off[b] + (int64)j * tok_groups,
-                                       tok_groups, G, threadIdx.x);
+    const unsigned* tile_row = tile_idx + (int64)h * tile_h_stride + tile_off[b] + (int64)j * tile_groups;
+    const unsigned* tok_row = tok_idx + (int64)h * tok_h_stride + tok_off[b] + (int64)j * tok_groups;
+    const bool wins = fill_gather_wins(tile_row, tile_groups, tok_row, tok_groups, G, threadIdx.x);
     if (threadIdx.x == 0) fill_mode[blockIdx.x] = wins ? 1 : 0;
 }
 
