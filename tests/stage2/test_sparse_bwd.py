@@ -119,15 +119,22 @@ def test_query_range_passes(case, dtype, passes, monkeypatch):
     some passes only, passes a block has no tile in, keys no query picked (exact zeros), both
     instances of "sm90a_auto", and ranges that cut a sequence's tiles unevenly. Twice, bit for bit."""
     monkeypatch.setenv("INFLLM_CUPY_DKDV_PASSES", str(passes))
+    empty_rows, unused = check_twice(case, dtype)
+    assert empty_rows.any() and unused.any()
+
+
+def check_twice(case, dtype):
+    """The kernels' gradients of `case` (with empty rows) against the reference, then a second run
+    bit for bit; returns the check's (empty_rows, unused)."""
     lq, lk, HQ, H, D = case
     q, k, v, do, cu_q, cu_k, idx = sparse_attn_inputs(lq, lk, HQ, H, D, dtype, empty_rows=True)
     mq, mk = max(lq), max(lk)
     out, _, grads = op_grads(sparse_attn_varlen, q, k, v, do, cu_q, cu_k, idx, mq, mk, backend="kernels")
-    empty_rows, unused = check(out, grads, q, k, v, do, cu_q, cu_k, idx, mq, mk, True)
-    assert empty_rows.any() and unused.any()
+    found = check(out, grads, q, k, v, do, cu_q, cu_k, idx, mq, mk, True)
     _, _, again = op_grads(sparse_attn_varlen, q, k, v, do, cu_q, cu_k, idx, mq, mk, backend="kernels")
     for x, y in zip(grads, again):
         assert torch.equal(x, y)
+    return found
 
 
 @pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch of the sm_90a dk/dv passes")
@@ -179,14 +186,7 @@ def test_delta_in_dq(case, dtype, monkeypatch):
     than the delta kernel's, so not the default's bits), and twice bit for bit, with passes."""
     monkeypatch.setenv("INFLLM_CUPY_DQ_DELTA", "1")
     monkeypatch.setenv("INFLLM_CUPY_DKDV_PASSES", "3")
-    lq, lk, HQ, H, D = case
-    q, k, v, do, cu_q, cu_k, idx = sparse_attn_inputs(lq, lk, HQ, H, D, dtype, empty_rows=True)
-    mq, mk = max(lq), max(lk)
-    out, _, grads = op_grads(sparse_attn_varlen, q, k, v, do, cu_q, cu_k, idx, mq, mk, backend="kernels")
-    check(out, grads, q, k, v, do, cu_q, cu_k, idx, mq, mk, True)
-    _, _, again = op_grads(sparse_attn_varlen, q, k, v, do, cu_q, cu_k, idx, mq, mk, backend="kernels")
-    for x, y in zip(grads, again):
-        assert torch.equal(x, y)
+    check_twice(case, dtype)
 
 
 @pytest.mark.skipif(not HOPPER, reason="the fill decision of sm90a_auto")
