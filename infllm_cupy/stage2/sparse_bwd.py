@@ -251,15 +251,15 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
     by_tiles = None if gather else build_index(QT)
     by_tokens = build_index(G) if gather or split else None
+    n_kb = cdiv(max_seqlen_k, BLOCK_N)
     fill_mode = None
-    if split and tiles in SM90A_KINDS and os.environ.get(DKDV_FILL_ONCE_ENV) == "1":
-        n_kb_all = H * B * cdiv(max_seqlen_k, BLOCK_N)
-        fill_mode = torch.empty(n_kb_all, dtype=torch.int8, device=dev)
+    if split and os.environ.get(DKDV_FILL_ONCE_ENV) == "1":     # split: "sm90a_auto"
+        fill_mode = torch.empty(H * B * n_kb, dtype=torch.int8, device=dev)
         launch(_jit.get_kernel(SM90_SOURCE, "stage2_bwd_fill_mode", sm90a=True), name="stage2_bwd_fill_mode",
-               grid=(n_kb_all,), block=(128,),
+               grid=(H * B * n_kb,), block=(128,),
                args=(ptr(by_tiles[0]), ptr(by_tiles[1]), np.int64(by_tiles[2]), ptr(by_tokens[0]), ptr(by_tokens[1]),
                      np.int64(by_tokens[2]), ptr(cu_seqlens_q), ptr(cu_seqlens_k), np.int32(H), np.int32(G),
-                     np.int32(cdiv(max_seqlen_k, BLOCK_N)), ptr(fill_mode)))
+                     np.int32(n_kb), ptr(fill_mode)))
 
     causal_i = np.int32(1 if causal else 0)
     common = (ptr(q), ptr(k), ptr(v), ptr(dout), ptr(lse), ptr(delta), ptr(masks), ptr(mask_base),
@@ -306,7 +306,6 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                         (ptr(by_tiles[0]), ptr(by_tiles[1]), np.int64(by_tiles[2])), False)]
     launch(dq_kernel, name=dq_name, grid=(cdiv(max_seqlen_q * G, dq_rows), H, B), block=(dq_threads,),
            shared_mem=dq_smem, args=dq_args)
-    n_kb = cdiv(max_seqlen_k, BLOCK_N)
     passes = dkdv_passes(max_seqlen_q, G, D, q.element_size()) if tiles in SM90A_KINDS else 1
     # with passes block 0 needs no parts: a pass holds a part of its tiles anyway
     split0 = dkdv_block0_parts(max_seqlen_q, G) if tiles in SM90A_KINDS and passes == 1 else 1
