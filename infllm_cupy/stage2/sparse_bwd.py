@@ -63,9 +63,6 @@ DKDV_PDL_ENV = "INFLLM_CUPY_DKDV_PDL"
 # "1": the sm_90a dq kernel computes delta = rowsum(dout * out) itself (no stage2_bwd_delta launch).
 # Off until measured on a GPU (NOTES.md, eleventh session).
 DQ_DELTA_ENV = "INFLLM_CUPY_DQ_DELTA"
-# "1": "sm90a_auto" decides each key block's dk/dv instance once (stage2_bwd_fill_mode) instead of
-# in every CTA of both instances in every pass. Off until measured on a GPU (NOTES.md, eleventh session).
-DKDV_FILL_ONCE_ENV = "INFLLM_CUPY_DKDV_FILL_ONCE"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +102,7 @@ _jit.register_instances(RING_SOURCE, [f"stage2_bwd_dq_ring_sm90<{CXX_TYPE[dt]}, 
                                       for d in HEAD_DIMS for ns in SM90_STAGES], sm90a=True)
 _jit.register_instances(SM90_SOURCE, [f"stage2_bwd_dkdv_sm90<{CXX_TYPE[dt]}, {d}, {g}>" for dt in KERNEL_DTYPES
                                      for d in HEAD_DIMS for g in ("false", "true")]
-                         + [f"stage2_bwd_dkdv_parts<{CXX_TYPE[dt]}, {d}>" for dt in KERNEL_DTYPES for d in HEAD_DIMS]
-                         + ["stage2_bwd_fill_mode"],
+                         + [f"stage2_bwd_dkdv_parts<{CXX_TYPE[dt]}, {d}>" for dt in KERNEL_DTYPES for d in HEAD_DIMS],
                          sm90a=True)
 
 
@@ -251,15 +247,6 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
     by_tiles = None if gather else build_index(QT)
     by_tokens = build_index(G) if gather or split else None
-    n_kb = cdiv(max_seqlen_k, BLOCK_N)
-    fill_mode = None
-    if split and os.environ.get(DKDV_FILL_ONCE_ENV) == "1":     # split: "sm90a_auto"
-        fill_mode = torch.empty(H * B * n_kb, dtype=torch.int8, device=dev)
-        launch(_jit.get_kernel(SM90_SOURCE, "stage2_bwd_fill_mode", sm90a=True), name="stage2_bwd_fill_mode",
-               grid=(H * B * n_kb,), block=(128,),
-               args=(ptr(by_tiles[0]), ptr(by_tiles[1]), np.int64(by_tiles[2]), ptr(by_tokens[0]), ptr(by_tokens[1]),
-                     np.int64(by_tokens[2]), ptr(cu_seqlens_q), ptr(cu_seqlens_k), np.int32(H), np.int32(G),
-                     np.int32(n_kb), ptr(fill_mode)))
 
     causal_i = np.int32(1 if causal else 0)
     common = (ptr(q), ptr(k), ptr(v), ptr(dout), ptr(lse), ptr(delta), ptr(masks), ptr(mask_base),
@@ -306,6 +293,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                         (ptr(by_tiles[0]), ptr(by_tiles[1]), np.int64(by_tiles[2])), False)]
     launch(dq_kernel, name=dq_name, grid=(cdiv(max_seqlen_q * G, dq_rows), H, B), block=(dq_threads,),
            shared_mem=dq_smem, args=dq_args)
+    n_kb = cdiv(max_seqlen_k, BLOCK_N)
     passes = dkdv_passes(max_seqlen_q, G, D, q.element_size()) if tiles in SM90A_KINDS else 1
     # with passes block 0 needs no parts: a pass holds a part of its tiles anyway
     split0 = dkdv_block0_parts(max_seqlen_q, G) if tiles in SM90A_KINDS and passes == 1 else 1
@@ -337,9 +325,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                               np.int32(p == passes - 1)) if passes > 1
                              else (np.uint64(0), np.uint64(0), np.int32(0), np.int32(max_seqlen_q), np.int32(1)))
                 launch(kernel, name=kv_name, grid=(H * B * (split0 + n_kb - 1),), block=(128,), shared_mem=kv_smem,
-                       args=args + pass_args + (np.int32(pdl and passes > 1),
-                                                ptr(fill_mode) if fill_mode is not None else np.uint64(0)),
-                       pdl=pdl and p > 0)
+                       args=args + pass_args + (np.int32(pdl and passes > 1),), pdl=pdl and p > 0)
         else:
             launch(_jit.get_kernel(BWD_SOURCE, kv_name), name=kv_name, grid=(H, B, n_kb), block=(128,),
                    shared_mem=kv_smem, args=common + index_args + (ptr(dk), ptr(dv)) + tail)

@@ -26,9 +26,7 @@
 //       only rows that use it (a 4-token tile of consecutive tokens holds about one at G = 16);
 //       block-shared selections give the same tiles, at some cost for the walk (NOTES.md).
 //       vt_off / vt: null, or ("sm90a_auto") the other mode's index: then the launcher runs both
-//       instances and each keeps the key blocks its mode does best (fill_gather_wins).
-//       fill_mode: null (each CTA counts the two index rows itself, in every pass), or that
-//       decision per block from stage2_bwd_fill_mode, launched once before.
+//       instances and each keeps the key blocks its mode does best (see the fill test below).
 //       dk32, dv32, q_lo, q_hi, last_pass: query-range passes. One launch: null, null, 0,
 //       max_seqlen_q, 1. P launches in order on one stream, split0 = 1: each walks only the units
 //       (tiles or tokens) whose first row is one of the tokens q_lo .. q_hi - 1 of its sequence and
@@ -42,8 +40,6 @@
 //       the pass before (griddepcontrol) before it reads dk32, dv32; CTA 0 waits on every path,
 //       so no pass completes before the one before it. pdl = 0: neither instruction runs.
 //   stage2_bwd_dkdv_parts<T, D>   grid (H B)   block 256: block 0's dk, dv from the parts.
-//   stage2_bwd_fill_mode   grid (B H n_kb)   block 128: fill_mode int8 [B H n_kb] (see
-//       fill_gather_wins) from the fixed-tile index (tile_off, tile_idx) and the token index.
 //
 // One warpgroup per CTA, every product on wgmma with 128-byte-swizzled shared-memory tiles (the
 // forward's layout): the SM80 kernel reads each operand fragment through ldmatrix into every
@@ -146,41 +142,6 @@ __device__ __forceinline__ int part_start(const unsigned* __restrict__ urow, int
     return s_pos;
 }
 
-// "sm90a_auto": whether a key block goes to the gathering instance. The fill of its fixed tiles,
-// (tokens that selected it) x G / (64-row tiles that contain one of them x 64), decides: below 1/2
-// the gathered tiles (full rows) win, above it the fixed ones (no walk). `tile_row`, `tok_row`:
-// the block's rows of the two transposed indexes. Every thread of a 128-thread CTA; CTA barriers.
-__device__ __forceinline__ bool fill_gather_wins(const unsigned* __restrict__ tile_row, int tile_groups,
-                                                 const unsigned* __restrict__ tok_row, int tok_groups, int G, int tid) {
-    int tl = 0, tk = 0;
-    for (int w = tid; w < tile_groups; w += 128) tl += __popc(__ldg(tile_row + w));
-    for (int w = tid; w < tok_groups; w += 128) tk += __popc(__ldg(tok_row + w));
-    const int tokens = cta_sum128(tk);
-    const int tiles_n = cta_sum128(tl);
-    return 2 * (int64)tokens * G < (int64)tiles_n * QT;
-}
-
-// fill_mode[(b H + h) n_kb + j] = fill_gather_wins of block j of (b, h) (0 past the sequence's
-// keys): the decision once per backward, for both dk/dv instances and every pass (launch contract).
-__global__ void __launch_bounds__(128)
-stage2_bwd_fill_mode(const long long* __restrict__ tile_off, const unsigned* __restrict__ tile_idx,
-                     long long tile_h_stride, const long long* __restrict__ tok_off,
-                     const unsigned* __restrict__ tok_idx, long long tok_h_stride,
-                     const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k, int H, int G,
-                     int n_kb, signed char* __restrict__ fill_mode) {
-    const int hb = blockIdx.x / n_kb, j = blockIdx.x - hb * n_kb, b = hb / H, h = hb - b * H;
-    const int Lq = cu_seqlens_q[b + 1] - cu_seqlens_q[b], Lk = cu_seqlens_k[b + 1] - cu_seqlens_k[b];
-    if (j >= (Lk + BLOCK_N - 1) / BLOCK_N) {
-        if (threadIdx.x == 0) fill_mode[blockIdx.x] = 0;
-        return;
-    }
-    const int tile_groups = (int)(((int64)Lq * G + QT * 32 - 1) / (QT * 32)), tok_groups = (Lq + 31) >> 5;
-    const unsigned* tile_row = tile_idx + (int64)h * tile_h_stride + tile_off[b] + (int64)j * tile_groups;
-    const unsigned* tok_row = tok_idx + (int64)h * tok_h_stride + tok_off[b] + (int64)j * tok_groups;
-    const bool wins = fill_gather_wins(tile_row, tile_groups, tok_row, tok_groups, G, threadIdx.x);
-    if (threadIdx.x == 0) fill_mode[blockIdx.x] = wins ? 1 : 0;
-}
-
 template <typename T, int D, bool GATHER>
 __global__ void __launch_bounds__(128, 2)
 stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -194,7 +155,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      int total_q, int HQ, int H, int G, int n_words,
                      long long mask_h_stride, int mask_q_block, float scale_log2, float scale, int causal,
                      float* __restrict__ dk32, float* __restrict__ dv32, int q_lo, int q_hi, int last_pass,
-                     int pdl, const signed char* __restrict__ fill_mode) {
+                     int pdl) {
     constexpr int CH = D / 8;
     constexpr u32 TILE = 64 * D * sizeof(T);
     constexpr u32 HALF = 64 * 128;
@@ -255,19 +216,20 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     const int tpt = GATHER ? min(64 / G, GATHER_MAX) : 0;   // tokens per gathered tile
 
     // "sm90a_auto" (vt != null): both kernels run over every key block and each keeps the blocks
-    // its mode does best (fill_gather_wins); vt is the other mode's index. Both kernels count the
-    // same two index rows, or read the same fill_mode byte, so every block is done by exactly one.
+    // its mode does best; vt is the other mode's index. The fill of the block's fixed tiles, (tokens
+    // that selected it) x G / (64-row tiles that contain one of them x 64), decides: below 1/2 the
+    // gathered tiles (full rows) win, above it the fixed ones (no walk). Both kernels count the
+    // same two index rows, so every block is done by exactly one of them.
     if (vt != nullptr) {
-        bool gather_wins;
-        if (fill_mode != nullptr) {
-            gather_wins = fill_mode[(int64)hb * n_kb + j] != 0;
-        } else {
-            const int units_v = GATHER ? (int)((rows_total + QT - 1) / QT) : Lq;
-            const int groups_v = (units_v + 31) >> 5;
-            const unsigned* vrow = vt + (int64)h * vt_h_stride + vt_off[b] + (int64)j * groups_v;
-            gather_wins = GATHER ? fill_gather_wins(vrow, groups_v, urow, groups, G, tid)
-                                 : fill_gather_wins(urow, groups, vrow, groups_v, G, tid);
-        }
+        const int units_v = GATHER ? (int)((rows_total + QT - 1) / QT) : Lq;
+        const int groups_v = (units_v + 31) >> 5;
+        const unsigned* vrow = vt + (int64)h * vt_h_stride + vt_off[b] + (int64)j * groups_v;
+        int own = 0, other = 0;
+        for (int w = tid; w < groups; w += 128) own += __popc(__ldg(urow + w));
+        for (int w = tid; w < groups_v; w += 128) other += __popc(__ldg(vrow + w));
+        const int tokens = cta_sum128(GATHER ? own : other);
+        const int tiles_n = cta_sum128(GATHER ? other : own);
+        const bool gather_wins = 2 * (int64)tokens * G < (int64)tiles_n * QT;
         if (gather_wins != GATHER) {
             if (pdl && blockIdx.x == 0) grid_dep_wait();
             return;

@@ -189,27 +189,6 @@ def test_delta_in_dq(case, dtype, monkeypatch):
     check_twice(case, dtype)
 
 
-@pytest.mark.skipif(not HOPPER, reason="the fill decision of sm90a_auto")
-@pytest.mark.parametrize("passes", [1, 3])
-@pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_fill_mode_once(case, passes, monkeypatch):
-    """INFLLM_CUPY_DKDV_FILL_ONCE=1: sm90a_auto's choice of dk/dv instance per key block, made
-    once by stage2_bwd_fill_mode, is the one every CTA makes by itself: the same bits."""
-    monkeypatch.setenv("INFLLM_CUPY_DKDV_PASSES", str(passes))
-    monkeypatch.setenv("INFLLM_CUPY_BWD_KERNEL", "sm90a_auto")
-    lq, lk, HQ, H, D = case
-    q, k, v, do, cu_q, cu_k, idx = sparse_attn_inputs(lq, lk, HQ, H, D, torch.bfloat16, empty_rows=True)
-    mq, mk = max(lq), max(lk)
-    runs = []
-    for once in ("0", "1"):
-        monkeypatch.setenv("INFLLM_CUPY_DKDV_FILL_ONCE", once)
-        out, _, grads = op_grads(sparse_attn_varlen, q, k, v, do, cu_q, cu_k, idx, mq, mk, backend="kernels")
-        runs.append(grads)
-    check(out, runs[1], q, k, v, do, cu_q, cu_k, idx, mq, mk, True)
-    for x, y in zip(*runs):
-        assert torch.equal(x, y)
-
-
 def test_grad_of_one_input_only():
     # only one of q, k, v requires grad (e.g. frozen K/V): its gradient is the one of the full run
     lq = [400, 65]
