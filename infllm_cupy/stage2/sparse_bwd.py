@@ -60,9 +60,6 @@ DKDV_MAX_PASSES = 8
 # CTAs take SMs while this one's last CTAs drain (the kernel orders the dk32 / dv32 sums itself).
 # Off until measured on a GPU (NOTES.md, eleventh session).
 DKDV_PDL_ENV = "INFLLM_CUPY_DKDV_PDL"
-# "1": the sm_90a dq kernel computes delta = rowsum(dout * out) itself (no stage2_bwd_delta launch).
-# Off until measured on a GPU (NOTES.md, eleventh session).
-DQ_DELTA_ENV = "INFLLM_CUPY_DQ_DELTA"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,14 +218,9 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     scale_log2 = np.float32(softmax_scale * 1.4426950408889634)
 
     delta = torch.empty((HQ, total_q), dtype=torch.float32, device=dev)
-    # delta in the sm_90a dq kernel (it holds dout already; dk/dv, launched after it, reads it)
-    # instead of its own launch: opt-in until measured on a GPU (NOTES.md, eleventh session)
-    ring_dq = tiles in SM90A_KINDS and total_k < 2**31 - BLOCK_N
-    delta_in_dq = ring_dq and os.environ.get(DQ_DELTA_ENV) == "1"
-    if not delta_in_dq:
-        name = f"stage2_bwd_delta<{T}, {D}>"
-        launch(_jit.get_kernel(BWD_SOURCE, name), name=name, grid=(cdiv(total_q * HQ, 8),), block=(256,),
-               args=(ptr(dout), ptr(out), ptr(delta), np.int32(total_q), np.int32(HQ)))
+    name = f"stage2_bwd_delta<{T}, {D}>"
+    launch(_jit.get_kernel(BWD_SOURCE, name), name=name, grid=(cdiv(total_q * HQ, 8),), block=(256,),
+           args=(ptr(dout), ptr(out), ptr(delta), np.int32(total_q), np.int32(HQ)))
 
     fits = GATHER_G[0] <= G <= GATHER_G[1]
     gather, split = tiles == SM90A_GATHER and fits, tiles == SM90A_AUTO and fits
@@ -257,7 +249,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if tiles in SM90A_KINDS:
         # dq on the forward's warp-specialised K/V ring (TMA producer, two consumer warpgroups);
         # TMA row coordinates are int32, hence the bound (the SM80 dq kernel takes any size)
-        if ring_dq:
+        if total_k < 2**31 - BLOCK_N:
             ns = sm90_stages(D, n_words, q.element_size(), dq=True)
             dq_name, dq_rows, dq_threads = f"stage2_bwd_dq_ring_sm90<{T}, {D}, {ns}>", 64 * SM90_CONSUMERS, \
                 128 * (SM90_CONSUMERS + 1)
@@ -265,8 +257,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
             dq_smem = sm90_smem_bytes(D, ns, n_words, q.element_size(), dq=True)
             dq_args = (ptr(q), ptr(dout), rows_map(k, BLOCK_N), rows_map(v, BLOCK_N), ptr(lse), ptr(delta), ptr(masks),
                        ptr(mask_base), ptr(cu_seqlens_q), ptr(cu_seqlens_k)) + dq_scalars \
-                + (np.int32(_DQ_STEP_MODE[tiles]),) \
-                + ((ptr(out), ptr(delta)) if delta_in_dq else (np.uint64(0), np.uint64(0)))
+                + (np.int32(_DQ_STEP_MODE[tiles]),)
         else:
             dq_name, dq_rows, dq_threads = DEFAULT_BWD_TILES.dq_name(q.dtype, D), 16 * DEFAULT_BWD_TILES.dq_warps, \
                 32 * DEFAULT_BWD_TILES.dq_warps

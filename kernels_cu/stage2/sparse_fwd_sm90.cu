@@ -29,10 +29,7 @@
 //               Block-shared CTAs (small unions) gain nothing from it (NOTES.md, forward v7).
 //   kernel   stage2_bwd_dq_ring_sm90<T, D, NS>  the backward's dq on the same ring (infllm_cupy/stage2/
 //            sparse_bwd.py): arguments as stage2_bwd_dq in sparse_bwd.cu with K and V as the tensor
-//            maps above and step_mode, o_fwd, delta_out last (step_mode 0, 1 or 3; no 128-key steps;
-//            o_fwd null: delta is read; else the forward's out [total_q, HQ, D], and the kernel
-//            computes each row's delta = rowsum(dout * out) itself and writes it to delta_out
-//            [HQ, total_q] for the dk/dv kernel, with no stage2_bwd_delta launch); grid and block as above,
+//            maps above and step_mode last (0, 1 or 3; no 128-key steps); grid and block as above,
 //            CTAs in reverse order (last tiles first: causal, they see the most blocks); dyn smem as
 //            above plus NC dout tiles (placed after the Q tiles). NS in {4, 6}: the deepest that fits.
 //
@@ -218,8 +215,7 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
               T* __restrict__ out, float* __restrict__ lse, const float* __restrict__ delta,
               int total_q, int HQ, int H, int G, int n_words, long long mask_h_stride, int mask_q_block,
               float scale_log2, float scale, int causal, int step_mode, int blk_lo, int blk_hi,
-              int* __restrict__ cta_split, int split_min, int x_off, const T* __restrict__ o_fwd = nullptr,
-              float* __restrict__ delta_out = nullptr) {
+              int* __restrict__ cta_split, int split_min, int x_off) {
     constexpr int M = 64 * NC;
     constexpr int CH = D / 8;
     constexpr u32 TILE_Q = 64 * D * sizeof(T);
@@ -478,36 +474,7 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
     float lse2[2], dlt[2];                      // dq: each row's lse (log2 units) and delta
     if constexpr (DQ) {
         dq_row_state(m0 + 64 * wg + wwarp * 16 + (lane >> 2), rows_total, 0, G, causal, shift, Lk, mrows, mask_q_block,
-                     n_words, h, total_q, qs, lse, o_fwd ? lse : delta, row_ok, rk, mrow, lse2, dlt);
-        if (o_fwd != nullptr) {
-            // delta = rowsum(dout * out) here instead of in stage2_bwd_delta (dlt above read lse, a
-            // buffer of the same shape that is set, and is replaced now): each lane of a quad sums
-            // a quarter of its two rows, the quad adds the four, lane 0 stores it for dk/dv
-            constexpr int E = D / 4;
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int64 R = m0 + 64 * wg + wwarp * 16 + (lane >> 2) + 8 * r;
-                const int t = row_ok[r] ? (int)(R / G) : 0, g = row_ok[r] ? (int)(R - (int64)t * G) : 0;
-                float sum = 0.f;
-                if (row_ok[r]) {
-                    const int64 off = ((int64)(qs + t) * HQ + (int64)h * G + g) * D + (lane & 3) * E;
-#pragma unroll
-                    for (int e = 0; e < E; e += 8) {
-                        Vec<T, 8> a, c;
-                        a.load(dout + off + e);
-                        c.load(o_fwd + off + e);
-#pragma unroll
-                        for (int i = 0; i < 8; ++i) sum += to_float(a.elem[i]) * to_float(c.elem[i]);
-                    }
-                }
-                sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-                sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-                if (row_ok[r]) {
-                    dlt[r] = sum;
-                    if ((lane & 3) == 0) delta_out[((int64)h * G + g) * total_q + qs + t] = sum;
-                }
-            }
-        }
+                     n_words, h, total_q, qs, lse, delta, row_ok, rk, mrow, lse2, dlt);
     } else {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -914,9 +881,8 @@ stage2_bwd_dq_ring_sm90(const T* __restrict__ q, const T* __restrict__ dout, con
                         const int* __restrict__ mask_base, const int* __restrict__ cu_seqlens_q,
                         const int* __restrict__ cu_seqlens_k, T* __restrict__ dq, int total_q, int HQ, int H, int G,
                         int n_words, long long mask_h_stride, int mask_q_block, float scale_log2, float scale,
-                        int causal, int step_mode, const T* __restrict__ o_fwd, float* __restrict__ delta_out) {
+                        int causal, int step_mode) {
     ring_cta_sm90<T, D, NS, true>(q, dout, tmap_k, tmap_v, masks, mask_base, cu_seqlens_q, cu_seqlens_k, dq,
                                   const_cast<float*>(lse), delta, total_q, HQ, H, G, n_words, mask_h_stride,
-                                  mask_q_block, scale_log2, scale, causal, step_mode, 0, 1 << 30, nullptr, 0, 0,
-                                  o_fwd, delta_out);
+                                  mask_q_block, scale_log2, scale, causal, step_mode, 0, 1 << 30, nullptr, 0, 0);
 }

@@ -177,18 +177,6 @@ def test_query_range_pass_with_no_tile(pdl, monkeypatch):
         assert torch.equal(x, y)
 
 
-@pytest.mark.skipif(not HOPPER, reason="the sm_90a dq kernel computes delta only with INFLLM_CUPY_DQ_DELTA=1")
-@DTYPES
-@pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_delta_in_dq(case, dtype, monkeypatch):
-    """INFLLM_CUPY_DQ_DELTA=1: no stage2_bwd_delta launch; the dq kernel sums rowsum(dout * out)
-    for its rows and writes delta for dk/dv. Against the reference (its sums run in another order
-    than the delta kernel's, so not the default's bits), and twice bit for bit, with passes."""
-    monkeypatch.setenv("INFLLM_CUPY_DQ_DELTA", "1")
-    monkeypatch.setenv("INFLLM_CUPY_DKDV_PASSES", "3")
-    check_twice(case, dtype)
-
-
 def test_grad_of_one_input_only():
     # only one of q, k, v requires grad (e.g. frozen K/V): its gradient is the one of the full run
     lq = [400, 65]
