@@ -71,15 +71,16 @@ def simulate(lists: dict, ctas: list, walk: str, split0: int, cap_tiles: int, pa
             work += [(c, qbs[i * n // parts:(i + 1) * n // parts]) for i in range(parts)]
         if not work:
             continue
-        total += sum(len(q) for _, q in work) * TILES_PER_QB
-        sweep = TILES_PER_QB * sum(len(q) for _, q in work) / len(work)
+        n_tiles = TILES_PER_QB * sum(len(q) for _, q in work)
+        total += n_tiles
+        sweep = n_tiles / len(work)
         start, heap = end, []
 
-        def tiles(i, now):
-            (h, b, _), qbs = work[i]
+        def tiles(w, now):
+            (h, b, _), qbs = work[w]
             if walk == "phase" and len(qbs) > 1:
                 x = hi - 1 - ((now - start) / sweep % 1.0) * (hi - lo)   # the wavefront's query block
-                k = next((i for i, qb in enumerate(qbs) if qb <= x), 0)
+                k = next((pos for pos, qb in enumerate(qbs) if qb <= x), 0)
                 qbs = qbs[k:] + qbs[:k]
             return [(h, b, qb, t) for qb in qbs for t in range(TILES_PER_QB)]
 

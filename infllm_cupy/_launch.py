@@ -64,10 +64,11 @@ def launch(kernel, *, name: str, grid, block, args, shared_mem: int = 0, pdl: bo
     block = tuple(int(b) for b in block)
     try:
         with torch.cuda.device(torch.cuda.current_device()):
+            stream = current_stream()
             if pdl:
-                _launch_programmatic(kernel, grid, block, args, shared_mem)
+                _launch_programmatic(kernel, grid, block, args, shared_mem, stream.ptr)
             else:
-                kernel(grid, block, args, shared_mem=shared_mem, stream=current_stream())
+                kernel(grid, block, args, shared_mem=shared_mem, stream=stream)
     except (cupy.cuda.driver.CUDADriverError, _DriverError) as e:
         raise RuntimeError(f"launch of kernel {name} failed (grid={grid}, block={block}, "
                            f"shared_mem={shared_mem}): {e}") from e
@@ -99,7 +100,7 @@ def _driver():
     return lib
 
 
-def _launch_programmatic(kernel, grid, block, args, shared_mem: int) -> None:
+def _launch_programmatic(kernel, grid, block, args, shared_mem: int, stream: int) -> None:
     # every argument by address, as cuLaunchKernelEx takes them: NumPy scalars as 0-d arrays of
     # their own type (the kernels' int32 / int64 / float / pointer parameters), tensor maps as
     # their 128 bytes
@@ -115,7 +116,7 @@ def _launch_programmatic(kernel, grid, block, args, shared_mem: int) -> None:
     attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=(1).to_bytes(4, "little"))
     grid3, block3 = (*grid, 1, 1)[:3], (*block, 1, 1)[:3]
     cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid3), (ctypes.c_uint * 3)(*block3), shared_mem,
-                        ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), ctypes.pointer(attr), 1)
+                        ctypes.c_void_p(stream), ctypes.pointer(attr), 1)
     lib = _driver()
     res = lib.cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(kernel.kernel.ptr), params, None)
     if res != 0:

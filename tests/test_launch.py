@@ -23,4 +23,4 @@ def test_launch_structs_match_cuda_h():
 def test_programmatic_launch_rejects_python_scalars():
     # a Python int has no fixed C type: it must fail before anything reaches the driver
     with pytest.raises(TypeError, match="NumPy scalars or arrays, got int"):
-        _launch._launch_programmatic(None, (1,), (32,), (np.int32(1), 3), 0)
+        _launch._launch_programmatic(None, (1,), (32,), (np.int32(1), 3), 0, 0)
