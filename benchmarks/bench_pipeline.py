@@ -54,7 +54,7 @@ from benchmarks._harness import (  # noqa: E402
     write_json,
 )
 from benchmarks.bench_stage2 import _short, causal_mask, parse_config, shape_id  # noqa: E402
-from benchmarks.selections import attended_keys, to_flex_block_mask_inputs, uniform_cu_seqlens  # noqa: E402
+from infllm_cupy.selections import attended_keys, to_flex_block_mask_inputs, uniform_cu_seqlens  # noqa: E402
 
 IMPLS = ("selection", "stage2", "pipeline", "sdpa_cudnn", "flex_union")
 ANCHORS = ("sdpa_cudnn", "flex_union")

@@ -39,7 +39,7 @@ from benchmarks._harness import (  # noqa: E402
     MODES, README_CONFIGS, Row, add_run_args, bench_gpu_time, causal_dense_keys, env_line, env_stamp, flops_attn,
     format_table, free_gpu_memory, print_table, summarize, tflops, write_json,
 )
-from benchmarks.selections import (  # noqa: E402
+from infllm_cupy.selections import (  # noqa: E402
     SELECTION_NAMES, attended_keys, block_shared, infllm_like, make_selection, per_token, split_blocks,
     to_flex_block_mask_inputs, to_nsa_block_indices, uniform_cu_seqlens,
 )

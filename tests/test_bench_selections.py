@@ -9,7 +9,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.selections import (  # noqa: E402
+from infllm_cupy.selections import (  # noqa: E402
     attended_keys, block_shared, infllm_forced, infllm_like, per_token, split_blocks, to_flex_block_mask_inputs,
     to_nsa_block_indices, uniform_cu_seqlens,
 )

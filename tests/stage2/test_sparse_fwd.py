@@ -100,7 +100,7 @@ def test_key_range_passes_one_cu_seqlens(selection, split_min, validate, monkeyp
     """One cu_seqlens tensor for queries and keys: later passes leave out the leading CTAs (their
     tokens precede the pass's keys). Benchmark selections, G = 16 and G = 1 rows per token; with
     host reads allowed, later passes are skipped where no CTA split (selection a, default)."""
-    from benchmarks.selections import make_selection
+    from infllm_cupy.selections import make_selection
 
     monkeypatch.setenv("INFLLM_CUPY_FWD_PASSES", "3")
     monkeypatch.setenv("INFLLM_CUPY_VALIDATE", validate)
@@ -189,7 +189,7 @@ def test_step_shapes_on_benchmark_selections(selection, HQ, stages, monkeypatch)
     a CTA's tokens share one query block, so under (a) every CTA qualifies for 128-key steps (and
     the full ones for the warpgroups' ping-pong) and the automatic choice must equal them bit for
     bit. T * G is not a multiple of the CTA's 128 rows: the last CTA has a warpgroup without rows."""
-    from benchmarks.selections import make_selection
+    from infllm_cupy.selections import make_selection
     from infllm_cupy.stage2 import sparse_fwd
 
     monkeypatch.setattr(sparse_fwd, "SM90_STAGES", (stages,))

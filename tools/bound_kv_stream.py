@@ -1,6 +1,6 @@
 """How fast can any stage-2 forward stream the K/V blocks a selection names? (development tool)
 
-    python benchmarks/bound_kv_stream.py --T 131072 --B 2 --K 64 --sel b
+    python tools/bound_kv_stream.py --T 131072 --B 2 --K 64 --sel b
 
 Two read-only kernels (no Q, no math: each XOR-folds what it reads into one word per warp, so
 nothing is optimised away and nearly nothing is written), timed with CUDA events next to our
@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._harness import bench_gpu_time
-from benchmarks.selections import make_selection, uniform_cu_seqlens
+from infllm_cupy.selections import make_selection, uniform_cu_seqlens
 from infllm_cupy._launch import current_stream
 
 SOURCE = r"""

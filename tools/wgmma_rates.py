@@ -1,11 +1,11 @@
 """Sustained wgmma rates of the dk/dv kernel's product shapes (development tool).
 
-    python benchmarks/wgmma_rates.py [--iters 4000] [--sustain 4]
+    python tools/wgmma_rates.py [--iters 4000] [--sustain 4]
 
-Compiles benchmarks/wgmma_rates.cu for sm_90a and times each MODE (see its header) with 1 and 2
+Compiles tools/wgmma_rates.cu for sm_90a and times each MODE (see its header) with 1 and 2
 CTAs per SM (CUDA events, median of 5). TFLOP/s are counted on the products issued; the bf16 dense
 peak of an H100 SXM is about 989. Needs a GPU of capability 9.0. `--sustain S` also runs each mode
-at 2 CTAs per SM back to back for S seconds under nvidia-smi sampling (benchmarks/clock_probe.py):
+at 2 CTAs per SM back to back for S seconds under nvidia-smi sampling (tools/clock_probe.py):
 short runs go at boost clock, long ones at whatever the power cap leaves.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """SM clock, power and throttle reasons while a workload runs without pause (development tool).
 
-    python benchmarks/clock_probe.py --T 32768 --B 8 --seconds 8
+    python tools/clock_probe.py --T 32768 --B 8 --seconds 8
 
 Runs ours (selection a, K = 64) and FlexAttention (`flex_same`, as bench_stage2.py) forward+backward,
 and ours backward only, each back to back for `--seconds`, while `nvidia-smi -lms 100` samples the
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.selections import (
+from infllm_cupy.selections import (
     block_shared,
     make_selection,
     split_blocks,

@@ -1,6 +1,6 @@
 """Toy model of the L2 reuse of the dk/dv kernel's query tiles under a CTA order (development tool).
 
-    python benchmarks/l2_order_model.py --T 32768 --B 2 --order hb --walk down --split0 8
+    python tools/l2_order_model.py --T 32768 --B 2 --order hb --walk down --split0 8
 
 Selection (a) of `bench_stage2.py` (block 0, the diagonal and random earlier picks per 64-token query
 block, K = 64, H = 2 KV heads, G = 16 so a query block is 16 tiles of 64 rows). Each CTA is one key

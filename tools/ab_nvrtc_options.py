@@ -1,7 +1,7 @@
 """A/B of NVRTC option sets or kernel trees over the hot kernels, in one process (development tool).
 
-    python benchmarks/ab_nvrtc_options.py --sets base ftz --rounds 2
-    python benchmarks/ab_nvrtc_options.py --sets old=/tmp/old/kernels_cu new=kernels_cu
+    python tools/ab_nvrtc_options.py --sets base ftz --rounds 2
+    python tools/ab_nvrtc_options.py --sets old=/tmp/old/kernels_cu new=kernels_cu
 
 A set is a named option set, or `label=DIR[,VAR=VALUE...]`: the kernels_cu/ tree at DIR with the
 default options (and the environment variables given, e.g. INFLLM_CUPY_STAGE1_KERNEL=sm80).
@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._harness import bench_gpu_time, flops_attn
-from benchmarks.selections import attended_keys, make_selection, uniform_cu_seqlens
+from infllm_cupy.selections import attended_keys, make_selection, uniform_cu_seqlens
 from infllm_cupy import _jit
 
 OPTION_SETS = {

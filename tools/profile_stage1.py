@@ -1,7 +1,7 @@
 """Two `stage1_select` launches (K = 96) on random inputs, for Nsight Compute (development tool).
 
     ncu --kernel-name regex:stage1_select --launch-skip 1 --launch-count 1 \
-        --section SpeedOfLight --section WarpStateStats python benchmarks/profile_stage1.py --T 32768
+        --section SpeedOfLight --section WarpStateStats python tools/profile_stage1.py --T 32768
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.selections import uniform_cu_seqlens
+from infllm_cupy.selections import uniform_cu_seqlens
 from infllm_cupy.compress import compress_k
 from infllm_cupy.stage1.select import stage1_select
 

@@ -1,7 +1,7 @@
 """Per-kernel time of one forward+backward through the public op (torch.profiler), per selection.
 
-    python benchmarks/profile_fwdbwd.py --T 32768 --B 2 --K 64 --sel a b c
-    python benchmarks/profile_fwdbwd.py --T 32768 --B 8 --sel a --split
+    python tools/profile_fwdbwd.py --T 32768 --B 2 --K 64 --sel a b c
+    python tools/profile_fwdbwd.py --T 32768 --B 8 --sel a --split
 
 `--split` also times, in the same process (CUDA events, median), the forward under no_grad, the
 forward with grad, the backward of a retained graph and forward+backward, each also with
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.selections import SELECTIONS, make_selection, uniform_cu_seqlens
+from infllm_cupy.selections import SELECTIONS, make_selection, uniform_cu_seqlens
 from infllm_cupy.stage2 import sparse_attn_varlen
 
 

@@ -1,7 +1,7 @@
 """One stage-2 forward launch per requested kernel variant, for Nsight Compute.
 
     ncu --kernel-name regex:stage2_fwd --section SpeedOfLight --section WarpStateStats \
-        python benchmarks/profile_stage2.py --tiles sm90a "[4,2,64]" --T 8192 --B 2 --K 64 --sel a
+        python tools/profile_stage2.py --tiles sm90a "[4,2,64]" --T 8192 --B 2 --K 64 --sel a
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.selections import block_shared, infllm_like, per_token, uniform_cu_seqlens  # noqa: E402
+from infllm_cupy.selections import block_shared, infllm_like, per_token, uniform_cu_seqlens  # noqa: E402
 from infllm_cupy.stage2 import sparse_attn_varlen  # noqa: E402
 
 SELECTIONS = {"a": block_shared, "b": per_token, "c": infllm_like}

@@ -1,5 +1,5 @@
-// benchmarks/wgmma_rates.cu: sustained rates of the sm_90a dk/dv kernel's tile step, piece by
-// piece (development tool, not part of the package; run by benchmarks/wgmma_rates.py).
+// tools/wgmma_rates.cu: sustained rates of the sm_90a dk/dv kernel's tile step, piece by
+// piece (development tool, not part of the package; run by tools/wgmma_rates.py).
 //
 // One warpgroup per CTA loops over one 64-key x 64-row tile's products (D = 128, bf16) on fixed
 // shared-memory tiles, with none of the kernel's index walk or row info:

@@ -1,6 +1,6 @@
 """A/B of stage-2 kernel variants with the calls interleaved (development tool).
 
-    python benchmarks/ab_fwd_interleaved.py --variants old=/tmp/old/kernels_cu:sm90a new=kernels_cu:sm90a \
+    python tools/ab_fwd_interleaved.py --variants old=/tmp/old/kernels_cu:sm90a new=kernels_cu:sm90a \
         new_pair=kernels_cu:sm90a_pair --T 32768 --B 2 --K 64 --reps 40 [--mode fwdbwd]
 
 A variant is `label=DIR:TILES[@PKG]`: the kernels_cu/ tree at DIR and the forward `tiles` argument
@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._harness import flops_attn
-from benchmarks.selections import attended_keys, make_selection, uniform_cu_seqlens
+from infllm_cupy.selections import attended_keys, make_selection, uniform_cu_seqlens
 from infllm_cupy import _jit
 from infllm_cupy.stage2 import sparse_bwd, sparse_fwd
 

@@ -1,6 +1,6 @@
 """Stage-2 backward kernels: every BwdTiles variant and the per-kernel split, at one size.
 
-    python benchmarks/sweep_stage2_bwd.py --T 8192 --B 2 --K 64 --sel a b c
+    python tools/sweep_stage2_bwd.py --T 8192 --B 2 --K 64 --sel a b c
 
 Times `stage2_bwd` (launcher level, fixed forward outputs) with CUDA events after warm-up (median),
 next to our forward on the same inputs, and prints effective TFLOP/s (backward = 2.5x the forward's
@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._harness import bench_gpu_time, flops_attn  # noqa: E402
-from benchmarks.selections import SELECTIONS, attended_keys, make_selection, uniform_cu_seqlens  # noqa: E402
+from infllm_cupy.selections import SELECTIONS, attended_keys, make_selection, uniform_cu_seqlens  # noqa: E402
 from infllm_cupy.stage2.sparse_bwd import (  # noqa: E402
     ALL_BWD_TILES,
     DEFAULT_BWD_TILES,
