@@ -1,21 +1,32 @@
-"""`python -m infllm_cupy demo`: the InfLLM-v2 pipeline on a synthetic long sequence.
-
-On a GPU the stages with kernels run them (key compression, stage 2) and the others run the
-PyTorch reference on the GPU; without a GPU everything is the CPU reference at a smaller size.
-It prints what each stage took and what was selected, and writes a PNG of the selected blocks.
-"""
+"""`python -m infllm_cupy` (or the `infllm-cupy` script): the command line. One command for now, `demo`."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
-import torch
+DEMO_DESCRIPTION = """\
+The InfLLM-v2 pipeline on one synthetic long sequence with planted "needles" (a block of keys and a
+later run of queries that look for it). On a GPU, key compression, stage 1 and stage 2 run their CUDA
+kernels; without one, every stage runs its PyTorch reference on the CPU at a smaller size. Prints how
+long each stage took and what was selected, and writes a PNG of the selected blocks.
 
-from .synthetic import synthetic_sequence
+Selection budget (MiniCPM4's definition): every query token gets K = topk + local-blocks 64-key blocks;
+the first block and the local window (the query's own block and the local-blocks before it) are forced
+and count inside K, and the other topk - 2 slots go to the best-scoring blocks. MiniCPM4: topk 64,
+local-blocks 32, so K = 96 = 1 + 33 forced + 62 by score.
+
+Exit status: 0 when every needle is selected by more than half of its (query token, KV head) pairs,
+1 when one is not, 2 for a bad option."""
+
+INIT_BLOCKS = 1     # MiniCPM4's init_blocks, which the demo does not expose
+BLOCK = 64
 
 
 def _timed(fn, device):
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -25,113 +36,261 @@ def _timed(fn, device):
     return out, (time.perf_counter() - t0) * 1e3
 
 
-def demo(argv=None) -> int:
+def _positive_int(text: str) -> int:
+    try:
+        val = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if val < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {val}")
+    return val
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        val = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if val < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {val}")
+    return val
+
+
+def add_demo_arguments(p: argparse.ArgumentParser, has_gpu: bool) -> None:
+    # sizes default by machine (a CPU runs the references, much slower); the help shows this machine's
+    p.add_argument("--tokens", type=_positive_int, default=32768 if has_gpu else 4096,
+                   help="length of the one sequence; at least 256, and 256 per needle (32768 with a CUDA GPU, "
+                        "4096 without)")
+    p.add_argument("--device", default="cuda" if has_gpu else "cpu",
+                   help="cpu (every stage on its PyTorch reference) or cuda / cuda:N (the CUDA kernels)")
+    p.add_argument("--heads", type=_positive_int, default=32, help="query heads HQ (a multiple of --kv-heads)")
+    p.add_argument("--kv-heads", type=_positive_int, default=2, help="key/value heads H")
+    p.add_argument("--head-dim", type=_positive_int, default=128,
+                   help="head dimension D (the CUDA kernels take 64 or 128)")
+    p.add_argument("--needles", type=_nonnegative_int, default=4,
+                   help="needles to plant: key blocks in the first quarter, their queries in the second half")
+    p.add_argument("--topk", type=_positive_int, default=64 if has_gpu else 8,
+                   help="selection budget: K = topk + local-blocks blocks per query token, the forced init "
+                        f"block and local window included; at least {INIT_BLOCKS + 1} (MiniCPM4: 64; 8 without a GPU)")
+    p.add_argument("--local-blocks", type=_nonnegative_int, default=32 if has_gpu else 4,
+                   help="local window in blocks besides the query's own (MiniCPM4: 32, so 33 forced local blocks; "
+                        "4 without a GPU)")
+    p.add_argument("--png", default="infllm_selection.png",
+                   help="where to write the plot of the selected blocks")
+    p.add_argument("--no-png", action="store_true", help="write no plot")
+
+
+def _check_device(p: argparse.ArgumentParser, text: str):
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        p.error(f"argument --device: expected cpu, cuda or cuda:N, got {text!r}")
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        p.error(f"argument --device: expected cpu, cuda or cuda:N, got {text!r} (no kernels for {device.type})")
+    if not torch.cuda.is_available():
+        p.error(f"argument --device: {text!r}, but torch sees no CUDA GPU here (torch {torch.__version__}, "
+                f"torch.cuda.is_available() is False); use --device cpu")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        p.error(f"argument --device: {text!r}, but there are only {torch.cuda.device_count()} CUDA device(s)")
+    from ._cupy import import_cupy
+
+    try:
+        import_cupy()
+    except ImportError as e:
+        p.error(f"argument --device: {text!r}: {e}")
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def _check_png(p: argparse.ArgumentParser, path: str) -> None:
+    """Fail before the run, not after it, when the PNG cannot be written."""
+    if not path:
+        p.error("argument --png: empty path (use --no-png to write no plot)")
+    if os.path.isdir(path):
+        p.error(f"argument --png: {path!r} is a directory")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        p.error(f"argument --png: the directory {parent!r} does not exist")
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        p.error(f"argument --png: {path!r} is not writable")
+
+
+def check_demo_args(p: argparse.ArgumentParser, args: argparse.Namespace):
+    """Every cross-option rule of the demo, as argparse errors (usage, message, exit status 2)."""
+    min_tokens = max(4 * BLOCK, 4 * BLOCK * args.needles)
+    if args.tokens < min_tokens:
+        p.error(f"argument --tokens: at least {min_tokens} tokens for {args.needles} needle(s) "
+                f"(256, and 256 per needle: each needle needs its own key block in the first quarter), "
+                f"got {args.tokens}")
+    if args.heads % args.kv_heads:
+        p.error(f"argument --heads: {args.heads} query heads is not a multiple of --kv-heads {args.kv_heads} "
+                f"(each KV head serves HQ / H query heads)")
+    if args.topk < INIT_BLOCKS + 1:
+        p.error(f"argument --topk: at least {INIT_BLOCKS + 1}, got {args.topk}: K = topk + local-blocks slots "
+                f"must hold the init block and the local-blocks + 1 local blocks ({INIT_BLOCKS + 1} keeps only "
+                f"those)")
+    device = _check_device(p, args.device)
+    if device.type == "cuda" and args.head_dim not in (64, 128):
+        p.error(f"argument --head-dim: the CUDA kernels take 64 or 128, got {args.head_dim} "
+                f"(--device cpu runs any head dimension)")
+    if not args.no_png:
+        _check_png(p, args.png)
+    return device
+
+
+def run_demo(args: argparse.Namespace, device) -> int:
+    import torch
+    from tqdm import tqdm
+
     from . import compress_k
     from .pipeline import InfLLMv2Config
     from .stage1 import stage1_select
     from .stage2.attention import sparse_attn_varlen
+    from .synthetic import synthetic_sequence
     from .viz import plot_selection, selection_density
 
-    has_gpu = torch.cuda.is_available()
-    p = argparse.ArgumentParser(prog="python -m infllm_cupy demo", description=__doc__)
-    p.add_argument("--tokens", type=int, default=32768 if has_gpu else 4096)
-    p.add_argument("--device", default="cuda" if has_gpu else "cpu")
-    p.add_argument("--heads", type=int, default=32, help="query heads HQ")
-    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads H")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--needles", type=int, default=4)
-    p.add_argument("--topk", type=int, default=64 if has_gpu else 8,
-                   help="top-k blocks besides the local window (MiniCPM4: 64)")
-    p.add_argument("--local-blocks", type=int, default=32 if has_gpu else 4,
-                   help="local window in blocks (MiniCPM4: 32, so 33 forced local blocks)")
-    p.add_argument("--png", default="infllm_selection.png")
-    args = p.parse_args(argv)
-    device = torch.device(args.device)
     T, HQ, H, D = args.tokens, args.heads, args.kv_heads, args.head_dim
     # always sparse, even below MiniCPM's 8192-token dense fallback
-    cfg = InfLLMv2Config(dense_len=0, topk=args.topk, local_blocks=args.local_blocks)
+    cfg = InfLLMv2Config(dense_len=0, topk=args.topk, local_blocks=args.local_blocks, init_blocks=INIT_BLOCKS)
     kernels = device.type == "cuda"
+    impl = "kernel" if kernels else "reference"
+    K = cfg.topk + cfg.local_blocks
     print(f"InfLLM-v2 demo on {torch.cuda.get_device_name(device) if kernels else 'CPU'}: one sequence of {T} "
-          f"tokens, HQ={HQ}, H={H}, D={D}, bf16; topk={cfg.topk} + {cfg.local_blocks + 1} local + "
-          f"{cfg.init_blocks} init blocks of {cfg.block_size}")
+          f"tokens, HQ={HQ}, H={H}, D={D}, bf16; K = topk {cfg.topk} + local_blocks {cfg.local_blocks} = {K} "
+          f"blocks of {cfg.block_size} keys per token: {cfg.init_blocks} init + {cfg.local_blocks + 1} local "
+          f"forced, {K - cfg.init_blocks - cfg.local_blocks - 1} by score")
     q, k, v, needles = synthetic_sequence(T, HQ, H, D, args.needles, torch.bfloat16, device)
     cu = torch.tensor([0, T], dtype=torch.int32, device=device)
 
-    timings = {}
-    if kernels:   # compile outside the timings
-        compress_k(k[:256], torch.tensor([0, 256], dtype=torch.int32, device=device))
-    (ck1, cu1), timings["compress 32/16 [kernel]" if kernels else "compress 32/16 [reference]"] = _timed(
-        lambda: compress_k(k, cu, cfg.kernel_size, cfg.kernel_stride), device)
-    (ck2, cu2), timings["compress 128/64 [kernel]" if kernels else "compress 128/64 [reference]"] = _timed(
-        lambda: compress_k(k, cu, cfg.coarse_kernel_size, cfg.coarse_kernel_stride), device)
     def select():
         return stage1_select(q, ck1, ck2, cu, cu1, cu2, T, topk=cfg.topk, local_blocks=cfg.local_blocks,
                              init_blocks=cfg.init_blocks)
 
-    if kernels:   # compile outside the timings
-        select()
-    topk_idx, timings[f"stage 1 + pooling + top-k [{'kernel' if kernels else 'reference'}]"] = _timed(select, device)
-    backend = "kernels" if kernels else "reference"
-    if kernels:
+    timings = {}
+    # one bar step per stage (stage 2 takes seconds on CPU); tqdm turns itself off when stderr is not a terminal
+    with tqdm(total=4, unit="stage", disable=None, leave=False) as bar:
+        if kernels:   # compile outside the timings
+            bar.set_description("compiling kernels")
+            cu256 = torch.tensor([0, 256], dtype=torch.int32, device=device)
+            compress_k(k[:256], cu256)
+        bar.set_description("compress 32/16")
+        (ck1, cu1), timings[f"compress 32/16 [{impl}]"] = _timed(
+            lambda: compress_k(k, cu, cfg.kernel_size, cfg.kernel_stride), device)
+        bar.update()
+        bar.set_description("compress 128/64")
+        (ck2, cu2), timings[f"compress 128/64 [{impl}]"] = _timed(
+            lambda: compress_k(k, cu, cfg.coarse_kernel_size, cfg.coarse_kernel_stride), device)
+        bar.update()
+        bar.set_description("stage 1")
+        if kernels:
+            select()
+        topk_idx, timings[f"stage 1 + pooling + top-k [{impl}]"] = _timed(select, device)
+        bar.update()
+        bar.set_description("stage 2")
+        backend = "kernels" if kernels else "reference"
         with torch.no_grad():
-            sparse_attn_varlen(q[:256], k[:256], v[:256], torch.tensor([0, 256], dtype=torch.int32, device=device),
-                               torch.tensor([0, 256], dtype=torch.int32, device=device), topk_idx[:, :256], 256, 256)
-    with torch.no_grad():
-        out, timings[f"stage 2 sparse attention [{backend}]"] = _timed(
-            lambda: sparse_attn_varlen(q, k, v, cu, cu, topk_idx, T, T, backend=backend), device)
+            if kernels:
+                sparse_attn_varlen(q[:256], k[:256], v[:256], cu256, cu256, topk_idx[:, :256], 256, 256)
+            out, timings[f"stage 2 sparse attention [{impl}]"] = _timed(
+                lambda: sparse_attn_varlen(q, k, v, cu, cu, topk_idx, T, T, backend=backend), device)
+        bar.update()
 
     print("\nstage timings (ms, one run after warm-up compiles):")
     for name, ms in timings.items():
         print(f"  {name:42s} {ms:10.1f}")
 
-    valid = (topk_idx >= 0)
+    valid = topk_idx >= 0
     K = topk_idx.shape[-1]
     print(f"\nselection: K = {K} slots per token and KV head; {valid.float().mean().item():.1%} of slots used "
           f"(early tokens have fewer than K causal blocks, tail -1)")
     hits = []
     for kb, qs in needles:
-        sel = topk_idx[:, qs:qs + 64].long()
+        sel = topk_idx[:, qs:qs + BLOCK].long()
         hit = (sel == kb).any(-1).float().mean().item()     # over KV heads and the 64 needle queries
         hits.append(hit)
-        print(f"  needle keys in block {kb:4d}, queries {qs}-{qs + 63}: selected by {hit:.0%} of (token, head) pairs")
+        print(f"  needle keys in block {kb:4d}, queries {qs}-{qs + BLOCK - 1}: selected by {hit:.0%} of "
+              f"(token, head) pairs")
     t = needles[0][1] + 32 if needles else T - 1
     row = topk_idx[0, t]
     print(f"  token {t}, KV head 0 selects: {row[row >= 0].tolist()}")
     last = topk_idx[0, -1]
-    print(f"  the last token attends {int((last >= 0).sum())} of its {-(-T // 64)} causal blocks")
+    print(f"  the last token attends {int((last >= 0).sum())} of its {-(-T // BLOCK)} causal blocks")
     print(f"  output finite: {bool(torch.isfinite(out.float()).all())}")
 
-    try:
+    if not args.no_png:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, H if H <= 4 else 4, figsize=(6.5 * min(H, 4), 5.5), squeeze=False)
+        fig, axes = plt.subplots(1, min(H, 4), figsize=(6.5 * min(H, 4), 5.5), squeeze=False)
         for h, ax in enumerate(axes[0]):
             plot_selection(topk_idx.cpu(), cu.cpu(), cu.cpu(), head=h, ax=ax,
                            title=f"KV head {h}: selected blocks ({T} tokens)")
         fig.tight_layout()
-        fig.savefig(args.png, dpi=110)
+        try:
+            fig.savefig(args.png, dpi=110)
+        except OSError as e:
+            print(f"python -m infllm_cupy demo: error: argument --png: cannot write {args.png!r}: {e}",
+                  file=sys.stderr)
+            return 2
+        finally:
+            plt.close(fig)
         print(f"\nwrote {args.png}: query block (y) against key block (x), shaded by the share of the "
               f"block's tokens that selected it")
         dens = selection_density(topk_idx.cpu(), cu.cpu(), cu.cpu())
         nqb = dens.shape[0]
-        print(f"  density: {dens.sum().item() / (nqb * (nqb + 1) / 2):.1%} of the causal (query block, key block) pairs")
-    except ImportError:
-        print("matplotlib not installed: no PNG written")
-    return 0 if all(h > 0.5 for h in hits) else 1
+        print(f"  density: {dens.sum().item() / (nqb * (nqb + 1) / 2):.1%} of the causal (query block, key block) "
+              f"pairs")
+    missed = [kb for (kb, _), h in zip(needles, hits) if not h > 0.5]
+    if missed:
+        print(f"\nneedle(s) in key block(s) {missed} selected by half of their (token, head) pairs or fewer "
+              f"(exit status 1)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build_parser(has_gpu: bool | None = None) -> argparse.ArgumentParser:
+    from . import __version__
+
+    if has_gpu is None:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    p = argparse.ArgumentParser(
+        prog="python -m infllm_cupy",
+        description="InfLLM-v2 block-sparse attention (CUDA kernels compiled at run time, PyTorch references).")
+    p.add_argument("--version", action="version", version=f"infllm-cupy {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    demo = sub.add_parser("demo", help="run the pipeline on a synthetic sequence and plot what it selects",
+                          description=DEMO_DESCRIPTION,
+                          formatter_class=type("Formatter", (argparse.ArgumentDefaultsHelpFormatter,
+                                                             argparse.RawDescriptionHelpFormatter), {}))
+    add_demo_arguments(demo, has_gpu)
+    demo.set_defaults(parser=demo)   # the cross-option checks report through the demo's own usage line
+    return p
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m infllm_cupy demo [options]   (demo --help for the options)")
-        return 0
-    if argv[0] == "demo":
-        return demo(argv[1:])
-    print(f"unknown command {argv[0]!r}; try: python -m infllm_cupy demo")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = build_parser()
+    if not argv:
+        p.print_help(sys.stderr)
+        return 2
+    args = p.parse_args(argv)
+    if args.command == "demo":
+        device = check_demo_args(args.parser, args)
+        return run_demo(args, device)
+    p.print_help(sys.stderr)   # options without a command (none today besides --version)
     return 2
+
+
+def demo(argv=None) -> int:
+    """`python -m infllm_cupy demo ARGV...`."""
+    return main(["demo", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
