@@ -3,10 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_tensor, seqlens_host
+from .._checks import REF_DTYPES, check_attn_inputs, check_tensor, seqlens_host
 from ..pipeline import InfLLMv2Config, check_config, dense_aux, select_blocks, stages_for
-from ..stage1.naive import REF_DTYPES
-from ..stage2.naive import _check_attn_inputs
 
 
 def naive_infllmv2_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -42,7 +40,7 @@ def naive_infllmv2_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     cfg = check_config(config)
     check_tensor("q", q, ndim=3, dtypes=REF_DTYPES)
     cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    _check_attn_inputs(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, k_name="k_cache", v_name="v_cache")
+    check_attn_inputs(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, k_name="k_cache", v_name="v_cache")
     for name, ck, cu in (("ck1", ck1, cu_seqlens_c1), ("ck2", ck2, cu_seqlens_c2)):
         if (ck is None) != (cu is None):
             raise ValueError(f"{name} and cu_seqlens_{name[1:]} must be given together")
@@ -62,3 +60,126 @@ def naive_infllmv2_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     out = stages["sparse_attn"](q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, aux["topk_idx"], 1, max_seqlen_k,
                                 causal=False, softmax_scale=cfg.softmax_scale, block_size=cfg.block_size)
     return (out, dict(dense=False, **aux)) if return_aux else out
+
+
+def _cache_tensors(cache):
+    """`(k, v, seqlens, block_table, width)` of a DecodeCache or of a tuple `(k_cache, v_cache,
+    seqlens[, block_table])`; width = positions a sequence can address (L_max or pages x page_size)."""
+    from .cache import DecodeCache
+
+    if isinstance(cache, DecodeCache):
+        return cache.k, cache.v, cache.seqlens, cache.block_table, cache.capacity
+    if not isinstance(cache, (tuple, list)) or len(cache) not in (3, 4):
+        raise TypeError("cache must be a DecodeCache or a tuple (k_cache, v_cache, seqlens[, block_table])")
+    k, v, seqlens = cache[:3]
+    bt = cache[3] if len(cache) == 4 else None
+    check_tensor("k_cache", k, ndim=4)
+    check_tensor("v_cache", v, shape=tuple(k.shape), dtypes=(k.dtype,), device=k.device)
+    check_tensor("seqlens", seqlens, ndim=1, dtypes=(torch.int32, torch.int64))
+    if bt is not None:
+        check_tensor("block_table", bt, ndim=2, dtypes=(torch.int32,))
+        if bt.shape[0] != seqlens.shape[0]:
+            raise ValueError(f"block_table has {bt.shape[0]} rows but seqlens has {seqlens.shape[0]} sequences")
+        return k, v, seqlens, bt, bt.shape[1] * k.shape[1]
+    if k.shape[0] != seqlens.shape[0]:
+        raise ValueError(f"k_cache holds {k.shape[0]} sequences but seqlens has {seqlens.shape[0]}")
+    return k, v, seqlens, None, k.shape[1]
+
+
+def naive_sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, *,
+                        softmax_scale: float | None = None, block_size: int = 64, return_lse: bool = False,
+                        return_attn_weights: bool = False, weights: str = "per_head", upcast: bool = True):
+    r"""Attention of one query per sequence over the selected key blocks of its cache (reference).
+
+    Sequence b attends, non-causally, to the positions `t < L_b` of its cache whose block
+    `t // block_size` appears in `topk_idx[h, b]` (every block when `topk_idx` is None: dense
+    decode). Entries that are negative or `>= cdiv(L_b, block_size)` are ignored, duplicates count once.
+
+    Args:
+        q (torch.Tensor):
+            `[B, HQ, D]`, the current token's queries; heads `h*G .. h*G+G-1` share KV head h.
+        cache (DecodeCache or tuple):
+            A `DecodeCache`, or `(k_cache, v_cache, seqlens[, block_table])`: k/v `[B, L_max, H, D]`
+            (contiguous) or `[num_pages, page_size, H, D]` with `block_table int32 [B, max_pages]`
+            (paged), and `seqlens` int `[B]`. The cache holds the current token's key.
+        topk_idx (torch.Tensor, Optional):
+            int `[H, B, K]` block indices local to each sequence, -1 padding. Default: None (dense).
+        softmax_scale (float, Optional): Default: `D ** -0.5`.
+        block_size (int, Optional): Default: 64.
+        return_lse (bool, Optional): Also return lse float32 `[B, HQ]` (natural log; +inf where
+            nothing is selected).
+        return_attn_weights (bool, Optional): Also return the softmax probabilities over every cached
+            position, float32, 0 where not selected or past `L_b`: `[B, HQ, W]` with
+            `weights="per_head"`, summed over each group `[B, H, W]` with `"per_kv_head"`; W is the
+            cache's addressable width (L_max, or max_pages * page_size).
+        upcast (bool, Optional): `True`: math in fp32 (float64 for float64 inputs); `False`: the
+            matmuls in q's dtype (FlashAttention's low-precision baseline). Default: True.
+
+    Returns:
+        out `[B, HQ, D]` in q's dtype, then lse and weights if asked for.
+    """
+    import math
+
+    from ..stage1.naive import compute_dtype
+
+    k, v, seqlens, bt, width = _cache_tensors(cache)
+    check_tensor("q", q, ndim=3, dtypes=(k.dtype,), device=k.device)
+    B, HQ, D = q.shape
+    H = k.shape[2]
+    if k.shape[3] != D:
+        raise ValueError(f"q has head dim {D} but the cache has {k.shape[3]}")
+    if HQ % H:
+        raise ValueError(f"q has {HQ} heads, not a multiple of the cache's {H} KV heads")
+    if seqlens.shape[0] != B:
+        raise ValueError(f"q has {B} sequences but the cache has {seqlens.shape[0]}")
+    if weights not in ("per_head", "per_kv_head"):
+        raise ValueError(f"weights must be 'per_head' or 'per_kv_head', got {weights!r}")
+    if topk_idx is not None:
+        check_tensor("topk_idx", topk_idx, ndim=3, dtypes=(torch.int32, torch.int64), device=k.device)
+        if tuple(topk_idx.shape[:2]) != (H, B):
+            raise ValueError(f"topk_idx must have shape (H={H}, B={B}, K), got {tuple(topk_idx.shape)}")
+    G = HQ // H
+    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    sdt = compute_dtype(q.dtype)
+    mdt = sdt if upcast else q.dtype
+    lens = [int(x) for x in seqlens.cpu().tolist()]
+    out = torch.zeros(B, HQ, D, dtype=q.dtype, device=q.device)
+    lse = torch.full((B, HQ), float("inf"), dtype=torch.float32, device=q.device)
+    w = torch.zeros(B, H, G, width, dtype=torch.float32, device=q.device)
+    for b, L in enumerate(lens):
+        if L <= 0:
+            continue
+        if L > width:
+            raise ValueError(f"seqlens: sequence {b} has {L} keys, more than the cache's width {width}")
+        t = torch.arange(L, device=k.device)
+        if bt is None:
+            kb, vb = k[b, :L], v[b, :L]
+        else:
+            ps = k.shape[1]
+            pages = bt[b, t // ps].long()
+            kb, vb = k[pages, t % ps], v[pages, t % ps]
+        nb = math.ceil(L / block_size)
+        if topk_idx is None:
+            allow = torch.ones(H, L, dtype=torch.bool, device=k.device)
+        else:
+            ids = topk_idx[:, b].long()                                    # [H, K]
+            ok = (ids >= 0) & (ids < nb)
+            sel = torch.zeros(H, nb + 1, dtype=torch.bool, device=k.device)
+            sel.scatter_(1, torch.where(ok, ids, torch.full_like(ids, nb)), True)
+            allow = sel[:, :nb][:, t // block_size]                         # [H, L]
+        qh = (q[b].view(H, G, D).to(mdt) * scale)
+        s = torch.matmul(qh, kb.to(mdt).permute(1, 2, 0)).to(sdt)          # [H, G, L]
+        s = s.masked_fill(~allow[:, None], float("-inf"))
+        has = allow.any(-1)[:, None, None]                                  # [H, 1, 1]
+        p = torch.where(has, torch.softmax(s, -1), torch.zeros_like(s))
+        o = torch.matmul(p.to(mdt), vb.to(mdt).permute(1, 0, 2))           # [H, G, D]
+        out[b] = o.reshape(HQ, D).to(q.dtype)
+        lse[b] = torch.where(has[..., 0], torch.logsumexp(s, -1), torch.full_like(s[..., 0], float("inf"))
+                             ).reshape(HQ).float()
+        w[b, :, :, :L] = p.float()
+    res = [out]
+    if return_lse:
+        res.append(lse)
+    if return_attn_weights:
+        res.append(w.reshape(B, HQ, width) if weights == "per_head" else w.sum(2))
+    return res[0] if len(res) == 1 else tuple(res)

@@ -1,0 +1,379 @@
+"""KV cache for decode: a batch's keys, values and compressed keys, contiguous or paged.
+
+Layouts (docs/decode.md, "Cache"):
+  contiguous  k, v `[B, L_max, H, D]`; token t of sequence b at `k[b, t]`.
+  paged       k, v `[num_pages, page_size, H, D]` and `block_table int32 [B, max_pages]`; token t of
+              sequence b at `k[block_table[b, t // page_size], t % page_size]` (FlashAttention's and
+              vLLM's convention). Entries are page ids, or -1 for "no page yet" after the last
+              valid one; a page belongs to one sequence at most. page_size is a multiple of 64, so a
+              64-key block of the sparse selection never straddles two pages.
+Compressed keys (spec section 3): `ck1 [B, N1, H, D]` (kernel 32, stride 16) and `ck2 [B, N2, H, D]`
+(kernel 128, stride 64), per sequence, window i of sequence b at `ck[b, i]`; sequence b holds
+`n_chunks(L_b, kernel, stride)` valid windows. They follow the keys at every append (the incremental
+form of spec section 3: a window is written once, when its last key arrives), so the first crossing
+of `dense_len` (spec section 9, HF's "is_prefilling" branch) needs no catch-up compression: the
+compressed cache is always what recompressing the whole cache would give.
+
+Lengths live on the device (`seqlens int32 [B]`, what the kernels read) and in a host mirror (what
+the checks read, so an eager step needs no device-to-host copy). A one-token `append` has static
+shapes and no host synchronisation, so it can be captured in a CUDA graph; a replayed graph does not
+advance the host mirror: call `sync_lengths()` after replays.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .._checks import check_tensor
+
+BLOCK = 64                        # key block of the sparse selection (spec section 5)
+COMPRESSIONS = ((32, 16), (128, 64))   # (kernel, stride) of ck1 and ck2 (spec section 3)
+CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def n_windows(L: int, kernel: int, stride: int) -> int:
+    """Complete compression windows `[i*stride, i*stride + kernel)` inside L keys."""
+    return 0 if L < kernel else (L - kernel) // stride + 1
+
+
+def _window_mean(x: torch.Tensor) -> torch.Tensor:
+    """Mean over dim 1 of `[n, kernel, H, D]`, summed in fp32 (float64 for float64), rounded to x's
+    dtype: the same expression as `compress.naive_compress_k`, so the two agree bit for bit on CPU."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return x.to(acc).mean(dim=1).to(x.dtype)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class DecodeCache:
+    r"""Keys, values and compressed keys of a batch of sequences, for decode.
+
+    Build with `DecodeCache.contiguous(...)` or `DecodeCache.paged(...)`; fill with `append`
+    (a chunk per sequence, ragged, e.g. a prefill) and `append` of one token per sequence per step.
+
+    Attributes:
+        k, v (torch.Tensor): `[B, L_max, H, D]` (contiguous) or `[num_pages, page_size, H, D]` (paged).
+        block_table (torch.Tensor or None): int32 `[B, max_pages]` (paged only).
+        seqlens (torch.Tensor): int32 `[B]` on the cache's device, keys held per sequence.
+        ck1, ck2 (torch.Tensor): `[B, N1, H, D]`, `[B, N2, H, D]` compressed keys (32/16, 128/64).
+        page_size (int or None), capacity (int): positions one sequence can hold at most
+            (L_max, or max_pages * page_size); the width of attention-weight outputs.
+    """
+
+    def __init__(self, k, v, seqlens, block_table, page_size, ck1, ck2, host_lens, capacities):
+        self.k, self.v, self.seqlens, self.block_table, self.page_size = k, v, seqlens, block_table, page_size
+        self.ck1, self.ck2 = ck1, ck2
+        self._host_lens = list(host_lens)
+        self._capacities = list(capacities)
+
+    # ---------------------------------------------------------------------------------------- build
+    @classmethod
+    def contiguous(cls, batch: int, max_len: int, num_heads: int, head_dim: int, *,
+                   dtype=torch.bfloat16, device="cpu") -> "DecodeCache":
+        """An empty contiguous cache `[batch, max_len, num_heads, head_dim]`."""
+        _check_sizes(batch=batch, max_len=max_len, num_heads=num_heads, head_dim=head_dim)
+        if dtype not in CACHE_DTYPES:
+            raise TypeError(f"dtype must be one of {CACHE_DTYPES}, got {dtype}")
+        shape = (batch, max_len, num_heads, head_dim)
+        k = torch.zeros(shape, dtype=dtype, device=device)
+        v = torch.zeros(shape, dtype=dtype, device=device)
+        return cls._with_compressed(k, v, None, None, [max_len] * batch)
+
+    @classmethod
+    def paged(cls, num_pages: int, page_size: int, num_heads: int, head_dim: int, block_table: torch.Tensor, *,
+              dtype=torch.bfloat16, device="cpu") -> "DecodeCache":
+        """An empty paged cache `[num_pages, page_size, num_heads, head_dim]` with `block_table`
+        int32 `[B, max_pages]` (checked: entries in [0, num_pages) then -1 tail, no page twice)."""
+        _check_sizes(num_pages=num_pages, page_size=page_size, num_heads=num_heads, head_dim=head_dim)
+        if page_size % BLOCK:
+            raise ValueError(f"page_size must be a multiple of {BLOCK} (a key block never straddles pages), "
+                             f"got {page_size}")
+        if dtype not in CACHE_DTYPES:
+            raise TypeError(f"dtype must be one of {CACHE_DTYPES}, got {dtype}")
+        shape = (num_pages, page_size, num_heads, head_dim)
+        k = torch.zeros(shape, dtype=dtype, device=device)
+        v = torch.zeros(shape, dtype=dtype, device=device)
+        caps = _check_block_table(block_table, num_pages, page_size, torch.device(device))
+        return cls._with_compressed(k, v, block_table.contiguous(), page_size, caps)
+
+    @classmethod
+    def _with_compressed(cls, k, v, block_table, page_size, caps):
+        B = len(caps)
+        H, D = k.shape[2], k.shape[3]
+        width = block_table.shape[1] * page_size if block_table is not None else k.shape[1]
+        ck = [torch.zeros((B, n_windows(width, kr, st), H, D), dtype=k.dtype, device=k.device)
+              for kr, st in COMPRESSIONS]
+        seqlens = torch.zeros(B, dtype=torch.int32, device=k.device)
+        return cls(k, v, seqlens, block_table, page_size, ck[0], ck[1], [0] * B, caps)
+
+    # ------------------------------------------------------------------------------------ queries
+    @property
+    def batch(self) -> int:
+        return self.seqlens.shape[0]
+
+    @property
+    def num_heads(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def is_paged(self) -> bool:
+        return self.block_table is not None
+
+    @property
+    def capacity(self) -> int:
+        """Positions one sequence can address: L_max, or max_pages * page_size."""
+        return self.block_table.shape[1] * self.page_size if self.is_paged else self.k.shape[1]
+
+    def capacities(self) -> list[int]:
+        """Positions each sequence can hold (paged: its leading valid pages times page_size)."""
+        return list(self._capacities)
+
+    def lengths(self) -> list[int]:
+        """Keys per sequence, from the host mirror (no device read)."""
+        return list(self._host_lens)
+
+    def max_len(self) -> int:
+        """The longest sequence: HF's `kv_seq_len`, which picks the dense path below `dense_len`
+        (spec section 9). The compressed keys are current whichever path a step takes."""
+        return max(self._host_lens, default=0)
+
+    def compressed_lens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """int32 `[B]` valid windows per sequence of ck1 and ck2 (on the device, no sync)."""
+        out = []
+        for kr, st in COMPRESSIONS:
+            L = self.seqlens.long()
+            n = torch.where(L < kr, torch.zeros_like(L), torch.div(L - kr, st, rounding_mode="floor") + 1)
+            out.append(n.to(torch.int32))
+        return out[0], out[1]
+
+    def sync_lengths(self) -> list[int]:
+        """Refresh the host mirror from the device lengths (one device-to-host copy), e.g. after
+        replaying a captured step; returns the lengths."""
+        self._host_lens = [int(x) for x in self.seqlens.cpu().tolist()]
+        return list(self._host_lens)
+
+    def positions(self, b: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Storage indices `(row, slot)` of positions [start, stop) of sequence b: `k[row, slot]`."""
+        t = torch.arange(start, stop, device=self.device)
+        if not self.is_paged:
+            return torch.full_like(t, b), t
+        return self.block_table[b, t // self.page_size].long(), t % self.page_size
+
+    def gather(self, b: int, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values `[L_b, H, D]` of sequence b (a copy for paged caches)."""
+        L = self._host_lens[b] if stop is None else stop
+        if not self.is_paged:
+            return self.k[b, :L], self.v[b, :L]
+        r, s = self.positions(b, 0, L)
+        return self.k[r, s], self.v[r, s]
+
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(k, v, cu_seqlens)` packed varlen `[total, H, D]`, as the prefill/stage-2 APIs take them."""
+        ks, vs = zip(*(self.gather(b) for b in range(self.batch))) if self.batch else ((), ())
+        return torch.cat(ks), torch.cat(vs), _cu(self._host_lens, self.device)
+
+    def packed_compressed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(ck1, cu_seqlens_c1, ck2, cu_seqlens_c2)` packed varlen, as stage 1 takes them."""
+        out = []
+        for ck, (kr, st) in zip((self.ck1, self.ck2), COMPRESSIONS):
+            n = [n_windows(L, kr, st) for L in self._host_lens]
+            out += [torch.cat([ck[b, :n[b]] for b in range(self.batch)]), _cu(n, self.device)]
+        return tuple(out)
+
+    # ------------------------------------------------------------------------------------ updates
+    def set_block_table(self, block_table: torch.Tensor) -> None:
+        """Replace the block table (e.g. pages granted to growing sequences). Checked like the
+        constructor's, and every sequence's current keys must keep their pages."""
+        if not self.is_paged:
+            raise ValueError("block_table: this cache is contiguous")
+        check_tensor("block_table", block_table, shape=tuple(self.block_table.shape), dtypes=(torch.int32,),
+                     device=self.device)
+        caps = _check_block_table(block_table, self.k.shape[0], self.page_size, self.device)
+        for b, L in enumerate(self._host_lens):
+            used = -(-L // self.page_size)
+            if caps[b] < L or not torch.equal(block_table[b, :used], self.block_table[b, :used]):
+                raise ValueError(f"block_table: sequence {b} holds {L} keys; its first {used} pages must stay")
+        self.block_table.copy_(block_table)
+        self._capacities = caps
+
+    def reset(self, seqlens=None) -> None:
+        """Forget the contents (all lengths 0), or truncate to `seqlens` (ints, each <= the current
+        length; the compressed keys of the kept prefix are unchanged, those past it unused)."""
+        new = [0] * self.batch if seqlens is None else [int(x) for x in seqlens]
+        if len(new) != self.batch or any(n < 0 or n > L for n, L in zip(new, self._host_lens)):
+            raise ValueError(f"seqlens must have {self.batch} entries in [0, current length], got {new}")
+        self.seqlens.copy_(torch.tensor(new, dtype=torch.int32))
+        self._host_lens = new
+
+    def append(self, k_new: torch.Tensor, v_new: torch.Tensor, cu_seqlens_new=None) -> None:
+        r"""Write new keys and values after each sequence's last, and the compression windows they complete.
+
+        Args:
+            k_new, v_new (torch.Tensor):
+                One token per sequence `[B, H, D]` (or `[B, 1, H, D]`); or, with `cu_seqlens_new`,
+                a ragged chunk per sequence packed as `[total_new, H, D]`.
+            cu_seqlens_new (torch.Tensor or list of int, Optional):
+                Chunk boundaries `[B+1]` (int32 tensor or ints, from 0, non-decreasing); a sequence
+                may receive 0 tokens. Default: None (one token each).
+
+        Every check runs before anything is written, and a failed check leaves the cache unchanged:
+        shapes, dtypes and device against the cache's, and each sequence's new length against its
+        capacity (`L_max`, or its valid pages times page_size). The one-token form has static
+        shapes and reads nothing back from the device (under CUDA-graph capture the capacity check,
+        which reads the host mirror, is skipped); the chunk form reads `cu_seqlens_new` on the host.
+        """
+        B, H, D = self.batch, self.num_heads, self.head_dim
+        if cu_seqlens_new is None:
+            for name, t in (("k_new", k_new), ("v_new", v_new)):
+                check_tensor(name, t, dtypes=(self.dtype,), device=self.device)
+                check_tensor(name, t, shape=(B, 1, H, D) if t.dim() == 4 else (B, H, D))
+            k_new = k_new.reshape(B, H, D)
+            v_new = v_new.reshape(B, H, D)
+            capturing = _capturing()
+            if not capturing:
+                self._check_capacity([1] * B)
+            self._append_one(k_new, v_new)
+            if not capturing:
+                self._host_lens = [L + 1 for L in self._host_lens]
+            return
+        counts = _chunk_counts(cu_seqlens_new, B)
+        total = sum(counts)
+        for name, t in (("k_new", k_new), ("v_new", v_new)):
+            check_tensor(name, t, shape=(total, H, D), dtypes=(self.dtype,), device=self.device)
+        self._check_capacity(counts)
+        self._append_chunks(k_new, v_new, counts)
+
+    def _check_capacity(self, counts) -> None:
+        for b, (L, n, cap) in enumerate(zip(self._host_lens, counts, self._capacities)):
+            if L + n > cap:
+                what = (f"{cap // self.page_size} valid pages of {self.page_size}" if self.is_paged
+                        else f"L_max = {cap}")
+                raise ValueError(f"k_new: appending {n} token(s) to sequence {b} (holding {L}) passes its "
+                                 f"capacity ({what})")
+
+    def _slots(self, pos: torch.Tensor, b: torch.Tensor):
+        """Storage (row, slot) of position tensor `pos` of sequences `b` (same shapes)."""
+        if not self.is_paged:
+            return b, pos
+        page = self.block_table[b, torch.div(pos, self.page_size, rounding_mode="floor")].long()
+        return page, pos % self.page_size
+
+    def _append_one(self, k_new, v_new) -> None:
+        # Static shapes, device-side indices: capturable. Each step recomputes the window that ends at
+        # the new key for every sequence and writes it only where that window is complete now.
+        B = self.batch
+        b = torch.arange(B, device=self.device)
+        pos = self.seqlens.long()
+        row, slot = self._slots(pos, b)
+        self.k[row, slot] = k_new
+        self.v[row, slot] = v_new
+        L = pos + 1
+        for ck, (kr, st) in zip((self.ck1, self.ck2), COMPRESSIONS):
+            if ck.shape[1] == 0:
+                continue
+            first = L - kr                                             # window [first, L) ends at the new key
+            done = (first >= 0) & (torch.remainder(first, st) == 0)
+            i = torch.div(first.clamp(min=0), st, rounding_mode="floor").clamp(max=ck.shape[1] - 1)
+            t = first.clamp(min=0)[:, None] + torch.arange(kr, device=self.device)[None, :]   # [B, kr]
+            r, s = self._slots(t.clamp(max=self.capacity - 1), b[:, None].expand(-1, kr))
+            win = _window_mean(self.k[r, s])                           # [B, H, D]
+            ck[b, i] = torch.where(done[:, None, None], win, ck[b, i])
+        self.seqlens.add_(1)
+
+    def _append_chunks(self, k_new, v_new, counts) -> None:
+        B = self.batch
+        starts = self._host_lens
+        seq = torch.repeat_interleave(torch.arange(B, device=self.device),
+                                      torch.tensor(counts, device=self.device))
+        off = torch.tensor([s for s, n in zip(starts, counts) for _ in range(n)], dtype=torch.long,
+                           device=self.device)
+        local = torch.cat([torch.arange(n, device=self.device) for n in counts]) if counts else off
+        row, slot = self._slots(off + local, seq)
+        self.k[row, slot] = k_new
+        self.v[row, slot] = v_new
+        for ck, (kr, st) in zip((self.ck1, self.ck2), COMPRESSIONS):
+            for b, (L0, n) in enumerate(zip(starts, counts)):
+                lo, hi = n_windows(L0, kr, st), n_windows(L0 + n, kr, st)   # windows completed by this chunk
+                if hi <= lo:
+                    continue
+                t = (torch.arange(lo, hi, device=self.device)[:, None] * st
+                     + torch.arange(kr, device=self.device)[None, :])      # [hi - lo, kr]
+                r, s = self._slots(t, torch.full_like(t, b))
+                ck[b, lo:hi] = _window_mean(self.k[r, s])
+        self.seqlens.add_(torch.tensor(counts, dtype=torch.int32, device=self.device))
+        self._host_lens = [L + n for L, n in zip(starts, counts)]
+
+    def recompress(self) -> None:
+        """Recompute ck1/ck2 of every sequence from its keys (a cache filled by hand through `k`)."""
+        for ck, (kr, st) in zip((self.ck1, self.ck2), COMPRESSIONS):
+            for b, L in enumerate(self._host_lens):
+                n = n_windows(L, kr, st)
+                if n:
+                    t = torch.arange(n, device=self.device)[:, None] * st + torch.arange(kr, device=self.device)
+                    r, s = self._slots(t, torch.full_like(t, b))
+                    ck[b, :n] = _window_mean(self.k[r, s])
+
+
+# -------------------------------------------------------------------------------------- helpers
+def _cu(lengths, device) -> torch.Tensor:
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    if lengths:
+        cu[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(torch.int32)
+    return cu.to(device)
+
+
+def _check_sizes(**sizes) -> None:
+    for name, v in sizes.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+
+
+def _chunk_counts(cu, B: int) -> list[int]:
+    if isinstance(cu, torch.Tensor):
+        check_tensor("cu_seqlens_new", cu, ndim=1, dtypes=(torch.int32, torch.int64))
+        c = [int(x) for x in cu.cpu().tolist()]
+    else:
+        c = [int(x) for x in cu]
+    if len(c) != B + 1 or c[0] != 0 or any(b < a for a, b in zip(c, c[1:])):
+        raise ValueError(f"cu_seqlens_new must be {B + 1} non-decreasing offsets from 0, got {c[:16]}")
+    return [b - a for a, b in zip(c, c[1:])]
+
+
+def _check_block_table(bt, num_pages: int, page_size: int, device: torch.device) -> list[int]:
+    """Capacity of each sequence (leading valid pages x page_size) of a checked block table."""
+    check_tensor("block_table", bt, ndim=2, dtypes=(torch.int32,), device=device)
+    t = bt.cpu().long()
+    if bool(((t < -1) | (t >= num_pages)).any()):
+        bad = t[(t < -1) | (t >= num_pages)][0].item()
+        raise ValueError(f"block_table: entry {bad} is out of range [0, {num_pages}) (or -1 for no page)")
+    valid = t >= 0
+    # -1 only after the last valid page: a sequence's pages are a prefix of its row
+    if bool((valid[:, 1:] & ~valid[:, :-1]).any()):
+        b = int((valid[:, 1:] & ~valid[:, :-1]).any(1).nonzero()[0])
+        raise ValueError(f"block_table: row {b} has a page after a -1 entry (-1 marks the unused tail)")
+    used = t[valid]
+    if used.numel() != torch.unique(used).numel():
+        vals, cnt = torch.unique(used, return_counts=True)
+        raise ValueError(f"block_table: page {int(vals[cnt > 1][0])} is listed twice (shared between "
+                         f"sequences or within one)")
+    return [int(n) * page_size for n in valid.sum(1).tolist()]
+
+
+def max_blocks(capacity: int) -> int:
+    """64-key blocks that `capacity` positions span."""
+    return math.ceil(capacity / BLOCK)
