@@ -12,8 +12,12 @@ from typing import Iterable, Sequence
 
 import torch
 
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # references
+from ._constants import BACKENDS, HEAD_DIMS
+
+# The references also take float64 (for gradcheck and exact comparisons).
+REF_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+INT_DTYPES = (torch.int32, torch.int64)
 
 
 def validate_values() -> bool:
@@ -96,3 +100,120 @@ def seqlens_host(cu: torch.Tensor) -> list[int]:
     """Per-sequence lengths as Python ints (one small device-to-host copy)."""
     c = cu.detach().to("cpu", torch.int64)
     return (c[1:] - c[:-1]).tolist()
+
+def check_backend(backend) -> str:
+    """`backend` must be one of `BACKENDS`; returns it."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def check_max_seqlen(name: str, value, lengths: Sequence[int]) -> int:
+    """`value` must be an int no smaller than the longest sequence; returns it."""
+    # torch.SymInt: an int that torch.compile traces symbolically (automatic dynamic shapes)
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    longest = max(lengths, default=0)
+    if value < 0 or (validate_values() and value < longest):
+        raise ValueError(f"{name} must be >= the longest sequence ({longest}), got {value}")
+    return value
+
+
+def check_lengths_arg(name: str, value, batch: int, device: torch.device) -> torch.Tensor:
+    """Per-sequence integers (`cache_lens`): None (zeros), a list of ints or an int tensor `[B]`.
+
+    Returns an int64 tensor on `device`.
+    """
+    if value is None:
+        return torch.zeros(batch, dtype=torch.int64, device=device)
+    if isinstance(value, torch.Tensor):
+        check_tensor(name, value, ndim=1, dtypes=INT_DTYPES)
+        out = value.to(device=device, dtype=torch.int64)
+    else:
+        out = torch.as_tensor(list(value), dtype=torch.int64, device=device)
+    if out.numel() != batch:
+        raise ValueError(f"{name} must have one entry per sequence ({batch}), got {out.numel()}")
+    if validate_values() and bool((out < 0).any()):
+        raise ValueError(f"{name} must be non-negative, got {out.tolist()[:16]}")
+    return out
+
+
+def check_cu_seqlens_any(name: str, cu, *, device: torch.device | None = None, batch: int | None = None) -> None:
+    """`check_cu_seqlens` for a `cu` whose total is not known from another tensor."""
+    check_tensor(name, cu, ndim=1, dtypes=(torch.int32,), device=device)
+    check_cu_seqlens(name, cu, total=int(cu[-1]) if cu.numel() else 0, device=device, batch=batch)
+
+
+def check_int_args(minimum: int, **values) -> None:
+    """Each value must be an int (TypeError) that is at least `minimum` (ValueError)."""
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+        if v < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {v}")
+
+
+def check_compress_args(k, cu_seqlens_k, kernel_size, kernel_stride, dtypes=REF_DTYPES) -> None:
+    """Inputs of key compression (`compress_k`, `naive_compress_k`); `dtypes` narrows for the kernel."""
+    check_tensor("k", k, ndim=3, dtypes=dtypes)
+    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total=k.shape[0], device=k.device)
+    if not (isinstance(kernel_size, int) and isinstance(kernel_stride, int)) or kernel_size <= 0 or kernel_stride <= 0:
+        raise ValueError(f"kernel_size and kernel_stride must be positive ints, got {kernel_size!r}, {kernel_stride!r}")
+
+
+def check_stage1_inputs(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q=None) -> int:
+    """Inputs of stage 1 (`stage1_select`, the references' scores); returns the group size G."""
+    check_tensor("q", q, ndim=3, dtypes=REF_DTYPES)
+    check_tensor("ck1", ck1, ndim=3, dtypes=(q.dtype,))
+    check_tensor("ck2", ck2, ndim=3, dtypes=(q.dtype,))
+    check_same_device(q=q, ck1=ck1, ck2=ck2)
+    G = check_heads(q.shape[1], ck1.shape[1], q_name="q", k_name="ck1")
+    if ck2.shape[1:] != ck1.shape[1:]:
+        raise ValueError(f"ck2 must have shape [total_c2, H, D] = [*, {ck1.shape[1]}, {ck1.shape[2]}], "
+                         f"got {tuple(ck2.shape)}")
+    if ck1.shape[2] != q.shape[2]:
+        raise ValueError(f"ck1 head dim {ck1.shape[2]} differs from q head dim {q.shape[2]}")
+    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total=q.shape[0], device=q.device, max_seqlen=max_seqlen_q,
+                     max_name="max_seqlen_q")
+    B = cu_seqlens_q.numel() - 1
+    check_cu_seqlens("cu_seqlens_c1", cu_seqlens_c1, total=ck1.shape[0], device=q.device, batch=B)
+    check_cu_seqlens("cu_seqlens_c2", cu_seqlens_c2, total=ck2.shape[0], device=q.device, batch=B)
+    return G
+
+
+def check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, *, k_name="k", v_name="v", max_seqlen_q=None,
+                      max_seqlen_k=None) -> int:
+    """Inputs of attention over packed varlen q, k, v (stage 2, dense, decode); returns the group size G."""
+    check_tensor("q", q, ndim=3, dtypes=REF_DTYPES)
+    check_tensor(k_name, k, ndim=3, dtypes=(q.dtype,))
+    check_tensor(v_name, v, ndim=3, dtypes=(q.dtype,))
+    check_same_device(q=q, **{k_name: k, v_name: v})
+    G = check_heads(q.shape[1], k.shape[1], k_name=k_name)
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"{k_name} head dim {k.shape[2]} differs from q head dim {q.shape[2]}")
+    if v.shape != k.shape:
+        raise ValueError(f"{v_name} must have the shape of {k_name} {tuple(k.shape)}, got {tuple(v.shape)}")
+    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total=q.shape[0], device=q.device, max_seqlen=max_seqlen_q,
+                     max_name="max_seqlen_q")
+    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total=k.shape[0], device=q.device,
+                     batch=cu_seqlens_q.numel() - 1, max_seqlen=max_seqlen_k, max_name="max_seqlen_k")
+    return G
+
+
+def check_kernel_inputs(q, k, v) -> None:
+    """What the stage-2 kernels support beyond the reference's own checks."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, dtypes=KERNEL_DTYPES)
+        if not t.is_cuda:
+            raise ValueError(f"{name} must be a CUDA tensor for backend='kernels', got one on {t.device}")
+    if q.shape[2] not in HEAD_DIMS:
+        raise ValueError(f"q has head dim {q.shape[2]}; the stage-2 kernels support {HEAD_DIMS}")
+
+
+def check_aligned(**tensors: torch.Tensor) -> None:
+    """The kernels copy rows in 16-byte pieces (cp.async, TMA) from each tensor's base address.
+    Called by the launchers, inside the ops: a traced caller (torch.compile) has no addresses."""
+    for name, t in tensors.items():
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name} must start at a 16-byte aligned address (got {t.data_ptr():#x}); "
+                             f"call .clone() on it")

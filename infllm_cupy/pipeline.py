@@ -11,21 +11,21 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import seqlens_host
+from ._checks import (
+    REF_DTYPES,
+    check_backend,
+    check_int_args,
+    check_kernel_inputs,
+    check_max_seqlen,
+    seqlens_host,
+)
+from ._checks import check_attn_inputs as _check_attn_inputs
+from ._constants import KV_BLOCK as KERNEL_BLOCK_SIZE
 from .compress.mean_pool import compress_k
 from .compress.naive import naive_compress_k
-from .stage1.naive import (
-    REF_DTYPES,
-    check_int_args,
-    check_max_seqlen,
-    naive_stage1_select,
-)
+from .stage1.naive import naive_stage1_select
 from .stage2.attention import sparse_attn_varlen
-from .stage2.naive import _check_attn_inputs, naive_dense_attn_varlen, naive_sparse_attn_varlen
-from .stage2.sparse_fwd import BLOCK_N as KERNEL_BLOCK_SIZE
-from .stage2.sparse_fwd import check_kernel_inputs
-
-BACKENDS = ("auto", "kernels", "reference")
+from .stage2.naive import naive_dense_attn_varlen, naive_sparse_attn_varlen
 
 
 @dataclass(frozen=True)
@@ -94,13 +94,6 @@ def check_config(config) -> InfLLMv2Config:
     if not isinstance(config, InfLLMv2Config):
         raise TypeError(f"config must be an InfLLMv2Config or None, got {type(config).__name__}")
     return config
-
-
-def check_backend(backend) -> str:
-    """`backend` must be one of `BACKENDS`; returns it."""
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return backend
 
 
 def uses_kernels(q: torch.Tensor, backend: str = "auto") -> bool:

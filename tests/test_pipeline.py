@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from infllm_cupy._constants import BACKENDS
 from infllm_cupy.pipeline import (
-    BACKENDS,
     InfLLMv2Attention,
     InfLLMv2Config,
     _kernel_sparse_attn,

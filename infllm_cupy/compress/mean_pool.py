@@ -5,12 +5,13 @@ import numpy as np
 import torch
 
 from .. import _jit
+from .._checks import check_backend, check_compress_args
+from .._constants import HEAD_DIMS
 from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
-from .naive import check_compress_args, compressed_cu_seqlens, naive_compress_k
+from .naive import compressed_cu_seqlens, naive_compress_k
 
 SOURCE = "compress/mean_pool.cu"
 WARPS = 4  # mirrors #define WARPS in the .cu
-HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 _jit.register_instances(SOURCE, [f"compress_mean_pool<{CXX_TYPE[t]}, {d}>" for t in DTYPES for d in HEAD_DIMS])
@@ -38,8 +39,7 @@ def compress_k(k: torch.Tensor, cu_seqlens_k: torch.Tensor, kernel_size: int = 3
 
     Sizing the output reads `cu_seqlens_c[-1]` back to the host (one sync).
     """
-    if backend not in ("auto", "kernels", "reference"):
-        raise ValueError(f"backend must be 'auto', 'kernels' or 'reference', got {backend!r}")
+    check_backend(backend)
     if backend == "reference" or (backend == "auto" and not k.is_cuda):
         return naive_compress_k(k, cu_seqlens_k, kernel_size, kernel_stride)
     check_compress_args(k, cu_seqlens_k, kernel_size, kernel_stride, dtypes=DTYPES)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import FLOAT_DTYPES, check_cu_seqlens, check_tensor
+from .._checks import check_compress_args
 
 
 def n_chunks(L: int, kernel_size: int, kernel_stride: int) -> int:
@@ -19,13 +19,6 @@ def compressed_cu_seqlens(cu_seqlens_k: torch.Tensor, kernel_size: int, kernel_s
     cu = torch.zeros(lens.numel() + 1, dtype=torch.int32, device=cu_seqlens_k.device)
     cu[1:] = torch.cumsum(n, 0).to(torch.int32)
     return cu
-
-
-def check_compress_args(k, cu_seqlens_k, kernel_size, kernel_stride, dtypes=FLOAT_DTYPES):
-    check_tensor("k", k, ndim=3, dtypes=dtypes)
-    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total=k.shape[0], device=k.device)
-    if not (isinstance(kernel_size, int) and isinstance(kernel_stride, int)) or kernel_size <= 0 or kernel_stride <= 0:
-        raise ValueError(f"kernel_size and kernel_stride must be positive ints, got {kernel_size!r}, {kernel_stride!r}")
 
 
 def naive_compress_k(k: torch.Tensor, cu_seqlens_k: torch.Tensor, kernel_size: int = 32,

@@ -7,23 +7,20 @@ differentiable: stage 1 only picks blocks.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from .._checks import (
-    FLOAT_DTYPES,
+    INT_DTYPES,
+    REF_DTYPES,
     check_cu_seqlens,
-    check_heads,
-    check_same_device,
+    check_cu_seqlens_any,
+    check_int_args,
+    check_lengths_arg,
+    check_max_seqlen,
+    check_stage1_inputs,
     check_tensor,
     seqlens_host,
-    validate_values,
 )
-
-# The references also take float64 (for gradcheck and exact comparisons).
-REF_DTYPES = tuple(dict.fromkeys(FLOAT_DTYPES + (torch.float64,)))
-INT_DTYPES = (torch.int32, torch.int64)
 
 # Elements of one fp32 score chunk `[HQ, chunk, n]`; bounds memory to a few tens of MB.
 _CHUNK_ELEMS = 1 << 23
@@ -32,51 +29,6 @@ _CHUNK_ELEMS = 1 << 23
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for bf16/fp16/fp32 inputs, float64 for float64 inputs."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def check_max_seqlen(name: str, value, lengths: Sequence[int]) -> int:
-    """`value` must be an int no smaller than the longest sequence; returns it."""
-    # torch.SymInt: an int that torch.compile traces symbolically (automatic dynamic shapes)
-    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    longest = max(lengths, default=0)
-    if value < 0 or (validate_values() and value < longest):
-        raise ValueError(f"{name} must be >= the longest sequence ({longest}), got {value}")
-    return value
-
-
-def check_lengths_arg(name: str, value, batch: int, device: torch.device) -> torch.Tensor:
-    """Per-sequence integers (`cache_lens`): None (zeros), a list of ints or an int tensor `[B]`.
-
-    Returns an int64 tensor on `device`.
-    """
-    if value is None:
-        return torch.zeros(batch, dtype=torch.int64, device=device)
-    if isinstance(value, torch.Tensor):
-        check_tensor(name, value, ndim=1, dtypes=INT_DTYPES)
-        out = value.to(device=device, dtype=torch.int64)
-    else:
-        out = torch.as_tensor(list(value), dtype=torch.int64, device=device)
-    if out.numel() != batch:
-        raise ValueError(f"{name} must have one entry per sequence ({batch}), got {out.numel()}")
-    if validate_values() and bool((out < 0).any()):
-        raise ValueError(f"{name} must be non-negative, got {out.tolist()[:16]}")
-    return out
-
-
-def check_cu_seqlens_any(name: str, cu, *, device: torch.device | None = None, batch: int | None = None) -> None:
-    """`check_cu_seqlens` for a `cu` whose total is not known from another tensor."""
-    check_tensor(name, cu, ndim=1, dtypes=(torch.int32,), device=device)
-    check_cu_seqlens(name, cu, total=int(cu[-1]) if cu.numel() else 0, device=device, batch=batch)
-
-
-def check_int_args(minimum: int, **values) -> None:
-    """Each value must be an int (TypeError) that is at least `minimum` (ValueError)."""
-    for name, v in values.items():
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-        if v < minimum:
-            raise ValueError(f"{name} must be >= {minimum}, got {v}")
 
 
 def _trunc_div(a, b: int):
@@ -151,25 +103,6 @@ def _stage1_rows(q, k1, k2, r, n1, n2, Lq, s1_stride, s2_stride, causal, scale):
     return torch.where(has_coarse[None, :, None], score, torch.zeros_like(score))
 
 
-def _check_stage1_inputs(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q=None):
-    check_tensor("q", q, ndim=3, dtypes=REF_DTYPES)
-    check_tensor("ck1", ck1, ndim=3, dtypes=(q.dtype,))
-    check_tensor("ck2", ck2, ndim=3, dtypes=(q.dtype,))
-    check_same_device(q=q, ck1=ck1, ck2=ck2)
-    G = check_heads(q.shape[1], ck1.shape[1], q_name="q", k_name="ck1")
-    if ck2.shape[1:] != ck1.shape[1:]:
-        raise ValueError(f"ck2 must have shape [total_c2, H, D] = [*, {ck1.shape[1]}, {ck1.shape[2]}], "
-                         f"got {tuple(ck2.shape)}")
-    if ck1.shape[2] != q.shape[2]:
-        raise ValueError(f"ck1 head dim {ck1.shape[2]} differs from q head dim {q.shape[2]}")
-    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total=q.shape[0], device=q.device, max_seqlen=max_seqlen_q,
-                     max_name="max_seqlen_q")
-    B = cu_seqlens_q.numel() - 1
-    check_cu_seqlens("cu_seqlens_c1", cu_seqlens_c1, total=ck1.shape[0], device=q.device, batch=B)
-    check_cu_seqlens("cu_seqlens_c2", cu_seqlens_c2, total=ck2.shape[0], device=q.device, batch=B)
-    return G
-
-
 @torch.no_grad()
 def naive_stage1_scores(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seqlens_q: torch.Tensor,
                         cu_seqlens_c1: torch.Tensor, cu_seqlens_c2: torch.Tensor, max_seqlen_q: int | None = None,
@@ -209,7 +142,7 @@ def naive_stage1_scores(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, c
     Returns:
         scores (torch.Tensor): `[H, total_q, max_n1]` in `score_dtype`.
     """
-    G = _check_stage1_inputs(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2)
+    G = check_stage1_inputs(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2)
     check_int_args(1, kernel_stride=kernel_stride, coarse_kernel_stride=coarse_kernel_stride)
     lq = seqlens_host(cu_seqlens_q)
     n1s, n2s = seqlens_host(cu_seqlens_c1), seqlens_host(cu_seqlens_c2)

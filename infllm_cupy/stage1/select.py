@@ -19,15 +19,19 @@ import numpy as np
 import torch
 
 from .. import _jit
-from .._checks import KERNEL_DTYPES, seqlens_host
-from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
-from .naive import (
-    _check_stage1_inputs,
+from .._checks import (
+    KERNEL_DTYPES,
+    check_backend,
     check_int_args,
     check_lengths_arg,
     check_max_seqlen,
-    naive_stage1_select,
+    seqlens_host,
 )
+from .._checks import check_stage1_inputs as _check_stage1_inputs
+from .._constants import HEAD_DIMS
+from .._constants import KV_BLOCK as BLOCK_SIZE
+from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
+from .naive import naive_stage1_select
 
 SOURCE = "stage1/select.cu"
 SOURCE_SM90 = "stage1/select_sm90.cu"
@@ -35,14 +39,12 @@ KERNEL_ENV = "INFLLM_CUPY_STAGE1_KERNEL"   # "sm80" or "sm90a": which kernel run
 KERNEL_CHOICES = ("sm80", "sm90a")
 SM90_MAX_LGP = 5         # the sm_90a kernel: a token's rows fit in one or two warps' 16 (G <= 32)
 SM90_THREADS = 256
-HEAD_DIMS = (64, 128)
 SCORE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_GROUP = 128          # G <= 128: a token's rows fit in one CTA (4 warps x 32 rows)
 TILE = 64                # compressed keys per tile (kernels_cu: S1_TILE)
 STAGE_STRIDE = 68        # floats per staging row (kernels_cu: S1_ST)
 ROWS_PER_WARP = 32
-BLOCK_SIZE, KERNEL_STRIDE, COARSE_STRIDE = 64, 16, 64   # what the kernel is built for
-BACKENDS = ("auto", "kernels", "reference")
+KERNEL_STRIDE, COARSE_STRIDE = 16, 64   # what the kernel is built for (and BLOCK_SIZE, imported)
 
 
 SCORE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # kernels_cu: `kind`
@@ -216,8 +218,7 @@ def stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
         topk_idx (torch.Tensor): int32 `[H, total_q, K]`; with `return_scores`, the tuple
         `(topk_idx, scores, block_scores)`.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_backend(backend)
     if backend == "reference" or (backend == "auto" and not q.is_cuda):
         return naive_stage1_select(
             q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q, causal=causal,

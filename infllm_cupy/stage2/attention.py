@@ -9,22 +9,17 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_tensor
-from ..stage1.naive import check_max_seqlen
+from .._checks import check_attn_inputs as _check_attn_inputs
+from .._checks import check_backend, check_kernel_inputs, check_max_seqlen, check_tensor
 from .layout import BlockLayout
-from .naive import _check_attn_inputs, naive_sparse_attn_varlen
+from .naive import naive_sparse_attn_varlen
 from .ops import block_sparse_attn_fwd, sparse_attn_fwd, tiles_arg
-from .sparse_fwd import check_kernel_inputs
-
-BACKENDS = ("auto", "kernels", "reference")
 
 
 def _use_op(backend: str, q: torch.Tensor) -> bool:
     """Whether the call goes through the custom op (everything but `backend="reference"`); raises on
     an unknown backend, and, for "kernels" or CUDA tensors, on what the kernels cannot do."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return backend != "reference"
+    return check_backend(backend) != "reference"
 
 
 def _scale(softmax_scale, D: int) -> float:

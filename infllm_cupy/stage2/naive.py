@@ -8,29 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_cu_seqlens, check_heads, check_same_device, check_tensor, seqlens_host
-from ..stage1.naive import REF_DTYPES, check_int_args, check_max_seqlen, compute_dtype
+from .._checks import check_attn_inputs, check_int_args, check_max_seqlen, check_tensor, seqlens_host
+from ..stage1.naive import compute_dtype
 
 # Elements of one fp32 score tile `[H, G, chunk, keys]`: 16M (64 MB), enough to keep BLAS busy.
 _CHUNK_ELEMS = 1 << 24
-
-
-def _check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, *, k_name="k", v_name="v", max_seqlen_q=None,
-                       max_seqlen_k=None):
-    check_tensor("q", q, ndim=3, dtypes=REF_DTYPES)
-    check_tensor(k_name, k, ndim=3, dtypes=(q.dtype,))
-    check_tensor(v_name, v, ndim=3, dtypes=(q.dtype,))
-    check_same_device(q=q, **{k_name: k, v_name: v})
-    G = check_heads(q.shape[1], k.shape[1], k_name=k_name)
-    if k.shape[2] != q.shape[2]:
-        raise ValueError(f"{k_name} head dim {k.shape[2]} differs from q head dim {q.shape[2]}")
-    if v.shape != k.shape:
-        raise ValueError(f"{v_name} must have the shape of {k_name} {tuple(k.shape)}, got {tuple(v.shape)}")
-    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total=q.shape[0], device=q.device, max_seqlen=max_seqlen_q,
-                     max_name="max_seqlen_q")
-    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total=k.shape[0], device=q.device,
-                     batch=cu_seqlens_q.numel() - 1, max_seqlen=max_seqlen_k, max_name="max_seqlen_k")
-    return G
 
 
 def _masked_attention(q, k, v, allow, scale, upcast, need_lse):
@@ -164,7 +146,7 @@ def naive_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         out (torch.Tensor): `[total_q, HQ, D]` in q's dtype; with `return_lse`, also
         lse (torch.Tensor): float32 `[HQ, total_q]`, natural log, no gradient.
     """
-    _check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
     H = k.shape[1]
     check_tensor("topk_idx", topk_idx, ndim=3, dtypes=(torch.int32,), shape=(H, q.shape[0], None),
                  device=q.device)
@@ -201,7 +183,7 @@ def naive_sparse_attn_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.T
     Returns:
         (dq, dk, dv) (tuple of torch.Tensor): the shapes and dtypes of `q`, `k`, `v`.
     """
-    _check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
     H = k.shape[1]
     check_tensor("topk_idx", topk_idx, ndim=3, dtypes=(torch.int32,), shape=(H, q.shape[0], None),
                  device=q.device)
@@ -288,7 +270,7 @@ def naive_dense_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     Returns:
         out (torch.Tensor): `[total_q, HQ, D]` in q's dtype (and lse with `return_lse`).
     """
-    _check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
     scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
 
     def allow_fn(b, qrows, start, end, N):

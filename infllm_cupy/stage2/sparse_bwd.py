@@ -18,15 +18,14 @@ import numpy as np
 import torch
 
 from .. import _jit
-from .._checks import KERNEL_DTYPES
+from .._checks import KERNEL_DTYPES, check_aligned
+from .._constants import HEAD_DIMS
+from .._constants import KV_BLOCK as BLOCK_N  # kernels_cu: BLOCK_N
 from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
 from .._tma import TMAP_DTYPE, heads_map, rows_map
 from .sparse_fwd import (
-    BLOCK_N,
-    HEAD_DIMS,
     SM90_CONSUMERS,
     SM90_STAGES,
-    check_aligned,
     sm90_smem_bytes,
     sm90_stages,
 )

@@ -13,7 +13,9 @@ import numpy as np
 import torch
 
 from .. import _jit
-from .._checks import KERNEL_DTYPES, check_tensor, validate_values
+from .._checks import KERNEL_DTYPES, check_aligned, validate_values
+from .._constants import HEAD_DIMS
+from .._constants import KV_BLOCK as BLOCK_N  # kernels_cu: BLOCK_N
 from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
 from .._tma import rows_map
 
@@ -30,8 +32,6 @@ MASK_SOURCE = "stage2/block_masks.cu"
 # contract). NOTES.md (forward v7) has the measurements.
 PASS_KV_BYTES = 32 << 20
 MAX_KV_PASSES = 8
-BLOCK_N = 64            # keys per KV block, fixed by InfLLM-v2 (kernels_cu: BLOCK_N)
-HEAD_DIMS = (64, 128)
 MASK_WARPS = 8          # mirrors #define WARPS in block_masks.cu
 
 
@@ -220,22 +220,3 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
             if not bool(split.any()):
                 break
     return out, lse
-
-
-def check_aligned(**tensors: torch.Tensor) -> None:
-    """The kernels copy rows in 16-byte pieces (cp.async, TMA) from each tensor's base address.
-    Called by the launchers, inside the ops: a traced caller (torch.compile) has no addresses."""
-    for name, t in tensors.items():
-        if t.data_ptr() % 16:
-            raise ValueError(f"{name} must start at a 16-byte aligned address (got {t.data_ptr():#x}); "
-                             f"call .clone() on it")
-
-
-def check_kernel_inputs(q, k, v) -> None:
-    """What the kernels support beyond the reference's own checks."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, t, dtypes=KERNEL_DTYPES)
-        if not t.is_cuda:
-            raise ValueError(f"{name} must be a CUDA tensor for backend='kernels', got one on {t.device}")
-    if q.shape[2] not in HEAD_DIMS:
-        raise ValueError(f"q has head dim {q.shape[2]}; the stage-2 kernels support {HEAD_DIMS}")
