@@ -1,30 +1,43 @@
 """infllm-cupy: InfLLM-v2 trainable two-stage sparse attention as raw CUDA compiled at run time.
 
 CUDA tensors run the kernels in kernels_cu/ (compiled by NVRTC through CuPy on first use); CPU
-tensors run the PyTorch reference of the same op, so everything also works on a laptop.
+tensors run the PyTorch reference of the same op, so everything also works on a laptop. Every op
+is exported next to its reference, `naive_<op>` (same signature).
 """
 __version__ = "0.1.0"
 
 from .compress import compress_k, naive_compress_k
 from .decode import naive_infllmv2_decode
 from .pipeline import InfLLMv2Attention, InfLLMv2Config, infllmv2_attention, naive_infllmv2_attention
-from .stage1 import naive_stage1_select
-from .stage2 import (BlockLayout, block_sparse_attn_varlen, naive_dense_attn_varlen, naive_sparse_attn_varlen,
-                     sparse_attn_varlen)
+from .stage1 import naive_stage1_select, stage1_select
+from .stage2 import (
+    BlockLayout,
+    block_sparse_attn_varlen,
+    naive_block_sparse_attn_varlen,
+    naive_dense_attn_varlen,
+    naive_sparse_attn_varlen,
+    sparse_attn_varlen,
+)
 
 __all__ = [
     "__version__",
+    # whole pipeline
     "InfLLMv2Config",
     "InfLLMv2Attention",
     "infllmv2_attention",
-    "BlockLayout",
-    "compress_k",
-    "sparse_attn_varlen",
-    "block_sparse_attn_varlen",
-    "naive_compress_k",
-    "naive_stage1_select",
-    "naive_sparse_attn_varlen",
-    "naive_dense_attn_varlen",
     "naive_infllmv2_attention",
+    # stages, each with its reference
+    "compress_k",
+    "naive_compress_k",
+    "stage1_select",
+    "naive_stage1_select",
+    "BlockLayout",
+    "sparse_attn_varlen",
+    "naive_sparse_attn_varlen",
+    "block_sparse_attn_varlen",
+    "naive_block_sparse_attn_varlen",
+    # references without a kernel of their own: the dense fallback (the pipeline runs it on torch
+    # SDPA) and decode (no decode kernel yet)
+    "naive_dense_attn_varlen",
     "naive_infllmv2_decode",
 ]

@@ -20,7 +20,8 @@ from typing import NamedTuple
 
 import torch
 
-BLOCK = 64
+from ._constants import KV_BLOCK
+
 _BIG = 1 << 30
 _CHUNK_ELEMS = 1 << 25
 
@@ -65,7 +66,8 @@ def split_blocks(idx: torch.Tensor, factor: int) -> torch.Tensor:
     return sub.flatten(-2).to(torch.int32)
 
 
-def block_shared(B: int, T: int, H: int, K: int, *, block_size: int = BLOCK, device="cpu", seed: int = 0) -> torch.Tensor:
+def block_shared(B: int, T: int, H: int, K: int, *, block_size: int = KV_BLOCK, device="cpu",
+                 seed: int = 0) -> torch.Tensor:
     """Selection (a): one random causal selection per `block_size`-token query block (block 0 +
     diagonal + random earlier blocks), shared by all its tokens. Indices are in `block_size` units."""
     nb = _cdiv(T, block_size)
@@ -79,7 +81,7 @@ def block_shared(B: int, T: int, H: int, K: int, *, block_size: int = BLOCK, dev
     return sel[:, :, tok_qb].reshape(H, B * T, K).contiguous()
 
 
-def per_token(B: int, T: int, H: int, K: int, *, block_size: int = BLOCK, device="cpu", seed: int = 0,
+def per_token(B: int, T: int, H: int, K: int, *, block_size: int = KV_BLOCK, device="cpu", seed: int = 0,
               chunk_elems: int = _CHUNK_ELEMS) -> torch.Tensor:
     """Selection (b): every token draws its own block 0 + diagonal + random earlier blocks."""
     nb = _cdiv(T, block_size)
@@ -100,7 +102,7 @@ def infllm_forced(nb: int, local_blocks: int = 33, device="cpu") -> torch.Tensor
     return (j == 0) | ((j <= qb) & (j > qb - local_blocks))
 
 
-def infllm_like(B: int, T: int, H: int, K: int, *, block_size: int = BLOCK, local_blocks: int = 33,
+def infllm_like(B: int, T: int, H: int, K: int, *, block_size: int = KV_BLOCK, local_blocks: int = 33,
                 redraw: float = 0.1, device="cpu", seed: int = 0, chunk_elems: int = _CHUNK_ELEMS,
                 return_block_picks: bool = False):
     """Selection (c), InfLLM-like: per query block, block 0 + the `local_blocks` blocks ending at the
@@ -158,7 +160,7 @@ def _token_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return torch.arange(total, device=cu.device) - cu[seq]
 
 
-def attended_keys(topk_idx: torch.Tensor, cu_seqlens: torch.Tensor, *, block_size: int = BLOCK,
+def attended_keys(topk_idx: torch.Tensor, cu_seqlens: torch.Tensor, *, block_size: int = KV_BLOCK,
                   chunk_elems: int = _CHUNK_ELEMS) -> torch.Tensor:
     """int64 `[H, total_q]`: keys each (KV head, query token) attends under stage 2's semantics:
     duplicates counted once, negative and future blocks ignored, the diagonal block clipped at the
@@ -201,7 +203,7 @@ def _ordered(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mask.sum(-1, dtype=torch.int32), torch.where(idx == nk, 0, idx).to(torch.int32)
 
 
-def to_flex_block_mask_inputs(topk_idx: torch.Tensor, B: int, T: int, HQ: int, *, block_size: int = BLOCK,
+def to_flex_block_mask_inputs(topk_idx: torch.Tensor, B: int, T: int, HQ: int, *, block_size: int = KV_BLOCK,
                               flex_block: int = 128, chunk_elems: int = _CHUNK_ELEMS) -> FlexBlocks:
     r"""The tiles FlexAttention must visit to cover `topk_idx`: per `flex_block`-token query tile and KV
     head, the union of its tokens' valid blocks, as `flex_block`-key tiles, repeated over the `G` query

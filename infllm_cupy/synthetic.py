@@ -14,8 +14,8 @@ from typing import NamedTuple
 import torch
 
 from ._checks import check_tensor
+from ._constants import KV_BLOCK
 
-BLOCK = 64
 # Share of the sink component put on the queries; the keys carry the rest, so that the direction
 # adds little noise to the logits of the other keys.
 _SINK_QUERY_SCALE = 0.3
@@ -30,7 +30,7 @@ class Needle(NamedTuple):
     @property
     def query_blocks(self) -> tuple[int, int]:
         """First and last 64-token query block of the query run (the run is not block aligned)."""
-        return self.query_start // BLOCK, (self.query_start + BLOCK - 1) // BLOCK
+        return self.query_start // KV_BLOCK, (self.query_start + KV_BLOCK - 1) // KV_BLOCK
 
 
 @dataclass
@@ -62,11 +62,11 @@ def _unit_dirs(n: int, D: int, g: torch.Generator) -> torch.Tensor:
 def needle_positions(T: int, n_needles: int) -> list[tuple[int, int]]:
     """`(key block, query start)` of each needle: key blocks spread over the first quarter (never
     block 0), query runs over the second half, starting 17 tokens into a block."""
-    nb = T // BLOCK
+    nb = T // KV_BLOCK
     out = []
     for i in range(n_needles):
         kb = 1 + (i * (nb // 4)) // max(1, n_needles)
-        qs = (nb // 2 + (i * (nb // 2 - 2)) // max(1, n_needles)) * BLOCK + 17
+        qs = (nb // 2 + (i * (nb // 2 - 2)) // max(1, n_needles)) * KV_BLOCK + 17
         out.append((kb, qs))
     return out
 
@@ -88,8 +88,8 @@ def synthetic_sequence(T: int, HQ: int, H: int, D: int, n_needles: int, dtype, d
     needles = needle_positions(T, n_needles)
     for kb, qs in needles:
         u = _unit_dirs(1, D, g)[0]
-        k[kb * BLOCK:(kb + 1) * BLOCK] += 1.5 * u
-        q[qs:qs + BLOCK] += 4.0 * u
+        k[kb * KV_BLOCK:(kb + 1) * KV_BLOCK] += 1.5 * u
+        q[qs:qs + KV_BLOCK] += 4.0 * u
     return q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), needles
 
 
@@ -163,8 +163,8 @@ def structured_sequence(T: int, HQ: int, H: int, D: int, *, n_needles: int = 4, 
             raise ValueError(f"{name} must be >= {lo}, got {val}")
     if HQ % H:
         raise ValueError(f"HQ ({HQ}) must be a multiple of H ({H})")
-    if n_needles and T < 4 * BLOCK:
-        raise ValueError(f"T must be >= {4 * BLOCK} to place needles, got {T}")
+    if n_needles and T < 4 * KV_BLOCK:
+        raise ValueError(f"T must be >= {4 * KV_BLOCK} to place needles, got {T}")
     G = HQ // H
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(T, H, G, D, generator=g)
@@ -190,8 +190,8 @@ def structured_sequence(T: int, HQ: int, H: int, D: int, *, n_needles: int = 4, 
         u = _unit_dirs(1, D, g)[0]
         h = i % H if per_head_needles else None
         heads = slice(None) if h is None else slice(h, h + 1)
-        k[kb * BLOCK:(kb + 1) * BLOCK, heads] += c * u
-        q[qs:qs + BLOCK, heads] += c * u
+        k[kb * KV_BLOCK:(kb + 1) * KV_BLOCK, heads] += c * u
+        q[qs:qs + KV_BLOCK, heads] += c * u
         needles.append(Needle(kb, qs, h))
 
     cu = torch.tensor([0, T], dtype=torch.int32, device=device)
@@ -223,7 +223,7 @@ def needle_recall(topk_idx: torch.Tensor, needles, *, offset: int = 0) -> list[f
     for n in needles:
         kb, qs = n[0], n[1]
         h = n[2] if len(n) > 2 else None
-        sel = topk_idx[:, offset + qs:offset + qs + BLOCK]
+        sel = topk_idx[:, offset + qs:offset + qs + KV_BLOCK]
         if h is not None:
             sel = sel[h:h + 1]
         out.append((sel == kb).any(-1).float().mean().item() if sel.numel() else float("nan"))

@@ -11,8 +11,7 @@ import dataclasses
 import torch
 
 from .._checks import check_tensor
-
-KV_BLOCK = 64
+from .._constants import KV_BLOCK
 
 
 @dataclasses.dataclass(frozen=True)

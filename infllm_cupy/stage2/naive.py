@@ -10,6 +10,7 @@ import torch
 
 from .._checks import check_attn_inputs, check_int_args, check_max_seqlen, check_tensor, seqlens_host
 from ..stage1.naive import compute_dtype
+from .layout import BlockLayout
 
 # Elements of one fp32 score tile `[H, G, chunk, keys]`: 16M (64 MB), enough to keep BLAS busy.
 _CHUNK_ELEMS = 1 << 24
@@ -159,6 +160,31 @@ def naive_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     out, lse = _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, upcast, return_lse,
                        _topk_allow_fn(topk_idx, lk, block_size))
     return (out, lse) if return_lse else out
+
+
+def naive_block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                   cu_seqlens_k: torch.Tensor, layout: BlockLayout, max_seqlen_q: int,
+                                   max_seqlen_k: int, causal: bool = True, softmax_scale: float | None = None,
+                                   return_lse: bool = False, *, upcast: bool = True):
+    r"""Reference of `block_sparse_attn_varlen`: attention under a query-block layout.
+
+    Every token of query block `i` (`layout.q_block` tokens, counted per sequence) selects the 64-key
+    blocks `j` with `layout.mask[(b,) h, i, j]`; this is `naive_sparse_attn_varlen` over that
+    token-level selection (`layout.to_topk_idx(cu_seqlens_q)`), so the two forms share one definition.
+
+    Args:
+        layout (BlockLayout):
+            `mask` bool `[H, NQB, NKB]` or `[B, H, NQB, NKB]` over 64-key blocks, and `q_block`.
+        Others: as `naive_sparse_attn_varlen`.
+
+    Returns:
+        out (torch.Tensor): `[total_q, HQ, D]`; and `lse` with `return_lse`.
+    """
+    if not isinstance(layout, BlockLayout):
+        raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
+    layout.check_against(k.shape[1], cu_seqlens_q.numel() - 1, max_seqlen_q)
+    return naive_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, layout.to_topk_idx(cu_seqlens_q),
+                                    max_seqlen_q, max_seqlen_k, causal, softmax_scale, return_lse, upcast=upcast)
 
 
 def naive_sparse_attn_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
