@@ -1,6 +1,6 @@
 // stage2/block_masks.cu: per-token KV-block bitmasks from InfLLM-v2's topk_idx.
 //
-// Launch contract (mirrored by infllm_cupy/stage2/masks.py):
+// Launch contract (mirrored by token_block_masks in infllm_cupy/stage2/sparse_fwd.py):
 //   kernel   token_block_masks                (indices only: no template parameters)
 //   grid     (cdiv(total_q, WARPS), H, 1)     block (32 * WARPS)   dyn smem = WARPS * n_words * 4
 //   topk_idx [H, total_q, K] int32, contiguous  cu_seqlens_q/k int32 [B+1]

@@ -26,6 +26,7 @@
 #include "common/types.cuh"
 #include "common/mma_sm80.cuh"
 #include "stage2/cta_common.cuh"
+#include "stage2/seq_common.cuh"
 
 #define BLOCK_N 64
 #define QT 64          // query rows per dk/dv tile (flattened (token, head-in-group) rows)
@@ -95,23 +96,20 @@ stage2_bwd_tiles(const unsigned* __restrict__ masks, const int* __restrict__ mas
     const int lane = threadIdx.x & 31;
     const int64 item = (int64)blockIdx.x * 8 + (threadIdx.x >> 5);
     const int h = blockIdx.y, b = blockIdx.z;
-    const int qs = cu_seqlens_q[b], Lq = cu_seqlens_q[b + 1] - qs;
-    const int Lk = cu_seqlens_k[b + 1] - cu_seqlens_k[b];
-    const int64 rows_total = (int64)Lq * G;
-    const int tiles = (int)((rows_total + tile_rows - 1) / tile_rows);
+    const S2Seq sq = s2_seq(cu_seqlens_q, cu_seqlens_k, b, G, causal);
+    const int tiles = (int)((sq.rows_total + tile_rows - 1) / tile_rows);
     const int groups = (tiles + 31) >> 5;
     const int tg = (int)(item / n_words), w = (int)(item - (int64)tg * n_words);
     if (tg >= groups) return;
-    const int nb = min((Lk + BLOCK_N - 1) / BLOCK_N, n_words * 32);
-    const int shift = causal ? Lk - Lq : 0;
-    const unsigned* mrows = masks + ((int64)mask_base[b] + (int64)h * mask_h_stride) * n_words;
+    const int nb = min(key_blocks(sq.Lk), n_words * 32);
+    const unsigned* mrows = seq_mask_rows(masks, mask_base, b, h, mask_h_stride, n_words);
 
     unsigned u = 0;
     const int tile = tg * 32 + lane;
     if (tile < tiles) {
         const int64 m0 = (int64)tile * tile_rows;
-        const int t_lo = (int)(m0 / G), t_hi = (int)((min(m0 + tile_rows, rows_total) - 1) / G);
-        const int max_block = last_visible_block(nb, causal, t_hi, shift);
+        const int t_lo = (int)(m0 / G), t_hi = (int)((min(m0 + tile_rows, sq.rows_total) - 1) / G);
+        const int max_block = last_visible_block(nb, causal, t_hi, sq.shift);
         u = clip_word(rows_or(mrows, n_words, t_lo / mask_q_block, t_hi / mask_q_block, w), w, max_block);
     }
     unsigned mine = 0;
@@ -148,28 +146,25 @@ stage2_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int h = blockIdx.y, b = blockIdx.z;
-    const int qs = cu_seqlens_q[b], Lq = cu_seqlens_q[b + 1] - qs;
-    const int ks = cu_seqlens_k[b], Lk = cu_seqlens_k[b + 1] - ks;
-    const int64 rows_total = (int64)Lq * G;
+    const S2Seq sq = s2_seq(cu_seqlens_q, cu_seqlens_k, b, G, causal);
     // last tiles first: they see the most blocks (causal), so the longest CTAs start earliest
     const int64 m0 = (int64)(gridDim.x - 1 - blockIdx.x) * M;
-    if (m0 >= rows_total) return;
-    const int shift = causal ? Lk - Lq : 0;
-    const int nb = (Lk + BLOCK_N - 1) / BLOCK_N;
+    if (m0 >= sq.rows_total) return;
+    const int nb = key_blocks(sq.Lk);
     const int t_lo = (int)(m0 / G);
-    const int t_hi = (int)((min(m0 + M, rows_total) - 1) / G);
-    const int max_block = last_visible_block(min(nb, n_words * 32), causal, t_hi, shift);
+    const int t_hi = (int)((min(m0 + M, sq.rows_total) - 1) / G);
+    const int max_block = last_visible_block(min(nb, n_words * 32), causal, t_hi, sq.shift);
     const int nw = union_words(max_block);
-    const unsigned* mrows = masks + ((int64)mask_base[b] + (int64)h * mask_h_stride) * n_words;
+    const unsigned* mrows = seq_mask_rows(masks, mask_base, b, h, mask_h_stride, n_words);
     cta_union(sU, mrows, n_words, t_lo / mask_q_block, t_hi / mask_q_block, max_block, nw, tid, THREADS);
     for (int i = tid; i < M * CH; i += THREADS) {
         const int row = i / CH, ch = i % CH;
         const int64 R = m0 + row;
         int64 off = 0;
         int bytes = 0;
-        if (R < rows_total) {
+        if (R < sq.rows_total) {
             const int t = (int)(R / G), g = (int)(R - (int64)t * G);
-            off = ((int64)(qs + t) * HQ + (int64)h * G + g) * D + ch * 8;
+            off = ((int64)(sq.qs + t) * HQ + (int64)h * G + g) * D + ch * 8;
             bytes = 16;
         }
         cp_async_16(smem_u32(sQ + swz<D>(row, ch) * 8), q + off, bytes);
@@ -178,7 +173,7 @@ stage2_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     cp_async_commit();
 
     auto load_kv = [&](int j, int stage) {
-        load_kv_block<T, D>(sK + stage * BLOCK_N * D, sV + stage * BLOCK_N * D, k, v, j, ks, Lk, H, h, tid, THREADS);
+        load_kv_block<T, D>(sK + stage * BLOCK_N * D, sV + stage * BLOCK_N * D, k, v, j, sq.ks, sq.Lk, H, h, tid, THREADS);
     };
 
     __syncthreads();
@@ -191,8 +186,8 @@ stage2_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     int rk[2];
     float lse2[2], dlt[2];
     const unsigned* mrow[2];
-    dq_row_state(m0 + warp * 16 + (lane >> 2), rows_total, t_lo, G, causal, shift, Lk, mrows, mask_q_block, n_words, h,
-                 total_q, qs, lse, delta, row_ok, rk, mrow, lse2, dlt);
+    dq_row_state(m0 + warp * 16 + (lane >> 2), sq.rows_total, t_lo, G, causal, sq.shift, sq.Lk, mrows, mask_q_block, n_words, h,
+                 total_q, sq.qs, lse, delta, row_ok, rk, mrow, lse2, dlt);
 
     float acc[D / 8][4];
 #pragma unroll
@@ -255,7 +250,7 @@ stage2_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
         if (!row_ok[r]) continue;
         const int64 R = m0 + warp * 16 + (lane >> 2) + 8 * r;
         const int t = (int)(R / G), g = (int)(R - (int64)t * G);
-        T* dst = dq + ((int64)(qs + t) * HQ + (int64)h * G + g) * D + (lane & 3) * 2;
+        T* dst = dq + ((int64)(sq.qs + t) * HQ + (int64)h * G + g) * D + (lane & 3) * 2;
 #pragma unroll
         for (int n = 0; n < D / 8; ++n)
             *reinterpret_cast<u32*>(dst + n * 8) = pack2<T>(acc[n][2 * r] * scale, acc[n][2 * r + 1] * scale);
@@ -291,23 +286,20 @@ stage2_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     // key block slowest in the launch order: blocks 0, 1, ... (selected by the most query tiles:
     // the forced init block, the earliest blocks) start first, so the longest CTAs do not trail
     const int j = blockIdx.z, h = blockIdx.x, b = blockIdx.y;
-    const int qs = cu_seqlens_q[b], Lq = cu_seqlens_q[b + 1] - qs;
-    const int ks = cu_seqlens_k[b], Lk = cu_seqlens_k[b + 1] - ks;
-    const int nb = (Lk + BLOCK_N - 1) / BLOCK_N;
-    if (j >= nb) return;
-    const int shift = causal ? Lk - Lq : 0;
-    const int64 rows_total = (int64)Lq * G;
-    const int tiles = (int)((rows_total + QT - 1) / QT);
+    S2Seq sq = s2_seq_bounds(cu_seqlens_q, cu_seqlens_k, b);
+    if (j >= key_blocks(sq.Lk)) return;
+    s2_seq_rows(sq, G, causal);
+    const int tiles = (int)((sq.rows_total + QT - 1) / QT);
     const int groups = (tiles + 31) >> 5;
     const unsigned* urow = ut + (int64)h * ut_h_stride + ut_off[b] + (int64)j * groups;
-    const unsigned* mrows = masks + ((int64)mask_base[b] + (int64)h * mask_h_stride) * n_words;
+    const unsigned* mrows = seq_mask_rows(masks, mask_base, b, h, mask_h_stride, n_words);
     const int kbase = j * BLOCK_N;
 
     for (int i = tid; i < BLOCK_N * CH; i += THREADS) {
         const int row = i / CH, ch = i % CH;
         const int key = kbase + row;
-        const int64 off = ((int64)(ks + key) * H + h) * D + ch * 8;
-        const int bytes = key < Lk ? 16 : 0;
+        const int64 off = ((int64)(sq.ks + key) * H + h) * D + ch * 8;
+        const int bytes = key < sq.Lk ? 16 : 0;
         cp_async_16(smem_u32(sK + swz<D>(row, ch) * 8), bytes ? k + off : k, bytes);
         cp_async_16(smem_u32(sV + swz<D>(row, ch) * 8), bytes ? v + off : v, bytes);
     }
@@ -326,9 +318,9 @@ stage2_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __res
             const unsigned R = m0 + row;
             int64 off = 0;
             int bytes = 0;
-            if (R < (unsigned)rows_total) {
+            if (R < (unsigned)sq.rows_total) {
                 const int t = (int)divG.div(R), g = (int)(R - (unsigned)t * G);
-                off = (int64)(qs + t) * (HQ * D) + ((h * G + g) * D + ch * 8);
+                off = (int64)(sq.qs + t) * (HQ * D) + ((h * G + g) * D + ch * 8);
                 bytes = 16;
             }
             cp_async_16(smem_u32(dq_ + swz<D>(row, ch) * 8), q + off, bytes);
@@ -338,13 +330,13 @@ stage2_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __res
             const unsigned R = m0 + tid;
             int lim = -1;
             float l2 = 0.f, dl = 0.f;
-            if (R < (unsigned)rows_total) {
+            if (R < (unsigned)sq.rows_total) {
                 const int t = (int)divG.div(R), g = (int)(R - (unsigned)t * G);
                 const bool s = (__ldg(mrows + (int64)(t / mask_q_block) * n_words + (j >> 5)) >> (j & 31)) & 1u;
-                const int rk = causal ? t + shift : Lk - 1;
+                const int rk = causal ? t + sq.shift : sq.Lk - 1;
                 if (s && rk >= kbase) {
                     lim = rk;
-                    const int64 li = ((int64)h * G + g) * total_q + qs + t;
+                    const int64 li = ((int64)h * G + g) * total_q + sq.qs + t;
                     l2 = lse[li] * LOG2E;
                     dl = delta[li];
                 }
@@ -436,8 +428,8 @@ stage2_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __res
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int key = key0 + 8 * r;
-        if (key >= Lk) continue;
-        const int64 base = ((int64)(ks + key) * H + h) * D + (lane & 3) * 2;
+        if (key >= sq.Lk) continue;
+        const int64 base = ((int64)(sq.ks + key) * H + h) * D + (lane & 3) * 2;
 #pragma unroll
         for (int n = 0; n < D / 8; ++n) {
             *reinterpret_cast<u32*>(dk + base + n * 8) = pack2<T>(adk[n][2 * r] * scale, adk[n][2 * r + 1] * scale);

@@ -57,6 +57,7 @@
 #include "common/mma_sm80.cuh"
 #include "common/wgmma_sm90.cuh"
 #include "stage2/cta_common.cuh"
+#include "stage2/seq_common.cuh"
 
 #define BLOCK_N 64
 #define QT 64
@@ -198,20 +199,17 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         }
     }
     const int b = hb / H, h = hb - b * H;
-    const int qs = cu_seqlens_q[b], Lq = cu_seqlens_q[b + 1] - qs;
-    const int ks = cu_seqlens_k[b], Lk = cu_seqlens_k[b + 1] - ks;
-    const int nb = (Lk + BLOCK_N - 1) / BLOCK_N;
-    if (j >= nb) {
+    S2Seq sq = s2_seq_bounds(cu_seqlens_q, cu_seqlens_k, b);
+    if (j >= key_blocks(sq.Lk)) {
         if (pdl && blockIdx.x == 0) grid_dep_wait();
         return;
     }
-    const int shift = causal ? Lk - Lq : 0;
-    const int64 rows_total = (int64)Lq * G;
+    s2_seq_rows(sq, G, causal);
     // bits of one index row: tokens (GATHER) or 64-row tiles
-    const int units = GATHER ? Lq : (int)((rows_total + QT - 1) / QT);
+    const int units = GATHER ? sq.Lq : (int)((sq.rows_total + QT - 1) / QT);
     const int groups = (units + 31) >> 5;
     const unsigned* urow = ut + (int64)h * ut_h_stride + ut_off[b] + (int64)j * groups;
-    const unsigned* mrows = masks + ((int64)mask_base[b] + (int64)h * mask_h_stride) * n_words;
+    const unsigned* mrows = seq_mask_rows(masks, mask_base, b, h, mask_h_stride, n_words);
     const int kbase = j * BLOCK_N;
     const int tpt = GATHER ? min(64 / G, GATHER_MAX) : 0;   // tokens per gathered tile
 
@@ -221,7 +219,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     // gathered tiles (full rows) win, above it the fixed ones (no walk). Both kernels count the
     // same two index rows, so every block is done by exactly one of them.
     if (vt != nullptr) {
-        const int units_v = GATHER ? (int)((rows_total + QT - 1) / QT) : Lq;
+        const int units_v = GATHER ? (int)((sq.rows_total + QT - 1) / QT) : sq.Lq;
         const int groups_v = (units_v + 31) >> 5;
         const unsigned* vrow = vt + (int64)h * vt_h_stride + vt_off[b] + (int64)j * groups_v;
         int own = 0, other = 0;
@@ -303,7 +301,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         const unsigned R = (unsigned)tile * QT + row;   // rows of one sequence fit in 31 bits (launcher)
         t = (int)divG.div(R);
         g = (int)(R - (unsigned)t * G);
-        return R < (unsigned)rows_total;
+        return R < (unsigned)sq.rows_total;
     };
 
     // the first tile; a pass that finds none adds nothing (except the last, which writes dk, dv)
@@ -319,8 +317,8 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int key = kbase + (tid + 128 * u) / CH;
-            ok[u] = key < Lk;
-            off[u] = ((int64)(ks + key) * H + h) * D;
+            ok[u] = key < sq.Lk;
+            off[u] = ((int64)(sq.ks + key) * H + h) * D;
         }
         load_tile_rows<T, D>(sK, k, tid, off, ok);
         load_tile_rows<T, D>(sV, v, tid, off, ok);
@@ -335,11 +333,11 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         f_rk = -1;
         int t, g;
         if (tid < QT && row_token(tid, t, g)) {
-            const int64 li = ((int64)h * G + g) * total_q + qs + t;
+            const int64 li = ((int64)h * G + g) * total_q + sq.qs + t;
             f_word = (int)__ldg(mrows + (int64)divM.div((unsigned)t) * n_words + (j >> 5));
             f_l = __ldg(lse + li);
             f_d = __ldg(delta + li);
-            f_rk = causal ? t + shift : Lk - 1;
+            f_rk = causal ? t + sq.shift : sq.Lk - 1;
         }
     };
     // sL holds +inf for a row that did not select the block, so exp2(S - lse) is 0 there without
@@ -370,15 +368,15 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     }
     auto load_tile = [&](int stage) -> bool {
         const u32 dq_ = sQ + stage * TILE, do_ = sO + stage * TILE;
-        if (!GATHER && use_tma && (int64)(tile + 1) * QT <= rows_total) {
+        if (!GATHER && use_tma && (int64)(tile + 1) * QT <= sq.rows_total) {
             if (tid == 0) {
                 const u32 bar = bar0 + 8 * stage;
                 const int t0 = (int)divG.div((unsigned)tile * QT);
                 mbar_arrive_expect_tx(bar, 2 * TILE);
 #pragma unroll
                 for (int half = 0; half < D / 64; ++half) {
-                    tma_load_3d(dq_ + half * HALF, tmap_q, half * 64, h * G, qs + t0, bar);
-                    tma_load_3d(do_ + half * HALF, tmap_do, half * 64, h * G, qs + t0, bar);
+                    tma_load_3d(dq_ + half * HALF, tmap_q, half * 64, h * G, sq.qs + t0, bar);
+                    tma_load_3d(do_ + half * HALF, tmap_do, half * 64, h * G, sq.qs + t0, bar);
                 }
             }
             return true;
@@ -390,7 +388,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
             int64 off = 0;
             int bytes = 0;
             if (row_token(row, t, g)) {
-                off = (int64)(qs + t) * (HQ * D) + ((h * G + g) * D + ch * 8);
+                off = (int64)(sq.qs + t) * (HQ * D) + ((h * G + g) * D + ch * 8);
                 bytes = 16;
             }
             cp_async_16(dq_ + swz128(row, ch, 64), q + off, bytes);
@@ -530,8 +528,8 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int key = kbase + key_r0 + 8 * r;
-        if (key >= Lk) continue;
-        const int64 o = ((int64)(ks + key) * H + h) * D + c0;
+        if (key >= sq.Lk) continue;
+        const int64 o = ((int64)(sq.ks + key) * H + h) * D + c0;
         if (passes) {       // this CTA alone owns these rows in this pass; passes run in order
 #pragma unroll
             for (int n = 0; n < D / 8; ++n) {

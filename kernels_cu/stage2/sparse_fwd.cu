@@ -15,7 +15,7 @@
 //   Semantics: query (r, head h*G+g) attends keys c of its sequence with c/64 set in its mask row,
 //   c < Lk and, when causal, c <= r + Lk - Lq (bottom-right). No allowed key: out = 0, lse = +inf.
 //
-// Shape of the work (notes/stage2_design.md): a CTA owns M consecutive rows of the flattened
+// Shape of the work (docs/stage2_fwd.md, "SM80 kernel"): a CTA owns M consecutive rows of the flattened
 // (token, head-in-group) space of one sequence and one KV head: with G = 16 each m-tile is one
 // token's 16 heads, and MT = 2 gives a warp two tokens that share every K/V fragment it loads
 // (FlashAttention-2's 32 rows per warp, half the shared-memory reads per FLOP of MT = 1). The CTA walks the union of its tokens' blocks in ascending order, streaming
@@ -25,6 +25,7 @@
 #include "common/types.cuh"
 #include "common/mma_sm80.cuh"
 #include "stage2/cta_common.cuh"
+#include "stage2/seq_common.cuh"
 
 #define BLOCK_N 64
 
@@ -51,19 +52,16 @@ stage2_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int h = blockIdx.y, b = blockIdx.z;
-    const int qs = cu_seqlens_q[b], Lq = cu_seqlens_q[b + 1] - qs;
-    const int ks = cu_seqlens_k[b], Lk = cu_seqlens_k[b + 1] - ks;
-    const int64 rows_total = (int64)Lq * G;
+    const S2Seq sq = s2_seq(cu_seqlens_q, cu_seqlens_k, b, G, causal);
     const int64 m0 = (int64)blockIdx.x * M;
-    if (m0 >= rows_total) return;
-    const int shift = causal ? Lk - Lq : 0;     // key c is visible to token r iff c <= r + shift
-    const int nb = (Lk + BLOCK_N - 1) / BLOCK_N;
+    if (m0 >= sq.rows_total) return;
+    const int nb = key_blocks(sq.Lk);
     const int t_lo = (int)(m0 / G);
-    const int t_hi = (int)((min(m0 + M, rows_total) - 1) / G);
+    const int t_hi = (int)((min(m0 + M, sq.rows_total) - 1) / G);
     // last block any row of this CTA may see
-    const int max_block = last_visible_block(min(nb, n_words * 32), causal, t_hi, shift);
+    const int max_block = last_visible_block(min(nb, n_words * 32), causal, t_hi, sq.shift);
     const int nw = union_words(max_block);
-    const unsigned* mrows = masks + ((int64)mask_base[b] + (int64)h * mask_h_stride) * n_words;
+    const unsigned* mrows = seq_mask_rows(masks, mask_base, b, h, mask_h_stride, n_words);
 
     // ---- union of the CTA's tokens' blocks, clipped to max_block
     cta_union(sU, mrows, n_words, t_lo / mask_q_block, t_hi / mask_q_block, max_block, nw, tid, THREADS);
@@ -72,13 +70,13 @@ stage2_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
     for (int i = tid; i < M * CH; i += THREADS) {
         const int row = i / CH, ch = i % CH;
         int bytes;
-        const T* src = q_row_chunk(q, m0 + row, rows_total, G, qs, HQ, h, D, ch, bytes);
+        const T* src = q_row_chunk(q, m0 + row, sq.rows_total, G, sq.qs, HQ, h, D, ch, bytes);
         cp_async_16(smem_u32(sQ + swz<D>(row, ch) * 8), src, bytes);
     }
     cp_async_commit();
 
     auto load_kv = [&](int j, int stage) {
-        load_kv_block<T, D>(sK + stage * BLOCK_N * D, sV + stage * BLOCK_N * D, k, v, j, ks, Lk, H, h, tid, THREADS);
+        load_kv_block<T, D>(sK + stage * BLOCK_N * D, sV + stage * BLOCK_N * D, k, v, j, sq.ks, sq.Lk, H, h, tid, THREADS);
     };
 
     __syncthreads();  // sU complete
@@ -94,9 +92,9 @@ stage2_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
         const int64 R = row_of(r);
-        row_ok[r] = R < rows_total;
+        row_ok[r] = R < sq.rows_total;
         const int t = row_ok[r] ? (int)(R / G) : t_lo;
-        rk[r] = causal ? t + shift : Lk - 1;
+        rk[r] = causal ? t + sq.shift : sq.Lk - 1;
         mrow[r] = mrows + (int64)(t / mask_q_block) * n_words;
     }
 
@@ -256,12 +254,12 @@ stage2_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
         const int t = (int)(R / G), g = (int)(R - (int64)t * G);
         const float inv = l > 0.f ? 1.f / l : 0.f;
         const int e0 = 2 * (r & 1);
-        T* dst = out + ((int64)(qs + t) * HQ + (int64)h * G + g) * D + (lane & 3) * 2;
+        T* dst = out + ((int64)(sq.qs + t) * HQ + (int64)h * G + g) * D + (lane & 3) * 2;
 #pragma unroll
         for (int n = 0; n < D / 8; ++n)
             *reinterpret_cast<u32*>(dst + n * 8) = pack2<T>(o[r >> 1][n][e0] * inv, o[r >> 1][n][e0 + 1] * inv);
         if ((lane & 3) == 0)
-            lse[((int64)h * G + g) * total_q + qs + t] =
+            lse[((int64)h * G + g) * total_q + sq.qs + t] =
                 l > 0.f ? (m_run[r] * scale_log2 + log2f(l)) * LN2 : INFLLM_INF;
     }
 }

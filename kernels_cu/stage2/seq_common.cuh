@@ -1,0 +1,52 @@
+// stage2/seq_common.cuh: the per-sequence prologue every stage-2 kernel starts with (forward and
+// backward, SM80 and sm_90a): where sequence b's queries and keys start in the packed varlen
+// tensors, their lengths, the causal shift, the rows of the flattened (token, head-in-group)
+// space, and the first selection-mask row of (sequence, KV head). stage1/select_common.cuh's
+// S1Cta does the same for stage 1.
+#pragma once
+#include "common/types.cuh"
+
+struct S2Seq {
+    int qs, Lq;          // the sequence's first query token in q / out (packed), its query count
+    int ks, Lk;          // the same for k / v
+    int shift;           // causal (bottom-right aligned): key c is visible to token r iff c <= r + shift; else 0
+    int64 rows_total;    // Lq * G: rows of the flattened (token, head-in-group) space
+};
+
+// The cu_seqlens reads: qs, Lq, ks, Lk (shift and rows_total are left to s2_seq_rows).
+__device__ __forceinline__ S2Seq s2_seq_bounds(const int* __restrict__ cu_seqlens_q,
+                                               const int* __restrict__ cu_seqlens_k, int b) {
+    S2Seq s;
+    s.qs = cu_seqlens_q[b];
+    s.Lq = cu_seqlens_q[b + 1] - s.qs;
+    s.ks = cu_seqlens_k[b];
+    s.Lk = cu_seqlens_k[b + 1] - s.ks;
+    return s;
+}
+
+// shift and rows_total. Separate from the reads so that a kernel that first exits on the lengths
+// (a key block past the sequence) computes them after that exit, as before the prologue became a
+// function: computed ahead of it, ptxas scheduled the dk/dv kernels differently (and spilled).
+__device__ __forceinline__ void s2_seq_rows(S2Seq& s, int G, int causal) {
+    s.shift = causal ? s.Lk - s.Lq : 0;
+    s.rows_total = (int64)s.Lq * G;
+}
+
+// The whole prologue, for kernels that need all of it before their first exit.
+__device__ __forceinline__ S2Seq s2_seq(const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+                                        int b, int G, int causal) {
+    S2Seq s = s2_seq_bounds(cu_seqlens_q, cu_seqlens_k, b);
+    s2_seq_rows(s, G, causal);
+    return s;
+}
+
+// 64-key blocks that hold the sequence's Lk keys.
+__device__ __forceinline__ int key_blocks(int Lk) { return (Lk + 63) / 64; }
+
+// The first selection-mask row of (sequence b, KV head h); token r's row is r / mask_q_block rows
+// further (the masks layout of stage2_fwd's launch contract, sparse_fwd.cu).
+__device__ __forceinline__ const unsigned* seq_mask_rows(const unsigned* __restrict__ masks,
+                                                        const int* __restrict__ mask_base, int b, int h,
+                                                        long long mask_h_stride, int n_words) {
+    return masks + ((int64)mask_base[b] + (int64)h * mask_h_stride) * n_words;
+}

@@ -1,0 +1,212 @@
+"""Compare the machine code of every registered kernel instance between two kernels_cu/ trees.
+
+For a refactor of kernel sources that must not change what runs: each instance the launchers
+register (`_jit.registered()`) is compiled by NVRTC from both trees with the package's own options
+(BASE_OPTIONS, CuPy's -ftz=true, the include folders; sm_90a for sm90a sets, else --arch), and
+the tool prints per instance the ptxas resources (registers, spill bytes, stack frame, static
+shared memory) of both, the SASS instruction counts and whether the SASS is identical (addresses,
+encodings and label names ignored). Needs no GPU; SASS needs nvdisasm (the nvidia-cuda-nvdisasm
+wheel, or CUDA's bin/ on PATH); without it only the resources are compared.
+
+    git archive <commit> kernels_cu | tar -x -C /tmp/old      # the tree before
+    python tools/sass_diff.py /tmp/old/kernels_cu kernels_cu [--source stage2/] [--arch sm_80] [-j 2]
+
+A kernel that moved to another file is found in each tree by its name (the first .cu file of the
+tree that defines it), so the registry may come from either side's package (PYTHONPATH=<a checkout
+of the package> picks another one than this checkout's). Exit status 1 when any instance differs in resources or SASS.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))   # after PYTHONPATH: a registry may come from elsewhere
+import infllm_cupy  # noqa: E402,F401  (imports every launcher, so the registry is complete)
+from infllm_cupy import _jit  # noqa: E402
+
+
+def nvdisasm_path() -> str | None:
+    if p := shutil.which("nvdisasm"):
+        return p
+    try:
+        import nvidia
+
+        for root in map(Path, nvidia.__path__):
+            for cand in root.glob("*/bin/nvdisasm"):
+                return str(cand)
+    except ImportError:
+        pass
+    return None
+
+
+def base_name(expr: str) -> str:
+    return expr.split("<", 1)[0].strip()
+
+
+def find_source(tree: Path, source: str, names) -> str:
+    """`source` if it exists in `tree` and defines the kernels, else the first .cu file that does."""
+    pats = [re.compile(r"\b" + re.escape(base_name(n)) + r"\s*\(") for n in names]
+    cand = tree / source
+    if cand.is_file() and all(p.search(cand.read_text()) for p in pats):
+        return source
+    for f in sorted(tree.rglob("*.cu")):
+        if all(p.search(f.read_text()) for p in pats):
+            return f.relative_to(tree).as_posix()
+    raise FileNotFoundError(f"no .cu file under {tree} defines {names}")
+
+
+def compile_cubin(tree: Path, source: str, names, arch: str):
+    """(cubin bytes, ptxas log, {lowered name: name expression}) of `names` from tree/source."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    code = f'#line 1 "{source}"\n' + (tree / source).read_text()
+    prog = nvrtc.createProgram(code, source, [], [])
+    try:
+        for n in names:
+            nvrtc.addNameExpression(prog, n)
+        opts = list(_jit.BASE_OPTIONS + _jit.CUPY_ADDED_OPTIONS) + [f"-I{tree}"]
+        if (inc := _jit.cuda_include_dir()) is not None:
+            opts.append(f"-I{inc}")
+        opts += [f"--gpu-architecture={arch}", "--ptxas-options=-v"]
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError:
+            raise _jit.KernelCompileError(f"{tree}/{source} for {arch}:\n{nvrtc.getProgramLog(prog)}") from None
+        log = nvrtc.getProgramLog(prog)
+        lowered = {nvrtc.getLoweredName(prog, n): n for n in names}
+        cubin = _get_cubin(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    return cubin, log, lowered
+
+
+def _get_cubin(prog: int) -> bytes:
+    # CuPy's nvrtc.getCUBIN drops the cubin's last byte (it reads it as a C string), which nvdisasm
+    # rejects: ask the NVRTC library that CuPy loaded for it directly
+    import ctypes
+
+    lib = None
+    for cand in ("libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"):
+        try:
+            lib = ctypes.CDLL(cand)
+            break
+        except OSError:
+            continue
+    if lib is None:
+        import nvidia
+
+        for root in map(Path, nvidia.__path__):
+            for so in root.glob("*/lib/libnvrtc.so*"):
+                lib = ctypes.CDLL(str(so))
+                break
+    size = ctypes.c_size_t()
+    if lib.nvrtcGetCUBINSize(ctypes.c_void_p(prog), ctypes.byref(size)) != 0:
+        raise RuntimeError("nvrtcGetCUBINSize failed")
+    buf = ctypes.create_string_buffer(size.value)
+    if lib.nvrtcGetCUBIN(ctypes.c_void_p(prog), buf) != 0:
+        raise RuntimeError("nvrtcGetCUBIN failed")
+    return buf.raw
+
+
+_FUNC = re.compile(r"^\s*\.text\.(\S+):")
+_INSN = re.compile(r"^\s*(?:/\*[0-9a-f]{4,}\*/)\s*(.*?)\s*;?\s*(?:/\*.*\*/)?\s*$")
+_LABEL_REF = re.compile(r"\.L_x_\d+")
+
+
+def sass_by_function(nvdisasm: str, cubin: bytes) -> dict[str, list[str]]:
+    """{mangled kernel name: its instructions}, addresses and encodings dropped, labels renamed in
+    order of first appearance (so that equal code gives equal text)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([nvdisasm, "-c", f.name], check=True, capture_output=True, text=True).stdout
+    out: dict[str, list[str]] = {}
+    cur = None
+    for line in text.splitlines():
+        if m := _FUNC.match(line):
+            cur = out.setdefault(m.group(1), [])
+            continue
+        if cur is None:
+            continue
+        if m := _INSN.match(line):
+            ins = m.group(1).strip()
+            if ins:
+                cur.append(ins)
+    for name, insns in out.items():
+        labels: dict[str, str] = {}
+        out[name] = [_LABEL_REF.sub(lambda m: labels.setdefault(m.group(0), f"L{len(labels)}"), i) for i in insns]
+    return out
+
+
+def resources(log: str, lowered: dict[str, str]) -> dict[str, _jit.KernelResources]:
+    return {k.name: k for k in _jit._parse_ptxas(log, lowered)}
+
+
+def compare_set(old_tree: Path, new_tree: Path, source: str, names, arch: str, nvdisasm: str | None):
+    old_source, source = find_source(old_tree, source, names), find_source(new_tree, source, names)
+    cub_o, log_o, low_o = compile_cubin(old_tree, old_source, names, arch)
+    cub_n, log_n, low_n = compile_cubin(new_tree, source, names, arch)
+    res_o, res_n = resources(log_o, low_o), resources(log_n, low_n)
+    sass_o = sass_by_function(nvdisasm, cub_o) if nvdisasm else {}
+    sass_n = sass_by_function(nvdisasm, cub_n) if nvdisasm else {}
+    inv_o = {v: k for k, v in low_o.items()}
+    inv_n = {v: k for k, v in low_n.items()}
+    rows = []
+    for n in names:
+        ro, rn = res_o[n], res_n[n]
+        so, sn = sass_o.get(inv_o[n]), sass_n.get(inv_n[n])
+        rows.append(dict(name=n, arch=arch, old_source=old_source, source=source, old=ro, new=rn,
+                         n_old=len(so) if so is not None else None, n_new=len(sn) if sn is not None else None,
+                         same=(so == sn) if so is not None and sn is not None else None))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("old", type=Path, help="the kernels_cu/ tree before")
+    ap.add_argument("new", type=Path, help="the kernels_cu/ tree after")
+    ap.add_argument("--source", default="", help="only sources whose path starts with this (e.g. stage2/)")
+    ap.add_argument("--arch", default="sm_80", help="architecture of the non-sm90a sets (default sm_80)")
+    ap.add_argument("-j", type=int, default=os.cpu_count() or 1, help="parallel compiles")
+    args = ap.parse_args(argv)
+    nvdisasm = nvdisasm_path()
+    if nvdisasm is None:
+        print("nvdisasm not found: comparing ptxas resources only", file=sys.stderr)
+    jobs = []
+    for ks in _jit.registered():
+        if not ks.source.startswith(args.source):
+            continue
+        arch = "sm_90a" if ks.sm90a else args.arch
+        # one program per instance, so that the sets compile in parallel
+        jobs += [(ks.source, (n,), arch) for n in ks.names]
+    rows = []
+    with cf.ProcessPoolExecutor(max_workers=args.j) as ex:
+        futs = [ex.submit(compare_set, args.old.resolve(), args.new.resolve(), s, n, a, nvdisasm) for s, n, a in jobs]
+        for f in futs:
+            rows += f.result()
+    bad = 0
+    print(f"{'instance':52} {'arch':7} {'regs':>9} {'spill st/ld':>15} {'stack':>9} {'smem':>11} {'SASS insns':>13} same")
+    for r in rows:
+        o, n = r["old"], r["new"]
+        res_same = (o.registers, o.spill_stores, o.spill_loads, o.stack_frame, o.shared_static) == \
+                   (n.registers, n.spill_stores, n.spill_loads, n.stack_frame, n.shared_static)
+        same = res_same and r["same"] is not False
+        bad += not same
+        sass = "-" if r["n_old"] is None else f"{r['n_old']}->{r['n_new']}"
+        tag = {True: "yes", False: "NO", None: "n/a"}[r["same"]] if res_same else "NO (resources)"
+        print(f"{r['name']:52} {r['arch']:7} {o.registers:>4}->{n.registers:<4} "
+              f"{o.spill_stores:>3}/{o.spill_loads:<3}->{n.spill_stores:>3}/{n.spill_loads:<3} "
+              f"{o.stack_frame:>4}->{n.stack_frame:<4} {o.shared_static:>5}->{n.shared_static:<5} {sass:>13} {tag}")
+    print(f"{len(rows) - bad} of {len(rows)} instances identical" + ("" if nvdisasm else " (resources only)"))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
