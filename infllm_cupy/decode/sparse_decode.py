@@ -1,0 +1,201 @@
+"""Launcher of kernels_cu/decode/sparse_decode.cu: split-KV decode attention over the selected (or all)
+64-key blocks of a KV cache, with LSE and optional attention weights. Design: docs/decode.md."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+import torch
+
+from .. import _jit
+from .._checks import check_tensor
+from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
+from .cache import DecodeCache  # noqa: F401  (re-exported by the package)
+from .naive import _cache_tensors, naive_sparse_decode
+
+SOURCE = "decode/sparse_decode.cu"
+BLOCK = 64             # keys per selection block (#define BLK in the .cu)
+WCHUNK = 1024          # positions per CTA of the weights pass (#define WCHUNK)
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.bfloat16, torch.float16)
+ROW_TILES = (1, 2, 4)  # MT: 16-row tiles of the query group, so G <= 64
+MAX_GROUP = 16 * ROW_TILES[-1]
+WEIGHTS = ("per_head", "per_kv_head")
+
+# Split planning (docs/decode.md, "Splits"): about CTAS_PER_SM CTAs per SM in one wave, each split
+# at least MIN_BLOCKS_PER_SPLIT blocks so its load of block i + 1 overlaps the math on block i.
+CTAS_PER_SM = 2
+MIN_BLOCKS_PER_SPLIT = 2
+MAX_SPLITS = 256
+
+_jit.register_instances(SOURCE, [f"sparse_decode_split<{CXX_TYPE[t]}, {d}, {mt}>"
+                                 for t in DTYPES for d in HEAD_DIMS for mt in ROW_TILES])
+_jit.register_instances(SOURCE, [f"sparse_decode_merge<{CXX_TYPE[t]}, {d}>" for t in DTYPES for d in HEAD_DIMS])
+_jit.register_instances(SOURCE, ["sparse_decode_weights"])
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """What the decode launch runs: a pure function of shapes and the SM count (`plan_decode`).
+
+    Attributes:
+        row_tiles (int): 16-row mma tiles of the query group (G <= 16 * row_tiles); 4 warps each.
+        num_splits (int): CTAs per (sequence, KV head) along the block list; merged by LSE.
+        per_split (int): topk entries (sparse) or blocks (dense) each split takes.
+    """
+    row_tiles: int
+    num_splits: int
+    per_split: int
+
+    def split_smem_bytes(self, head_dim: int, sparse: bool) -> int:
+        """Dynamic shared memory of the split kernel (SplitSmem in the .cu)."""
+        rowb = 2 * head_dim
+        mt = self.row_tiles
+        return 16 * mt * rowb + 2 * 2 * BLOCK * rowb + 2 * mt * 4 * 16 * 4 + 4 * mt * 4 + \
+            (4 * self.per_split if sparse else 0)
+
+
+def plan_decode(batch: int, num_kv_heads: int, group: int, n_entries: int, sm_count: int) -> DecodePlan:
+    """The launch plan for `batch` sequences x `num_kv_heads` with `n_entries` topk entries per row
+    (sparse) or blocks of the cache's width (dense), on a GPU of `sm_count` SMs."""
+    if not 1 <= group <= MAX_GROUP:
+        raise ValueError(f"the query group G = HQ / H must be in [1, {MAX_GROUP}], got {group}")
+    mt = next(t for t in ROW_TILES if group <= 16 * t)
+    n_entries = max(1, n_entries)
+    want = cdiv(CTAS_PER_SM * sm_count, max(1, batch * num_kv_heads))
+    splits = max(1, min(want, cdiv(n_entries, MIN_BLOCKS_PER_SPLIT), MAX_SPLITS))
+    per = cdiv(n_entries, splits)
+    return DecodePlan(mt, cdiv(n_entries, per), per)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, *,
+                  softmax_scale: float | None = None, return_lse: bool = False,
+                  return_attn_weights: bool = False, weights: str = "per_head", plan: DecodePlan | None = None,
+                  backend: str = "auto"):
+    r"""Decode attention of one query token per sequence over the selected 64-key blocks of its cache.
+
+    Sequence b attends to the positions `t < L_b` whose block `t // 64` is listed in
+    `topk_idx[h, b]` (all blocks when `topk_idx` is None), non-causally: the cache already holds
+    the current token. Same semantics as `naive_sparse_decode`, which CPU tensors run.
+
+    Args:
+        q (torch.Tensor):
+            `[B, HQ, D]` bf16/fp16, D in {64, 128}, the cache's dtype; G = HQ / H in [1, 64].
+        cache (DecodeCache or tuple):
+            A `DecodeCache`, or `(k_cache, v_cache, seqlens[, block_table])` as in
+            `naive_sparse_decode` (contiguous `[B, L_max, H, D]`, or paged
+            `[num_pages, page_size, H, D]` with page_size a multiple of 64 and `block_table int32
+            [B, max_pages]`; `seqlens` int32 `[B]`). Tuples are trusted: the table and the lengths are
+            not read on the host (a DecodeCache checked them when they were written).
+        topk_idx (torch.Tensor, Optional):
+            int32 `[H, B, K]` block indices local to each sequence; -1 padding, out-of-range and
+            repeated entries ignored. Default: None (dense decode over every block).
+        softmax_scale (float, Optional): Default: `D ** -0.5`.
+        return_lse (bool, Optional): Also return lse float32 `[B, HQ]` (natural log; +inf where
+            nothing is selected).
+        return_attn_weights (bool, Optional): Also return float32 probabilities over every position
+            of the cache's width W (L_max or max_pages * page_size), 0 where not selected or past
+            `L_b`: `[B, HQ, W]` (`weights="per_head"`) or summed over the group `[B, H, W]`
+            (`"per_kv_head"`).
+        plan (DecodePlan, Optional): Default: `plan_decode(...)` for these shapes and this GPU.
+        backend (str, Optional): "auto" (kernels for CUDA tensors, reference for CPU), "kernels" or
+            "reference".
+
+    Returns:
+        out `[B, HQ, D]` in q's dtype, then lse and weights if asked for.
+
+    The launch path reads nothing back from the device, so a step can be captured in a CUDA graph.
+    """
+    if backend not in ("auto", "kernels", "reference"):
+        raise ValueError(f"backend must be 'auto', 'kernels' or 'reference', got {backend!r}")
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    if backend == "reference" or (backend == "auto" and not q.is_cuda):
+        return naive_sparse_decode(q, cache, topk_idx, softmax_scale=softmax_scale, return_lse=return_lse,
+                                   return_attn_weights=return_attn_weights, weights=weights)
+    k, v, seqlens, bt, width = _cache_tensors(cache)
+    B, HQ, D, H, G, K = _check_kernel_inputs(q, k, v, seqlens, bt, topk_idx)
+    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    sparse = topk_idx is not None
+    if plan is None:
+        plan = plan_decode(B, H, G, K if sparse else cdiv(width, BLOCK), _sm_count(q.device.index))
+    elif not isinstance(plan, DecodePlan) or 16 * plan.row_tiles < G or plan.row_tiles not in ROW_TILES:
+        raise ValueError(f"plan: {plan!r} does not fit G = {G}")
+    S = plan.num_splits
+    dev = q.device
+    o_part = torch.empty((B, HQ, S, D), dtype=torch.float32, device=dev)
+    lse_part = torch.empty((B, HQ, S), dtype=torch.float32, device=dev)
+    lse2 = torch.empty((B * HQ,), dtype=torch.float32, device=dev)
+    out = empty((B, HQ, D), dtype=q.dtype, device=dev)
+    lse = empty((B, HQ), dtype=torch.float32, device=dev)
+    w_out = logits = None
+    if return_attn_weights:
+        w_out = empty((B, HQ if weights == "per_head" else H, width), dtype=torch.float32, device=dev)
+        logits = w_out if weights == "per_head" else torch.empty((B, HQ, width), dtype=torch.float32, device=dev)
+    null = np.uint64(0)
+    paged = bt is not None
+    name = f"sparse_decode_split<{CXX_TYPE[q.dtype]}, {D}, {plan.row_tiles}>"
+    launch(_jit.get_kernel(SOURCE, name), name=name, grid=(S, H, B), block=(128 * plan.row_tiles,),
+           shared_mem=plan.split_smem_bytes(D, sparse),
+           args=(ptr(q), ptr(k), ptr(v), ptr(seqlens), ptr(bt) if paged else null,
+                 np.int32(bt.shape[1] if paged else 0), np.int32(k.shape[1] if paged else 0),
+                 np.int32(0 if paged else k.shape[1]), ptr(topk_idx) if sparse else null, np.int32(K),
+                 np.int32(B), np.int32(H), np.int32(G), np.int32(plan.per_split),
+                 np.float32(scale * math.log2(math.e)), ptr(o_part), ptr(lse_part),
+                 ptr(logits) if logits is not None else null, np.int32(width)))
+    name = f"sparse_decode_merge<{CXX_TYPE[q.dtype]}, {D}>"
+    launch(_jit.get_kernel(SOURCE, name), name=name, grid=(B * HQ,), block=(128,),
+           args=(ptr(o_part), ptr(lse_part), np.int32(S), ptr(out), ptr(lse), ptr(lse2)))
+    if return_attn_weights:
+        name = "sparse_decode_weights"
+        launch(_jit.get_kernel(SOURCE, name), name=name, grid=(cdiv(width, WCHUNK), H, B), block=(256,),
+               args=(ptr(logits), ptr(lse2), ptr(seqlens), ptr(topk_idx) if sparse else null, np.int32(K),
+                     np.int32(B), np.int32(H), np.int32(G), np.int32(width),
+                     np.int32(weights == "per_kv_head"), ptr(w_out)))
+    res = [out]
+    if return_lse:
+        res.append(lse)
+    if return_attn_weights:
+        res.append(w_out)
+    return res[0] if len(res) == 1 else tuple(res)
+
+
+def _check_kernel_inputs(q, k, v, seqlens, bt, topk_idx):
+    """Shapes, dtypes, devices and layouts the kernels need; raises naming the argument. Reads no values."""
+    check_tensor("q", q, ndim=3, dtypes=DTYPES, contiguous=True)
+    if not q.is_cuda:
+        raise ValueError(f"q must be a CUDA tensor for backend='kernels', got one on {q.device}")
+    B, HQ, D = q.shape
+    check_tensor("k_cache", k, ndim=4, dtypes=(q.dtype,), device=q.device, contiguous=True)
+    check_tensor("v_cache", v, shape=tuple(k.shape), dtypes=(q.dtype,), device=q.device, contiguous=True)
+    H = k.shape[2]
+    if D not in HEAD_DIMS or k.shape[3] != D:
+        raise ValueError(f"q has head dim {D} and the cache {k.shape[3]}; the kernel takes equal dims in {HEAD_DIMS}")
+    if HQ % H:
+        raise ValueError(f"q has {HQ} heads, not a multiple of the cache's {H} KV heads")
+    G = HQ // H
+    if G > MAX_GROUP:
+        raise ValueError(f"q: group size G = {G} > {MAX_GROUP} is not supported by the kernel")
+    check_tensor("seqlens", seqlens, shape=(B,), dtypes=(torch.int32,), device=q.device, contiguous=True)
+    if bt is not None:
+        check_tensor("block_table", bt, ndim=2, dtypes=(torch.int32,), device=q.device, contiguous=True)
+        if bt.shape[0] != B:
+            raise ValueError(f"block_table has {bt.shape[0]} rows for {B} sequences")
+        if k.shape[1] % BLOCK:
+            raise ValueError(f"k_cache: page_size {k.shape[1]} must be a multiple of {BLOCK}")
+    elif k.shape[0] != B:
+        raise ValueError(f"k_cache holds {k.shape[0]} sequences but q has {B}")
+    K = 0
+    if topk_idx is not None:
+        check_tensor("topk_idx", topk_idx, ndim=3, dtypes=(torch.int32,), device=q.device, contiguous=True)
+        if tuple(topk_idx.shape[:2]) != (H, B):
+            raise ValueError(f"topk_idx must have shape (H={H}, B={B}, K), got {tuple(topk_idx.shape)}")
+        K = topk_idx.shape[2]
+    return B, HQ, D, H, G, K

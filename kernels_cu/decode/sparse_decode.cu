@@ -1,0 +1,344 @@
+// decode/sparse_decode.cu: split-KV (flash-decoding) attention of one query token per sequence over
+// the selected 64-key blocks of its KV cache (or over every block), with optional attention weights.
+// Design: docs/decode.md.
+//
+// Launch contract (mirrored by infllm_cupy/decode/sparse_decode.py):
+//
+// sparse_decode_split<T, D, MT>     T in {__half, __nv_bfloat16}, D in {64, 128}, MT in {1, 2, 4}
+//   grid   (S, H, B)    S = num_splits; one CTA per (split, KV head, sequence) computes all G query
+//                       heads of the KV head (G <= 16 * MT rows, padded with zero rows to 16 * MT)
+//   block  (128 * MT)   4 * MT warps: warp w takes rows 16 * (w / 4) .. +15 of the group and keys
+//                       16 * (w % 4) .. +15 of every 64-key block
+//   smem   dynamic, split_smem_bytes(D, MT, per_split) of the launcher
+//   q      [B, HQ, D] T, HQ = H * G                    seqlens int32 [B], every L_b <= the cache's width
+//   k, v   contiguous: [B, L_max, H, D] T  (block_table = nullptr, seq_rows = L_max)
+//          paged:      [num_pages, page_size, H, D] T  with block_table int32 [B, max_pages]; page_size a
+//                      multiple of 64 and every page of a position < L_b valid (the launcher's caller
+//                      checks the table once, DecodeCache does)
+//   topk   int32 [H, B, K] block indices local to the sequence (any order, -1 padding; negative,
+//          >= cdiv(L_b, 64) and repeated entries ignored) or nullptr = every block (dense)
+//   split s takes entries [s * per_split, (s + 1) * per_split) of its topk row (dense: those blocks)
+//   o_part  float [B, HQ, S, D]   the split's normalised output (0 for a split with no valid key)
+//   lse_part float [B, HQ, S]     its log2-sum-exp of the scaled logits (-inf for no valid key)
+//   logits  float [B, HQ, W] or nullptr: the log2-domain scaled logit of every key the split reads
+//           (rows g < G, positions < L_b); the weights pass turns them into probabilities
+//
+// sparse_decode_merge<T, D>
+//   grid (B * HQ)  block (128)  no shared memory
+//   out [B, HQ, D] T = sum_s 2^(lse_s - lse) o_s;  lse_out float [B, HQ] natural log (+inf when
+//   no split saw a key, then out = 0);  lse2_out float [B * HQ] the same in log2 (weights pass)
+//
+// sparse_decode_weights
+//   grid (cdiv(W, WCHUNK), H, B)  block (256)  static shared memory
+//   out [B, HQ, W] (per_kv_head = 0) or [B, H, W] (per_kv_head = 1) float: 2^(logit - lse2) at the
+//   selected positions < L_b, 0 elsewhere. With per_kv_head = 0, `logits` may alias `out` (each
+//   element is read and then written by the same thread).
+//
+// Why this shape (docs/decode.md): decode reads each K/V byte once, so the kernel is bound by DRAM
+// bandwidth; the G query heads of a KV head share every K/V tile in shared memory, the tensor cores
+// (mma.sync m16n8k16, group rows padded to 16) keep the arithmetic far below the load time, and
+// splits over the block list put enough CTAs on the machine at batch 1.
+#include "common/types.cuh"
+#include "common/mma_sm80.cuh"
+
+#define BLK 64          // keys per selection block
+#define WCHUNK 1024     // positions per CTA of the weights pass
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+
+template <int D>
+struct KVLayout {
+    static constexpr int ROWB = D * 2;                      // bytes of one 16-bit row
+    static constexpr int TILE = BLK * ROWB;                 // one K or V block
+    static constexpr int STAGE = 2 * TILE;                  // K then V
+};
+
+// Dynamic shared memory: Q [16 MT rows], 2 K/V stages, per-warp row stats, warp counts, block list.
+template <int D, int MT>
+struct SplitSmem {
+    static constexpr int Q = 0;
+    static constexpr int KV = Q + 16 * MT * KVLayout<D>::ROWB;
+    static constexpr int STATS = KV + 2 * KVLayout<D>::STAGE;          // m, l: float [MT][4][16] each
+    static constexpr int WCNT = STATS + 2 * MT * 4 * 16 * 4;           // int [4 MT]
+    static constexpr int LIST = WCNT + 4 * MT * 4;                     // int [per_split]
+};
+
+template <typename T, int D, int MT>
+__global__ void __launch_bounds__(128 * MT)
+sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                    const int* __restrict__ seqlens, const int* __restrict__ block_table, int max_pages,
+                    int page_size, int seq_rows, const int* __restrict__ topk, int K, int B, int H, int G,
+                    int per_split, float scale_log2, float* __restrict__ o_part, float* __restrict__ lse_part,
+                    float* __restrict__ logits, int W) {
+    constexpr int NT = 128 * MT, NW = 4 * MT, ROWB = KVLayout<D>::ROWB, CH = D / 8;
+    typedef SplitSmem<D, MT> SM;
+    extern __shared__ __align__(128) unsigned char smem[];
+    float* m_s = reinterpret_cast<float*>(smem + SM::STATS);
+    float* l_s = m_s + MT * 64;
+    int* wcnt = reinterpret_cast<int*>(smem + SM::WCNT);
+    int* list = reinterpret_cast<int*>(smem + SM::LIST);
+
+    const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z, S = gridDim.x;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int mt = warp >> 2, kw = warp & 3;
+    const int HQ = H * G;
+    const int L = seqlens[b];
+    const int nb = (L + BLK - 1) / BLK;
+
+    // ---- the blocks this split reads, in entry order (dense: a range; sparse: valid first occurrences)
+    const int e0 = split * per_split;
+    int n;
+    if (topk == nullptr) {
+        n = max(0, min(e0 + per_split, nb) - e0);
+    } else {
+        const int* row = topk + ((int64)h * B + b) * K;
+        const int e1 = min(e0 + per_split, K);
+        int base = 0;
+        for (int c0 = e0; c0 < e1; c0 += NT) {
+            const int i = c0 + tid;
+            int x = -1;
+            bool keep = false;
+            if (i < e1) {
+                x = row[i];
+                keep = x >= 0 && x < nb;
+                for (int j = 0; keep && j < i; ++j) keep = row[j] != x;   // count a repeated block once
+            }
+            const unsigned bal = __ballot_sync(0xffffffffu, keep);
+            if (lane == 0) wcnt[warp] = __popc(bal);
+            __syncthreads();
+            int off = base;
+            for (int w = 0; w < warp; ++w) off += wcnt[w];
+            if (keep) list[off + __popc(bal & ((1u << lane) - 1))] = x;
+            int tot = 0;
+            for (int w = 0; w < NW; ++w) tot += wcnt[w];
+            base += tot;
+            __syncthreads();
+        }
+        n = base;
+    }
+    auto block_of = [&](int i) { return topk == nullptr ? e0 + i : list[i]; };
+
+    const u32 s_base = smem_u32(smem);
+    const u32 q_s = s_base + SM::Q, kv_s = s_base + SM::KV;
+    const int64 tok_stride = (int64)H * D;     // elements between consecutive positions of one head
+
+    // Q rows of the group (rows >= G read as zeros)
+    for (int idx = tid; idx < 16 * MT * CH; idx += NT) {
+        const int r = idx / CH, ch = idx % CH;
+        const bool ok = r < G;
+        const T* src = ok ? q + ((int64)b * HQ + (int64)h * G + r) * D + ch * 8 : q;
+        cp_async_16(q_s + swz<D>(r, ch) * 16, src, ok ? 16 : 0);
+    }
+    auto load_block = [&](int j, int st) {
+        int64 row0;
+        if (block_table != nullptr) {
+            const int p = block_table[(int64)b * max_pages + (j * BLK) / page_size];
+            row0 = (int64)p * page_size + (j * BLK) % page_size;
+        } else {
+            row0 = (int64)b * seq_rows + (int64)j * BLK;
+        }
+        const u32 ks = kv_s + st * KVLayout<D>::STAGE, vs = ks + KVLayout<D>::TILE;
+#pragma unroll 2
+        for (int idx = tid; idx < BLK * CH; idx += NT) {
+            const int r = idx / CH, ch = idx % CH;
+            const bool ok = j * BLK + r < L;                   // the tail of the last block reads zeros
+            const int64 off = (row0 + r) * tok_stride + (int64)h * D + ch * 8;
+            const u32 dst = swz<D>(r, ch) * 16;
+            cp_async_16(ks + dst, ok ? k + off : k, ok ? 16 : 0);
+            cp_async_16(vs + dst, ok ? v + off : v, ok ? 16 : 0);
+        }
+    };
+    if (n > 0) load_block(block_of(0), 0);
+    cp_async_commit();
+
+    u32 a_off[4], b_off[4], t_off[4];
+    ldsm_offsets(lane, 16 * mt, ROWB, a_off, b_off, t_off);
+    const int g4 = lane >> 2, c4 = lane & 3;
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float m[2] = {-INFLLM_INF, -INFLLM_INF}, l[2] = {0.f, 0.f};
+    float* lg_row = logits != nullptr ? logits + ((int64)b * HQ + (int64)h * G) * W : nullptr;
+
+    for (int i = 0; i < n; ++i) {
+        const int j = block_of(i);
+        if (i + 1 < n) load_block(block_of(i + 1), (i + 1) & 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        const u32 kt = kv_s + (i & 1) * KVLayout<D>::STAGE + 16 * kw * ROWB;
+        const u32 vt = kt + KVLayout<D>::TILE;
+
+        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            // Q fragments come from shared memory at every k step: holding them in registers
+            // (D/4 per thread) would cost the occupancy that keeps enough K/V loads in flight
+            u32 qf[4], bk[4];
+            ldmatrix_x4(qf, q_s + a_off[ks & 3] + (ks >> 2) * 128);
+            ldmatrix_x4(bk, kt + b_off[ks & 3] + (ks >> 2) * 128);
+            mma_16816<T>(s[0], qf, bk[0], bk[1]);
+            mma_16816<T>(s[1], qf, bk[2], bk[3]);
+        }
+        const int key0 = j * BLK + 16 * kw + 2 * c4;
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = key0 + 8 * t + (e & 1);
+                s[t][e] = key < L ? s[t][e] * scale_log2 : -INFLLM_INF;
+                const int r = 16 * mt + g4 + 8 * (e >> 1);
+                if (lg_row != nullptr && key < L && r < G) lg_row[(int64)r * W + key] = s[t][e];
+            }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]), fmaxf(s[1][2 * r], s[1][2 * r + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = fmaxf(m[r], mx);
+            const float m_use = m_new == -INFLLM_INF ? 0.f : m_new;   // nothing valid yet: every p is 0
+            const float alpha = exp2f(m[r] - m_use);
+            m[r] = m_new;
+            float sum = 0.f;
+#pragma unroll
+            for (int t = 0; t < 2; ++t)
+#pragma unroll
+                for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                    s[t][e] = exp2f(s[t][e] - m_use);
+                    sum += s[t][e];
+                }
+            l[r] = l[r] * alpha + sum;
+#pragma unroll
+            for (int nt = 0; nt < D / 8; ++nt) {
+                o[nt][2 * r] *= alpha;
+                o[nt][2 * r + 1] *= alpha;
+            }
+        }
+        u32 pa[4];
+        a_from_acc<T>(s[0], s[1], pa);
+#pragma unroll
+        for (int nc = 0; nc < D / 16; ++nc) {
+            u32 bv[4];
+            ldmatrix_x4_trans(bv, vt + t_off[nc & 3] + (nc >> 2) * 128);
+            mma_16816<T>(o[2 * nc], pa, bv[0], bv[1]);
+            mma_16816<T>(o[2 * nc + 1], pa, bv[2], bv[3]);
+        }
+        __syncthreads();   // the stage read here is the one block i + 2 lands in
+    }
+    cp_async_wait<0>();
+
+    // ---- combine the 4 key-quarter warps of each row tile, then write the split's partial result
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        if (c4 == 0) {
+            m_s[(mt * 4 + kw) * 16 + g4 + 8 * r] = m[r];
+            l_s[(mt * 4 + kw) * 16 + g4 + 8 * r] = l[r];
+        }
+    }
+    __syncthreads();
+    float sc[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float M = -INFLLM_INF;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) M = fmaxf(M, m_s[(mt * 4 + w) * 16 + g4 + 8 * r]);
+        sc[r] = M == -INFLLM_INF ? 0.f : exp2f(m[r] - M);
+    }
+    // fp32 [16 MT][D] sum buffer over the K/V stages (free now), rows padded by 4 floats
+    constexpr int OROW = D + 4;
+    float* obuf = reinterpret_cast<float*>(smem + SM::KV);
+    for (int round = 0; round < 4; ++round) {
+        if (kw == round) {
+#pragma unroll
+            for (int nt = 0; nt < D / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float* dst = obuf + (16 * mt + g4 + 8 * (e >> 1)) * OROW + nt * 8 + 2 * c4 + (e & 1);
+                    const float x = o[nt][e] * sc[e >> 1];
+                    *dst = round == 0 ? x : *dst + x;
+                }
+        }
+        __syncthreads();
+    }
+    for (int idx = tid; idx < G * D; idx += NT) {
+        const int r = idx / D, d = idx % D;
+        const int rt = r >> 4, rr = r & 15;
+        float M = -INFLLM_INF, Lsum = 0.f;
+        for (int w = 0; w < 4; ++w) M = fmaxf(M, m_s[(rt * 4 + w) * 16 + rr]);
+        if (M != -INFLLM_INF)
+            for (int w = 0; w < 4; ++w) Lsum += l_s[(rt * 4 + w) * 16 + rr] * exp2f(m_s[(rt * 4 + w) * 16 + rr] - M);
+        const int64 hq = (int64)b * HQ + (int64)h * G + r;
+        o_part[(hq * S + split) * D + d] = Lsum > 0.f ? obuf[r * OROW + d] / Lsum : 0.f;
+        if (d == 0) lse_part[hq * S + split] = Lsum > 0.f ? M + __log2f(Lsum) : -INFLLM_INF;
+    }
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(128)
+sparse_decode_merge(const float* __restrict__ o_part, const float* __restrict__ lse_part, int S,
+                    T* __restrict__ out, float* __restrict__ lse_out, float* __restrict__ lse2_out) {
+    const int64 row = blockIdx.x;
+    const float* lp = lse_part + row * S;
+    float M = -INFLLM_INF;
+    for (int s = 0; s < S; ++s) M = fmaxf(M, lp[s]);
+    float sum = 0.f;
+    if (M != -INFLLM_INF)
+        for (int s = 0; s < S; ++s) sum += exp2f(lp[s] - M);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float acc = 0.f;
+        if (sum > 0.f)
+            for (int s = 0; s < S; ++s) {
+                const float w = exp2f(lp[s] - M);
+                if (w > 0.f) acc += w * o_part[(row * S + s) * D + d];   // skips the 0 * NaN of an unused split
+            }
+        out[row * D + d] = from_float<T>(acc * inv);
+    }
+    if (threadIdx.x == 0) {
+        const float lse2 = sum > 0.f ? M + __log2f(sum) : INFLLM_INF;
+        lse2_out[row] = lse2;
+        lse_out[row] = sum > 0.f ? lse2 * LN2 : INFLLM_INF;
+    }
+}
+
+__global__ void __launch_bounds__(256)
+sparse_decode_weights(const float* logits, const float* __restrict__ lse2, const int* __restrict__ seqlens,
+                      const int* __restrict__ topk, int K, int B, int H, int G, int W, int per_kv_head,
+                      float* out) {
+    __shared__ int sel[WCHUNK / BLK];
+    __shared__ float lse_s[64];
+    const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+    const int p0 = blockIdx.x * WCHUNK, blk0 = p0 / BLK;
+    const int L = seqlens[b], nb = (L + BLK - 1) / BLK;
+    const int HQ = H * G;
+    for (int g = tid; g < G; g += blockDim.x) lse_s[g] = lse2[(int64)b * HQ + (int64)h * G + g];
+    if (tid < WCHUNK / BLK) sel[tid] = topk == nullptr ? (blk0 + tid < nb) : 0;
+    __syncthreads();
+    if (topk != nullptr) {
+        const int* row = topk + ((int64)h * B + b) * K;
+        for (int e = tid; e < K; e += blockDim.x) {
+            const int x = row[e];
+            if (x >= 0 && x < nb && x >= blk0 && x < blk0 + WCHUNK / BLK) sel[x - blk0] = 1;   // same value from every writer
+        }
+        __syncthreads();
+    }
+    const int p1 = min(p0 + WCHUNK, W);
+    for (int p = p0 + tid; p < p1; p += blockDim.x) {
+        const bool on = p < L && sel[(p - p0) / BLK];
+        if (per_kv_head) {
+            float acc = 0.f;
+            if (on)
+                for (int g = 0; g < G; ++g)
+                    acc += exp2f(logits[((int64)b * HQ + (int64)h * G + g) * W + p] - lse_s[g]);
+            out[((int64)b * H + h) * W + p] = acc;
+        } else {
+            for (int g = 0; g < G; ++g) {
+                const int64 at = ((int64)b * HQ + (int64)h * G + g) * W + p;
+                out[at] = on ? exp2f(logits[at] - lse_s[g]) : 0.f;
+            }
+        }
+    }
+}
