@@ -119,10 +119,13 @@ def test_installed_wheel_finds_and_compiles_its_kernels(tmp_path):
 
 
 def test_wgmma_rates_tool_compiles_without_a_gpu():
-    # benchmarks/wgmma_rates.cu (the dk/dv tile-step rates, NOTES.md) lives outside kernels_cu/ and
-    # is not registered: compile it here so that header changes cannot silently break it
-    from benchmarks import wgmma_rates
-
-    log = wgmma_rates.ptxas_log()
-    assert log.count("Used ") == len(wgmma_rates.NAMES), log
+    # tools/wgmma_rates.cu (sustained wgmma rates of the dk/dv kernel's product shapes) includes the
+    # kernels' headers but lives outside kernels_cu/ and is not registered: compile it here so that
+    # a header change cannot silently break it. C7511: ptxas serialised the wgmma pipeline.
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "wgmma_rates.py"), "--compile-only"], cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    head, log = r.stdout.split("\n", 1)
+    n = int(head.split()[1])
+    assert n > 0 and log.count("Used ") == n, r.stdout
     assert "C7511" not in log, log

@@ -1,6 +1,7 @@
 """Sustained wgmma rates of the dk/dv kernel's product shapes (development tool).
 
     python tools/wgmma_rates.py [--iters 4000] [--sustain 4]
+    python tools/wgmma_rates.py --compile-only      # NVRTC alone, no GPU: print ptxas' log
 
 Compiles tools/wgmma_rates.cu for sm_90a and times each MODE (see its header) with 1 and 2
 CTAs per SM (CUDA events, median of 5). TFLOP/s are counted on the products issued; the bf16 dense
@@ -46,7 +47,13 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=4000)
     p.add_argument("--sustain", type=float, default=0.0)
     p.add_argument("--modes", default=",".join(str(m) for m in FLOPS))
+    p.add_argument("--compile-only", action="store_true",
+                   help="compile every mode with NVRTC alone (no GPU needed), print ptxas' log and exit")
     a = p.parse_args()
+    if a.compile_only:
+        print(f"wgmma_rates: {len(NAMES)} instances for sm_90a")
+        print(ptxas_log())
+        return
     modes = [int(m) for m in a.modes.split(",")]
     mod = cp.RawModule(code=SOURCE.read_text(), options=options(), name_expressions=NAMES)
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
@@ -72,7 +79,7 @@ def main() -> None:
             tf = flop * a.iters * grid / (ms * 1e-3) / 1e12
             print(f"  {per_sm} CTA/SM  mode {m} {LABEL[m]:<24} {ms:8.3f} ms  {tf:6.0f} TFLOP/s", flush=True)
             if a.sustain > 0 and per_sm == 2:
-                from benchmarks.clock_probe import report, sample_while
+                from clock_probe import report, sample_while   # tools/clock_probe.py (this script's folder)
 
                 def run(k=k, grid=grid, smem=smem):
                     k((grid,), (128,), (out, src, cp.int32(n_chunks), cp.int32(a.iters)), shared_mem=smem)

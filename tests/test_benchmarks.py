@@ -1,0 +1,58 @@
+"""The user-facing benchmark scripts run on CPU: each is started as a user starts it
+(`python benchmarks/<script>.py ...` from the repository root) and checked through its printed
+output and its `--json` rows. Tests never import `benchmarks/`."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGE2_IMPLS = ("ours", "sdpa_cudnn", "sdpa_flash", "flex_same", "flex_union", "nsa")
+
+
+def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"{script} exited with {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r
+
+
+def json_rows(path: Path) -> list[dict]:
+    payload = json.loads(path.read_text())
+    assert payload["env"]["commit"] and payload["env"]["torch"]     # every run names its commit and versions
+    return payload["rows"]
+
+
+@pytest.mark.slow
+def test_bench_stage2_runs_on_cpu(tmp_path):
+    out = tmp_path / "stage2.json"
+    r = run_script("bench_stage2.py", "--device", "cpu", "--configs", "256x1", "--K", "4", "--hq", "4", "--h", "1",
+                   "--d", "32", "--warmup", "0", "--rep", "1", "--skip-check", "--budget-s", "0",
+                   "--impls", ",".join(STAGE2_IMPLS), "--json", str(out))
+    rows = json_rows(out)
+    assert {row["impl"] for row in rows} == set(STAGE2_IMPLS)
+    assert {row["config"] for row in rows} == {"B1-T256-HQ4-H1-D32"}      # "256x1": T = 256 tokens, B = 1
+    flex = [row for row in rows if row["impl"].startswith("flex")]
+    assert flex and all(row["ms"] is not None and row["tflops"] is not None for row in flex)
+    assert all(row["note"] for row in rows if row["ms"] is None)         # failures are recorded, not raised
+    assert "ms per implementation (median)" in r.stdout and "anchor ms / ours ms" in r.stdout
+
+
+@pytest.mark.parametrize("script", ["bench_pipeline.py", "bench_stage1.py"])
+def test_bench_pipeline_and_stage1_help_and_cpu_run(script, tmp_path):
+    assert "--max-configs" in run_script(script, "--help").stdout
+    impls = ("selection,stage2,pipeline,sdpa_cudnn" if script == "bench_pipeline.py"
+             else "compress_fine,stage1_select,scores,pool,topk,selection,sdpa_cudnn")
+    out = tmp_path / "rows.json"
+    r = run_script(script, "--device", "cpu", "--configs", "300x2,256x1", "--max-configs", "1", "--topk", "2",
+                   "--local-blocks", "1", "--hq", "4", "--h", "2", "--d", "64", "--warmup", "0", "--rep", "1",
+                   "--budget-s", "0", "--impls", impls, "--json", str(out))
+    assert "check PASSED" in r.stdout
+    rows = json_rows(out)
+    assert {row["impl"] for row in rows} == set(impls.split(","))
+    assert {row["config"] for row in rows} == {"B2-T300-HQ4-H2-D64"}     # --max-configs 1: the first only
+    assert all(row["ms"] is not None and row["ms"] > 0 for row in rows), [(row["impl"], row["note"]) for row in rows]
