@@ -120,7 +120,8 @@ def _selection_mask(topk_idx_rows: torch.Tensor, n_blocks: int) -> torch.Tensor:
 @torch.no_grad()
 def attention_mass_captured(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor, topk_idx, *,
                             cu_seqlens_k: torch.Tensor | None = None, block_size: int = 64,
-                            softmax_scale: float | None = None, chunk_elems: int = _MASS_CHUNK_ELEMS):
+                            softmax_scale: float | None = None, chunk_elems: int = _MASS_CHUNK_ELEMS,
+                            progress: bool | None = None):
     r"""For each (query token, query head), the share of its dense causal softmax mass that falls in
     the blocks its KV head selected.
 
@@ -149,6 +150,9 @@ def attention_mass_captured(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torc
             Default: `None` (`1 / sqrt(D)`).
         chunk_elems (int, Optional):
             Logits per chunk (memory bound). Default: `2**25`.
+        progress (bool, Optional):
+            A progress bar over the chunks (tqdm). Default: `None` (shown in a terminal or a Jupyter
+            notebook with ipywidgets, off when output goes to a file or pipe).
 
     Returns:
         CapturedMass (or a dict of them, keyed as `topk_idx`): `mass [HQ, total_q]` and
@@ -182,10 +186,14 @@ def attention_mass_captured(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torc
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     mass = {n: torch.full((HQ, total), float("nan")) for n in selections}
     keys = {n: torch.full((H, total), float("nan")) for n in selections}
+    chunks = [max(1, chunk_elems // max(1, HQ * Lk)) for Lk in lk]
+    n_chunks = sum(-(-Lq // c) for Lq, c in zip(lq, chunks))
+    bar = _progress(n_chunks, progress, desc="attention mass", unit="chunk")
     for b, (Lq, Lk) in enumerate(zip(lq, lk)):
-        chunk = max(1, chunk_elems // max(1, HQ * Lk))
+        chunk = chunks[b]
         kb = k[cu_k[b]:cu_k[b] + Lk].to(cdt).permute(1, 2, 0).unsqueeze(1)        # [H, 1, D, Lk]
         for s in range(0, Lq, chunk):
+            bar.update()
             e = min(Lq, s + chunk)
             n = min(Lk, e + Lk - Lq)                                              # keys the chunk can see
             if n <= 0:
@@ -212,8 +220,21 @@ def attention_mass_captured(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torc
                 mass[name][:, rows] = m.reshape(HQ, e - s).float().cpu()
                 kf = (per_block[None] * sel).sum(-1) / seen                        # [H, C]
                 keys[name][:, rows] = kf.float().cpu()
+    bar.close()
     out = {n: CapturedMass(mass[n], keys[n]) for n in selections}
     return out[None] if single else out
+
+
+def _progress(total: int, progress: bool | None, **kwargs):
+    """A tqdm bar (`tqdm.auto`: a widget in Jupyter, text in a terminal); `progress=None` leaves the
+    choice to tqdm (off when output is not a terminal), False turns it off."""
+    import warnings
+
+    with warnings.catch_warnings():   # tqdm.auto warns once when Jupyter lacks ipywidgets, then uses text
+        warnings.simplefilter("ignore")
+        from tqdm.auto import tqdm
+
+    return tqdm(total=total, disable=None if progress is None else not progress, leave=False, **kwargs)
 
 
 def _token_positions(cu_seqlens_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -279,7 +300,8 @@ def topk_sweep(block_scores: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqle
 
     Block scores do not depend on `topk` (only on the forced init and local blocks), so a sweep
     reruns only the top-k step: `K = min(topk + local_blocks, n_blocks)` best blocks, ascending,
-    future blocks `-1`, as the pipeline does.
+    future blocks `-1`, as the pipeline does. The forced blocks count inside K (`InfLLMv2Config`), so
+    `topk = init_blocks + 1` keeps only them and each step above adds one block picked by score.
 
     Args:
         block_scores (torch.Tensor):
@@ -289,7 +311,7 @@ def topk_sweep(block_scores: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqle
         max_seqlen_q (int):
             Longest query sequence.
         topks (Sequence[int]):
-            Budgets to try (0: only the forced blocks).
+            Budgets to try, each at least `config.init_blocks + 1` (that value: only the forced blocks).
         config (InfLLMv2Config, Optional):
             The configuration the scores came from (`local_blocks`, `block_size`,
             `varlen_offset_quirk`). Default: `None` (MiniCPM4 defaults).
@@ -299,10 +321,12 @@ def topk_sweep(block_scores: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqle
     Returns:
         dict[int, torch.Tensor]: topk -> `topk_idx` int32 `[H, total_q, K]`.
     """
-    from .pipeline import check_config
+    from .pipeline import check_config, check_topk_keeps_forced_blocks
     from .stage1.naive import naive_select_topk, q_block_idx_prefill
 
     cfg = check_config(config)
+    for i, t in enumerate(topks):
+        check_topk_keeps_forced_blocks(int(t), cfg.init_blocks, name=f"topks[{i}]")
     q_blocks = q_block_idx_prefill(cu_seqlens_q, max_seqlen_q, cfg.block_size, cfg.varlen_offset_quirk,
                                    cache_lens=cache_lens)
     return {int(t): naive_select_topk(block_scores, q_blocks, int(t), cfg.local_blocks) for t in topks}
@@ -416,7 +440,7 @@ def plot_mass_vs_topk(topks: Sequence[int], summaries: Sequence[dict], *, ax=Non
     if positive and min(x) >= 0:
         ax.set_xscale("symlog", linthresh=min(positive))
     ax.set_xticks(x, [str(t) for t in x])
-    ax.set_xlabel("topk (blocks picked by score, besides the forced init and local blocks)")
+    ax.set_xlabel("topk (K = topk + local_blocks blocks per token, the forced ones included)")
     ax.set_ylabel("share")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)

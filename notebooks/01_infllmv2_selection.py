@@ -16,10 +16,11 @@
 # %% [markdown]
 # # 01 · What does InfLLM-v2 select, and what does it keep of dense attention?
 #
-# InfLLM-v2 attends, for every query token, to `topk + local_blocks` 64-key blocks chosen in
-# stage 1 from mean-compressed keys: block 0 and the 33 blocks ending at the query are forced, and the
-# top-k of the rest are picked by score. This notebook runs the whole pipeline
-# (`infllm_cupy.pipeline.infllmv2_attention`) on a synthetic sequence with known structure (an
+# InfLLM-v2 attends, for every query token, to `K = topk + local_blocks` 64-key blocks chosen in
+# stage 1 from mean-compressed keys: block 0 and the `local_blocks + 1` blocks ending at the query are
+# forced and count inside K, and the other `topk - 2` are the best-scoring blocks (MiniCPM4: topk 64,
+# local_blocks 32, K = 96 = 1 + 33 forced + 62 by score; `docs/semantics.md`). This notebook runs
+# the whole pipeline (`infllm_cupy.pipeline.infllmv2_attention`) on a synthetic sequence with known structure (an
 # attention sink, local context, recurring topics and far "needle" keys that later queries look for)
 # and asks:
 #
@@ -28,13 +29,14 @@
 # 3. how much of each query's **dense** softmax mass falls inside its selected blocks, and how that
 #    grows with the top-k budget.
 #
-# **How to run.** `jupytext.toml` pairs this file (the reviewed source) with
-# `01_infllmv2_selection.ipynb` (outputs stripped). On a GPU it runs at 32k tokens with MiniCPM4's
-# settings (key compression and stage 2 on the CUDA kernels, stage 1 on its PyTorch reference on the
-# GPU); from `notebooks/`: `jupyter execute --output=/tmp/01_executed 01_infllmv2_selection.ipynb`
-# (or open the `.ipynb` in Jupyter, or `python 01_infllmv2_selection.py`). On a CPU, `NB_SMOKE=1`
-# shrinks the sequence to 2k tokens and the window and budgets with it, and every stage runs its
-# PyTorch reference, in seconds; `tests/test_notebooks.py` runs it that way.
+# **How to run.** `pip install -e ".[notebooks]"` (add `gpu` on a GPU machine), then open
+# `01_infllmv2_selection.ipynb` in Jupyter, or from `notebooks/`:
+# `jupyter execute --output=/tmp/01_executed 01_infllmv2_selection.ipynb`, or
+# `python 01_infllmv2_selection.py`. `jupytext.toml` pairs this file (the reviewed source) with the
+# `.ipynb` (outputs stripped). The notebook picks its size: on a CUDA GPU, 32k tokens with MiniCPM4's
+# settings (key compression, stage 1 and stage 2 on the CUDA kernels, seconds); without one, 2k tokens
+# with a smaller window and budgets, every stage on its PyTorch reference (under a minute on a laptop).
+# `NB_SMOKE=1` forces the small size, `NB_SMOKE=0` the full one (on a CPU: over 15 minutes and 16 GB).
 # Figures go to `figures/` (or `$NB_FIG_DIR`).
 
 # %%
@@ -44,18 +46,27 @@ from pathlib import Path
 import torch
 
 SEED = 0
-SMOKE = os.environ.get("NB_SMOKE") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if os.environ.get("NB_SMOKE") in ("0", "1"):
+    SMOKE = os.environ["NB_SMOKE"] == "1"
+    why = f"NB_SMOKE={os.environ['NB_SMOKE']}"
+else:   # the full size takes over 15 minutes and 16 GB on a CPU, seconds on a GPU
+    SMOKE = DEVICE == "cpu"
+    why = "no CUDA GPU" if SMOKE else f"CUDA GPU {torch.cuda.get_device_name()}"
 DTYPE = torch.bfloat16
 T = 2048 if SMOKE else 32768        # tokens of the one sequence
 HQ, H, D = 32, 2, 128               # MiniCPM4-8B: 32 query heads sharing 2 KV heads (G = 16), head dim 128
-TOPK = 8 if SMOKE else 64           # blocks picked by score (MiniCPM4: 64)
+TOPK = 8 if SMOKE else 64           # K = TOPK + LOCAL_BLOCKS blocks, forced ones included (MiniCPM4: 64)
 LOCAL_BLOCKS = 4 if SMOKE else 32   # local window in blocks (MiniCPM4: 32, so 33 forced local blocks)
-TOPKS = [0, 2, 4, 8, 16] if SMOKE else [0, 8, 16, 32, 64, 128, 256]   # budgets of the sweep
+# budgets of the sweep (2: the forced blocks only)
+TOPKS = [2, 4, 8, 16] if SMOKE else [2, 8, 16, 32, 64, 128, 256]
 N_NEEDLES = 4
 LOCAL_LEN, TOPIC_LEN = (128, 256) if SMOKE else (256, 1024)          # correlation lengths, tokens
 FIG_DIR = Path(os.environ.get("NB_FIG_DIR", "figures"))
 FIG_DIR.mkdir(parents=True, exist_ok=True)
+hint = " (NB_SMOKE=0 forces the full 32k-token run)" if SMOKE and "NB_SMOKE" not in why else ""
+print(f"{'small' if SMOKE else 'full'} size ({why}): T = {T} tokens, topk = {TOPK}, "
+      f"local_blocks = {LOCAL_BLOCKS}, on {DEVICE}{hint}")
 
 # %%
 from infllm_cupy.pipeline import InfLLMv2Config, infllmv2_attention, stage_names, stages_for
@@ -110,7 +121,8 @@ topk_idx, block_scores = aux["topk_idx"], aux["block_scores"]
 for stage, impl in stage_names(stages_for(q, "auto")).items():
     print(f"{stage:14s} {impl}")
 print(f"topk_idx {tuple(topk_idx.shape)}: K = {topk_idx.shape[-1]} slots = topk {cfg.topk} + local_blocks "
-      f"{cfg.local_blocks}; {cfg.init_blocks} init + {cfg.local_blocks + 1} local blocks are forced")
+      f"{cfg.local_blocks}; {cfg.init_blocks} init + {cfg.local_blocks + 1} local blocks are forced, "
+      f"{cfg.topk - cfg.init_blocks - 1} picked by score")
 
 # %% [markdown]
 # ## Which blocks each query block selects
@@ -149,7 +161,7 @@ fig.savefig(FIG_DIR / "01_block_scores.png", dpi=110)
 # For every query token and query head, `attention_mass_captured` computes the dense causal softmax
 # over all earlier keys and sums it over the keys the selection attends. 1.0 means that stage 2 gives
 # exactly the dense output for that query. Block scores do not depend on the budget, so `topk_sweep`
-# re-runs only the top-k step for each budget in `TOPKS` (0: only the forced blocks), and one pass over
+# re-runs only the top-k step for each budget in `TOPKS` (2: only the forced blocks), and one pass over
 # the dense attention measures all of them. Tokens in the first half of the sequence have few causal
 # blocks (the early ones select all of them), so the means below count the second half only.
 
@@ -167,7 +179,7 @@ for t, s in zip(TOPKS, summaries):
 # what is kept is the sink and the local window; the budget adds the needles and the topic blocks.
 
 # %%
-shown = [t for t in TOPKS if t in (0, TOPK, max(TOPKS))] or TOPKS
+shown = [t for t in TOPKS if t in (min(TOPKS), TOPK, max(TOPKS))]
 curves = {f"topk = {t}": per_query_block(captured[t].mass, cu).nanmean(dim=0) for t in shown}
 ax = plot_mass_by_query_block(curves, title=f"dense attention mass in the selected blocks, T = {T}")
 ax.figure.savefig(FIG_DIR / "01_mass_by_query_block.png", dpi=110)

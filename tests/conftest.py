@@ -8,18 +8,37 @@ import torch
 os.environ.setdefault("INFLLM_CUPY_POISON", "1")
 
 
-def _has_gpu() -> bool:
-    if not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None:
-        return False
+def _why_no_gpu() -> str | None:
+    """None when the GPU tests can run here, else why not (for the skip reason and the summary line)."""
+    if not torch.cuda.is_available():
+        return "no CUDA GPU visible to torch"
+    if importlib.util.find_spec("cupy") is None:
+        return 'CuPy not installed (pip install -e ".[gpu]")'
     try:
         import cupy
 
-        return cupy.cuda.runtime.getDeviceCount() > 0
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            return None
     except Exception:
-        return False
+        pass
+    return "CuPy sees no CUDA GPU"
 
 
-HAS_GPU = _has_gpu()
+def _has_nvrtc() -> bool:
+    from infllm_cupy._cupy import has_nvrtc
+
+    return has_nvrtc()
+
+
+WHY_NO_GPU = _why_no_gpu()
+HAS_GPU = WHY_NO_GPU is None
+HAS_NVRTC = _has_nvrtc()
+GPU_SKIP = "needs a CUDA GPU and CuPy"
+NVRTC_SKIP = "needs NVRTC and the CUDA headers (the gpu extra; no GPU)"
+# tests/test_jit.py's tests that compile with NVRTC (on CPU, without a GPU): skipped where the gpu
+# extra is not installed; a test marked `nvrtc` anywhere is treated the same way
+NVRTC_TESTS = {"test_every_kernel_compiles_without_a_gpu", "test_compile_error_names_the_kernel_and_shows_the_log",
+               "test_installed_wheel_finds_and_compiles_its_kernels", "test_wgmma_rates_tool_compiles_without_a_gpu"}
 
 # Stage-2 kernel cases, forward and backward: (lengths_q, lengths_k, HQ, H, D). Ragged batches,
 # lengths not multiples of 64, one-token sequences, G from 1 to 32 (a non-power of two among them),
@@ -41,10 +60,39 @@ STAGE2_IDS = [f"Lq{'-'.join(map(str, c[0]))}_Lk{'-'.join(map(str, c[1]))}_HQ{c[2
 
 
 def pytest_collection_modifyitems(config, items):
-    skip = pytest.mark.skip(reason="needs a CUDA GPU and CuPy")
+    skip_gpu = pytest.mark.skip(reason=f"{GPU_SKIP}: {WHY_NO_GPU}")
+    skip_nvrtc = pytest.mark.skip(reason=NVRTC_SKIP)
     for item in items:
+        if item.path.name == "test_jit.py" and getattr(item, "originalname", item.name) in NVRTC_TESTS:
+            item.add_marker(pytest.mark.nvrtc)
         if "gpu" in item.keywords and not HAS_GPU:
-            item.add_marker(skip)
+            item.add_marker(skip_gpu)
+        elif "nvrtc" in item.keywords and not HAS_NVRTC:
+            item.add_marker(skip_nvrtc)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line that says why tests were skipped, and whether everything that ran passed."""
+    stats = terminalreporter.stats
+
+    def skipped(prefix):
+        return sum(1 for r in stats.get("skipped", [])
+                   if isinstance(r.longrepr, tuple) and r.longrepr[2].startswith(("Skipped: " + prefix, prefix)))
+
+    n_gpu, n_nvrtc = skipped(GPU_SKIP), skipped(NVRTC_SKIP)
+    if not (n_gpu or n_nvrtc):
+        return
+    n_passed = len(stats.get("passed", []))
+    n_bad = len(stats.get("failed", [])) + len(stats.get("error", []))
+    parts = []
+    if n_gpu:
+        parts.append(f"{n_gpu} GPU tests skipped: {WHY_NO_GPU} (pytest -m gpu runs them on a CUDA GPU)")
+    if n_nvrtc:
+        parts.append(f'{n_nvrtc} NVRTC compile tests skipped: CuPy/NVRTC not installed (pip install -e ".[gpu,test]" '
+                     f"runs them, no GPU needed)")
+    verdict = (f"the {n_passed} tests that ran passed" if not n_bad and exitstatus == 0
+               else f"{n_bad} failed or errored, see above")
+    terminalreporter.write_line("; ".join(parts) + "; " + verdict, bold=True, green=not n_bad, red=bool(n_bad))
 
 
 @pytest.fixture(autouse=True)

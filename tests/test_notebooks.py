@@ -175,10 +175,16 @@ def test_sweep_summaries_and_plots(tmp_path):
     cfg = InfLLMv2Config(topk=2, local_blocks=2, dense_len=0)
     _, aux = naive_infllmv2_attention(data.q, data.k, data.v, data.cu_seqlens, data.cu_seqlens, 1024, 1024, cfg,
                                       return_aux=True)
-    sweep = topk_sweep(aux["block_scores"], data.cu_seqlens, 1024, [0, 2, 8], cfg)
+    sweep = topk_sweep(aux["block_scores"], data.cu_seqlens, 1024, [2, 4, 8], cfg)
     assert torch.equal(sweep[2], aux["topk_idx"]) and sweep[8].shape[-1] == 10
+    # topk = init_blocks + 1 = 2 keeps exactly the forced blocks: block 0 and the 3 ending at the query's
+    qb = torch.arange(1024) // 64
+    want = torch.stack([torch.zeros_like(qb), qb - 2, qb - 1, qb], -1)[qb >= 4]
+    assert torch.equal(sweep[2][0, qb >= 4].long(), want) and torch.equal(sweep[2][1, qb >= 4].long(), want)
+    with pytest.raises(ValueError, match=r"topks\[1\] must be at least init_blocks \+ 1 = 2, got 0"):
+        topk_sweep(aux["block_scores"], data.cu_seqlens, 1024, [2, 0], cfg)
     cm = attention_mass_captured(data.q, data.k, data.cu_seqlens, sweep)
-    sums = [summarize_mass(cm[t], data.cu_seqlens, from_position=512) for t in (0, 2, 8)]
+    sums = [summarize_mass(cm[t], data.cu_seqlens, from_position=512) for t in (2, 4, 8)]
     assert [s["tokens"] for s in sums] == [512] * 3
     masses = [s["mass"] for s in sums]
     assert masses == sorted(masses) and 0 < masses[0] < masses[-1] <= 1     # more budget keeps more mass
@@ -188,10 +194,33 @@ def test_sweep_summaries_and_plots(tmp_path):
     figs = [plot_selection_maps(aux["topk_idx"], data.cu_seqlens, needles=data.needles),
             plot_block_score_maps(aux["block_scores"], data.cu_seqlens, needles=data.needles),
             plot_mass_by_query_block({"topk 2": per_block.mean(0)}).figure,
-            plot_mass_vs_topk([0, 2, 8], sums).figure, plot_mass_per_head(sums[1]).figure]
+            plot_mass_vs_topk([2, 4, 8], sums).figure, plot_mass_per_head(sums[1]).figure]
     for i, f in enumerate(figs):
         f.savefig(tmp_path / f"{i}.png", dpi=40)
         plt.close(f)
     assert len(list(tmp_path.glob("*.png"))) == 5
     with pytest.raises(ValueError, match=r"\btopks\b"):
-        plot_mass_vs_topk([0, 2], sums)
+        plot_mass_vs_topk([2, 4], sums)
+
+
+# ------------------------------------------------------------------------------------ size choice
+
+
+@pytest.mark.parametrize("nb_smoke, smoke, why", [(None, True, "no CUDA GPU"), ("0", False, "NB_SMOKE=0"),
+                                                  ("1", True, "NB_SMOKE=1")])
+def test_selection_notebook_picks_its_size(nb_smoke, smoke, why, tmp_path):
+    """Without a GPU the notebook takes the small size by itself and says why; NB_SMOKE forces either."""
+    import os
+    import subprocess
+    import sys
+
+    jupytext = pytest.importorskip("jupytext")
+    nb = jupytext.read(NOTEBOOK_DIR / "01_infllmv2_selection.py")
+    setup = next(c.source for c in nb.cells if c.cell_type == "code")     # the first cell: sizes only
+    env = {k: v for k, v in os.environ.items() if k != "NB_SMOKE"}
+    env.update(CUDA_VISIBLE_DEVICES="", NB_FIG_DIR=str(tmp_path), **({"NB_SMOKE": nb_smoke} if nb_smoke else {}))
+    out = subprocess.run([sys.executable, "-c", setup + "\nprint('SMOKE', SMOKE, T)"], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, check=True).stdout
+    assert f"SMOKE {smoke} {2048 if smoke else 32768}" in out, out
+    assert f"{'small' if smoke else 'full'} size ({why})" in out, out
+    assert ("NB_SMOKE=0 forces the full" in out) == (nb_smoke is None), out
