@@ -167,7 +167,7 @@ def test_reference_pipeline_rejects_bad_inputs():
         InfLLMv2Config(topk=-1)
 
 
-def test_timing_4096_tokens_bf16():
+def test_reference_pipeline_timing_4096_tokens_bf16():
     T, HQ, H, D = 4096, 32, 2, 128
     q, k, v = make_qkv([T], HQ=HQ, H=H, D=D, dtype=torch.bfloat16)
     cu = cu_seqlens_from_lengths([T])

@@ -25,7 +25,7 @@ def loop_compress(k, lengths, kernel, stride):
     return torch.stack(rows) if rows else k.new_zeros((0,) + k.shape[1:]).double()
 
 
-def test_n_chunks_matches_definition():
+def test_compress_n_chunks_matches_definition():
     for L in range(0, 400):
         for kernel, stride in WINDOWS:
             want = sum(1 for s in range(0, L, stride) if s + kernel <= L)
@@ -34,7 +34,7 @@ def test_n_chunks_matches_definition():
 
 @pytest.mark.parametrize("lengths", LENGTHS, ids=lambda x: "L" + "-".join(map(str, x)))
 @pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"{w[0]}s{w[1]}")
-def test_reference_against_loop(lengths, window):
+def test_compress_reference_against_loop(lengths, window):
     kernel, stride = window
     k = torch.randn(sum(lengths), 2, 64, dtype=torch.float64)
     ck, cu_c = naive_compress_k(k, make_cu(lengths), kernel, stride)
@@ -44,7 +44,7 @@ def test_reference_against_loop(lengths, window):
     assert cu_c.dtype == torch.int32
 
 
-def test_compressed_cu_seqlens():
+def test_compress_cu_seqlens():
     cu = make_cu([31, 32, 48, 0, 1000])
     assert compressed_cu_seqlens(cu, 32, 16).tolist() == [0, 0, 1, 3, 3, 3 + 61]
 
@@ -58,7 +58,7 @@ def test_compressed_cu_seqlens():
     (dict(cu=torch.tensor([0, 9], dtype=torch.int32)), "cu_seqlens_k must end at the total token count 10"),
     (dict(kernel=0), "kernel_size and kernel_stride must be positive"),
 ])
-def test_bad_inputs_name_the_argument(bad, match):
+def test_compress_rejects_bad_inputs_naming_the_argument(bad, match):
     k = bad.get("k", torch.randn(10, 2, 64))
     cu = bad.get("cu", torch.tensor([0, 10], dtype=torch.int32))
     with pytest.raises((ValueError, TypeError), match=match):
@@ -70,7 +70,7 @@ def test_bad_inputs_name_the_argument(bad, match):
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"{w[0]}s{w[1]}")
 @pytest.mark.parametrize("lengths", LENGTHS, ids=lambda x: "L" + "-".join(map(str, x)))
-def test_kernel_against_reference(lengths, window, D, dtype):
+def test_compress_kernel_against_reference(lengths, window, D, dtype):
     kernel, stride = window
     k = torch.randn(sum(lengths), 2, D, device="cuda", dtype=dtype)
     cu = make_cu(lengths, "cuda")
@@ -84,7 +84,7 @@ def test_kernel_against_reference(lengths, window, D, dtype):
 
 
 @pytest.mark.gpu
-def test_kernel_runs_on_torch_current_stream():
+def test_compress_kernel_runs_on_torch_current_stream():
     # k is produced on a side stream and consumed there: if the kernel ran on another stream it
     # could read k before randn wrote it.
     lengths = [1 << 16] * 8
@@ -101,7 +101,7 @@ def test_kernel_runs_on_torch_current_stream():
 
 
 @pytest.mark.gpu
-def test_kernel_bad_head_dim():
+def test_compress_kernel_rejects_bad_head_dim():
     k = torch.randn(64, 2, 96, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="head dim 96"):
         compress_k(k, make_cu([64], "cuda"), backend="kernels")
