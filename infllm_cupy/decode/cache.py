@@ -96,7 +96,7 @@ class DecodeCache:
         shape = (num_pages, page_size, num_heads, head_dim)
         k = torch.zeros(shape, dtype=dtype, device=device)
         v = torch.zeros(shape, dtype=dtype, device=device)
-        caps = _check_block_table(block_table, num_pages, page_size, torch.device(device))
+        caps = _check_block_table(block_table, num_pages, page_size, k.device)
         return cls._with_compressed(k, v, block_table.contiguous(), page_size, caps)
 
     @classmethod

@@ -170,8 +170,6 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
 def _check_kernel_inputs(q, k, v, seqlens, bt, topk_idx):
     """Shapes, dtypes, devices and layouts the kernels need; raises naming the argument. Reads no values."""
     check_tensor("q", q, ndim=3, dtypes=DTYPES, contiguous=True)
-    if not q.is_cuda:
-        raise ValueError(f"q must be a CUDA tensor for backend='kernels', got one on {q.device}")
     B, HQ, D = q.shape
     check_tensor("k_cache", k, ndim=4, dtypes=(q.dtype,), device=q.device, contiguous=True)
     check_tensor("v_cache", v, shape=tuple(k.shape), dtypes=(q.dtype,), device=q.device, contiguous=True)
@@ -198,4 +196,6 @@ def _check_kernel_inputs(q, k, v, seqlens, bt, topk_idx):
         if tuple(topk_idx.shape[:2]) != (H, B):
             raise ValueError(f"topk_idx must have shape (H={H}, B={B}, K), got {tuple(topk_idx.shape)}")
         K = topk_idx.shape[2]
+    if not q.is_cuda:
+        raise ValueError(f"q must be a CUDA tensor for backend='kernels', got one on {q.device}")
     return B, HQ, D, H, G, K

@@ -1,0 +1,258 @@
+"""sparse_decode: the split-KV decode kernel against naive_sparse_decode (GPU), the reference against
+the stage-2 references (CPU), the plan and the launcher's input checks (CPU)."""
+import math
+
+import pytest
+import torch
+
+from infllm_cupy.decode import DecodeCache, naive_sparse_decode, plan_decode, sparse_decode
+from infllm_cupy.decode.sparse_decode import DecodePlan, _check_kernel_inputs
+from infllm_cupy.stage2.naive import naive_dense_attn_varlen, naive_sparse_attn_varlen
+from infllm_cupy.testing import assert_close_to_ref, cu_seqlens_from_lengths, random_topk_idx
+
+
+def make_cache(lengths, H, D, dtype, *, page_size=None, device="cpu", seed=0, spare=70, chunked=True):
+    """A cache holding random keys/values of `lengths` (filled by a chunk, then 2 one-token steps when
+    `chunked`), `spare` positions of room; paged caches get shuffled pages and a -1 tail."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(lengths)
+    cap = max(lengths) + spare
+    if page_size is None:
+        cache = DecodeCache.contiguous(B, cap, H, D, dtype=dtype, device=device)
+    else:
+        per = math.ceil(cap / page_size)
+        n_pages = B * per + 3
+        pg = torch.Generator().manual_seed(seed + 100)                # K/V draws independent of the layout
+        perm = torch.randperm(n_pages, generator=pg)[:B * per].view(B, per).to(torch.int32)
+        perm[-1, -1] = -1 if per > 1 and lengths[-1] + 2 <= (per - 1) * page_size else perm[-1, -1]
+        cache = DecodeCache.paged(n_pages, page_size, H, D, perm.to(device), dtype=dtype, device=device)
+    steps = 2 if chunked and min(lengths) >= 2 else 0
+    first = [L - steps for L in lengths]
+    k = (torch.randn(sum(first), H, D, generator=g) * 2).to(device, dtype)
+    v = torch.randn(sum(first), H, D, generator=g).to(device, dtype)
+    cache.append(k, v, cu_seqlens_from_lengths(first))
+    for _ in range(steps):
+        cache.append((torch.randn(B, H, D, generator=g) * 2).to(device, dtype),
+                     torch.randn(B, H, D, generator=g).to(device, dtype))
+    assert cache.lengths() == list(lengths)
+    return cache
+
+
+def selection(H, lengths, K, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return random_topk_idx(H, [1] * len(lengths), lengths, K, generator=g).to(device)   # [H, B, K]
+
+
+def as_tuple(cache, dtype=None):
+    f = (lambda t: t) if dtype is None else (lambda t: t.to(dtype))
+    base = (f(cache.k), f(cache.v), cache.seqlens)
+    return base + ((cache.block_table,) if cache.is_paged else ())
+
+
+# ------------------------------------------------------------------------------------- reference (CPU)
+@pytest.mark.parametrize("page_size", [None, 64, 256], ids=["contiguous", "page64", "page256"])
+def test_reference_equals_the_stage2_references(page_size):
+    lengths, H, HQ, D = [1, 63, 64, 65, 300, 129], 2, 6, 32
+    cache = make_cache(lengths, H, D, torch.float64, page_size=page_size)
+    q = torch.randn(len(lengths), HQ, D, dtype=torch.float64)
+    k, v, cu = cache.packed()
+    cu_q = cu_seqlens_from_lengths([1] * len(lengths))
+    dense = naive_sparse_decode(q, cache)
+    torch.testing.assert_close(dense, naive_dense_attn_varlen(q, k, v, cu_q, cu, causal=False))
+    idx = selection(H, lengths, 5)
+    out, lse = naive_sparse_decode(q, cache, idx, return_lse=True)
+    ref, ref_lse = naive_sparse_attn_varlen(q, k, v, cu_q, cu, idx, 1, max(lengths), False, return_lse=True)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse.T.float())
+
+
+def test_reference_paged_equals_contiguous():
+    lengths, H, HQ, D = [200, 5, 64], 2, 4, 16
+    a = make_cache(lengths, H, D, torch.float32)
+    b = make_cache(lengths, H, D, torch.float32, page_size=64)
+    q = torch.randn(3, HQ, D)
+    idx = selection(H, lengths, 4)
+    for sel in (None, idx):
+        ra = naive_sparse_decode(q, a, sel, return_lse=True, return_attn_weights=True)
+        rb = naive_sparse_decode(q, b, sel, return_lse=True, return_attn_weights=True)
+        torch.testing.assert_close(ra[0], rb[0], rtol=0, atol=0)
+        torch.testing.assert_close(ra[1], rb[1], rtol=0, atol=0)
+        wa, wb = ra[2], rb[2]                                    # widths 270 and 320 (5 pages of 64)
+        assert wa.shape[-1] == a.capacity and wb.shape[-1] == b.capacity
+        torch.testing.assert_close(wa, wb[..., :a.capacity], rtol=0, atol=0)
+        assert (wb[..., a.capacity:] == 0).all()
+
+
+def test_reference_weights():
+    lengths, H, HQ, D = [300, 1, 130], 2, 8, 16
+    cache = make_cache(lengths, H, D, torch.float64, page_size=64)
+    q = torch.randn(3, HQ, D, dtype=torch.float64)
+    idx = selection(H, lengths, 4)
+    idx[:, 1] = -1                                                     # sequence 1 selects nothing
+    out, lse, w = naive_sparse_decode(q, cache, idx, return_lse=True, return_attn_weights=True)
+    assert w.shape == (3, HQ, cache.capacity) and w.dtype == torch.float32
+    assert torch.isinf(lse[1]).all() and (out[1] == 0).all() and (w[1] == 0).all()
+    fin = ~torch.isinf(lse)                                            # heads whose selection holds a key
+    assert fin[0].all() and fin[2].any()
+    torch.testing.assert_close(w.sum(-1)[fin].double(), torch.ones(int(fin.sum()), dtype=torch.float64))
+    assert (w[~fin] == 0).all()
+    # zero exactly where not selected or past the length; nonzero where selected
+    for b, L in enumerate(lengths):
+        nb = math.ceil(L / 64)
+        for h in range(H):
+            sel = torch.zeros(cache.capacity, dtype=torch.bool)
+            for x in idx[h, b].tolist():
+                if 0 <= x < nb:
+                    sel[x * 64:min(L, x * 64 + 64)] = True
+            rows = w[b, h * 4:(h + 1) * 4]
+            assert (rows[:, ~sel] == 0).all() and (rows[:, sel] > 0).all()
+    # the weights reproduce the output, and per_kv_head is their sum over the group
+    vals = torch.stack([torch.cat([cache.gather(b)[1], cache.v.new_zeros(cache.capacity - L, H, D)])
+                        for b, L in enumerate(lengths)])                # [B, W, H, D]
+    again = torch.einsum("bhgw,bwhd->bhgd", w.view(3, H, 4, -1).double(), vals).reshape(3, HQ, D)
+    torch.testing.assert_close(again, out, atol=1e-6, rtol=1e-6)
+    wk = naive_sparse_decode(q, cache, idx, return_attn_weights=True, weights="per_kv_head")[1]
+    torch.testing.assert_close(wk, w.view(3, H, 4, -1).sum(2))
+
+
+def test_cpu_tensors_run_the_reference():
+    cache = make_cache([70, 3], 1, 16, torch.float32)
+    q = torch.randn(2, 2, 16)
+    torch.testing.assert_close(sparse_decode(q, cache), naive_sparse_decode(q, cache), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------- plan and checks (CPU)
+def test_plan_is_a_pure_function_of_shapes():
+    p = plan_decode(1, 2, 16, 96, 132)
+    assert p == plan_decode(1, 2, 16, 96, 132) and isinstance(p, DecodePlan)
+    assert p.row_tiles == 1 and p.num_splits * p.per_split >= 96 and (p.num_splits - 1) * p.per_split < 96
+    assert plan_decode(1, 2, 17, 96, 132).row_tiles == 2 and plan_decode(1, 2, 64, 96, 132).row_tiles == 4
+    assert plan_decode(64, 8, 4, 96, 132).num_splits == 1                       # enough CTAs already
+    assert plan_decode(1, 2, 16, cdiv_(131072, 64), 132).num_splits > 100      # dense 128k at batch 1
+    with pytest.raises(ValueError, match="G"):
+        plan_decode(1, 1, 65, 10, 132)
+
+
+def cdiv_(a, b):
+    return -(-a // b)
+
+
+def test_kernel_input_checks_name_the_argument():
+    cache = make_cache([100, 7], 2, 64, torch.bfloat16, page_size=64)
+    q = torch.randn(2, 8, 64, dtype=torch.bfloat16)
+    idx = selection(2, [100, 7], 3)
+    k, v, s, bt = as_tuple(cache)
+    cases = [
+        (dict(q=q.float()), "q"),
+        (dict(q=q.half()), "k_cache"),
+        (dict(q=torch.randn(2, 7, 64, dtype=torch.bfloat16)), "multiple"),
+        (dict(q=torch.randn(2, 8, 32, dtype=torch.bfloat16)), "head dim"),
+        (dict(topk=idx.long()), "topk_idx"),
+        (dict(topk=idx[:1]), "topk_idx"),
+        (dict(s=s.long()), "seqlens"),
+        (dict(bt=bt[:1]), "block_table"),
+        (dict(v=v[:, :, :1]), "v_cache"),
+    ]
+    for change, match in cases:
+        args = dict(q=q, k=k, v=v, s=s, bt=bt, topk=idx)
+        args.update(change)
+        with pytest.raises((ValueError, TypeError), match=match):
+            _check_kernel_inputs(args["q"], args["k"], args["v"], args["s"], args["bt"], args["topk"])
+    with pytest.raises(ValueError, match="CUDA"):
+        _check_kernel_inputs(q, k, v, s, bt, idx)
+    with pytest.raises(ValueError, match="weights"):
+        sparse_decode(q, cache, weights="per_query")
+
+
+# ------------------------------------------------------------------------------------------ kernel (GPU)
+# (lengths, HQ, H, D, dtype, page_size, K): K = 0 is dense decode. Lengths 1, 63, 64, 65, 127, 128 and
+# ones that are not multiples of the page size, mixed in one batch; G from 1 to 48 (row tiles 1, 2, 4).
+GPU_CASES = [
+    ([1, 63, 64, 65, 127, 128], 16, 1, 128, torch.bfloat16, None, 5),
+    ([1, 63, 64, 65, 127, 128], 16, 1, 128, torch.bfloat16, None, 0),
+    ([300, 1000, 70], 32, 2, 128, torch.bfloat16, 64, 12),
+    ([300, 1000, 70], 32, 2, 128, torch.float16, 256, 0),
+    ([2049, 17], 2, 2, 64, torch.float16, 128, 20),
+    ([777], 1, 1, 64, torch.bfloat16, None, 7),
+    ([513, 200], 24, 1, 128, torch.float16, 64, 9),
+    ([130, 4000], 48, 1, 64, torch.bfloat16, 256, 30),
+    ([5000], 12, 4, 128, torch.bfloat16, 64, 0),
+]
+GPU_IDS = [f"L{'-'.join(map(str, c[0]))}_HQ{c[1]}_H{c[2]}_D{c[3]}_{str(c[4])[6:]}_{'pg' + str(c[5]) if c[5] else 'contig'}"
+           f"_{'K' + str(c[6]) if c[6] else 'dense'}" for c in GPU_CASES]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=GPU_IDS)
+def test_kernel_matches_reference(case):
+    lengths, HQ, H, D, dtype, page_size, K = case
+    cache = make_cache(lengths, H, D, dtype, page_size=page_size, device="cuda")
+    q = torch.randn(len(lengths), HQ, D, generator=torch.Generator().manual_seed(1)).to("cuda", dtype)
+    idx = selection(H, lengths, K, device="cuda") if K else None
+    if idx is not None and len(lengths) > 1:
+        idx[:, 1, :] = -1                                                 # a sequence with nothing selected
+    out, lse, w = sparse_decode(q, cache, idx, return_lse=True, return_attn_weights=True)
+    ref, ref_lse, ref_w = naive_sparse_decode(q.double(), as_tuple(cache, torch.float64), idx, return_lse=True,
+                                              return_attn_weights=True)
+    lowp, lowp_lse, lowp_w = naive_sparse_decode(q, cache, idx, return_lse=True, return_attn_weights=True,
+                                                 upcast=False)
+    assert_close_to_ref("out", out, ref, lowp)
+    empty = torch.isinf(ref_lse)
+    assert bool(torch.isinf(lse[empty]).all()) and bool((out[empty] == 0).all())
+    assert_close_to_ref("lse", lse[~empty], ref_lse[~empty], lowp_lse[~empty], atol_floor=1e-5)
+    assert_close_to_ref("weights", w, ref_w, lowp_w, atol_floor=1e-6)
+    assert bool((w[ref_w == 0] == 0).all()), "weights must be exactly 0 where nothing is selected"
+    torch.testing.assert_close(w.sum(-1)[~empty], torch.ones_like(lse)[~empty], atol=1e-4, rtol=0)
+    wk = sparse_decode(q, cache, idx, return_attn_weights=True, weights="per_kv_head")[1]
+    torch.testing.assert_close(wk, w.view(len(lengths), H, HQ // H, -1).sum(2), atol=1e-5, rtol=0)
+    # without weights the output is the same bits (the logits are only stored on the side)
+    assert torch.equal(sparse_decode(q, cache, idx), out)
+
+
+@pytest.mark.gpu
+def test_kernel_plans_agree():
+    # one split per row, and many: same result up to fp32 merge rounding
+    lengths, HQ, H, D = [900, 333], 8, 2, 128
+    cache = make_cache(lengths, H, D, torch.bfloat16, page_size=64, device="cuda")
+    q = torch.randn(2, HQ, D, device="cuda", dtype=torch.bfloat16)
+    idx = selection(H, lengths, 16, device="cuda")
+    a, la = sparse_decode(q, cache, idx, return_lse=True, plan=DecodePlan(1, 1, 16))
+    b, lb = sparse_decode(q, cache, idx, return_lse=True, plan=DecodePlan(1, 8, 2))
+    c, lc = sparse_decode(q, cache, idx, return_lse=True, plan=DecodePlan(2, 3, 6))
+    for x in (b, c):
+        torch.testing.assert_close(x.float(), a.float(), atol=2e-2, rtol=0)
+    for x in (lb, lc):
+        torch.testing.assert_close(x, la, atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_decode_step_replays_bit_identically_in_a_cuda_graph(page_size):
+    lengths, HQ, H, D, dtype = [100, 63, 129], 16, 2, 128, torch.bfloat16
+    eager = make_cache(lengths, H, D, dtype, page_size=page_size, device="cuda")
+    graphed = make_cache(lengths, H, D, dtype, page_size=page_size, device="cuda")
+    g = torch.Generator().manual_seed(3)
+    kn, vn = (torch.randn(3, H, D, generator=g).to("cuda", dtype) for _ in range(2))
+    q = torch.randn(3, HQ, D, generator=g).to("cuda", dtype)
+    idx = selection(H, [L + 1 for L in lengths], 4, device="cuda")
+    # warm-up (kernel compilation, allocator) outside the capture, on the stream it will use
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        sparse_decode(q, graphed, idx, return_lse=True, return_attn_weights=True)
+        scratch = make_cache(lengths, H, D, dtype, page_size=page_size, device="cuda")
+        scratch.append(kn, vn)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed.append(kn, vn)
+        res_g = sparse_decode(q, graphed, idx, return_lse=True, return_attn_weights=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager.append(kn, vn)
+    res_e = sparse_decode(q, eager, idx, return_lse=True, return_attn_weights=True)
+    assert graphed.sync_lengths() == eager.lengths() == [L + 1 for L in lengths]
+    for a, b in zip(res_g, res_e):
+        assert torch.equal(a, b)
+    for name in ("k", "v", "ck1", "ck2", "seqlens"):
+        assert torch.equal(getattr(graphed, name), getattr(eager, name)), name
