@@ -1,0 +1,150 @@
+"""The command line (`python -m infllm_cupy`): conventions, the demo's option checks, scripts/demo.sh --help,
+and the install hint when the gpu extra is missing."""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import infllm_cupy
+from infllm_cupy.__main__ import build_parser, main
+
+REPO = Path(__file__).resolve().parents[1]
+# small enough to run in about a second on a CPU
+SMALL = ["--tokens", "1024", "--heads", "4", "--kv-heads", "2", "--head-dim", "32"]
+
+
+def run_cli(*args, cwd=None, env=None):
+    return subprocess.run([sys.executable, "-m", "infllm_cupy", *args], cwd=cwd or REPO, capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def test_help_version_and_no_arguments():
+    r = run_cli("--help")
+    assert r.returncode == 0 and "usage: python -m infllm_cupy" in r.stdout and "demo" in r.stdout, r
+    r = run_cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"infllm-cupy {infllm_cupy.__version__}", r
+    r = run_cli()      # no command: the help, and a failure status (nothing was done)
+    assert r.returncode == 2 and "usage: python -m infllm_cupy" in r.stderr and "demo" in r.stderr, r
+    r = run_cli("frobnicate")
+    assert r.returncode == 2 and "invalid choice: 'frobnicate'" in r.stderr and "Traceback" not in r.stderr, r
+
+
+def test_demo_help_shows_every_option_with_help_and_default(capsys):
+    parser = build_parser(has_gpu=False)
+    demo = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["demo"]
+    options = [a for a in demo._actions if a.option_strings and a.dest != "help"]
+    assert {a.option_strings[0] for a in options} >= {"--tokens", "--device", "--heads", "--kv-heads", "--head-dim",
+                                                     "--needles", "--topk", "--local-blocks", "--png"}
+    for a in options:
+        assert a.help and len(a.help) > 10, f"{a.option_strings[0]} has no help"
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())     # help lines wrap with the terminal width
+    assert "(default: 4096)" in out or "(default: 32768)" in out, out
+    assert "(default: infllm_selection.png)" in out and "K = topk + local-blocks" in out, out
+
+
+def _demo_error(capsys, *args) -> str:
+    """Run the demo in-process with a bad option: argparse's exit status 2 and its one-line message."""
+    with pytest.raises(SystemExit) as e:
+        main(["demo", *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "usage: python -m infllm_cupy demo" in err, err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tokens", "0"], "argument --tokens: must be at least 1, got 0"),
+    (["--tokens", "-5"], "argument --tokens: must be at least 1, got -5"),
+    (["--tokens", "4k"], "argument --tokens: expected an integer, got '4k'"),
+    (["--tokens", "100"], "argument --tokens: at least 1024 tokens for 4 needle(s)"),
+    (["--tokens", "500", "--needles", "2"], "argument --tokens: at least 512 tokens for 2 needle(s)"),
+    (["--needles", "-1"], "argument --needles: must be at least 0, got -1"),
+    (["--heads", "3"], "argument --heads: 3 query heads is not a multiple of --kv-heads 2"),
+    (["--kv-heads", "0"], "argument --kv-heads: must be at least 1, got 0"),
+    (["--head-dim", "0"], "argument --head-dim: must be at least 1, got 0"),
+    (["--topk", "1"], "argument --topk: at least 2, got 1"),
+    (["--local-blocks", "-1"], "argument --local-blocks: must be at least 0, got -1"),
+    (["--device", "tpu"], "argument --device: expected cpu, cuda or cuda:N, got 'tpu'"),
+    (["--device", "mps"], "argument --device: expected cpu, cuda or cuda:N, got 'mps'"),
+    (["--png", ""], "argument --png: empty path"),
+    (["--png", "/nonexistent-dir/x.png"], "argument --png: the directory '/nonexistent-dir' does not exist"),
+])
+def test_demo_rejects_bad_options_naming_them(capsys, args, message):
+    assert message in _demo_error(capsys, *args)
+
+
+def test_demo_png_that_is_a_directory(capsys, tmp_path):
+    assert f"argument --png: '{tmp_path}' is a directory" in _demo_error(capsys, "--png", str(tmp_path))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a CUDA GPU")
+def test_demo_device_cuda_without_a_gpu(capsys):
+    err = _demo_error(capsys, "--device", "cuda")
+    assert "argument --device: 'cuda', but torch sees no CUDA GPU here" in err and "--device cpu" in err, err
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs a path whose parent exists but takes no files")
+def test_demo_png_write_failure_after_the_run_is_a_message(tmp_path):
+    r = run_cli("demo", *SMALL, "--needles", "0", "--png", "/proc/infllm_selection.png", cwd=tmp_path)
+    assert r.returncode == 2, r
+    assert "error: argument --png: cannot write '/proc/infllm_selection.png'" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_demo_runs_on_cpu_and_writes_the_png(tmp_path):
+    png = tmp_path / "sel.png"
+    r = run_cli("demo", *SMALL, "--device", "cpu", "--png", str(png), cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    # the header states the budget as the config defines it: forced blocks inside K
+    assert "K = topk 8 + local_blocks 4 = 12 blocks of 64 keys per token: 1 init + 5 local forced, 6 by score" \
+        in r.stdout, r.stdout
+    assert r.stdout.count("selected by 100% of (token, head) pairs") == 4, r.stdout
+    assert png.stat().st_size > 1000
+    # output is not a terminal: no progress bar in either stream
+    assert "stage/s" not in r.stderr and "it/s" not in r.stderr and "\r" not in r.stdout + r.stderr, r.stderr
+
+
+def test_demo_no_png(tmp_path):
+    r = run_cli("demo", *SMALL, "--needles", "1", "--no-png", cwd=tmp_path)
+    assert r.returncode == 0 and "wrote" not in r.stdout and not list(tmp_path.iterdir()), r
+
+
+def test_demo_sh_help_does_not_install(tmp_path):
+    """scripts/demo.sh --help prints the demo's help without running pip (a shim records every python call)."""
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    log = tmp_path / "calls.log"
+    (shim / "python").write_text(f'#!/bin/sh\necho "$@" >> {log}\nexec {sys.executable} "$@"\n')
+    (shim / "python").chmod(0o755)
+    env = dict(os.environ, PATH=f"{shim}:{os.environ['PATH']}", VIRTUAL_ENV=sys.prefix)
+    r = subprocess.run(["bash", str(REPO / "scripts" / "demo.sh"), "--help"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 0 and "usage: python -m infllm_cupy demo" in r.stdout, r
+    calls = log.read_text().splitlines()
+    assert calls and not any("pip" in c for c in calls), calls
+
+
+def test_missing_cupy_names_the_gpu_extra():
+    """A CUDA tensor on an install without the gpu extra: ImportError naming the extra, not a bare
+    ModuleNotFoundError (run in a child whose `import cupy` fails)."""
+    probe = ("import sys; sys.modules['cupy'] = None; sys.modules['cupy_backends'] = None\n"
+             "from infllm_cupy._cupy import import_cupy, import_nvrtc, has_nvrtc\n"
+             "assert not has_nvrtc()\n"
+             "for f in (import_cupy, import_nvrtc):\n"
+             "    try:\n"
+             "        f()\n"
+             "    except ImportError as e:\n"
+             "        print(e)\n")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=120)
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and len(lines) == 2, r
+    assert all('pip install "infllm-cupy[gpu]"' in line for line in lines), lines
