@@ -59,22 +59,24 @@ def _nonnegative_int(text: str) -> int:
 def add_demo_arguments(p: argparse.ArgumentParser, has_gpu: bool) -> None:
     # sizes default by machine (a CPU runs the references, much slower); the help shows this machine's
     p.add_argument("--tokens", type=_positive_int, default=32768 if has_gpu else 4096,
-                   help="length of the one sequence; at least 256, and 256 per needle (32768 with a CUDA GPU, "
-                        "4096 without)")
+                   help="length of the one sequence; at least 256, and 256 per needle (32768 with a CUDA "
+                        "GPU, 4096 without)")
     p.add_argument("--device", default="cuda" if has_gpu else "cpu",
                    help="cpu (every stage on its PyTorch reference) or cuda / cuda:N (the CUDA kernels)")
-    p.add_argument("--heads", type=_positive_int, default=32, help="query heads HQ (a multiple of --kv-heads)")
+    p.add_argument("--heads", type=_positive_int, default=32,
+                   help="query heads HQ (a multiple of --kv-heads)")
     p.add_argument("--kv-heads", type=_positive_int, default=2, help="key/value heads H")
     p.add_argument("--head-dim", type=_positive_int, default=128,
                    help="head dimension D (the CUDA kernels take 64 or 128)")
     p.add_argument("--needles", type=_nonnegative_int, default=4,
                    help="needles to plant: key blocks in the first quarter, their queries in the second half")
     p.add_argument("--topk", type=_positive_int, default=64 if has_gpu else 8,
-                   help="selection budget: K = topk + local-blocks blocks per query token, the forced init "
-                        f"block and local window included; at least {INIT_BLOCKS + 1} (MiniCPM4: 64; 8 without a GPU)")
+                   help="selection budget: K = topk + local-blocks blocks per query token, the forced "
+                        f"init block and local window included; at least {INIT_BLOCKS + 1} (MiniCPM4: 64; 8 "
+                        "without a GPU)")
     p.add_argument("--local-blocks", type=_nonnegative_int, default=32 if has_gpu else 4,
-                   help="local window in blocks besides the query's own (MiniCPM4: 32, so 33 forced local blocks; "
-                        "4 without a GPU)")
+                   help="local window in blocks besides the query's own (MiniCPM4: 32, so 33 forced local "
+                        "blocks; 4 without a GPU)")
     p.add_argument("--png", default="infllm_selection.png",
                    help="where to write the plot of the selected blocks")
     p.add_argument("--no-png", action="store_true", help="write no plot")
@@ -90,7 +92,8 @@ def _check_device(p: argparse.ArgumentParser, text: str):
     if device.type == "cpu":
         return device
     if device.type != "cuda":
-        p.error(f"argument --device: expected cpu, cuda or cuda:N, got {text!r} (no kernels for {device.type})")
+        p.error(f"argument --device: expected cpu, cuda or cuda:N, got {text!r} (no kernels for "
+                f"{device.type})")
     if not torch.cuda.is_available():
         p.error(f"argument --device: {text!r}, but torch sees no CUDA GPU here (torch {torch.__version__}, "
                 f"torch.cuda.is_available() is False); use --device cpu")
@@ -129,9 +132,9 @@ def check_demo_args(p: argparse.ArgumentParser, args: argparse.Namespace):
         p.error(f"argument --heads: {args.heads} query heads is not a multiple of --kv-heads {args.kv_heads} "
                 f"(each KV head serves HQ / H query heads)")
     if args.topk < INIT_BLOCKS + 1:
-        p.error(f"argument --topk: at least {INIT_BLOCKS + 1}, got {args.topk}: K = topk + local-blocks slots "
-                f"must hold the init block and the local-blocks + 1 local blocks ({INIT_BLOCKS + 1} keeps only "
-                f"those)")
+        p.error(f"argument --topk: at least {INIT_BLOCKS + 1}, got {args.topk}: K = topk + local-blocks "
+                f"slots must hold the init block and the local-blocks + 1 local blocks ({INIT_BLOCKS + 1} "
+                f"keeps only those)")
     device = _check_device(p, args.device)
     if device.type == "cuda" and args.head_dim not in (64, 128):
         p.error(f"argument --head-dim: the CUDA kernels take 64 or 128, got {args.head_dim} "
@@ -158,7 +161,8 @@ def run_demo(args: argparse.Namespace, device) -> int:
     kernels = device.type == "cuda"
     impl = "kernel" if kernels else "reference"
     K = cfg.topk + cfg.local_blocks
-    print(f"InfLLM-v2 demo on {torch.cuda.get_device_name(device) if kernels else 'CPU'}: one sequence of {T} "
+    name = torch.cuda.get_device_name(device) if kernels else "CPU"
+    print(f"InfLLM-v2 demo on {name}: one sequence of {T} "
           f"tokens, HQ={HQ}, H={H}, D={D}, bf16; K = topk {cfg.topk} + local_blocks {cfg.local_blocks} = {K} "
           f"blocks of {cfg.block_size} keys per token: {cfg.init_blocks} init + {cfg.local_blocks + 1} local "
           f"forced, {K - cfg.init_blocks - cfg.local_blocks - 1} by score")
@@ -170,7 +174,7 @@ def run_demo(args: argparse.Namespace, device) -> int:
                              init_blocks=cfg.init_blocks)
 
     timings = {}
-    # one bar step per stage (stage 2 takes seconds on CPU); tqdm turns itself off when stderr is not a terminal
+    # one bar step per stage (stage 2 takes seconds on CPU); off when stderr is not a terminal
     with tqdm(total=4, unit="stage", disable=None, leave=False) as bar:
         if kernels:   # compile outside the timings
             bar.set_description("compiling kernels")
@@ -204,8 +208,8 @@ def run_demo(args: argparse.Namespace, device) -> int:
 
     valid = topk_idx >= 0
     K = topk_idx.shape[-1]
-    print(f"\nselection: K = {K} slots per token and KV head; {valid.float().mean().item():.1%} of slots used "
-          f"(early tokens have fewer than K causal blocks, tail -1)")
+    print(f"\nselection: K = {K} slots per token and KV head; {valid.float().mean().item():.1%} of slots "
+          f"used (early tokens have fewer than K causal blocks, tail -1)")
     hits = []
     for kb, qs in needles:
         sel = topk_idx[:, qs:qs + BLOCK].long()
@@ -243,8 +247,8 @@ def run_demo(args: argparse.Namespace, device) -> int:
               f"block's tokens that selected it")
         dens = selection_density(topk_idx.cpu(), cu.cpu(), cu.cpu())
         nqb = dens.shape[0]
-        print(f"  density: {dens.sum().item() / (nqb * (nqb + 1) / 2):.1%} of the causal (query block, key block) "
-              f"pairs")
+        share = dens.sum().item() / (nqb * (nqb + 1) / 2)
+        print(f"  density: {share:.1%} of the causal (query block, key block) pairs")
     missed = [kb for (kb, _), h in zip(needles, hits) if not h > 0.5]
     if missed:
         print(f"\nneedle(s) in key block(s) {missed} selected by half of their (token, head) pairs or fewer "
@@ -262,7 +266,8 @@ def build_parser(has_gpu: bool | None = None) -> argparse.ArgumentParser:
         has_gpu = torch.cuda.is_available()
     p = argparse.ArgumentParser(
         prog="python -m infllm_cupy",
-        description="InfLLM-v2 block-sparse attention (CUDA kernels compiled at run time, PyTorch references).")
+        description="InfLLM-v2 block-sparse attention: CUDA kernels compiled at run time, PyTorch "
+                    "references of every op.")
     p.add_argument("--version", action="version", version=f"infllm-cupy {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     demo = sub.add_parser("demo", help="run the pipeline on a synthetic sequence and plot what it selects",

@@ -7,7 +7,8 @@ install must say which extra to add rather than end in a bare `ModuleNotFoundErr
 from __future__ import annotations
 
 GPU_EXTRA_HINT = ('the CUDA kernels need CuPy and the CUDA runtime wheels: pip install "infllm-cupy[gpu]" '
-                  '(from a checkout: pip install -e ".[gpu]"); CPU tensors run the PyTorch references without it')
+                  '(from a checkout: pip install -e ".[gpu]"); CPU tensors run the PyTorch references '
+                  'without it')
 
 
 def import_cupy():
