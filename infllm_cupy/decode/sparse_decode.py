@@ -27,7 +27,7 @@ WEIGHTS = ("per_head", "per_kv_head")
 # Split planning (docs/decode.md, "Splits"): about CTAS_PER_SM CTAs per SM in one wave, each split
 # at least MIN_BLOCKS_PER_SPLIT blocks so its load of block i + 1 overlaps the math on block i.
 CTAS_PER_SM = 2
-MIN_BLOCKS_PER_SPLIT = 2
+MIN_BLOCKS_PER_SPLIT = 1
 MAX_SPLITS = 256
 
 _jit.register_instances(SOURCE, [f"sparse_decode_split<{CXX_TYPE[t]}, {d}, {mt}>"
@@ -151,11 +151,11 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
                  np.float32(scale * math.log2(math.e)), ptr(o_part), ptr(lse_part),
                  ptr(logits) if logits is not None else null, np.int32(width)))
     name = f"sparse_decode_merge<{CXX_TYPE[q.dtype]}, {D}>"
-    launch(_jit.get_kernel(SOURCE, name), name=name, grid=(B * HQ,), block=(128,),
+    launch(_jit.get_kernel(SOURCE, name), name=name, grid=(B * HQ,), block=(256,), shared_mem=4 * S,
            args=(ptr(o_part), ptr(lse_part), np.int32(S), ptr(out), ptr(lse), ptr(lse2)))
     if return_attn_weights:
         name = "sparse_decode_weights"
-        launch(_jit.get_kernel(SOURCE, name), name=name, grid=(cdiv(width, WCHUNK), H, B), block=(256,),
+        launch(_jit.get_kernel(SOURCE, name), name=name, grid=(cdiv(width, WCHUNK), H, B), block=(WCHUNK // 4,),
                args=(ptr(logits), ptr(lse2), ptr(seqlens), ptr(topk_idx) if sparse else null, np.int32(K),
                      np.int32(B), np.int32(H), np.int32(G), np.int32(width),
                      np.int32(weights == "per_kv_head"), ptr(w_out)))

@@ -24,12 +24,12 @@
 //           (rows g < G, positions < L_b); the weights pass turns them into probabilities
 //
 // sparse_decode_merge<T, D>
-//   grid (B * HQ)  block (128)  no shared memory
+//   grid (B * HQ)  block (256)  dynamic shared memory S * 4 bytes (the merge weights)
 //   out [B, HQ, D] T = sum_s 2^(lse_s - lse) o_s;  lse_out float [B, HQ] natural log (+inf when
 //   no split saw a key, then out = 0);  lse2_out float [B * HQ] the same in log2 (weights pass)
 //
 // sparse_decode_weights
-//   grid (cdiv(W, WCHUNK), H, B)  block (256)  static shared memory
+//   grid (cdiv(W, WCHUNK), H, B)  block (WCHUNK / 4 = 256)  static shared memory
 //   out [B, HQ, W] (per_kv_head = 0) or [B, H, W] (per_kv_head = 1) float: 2^(logit - lse2) at the
 //   selected positions < L_b, 0 elsewhere. With per_kv_head = 0, `logits` may alias `out` (each
 //   element is read and then written by the same thread).
@@ -277,27 +277,50 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
 }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(128)
+__global__ void __launch_bounds__(256)
 sparse_decode_merge(const float* __restrict__ o_part, const float* __restrict__ lse_part, int S,
                     T* __restrict__ out, float* __restrict__ lse_out, float* __restrict__ lse2_out) {
+    constexpr int P = 256 / D;                    // thread groups splitting the S partial outputs
+    extern __shared__ float wts[];                // [S] merge weights 2^(lse_s - max)
+    __shared__ float red[8];
+    __shared__ float acc_s[P][D];
     const int64 row = blockIdx.x;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const float* lp = lse_part + row * S;
     float M = -INFLLM_INF;
-    for (int s = 0; s < S; ++s) M = fmaxf(M, lp[s]);
+    for (int s = tid; s < S; s += 256) M = fmaxf(M, lp[s]);
+    for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+    if (lane == 0) red[warp] = M;
+    __syncthreads();
+    M = red[0];
+    for (int w = 1; w < 8; ++w) M = fmaxf(M, red[w]);
+    __syncthreads();
     float sum = 0.f;
-    if (M != -INFLLM_INF)
-        for (int s = 0; s < S; ++s) sum += exp2f(lp[s] - M);
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float acc = 0.f;
-        if (sum > 0.f)
-            for (int s = 0; s < S; ++s) {
-                const float w = exp2f(lp[s] - M);
-                if (w > 0.f) acc += w * o_part[(row * S + s) * D + d];   // skips the 0 * NaN of an unused split
-            }
-        out[row * D + d] = from_float<T>(acc * inv);
+    for (int s = tid; s < S; s += 256) {
+        const float w = M == -INFLLM_INF ? 0.f : exp2f(lp[s] - M);
+        wts[s] = w;
+        sum += w;
     }
-    if (threadIdx.x == 0) {
+    for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) red[warp] = sum;
+    __syncthreads();
+    sum = 0.f;
+    for (int w = 0; w < 8; ++w) sum += red[w];      // the same order in every thread
+    // every split wrote its o_part rows (zeros when it saw no key), so w * o is never 0 * NaN
+    const int d = tid % D, part = tid / D;
+    const float* op = o_part + row * S * D + d;
+    float acc = 0.f;
+#pragma unroll 4
+    for (int s = part; s < S; s += P) acc += wts[s] * op[(int64)s * D];
+    acc_s[part][d] = acc;
+    __syncthreads();
+    if (part == 0) {
+        float a = 0.f;
+#pragma unroll
+        for (int p = 0; p < P; ++p) a += acc_s[p][d];
+        out[row * D + d] = from_float<T>(sum > 0.f ? a / sum : 0.f);
+    }
+    if (tid == 0) {
         const float lse2 = sum > 0.f ? M + __log2f(sum) : INFLLM_INF;
         lse2_out[row] = lse2;
         lse_out[row] = sum > 0.f ? lse2 * LN2 : INFLLM_INF;
@@ -325,20 +348,44 @@ sparse_decode_weights(const float* logits, const float* __restrict__ lse2, const
         }
         __syncthreads();
     }
-    const int p1 = min(p0 + WCHUNK, W);
-    for (int p = p0 + tid; p < p1; p += blockDim.x) {
-        const bool on = p < L && sel[(p - p0) / BLK];
-        if (per_kv_head) {
-            float acc = 0.f;
-            if (on)
-                for (int g = 0; g < G; ++g)
-                    acc += exp2f(logits[((int64)b * HQ + (int64)h * G + g) * W + p] - lse_s[g]);
-            out[((int64)b * H + h) * W + p] = acc;
+    // WCHUNK = 4 * blockDim.x: each thread takes 4 consecutive positions of one 64-key block, as one
+    // 16-byte store per head when the rows are 16-byte aligned (W % 4 == 0)
+    const int p = p0 + 4 * tid;
+    if (p >= W) return;
+    const bool vec = (W & 3) == 0;
+    const bool blk_on = sel[(p - p0) / BLK] != 0;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int g = 0; g < G; ++g) {
+        const int64 at = ((int64)b * HQ + (int64)h * G + g) * W + p;
+        float x[4];
+        if (vec && blk_on && p + 3 < L) {
+            const float4 lv = *reinterpret_cast<const float4*>(logits + at);
+            x[0] = exp2f(lv.x - lse_s[g]); x[1] = exp2f(lv.y - lse_s[g]);
+            x[2] = exp2f(lv.z - lse_s[g]); x[3] = exp2f(lv.w - lse_s[g]);
         } else {
-            for (int g = 0; g < G; ++g) {
-                const int64 at = ((int64)b * HQ + (int64)h * G + g) * W + p;
-                out[at] = on ? exp2f(logits[at] - lse_s[g]) : 0.f;
-            }
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                x[e] = blk_on && p + e < L && p + e < W ? exp2f(logits[at + e] - lse_s[g]) : 0.f;
+        }
+        if (per_kv_head) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[e] += x[e];
+        } else if (vec) {
+            *reinterpret_cast<float4*>(out + at) = make_float4(x[0], x[1], x[2], x[3]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (p + e < W) out[at + e] = x[e];
+        }
+    }
+    if (per_kv_head) {
+        const int64 at = ((int64)b * H + h) * W + p;
+        if (vec) {
+            *reinterpret_cast<float4*>(out + at) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (p + e < W) out[at + e] = acc[e];
         }
     }
 }
