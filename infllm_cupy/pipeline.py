@@ -32,6 +32,15 @@ from .stage2.naive import naive_dense_attn_varlen, naive_sparse_attn_varlen
 class InfLLMv2Config:
     r"""Hyper-parameters of InfLLM-v2 (MiniCPM4 / 4.1 defaults).
 
+    What `topk` means (MiniCPM4's definition, docs/semantics.md): every query token gets
+    `K = topk + local_blocks` block slots (`topk_idx` is `[H, total_q, K]`, at most the number of
+    blocks). The forced blocks take their slots inside K: the `init_blocks` leading blocks and the
+    `local_blocks + 1` blocks ending at the query's own block (the local window counts the query's
+    block too). The `topk - init_blocks - 1` slots left go to the best-scoring other blocks.
+    MiniCPM4: `topk = 64`, `local_blocks = 32`, so K = 96 = 1 init + 33 local + 62 by score.
+    `topk < init_blocks + 1` cannot hold every forced block (stage 1 would drop some of them, leaving
+    holes in the local window) and raises ValueError.
+
     Args:
         kernel_size, kernel_stride (int):
             Fine key compression (stage-1 scores). Default: 32, 16.
@@ -40,9 +49,11 @@ class InfLLMv2Config:
         block_size (int):
             Key block of stage 2. Default: 64.
         topk (int):
-            Top-k budget; `topk + local_blocks` blocks are kept. Default: 64.
+            Selection budget: `K = topk + local_blocks` slots, forced blocks included (see above);
+            at least `init_blocks + 1`. Default: 64.
         local_blocks (int):
-            `window_size // block_size`; `local_blocks + 1` blocks are forced. Default: 32.
+            `window_size // block_size`; the local window is `local_blocks + 1` blocks, the query's
+            own block and the `local_blocks` before it. Default: 32.
         init_blocks (int):
             Leading blocks always selected. Default: 1.
         dense_len (int):
@@ -79,6 +90,7 @@ class InfLLMv2Config:
                        block_size=self.block_size)
         check_int_args(0, topk=self.topk, local_blocks=self.local_blocks, init_blocks=self.init_blocks)
         check_int_args(-1, dense_len=self.dense_len)
+        check_topk_keeps_forced_blocks(self.topk, self.init_blocks)
         if self.block_size % self.kernel_stride:
             raise ValueError(f"block_size ({self.block_size}) must be a multiple of kernel_stride "
                              f"({self.kernel_stride})")
@@ -86,6 +98,22 @@ class InfLLMv2Config:
             raise ValueError(f"softmax_scale must be positive or None, got {self.softmax_scale!r}")
         if self.score_dtype not in REF_DTYPES:
             raise ValueError(f"score_dtype must be a float dtype, got {self.score_dtype!r}")
+
+
+def check_topk_keeps_forced_blocks(topk: int, init_blocks: int, name: str = "topk") -> None:
+    """Raise ValueError unless `K = topk + local_blocks` slots hold every forced block.
+
+    A query far enough from the start has `init_blocks + local_blocks + 1` forced blocks (the init
+    blocks and a local window that does not overlap them), so `topk >= init_blocks + 1` exactly.
+    The original (HF MiniCPM) does not check this; there, too, a smaller `topk` lets `torch.topk`
+    drop forced blocks among the tied `+inf` scores, which contradicts their being forced, so we
+    refuse the configuration rather than reproduce the holes.
+    """
+    if topk < init_blocks + 1:
+        raise ValueError(f"{name} must be at least init_blocks + 1 = {init_blocks + 1}, got {topk}: "
+                         f"K = {name} + local_blocks slots must hold the {init_blocks} init block(s) and the "
+                         f"local_blocks + 1 local blocks (the forced blocks count inside K, as in MiniCPM4); "
+                         f"{name} = {init_blocks + 1} keeps only the forced blocks")
 
 
 def check_config(config) -> InfLLMv2Config:
@@ -338,8 +366,9 @@ def naive_infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
     Keys are mean-compressed (32/16 and 128/64), stage 1 scores them for every query token, the scores
     are max-pooled into 64-token blocks with the init and local blocks forced, the top
-    `topk + local_blocks` blocks are kept, and stage 2 attends causally (bottom-right aligned) over
-    them. Stage 1 takes no gradient; `q`, `k`, `v` get theirs through stage 2. When the longest key
+    `K = topk + local_blocks` blocks are kept (the forced ones among them; see `InfLLMv2Config`), and
+    stage 2 attends causally (bottom-right aligned) over them. Stage 1 takes no gradient; `q`, `k`,
+    `v` get theirs through stage 2. When the longest key
     sequence is shorter than `config.dense_len`, plain dense causal attention is used instead.
     Query sequences shorter than their key sequences are chunked prefill: the first `Lk - Lq` keys
     are the cache.
@@ -378,8 +407,9 @@ def infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     r"""InfLLM-v2 prefill attention: compression -> stage 1 -> top-k -> stage 2, on kernels where they exist.
 
     Same semantics as `naive_infllmv2_attention` (MiniCPM4 defaults: kernels 32/16 and 128/64,
-    64-key blocks, `topk = 64` plus 33 forced local blocks and 1 init block, dense attention when
-    the longest key sequence is shorter than `dense_len = 8192`). Causal masking is aligned
+    64-key blocks, `topk = 64` with `local_blocks = 32`: K = 96 blocks per query token, of which
+    1 init and 33 local blocks are forced and 62 picked by score (`InfLLMv2Config`), dense attention
+    when the longest key sequence is shorter than `dense_len = 8192`). Causal masking is aligned
     bottom-right, so a query chunk shorter than its keys (chunked prefill) sees the cache. With
     `block_size = 2`, `Lq = 2`, `Lk = 6` and a token that selected blocks `{0, 2}` (the last query):
 
