@@ -256,3 +256,19 @@ def test_decode_step_replays_bit_identically_in_a_cuda_graph(page_size):
         assert torch.equal(a, b)
     for name in ("k", "v", "ck1", "ck2", "seqlens"):
         assert torch.equal(getattr(graphed, name), getattr(eager, name)), name
+
+
+@pytest.mark.gpu
+def test_empty_sequence_and_raw_tuple_cache():
+    # a sequence with no keys yet: out 0, lse +inf, weights 0, beside a normal one
+    g = torch.Generator().manual_seed(4)
+    k, v = (torch.randn(2, 130, 1, 64, generator=g).to("cuda", torch.float16) for _ in range(2))
+    seqlens = torch.tensor([0, 65], dtype=torch.int32, device="cuda")
+    q = torch.randn(2, 4, 64, generator=g).to("cuda", torch.float16)
+    for idx in (None, torch.tensor([[[0, 1], [1, 0]]], dtype=torch.int32, device="cuda")):
+        out, lse, w = sparse_decode(q, (k, v, seqlens), idx, return_lse=True, return_attn_weights=True)
+        assert (out[0] == 0).all() and torch.isinf(lse[0]).all() and (w[0] == 0).all()
+        ref, ref_lse = naive_sparse_decode(q.double(), (k.double(), v.double(), seqlens), idx, return_lse=True)
+        lowp = naive_sparse_decode(q, (k, v, seqlens), idx, upcast=False)
+        assert_close_to_ref("out", out, ref, lowp)
+        torch.testing.assert_close(w[1].sum(-1), torch.ones(4, device="cuda"), atol=1e-4, rtol=0)
