@@ -7,11 +7,11 @@ host read would break the graph).
 """
 from __future__ import annotations
 
-import os
 from typing import Iterable, Sequence
 
 import torch
 
+from . import _env
 from ._constants import BACKENDS, HEAD_DIMS
 
 # The references also take float64 (for gradcheck and exact comparisons).
@@ -22,10 +22,10 @@ INT_DTYPES = (torch.int32, torch.int64)
 
 def validate_values() -> bool:
     """Whether to run the checks on values (host copies): not under torch.compile, nor with
-    INFLLM_CUPY_VALIDATE=0."""
+    INFLLM_CUPY_VALIDATE=0 or `_env.override(validate=False)`."""
     if torch.compiler.is_compiling():
         return False
-    return os.environ.get("INFLLM_CUPY_VALIDATE", "1") != "0"
+    return _env.validate()
 
 
 def _fmt_dtypes(dtypes: Iterable[torch.dtype]) -> str:
@@ -100,6 +100,7 @@ def seqlens_host(cu: torch.Tensor) -> list[int]:
     """Per-sequence lengths as Python ints (one small device-to-host copy)."""
     c = cu.detach().to("cpu", torch.int64)
     return (c[1:] - c[:-1]).tolist()
+
 
 def check_backend(backend) -> str:
     """`backend` must be one of `BACKENDS`; returns it."""

@@ -18,11 +18,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import os
 import re
 from pathlib import Path
 
-KERNELS_DIR_ENV = "INFLLM_CUPY_KERNELS_DIR"
+from . import _env
+
+KERNELS_DIR_ENV = _env.KERNELS_DIR
 BASE_OPTIONS = ("-std=c++17",)
 # CuPy's RawModule appends -ftz=true to every NVRTC compile (cupy/cuda/compiler.py), so the kernels
 # run flush-to-zero whatever BASE_OPTIONS says; compile_report adds it too, so that its register
@@ -39,13 +40,17 @@ class KernelCompileError(RuntimeError):
 # --------------------------------------------------------------------------------------------
 # Sources
 # --------------------------------------------------------------------------------------------
-@functools.cache
 def kernels_dir() -> Path:
-    """The `kernels_cu/` folder: `$INFLLM_CUPY_KERNELS_DIR`, else the copy inside an installed
-    wheel (`infllm_cupy/kernels_cu`), else the one at the top of a source checkout."""
-    env = os.environ.get(KERNELS_DIR_ENV)
-    if env:
-        return Path(env).resolve()
+    """The `kernels_cu/` folder: `$INFLLM_CUPY_KERNELS_DIR` (or `_env.override(kernels_dir=...)`),
+    else the copy inside an installed wheel (`infllm_cupy/kernels_cu`), else the one at the top of
+    a source checkout."""
+    return _find_kernels_dir(_env.kernels_dir())
+
+
+@functools.cache
+def _find_kernels_dir(asked: str | None) -> Path:
+    if asked:
+        return Path(asked).resolve()
     pkg = Path(__file__).resolve().parent
     for cand in (pkg / "kernels_cu", pkg.parent / "kernels_cu"):
         if cand.is_dir() and any(cand.rglob("*.cu")):
@@ -175,13 +180,16 @@ def get_kernel(source: str, name: str, *, sm90a: bool = False):
     import torch
 
     dev = torch.cuda.current_device()
-    cap = torch.cuda.get_device_capability(dev)
-    key = (source, name, sm90a, dev)
+    # the kernels folder and line info are part of the key: a tree switched with `_env.override`
+    # must not be served another tree's kernel
+    lineinfo = _env.lineinfo()
+    key = (source, name, sm90a, dev, _env.kernels_dir(), lineinfo)
     kern = _KERNELS.get(key)
     if kern is not None:
         return kern
+    cap = torch.cuda.get_device_capability(dev)
     options = BASE_OPTIONS + _include_options()
-    if os.environ.get("INFLLM_CUPY_LINEINFO") == "1":   # source lines for Nsight Compute
+    if lineinfo:   # source lines for Nsight Compute
         options += ("-lineinfo",)
     if sm90a:
         if cap != (9, 0):
@@ -202,7 +210,7 @@ def get_kernel(source: str, name: str, *, sm90a: bool = False):
 def clear_cache() -> None:
     """Forget compiled kernels and the kernels_cu/ location (after editing kernels in a notebook)."""
     _KERNELS.clear()
-    kernels_dir.cache_clear()
+    _find_kernels_dir.cache_clear()
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import numpy as np
 import torch
 
-CXX_TYPE = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16", torch.float32: "float"}
+from . import _env
 
-POISON_ENV = "INFLLM_CUPY_POISON"
+CXX_TYPE = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16", torch.float32: "float"}
 
 
 def cdiv(a: int, b: int) -> int:
@@ -40,9 +39,10 @@ def current_stream():
 
 
 def empty(shape, *, dtype: torch.dtype, device) -> torch.Tensor:
-    """Allocate a kernel output. With INFLLM_CUPY_POISON=1 (set by the tests) floating outputs are
-    NaN-filled and integer outputs filled with a sentinel, so an element the kernel never writes fails."""
-    if os.environ.get(POISON_ENV) == "1":
+    """Allocate a kernel output. With INFLLM_CUPY_POISON=1 (set by the tests; see `_env`) floating
+    outputs are NaN-filled and integer outputs filled with a sentinel, so an element the kernel never
+    writes fails."""
+    if _env.poison():
         fill = float("nan") if dtype.is_floating_point else -(2**30)
         return torch.full(shape, fill, dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import numpy as np
 import torch
@@ -30,29 +29,28 @@ from .._checks import (
 from .._checks import check_stage1_inputs as _check_stage1_inputs
 from .._constants import HEAD_DIMS
 from .._constants import KV_BLOCK as BLOCK_SIZE
+from .._kernel_arg import check_kernel
 from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
 from .naive import naive_stage1_select
+from .plan import (  # noqa: F401  (the sizing functions re-exported: the launcher's vocabulary)
+    MAX_GROUP,
+    SM90_MAX_LGP,
+    SM90A,
+    Stage1Plan,
+    choose_tiles,
+    lgp_of,
+    smem_bytes,
+    smem_bytes_sm90,
+    stage1_plan,
+)
 
 SOURCE = "stage1/select.cu"
 SOURCE_SM90 = "stage1/select_sm90.cu"
-KERNEL_ENV = "INFLLM_CUPY_STAGE1_KERNEL"   # "sm80" or "sm90a": which kernel runs (default: sm90a on H100 when G <= 32)
-KERNEL_CHOICES = ("sm80", "sm90a")
-SM90_MAX_LGP = 5         # the sm_90a kernel: a token's rows fit in one or two warps' 16 (G <= 32)
-SM90_THREADS = 256
 SCORE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_GROUP = 128          # G <= 128: a token's rows fit in one CTA (4 warps x 32 rows)
-TILE = 64                # compressed keys per tile (kernels_cu: S1_TILE)
-STAGE_STRIDE = 68        # floats per staging row (kernels_cu: S1_ST)
-ROWS_PER_WARP = 32
 KERNEL_STRIDE, COARSE_STRIDE = 16, 64   # what the kernel is built for (and BLOCK_SIZE, imported)
 
 
 SCORE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # kernels_cu: `kind`
-
-
-def _lgp(G: int) -> int:
-    """log2 of the padded group GP (the smallest power of two >= G)."""
-    return max(0, (G - 1).bit_length())
 
 
 def kernel_name(dtype: torch.dtype, score_dtype: torch.dtype, D: int, sm90a: bool = False) -> str:
@@ -65,37 +63,6 @@ def kernel_name(dtype: torch.dtype, score_dtype: torch.dtype, D: int, sm90a: boo
 for _sm90a, _src in ((False, SOURCE), (True, SOURCE_SM90)):
     _jit.register_instances(_src, list(dict.fromkeys(kernel_name(dt, st, d, _sm90a) for dt in KERNEL_DTYPES
                                                      for st in SCORE_DTYPES for d in HEAD_DIMS)), sm90a=_sm90a)
-
-
-def use_sm90_kernel(capability: tuple[int, int], lgp: int, choice: str | None = None) -> bool:
-    """Whether the sm_90a kernel runs: `choice` (None: `$INFLLM_CUPY_STAGE1_KERNEL`, else automatic)
-    is "sm80" or "sm90a"; automatic picks sm90a on compute capability 9.0 when G <= 32."""
-    if choice is None:
-        choice = os.environ.get(KERNEL_ENV) or None
-    if choice is not None and choice not in KERNEL_CHOICES:
-        raise ValueError(f"{KERNEL_ENV} must be one of {KERNEL_CHOICES}, got {choice!r}")
-    fits = capability == (9, 0) and lgp <= SM90_MAX_LGP
-    if choice == "sm90a" and not fits:
-        raise ValueError(f"{KERNEL_ENV}=sm90a needs compute capability 9.0 and G <= 32 (got capability "
-                         f"{capability}, G <= {1 << lgp})")
-    return fits if choice is None else choice == "sm90a"
-
-
-def smem_bytes_sm90(D: int, itemsize: int, lgp: int, olp: int, key_bytes: int, bs_in_smem: bool) -> int:
-    """Dynamic shared memory of one sm_90a CTA (mirrors select_sm90.cu): alignment slack, two Q
-    tiles and two key tiles of 64 rows, the staging rows, per-warp column sums (G > 16) and the
-    block-key rows."""
-    tok = 128 >> lgp
-    return (1024 + 4 * TILE * D * itemsize + tok * STAGE_STRIDE * 4 + (8 * 64 * 4 if lgp == 5 else 0)
-            + (tok * olp * key_bytes if bs_in_smem else 0))
-
-
-def smem_bytes(D: int, itemsize: int, warps: int, lgp: int, olp: int, key_bytes: int,
-               bs_in_smem: bool) -> int:
-    """Dynamic shared memory of one CTA (mirrors the layout in select.cu)."""
-    tok = (ROWS_PER_WARP * warps) >> lgp
-    return (2 * TILE * D * itemsize + tok * STAGE_STRIDE * 4 + (warps * 64 * 4 if lgp >= 5 else 0)
-            + (tok * olp * key_bytes if bs_in_smem else 0))
 
 
 def _smem_limits(device: torch.device) -> tuple[int, int]:
@@ -112,27 +79,6 @@ def _smem_limits_of(device_index: int) -> tuple[int, int]:
         return int(p["sharedMemPerBlockOptin"]), int(p["sharedMemPerMultiprocessor"])
     except (ImportError, KeyError, RuntimeError):   # conservative: A100's numbers
         return 163 * 1024, 164 * 1024
-
-
-def choose_tiles(D: int, itemsize: int, lgp: int, olp: int, key_bytes: int, smem_max: int,
-                 smem_per_sm: int) -> tuple[int, bool]:
-    """(warps, block keys in shared memory) for one launch.
-
-    Prefers 4 warps (128 rows per CTA: each key tile read from L2 serves the most rows) at a size that
-    lets two CTAs share an SM; then fewer warps (fewer tokens, so less block-key memory); then any
-    size that fits one CTA per SM; else block keys in a global scratch.
-    """
-    min_warps = max(1, (1 << lgp) // ROWS_PER_WARP)
-    choices = [w for w in (4, 2, 1) if w >= min_warps]
-    two_per_sm = min(smem_per_sm // 2 - 1024, smem_max)
-    for limit in (two_per_sm, smem_max):
-        for w in choices:
-            if smem_bytes(D, itemsize, w, lgp, olp, key_bytes, True) <= limit:
-                return w, True
-    for w in choices:
-        if smem_bytes(D, itemsize, w, lgp, olp, key_bytes, False) <= smem_max:
-            return w, False
-    return choices[-1], False     # does not fit at all: the launcher reports it
 
 
 def _kernel_checks(q, score_dtype, block_size, kernel_stride, coarse_kernel_stride, softmax_scale):
@@ -167,7 +113,7 @@ def stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
                   local_blocks: int = 32, init_blocks: int = 1, block_size: int = 64, kernel_stride: int = 16,
                   coarse_kernel_stride: int = 64, varlen_offset_quirk: bool = False,
                   score_dtype: torch.dtype | None = torch.bfloat16, return_scores: bool = False,
-                  backend: str = "auto", _topk_prefix: int = 0):
+                  backend: str = "auto", kernel: str = "auto"):
     r"""InfLLM-v2 stage 1 end to end: compressed-key scores, block pooling, top-k (spec 4-6).
 
     Same signature and outputs as `naive_stage1_select`. For query row `r` of a sequence, KV head `h`
@@ -209,16 +155,18 @@ def stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
             Default: `False`.
         backend (str, Optional):
             "auto" (kernels for CUDA tensors), "kernels" or "reference". Default: "auto".
-        _topk_prefix (int, Optional):
-            Test hook of the kernels' top-K (0: automatic). The search runs first on the blocks up to
-            a token's own block and reruns on the whole row when a later block beats its K-th key;
-            a positive value shortens that prefix to this many blocks so that tests reach the rerun.
+        kernel (str, Optional):
+            Which kernel runs on CUDA tensors: "auto" (sm_90a on compute capability 9.0 when
+            G <= 32, the SM80 kernel otherwise), "sm80" or "sm90a" (ValueError on another
+            capability or G > 32). Its tile shape is the plan's (stage1/plan.py). Ignored by the
+            reference. Default: "auto".
 
     Returns:
         topk_idx (torch.Tensor): int32 `[H, total_q, K]`; with `return_scores`, the tuple
         `(topk_idx, scores, block_scores)`.
     """
     check_backend(backend)
+    check_kernel(kernel)
     if backend == "reference" or (backend == "auto" and not q.is_cuda):
         return naive_stage1_select(
             q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q, causal=causal,
@@ -226,7 +174,23 @@ def stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
             init_blocks=init_blocks, block_size=block_size, kernel_stride=kernel_stride,
             coarse_kernel_stride=coarse_kernel_stride, varlen_offset_quirk=varlen_offset_quirk,
             score_dtype=score_dtype, return_scores=return_scores)
+    return launch_select(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q, causal=causal,
+                         cache_lens=cache_lens, softmax_scale=softmax_scale, topk=topk, local_blocks=local_blocks,
+                         init_blocks=init_blocks, block_size=block_size, kernel_stride=kernel_stride,
+                         coarse_kernel_stride=coarse_kernel_stride, varlen_offset_quirk=varlen_offset_quirk,
+                         score_dtype=score_dtype, return_scores=return_scores, kernel=kernel)
 
+
+def launch_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                  cu_seqlens_c1: torch.Tensor, cu_seqlens_c2: torch.Tensor, max_seqlen_q: int, *,
+                  causal: bool = True, cache_lens=None, softmax_scale: float | None = None, topk: int = 64,
+                  local_blocks: int = 32, init_blocks: int = 1, block_size: int = 64, kernel_stride: int = 16,
+                  coarse_kernel_stride: int = 64, varlen_offset_quirk: bool = False,
+                  score_dtype: torch.dtype | None = torch.bfloat16, return_scores: bool = False,
+                  kernel: str = "auto", plan: Stage1Plan | None = None):
+    """`stage1_select` on the kernels: every check, then one launch as `plan` says (None: the
+    `stage1_plan` of these shapes for `kernel`). Same arguments and outputs as `stage1_select`."""
+    check_kernel(kernel)
     # ---- checks, all before any launch
     check_max_seqlen("max_seqlen_q", max_seqlen_q, [])    # its bound rides on the cu_seqlens_q check
     G = _check_stage1_inputs(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q)
@@ -255,6 +219,10 @@ def stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
     total_q, HQ, D = q.shape
     H = ck1.shape[1]
     out_len = cdiv(max_seqlen_q + max_cache, BLOCK_SIZE)
+    smem_max, smem_sm = _smem_limits(q.device)
+    if plan is None:
+        plan = stage1_plan(torch.cuda.get_device_capability(q.device), G, D, q.dtype, sdt, out_len, smem_max,
+                           smem_sm, kernel)
     K = min(topk + local_blocks, out_len)
     max_n1 = max(seqlens_host(cu_seqlens_c1), default=0) if return_scores else 0
     topk_idx = empty((H, total_q, K), dtype=torch.int32, device=q.device)
@@ -263,27 +231,21 @@ def stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
     if total_q == 0 or H == 0 or out_len == 0 or (K == 0 and not return_scores):
         return (topk_idx, scores, block_scores) if return_scores else topk_idx
 
-    lgp = _lgp(G)
+    lgp = lgp_of(G)
     olp = cdiv(out_len, 64) * 64
     key_bytes = 4 if sdt == torch.float32 else 2
-    smem_max, smem_sm = _smem_limits(q.device)
-    sm90a = use_sm90_kernel(torch.cuda.get_device_capability(q.device), lgp)
-    if sm90a:
-        warps = SM90_THREADS // 32
-        bs_in_smem = smem_bytes_sm90(D, q.element_size(), lgp, olp, key_bytes, True) <= smem_max
-        tok = 128 >> lgp
-    else:
-        warps, bs_in_smem = choose_tiles(D, q.element_size(), lgp, olp, key_bytes, smem_max, smem_sm)
-        tok = (ROWS_PER_WARP * warps) >> lgp
+    sm90a = plan.kernel == SM90A
+    tok = plan.tokens_per_cta(G)
+    if tok == 0 or (sm90a and lgp > SM90_MAX_LGP):
+        raise ValueError(f"the plan's {plan.kernel} CTA of {plan.warps} warps cannot hold a token's G = {G} rows")
     n_tiles = cdiv(max_seqlen_q, tok)
     if n_tiles * B * H >= 2**31:
         raise ValueError(f"too many CTAs ({n_tiles} token tiles x {B} sequences x {H} heads)")
     scratch = None
-    if not bs_in_smem:
+    if not plan.block_keys_in_smem:
         scratch = torch.empty((H, total_q, olp), dtype=torch.int32 if key_bytes == 4 else torch.int16,
                               device=q.device)
-    shared = (smem_bytes_sm90(D, q.element_size(), lgp, olp, key_bytes, bs_in_smem) if sm90a
-              else smem_bytes(D, q.element_size(), warps, lgp, olp, key_bytes, bs_in_smem))
+    shared = plan.smem_bytes(G, D, q.element_size(), out_len, key_bytes)
     if shared > smem_max:
         raise ValueError(f"the stage-1 kernel needs {shared} B of shared memory for D = {D}, G = {G}; "
                          f"this device allows {smem_max}")
@@ -294,8 +256,8 @@ def stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
     null = np.uint64(0)
     name = kernel_name(q.dtype, sdt, D, sm90a)
     opt = lambda t: ptr(t) if t is not None else null
-    kernel = _jit.get_kernel(SOURCE_SM90, name, sm90a=True) if sm90a else _jit.get_kernel(SOURCE, name)
-    launch(kernel, name=name, grid=(n_tiles * B * H,), block=(32 * warps,),
+    kernel_fn = _jit.get_kernel(SOURCE_SM90, name, sm90a=True) if sm90a else _jit.get_kernel(SOURCE, name)
+    launch(kernel_fn, name=name, grid=(n_tiles * B * H,), block=(32 * plan.warps,),
            shared_mem=shared,
            args=(ptr(q), ptr(ck1), ptr(ck2), ptr(cu_seqlens_q), ptr(cu_seqlens_c1), ptr(cu_seqlens_c2),
                  opt(cache_dev), ptr(topk_idx), opt(scores), opt(block_scores), opt(scratch),
@@ -304,5 +266,5 @@ def stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
                  np.int32(max_n1), np.int32(init_blocks), np.int32(local_blocks),
                  np.int32(1 if varlen_offset_quirk else 0), np.int32(1 if causal else 0),
                  np.int32(SCORE_KIND[sdt]), np.int32(KERNEL_STRIDE), np.int32(COARSE_STRIDE),
-                 np.float32(scale * 1.4426950408889634), np.int32(_topk_prefix)))
+                 np.float32(scale * 1.4426950408889634), np.int32(plan.topk_prefix)))
     return (topk_idx, scores, block_scores) if return_scores else topk_idx

@@ -13,7 +13,8 @@ from .._checks import check_attn_inputs as _check_attn_inputs
 from .._checks import check_backend, check_kernel_inputs, check_max_seqlen, check_tensor
 from .layout import BlockLayout
 from .naive import naive_sparse_attn_varlen
-from .ops import block_sparse_attn_fwd, sparse_attn_fwd, tiles_arg
+from .._kernel_arg import check_kernel
+from .ops import block_sparse_attn_fwd, sparse_attn_fwd
 
 
 def _use_op(backend: str, q: torch.Tensor) -> bool:
@@ -44,7 +45,7 @@ def _check_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 def sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                        cu_seqlens_k: torch.Tensor, topk_idx: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                        causal: bool = True, softmax_scale: float | None = None, return_lse: bool = False,
-                       *, backend: str = "auto", tiles=None):
+                       *, backend: str = "auto", kernel: str = "auto"):
     r"""Attention of each query token over the 64-key blocks its KV head selected (InfLLM-v2 stage 2).
 
     Query `t` (row `r` of sequence `b`), head `hq`, attends keys `c` of its sequence with
@@ -85,16 +86,17 @@ def sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
             tensors; "kernels": the op, refusing what the kernels cannot do (CPU tensors, fp32, other
             head dims); "reference": `naive_sparse_attn_varlen` called directly (plain autograd, any
             dtype, no custom op, so torch.compile graph-breaks on its host reads). Default: "auto".
-        tiles (None, "sm90a", FwdTiles or (warps, m_tiles, sub_keys), Optional):
-            Which kernel: `None` picks the sm_90a (wgmma) kernel on Hopper and the tuned SM80 tile
-            shape elsewhere; "sm90a" or an SM80 `FwdTiles` force one ("sm90a_pair" and
-            "sm90a_single" force the sm_90a kernel's 128- or 64-key softmax steps in every CTA,
-            "sm90a_split" 64-key steps with a K/V ring per warpgroup, for tests and A/B runs;
-            "sm90a" picks per CTA). Default: `None`.
+        kernel (str, Optional):
+            Which kernels run on CUDA tensors, forward and backward: "auto" (the sm_90a kernels on
+            compute capability 9.0, the SM80 kernels elsewhere), "sm80" (the mma.sync kernels, also
+            on an H100) or "sm90a" (ValueError on any other capability). The finer choices (step
+            shapes, key-range passes, tiles) are the plan's (stage2/plan.py). Ignored by the
+            reference. Default: "auto".
 
     Returns:
         out (torch.Tensor): `[total_q, HQ, D]` in q's dtype; and `lse` with `return_lse`.
     """
+    check_kernel(kernel)
     if not _use_op(backend, q):
         return naive_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
                                         causal, softmax_scale, return_lse)
@@ -103,14 +105,14 @@ def sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     check_tensor("topk_idx", topk_idx, ndim=3, dtypes=(torch.int32,), shape=(H, q.shape[0], None),
                  device=q.device)
     out, lse = sparse_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
-                               bool(causal), _scale(softmax_scale, q.shape[2]), tiles_arg(tiles))
+                               bool(causal), _scale(softmax_scale, q.shape[2]), kernel)
     return (out, lse) if return_lse else out
 
 
 def block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                              cu_seqlens_k: torch.Tensor, layout: BlockLayout, max_seqlen_q: int, max_seqlen_k: int,
                              causal: bool = True, softmax_scale: float | None = None, return_lse: bool = False,
-                             *, backend: str = "auto", tiles=None):
+                             *, backend: str = "auto", kernel: str = "auto"):
     r"""Sparse attention under a query-block layout (one selection per query block and KV head).
 
     Same semantics as `sparse_attn_varlen` with every token of query block `i` selecting the
@@ -127,6 +129,7 @@ def block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """
     if not isinstance(layout, BlockLayout):
         raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
+    check_kernel(kernel)
     B = cu_seqlens_q.numel() - 1
     layout.check_against(k.shape[1], B, max_seqlen_q)
     if not _use_op(backend, q):
@@ -135,5 +138,5 @@ def block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     _check_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend)
     out, lse = block_sparse_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, layout.mask.to(q.device), layout.q_block,
                                      max_seqlen_q, max_seqlen_k, bool(causal), _scale(softmax_scale, q.shape[2]),
-                                     tiles_arg(tiles))
+                                     kernel)
     return (out, lse) if return_lse else out

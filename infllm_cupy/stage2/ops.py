@@ -3,13 +3,13 @@
 Four ops, a forward and a backward for each input form:
 
     infllm_cupy::sparse_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
-                                 causal, softmax_scale, tiles) -> (out, lse)
+                                 causal, softmax_scale, kernel) -> (out, lse)
     infllm_cupy::sparse_attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q,
-                                 max_seqlen_k, causal, softmax_scale) -> (dq, dk, dv)
+                                 max_seqlen_k, causal, softmax_scale, kernel) -> (dq, dk, dv)
     infllm_cupy::block_sparse_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q,
-                                       max_seqlen_k, causal, softmax_scale, tiles) -> (out, lse)
+                                       max_seqlen_k, causal, softmax_scale, kernel) -> (out, lse)
     infllm_cupy::block_sparse_attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block,
-                                       max_seqlen_q, max_seqlen_k, causal, softmax_scale) -> (dq, dk, dv)
+                                       max_seqlen_q, max_seqlen_k, causal, softmax_scale, kernel) -> (dq, dk, dv)
 
 CUDA tensors run the kernels (`stage2_fwd`, `stage2_bwd` over the bitmask rows of `token_block_masks` or
 `BlockLayout.packed`); CPU tensors run the PyTorch reference (`naive_sparse_attn_varlen`, and for
@@ -21,8 +21,11 @@ non-differentiable; `topk_idx`, the layout, the `cu_seqlens` and the ints get no
 calling the ops traces with `fullgraph=True`.
 
 The ops assume checked inputs (the public wrappers in attention.py check them, naming the
-argument). `softmax_scale` is already resolved (a float); `tiles` is a string: "" (the default
-kernel for the device), "sm90a", or "warps,m_tiles,sub_keys" (see `tiles_arg`).
+argument). `softmax_scale` is already resolved (a float); `kernel` is the public argument ("auto",
+"sm80" or "sm90a"), which the forward op and, through the autograd formula, the backward op turn
+into their plans (`fwd_plan`, `bwd_plan`) for the device and shapes at hand. Below the ops, the
+launcher-level functions `token_fwd`, `token_bwd`, `layout_fwd` and `layout_bwd` take a plan: the
+tests reach variants no `kernel` value names (forced step shapes, pass counts, tile shapes) there.
 
 Saved state: q, k, v, out, lse and the selection itself (`topk_idx` or the layout mask, both op
 inputs that are alive anyway). The backward rebuilds the bitmask rows from them (one small launch,
@@ -35,30 +38,27 @@ import torch
 
 from .layout import BlockLayout
 from .naive import naive_sparse_attn_varlen, naive_sparse_attn_varlen_bwd
+from .plan import BwdPlan, FwdPlan, bwd_plan, fwd_plan
 from .sparse_bwd import stage2_bwd
-from .sparse_fwd import SM90A_FWD, FwdTiles, as_tiles, n_mask_words, stage2_fwd, token_block_masks
+from .sparse_fwd import n_mask_words, stage2_fwd, token_block_masks
 
 Tensor = torch.Tensor
 
 
-# ------------------------------------------------------------------------------------------- tiles
+# ------------------------------------------------------------------------------------------- plans
 
 
-def tiles_arg(tiles) -> str:
-    """The `tiles` argument of the public ops as the forward ops' string: None -> "" (resolved per
-    device at launch), "sm90a" (or a forced-step variant), or "warps,m_tiles,sub_keys". Raises as `as_tiles` on a bad value."""
-    if tiles is None:
-        return ""
-    t = as_tiles(tiles)                      # validates; no device lookup for a non-None value
-    return t if t in SM90A_FWD else f"{t.warps},{t.m_tiles},{t.sub_keys}"
+def fwd_plan_for(q: Tensor, k: Tensor, max_seqlen_k: int, split_min: int | None = None,
+                 kernel: str = "auto") -> FwdPlan:
+    """`fwd_plan` for these tensors on their device."""
+    return fwd_plan(torch.cuda.get_device_capability(q.device), q.shape[2], q.dtype, max_seqlen_k, k.shape[0],
+                    split_min=split_min, kernel=kernel)
 
 
-def _tiles(s: str, device):
-    if s == "":
-        return as_tiles(None, device)
-    if s in SM90A_FWD:
-        return s
-    return FwdTiles(*(int(x) for x in s.split(",")))
+def bwd_plan_for(q: Tensor, k: Tensor, max_seqlen_q: int, max_seqlen_k: int, kernel: str = "auto") -> BwdPlan:
+    """`bwd_plan` for these tensors on their device."""
+    return bwd_plan(torch.cuda.get_device_capability(q.device), q.shape[1] // k.shape[1], q.shape[2], q.dtype,
+                    max_seqlen_q, max_seqlen_k, k.shape[0], kernel=kernel)
 
 
 # ------------------------------------------------------------------------------------ mask rows (CUDA)
@@ -111,57 +111,73 @@ def _fake_bwd(q, k, v):
 # ------------------------------------------------------------------------------------- token level
 
 
+def token_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+              plan: FwdPlan):
+    """The token-level forward on CUDA tensors under `plan` (the op's body below the plan choice)."""
+    q, k, v, cu_seqlens_q, cu_seqlens_k = _contig(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    rows = _token_rows(topk_idx, cu_seqlens_q, cu_seqlens_k, q.shape[0], max_seqlen_k)
+    return stage2_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *rows, max_seqlen_q, causal, softmax_scale, plan,
+                      max_seqlen_k=max_seqlen_k)
+
+
+def token_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal,
+              softmax_scale, plan: BwdPlan):
+    """The token-level backward on CUDA tensors under `plan`."""
+    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = _contig(dout.to(q.dtype), q, k, v, out, lse, cu_seqlens_q,
+                                                                  cu_seqlens_k)
+    rows = _token_rows(topk_idx, cu_seqlens_q, cu_seqlens_k, q.shape[0], max_seqlen_k)
+    return stage2_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *rows, max_seqlen_q, max_seqlen_k,
+                      causal, softmax_scale, plan)
+
+
 @torch.library.custom_op("infllm_cupy::sparse_attn_fwd", mutates_args=(), device_types="cuda")
 def sparse_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                     topk_idx: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
-                    tiles: str) -> tuple[Tensor, Tensor]:
+                    kernel: str) -> tuple[Tensor, Tensor]:
     """`(out [total_q, HQ, D], lse float32 [HQ, total_q])` of token-level sparse attention."""
-    q, k, v, cu_seqlens_q, cu_seqlens_k = _contig(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    rows = _token_rows(topk_idx, cu_seqlens_q, cu_seqlens_k, q.shape[0], max_seqlen_k)
     # key-range passes for CTAs whose tokens picked over 2 K different blocks (per-token picks)
-    return stage2_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *rows, max_seqlen_q, causal, softmax_scale,
-                      _tiles(tiles, q.device), max_seqlen_k=max_seqlen_k, split_min=2 * topk_idx.shape[2])
+    plan = fwd_plan_for(q, k, max_seqlen_k, split_min=2 * topk_idx.shape[2], kernel=kernel)
+    return token_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal,
+                     softmax_scale, plan)
 
 
 @sparse_attn_fwd.register_kernel("cpu")
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal, softmax_scale, tiles):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal, softmax_scale, kernel):
     return _ref_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal,
                     softmax_scale)
 
 
 @sparse_attn_fwd.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal, softmax_scale, tiles):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal, softmax_scale, kernel):
     return _fake_fwd(q, k)
 
 
 @torch.library.custom_op("infllm_cupy::sparse_attn_bwd", mutates_args=(), device_types="cuda")
 def sparse_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
                     cu_seqlens_k: Tensor, topk_idx: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                    softmax_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                    softmax_scale: float, kernel: str) -> tuple[Tensor, Tensor, Tensor]:
     """`(dq, dk, dv)` of `sparse_attn_fwd` (q's, k's and v's shapes and dtype)."""
-    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = _contig(dout.to(q.dtype), q, k, v, out, lse, cu_seqlens_q,
-                                                                  cu_seqlens_k)
-    rows = _token_rows(topk_idx, cu_seqlens_q, cu_seqlens_k, q.shape[0], max_seqlen_k)
-    return stage2_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *rows, max_seqlen_q, max_seqlen_k,
-                      causal, softmax_scale)
+    plan = bwd_plan_for(q, k, max_seqlen_q, max_seqlen_k, kernel)
+    return token_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
+                     causal, softmax_scale, plan)
 
 
 @sparse_attn_bwd.register_kernel("cpu")
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal,
-      softmax_scale):
+      softmax_scale, kernel):
     return _ref_bwd(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal,
                     softmax_scale)
 
 
 @sparse_attn_bwd.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal,
-      softmax_scale):
+      softmax_scale, kernel):
     return _fake_bwd(q, k, v)
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, cu_seqlens_q, cu_seqlens_k, sel = inputs[:6]
-    ctx.args = inputs[6:-1]          # the ints, causal, softmax_scale (tiles is the forward's alone)
+    ctx.args = inputs[6:]            # the ints, causal, softmax_scale and kernel: the backward op's tail
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sel)
@@ -185,15 +201,34 @@ sparse_attn_fwd.register_autograd(_sparse_backward, setup_context=_setup_context
 # ----------------------------------------------------------------------------------- block layouts
 
 
+def layout_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal,
+               softmax_scale, plan: FwdPlan):
+    """The layout forward on CUDA tensors under `plan` (mask on q's device)."""
+    q, k, v, cu_seqlens_q, cu_seqlens_k = _contig(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    rows = _layout_rows(layout_mask, q_block, cu_seqlens_q.numel() - 1, max_seqlen_k, q.device)
+    return stage2_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *rows, max_seqlen_q, causal, softmax_scale, plan,
+                      max_seqlen_k=max_seqlen_k)
+
+
+def layout_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q,
+               max_seqlen_k, causal, softmax_scale, plan: BwdPlan):
+    """The layout backward on CUDA tensors under `plan`."""
+    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = _contig(dout.to(q.dtype), q, k, v, out, lse, cu_seqlens_q,
+                                                                  cu_seqlens_k)
+    rows = _layout_rows(layout_mask, q_block, cu_seqlens_q.numel() - 1, max_seqlen_k, q.device)
+    return stage2_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *rows, max_seqlen_q, max_seqlen_k,
+                      causal, softmax_scale, plan)
+
+
 @torch.library.custom_op("infllm_cupy::block_sparse_attn_fwd", mutates_args=(), device_types="cuda")
 def block_sparse_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                           layout_mask: Tensor, q_block: int, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                          softmax_scale: float, tiles: str) -> tuple[Tensor, Tensor]:
+                          softmax_scale: float, kernel: str) -> tuple[Tensor, Tensor]:
     """`(out, lse)` under the query-block layout `BlockLayout(layout_mask, q_block)` (mask on q's device)."""
-    q, k, v, cu_seqlens_q, cu_seqlens_k = _contig(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    rows = _layout_rows(layout_mask, q_block, cu_seqlens_q.numel() - 1, max_seqlen_k, q.device)
-    return stage2_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *rows, max_seqlen_q, causal, softmax_scale,
-                      _tiles(tiles, q.device), max_seqlen_k=max_seqlen_k)
+    # one key-range pass: a layout's rows are shared by a query block, so CTAs' unions stay small
+    plan = fwd_plan_for(q, k, max_seqlen_k, split_min=None, kernel=kernel)
+    return layout_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal,
+                      softmax_scale, plan)
 
 
 def _layout_topk_idx(layout_mask, q_block, cu_seqlens_q):
@@ -202,14 +237,14 @@ def _layout_topk_idx(layout_mask, q_block, cu_seqlens_q):
 
 @block_sparse_attn_fwd.register_kernel("cpu")
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-      tiles):
+      kernel):
     return _ref_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, _layout_topk_idx(layout_mask, q_block, cu_seqlens_q),
                     max_seqlen_q, max_seqlen_k, causal, softmax_scale)
 
 
 @block_sparse_attn_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-      tiles):
+      kernel):
     return _fake_fwd(q, k)
 
 
@@ -217,25 +252,23 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, m
 def block_sparse_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                           cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, layout_mask: Tensor, q_block: int,
                           max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                          softmax_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                          softmax_scale: float, kernel: str) -> tuple[Tensor, Tensor, Tensor]:
     """`(dq, dk, dv)` of `block_sparse_attn_fwd`."""
-    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = _contig(dout.to(q.dtype), q, k, v, out, lse, cu_seqlens_q,
-                                                                  cu_seqlens_k)
-    rows = _layout_rows(layout_mask, q_block, cu_seqlens_q.numel() - 1, max_seqlen_k, q.device)
-    return stage2_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *rows, max_seqlen_q, max_seqlen_k,
-                      causal, softmax_scale)
+    plan = bwd_plan_for(q, k, max_seqlen_q, max_seqlen_k, kernel)
+    return layout_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q,
+                      max_seqlen_k, causal, softmax_scale, plan)
 
 
 @block_sparse_attn_bwd.register_kernel("cpu")
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal,
-      softmax_scale):
+      softmax_scale, kernel):
     return _ref_bwd(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, _layout_topk_idx(layout_mask, q_block, cu_seqlens_q),
                     max_seqlen_q, max_seqlen_k, causal, softmax_scale)
 
 
 @block_sparse_attn_bwd.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal,
-      softmax_scale):
+      softmax_scale, kernel):
     return _fake_bwd(q, k, v)
 
 

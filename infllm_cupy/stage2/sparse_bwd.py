@@ -6,13 +6,11 @@ Four launches, all on torch's current stream and with no host synchronisation:
 each query tile's blocks; on Hopper `stage2_bwd_dq_ring_sm90`, the forward's warp-specialised K/V
 ring) and dk/dv (one CTA per KV block over its query tiles). Neither gradient kernel uses float
 atomics, so results are bit-identical from run to run: there is no separate deterministic mode
-because the default already is one.
+because the default already is one. Which kernels run, and how, is the caller's `BwdPlan` (plan.py).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-import os
 
 import numpy as np
 import torch
@@ -23,67 +21,26 @@ from .._constants import HEAD_DIMS
 from .._constants import KV_BLOCK as BLOCK_N  # kernels_cu: BLOCK_N
 from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
 from .._tma import TMAP_DTYPE, heads_map, rows_map
-from .sparse_fwd import (
+from .plan import (  # noqa: F401  (BwdTiles ... re-exported: the launcher's vocabulary)
+    ALL_BWD_TILES,
+    DEFAULT_BWD_TILES,
+    DQ_STEPS,
+    GATHER_G,
+    QT,
+    SM80,
     SM90_CONSUMERS,
     SM90_STAGES,
+    SM90A,
+    BwdPlan,
+    BwdTiles,
+    bwd_plan,
     sm90_smem_bytes,
-    sm90_stages,
 )
-from .sparse_fwd import SM90_SOURCE as RING_SOURCE
+RING_SOURCE = "stage2/sparse_bwd_dq_sm90.cu"   # the dq kernel on the forward's K/V ring
 
 BWD_SOURCE = "stage2/sparse_bwd.cu"
 SM90_SOURCE = "stage2/sparse_bwd_sm90.cu"
-SM90A = "sm90a"         # the Hopper (wgmma) dq and dk/dv kernels, dk/dv over fixed 64-row tiles
-SM90A_GATHER = "sm90a_gather"   # the same, dk/dv gathering the tokens that selected each key block
-SM90A_AUTO = "sm90a_auto"       # both dk/dv kernels, each key block done by the one its fill favours; default on 9.0
-SM90A_SPLIT = "sm90a_split"     # as "sm90a", with dq on one K/V ring per warpgroup in every CTA (tests)
-SM90A_KINDS = (SM90A, SM90A_GATHER, SM90A_AUTO, SM90A_SPLIT)
-# step_mode of the dq ring kernel per kind (sparse_fwd_sm90.cu): 0 one shared ring, 1 per CTA, 3 split
-_DQ_STEP_MODE = {SM90A: 0, SM90A_GATHER: 1, SM90A_AUTO: 1, SM90A_SPLIT: 3}
-GATHER_G = (8, 64)      # group sizes for which "sm90a_gather" gathers (others use fixed tiles)
-KERNEL_ENV = "INFLLM_CUPY_BWD_KERNEL"   # the default backward kernel: sm90a, sm90a_gather or dq_warps,dkdv_cols
-QT = 64                 # query rows per dk/dv tile (mirrors #define QT)
 TILE_WARPS = 8          # warps per CTA of stage2_bwd_delta / stage2_bwd_tiles
-DKDV_TMA_ENV = "INFLLM_CUPY_DKDV_TMA"       # "0": sm_90a dk/dv loads every tile by cp.async (A/B knob)
-DKDV_ORDER_ENV = "INFLLM_CUPY_DKDV_ORDER"   # force the sm_90a dk/dv CTA order: 1 (sequence, head) slowest, 0 key block slowest
-BLOCK0_PART_TILES = 1024  # query tiles per part of block 0 in the sm_90a dk/dv (dkdv_block0_parts)
-# Query-range passes of the sm_90a dk/dv: where one (sequence, head)'s Q and dO exceed
-# DKDV_PASS_BYTES, each pass walks only the query tiles of one token range, so that the tiles the
-# CTAs in flight read stay in L2; the sums go through fp32 buffers in pass order (deterministic).
-# More passes cost more fp32 traffic: 8 is the best measured at 32k, 64k and 128k (NOTES.md,
-# tenth session). `$INFLLM_CUPY_DKDV_PASSES` forces a count (1: none; tests, A/B runs).
-DKDV_PASSES_ENV = "INFLLM_CUPY_DKDV_PASSES"
-DKDV_PASS_BYTES = 32 << 20
-DKDV_MAX_PASSES = 8
-# Passes after the first are launched as programmatic dependents (PDL), so that the next pass's
-# CTAs take SMs while this one's last CTAs drain (the kernel orders the dk32 / dv32 sums itself):
-# +1.0-1.3% fwd+bwd at 32k x 8 (NOTES.md, eleventh session). "0": plain launches (A/B switch).
-DKDV_PDL_ENV = "INFLLM_CUPY_DKDV_PDL"
-
-
-@dataclasses.dataclass(frozen=True)
-class BwdTiles:
-    """Tile shape of the backward (a tuning knob; every choice computes the same function).
-
-    dq_warps: warps per dq CTA (4 or 8; 16 query rows each). dkdv_cols: query rows per dk/dv
-    sub-step (16, 32 or 64); a sub-step none of whose rows selected the warp's keys is skipped.
-    """
-    dq_warps: int = 4
-    dkdv_cols: int = 32
-
-    def __post_init__(self):
-        if self.dq_warps not in (4, 8) or self.dkdv_cols not in (16, 32, 64):
-            raise ValueError(f"backward tiles need dq_warps in (4, 8) and dkdv_cols in (16, 32, 64); got {self}")
-
-    def dq_name(self, dtype, D):
-        return f"stage2_bwd_dq<{CXX_TYPE[dtype]}, {D}, {self.dq_warps}>"
-
-    def dkdv_name(self, dtype, D):
-        return f"stage2_bwd_dkdv<{CXX_TYPE[dtype]}, {D}, {self.dkdv_cols}>"
-
-
-DEFAULT_BWD_TILES = BwdTiles()
-ALL_BWD_TILES = [BwdTiles(w, c) for w in (4, 8) for c in (16, 32, 64)]
 
 # dk/dv with 64-column sub-steps sits at the 255-register cap at D = 128 (16 B of spills on sm_90):
 # a tuning variant, compiled by the CPU check but allowed to spill; every other instance may not.
@@ -102,56 +59,12 @@ _jit.register_instances(SM90_SOURCE, [f"stage2_bwd_dkdv_sm90<{CXX_TYPE[dt]}, {d}
                          sm90a=True)
 
 
-def as_bwd_tiles(tiles, device=None):
-    """Resolve the backward kernel choice. None: `$INFLLM_CUPY_BWD_KERNEL` if set, else "sm90a_auto" on
-    capability (9, 0) and the default SM80 tiles elsewhere. "sm90a" (dk/dv over fixed 64-row
-    tiles: fastest where neighbouring tokens share blocks, as in InfLLM-v2), "sm90a_gather" (dk/dv
-    over gathered tokens: fastest for per-token selections with little sharing; 8 <= G <= 64),
-    "sm90a_auto" (both, each 64-key block done by the one its tile fill favours; 8 <= G <= 64),
-    a BwdTiles or a (dq_warps, dkdv_cols) tuple force one."""
-    if tiles is None:
-        env = os.environ.get(KERNEL_ENV, "").strip()
-        if env:
-            if env in SM90A_KINDS:
-                tiles = env
-            else:
-                try:
-                    tiles = tuple(int(x) for x in env.split(","))
-                except ValueError:
-                    raise ValueError(f"${KERNEL_ENV} must be '{SM90A}', '{SM90A_GATHER}', '{SM90A_AUTO}' or "
-                                     f"'dq_warps,dkdv_cols' "
-                                     f"(e.g. '4,32'), got {env!r}") from None
-        else:
-            cap = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
-            return SM90A_AUTO if cap == (9, 0) else DEFAULT_BWD_TILES
-    if tiles in SM90A_KINDS or isinstance(tiles, BwdTiles):
-        return tiles
-    if isinstance(tiles, (tuple, list)) and len(tiles) == 2:
-        return BwdTiles(*tiles)
-    raise TypeError(f"backward kernel must be None, one of {SM90A_KINDS}, a BwdTiles or a "
-                    f"(dq_warps, dkdv_cols) tuple, got {tiles!r}")
-
-
 def dq_smem_bytes(D: int, tiles: BwdTiles, n_words: int, itemsize: int = 2) -> int:
     return (2 * 16 * tiles.dq_warps * D + 4 * BLOCK_N * D) * itemsize + 4 * n_words
 
 
 def dkdv_smem_bytes(D: int, itemsize: int = 2) -> int:
     return (2 * BLOCK_N * D + 4 * QT * D) * itemsize + 2 * 3 * QT * 4
-
-
-def dkdv_block0_parts(max_seqlen_q: int, G: int) -> int:
-    """CTAs that share block 0's query tiles in the sm_90a dk/dv (every token selects block 0, so
-    alone it would be the longest CTA): about BLOCK0_PART_TILES tiles each, at most 32."""
-    return max(1, min(32, cdiv(cdiv(max_seqlen_q * G, QT), BLOCK0_PART_TILES)))
-
-
-def dkdv_passes(max_seqlen_q: int, G: int, D: int, itemsize: int) -> int:
-    """Query-range passes of the sm_90a dk/dv: one per DKDV_PASS_BYTES of a sequence's Q and dO
-    per KV head, at most DKDV_MAX_PASSES (1 up to 8k tokens at G = 16, D = 128; 8 from 32k)."""
-    env = os.environ.get(DKDV_PASSES_ENV)
-    n = int(env) if env else min(DKDV_MAX_PASSES, cdiv(max_seqlen_q * G * D * itemsize * 2, DKDV_PASS_BYTES))
-    return max(1, min(n, max_seqlen_q))
 
 
 def dkdv_sm90_smem_bytes(D: int, itemsize: int = 2) -> int:
@@ -161,7 +74,7 @@ def dkdv_sm90_smem_bytes(D: int, itemsize: int = 2) -> int:
 
 @functools.cache
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One extra stream per device, for the second dk/dv kernel of "sm90a_auto"."""
+    """One extra stream per device, for the second dk/dv instance of `dkdv="auto"`."""
     return torch.cuda.Stream(device=device)
 
 
@@ -182,19 +95,32 @@ def tile_index(cu_seqlens_q: torch.Tensor, G: int, max_seqlen_k: int, total_q: i
     return ut_off, per_head
 
 
+def _check_plan(plan: BwdPlan, G: int, total_k: int) -> None:
+    """The shape rules a plan built by hand may break (bwd_plan keeps them)."""
+    if plan.dkdv != "tiles" and plan.kernel == SM90A and not GATHER_G[0] <= G <= GATHER_G[1]:
+        raise ValueError(f"BwdPlan.dkdv={plan.dkdv!r} gathers tokens, which needs {GATHER_G[0]} <= G <= "
+                         f"{GATHER_G[1]}; got G = {G} (use 'tiles')")
+    if plan.kernel == SM90A and plan.dkdv_tma and 64 % G:
+        raise ValueError(f"BwdPlan.dkdv_tma loads fixed tiles by TMA boxes of 64 / G tokens: G must divide 64, "
+                         f"got G = {G}")
+    if plan.dq == SM90A and total_k >= 2**31 - BLOCK_N:
+        raise ValueError(f"the sm_90a dq reads K/V by TMA (int32 rows): total_k must be < 2**31 - {BLOCK_N}, "
+                         f"got {total_k}; bwd_plan picks the SM80 dq there")
+
+
 def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, masks: torch.Tensor,
                mask_base: torch.Tensor, mask_h_stride: int, mask_q_block: int, max_seqlen_q: int,
-               max_seqlen_k: int, causal: bool, softmax_scale: float, tiles=None
+               max_seqlen_k: int, causal: bool, softmax_scale: float, plan: BwdPlan
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv of `stage2_fwd` (same mask arguments) on checked, contiguous CUDA inputs.
+    """dq, dk, dv of `stage2_fwd` (same mask arguments) on checked, contiguous CUDA inputs, as
+    `plan` says.
 
     `dout`, `out` `[total_q, HQ, D]`, `lse` float32 `[HQ, total_q]` from the forward. Returns
     `dq [total_q, HQ, D]`, `dk, dv [total_k, H, D]` in q's dtype. Uses no float atomics: the result
-    is bit-identical from run to run. `tiles`: see `as_bwd_tiles`.
+    is bit-identical from run to run.
     """
     check_aligned(dout=dout, q=q, k=k, v=v, out=out)
-    tiles = as_bwd_tiles(tiles, q.device)
     if max_seqlen_q * (q.shape[1] // k.shape[1]) >= 2**31:
         raise ValueError(f"max_seqlen_q * G must be < 2**31 for the backward kernels (32-bit row indices within "
                          f"a sequence), got {max_seqlen_q} * {q.shape[1] // k.shape[1]}")
@@ -204,6 +130,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     total_q, HQ, D = q.shape
     total_k, H, _ = k.shape
     G = HQ // H
+    _check_plan(plan, G, total_k)
     B = cu_seqlens_q.numel() - 1
     n_words = masks.shape[-1]
     dev = q.device
@@ -214,6 +141,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if total_q == 0 or total_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     T = CXX_TYPE[q.dtype]
+    itemsize = q.element_size()
     scale_log2 = np.float32(softmax_scale * 1.4426950408889634)
 
     delta = torch.empty((HQ, total_q), dtype=torch.float32, device=dev)
@@ -221,8 +149,8 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     launch(_jit.get_kernel(BWD_SOURCE, name), name=name, grid=(cdiv(total_q * HQ, 8),), block=(256,),
            args=(ptr(dout), ptr(out), ptr(delta), np.int32(total_q), np.int32(HQ)))
 
-    fits = GATHER_G[0] <= G <= GATHER_G[1]
-    gather, split = tiles == SM90A_GATHER and fits, tiles == SM90A_AUTO and fits
+    sm90a = plan.kernel == SM90A
+    gather, split = sm90a and plan.dkdv == "gather", sm90a and plan.dkdv == "auto"
 
     def build_index(tile_rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The transposed selection over units of `tile_rows` rows (64: fixed tiles, G: tokens)."""
@@ -244,26 +172,25 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
               ptr(cu_seqlens_q), ptr(cu_seqlens_k))
     dq_scalars = (ptr(dq), np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words),
                   np.int64(mask_h_stride), np.int32(mask_q_block), scale_log2, np.float32(softmax_scale), causal_i)
-    dq_args = common + dq_scalars
-    if tiles in SM90A_KINDS:
-        # dq on the forward's warp-specialised K/V ring (TMA producer, two consumer warpgroups);
-        # TMA row coordinates are int32, hence the bound (the SM80 dq kernel takes any size)
-        if total_k < 2**31 - BLOCK_N:
-            ns = sm90_stages(D, n_words, q.element_size(), dq=True)
-            dq_name, dq_rows, dq_threads = f"stage2_bwd_dq_ring_sm90<{T}, {D}, {ns}>", 64 * SM90_CONSUMERS, \
-                128 * (SM90_CONSUMERS + 1)
-            dq_kernel = _jit.get_kernel(RING_SOURCE, dq_name, sm90a=True)
-            dq_smem = sm90_smem_bytes(D, ns, n_words, q.element_size(), dq=True)
-            dq_args = (ptr(q), ptr(dout), rows_map(k, BLOCK_N), rows_map(v, BLOCK_N), ptr(lse), ptr(delta), ptr(masks),
-                       ptr(mask_base), ptr(cu_seqlens_q), ptr(cu_seqlens_k)) + dq_scalars \
-                + (np.int32(_DQ_STEP_MODE[tiles]),)
-        else:
-            dq_name, dq_rows, dq_threads = DEFAULT_BWD_TILES.dq_name(q.dtype, D), 16 * DEFAULT_BWD_TILES.dq_warps, \
-                32 * DEFAULT_BWD_TILES.dq_warps
-            dq_kernel = _jit.get_kernel(BWD_SOURCE, dq_name)
-            dq_smem = dq_smem_bytes(D, DEFAULT_BWD_TILES, n_words, q.element_size())
-        kv_smem = dkdv_sm90_smem_bytes(D, q.element_size())
-        # (gather mode, own index, the other mode's index or None): "sm90a_auto" runs both instances
+    if plan.dq == SM90A:
+        # dq on the forward's warp-specialised K/V ring (TMA producer, two consumer warpgroups)
+        ns = plan.dq_stages
+        dq_name, dq_rows, dq_threads = f"stage2_bwd_dq_ring_sm90<{T}, {D}, {ns}>", 64 * SM90_CONSUMERS, \
+            128 * (SM90_CONSUMERS + 1)
+        dq_kernel = _jit.get_kernel(RING_SOURCE, dq_name, sm90a=True)
+        dq_smem = sm90_smem_bytes(D, ns, n_words, itemsize, dq=True)
+        dq_args = (ptr(q), ptr(dout), rows_map(k, BLOCK_N), rows_map(v, BLOCK_N), ptr(lse), ptr(delta), ptr(masks),
+                   ptr(mask_base), ptr(cu_seqlens_q), ptr(cu_seqlens_k)) + dq_scalars \
+            + (np.int32(DQ_STEPS[plan.dq_step]),)
+    else:
+        dq_name, dq_rows, dq_threads = plan.tiles.dq_name(q.dtype, D), 16 * plan.tiles.dq_warps, \
+            32 * plan.tiles.dq_warps
+        dq_kernel = _jit.get_kernel(BWD_SOURCE, dq_name)
+        dq_smem = dq_smem_bytes(D, plan.tiles, n_words, itemsize)
+        dq_args = common + dq_scalars
+    if sm90a:
+        kv_smem = dkdv_sm90_smem_bytes(D, itemsize)
+        # (gather mode, own index, the other mode's index or None): dkdv="auto" runs both instances
         if split:
             runs = [(False, by_tiles, by_tokens), (True, by_tokens, by_tiles)]
         else:
@@ -275,40 +202,35 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                         g)
                        for g, own, other in runs]
     else:
-        dq_name, dq_rows, dq_threads = tiles.dq_name(q.dtype, D), 16 * tiles.dq_warps, 32 * tiles.dq_warps
-        dq_kernel = _jit.get_kernel(BWD_SOURCE, dq_name)
-        dq_smem = dq_smem_bytes(D, tiles, n_words, q.element_size())
-        kv_smem = dkdv_smem_bytes(D, q.element_size())
-        kv_launches = [(tiles.dkdv_name(q.dtype, D), False,
+        kv_smem = dkdv_smem_bytes(D, itemsize)
+        kv_launches = [(plan.tiles.dkdv_name(q.dtype, D), False,
                         (ptr(by_tiles[0]), ptr(by_tiles[1]), np.int64(by_tiles[2])), False)]
     launch(dq_kernel, name=dq_name, grid=(cdiv(max_seqlen_q * G, dq_rows), H, B), block=(dq_threads,),
            shared_mem=dq_smem, args=dq_args)
     n_kb = cdiv(max_seqlen_k, BLOCK_N)
-    passes = dkdv_passes(max_seqlen_q, G, D, q.element_size()) if tiles in SM90A_KINDS else 1
-    # with passes block 0 needs no parts: a pass holds a part of its tiles anyway
-    split0 = dkdv_block0_parts(max_seqlen_q, G) if tiles in SM90A_KINDS and passes == 1 else 1
+    passes = max(1, min(plan.dkdv_passes, max_seqlen_q)) if sm90a else 1   # a pass has at least one token
+    split0 = plan.block0_parts if sm90a else 1
     chunk = cdiv(max_seqlen_q, passes)
     dk32 = torch.zeros((total_k, H, D), dtype=torch.float32, device=dev) if passes > 1 else None
     dv32 = torch.zeros((total_k, H, D), dtype=torch.float32, device=dev) if passes > 1 else None
     part0 = torch.empty(H * B * split0 * 2 * BLOCK_N * D if split0 > 1 else 0, dtype=torch.float32, device=dev)
 
     # fixed tiles of 64 / G tokens x G heads come by TMA (boxes of heads_map) where G divides 64
-    dkdv_tma = tiles in SM90A_KINDS and 64 % G == 0 and os.environ.get(DKDV_TMA_ENV, "1") != "0"
+    dkdv_tma = sm90a and plan.dkdv_tma
     no_map = np.zeros(1, dtype=TMAP_DTYPE)
     tmaps = (heads_map(q, G), heads_map(dout, G)) if dkdv_tma else (no_map, no_map)
-    # CTA order per instance: (sequence, head) slowest for fixed tiles (the CTAs in flight then
-    # share recent query tiles in L2), key block slowest for gathered ones (measured: NOTES.md, v6)
-    order_env = os.environ.get(DKDV_ORDER_ENV)
-    pdl = os.environ.get(DKDV_PDL_ENV, "1") != "0"
+    pdl = plan.pdl
     tail = (np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words), np.int64(mask_h_stride),
             np.int32(mask_q_block), scale_log2, np.float32(softmax_scale), causal_i)
 
     def launch_dkdv(kv_name: str, sm90a: bool, index_args: tuple, gather: bool) -> None:
         if sm90a:
-            # the CTA order and block 0's parts of the launch contract (sparse_bwd_sm90.cu)
+            # block 0's parts and the CTA order of the launch contract (sparse_bwd_sm90.cu): (sequence,
+            # head) slowest for fixed tiles, key block slowest for gathered tokens (docs/stage2_bwd.md,
+            # 9. CTA order)
             kernel = _jit.get_kernel(SM90_SOURCE, kv_name, sm90a=True)
             args = common + index_args + (ptr(dk), ptr(dv), ptr(part0), np.int32(B), np.int32(n_kb), np.int32(split0),
-                                          np.int32(int(order_env) if order_env else not gather)) \
+                                          np.int32(not gather)) \
                 + tmaps + (np.int32(dkdv_tma),) + tail
             for p in range(passes):         # the query-range passes of the launch contract, in order
                 pass_args = ((ptr(dk32), ptr(dv32), np.int32(p * chunk), np.int32((p + 1) * chunk),
@@ -321,7 +243,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                    shared_mem=kv_smem, args=common + index_args + (ptr(dk), ptr(dv)) + tail)
 
     if len(kv_launches) == 2:
-        # the two halves of "sm90a_auto" run side by side: one after the other, the first one's
+        # the two halves of dkdv="auto" run side by side: one after the other, the first one's
         # heaviest block (block 0, selected by every token) would run alone at its end. The side
         # stream forks from and joins back into the current one, so every later use of these
         # tensors (and of the memory they free) is ordered after both kernels.

@@ -10,37 +10,45 @@ up to that rounding, and the forced blocks are present. Rows without a near-tie 
 must equal the reference exactly.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
 from infllm_cupy.compress.naive import naive_compress_k
 from infllm_cupy.stage1 import select as sel
 from infllm_cupy.stage1.naive import naive_stage1_select, q_block_idx_prefill
-from infllm_cupy.stage1.select import (
+from infllm_cupy.stage1.plan import (
+    Stage1Plan,
     choose_tiles,
+    lgp_of,
     smem_bytes,
     smem_bytes_sm90,
-    stage1_select,
-    use_sm90_kernel,
+    stage1_plan,
 )
+from infllm_cupy.stage1.select import launch_select, stage1_select
 from infllm_cupy.testing import cu_seqlens_from_lengths
 
+from conftest import HAS_GPU
 
-# Every GPU test runs twice: with the automatic kernel choice (the sm_90a kernel for G <= 16 on an
-# H100, the SM80 kernel otherwise) and with the SM80 kernel forced.
-@pytest.fixture(autouse=True)
-def _stage1_kernel(request, monkeypatch):
-    choice = getattr(request, "param", "auto")
-    if choice == "auto":
-        monkeypatch.delenv(sel.KERNEL_ENV, raising=False)
-    else:
-        monkeypatch.setenv(sel.KERNEL_ENV, choice)
-    return choice
+HOPPER = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)
+H100 = (227 * 1024, 228 * 1024)   # (opt-in per-block, per-SM) dynamic shared memory
 
 
+# GPU tests that take `kernel` run twice: with the automatic choice (the sm_90a kernel for G <= 32
+# on an H100, the SM80 kernel otherwise) and with the SM80 kernel forced (`kernel="sm80"`).
 def pytest_generate_tests(metafunc):
-    if metafunc.definition.get_closest_marker("gpu") is not None:
-        metafunc.parametrize("_stage1_kernel", ["auto", "sm80"], indirect=True)
+    if metafunc.definition.get_closest_marker("gpu") is not None and "kernel" in metafunc.fixturenames:
+        metafunc.parametrize("kernel", ["auto", "sm80"])
+
+
+def default_plan(inputs, max_seqlen_q, kernel="auto", score_dtype=torch.bfloat16, cache=0):
+    """The plan `stage1_select` makes for these inputs (to change one field of it)."""
+    q, ck1 = inputs[0], inputs[1]
+    limits = sel._smem_limits(q.device)
+    sdt = torch.float32 if score_dtype is None else score_dtype
+    return stage1_plan(torch.cuda.get_device_capability(q.device), q.shape[1] // ck1.shape[1], q.shape[2], q.dtype,
+                       sdt, -(-(max_seqlen_q + cache) // 64), *limits, kernel)
 
 # one unit in the last place, relative, of each score dtype (and fp32 math in a different order)
 RTOL = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 1e-4}
@@ -144,12 +152,20 @@ def reference(q, ck1, ck2, cu_q, cu1, cu2, max_seqlen_q, **kw):
 
 def run_and_check(q, ck1, ck2, cu_q, cu1, cu2, max_seqlen_q, *, score_dtype=torch.bfloat16, causal=True,
                   cache_lens=None, topk=64, local_blocks=32, init_blocks=1, varlen_offset_quirk=False,
-                  min_unambiguous=0.0, backend="kernels"):
+                  min_unambiguous=0.0, backend="kernels", kernel="auto", plan=None):
+    """Check the kernels' selection (public `stage1_select` with `kernel`, or with a `plan` the
+    launcher level `launch_select`) against the reference; returns (idx, scores, block_scores)."""
     kw = {"causal": causal, "cache_lens": cache_lens, "topk": topk, "local_blocks": local_blocks,
           "init_blocks": init_blocks, "varlen_offset_quirk": varlen_offset_quirk, "score_dtype": score_dtype}
     args = (q, ck1, ck2, cu_q, cu1, cu2, max_seqlen_q)
-    idx, sc, bs = stage1_select(*args, return_scores=True, backend=backend, **kw)
-    plain = stage1_select(*args, backend=backend, **kw)
+    if plan is None:
+        def run(**extra):
+            return stage1_select(*args, backend=backend, kernel=kernel, **kw, **extra)
+    else:
+        def run(**extra):
+            return launch_select(*args, plan=plan, **kw, **extra)
+    idx, sc, bs = run(return_scores=True)
+    plain = run()
     assert torch.equal(plain, idx), "the default path and return_scores must select the same blocks"
     ref_idx, ref_sc, ref_bs = reference(*args, **kw)
     sdt = torch.float32 if score_dtype is None else score_dtype
@@ -198,64 +214,66 @@ IDS = [f"L{'-'.join(map(str, c[0]))}_HQ{c[1]}_H{c[2]}_D{c[3]}_{str(c[4])[6:]}" f
 @pytest.mark.gpu
 @pytest.mark.parametrize("score_dtype", [torch.bfloat16, torch.float32], ids=["bf16scores", "fp32scores"])
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_prefill_against_reference(case, score_dtype):
+def test_prefill_against_reference(case, score_dtype, kernel):
     lengths, HQ, H, D, dtype = case
     inputs = make_inputs(lengths, HQ, H, D, dtype)
     # fp32 scores have no ties among past blocks: nearly every row must equal the reference exactly
     run_and_check(*inputs, max(lengths), score_dtype=score_dtype,
-                  min_unambiguous=0.9 if score_dtype == torch.float32 else 0.0)
+                  min_unambiguous=0.9 if score_dtype == torch.float32 else 0.0, kernel=kernel)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("topk,local_blocks,init_blocks", [(64, 32, 1), (3, 2, 1), (0, 32, 1), (5, 0, 3)])
-def test_budgets(topk, local_blocks, init_blocks):
+def test_budgets(topk, local_blocks, init_blocks, kernel):
     """Small budgets pad with -1; K below the forced count (topk = 0) keeps the lowest forced blocks."""
     lengths = [1500, 383, 64]
     inputs = make_inputs(lengths, 16, 2, 64, torch.bfloat16)
-    run_and_check(*inputs, max(lengths), topk=topk, local_blocks=local_blocks, init_blocks=init_blocks)
+    run_and_check(*inputs, max(lengths), topk=topk, local_blocks=local_blocks, init_blocks=init_blocks,
+                  kernel=kernel)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("score_dtype", [torch.bfloat16, torch.float16, None], ids=["bf16", "fp16", "none"])
-def test_score_dtypes(score_dtype):
+def test_score_dtypes(score_dtype, kernel):
     lengths = [1200, 255]
     inputs = make_inputs(lengths, 16, 2, 128, torch.bfloat16)
-    _, sc, bs = run_and_check(*inputs, max(lengths), score_dtype=score_dtype)
+    _, sc, bs = run_and_check(*inputs, max(lengths), score_dtype=score_dtype, kernel=kernel)
     want = torch.float32 if score_dtype is None else score_dtype
     assert sc.dtype == bs.dtype == want
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("HQ,H", [(16, 1), (8, 2), (2, 2)])
-def test_exact_mode(HQ, H):
+def test_exact_mode(HQ, H, kernel):
     """ck2 = ck1: the coarse pass walks the fine keys with stride 16 (exact softmax over ck1)."""
     lengths = [700, 335, 31, 100]
     inputs = make_inputs(lengths, HQ, H, 64, torch.bfloat16, exact=True)
-    run_and_check(*inputs, max(lengths))
-    run_and_check(*inputs, max(lengths), score_dtype=torch.float32, min_unambiguous=0.9)
+    run_and_check(*inputs, max(lengths), kernel=kernel)
+    run_and_check(*inputs, max(lengths), score_dtype=torch.float32, min_unambiguous=0.9, kernel=kernel)
 
 
 @pytest.mark.gpu
-def test_varlen_offset_quirk():
+def test_varlen_offset_quirk(kernel):
     lengths = [1100, 300, 70]
     inputs = make_inputs(lengths, 16, 2, 64, torch.bfloat16)
-    run_and_check(*inputs, max(lengths), varlen_offset_quirk=True)
+    run_and_check(*inputs, max(lengths), varlen_offset_quirk=True, kernel=kernel)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_chunked_prefill(dtype):
+def test_chunked_prefill(dtype, kernel):
     """Queries are the last Lq of Lk keys (cache_lens = Lk - Lq): bottom-right aligned visibility."""
     lk, lq = [1500, 700, 383], [200, 64, 383]
     q, ck1, ck2, cu_q, cu1, cu2 = make_inputs(lq, 16, 2, 128, dtype, lengths_k=lk)
     cache = torch.tensor([a - b for a, b in zip(lk, lq)], dtype=torch.int32, device="cuda")
-    run_and_check(q, ck1, ck2, cu_q, cu1, cu2, max(lq), cache_lens=cache)
-    run_and_check(q, ck1, ck2, cu_q, cu1, cu2, max(lq), cache_lens=cache.tolist(), score_dtype=torch.float32)
+    run_and_check(q, ck1, ck2, cu_q, cu1, cu2, max(lq), cache_lens=cache, kernel=kernel)
+    run_and_check(q, ck1, ck2, cu_q, cu1, cu2, max(lq), cache_lens=cache.tolist(), score_dtype=torch.float32,
+                  kernel=kernel)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("HQ,H", [(32, 2), (8, 1), (3, 3)])
-def test_decode(HQ, H):
+def test_decode(HQ, H, kernel):
     """One query per sequence, causal=False, cache_lens = L - 1: every compressed key is visible."""
     lk = [4000, 1, 127, 128, 2047, 64 * 40 + 63]
     q, ck1, ck2, _, cu1, cu2 = make_inputs(lk, HQ, H, 128, torch.bfloat16)
@@ -263,80 +281,95 @@ def test_decode(HQ, H):
     qd = q[starts.to(q.device)].contiguous()                               # the last token of each sequence
     cu_q = torch.arange(len(lk) + 1, dtype=torch.int32, device="cuda")
     cache = torch.tensor([L - 1 for L in lk], dtype=torch.int32, device="cuda")
-    run_and_check(qd, ck1, ck2, cu_q, cu1, cu2, 1, causal=False, cache_lens=cache)
+    run_and_check(qd, ck1, ck2, cu_q, cu1, cu2, 1, causal=False, cache_lens=cache, kernel=kernel)
 
 
 @pytest.mark.gpu
-def test_long_sequence():
+def test_long_sequence(kernel):
     """More tiles than any other case (out_len 180), README heads."""
     lengths = [11500]
     inputs = make_inputs(lengths, 32, 2, 128, torch.bfloat16)
-    run_and_check(*inputs, max(lengths))
+    run_and_check(*inputs, max(lengths), kernel=kernel)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("plan", [(1, True), (2, True), (4, False), (1, False)],
-                         ids=["1warp", "2warps", "4warps_scratch", "1warp_scratch"])
-def test_tile_plans(monkeypatch, plan):
-    """Fewer warps per CTA (what long sequences at small G get) and block keys in the global scratch."""
-    monkeypatch.setenv(sel.KERNEL_ENV, "sm80")        # the plans are the SM80 kernel's
-    monkeypatch.setattr(sel, "choose_tiles", lambda *a, **k: plan)
+@pytest.mark.parametrize("warps", [1, 2, 4], ids=["1warp", "2warps", "4warps"])
+@pytest.mark.parametrize("in_smem", [True, False], ids=["smem", "scratch"])
+def test_sm80_tile_plans(warps, in_smem):
+    """Fewer warps per CTA (what long sequences at small G get) and block keys in the global scratch:
+    SM80 plans the shapes below would not get, run at the launcher level."""
+    plan = Stage1Plan("sm80", warps, in_smem)
     for lengths, HQ, H in (([2500, 300], 2, 2), ([1800, 63], 16, 1), ([700], 8, 1)):
         inputs = make_inputs(lengths, HQ, H, 64, torch.bfloat16)
-        run_and_check(*inputs, max(lengths))
+        run_and_check(*inputs, max(lengths), plan=plan)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("forced", ["sm80", pytest.param("sm90a", marks=pytest.mark.skipif(
+    not HOPPER, reason="the sm_90a kernel needs capability 9.0"))])
+def test_kernel_argument_forces_the_kernel(forced, monkeypatch):
+    """`kernel="sm80"` / `"sm90a"` launch that kernel (the launch's name says which), and each
+    selection passes the reference checks."""
+    names = []
+    real = sel.launch
+    monkeypatch.setattr(sel, "launch", lambda *a, **k: (names.append(k["name"]), real(*a, **k))[1])
+    for lengths, HQ, H in (([1800, 63], 16, 1), ([700, 130], 32, 2)):
+        inputs = make_inputs(lengths, HQ, H, 128, torch.bfloat16)
+        run_and_check(*inputs, max(lengths), kernel=forced)
+    assert names and all(("_sm90<" in n) == (forced == "sm90a") for n in names), names
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("prefix,topk,local_blocks", [(1, 64, 32), (1, 8, 4), (100, 8, 4)])
-def test_topk_whole_row_rerun(prefix, topk, local_blocks):
-    """The top-K searches the blocks up to a token's own block first; a prefix shorter than the
-    visible blocks (test hook) must fall back to the whole row and give the same selection."""
+def test_topk_whole_row_rerun(prefix, topk, local_blocks, kernel):
+    """The top-K searches the blocks up to a token's own block first; a plan whose prefix is shorter
+    than the visible blocks (`topk_prefix`) must fall back to the whole row, same selection."""
     lengths = [11500, 700]
     inputs = make_inputs(lengths, 16, 2, 128, torch.bfloat16)
-    kw = {"backend": "kernels", "topk": topk, "local_blocks": local_blocks}
-    auto = stage1_select(*inputs, max(lengths), **kw)
-    short = stage1_select(*inputs, max(lengths), _topk_prefix=prefix, **kw)
-    assert torch.equal(auto, short)
+    kw = {"topk": topk, "local_blocks": local_blocks}
+    auto = stage1_select(*inputs, max(lengths), backend="kernels", kernel=kernel, **kw)
+    plan = dataclasses.replace(default_plan(inputs, max(lengths), kernel), topk_prefix=prefix)
+    assert torch.equal(auto, launch_select(*inputs, max(lengths), plan=plan, **kw))
     for score_dtype in (torch.bfloat16, torch.float32):
-        idx, _, bs = stage1_select(*inputs, max(lengths), return_scores=True, score_dtype=score_dtype,
-                                   _topk_prefix=prefix, **kw)
+        plan = dataclasses.replace(default_plan(inputs, max(lengths), kernel, score_dtype), topk_prefix=prefix)
+        idx, _, bs = launch_select(*inputs, max(lengths), return_scores=True, score_dtype=score_dtype, plan=plan,
+                                   **kw)
         q_blocks = q_block_idx_prefill(inputs[3].cpu(), max(lengths)).to(idx.device)
         assert torch.equal(idx, own_topk(bs, q_blocks, idx.shape[-1]))
 
 
 @pytest.mark.gpu
-def test_sm90_block_keys_in_scratch(monkeypatch):
-    """The sm_90a kernel with its block-key rows in the global scratch (very long sequences)."""
-    real = sel.smem_bytes_sm90
-    monkeypatch.setattr(sel, "smem_bytes_sm90", lambda *a: real(*a) + (1 << 30) * bool(a[-1]))
+def test_block_keys_in_scratch(kernel):
+    """The planned kernel with its block-key rows in the global scratch (very long sequences)."""
     for lengths, HQ, H in (([2500, 300], 2, 2), ([1800, 63], 16, 1)):
         inputs = make_inputs(lengths, HQ, H, 64, torch.bfloat16)
-        run_and_check(*inputs, max(lengths))
+        plan = dataclasses.replace(default_plan(inputs, max(lengths), kernel), block_keys_in_smem=False)
+        run_and_check(*inputs, max(lengths), plan=plan)
 
 
 @pytest.mark.gpu
-def test_outputs_are_fully_written():
+def test_outputs_are_fully_written(kernel):
     """With NaN/sentinel-poisoned allocations (conftest sets INFLLM_CUPY_POISON=1) nothing stays unwritten."""
     lengths = [650, 5, 129]
     inputs = make_inputs(lengths, 16, 2, 64, torch.bfloat16)
-    idx, sc, bs = stage1_select(*inputs, max(lengths), return_scores=True, backend="kernels")
+    idx, sc, bs = stage1_select(*inputs, max(lengths), return_scores=True, backend="kernels", kernel=kernel)
     assert not bool((idx == -(2**30)).any())
     assert not torch.isnan(sc).any() and not torch.isnan(bs).any()
-    idx2 = stage1_select(*inputs, max(lengths), backend="kernels")
+    idx2 = stage1_select(*inputs, max(lengths), backend="kernels", kernel=kernel)
     assert not bool((idx2 == -(2**30)).any())
 
 
 @pytest.mark.gpu
-def test_deterministic():
+def test_deterministic(kernel):
     lengths = [1300, 200]
     inputs = make_inputs(lengths, 64, 1, 64, torch.bfloat16)       # G = 64: cross-warp group sums
-    a = stage1_select(*inputs, max(lengths), return_scores=True, backend="kernels")
-    b = stage1_select(*inputs, max(lengths), return_scores=True, backend="kernels")
+    a = stage1_select(*inputs, max(lengths), return_scores=True, backend="kernels", kernel=kernel)
+    b = stage1_select(*inputs, max(lengths), return_scores=True, backend="kernels", kernel=kernel)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 @pytest.mark.gpu
-def test_large_offsets():
+def test_large_offsets(kernel):
     """q with more than 2^31 elements: the second sequence's rows start past 2^31 (64-bit offsets).
 
     The first sequence has 132k queries but only 16 keys (no compressed key), so it costs only its
@@ -351,7 +384,7 @@ def test_large_offsets():
     ck1, cu1 = naive_compress_k(k, cu_k, 32, 16)
     ck2, cu2 = naive_compress_k(k, cu_k, 128, 64)
     cu_q = cu_seqlens_from_lengths(lq, "cuda")
-    idx = stage1_select(q, ck1, ck2, cu_q, cu1, cu2, max(lq), backend="kernels")
+    idx = stage1_select(q, ck1, ck2, cu_q, cu1, cu2, max(lq), backend="kernels", kernel=kernel)
     t0 = lq[0]
     sub = (q[t0:], ck1, ck2, cu_seqlens_from_lengths([lq[1]], "cuda"),
            cu_seqlens_from_lengths([int(cu1[2])], "cuda"), cu_seqlens_from_lengths([int(cu2[2])], "cuda"))
@@ -388,14 +421,15 @@ def test_large_offsets():
     ({"kw": lambda k: {**k, "topk": -1}}, ValueError, "topk"),
     ({"kw": lambda k: {**k, "softmax_scale": -1.0}}, ValueError, "softmax_scale"),
     ({"kw": lambda k: {**k, "backend": "triton"}}, ValueError, "backend"),
+    ({"kw": lambda k: {**k, "kernel": "sm70"}}, ValueError, "kernel must be one of"),
 ])
-def test_bad_inputs_raise_before_launch(bad, exc, match, monkeypatch):
+def test_bad_inputs_raise_before_launch(bad, exc, match, monkeypatch, kernel):
     def no_launch(*a, **k):
         raise AssertionError("launched")
     monkeypatch.setattr(sel, "launch", no_launch)
     q, ck1, ck2, cu_q, cu1, cu2 = make_inputs([300, 200], 16, 2, 64, torch.bfloat16)
     args = {"q": q, "ck1": ck1, "ck2": ck2, "cu_q": cu_q, "cu1": cu1, "cu2": cu2, "mq": 300,
-            "kw": {"backend": "kernels"}}
+            "kw": {"backend": "kernels", "kernel": kernel}}
     for name, f in bad.items():
         args[name] = f(args[name])
     with pytest.raises(exc, match=match):
@@ -404,16 +438,16 @@ def test_bad_inputs_raise_before_launch(bad, exc, match, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_group_too_large_raises():
+def test_group_too_large_raises(kernel):
     q, ck1, ck2, cu_q, cu1, cu2 = make_inputs([100], 256, 1, 64, torch.bfloat16)
     with pytest.raises(ValueError, match="G = 256"):
-        stage1_select(q, ck1, ck2, cu_q, cu1, cu2, 100, backend="kernels")
+        stage1_select(q, ck1, ck2, cu_q, cu1, cu2, 100, backend="kernels", kernel=kernel)
 
 
 # --------------------------------------------------------------------------------------------
 # CPU tests: dispatch, argument checks, launch planning
 # --------------------------------------------------------------------------------------------
-def test_cpu_tensors_run_the_reference():
+def test_select_cpu_tensors_run_the_reference():
     lengths = [400, 130]
     inputs = make_inputs(lengths, 8, 2, 32, torch.float32, device="cpu")
     want = naive_stage1_select(*inputs, 400, topk=4, local_blocks=2, return_scores=True)
@@ -455,7 +489,6 @@ def test_kernel_backend_rejects_fp32_and_odd_head_dims_on_cpu():
 
 
 def test_launch_planning():
-    H100 = (227 * 1024, 228 * 1024)
     # README config at 128k: 4 warps (8 tokens at G = 16), block keys in shared memory, two CTAs per SM
     olp = 2048
     w, in_smem = choose_tiles(128, 2, 4, olp, 2, *H100)
@@ -471,17 +504,40 @@ def test_launch_planning():
         assert smem_bytes(64, 2, 4, lgp, 64, 2, False) >= 2 * 64 * 64 * 2
 
 
-def test_kernel_choice(monkeypatch):
-    monkeypatch.delenv(sel.KERNEL_ENV, raising=False)
-    assert use_sm90_kernel((9, 0), 5) and not use_sm90_kernel((9, 0), 6) and not use_sm90_kernel((8, 0), 0)
-    assert not use_sm90_kernel((9, 0), 0, "sm80") and use_sm90_kernel((9, 0), 2, "sm90a")
-    monkeypatch.setenv(sel.KERNEL_ENV, "sm80")
-    assert not use_sm90_kernel((9, 0), 4)
-    for bad_env, cap, lgp, match in (("sm70", (9, 0), 4, "must be one of"), ("sm90a", (8, 0), 4, "capability 9.0"),
-                                     ("sm90a", (9, 0), 6, "G <= 32")):
-        monkeypatch.setenv(sel.KERNEL_ENV, bad_env)
-        with pytest.raises(ValueError, match=sel.KERNEL_ENV if match == "must be one of" else match):
-            use_sm90_kernel(cap, lgp)
+def test_stage1_plan():
+    """The plan: sm_90a on capability 9.0 for G <= 32 (8 warps, block keys in shared memory while
+    they fit), the SM80 kernel elsewhere with `choose_tiles`' shape; `kernel` forces one."""
+    bf16, fp32 = torch.bfloat16, torch.float32
+    # README config (G = 16, D = 128) at 128k: out_len 2048
+    assert stage1_plan((9, 0), 16, 128, bf16, bf16, 2048, *H100) == Stage1Plan("sm90a", 8, True, 0)
+    assert stage1_plan((9, 0), 32, 128, bf16, bf16, 2048, *H100).kernel == "sm90a"
+    assert stage1_plan((9, 0), 33, 128, bf16, bf16, 2048, *H100) == Stage1Plan("sm80", 4, True)
+    assert stage1_plan((8, 0), 16, 128, bf16, bf16, 2048, *H100) == Stage1Plan("sm80", 4, True)
+    assert stage1_plan((9, 0), 16, 128, bf16, bf16, 2048, *H100, kernel="sm80") == Stage1Plan("sm80", 4, True)
+    assert stage1_plan((9, 0), 16, 128, bf16, bf16, 2048, *H100, kernel="sm90a").kernel == "sm90a"
+    # G = 1 at 128k on SM80: fewer warps before the global scratch; sm_90a: scratch past the smem
+    assert stage1_plan((8, 0), 1, 128, bf16, bf16, 2048, *H100) == Stage1Plan("sm80", 1, True)
+    assert stage1_plan((9, 0), 1, 128, bf16, fp32, 8192, *H100) == Stage1Plan("sm90a", 8, False)
+    for kernel, cap, G, match in (("sm90a", (8, 0), 16, "capability 9.0"), ("sm90a", (9, 0), 33, "G <= 32"),
+                                  ("sm70", (9, 0), 16, "kernel must be one of"),
+                                  ("SM90A", (9, 0), 16, "kernel must be one of")):
+        with pytest.raises(ValueError, match=match):
+            stage1_plan(cap, G, 128, bf16, bf16, 64, *H100, kernel=kernel)
+    with pytest.raises(ValueError, match="warps"):
+        Stage1Plan("sm90a", 4)
+    with pytest.raises(ValueError, match="warps"):
+        Stage1Plan("sm80", 8)
+    with pytest.raises(ValueError, match="topk_prefix"):
+        Stage1Plan("sm80", 4, True, -1)
+    assert Stage1Plan("sm80", 1).tokens_per_cta(64) == 0 and Stage1Plan("sm80", 2).tokens_per_cta(64) == 1
+    assert Stage1Plan("sm90a", 8).tokens_per_cta(16) == 8
+
+
+def test_kernel_argument_checked_on_cpu():
+    inputs = make_inputs([100], 4, 2, 64, torch.bfloat16, device="cpu")
+    for bad in ("sm70", "", None, 90):
+        with pytest.raises(ValueError, match="kernel must be one of"):
+            stage1_select(*inputs, 100, kernel=bad)
 
 
 def test_sm90_launch_planning():
@@ -502,5 +558,5 @@ def test_every_instance_is_registered():
                 for d in (64, 128):
                     assert sel.kernel_name(dt, st, d, sm90a) in names
         assert len(names) == 8
-    assert [sel._lgp(G) for G in (1, 2, 3, 4, 5, 16, 17, 24, 32, 33, 64, 65, 128)] == \
+    assert [lgp_of(G) for G in (1, 2, 3, 4, 5, 16, 17, 24, 32, 33, 64, 65, 128)] == \
         [0, 1, 2, 2, 3, 4, 5, 5, 5, 6, 6, 7, 7]

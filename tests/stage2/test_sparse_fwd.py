@@ -1,11 +1,21 @@
-"""Stage-2 forward kernel against the PyTorch reference (FlashAttention's error rule)."""
+"""Stage-2 forward: the kernels against the PyTorch reference (FlashAttention's error rule), and the
+forward plan (`fwd_plan`, CPU).
+
+Variants the plan never picks by itself (SM80 tile shapes, forced sm_90a step shapes, key-range
+passes) run at the launcher level (`ops.token_fwd` / `ops.layout_fwd` with a plan); "sm90a" goes
+through the public op with `kernel="sm90a"`.
+"""
+import dataclasses
+
 import pytest
 import torch
 
+from infllm_cupy import _env
+from infllm_cupy.stage2 import ops
 from infllm_cupy.stage2.attention import block_sparse_attn_varlen, sparse_attn_varlen
 from infllm_cupy.stage2.layout import BlockLayout
 from infllm_cupy.stage2.naive import naive_sparse_attn_varlen
-from infllm_cupy.stage2.sparse_fwd import FwdTiles
+from infllm_cupy.stage2.plan import FwdPlan, FwdTiles, fwd_plan, kv_passes_for
 from infllm_cupy.testing import assert_close_to_ref, cu_seqlens_from_lengths, random_topk_idx
 
 from conftest import HAS_GPU, STAGE2_CASES, STAGE2_IDS
@@ -49,6 +59,30 @@ def tiles_id(t):
     return t if isinstance(t, str) else f"w{t.warps}m{t.m_tiles}k{t.sub_keys}"
 
 
+SM90_STEP = {"sm90a": "auto", "sm90a_pair": "pair", "sm90a_single": "single", "sm90a_split": "split"}
+
+
+def plan_of(variant, q, k, max_seqlen_k, split_min, **fields):
+    """The forward plan of a test variant: a FwdTiles (the SM80 kernel with that shape) or an sm_90a
+    step shape ("sm90a": the plan's own per-CTA choice), with `fields` replaced."""
+    if isinstance(variant, FwdTiles):
+        plan = FwdPlan("sm80", variant)
+    else:
+        plan = dataclasses.replace(ops.fwd_plan_for(q, k, max_seqlen_k, split_min, kernel="sm90a"),
+                                   step=SM90_STEP[variant])
+    return dataclasses.replace(plan, **fields)
+
+
+def run_fwd(q, k, v, cu_q, cu_k, idx, mq, mk, variant, causal=True, **fields):
+    """(out, lse) of the token-level forward under `variant`: "sm90a" without `fields` through the
+    public op (`kernel="sm90a"`), everything else through `ops.token_fwd` with its plan."""
+    if variant == "sm90a" and not fields:
+        return sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, mq, mk, causal, return_lse=True, backend="kernels",
+                                  kernel="sm90a")
+    plan = plan_of(variant, q, k, mk, 2 * idx.shape[2], **fields)
+    return ops.token_fwd(q, k, v, cu_q, cu_k, idx, mq, mk, causal, q.shape[-1] ** -0.5, plan)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tiles", TILES, ids=tiles_id)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -56,8 +90,7 @@ def tiles_id(t):
 def test_token_level_against_reference(case, dtype, tiles):
     lq, lk, HQ, H, D = case
     q, k, v, cu_q, cu_k, idx = make_inputs(lq, lk, HQ, H, D, dtype, empty_rows=True)
-    out, lse = sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, max(lq), max(lk), return_lse=True,
-                                  backend="kernels", tiles=tiles)
+    out, lse = run_fwd(q, k, v, cu_q, cu_k, idx, max(lq), max(lk), tiles)
     check_against_reference(out, lse, q, k, v, cu_q, cu_k, idx, max(lq), max(lk), True)
 
 
@@ -68,25 +101,17 @@ def test_token_level_against_reference(case, dtype, tiles):
 @pytest.mark.parametrize("tiles", ["sm90a", "sm90a_pair", "sm90a_split"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_key_range_passes_against_reference(case, dtype, tiles, passes, split_min, monkeypatch):
+def test_key_range_passes_against_reference(case, dtype, tiles, passes, split_min):
     """The sm_90a forward in key-range passes (the long-context path, forced here on short
     sequences), with every CTA split over the passes ("0": each later pass merges into the rows by
     lse) or only those whose union exceeds 2 K blocks (the default). One pass must differ from it
     by rounding only; with every CTA split and more than one block, the outputs differ."""
-    from infllm_cupy.stage2 import sparse_fwd
-
     lq, lk, HQ, H, D = case
     q, k, v, cu_q, cu_k, idx = make_inputs(lq, lk, HQ, H, D, dtype, empty_rows=True)
-    monkeypatch.setenv("INFLLM_CUPY_FWD_PASSES", str(passes))
-    if split_min != "default":
-        monkeypatch.setenv("INFLLM_CUPY_FWD_SPLIT_MIN", split_min)
-    assert sparse_fwd.kv_passes_for(max(lk), D, 2) == passes
-    out, lse = sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, max(lq), max(lk), return_lse=True,
-                                  backend="kernels", tiles=tiles)
+    forced = {} if split_min == "default" else {"split_min": int(split_min)}
+    out, lse = run_fwd(q, k, v, cu_q, cu_k, idx, max(lq), max(lk), tiles, kv_passes=passes, **forced)
     check_against_reference(out, lse, q, k, v, cu_q, cu_k, idx, max(lq), max(lk), True)
-    monkeypatch.setenv("INFLLM_CUPY_FWD_PASSES", "1")
-    one, _ = sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, max(lq), max(lk), return_lse=True,
-                                backend="kernels", tiles=tiles)
+    one, _ = run_fwd(q, k, v, cu_q, cu_k, idx, max(lq), max(lk), tiles, kv_passes=1, **forced)
     if split_min == "0" and max(lk) > 128:      # the passes ran and merged: they round differently
         assert not torch.equal(out, one)
 
@@ -96,16 +121,13 @@ def test_key_range_passes_against_reference(case, dtype, tiles, passes, split_mi
 @pytest.mark.parametrize("validate", ["1", "0"])
 @pytest.mark.parametrize("split_min", ["0", "default"])
 @pytest.mark.parametrize("selection", ["a", "b", "c"])
-def test_key_range_passes_one_cu_seqlens(selection, split_min, validate, monkeypatch):
+def test_key_range_passes_one_cu_seqlens(selection, split_min, validate):
     """One cu_seqlens tensor for queries and keys: later passes leave out the leading CTAs (their
     tokens precede the pass's keys). Benchmark selections, G = 16 and G = 1 rows per token; with
     host reads allowed, later passes are skipped where no CTA split (selection a, default)."""
     from infllm_cupy.selections import make_selection
 
-    monkeypatch.setenv("INFLLM_CUPY_FWD_PASSES", "3")
-    monkeypatch.setenv("INFLLM_CUPY_VALIDATE", validate)
-    if split_min != "default":
-        monkeypatch.setenv("INFLLM_CUPY_FWD_SPLIT_MIN", split_min)
+    forced = {"kv_passes": 3} if split_min == "default" else {"kv_passes": 3, "split_min": int(split_min)}
     for HQ in (32, 2):
         T, H, D, K = 2001, 2, 128, 20
         g = torch.Generator().manual_seed(7)
@@ -114,37 +136,63 @@ def test_key_range_passes_one_cu_seqlens(selection, split_min, validate, monkeyp
         cu = cu_seqlens_from_lengths([T + 300, T - 300], "cuda")   # ragged; the selection's rows are
         # drawn for two sequences of T, so some picks fall out of range (ignored, as the reference does)
         idx = make_selection(selection, 2, T, H, K, seed=3).cuda()
-        out, lse = sparse_attn_varlen(q, k, v, cu, cu, idx, T + 300, T + 300, return_lse=True, backend="kernels")
+        plan = dataclasses.replace(ops.fwd_plan_for(q, k, T + 300, 2 * K), **forced)
+        with _env.override(validate=validate == "1"):
+            out, lse = ops.token_fwd(q, k, v, cu, cu, idx, T + 300, T + 300, True, D ** -0.5, plan)
         check_against_reference(out, lse, q, k, v, cu, cu, idx, T + 300, T + 300, True)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="sm_90a kernel needs capability 9.0")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_key_range_passes_non_causal(dtype, monkeypatch):
-    monkeypatch.setenv("INFLLM_CUPY_FWD_PASSES", "3")
-    monkeypatch.setenv("INFLLM_CUPY_FWD_SPLIT_MIN", "0")
+def test_key_range_passes_non_causal(dtype):
     lq, lk = [1, 5, 90], [300, 64, 1000]
     q, k, v, cu_q, cu_k, idx = make_inputs(lq, lk, 16, 2, 128, dtype)
-    out, lse = sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, max(lq), max(lk), causal=False, return_lse=True,
-                                  backend="kernels")
+    out, lse = run_fwd(q, k, v, cu_q, cu_k, idx, max(lq), max(lk), "sm90a", causal=False, kv_passes=3, split_min=0)
     check_against_reference(out, lse, q, k, v, cu_q, cu_k, idx, max(lq), max(lk), False)
 
 
-def test_kv_passes_policy(monkeypatch):
+def test_kv_passes_policy():
     """One pass while a sequence's K/V per KV head fit 32 MB, then one per 32 MB, at most 8."""
-    from infllm_cupy.stage2.sparse_fwd import kv_passes_for
-
-    monkeypatch.delenv("INFLLM_CUPY_FWD_PASSES", raising=False)
     assert [kv_passes_for(n, 128, 2) for n in (1, 16384, 32768, 65536, 131072, 10**7)] == [1, 1, 1, 1, 2, 8]
     assert kv_passes_for(32768, 64, 2) == 1
-    monkeypatch.setenv("INFLLM_CUPY_FWD_PASSES", "3")
-    assert kv_passes_for(1, 128, 2) == 3
+
+
+def test_fwd_plan():
+    """The forward plan of each device and shape: sm_90a on capability 9.0 (passes for the token-level
+    op at long contexts, the deepest ring that fits the mask rows), SM80 elsewhere or without keys."""
+    bf16 = torch.bfloat16
+    assert fwd_plan((9, 0), 128, bf16, 32768, 65536, split_min=128) == FwdPlan(
+        "sm90a", step="auto", stages=6, kv_passes=1, split_min=128)
+    assert fwd_plan((9, 0), 128, bf16, 131072, 262144, split_min=128).kv_passes == 2
+    assert fwd_plan((9, 0), 128, bf16, 131072, 262144).kv_passes == 1          # layouts: one pass
+    assert fwd_plan((9, 0), 128, bf16, 1 << 20, 1 << 20, split_min=128).stages == 4   # long mask rows
+    assert fwd_plan((9, 0), 64, torch.float16, 1 << 20, 1 << 20).stages == 6
+    for cap, kernel in (((8, 0), "auto"), ((8, 9), "sm80"), ((9, 0), "sm80"), ((10, 0), "auto")):
+        assert fwd_plan(cap, 128, bf16, 4096, 4096, split_min=128, kernel=kernel) == FwdPlan("sm80", FwdTiles(4, 2, 64))
+    assert fwd_plan((9, 0), 128, bf16, 0, 0, kernel="sm90a").kernel == "sm80"   # no keys: no tensor map
+    with pytest.raises(ValueError, match="kernel='sm90a' needs a device of compute capability 9.0"):
+        fwd_plan((8, 0), 128, bf16, 4096, 4096, kernel="sm90a")
+    for bad in ("sm90", "SM80", "", None, "sm90a_pair"):
+        with pytest.raises(ValueError, match="kernel must be one of"):
+            fwd_plan((9, 0), 128, bf16, 4096, 4096, kernel=bad)
+
+
+def test_fwd_plan_fields_are_checked():
+    with pytest.raises(ValueError, match="FwdTiles needs"):
+        FwdTiles(3, 1, 64)
+    for bad in (dict(kernel="sm70"), dict(kernel="sm90a", step="triple"), dict(kernel="sm90a", stages=5),
+                dict(kernel="sm90a", kv_passes=0), dict(kernel="sm80", kv_passes=2),
+                dict(kernel="sm90a", split_min=-1)):
+        with pytest.raises(ValueError, match="FwdPlan"):
+            FwdPlan(**bad)
+    with pytest.raises(TypeError, match="FwdPlan.tiles"):
+        FwdPlan("sm80", (4, 2, 64))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_non_causal(dtype):
+def test_non_causal_forward(dtype):
     lq, lk = [1, 5, 90], [300, 64, 1000]          # decode-like rows against long caches
     q, k, v, cu_q, cu_k, idx = make_inputs(lq, lk, 16, 2, 128, dtype)
     out, lse = sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, max(lq), max(lk), causal=False, return_lse=True,
@@ -183,16 +231,14 @@ def test_junk_indices_equal_the_clean_selection():
 @pytest.mark.parametrize("selection", ["a", "b", "c"])
 @pytest.mark.parametrize("HQ", [32, 2], ids=["G16", "G1"])
 @pytest.mark.parametrize("stages", [6, 4], ids=["ring6", "ring4"])
-def test_step_shapes_on_benchmark_selections(selection, HQ, stages, monkeypatch):
+def test_step_shapes_on_benchmark_selections(selection, HQ, stages):
     """The benchmark's block-shared (a), per-token (b) and InfLLM-like (c) selections through both
     step shapes of the sm_90a kernel and its automatic choice, with each K/V ring depth. At G = 16
     a CTA's tokens share one query block, so under (a) every CTA qualifies for 128-key steps (and
     the full ones for the warpgroups' ping-pong) and the automatic choice must equal them bit for
     bit. T * G is not a multiple of the CTA's 128 rows: the last CTA has a warpgroup without rows."""
     from infllm_cupy.selections import make_selection
-    from infllm_cupy.stage2 import sparse_fwd
 
-    monkeypatch.setattr(sparse_fwd, "SM90_STAGES", (stages,))
     T, H, D, K = 2001, 2, 128, 20
     g = torch.Generator().manual_seed(5)
     q = torch.randn(2 * T, HQ, D, generator=g).to("cuda", torch.bfloat16)
@@ -201,7 +247,7 @@ def test_step_shapes_on_benchmark_selections(selection, HQ, stages, monkeypatch)
     idx = make_selection(selection, 2, T, H, K, seed=3).cuda()
     outs = {}
     for tiles in ("sm90a_pair", "sm90a_single", "sm90a_split", "sm90a"):
-        out, lse = sparse_attn_varlen(q, k, v, cu, cu, idx, T, T, return_lse=True, backend="kernels", tiles=tiles)
+        out, lse = run_fwd(q, k, v, cu, cu, idx, T, T, tiles, stages=stages)
         check_against_reference(out, lse, q, k, v, cu, cu, idx, T, T, True)
         outs[tiles] = out
     assert not torch.equal(outs["sm90a_pair"], outs["sm90a_single"])   # the two shapes round differently
@@ -220,8 +266,7 @@ def test_scores_whose_maximum_jumps_between_blocks(dtype, tiles):
     q, k, v, cu_q, cu_k, idx = make_inputs(lq, lq, 16, 2, 128, dtype, K=24, seed=11)
     block = torch.cat([torch.arange(n, device="cuda") // 64 for n in lq])
     k = (k.float() * (1 + 3 * (block % 5)).view(-1, 1, 1)).to(dtype)
-    out, lse = sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, 1500, 1500, return_lse=True, backend="kernels",
-                                  tiles=tiles)
+    out, lse = run_fwd(q, k, v, cu_q, cu_k, idx, 1500, 1500, tiles)
     check_against_reference(out, lse, q, k, v, cu_q, cu_k, idx, 1500, 1500, True)
 
 
@@ -238,11 +283,15 @@ def test_block_layout_equals_token_level(q_block, per_sequence, tiles):
     mask = torch.rand(shape) < 0.3
     mask[..., 0] = True
     layout = BlockLayout(mask, q_block)
-    out, lse = block_sparse_attn_varlen(q, k, v, cu_q, cu_k, layout, 1000, 1000, return_lse=True, backend="kernels",
-                                        tiles=tiles)
+    if tiles == "sm90a":
+        out, lse = block_sparse_attn_varlen(q, k, v, cu_q, cu_k, layout, 1000, 1000, return_lse=True,
+                                            backend="kernels", kernel="sm90a")
+    else:
+        out, lse = ops.layout_fwd(q, k, v, cu_q, cu_k, layout.mask.cuda(), q_block, 1000, 1000, True, D ** -0.5,
+                                  plan_of(tiles, q, k, 1000, None))
     idx = layout.to_topk_idx(cu_q.cpu()).cuda()
     check_against_reference(out, lse, q, k, v, cu_q, cu_k, idx, 1000, 1000, True)
-    tok = sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, 1000, 1000, backend="kernels", tiles=tiles)
+    tok, _ = run_fwd(q, k, v, cu_q, cu_k, idx, 1000, 1000, tiles)
     assert torch.equal(out, tok)
 
 
@@ -254,8 +303,7 @@ def test_non_finite_keys_of_the_next_sequence_stay_out(tiles):
     lq = lk = [100, 77, 64]
     q, k, v, cu_q, cu_k, idx = make_inputs(lq, lk, 16, 2, 128, torch.bfloat16, K=8)
     k[100:164], v[100:164] = float("nan"), float("inf")   # all of sequence 1's first block
-    out, lse = sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, 100, 100, return_lse=True, backend="kernels",
-                                  tiles=tiles)
+    out, lse = run_fwd(q, k, v, cu_q, cu_k, idx, 100, 100, tiles)
     first, last = slice(0, 100), slice(177, 241)
     for rows in (first, last):
         n = rows.stop - rows.start
@@ -307,7 +355,7 @@ def test_large_offsets_past_2_to_31():
     (dict(v=lambda v: torch.empty(v.numel() + 1, dtype=v.dtype, device=v.device)[1:].view(v.shape).copy_(v)),
      "v must start at a 16-byte aligned address"),
 ])
-def test_bad_inputs_raise_before_launch(bad, match):
+def test_sparse_attn_bad_inputs_raise_before_launch(bad, match):
     q, k, v, cu_q, cu_k, idx = make_inputs([100, 50], [100, 50], 16, 2, 128, torch.bfloat16)
     args = dict(q=q, k=k, v=v, idx=idx, mq=100, mk=100, cu_q=cu_q)
     for name, f in bad.items():

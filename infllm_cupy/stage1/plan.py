@@ -1,0 +1,132 @@
+"""Launch plan of the stage-1 kernels: which kernel, its CTA shape and where the block keys live.
+
+`stage1_plan` is a pure function of the problem's shapes and the device (compute capability and
+shared-memory limits); `stage1_select` calls it with the public `kernel=` argument ("auto", "sm80",
+"sm90a") and `launch_select` does what the plan says. Tests reach other tile shapes, the global
+block-key scratch or the top-K rerun (`topk_prefix`) by building a plan themselves
+(`dataclasses.replace(stage1_plan(...), field=value)`) and calling `launch_select` with it.
+Why each choice: docs/stage1.md (3. The sm_90a kernel, 4. Top-K on a prefix, 5. Memory plan).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from .._kernel_arg import wants_sm90a
+
+SM80, SM90A = "sm80", "sm90a"
+SM90_MAX_LGP = 5         # the sm_90a kernel: a token's rows fit in one or two warps' 16 (G <= 32)
+SM90_THREADS = 256
+MAX_GROUP = 128          # G <= 128: a token's rows fit in one CTA (4 warps x 32 rows)
+TILE = 64                # compressed keys per tile (kernels_cu: S1_TILE)
+STAGE_STRIDE = 68        # floats per staging row (kernels_cu: S1_ST)
+ROWS_PER_WARP = 32
+
+
+def lgp_of(G: int) -> int:
+    """log2 of the padded group GP (the smallest power of two >= G)."""
+    return max(0, (G - 1).bit_length())
+
+
+def smem_bytes_sm90(D: int, itemsize: int, lgp: int, olp: int, key_bytes: int, bs_in_smem: bool) -> int:
+    """Dynamic shared memory of one sm_90a CTA (mirrors select_sm90.cu): alignment slack, two Q
+    tiles and two key tiles of 64 rows, the staging rows, per-warp column sums (G > 16) and the
+    block-key rows."""
+    tok = 128 >> lgp
+    return (1024 + 4 * TILE * D * itemsize + tok * STAGE_STRIDE * 4 + (8 * 64 * 4 if lgp == 5 else 0)
+            + (tok * olp * key_bytes if bs_in_smem else 0))
+
+
+def smem_bytes(D: int, itemsize: int, warps: int, lgp: int, olp: int, key_bytes: int,
+               bs_in_smem: bool) -> int:
+    """Dynamic shared memory of one SM80 CTA (mirrors the layout in select.cu)."""
+    tok = (ROWS_PER_WARP * warps) >> lgp
+    return (2 * TILE * D * itemsize + tok * STAGE_STRIDE * 4 + (warps * 64 * 4 if lgp >= 5 else 0)
+            + (tok * olp * key_bytes if bs_in_smem else 0))
+
+
+def choose_tiles(D: int, itemsize: int, lgp: int, olp: int, key_bytes: int, smem_max: int,
+                 smem_per_sm: int) -> tuple[int, bool]:
+    """(warps, block keys in shared memory) of the SM80 kernel for one launch.
+
+    Prefers 4 warps (128 rows per CTA: each key tile read from L2 serves the most rows) at a size that
+    lets two CTAs share an SM; then fewer warps (fewer tokens, so less block-key memory); then any
+    size that fits one CTA per SM; else block keys in a global scratch.
+    """
+    min_warps = max(1, (1 << lgp) // ROWS_PER_WARP)
+    choices = [w for w in (4, 2, 1) if w >= min_warps]
+    two_per_sm = min(smem_per_sm // 2 - 1024, smem_max)
+    for limit in (two_per_sm, smem_max):
+        for w in choices:
+            if smem_bytes(D, itemsize, w, lgp, olp, key_bytes, True) <= limit:
+                return w, True
+    for w in choices:
+        if smem_bytes(D, itemsize, w, lgp, olp, key_bytes, False) <= smem_max:
+            return w, False
+    return choices[-1], False     # does not fit at all: the launcher reports it
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage1Plan:
+    """What `launch_select` launches.
+
+    kernel: "sm80" or "sm90a" (G <= 32, capability 9.0). warps: warps per CTA (sm90a: 8, its two
+    warpgroups; sm80: 1, 2 or 4, enough for one token's G rows). block_keys_in_smem: the block-key
+    rows in shared memory, else in a global scratch. topk_prefix: 0 lets the top-K search the
+    blocks up to each token's own block first; a positive value shortens that prefix to this many
+    blocks (tests: it makes the search fall back to the whole row).
+    """
+    kernel: str
+    warps: int
+    block_keys_in_smem: bool = True
+    topk_prefix: int = 0
+
+    def __post_init__(self):
+        if self.kernel not in (SM80, SM90A):
+            raise ValueError(f"Stage1Plan.kernel must be 'sm80' or 'sm90a', got {self.kernel!r}")
+        allowed = (SM90_THREADS // 32,) if self.kernel == SM90A else (1, 2, 4)
+        if self.warps not in allowed:
+            raise ValueError(f"Stage1Plan.warps must be one of {allowed} for the {self.kernel} kernel, "
+                             f"got {self.warps!r}")
+        if not isinstance(self.topk_prefix, int) or self.topk_prefix < 0:
+            raise ValueError(f"Stage1Plan.topk_prefix must be an int >= 0, got {self.topk_prefix!r}")
+
+    def tokens_per_cta(self, G: int) -> int:
+        """Tokens whose rows one CTA holds (0: the CTA cannot hold one token's G rows)."""
+        rows = 128 if self.kernel == SM90A else ROWS_PER_WARP * self.warps
+        return rows >> lgp_of(G)
+
+    def smem_bytes(self, G: int, D: int, itemsize: int, out_len: int, key_bytes: int) -> int:
+        olp = -(-out_len // 64) * 64
+        if self.kernel == SM90A:
+            return smem_bytes_sm90(D, itemsize, lgp_of(G), olp, key_bytes, self.block_keys_in_smem)
+        return smem_bytes(D, itemsize, self.warps, lgp_of(G), olp, key_bytes, self.block_keys_in_smem)
+
+
+@functools.lru_cache(maxsize=1024)
+def stage1_plan(capability, G: int, D: int, dtype: torch.dtype, score_dtype: torch.dtype, out_len: int,
+                smem_max: int, smem_per_sm: int, kernel: str = "auto") -> Stage1Plan:
+    """The stage-1 plan for one call.
+
+    capability: the device's (major, minor); smem_max, smem_per_sm: its opt-in per-block and per-SM
+    dynamic shared memory. score_dtype: that of the scores (fp32 keys take 4 bytes, 16-bit ones 2).
+    kernel: "auto" (sm_90a on capability 9.0 when G <= 32, else SM80), "sm80" or "sm90a"
+    (ValueError on another capability or G > 32).
+    """
+    lgp = lgp_of(G)
+    sm90a = wants_sm90a(kernel, capability, "stage 1")
+    if sm90a and lgp > SM90_MAX_LGP:
+        if kernel == SM90A:
+            raise ValueError(f"kernel='sm90a' needs G <= {1 << SM90_MAX_LGP} for stage 1 (a token's rows on one "
+                             f"or two warps), got G = {G}")
+        sm90a = False
+    olp = -(-out_len // 64) * 64
+    key_bytes = 4 if score_dtype == torch.float32 else 2
+    itemsize = dtype.itemsize
+    if sm90a:
+        return Stage1Plan(SM90A, SM90_THREADS // 32,
+                          smem_bytes_sm90(D, itemsize, lgp, olp, key_bytes, True) <= smem_max)
+    warps, in_smem = choose_tiles(D, itemsize, lgp, olp, key_bytes, smem_max, smem_per_sm)
+    return Stage1Plan(SM80, warps, in_smem)

@@ -1,0 +1,278 @@
+"""Launch plans of the stage-2 kernels: every kernel choice as a value, computed from shapes and the device.
+
+`fwd_plan` and `bwd_plan` are pure functions of the problem's shapes and the device's compute
+capability (as FlashAttention-3 keeps its tile and split heuristics in code); the ops call them
+with the public `kernel=` argument ("auto", "sm80", "sm90a"), and the launchers `stage2_fwd` and
+`stage2_bwd` do exactly what the plan says. A test reaches a variant the heuristics never pick (a
+forced step shape, a pass count, an SM80 tile shape) by building a plan itself, usually
+`dataclasses.replace(fwd_plan(...), field=value)`, and calling the launcher level with it.
+
+Why each default is what it is: docs/stage2_fwd.md (forward) and docs/stage2_bwd.md (backward),
+sections named at each constant below.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from .._constants import KV_BLOCK as BLOCK_N  # keys per KV block (kernels_cu: BLOCK_N)
+from .._kernel_arg import wants_sm90a
+from .._launch import CXX_TYPE, cdiv
+
+SM80, SM90A = "sm80", "sm90a"
+
+# --------------------------------------------------------------------------------------------
+# Forward (docs/stage2_fwd.md)
+# --------------------------------------------------------------------------------------------
+SM90_CONSUMERS = 2      # mirrors NC in sparse_fwd_sm90.cu
+SM90_STAGES = (6, 4)    # K/V ring depths compiled (template NS), deepest first: the deepest that fits
+SMEM_PER_BLOCK = 227 * 1024   # the H100's (and H200's) dynamic shared memory limit per block
+# Key-range passes of the sm_90a forward (docs/stage2_fwd.md, 6. Key-range passes): one pass per
+# PASS_KV_BYTES of a sequence's K and V per KV head, at most MAX_KV_PASSES.
+PASS_KV_BYTES = 32 << 20
+MAX_KV_PASSES = 8
+# Step shapes of the sm_90a forward (docs/stage2_fwd.md, 5. 64- and 128-key steps, split rings):
+# the kernel's `step_mode`. "auto" (the plan's choice) takes 128-key steps in the CTAs where they
+# waste nothing and a ring per warpgroup where the warpgroups share few blocks; the others force
+# one shape in every CTA, for tests and A/B runs.
+FWD_STEPS = {"single": 0, "auto": 1, "pair": 2, "split": 3}
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdTiles:
+    """Tile shape of the SM80 forward kernel (every choice computes the same function).
+
+    warps: warps per CTA (4 or 8). m_tiles: 16-row m-tiles per warp (1 or 2; 2 gives a warp two
+    tokens at G = 16 that share every K/V fragment). sub_keys: keys per softmax sub-step (32 or 64).
+    """
+    warps: int = 4
+    m_tiles: int = 2
+    sub_keys: int = 64
+
+    def __post_init__(self):
+        if self.warps not in (4, 8) or self.m_tiles not in (1, 2) or self.sub_keys not in (32, 64):
+            raise ValueError(f"FwdTiles needs warps in (4, 8), m_tiles in (1, 2), sub_keys in (32, 64); got {self}")
+
+    @property
+    def rows(self) -> int:
+        return 16 * self.m_tiles * self.warps
+
+    def name(self, dtype: torch.dtype, D: int) -> str:
+        return f"stage2_fwd<{CXX_TYPE[dtype]}, {D}, {self.warps}, {self.m_tiles}, {self.sub_keys}>"
+
+
+# fastest on every selection of the 8k x 2 sweep (docs/stage2_fwd.md, 3. SM80 kernel)
+DEFAULT_TILES = FwdTiles()
+ALL_TILES = [FwdTiles(w, m, kn) for w in (4, 8) for m in (1, 2) for kn in (32, 64)]
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdPlan:
+    """What `stage2_fwd` launches.
+
+    kernel: "sm80" (`tiles` gives its shape) or "sm90a" (the warp-specialised ring kernel).
+    sm_90a only: `step` (a key of FWD_STEPS), `stages` (K/V ring depth, one of SM90_STAGES; it must
+    fit the shared memory with the mask rows), `kv_passes` (key-range passes; 1: none) and
+    `split_min` (a CTA splits over the passes only where its union of blocks exceeds this many).
+    """
+    kernel: str
+    tiles: FwdTiles = DEFAULT_TILES
+    step: str = "auto"
+    stages: int = SM90_STAGES[0]
+    kv_passes: int = 1
+    split_min: int = 0
+
+    def __post_init__(self):
+        if self.kernel not in (SM80, SM90A):
+            raise ValueError(f"FwdPlan.kernel must be 'sm80' or 'sm90a', got {self.kernel!r}")
+        if not isinstance(self.tiles, FwdTiles):
+            raise TypeError(f"FwdPlan.tiles must be a FwdTiles, got {self.tiles!r}")
+        if self.step not in FWD_STEPS:
+            raise ValueError(f"FwdPlan.step must be one of {tuple(FWD_STEPS)}, got {self.step!r}")
+        if self.stages not in SM90_STAGES:
+            raise ValueError(f"FwdPlan.stages must be one of {SM90_STAGES}, got {self.stages!r}")
+        if not isinstance(self.kv_passes, int) or self.kv_passes < 1 or (self.kernel == SM80 and self.kv_passes != 1):
+            raise ValueError(f"FwdPlan.kv_passes must be an int >= 1 (1 for the SM80 kernel), got {self.kv_passes!r}")
+        if not isinstance(self.split_min, int) or self.split_min < 0:
+            raise ValueError(f"FwdPlan.split_min must be an int >= 0, got {self.split_min!r}")
+
+
+def n_mask_words(max_seqlen_k: int) -> int:
+    """uint32 words per bitmask row covering `cdiv(max_seqlen_k, 64)` blocks (at least 1)."""
+    return max(1, cdiv(cdiv(max_seqlen_k, BLOCK_N), 32))
+
+
+def sm90_smem_bytes(D: int, stages: int, n_words: int, itemsize: int = 2, dq: bool = False) -> int:
+    """1 KB alignment slack, Q tiles (and with `dq`, the backward's dout tiles), K/V ring,
+    mbarriers, CTA + per-warpgroup unions."""
+    tiles = SM90_CONSUMERS * (2 if dq else 1)
+    return (1024 + (tiles * 64 * D + stages * 2 * BLOCK_N * D) * itemsize
+            + 8 * stages * (2 * SM90_CONSUMERS + 1) + 4 * n_words * (SM90_CONSUMERS + 1))
+
+
+def sm90_stages(D: int, n_words: int, itemsize: int = 2, dq: bool = False) -> int:
+    """The deepest compiled K/V ring that fits the shared memory (the mask words grow with
+    max_seqlen_k), for the forward or (`dq`) the backward's dq instance of the same kernel."""
+    for ns in SM90_STAGES:
+        if sm90_smem_bytes(D, ns, n_words, itemsize, dq) <= SMEM_PER_BLOCK:
+            return ns
+    return SM90_STAGES[-1]   # too long for any: the launch names the shared memory it asked for
+
+
+def kv_passes_for(max_seqlen_k: int, D: int, itemsize: int) -> int:
+    """Key-range passes of the sm_90a forward: as many as keep one pass's K and V of one sequence
+    and KV head within PASS_KV_BYTES (1 up to 64k keys at D = 128 in bf16, 2 at 128k)."""
+    return max(1, min(MAX_KV_PASSES, cdiv(max_seqlen_k * D * 2 * itemsize, PASS_KV_BYTES)))
+
+
+def sm90_fits_keys(total_k: int) -> bool:
+    """The sm_90a kernels read K/V through TMA tensor maps: none can be encoded without keys, and
+    TMA row coordinates are int32."""
+    return 0 < total_k < 2**31 - BLOCK_N
+
+
+@functools.lru_cache(maxsize=1024)
+def fwd_plan(capability, D: int, dtype: torch.dtype, max_seqlen_k: int, total_k: int,
+             split_min: int | None = None, kernel: str = "auto") -> FwdPlan:
+    """The forward's plan for one call.
+
+    capability: the device's (major, minor). split_min: None for one pass (the layout op); the
+    token-level op passes 2 K, and the sm_90a kernel then runs in `kv_passes_for` key-range passes
+    in which CTAs whose union exceeds `split_min` blocks split. kernel: "auto" (sm_90a on
+    capability 9.0, else SM80), "sm80" or "sm90a" (ValueError on another capability). Without keys
+    (or past TMA's int32 rows) the SM80 kernel runs whatever `kernel` asks: it writes the empty rows.
+    """
+    if not wants_sm90a(kernel, capability, "the stage-2 forward") or not sm90_fits_keys(total_k):
+        return FwdPlan(SM80, DEFAULT_TILES)
+    itemsize = dtype.itemsize
+    passes = 1 if split_min is None else kv_passes_for(cdiv(max_seqlen_k, BLOCK_N) * BLOCK_N, D, itemsize)
+    return FwdPlan(SM90A, step="auto", stages=sm90_stages(D, n_mask_words(max_seqlen_k), itemsize),
+                   kv_passes=passes, split_min=split_min or 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Backward (docs/stage2_bwd.md)
+# --------------------------------------------------------------------------------------------
+QT = 64                 # query rows per dk/dv tile (mirrors #define QT)
+# The gathering dk/dv instance (docs/stage2_bwd.md, 7. Fixed tiles vs gathered tokens (auto)) is
+# built for these group sizes; elsewhere only fixed tiles run.
+GATHER_G = (8, 64)
+# Block 0's parts (docs/stage2_bwd.md, 8. Block 0 in parts): about this many query tiles each.
+BLOCK0_PART_TILES = 1024
+# Query-range passes of the sm_90a dk/dv (docs/stage2_bwd.md, 10. Query-range passes and PDL):
+# one per DKDV_PASS_BYTES of a sequence's Q and dO per KV head, at most DKDV_MAX_PASSES.
+DKDV_PASS_BYTES = 32 << 20
+DKDV_MAX_PASSES = 8
+# dq ring step shapes (the kernel's `step_mode`; dq has 64-key steps only): one ring shared by the
+# warpgroups, the per-CTA choice between shared and per-warpgroup rings, or split rings everywhere
+DQ_STEPS = {"single": 0, "auto": 1, "split": 3}
+# sm_90a dk/dv instances: fixed 64-row query tiles, gathered tokens, or both, each key block done by
+# the one its tile fill favours
+DKDV_INSTANCES = ("tiles", "gather", "auto")
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdTiles:
+    """Tile shape of the SM80 backward kernels (every choice computes the same function).
+
+    dq_warps: warps per dq CTA (4 or 8; 16 query rows each). dkdv_cols: query rows per dk/dv
+    sub-step (16, 32 or 64); a sub-step none of whose rows selected the warp's keys is skipped.
+    """
+    dq_warps: int = 4
+    dkdv_cols: int = 32
+
+    def __post_init__(self):
+        if self.dq_warps not in (4, 8) or self.dkdv_cols not in (16, 32, 64):
+            raise ValueError(f"BwdTiles needs dq_warps in (4, 8) and dkdv_cols in (16, 32, 64); got {self}")
+
+    def dq_name(self, dtype, D):
+        return f"stage2_bwd_dq<{CXX_TYPE[dtype]}, {D}, {self.dq_warps}>"
+
+    def dkdv_name(self, dtype, D):
+        return f"stage2_bwd_dkdv<{CXX_TYPE[dtype]}, {D}, {self.dkdv_cols}>"
+
+
+DEFAULT_BWD_TILES = BwdTiles()
+ALL_BWD_TILES = [BwdTiles(w, c) for w in (4, 8) for c in (16, 32, 64)]
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdPlan:
+    """What `stage2_bwd` launches.
+
+    kernel: the dk/dv kernel, "sm80" (`tiles.dkdv_cols`) or "sm90a". dq: "sm80" (`tiles.dq_warps`)
+    or "sm90a" (the forward's K/V ring, with `dq_step`, a key of DQ_STEPS, and ring depth
+    `dq_stages`). sm_90a dk/dv only: `dkdv` (one of DKDV_INSTANCES; "gather" and "auto" need
+    8 <= G <= 64), `dkdv_tma` (fixed tiles by TMA, needs 64 % G == 0; else cp.async),
+    `dkdv_passes` (query-range passes; 1: none), `block0_parts` (CTAs sharing block 0; only
+    without passes) and `pdl` (passes after the first as programmatic dependent launches; False
+    launches them one after the other, which the tests compare against).
+    """
+    kernel: str
+    tiles: BwdTiles = DEFAULT_BWD_TILES
+    dq: str = SM80
+    dq_step: str = "auto"
+    dq_stages: int = SM90_STAGES[0]
+    dkdv: str = "tiles"
+    dkdv_tma: bool = True
+    dkdv_passes: int = 1
+    block0_parts: int = 1
+    pdl: bool = True
+
+    def __post_init__(self):
+        if self.kernel not in (SM80, SM90A) or self.dq not in (SM80, SM90A):
+            raise ValueError(f"BwdPlan.kernel and BwdPlan.dq must be 'sm80' or 'sm90a', got {self.kernel!r}, "
+                             f"{self.dq!r}")
+        if not isinstance(self.tiles, BwdTiles):
+            raise TypeError(f"BwdPlan.tiles must be a BwdTiles, got {self.tiles!r}")
+        if self.kernel == SM80 and (self.dq != SM80 or self.dkdv_passes != 1 or self.block0_parts != 1):
+            raise ValueError(f"an SM80 BwdPlan has the SM80 dq, one pass and no block-0 parts, got {self}")
+        if self.dq_step not in DQ_STEPS:
+            raise ValueError(f"BwdPlan.dq_step must be one of {tuple(DQ_STEPS)}, got {self.dq_step!r}")
+        if self.dq_stages not in SM90_STAGES:
+            raise ValueError(f"BwdPlan.dq_stages must be one of {SM90_STAGES}, got {self.dq_stages!r}")
+        if self.dkdv not in DKDV_INSTANCES:
+            raise ValueError(f"BwdPlan.dkdv must be one of {DKDV_INSTANCES}, got {self.dkdv!r}")
+        if not isinstance(self.dkdv_passes, int) or self.dkdv_passes < 1:
+            raise ValueError(f"BwdPlan.dkdv_passes must be an int >= 1, got {self.dkdv_passes!r}")
+        if not isinstance(self.block0_parts, int) or not 1 <= self.block0_parts <= 32 \
+                or (self.block0_parts > 1 and self.dkdv_passes > 1):
+            raise ValueError(f"BwdPlan.block0_parts must be an int in [1, 32], and 1 with passes, got {self}")
+
+
+def dkdv_block0_parts(max_seqlen_q: int, G: int, part_tiles: int = BLOCK0_PART_TILES) -> int:
+    """CTAs that share block 0's query tiles in the sm_90a dk/dv (every token selects block 0, so
+    alone it would be the longest CTA): about `part_tiles` tiles each, at most 32."""
+    return max(1, min(32, cdiv(cdiv(max_seqlen_q * G, QT), part_tiles)))
+
+
+def dkdv_passes(max_seqlen_q: int, G: int, D: int, itemsize: int) -> int:
+    """Query-range passes of the sm_90a dk/dv: one per DKDV_PASS_BYTES of a sequence's Q and dO
+    per KV head, at most DKDV_MAX_PASSES (1 up to 8k tokens at G = 16, D = 128; 8 from 32k), and
+    never more than the sequence has tokens."""
+    n = min(DKDV_MAX_PASSES, cdiv(max_seqlen_q * G * D * itemsize * 2, DKDV_PASS_BYTES))
+    return max(1, min(n, max_seqlen_q))
+
+
+@functools.lru_cache(maxsize=1024)
+def bwd_plan(capability, G: int, D: int, dtype: torch.dtype, max_seqlen_q: int, max_seqlen_k: int,
+             total_k: int, kernel: str = "auto") -> BwdPlan:
+    """The backward's plan for one call.
+
+    kernel: "auto" (sm_90a on capability 9.0, else SM80), "sm80" or "sm90a" (ValueError on another
+    capability). On sm_90a: dq on the ring (the SM80 dq past TMA's int32 rows), dk/dv by both
+    instances ("auto") where 8 <= G <= 64 and by fixed tiles elsewhere, TMA where G divides 64,
+    query-range passes by size, block 0 in parts where there is one pass.
+    """
+    if not wants_sm90a(kernel, capability, "the stage-2 backward"):
+        return BwdPlan(SM80, DEFAULT_BWD_TILES, dq=SM80)
+    itemsize = dtype.itemsize
+    passes = dkdv_passes(max_seqlen_q, G, D, itemsize)
+    return BwdPlan(SM90A, DEFAULT_BWD_TILES,
+                   dq=SM90A if total_k < 2**31 - BLOCK_N else SM80, dq_step="auto",
+                   dq_stages=sm90_stages(D, n_mask_words(max_seqlen_k), itemsize, dq=True),
+                   dkdv="auto" if GATHER_G[0] <= G <= GATHER_G[1] else "tiles", dkdv_tma=64 % G == 0,
+                   dkdv_passes=passes, block0_parts=dkdv_block0_parts(max_seqlen_q, G) if passes == 1 else 1,
+                   pdl=True)
