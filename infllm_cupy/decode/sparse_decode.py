@@ -36,6 +36,11 @@ _jit.register_instances(SOURCE, [f"sparse_decode_merge<{CXX_TYPE[t]}, {d}>" for 
 _jit.register_instances(SOURCE, ["sparse_decode_weights"])
 
 
+def kv_stages(head_dim: int) -> int:
+    """K/V blocks in shared memory per CTA (KVLayout::NSTAGE in the .cu)."""
+    return 2
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodePlan:
     """What the decode launch runs: a pure function of shapes and the SM count (`plan_decode`).
@@ -49,12 +54,13 @@ class DecodePlan:
     num_splits: int
     per_split: int
 
-    def split_smem_bytes(self, head_dim: int, sparse: bool) -> int:
-        """Dynamic shared memory of the split kernel (SplitSmem in the .cu)."""
+    def split_smem_bytes(self, head_dim: int, sparse: bool, k: int = 0) -> int:
+        """Dynamic shared memory of the split kernel (SplitSmem in the .cu): Q, two K/V stages, row
+        stats, warp counts, then (sparse) the split's block list and the first k topk entries."""
         rowb = 2 * head_dim
         mt = self.row_tiles
-        return 16 * mt * rowb + 2 * 2 * BLOCK * rowb + 2 * mt * 4 * 16 * 4 + 4 * mt * 4 + \
-            (4 * self.per_split if sparse else 0)
+        return 16 * mt * rowb + kv_stages(head_dim) * 2 * BLOCK * rowb + 2 * mt * 4 * 16 * 4 + 4 * mt * 4 + \
+            (4 * (self.per_split + k) if sparse else 0)
 
 
 def plan_decode(batch: int, num_kv_heads: int, group: int, n_entries: int, sm_count: int) -> DecodePlan:
@@ -143,7 +149,7 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
     paged = bt is not None
     name = f"sparse_decode_split<{CXX_TYPE[q.dtype]}, {D}, {plan.row_tiles}>"
     launch(_jit.get_kernel(SOURCE, name), name=name, grid=(S, H, B), block=(128 * plan.row_tiles,),
-           shared_mem=plan.split_smem_bytes(D, sparse),
+           shared_mem=plan.split_smem_bytes(D, sparse, K),
            args=(ptr(q), ptr(k), ptr(v), ptr(seqlens), ptr(bt) if paged else null,
                  np.int32(bt.shape[1] if paged else 0), np.int32(k.shape[1] if paged else 0),
                  np.int32(0 if paged else k.shape[1]), ptr(topk_idx) if sparse else null, np.int32(K),

@@ -9,7 +9,7 @@
 //                       heads of the KV head (G <= 16 * MT rows, padded with zero rows to 16 * MT)
 //   block  (128 * MT)   4 * MT warps: warp w takes rows 16 * (w / 4) .. +15 of the group and keys
 //                       16 * (w % 4) .. +15 of every 64-key block
-//   smem   dynamic, split_smem_bytes(D, MT, per_split) of the launcher
+//   smem   dynamic, DecodePlan.split_smem_bytes(D, sparse, K) of the launcher (SplitSmem below + lists)
 //   q      [B, HQ, D] T, HQ = H * G                    seqlens int32 [B], every L_b <= the cache's width
 //   k, v   contiguous: [B, L_max, H, D] T  (block_table = nullptr, seq_rows = L_max)
 //          paged:      [num_pages, page_size, H, D] T  with block_table int32 [B, max_pages]; page_size a
@@ -51,6 +51,9 @@ struct KVLayout {
     static constexpr int ROWB = D * 2;                      // bytes of one 16-bit row
     static constexpr int TILE = BLK * ROWB;                 // one K or V block
     static constexpr int STAGE = 2 * TILE;                  // K then V
+    // K/V ring depth: block i + 1 loads while block i is computed. A first probe with 3 stages at
+    // D = 128 was no faster (docs/decode.md, section 3) and costs residency (two CTAs per SM, not three)
+    static constexpr int NSTAGE = 2;
 };
 
 // Dynamic shared memory: Q [16 MT rows], 2 K/V stages, per-warp row stats, warp counts, block list.
@@ -58,13 +61,15 @@ template <int D, int MT>
 struct SplitSmem {
     static constexpr int Q = 0;
     static constexpr int KV = Q + 16 * MT * KVLayout<D>::ROWB;
-    static constexpr int STATS = KV + 2 * KVLayout<D>::STAGE;          // m, l: float [MT][4][16] each
+    static constexpr int STATS = KV + KVLayout<D>::NSTAGE * KVLayout<D>::STAGE;          // m, l: float [MT][4][16] each
     static constexpr int WCNT = STATS + 2 * MT * 4 * 16 * 4;           // int [4 MT]
-    static constexpr int LIST = WCNT + 4 * MT * 4;                     // int [per_split]
+    static constexpr int LIST = WCNT + 4 * MT * 4;                     // int [per_split], then int [K] (sparse)
 };
 
+// At most 128 registers per thread (4 / MT CTAs of 128 MT threads per SM): enough for the fp32 output
+// tile of D = 128, and without the bound ptxas picked 80 at D = 64 on sm_80 and spilled.
 template <typename T, int D, int MT>
-__global__ void __launch_bounds__(128 * MT)
+__global__ void __launch_bounds__(128 * MT, 4 / MT)
 sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                     const int* __restrict__ seqlens, const int* __restrict__ block_table, int max_pages,
                     int page_size, int seq_rows, const int* __restrict__ topk, int K, int B, int H, int G,
@@ -85,6 +90,16 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
     const int L = seqlens[b];
     const int nb = (L + BLK - 1) / BLK;
 
+    const u32 s_base = smem_u32(smem);
+    const u32 q_s = s_base + SM::Q, kv_s = s_base + SM::KV;
+    // Q rows of the group (rows >= G read as zeros), in flight while the block list is built
+    for (int idx = tid; idx < 16 * MT * CH; idx += NT) {
+        const int r = idx / CH, ch = idx % CH;
+        const bool ok = r < G;
+        const T* src = ok ? q + ((int64)b * HQ + (int64)h * G + r) * D + ch * 8 : q;
+        cp_async_16(q_s + swz<D>(r, ch) * 16, src, ok ? 16 : 0);
+    }
+
     // ---- the blocks this split reads, in entry order (dense: a range; sparse: valid first occurrences)
     const int e0 = split * per_split;
     int n;
@@ -93,15 +108,20 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
     } else {
         const int* row = topk + ((int64)h * B + b) * K;
         const int e1 = min(e0 + per_split, K);
+        int* row_s = list + per_split;                  // entries [0, e1) of the row: one coalesced read
+        for (int i = tid; i < e1; i += NT) row_s[i] = row[i];
+        __syncthreads();
         int base = 0;
         for (int c0 = e0; c0 < e1; c0 += NT) {
             const int i = c0 + tid;
             int x = -1;
             bool keep = false;
             if (i < e1) {
-                x = row[i];
-                keep = x >= 0 && x < nb;
-                for (int j = 0; keep && j < i; ++j) keep = row[j] != x;   // count a repeated block once
+                x = row_s[i];
+                bool dup = false;
+#pragma unroll 4
+                for (int j = 0; j < i; ++j) dup |= row_s[j] == x;   // count a repeated block once
+                keep = x >= 0 && x < nb && !dup;
             }
             const unsigned bal = __ballot_sync(0xffffffffu, keep);
             if (lane == 0) wcnt[warp] = __popc(bal);
@@ -118,17 +138,7 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
     }
     auto block_of = [&](int i) { return topk == nullptr ? e0 + i : list[i]; };
 
-    const u32 s_base = smem_u32(smem);
-    const u32 q_s = s_base + SM::Q, kv_s = s_base + SM::KV;
     const int64 tok_stride = (int64)H * D;     // elements between consecutive positions of one head
-
-    // Q rows of the group (rows >= G read as zeros)
-    for (int idx = tid; idx < 16 * MT * CH; idx += NT) {
-        const int r = idx / CH, ch = idx % CH;
-        const bool ok = r < G;
-        const T* src = ok ? q + ((int64)b * HQ + (int64)h * G + r) * D + ch * 8 : q;
-        cp_async_16(q_s + swz<D>(r, ch) * 16, src, ok ? 16 : 0);
-    }
     auto load_block = [&](int j, int st) {
         int64 row0;
         if (block_table != nullptr) {
@@ -148,8 +158,12 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
             cp_async_16(vs + dst, ok ? v + off : v, ok ? 16 : 0);
         }
     };
-    if (n > 0) load_block(block_of(0), 0);
-    cp_async_commit();
+    constexpr int NS = KVLayout<D>::NSTAGE;
+#pragma unroll
+    for (int st = 0; st < NS - 1; ++st) {               // group st: block st (group 0 also holds Q)
+        if (st < n) load_block(block_of(st), st);
+        cp_async_commit();
+    }
 
     u32 a_off[4], b_off[4], t_off[4];
     ldsm_offsets(lane, 16 * mt, ROWB, a_off, b_off, t_off);
@@ -163,11 +177,11 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
 
     for (int i = 0; i < n; ++i) {
         const int j = block_of(i);
-        if (i + 1 < n) load_block(block_of(i + 1), (i + 1) & 1);
+        if (i + NS - 1 < n) load_block(block_of(i + NS - 1), (i + NS - 1) % NS);
         cp_async_commit();
-        cp_async_wait<1>();
+        cp_async_wait<NS - 1>();                           // block i has landed
         __syncthreads();
-        const u32 kt = kv_s + (i & 1) * KVLayout<D>::STAGE + 16 * kw * ROWB;
+        const u32 kt = kv_s + (i % NS) * KVLayout<D>::STAGE + 16 * kw * ROWB;
         const u32 vt = kt + KVLayout<D>::TILE;
 
         float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -224,7 +238,7 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
             mma_16816<T>(o[2 * nc], pa, bv[0], bv[1]);
             mma_16816<T>(o[2 * nc + 1], pa, bv[2], bv[3]);
         }
-        __syncthreads();   // the stage read here is the one block i + 2 lands in
+        __syncthreads();   // the stage read here is the one block i + NS lands in
     }
     cp_async_wait<0>();
 
