@@ -24,8 +24,8 @@ The stage-1 reference takes about 0.8 s per 32k-token sequence on an H100 (T^2 g
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -54,6 +54,7 @@ from benchmarks._harness import (  # noqa: E402
     write_json,
 )
 from benchmarks.bench_stage2 import _short, causal_mask, parse_config, shape_id  # noqa: E402
+from infllm_cupy import _env  # noqa: E402
 from infllm_cupy.selections import attended_keys, to_flex_block_mask_inputs, uniform_cu_seqlens  # noqa: E402
 
 IMPLS = ("selection", "stage2", "pipeline", "sdpa_cudnn", "flex_union")
@@ -374,22 +375,10 @@ def parse_args(argv=None):
     return finish_args(p, p.parse_args(argv), IMPLS)
 
 
-class no_validation:
-    """`INFLLM_CUPY_VALIDATE=0` inside the block (the launchers' host reads of `cu_seqlens` are not timed)."""
-
-    def __init__(self, keep: bool):
-        self.keep = keep
-
-    def __enter__(self):
-        self.saved = os.environ.get("INFLLM_CUPY_VALIDATE")
-        if not self.keep:
-            os.environ["INFLLM_CUPY_VALIDATE"] = "0"
-
-    def __exit__(self, *exc):
-        if self.saved is None:
-            os.environ.pop("INFLLM_CUPY_VALIDATE", None)
-        else:
-            os.environ["INFLLM_CUPY_VALIDATE"] = self.saved
+def no_validation(keep: bool):
+    """`_env.override(validate=False)` unless `keep`: the launchers' host reads of `cu_seqlens` are
+    not timed."""
+    return contextlib.nullcontext() if keep else _env.override(validate=False)
 
 
 def main(argv=None) -> list[Row]:

@@ -21,8 +21,8 @@ Ratio columns = anchor ms / ours ms (> 1: ours is faster). Anchors that fail are
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import os
 import sys
 import time
 import warnings
@@ -39,6 +39,7 @@ from benchmarks._harness import (  # noqa: E402
     MODES, README_CONFIGS, Row, add_run_args, bench_gpu_time, causal_dense_keys, env_line, env_stamp, flops_attn,
     format_table, free_gpu_memory, print_table, summarize, tflops, write_json,
 )
+from infllm_cupy import _env  # noqa: E402
 from infllm_cupy.selections import (  # noqa: E402
     SELECTION_NAMES, attended_keys, block_shared, infllm_like, make_selection, per_token, split_blocks,
     to_flex_block_mask_inputs, to_nsa_block_indices, uniform_cu_seqlens,
@@ -358,7 +359,8 @@ def parse_args(argv=None):
     p.add_argument("--impls", default=",".join(IMPLS), help=f"subset of {','.join(IMPLS)}")
     p.add_argument("--skip-check", action="store_true", help="skip ours-vs-reference check on a reduced shape")
     p.add_argument("--ours-kwargs", default="{}", type=json.loads,
-                   help='extra keyword arguments for our op, as JSON (kernel variants), e.g. \'{"warps": 4}\'')
+                   help='extra keyword arguments for our op, as JSON, e.g. \'{"kernel": "sm80"}\' (the SM80 kernels '
+                        'on an H100)')
     p.add_argument("--validate", action="store_true",
                    help="keep our launcher's value checks (a host sync per call) while timing; the check runs them")
     a = p.parse_args(argv)
@@ -412,6 +414,7 @@ def main(argv=None) -> list[Row]:
     # pass 1: the anchors; pass 2: ours (after its check), so that a crash in ours cannot cost the anchors
     anchors = [i for i in a.impls if i != "ours"]
     check = "check not run (ours not requested)"
+    stack = contextlib.ExitStack()
     for phase, impls in (("anchors", anchors), ("ours", ["ours"] if "ours" in a.impls else [])):
         if not impls:
             continue
@@ -420,8 +423,7 @@ def main(argv=None) -> list[Row]:
             r.check_failed = check.startswith("check FAILED")
             print(check, flush=True)
             if not a.validate:  # the launcher's input validation reads cu_seqlens on the host: not timed
-                saved_validate = os.environ.get("INFLLM_CUPY_VALIDATE")
-                os.environ["INFLLM_CUPY_VALIDATE"] = "0"
+                stack.enter_context(_env.override(validate=False))
         for T, B in a.configs:
             try:
                 bench_config(r, T, B, impls, ours, nsa, flex, BlockMask)
@@ -432,11 +434,7 @@ def main(argv=None) -> list[Row]:
             if a.json:
                 write_json(sort_rows(r.rows), a.json, env, extra={"check": check, "argv": sys.argv[1:]})
 
-    if "saved_validate" in locals():  # leave the process as we found it (main() also runs inside tests)
-        if saved_validate is None:
-            os.environ.pop("INFLLM_CUPY_VALIDATE", None)
-        else:
-            os.environ["INFLLM_CUPY_VALIDATE"] = saved_validate
+    stack.close()   # validation back on: leave the process as we found it (main() may run in-process)
     peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
     add_ratios(r.rows)
     r.rows = sort_rows(r.rows)

@@ -1,27 +1,42 @@
-"""A/B of stage-2 kernel variants with the calls interleaved (development tool).
+"""A/B of stage-2 kernel variants with the calls interleaved, in one process (development tool).
 
-    python tools/ab_fwd_interleaved.py --variants old=/tmp/old/kernels_cu:sm90a new=kernels_cu:sm90a \
-        new_pair=kernels_cu:sm90a_pair --T 32768 --B 2 --K 64 --reps 40 [--mode fwdbwd]
+The before/after check of a kernel change (issue #20: within 1%, forward and forward+backward,
+selections a and c, 32k x 8), against the tree at bc9961f:
 
-A variant is `label=DIR:TILES[@PKG]`: the kernels_cu/ tree at DIR and the forward `tiles` argument
-("sm90a", "sm90a_pair", "sm90a_single", "sm90a_split", or "warps,m_tiles,sub_keys" for the SM80
-kernel). With `--mode fwdbwd` each call is the forward plus the default backward (`stage2_bwd`).
-`@PKG` launches through the `infllm_cupy/` package folder PKG instead of this one, for a tree whose
-kernels take other arguments (e.g. `git archive OLD infllm_cupy kernels_cu | tar -x -C /tmp/old`, then
-`old=/tmp/old/kernels_cu:sm90a@/tmp/old/infllm_cupy`). Trailing `%NAME=VALUE` parts set environment
-variables around that variant's calls only (launch-time knobs), e.g.
-`pdl=kernels_cu:sm90a%INFLLM_CUPY_DKDV_PDL=1%INFLLM_CUPY_DKDV_PASSES=16`.
+    mkdir -p /tmp/old && git archive bc9961f infllm_cupy kernels_cu | tar -x -C /tmp/old
+    python tools/ab_fwd_interleaved.py --variants old=/tmp/old/kernels_cu:sm90a@/tmp/old/infllm_cupy \\
+        new=kernels_cu:sm90a --T 32768 --B 8 --K 64 --sel a c --mode fwd
+    python tools/ab_fwd_interleaved.py --variants old=/tmp/old/kernels_cu:sm90a@/tmp/old/infllm_cupy \\
+        new=kernels_cu:sm90a --T 32768 --B 8 --K 64 --sel a c --mode fwdbwd
+
+A variant is `label=DIR:KERNEL[/BWD][@PKG][%NAME=VALUE...]`:
+- DIR: the kernels_cu/ tree to compile from (`_env.override(kernels_dir=DIR)` around its first call).
+- KERNEL: the forward variant, BWD the backward one (`--mode fwdbwd`; default: the plan the op
+  uses), by the names of tools/_plans.py: auto, sm80, sm90a, sm90a_pair, sm90a_single,
+  sm90a_split, W,M,K (SM80 tiles) for the forward; auto, sm80, sm90a, sm90a_tiles, sm90a_gather,
+  sm90a_split, DQ,COLS for the backward; each with optional `+FIELD=VALUE` plan fields
+  (e.g. `sm90a+kv_passes=2`, `sm90a/sm90a+dkdv_passes=16+pdl=0`).
+- @PKG: launch through the `infllm_cupy/` package folder PKG instead of this one (an older or
+  newer tree whose kernels take other arguments). A package whose launchers still take `tiles`
+  (before the plans, e.g. bc9961f) is called the old way: KERNEL is its `tiles` text ("sm90a",
+  "sm90a_pair", ..., "W,M,K"), BWD its backward `tiles` (default: its own default), and its
+  kernels folder and knobs come from the environment.
+- %NAME=VALUE: environment variables set around that variant's calls only (the old API's
+  launch-time knobs, e.g. `%INFLLM_CUPY_DKDV_PASSES=16`).
 
 Each variant runs once under its tree first, and every kernel `_jit.get_kernel` hands out then is
 recorded; timed calls get their variant's recorded kernels, so the trees never recompile. Each
 repetition times one call of every variant in turn (CUDA events): clock and power drift, which on
 an H100 moves a row by several percent within a minute, falls on all variants alike. Reports the
 median per variant and its ratio to the first. Sequential timing (`ab_nvrtc_options.py`) once
-showed a 10% difference between two runs of the same kernel.
+showed a 10% difference between two runs of the same kernel. Calls go through the launchers
+(`stage2_fwd`, `stage2_bwd`) on mask rows built once per selection, with the plan the token-level
+op would build (key-range passes at `split_min` = 2 K) unless the variant says otherwise.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import inspect
 import os
@@ -33,40 +48,82 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._harness import flops_attn
-from infllm_cupy.selections import attended_keys, make_selection, uniform_cu_seqlens
-from infllm_cupy import _jit
-from infllm_cupy.stage2 import sparse_bwd, sparse_fwd
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _plans import bwd_plan_named, fwd_plan_named  # noqa: E402
+
+from benchmarks._harness import flops_attn  # noqa: E402
+from infllm_cupy import _env, _jit  # noqa: E402
+from infllm_cupy.selections import SELECTIONS, attended_keys, make_selection, uniform_cu_seqlens  # noqa: E402
+from infllm_cupy.stage2 import plan as _plan  # noqa: E402
+from infllm_cupy.stage2 import sparse_bwd, sparse_fwd  # noqa: E402
 
 
-def launchers(pkg: str | None, tag: str):
-    """(_jit, sparse_fwd, sparse_bwd) of this package, or of the package folder `pkg`, loaded under
-    the name `tag` without its `__init__` files (they would register the torch ops a second time)."""
-    if pkg is None:
-        return _jit, sparse_fwd, sparse_bwd
-    for name, path in ((tag, Path(pkg)), (tag + ".stage2", Path(pkg) / "stage2")):
-        mod = types.ModuleType(name)
-        mod.__path__ = [str(path.resolve())]
-        sys.modules[name] = mod
-    return tuple(importlib.import_module(f"{tag}.{m}") for m in ("_jit", "stage2.sparse_fwd", "stage2.sparse_bwd"))
+class Package:
+    """The launcher modules of one variant: this package's, or those of the package folder `pkg`
+    loaded under the name `tag` without its `__init__` files (they would register the torch ops a
+    second time)."""
+
+    def __init__(self, pkg: str | None, tag: str):
+        if pkg is None:
+            self.jit, self.fwd, self.bwd, self.env, self.plan = _jit, sparse_fwd, sparse_bwd, _env, _plan
+            return
+        for name, path in ((tag, Path(pkg)), (tag + ".stage2", Path(pkg) / "stage2")):
+            if not path.is_dir():
+                raise SystemExit(f"no package folder {path}")
+            mod = types.ModuleType(name)
+            mod.__path__ = [str(path.resolve())]
+            sys.modules[name] = mod
+        self.jit, self.fwd, self.bwd = (importlib.import_module(f"{tag}.{m}")
+                                        for m in ("_jit", "stage2.sparse_fwd", "stage2.sparse_bwd"))
+        self.old = "tiles" in inspect.signature(self.fwd.stage2_fwd).parameters
+        self.env = None if self.old else importlib.import_module(f"{tag}._env")
+        self.plan = None if self.old else importlib.import_module(f"{tag}.stage2.plan")
+
+    old = False
+
+    @contextlib.contextmanager
+    def tree(self, tree: str):
+        """Compile from the kernels_cu/ folder `tree` inside the block."""
+        path = str(Path(tree).resolve())
+        if not self.old:
+            with self.env.override(kernels_dir=path):
+                yield
+            return
+        # the old API reads its kernels folder from the environment (and caches it)
+        var, saved = self.jit.KERNELS_DIR_ENV, os.environ.get(self.jit.KERNELS_DIR_ENV)
+        os.environ[var] = path
+        self.jit.kernels_dir.cache_clear()
+        self.jit.clear_cache()
+        try:
+            yield
+        finally:
+            if saved is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = saved
+            self.jit.kernels_dir.cache_clear()
 
 
-def parse_tiles(tiles: str, fwd_module):
-    """A variant's tiles text as `stage2_fwd` takes it: an sm_90a name or an SM80 FwdTiles."""
-    return fwd_module.as_tiles(tuple(int(x) for x in tiles.split(",")) if "," in tiles else tiles)
+@contextlib.contextmanager
+def environment(env: dict):
+    """`env` set in os.environ inside the block (the old API's launch-time knobs)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
-def use_tree(jit, tree: str) -> None:
-    os.environ[jit.KERNELS_DIR_ENV] = str(Path(tree).resolve())
-    jit.kernels_dir.cache_clear()
-    jit.clear_cache()
-
-
-def recorded(fn, jit, kernels: dict, env: dict | None = None):
-    """`fn` with `jit.get_kernel` answering from `kernels` (filled on a miss) and the variables
-    `env` set in os.environ during the call."""
+def recorded(fn, pkg: Package, kernels: dict, env: dict):
+    """`fn` with `pkg.jit.get_kernel` answering from `kernels` (filled on a miss) and `env` set
+    during the call."""
+    jit = pkg.jit
     real = jit.get_kernel
-    env = env or {}
 
     def get_kernel(source, name, **kw):
         key = (source, name, tuple(sorted(kw.items())))
@@ -76,69 +133,109 @@ def recorded(fn, jit, kernels: dict, env: dict | None = None):
 
     def run():
         jit.get_kernel = get_kernel
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
         try:
-            return fn()
+            with environment(env):
+                return fn()
         finally:
             jit.get_kernel = real
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
     return run
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--variants", nargs="+", required=True, help="label=DIR:TILES[@PKG][%%NAME=VALUE...]")
-    p.add_argument("--T", type=int, default=32768)
-    p.add_argument("--B", type=int, default=2)
-    p.add_argument("--K", type=int, default=64)
-    p.add_argument("--selections", default="a,b,c")
+def parse_variant(spec: str, index: int):
+    """(label, tree, fwd name, bwd name or None, Package, env) of one --variants entry."""
+    label, rest = spec.split("=", 1)
+    rest, *env_parts = rest.split("%")
+    env = dict(e.split("=", 1) for e in env_parts)
+    rest, pkg = rest.split("@", 1) if "@" in rest else (rest, None)
+    tree, kernel = rest.rsplit(":", 1)
+    fwd_name, bwd_name = kernel.split("/", 1) if "/" in kernel else (kernel, None)
+    return label, tree, fwd_name, bwd_name, Package(pkg, f"_ab_pkg_{index}"), env
+
+
+def make_work(a, pkg: Package, fwd_name: str, bwd_name, q, k, v, do, cu, masks, scale):
+    """The timed call of one variant: the forward launcher (and with fwdbwd, the backward)."""
+    T = a.T
+    if pkg.old:
+        tiles = pkg.fwd.as_tiles(tuple(int(x) for x in fwd_name.split(",")) if "," in fwd_name else fwd_name)
+        params = inspect.signature(pkg.fwd.stage2_fwd).parameters
+        extra = {name: value for name, value in (("split_min", 2 * a.K), ("max_seqlen_k", T)) if name in params}
+        bwd_tiles = None
+        if bwd_name is not None:
+            bwd_tiles = tuple(int(x) for x in bwd_name.split(",")) if "," in bwd_name else bwd_name
+
+        def work():
+            out, lse = pkg.fwd.stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale, tiles, **extra)
+            if a.mode == "fwdbwd":
+                pkg.bwd.stage2_bwd(do, q, k, v, out, lse, cu, cu, masks, cu, q.shape[0], 1, T, T, True, scale,
+                                   bwd_tiles)
+        return work
+
+    fplan = fwd_plan_named(fwd_name, q, k, T, 2 * a.K, pkg.plan)
+    if bwd_name is None:
+        base = fwd_name.split("+")[0]
+        bwd_name = base if base in ("auto", "sm80", "sm90a") else "auto"
+    bplan = bwd_plan_named(bwd_name, q, k, T, T, pkg.plan)
+    print(f"  plans: fwd {fplan}" + (f"\n         bwd {bplan}" if a.mode == "fwdbwd" else ""), flush=True)
+
+    def work():
+        out, lse = pkg.fwd.stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale, fplan,
+                                      max_seqlen_k=T)
+        if a.mode == "fwdbwd":
+            pkg.bwd.stage2_bwd(do, q, k, v, out, lse, cu, cu, masks, cu, q.shape[0], 1, T, T, True, scale, bplan)
+    return work
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--variants", nargs="+", required=True,
+                   help="label=DIR:KERNEL[/BWD][@PKG][%%NAME=VALUE...]; the first is the baseline")
+    p.add_argument("--T", type=int, default=32768, help="tokens per sequence")
+    p.add_argument("--B", type=int, default=2, help="sequences")
+    p.add_argument("--K", type=int, default=64, help="selected 64-key blocks per token")
+    p.add_argument("--sel", "--selections", dest="selections", nargs="+", default=["a", "b", "c"],
+                   help="selections (a: block-shared, b: per-token, c: InfLLM-like); "
+                        "comma-separated lists are accepted too")
     p.add_argument("--mode", default="fwd", choices=["fwd", "fwdbwd"])
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--block", type=int, default=0,
                    help="time blocks of this many calls per variant (after --settle untimed ones), "
                         "not single calls")
     p.add_argument("--settle", type=int, default=2)
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    a.selections = [s for item in a.selections for s in item.split(",") if s]
+    bad = [s for s in a.selections if s not in SELECTIONS]
+    if bad:
+        p.error(f"--sel: unknown {bad}; choose from {sorted(SELECTIONS)}")
+    return a
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
     HQ, H, D = 32, 2, 128
     g = torch.Generator(device="cuda").manual_seed(0)
     q, do = (torch.randn(a.B * a.T, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     k, v = (torch.randn(a.B * a.T, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     cu = uniform_cu_seqlens(a.B, a.T, "cuda")
     scale = D ** -0.5
-    variants = []
-    for spec in a.variants:
-        label, rest = spec.split("=", 1)
-        rest, *env_parts = rest.split("%")
-        env = dict(e.split("=", 1) for e in env_parts)
-        rest, pkg = rest.split("@", 1) if "@" in rest else (rest, None)
-        tree, tiles = rest.rsplit(":", 1)
-        mods = launchers(pkg, f"_ab_pkg_{len(variants)}")
-        variants.append((label, tree, parse_tiles(tiles, mods[1]), mods, {}, env))
+    variants = [parse_variant(spec, i) for i, spec in enumerate(a.variants)]
+    for label, tree, fwd_name, bwd_name, pkg, env in variants:
+        print(f"{label}: tree {tree}, {'old API (tiles)' if pkg.old else 'plans'}, fwd {fwd_name}"
+              + (f", bwd {bwd_name or 'default'}" if a.mode == "fwdbwd" else "") + (f", env {env}" if env else ""))
     print(f"{a.mode}: {'selection':10s} " + " ".join(f"{lb + ' ms':>14s} {'TF/s':>5s}" for lb, *_ in variants)
-          + "   " + " ".join(f"{lb}/{variants[0][0]}" for lb, *_ in variants[1:]))
-    for sel in a.selections.split(","):
+          + "   " + " ".join(f"{lb}/{variants[0][0]}" for lb, *_ in variants[1:]), flush=True)
+    kernels = {label: {} for label, *_ in variants}
+    for sel in a.selections:
         topk = make_selection(sel, a.B, a.T, H, a.K, device="cuda", seed=0)
-        flop = flops_attn(float(attended_keys(topk, cu).sum()) * (HQ // H), D, "fwd") * (3.5 if a.mode == "fwdbwd" else 1)
+        flop = flops_attn(float(attended_keys(topk, cu).sum()) * (HQ // H), D, "fwd") * (3.5 if a.mode == "fwdbwd"
+                                                                                        else 1)
         masks = sparse_fwd.token_block_masks(topk, cu, cu, sparse_fwd.n_mask_words(a.T))
         calls = []
-        for label, tree, tiles, (jit, fwd, bwd), kernels, env in variants:
-            # the token-level op's key-range pass threshold, where the tree's launcher has one
-            extra = {"split_min": 2 * a.K} if "split_min" in inspect.signature(fwd.stage2_fwd).parameters else {}
-
-            def work(extra=extra, tiles=tiles, masks=masks, fwd=fwd, bwd=bwd):
-                out, lse = fwd.stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, a.T, True, scale, tiles,
-                                          **extra)
-                if a.mode == "fwdbwd":
-                    bwd.stage2_bwd(do, q, k, v, out, lse, cu, cu, masks, cu, q.shape[0], 1, a.T, a.T, True, scale)
-
-            use_tree(jit, tree)                 # record this tree's kernels (compiles them)
-            run = recorded(work, jit, kernels, env)
-            run()
+        for label, tree, fwd_name, bwd_name, pkg, env in variants:
+            run = recorded(make_work(a, pkg, fwd_name, bwd_name, q, k, v, do, cu, masks, scale), pkg,
+                           kernels[label], env)
+            with pkg.tree(tree):                # record this tree's kernels (compiles them)
+                run()
             calls.append((label, run))
         torch.cuda.synchronize()
         for _, run in calls:                    # warm-up with recorded kernels only

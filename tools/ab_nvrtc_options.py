@@ -3,19 +3,21 @@
     python tools/ab_nvrtc_options.py --sets base ftz --rounds 2
     python tools/ab_nvrtc_options.py --sets old=/tmp/old/kernels_cu new=kernels_cu
 
-A set is a named option set, or `label=DIR[,VAR=VALUE...]`: the kernels_cu/ tree at DIR with the
-default options (and the environment variables given, e.g. INFLLM_CUPY_STAGE1_KERNEL=sm80).
+A set is a named option set, or `label=DIR[,kernel=KERNEL]`: the kernels_cu/ tree at DIR
+(`_env.override(kernels_dir=DIR)`) with the default options, and optionally the public `kernel=`
+("auto", "sm80", "sm90a") of the stage-1 rows (e.g. `sm80=kernels_cu,kernel=sm80`). `--fwd` and
+`--bwd` name stage-2 plans (tools/_plans.py).
 For each round and each set: forget the compiled kernels, set `_jit.BASE_OPTIONS` (or the tree), then time
 (CUDA events, median) the stage-2 forward and forward+backward on selections a/b/c (K = 64), at
 `--T2 x --B2`, and `stage1_select` (K = 96, MiniCPM4 budget) at each `--T1` with B = 1. Rounds
 alternate the sets so that clock drift shows as a difference between rounds, not between sets.
-CuPy appends -ftz=true to every compile, so "base" and "ftz" build the same code (found in the
-2026-11-22 fifth session; the earlier "ftz is neutral" result compared two identical builds).
+CuPy appends -ftz=true to every compile, so "base" and "ftz" build the same code (an earlier
+"ftz is neutral" result compared two identical builds).
 """
 from __future__ import annotations
 
 import argparse
-import os
+import contextlib
 import statistics
 import sys
 from pathlib import Path
@@ -24,8 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._harness import bench_gpu_time, flops_attn
-from infllm_cupy.selections import attended_keys, make_selection, uniform_cu_seqlens
-from infllm_cupy import _jit
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _plans import bwd_plan_named, fwd_plan_named  # noqa: E402
+
+from infllm_cupy import _env, _jit  # noqa: E402
+from infllm_cupy.selections import attended_keys, make_selection, uniform_cu_seqlens  # noqa: E402
 
 OPTION_SETS = {
     "base": ("-std=c++17",),
@@ -35,25 +40,25 @@ OPTION_SETS = {
 
 
 DEFAULT_OPTIONS = _jit.BASE_OPTIONS
-EXTRA_ENV_SEEN: set[str] = set()
+_SET = contextlib.ExitStack()       # the current set's `_env.override`
+STAGE1_KERNEL = {"kernel": "auto"}  # the current set's stage-1 `kernel=`
 
 
 def select_set(s: str) -> None:
     """Make set `s` the one `_jit` compiles with, and forget every compiled kernel."""
-    for var in EXTRA_ENV_SEEN:
-        os.environ.pop(var, None)
+    _SET.close()
+    STAGE1_KERNEL["kernel"] = "auto"
     if "=" in s:
-        tree, *env = s.split("=", 1)[1].split(",")
-        os.environ[_jit.KERNELS_DIR_ENV] = str(Path(tree).resolve())
-        for kv in env:                      # label=DIR,VAR=VALUE: also set VAR for this set
-            var, value = kv.split("=", 1)
-            os.environ[var] = value
-            EXTRA_ENV_SEEN.add(var)
+        tree, *opts = s.split("=", 1)[1].split(",")
+        _SET.enter_context(_env.override(kernels_dir=str(Path(tree).resolve())))
+        for kv in opts:                     # label=DIR,kernel=KERNEL
+            key, value = kv.split("=", 1)
+            if key != "kernel":
+                raise SystemExit(f"set {s!r}: only kernel=KERNEL may follow the tree, got {kv!r}")
+            STAGE1_KERNEL["kernel"] = value
         _jit.BASE_OPTIONS = DEFAULT_OPTIONS
     else:
-        os.environ.pop(_jit.KERNELS_DIR_ENV, None)
         _jit.BASE_OPTIONS = OPTION_SETS[s]
-    _jit.kernels_dir.cache_clear()
     _jit.clear_cache()
 
 
@@ -63,7 +68,7 @@ def median_ms(fn) -> float:
 
 def stage2_rows(T: int, B: int, K: int, bwd_kernels=(), fwd_kernels=(None,), skip_fwdbwd=False) -> list[tuple[str, object, float]]:
     from infllm_cupy.stage2.sparse_bwd import stage2_bwd
-    from infllm_cupy.stage2.sparse_fwd import as_tiles, n_mask_words, stage2_fwd, token_block_masks
+    from infllm_cupy.stage2.sparse_fwd import n_mask_words, stage2_fwd, token_block_masks
 
     HQ, H, D = 32, 2, 128
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -77,19 +82,26 @@ def stage2_rows(T: int, B: int, K: int, bwd_kernels=(), fwd_kernels=(None,), ski
         flop = flops_attn(float(attended_keys(topk, cu).sum()) * (HQ // H), D, "fwd")
         masks = token_block_masks(topk, cu, cu, n_mask_words(T))
 
+        # forward plans without key-range passes (split_min None), as the rows have always been timed
         for fk in fwd_kernels:
-            def fwd_k(masks=masks, fk=fk):
-                return stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale, as_tiles(fk, q.device))
+            fplan = fwd_plan_named(fk or "auto", q, k, T, None)
+
+            def fwd_k(masks=masks, fplan=fplan):
+                return stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale, fplan)
 
             rows.append((f"fwd {sel} {T // 1024}k x {B} K{K} {fk or ''}", fwd_k, flop))
 
+        default_fwd = fwd_plan_named("auto", q, k, T, None)
+
         def fwd(masks=masks):
-            return stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale, as_tiles(None, q.device))
+            return stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale, default_fwd)
 
         for kernel in [] if skip_fwdbwd else [None, *bwd_kernels]:
-            def bwd(masks=masks, fwd=fwd, kernel=kernel):
+            bplan = bwd_plan_named(kernel or "auto", q, k, T, T)
+
+            def bwd(masks=masks, fwd=fwd, bplan=bplan):
                 out, lse = fwd()   # the forward is part of the timed work: same for every set
-                return stage2_bwd(do, q, k, v, out, lse, cu, cu, masks, cu, q.shape[0], 1, T, T, True, scale, kernel)
+                return stage2_bwd(do, q, k, v, out, lse, cu, cu, masks, cu, q.shape[0], 1, T, T, True, scale, bplan)
 
             rows.append((f"fwd+bwd {sel} {T // 1024}k x {B} K{K} {kernel or ''}", bwd, 3.5 * flop))
     return rows
@@ -110,14 +122,15 @@ def stage1_rows(T: int, H: int = 2) -> list[tuple[str, object, float]]:
     flop = 2.0 * D * T * HQ * (ck1.shape[0] + ck2.shape[0]) / 2
 
     def run():
-        return stage1_select(q, ck1, ck2, cu, cu1, cu2, T, topk=64, local_blocks=32)
+        return stage1_select(q, ck1, ck2, cu, cu1, cu2, T, topk=64, local_blocks=32, kernel=STAGE1_KERNEL["kernel"])
 
     return [(f"stage1 {T // 1024}k x 1 K96 G{HQ // H}", run, flop)]
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--sets", nargs="+", default=["base", "ftz"], help=f"{sorted(OPTION_SETS)} or label=DIR")
+    p.add_argument("--sets", nargs="+", default=["base", "ftz"],
+                   help=f"{sorted(OPTION_SETS)} or label=DIR[,kernel=KERNEL]")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--T2", type=int, default=32768)
     p.add_argument("--B2", type=int, default=2)
@@ -125,9 +138,10 @@ def main() -> None:
     p.add_argument("--skip-stage2", action="store_true")
     p.add_argument("--H1", type=int, nargs="+", default=[2], help="KV heads of the stage-1 rows (HQ = 32)")
     p.add_argument("--K2", type=int, default=64)
-    p.add_argument("--bwd", nargs="*", default=[], help="also time these backward kernels (e.g. sm90a_gather)")
-    p.add_argument("--fwd", nargs="*", default=[], help="forward kernels to time (default: the automatic choice), "
-                   "e.g. sm90a_single sm90a_pair sm90a")
+    p.add_argument("--bwd", nargs="*", default=[], help="also time these backward plans (tools/_plans.py names, "
+                   "e.g. sm90a_gather 4,32)")
+    p.add_argument("--fwd", nargs="*", default=[], help="forward plans to time (default: the automatic choice), "
+                   "e.g. sm90a_single sm90a_pair sm90a 4,2,64")
     p.add_argument("--skip-fwdbwd", action="store_true", help="time only the forward rows of stage 2")
     a = p.parse_args()
     rows = ([] if a.skip_stage2 else stage2_rows(a.T2, a.B2, a.K2, a.bwd, a.fwd or [None], a.skip_fwdbwd)) + [r for T in a.T1 for H in a.H1 for r in stage1_rows(T, H)]

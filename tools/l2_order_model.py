@@ -7,8 +7,8 @@ block, K = 64, H = 2 KV heads, G = 16 so a query block is 16 tiles of 64 rows). 
 block's list of query tiles; 264 CTA slots (2 per SM) read one 32-KB tile per time step each and take
 the next CTA in launch order when done; L2 is an LRU over tiles. Prints the hit rate of the tile
 reads and the makespan in steps against the ideal (reads / slots). The model ignores every other
-cost, so it ranks orders by reuse and balance, nothing more: NOTES.md ("seventh session") compares it
-with Nsight (model 18% / 7.1%, measured 10.4% / 3.75% for the old order at 32k x 2 / 32k x 8).
+cost, so it ranks orders by reuse and balance, nothing more: against Nsight it gave 18% / 7.1% where
+10.4% / 3.75% were measured for the old order at 32k x 2 / 32k x 8 (docs/stage2_bwd.md, 9. CTA order).
 """
 from __future__ import annotations
 

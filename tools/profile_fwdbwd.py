@@ -4,8 +4,8 @@
     python tools/profile_fwdbwd.py --T 32768 --B 8 --sel a --split
 
 `--split` also times, in the same process (CUDA events, median), the forward under no_grad, the
-forward with grad, the backward of a retained graph and forward+backward, each also with
-INFLLM_CUPY_VALIDATE=0 (no host copies of cu_seqlens): whether fwd+bwd is more than its parts.
+forward with grad, the backward of a retained graph and forward+backward, each also under
+`_env.override(validate=False)` (no host copies of cu_seqlens): whether fwd+bwd is more than its parts.
 
 Lists every CUDA kernel (and memcpy/memset) that one `sparse_attn_varlen(...).backward(dout)`
 launches, with its device time, so that the parts outside the dq and dk/dv kernels (mask rows,
@@ -68,8 +68,9 @@ def main() -> None:
 
 def split_times(q, k, v, do, cu, topk, T, rep) -> None:
     """Median ms of the forward (no_grad / with grad), the retained backward and fwd+bwd."""
-    import os
     import statistics
+
+    from infllm_cupy import _env
 
     from benchmarks._harness import bench_gpu_time
 
@@ -91,12 +92,11 @@ def split_times(q, k, v, do, cu, topk, T, rep) -> None:
     fns = {"fwd no_grad": fwd_nograd, "fwd grad": fwd_grad, "bwd retained": bwd, "fwd+bwd": fwdbwd}
     res = {}
     for validate in ("1", "0"):
-        os.environ["INFLLM_CUPY_VALIDATE"] = validate
-        for rnd in range(2):                       # two interleaved rounds
-            for name, fn in fns.items():
-                ms = statistics.median(bench_gpu_time(fn, warmup=1, rep=rep))
-                res.setdefault((name, validate), []).append(ms)
-    os.environ["INFLLM_CUPY_VALIDATE"] = "1"
+        with _env.override(validate=validate == "1"):
+            for rnd in range(2):                       # two interleaved rounds
+                for name, fn in fns.items():
+                    ms = statistics.median(bench_gpu_time(fn, warmup=1, rep=rep))
+                    res.setdefault((name, validate), []).append(ms)
     for (name, validate), ms in res.items():
         print(f"    {name:<14} validate={validate}: " + " ".join(f"{m:8.2f}" for m in ms) + " ms")
     f, b, fb = (min(res[(n, "1")]) for n in ("fwd grad", "bwd retained", "fwd+bwd"))

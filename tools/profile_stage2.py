@@ -1,27 +1,35 @@
 """One stage-2 forward launch per requested kernel variant, for Nsight Compute.
 
     ncu --kernel-name regex:stage2_fwd --section SpeedOfLight --section WarpStateStats \
-        python tools/profile_stage2.py --tiles sm90a "[4,2,64]" --T 8192 --B 2 --K 64 --sel a
+        python tools/profile_stage2.py --fwd sm90a 4,2,64 --T 8192 --B 2 --K 64 --sel a
+
+Variants are the forward names of tools/_plans.py (sm90a, sm80, sm90a_pair, sm90a_single,
+sm90a_split, W,M,K, each with optional +FIELD=VALUE plan fields), run through the token-level
+launcher (`ops.token_fwd`) with that plan.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _plans import fwd_plan_named  # noqa: E402
+
 from infllm_cupy.selections import block_shared, infllm_like, per_token, uniform_cu_seqlens  # noqa: E402
-from infllm_cupy.stage2 import sparse_attn_varlen  # noqa: E402
+from infllm_cupy.stage2 import ops  # noqa: E402
 
 SELECTIONS = {"a": block_shared, "b": per_token, "c": infllm_like}
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--tiles", nargs="+", default=["sm90a"], help='"sm90a", "sm90a_pair", "sm90a_single", "sm90a_split" or JSON [warps, m_tiles, sub_keys]')
+    p.add_argument("--fwd", nargs="+", default=["sm90a"],
+                   help="forward variants (tools/_plans.py): sm90a, sm80, sm90a_pair, sm90a_single, sm90a_split, "
+                        "W,M,K (SM80 tiles); +FIELD=VALUE sets a plan field")
     p.add_argument("--T", type=int, default=8192)
     p.add_argument("--B", type=int, default=2)
     p.add_argument("--K", type=int, default=64)
@@ -34,9 +42,9 @@ def main() -> None:
     cu = uniform_cu_seqlens(a.B, a.T, "cuda")
     topk = SELECTIONS[a.sel](a.B, a.T, H, a.K, device="cuda", seed=0)
     with torch.no_grad():
-        for t in a.tiles:
-            tiles = t if t.startswith("sm90a") else tuple(json.loads(t))
-            sparse_attn_varlen(q, k, v, cu, cu, topk, a.T, a.T, tiles=tiles)
+        for name in a.fwd:
+            plan = fwd_plan_named(name, q, k, a.T, 2 * a.K)
+            ops.token_fwd(q, k, v, cu, cu, topk, a.T, a.T, True, D ** -0.5, plan)
     torch.cuda.synchronize()
 
 

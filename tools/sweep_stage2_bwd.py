@@ -1,6 +1,9 @@
-"""Stage-2 backward kernels: every BwdTiles variant and the per-kernel split, at one size.
+"""Stage-2 backward kernels: every BwdTiles variant and the sm_90a instances, at one size.
 
     python tools/sweep_stage2_bwd.py --T 8192 --B 2 --K 64 --sel a b c
+
+Each variant is a backward plan (tools/_plans.py names: the SM80 tile shapes DQ,COLS, and on
+capability 9.0 sm90a_tiles, sm90a_gather and sm90a, the plan's default with both instances).
 
 Times `stage2_bwd` (launcher level, fixed forward outputs) with CUDA events after warm-up (median),
 next to our forward on the same inputs, and prints effective TFLOP/s (backward = 2.5x the forward's
@@ -19,15 +22,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._harness import bench_gpu_time, flops_attn  # noqa: E402
 from infllm_cupy.selections import SELECTIONS, attended_keys, make_selection, uniform_cu_seqlens  # noqa: E402
-from infllm_cupy.stage2.sparse_bwd import (  # noqa: E402
-    ALL_BWD_TILES,
-    DEFAULT_BWD_TILES,
-    SM90A,
-    SM90A_AUTO,
-    SM90A_GATHER,
-    stage2_bwd,
-)
-from infllm_cupy.stage2.sparse_fwd import as_tiles, n_mask_words, stage2_fwd, token_block_masks  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _plans import bwd_plan_named, fwd_plan_named  # noqa: E402
+
+from infllm_cupy.stage2.plan import ALL_BWD_TILES, DEFAULT_BWD_TILES  # noqa: E402
+from infllm_cupy.stage2.sparse_bwd import stage2_bwd  # noqa: E402
+from infllm_cupy.stage2.sparse_fwd import n_mask_words, stage2_fwd, token_block_masks  # noqa: E402
 
 
 def main() -> None:
@@ -49,29 +49,31 @@ def main() -> None:
     cu = uniform_cu_seqlens(B, T, "cuda")
     scale = D ** -0.5
     hopper = torch.cuda.get_device_capability() == (9, 0)
-    tiles_list = (ALL_BWD_TILES if a.tiles == "all" else [DEFAULT_BWD_TILES]) + ([SM90A, SM90A_GATHER, SM90A_AUTO] if hopper else [])
+    names = [f"{t.dq_warps},{t.dkdv_cols}" for t in (ALL_BWD_TILES if a.tiles == "all" else [DEFAULT_BWD_TILES])]
+    names += ["sm90a_tiles", "sm90a_gather", "sm90a"] if hopper else []
     print(f"T={T} B={B} HQ={HQ} H={H} D={D} K={a.K} {torch.cuda.get_device_name()}")
     for sel in a.sel:
         topk = make_selection(sel, B, T, H, a.K, device="cuda", seed=0)
         keys = float(attended_keys(topk, cu).sum()) * (HQ // H)
         masks = token_block_masks(topk, cu, cu, n_mask_words(T))
-        ft = as_tiles(None, q.device)
-        out, lse = stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale, ft)
+        ft = fwd_plan_named("auto", q, k, T, 2 * a.K)
+        out, lse = stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale, ft, max_seqlen_k=T)
         fwd = statistics.median(bench_gpu_time(
-            lambda masks=masks, ft=ft: stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale, ft)))
+            lambda masks=masks, ft=ft: stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale, ft,
+                                                  max_seqlen_k=T)))
         print(f"sel {sel}: fwd {fwd:.2f} ms {flops_attn(keys, D, 'fwd') / fwd / 1e9:.0f} TFLOP/s")
 
         def bwd(t, out=out, lse=lse, masks=masks):
             return stage2_bwd(do, q, k, v, out, lse, cu, cu, masks, cu, q.shape[0], 1, T, T, True, scale, t)
 
-        for t in tiles_list:
-            ms = statistics.median(bench_gpu_time(lambda t=t: bwd(t)))
-            label = t if isinstance(t, str) else f"dq_warps={t.dq_warps} dkdv_cols={t.dkdv_cols}"
+        plans = {name: bwd_plan_named(name, q, k, T, T) for name in names}
+        for label, plan in plans.items():
+            ms = statistics.median(bench_gpu_time(lambda plan=plan: bwd(plan)))
             print(f"  bwd {label}: {ms:.2f} ms "
                   f"{flops_attn(keys, D, 'bwd') / ms / 1e9:.0f} TFLOP/s (bwd/fwd {ms / fwd:.2f})", flush=True)
         if a.profile:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                bwd(tiles_list[-1])
+                bwd(plans[names[-1]])
                 torch.cuda.synchronize()
             for ev in prof.key_averages():
                 if ev.device_type == torch.autograd.DeviceType.CUDA or "stage2" in ev.key:

@@ -1,0 +1,93 @@
+"""Kernel variants by name for the development tools: each name is a stage-2 plan (infllm_cupy/stage2/plan.py).
+
+Forward (`fwd_plan_named`):
+    auto, sm80, sm90a       the plan `kernel=` gives (what the op runs)
+    sm90a_pair, sm90a_single, sm90a_split
+                            the sm_90a kernel with that step shape forced in every CTA
+    W,M,K                   the SM80 kernel with FwdTiles(warps W, m_tiles M, sub_keys K)
+Backward (`bwd_plan_named`):
+    auto, sm80, sm90a       the plan `kernel=` gives (sm90a: both dk/dv instances where G allows)
+    sm90a_tiles, sm90a_gather
+                            the sm_90a dk/dv with one instance only (fixed tiles: dq on one shared
+                            ring; gathered tokens: dq's per-CTA ring choice)
+    sm90a_split             fixed tiles, dq on a ring per warpgroup in every CTA
+    DQ,COLS                 the SM80 kernels with BwdTiles(dq_warps DQ, dkdv_cols COLS)
+Either may end in `+FIELD=VALUE...` (e.g. `sm90a+kv_passes=3+split_min=0`, `sm90a+dkdv_passes=16`,
+`sm90a+pdl=0`): those plan fields replaced (ints, or 0/1 for bools).
+
+`plan_mod` is the plan module to build from (this package's by default; the A/B tool passes that of
+another tree's package).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+FWD_STEPS = {"sm90a_pair": "pair", "sm90a_single": "single", "sm90a_split": "split"}
+BWD_VARIANTS = {"sm90a_tiles": ("tiles", "single"), "sm90a_gather": ("gather", "auto"),
+                "sm90a_split": ("tiles", "split")}
+
+
+def _plan_mod(plan_mod):
+    if plan_mod is None:
+        from infllm_cupy.stage2 import plan as plan_mod
+    return plan_mod
+
+
+def _capability(q):
+    import torch
+
+    return torch.cuda.get_device_capability(q.device)
+
+
+def _split(name: str) -> tuple[str, dict]:
+    """'base+f=v+g=w' -> ('base', {'f': 'v', 'g': 'w'})."""
+    base, *parts = name.split("+")
+    fields = {}
+    for part in parts:
+        key, _, value = part.partition("=")
+        if not key or not value:
+            raise ValueError(f"plan field overrides are +FIELD=VALUE, got {part!r} in {name!r}")
+        fields[key] = value
+    return base, fields
+
+
+def _replace(plan, fields: dict):
+    typed = {}
+    for key, value in fields.items():
+        current = getattr(plan, key)          # AttributeError names an unknown field
+        typed[key] = bool(int(value)) if isinstance(current, bool) else type(current)(value)
+    return dataclasses.replace(plan, **typed)
+
+
+def fwd_plan_named(name: str, q, k, max_seqlen_k: int, split_min: int | None, plan_mod=None):
+    """The forward plan called `name` (see the module docstring) for these tensors."""
+    pm = _plan_mod(plan_mod)
+    base, fields = _split(name)
+    if "," in base:
+        plan = pm.FwdPlan("sm80", pm.FwdTiles(*(int(x) for x in base.split(","))))
+    else:
+        kernel = "sm90a" if base in FWD_STEPS else base
+        plan = pm.fwd_plan(_capability(q), q.shape[2], q.dtype, max_seqlen_k, k.shape[0], split_min=split_min,
+                           kernel=kernel)
+        if base in FWD_STEPS:
+            plan = dataclasses.replace(plan, step=FWD_STEPS[base])
+    return _replace(plan, fields)
+
+
+def bwd_plan_named(name: str, q, k, max_seqlen_q: int, max_seqlen_k: int, plan_mod=None):
+    """The backward plan called `name` (see the module docstring) for these tensors."""
+    pm = _plan_mod(plan_mod)
+    base, fields = _split(name)
+    if "," in base:
+        plan = pm.BwdPlan("sm80", pm.BwdTiles(*(int(x) for x in base.split(","))), dq="sm80")
+    else:
+        kernel = "sm90a" if base in BWD_VARIANTS else base
+        G = q.shape[1] // k.shape[1]
+        plan = pm.bwd_plan(_capability(q), G, q.shape[2], q.dtype, max_seqlen_q, max_seqlen_k, k.shape[0],
+                           kernel=kernel)
+        if base in BWD_VARIANTS:
+            dkdv, dq_step = BWD_VARIANTS[base]
+            if dkdv == "gather" and not pm.GATHER_G[0] <= G <= pm.GATHER_G[1]:
+                raise ValueError(f"{base} needs {pm.GATHER_G[0]} <= G <= {pm.GATHER_G[1]}, got G = {G}")
+            plan = dataclasses.replace(plan, dkdv=dkdv, dq_step=dq_step)
+    return _replace(plan, fields)
