@@ -298,12 +298,12 @@ class DecodeCache:
     def _append_chunks(self, k_new, v_new, counts) -> None:
         B = self.batch
         starts = self._host_lens
-        seq = torch.repeat_interleave(torch.arange(B, device=self.device),
-                                      torch.tensor(counts, device=self.device))
-        off = torch.tensor([s for s, n in zip(starts, counts) for _ in range(n)], dtype=torch.long,
-                           device=self.device)
-        local = torch.cat([torch.arange(n, device=self.device) for n in counts]) if counts else off
-        row, slot = self._slots(off + local, seq)
+        n = torch.tensor(counts, dtype=torch.long, device=self.device)
+        seq = torch.repeat_interleave(torch.arange(B, device=self.device), n)              # [total_new]
+        first = torch.cumsum(n, 0) - n                                                      # chunk offsets
+        local = torch.arange(sum(counts), device=self.device) - first[seq]
+        pos = torch.tensor(starts, dtype=torch.long, device=self.device)[seq] + local
+        row, slot = self._slots(pos, seq)
         self.k[row, slot] = k_new
         self.v[row, slot] = v_new
         for ck, (kr, st) in zip((self.ck1, self.ck2), COMPRESSIONS):
