@@ -13,31 +13,27 @@ struct S2Seq {
     int64 rows_total;    // Lq * G: rows of the flattened (token, head-in-group) space
 };
 
-// The cu_seqlens reads: qs, Lq, ks, Lk (shift and rows_total are left to s2_seq_rows).
-__device__ __forceinline__ S2Seq s2_seq_bounds(const int* __restrict__ cu_seqlens_q,
-                                               const int* __restrict__ cu_seqlens_k, int b) {
-    S2Seq s;
+// The prologue comes in three parts, which a kernel calls where it computed them before they
+// became functions: computed ahead of an early exit (rows or a key block past the sequence), they
+// changed how ptxas scheduled the kernels (and made the sm_90a dk/dv kernel at D = 128 spill).
+// Each fills the caller's S2Seq in place: returned by value (a copy with fields not yet set), the
+// sm_90a forward's schedule changed too. The cu_seqlens reads: qs, Lq, ks, Lk.
+__device__ __forceinline__ void s2_seq_bounds(S2Seq& s, const int* __restrict__ cu_seqlens_q,
+                                              const int* __restrict__ cu_seqlens_k, int b) {
     s.qs = cu_seqlens_q[b];
     s.Lq = cu_seqlens_q[b + 1] - s.qs;
     s.ks = cu_seqlens_k[b];
     s.Lk = cu_seqlens_k[b + 1] - s.ks;
-    return s;
 }
-
-// shift and rows_total. Separate from the reads so that a kernel that first exits on the lengths
-// (a key block past the sequence) computes them after that exit, as before the prologue became a
-// function: computed ahead of it, ptxas scheduled the dk/dv kernels differently (and spilled).
-__device__ __forceinline__ void s2_seq_rows(S2Seq& s, int G, int causal) {
-    s.shift = causal ? s.Lk - s.Lq : 0;
-    s.rows_total = (int64)s.Lq * G;
-}
+__device__ __forceinline__ void s2_seq_rows(S2Seq& s, int G) { s.rows_total = (int64)s.Lq * G; }
+__device__ __forceinline__ void s2_seq_shift(S2Seq& s, int causal) { s.shift = causal ? s.Lk - s.Lq : 0; }
 
 // The whole prologue, for kernels that need all of it before their first exit.
-__device__ __forceinline__ S2Seq s2_seq(const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
-                                        int b, int G, int causal) {
-    S2Seq s = s2_seq_bounds(cu_seqlens_q, cu_seqlens_k, b);
-    s2_seq_rows(s, G, causal);
-    return s;
+__device__ __forceinline__ void s2_seq(S2Seq& s, const int* __restrict__ cu_seqlens_q,
+                                       const int* __restrict__ cu_seqlens_k, int b, int G, int causal) {
+    s2_seq_bounds(s, cu_seqlens_q, cu_seqlens_k, b);
+    s2_seq_rows(s, G);
+    s2_seq_shift(s, causal);
 }
 
 // 64-key blocks that hold the sequence's Lk keys.

@@ -96,12 +96,15 @@ stage2_bwd_tiles(const unsigned* __restrict__ masks, const int* __restrict__ mas
     const int lane = threadIdx.x & 31;
     const int64 item = (int64)blockIdx.x * 8 + (threadIdx.x >> 5);
     const int h = blockIdx.y, b = blockIdx.z;
-    const S2Seq sq = s2_seq(cu_seqlens_q, cu_seqlens_k, b, G, causal);
+    S2Seq sq;
+    s2_seq_bounds(sq, cu_seqlens_q, cu_seqlens_k, b);
+    s2_seq_rows(sq, G);
     const int tiles = (int)((sq.rows_total + tile_rows - 1) / tile_rows);
     const int groups = (tiles + 31) >> 5;
     const int tg = (int)(item / n_words), w = (int)(item - (int64)tg * n_words);
     if (tg >= groups) return;
     const int nb = min(key_blocks(sq.Lk), n_words * 32);
+    s2_seq_shift(sq, causal);
     const unsigned* mrows = seq_mask_rows(masks, mask_base, b, h, mask_h_stride, n_words);
 
     unsigned u = 0;
@@ -146,7 +149,8 @@ stage2_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int h = blockIdx.y, b = blockIdx.z;
-    const S2Seq sq = s2_seq(cu_seqlens_q, cu_seqlens_k, b, G, causal);
+    S2Seq sq;
+    s2_seq(sq, cu_seqlens_q, cu_seqlens_k, b, G, causal);
     // last tiles first: they see the most blocks (causal), so the longest CTAs start earliest
     const int64 m0 = (int64)(gridDim.x - 1 - blockIdx.x) * M;
     if (m0 >= sq.rows_total) return;
@@ -286,9 +290,11 @@ stage2_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     // key block slowest in the launch order: blocks 0, 1, ... (selected by the most query tiles:
     // the forced init block, the earliest blocks) start first, so the longest CTAs do not trail
     const int j = blockIdx.z, h = blockIdx.x, b = blockIdx.y;
-    S2Seq sq = s2_seq_bounds(cu_seqlens_q, cu_seqlens_k, b);
+    S2Seq sq;
+    s2_seq_bounds(sq, cu_seqlens_q, cu_seqlens_k, b);
     if (j >= key_blocks(sq.Lk)) return;
-    s2_seq_rows(sq, G, causal);
+    s2_seq_shift(sq, causal);
+    s2_seq_rows(sq, G);
     const int tiles = (int)((sq.rows_total + QT - 1) / QT);
     const int groups = (tiles + 31) >> 5;
     const unsigned* urow = ut + (int64)h * ut_h_stride + ut_off[b] + (int64)j * groups;

@@ -3,7 +3,7 @@
 // Launch contract (mirrored by infllm_cupy/stage2/sparse_bwd.py). Arguments, semantics and outputs
 // are those of stage2_bwd_dkdv in sparse_bwd.cu (delta and the transposed tile index come from that
 // file's two small kernels); capability 9.0 only. The sm_90a dq kernel runs on the forward's K/V
-// ring and lives beside it (stage2_bwd_dq_ring_sm90 in sparse_fwd_sm90.cu).
+// ring: stage2_bwd_dq_ring_sm90 in sparse_bwd_dq_sm90.cu (the ring: ring_sm90.cuh).
 //   stage2_bwd_dkdv_sm90<T, D, GATHER>   grid (H B split0 + H B (n_kb - 1))   block 128
 //       n_kb = cdiv(max_seqlen_k, 64). CTA order: first the split0 parts of block 0 of every
 //       (sequence, head) (every token selects block 0: alone it would be the longest CTA), then
@@ -11,7 +11,7 @@
 //       flight then mostly share a head, and as every CTA walks its query tiles from the last one
 //       down, they read the same recent tiles while those are in L2); order = 0: key block
 //       slowest, (sequence, head) fastest. The launcher uses 1 for fixed tiles, 0 for gathered
-//       ones (NOTES.md, backward v6/v7).
+//       ones (docs/stage2_bwd.md, "CTA order").
 //       split0 > 1: part p of block 0 takes the p-th of split0 equal runs of its tiles (counted
 //       from the top) and stores its unscaled fp32 sums to part0 [H B][split0][2][64][D] (dK, dV);
 //       stage2_bwd_dkdv_parts adds them in part order (deterministic) into dk, dv.
@@ -24,7 +24,8 @@
 //       indexes tokens (tile_rows = G) and a tile gathers the next 64 / G tokens that selected the
 //       block, wherever they are: with per-token selections a key block's 64-row tiles then hold
 //       only rows that use it (a 4-token tile of consecutive tokens holds about one at G = 16);
-//       block-shared selections give the same tiles, at some cost for the walk (NOTES.md).
+//       block-shared selections give the same tiles, at some cost for the walk (docs/stage2_bwd.md,
+//       "Fixed tiles vs gathered tokens (auto)").
 //       vt_off / vt: null, or ("sm90a_auto") the other mode's index: then the launcher runs both
 //       instances and each keeps the key blocks its mode does best (see the fill test below).
 //       dk32, dv32, q_lo, q_hi, last_pass: query-range passes. One launch: null, null, 0,
@@ -34,7 +35,7 @@
 //       pass (last_pass = 1, every CTA, tiles or not) writes dk, dv from them. Why: a CTA reads
 //       each query tile it needs once per key block, and one (sequence, head)'s Q and dO (256 MB at
 //       32k, G = 16) outgrow the L2; within a pass the CTAs in flight read one range's tiles
-//       (NOTES.md, tenth session).
+//       (docs/stage2_bwd.md, "Query-range passes and PDL").
 //       pdl = 1 (passes only; the launcher gives every pass after the first the programmatic
 //       stream serialization attribute): each CTA lets the next pass start at once and waits for
 //       the pass before (griddepcontrol) before it reads dk32, dv32; CTA 0 waits on every path,
@@ -51,8 +52,8 @@
 // overlap each other's loads and elementwise work with wgmma. A tile's S^T/dP^T group is issued
 // before the previous tile's dV/dK group has been waited for (wait_group 1, then a CTA barrier
 // frees that tile's Q/dO stage for the next load), so the tensor pipe runs both back to back;
-// not in the gathering instance at D = 128, which has no registers for it (NOTES.md, v12).
-// Per-thread cp.async address math was most of the instructions before TMA (NOTES.md, backward v6).
+// not in the gathering instance at D = 128, which has no registers for it. Per-thread cp.async
+// address math was most of the instructions before TMA (docs/stage2_bwd.md, "dk/dv: the tile step").
 #include "common/types.cuh"
 #include "common/mma_sm80.cuh"
 #include "common/wgmma_sm90.cuh"
@@ -193,18 +194,20 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         if (order) {
             hb = rest / (n_kb - 1);
             j = 1 + rest % (n_kb - 1);
-        } else {                         // key block slowest (the order before NOTES' "v6")
+        } else {                         // key block slowest (docs/stage2_bwd.md, "CTA order")
             j = 1 + rest / HB;
             hb = rest % HB;
         }
     }
     const int b = hb / H, h = hb - b * H;
-    S2Seq sq = s2_seq_bounds(cu_seqlens_q, cu_seqlens_k, b);
+    S2Seq sq;
+    s2_seq_bounds(sq, cu_seqlens_q, cu_seqlens_k, b);
     if (j >= key_blocks(sq.Lk)) {
         if (pdl && blockIdx.x == 0) grid_dep_wait();
         return;
     }
-    s2_seq_rows(sq, G, causal);
+    s2_seq_shift(sq, causal);
+    s2_seq_rows(sq, G);
     // bits of one index row: tokens (GATHER) or 64-row tiles
     const int units = GATHER ? sq.Lq : (int)((sq.rows_total + QT - 1) / QT);
     const int groups = (units + 31) >> 5;

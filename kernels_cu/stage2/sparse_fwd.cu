@@ -52,7 +52,8 @@ stage2_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int h = blockIdx.y, b = blockIdx.z;
-    const S2Seq sq = s2_seq(cu_seqlens_q, cu_seqlens_k, b, G, causal);
+    S2Seq sq;
+    s2_seq(sq, cu_seqlens_q, cu_seqlens_k, b, G, causal);
     const int64 m0 = (int64)blockIdx.x * M;
     if (m0 >= sq.rows_total) return;
     const int nb = key_blocks(sq.Lk);

@@ -1,0 +1,33 @@
+// stage2/sparse_bwd_dq_sm90.cu: token-level block-sparse attention backward, Hopper (sm_90a) path: dq.
+//
+// Launch contract (mirrored by infllm_cupy/stage2/sparse_bwd.py; dk and dv: sparse_bwd_sm90.cu):
+//   kernel   stage2_bwd_dq_ring_sm90<T, D, NS>  T in {__half, __nv_bfloat16}, D in {64, 128}, NS in {4, 6}
+//            K/V ring stages (the deepest that fits); capability 9.0
+//   grid     (cdiv(max_seqlen_q * G, 64 * NC), H, B)     block (128 * (NC + 1)); CTAs in reverse order
+//            (last tiles first: causal, they see the most blocks)
+//   dyn smem as stage2_fwd_sm90 (sparse_fwd_sm90.cu) plus NC dout tiles (placed after the Q tiles)
+//   arguments as stage2_bwd_dq in sparse_bwd.cu, with K and V as the TMA tensor maps of
+//            stage2_fwd_sm90 and step_mode last (0, 1 or 3: 64-key steps on one ring or split rings;
+//            no 128-key steps)
+//   dq       [total_q, HQ, D] T = scale * sum over the allowed keys of dS K, dS = P (dP - delta),
+//            P = exp(S - lse) recomputed from the forward's lse, dP = dO V^T
+// The forward's CTA on the forward's K/V ring (ring_sm90.cuh, RingCta<T, D, NS, true>): the same
+// producer, unions and walk; per 64-key block a consumer warpgroup runs S = Q K^T and dP = dO V^T
+// as one wgmma group (Q, dO in shared memory: registers go to dq), then dq += dS K with K
+// MN-major in its ring stage (docs/stage2_bwd.md, "dq on the ring").
+#include "stage2/ring_sm90.cuh"
+
+template <typename T, int D, int NS>
+__global__ void __launch_bounds__(128 * (NC + 1), 1)
+stage2_bwd_dq_ring_sm90(const T* __restrict__ q, const T* __restrict__ dout, const __grid_constant__ TmaMap tmap_k,
+                        const __grid_constant__ TmaMap tmap_v, const float* __restrict__ lse,
+                        const float* __restrict__ delta, const unsigned* __restrict__ masks,
+                        const int* __restrict__ mask_base, const int* __restrict__ cu_seqlens_q,
+                        const int* __restrict__ cu_seqlens_k, T* __restrict__ dq, int total_q, int HQ, int H, int G,
+                        int n_words, long long mask_h_stride, int mask_q_block, float scale_log2, float scale,
+                        int causal, int step_mode) {
+    ring_cta_sm90<T, D, NS, true>(q, dout, tmap_k, tmap_v, masks, mask_base, cu_seqlens_q, cu_seqlens_k, dq,
+                                  const_cast<float*>(lse), delta, total_q, HQ, H, G, n_words, mask_h_stride,
+                                  mask_q_block, scale_log2, scale, causal, step_mode, 0, 1 << 30, nullptr, 0, 0);
+}
+
