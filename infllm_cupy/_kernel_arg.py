@@ -21,8 +21,8 @@ def check_kernel(kernel) -> str:
 
 
 def wants_sm90a(kernel: str, capability, what: str) -> bool:
-    """Whether the sm_90a kernel is asked for and runs: "auto" on capability 9.0, "sm90a" (which
-    raises elsewhere, naming `what`), never for "sm80"."""
+    """Whether the sm_90a kernel runs: for "auto" on capability 9.0, for "sm90a" always (on another
+    capability it raises ValueError naming `what`), never for "sm80"."""
     check_kernel(kernel)
     hopper = tuple(capability) == SM90A_CAPABILITY if capability is not None else False
     if kernel == "sm90a" and not hopper:
