@@ -60,26 +60,26 @@ STAGE2_IDS = [f"Lq{'-'.join(map(str, c[0]))}_Lk{'-'.join(map(str, c[1]))}_HQ{c[2
 
 
 def pytest_collection_modifyitems(config, items):
-    skip_gpu = pytest.mark.skip(reason=f"{GPU_SKIP}: {WHY_NO_GPU}")
-    skip_nvrtc = pytest.mark.skip(reason=NVRTC_SKIP)
+    # skipif(True) put first, so that this reason wins over a test's own skipif (e.g. "needs sm_90a")
+    skip_gpu = pytest.mark.skipif(True, reason=f"{GPU_SKIP}: {WHY_NO_GPU}")
+    skip_nvrtc = pytest.mark.skipif(True, reason=NVRTC_SKIP)
     for item in items:
         if item.path.name == "test_jit.py" and getattr(item, "originalname", item.name) in NVRTC_TESTS:
             item.add_marker(pytest.mark.nvrtc)
         if "gpu" in item.keywords and not HAS_GPU:
-            item.add_marker(skip_gpu)
+            item.add_marker(skip_gpu, append=False)
         elif "nvrtc" in item.keywords and not HAS_NVRTC:
-            item.add_marker(skip_nvrtc)
+            item.add_marker(skip_nvrtc, append=False)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """One line that says why tests were skipped, and whether everything that ran passed."""
     stats = terminalreporter.stats
 
-    def skipped(prefix):
-        return sum(1 for r in stats.get("skipped", [])
-                   if isinstance(r.longrepr, tuple) and r.longrepr[2].startswith(("Skipped: " + prefix, prefix)))
-
-    n_gpu, n_nvrtc = skipped(GPU_SKIP), skipped(NVRTC_SKIP)
+    skips = stats.get("skipped", [])
+    n_gpu = sum(1 for r in skips if "gpu" in r.keywords and not HAS_GPU)
+    n_nvrtc = sum(1 for r in skips if "nvrtc" in r.keywords and "gpu" not in r.keywords and not HAS_NVRTC)
+    n_other = len(skips) - n_gpu - n_nvrtc
     if not (n_gpu or n_nvrtc):
         return
     n_passed = len(stats.get("passed", []))
@@ -90,6 +90,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if n_nvrtc:
         parts.append(f'{n_nvrtc} NVRTC compile tests skipped: CuPy/NVRTC not installed (pip install -e ".[gpu,test]" '
                      f"runs them, no GPU needed)")
+    if n_other:
+        parts.append(f"{n_other} skipped for other reasons (pytest -rs lists them)")
     verdict = (f"the {n_passed} tests that ran passed" if not n_bad and exitstatus == 0
                else f"{n_bad} failed or errored, see above")
     terminalreporter.write_line("; ".join(parts) + "; " + verdict, bold=True, green=not n_bad, red=bool(n_bad))
