@@ -4,16 +4,19 @@ For a refactor of kernel sources that must not change what runs: each instance t
 register (`_jit.registered()`) is compiled by NVRTC from both trees with the package's own options
 (BASE_OPTIONS, CuPy's -ftz=true, the include folders; sm_90a for sm90a sets, else --arch), and
 the tool prints per instance the ptxas resources (registers, spill bytes, stack frame, static
-shared memory) of both, the SASS instruction counts and whether the SASS is identical (addresses,
-encodings and label names ignored). Needs no GPU; SASS needs nvdisasm (the nvidia-cuda-nvdisasm
-wheel, or CUDA's bin/ on PATH); without it only the resources are compared.
+shared memory) of both, the SASS instruction counts, and whether the SASS is identical
+(addresses, encodings and label names ignored: "yes"), differs only in order and register
+assignment (the same multiset of instructions with register numbers masked: "sched"), or differs
+("NO"). Needs no GPU; SASS needs nvdisasm (the nvidia-cuda-nvdisasm wheel, or CUDA's bin/ on
+PATH); without it only the resources are compared.
 
     git archive <commit> kernels_cu | tar -x -C /tmp/old      # the tree before
     python tools/sass_diff.py /tmp/old/kernels_cu kernels_cu [--source stage2/] [--arch sm_80] [-j 2]
 
 A kernel that moved to another file is found in each tree by its name (the first .cu file of the
 tree that defines it), so the registry may come from either side's package (PYTHONPATH=<a checkout
-of the package> picks another one than this checkout's). Exit status 1 when any instance differs in resources or SASS.
+of the package> picks another one than this checkout's). Exit status 1 when any instance differs
+in resources or SASS ("sched" included).
 """
 from __future__ import annotations
 
@@ -145,6 +148,14 @@ def sass_by_function(nvdisasm: str, cubin: bytes) -> dict[str, list[str]]:
     return out
 
 
+_REG = re.compile(r"\b(U?R|U?P|B)(\d+)\b")
+
+
+def _opcode(insn: str) -> str:
+    """An instruction with its register numbers masked (R12 -> R, UR4 -> UR, P3 -> P; RZ, PT kept)."""
+    return _REG.sub(lambda m: m.group(1), insn)
+
+
 def resources(log: str, lowered: dict[str, str]) -> dict[str, _jit.KernelResources]:
     return {k.name: k for k in _jit._parse_ptxas(log, lowered)}
 
@@ -162,9 +173,14 @@ def compare_set(old_tree: Path, new_tree: Path, source: str, names, arch: str, n
     for n in names:
         ro, rn = res_o[n], res_n[n]
         so, sn = sass_o.get(inv_o[n]), sass_n.get(inv_n[n])
+        same = None
+        if so is not None and sn is not None:
+            # identical, else the same instructions with registers and order ignored ("sched"): a
+            # change of scheduling and register assignment only
+            same = "yes" if so == sn else "sched" if sorted(map(_opcode, so)) == sorted(map(_opcode, sn)) else "NO"
         rows.append(dict(name=n, arch=arch, old_source=old_source, source=source, old=ro, new=rn,
                          n_old=len(so) if so is not None else None, n_new=len(sn) if sn is not None else None,
-                         same=(so == sn) if so is not None and sn is not None else None))
+                         same=same))
     return rows
 
 
@@ -197,14 +213,17 @@ def main(argv=None) -> int:
         o, n = r["old"], r["new"]
         res_same = (o.registers, o.spill_stores, o.spill_loads, o.stack_frame, o.shared_static) == \
                    (n.registers, n.spill_stores, n.spill_loads, n.stack_frame, n.shared_static)
-        same = res_same and r["same"] is not False
+        same = res_same and r["same"] in ("yes", None)
         bad += not same
         sass = "-" if r["n_old"] is None else f"{r['n_old']}->{r['n_new']}"
-        tag = {True: "yes", False: "NO", None: "n/a"}[r["same"]] if res_same else "NO (resources)"
+        tag = (r["same"] or "n/a") if res_same else "NO (resources)"
         print(f"{r['name']:52} {r['arch']:7} {o.registers:>4}->{n.registers:<4} "
               f"{o.spill_stores:>3}/{o.spill_loads:<3}->{n.spill_stores:>3}/{n.spill_loads:<3} "
               f"{o.stack_frame:>4}->{n.stack_frame:<4} {o.shared_static:>5}->{n.shared_static:<5} {sass:>13} {tag}")
-    print(f"{len(rows) - bad} of {len(rows)} instances identical" + ("" if nvdisasm else " (resources only)"))
+    sched = sum(r["same"] == "sched" for r in rows)
+    print(f"{len(rows) - bad} of {len(rows)} instances identical" + ("" if nvdisasm else " (resources only)")
+          + (f"; {sched} differ in scheduling and register assignment only (the same instructions, registers"
+             " masked)" if sched else ""))
     return 1 if bad else 0
 
 
