@@ -7,7 +7,7 @@ is exported next to its reference, `naive_<op>` (same signature).
 __version__ = "0.1.0"
 
 from .compress import compress_k, naive_compress_k
-from .decode import naive_infllmv2_decode
+from .decode import DecodeCache, naive_infllmv2_decode, naive_sparse_decode, sparse_decode
 from .pipeline import InfLLMv2Attention, InfLLMv2Config, infllmv2_attention, naive_infllmv2_attention
 from .stage1 import naive_stage1_select, stage1_select
 from .stage2 import (
@@ -36,8 +36,12 @@ __all__ = [
     "naive_sparse_attn_varlen",
     "block_sparse_attn_varlen",
     "naive_block_sparse_attn_varlen",
+    # decode: one query per sequence against its KV cache
+    "DecodeCache",
+    "sparse_decode",
+    "naive_sparse_decode",
     # references without a kernel of their own: the dense fallback (the pipeline runs it on torch
-    # SDPA) and decode (no decode kernel yet)
+    # SDPA) and a whole decode step (selection and attention)
     "naive_dense_attn_varlen",
     "naive_infllmv2_decode",
 ]

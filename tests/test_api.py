@@ -9,7 +9,8 @@ import infllm_cupy
 from infllm_cupy import BlockLayout, block_sparse_attn_varlen, naive_block_sparse_attn_varlen
 from infllm_cupy.testing import cu_seqlens_from_lengths
 
-OPS = ["compress_k", "stage1_select", "sparse_attn_varlen", "block_sparse_attn_varlen", "infllmv2_attention"]
+OPS = ["compress_k", "stage1_select", "sparse_attn_varlen", "block_sparse_attn_varlen", "infllmv2_attention",
+       "sparse_decode"]
 # Keyword-only knobs that only a reference has: other key-block sizes than the kernels' 64, and the
 # low-precision twin used for tolerances.
 REFERENCE_ONLY = {"block_size", "upcast"}
