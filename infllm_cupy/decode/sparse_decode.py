@@ -23,6 +23,7 @@ DTYPES = (torch.bfloat16, torch.float16)
 ROW_TILES = (1, 2, 4)  # MT: 16-row tiles of the query group, so G <= 64
 MAX_GROUP = 16 * ROW_TILES[-1]
 WEIGHTS = ("per_head", "per_kv_head")
+MAX_SMEM = 227 * 1024  # dynamic shared memory of one CTA on sm_90 (sm_80: 163 KB; the default plans stay far below)
 
 # Split planning (docs/decode.md, "Splits"): about CTAS_PER_SM CTAs per SM in one wave, each split
 # at least MIN_BLOCKS_PER_SPLIT blocks so its load of block i + 1 overlaps the math on block i.
@@ -130,10 +131,10 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
     B, HQ, D, H, G, K = _check_kernel_inputs(q, k, v, seqlens, bt, topk_idx)
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
     sparse = topk_idx is not None
+    n_entries = K if sparse else cdiv(width, BLOCK)
     if plan is None:
-        plan = plan_decode(B, H, G, K if sparse else cdiv(width, BLOCK), _sm_count(q.device.index))
-    elif not isinstance(plan, DecodePlan) or 16 * plan.row_tiles < G or plan.row_tiles not in ROW_TILES:
-        raise ValueError(f"plan: {plan!r} does not fit G = {G}")
+        plan = plan_decode(B, H, G, n_entries, _sm_count(q.device.index))
+    check_plan(plan, G, n_entries, D, K)
     S = plan.num_splits
     dev = q.device
     o_part = torch.empty((B, HQ, S, D), dtype=torch.float32, device=dev)
@@ -171,6 +172,19 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
     if return_attn_weights:
         res.append(w_out)
     return res[0] if len(res) == 1 else tuple(res)
+
+
+def check_plan(plan, group: int, n_entries: int, head_dim: int, k: int = 0) -> None:
+    """`plan` must cover the group and every entry (sparse: the K topk entries; dense: the blocks of
+    the cache's width), and its shared memory must fit a CTA (the topk row is staged there)."""
+    if not isinstance(plan, DecodePlan) or plan.row_tiles not in ROW_TILES or 16 * plan.row_tiles < group:
+        raise ValueError(f"plan: {plan!r} does not fit G = {group} (row_tiles in {ROW_TILES}, 16 x row_tiles >= G)")
+    if plan.num_splits < 1 or plan.per_split < 1 or plan.num_splits * plan.per_split < n_entries:
+        raise ValueError(f"plan: {plan!r} covers {plan.num_splits * plan.per_split} entries, fewer than "
+                         f"the {n_entries} to read")
+    if plan.split_smem_bytes(head_dim, k > 0, k) > MAX_SMEM:
+        raise ValueError(f"topk_idx: K = {k} entries need more shared memory than a CTA has "
+                         f"({plan.split_smem_bytes(head_dim, True, k)} > {MAX_SMEM} bytes)")
 
 
 def _check_kernel_inputs(q, k, v, seqlens, bt, topk_idx):

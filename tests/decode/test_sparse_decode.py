@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from infllm_cupy.decode import DecodeCache, naive_sparse_decode, plan_decode, sparse_decode
-from infllm_cupy.decode.sparse_decode import DecodePlan, _check_kernel_inputs
+from infllm_cupy.decode.sparse_decode import DecodePlan, _check_kernel_inputs, check_plan
 from infllm_cupy.stage2.naive import naive_dense_attn_varlen, naive_sparse_attn_varlen
 from infllm_cupy.testing import assert_close_to_ref, cu_seqlens_from_lengths, random_topk_idx
 
@@ -131,6 +131,16 @@ def test_plan_is_a_pure_function_of_shapes():
     assert plan_decode(1, 2, 16, cdiv_(131072, 64), 132).num_splits > 100      # dense 128k at batch 1
     with pytest.raises(ValueError, match="G"):
         plan_decode(1, 1, 65, 10, 132)
+
+
+def test_plan_checks():
+    check_plan(DecodePlan(1, 8, 12), 16, 96, 128, 96)
+    for plan, match in [(DecodePlan(1, 8, 11), "fewer"), (DecodePlan(1, 8, 12), "G = 17"),
+                        (DecodePlan(3, 8, 12), "row_tiles"), ((1, 8, 12), "plan")]:
+        with pytest.raises(ValueError, match=match):
+            check_plan(plan, 17 if match == "G = 17" else 16, 96, 128, 96)
+    with pytest.raises(ValueError, match="topk_idx"):
+        check_plan(DecodePlan(1, 1, 60000), 16, 60000, 128, 60000)
 
 
 def cdiv_(a, b):
