@@ -6,9 +6,10 @@ register (`_jit.registered()`) is compiled by NVRTC from both trees with the pac
 the tool prints per instance the ptxas resources (registers, spill bytes, stack frame, static
 shared memory) of both, the SASS instruction counts, and whether the SASS is identical
 (addresses, encodings and label names ignored: "yes"), differs only in order and register
-assignment (the same multiset of instructions with register numbers masked: "sched"), or differs
-("NO"). Needs no GPU; SASS needs nvdisasm (the nvidia-cuda-nvdisasm wheel, or CUDA's bin/ on
-PATH); without it only the resources are compared.
+assignment (the same multiset of instructions with register numbers masked, NOP padding left
+out: "sched"), or differs ("NO -a/+b": a masked instructions only the old code has, b only the
+new). Needs no GPU; SASS needs nvdisasm (the nvidia-cuda-nvdisasm wheel, or CUDA's bin/ on PATH);
+without it only the resources are compared.
 
     git archive <commit> kernels_cu | tar -x -C /tmp/old      # the tree before
     python tools/sass_diff.py /tmp/old/kernels_cu kernels_cu [--source stage2/] [--arch sm_80] [-j 2]
@@ -21,6 +22,7 @@ in resources or SASS ("sched" included).
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures as cf
 import os
 import re
@@ -152,8 +154,9 @@ _REG = re.compile(r"\b(U?R|U?P|B)(\d+)\b")
 
 
 def _opcode(insn: str) -> str:
-    """An instruction with its register numbers masked (R12 -> R, UR4 -> UR, P3 -> P; RZ, PT kept)."""
-    return _REG.sub(lambda m: m.group(1), insn)
+    """An instruction with its register numbers masked (R12 -> R, UR4 -> UR, P3 -> P; RZ, PT kept)
+    and without operand-reuse hints (.reuse follows the register assignment)."""
+    return _REG.sub(lambda m: m.group(1), insn.replace(".reuse", ""))
 
 
 def resources(log: str, lowered: dict[str, str]) -> dict[str, _jit.KernelResources]:
@@ -173,11 +176,15 @@ def compare_set(old_tree: Path, new_tree: Path, source: str, names, arch: str, n
     for n in names:
         ro, rn = res_o[n], res_n[n]
         so, sn = sass_o.get(inv_o[n]), sass_n.get(inv_n[n])
-        same = None
+        same, only = None, (0, 0)
         if so is not None and sn is not None:
             # identical, else the same instructions with registers and order ignored ("sched"): a
-            # change of scheduling and register assignment only
-            same = "yes" if so == sn else "sched" if sorted(map(_opcode, so)) == sorted(map(_opcode, sn)) else "NO"
+            # change of scheduling and register assignment only; else how many (masked, NOPs left
+            # out) instructions only the old / only the new code has
+            mo = collections.Counter(_opcode(i) for i in so if i != "NOP")
+            mn = collections.Counter(_opcode(i) for i in sn if i != "NOP")
+            only = (sum((mo - mn).values()), sum((mn - mo).values()))
+            same = "yes" if so == sn else "sched" if only == (0, 0) else f"NO -{only[0]}/+{only[1]}"
         rows.append(dict(name=n, arch=arch, old_source=old_source, source=source, old=ro, new=rn,
                          n_old=len(so) if so is not None else None, n_new=len(sn) if sn is not None else None,
                          same=same))
