@@ -1,13 +1,23 @@
-// stage2/ring_sm90.cuh: the CTA body that the sm_90a forward (stage2_fwd_sm90, sparse_fwd_sm90.cu)
-// and the backward's dq (stage2_bwd_dq_ring_sm90, sparse_bwd_dq_sm90.cu) share, ring_cta_sm90: a
-// warp-specialised CTA whose producer warpgroup streams the union of the CTA's K/V blocks through a
-// ring of shared-memory stages and whose consumer warpgroups run wgmma steps over it; with its
-// step helpers (softmax_step, RingWalk, rescale_o). Its parts, in order: setup (shared-memory plan,
-// sequence, exits, Q copies, unions, key-range pass bookkeeping, step shape), producer (loader and
-// forwarder warps), consumer prologue, 64-key steps (forward and dq), 128-key steps (forward),
-// epilogue (dq; or out and lse, merged with the earlier key-range passes). Design:
-// docs/stage2_fwd.md, "sm_90a kernel: warp specialisation and the K/V ring" and "64- and 128-key
-// steps, split rings"; dq: docs/stage2_bwd.md, "dq on the ring".
+// stage2/ring_sm90.cuh: the CTA that the sm_90a forward (stage2_fwd_sm90, sparse_fwd_sm90.cu) and
+// the backward's dq (stage2_bwd_dq_ring_sm90, sparse_bwd_dq_sm90.cu) share: a warp-specialised CTA
+// whose producer warpgroup streams the union of the CTA's K/V blocks through a ring of shared-memory
+// stages and whose consumer warpgroups run wgmma steps over it. By role:
+//   ring_cta_sm90          the CTA body: setup (shared-memory plan, sequence, exits, Q copies, the
+//                          unions, key-range pass bookkeeping, step shape, the ring's barriers and
+//                          stage map), then the producer's or a consumer warpgroup's part
+//   ring_producer_walk     the producer's walk over the union (ring position -> block, who needs it)
+//   ring_loader            producer warp 0 (2 with split rings): TMA copies into the ring stages
+//   ring_forwarder         producer warp 1 (3): zeroes rows past the sequence, arrives on `full`
+//   ring_steps64           consumer steps over 64-key blocks (forward: softmax, O += P V; dq:
+//                          dS = P (dP - delta), dq += dS K)
+//   ring_steps128          consumer steps over 128-key slots (forward, zero-waste CTAs; ping-pong)
+//   ring_epilogue_fwd, ring_epilogue_dq   out and lse (merged with the earlier key-range passes by
+//                          their lse), or dq
+//   softmax_step, RingWalk, rescale_o     the step helpers
+// The setup stays in ring_cta_sm90: moved into functions, it changed the code ptxas emits (more
+// than scheduling), which tools/sass_diff.py checks. Design: docs/stage2_fwd.md, "sm_90a kernel:
+// warp specialisation and the K/V ring" and "64- and 128-key steps, split rings"; dq:
+// docs/stage2_bwd.md, "dq on the ring".
 //
 // Warp-specialised, as FlashAttention-3: warpgroups 0..NC-1 are consumers, each owning 64 rows of
 // the flattened (token, head-in-group) space (4 tokens at G = 16); warpgroup NC is the producer.
@@ -184,6 +194,471 @@ __device__ __forceinline__ void rescale_o(float (&o)[D / 2], const float (&alpha
     }
 }
 
+// Sizes of the ring CTA's shared-memory tiles (bytes).
+template <typename T, int D, int NS>
+struct RingLayout {
+    static constexpr int M = 64 * NC;              // rows of the CTA
+    static constexpr u32 TILE_Q = 64 * D * sizeof(T);
+    static constexpr u32 TILE_KV = BLOCK_N * D * sizeof(T);
+    static constexpr u32 HALF = 64 * 128;          // one 64-row, 64-element half tile
+    static constexpr u32 KSTAGE = BLOCK_N * 128;   // K ring [D half][NS * 64 rows]: a stage's offset in a half
+};
+
+// Descriptor offset of K's 16-column step kk in a K ring stage (K-major, 128-byte swizzle).
+template <int NS>
+__device__ __forceinline__ u32 ring_k_off(int kk) {
+    return (u32)(((kk >> 2) * (NS * (u32)(BLOCK_N * 128)) + (kk & 3) * 32) >> 4);
+}
+
+// ---- producer warpgroup. visit(it, j, need) for ring position `it` <- block j, in the order the
+// loader and the forwarder both follow (need bit g: consumer warpgroup g needs the block); in a
+// slot (pair) both blocks go to every warpgroup that needs either, and j < 0 is the missing half of
+// an odd last slot (zeros). The current union words sit in registers, as in the consumers' RingWalk.
+template <class Visit>
+__device__ __forceinline__ void ring_producer_walk(const unsigned* walk_words, const unsigned* sUw, int n_words,
+                                                   bool pair, bool split, int ring, Visit&& visit) {
+    int w = -1;
+    unsigned left = 0u, gw[NC];
+    auto next = [&](unsigned& need) {   // the next union block (-1 at the end) and who needs it
+        while (left == 0u) {
+            if (++w >= n_words) { need = 0u; return -1; }
+            left = walk_words[w];
+#pragma unroll
+            for (int g = 0; g < NC; ++g) gw[g] = sUw[g * n_words + w];
+        }
+        const unsigned low = left & (0u - left);
+        left ^= low;
+        need = 0u;
+#pragma unroll
+        for (int g = 0; g < NC; ++g) need |= (gw[g] & low) ? 1u << g : 0u;
+        if (split) need = 1u << ring;   // the other warpgroup gets its own copy
+        return (w << 5) + 31 - __clz(low);
+    };
+    int it = 0;
+    unsigned need_a, need_b;
+    for (int j = next(need_a); j >= 0;) {
+        if (pair) {
+            const int j2 = next(need_b);
+            visit(it++, j, need_a | need_b);
+            visit(it++, j2, need_a | need_b);
+            j = j2 < 0 ? -1 : next(need_a);
+        } else {
+            visit(it++, j, need_a);
+            j = next(need_a);
+        }
+    }
+}
+
+// The loader: one thread issues 2 D / 64 TMA boxes per block into its stage, once every consumer
+// warpgroup that needed the stage's previous block has released it.
+template <typename T, int D, int NS, class Walk, class StageOf, class Empty, class Loaded>
+__device__ __forceinline__ void ring_loader(const TmaMap& tmap_k, const TmaMap& tmap_v, int lane, int ring, int h,
+                                            int ks, u32 sK, u32 sV, Walk&& walk, StageOf&& stage_of, Empty&& empty,
+                                            Loaded&& loaded) {
+    constexpr u32 TILE_KV = RingLayout<T, D, NS>::TILE_KV, HALF = RingLayout<T, D, NS>::HALF;
+    constexpr u32 KSTAGE = RingLayout<T, D, NS>::KSTAGE;
+    // ---- loader: one thread, 2 D / 64 TMA boxes per block
+    if (lane != 0) return;
+    tma_prefetch_map(tmap_k);
+    tma_prefetch_map(tmap_v);
+    unsigned prev_need = 0;     // bit NC*s + g: warpgroup g needed the block now in stage s
+    unsigned empty_phase = 0;   // bit NS*g + s: parity of the next wait on empty(g, s)
+    walk([&](int it, int j, unsigned need) {
+        const int s = stage_of(ring, it);
+#pragma unroll
+        for (int g = 0; g < NC; ++g) {
+            if ((prev_need >> (NC * s + g)) & 1u) {
+                mbar_wait(empty(g, s), (empty_phase >> (NS * g + s)) & 1u);
+                empty_phase ^= 1u << (NS * g + s);
+            }
+        }
+        mbar_arrive_expect_tx(loaded(s), 2 * TILE_KV);
+        const int row = j >= 0 ? ks + j * BLOCK_N : -BLOCK_N;   // all out of bounds: zeros
+#pragma unroll
+        for (int half = 0; half < D / 64; ++half) {
+            tma_load_2d(sK + half * (NS * KSTAGE) + s * KSTAGE, tmap_k, h * D + half * 64, row, loaded(s));
+            tma_load_2d(sV + s * TILE_KV + half * HALF, tmap_v, h * D + half * 64, row, loaded(s));
+        }
+        prev_need = (prev_need & ~(((1u << NC) - 1) << (NC * s))) | (need << (NC * s));
+    });
+}
+
+// The forwarder: waits for a stage's copies, zeroes the rows past the sequence's end, and hands the
+// stage to each consumer warpgroup that needs its block.
+template <typename T, int D, int NS, bool DQ, class Walk, class StageOf, class FillParity, class Loaded, class Full>
+__device__ __forceinline__ void ring_forwarder(int lane, int ring, int Lk, u32 sK, u32 sV, Walk&& walk,
+                                               StageOf&& stage_of, FillParity&& fill_parity, Loaded&& loaded,
+                                               Full&& full) {
+    constexpr int CH = D / 8;
+    constexpr u32 TILE_KV = RingLayout<T, D, NS>::TILE_KV, KSTAGE = RingLayout<T, D, NS>::KSTAGE;
+    // ---- forwarder: every position's stage fills once, so its parity is the fill count's
+    walk([&](int it, int j, unsigned need) {
+        const int s = stage_of(ring, it);
+        mbar_wait(loaded(s), fill_parity(it));
+        const int valid = j >= 0 ? Lk - j * BLOCK_N : BLOCK_N;
+        if (valid < BLOCK_N) {      // P is 0 there, but 0 * (non-finite V) would not be
+            for (int i = lane; i < (BLOCK_N - valid) * CH; i += 32) {
+                const int row = valid + i / CH, ch = i % CH;
+                st_shared_zero16(sV + s * TILE_KV + swz128(row, ch, BLOCK_N));
+                if constexpr (DQ)   // dS is 0 there, and dq += dS K reads K's rows
+                    st_shared_zero16(sK + (ch >> 3) * (NS * KSTAGE) + s * KSTAGE + swz128(row, ch & 7, BLOCK_N));
+            }
+            fence_proxy_async();    // generic-proxy writes that wgmma reads
+            __syncwarp();
+        }
+        if (lane == 0) {
+#pragma unroll
+            for (int g = 0; g < NC; ++g)
+                if ((need >> g) & 1u) mbar_arrive(full(g, s));
+        }
+    });
+}
+
+// ---- consumer steps. The ring plumbing comes as the caller's lambdas: stage_of(g, it) (ring
+// position -> stage), empty(g, s) (the barrier that releases a stage), wait_full(s), block_lims(j,
+// lim) (this thread's rows' last visible keys in block j) and issue_pv(s, pa) (O += P V).
+
+// 64-key steps (the forward's where 128-key steps do not pay; dq's always).
+template <typename T, int D, int NS, bool DQ, class StageOf, class Empty, class WaitFull, class BlockLims, class IssuePV>
+__device__ __forceinline__ void ring_steps64(float (&o)[D / 2], float (&m_run)[2], float (&l_run)[2],
+                                             const float (&lse2)[2], const float (&dlt)[2], RingWalk& walk, bool split,
+                                             int wg, int wwarp, int lane, u32 myQ, u32 sQ, u32 sO, u32 sK, u32 sV,
+                                             u64 k_desc, float scale_log2, float max_slack, StageOf&& stage_of,
+                                             Empty&& empty, WaitFull&& wait_full, BlockLims&& block_lims,
+                                             IssuePV&& issue_pv) {
+    constexpr u32 TILE_Q = RingLayout<T, D, NS>::TILE_Q, TILE_KV = RingLayout<T, D, NS>::TILE_KV;
+    constexpr u32 HALF = RingLayout<T, D, NS>::HALF, KSTAGE = RingLayout<T, D, NS>::KSTAGE;
+    constexpr int NH = NS / 2;
+    // ---- 64-key steps (the forward's where 128-key steps do not pay; dq's always). Per block
+    // the first products, then the second:
+    //   forward  S = Q K^T with Q in registers as wgmma A fragments (the mma.m16n8k16 A layout
+    //            per warp), so S reads only K from shared memory; softmax; O += P V.
+    //   dq       S = Q K^T and dP = dO V^T as one group (Q, dO in shared memory: registers go to
+    //            dq); dS = P (dP - delta) with P from the saved lse; dq += dS K (K MN-major in its
+    //            ring stage).
+    float sacc[32];
+    float dpacc[DQ ? 32 : 1];
+    u32 pa[4][4];                           // P (dq: dS) of the block whose second product is pending
+    u32 qa[DQ ? 1 : D / 16][4];
+    if constexpr (!DQ) {
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const int mi = lane >> 3, lr = lane & 7;
+            ldmatrix_x4(qa[kk], myQ + swz128(wwarp * 16 + (mi & 1) * 8 + lr, 2 * kk + (mi >> 1), 64));
+        }
+    }
+    const u64 vk_desc = smem_desc(sV, 16, 1024);              // dq: V K-major, B of dP = dO V^T
+    const u64 kt_desc = smem_desc(sK, NS * KSTAGE, 1024);     // dq: K MN-major, B of dq += dS K
+    auto issue_first = [&](int s) {
+        const u64 kd = k_desc + ((warp_uniform(s) * KSTAGE) >> 4);
+        if constexpr (DQ) {
+            const u64 vd = vk_desc + ((warp_uniform(s) * TILE_KV) >> 4);
+            const u64 qd = smem_desc(sQ + warp_uniform(wg) * TILE_Q, 16, 1024);
+            const u64 od = smem_desc(sO + warp_uniform(wg) * TILE_Q, 16, 1024);
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                const u32 off = (((kk >> 2) * HALF) + (kk & 3) * 32) >> 4;
+                wgmma_ss<T, 64>(sacc, qd + off, kd + ring_k_off<NS>(kk), kk > 0);
+            }
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                const u32 off = (((kk >> 2) * HALF) + (kk & 3) * 32) >> 4;
+                wgmma_ss<T, 64>(dpacc, od + off, vd + off, kk > 0);
+            }
+        } else {                            // S = Q K^T, 64 rows x 64 keys, K K-major
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) wgmma_rs<T, 64>(sacc, qa[kk], kd + ring_k_off<NS>(kk), kk > 0);
+        }
+        wgmma_commit();
+    };
+    auto issue_second = [&](int s) {
+        if constexpr (DQ) {
+            const u64 kd = kt_desc + ((warp_uniform(s) * KSTAGE) >> 4);
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, D>(o, pa[kk], kd + ((kk * 16 * 128) >> 4), 1);
+            wgmma_commit();
+        } else {
+            issue_pv(s, pa);
+        }
+    };
+    // after the first products' wait: S becomes P (forward) or dS (dq), in place
+    auto step = [&](const int (&lim)[1][2], float (&alpha)[2]) {
+        fence_regs(sacc);
+        if constexpr (DQ) {
+            fence_regs(dpacc);
+            // P = 0 past each row's limit (a row that did not select the block: all of it)
+            const int c0 = (lane & 3) * 2;
+            if (__all_sync(0xffffffffu, lim[0][0] >= BLOCK_N - 1 && lim[0][1] >= BLOCK_N - 1)) {
+#pragma unroll
+                for (int i = 0; i < 32; ++i)
+                    sacc[i] = exp2f(fmaf(sacc[i], scale_log2, -lse2[(i >> 1) & 1])) * (dpacc[i] - dlt[(i >> 1) & 1]);
+            } else {
+#pragma unroll
+                for (int i = 0; i < 32; ++i) {
+                    const int r = (i >> 1) & 1;
+                    const float p = ((i >> 2) & 7) * 8 + (i & 1) <= lim[0][r] - c0
+                                        ? exp2f(fmaf(sacc[i], scale_log2, -lse2[r])) : 0.f;
+                    sacc[i] = p * (dpacc[i] - dlt[r]);
+                }
+            }
+        } else {
+            softmax_step<1>(sacc, lim, m_run, l_run, scale_log2, max_slack, alpha);
+        }
+    };
+    // the next block this warpgroup needs and its ring position (j = -1 at the end): its rank
+    // in the CTA union, or with split rings in the warpgroup's own union
+    int own = -1;
+    const int ring_len = split ? NH : NS;   // stages this warpgroup cycles through
+    auto advance = [&](int& j, int& it) {
+        j = walk.next_mine();
+        it = split ? ++own : walk.it;
+    };
+    int j, it;
+    advance(j, it);
+    while (j >= 0) {
+        float alpha[2];
+        int s = stage_of(wg, it);
+        wait_full(s);
+        wgmma_fence();
+        issue_first(s);
+        int lim[1][2];                      // block j's mask limits: loaded while S runs
+        block_lims(j, lim[0]);
+        wgmma_wait<0>();
+        step(lim, alpha);
+        pack_a_frags<T, 4>(sacc, pa);       // O is rescaled just before its P V, below
+        int jn, itn;
+        advance(jn, itn);
+        while (jn >= 0 && itn - it < ring_len) {
+            const int sn = stage_of(wg, itn);
+            wait_full(sn);
+            wgmma_fence();
+            issue_first(sn);
+            if constexpr (!DQ) {
+                rescale_o<D>(o, alpha);     // while S runs (O holds every earlier P V)
+                wgmma_fence();
+            }
+            issue_second(s);
+            int jf, itf;                    // the block after: found while S runs
+            advance(jf, itf);
+            block_lims(jn, lim[0]);
+            wgmma_wait<1>();                // S(n) done; the previous block's second product may still run
+            step(lim, alpha);
+            wgmma_wait<0>();
+            fence_regs(o);
+            mbar_arrive(empty(wg, s));
+            pack_a_frags<T, 4>(sacc, pa);
+            j = jn;
+            it = itn;
+            s = sn;
+            jn = jf;
+            itn = itf;
+        }
+        if constexpr (!DQ) rescale_o<D>(o, alpha);
+        wgmma_fence();
+        issue_second(s);
+        wgmma_wait<0>();
+        fence_regs(o);
+        mbar_arrive(empty(wg, s));
+        j = jn;
+        it = itn;
+    }
+}
+
+// 128-key steps over slots of two ring stages (the forward where every consumer warpgroup needs
+// every block of the CTA union).
+template <typename T, int D, int NS, class StageOf, class Empty, class WaitFull, class BlockLims, class IssuePV>
+__device__ __forceinline__ void ring_steps128(float (&o)[D / 2], float (&m_run)[2], float (&l_run)[2], RingWalk& walk,
+                                              bool all_same, int64 m0, int64 rows_total, int wg, u32 sQ, u64 k_desc,
+                                              float scale_log2, float max_slack, StageOf&& stage_of, Empty&& empty,
+                                              WaitFull&& wait_full, BlockLims&& block_lims, IssuePV&& issue_pv) {
+    constexpr u32 TILE_Q = RingLayout<T, D, NS>::TILE_Q;
+    constexpr u32 HALF = RingLayout<T, D, NS>::HALF, KSTAGE = RingLayout<T, D, NS>::KSTAGE;
+    constexpr int M = RingLayout<T, D, NS>::M;
+    // ---- 128-key steps over slots (ring positions it, it + 1; it even, so the two stages'
+    // K rows are contiguous). Q is read from shared memory: registers go to the 64-column S.
+    float sacc[64];
+    u32 pa[8][4];
+    auto issue_s = [&](int s) {             // S = Q [K_a; K_b]^T, 64 rows x 128 keys
+        // Q's descriptor is rebuilt here, not hoisted: ptxas then keeps it in uniform
+        // registers instead of 8 per-lane descriptors moved over before each wgmma
+        const u64 q_desc = smem_desc(sQ + warp_uniform(wg) * TILE_Q, 16, 1024);
+        const u64 kd = k_desc + ((warp_uniform(s) * KSTAGE) >> 4);
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+            wgmma_ss<T, 128>(sacc, q_desc + ((((kk >> 2) * HALF) + (kk & 3) * 32) >> 4), kd + ring_k_off<NS>(kk), kk > 0);
+        wgmma_commit();
+    };
+    // the mask limits of the slot's blocks: loaded while S runs, off the path from S to the softmax
+    auto slot_lims = [&](int ja, int jb, int (&lim)[2][2]) {
+        block_lims(ja, lim[0]);
+        block_lims(jb, lim[1]);
+    };
+    // the next slot this warpgroup needs and its first ring position: jb = -1 for an odd last
+    // slot, ja = -1 at the end
+    auto advance = [&](int& ja, int& jb, int& it) {
+        bool ma = false, mb = false;
+        do {
+            ja = walk.next_any(ma);
+            it = walk.it;
+            jb = ja >= 0 ? walk.next_any(mb) : -1;
+        } while (ja >= 0 && !ma && !mb);
+    };
+    auto wait_slot = [&](int s) {
+        wait_full(s);
+        wait_full(s + 1);
+    };
+    auto release_slot = [&](int s) {
+        mbar_arrive(empty(wg, s));
+        mbar_arrive(empty(wg, s + 1));
+    };
+    // Ping-pong, as FlashAttention-3: where both warpgroups run the same slots (each needs the
+    // whole union, and both have rows), they take turns to issue their wgmma groups (named
+    // barriers 3 and 4), so that one warpgroup's softmax runs while the other's products
+    // hold the tensor cores, instead of both softmaxes at once with the tensor cores idle.
+    int ja, jb, it;
+    advance(ja, jb, it);
+    const bool pp = FWD_PINGPONG && NC == 2 && all_same && m0 + M <= rows_total && ja >= 0;
+    auto my_turn = [&]() { if (pp) named_barrier(3 + wg, 256); };
+    auto your_turn = [&]() { if (pp) named_barrier_arrive(3 + (wg ^ 1), 256); };
+    if (pp && wg == 1) named_barrier_arrive(3, 256);   // warpgroup 0 goes first
+    while (ja >= 0) {
+        float alpha[2];
+        int s = it % NS;
+        wait_slot(s);
+        my_turn();
+        wgmma_fence();
+        issue_s(s);
+        your_turn();
+        int lim[2][2];
+        slot_lims(ja, jb, lim);
+        wgmma_wait<0>();
+        fence_regs(sacc);
+        softmax_step<2>(sacc, lim, m_run, l_run, scale_log2, max_slack, alpha);
+        pack_a_frags<T, 8>(sacc, pa);       // O is rescaled just before its P V, below
+        int na, nb2, itn;
+        advance(na, nb2, itn);
+        while (na >= 0 && itn + 1 - it < NS) {
+            const int sn = itn % NS;
+            wait_slot(sn);
+            my_turn();
+            wgmma_fence();
+            issue_s(sn);
+            rescale_o<D>(o, alpha);         // while S runs (O holds every earlier P V), not
+            wgmma_fence();                  // between P V's completion and the next issue
+            issue_pv(s, pa);
+            your_turn();
+            int fa, fb, itf;                // the slot after: found while S runs
+            advance(fa, fb, itf);
+            slot_lims(na, nb2, lim);
+            wgmma_wait<1>();
+            fence_regs(sacc);
+            softmax_step<2>(sacc, lim, m_run, l_run, scale_log2, max_slack, alpha);
+            wgmma_wait<0>();
+            fence_regs(o);
+            release_slot(s);
+            pack_a_frags<T, 8>(sacc, pa);
+            ja = na;
+            jb = nb2;
+            it = itn;
+            s = sn;
+            na = fa;
+            nb2 = fb;
+            itn = itf;
+        }
+        my_turn();
+        rescale_o<D>(o, alpha);
+        wgmma_fence();
+        issue_pv(s, pa);
+        if (na >= 0 || wg == 0) your_turn();   // every turn warpgroup 0 takes was given: no spare arrival
+        wgmma_wait<0>();
+        fence_regs(o);
+        release_slot(s);
+        ja = na;
+        jb = nb2;
+        it = itn;
+    }
+}
+
+// ---- epilogues: this thread's rows row_ok[r], r = 0, 1: row m0 + 64 wg + 16 wwarp + lane / 4 + 8 r of
+// the flattened (token, head-in-group) space
+
+// dq rows, scaled by the softmax scale.
+template <typename T, int D>
+__device__ __forceinline__ void ring_epilogue_dq(T* out, const float (&o)[D / 2], const bool (&row_ok)[2], int64 m0,
+                                                 int wg, int wwarp, int lane, int G, int qs, int HQ, int h,
+                                                 float scale) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        if (!row_ok[r]) continue;
+        const int64 R = m0 + 64 * wg + wwarp * 16 + (lane >> 2) + 8 * r;
+        const int t = (int)(R / G), g = (int)(R - (int64)t * G);
+        T* dst = out + ((int64)(qs + t) * HQ + (int64)h * G + g) * D + (lane & 3) * 2;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n)
+            *reinterpret_cast<u32*>(dst + n * 8) = pack2<T>(o[4 * n + 2 * r] * scale, o[4 * n + 2 * r + 1] * scale);
+    }
+}
+
+// out = O / l and lse (natural log); in a later key-range pass merged with what the earlier passes
+// wrote, by their lse.
+template <typename T, int D>
+__device__ __forceinline__ void ring_epilogue_fwd(T* out, float* lse, float (&o)[D / 2], const float (&m_run)[2],
+                                                  const float (&l_run)[2], const bool (&row_ok)[2], int64 m0,
+                                                  int wg, int wwarp, int lane, int G, int qs, int HQ, int h,
+                                                  int total_q, float scale_log2, bool later_pass) {
+    const float LN2 = 0.69314718055994531f;
+    // a later pass merges into what the earlier ones wrote (out normalised over their keys, lse):
+    // every lane reads its rows' earlier lse before any lane of the warp writes one
+    float lse_prev[2] = {INFLLM_INF, INFLLM_INF};
+    if (later_pass) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int64 R = m0 + 64 * wg + wwarp * 16 + (lane >> 2) + 8 * r;
+            if (row_ok[r]) {
+                const int t = (int)(R / G), g = (int)(R - (int64)t * G);
+                lse_prev[r] = lse[((int64)h * G + g) * total_q + qs + t];
+            }
+        }
+        __syncwarp();
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float l = l_run[r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        if (!row_ok[r]) continue;
+        const int64 R = m0 + 64 * wg + wwarp * 16 + (lane >> 2) + 8 * r;
+        const int t = (int)(R / G), g = (int)(R - (int64)t * G);
+        float inv = l > 0.f ? 1.f / l : 0.f;
+        float row_lse = l > 0.f ? (m_run[r] * scale_log2 + log2f(l)) * LN2 : INFLLM_INF;
+        T* dst = out + ((int64)(qs + t) * HQ + (int64)h * G + g) * D + (lane & 3) * 2;
+        if (later_pass) {
+            if (l == 0.f) continue;                         // nothing in this pass: keep the earlier result
+            if (lse_prev[r] != INFLLM_INF) {
+                // out = (w_prev out_prev + w_this o / l) / (w_prev + w_this), weights exp(lse - max)
+                const float mx = fmaxf(lse_prev[r], row_lse);
+                const float w_prev = __expf(lse_prev[r] - mx), w_this = __expf(row_lse - mx);
+                const float norm = 1.f / (w_prev + w_this);
+                const float c_prev = w_prev * norm;
+                inv *= w_this * norm;
+#pragma unroll
+                for (int n = 0; n < D / 8; ++n) {
+                    const float2 prev = unpack2<T>(*reinterpret_cast<const u32*>(dst + n * 8));
+                    o[4 * n + 2 * r] = fmaf(o[4 * n + 2 * r], inv, c_prev * prev.x);
+                    o[4 * n + 2 * r + 1] = fmaf(o[4 * n + 2 * r + 1], inv, c_prev * prev.y);
+                }
+                inv = 1.f;
+                row_lse = mx + __logf(w_prev + w_this);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n)
+            *reinterpret_cast<u32*>(dst + n * 8) = pack2<T>(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
+        if ((lane & 3) == 0)
+            lse[((int64)h * G + g) * total_q + qs + t] = row_lse;
+    }
+}
+
 // The CTA body of both ring kernels. DQ = false: the forward (out, lse written). DQ = true:
 // the backward's dq over the same ring (out = dq; lse and delta read; dout tiles beside Q).
 template <typename T, int D, int NS, bool DQ>
@@ -200,7 +675,6 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
     constexpr u32 TILE_Q = 64 * D * sizeof(T);
     constexpr u32 TILE_KV = BLOCK_N * D * sizeof(T);
     constexpr u32 HALF = 64 * 128;             // bytes of one 64-row, 64-element half tile
-    constexpr u32 KSTAGE = BLOCK_N * 128;      // K ring [D half][NS * 64 rows]: a stage's offset in a half
     extern __shared__ unsigned char smem[];
     const u32 raw = smem_u32(smem);
     const u32 base = (raw + 1023u) & ~1023u;   // swizzled tiles start on 1 KB boundaries
@@ -352,90 +826,11 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
         // warpgroup 1's ring and warps 0 and 1 serve warpgroup 0's
         const int ring = split ? pwarp >> 1 : 0;
         const unsigned* walk_words = split ? sUw + ring * n_words : sU;
-        // visit(it, j, need) for ring position `it` <- block j, in the order both warps follow
-        // (need bit g: consumer warpgroup g needs the block); in a slot both blocks go to every
-        // warpgroup that needs either, and j < 0 is the missing half of an odd last slot (zeros).
-        // The current union words sit in registers, as in the consumers' RingWalk.
-        auto walk = [&](auto&& visit) {
-            int w = -1;
-            unsigned left = 0u, gw[NC];
-            auto next = [&](unsigned& need) {   // the next union block (-1 at the end) and who needs it
-                while (left == 0u) {
-                    if (++w >= n_words) { need = 0u; return -1; }
-                    left = walk_words[w];
-#pragma unroll
-                    for (int g = 0; g < NC; ++g) gw[g] = sUw[g * n_words + w];
-                }
-                const unsigned low = left & (0u - left);
-                left ^= low;
-                need = 0u;
-#pragma unroll
-                for (int g = 0; g < NC; ++g) need |= (gw[g] & low) ? 1u << g : 0u;
-                if (split) need = 1u << ring;   // the other warpgroup gets its own copy
-                return (w << 5) + 31 - __clz(low);
-            };
-            int it = 0;
-            unsigned need_a, need_b;
-            for (int j = next(need_a); j >= 0;) {
-                if (pair) {
-                    const int j2 = next(need_b);
-                    visit(it++, j, need_a | need_b);
-                    visit(it++, j2, need_a | need_b);
-                    j = j2 < 0 ? -1 : next(need_a);
-                } else {
-                    visit(it++, j, need_a);
-                    j = next(need_a);
-                }
-            }
-        };
-        if ((pwarp & 1) == 0) {
-            // ---- loader: one thread, 2 D / 64 TMA boxes per block
-            if (lane != 0) return;
-            tma_prefetch_map(tmap_k);
-            tma_prefetch_map(tmap_v);
-            unsigned prev_need = 0;     // bit NC*s + g: warpgroup g needed the block now in stage s
-            unsigned empty_phase = 0;   // bit NS*g + s: parity of the next wait on empty(g, s)
-            walk([&](int it, int j, unsigned need) {
-                const int s = stage_of(ring, it);
-#pragma unroll
-                for (int g = 0; g < NC; ++g) {
-                    if ((prev_need >> (NC * s + g)) & 1u) {
-                        mbar_wait(empty(g, s), (empty_phase >> (NS * g + s)) & 1u);
-                        empty_phase ^= 1u << (NS * g + s);
-                    }
-                }
-                mbar_arrive_expect_tx(loaded(s), 2 * TILE_KV);
-                const int row = j >= 0 ? sq.ks + j * BLOCK_N : -BLOCK_N;   // all out of bounds: zeros
-#pragma unroll
-                for (int half = 0; half < D / 64; ++half) {
-                    tma_load_2d(sK + half * (NS * KSTAGE) + s * KSTAGE, tmap_k, h * D + half * 64, row, loaded(s));
-                    tma_load_2d(sV + s * TILE_KV + half * HALF, tmap_v, h * D + half * 64, row, loaded(s));
-                }
-                prev_need = (prev_need & ~(((1u << NC) - 1) << (NC * s))) | (need << (NC * s));
-            });
-        } else {
-            // ---- forwarder: every position's stage fills once, so its parity is the fill count's
-            walk([&](int it, int j, unsigned need) {
-                const int s = stage_of(ring, it);
-                mbar_wait(loaded(s), fill_parity(it));
-                const int valid = j >= 0 ? sq.Lk - j * BLOCK_N : BLOCK_N;
-                if (valid < BLOCK_N) {      // P is 0 there, but 0 * (non-finite V) would not be
-                    for (int i = lane; i < (BLOCK_N - valid) * CH; i += 32) {
-                        const int row = valid + i / CH, ch = i % CH;
-                        st_shared_zero16(sV + s * TILE_KV + swz128(row, ch, BLOCK_N));
-                        if constexpr (DQ)   // dS is 0 there, and dq += dS K reads K's rows
-                            st_shared_zero16(sK + (ch >> 3) * (NS * KSTAGE) + s * KSTAGE + swz128(row, ch & 7, BLOCK_N));
-                    }
-                    fence_proxy_async();    // generic-proxy writes that wgmma reads
-                    __syncwarp();
-                }
-                if (lane == 0) {
-#pragma unroll
-                    for (int g = 0; g < NC; ++g)
-                        if ((need >> g) & 1u) mbar_arrive(full(g, s));
-                }
-            });
-        }
+        auto walk = [&](auto&& visit) { ring_producer_walk(walk_words, sUw, n_words, pair, split, ring, visit); };
+        if ((pwarp & 1) == 0)
+            ring_loader<T, D, NS>(tmap_k, tmap_v, lane, ring, h, sq.ks, sK, sV, walk, stage_of, empty, loaded);
+        else
+            ring_forwarder<T, D, NS, DQ>(lane, ring, sq.Lk, sK, sV, walk, stage_of, fill_parity, loaded, full);
         return;
     }
 
@@ -515,7 +910,6 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
     // register before every wgmma (48 R2UR and ~50 more moves and adds per 128-key step).
     const u64 k_desc = smem_desc(sK, 16, 1024);
     const u64 v_desc = smem_desc(sV, HALF, 1024);
-    auto k_off = [](int kk) { return (u32)(((kk >> 2) * (NS * KSTAGE) + (kk & 3) * 32) >> 4); };
     // O += P V over NB consecutive ring stages from s, P from registers, V MN-major
     auto issue_pv = [&](int s, auto& pa) {
         constexpr int NKK = sizeof(pa) / sizeof(pa[0]);
@@ -533,308 +927,16 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
     // the held step's first (the producer may need the held stages back before it can fill it):
     // the pending P V is flushed and its stages released. Every wgmma sits in straight-line code
     // (loop bodies), so ptxas keeps them asynchronous.
-    if (!pair) {
-        // ---- 64-key steps (the forward's where 128-key steps do not pay; dq's always). Per block
-        // the first products, then the second:
-        //   forward  S = Q K^T with Q in registers as wgmma A fragments (the mma.m16n8k16 A layout
-        //            per warp), so S reads only K from shared memory; softmax; O += P V.
-        //   dq       S = Q K^T and dP = dO V^T as one group (Q, dO in shared memory: registers go to
-        //            dq); dS = P (dP - delta) with P from the saved lse; dq += dS K (K MN-major in its
-        //            ring stage).
-        float sacc[32];
-        float dpacc[DQ ? 32 : 1];
-        u32 pa[4][4];                           // P (dq: dS) of the block whose second product is pending
-        u32 qa[DQ ? 1 : D / 16][4];
-        if constexpr (!DQ) {
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                const int mi = lane >> 3, lr = lane & 7;
-                ldmatrix_x4(qa[kk], myQ + swz128(wwarp * 16 + (mi & 1) * 8 + lr, 2 * kk + (mi >> 1), 64));
-            }
-        }
-        const u64 vk_desc = smem_desc(sV, 16, 1024);              // dq: V K-major, B of dP = dO V^T
-        const u64 kt_desc = smem_desc(sK, NS * KSTAGE, 1024);     // dq: K MN-major, B of dq += dS K
-        auto issue_first = [&](int s) {
-            const u64 kd = k_desc + ((warp_uniform(s) * KSTAGE) >> 4);
-            if constexpr (DQ) {
-                const u64 vd = vk_desc + ((warp_uniform(s) * TILE_KV) >> 4);
-                const u64 qd = smem_desc(sQ + warp_uniform(wg) * TILE_Q, 16, 1024);
-                const u64 od = smem_desc(sO + warp_uniform(wg) * TILE_Q, 16, 1024);
-#pragma unroll
-                for (int kk = 0; kk < D / 16; ++kk) {
-                    const u32 off = (((kk >> 2) * HALF) + (kk & 3) * 32) >> 4;
-                    wgmma_ss<T, 64>(sacc, qd + off, kd + k_off(kk), kk > 0);
-                }
-#pragma unroll
-                for (int kk = 0; kk < D / 16; ++kk) {
-                    const u32 off = (((kk >> 2) * HALF) + (kk & 3) * 32) >> 4;
-                    wgmma_ss<T, 64>(dpacc, od + off, vd + off, kk > 0);
-                }
-            } else {                            // S = Q K^T, 64 rows x 64 keys, K K-major
-#pragma unroll
-                for (int kk = 0; kk < D / 16; ++kk) wgmma_rs<T, 64>(sacc, qa[kk], kd + k_off(kk), kk > 0);
-            }
-            wgmma_commit();
-        };
-        auto issue_second = [&](int s) {
-            if constexpr (DQ) {
-                const u64 kd = kt_desc + ((warp_uniform(s) * KSTAGE) >> 4);
-#pragma unroll
-                for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, D>(o, pa[kk], kd + ((kk * 16 * 128) >> 4), 1);
-                wgmma_commit();
-            } else {
-                issue_pv(s, pa);
-            }
-        };
-        // after the first products' wait: S becomes P (forward) or dS (dq), in place
-        auto step = [&](const int (&lim)[1][2], float (&alpha)[2]) {
-            fence_regs(sacc);
-            if constexpr (DQ) {
-                fence_regs(dpacc);
-                // P = 0 past each row's limit (a row that did not select the block: all of it)
-                const int c0 = (lane & 3) * 2;
-                if (__all_sync(0xffffffffu, lim[0][0] >= BLOCK_N - 1 && lim[0][1] >= BLOCK_N - 1)) {
-#pragma unroll
-                    for (int i = 0; i < 32; ++i)
-                        sacc[i] = exp2f(fmaf(sacc[i], scale_log2, -lse2[(i >> 1) & 1])) * (dpacc[i] - dlt[(i >> 1) & 1]);
-                } else {
-#pragma unroll
-                    for (int i = 0; i < 32; ++i) {
-                        const int r = (i >> 1) & 1;
-                        const float p = ((i >> 2) & 7) * 8 + (i & 1) <= lim[0][r] - c0
-                                            ? exp2f(fmaf(sacc[i], scale_log2, -lse2[r])) : 0.f;
-                        sacc[i] = p * (dpacc[i] - dlt[r]);
-                    }
-                }
-            } else {
-                softmax_step<1>(sacc, lim, m_run, l_run, scale_log2, max_slack, alpha);
-            }
-        };
-        // the next block this warpgroup needs and its ring position (j = -1 at the end): its rank
-        // in the CTA union, or with split rings in the warpgroup's own union
-        int own = -1;
-        const int ring_len = split ? NH : NS;   // stages this warpgroup cycles through
-        auto advance = [&](int& j, int& it) {
-            j = walk.next_mine();
-            it = split ? ++own : walk.it;
-        };
-        int j, it;
-        advance(j, it);
-        while (j >= 0) {
-            float alpha[2];
-            int s = stage_of(wg, it);
-            wait_full(s);
-            wgmma_fence();
-            issue_first(s);
-            int lim[1][2];                      // block j's mask limits: loaded while S runs
-            block_lims(j, lim[0]);
-            wgmma_wait<0>();
-            step(lim, alpha);
-            pack_a_frags<T, 4>(sacc, pa);       // O is rescaled just before its P V, below
-            int jn, itn;
-            advance(jn, itn);
-            while (jn >= 0 && itn - it < ring_len) {
-                const int sn = stage_of(wg, itn);
-                wait_full(sn);
-                wgmma_fence();
-                issue_first(sn);
-                if constexpr (!DQ) {
-                    rescale_o<D>(o, alpha);     // while S runs (O holds every earlier P V)
-                    wgmma_fence();
-                }
-                issue_second(s);
-                int jf, itf;                    // the block after: found while S runs
-                advance(jf, itf);
-                block_lims(jn, lim[0]);
-                wgmma_wait<1>();                // S(n) done; the previous block's second product may still run
-                step(lim, alpha);
-                wgmma_wait<0>();
-                fence_regs(o);
-                mbar_arrive(empty(wg, s));
-                pack_a_frags<T, 4>(sacc, pa);
-                j = jn;
-                it = itn;
-                s = sn;
-                jn = jf;
-                itn = itf;
-            }
-            if constexpr (!DQ) rescale_o<D>(o, alpha);
-            wgmma_fence();
-            issue_second(s);
-            wgmma_wait<0>();
-            fence_regs(o);
-            mbar_arrive(empty(wg, s));
-            j = jn;
-            it = itn;
-        }
-    } else {
-        // ---- 128-key steps over slots (ring positions it, it + 1; it even, so the two stages'
-        // K rows are contiguous). Q is read from shared memory: registers go to the 64-column S.
-        float sacc[64];
-        u32 pa[8][4];
-        auto issue_s = [&](int s) {             // S = Q [K_a; K_b]^T, 64 rows x 128 keys
-            // Q's descriptor is rebuilt here, not hoisted: ptxas then keeps it in uniform
-            // registers instead of 8 per-lane descriptors moved over before each wgmma
-            const u64 q_desc = smem_desc(sQ + warp_uniform(wg) * TILE_Q, 16, 1024);
-            const u64 kd = k_desc + ((warp_uniform(s) * KSTAGE) >> 4);
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk)
-                wgmma_ss<T, 128>(sacc, q_desc + ((((kk >> 2) * HALF) + (kk & 3) * 32) >> 4), kd + k_off(kk), kk > 0);
-            wgmma_commit();
-        };
-        // the mask limits of the slot's blocks: loaded while S runs, off the path from S to the softmax
-        auto slot_lims = [&](int ja, int jb, int (&lim)[2][2]) {
-            block_lims(ja, lim[0]);
-            block_lims(jb, lim[1]);
-        };
-        // the next slot this warpgroup needs and its first ring position: jb = -1 for an odd last
-        // slot, ja = -1 at the end
-        auto advance = [&](int& ja, int& jb, int& it) {
-            bool ma = false, mb = false;
-            do {
-                ja = walk.next_any(ma);
-                it = walk.it;
-                jb = ja >= 0 ? walk.next_any(mb) : -1;
-            } while (ja >= 0 && !ma && !mb);
-        };
-        auto wait_slot = [&](int s) {
-            wait_full(s);
-            wait_full(s + 1);
-        };
-        auto release_slot = [&](int s) {
-            mbar_arrive(empty(wg, s));
-            mbar_arrive(empty(wg, s + 1));
-        };
-        // Ping-pong, as FlashAttention-3: where both warpgroups run the same slots (each needs the
-        // whole union, and both have rows), they take turns to issue their wgmma groups (named
-        // barriers 3 and 4), so that one warpgroup's softmax runs while the other's products
-        // hold the tensor cores, instead of both softmaxes at once with the tensor cores idle.
-        int ja, jb, it;
-        advance(ja, jb, it);
-        const bool pp = FWD_PINGPONG && NC == 2 && all_same && m0 + M <= sq.rows_total && ja >= 0;
-        auto my_turn = [&]() { if (pp) named_barrier(3 + wg, 256); };
-        auto your_turn = [&]() { if (pp) named_barrier_arrive(3 + (wg ^ 1), 256); };
-        if (pp && wg == 1) named_barrier_arrive(3, 256);   // warpgroup 0 goes first
-        while (ja >= 0) {
-            float alpha[2];
-            int s = it % NS;
-            wait_slot(s);
-            my_turn();
-            wgmma_fence();
-            issue_s(s);
-            your_turn();
-            int lim[2][2];
-            slot_lims(ja, jb, lim);
-            wgmma_wait<0>();
-            fence_regs(sacc);
-            softmax_step<2>(sacc, lim, m_run, l_run, scale_log2, max_slack, alpha);
-            pack_a_frags<T, 8>(sacc, pa);       // O is rescaled just before its P V, below
-            int na, nb2, itn;
-            advance(na, nb2, itn);
-            while (na >= 0 && itn + 1 - it < NS) {
-                const int sn = itn % NS;
-                wait_slot(sn);
-                my_turn();
-                wgmma_fence();
-                issue_s(sn);
-                rescale_o<D>(o, alpha);         // while S runs (O holds every earlier P V), not
-                wgmma_fence();                  // between P V's completion and the next issue
-                issue_pv(s, pa);
-                your_turn();
-                int fa, fb, itf;                // the slot after: found while S runs
-                advance(fa, fb, itf);
-                slot_lims(na, nb2, lim);
-                wgmma_wait<1>();
-                fence_regs(sacc);
-                softmax_step<2>(sacc, lim, m_run, l_run, scale_log2, max_slack, alpha);
-                wgmma_wait<0>();
-                fence_regs(o);
-                release_slot(s);
-                pack_a_frags<T, 8>(sacc, pa);
-                ja = na;
-                jb = nb2;
-                it = itn;
-                s = sn;
-                na = fa;
-                nb2 = fb;
-                itn = itf;
-            }
-            my_turn();
-            rescale_o<D>(o, alpha);
-            wgmma_fence();
-            issue_pv(s, pa);
-            if (na >= 0 || wg == 0) your_turn();   // every turn warpgroup 0 takes was given: no spare arrival
-            wgmma_wait<0>();
-            fence_regs(o);
-            release_slot(s);
-            ja = na;
-            jb = nb2;
-            it = itn;
-        }
-    }
+    if (!pair)
+        ring_steps64<T, D, NS, DQ>(o, m_run, l_run, lse2, dlt, walk, split, wg, wwarp, lane, myQ, sQ, sO, sK, sV, k_desc,
+                                   scale_log2, max_slack, stage_of, empty, wait_full, block_lims, issue_pv);
+    else
+        ring_steps128<T, D, NS>(o, m_run, l_run, walk, all_same, m0, sq.rows_total, wg, sQ, k_desc, scale_log2,
+                                max_slack, stage_of, empty, wait_full, block_lims, issue_pv);
     // ---- epilogue
-    if constexpr (DQ) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            if (!row_ok[r]) continue;
-            const int64 R = m0 + 64 * wg + wwarp * 16 + (lane >> 2) + 8 * r;
-            const int t = (int)(R / G), g = (int)(R - (int64)t * G);
-            T* dst = out + ((int64)(sq.qs + t) * HQ + (int64)h * G + g) * D + (lane & 3) * 2;
-#pragma unroll
-            for (int n = 0; n < D / 8; ++n)
-                *reinterpret_cast<u32*>(dst + n * 8) = pack2<T>(o[4 * n + 2 * r] * scale, o[4 * n + 2 * r + 1] * scale);
-        }
-        return;
-    }
-    const float LN2 = 0.69314718055994531f;
-    // a later pass merges into what the earlier ones wrote (out normalised over their keys, lse):
-    // every lane reads its rows' earlier lse before any lane of the warp writes one
-    float lse_prev[2] = {INFLLM_INF, INFLLM_INF};
-    if (later_pass) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int64 R = m0 + 64 * wg + wwarp * 16 + (lane >> 2) + 8 * r;
-            if (row_ok[r]) {
-                const int t = (int)(R / G), g = (int)(R - (int64)t * G);
-                lse_prev[r] = lse[((int64)h * G + g) * total_q + sq.qs + t];
-            }
-        }
-        __syncwarp();
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float l = l_run[r];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        if (!row_ok[r]) continue;
-        const int64 R = m0 + 64 * wg + wwarp * 16 + (lane >> 2) + 8 * r;
-        const int t = (int)(R / G), g = (int)(R - (int64)t * G);
-        float inv = l > 0.f ? 1.f / l : 0.f;
-        float row_lse = l > 0.f ? (m_run[r] * scale_log2 + log2f(l)) * LN2 : INFLLM_INF;
-        T* dst = out + ((int64)(sq.qs + t) * HQ + (int64)h * G + g) * D + (lane & 3) * 2;
-        if (later_pass) {
-            if (l == 0.f) continue;                         // nothing in this pass: keep the earlier result
-            if (lse_prev[r] != INFLLM_INF) {
-                // out = (w_prev out_prev + w_this o / l) / (w_prev + w_this), weights exp(lse - max)
-                const float mx = fmaxf(lse_prev[r], row_lse);
-                const float w_prev = __expf(lse_prev[r] - mx), w_this = __expf(row_lse - mx);
-                const float norm = 1.f / (w_prev + w_this);
-                const float c_prev = w_prev * norm;
-                inv *= w_this * norm;
-#pragma unroll
-                for (int n = 0; n < D / 8; ++n) {
-                    const float2 prev = unpack2<T>(*reinterpret_cast<const u32*>(dst + n * 8));
-                    o[4 * n + 2 * r] = fmaf(o[4 * n + 2 * r], inv, c_prev * prev.x);
-                    o[4 * n + 2 * r + 1] = fmaf(o[4 * n + 2 * r + 1], inv, c_prev * prev.y);
-                }
-                inv = 1.f;
-                row_lse = mx + __logf(w_prev + w_this);
-            }
-        }
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n)
-            *reinterpret_cast<u32*>(dst + n * 8) = pack2<T>(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
-        if ((lane & 3) == 0)
-            lse[((int64)h * G + g) * total_q + sq.qs + t] = row_lse;
-    }
+    if constexpr (DQ)
+        ring_epilogue_dq<T, D>(out, o, row_ok, m0, wg, wwarp, lane, G, sq.qs, HQ, h, scale);
+    else
+        ring_epilogue_fwd<T, D>(out, lse, o, m_run, l_run, row_ok, m0, wg, wwarp, lane, G, sq.qs, HQ, h, total_q,
+                                scale_log2, later_pass);
 }
