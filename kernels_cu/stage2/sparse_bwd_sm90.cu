@@ -54,6 +54,9 @@
 // frees that tile's Q/dO stage for the next load), so the tensor pipe runs both back to back;
 // not in the gathering instance at D = 128, which has no registers for it. Per-thread cp.async
 // address math was most of the instructions before TMA (docs/stage2_bwd.md, "dk/dv: the tile step").
+// By role: dkdv_cta_order (which key block and part of block 0 a CTA takes), the kernel body (the
+// sequence, the index-row walk and the tile loads, then per tile S^T/dP^T, dkdv_p_ds, dV/dK on
+// wgmma) and dkdv_epilogue (parts, query-range passes, dk/dv).
 #include "common/types.cuh"
 #include "common/mma_sm80.cuh"
 #include "common/wgmma_sm90.cuh"
@@ -144,6 +147,123 @@ __device__ __forceinline__ int part_start(const unsigned* __restrict__ urow, int
     return s_pos;
 }
 
+// ---- dk/dv setup: this CTA's key block j, (sequence, head) hb and part of block 0 (-1: not split),
+// in the CTA order of the launch contract (docs/stage2_bwd.md, "CTA order").
+__device__ __forceinline__ void dkdv_cta_order(int HB, int split0, int n_kb, int order, int& j, int& hb, int& part) {
+    part = -1;
+    if ((int)blockIdx.x < HB * split0) {
+        hb = blockIdx.x / split0;
+        j = 0;
+        if (split0 > 1) part = blockIdx.x % split0;
+    } else {
+        const int rest = blockIdx.x - HB * split0;
+        if (order) {
+            hb = rest / (n_kb - 1);
+            j = 1 + rest % (n_kb - 1);
+        } else {                         // key block slowest (docs/stage2_bwd.md, "CTA order")
+            j = 1 + rest / HB;
+            hb = rest % HB;
+        }
+    }
+}
+
+// ---- dk/dv tile step, elementwise: S^T becomes P^T = exp2(S^T scale - lse) and dP^T becomes
+// dS^T = P^T (dP^T - delta), in place; element 4n + i is key key_r0 + 8 (i / 2), query row
+// 8 n + c0 + i % 2 of the tile. lim, l2, dl: the tile's rows' last visible key, lse in log2 units
+// (+inf: the row did not select the block) and delta; any_cut: some row sees only part of the block.
+__device__ __forceinline__ void dkdv_p_ds(float (&s)[32], float (&dp)[32], const int* lim, const float* l2,
+                                          const float* dl, int c0, int key_r0, float scale_log2, bool any_cut) {
+    // rows m, m + 1 (e = 0, 1) are adjacent: one 64-bit load each for lse, delta (and limits)
+    if (!any_cut) {
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+            const int m = n * 8 + c0;
+            const float2 lm2 = *reinterpret_cast<const float2*>(l2 + m), dm = *reinterpret_cast<const float2*>(dl + m);
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int i = 4 * n + 2 * r;
+                const float p0 = exp2f(fmaf(s[i], scale_log2, -lm2.x)), p1 = exp2f(fmaf(s[i + 1], scale_log2, -lm2.y));
+                s[i] = p0;
+                s[i + 1] = p1;
+                dp[i] = p0 * (dp[i] - dm.x);
+                dp[i + 1] = p1 * (dp[i + 1] - dm.y);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+            const int m = n * 8 + c0;
+            const int2 lm = *reinterpret_cast<const int2*>(lim + m);
+            const float2 lm2 = *reinterpret_cast<const float2*>(l2 + m), dm = *reinterpret_cast<const float2*>(dl + m);
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int i = 4 * n + 2 * r;
+                const float p0 = key_r0 + 8 * r <= lm.x ? exp2f(fmaf(s[i], scale_log2, -lm2.x)) : 0.f;
+                const float p1 = key_r0 + 8 * r <= lm.y ? exp2f(fmaf(s[i + 1], scale_log2, -lm2.y)) : 0.f;
+                s[i] = p0;
+                s[i + 1] = p1;
+                dp[i] = p0 * (dp[i] - dm.x);
+                dp[i + 1] = p1 * (dp[i + 1] - dm.y);
+            }
+        }
+    }
+}
+
+// ---- dk/dv epilogue: this thread's keys key_r0 and key_r0 + 8 of the block (columns c0, c0 + 1 of
+// each 8-column group). Block 0's parts store unscaled fp32 sums to part0 (stage2_bwd_dkdv_parts
+// adds them); with query-range passes the sums accumulate in dk32, dv32 and the last pass writes
+// dk, dv; one launch writes dk (scaled), dv.
+template <typename T, int D>
+__device__ __forceinline__ void dkdv_epilogue(float (&adk)[D / 2], float (&adv)[D / 2], int part, int hb,
+                                              int split0, float* part0, int key_r0, int c0, int kbase, int ks, int Lk,
+                                              int H, int h, bool passes, int last_pass, int pdl, float scale,
+                                              float* dk32, float* dv32, T* dk, T* dv) {
+    if (part >= 0) {
+        // unscaled fp32 sums of this part of block 0; stage2_bwd_dkdv_parts adds the parts
+        float* pk = part0 + ((int64)hb * split0 + part) * 2 * 64 * D;
+        float* pv = pk + 64 * D;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int o = (key_r0 + 8 * r) * D + c0;
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                *reinterpret_cast<float2*>(pk + o + n * 8) = make_float2(adk[4 * n + 2 * r], adk[4 * n + 2 * r + 1]);
+                *reinterpret_cast<float2*>(pv + o + n * 8) = make_float2(adv[4 * n + 2 * r], adv[4 * n + 2 * r + 1]);
+            }
+        }
+        return;
+    }
+    if (pdl) grid_dep_wait();   // the pass before has added its sums to dk32, dv32
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = kbase + key_r0 + 8 * r;
+        if (key >= Lk) continue;
+        const int64 o = ((int64)(ks + key) * H + h) * D + c0;
+        if (passes) {       // this CTA alone owns these rows in this pass; passes run in order
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                float2* pk = reinterpret_cast<float2*>(dk32 + o + n * 8);
+                float2* pv = reinterpret_cast<float2*>(dv32 + o + n * 8);
+                const float2 xk = *pk, xv = *pv;
+                adk[4 * n + 2 * r] += xk.x;
+                adk[4 * n + 2 * r + 1] += xk.y;
+                adv[4 * n + 2 * r] += xv.x;
+                adv[4 * n + 2 * r + 1] += xv.y;
+                if (!last_pass) {
+                    *pk = make_float2(adk[4 * n + 2 * r], adk[4 * n + 2 * r + 1]);
+                    *pv = make_float2(adv[4 * n + 2 * r], adv[4 * n + 2 * r + 1]);
+                }
+            }
+            if (!last_pass) continue;
+        }
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            *reinterpret_cast<u32*>(dk + o + n * 8) = pack2<T>(adk[4 * n + 2 * r] * scale, adk[4 * n + 2 * r + 1] * scale);
+            *reinterpret_cast<u32*>(dv + o + n * 8) = pack2<T>(adv[4 * n + 2 * r], adv[4 * n + 2 * r + 1]);
+        }
+    }
+}
+
 template <typename T, int D, bool GATHER>
 __global__ void __launch_bounds__(128, 2)
 stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -184,21 +304,8 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     // the CTA order of the launch contract: block 0's parts of every (sequence, head), then
     // (sequence, head) slowest and key block fastest
     const int HB = H * n_seq;
-    int j, hb, part = -1;
-    if ((int)blockIdx.x < HB * split0) {
-        hb = blockIdx.x / split0;
-        j = 0;
-        if (split0 > 1) part = blockIdx.x % split0;
-    } else {
-        const int rest = blockIdx.x - HB * split0;
-        if (order) {
-            hb = rest / (n_kb - 1);
-            j = 1 + rest % (n_kb - 1);
-        } else {                         // key block slowest (docs/stage2_bwd.md, "CTA order")
-            j = 1 + rest / HB;
-            hb = rest % HB;
-        }
-    }
+    int j, hb, part;
+    dkdv_cta_order(HB, split0, n_kb, order, j, hb, part);
     const int b = hb / H, h = hb - b * H;
     S2Seq sq;
     s2_seq_bounds(sq, cu_seqlens_q, cu_seqlens_k, b);
@@ -454,40 +561,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         const int* lim = sLim + stage * QT;
         const float* l2 = sL + stage * QT;
         const float* dl = sD + stage * QT;
-        // rows m, m + 1 (e = 0, 1) are adjacent: one 64-bit load each for lse, delta (and limits)
-        if (!any_cut) {
-#pragma unroll
-            for (int n = 0; n < 8; ++n) {
-                const int m = n * 8 + c0;
-                const float2 lm2 = *reinterpret_cast<const float2*>(l2 + m), dm = *reinterpret_cast<const float2*>(dl + m);
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int i = 4 * n + 2 * r;
-                    const float p0 = exp2f(fmaf(s[i], scale_log2, -lm2.x)), p1 = exp2f(fmaf(s[i + 1], scale_log2, -lm2.y));
-                    s[i] = p0;
-                    s[i + 1] = p1;
-                    dp[i] = p0 * (dp[i] - dm.x);
-                    dp[i + 1] = p1 * (dp[i + 1] - dm.y);
-                }
-            }
-        } else {
-#pragma unroll
-            for (int n = 0; n < 8; ++n) {
-                const int m = n * 8 + c0;
-                const int2 lm = *reinterpret_cast<const int2*>(lim + m);
-                const float2 lm2 = *reinterpret_cast<const float2*>(l2 + m), dm = *reinterpret_cast<const float2*>(dl + m);
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int i = 4 * n + 2 * r;
-                    const float p0 = key_r0 + 8 * r <= lm.x ? exp2f(fmaf(s[i], scale_log2, -lm2.x)) : 0.f;
-                    const float p1 = key_r0 + 8 * r <= lm.y ? exp2f(fmaf(s[i + 1], scale_log2, -lm2.y)) : 0.f;
-                    s[i] = p0;
-                    s[i + 1] = p1;
-                    dp[i] = p0 * (dp[i] - dm.x);
-                    dp[i + 1] = p1 * (dp[i + 1] - dm.y);
-                }
-            }
-        }
+        dkdv_p_ds(s, dp, lim, l2, dl, c0, key_r0, scale_log2, any_cut);
         // both A operands packed before one fence: a wgmma.fence between the dV and dK issues
         // would wait for the dV group to finish
         pack_a_frags<T, 4>(s, pa);
@@ -512,50 +586,8 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     fence_regs(adk);
     cp_async_wait<0>();
 
-    if (part >= 0) {
-        // unscaled fp32 sums of this part of block 0; stage2_bwd_dkdv_parts adds the parts
-        float* pk = part0 + ((int64)hb * split0 + part) * 2 * 64 * D;
-        float* pv = pk + 64 * D;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int o = (key_r0 + 8 * r) * D + c0;
-#pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-                *reinterpret_cast<float2*>(pk + o + n * 8) = make_float2(adk[4 * n + 2 * r], adk[4 * n + 2 * r + 1]);
-                *reinterpret_cast<float2*>(pv + o + n * 8) = make_float2(adv[4 * n + 2 * r], adv[4 * n + 2 * r + 1]);
-            }
-        }
-        return;
-    }
-    if (pdl) grid_dep_wait();   // the pass before has added its sums to dk32, dv32
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int key = kbase + key_r0 + 8 * r;
-        if (key >= sq.Lk) continue;
-        const int64 o = ((int64)(sq.ks + key) * H + h) * D + c0;
-        if (passes) {       // this CTA alone owns these rows in this pass; passes run in order
-#pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-                float2* pk = reinterpret_cast<float2*>(dk32 + o + n * 8);
-                float2* pv = reinterpret_cast<float2*>(dv32 + o + n * 8);
-                const float2 xk = *pk, xv = *pv;
-                adk[4 * n + 2 * r] += xk.x;
-                adk[4 * n + 2 * r + 1] += xk.y;
-                adv[4 * n + 2 * r] += xv.x;
-                adv[4 * n + 2 * r + 1] += xv.y;
-                if (!last_pass) {
-                    *pk = make_float2(adk[4 * n + 2 * r], adk[4 * n + 2 * r + 1]);
-                    *pv = make_float2(adv[4 * n + 2 * r], adv[4 * n + 2 * r + 1]);
-                }
-            }
-            if (!last_pass) continue;
-        }
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            *reinterpret_cast<u32*>(dk + o + n * 8) = pack2<T>(adk[4 * n + 2 * r] * scale, adk[4 * n + 2 * r + 1] * scale);
-            *reinterpret_cast<u32*>(dv + o + n * 8) = pack2<T>(adv[4 * n + 2 * r], adv[4 * n + 2 * r + 1]);
-        }
-    }
+    dkdv_epilogue<T, D>(adk, adv, part, hb, split0, part0, key_r0, c0, kbase, sq.ks, sq.Lk, H, h, passes, last_pass, pdl,
+                        scale, dk32, dv32, dk, dv);
 }
 
 // dk, dv of block 0 from the split0 parts' fp32 sums (see the launch contract), added in part
