@@ -19,8 +19,8 @@ from ._checks import (
     check_max_seqlen,
     seqlens_host,
 )
-from ._checks import check_attn_inputs as _check_attn_inputs
-from ._constants import KV_BLOCK as KERNEL_BLOCK_SIZE
+from ._checks import check_attn_inputs
+from ._constants import KV_BLOCK
 from .compress.mean_pool import compress_k
 from .compress.naive import naive_compress_k
 from .stage1.naive import naive_stage1_select
@@ -134,9 +134,9 @@ def uses_kernels(q: torch.Tensor, backend: str = "auto") -> bool:
 
 def check_kernel_block_size(block_size) -> None:
     """The stage-2 kernels only do InfLLM-v2's 64-key blocks; any other `block_size` raises ValueError."""
-    if block_size != KERNEL_BLOCK_SIZE:
-        raise ValueError(f"config.block_size must be {KERNEL_BLOCK_SIZE} on the kernel path (the stage-2 kernels "
-                         f"only do {KERNEL_BLOCK_SIZE}-key blocks), got {block_size!r}; pass "
+    if block_size != KV_BLOCK:
+        raise ValueError(f"config.block_size must be {KV_BLOCK} on the kernel path (the stage-2 kernels "
+                         f"only do {KV_BLOCK}-key blocks), got {block_size!r}; pass "
                          f"backend='reference' for other block sizes")
 
 
@@ -206,7 +206,7 @@ def sdpa_dense_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     """
     if return_lse:
         raise ValueError("return_lse=True: torch SDPA does not return the log-sum-exp; use naive_dense_attn_varlen")
-    _check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
     scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     lq, lk = seqlens_host(cu_seqlens_q), seqlens_host(cu_seqlens_k)
@@ -392,7 +392,7 @@ def naive_infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         out (torch.Tensor): `[total_q, HQ, D]` in q's dtype (and the aux dict with `return_aux`).
     """
     cfg = check_config(config)
-    _check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
     check_max_seqlen("max_seqlen_q", max_seqlen_q, [])
     check_max_seqlen("max_seqlen_k", max_seqlen_k, [])
     lq, lk, _, _ = _check_prefill_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -454,7 +454,7 @@ def infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     check_backend(backend)
     if cu_seqlens_k is None:
         cu_seqlens_k = cu_seqlens_q
-    _check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
     lq, lk, max_seqlen_q, max_seqlen_k = _check_prefill_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                                 max_seqlen_k)
     return _prefill(stages_for(q, backend), q, k, v, cu_seqlens_q, cu_seqlens_k, lq, lk, max_seqlen_q, max_seqlen_k,

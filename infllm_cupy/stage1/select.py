@@ -26,9 +26,9 @@ from .._checks import (
     check_max_seqlen,
     seqlens_host,
 )
-from .._checks import check_stage1_inputs as _check_stage1_inputs
+from .._checks import check_stage1_inputs
 from .._constants import HEAD_DIMS
-from .._constants import KV_BLOCK as BLOCK_SIZE
+from .._constants import KV_BLOCK
 from .._kernel_arg import check_kernel
 from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
 from .naive import naive_stage1_select
@@ -47,7 +47,7 @@ from .plan import (  # noqa: F401  (the sizing functions re-exported: the launch
 SOURCE = "stage1/select.cu"
 SOURCE_SM90 = "stage1/select_sm90.cu"
 SCORE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-KERNEL_STRIDE, COARSE_STRIDE = 16, 64   # what the kernel is built for (and BLOCK_SIZE, imported)
+KERNEL_STRIDE, COARSE_STRIDE = 16, 64   # what the kernel is built for (and KV_BLOCK, imported)
 
 
 SCORE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # kernels_cu: `kind`
@@ -90,7 +90,7 @@ def _kernel_checks(q, score_dtype, block_size, kernel_stride, coarse_kernel_stri
     if score_dtype is not None and score_dtype not in SCORE_DTYPES:
         raise ValueError(f"score_dtype must be bfloat16, float16, float32 or None for backend='kernels', "
                          f"got {score_dtype!r}")
-    for name, value, want in (("block_size", block_size, BLOCK_SIZE),
+    for name, value, want in (("block_size", block_size, KV_BLOCK),
                               ("kernel_stride", kernel_stride, KERNEL_STRIDE),
                               ("coarse_kernel_stride", coarse_kernel_stride, COARSE_STRIDE)):
         if value != want:
@@ -193,7 +193,7 @@ def launch_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
     check_kernel(kernel)
     # ---- checks, all before any launch
     check_max_seqlen("max_seqlen_q", max_seqlen_q, [])    # its bound rides on the cu_seqlens_q check
-    G = _check_stage1_inputs(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q)
+    G = check_stage1_inputs(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q)
     _kernel_checks(q, score_dtype, block_size, kernel_stride, coarse_kernel_stride, softmax_scale)
     if G > MAX_GROUP:
         raise ValueError(f"q has {q.shape[1]} heads for {ck1.shape[1]} KV heads (G = {G}); the stage-1 "
@@ -218,7 +218,7 @@ def launch_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
 
     total_q, HQ, D = q.shape
     H = ck1.shape[1]
-    out_len = cdiv(max_seqlen_q + max_cache, BLOCK_SIZE)
+    out_len = cdiv(max_seqlen_q + max_cache, KV_BLOCK)
     smem_max, smem_sm = _smem_limits(q.device)
     if plan is None:
         plan = stage1_plan(torch.cuda.get_device_capability(q.device), G, D, q.dtype, sdt, out_len, smem_max,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_attn_inputs as _check_attn_inputs
+from .._checks import check_attn_inputs
 from .._checks import check_backend, check_kernel_inputs, check_max_seqlen, check_tensor
 from .layout import BlockLayout
 from .naive import naive_sparse_attn_varlen
@@ -37,7 +37,7 @@ def _check_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     INFLLM_CUPY_VALIDATE=0, see `validate_values`)."""
     check_max_seqlen("max_seqlen_q", max_seqlen_q, [])
     check_max_seqlen("max_seqlen_k", max_seqlen_k, [])
-    _check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     if backend == "kernels" or q.is_cuda:
         check_kernel_inputs(q, k, v)
 

@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from .._constants import KV_BLOCK as BLOCK_N  # keys per KV block (kernels_cu: BLOCK_N)
+from .._constants import KV_BLOCK  # keys per KV block (kernels_cu: BLOCK_N)
 from .._kernel_arg import wants_sm90a
 from .._launch import CXX_TYPE, cdiv
 
@@ -101,14 +101,14 @@ class FwdPlan:
 
 def n_mask_words(max_seqlen_k: int) -> int:
     """uint32 words per bitmask row covering `cdiv(max_seqlen_k, 64)` blocks (at least 1)."""
-    return max(1, cdiv(cdiv(max_seqlen_k, BLOCK_N), 32))
+    return max(1, cdiv(cdiv(max_seqlen_k, KV_BLOCK), 32))
 
 
 def sm90_smem_bytes(D: int, stages: int, n_words: int, itemsize: int = 2, dq: bool = False) -> int:
     """1 KB alignment slack, Q tiles (and with `dq`, the backward's dout tiles), K/V ring,
     mbarriers, CTA + per-warpgroup unions."""
     tiles = SM90_CONSUMERS * (2 if dq else 1)
-    return (1024 + (tiles * 64 * D + stages * 2 * BLOCK_N * D) * itemsize
+    return (1024 + (tiles * 64 * D + stages * 2 * KV_BLOCK * D) * itemsize
             + 8 * stages * (2 * SM90_CONSUMERS + 1) + 4 * n_words * (SM90_CONSUMERS + 1))
 
 
@@ -130,7 +130,7 @@ def kv_passes_for(max_seqlen_k: int, D: int, itemsize: int) -> int:
 def sm90_fits_keys(total_k: int) -> bool:
     """The sm_90a kernels read K/V through TMA tensor maps: none can be encoded without keys, and
     TMA row coordinates are int32."""
-    return 0 < total_k < 2**31 - BLOCK_N
+    return 0 < total_k < 2**31 - KV_BLOCK
 
 
 @functools.lru_cache(maxsize=1024)
@@ -147,7 +147,7 @@ def fwd_plan(capability, D: int, dtype: torch.dtype, max_seqlen_k: int, total_k:
     if not wants_sm90a(kernel, capability, "the stage-2 forward") or not sm90_fits_keys(total_k):
         return FwdPlan(SM80, DEFAULT_TILES)
     itemsize = dtype.itemsize
-    passes = 1 if split_min is None else kv_passes_for(cdiv(max_seqlen_k, BLOCK_N) * BLOCK_N, D, itemsize)
+    passes = 1 if split_min is None else kv_passes_for(cdiv(max_seqlen_k, KV_BLOCK) * KV_BLOCK, D, itemsize)
     return FwdPlan(SM90A, step="auto", stages=sm90_stages(D, n_mask_words(max_seqlen_k), itemsize),
                    kv_passes=passes, split_min=split_min or 0)
 
@@ -271,7 +271,7 @@ def bwd_plan(capability, G: int, D: int, dtype: torch.dtype, max_seqlen_q: int, 
     itemsize = dtype.itemsize
     passes = dkdv_passes(max_seqlen_q, G, D, itemsize)
     return BwdPlan(SM90A, DEFAULT_BWD_TILES,
-                   dq=SM90A if total_k < 2**31 - BLOCK_N else SM80, dq_step="auto",
+                   dq=SM90A if total_k < 2**31 - KV_BLOCK else SM80, dq_step="auto",
                    dq_stages=sm90_stages(D, n_mask_words(max_seqlen_k), itemsize, dq=True),
                    dkdv="auto" if GATHER_G[0] <= G <= GATHER_G[1] else "tiles", dkdv_tma=64 % G == 0,
                    dkdv_passes=passes, block0_parts=dkdv_block0_parts(max_seqlen_q, G) if passes == 1 else 1,

@@ -18,7 +18,7 @@ import torch
 from .. import _jit
 from .._checks import KERNEL_DTYPES, check_aligned
 from .._constants import HEAD_DIMS
-from .._constants import KV_BLOCK as BLOCK_N  # kernels_cu: BLOCK_N
+from .._constants import KV_BLOCK  # keys per KV block (kernels_cu: BLOCK_N)
 from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
 from .._tma import TMAP_DTYPE, heads_map, rows_map
 from .plan import (  # noqa: F401  (BwdTiles ... re-exported: the launcher's vocabulary)
@@ -60,11 +60,11 @@ _jit.register_instances(SM90_SOURCE, [f"stage2_bwd_dkdv_sm90<{CXX_TYPE[dt]}, {d}
 
 
 def dq_smem_bytes(D: int, tiles: BwdTiles, n_words: int, itemsize: int = 2) -> int:
-    return (2 * 16 * tiles.dq_warps * D + 4 * BLOCK_N * D) * itemsize + 4 * n_words
+    return (2 * 16 * tiles.dq_warps * D + 4 * KV_BLOCK * D) * itemsize + 4 * n_words
 
 
 def dkdv_smem_bytes(D: int, itemsize: int = 2) -> int:
-    return (2 * BLOCK_N * D + 4 * QT * D) * itemsize + 2 * 3 * QT * 4
+    return (2 * KV_BLOCK * D + 4 * QT * D) * itemsize + 2 * 3 * QT * 4
 
 
 def dkdv_sm90_smem_bytes(D: int, itemsize: int = 2) -> int:
@@ -84,7 +84,7 @@ def tile_index(cu_seqlens_q: torch.Tensor, G: int, max_seqlen_k: int, total_q: i
     head) over tiles of `tile_rows` flattened rows, and the per-head allocation, an upper bound
     computed on the host from sizes alone (no sync)."""
     B = cu_seqlens_q.numel() - 1
-    nkb = cdiv(max_seqlen_k, BLOCK_N)
+    nkb = cdiv(max_seqlen_k, KV_BLOCK)
     lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int64)
     bits = tile_rows * 32
     groups = (lens * G + bits - 1) // bits
@@ -103,8 +103,8 @@ def _check_plan(plan: BwdPlan, G: int, total_k: int) -> None:
     if plan.kernel == SM90A and plan.dkdv_tma and 64 % G:
         raise ValueError(f"BwdPlan.dkdv_tma loads fixed tiles by TMA boxes of 64 / G tokens: G must divide 64, "
                          f"got G = {G}")
-    if plan.dq == SM90A and total_k >= 2**31 - BLOCK_N:
-        raise ValueError(f"the sm_90a dq reads K/V by TMA (int32 rows): total_k must be < 2**31 - {BLOCK_N}, "
+    if plan.dq == SM90A and total_k >= 2**31 - KV_BLOCK:
+        raise ValueError(f"the sm_90a dq reads K/V by TMA (int32 rows): total_k must be < 2**31 - {KV_BLOCK}, "
                          f"got {total_k}; bwd_plan picks the SM80 dq there")
 
 
@@ -124,8 +124,8 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if max_seqlen_q * (q.shape[1] // k.shape[1]) >= 2**31:
         raise ValueError(f"max_seqlen_q * G must be < 2**31 for the backward kernels (32-bit row indices within "
                          f"a sequence), got {max_seqlen_q} * {q.shape[1] // k.shape[1]}")
-    if cdiv(max_seqlen_k, BLOCK_N) > 65535:
-        raise ValueError(f"max_seqlen_k must be <= {65535 * BLOCK_N} for the backward kernels (one grid.z slice "
+    if cdiv(max_seqlen_k, KV_BLOCK) > 65535:
+        raise ValueError(f"max_seqlen_k must be <= {65535 * KV_BLOCK} for the backward kernels (one grid.z slice "
                          f"per 64-key block), got {max_seqlen_k}")
     total_q, HQ, D = q.shape
     total_k, H, _ = k.shape
@@ -179,7 +179,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
             128 * (SM90_CONSUMERS + 1)
         dq_kernel = _jit.get_kernel(RING_SOURCE, dq_name, sm90a=True)
         dq_smem = sm90_smem_bytes(D, ns, n_words, itemsize, dq=True)
-        dq_args = (ptr(q), ptr(dout), rows_map(k, BLOCK_N), rows_map(v, BLOCK_N), ptr(lse), ptr(delta), ptr(masks),
+        dq_args = (ptr(q), ptr(dout), rows_map(k, KV_BLOCK), rows_map(v, KV_BLOCK), ptr(lse), ptr(delta), ptr(masks),
                    ptr(mask_base), ptr(cu_seqlens_q), ptr(cu_seqlens_k)) + dq_scalars \
             + (np.int32(DQ_STEPS[plan.dq_step]),)
     else:
@@ -207,13 +207,13 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                         (ptr(by_tiles[0]), ptr(by_tiles[1]), np.int64(by_tiles[2])), False)]
     launch(dq_kernel, name=dq_name, grid=(cdiv(max_seqlen_q * G, dq_rows), H, B), block=(dq_threads,),
            shared_mem=dq_smem, args=dq_args)
-    n_kb = cdiv(max_seqlen_k, BLOCK_N)
+    n_kb = cdiv(max_seqlen_k, KV_BLOCK)
     passes = max(1, min(plan.dkdv_passes, max_seqlen_q)) if sm90a else 1   # a pass has at least one token
     split0 = plan.block0_parts if sm90a else 1
     chunk = cdiv(max_seqlen_q, passes)
     dk32 = torch.zeros((total_k, H, D), dtype=torch.float32, device=dev) if passes > 1 else None
     dv32 = torch.zeros((total_k, H, D), dtype=torch.float32, device=dev) if passes > 1 else None
-    part0 = torch.empty(H * B * split0 * 2 * BLOCK_N * D if split0 > 1 else 0, dtype=torch.float32, device=dev)
+    part0 = torch.empty(H * B * split0 * 2 * KV_BLOCK * D if split0 > 1 else 0, dtype=torch.float32, device=dev)
 
     # fixed tiles of 64 / G tokens x G heads come by TMA (boxes of heads_map) where G divides 64
     dkdv_tma = sm90a and plan.dkdv_tma

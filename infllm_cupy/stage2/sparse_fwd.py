@@ -13,7 +13,7 @@ import torch
 from .. import _jit
 from .._checks import KERNEL_DTYPES, check_aligned, validate_values
 from .._constants import HEAD_DIMS
-from .._constants import KV_BLOCK as BLOCK_N  # kernels_cu: BLOCK_N
+from .._constants import KV_BLOCK  # keys per KV block (kernels_cu: BLOCK_N)
 from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
 from .._tma import rows_map
 from .plan import (  # noqa: F401  (FwdTiles ... re-exported: the launcher's vocabulary)
@@ -63,7 +63,7 @@ def token_block_masks(topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seq
            shared_mem=MASK_WARPS * n_words * 4,
            args=(ptr(topk_idx), ptr(cu_seqlens_q), ptr(cu_seqlens_k), ptr(masks),
                  np.int32(cu_seqlens_q.numel() - 1), np.int32(total_q), np.int32(K), np.int32(n_words),
-                 np.int32(BLOCK_N)))
+                 np.int32(KV_BLOCK)))
     return masks
 
 
@@ -78,7 +78,7 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
     of blocks exceeds `plan.split_min` split."""
     check_aligned(q=q, k=k, v=v)
     if plan.kernel == SM90A and not sm90_fits_keys(k.shape[0]):
-        raise ValueError(f"an sm_90a FwdPlan needs 0 < total_k < 2**31 - {BLOCK_N} (TMA tensor maps), got "
+        raise ValueError(f"an sm_90a FwdPlan needs 0 < total_k < 2**31 - {KV_BLOCK} (TMA tensor maps), got "
                          f"{k.shape[0]}; fwd_plan picks the SM80 kernel there")
     total_q, HQ, D = q.shape
     H = k.shape[1]
@@ -96,14 +96,14 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
         tiles = plan.tiles
         name = tiles.name(q.dtype, D)
         launch(_jit.get_kernel(FWD_SOURCE, name), name=name, grid=(cdiv(max_seqlen_q * G, tiles.rows), H, B),
-               block=(32 * tiles.warps,), shared_mem=(tiles.rows * D + 4 * BLOCK_N * D) * itemsize + 4 * n_words,
+               block=(32 * tiles.warps,), shared_mem=(tiles.rows * D + 4 * KV_BLOCK * D) * itemsize + 4 * n_words,
                args=(ptr(q), ptr(k), ptr(v)) + head + (ptr(out), ptr(lse)) + tail)
         return out, lse
     name = f"stage2_fwd_sm90<{CXX_TYPE[q.dtype]}, {D}, {plan.stages}>"
     kernel = _jit.get_kernel(SM90_SOURCE, name, sm90a=True)
     smem = sm90_smem_bytes(D, plan.stages, n_words, itemsize)
-    maps = (rows_map(k, BLOCK_N), rows_map(v, BLOCK_N))
-    n_kb = cdiv(max_seqlen_k, BLOCK_N) if max_seqlen_k is not None else 32 * n_words
+    maps = (rows_map(k, KV_BLOCK), rows_map(v, KV_BLOCK))
+    n_kb = cdiv(max_seqlen_k, KV_BLOCK) if max_seqlen_k is not None else 32 * n_words
     per = cdiv(n_kb, max(1, min(plan.kv_passes, n_kb)))
     passes = cdiv(n_kb, per) if n_kb > 0 else 1
     grid = (cdiv(max_seqlen_q * G, 64 * SM90_CONSUMERS), H, B)
@@ -115,7 +115,7 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
     same_lengths = causal and cu_seqlens_q.data_ptr() == cu_seqlens_k.data_ptr()
     for p in range(passes):
         blk_hi = (p + 1) * per if p < passes - 1 else 1 << 30
-        x_off = max(0, (p * per * BLOCK_N * G) // (64 * SM90_CONSUMERS) - 1) if same_lengths else 0
+        x_off = max(0, (p * per * KV_BLOCK * G) // (64 * SM90_CONSUMERS) - 1) if same_lengths else 0
         launch(kernel, name=name, grid=(grid[0] - x_off,) + grid[1:], block=(128 * (SM90_CONSUMERS + 1),),
                shared_mem=smem, args=(ptr(q),) + maps + head + (ptr(out), ptr(lse)) + tail
                + (np.int32(FWD_STEPS[plan.step]), np.int32(p * per), np.int32(blk_hi),
