@@ -12,7 +12,7 @@ Rows (impl), all forward under `no_grad`, on the same seeded bf16 inputs:
     pipeline    `infllmv2_attention` (sparse path, `dense_len = 0`): selection + stage 2 + host glue
     sdpa_cudnn  torch SDPA dense causal, cuDNN backend, `[B, HQ, T, D]`, enable_gqa
     flex_union  FlexAttention (compiled) with a 128x128 BlockMask over the union of the pipeline's
-                `topk_idx` per 128-token query tile (benchmarks/selections.py): the least an exact
+                `topk_idx` per 128-token query tile (infllm_cupy/selections.py): the least an exact
                 FlexAttention version of the same selection computes
 Memory: the selection's and the pipeline's extra GPU memory, `torch.cuda.max_memory_allocated()`
 during one call minus the memory allocated before it (inputs and earlier results excluded).

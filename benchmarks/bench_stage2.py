@@ -13,7 +13,7 @@ Implementations (rows):
     flex_union  FlexAttention, 128x128 BlockMask over the union of the 128 tokens' selected blocks: the
                 least work an exact FlexAttention version of the selection must do (a superset of keys)
     nsa         fla NSA `parallel_nsa` with our selection as `block_indices` (if `fla` is importable)
-Selections: (a) block-shared per 64-token q block, (b) per token, (c) InfLLM-like (benchmarks/selections.py).
+Selections: (a) block-shared per 64-token q block, (b) per token, (c) InfLLM-like (infllm_cupy/selections.py).
 Effective TFLOP/s count the keys each implementation attends (ours/nsa: selected, flex: its tiles,
 sdpa: causal dense), causal clipping included; bwd = 2.5x, fwdbwd = 3.5x the forward.
 Ratio columns = anchor ms / ours ms (> 1: ours is faster). Anchors that fail are recorded, not fatal.
@@ -40,6 +40,7 @@ from benchmarks._harness import (  # noqa: E402
     format_table, free_gpu_memory, print_table, summarize, tflops, write_json,
 )
 from infllm_cupy import _env  # noqa: E402
+from infllm_cupy._constants import KV_BLOCK  # noqa: E402
 from infllm_cupy.selections import (  # noqa: E402
     SELECTION_NAMES, attended_keys, block_shared, infllm_like, make_selection, per_token, split_blocks,
     to_flex_block_mask_inputs, to_nsa_block_indices, uniform_cu_seqlens,
@@ -47,7 +48,6 @@ from infllm_cupy.selections import (  # noqa: E402
 
 IMPLS = ("ours", "sdpa_cudnn", "sdpa_flash", "flex_same", "flex_union", "nsa")
 ANCHORS = IMPLS[1:]
-BLOCK = 64
 
 
 def parse_config(s: str) -> tuple[int, int]:
@@ -288,7 +288,7 @@ def bench_config(r: Runner, T: int, B: int, impls: list[str], ours, nsa, flex, B
                     bi, bc = to_nsa_block_indices(topk, B, T)
 
                     def fn(q_, k_, v_, bi=bi, bc=bc):
-                        return nsa(q_, k_, v_, block_indices=bi, block_counts=bc, block_size=BLOCK, window_size=0)
+                        return nsa(q_, k_, v_, block_indices=bi, block_counts=bc, block_size=KV_BLOCK, window_size=0)
                 for mode in a.modes:
                     r.time(Row("nsa", cfg, label, K, mode), fn, (q4, k4, v4), keys, skip="" if nsa else r.nsa_err)
                 fn = bi = bc = None

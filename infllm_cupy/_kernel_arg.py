@@ -9,7 +9,8 @@ Everything finer (tile shapes, step shapes, passes) is a field of a plan (`stage
 """
 from __future__ import annotations
 
-KERNELS = ("auto", "sm80", "sm90a")
+SM80, SM90A = "sm80", "sm90a"   # the two kernel families; plans name the one they run
+KERNELS = ("auto", SM80, SM90A)
 SM90A_CAPABILITY = (9, 0)   # sm_90a code runs on exactly this capability (H100, H200)
 
 

@@ -25,11 +25,10 @@ import math
 
 import torch
 
-from .._checks import check_tensor
+from .._checks import INT_DTYPES, REF_DTYPES, check_tensor
+from .._constants import KV_BLOCK  # key block of the sparse selection (spec section 5)
 
-BLOCK = 64                        # key block of the sparse selection (spec section 5)
 COMPRESSIONS = ((32, 16), (128, 64))   # (kernel, stride) of ck1 and ck2 (spec section 3)
-CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def n_windows(L: int, kernel: int, stride: int) -> int:
@@ -75,8 +74,8 @@ class DecodeCache:
                    dtype=torch.bfloat16, device="cpu") -> "DecodeCache":
         """An empty contiguous cache `[batch, max_len, num_heads, head_dim]`."""
         _check_sizes(batch=batch, max_len=max_len, num_heads=num_heads, head_dim=head_dim)
-        if dtype not in CACHE_DTYPES:
-            raise TypeError(f"dtype must be one of {CACHE_DTYPES}, got {dtype}")
+        if dtype not in REF_DTYPES:
+            raise TypeError(f"dtype must be one of {REF_DTYPES}, got {dtype}")
         shape = (batch, max_len, num_heads, head_dim)
         k = torch.zeros(shape, dtype=dtype, device=device)
         v = torch.zeros(shape, dtype=dtype, device=device)
@@ -88,11 +87,11 @@ class DecodeCache:
         """An empty paged cache `[num_pages, page_size, num_heads, head_dim]` with `block_table`
         int32 `[B, max_pages]` (checked: entries in [0, num_pages) then -1 tail, no page twice)."""
         _check_sizes(num_pages=num_pages, page_size=page_size, num_heads=num_heads, head_dim=head_dim)
-        if page_size % BLOCK:
-            raise ValueError(f"page_size must be a multiple of {BLOCK} (a key block never straddles pages), "
+        if page_size % KV_BLOCK:
+            raise ValueError(f"page_size must be a multiple of {KV_BLOCK} (a key block never straddles pages), "
                              f"got {page_size}")
-        if dtype not in CACHE_DTYPES:
-            raise TypeError(f"dtype must be one of {CACHE_DTYPES}, got {dtype}")
+        if dtype not in REF_DTYPES:
+            raise TypeError(f"dtype must be one of {REF_DTYPES}, got {dtype}")
         shape = (num_pages, page_size, num_heads, head_dim)
         k = torch.zeros(shape, dtype=dtype, device=device)
         v = torch.zeros(shape, dtype=dtype, device=device)
@@ -345,7 +344,7 @@ def _check_sizes(**sizes) -> None:
 
 def _chunk_counts(cu, B: int) -> list[int]:
     if isinstance(cu, torch.Tensor):
-        check_tensor("cu_seqlens_new", cu, ndim=1, dtypes=(torch.int32, torch.int64))
+        check_tensor("cu_seqlens_new", cu, ndim=1, dtypes=INT_DTYPES)
         c = [int(x) for x in cu.cpu().tolist()]
     else:
         c = [int(x) for x in cu]
@@ -376,4 +375,4 @@ def _check_block_table(bt, num_pages: int, page_size: int, device: torch.device)
 
 def max_blocks(capacity: int) -> int:
     """64-key blocks that `capacity` positions span."""
-    return math.ceil(capacity / BLOCK)
+    return math.ceil(capacity / KV_BLOCK)

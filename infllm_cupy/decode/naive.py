@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import REF_DTYPES, check_attn_inputs, check_tensor, seqlens_host
+from .._checks import INT_DTYPES, REF_DTYPES, check_attn_inputs, check_tensor, seqlens_host
 from ..pipeline import InfLLMv2Config, check_config, dense_aux, select_blocks, stages_for
 
 
@@ -75,7 +75,7 @@ def _cache_tensors(cache):
     bt = cache[3] if len(cache) == 4 else None
     check_tensor("k_cache", k, ndim=4)
     check_tensor("v_cache", v, shape=tuple(k.shape), dtypes=(k.dtype,), device=k.device)
-    check_tensor("seqlens", seqlens, ndim=1, dtypes=(torch.int32, torch.int64))
+    check_tensor("seqlens", seqlens, ndim=1, dtypes=INT_DTYPES)
     if bt is not None:
         check_tensor("block_table", bt, ndim=2, dtypes=(torch.int32,))
         if bt.shape[0] != seqlens.shape[0]:
@@ -135,7 +135,7 @@ def naive_sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = 
     if weights not in ("per_head", "per_kv_head"):
         raise ValueError(f"weights must be 'per_head' or 'per_kv_head', got {weights!r}")
     if topk_idx is not None:
-        check_tensor("topk_idx", topk_idx, ndim=3, dtypes=(torch.int32, torch.int64), device=k.device)
+        check_tensor("topk_idx", topk_idx, ndim=3, dtypes=INT_DTYPES, device=k.device)
         if tuple(topk_idx.shape[:2]) != (H, B):
             raise ValueError(f"topk_idx must have shape (H={H}, B={B}, K), got {tuple(topk_idx.shape)}")
     G = HQ // H

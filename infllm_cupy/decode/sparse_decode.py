@@ -10,16 +10,14 @@ import numpy as np
 import torch
 
 from .. import _jit
-from .._checks import check_tensor
+from .._checks import KERNEL_DTYPES, check_backend, check_tensor
+from .._constants import HEAD_DIMS, KV_BLOCK  # KV_BLOCK: #define BLK in the .cu
 from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
 from .cache import DecodeCache  # noqa: F401  (re-exported by the package)
 from .naive import _cache_tensors, naive_sparse_decode
 
 SOURCE = "decode/sparse_decode.cu"
-BLOCK = 64             # keys per selection block (#define BLK in the .cu)
 WCHUNK = 1024          # positions per CTA of the weights pass (#define WCHUNK)
-HEAD_DIMS = (64, 128)
-DTYPES = (torch.bfloat16, torch.float16)
 ROW_TILES = (1, 2, 4)  # MT: 16-row tiles of the query group, so G <= 64
 MAX_GROUP = 16 * ROW_TILES[-1]
 WEIGHTS = ("per_head", "per_kv_head")
@@ -32,8 +30,8 @@ MIN_BLOCKS_PER_SPLIT = 1
 MAX_SPLITS = 256
 
 _jit.register_instances(SOURCE, [f"sparse_decode_split<{CXX_TYPE[t]}, {d}, {mt}>"
-                                 for t in DTYPES for d in HEAD_DIMS for mt in ROW_TILES])
-_jit.register_instances(SOURCE, [f"sparse_decode_merge<{CXX_TYPE[t]}, {d}>" for t in DTYPES for d in HEAD_DIMS])
+                                 for t in KERNEL_DTYPES for d in HEAD_DIMS for mt in ROW_TILES])
+_jit.register_instances(SOURCE, [f"sparse_decode_merge<{CXX_TYPE[t]}, {d}>" for t in KERNEL_DTYPES for d in HEAD_DIMS])
 _jit.register_instances(SOURCE, ["sparse_decode_weights"])
 
 
@@ -60,7 +58,7 @@ class DecodePlan:
         stats, warp counts, then (sparse) the split's block list and the first k topk entries."""
         rowb = 2 * head_dim
         mt = self.row_tiles
-        return 16 * mt * rowb + kv_stages(head_dim) * 2 * BLOCK * rowb + 2 * mt * 4 * 16 * 4 + 4 * mt * 4 + \
+        return 16 * mt * rowb + kv_stages(head_dim) * 2 * KV_BLOCK * rowb + 2 * mt * 4 * 16 * 4 + 4 * mt * 4 + \
             (4 * (self.per_split + k) if sparse else 0)
 
 
@@ -120,8 +118,7 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
 
     The launch path reads nothing back from the device, so a step can be captured in a CUDA graph.
     """
-    if backend not in ("auto", "kernels", "reference"):
-        raise ValueError(f"backend must be 'auto', 'kernels' or 'reference', got {backend!r}")
+    check_backend(backend)
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     if backend == "reference" or (backend == "auto" and not q.is_cuda):
@@ -131,7 +128,7 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
     B, HQ, D, H, G, K = _check_kernel_inputs(q, k, v, seqlens, bt, topk_idx)
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
     sparse = topk_idx is not None
-    n_entries = K if sparse else cdiv(width, BLOCK)
+    n_entries = K if sparse else cdiv(width, KV_BLOCK)
     if plan is None:
         plan = plan_decode(B, H, G, n_entries, _sm_count(q.device.index))
     check_plan(plan, G, n_entries, D, K)
@@ -189,7 +186,7 @@ def check_plan(plan, group: int, n_entries: int, head_dim: int, k: int = 0) -> N
 
 def _check_kernel_inputs(q, k, v, seqlens, bt, topk_idx):
     """Shapes, dtypes, devices and layouts the kernels need; raises naming the argument. Reads no values."""
-    check_tensor("q", q, ndim=3, dtypes=DTYPES, contiguous=True)
+    check_tensor("q", q, ndim=3, dtypes=KERNEL_DTYPES, contiguous=True)
     B, HQ, D = q.shape
     check_tensor("k_cache", k, ndim=4, dtypes=(q.dtype,), device=q.device, contiguous=True)
     check_tensor("v_cache", v, shape=tuple(k.shape), dtypes=(q.dtype,), device=q.device, contiguous=True)
@@ -206,8 +203,8 @@ def _check_kernel_inputs(q, k, v, seqlens, bt, topk_idx):
         check_tensor("block_table", bt, ndim=2, dtypes=(torch.int32,), device=q.device, contiguous=True)
         if bt.shape[0] != B:
             raise ValueError(f"block_table has {bt.shape[0]} rows for {B} sequences")
-        if k.shape[1] % BLOCK:
-            raise ValueError(f"k_cache: page_size {k.shape[1]} must be a multiple of {BLOCK}")
+        if k.shape[1] % KV_BLOCK:
+            raise ValueError(f"k_cache: page_size {k.shape[1]} must be a multiple of {KV_BLOCK}")
     elif k.shape[0] != B:
         raise ValueError(f"k_cache holds {k.shape[0]} sequences but q has {B}")
     K = 0

@@ -14,9 +14,8 @@ import functools
 
 import torch
 
-from .._kernel_arg import wants_sm90a
+from .._kernel_arg import SM80, SM90A, wants_sm90a
 
-SM80, SM90A = "sm80", "sm90a"
 SM90_MAX_LGP = 5         # the sm_90a kernel: a token's rows fit in one or two warps' 16 (G <= 32)
 SM90_THREADS = 256
 MAX_GROUP = 128          # G <= 128: a token's rows fit in one CTA (4 warps x 32 rows)

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_attn_inputs
-from .._checks import check_backend, check_kernel_inputs, check_max_seqlen, check_tensor
+from .._checks import check_attn_inputs, check_backend, check_kernel_inputs, check_max_seqlen, check_tensor
 from .layout import BlockLayout
 from .naive import naive_sparse_attn_varlen
 from .._kernel_arg import check_kernel

@@ -18,10 +18,9 @@ import functools
 import torch
 
 from .._constants import KV_BLOCK  # keys per KV block (kernels_cu: BLOCK_N)
-from .._kernel_arg import wants_sm90a
+from .._kernel_arg import SM80, SM90A, wants_sm90a
 from .._launch import CXX_TYPE, cdiv
 
-SM80, SM90A = "sm80", "sm90a"
 
 # --------------------------------------------------------------------------------------------
 # Forward (docs/stage2_fwd.md)
@@ -30,7 +29,9 @@ SM90_CONSUMERS = 2      # mirrors NC in sparse_fwd_sm90.cu
 SM90_STAGES = (6, 4)    # K/V ring depths compiled (template NS), deepest first: the deepest that fits
 SMEM_PER_BLOCK = 227 * 1024   # the H100's (and H200's) dynamic shared memory limit per block
 # Key-range passes of the sm_90a forward (docs/stage2_fwd.md, 6. Key-range passes): one pass per
-# PASS_KV_BYTES of a sequence's K and V per KV head, at most MAX_KV_PASSES.
+# PASS_KV_BYTES of a sequence's K and V per KV head, at most MAX_KV_PASSES. Tuned for the forward's
+# key ranges; the backward's query-range passes (DKDV_PASS_BYTES, DKDV_MAX_PASSES) are a separate
+# tuning of another kernel that happens to have the same values today.
 PASS_KV_BYTES = 32 << 20
 MAX_KV_PASSES = 8
 # Step shapes of the sm_90a forward (docs/stage2_fwd.md, 5. 64- and 128-key steps, split rings):
@@ -162,7 +163,9 @@ GATHER_G = (8, 64)
 # Block 0's parts (docs/stage2_bwd.md, 8. Block 0 in parts): about this many query tiles each.
 BLOCK0_PART_TILES = 1024
 # Query-range passes of the sm_90a dk/dv (docs/stage2_bwd.md, 10. Query-range passes and PDL):
-# one per DKDV_PASS_BYTES of a sequence's Q and dO per KV head, at most DKDV_MAX_PASSES.
+# one per DKDV_PASS_BYTES of a sequence's Q and dO per KV head, at most DKDV_MAX_PASSES. Tuned for
+# the dk/dv's query ranges, separately from the forward's key-range passes (PASS_KV_BYTES,
+# MAX_KV_PASSES), whose values happen to be the same today.
 DKDV_PASS_BYTES = 32 << 20
 DKDV_MAX_PASSES = 8
 # dq ring step shapes (the kernel's `step_mode`; dq has 64-key steps only): one ring shared by the
@@ -250,7 +253,8 @@ def dkdv_block0_parts(max_seqlen_q: int, G: int, part_tiles: int = BLOCK0_PART_T
 
 def dkdv_passes(max_seqlen_q: int, G: int, D: int, itemsize: int) -> int:
     """Query-range passes of the sm_90a dk/dv: one per DKDV_PASS_BYTES of a sequence's Q and dO
-    per KV head, at most DKDV_MAX_PASSES (1 up to 8k tokens at G = 16, D = 128; 8 from 32k), and
+    per KV head, at most DKDV_MAX_PASSES (at G = 16, D = 128 in bf16: 1 up to 4k tokens, 2 at 8k, 8 from
+    32k), and
     never more than the sequence has tokens."""
     n = min(DKDV_MAX_PASSES, cdiv(max_seqlen_q * G * D * itemsize * 2, DKDV_PASS_BYTES))
     return max(1, min(n, max_seqlen_q))
