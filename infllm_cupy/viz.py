@@ -327,9 +327,11 @@ def topk_sweep(block_scores: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqle
     cfg = check_config(config)
     for i, t in enumerate(topks):
         check_topk_keeps_forced_blocks(int(t), cfg.init_blocks, name=f"topks[{i}]")
-    q_blocks = q_block_idx_prefill(cu_seqlens_q, max_seqlen_q, cfg.block_size, cfg.varlen_offset_quirk,
+    q_blocks = q_block_idx_prefill(cu_seqlens_q, max_seqlen_q, block_size=cfg.block_size,
+                                   varlen_offset_quirk=cfg.varlen_offset_quirk,
                                    cache_lens=cache_lens)
-    return {int(t): naive_select_topk(block_scores, q_blocks, int(t), cfg.local_blocks) for t in topks}
+    return {int(t): naive_select_topk(block_scores, q_blocks, topk=int(t), local_blocks=cfg.local_blocks)
+            for t in topks}
 
 
 def _needle_marks(needles, head: int):
