@@ -1,0 +1,310 @@
+"""The whole InfLLM-v2 decode step over a `DecodeCache` (stage 1 for decode, top-k, sparse decode), and
+chunked prefill into the cache. Design: docs/decode.md ("The decode step", "Chunked prefill").
+
+`infllmv2_decode` is `naive_infllmv2_decode` (the oracle) on the cache the step keeps: the same
+dense/sparse rule (spec section 9: dense while the longest cache, the current token included, is
+shorter than `dense_len`), the same stage 1 (non-causal over the complete compressed windows,
+`cache_lens = L - 1`, spec section 4.4), the same top-k with forced init and local blocks, then
+attention over the selected blocks. CPU tensors run the references, CUDA tensors the kernels
+(`stage1` select kernel, `sparse_decode`).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .. import _jit
+from .._checks import check_backend, check_tensor
+from .._kernel_arg import check_kernel
+from .._launch import cdiv, empty, launch, ptr
+from ..pipeline import (
+    InfLLMv2Config,
+    check_config,
+    check_kernel_path,
+    select_blocks,
+    stages_for,
+    uses_kernels,
+)
+from .cache import COMPRESSIONS, DecodeCache
+from .naive import naive_sparse_decode
+from .sparse_decode import WEIGHTS, sparse_decode
+
+
+def _check_step_inputs(q, cache, config, weights, backend, kernel) -> InfLLMv2Config:
+    """Arguments of `infllmv2_decode`; raises naming the argument. Reads no device values."""
+    cfg = check_config(config)
+    check_backend(backend)
+    check_kernel(kernel)
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    if not isinstance(cache, DecodeCache):
+        raise TypeError(f"cache must be a DecodeCache (the step reads its compressed keys), got "
+                        f"{type(cache).__name__}")
+    check_tensor("q", q, ndim=3, dtypes=(cache.dtype,), device=cache.device)
+    B, HQ, D = q.shape
+    if B != cache.batch:
+        raise ValueError(f"q has {B} sequences but the cache has {cache.batch}")
+    if D != cache.head_dim:
+        raise ValueError(f"q has head dim {D} but the cache has {cache.head_dim}")
+    if HQ % cache.num_heads:
+        raise ValueError(f"q has {HQ} heads, not a multiple of the cache's {cache.num_heads} KV heads")
+    _check_compression(cfg)
+    return cfg
+
+
+def _check_compression(cfg: InfLLMv2Config) -> None:
+    """The cache keeps ck1 32/16 and ck2 128/64 (spec section 3); a config asking for others cannot use them."""
+    want = ((cfg.kernel_size, cfg.kernel_stride), (cfg.coarse_kernel_size, cfg.coarse_kernel_stride))
+    if want != COMPRESSIONS:
+        raise ValueError(f"config: the cache keeps compressions (kernel, stride) = {COMPRESSIONS}, the config asks "
+                         f"for {want}")
+
+
+def decode_layout(cache: DecodeCache, exact: bool = False):
+    r"""Stage-1 inputs over the cache's own compressed keys, without copying them.
+
+    The cache stores ck1 `[B, N1, H, D]` with sequence b's `n1_b` valid windows first in its row.
+    Stage 1 takes packed varlen keys; instead of packing (a copy of every window), sequence b becomes
+    two stage-1 sequences: b's query (one row) over windows `[b N1, b N1 + n1_b)` of the flat view,
+    then a sequence with no query over the unused rest of the row `[b N1 + n1_b, (b + 1) N1)`, which
+    no CTA reads. Every tensor is built on the device from `cache.seqlens` with static shapes (no
+    host read, capturable).
+
+    Returns:
+        `(cu_seqlens_q, ck1, cu_seqlens_c1, ck2, cu_seqlens_c2, cache_lens)`: int32 `[2B+1]` offsets,
+        flat views `[B N, H, D]`, and int32 `[2B]` cached keys before each query (`L_b - 1`; 0 for
+        the query-less sequences). `exact`: ck2 and its offsets are ck1's (exact stage 1).
+    """
+    B, dev = cache.batch, cache.device
+    idx = torch.arange(2 * B + 1, device=dev)
+    cu_q = torch.div(idx + 1, 2, rounding_mode="floor").to(torch.int32)         # 0, 1, 1, 2, 2, ...
+    n1, n2 = cache.compressed_lens()
+    out = [cu_q]
+    for ck, n in ((cache.ck1, n1), (cache.ck2, n2)):
+        N = ck.shape[1]
+        cu = torch.empty(2 * B + 1, dtype=torch.int32, device=dev)
+        cu[0::2] = (torch.arange(B + 1, device=dev) * N).to(torch.int32)        # row starts
+        cu[1::2] = cu[0:-1:2] + n                                               # end of the valid windows
+        out += [ck.reshape(B * N, ck.shape[2], ck.shape[3]), cu]
+    if exact:
+        out[3], out[4] = out[1], out[2]
+    cache_lens = torch.zeros(2 * B, dtype=torch.int32, device=dev)
+    cache_lens[0::2] = (cache.seqlens - 1).clamp(min=0)
+    return (out[0], out[1], out[2], out[3], out[4], cache_lens)
+
+
+def _stage1_kernel_decode(q, ck1, ck2, cu_q, cu_c1, cu_c2, cache_lens, out_len: int, cfg: InfLLMv2Config,
+                          kernel: str):
+    """The stage-1 kernel for decode with a static `out_len` (blocks of the cache's width).
+
+    `stage1_select` sizes its output from `max(cache_lens)`, a device-to-host read that a captured
+    graph cannot make and whose value changes with every step; the decode step knows a static bound
+    (the cache's width), so it launches the same kernel with the same arguments and that bound. A
+    wider `out_len` than the batch's longest sequence only adds `-1` slots when it exceeds K (blocks
+    past a query's own block become the `-1` tail). Same checks as `launch_select`, none reading values.
+    """
+    from ..stage1 import select as s1
+
+    s1._kernel_checks(q, cfg.score_dtype, cfg.block_size, cfg.kernel_stride, cfg.coarse_kernel_stride,
+                      cfg.softmax_scale)
+    total_q, HQ, D = q.shape
+    H = ck1.shape[1]
+    G = HQ // H
+    if G > s1.MAX_GROUP:
+        raise ValueError(f"q has {HQ} heads for {H} KV heads (G = {G}); the stage-1 kernel supports G <= "
+                         f"{s1.MAX_GROUP}")
+    B2 = cu_q.numel() - 1
+    sdt = torch.float32 if cfg.score_dtype is None else cfg.score_dtype
+    smem_max, smem_sm = s1._smem_limits(q.device)
+    plan = s1.stage1_plan(torch.cuda.get_device_capability(q.device), G, D, q.dtype, sdt, out_len, smem_max,
+                          smem_sm, kernel)
+    K = min(cfg.topk + cfg.local_blocks, out_len)
+    topk_idx = empty((H, total_q, K), dtype=torch.int32, device=q.device)
+    if total_q == 0 or out_len == 0 or K == 0:
+        return topk_idx
+    lgp = s1.lgp_of(G)
+    olp = cdiv(out_len, 64) * 64
+    sm90a = plan.kernel == s1.SM90A
+    tok = plan.tokens_per_cta(G)
+    if tok == 0 or (sm90a and lgp > s1.SM90_MAX_LGP):
+        raise ValueError(f"the plan's {plan.kernel} CTA of {plan.warps} warps cannot hold a token's G = {G} rows")
+    key_bytes = 4 if sdt == torch.float32 else 2
+    scratch = None
+    if not plan.block_keys_in_smem:
+        scratch = torch.empty((H, total_q, olp), dtype=torch.int32 if key_bytes == 4 else torch.int16,
+                              device=q.device)
+    shared = plan.smem_bytes(G, D, q.element_size(), out_len, key_bytes)
+    if shared > smem_max:
+        raise ValueError(f"the stage-1 kernel needs {shared} B of shared memory for D = {D}, G = {G}; "
+                         f"this device allows {smem_max}")
+    scale = D ** -0.5 if cfg.softmax_scale is None else float(cfg.softmax_scale)
+    null = np.uint64(0)
+    i32 = np.int32
+    name = s1.kernel_name(q.dtype, sdt, D, sm90a)
+    fn = _jit.get_kernel(s1.SOURCE_SM90, name, sm90a=True) if sm90a else _jit.get_kernel(s1.SOURCE, name)
+    n_tiles = 1                                         # one query row per stage-1 sequence
+    launch(fn, name=name, grid=(n_tiles * B2 * H,), block=(32 * plan.warps,), shared_mem=shared,
+           args=(ptr(q), ptr(ck1), ptr(ck2), ptr(cu_q), ptr(cu_c1), ptr(cu_c2), ptr(cache_lens), ptr(topk_idx),
+                 null, null, ptr(scratch) if scratch is not None else null,
+                 i32(total_q), i32(HQ), i32(H), i32(G), i32(lgp), i32(B2), i32(n_tiles), i32(1), i32(out_len),
+                 i32(olp), i32(K), i32(0), i32(cfg.init_blocks), i32(cfg.local_blocks),
+                 i32(1 if cfg.varlen_offset_quirk else 0), i32(0), i32(s1.SCORE_KIND[sdt]), i32(s1.KERNEL_STRIDE),
+                 i32(s1.COARSE_STRIDE), np.float32(scale * 1.4426950408889634), i32(plan.topk_prefix)))
+    return topk_idx
+
+
+def decode_select(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Config | None = None,
+                  backend: str = "auto", kernel: str = "auto") -> torch.Tensor:
+    r"""Stage 1 for decode: `topk_idx int32 [H, B, K]` of one query per sequence over its cache.
+
+    Non-causal scores over the complete compressed windows of each sequence's cache (the cache's
+    own ck1/ck2), pooling with the init blocks and the local window ending at block
+    `(L_b - 1) // 64` forced, top-K, blocks after the query's own block `-1`. CPU tensors (or
+    `backend="reference"`) run `naive_stage1_select`, with `K = min(topk + local_blocks,
+    cdiv(max L, 64))` as `naive_infllmv2_decode`; the kernel sizes K on the cache's width
+    (`cdiv(capacity, 64)`) so that shapes stay the same from step to step (extra slots are `-1`).
+    """
+    cfg = check_config(config)
+    check_backend(backend)
+    lay = decode_layout(cache, exact=cfg.exact_stage1)
+    cu_q, ck1, cu_c1, ck2, cu_c2, cache_lens = lay
+    if not uses_kernels(q, backend):
+        from ..stage1.naive import naive_stage1_select
+
+        return naive_stage1_select(
+            q, ck1, ck2, cu_q, cu_c1, cu_c2, 1, causal=False, cache_lens=cache_lens,
+            softmax_scale=cfg.softmax_scale, topk=cfg.topk, local_blocks=cfg.local_blocks,
+            init_blocks=cfg.init_blocks, block_size=cfg.block_size, kernel_stride=cfg.kernel_stride,
+            coarse_kernel_stride=cfg.coarse_kernel_stride, varlen_offset_quirk=cfg.varlen_offset_quirk,
+            score_dtype=cfg.score_dtype)
+    return _stage1_kernel_decode(q.contiguous(), ck1, ck2, cu_q, cu_c1, cu_c2, cache_lens,
+                                 cdiv(cache.capacity, cfg.block_size), cfg, kernel)
+
+
+def infllmv2_decode(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Config | None = None,
+                    return_attn_weights: bool = False, weights: str = "per_head", return_lse: bool = False,
+                    return_topk_idx: bool = False, backend: str = "auto", kernel: str = "auto"):
+    r"""One InfLLM-v2 decode step: the current token's query against its sequence's cache.
+
+    The new token's key and value must already be in the cache (`cache.append(k, v)`; HF's decode
+    path, spec section 8). While the longest cache (current token included: HF's `kv_seq_len`,
+    `cache.max_len()`, a host value) is shorter than `config.dense_len`, every sequence attends
+    densely to its whole cache; from there on, stage 1 picks `K = topk + local_blocks` blocks per
+    (sequence, KV head) from the cache's compressed keys (`decode_select`) and attention reads those
+    blocks only (`sparse_decode`). Same results as `naive_infllmv2_decode` on the packed cache.
+
+    Args:
+        q (torch.Tensor):
+            `[B, HQ, D]`, one token per sequence, the cache's dtype and device; heads `h*G ..
+            h*G+G-1` on KV head h. Kernels: bf16/fp16, D in {64, 128}, G <= 64.
+        cache (DecodeCache):
+            Contiguous or paged; compressions 32/16 and 128/64 (the config's must match).
+        config (InfLLMv2Config, Optional): Default: MiniCPM4's. Kernels need `block_size = 64`.
+        return_attn_weights (bool, Optional): Also return the float32 probabilities over the cache's
+            width W (`cache.capacity`), 0 where not selected or past `L_b`: `[B, HQ, W]`
+            (`weights="per_head"`) or summed over each group `[B, H, W]` (`"per_kv_head"`).
+        return_lse (bool, Optional): Also return lse float32 `[B, HQ]` (natural log).
+        return_topk_idx (bool, Optional): Also return the selection `int32 [H, B, K]` (None on the
+            dense path).
+        backend (str, Optional): "auto" (kernels for CUDA tensors, references for CPU), "kernels"
+            or "reference".
+        kernel (str, Optional): the stage-1 kernel choice ("auto", "sm80", "sm90a"), as in
+            `stage1_select`.
+
+    Returns:
+        out `[B, HQ, D]` in q's dtype, then lse, weights and topk_idx as asked, in that order.
+
+    Host synchronisation on the kernel path: none. The dense/sparse choice reads the cache's host
+    mirror of the lengths, the stage-1 layout and `cache_lens` are built on the device, the stage-1
+    output is sized on the cache's width and `sparse_decode` reads nothing back, so the step (with
+    `cache.append`) captures in a CUDA graph; the graph keeps the path (dense or sparse) it was
+    captured on. The reference path reads lengths on the host.
+    """
+    cfg = _check_step_inputs(q, cache, config, weights, backend, kernel)
+    kern = uses_kernels(q, backend)
+    topk_idx = None
+    if cache.max_len() >= cfg.dense_len:
+        topk_idx = decode_select(q, cache, config=cfg, backend=backend, kernel=kernel)
+    if kern:
+        res = sparse_decode(q, cache, topk_idx, softmax_scale=cfg.softmax_scale, return_lse=return_lse,
+                            return_attn_weights=return_attn_weights, weights=weights, backend="kernels")
+    else:
+        res = naive_sparse_decode(q, cache, topk_idx, softmax_scale=cfg.softmax_scale, block_size=cfg.block_size,
+                                  return_lse=return_lse, return_attn_weights=return_attn_weights,
+                                  weights=weights)
+    res = list(res) if isinstance(res, tuple) else [res]
+    if return_topk_idx:
+        res.append(topk_idx)
+    return res[0] if len(res) == 1 else tuple(res)
+
+
+def infllmv2_prefill_into_cache(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: DecodeCache,
+                                cu_seqlens_new, *, config: InfLLMv2Config | None = None, backend: str = "auto",
+                                return_aux: bool = False):
+    r"""Chunked prefill: append a chunk of new tokens per sequence, then attend causally over the cache.
+
+    The chunk's keys and values are written to the cache (`cache.append`, which also writes the
+    compression windows they complete); then the chunk's queries attend with InfLLM-v2 prefill
+    semantics, causal mask aligned bottom-right (query row r of a chunk of `n_b` sees key
+    `c <= r + L_b - n_b`), over every key of the sequence: `naive_infllmv2_attention` on the packed
+    cache, with the cache's compressed keys instead of recompressing (equal bit for bit on CPU).
+    CUDA tensors run stage 1 and the stage-2 kernels (`sparse_attn_varlen` with `cache_lens`), or
+    SDPA below `dense_len`.
+
+    Args:
+        q (torch.Tensor): `[total_new, HQ, D]` queries of the new tokens, packed like `k_new`.
+        k_new, v_new (torch.Tensor): `[total_new, H, D]` in the cache's dtype.
+        cache (DecodeCache): the cache to extend.
+        cu_seqlens_new (torch.Tensor or list of int): `[B+1]` chunk offsets (a sequence may get 0).
+        config (InfLLMv2Config, Optional): Default: MiniCPM4's.
+        backend (str, Optional): "auto", "kernels" or "reference".
+        return_aux (bool, Optional): Also return the intermediates dict (as `naive_infllmv2_attention`).
+
+    Returns:
+        out `[total_new, HQ, D]` (and the aux dict). Packs the cache's keys (a copy of each
+        sequence's keys, `cache.packed()`) and reads the lengths on the host: a prefill step, not a
+        captured one.
+    """
+    from ..pipeline import dense_aux
+
+    cfg = check_config(config)
+    check_backend(backend)
+    _check_compression(cfg)
+    if not isinstance(cache, DecodeCache):
+        raise TypeError(f"cache must be a DecodeCache, got {type(cache).__name__}")
+    check_tensor("q", q, ndim=3, dtypes=(cache.dtype,), device=cache.device)
+    check_tensor("k_new", k_new, ndim=3)
+    if q.shape[0] != k_new.shape[0]:
+        raise ValueError(f"q has {q.shape[0]} tokens but k_new has {k_new.shape[0]}")
+    if q.shape[2] != cache.head_dim or q.shape[1] % cache.num_heads:
+        raise ValueError(f"q must have shape [total_new, a multiple of {cache.num_heads}, {cache.head_dim}], got "
+                         f"{tuple(q.shape)}")
+    stages = stages_for(q, backend)
+    kern = uses_kernels(q, backend)
+    before = cache.lengths()
+    cache.append(k_new, v_new, cu_seqlens_new)          # checks everything before writing
+    after = cache.lengths()
+    n_new = [a - b for a, b in zip(after, before)]
+    dev = cache.device
+    cu_q = _cu(n_new, dev)
+    k, v, cu_k = cache.packed()
+    max_q, max_k = max(n_new, default=0), max(after, default=0)
+    if max_k < cfg.dense_len:
+        out = stages["dense_attn"](q, k, v, cu_q, cu_k, causal=True, softmax_scale=cfg.softmax_scale)
+        return (out, dense_aux()) if return_aux else out
+    if kern:
+        check_kernel_path(cfg, q, k, v)
+    ck1, cu1, ck2, cu2 = cache.packed_compressed()
+    cache_lens = torch.tensor(before, dtype=torch.int32, device=dev)
+    aux = select_blocks(stages, q, k, cu_q, cu_k, max_q, cache_lens, True, cfg, ck1=ck1, cu_seqlens_c1=cu1,
+                        ck2=ck2, cu_seqlens_c2=cu2, need_scores=return_aux)
+    out = stages["sparse_attn"](q, k, v, cu_q, cu_k, aux["topk_idx"], max_q, max_k, causal=True,
+                                softmax_scale=cfg.softmax_scale, block_size=cfg.block_size)
+    return (out, dict(dense=False, **aux)) if return_aux else out
+
+
+def _cu(lengths, device) -> torch.Tensor:
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    if lengths:
+        cu[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(torch.int32)
+    return cu.to(device)
