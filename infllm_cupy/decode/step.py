@@ -25,7 +25,7 @@ from ..pipeline import (
     stages_for,
     uses_kernels,
 )
-from .cache import COMPRESSIONS, DecodeCache
+from .cache import COMPRESSIONS, DecodeCache, _capturing
 from .naive import naive_sparse_decode
 from .sparse_decode import WEIGHTS, sparse_decode
 
@@ -49,6 +49,10 @@ def _check_step_inputs(q, cache, config, weights, backend, kernel) -> InfLLMv2Co
     if HQ % cache.num_heads:
         raise ValueError(f"q has {HQ} heads, not a multiple of the cache's {cache.num_heads} KV heads")
     _check_compression(cfg)
+    lens = cache.lengths()          # host mirror, no device read (not advanced by graph replays)
+    if lens and min(lens) < 1 and not _capturing():
+        raise ValueError(f"cache: every sequence must hold at least the current token (append it before the "
+                         f"step), got lengths {lens[:16]}")
     return cfg
 
 
@@ -75,21 +79,28 @@ def decode_layout(cache: DecodeCache, exact: bool = False):
         flat views `[B N, H, D]`, and int32 `[2B]` cached keys before each query (`L_b - 1`; 0 for
         the query-less sequences). `exact`: ck2 and its offsets are ck1's (exact stage 1).
     """
-    B, dev = cache.batch, cache.device
+    return layout_of(cache.ck1, cache.ck2, cache.seqlens, exact)
+
+
+def layout_of(ck1: torch.Tensor, ck2: torch.Tensor, seqlens: torch.Tensor, exact: bool = False):
+    """`decode_layout` from the tensors themselves: ck1 `[B, N1, H, D]`, ck2 `[B, N2, H, D]` (32/16 and
+    128/64 windows, `n_windows(L_b)` valid ones first), `seqlens int [B]`."""
+    B, dev = seqlens.shape[0], seqlens.device
     idx = torch.arange(2 * B + 1, device=dev)
     cu_q = torch.div(idx + 1, 2, rounding_mode="floor").to(torch.int32)         # 0, 1, 1, 2, 2, ...
-    n1, n2 = cache.compressed_lens()
     out = [cu_q]
-    for ck, n in ((cache.ck1, n1), (cache.ck2, n2)):
+    L = seqlens.long()
+    for ck, (kr, st) in ((ck1, COMPRESSIONS[0]), (ck2, COMPRESSIONS[1])):
+        n = torch.where(L < kr, torch.zeros_like(L), torch.div(L - kr, st, rounding_mode="floor") + 1)
         N = ck.shape[1]
         cu = torch.empty(2 * B + 1, dtype=torch.int32, device=dev)
         cu[0::2] = (torch.arange(B + 1, device=dev) * N).to(torch.int32)        # row starts
-        cu[1::2] = cu[0:-1:2] + n                                               # end of the valid windows
+        cu[1::2] = cu[0:-1:2] + n.to(torch.int32)                                # end of the valid windows
         out += [ck.reshape(B * N, ck.shape[2], ck.shape[3]), cu]
     if exact:
         out[3], out[4] = out[1], out[2]
     cache_lens = torch.zeros(2 * B, dtype=torch.int32, device=dev)
-    cache_lens[0::2] = (cache.seqlens - 1).clamp(min=0)
+    cache_lens[0::2] = (seqlens - 1).clamp(min=0).to(torch.int32)
     return (out[0], out[1], out[2], out[3], out[4], cache_lens)
 
 

@@ -1,0 +1,161 @@
+"""Decode as `torch.library` custom ops (namespace `infllm_cupy`), so that a decode loop compiles with
+`torch.compile(fullgraph=True)`. Design: docs/decode.md ("Custom ops and torch.compile").
+
+    infllm_cupy::sparse_decode(q, k_cache, v_cache, seqlens, block_table, topk_idx, softmax_scale,
+                               block_size) -> (out [B, HQ, D], lse float32 [B, HQ])
+    infllm_cupy::sparse_decode_weights(q, k_cache, v_cache, seqlens, block_table, topk_idx, softmax_scale,
+                                       block_size, per_kv_head) -> (out, lse, weights float32 [B, HQ or H, W])
+    infllm_cupy::decode_select(q, ck1, ck2, seqlens, width, topk, local_blocks, init_blocks, block_size,
+                               softmax_scale, score_dtype, exact, kernel) -> topk_idx int32 [H, B, K]
+
+`block_table` and `topk_idx` are optional (None: contiguous cache; dense decode). CUDA tensors run the
+kernels (`sparse_decode`, the static-width stage-1 launch of `step.py`), CPU tensors the references
+(`naive_sparse_decode`, `naive_stage1_select`). The fake implementations give the output shapes
+from the input shapes alone: W is the cache's width (`L_max`, or `max_pages * page_size`) and
+`K = min(topk + local_blocks, cdiv(width, block_size))`, so `decode_select` pads the reference's
+selection (sized on the longest sequence) with `-1` to that static K. The ops take checked inputs:
+`decode_step` (below) and the public functions check them. No gradients: decode is inference.
+
+`decode_step(q, cache, ...)` is `infllmv2_decode` through these ops; `DecodeCache.append` (one token
+per sequence) traces too, so `append + decode_step` is one compiled region.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._launch import cdiv
+from ..pipeline import InfLLMv2Config
+from .cache import DecodeCache
+from .naive import naive_sparse_decode
+from .sparse_decode import sparse_decode as _sparse_decode
+
+Tensor = torch.Tensor
+
+
+def _cache_tuple(k, v, seqlens, block_table):
+    return (k, v, seqlens) if block_table is None else (k, v, seqlens, block_table)
+
+
+def _width(k: Tensor, block_table: Tensor | None) -> int:
+    return k.shape[1] * block_table.shape[1] if block_table is not None else k.shape[1]
+
+
+# ------------------------------------------------------------------------------------- attention
+@torch.library.custom_op("infllm_cupy::sparse_decode", mutates_args=(), device_types="cuda")
+def sparse_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqlens: Tensor, block_table: Tensor | None,
+                     topk_idx: Tensor | None, softmax_scale: float, block_size: int) -> tuple[Tensor, Tensor]:
+    """`(out [B, HQ, D], lse float32 [B, HQ])` of decode attention over the selected (or all) blocks."""
+    return _sparse_decode(q, _cache_tuple(k_cache, v_cache, seqlens, block_table), topk_idx,
+                          softmax_scale=softmax_scale, return_lse=True, backend="kernels")
+
+
+@sparse_decode_op.register_kernel("cpu")
+def _(q, k_cache, v_cache, seqlens, block_table, topk_idx, softmax_scale, block_size):
+    return naive_sparse_decode(q, _cache_tuple(k_cache, v_cache, seqlens, block_table), topk_idx,
+                               softmax_scale=softmax_scale, block_size=block_size, return_lse=True)
+
+
+@sparse_decode_op.register_fake
+def _(q, k_cache, v_cache, seqlens, block_table, topk_idx, softmax_scale, block_size):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@torch.library.custom_op("infllm_cupy::sparse_decode_weights", mutates_args=(), device_types="cuda")
+def sparse_decode_weights_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqlens: Tensor,
+                             block_table: Tensor | None, topk_idx: Tensor | None, softmax_scale: float,
+                             block_size: int, per_kv_head: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """`(out, lse, weights)`: weights float32 `[B, HQ, W]`, or `[B, H, W]` summed over the group."""
+    return _sparse_decode(q, _cache_tuple(k_cache, v_cache, seqlens, block_table), topk_idx,
+                          softmax_scale=softmax_scale, return_lse=True, return_attn_weights=True,
+                          weights="per_kv_head" if per_kv_head else "per_head", backend="kernels")
+
+
+@sparse_decode_weights_op.register_kernel("cpu")
+def _(q, k_cache, v_cache, seqlens, block_table, topk_idx, softmax_scale, block_size, per_kv_head):
+    return naive_sparse_decode(q, _cache_tuple(k_cache, v_cache, seqlens, block_table), topk_idx,
+                               softmax_scale=softmax_scale, block_size=block_size, return_lse=True,
+                               return_attn_weights=True, weights="per_kv_head" if per_kv_head else "per_head")
+
+
+@sparse_decode_weights_op.register_fake
+def _(q, k_cache, v_cache, seqlens, block_table, topk_idx, softmax_scale, block_size, per_kv_head):
+    B, HQ, _ = q.shape
+    rows = k_cache.shape[2] if per_kv_head else HQ
+    return (q.new_empty(q.shape), q.new_empty((B, HQ), dtype=torch.float32),
+            q.new_empty((B, rows, _width(k_cache, block_table)), dtype=torch.float32))
+
+
+# ------------------------------------------------------------------------------------- selection
+def _select_k(width: int, topk: int, local_blocks: int, block_size: int) -> int:
+    return min(topk + local_blocks, cdiv(width, block_size))
+
+
+def _select_config(topk, local_blocks, init_blocks, block_size, softmax_scale, score_dtype, exact):
+    return InfLLMv2Config(topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, block_size=block_size,
+                          softmax_scale=softmax_scale, score_dtype=score_dtype, exact_stage1=exact)
+
+
+@torch.library.custom_op("infllm_cupy::decode_select", mutates_args=(), device_types="cuda")
+def decode_select_op(q: Tensor, ck1: Tensor, ck2: Tensor, seqlens: Tensor, width: int, topk: int, local_blocks: int,
+                     init_blocks: int, block_size: int, softmax_scale: float, score_dtype: torch.dtype, exact: bool,
+                     kernel: str) -> Tensor:
+    """Stage 1 for decode over the cache's compressed keys `ck1 [B, N1, H, D]`, `ck2 [B, N2, H, D]`:
+    `topk_idx int32 [H, B, K]`, `K = min(topk + local_blocks, cdiv(width, block_size))`."""
+    from .step import _stage1_kernel_decode, layout_of
+
+    cfg = _select_config(topk, local_blocks, init_blocks, block_size, softmax_scale, score_dtype, exact)
+    cu_q, k1, cu1, k2, cu2, cache_lens = layout_of(ck1, ck2, seqlens, exact)
+    return _stage1_kernel_decode(q.contiguous(), k1, k2, cu_q, cu1, cu2, cache_lens, cdiv(width, block_size), cfg,
+                                 kernel)
+
+
+@decode_select_op.register_kernel("cpu")
+def _(q, ck1, ck2, seqlens, width, topk, local_blocks, init_blocks, block_size, softmax_scale, score_dtype, exact,
+      kernel):
+    from ..stage1.naive import naive_stage1_select
+    from .step import layout_of
+
+    cu_q, k1, cu1, k2, cu2, cache_lens = layout_of(ck1, ck2, seqlens, exact)
+    idx = naive_stage1_select(q, k1, k2, cu_q, cu1, cu2, 1, causal=False, cache_lens=cache_lens,
+                              softmax_scale=softmax_scale, topk=topk, local_blocks=local_blocks,
+                              init_blocks=init_blocks, block_size=block_size, score_dtype=score_dtype)
+    K = _select_k(width, topk, local_blocks, block_size)
+    pad = K - idx.shape[2]              # the reference sizes K on the longest sequence: -1 slots after it
+    return torch.nn.functional.pad(idx, (0, pad), value=-1) if pad > 0 else idx
+
+
+@decode_select_op.register_fake
+def _(q, ck1, ck2, seqlens, width, topk, local_blocks, init_blocks, block_size, softmax_scale, score_dtype, exact,
+      kernel):
+    return q.new_empty((ck1.shape[2], q.shape[0], _select_k(width, topk, local_blocks, block_size)),
+                       dtype=torch.int32)
+
+
+# -------------------------------------------------------------------------------------- the step
+def decode_step(q: Tensor, cache: DecodeCache, *, config: InfLLMv2Config | None = None, dense: bool | None = None,
+                return_attn_weights: bool = False, weights: str = "per_head", kernel: str = "auto"):
+    r"""`infllmv2_decode` through the custom ops: `(out, lse)` or `(out, lse, weights)`.
+
+    Same semantics as `infllmv2_decode` (with its checks), but every tensor operation is an op that
+    torch.compile keeps whole (`fullgraph=True`). `dense`: the path, or None for the rule of spec
+    section 9 on `cache.max_len()` (a host int: inside a compiled region, pass it from outside to
+    avoid a guard on the lengths). The selection's K is always sized on the cache's width.
+    """
+    from .step import _check_step_inputs
+
+    cfg = _check_step_inputs(q, cache, config, weights, "auto", kernel)
+    if dense is None:
+        dense = cache.max_len() < cfg.dense_len
+    scale = q.shape[2] ** -0.5 if cfg.softmax_scale is None else float(cfg.softmax_scale)
+    topk_idx = None
+    if not dense:
+        topk_idx = decode_select_op(q, cache.ck1, cache.ck2, cache.seqlens, cache.capacity, cfg.topk,
+                                    cfg.local_blocks, cfg.init_blocks, cfg.block_size, scale, cfg.score_dtype,
+                                    cfg.exact_stage1, kernel)
+    args = (q, cache.k, cache.v, cache.seqlens, cache.block_table, topk_idx, scale, cfg.block_size)
+    if return_attn_weights:
+        return sparse_decode_weights_op(*args, weights == "per_kv_head")
+    return sparse_decode_op(*args)
+
+
+__all__ = ["decode_select_op", "decode_step", "sparse_decode_op", "sparse_decode_weights_op"]
