@@ -85,7 +85,8 @@ def bench_config(r: Runner, T: int, B: int) -> dict:
             block_scores = naive_pool_blocks(scores, cu, cu1, cache_lens, T, init_blocks=cfg.init_blocks,
                                              local_blocks=cfg.local_blocks, block_size=cfg.block_size,
                                              kernel_stride=cfg.kernel_stride)
-            q_blocks = q_block_idx_prefill(cu, T, cfg.block_size, cfg.varlen_offset_quirk, cache_lens=cache_lens)
+            q_blocks = q_block_idx_prefill(cu, T, block_size=cfg.block_size,
+                                           varlen_offset_quirk=cfg.varlen_offset_quirk, cache_lens=cache_lens)
         fns["scores"] = lambda: naive_stage1_scores(q, ck1, ck2, cu, cu1, cu2, T, causal=True,
                                                     softmax_scale=cfg.softmax_scale, score_dtype=cfg.score_dtype,
                                                     kernel_stride=cfg.kernel_stride,
@@ -93,7 +94,7 @@ def bench_config(r: Runner, T: int, B: int) -> dict:
         fns["pool"] = lambda: naive_pool_blocks(scores, cu, cu1, cache_lens, T, init_blocks=cfg.init_blocks,
                                                 local_blocks=cfg.local_blocks, block_size=cfg.block_size,
                                                 kernel_stride=cfg.kernel_stride)
-        fns["topk"] = lambda: naive_select_topk(block_scores, q_blocks, cfg.topk, cfg.local_blocks)
+        fns["topk"] = lambda: naive_select_topk(block_scores, q_blocks, topk=cfg.topk, local_blocks=cfg.local_blocks)
     for impl in IMPLS[:-1]:
         if impl not in a.impls:
             continue

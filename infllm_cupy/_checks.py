@@ -74,14 +74,16 @@ def check_heads(hq: int, h: int, *, q_name: str = "q", k_name: str = "k") -> int
 
 
 def check_cu_seqlens(name: str, cu: torch.Tensor, *, total: int, device: torch.device | None = None,
-                     batch: int | None = None, max_seqlen: int | None = None, max_name: str = "max_seqlen") -> None:
+                     batch: int | None = None, max_seqlen: int | None = None, max_name: str = "max_seqlen",
+                     batch_name: str = "cu_seqlens_q") -> None:
     """`cu` must be int32 [B+1], start at 0, never decrease and end at `total`; with `max_seqlen`,
-    no sequence may be longer than it (checked on the same host copy)."""
+    no sequence may be longer than it (checked on the same host copy). With `batch`, it must have
+    that many sequences, as the argument `batch_name` (what the user passed) has."""
     check_tensor(name, cu, ndim=1, dtypes=(torch.int32,), device=device)
     if cu.numel() < 2:
         raise ValueError(f"{name} must have at least 2 entries ([0, len0, ...]), got {cu.numel()}")
     if batch is not None and cu.numel() != batch + 1:
-        raise ValueError(f"{name} has {cu.numel() - 1} sequences but another cu_seqlens has {batch}")
+        raise ValueError(f"{name} has {cu.numel() - 1} sequences but {batch_name} has {batch}")
     if not validate_values():
         return
     c = cu.detach().to("cpu", torch.int64)
@@ -100,6 +102,29 @@ def seqlens_host(cu: torch.Tensor) -> list[int]:
     """Per-sequence lengths as Python ints (one small device-to-host copy)."""
     c = cu.detach().to("cpu", torch.int64)
     return (c[1:] - c[:-1]).tolist()
+
+
+def check_bool(name: str, value) -> bool:
+    """A flag must be a bool (TypeError naming `name` otherwise): `causal="no"` or a max length
+    passed where a flag was expected must not be read as True. Returns it."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_flags(**flags) -> None:
+    """`check_bool` on each keyword (`check_flags(causal=causal, return_lse=return_lse)`)."""
+    for name, value in flags.items():
+        check_bool(name, value)
+
+
+def check_softmax_scale(softmax_scale, head_dim: int) -> float:
+    """`softmax_scale` must be None (`1 / sqrt(head_dim)`) or a positive number; returns the float."""
+    if softmax_scale is None:
+        return head_dim ** -0.5
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
+        raise ValueError(f"softmax_scale must be a positive float or None, got {softmax_scale!r}")
+    return float(softmax_scale)
 
 
 def check_backend(backend) -> str:
@@ -139,10 +164,12 @@ def check_lengths_arg(name: str, value, batch: int, device: torch.device) -> tor
     return out
 
 
-def check_cu_seqlens_any(name: str, cu, *, device: torch.device | None = None, batch: int | None = None) -> None:
+def check_cu_seqlens_any(name: str, cu, *, device: torch.device | None = None, batch: int | None = None,
+                         batch_name: str = "cu_seqlens_q") -> None:
     """`check_cu_seqlens` for a `cu` whose total is not known from another tensor."""
     check_tensor(name, cu, ndim=1, dtypes=(torch.int32,), device=device)
-    check_cu_seqlens(name, cu, total=int(cu[-1]) if cu.numel() else 0, device=device, batch=batch)
+    check_cu_seqlens(name, cu, total=int(cu[-1]) if cu.numel() else 0, device=device, batch=batch,
+                     batch_name=batch_name)
 
 
 def check_int_args(minimum: int, **values) -> None:

@@ -13,13 +13,15 @@ import torch
 
 from ._checks import (
     REF_DTYPES,
+    check_attn_inputs,
     check_backend,
+    check_flags,
     check_int_args,
     check_kernel_inputs,
     check_max_seqlen,
+    check_softmax_scale,
     seqlens_host,
 )
-from ._checks import check_attn_inputs
 from ._constants import KV_BLOCK
 from .compress.mean_pool import compress_k
 from .compress.naive import naive_compress_k
@@ -90,6 +92,7 @@ class InfLLMv2Config:
                        block_size=self.block_size)
         check_int_args(0, topk=self.topk, local_blocks=self.local_blocks, init_blocks=self.init_blocks)
         check_int_args(-1, dense_len=self.dense_len)
+        check_flags(exact_stage1=self.exact_stage1, varlen_offset_quirk=self.varlen_offset_quirk)
         check_topk_keeps_forced_blocks(self.topk, self.init_blocks)
         if self.block_size % self.kernel_stride:
             raise ValueError(f"block_size ({self.block_size}) must be a multiple of kernel_stride "
@@ -155,8 +158,8 @@ def _kernel_compress_k(k, cu_seqlens_k, kernel_size=32, kernel_stride=16):
     return compress_k(k, cu_seqlens_k, kernel_size, kernel_stride, backend="kernels")
 
 
-def _kernel_sparse_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal=True,
-                        softmax_scale=None, return_lse=False, *, block_size: int = 64, upcast: bool = True):
+def _kernel_sparse_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, *, causal=True,
+                        softmax_scale=None, return_lse=False, block_size: int = 64, upcast: bool = True):
     """`sparse_attn_varlen` on its kernel, taking `naive_sparse_attn_varlen`'s keywords.
 
     The kernel has no `block_size` (always 64) and always accumulates in fp32 (`upcast=True`).
@@ -165,8 +168,8 @@ def _kernel_sparse_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqle
     if upcast is not True:
         raise ValueError("upcast=False (the low-precision reference twin) has no kernel; use "
                          "naive_sparse_attn_varlen")
-    return sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal,
-                              softmax_scale, return_lse, backend="kernels")
+    return sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
+                              causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, backend="kernels")
 
 
 # Elements of one boolean mask chunk of the SDPA fallback when Lq != Lk (bounds its memory).
@@ -174,8 +177,10 @@ _SDPA_MASK_ELEMS = 1 << 26
 
 
 def sdpa_dense_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                           cu_seqlens_k: torch.Tensor, causal: bool = True, softmax_scale: float | None = None,
-                           return_lse: bool = False, *, upcast: bool = True) -> torch.Tensor:
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int | None = None,
+                           max_seqlen_k: int | None = None, *, causal: bool = True,
+                           softmax_scale: float | None = None, return_lse: bool = False,
+                           upcast: bool = True) -> torch.Tensor:
     r"""Dense varlen attention through `torch.nn.functional.scaled_dot_product_attention`, one call per sequence.
 
     Same semantics and signature as `naive_dense_attn_varlen` (GQA, causal mask aligned bottom-right:
@@ -192,8 +197,10 @@ def sdpa_dense_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
             Keys and values `[total_k, H, D]`, q's dtype; `HQ` a multiple of `H`.
         cu_seqlens_q, cu_seqlens_k (torch.Tensor):
             int32 `[B+1]`.
+        max_seqlen_q, max_seqlen_k (int, Optional):
+            As in `naive_dense_attn_varlen`: checked when given. Default: `None`.
         causal (bool, Optional):
-            Default: `True`.
+            Keyword-only, as every flag below. Default: `True`.
         softmax_scale (float, Optional):
             Default: `None` (`1 / sqrt(D)`).
         return_lse (bool, Optional):
@@ -204,12 +211,17 @@ def sdpa_dense_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     Returns:
         out (torch.Tensor): `[total_q, HQ, D]` in q's dtype.
     """
+    check_flags(causal=causal, return_lse=return_lse, upcast=upcast)
     if return_lse:
         raise ValueError("return_lse=True: torch SDPA does not return the log-sum-exp; use naive_dense_attn_varlen")
     check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    sdpa = torch.nn.functional.scaled_dot_product_attention
     lq, lk = seqlens_host(cu_seqlens_q), seqlens_host(cu_seqlens_k)
+    if max_seqlen_q is not None:
+        check_max_seqlen("max_seqlen_q", max_seqlen_q, lq)
+    if max_seqlen_k is not None:
+        check_max_seqlen("max_seqlen_k", max_seqlen_k, lk)
+    scale = check_softmax_scale(softmax_scale, q.shape[2])
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     outs = []
     for b, (Lq, Lk) in enumerate(zip(lq, lk)):
@@ -361,7 +373,7 @@ def _check_prefill_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 
 def naive_infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                              cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                             config: InfLLMv2Config | None = None, return_aux: bool = False):
+                             config: InfLLMv2Config | None = None, *, return_aux: bool = False):
     r"""InfLLM-v2 prefill attention (PyTorch reference of the whole pipeline).
 
     Keys are mean-compressed (32/16 and 128/64), stage 1 scores them for every query token, the scores
@@ -392,6 +404,7 @@ def naive_infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         out (torch.Tensor): `[total_q, HQ, D]` in q's dtype (and the aux dict with `return_aux`).
     """
     cfg = check_config(config)
+    check_flags(return_aux=return_aux)
     check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
     check_max_seqlen("max_seqlen_q", max_seqlen_q, [])
     check_max_seqlen("max_seqlen_k", max_seqlen_k, [])
@@ -452,6 +465,7 @@ def infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     """
     cfg = check_config(config)
     check_backend(backend)
+    check_flags(return_aux=return_aux)
     if cu_seqlens_k is None:
         cu_seqlens_k = cu_seqlens_q
     check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)

@@ -96,7 +96,7 @@ def reference_sparse_grads(q, k, v, dout, cu_q, cu_k, topk_idx, max_q, max_k, ca
 
     leaves = [t.detach().double().requires_grad_() if exact else t.detach().clone().requires_grad_()
               for t in (q, k, v)]
-    out, lse = naive_sparse_attn_varlen(*leaves, cu_q, cu_k, topk_idx, max_q, max_k, causal, return_lse=True,
+    out, lse = naive_sparse_attn_varlen(*leaves, cu_q, cu_k, topk_idx, max_q, max_k, causal=causal, return_lse=True,
                                         upcast=exact)
     return out.detach(), lse, torch.autograd.grad(out, leaves, dout.double() if exact else dout)
 

@@ -3,7 +3,16 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import INT_DTYPES, REF_DTYPES, check_attn_inputs, check_tensor, seqlens_host
+from .._checks import (
+    INT_DTYPES,
+    REF_DTYPES,
+    check_attn_inputs,
+    check_cu_seqlens,
+    check_flags,
+    check_softmax_scale,
+    check_tensor,
+    seqlens_host,
+)
 from ..pipeline import InfLLMv2Config, check_config, dense_aux, select_blocks, stages_for
 
 
@@ -38,12 +47,24 @@ def naive_infllmv2_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         out (torch.Tensor): `[B, HQ, D]` in q's dtype (and the aux dict with `return_aux`).
     """
     cfg = check_config(config)
+    check_flags(return_aux=return_aux)
     check_tensor("q", q, ndim=3, dtypes=REF_DTYPES)
-    cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    # The user passes no cu_seqlens_q (one query row per sequence; built below), so the batch is
+    # checked here, naming what they passed, before the generic checks see the built tensor.
+    check_tensor("cu_seqlens_k", cu_seqlens_k, ndim=1, dtypes=(torch.int32,), device=q.device)
+    B = cu_seqlens_k.numel() - 1
+    if q.shape[0] != B:
+        raise ValueError(f"q has {q.shape[0]} rows but cu_seqlens_k has {B} sequences: decode takes one "
+                         f"query row per sequence")
+    cu_seqlens_q = torch.arange(B + 1, dtype=torch.int32, device=q.device)
     check_attn_inputs(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, k_name="k_cache", v_name="v_cache")
     for name, ck, cu in (("ck1", ck1, cu_seqlens_c1), ("ck2", ck2, cu_seqlens_c2)):
         if (ck is None) != (cu is None):
             raise ValueError(f"{name} and cu_seqlens_{name[1:]} must be given together")
+        if ck is not None:
+            check_tensor(name, ck, ndim=3, dtypes=(q.dtype,), device=q.device)
+            check_cu_seqlens(f"cu_seqlens_{name[1:]}", cu, total=ck.shape[0], device=q.device, batch=B,
+                             batch_name="cu_seqlens_k")
     lk = seqlens_host(cu_seqlens_k)
     if any(L < 1 for L in lk):
         raise ValueError(f"cu_seqlens_k: every cache must hold at least the current token, got lengths {lk}")
@@ -122,6 +143,7 @@ def naive_sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = 
 
     from ..stage1.naive import compute_dtype
 
+    check_flags(return_lse=return_lse, return_attn_weights=return_attn_weights, upcast=upcast)
     k, v, seqlens, bt, width = _cache_tensors(cache)
     check_tensor("q", q, ndim=3, dtypes=(k.dtype,), device=k.device)
     B, HQ, D = q.shape
@@ -131,7 +153,7 @@ def naive_sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = 
     if HQ % H:
         raise ValueError(f"q has {HQ} heads, not a multiple of the cache's {H} KV heads")
     if seqlens.shape[0] != B:
-        raise ValueError(f"q has {B} sequences but the cache has {seqlens.shape[0]}")
+        raise ValueError(f"q has {B} rows (one per sequence) but the cache holds {seqlens.shape[0]} sequences")
     if weights not in ("per_head", "per_kv_head"):
         raise ValueError(f"weights must be 'per_head' or 'per_kv_head', got {weights!r}")
     if topk_idx is not None:
@@ -139,7 +161,7 @@ def naive_sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = 
         if tuple(topk_idx.shape[:2]) != (H, B):
             raise ValueError(f"topk_idx must have shape (H={H}, B={B}, K), got {tuple(topk_idx.shape)}")
     G = HQ // H
-    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = check_softmax_scale(softmax_scale, D)
     sdt = compute_dtype(q.dtype)
     mdt = sdt if upcast else q.dtype
     lens = [int(x) for x in seqlens.cpu().tolist()]

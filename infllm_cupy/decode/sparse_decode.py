@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from .. import _jit
-from .._checks import KERNEL_DTYPES, check_backend, check_tensor
+from .._checks import KERNEL_DTYPES, check_backend, check_flags, check_softmax_scale, check_tensor
 from .._constants import HEAD_DIMS, KV_BLOCK  # KV_BLOCK: #define BLK in the .cu
 from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
 from .cache import DecodeCache  # noqa: F401  (re-exported by the package)
@@ -119,6 +119,7 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
     The launch path reads nothing back from the device, so a step can be captured in a CUDA graph.
     """
     check_backend(backend)
+    check_flags(return_lse=return_lse, return_attn_weights=return_attn_weights)
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     if backend == "reference" or (backend == "auto" and not q.is_cuda):
@@ -126,7 +127,7 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
                                    return_attn_weights=return_attn_weights, weights=weights)
     k, v, seqlens, bt, width = _cache_tensors(cache)
     B, HQ, D, H, G, K = _check_kernel_inputs(q, k, v, seqlens, bt, topk_idx)
-    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = check_softmax_scale(softmax_scale, D)
     sparse = topk_idx is not None
     n_entries = K if sparse else cdiv(width, KV_BLOCK)
     if plan is None:
@@ -198,6 +199,8 @@ def _check_kernel_inputs(q, k, v, seqlens, bt, topk_idx):
     G = HQ // H
     if G > MAX_GROUP:
         raise ValueError(f"q: group size G = {G} > {MAX_GROUP} is not supported by the kernel")
+    if seqlens.dim() == 1 and seqlens.shape[0] != B:
+        raise ValueError(f"q has {B} rows (one per sequence) but the cache holds {seqlens.shape[0]} sequences")
     check_tensor("seqlens", seqlens, shape=(B,), dtypes=(torch.int32,), device=q.device, contiguous=True)
     if bt is not None:
         check_tensor("block_table", bt, ndim=2, dtypes=(torch.int32,), device=q.device, contiguous=True)

@@ -13,6 +13,7 @@ from .._checks import (
     INT_DTYPES,
     REF_DTYPES,
     check_cu_seqlens,
+    check_flags,
     check_cu_seqlens_any,
     check_int_args,
     check_lengths_arg,
@@ -38,7 +39,7 @@ def _trunc_div(a, b: int):
     return a // b if a >= 0 else -((-a) // b)
 
 
-def vis_limit(r, s: int, n, Lq, causal: bool = True):
+def vis_limit(r, s: int, n, Lq, *, causal: bool = True):
     r"""Number of compressed keys visible to query row `r` (spec 4.3, the kernel's `apply_mask_stage1`).
 
     `limit = min(n, max(0, cdiv(r+1, s) - 1 + n - cdiv(Lq - s + 1, s)))` with C truncating
@@ -81,8 +82,8 @@ def _stage1_rows(q, k1, k2, r, n1, n2, Lq, s1_stride, s2_stride, causal, scale):
     Returns `[H, C, n1]`.
     """
     C, H, G, _ = q.shape
-    l1 = vis_limit(r, s1_stride, n1, Lq, causal)                       # [C]
-    l2 = vis_limit(r, s2_stride, n2, Lq, causal)                       # [C]
+    l1 = vis_limit(r, s1_stride, n1, Lq, causal=causal)                       # [C]
+    l2 = vis_limit(r, s2_stride, n2, Lq, causal=causal)                       # [C]
     qh = q.permute(1, 2, 0, 3)                                         # [H, G, C, D]
     s2 = torch.matmul(qh, k2.permute(1, 2, 0).unsqueeze(1))            # [H, G, C, n2]
     s1 = torch.matmul(qh, k1.permute(1, 2, 0).unsqueeze(1))            # [H, G, C, n1]
@@ -143,6 +144,7 @@ def naive_stage1_scores(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, c
         scores (torch.Tensor): `[H, total_q, max_n1]` in `score_dtype`.
     """
     G = check_stage1_inputs(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2)
+    check_flags(causal=causal)
     check_int_args(1, kernel_stride=kernel_stride, coarse_kernel_stride=coarse_kernel_stride)
     lq = seqlens_host(cu_seqlens_q)
     n1s, n2s = seqlens_host(cu_seqlens_c1), seqlens_host(cu_seqlens_c2)
@@ -249,8 +251,8 @@ def naive_pool_blocks(scores: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqle
     return torch.cat(out, dim=1)
 
 
-def q_block_idx_prefill(cu_seqlens_q: torch.Tensor, max_seqlen_q: int, block_size: int = 64,
-                        varlen_offset_quirk: bool = False, *, cache_lens=None) -> torch.Tensor:
+def q_block_idx_prefill(cu_seqlens_q: torch.Tensor, max_seqlen_q: int, *, block_size: int = 64,
+                        varlen_offset_quirk: bool = False, cache_lens=None) -> torch.Tensor:
     r"""Key block that holds each query token (the top-k cut-off of spec 6).
 
     `(r + cache_lens[b]) // block_size` for query row `r` of sequence `b`. With
@@ -274,6 +276,7 @@ def q_block_idx_prefill(cu_seqlens_q: torch.Tensor, max_seqlen_q: int, block_siz
     """
     check_cu_seqlens_any("cu_seqlens_q", cu_seqlens_q)
     check_int_args(1, block_size=block_size)
+    check_flags(varlen_offset_quirk=varlen_offset_quirk)
     lq = seqlens_host(cu_seqlens_q)
     check_max_seqlen("max_seqlen_q", max_seqlen_q, lq)
     cache = check_lengths_arg("cache_lens", cache_lens, len(lq), cu_seqlens_q.device)
@@ -284,7 +287,7 @@ def q_block_idx_prefill(cu_seqlens_q: torch.Tensor, max_seqlen_q: int, block_siz
     return (pos // block_size).to(torch.int32)
 
 
-def q_block_idx_decode(cache_lens, block_size: int = 64) -> torch.Tensor:
+def q_block_idx_decode(cache_lens, *, block_size: int = 64) -> torch.Tensor:
     r"""Key block of the single decode query of each sequence: `cache_lens // block_size`.
 
     Args:
@@ -305,7 +308,7 @@ def q_block_idx_decode(cache_lens, block_size: int = 64) -> torch.Tensor:
 
 
 @torch.no_grad()
-def naive_select_topk(block_scores: torch.Tensor, q_block_idx: torch.Tensor, topk: int = 64,
+def naive_select_topk(block_scores: torch.Tensor, q_block_idx: torch.Tensor, *, topk: int = 64,
                       local_blocks: int = 32) -> torch.Tensor:
     r"""Pick the `K = min(topk + local_blocks, out_len)` best blocks per (KV head, token) (spec 6).
 
@@ -371,13 +374,14 @@ def naive_stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, c
         topk_idx (torch.Tensor): int32 `[H, total_q, K]`; with `return_scores`, the tuple
         `(topk_idx, scores [H, total_q, max_n1], block_scores [H, total_q, out_len])`.
     """
+    check_flags(causal=causal, varlen_offset_quirk=varlen_offset_quirk, return_scores=return_scores)
     scores = naive_stage1_scores(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q,
                                  causal=causal, softmax_scale=softmax_scale, score_dtype=score_dtype,
                                  kernel_stride=kernel_stride, coarse_kernel_stride=coarse_kernel_stride)
     block_scores = naive_pool_blocks(scores, cu_seqlens_q, cu_seqlens_c1, cache_lens, max_seqlen_q,
                                      init_blocks=init_blocks, local_blocks=local_blocks, block_size=block_size,
                                      kernel_stride=kernel_stride)
-    q_blocks = q_block_idx_prefill(cu_seqlens_q, max_seqlen_q, block_size, varlen_offset_quirk,
-                                   cache_lens=cache_lens)
-    topk_idx = naive_select_topk(block_scores, q_blocks, topk, local_blocks)
+    q_blocks = q_block_idx_prefill(cu_seqlens_q, max_seqlen_q, block_size=block_size,
+                                   varlen_offset_quirk=varlen_offset_quirk, cache_lens=cache_lens)
+    topk_idx = naive_select_topk(block_scores, q_blocks, topk=topk, local_blocks=local_blocks)
     return (topk_idx, scores, block_scores) if return_scores else topk_idx

@@ -21,12 +21,13 @@ from .. import _jit
 from .._checks import (
     KERNEL_DTYPES,
     check_backend,
+    check_flags,
     check_int_args,
     check_lengths_arg,
     check_max_seqlen,
+    check_stage1_inputs,
     seqlens_host,
 )
-from .._checks import check_stage1_inputs
 from .._constants import HEAD_DIMS
 from .._constants import KV_BLOCK
 from .._kernel_arg import check_kernel
@@ -167,6 +168,7 @@ def stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
     """
     check_backend(backend)
     check_kernel(kernel)
+    check_flags(causal=causal, varlen_offset_quirk=varlen_offset_quirk, return_scores=return_scores)
     if backend == "reference" or (backend == "auto" and not q.is_cuda):
         return naive_stage1_select(
             q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q, causal=causal,

@@ -9,9 +9,17 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_attn_inputs, check_backend, check_kernel_inputs, check_max_seqlen, check_tensor
+from .._checks import (
+    check_attn_inputs,
+    check_backend,
+    check_flags,
+    check_kernel_inputs,
+    check_max_seqlen,
+    check_softmax_scale,
+    check_tensor,
+)
 from .layout import BlockLayout
-from .naive import naive_sparse_attn_varlen
+from .naive import naive_block_sparse_attn_varlen, naive_sparse_attn_varlen
 from .._kernel_arg import check_kernel
 from .ops import block_sparse_attn_fwd, sparse_attn_fwd
 
@@ -20,14 +28,6 @@ def _use_op(backend: str, q: torch.Tensor) -> bool:
     """Whether the call goes through the custom op (everything but `backend="reference"`); raises on
     an unknown backend, and, for "kernels" or CUDA tensors, on what the kernels cannot do."""
     return check_backend(backend) != "reference"
-
-
-def _scale(softmax_scale, D: int) -> float:
-    if softmax_scale is None:
-        return D ** -0.5
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
-        raise ValueError(f"softmax_scale must be a positive float or None, got {softmax_scale!r}")
-    return float(softmax_scale)
 
 
 def _check_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend):
@@ -43,8 +43,8 @@ def _check_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 
 def sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                        cu_seqlens_k: torch.Tensor, topk_idx: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                       causal: bool = True, softmax_scale: float | None = None, return_lse: bool = False,
-                       *, backend: str = "auto", kernel: str = "auto"):
+                       *, causal: bool = True, softmax_scale: float | None = None, return_lse: bool = False,
+                       backend: str = "auto", kernel: str = "auto"):
     r"""Attention of each query token over the 64-key blocks its KV head selected (InfLLM-v2 stage 2).
 
     Query `t` (row `r` of sequence `b`), head `hq`, attends keys `c` of its sequence with
@@ -75,7 +75,7 @@ def sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
         max_seqlen_q, max_seqlen_k (int):
             Longest query / key sequence (sizes the launch; checked unless INFLLM_CUPY_VALIDATE=0).
         causal (bool, Optional):
-            Default: `True`.
+            Keyword-only, as every argument after it. Default: `True`.
         softmax_scale (float, Optional):
             Default: `None` (`1 / sqrt(D)`).
         return_lse (bool, Optional):
@@ -96,22 +96,23 @@ def sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
         out (torch.Tensor): `[total_q, HQ, D]` in q's dtype; and `lse` with `return_lse`.
     """
     check_kernel(kernel)
+    check_flags(causal=causal, return_lse=return_lse)
     if not _use_op(backend, q):
         return naive_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
-                                        causal, softmax_scale, return_lse)
+                                        causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
     _check_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend)
     H = k.shape[1]
     check_tensor("topk_idx", topk_idx, ndim=3, dtypes=(torch.int32,), shape=(H, q.shape[0], None),
                  device=q.device)
     out, lse = sparse_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
-                               bool(causal), _scale(softmax_scale, q.shape[2]), kernel)
+                               bool(causal), check_softmax_scale(softmax_scale, q.shape[2]), kernel)
     return (out, lse) if return_lse else out
 
 
 def block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                              cu_seqlens_k: torch.Tensor, layout: BlockLayout, max_seqlen_q: int, max_seqlen_k: int,
-                             causal: bool = True, softmax_scale: float | None = None, return_lse: bool = False,
-                             *, backend: str = "auto", kernel: str = "auto"):
+                             *, causal: bool = True, softmax_scale: float | None = None, return_lse: bool = False,
+                             backend: str = "auto", kernel: str = "auto"):
     r"""Sparse attention under a query-block layout (one selection per query block and KV head).
 
     Same semantics as `sparse_attn_varlen` with every token of query block `i` selecting the
@@ -129,13 +130,14 @@ def block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if not isinstance(layout, BlockLayout):
         raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
     check_kernel(kernel)
+    check_flags(causal=causal, return_lse=return_lse)
     B = cu_seqlens_q.numel() - 1
     layout.check_against(k.shape[1], B, max_seqlen_q)
     if not _use_op(backend, q):
-        return naive_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, layout.to_topk_idx(cu_seqlens_q),
-                                        max_seqlen_q, max_seqlen_k, causal, softmax_scale, return_lse)
+        return naive_block_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, layout, max_seqlen_q, max_seqlen_k,
+                                              causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
     _check_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend)
     out, lse = block_sparse_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, layout.mask.to(q.device), layout.q_block,
-                                     max_seqlen_q, max_seqlen_k, bool(causal), _scale(softmax_scale, q.shape[2]),
+                                     max_seqlen_q, max_seqlen_k, bool(causal), check_softmax_scale(softmax_scale, q.shape[2]),
                                      kernel)
     return (out, lse) if return_lse else out

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_attn_inputs, check_int_args, check_max_seqlen, check_tensor, seqlens_host
+from .._checks import (
+    check_attn_inputs,
+    check_flags,
+    check_int_args,
+    check_max_seqlen,
+    check_softmax_scale,
+    check_tensor,
+    seqlens_host,
+)
 from ..stage1.naive import compute_dtype
 from .layout import BlockLayout
 
@@ -104,8 +112,8 @@ def _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, upcast, need_lse
 
 def naive_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                              cu_seqlens_k: torch.Tensor, topk_idx: torch.Tensor, max_seqlen_q: int,
-                             max_seqlen_k: int, causal: bool = True, softmax_scale: float | None = None,
-                             return_lse: bool = False, *, block_size: int = 64, upcast: bool = True):
+                             max_seqlen_k: int, *, causal: bool = True, softmax_scale: float | None = None,
+                             return_lse: bool = False, block_size: int = 64, upcast: bool = True):
     r"""Attention of every query token over the key blocks its KV head selected (InfLLM-v2 stage 2).
 
     Query `t` (row `r` of sequence `b`) in head `hq` attends to keys `j` of its sequence with
@@ -148,6 +156,7 @@ def naive_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         lse (torch.Tensor): float32 `[HQ, total_q]`, natural log, no gradient.
     """
     check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    check_flags(causal=causal, return_lse=return_lse, upcast=upcast)
     H = k.shape[1]
     check_tensor("topk_idx", topk_idx, ndim=3, dtypes=(torch.int32,), shape=(H, q.shape[0], None),
                  device=q.device)
@@ -155,7 +164,7 @@ def naive_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     lq, lk = seqlens_host(cu_seqlens_q), seqlens_host(cu_seqlens_k)
     check_max_seqlen("max_seqlen_q", max_seqlen_q, lq)
     check_max_seqlen("max_seqlen_k", max_seqlen_k, lk)
-    scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = check_softmax_scale(softmax_scale, q.shape[2])
 
     out, lse = _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, upcast, return_lse,
                        _topk_allow_fn(topk_idx, lk, block_size))
@@ -164,8 +173,8 @@ def naive_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 def naive_block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                                    cu_seqlens_k: torch.Tensor, layout: BlockLayout, max_seqlen_q: int,
-                                   max_seqlen_k: int, causal: bool = True, softmax_scale: float | None = None,
-                                   return_lse: bool = False, *, upcast: bool = True):
+                                   max_seqlen_k: int, *, causal: bool = True, softmax_scale: float | None = None,
+                                   return_lse: bool = False, upcast: bool = True):
     r"""Reference of `block_sparse_attn_varlen`: attention under a query-block layout.
 
     Every token of query block `i` (`layout.q_block` tokens, counted per sequence) selects the 64-key
@@ -184,7 +193,8 @@ def naive_block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Te
         raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
     layout.check_against(k.shape[1], cu_seqlens_q.numel() - 1, max_seqlen_q)
     return naive_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, layout.to_topk_idx(cu_seqlens_q),
-                                    max_seqlen_q, max_seqlen_k, causal, softmax_scale, return_lse, upcast=upcast)
+                                    max_seqlen_q, max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+                                    return_lse=return_lse, upcast=upcast)
 
 
 def naive_sparse_attn_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -273,8 +283,9 @@ def _attend_bwd(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, allow_
 
 
 def naive_dense_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                            cu_seqlens_k: torch.Tensor, causal: bool = True, softmax_scale: float | None = None,
-                            return_lse: bool = False, *, upcast: bool = True):
+                            cu_seqlens_k: torch.Tensor, max_seqlen_q: int | None = None,
+                            max_seqlen_k: int | None = None, *, causal: bool = True,
+                            softmax_scale: float | None = None, return_lse: bool = False, upcast: bool = True):
     r"""Dense varlen attention with GQA, causal mask aligned bottom-right (`j <= r + Lk - Lq`).
 
     Args:
@@ -284,8 +295,11 @@ def naive_dense_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
             Keys and values `[total_k, H, D]`.
         cu_seqlens_q, cu_seqlens_k (torch.Tensor):
             int32 `[B+1]`.
+        max_seqlen_q, max_seqlen_k (int, Optional):
+            Longest query / key sequence, in the place `sparse_attn_varlen` takes them; checked
+            when given, not needed. Default: `None`.
         causal (bool, Optional):
-            Default: `True`.
+            Keyword-only, as every flag below. Default: `True`.
         softmax_scale (float, Optional):
             Default: `None` (`1 / sqrt(D)`).
         return_lse (bool, Optional):
@@ -297,7 +311,12 @@ def naive_dense_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         out (torch.Tensor): `[total_q, HQ, D]` in q's dtype (and lse with `return_lse`).
     """
     check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    check_flags(causal=causal, return_lse=return_lse, upcast=upcast)
+    if max_seqlen_q is not None:
+        check_max_seqlen("max_seqlen_q", max_seqlen_q, seqlens_host(cu_seqlens_q))
+    if max_seqlen_k is not None:
+        check_max_seqlen("max_seqlen_k", max_seqlen_k, seqlens_host(cu_seqlens_k))
+    scale = check_softmax_scale(softmax_scale, q.shape[2])
 
     def allow_fn(b, qrows, start, end, N):
         return torch.ones(1, end - start, N, dtype=torch.bool, device=q.device)

@@ -87,7 +87,7 @@ def _contig(*ts):
 
 def _ref_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal, softmax_scale):
     out, lse = naive_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
-                                        causal, softmax_scale, return_lse=True)
+                                        causal=causal, softmax_scale=softmax_scale, return_lse=True)
     return out.contiguous(), lse.contiguous()
 
 

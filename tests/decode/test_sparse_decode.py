@@ -61,7 +61,7 @@ def test_reference_equals_the_stage2_references(page_size):
     torch.testing.assert_close(dense, naive_dense_attn_varlen(q, k, v, cu_q, cu, causal=False))
     idx = selection(H, lengths, 5)
     out, lse = naive_sparse_decode(q, cache, idx, return_lse=True)
-    ref, ref_lse = naive_sparse_attn_varlen(q, k, v, cu_q, cu, idx, 1, max(lengths), False, return_lse=True)
+    ref, ref_lse = naive_sparse_attn_varlen(q, k, v, cu_q, cu, idx, 1, max(lengths), causal=False, return_lse=True)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(lse, ref_lse.T.float())
 

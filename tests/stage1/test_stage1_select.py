@@ -74,8 +74,8 @@ def loop_stage1(q, ck1, ck2, lengths, n1s, n2s, causal=True):
         K1, K2 = ck1[c1:c1 + n1].double(), ck2[c2:c2 + n2].double()
         stride2 = 16 if n1 == n2 else 64
         for r in range(Lq):
-            l1 = vis_limit(r, 16, n1, Lq, causal)
-            l2 = vis_limit(r, stride2, n2, Lq, causal)
+            l1 = vis_limit(r, 16, n1, Lq, causal=causal)
+            l2 = vis_limit(r, stride2, n2, Lq, causal=causal)
             if l2 == 0:
                 continue
             qr = q[qs + r].double().view(H, HQ // H, D)                    # [H, G, D]
@@ -308,7 +308,7 @@ def test_stage1_select_is_the_chain():
     idx = naive_stage1_select(q, ck1, ck2, cu, cu1, cu2, 700, topk=4, local_blocks=2)
     sc = naive_stage1_scores(q, ck1, ck2, cu, cu1, cu2, 700)
     bs = naive_pool_blocks(sc, cu, cu1, None, 700, local_blocks=2)
-    assert torch.equal(idx, naive_select_topk(bs, q_block_idx_prefill(cu, 700), 4, 2))
+    assert torch.equal(idx, naive_select_topk(bs, q_block_idx_prefill(cu, 700), topk=4, local_blocks=2))
 
 
 def _stage1_args():
@@ -507,8 +507,9 @@ def run_and_check(q, ck1, ck2, cu_q, cu1, cu2, max_seqlen_q, *, score_dtype=torc
              else torch.as_tensor(cache_lens).cpu())
     out_len = ref_bs.shape[-1]
     K = min(topk + local_blocks, out_len)
-    q_blocks = q_block_idx_prefill(cu_q.cpu(), max_seqlen_q, 64, varlen_offset_quirk, cache_lens=cache)
-    off_bq = q_block_idx_prefill(cu_q.cpu(), max_seqlen_q, 64, False, cache_lens=cache)
+    q_blocks = q_block_idx_prefill(cu_q.cpu(), max_seqlen_q, block_size=64, varlen_offset_quirk=varlen_offset_quirk,
+                                   cache_lens=cache)
+    off_bq = q_block_idx_prefill(cu_q.cpu(), max_seqlen_q, block_size=64, varlen_offset_quirk=False, cache_lens=cache)
     q_blocks, off_bq = q_blocks.to(idx.device), off_bq.to(idx.device)
     assert idx.shape == ref_idx.shape
     # (1) our own top-K of our own block scores, exactly

@@ -228,7 +228,7 @@ def test_gradcheck_token_level(causal):
     q, k, v, cuq, cuk, idx = make_cpu([70, 1, 100], [150, 1, 100], empty_rows=True)
 
     def f(q, k, v):
-        return sparse_attn_varlen(q, k, v, cuq, cuk, idx, 100, 150, causal)
+        return sparse_attn_varlen(q, k, v, cuq, cuk, idx, 100, 150, causal=causal)
 
     assert torch.autograd.gradcheck(f, (q, k, v), fast_mode=True)
 
@@ -249,8 +249,8 @@ def test_op_grads_equal_reference_autograd(causal, monkeypatch):
     # 16-row query chunks, so that dk and dv accumulate over several chunks of the reference backward
     monkeypatch.setattr(s2, "_CHUNK_ELEMS", 1)
     q, k, v, cuq, cuk, idx = make_cpu([70, 1, 131, 5], [90, 1, 131, 64], empty_rows=True)
-    out, lse = sparse_attn_varlen(q, k, v, cuq, cuk, idx, 131, 131, causal, return_lse=True)
-    ref = naive_sparse_attn_varlen(q, k, v, cuq, cuk, idx, 131, 131, causal)
+    out, lse = sparse_attn_varlen(q, k, v, cuq, cuk, idx, 131, 131, causal=causal, return_lse=True)
+    ref = naive_sparse_attn_varlen(q, k, v, cuq, cuk, idx, 131, 131, causal=causal)
     assert torch.equal(out, ref)
     do = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), do)

@@ -34,8 +34,8 @@ def make_inputs(lengths_q, lengths_k, HQ, H, D, dtype, K=12, seed=0, **sel):
 
 def check_against_reference(out, lse, q, k, v, cu_q, cu_k, idx, mq, mk, causal):
     ref, ref_lse = naive_sparse_attn_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, idx, mq, mk,
-                                            causal, return_lse=True)
-    lowp = naive_sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, mq, mk, causal, upcast=False)
+                                            causal=causal, return_lse=True)
+    lowp = naive_sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, mq, mk, causal=causal, upcast=False)
     assert_close_to_ref("out", out, ref, lowp, mult=2)
     empty = torch.isinf(ref_lse)
     assert torch.equal(torch.isinf(lse), empty), "lse must be +inf exactly on rows with no allowed key"
@@ -77,8 +77,8 @@ def run_fwd(q, k, v, cu_q, cu_k, idx, mq, mk, variant, causal=True, **fields):
     """(out, lse) of the token-level forward under `variant`: "sm90a" without `fields` through the
     public op (`kernel="sm90a"`), everything else through `ops.token_fwd` with its plan."""
     if variant == "sm90a" and not fields:
-        return sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, mq, mk, causal, return_lse=True, backend="kernels",
-                                  kernel="sm90a")
+        return sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, mq, mk, causal=causal, return_lse=True,
+                                  backend="kernels", kernel="sm90a")
     plan = plan_of(variant, q, k, mk, 2 * idx.shape[2], **fields)
     return ops.token_fwd(q, k, v, cu_q, cu_k, idx, mq, mk, causal, q.shape[-1] ** -0.5, plan)
 
