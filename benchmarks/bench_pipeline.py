@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -182,7 +183,7 @@ class Runner:
         writing the JSON after each; returns the configs' memory records."""
         a, memory = self.args, []
         with no_validation(a.validate):
-            for T, B in a.configs:
+            for T, B in tqdm(a.configs, unit="config", disable=None):
                 try:
                     memory.append(bench_config(T, B))
                 except Exception as e:  # noqa: BLE001 - e.g. OOM building inputs: record it, go on
@@ -342,7 +343,8 @@ def add_common_args(p: argparse.ArgumentParser, impls: tuple[str, ...]) -> None:
     p.add_argument("--max-configs", type=int, default=0, help="run only the first N configs (0: all)")
     p.add_argument("--backend", default="auto", choices=("auto", "kernels", "reference"),
                    help="stage implementations (infllm_cupy.pipeline.stages_for). Default: auto")
-    p.add_argument("--topk", type=int, default=64, help="blocks picked by score (MiniCPM4: 64)")
+    p.add_argument("--topk", type=int, default=64, help="blocks picked by score (MiniCPM4: 64); K = topk + local_blocks, "
+                        "forced blocks included")
     p.add_argument("--local-blocks", type=int, default=32, help="local window in blocks (MiniCPM4: 32)")
     p.add_argument("--impls", default=",".join(impls), help=f"subset of {','.join(impls)}")
     p.add_argument("--skip-check", action="store_true", help="skip the check against the reference pipeline")

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -261,7 +262,7 @@ def bench_config(r: Runner, T: int, B: int, impls: list[str], ours, nsa, flex, B
         del fn
         r.free()
 
-    for K in a.K:
+    for K in tqdm(a.K, desc=f"{cfg} K", disable=None, leave=False):
         if "flex_same" in impls:
             # K/2 tiles of 128 keys per 128-token q tile (block 0 + diagonal + random earlier), as 64-blocks
             sel = split_blocks(block_shared(B, T, H, K // 2, block_size=128, device=dev, seed=a.seed + K), 2)
@@ -269,7 +270,7 @@ def bench_config(r: Runner, T: int, B: int, impls: list[str], ours, nsa, flex, B
             del sel
         if not any(i in impls for i in ("ours", "flex_union", "nsa")):
             continue
-        for si, s in enumerate(a.selections):
+        for si, s in enumerate(tqdm(a.selections, desc=f"K={K} selections", disable=None, leave=False)):
             label = f"{s}:{SELECTION_NAMES[s]}"
             topk = make_selection(s, B, T, H, K, device=dev, seed=a.seed + 1000 * K + si)
             keys = G * int(attended_keys(topk, cu).sum())
@@ -424,7 +425,7 @@ def main(argv=None) -> list[Row]:
             print(check, flush=True)
             if not a.validate:  # the launcher's input validation reads cu_seqlens on the host: not timed
                 stack.enter_context(_env.override(validate=False))
-        for T, B in a.configs:
+        for T, B in tqdm(a.configs, desc=phase, unit="config", disable=None):
             try:
                 bench_config(r, T, B, impls, ours, nsa, flex, BlockMask)
             except Exception as e:  # noqa: BLE001 - e.g. OOM building inputs: record it, go on

@@ -176,9 +176,11 @@ def get_kernel(source: str, name: str, *, sm90a: bool = False):
     Returns:
         cupy.RawKernel on the current device.
     """
-    import cupy
     import torch
 
+    from ._cupy import import_cupy
+
+    cupy = import_cupy()
     dev = torch.cuda.current_device()
     # the kernels folder and line info are part of the key: a tree switched with `_env.override`
     # must not be served another tree's kernel
@@ -249,8 +251,9 @@ def compile_report(source: str, names, arch: str = "sm_90", code: str | None = N
     with NVRTC alone, and parse ptxas' resource report per kernel. Needs no GPU and no driver: CuPy's
     thin NVRTC binding works on a CPU-only machine (its RawModule does not). `code`: the source text
     of a file outside kernels_cu/ (development tools), which may include kernels_cu/ headers."""
-    from cupy_backends.cuda.libs import nvrtc
+    from ._cupy import import_nvrtc
 
+    nvrtc = import_nvrtc()
     names = list(names)
     label = f"{source if code is not None else 'kernels_cu/' + source} ({', '.join(names)}) for {arch}"
     prog = nvrtc.createProgram(_code(source) if code is None else code, source, [], [])

@@ -33,8 +33,9 @@ def ptr(t: torch.Tensor) -> np.uint64:
 
 def current_stream():
     """CuPy view of torch's current stream on the current device."""
-    import cupy
+    from ._cupy import import_cupy
 
+    cupy = import_cupy()
     return cupy.cuda.Stream.from_external(torch.cuda.current_stream())
 
 
@@ -54,7 +55,9 @@ def launch(kernel, *, name: str, grid, block, args, shared_mem: int = 0, pdl: bo
     `pdl`: launch as a programmatic dependent of the previous kernel in the stream (sm_90: it may
     start before that one ends; the kernel orders itself with griddepcontrol). CuPy has no launch
     with attributes, so this goes to the driver's cuLaunchKernelEx through ctypes."""
-    import cupy
+    from ._cupy import import_cupy
+
+    cupy = import_cupy()
 
     grid = tuple(int(g) for g in grid)
     if any(g <= 0 for g in grid):
