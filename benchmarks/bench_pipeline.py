@@ -343,8 +343,8 @@ def add_common_args(p: argparse.ArgumentParser, impls: tuple[str, ...]) -> None:
     p.add_argument("--max-configs", type=int, default=0, help="run only the first N configs (0: all)")
     p.add_argument("--backend", default="auto", choices=("auto", "kernels", "reference"),
                    help="stage implementations (infllm_cupy.pipeline.stages_for). Default: auto")
-    p.add_argument("--topk", type=int, default=64, help="blocks picked by score (MiniCPM4: 64); K = topk + local_blocks, "
-                        "forced blocks included")
+    p.add_argument("--topk", type=int, default=64,
+                   help="blocks picked by score (MiniCPM4: 64); K = topk + local_blocks, forced blocks included")
     p.add_argument("--local-blocks", type=int, default=32, help="local window in blocks (MiniCPM4: 32)")
     p.add_argument("--impls", default=",".join(impls), help=f"subset of {','.join(impls)}")
     p.add_argument("--skip-check", action="store_true", help="skip the check against the reference pipeline")
