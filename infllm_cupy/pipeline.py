@@ -20,6 +20,7 @@ from ._checks import (
     check_kernel_inputs,
     check_max_seqlen,
     check_softmax_scale,
+    check_tensor,
     seqlens_host,
 )
 from ._constants import KV_BLOCK
@@ -30,7 +31,7 @@ from .stage2.attention import sparse_attn_varlen
 from .stage2.naive import naive_dense_attn_varlen, naive_sparse_attn_varlen
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class InfLLMv2Config:
     r"""Hyper-parameters of InfLLM-v2 (MiniCPM4 / 4.1 defaults).
 
@@ -467,6 +468,13 @@ def infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     check_backend(backend)
     check_flags(return_aux=return_aux)
     if cu_seqlens_k is None:
+        # k shares q's cu_seqlens: a mismatch is one of the tensors the user passed, not of a
+        # cu_seqlens_k they never gave.
+        check_tensor("q", q, ndim=3, dtypes=REF_DTYPES)
+        check_tensor("k", k, ndim=3)
+        if k.shape[0] != q.shape[0]:
+            raise ValueError(f"k has {k.shape[0]} rows but q has {q.shape[0]}: without cu_seqlens_k, k and v "
+                             f"share q's cu_seqlens_q (pass cu_seqlens_k for keys longer than the queries)")
         cu_seqlens_k = cu_seqlens_q
     check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
     lq, lk, max_seqlen_q, max_seqlen_k = _check_prefill_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

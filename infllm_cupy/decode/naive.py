@@ -60,10 +60,10 @@ def naive_infllmv2_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     check_attn_inputs(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, k_name="k_cache", v_name="v_cache")
     for name, ck, cu in (("ck1", ck1, cu_seqlens_c1), ("ck2", ck2, cu_seqlens_c2)):
         if (ck is None) != (cu is None):
-            raise ValueError(f"{name} and cu_seqlens_{name[1:]} must be given together")
+            raise ValueError(f"{name} and cu_seqlens_c{name[2:]} must be given together")
         if ck is not None:
             check_tensor(name, ck, ndim=3, dtypes=(q.dtype,), device=q.device)
-            check_cu_seqlens(f"cu_seqlens_{name[1:]}", cu, total=ck.shape[0], device=q.device, batch=B,
+            check_cu_seqlens(f"cu_seqlens_c{name[2:]}", cu, total=ck.shape[0], device=q.device, batch=B,
                              batch_name="cu_seqlens_k")
     lk = seqlens_host(cu_seqlens_k)
     if any(L < 1 for L in lk):
