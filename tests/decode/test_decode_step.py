@@ -1,0 +1,385 @@
+"""The whole decode step (infllmv2_decode), chunked prefill into the cache, and the custom ops under
+torch.compile: against the references naive_infllmv2_decode / naive_infllmv2_attention (CPU), the
+kernels against the float64 reference by FlashAttention's rule (GPU)."""
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from infllm_cupy import _env
+from infllm_cupy.decode import DecodeCache, naive_infllmv2_decode, naive_sparse_decode
+from infllm_cupy.decode.ops import decode_select_op, decode_step, sparse_decode_op, sparse_decode_weights_op
+from infllm_cupy.decode.step import decode_layout, decode_select, infllmv2_decode, infllmv2_prefill_into_cache
+from infllm_cupy.pipeline import InfLLMv2Config, naive_infllmv2_attention
+from infllm_cupy.testing import assert_close_to_ref, cu_seqlens_from_lengths
+
+# A small budget so that selection drops blocks (K = 4 + 2 = 6 blocks of 64); fp32 scores so that
+# no two blocks tie in top-k (ties may be broken differently by torch.topk and the kernel).
+CFG = InfLLMv2Config(topk=4, local_blocks=2, dense_len=0, score_dtype=torch.float32)
+
+
+def make_cache(lengths, H, D, dtype, *, page_size=None, device="cpu", seed=0, spare=70):
+    """A cache holding random K/V of `lengths` (one chunk), `spare` positions of room; paged caches
+    get shuffled pages."""
+    g = torch.Generator().manual_seed(seed)
+    B, cap = len(lengths), max(lengths) + spare
+    if page_size is None:
+        cache = DecodeCache.contiguous(B, cap, H, D, dtype=dtype, device=device)
+    else:
+        per = math.ceil(cap / page_size)
+        bt = torch.randperm(B * per + 2, generator=g)[:B * per].view(B, per).to(torch.int32)
+        cache = DecodeCache.paged(B * per + 2, page_size, H, D, bt.to(device), dtype=dtype, device=device)
+    k = (torch.randn(sum(lengths), H, D, generator=g) * 2).to(device, dtype)
+    v = torch.randn(sum(lengths), H, D, generator=g).to(device, dtype)
+    cache.append(k, v, cu_seqlens_from_lengths(lengths))
+    return cache
+
+
+def oracle(q, cache, cfg):
+    """naive_infllmv2_decode on the packed cache: (out, topk_idx or None)."""
+    k, v, cu = cache.packed()
+    out, aux = naive_infllmv2_decode(q, k, v, cu, config=cfg, return_aux=True)
+    return out, aux["topk_idx"]
+
+
+def same_selection(a, b):
+    """Equal as sets per (head, sequence) row, -1 slots ignored (K may differ by -1 padding)."""
+    assert a.shape[:2] == b.shape[:2]
+    for h in range(a.shape[0]):
+        for s in range(a.shape[1]):
+            x = sorted(i for i in a[h, s].tolist() if i >= 0)
+            y = sorted(i for i in b[h, s].tolist() if i >= 0)
+            assert x == y, f"row (h={h}, b={s}): {x} != {y}"
+
+
+# ------------------------------------------------------------------------------------------- CPU
+@pytest.mark.parametrize("page_size", [None, 64, 256], ids=["contiguous", "page64", "page256"])
+@pytest.mark.parametrize("exact", [False, True], ids=["coarse", "exact"])
+def test_step_equals_the_reference(page_size, exact):
+    lengths, H, HQ, D = [1, 65, 300, 700, 1025], 2, 8, 32
+    cfg = dataclasses.replace(CFG, exact_stage1=exact)
+    cache = make_cache(lengths, H, D, torch.float32, page_size=page_size)
+    q = torch.randn(len(lengths), HQ, D)
+    out, idx = infllmv2_decode(q, cache, config=cfg, return_topk_idx=True)
+    ref, ref_idx = oracle(q, cache, cfg)
+    assert torch.equal(idx, ref_idx)                              # the selection exactly
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # the long sequence really drops blocks: 6 of its 17
+    assert int((idx[:, -1] >= 0).sum(-1).min()) == 6
+
+
+def test_step_bf16_within_flash_attention_rule_and_default_scores():
+    # MiniCPM4's bf16 stage-1 scores; the output against float64 attention over the same selection
+    lengths, H, HQ, D = [130, 900, 640], 2, 16, 64
+    cfg = dataclasses.replace(CFG, score_dtype=torch.bfloat16)
+    cache = make_cache(lengths, H, D, torch.bfloat16, page_size=64)
+    q = torch.randn(len(lengths), HQ, D).to(torch.bfloat16)
+    out, lse, idx = infllmv2_decode(q, cache, config=cfg, return_lse=True, return_topk_idx=True)
+    _, ref_idx = oracle(q, cache, cfg)
+    assert torch.equal(idx, ref_idx)
+    as64 = (cache.k.double(), cache.v.double(), cache.seqlens, cache.block_table)
+    ref, ref_lse = naive_sparse_decode(q.double(), as64, idx, return_lse=True)
+    lowp = naive_sparse_decode(q, cache, idx, upcast=False)
+    assert_close_to_ref("out", out, ref, lowp)
+    torch.testing.assert_close(lse, ref_lse.float(), atol=1e-3, rtol=0)
+
+
+def test_dense_below_dense_len_and_sparse_from_it():
+    # spec section 9: dense while the longest cache (current token included) is < dense_len
+    lengths, H, HQ, D = [511, 200], 2, 4, 32
+    cfg = dataclasses.replace(CFG, dense_len=512)
+    cache = make_cache(lengths, H, D, torch.float32)
+    q = torch.randn(2, HQ, D)
+    out, idx = infllmv2_decode(q, cache, config=cfg, return_topk_idx=True)
+    ref, ref_idx = oracle(q, cache, cfg)
+    assert idx is None and ref_idx is None
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, naive_sparse_decode(q, cache), atol=0, rtol=0)
+    cache.append(torch.randn(2, H, D), torch.randn(2, H, D))          # longest = 512 = dense_len
+    out, idx = infllmv2_decode(q, cache, config=cfg, return_topk_idx=True)
+    ref, ref_idx = oracle(q, cache, cfg)
+    assert idx is not None and torch.equal(idx, ref_idx)
+    assert int((idx[:, 0] >= 0).sum(-1).max()) == 6                   # 8 blocks, 6 kept: sparse
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_weights_of_the_step():
+    lengths, H, HQ, D = [300, 1000], 2, 8, 32
+    cache = make_cache(lengths, H, D, torch.float32, page_size=64)
+    q = torch.randn(2, HQ, D)
+    out, w, idx = infllmv2_decode(q, cache, config=CFG, return_attn_weights=True, return_topk_idx=True)
+    _, wr = naive_sparse_decode(q, cache, idx, return_attn_weights=True)
+    assert torch.equal(w, wr) and w.shape == (2, HQ, cache.capacity)
+    torch.testing.assert_close(w.sum(-1), torch.ones(2, HQ), atol=1e-5, rtol=0)
+    blocks = torch.arange(cache.capacity) // 64
+    for b in range(2):
+        for h in range(H):
+            sel = torch.isin(blocks, idx[h, b][idx[h, b] >= 0])
+            assert bool((w[b, h * 4:(h + 1) * 4][:, ~sel] == 0).all())
+    wk = infllmv2_decode(q, cache, config=CFG, return_attn_weights=True, weights="per_kv_head")[1]
+    torch.testing.assert_close(wk, w.view(2, H, 4, -1).sum(2), atol=1e-6, rtol=0)
+
+
+def test_decode_layout_views_the_cache_without_copying():
+    cache = make_cache([40, 200, 1], 2, 16, torch.float32, spare=100)
+    cu_q, ck1, cu1, ck2, cu2, cache_lens = decode_layout(cache)
+    N1, N2 = cache.ck1.shape[1], cache.ck2.shape[1]
+    assert ck1.data_ptr() == cache.ck1.data_ptr() and ck2.data_ptr() == cache.ck2.data_ptr()
+    assert cu_q.tolist() == [0, 1, 1, 2, 2, 3, 3]
+    n1 = [1, 11, 0]                                   # (L - 32) // 16 + 1 complete windows
+    n2 = [0, 2, 0]                                    # (L - 128) // 64 + 1
+    assert cu1.tolist() == [0, n1[0], N1, N1 + n1[1], 2 * N1, 2 * N1 + n1[2], 3 * N1]
+    assert cu2.tolist() == [0, n2[0], N2, N2 + n2[1], 2 * N2, 2 * N2 + n2[2], 3 * N2]
+    assert cache_lens.tolist() == [39, 0, 199, 0, 0, 0]
+    e = decode_layout(cache, exact=True)
+    assert e[3] is e[1] and e[4] is e[2]
+
+
+@pytest.mark.parametrize("page_size", [None, 64])
+@pytest.mark.parametrize("dense_len", [0, 100000], ids=["sparse", "dense"])
+def test_chunked_prefill_equals_the_reference_pipeline(page_size, dense_len):
+    cfg = dataclasses.replace(CFG, dense_len=dense_len)
+    H, HQ, D = 2, 4, 32
+    cache = make_cache([1, 300, 800], H, D, torch.float32, page_size=page_size, spare=300)
+    for n in ([5, 0, 64], [130, 1, 3]):
+        q = torch.randn(sum(n), HQ, D)
+        k, v = torch.randn(sum(n), H, D), torch.randn(sum(n), H, D)
+        out, aux = infllmv2_prefill_into_cache(q, k, v, cache, cu_seqlens_from_lengths(n), config=cfg,
+                                               return_aux=True)
+        kp, vp, cu = cache.packed()
+        L = cache.lengths()
+        ref, ref_aux = naive_infllmv2_attention(q, kp, vp, cu_seqlens_from_lengths(n), cu, max(n), max(L), cfg,
+                                                return_aux=True)
+        assert torch.equal(out, ref)
+        assert aux["dense"] == ref_aux["dense"] == (dense_len > 0)
+        if not aux["dense"]:
+            assert torch.equal(aux["topk_idx"], ref_aux["topk_idx"])
+    # then one decode step on the same cache agrees with the reference too
+    q = torch.randn(3, HQ, D)
+    cache.append(torch.randn(3, H, D), torch.randn(3, H, D))
+    out = infllmv2_decode(q, cache, config=cfg)
+    torch.testing.assert_close(out, oracle(q, cache, cfg)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_prefill_errors_leave_the_cache_unchanged():
+    H, HQ, D = 2, 4, 16
+    cache = make_cache([10, 20], H, D, torch.float32, spare=5)
+    before = (cache.k.clone(), cache.ck1.clone(), cache.lengths())
+    q = torch.randn(8, HQ, D)
+    kv = torch.randn(8, H, D)
+    cases = [
+        (dict(n=[2, 6]), "capacity"),                                 # sequence 1: 20 + 6 > 25
+        (dict(q=torch.randn(7, HQ, D)), "q"),
+        (dict(k=kv.double()), "k_new"),
+        (dict(q=q.double()), "q"),
+        (dict(n=[4, 3]), "k_new"),                                    # 7 tokens for 8 rows
+    ]
+    for change, match in cases:
+        a = dict(q=q, k=kv, v=kv, n=[4, 4])
+        a.update(change)
+        with pytest.raises((ValueError, TypeError), match=match):
+            infllmv2_prefill_into_cache(a["q"], a["k"], a["v"], cache, cu_seqlens_from_lengths(a["n"]), config=CFG)
+        assert torch.equal(cache.k, before[0]) and torch.equal(cache.ck1, before[1])
+        assert cache.lengths() == before[2]
+
+
+def test_bad_input_names_the_argument():
+    cache = make_cache([100, 70], 2, 32, torch.float32)
+    q = torch.randn(2, 4, 32)
+    cases = [
+        (dict(q=q.double()), "q"),
+        (dict(q=torch.randn(3, 4, 32)), "q"),
+        (dict(q=torch.randn(2, 4, 16)), "head dim"),
+        (dict(q=torch.randn(2, 3, 32)), "heads"),
+        (dict(weights="per_query"), "weights"),
+        (dict(backend="cuda"), "backend"),
+        (dict(kernel="sm70"), "kernel"),
+        (dict(config=dataclasses.replace(CFG, kernel_size=64, kernel_stride=32, block_size=64)), "config"),
+        (dict(config="minicpm"), "config"),
+        (dict(cache=(cache.k, cache.v, cache.seqlens)), "cache"),
+    ]
+    for change, match in cases:
+        a = dict(q=q, cache=cache)
+        a.update(change)
+        q_, c_ = a.pop("q"), a.pop("cache")
+        with pytest.raises((ValueError, TypeError), match=match):
+            infllmv2_decode(q_, c_, **{"config": CFG, **a})
+    empty = DecodeCache.contiguous(2, 64, 2, 32, dtype=torch.float32)
+    with pytest.raises(ValueError, match="cache: every sequence must hold"):
+        infllmv2_decode(q, empty, config=CFG)
+
+
+def test_decode_select_op_pads_to_the_static_k():
+    # the op sizes K on the cache's width (a static shape); the reference on the longest sequence
+    cache = make_cache([200, 130], 2, 32, torch.float32, spare=700)             # width 900: 15 blocks
+    q = torch.randn(2, 4, 32)
+    ref = decode_select(q, cache, config=dataclasses.replace(CFG, topk=12))     # K = min(14, 4) = 4
+    got = decode_select_op(q, cache.ck1, cache.ck2, cache.seqlens, cache.capacity, 12, 2, 1, 64, 32 ** -0.5,
+                           torch.float32, False, "auto")
+    assert ref.shape == (2, 2, 4) and got.shape == (2, 2, 14)
+    assert torch.equal(got[..., :4], ref) and bool((got[..., 4:] == -1).all())
+
+
+def test_ops_fake_and_schema():
+    # torch.library.opcheck: schema, fake implementation against the CPU kernel, autograd registration
+    cache = make_cache([100, 70], 2, 32, torch.float32, page_size=64)
+    q = torch.randn(2, 4, 32)
+    idx = torch.tensor([[[0, 1], [1, -1]], [[1, 0], [0, 0]]], dtype=torch.int32)
+    base = (q, cache.k, cache.v, cache.seqlens, cache.block_table)
+    torch.library.opcheck(sparse_decode_op, base + (idx, 0.2, 64))
+    torch.library.opcheck(sparse_decode_op, base + (None, 0.2, 64))
+    torch.library.opcheck(sparse_decode_weights_op, base + (idx, 0.2, 64, True))
+    torch.library.opcheck(decode_select_op, (q, cache.ck1, cache.ck2, cache.seqlens, cache.capacity, 4, 2, 1, 64,
+                                             0.2, torch.float32, False, "auto"))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_decode_loop_compiles_fullgraph_on_cpu(backend):
+    # append + the whole step (selection and attention with weights) in one compiled region, across
+    # the dense/sparse switch; equal to the eager step at every step: bit for bit through aot_eager
+    # (fake-tensor tracing and functionalization of the cache's in-place writes, eager kernels);
+    # inductor generates its own window-mean code, so ck1/ck2 may differ in the last bit there
+    exact = backend == "aot_eager"
+    same = torch.equal if exact else (lambda a, b: torch.allclose(a, b, atol=1e-5, rtol=1e-5))
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    H, HQ, D = 2, 4, 32
+    cfg = dataclasses.replace(CFG, dense_len=250)
+    eager = make_cache([240, 100], H, D, torch.float32, page_size=64, spare=40)
+    compiled = make_cache([240, 100], H, D, torch.float32, page_size=64, spare=40)
+
+    @torch.compile(fullgraph=True, backend=backend)
+    def step(cache, q, k, v, dense: bool):
+        cache.append(k, v)
+        return decode_step(q, cache, config=cfg, dense=dense, return_attn_weights=True)
+
+    g = torch.Generator().manual_seed(5)
+    paths = set()
+    for _ in range(16):
+        q, k, v = torch.randn(2, HQ, D, generator=g), torch.randn(2, H, D, generator=g), torch.randn(2, H, D,
+                                                                                                    generator=g)
+        dense = compiled.max_len() + 1 < cfg.dense_len
+        paths.add(dense)
+        out, lse, w = step(compiled, q, k, v, dense)
+        eager.append(k, v)
+        ref, ref_lse, ref_w = infllmv2_decode(q, eager, config=cfg, return_lse=True, return_attn_weights=True)
+        assert same(out, ref) and same(lse, ref_lse) and same(w, ref_w)
+    assert paths == {True, False}
+    assert compiled.lengths() == eager.lengths() == [256, 116]
+    for name in ("k", "v", "seqlens"):
+        assert torch.equal(getattr(compiled, name), getattr(eager, name)), name
+    for name in ("ck1", "ck2"):
+        assert same(getattr(compiled, name), getattr(eager, name)), name
+    # one graph per path, plus at most one recompile when the lengths become dynamic
+    assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
+
+
+# ------------------------------------------------------------------------------------------- GPU
+# (lengths, HQ, H, D, dtype, page_size): cache lengths 1, 63, 64, 65, 127, 128 and ones that are not
+# page multiples, mixed; G from 1 to 32.
+GPU_CASES = [
+    ([1, 63, 64, 65, 127, 128, 700], 16, 1, 128, torch.bfloat16, None),
+    ([300, 1000, 70], 32, 2, 128, torch.bfloat16, 64),
+    ([2049, 17], 4, 2, 64, torch.float16, 128),
+    ([777], 1, 1, 64, torch.bfloat16, 256),
+    ([513, 200], 24, 1, 128, torch.float16, None),
+    ([130, 1500], 32, 1, 64, torch.bfloat16, 64),
+    ([900, 640, 3], 2, 2, 128, torch.float16, 256),
+]
+GPU_IDS = [f"L{'-'.join(map(str, c[0]))}_HQ{c[1]}_H{c[2]}_D{c[3]}_{str(c[4])[6:]}_"
+           f"{'pg' + str(c[5]) if c[5] else 'contig'}" for c in GPU_CASES]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=GPU_IDS)
+def test_kernel_step_matches_reference(case):
+    lengths, HQ, H, D, dtype, page_size = case
+    cache = make_cache(lengths, H, D, dtype, page_size=page_size, device="cuda")
+    q = torch.randn(len(lengths), HQ, D, generator=torch.Generator().manual_seed(1)).to("cuda", dtype)
+    out, lse, w, idx = infllmv2_decode(q, cache, config=CFG, return_lse=True, return_attn_weights=True,
+                                       return_topk_idx=True)
+    cpu = make_cache(lengths, H, D, dtype, page_size=page_size)                 # same draws on the CPU
+    _, ref_idx = oracle(q.cpu(), cpu, CFG)
+    same_selection(idx.cpu(), ref_idx)
+    as64 = (cache.k.double(), cache.v.double(), cache.seqlens, cache.block_table)
+    as64 = as64 if page_size else as64[:3]
+    ref, ref_lse, ref_w = naive_sparse_decode(q.double(), as64, idx, return_lse=True, return_attn_weights=True)
+    lowp, lowp_lse, lowp_w = naive_sparse_decode(q, cache, idx, return_lse=True, return_attn_weights=True,
+                                                 upcast=False)
+    assert_close_to_ref("out", out, ref, lowp)
+    assert_close_to_ref("lse", lse, ref_lse.float(), lowp_lse, atol_floor=1e-5)
+    assert_close_to_ref("weights", w, ref_w.float(), lowp_w, atol_floor=1e-6)
+    torch.testing.assert_close(w.sum(-1), torch.ones_like(lse), atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+def test_kernel_dense_path_and_chunked_prefill():
+    lengths, HQ, H, D, dtype = [300, 65], 8, 2, 128, torch.bfloat16
+    cfg = dataclasses.replace(CFG, dense_len=10000)
+    cache = make_cache(lengths, H, D, dtype, page_size=64, device="cuda", spare=400)
+    q = torch.randn(2, HQ, D, device="cuda", dtype=dtype)
+    out, idx = infllmv2_decode(q, cache, config=cfg, return_topk_idx=True)
+    assert idx is None
+    as64 = (cache.k.double(), cache.v.double(), cache.seqlens, cache.block_table)
+    assert_close_to_ref("dense", out, naive_sparse_decode(q.double(), as64), naive_sparse_decode(q, cache,
+                                                                                                  upcast=False))
+    n = [70, 130]
+    g = torch.Generator().manual_seed(2)
+    qn = torch.randn(sum(n), HQ, D, generator=g).to("cuda", dtype)
+    kn, vn = (torch.randn(sum(n), H, D, generator=g).to("cuda", dtype) for _ in range(2))
+    out = infllmv2_prefill_into_cache(qn, kn, vn, cache, cu_seqlens_from_lengths(n, "cuda"), config=CFG)
+    assert not torch.isnan(out).any()
+    kp, vp, cu = cache.packed()
+    cu_q = cu_seqlens_from_lengths(n, "cuda")
+    ref = naive_infllmv2_attention(qn.double(), kp.double(), vp.double(), cu_q, cu, max(n), max(cache.lengths()),
+                                   CFG)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_whole_step_replays_bit_identically_in_a_cuda_graph(page_size):
+    # append + stage 1 + top-k + sparse decode with weights, captured with value checks off
+    lengths, HQ, H, D, dtype = [700, 63, 1029], 16, 2, 128, torch.bfloat16
+    eager = make_cache(lengths, H, D, dtype, page_size=page_size, device="cuda")
+    graphed = make_cache(lengths, H, D, dtype, page_size=page_size, device="cuda")
+    g = torch.Generator().manual_seed(3)
+    kn, vn = (torch.randn(3, H, D, generator=g).to("cuda", dtype) for _ in range(2))
+    q = torch.randn(3, HQ, D, generator=g).to("cuda", dtype)
+
+    def step(cache):
+        cache.append(kn, vn)
+        return infllmv2_decode(q, cache, config=CFG, return_lse=True, return_attn_weights=True,
+                               return_topk_idx=True)
+
+    with _env.override(validate=False):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):                 # warm-up: compilation, allocator
+            step(make_cache(lengths, H, D, dtype, page_size=page_size, device="cuda"))
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            res_g = step(graphed)
+        graph.replay()
+        torch.cuda.synchronize()
+        res_e = step(eager)
+    assert graphed.sync_lengths() == eager.lengths() == [L + 1 for L in lengths]
+    for a, b in zip(res_g, res_e):
+        assert torch.equal(a, b)
+    for name in ("k", "v", "ck1", "ck2", "seqlens"):
+        assert torch.equal(getattr(graphed, name), getattr(eager, name)), name
+
+
+@pytest.mark.gpu
+def test_kernel_ops_under_compile():
+    cfg = dataclasses.replace(CFG, dense_len=0)
+    cache = make_cache([500, 90], 2, 64, torch.float16, page_size=64, device="cuda")
+    q = torch.randn(2, 8, 64, device="cuda", dtype=torch.float16)
+    step = torch.compile(lambda q: decode_step(q, cache, config=cfg, dense=False), fullgraph=True, backend="eager")
+    out, lse = step(q)
+    ref, ref_lse = infllmv2_decode(q, cache, config=cfg, return_lse=True)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
