@@ -12,7 +12,7 @@
 //   MODE 5  4 plus the kernel's Q/dO traffic: 32 KB per tile by bulk copy (from an L2-resident
 //           buffer) into a double buffer, an mbarrier wait and a CTA barrier per tile
 //   MODE 6  4 with the next tile's S^T/dP^T issued before waiting for this tile's dV/dK
-//   MODE 7  5 pipelined as 6 (the kernel's v12)
+//   MODE 7  5 pipelined as 6 (the kernel's tile step: docs/stage2_bwd.md, 6. dk/dv: the tile step)
 //   MODE 8  7 with exp2 replaced by one FMA: the most any faster exp2 could give
 // grid: CTAs per SM x SMs, block 128; the dynamic shared memory size sets the CTAs per SM.
 #include "common/types.cuh"
