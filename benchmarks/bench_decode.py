@@ -1,0 +1,560 @@
+r"""Decode (one query token per sequence against its KV cache): ours against the anchors, in one process.
+
+    python benchmarks/bench_decode.py --json benchmarks/results/decode.json      # the default run (< 150 s, H100)
+    python benchmarks/bench_decode.py --configs 8x128k --impls ours_step,sdpa_cudnn
+    python benchmarks/bench_decode.py --device cpu --configs 1x1k --hq 4 --h 2 --d 64 --topk 4 --local-blocks 2
+
+Configs are BATCHxCONTEXT (k = 1024), README head config by default (HQ 32, H 2, D 128, bf16). Every
+sequence of a config holds CONTEXT keys; caches are random, built directly on the device.
+
+Implementations (rows; `weights` = with `return_attn_weights=True`, fp32 per query head `[B, HQ, L]`):
+    ours_sparse     sparse_decode over K = topk + local_blocks selected 64-key blocks (stage 2 alone):
+                    block 0, the local_blocks + 1 blocks ending at the last one, random others
+    ours_step       infllmv2_decode: stage 1 over the cache's compressed keys, top-k, sparse_decode
+    ours_dense      sparse_decode over every block (dense decode through our kernel)
+    sdpa_cudnn, sdpa_flash, sdpa_efficient, sdpa_math
+                    torch SDPA dense decode, q `[B, HQ, 1, D]`, K/V `[B, H, L, D]`, enable_gqa
+    flex            FlexAttention (compiled) with a BlockMask of the same selection as ours_sparse
+                    (64-key KV blocks, all full: no mask_mod)
+    eager_grouped   eager attention returning weights as a grouped einsum (the H2O baseline)
+    eager_hf        HF's eager path returning weights: repeat_kv, matmul, softmax (fp32), matmul
+    flashinfer      FlashInfer's paged decode (BatchDecodeWithPagedKVCacheWrapper) on the same cache
+                    viewed as 64-token pages, if `import flashinfer` works
+The device copy bandwidth (a device-to-device copy, bytes read + written) is measured in the same run.
+At the batches in --graph-batches (default 1) ours and the SDPA / eager anchors are also timed as
+CUDA-graph replays (`mode=graph`), so that launch overhead does not decide the comparison.
+
+GB/s count the bytes each implementation must move: K/V of the selected (sparse, flex) or all
+positions, the compressed keys ck1 + ck2 (stage 1 of ours_step), q, out, and the weights it returns.
+Goals (issue #22) are printed as a second table, with the measured value, the target and whether met.
+Failures are recorded as notes, never raised.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks._harness import bench_gpu_time, env_line, env_stamp, free_gpu_memory, summarize, write_json  # noqa: E402
+
+OURS = ("ours_sparse", "ours_step", "ours_dense")
+SDPA = ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math")
+ANCHORS = (*SDPA, "flex", "eager_grouped", "eager_hf", "flashinfer")
+IMPLS = (*OURS, *ANCHORS)
+DENSE_ANCHORS = (*SDPA, "flashinfer")            # dense decode without weights: "the fastest dense anchor"
+WITH_WEIGHTS = ("eager_grouped", "eager_hf")     # anchors that only exist with weights
+DEFAULT_CONFIGS = "1x32k,1x128k,8x32k,8x128k,64x32k,64x128k"
+BLOCK = 64
+
+
+@dataclasses.dataclass
+class Row:
+    """One timed (implementation, config, weights, mode); `us` is None when it failed or was skipped."""
+    impl: str
+    config: str
+    weights: bool = False
+    mode: str = "eager"                   # "eager" or "graph" (CUDA-graph replay)
+    us: float | None = None
+    us_p20: float | None = None
+    us_p80: float | None = None
+    reps: int = 0
+    bytes: int | None = None
+    gbps: float | None = None
+    note: str = ""
+
+
+def _short(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0] if msg else ''}"[:200]
+
+
+def parse_config(s: str) -> tuple[int, int]:
+    """'8x128k' -> (B=8, L=131072): BATCHxCONTEXT, k = 1024."""
+    b, t = s.lower().split("x")
+    L = int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
+    return int(b), L
+
+
+def config_id(B: int, L: int) -> str:
+    return f"{B}x{L // 1024}k" if L % 1024 == 0 else f"{B}x{L}"
+
+
+def n_windows(L: int, kernel: int, stride: int) -> int:
+    return 0 if L < kernel else (L - kernel) // stride + 1
+
+
+# ------------------------------------------------------------------------------------------- inputs
+def random_cache(B: int, L: int, H: int, D: int, dtype, dev, g):
+    """A full contiguous DecodeCache (every sequence holds L keys) with random K/V and compressed keys,
+    built directly (no append, no compression pass: the timings do not depend on the values)."""
+    from infllm_cupy.decode.cache import COMPRESSIONS, DecodeCache
+
+    k = torch.randn(B, L, H, D, generator=g, device=dev, dtype=dtype)
+    v = torch.randn(B, L, H, D, generator=g, device=dev, dtype=dtype)
+    ck = [torch.randn(B, n_windows(L, kr, st), H, D, generator=g, device=dev, dtype=dtype) for kr, st in COMPRESSIONS]
+    seqlens = torch.full((B,), L, dtype=torch.int32, device=dev)
+    return DecodeCache(k, v, seqlens, None, None, ck[0], ck[1], [L] * B, [L] * B)
+
+
+def random_selection(B: int, H: int, L: int, topk: int, local_blocks: int, dev, g) -> torch.Tensor:
+    """int32 `[H, B, K]`, K = min(topk + local_blocks, blocks): InfLLM-v2's shape of a selection (block 0,
+    the local_blocks + 1 blocks ending at the last one, random distinct others), distinct and valid."""
+    nb = -(-L // BLOCK)
+    K = min(topk + local_blocks, nb)
+    local = min(local_blocks + 1, nb - 1)
+    n_rand = K - 1 - local
+    mid = nb - 1 - local                                     # candidates 1 .. mid
+    parts = [torch.zeros(H * B, 1, dtype=torch.long, device=dev),
+             torch.rand(H * B, mid, generator=g, device=dev).argsort(-1)[:, :n_rand] + 1,
+             torch.arange(nb - local, nb, device=dev).expand(H * B, local)]
+    return torch.cat(parts, 1).sort(-1).values.to(torch.int32).view(H, B, K).contiguous()
+
+
+# ------------------------------------------------------------------------------------------ runner
+class Runner:
+    def __init__(self, a, dev: torch.device):
+        self.a, self.dev = a, dev
+        self.rows: list[Row] = []
+        self.t0 = time.perf_counter()
+
+    def over_budget(self) -> bool:
+        return self.a.budget_s > 0 and time.perf_counter() - self.t0 > self.a.budget_s
+
+    def time(self, row: Row, fn: Callable | None, nbytes: int | None, *, skip: str = "") -> Row:
+        a = self.a
+        row.bytes = nbytes
+        if skip or fn is None:
+            row.note = skip or "unavailable"
+        elif self.over_budget():
+            row.note = f"skipped: --budget-s {a.budget_s:g} s exceeded"
+        else:
+            try:
+                run = fn
+                if row.mode == "graph":
+                    run = capture(fn)
+                times = bench_gpu_time(run, warmup=a.warmup, rep=a.rep, target_ms=a.target_ms, min_rep=a.min_rep,
+                                       max_rep=a.max_rep, device=self.dev)
+                st = summarize(times)
+                row.us, row.us_p20, row.us_p80, row.reps = st["ms"] * 1e3, st["ms_p20"] * 1e3, st["ms_p80"] * 1e3, \
+                    len(times)
+                row.gbps = nbytes / (row.us * 1e3) if nbytes and row.us else None
+            except Exception as e:  # noqa: BLE001 - one failure must not end the table
+                row.note = (row.note + "; " if row.note else "") + _short(e)
+                if self.dev.type == "cuda":
+                    with contextlib.suppress(Exception):
+                        torch.cuda.synchronize()
+            finally:
+                run = None
+                free_gpu_memory(self.dev)
+        self.rows.append(row)
+        tqdm.write(f"  {row.impl:<14} {row.config:<8} w={int(row.weights)} {row.mode:<5} "
+                   f"us={'-' if row.us is None else f'{row.us:.1f}'} "
+                   f"GB/s={'-' if row.gbps is None else f'{row.gbps:.0f}'} {row.note}")
+        return row
+
+
+def capture(fn: Callable) -> Callable:
+    """`fn` captured in a CUDA graph (after two warm-up calls on a side stream); returns the replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def copy_bandwidth(r: Runner) -> Row:
+    """Device-to-device copy of a large buffer; GB/s on the bytes read + written."""
+    n = (1 << 30) if r.dev.type == "cuda" else (1 << 24)
+    src = torch.empty(n // 2, dtype=torch.bfloat16, device=r.dev).normal_()
+    dst = torch.empty_like(src)
+    row = r.time(Row("copy", "-"), lambda: dst.copy_(src), 2 * n)
+    del src, dst
+    return row
+
+
+def mem_free(dev: torch.device) -> float:
+    return torch.cuda.mem_get_info()[0] if dev.type == "cuda" else float("inf")
+
+
+def load_ours():
+    try:
+        from infllm_cupy.decode.sparse_decode import sparse_decode
+        from infllm_cupy.decode.step import infllmv2_decode
+        return sparse_decode, infllmv2_decode, ""
+    except Exception as e:  # noqa: BLE001 - mid-edit or broken: the anchors still run
+        return None, None, f"not importable: {_short(e)}"
+
+
+def load_flashinfer():
+    try:
+        import flashinfer
+        return flashinfer, ""
+    except Exception as e:  # noqa: BLE001
+        return None, ("not run: flashinfer not installed" if isinstance(e, ModuleNotFoundError)
+                      else f"not run: import flashinfer failed ({_short(e)})")
+
+
+def bench_config(r: Runner, B: int, L: int, flex, BlockMask, ours, flashinfer, fi_note: str, check: list) -> None:
+    a, dev = r.a, r.dev
+    HQ, H, D = a.hq, a.h, a.d
+    G = HQ // H
+    dt = torch.bfloat16
+    cfg = config_id(B, L)
+    esz = torch.tensor([], dtype=dt).element_size()
+    kv_all = 2 * B * L * H * D * esz
+    need = 2 * kv_all + (B * HQ * L * 4 if a.weights else 0)       # cache + the anchors' [B, H, L, D] copy
+    if need > 0.9 * mem_free(dev):
+        for impl in a.impls:
+            r.rows.append(Row(impl, cfg, note=f"skipped: needs ~{need / 2**30:.0f} GiB, "
+                                              f"{mem_free(dev) / 2**30:.0f} GiB free"))
+        tqdm.write(f"== {cfg}: skipped (does not fit)")
+        return
+    tqdm.write(f"== {cfg}: B={B} L={L} HQ={HQ} H={H} D={D}")
+    g = torch.Generator(device=dev).manual_seed(a.seed)
+    cache = random_cache(B, L, H, D, dt, dev, g)
+    q = torch.randn(B, HQ, D, generator=g, device=dev, dtype=dt)
+    topk_idx = random_selection(B, H, L, a.topk, a.local_blocks, dev, g)
+    K = topk_idx.shape[2]
+    scale = D ** -0.5
+    qo = 2 * B * HQ * D * esz                                          # q read + out written
+    kv_sel = 2 * B * H * K * BLOCK * D * esz
+    ck_bytes = (cache.ck1.numel() + cache.ck2.numel()) * esz
+    w32 = B * HQ * L * 4                                               # fp32 weights [B, HQ, L]
+    graph = dev.type == "cuda" and B in a.graph_batches
+    modes = ["eager", "graph"] if graph else ["eager"]
+    weight_opts = [False, True] if a.weights else [False]
+
+    # ---- anchors (before ours: a crash in ours must not cost them)
+    need_bhld = any(i in a.impls for i in (*SDPA, "flex", "eager_grouped", "eager_hf"))
+    kt, vt = ((cache.k.transpose(1, 2).contiguous(), cache.v.transpose(1, 2).contiguous()) if need_bhld
+              else (None, None))
+    q4 = q.view(B, HQ, 1, D)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backends = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION,
+                "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION, "sdpa_math": SDPBackend.MATH}
+    repeat_bytes = 2 * B * HQ * L * D * esz                            # K/V repeated to HQ heads
+    for impl in SDPA:
+        if impl not in a.impls:
+            continue
+
+        def sdpa(backend=backends[impl]):
+            with sdpa_kernel([backend]):
+                return torch.nn.functional.scaled_dot_product_attention(q4, kt, vt, enable_gqa=True)
+        skip = ""
+        if impl == "sdpa_math" and 1.5 * repeat_bytes > mem_free(dev):
+            skip = f"skipped: the math backend repeats K/V to {repeat_bytes / 2**30:.0f} GiB"
+        for mode in modes:
+            prev = r.rows[-1] if mode == "graph" else None
+            if mode == "graph" and prev is not None and prev.us is None:
+                skip = skip or "skipped: eager failed"
+            r.time(Row(impl, cfg, False, mode), sdpa, kv_all + qo, skip=skip)
+
+    if "flex" in a.impls:
+        fn, note = None, ""
+        try:
+            nb = -(-L // BLOCK)
+            full_idx = torch.zeros(B, HQ, 1, nb, dtype=torch.int32, device=dev)
+            full_idx[..., :K] = topk_idx.permute(1, 0, 2).repeat_interleave(G, dim=1)[:, :, None]
+            full_num = torch.full((B, HQ, 1), K, dtype=torch.int32, device=dev)
+            bm = BlockMask.from_kv_blocks(torch.zeros_like(full_num), torch.zeros_like(full_idx), full_num,
+                                          full_idx, BLOCK_SIZE=(128, BLOCK), seq_lengths=(1, L))
+            t0 = time.perf_counter()
+            flex(q4, kt, vt, block_mask=bm, enable_gqa=True)          # compiles (seconds): not timed
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            note = f"first call {time.perf_counter() - t0:.1f} s"
+
+            def fn():
+                return flex(q4, kt, vt, block_mask=bm, enable_gqa=True)
+        except Exception as e:  # noqa: BLE001
+            note = f"setup: {_short(e)}"
+        r.time(Row("flex", cfg, False, "eager", note=note if fn else ""), fn, kv_sel + qo, skip="" if fn else note)
+        fn = bm = full_idx = None
+
+    if "eager_grouped" in a.impls:
+        def eager_grouped():
+            s = torch.einsum("bhgd,bhld->bhgl", q.view(B, H, G, D), kt).float() * scale
+            p = torch.softmax(s, -1)
+            o = torch.einsum("bhgl,bhld->bhgd", p.to(dt), vt)
+            return o.reshape(B, HQ, D), p.view(B, HQ, L)
+        for mode in modes:
+            r.time(Row("eager_grouped", cfg, True, mode), eager_grouped, kv_all + qo + w32)
+
+    if "eager_hf" in a.impls:
+        def eager_hf():
+            kr = kt[:, :, None].expand(B, H, G, L, D).reshape(B, HQ, L, D)
+            vr = vt[:, :, None].expand(B, H, G, L, D).reshape(B, HQ, L, D)
+            w = torch.matmul(q4, kr.transpose(2, 3)) * scale
+            w = torch.softmax(w, dim=-1, dtype=torch.float32).to(dt)
+            return torch.matmul(w, vr).view(B, HQ, D), w
+        skip = (f"skipped: repeat_kv allocates {repeat_bytes / 2**30:.0f} GiB"
+                if 1.5 * repeat_bytes > mem_free(dev) else "")
+        r.time(Row("eager_hf", cfg, True, "eager"), eager_hf, kv_all + qo + B * HQ * L * esz, skip=skip)
+
+    if "flashinfer" in a.impls:
+        fn, note = None, fi_note
+        if flashinfer is not None:
+            try:
+                npg = L // BLOCK
+                ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+                wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+                wrapper.plan(torch.arange(B + 1, dtype=torch.int32, device=dev) * npg,
+                             torch.arange(B * npg, dtype=torch.int32, device=dev),
+                             torch.full((B,), BLOCK, dtype=torch.int32, device=dev), HQ, H, D, BLOCK,
+                             q_data_type=dt, kv_data_type=dt)
+                paged = (cache.k.view(B * npg, BLOCK, H, D), cache.v.view(B * npg, BLOCK, H, D))
+
+                def fn():
+                    return wrapper.run(q, paged)
+                note = ""
+            except Exception as e:  # noqa: BLE001
+                note = f"setup: {_short(e)}"
+        r.time(Row("flashinfer", cfg, False, "eager"), fn, kv_all + qo, skip=note)
+    kt = vt = None
+    free_gpu_memory(dev)
+
+    # ---- ours
+    sparse_decode, infllmv2_decode = ours
+    if any(i in a.impls for i in OURS) and a.check and sparse_decode is not None:
+        check.append(run_check(cfg, q, cache, topk_idx, sparse_decode))
+        tqdm.write("  " + check[-1])
+    from infllm_cupy.pipeline import InfLLMv2Config
+    step_cfg = InfLLMv2Config(topk=a.topk, local_blocks=a.local_blocks, dense_len=0)
+    calls = {
+        "ours_sparse": (lambda w: lambda: sparse_decode(q, cache, topk_idx, return_attn_weights=w),
+                        kv_sel + qo),
+        "ours_step": (lambda w: lambda: infllmv2_decode(q, cache, config=step_cfg, return_attn_weights=w),
+                      kv_sel + ck_bytes + qo),
+        "ours_dense": (lambda w: lambda: sparse_decode(q, cache, None, return_attn_weights=w), kv_all + qo),
+    }
+    for impl in OURS:
+        if impl not in a.impls:
+            continue
+        make, nbytes = calls[impl]
+        for w in weight_opts:
+            for mode in modes:
+                r.time(Row(impl, cfg, w, mode), make(w) if sparse_decode else None, nbytes + (w32 if w else 0),
+                       skip="" if sparse_decode else r.ours_err)
+    del cache, q, topk_idx
+    free_gpu_memory(dev)
+
+
+def run_check(cfg: str, q, cache, topk_idx, sparse_decode) -> str:
+    """Sequence 0 of the config: ours dense against SDPA (math), ours sparse against the reference."""
+    try:
+        from infllm_cupy.decode.naive import naive_sparse_decode
+        L = cache.lengths()[0]
+        k, v = cache.k[:1, :L], cache.v[:1, :L]
+        one = (cache.k[:1], cache.v[:1], cache.seqlens[:1])
+        with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q[:1, :, None].float(), k.transpose(1, 2).float(), v.transpose(1, 2).float(), enable_gqa=True)[:, :, 0]
+        dense = sparse_decode(q[:1].contiguous(), one).float()
+        sel = topk_idx[:, :1].contiguous()
+        sp = sparse_decode(q[:1].contiguous(), one, sel).float()
+        sp_ref = naive_sparse_decode(q[:1], one, sel).float()
+        e1, e2 = (dense - ref).abs().max().item(), (sp - sp_ref).abs().max().item()
+        ok = e1 < 2e-2 and e2 < 2e-2
+        return f"check {cfg}: {'ok' if ok else 'FAIL'} dense vs SDPA {e1:.1e}, sparse vs reference {e2:.1e}"
+    except Exception as e:  # noqa: BLE001
+        return f"check {cfg}: ERROR {_short(e)}"
+
+
+# ------------------------------------------------------------------------------------------ report
+def find(rows, impl, cfg, weights=False, mode="eager"):
+    for x in rows:
+        if x.impl == impl and x.config == cfg and x.weights == weights and x.mode == mode and x.us:
+            return x
+    return None
+
+
+def fastest_dense(rows, cfg, graph: bool):
+    """The fastest dense anchor without weights at `cfg` (eager, or eager and graph replays)."""
+    cands = [x for x in rows if x.impl in DENSE_ANCHORS and x.config == cfg and x.us and not x.weights
+             and (graph or x.mode == "eager")]
+    return min(cands, key=lambda x: x.us, default=None)
+
+
+def goals(rows: list[Row], copy: Row | None) -> list[dict]:
+    """Every ratio of the issue's Goals that the rows allow, with its target and whether it is met."""
+    out = []
+
+    def add(goal, cfg, value, target, op, detail):
+        if value is None:
+            return
+        met = value >= target if op == ">=" else value <= target
+        out.append({"goal": goal, "config": cfg, "value": round(value, 3), "target": f"{op} {target:g}",
+                    "met": "yes" if met else "no", "detail": detail})
+
+    cfgs = list(dict.fromkeys(x.config for x in rows if x.config != "-"))
+    for cfg in cfgs:
+        B = int(cfg.split("x")[0])
+        sp = find(rows, "ours_sparse", cfg)
+        if sp and copy and copy.gbps and B >= 8:
+            add("sparse attention GB/s / copy GB/s", cfg, sp.gbps / copy.gbps, 0.7, ">=",
+                f"{sp.gbps:.0f} / {copy.gbps:.0f} GB/s")
+        fd = fastest_dense(rows, cfg, graph=False)
+        st = find(rows, "ours_step", cfg)
+        if st and fd:
+            add("fastest dense anchor / whole sparse step (eager)", cfg, fd.us / st.us, 5.0, ">=",
+                f"{fd.impl} {fd.us:.1f} us / step {st.us:.1f} us")
+        stg = find(rows, "ours_step", cfg, mode="graph")
+        fdg = fastest_dense(rows, cfg, graph=True)
+        if stg and fdg:
+            add("fastest dense anchor / whole sparse step (graph)", cfg, fdg.us / stg.us, 2.0, ">=",
+                f"{fdg.impl} ({fdg.mode}) {fdg.us:.1f} us / step {stg.us:.1f} us")
+        dn = find(rows, "ours_dense", cfg)
+        if dn and fd:
+            add("ours dense / fastest dense anchor", cfg, dn.us / fd.us, 1.1, "<=",
+                f"{dn.us:.1f} us / {fd.impl} {fd.us:.1f} us")
+        for impl in OURS:
+            for mode in ("eager", "graph"):
+                on, off = find(rows, impl, cfg, True, mode), find(rows, impl, cfg, False, mode)
+                if on and off:
+                    add(f"{impl} with weights / without ({mode})", cfg, on.us / off.us, 1.25, "<=",
+                        f"{on.us:.1f} / {off.us:.1f} us")
+        dw = find(rows, "ours_dense", cfg, True)
+        if dw and fd:
+            add("fastest dense anchor (no weights) / ours dense with weights", cfg, fd.us / dw.us, 0.8, ">=",
+                f"{fd.impl} {fd.us:.1f} us / {dw.us:.1f} us")
+        for impl, target in (("eager_grouped", 2.5), ("eager_hf", 10.0)):
+            e = find(rows, impl, cfg, True)
+            if dw and e:
+                add(f"{impl} with weights / ours dense with weights", cfg, e.us / dw.us, target, ">=",
+                    f"{e.us:.1f} / {dw.us:.1f} us")
+    return out
+
+
+def markdown(records: list[dict], cols: list[str]) -> str:
+    def f(x):
+        if x is None:
+            return "-"
+        if isinstance(x, bool):
+            return "yes" if x else "no"
+        if isinstance(x, float):
+            return f"{x:.0f}" if abs(x) >= 100 else f"{x:.1f}" if abs(x) >= 10 else f"{x:.2f}"
+        return str(x).replace("|", "/")
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(f(r.get(c)) for c in cols) + " |" for r in records]
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--configs", default=None, help=f"comma-separated BATCHxCONTEXT. Default: {DEFAULT_CONFIGS} "
+                                                   "(on CPU: 1x1k,2x1k)")
+    p.add_argument("--impls", default=",".join(IMPLS), help=f"subset of {','.join(IMPLS)}")
+    p.add_argument("--json", default=None, help="write all rows, the goals and the env stamp to this file")
+    p.add_argument("--hq", type=int, default=32)
+    p.add_argument("--h", type=int, default=2)
+    p.add_argument("--d", type=int, default=128)
+    p.add_argument("--topk", type=int, default=64, help="K = topk + local_blocks selected blocks (MiniCPM4: 64)")
+    p.add_argument("--local-blocks", type=int, default=32, help="MiniCPM4: 32 (K = 96)")
+    p.add_argument("--no-weights", dest="weights", action="store_false", help="skip the return_attn_weights rows")
+    p.add_argument("--graph-batches", default="1", help="batches also timed as CUDA-graph replays. Default: 1")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rep", type=int, default=None, help="timed runs; default adaptive (--target-ms)")
+    p.add_argument("--target-ms", type=float, default=25.0)
+    p.add_argument("--min-rep", type=int, default=10)
+    p.add_argument("--max-rep", type=int, default=200)
+    p.add_argument("--budget-s", type=float, default=140.0,
+                   help="after this many seconds skip the remaining rows (0: no limit). Default: 140")
+    p.add_argument("--check", action="store_true",
+                   help="per config, ours (dense, sparse) against SDPA math / the reference on sequence 0")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--no-compile", action="store_true", help="run FlexAttention eagerly (always on CPU)")
+    a = p.parse_args(argv)
+    dev = torch.device(a.device)
+    if a.configs is None:
+        a.configs = DEFAULT_CONFIGS if dev.type == "cuda" else "1x1k,2x1k"
+    try:
+        a.configs = [parse_config(c) for c in a.configs.split(",") if c]
+    except ValueError:
+        p.error(f"--configs: expected BATCHxCONTEXT entries like 8x128k, got {a.configs!r}")
+    a.impls = [i for i in a.impls.split(",") if i]
+    bad = [i for i in a.impls if i not in IMPLS]
+    if bad:
+        p.error(f"--impls: unknown {bad}; choose from {list(IMPLS)}")
+    a.graph_batches = {int(x) for x in a.graph_batches.split(",") if x}
+    if a.hq % a.h:
+        p.error("--hq must be a multiple of --h")
+    return a
+
+
+def main(argv=None) -> list[Row]:
+    a = parse_args(argv)
+    dev = torch.device(a.device)
+    env = env_stamp()
+    print("env: " + ", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
+    r = Runner(a, dev)
+    sparse_decode, infllmv2_decode, r.ours_err = load_ours()
+    flashinfer, fi_note = load_flashinfer() if "flashinfer" in a.impls else (None, "not requested")
+    print(f"ours: {'ok' if sparse_decode else r.ours_err}; flashinfer: {'ok' if flashinfer else fi_note}", flush=True)
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    flex = flex_attention
+    if dev.type == "cuda" and not a.no_compile:
+        import torch._dynamo.config as dynamo_config
+        for name in ("cache_size_limit", "recompile_limit"):
+            if hasattr(dynamo_config, name):
+                setattr(dynamo_config, name, max(64, getattr(dynamo_config, name)))
+        flex = torch.compile(flex_attention, dynamic=False)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    validate = contextlib.nullcontext()
+    with contextlib.suppress(Exception):
+        from infllm_cupy import _env
+        validate = _env.override(validate=False)   # value checks read the device: not part of a decode step
+    check: list[str] = []
+    copy = copy_bandwidth(r)
+    with validate:
+        for B, L in tqdm(a.configs, unit="config", disable=None):
+            try:
+                bench_config(r, B, L, flex, BlockMask, (sparse_decode, infllmv2_decode), flashinfer, fi_note, check)
+            except Exception as e:  # noqa: BLE001 - e.g. OOM building the cache: record it, go on
+                r.rows.append(Row("config", config_id(B, L), note=f"config failed: {_short(e)}"))
+                tqdm.write(f"config {config_id(B, L)} failed: {_short(e)}")
+                free_gpu_memory(dev)
+            if a.json:
+                write_json(r.rows, a.json, env, extra={"argv": sys.argv[1:], "check": check})
+    gl = goals(r.rows, copy if copy.us else None)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
+    cols = ["config", "impl", "weights", "mode", "us", "GB/s", "MB", "note"]
+    recs = [{**dataclasses.asdict(x), "GB/s": x.gbps, "MB": None if x.bytes is None else x.bytes / 1e6}
+            for x in r.rows]
+    print(f"\n### Decode, microseconds per step (median), HQ {a.hq} / H {a.h} / D {a.d}, bf16, "
+          f"K = {a.topk + a.local_blocks} blocks; copy bandwidth {copy.gbps or float('nan'):.0f} GB/s\n")
+    print(markdown(recs, cols))
+    print("\n### Goals (issue #22)\n")
+    print(markdown(gl, ["goal", "config", "value", "target", "met", "detail"]) if gl else "(no goal computable)")
+    for c in check:
+        print(c)
+    print(env_line(env, r.t0, f"peak GPU memory {peak:.1f} GiB"), flush=True)
+    if a.json:
+        write_json(r.rows, a.json, env, extra={"argv": sys.argv[1:], "check": check, "goals": gl,
+                                               "copy_gbps": copy.gbps, "peak_gib": peak,
+                                               "median_of": "CUDA events per step"})
+    return r.rows
+
+
+if __name__ == "__main__":
+    main()
