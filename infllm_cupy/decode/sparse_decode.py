@@ -23,8 +23,9 @@ MAX_GROUP = 16 * ROW_TILES[-1]
 WEIGHTS = ("per_head", "per_kv_head")
 MAX_SMEM = 227 * 1024  # dynamic shared memory of one CTA on sm_90 (sm_80: 163 KB; the default plans stay far below)
 
-# Split planning (docs/decode.md, "Splits"): about CTAS_PER_SM CTAs per SM in one wave, each split
-# at least MIN_BLOCKS_PER_SPLIT blocks so its load of block i + 1 overlaps the math on block i.
+# Split planning (docs/decode.md, 4. Splits and the merge): about CTAS_PER_SM CTAs per SM in one
+# wave, each split at least MIN_BLOCKS_PER_SPLIT blocks so its load of block i + 1 overlaps the math
+# on block i.
 CTAS_PER_SM = 2
 MIN_BLOCKS_PER_SPLIT = 1
 MAX_SPLITS = 256
