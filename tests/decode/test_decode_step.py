@@ -36,21 +36,27 @@ def make_cache(lengths, H, D, dtype, *, page_size=None, device="cpu", seed=0, sp
     return cache
 
 
-def oracle(q, cache, cfg):
-    """naive_infllmv2_decode on the packed cache: (out, topk_idx or None)."""
+def oracle(q, cache, cfg, *, aux=False):
+    """naive_infllmv2_decode on the packed cache: (out, topk_idx or None[, aux dict])."""
     k, v, cu = cache.packed()
-    out, aux = naive_infllmv2_decode(q, k, v, cu, config=cfg, return_aux=True)
-    return out, aux["topk_idx"]
+    out, a = naive_infllmv2_decode(q, k, v, cu, config=cfg, return_aux=True)
+    return (out, a["topk_idx"], a) if aux else (out, a["topk_idx"])
 
 
-def same_selection(a, b):
-    """Equal as sets per (head, sequence) row, -1 slots ignored (K may differ by -1 padding)."""
+def same_selection(a, b, block_scores=None, tol=1e-3):
+    """Equal as sets per (head, sequence) row, -1 slots ignored (K may differ by -1 padding). With
+    the reference's `block_scores [H, B, n]`, blocks in one set only are allowed where their scores
+    are within `tol` (relative) of each other: a near-tie that one rounding of the score decides."""
     assert a.shape[:2] == b.shape[:2]
     for h in range(a.shape[0]):
         for s in range(a.shape[1]):
-            x = sorted(i for i in a[h, s].tolist() if i >= 0)
-            y = sorted(i for i in b[h, s].tolist() if i >= 0)
-            assert x == y, f"row (h={h}, b={s}): {x} != {y}"
+            x = set(i for i in a[h, s].tolist() if i >= 0)
+            y = set(i for i in b[h, s].tolist() if i >= 0)
+            if x == y:
+                continue
+            assert block_scores is not None and len(x) == len(y), f"row (h={h}, b={s}): {sorted(x)} != {sorted(y)}"
+            sc = [float(block_scores[h, s, i]) for i in sorted(x ^ y)]
+            assert max(sc) - min(sc) <= tol * max(abs(v) for v in sc), f"row (h={h}, b={s}): {sorted(x ^ y)} {sc}"
 
 
 # ------------------------------------------------------------------------------------------- CPU
@@ -302,8 +308,9 @@ def test_kernel_step_matches_reference(case):
     out, lse, w, idx = infllmv2_decode(q, cache, config=CFG, return_lse=True, return_attn_weights=True,
                                        return_topk_idx=True)
     cpu = make_cache(lengths, H, D, dtype, page_size=page_size)                 # same draws on the CPU
-    _, ref_idx = oracle(q.cpu(), cpu, CFG)
-    same_selection(idx.cpu(), ref_idx)
+    _, ref_idx, aux = oracle(q.cpu(), cpu, CFG, aux=True)
+    same_selection(idx.cpu(), ref_idx, aux["block_scores"])
+    assert idx.shape[2] == min(CFG.topk + CFG.local_blocks, -(-cache.capacity // 64))
     as64 = (cache.k.double(), cache.v.double(), cache.seqlens, cache.block_table)
     as64 = as64 if page_size else as64[:3]
     ref, ref_lse, ref_w = naive_sparse_decode(q.double(), as64, idx, return_lse=True, return_attn_weights=True)
@@ -334,9 +341,10 @@ def test_kernel_dense_path_and_chunked_prefill():
     assert not torch.isnan(out).any()
     kp, vp, cu = cache.packed()
     cu_q = cu_seqlens_from_lengths(n, "cuda")
-    ref = naive_infllmv2_attention(qn.double(), kp.double(), vp.double(), cu_q, cu, max(n), max(cache.lengths()),
+    # the reference on the same bf16 values (its math in fp32), so that stage 1 sees the same keys
+    ref = naive_infllmv2_attention(qn.cpu(), kp.cpu(), vp.cpu(), cu_q.cpu(), cu.cpu(), max(n), max(cache.lengths()),
                                    CFG)
-    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=0)
+    torch.testing.assert_close(out.cpu().float(), ref.float(), atol=2e-2, rtol=0)
 
 
 @pytest.mark.gpu
