@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from .._constants import KV_BLOCK
 from .._launch import cdiv
 from ..pipeline import InfLLMv2Config
 from .cache import DecodeCache
@@ -40,11 +41,17 @@ def _width(k: Tensor, block_table: Tensor | None) -> int:
     return k.shape[1] * block_table.shape[1] if block_table is not None else k.shape[1]
 
 
+def _kernel_block(block_size: int) -> None:
+    if block_size != KV_BLOCK:
+        raise ValueError(f"block_size must be {KV_BLOCK} on CUDA tensors (the decode kernel's block), got {block_size}")
+
+
 # ------------------------------------------------------------------------------------- attention
 @torch.library.custom_op("infllm_cupy::sparse_decode", mutates_args=(), device_types="cuda")
 def sparse_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqlens: Tensor, block_table: Tensor | None,
                      topk_idx: Tensor | None, softmax_scale: float, block_size: int) -> tuple[Tensor, Tensor]:
     """`(out [B, HQ, D], lse float32 [B, HQ])` of decode attention over the selected (or all) blocks."""
+    _kernel_block(block_size)
     return _sparse_decode(q, _cache_tuple(k_cache, v_cache, seqlens, block_table), topk_idx,
                           softmax_scale=softmax_scale, return_lse=True, backend="kernels")
 
@@ -65,6 +72,7 @@ def sparse_decode_weights_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, seqlen
                              block_table: Tensor | None, topk_idx: Tensor | None, softmax_scale: float,
                              block_size: int, per_kv_head: bool) -> tuple[Tensor, Tensor, Tensor]:
     """`(out, lse, weights)`: weights float32 `[B, HQ, W]`, or `[B, H, W]` summed over the group."""
+    _kernel_block(block_size)
     return _sparse_decode(q, _cache_tuple(k_cache, v_cache, seqlens, block_table), topk_idx,
                           softmax_scale=softmax_scale, return_lse=True, return_attn_weights=True,
                           weights="per_kv_head" if per_kv_head else "per_head", backend="kernels")
