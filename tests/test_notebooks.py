@@ -29,6 +29,7 @@ NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9]*.py"))
 FIGURES = {
     "01_infllmv2_selection": ["01_selection_maps.png", "01_block_scores.png", "01_mass_by_query_block.png",
                               "01_mass_vs_topk.png", "01_mass_per_head.png"],
+    "02_decode": ["02_selection_over_time.png", "02_h2o_vs_infllm.png", "02_mass_captured.png"],
 }
 
 
@@ -206,16 +207,17 @@ def test_sweep_summaries_and_plots(tmp_path):
 # ------------------------------------------------------------------------------------ size choice
 
 
+@pytest.mark.parametrize("notebook", ["01_infllmv2_selection", "02_decode"])
 @pytest.mark.parametrize("nb_smoke, smoke, why", [(None, True, "no CUDA GPU"), ("0", False, "NB_SMOKE=0"),
                                                   ("1", True, "NB_SMOKE=1")])
-def test_selection_notebook_picks_its_size(nb_smoke, smoke, why, tmp_path):
-    """Without a GPU the notebook takes the small size by itself and says why; NB_SMOKE forces either."""
+def test_notebook_picks_its_size(notebook, nb_smoke, smoke, why, tmp_path):
+    """Without a GPU a notebook takes the small size by itself and says why; NB_SMOKE forces either."""
     import os
     import subprocess
     import sys
 
     jupytext = pytest.importorskip("jupytext")
-    nb = jupytext.read(NOTEBOOK_DIR / "01_infllmv2_selection.py")
+    nb = jupytext.read(NOTEBOOK_DIR / f"{notebook}.py")
     setup = next(c.source for c in nb.cells if c.cell_type == "code")     # the first cell: sizes only
     env = {k: v for k, v in os.environ.items() if k != "NB_SMOKE"}
     env.update(CUDA_VISIBLE_DEVICES="", NB_FIG_DIR=str(tmp_path), **({"NB_SMOKE": nb_smoke} if nb_smoke else {}))
