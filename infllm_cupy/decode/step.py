@@ -1,5 +1,6 @@
 """The whole InfLLM-v2 decode step over a `DecodeCache` (stage 1 for decode, top-k, sparse decode), and
-chunked prefill into the cache. Design: docs/decode.md ("The decode step", "Chunked prefill").
+chunked prefill into the cache. Design: docs/decode.md ("The decode step", "Chunked prefill into the
+cache").
 
 `infllmv2_decode` is `naive_infllmv2_decode` (the oracle) on the cache the step keeps: the same
 dense/sparse rule (spec section 9: dense while the longest cache, the current token included, is
