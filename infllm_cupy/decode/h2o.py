@@ -1,4 +1,5 @@
-"""H2O (heavy-hitter oracle) cache eviction driven by decode attention weights. Design: docs/decode.md ("H2O").
+"""H2O (heavy-hitter oracle) cache eviction driven by decode attention weights. Design:
+docs/decode.md ("H2O").
 
 H2O keeps, per KV head, the positions with the largest attention mass accumulated over the decode
 steps so far (the heavy hitters) plus the most recent ones. `sparse_decode(...,
@@ -51,7 +52,8 @@ class H2O:
         B, H, W = self.scores.shape
         check_tensor("weights", weights, ndim=3, device=self.scores.device)
         if weights.shape[0] != B or weights.shape[2] != W or weights.shape[1] % H:
-            raise ValueError(f"weights must have shape [B={B}, H={H} or a multiple, W={W}], got {tuple(weights.shape)}")
+            raise ValueError(f"weights must have shape [B={B}, H={H} or a multiple, W={W}], got "
+                             f"{tuple(weights.shape)}")
         w = weights.float()
         if w.shape[1] != H:
             w = w.view(B, H, w.shape[1] // H, W).sum(2)

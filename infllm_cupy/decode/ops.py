@@ -43,7 +43,8 @@ def _width(k: Tensor, block_table: Tensor | None) -> int:
 
 def _kernel_block(block_size: int) -> None:
     if block_size != KV_BLOCK:
-        raise ValueError(f"block_size must be {KV_BLOCK} on CUDA tensors (the decode kernel's block), got {block_size}")
+        raise ValueError(f"block_size must be {KV_BLOCK} on CUDA tensors (the decode kernel's block), got "
+                         f"{block_size}")
 
 
 # ------------------------------------------------------------------------------------- attention
@@ -99,27 +100,28 @@ def _select_k(width: int, topk: int, local_blocks: int, block_size: int) -> int:
 
 
 def _select_config(topk, local_blocks, init_blocks, block_size, softmax_scale, score_dtype, exact):
-    return InfLLMv2Config(topk=topk, local_blocks=local_blocks, init_blocks=init_blocks, block_size=block_size,
-                          softmax_scale=softmax_scale, score_dtype=score_dtype, exact_stage1=exact)
+    return InfLLMv2Config(topk=topk, local_blocks=local_blocks, init_blocks=init_blocks,
+                          block_size=block_size, softmax_scale=softmax_scale, score_dtype=score_dtype,
+                          exact_stage1=exact)
 
 
 @torch.library.custom_op("infllm_cupy::decode_select", mutates_args=(), device_types="cuda")
-def decode_select_op(q: Tensor, ck1: Tensor, ck2: Tensor, seqlens: Tensor, width: int, topk: int, local_blocks: int,
-                     init_blocks: int, block_size: int, softmax_scale: float, score_dtype: torch.dtype, exact: bool,
-                     kernel: str) -> Tensor:
+def decode_select_op(q: Tensor, ck1: Tensor, ck2: Tensor, seqlens: Tensor, width: int, topk: int,
+                     local_blocks: int, init_blocks: int, block_size: int, softmax_scale: float,
+                     score_dtype: torch.dtype, exact: bool, kernel: str) -> Tensor:
     """Stage 1 for decode over the cache's compressed keys `ck1 [B, N1, H, D]`, `ck2 [B, N2, H, D]`:
     `topk_idx int32 [H, B, K]`, `K = min(topk + local_blocks, cdiv(width, block_size))`."""
     from .step import _stage1_kernel_decode, layout_of
 
     cfg = _select_config(topk, local_blocks, init_blocks, block_size, softmax_scale, score_dtype, exact)
     cu_q, k1, cu1, k2, cu2, cache_lens = layout_of(ck1, ck2, seqlens, exact)
-    return _stage1_kernel_decode(q.contiguous(), k1, k2, cu_q, cu1, cu2, cache_lens, cdiv(width, block_size), cfg,
-                                 kernel)
+    return _stage1_kernel_decode(q.contiguous(), k1, k2, cu_q, cu1, cu2, cache_lens, cdiv(width, block_size),
+                                 cfg, kernel)
 
 
 @decode_select_op.register_kernel("cpu")
-def _(q, ck1, ck2, seqlens, width, topk, local_blocks, init_blocks, block_size, softmax_scale, score_dtype, exact,
-      kernel):
+def _(q, ck1, ck2, seqlens, width, topk, local_blocks, init_blocks, block_size, softmax_scale, score_dtype,
+      exact, kernel):
     from ..stage1.naive import naive_stage1_select
     from .step import layout_of
 
@@ -133,15 +135,16 @@ def _(q, ck1, ck2, seqlens, width, topk, local_blocks, init_blocks, block_size, 
 
 
 @decode_select_op.register_fake
-def _(q, ck1, ck2, seqlens, width, topk, local_blocks, init_blocks, block_size, softmax_scale, score_dtype, exact,
-      kernel):
+def _(q, ck1, ck2, seqlens, width, topk, local_blocks, init_blocks, block_size, softmax_scale, score_dtype,
+      exact, kernel):
     return q.new_empty((ck1.shape[2], q.shape[0], _select_k(width, topk, local_blocks, block_size)),
                        dtype=torch.int32)
 
 
 # -------------------------------------------------------------------------------------- the step
-def decode_step(q: Tensor, cache: DecodeCache, *, config: InfLLMv2Config | None = None, dense: bool | None = None,
-                return_attn_weights: bool = False, weights: str = "per_head", kernel: str = "auto"):
+def decode_step(q: Tensor, cache: DecodeCache, *, config: InfLLMv2Config | None = None,
+                dense: bool | None = None, return_attn_weights: bool = False, weights: str = "per_head",
+                kernel: str = "auto"):
     r"""`infllmv2_decode` through the custom ops: `(out, lse)` or `(out, lse, weights)`.
 
     Same semantics as `infllmv2_decode` (with its checks), but every tensor operation is an op that

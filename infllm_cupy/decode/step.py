@@ -58,11 +58,12 @@ def _check_step_inputs(q, cache, config, weights, backend, kernel) -> InfLLMv2Co
 
 
 def _check_compression(cfg: InfLLMv2Config) -> None:
-    """The cache keeps ck1 32/16 and ck2 128/64 (spec section 3); a config asking for others cannot use them."""
+    """The cache keeps ck1 32/16 and ck2 128/64 (spec section 3); a config asking for others cannot use
+    them."""
     want = ((cfg.kernel_size, cfg.kernel_stride), (cfg.coarse_kernel_size, cfg.coarse_kernel_stride))
     if want != COMPRESSIONS:
-        raise ValueError(f"config: the cache keeps compressions (kernel, stride) = {COMPRESSIONS}, the config asks "
-                         f"for {want}")
+        raise ValueError(f"config: the cache keeps compressions (kernel, stride) = {COMPRESSIONS}, the "
+                         f"config asks for {want}")
 
 
 def decode_layout(cache: DecodeCache, exact: bool = False):
@@ -139,7 +140,8 @@ def _stage1_kernel_decode(q, ck1, ck2, cu_q, cu_c1, cu_c2, cache_lens, out_len: 
     sm90a = plan.kernel == s1.SM90A
     tok = plan.tokens_per_cta(G)
     if tok == 0 or (sm90a and lgp > s1.SM90_MAX_LGP):
-        raise ValueError(f"the plan's {plan.kernel} CTA of {plan.warps} warps cannot hold a token's G = {G} rows")
+        raise ValueError(f"the plan's {plan.kernel} CTA of {plan.warps} warps cannot hold a token's G = {G} "
+                         f"rows")
     key_bytes = 4 if sdt == torch.float32 else 2
     scratch = None
     if not plan.block_keys_in_smem:
@@ -156,11 +158,13 @@ def _stage1_kernel_decode(q, ck1, ck2, cu_q, cu_c1, cu_c2, cache_lens, out_len: 
     fn = _jit.get_kernel(s1.SOURCE_SM90, name, sm90a=True) if sm90a else _jit.get_kernel(s1.SOURCE, name)
     n_tiles = 1                                         # one query row per stage-1 sequence
     launch(fn, name=name, grid=(n_tiles * B2 * H,), block=(32 * plan.warps,), shared_mem=shared,
-           args=(ptr(q), ptr(ck1), ptr(ck2), ptr(cu_q), ptr(cu_c1), ptr(cu_c2), ptr(cache_lens), ptr(topk_idx),
+           args=(ptr(q), ptr(ck1), ptr(ck2), ptr(cu_q), ptr(cu_c1), ptr(cu_c2), ptr(cache_lens),
+                 ptr(topk_idx),
                  null, null, ptr(scratch) if scratch is not None else null,
                  i32(total_q), i32(HQ), i32(H), i32(G), i32(lgp), i32(B2), i32(n_tiles), i32(1), i32(out_len),
                  i32(olp), i32(K), i32(0), i32(cfg.init_blocks), i32(cfg.local_blocks),
-                 i32(1 if cfg.varlen_offset_quirk else 0), i32(0), i32(s1.SCORE_KIND[sdt]), i32(s1.KERNEL_STRIDE),
+                 i32(1 if cfg.varlen_offset_quirk else 0), i32(0), i32(s1.SCORE_KIND[sdt]),
+                 i32(s1.KERNEL_STRIDE),
                  i32(s1.COARSE_STRIDE), np.float32(scale * 1.4426950408889634), i32(plan.topk_prefix)))
     return topk_idx
 
@@ -241,9 +245,9 @@ def infllmv2_decode(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Conf
         res = sparse_decode(q, cache, topk_idx, softmax_scale=cfg.softmax_scale, return_lse=return_lse,
                             return_attn_weights=return_attn_weights, weights=weights, backend="kernels")
     else:
-        res = naive_sparse_decode(q, cache, topk_idx, softmax_scale=cfg.softmax_scale, block_size=cfg.block_size,
-                                  return_lse=return_lse, return_attn_weights=return_attn_weights,
-                                  weights=weights)
+        res = naive_sparse_decode(q, cache, topk_idx, softmax_scale=cfg.softmax_scale,
+                                  block_size=cfg.block_size, return_lse=return_lse,
+                                  return_attn_weights=return_attn_weights, weights=weights)
     res = list(res) if isinstance(res, tuple) else [res]
     if return_topk_idx:
         res.append(topk_idx)
@@ -251,8 +255,8 @@ def infllmv2_decode(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Conf
 
 
 def infllmv2_prefill_into_cache(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: DecodeCache,
-                                cu_seqlens_new, *, config: InfLLMv2Config | None = None, backend: str = "auto",
-                                return_aux: bool = False):
+                                cu_seqlens_new, *, config: InfLLMv2Config | None = None,
+                                backend: str = "auto", return_aux: bool = False):
     r"""Chunked prefill: append a chunk of new tokens per sequence, then attend causally over the cache.
 
     The chunk's keys and values are written to the cache (`cache.append`, which also writes the
@@ -289,7 +293,8 @@ def infllmv2_prefill_into_cache(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     if q.shape[0] != k_new.shape[0]:
         raise ValueError(f"q has {q.shape[0]} tokens but k_new has {k_new.shape[0]}")
     if q.shape[2] != cache.head_dim or q.shape[1] % cache.num_heads:
-        raise ValueError(f"q must have shape [total_new, a multiple of {cache.num_heads}, {cache.head_dim}], got "
+        raise ValueError(f"q must have shape [total_new, a multiple of {cache.num_heads}, {cache.head_dim}], "
+                         f"got "
                          f"{tuple(q.shape)}")
     stages = stages_for(q, backend)
     kern = uses_kernels(q, backend)

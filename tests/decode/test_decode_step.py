@@ -54,9 +54,10 @@ def same_selection(a, b, block_scores=None, tol=1e-3):
             y = set(i for i in b[h, s].tolist() if i >= 0)
             if x == y:
                 continue
-            assert block_scores is not None and len(x) == len(y), f"row (h={h}, b={s}): {sorted(x)} != {sorted(y)}"
+            where = f"row (h={h}, b={s})"
+            assert block_scores is not None and len(x) == len(y), f"{where}: {sorted(x)} != {sorted(y)}"
             sc = [float(block_scores[h, s, i]) for i in sorted(x ^ y)]
-            assert max(sc) - min(sc) <= tol * max(abs(v) for v in sc), f"row (h={h}, b={s}): {sorted(x ^ y)} {sc}"
+            assert max(sc) - min(sc) <= tol * max(abs(v) for v in sc), f"{where}: {sorted(x ^ y)} {sc}"
 
 
 # ------------------------------------------------------------------------------------------- CPU
@@ -155,8 +156,8 @@ def test_chunked_prefill_equals_the_reference_pipeline(page_size, dense_len):
                                                return_aux=True)
         kp, vp, cu = cache.packed()
         L = cache.lengths()
-        ref, ref_aux = naive_infllmv2_attention(q, kp, vp, cu_seqlens_from_lengths(n), cu, max(n), max(L), cfg,
-                                                return_aux=True)
+        ref, ref_aux = naive_infllmv2_attention(q, kp, vp, cu_seqlens_from_lengths(n), cu, max(n), max(L),
+                                                cfg, return_aux=True)
         assert torch.equal(out, ref)
         assert aux["dense"] == ref_aux["dense"] == (dense_len > 0)
         if not aux["dense"]:
@@ -185,7 +186,8 @@ def test_chunked_prefill_errors_leave_the_cache_unchanged():
         a = dict(q=q, k=kv, v=kv, n=[4, 4])
         a.update(change)
         with pytest.raises((ValueError, TypeError), match=match):
-            infllmv2_prefill_into_cache(a["q"], a["k"], a["v"], cache, cu_seqlens_from_lengths(a["n"]), config=CFG)
+            infllmv2_prefill_into_cache(a["q"], a["k"], a["v"], cache, cu_seqlens_from_lengths(a["n"]),
+                                        config=CFG)
         assert torch.equal(cache.k, before[0]) and torch.equal(cache.ck1, before[1])
         assert cache.lengths() == before[2]
 
@@ -236,8 +238,8 @@ def test_ops_fake_and_schema():
     torch.library.opcheck(sparse_decode_op, base + (idx, 0.2, 64))
     torch.library.opcheck(sparse_decode_op, base + (None, 0.2, 64))
     torch.library.opcheck(sparse_decode_weights_op, base + (idx, 0.2, 64, True))
-    torch.library.opcheck(decode_select_op, (q, cache.ck1, cache.ck2, cache.seqlens, cache.capacity, 4, 2, 1, 64,
-                                             0.2, torch.float32, False, "auto"))
+    torch.library.opcheck(decode_select_op, (q, cache.ck1, cache.ck2, cache.seqlens, cache.capacity, 4, 2, 1,
+                                             64, 0.2, torch.float32, False, "auto"))
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -265,8 +267,8 @@ def test_decode_loop_compiles_fullgraph_on_cpu(backend):
     g = torch.Generator().manual_seed(5)
     paths = set()
     for _ in range(16):
-        q, k, v = torch.randn(2, HQ, D, generator=g), torch.randn(2, H, D, generator=g), torch.randn(2, H, D,
-                                                                                                    generator=g)
+        q = torch.randn(2, HQ, D, generator=g)
+        k, v = torch.randn(2, H, D, generator=g), torch.randn(2, H, D, generator=g)
         dense = compiled.max_len() + 1 < cfg.dense_len
         paths.add(dense)
         out, lse, w = step(compiled, q, k, v, dense)
@@ -313,7 +315,8 @@ def test_kernel_step_matches_reference(case):
     assert idx.shape[2] == min(CFG.topk + CFG.local_blocks, -(-cache.capacity // 64))
     as64 = (cache.k.double(), cache.v.double(), cache.seqlens, cache.block_table)
     as64 = as64 if page_size else as64[:3]
-    ref, ref_lse, ref_w = naive_sparse_decode(q.double(), as64, idx, return_lse=True, return_attn_weights=True)
+    ref, ref_lse, ref_w = naive_sparse_decode(q.double(), as64, idx, return_lse=True,
+                                              return_attn_weights=True)
     lowp, lowp_lse, lowp_w = naive_sparse_decode(q, cache, idx, return_lse=True, return_attn_weights=True,
                                                  upcast=False)
     assert_close_to_ref("out", out, ref, lowp)
@@ -331,8 +334,8 @@ def test_kernel_dense_path_and_chunked_prefill():
     out, idx = infllmv2_decode(q, cache, config=cfg, return_topk_idx=True)
     assert idx is None
     as64 = (cache.k.double(), cache.v.double(), cache.seqlens, cache.block_table)
-    assert_close_to_ref("dense", out, naive_sparse_decode(q.double(), as64), naive_sparse_decode(q, cache,
-                                                                                                  upcast=False))
+    assert_close_to_ref("dense", out, naive_sparse_decode(q.double(), as64),
+                        naive_sparse_decode(q, cache, upcast=False))
     n = [70, 130]
     g = torch.Generator().manual_seed(2)
     qn = torch.randn(sum(n), HQ, D, generator=g).to("cuda", dtype)
@@ -342,8 +345,8 @@ def test_kernel_dense_path_and_chunked_prefill():
     kp, vp, cu = cache.packed()
     cu_q = cu_seqlens_from_lengths(n, "cuda")
     # the reference on the same bf16 values (its math in fp32), so that stage 1 sees the same keys
-    ref = naive_infllmv2_attention(qn.cpu(), kp.cpu(), vp.cpu(), cu_q.cpu(), cu.cpu(), max(n), max(cache.lengths()),
-                                   CFG)
+    ref = naive_infllmv2_attention(qn.cpu(), kp.cpu(), vp.cpu(), cu_q.cpu(), cu.cpu(), max(n),
+                                   max(cache.lengths()), CFG)
     torch.testing.assert_close(out.cpu().float(), ref.float(), atol=2e-2, rtol=0)
 
 
@@ -387,7 +390,8 @@ def test_kernel_ops_under_compile():
     cfg = dataclasses.replace(CFG, dense_len=0)
     cache = make_cache([500, 90], 2, 64, torch.float16, page_size=64, device="cuda")
     q = torch.randn(2, 8, 64, device="cuda", dtype=torch.float16)
-    step = torch.compile(lambda q: decode_step(q, cache, config=cfg, dense=False), fullgraph=True, backend="eager")
+    step = torch.compile(lambda q: decode_step(q, cache, config=cfg, dense=False), fullgraph=True,
+                         backend="eager")
     out, lse = step(q)
     ref, ref_lse = infllmv2_decode(q, cache, config=cfg, return_lse=True)
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)

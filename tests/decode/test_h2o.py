@@ -41,7 +41,8 @@ def test_h2o_matches_eager_attention_in_a_decode_loop(sparse):
     start = [300, 170]
     cache = DecodeCache.contiguous(B, 400, H, D, dtype=torch.float64)
     cache.append(torch.randn(sum(start), H, D, generator=g, dtype=torch.float64),
-                 torch.randn(sum(start), H, D, generator=g, dtype=torch.float64), cu_seqlens_from_lengths(start))
+                 torch.randn(sum(start), H, D, generator=g, dtype=torch.float64),
+                 cu_seqlens_from_lengths(start))
     h2o = H2O(B, H, cache.capacity, budget=96, recent=16)
     eager_scores = torch.zeros(B, H, cache.capacity, dtype=torch.float64)
     for _ in range(steps):
@@ -94,7 +95,8 @@ def test_evict_compacts_per_head_and_attention_continues():
     for b in range(B):
         for h in range(H):
             pos = [x for x in kept[b, h].tolist() if x >= 0]
-            assert torch.equal(k2[b, :len(pos), h], k[b, pos, h]) and torch.equal(v2[b, :len(pos), h], v[b, pos, h])
+            assert torch.equal(k2[b, :len(pos), h], k[b, pos, h])
+            assert torch.equal(v2[b, :len(pos), h], v[b, pos, h])
             assert bool((k2[b, len(pos):, h] == 0).all())
             assert torch.equal(h2o.scores[b, h, :len(pos)], scores[b, h, pos])
             assert bool((h2o.scores[b, h, len(pos):] == 0).all())
@@ -134,16 +136,19 @@ def test_h2o_from_kernel_weights_matches_eager():
     cache = DecodeCache.paged(16, 64, H, D, torch.arange(16, dtype=torch.int32).view(2, 8).cuda(),
                               dtype=torch.bfloat16, device="cuda")
     k0 = torch.randn(sum(start), H, D, generator=g) * 0.3
-    heavy = [5, 17, 40, 77, 99, 130, 150, 181, 200, 222, 260, 271, 301, 310, 320, 332]   # budget - recent of them
+    # budget - recent of them
+    heavy = [5, 17, 40, 77, 99, 130, 150, 181, 200, 222, 260, 271, 301, 310, 320, 332]
     for t in heavy:
         for off in (0, start[0]):
             k0[off + t] = base.view(H, HQ // H, D).mean(1) * 3
-    cache.append(k0.to("cuda", torch.bfloat16), torch.randn(sum(start), H, D, generator=g).to("cuda", torch.bfloat16),
+    cache.append(k0.to("cuda", torch.bfloat16),
+                 torch.randn(sum(start), H, D, generator=g).to("cuda", torch.bfloat16),
                  cu_seqlens_from_lengths(start, "cuda"))
     h2o = H2O(B, H, cache.capacity, budget=budget, recent=recent, device="cuda")
     eager_scores = torch.zeros(B, H, cache.capacity, dtype=torch.float64)
     for _ in range(steps):
-        q = (base + 0.1 * torch.randn(HQ, D, generator=g)).expand(B, HQ, D).to("cuda", torch.bfloat16).contiguous()
+        q = (base + 0.1 * torch.randn(HQ, D, generator=g)).expand(B, HQ, D)
+        q = q.to("cuda", torch.bfloat16).contiguous()
         kn, vn = (torch.randn(B, H, D, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
         cache.append(kn, vn)
         _, w = sparse_decode(q, cache, return_attn_weights=True, weights="per_kv_head")
