@@ -608,7 +608,8 @@ def test_token_level_grads(case, dtype):
 def test_non_causal_grads(dtype):
     lq, lk = [1, 5, 90, 63], [300, 64, 1000, 63]          # decode-like rows against long caches
     q, k, v, do, cu_q, cu_k, idx = sparse_attn_inputs(lq, lk, 16, 2, 128, dtype)
-    out, _, grads = op_grads(sparse_attn_varlen, q, k, v, do, cu_q, cu_k, idx, 90, 1000, False, backend="kernels")
+    out, _, grads = op_grads(sparse_attn_varlen, q, k, v, do, cu_q, cu_k, idx, 90, 1000, causal=False,
+                             backend="kernels")
     check(out, grads, q, k, v, do, cu_q, cu_k, idx, 90, 1000, False)
 
 

@@ -62,13 +62,14 @@ def tiles_id(t):
 SM90_STEP = {"sm90a": "auto", "sm90a_pair": "pair", "sm90a_single": "single", "sm90a_split": "split"}
 
 
-def plan_of(variant, q, k, max_seqlen_k, split_min, **fields):
+def plan_of(variant, q, k, max_seqlen_k, default_split_min, **fields):
     """The forward plan of a test variant: a FwdTiles (the SM80 kernel with that shape) or an sm_90a
-    step shape ("sm90a": the plan's own per-CTA choice), with `fields` replaced."""
+    step shape ("sm90a": the plan's own per-CTA choice), built with the op's `default_split_min` and
+    then `fields` replaced (a forced `split_min` among them)."""
     if isinstance(variant, FwdTiles):
         plan = FwdPlan("sm80", variant)
     else:
-        plan = dataclasses.replace(ops.fwd_plan_for(q, k, max_seqlen_k, split_min, kernel="sm90a"),
+        plan = dataclasses.replace(ops.fwd_plan_for(q, k, max_seqlen_k, default_split_min, kernel="sm90a"),
                                    step=SM90_STEP[variant])
     return dataclasses.replace(plan, **fields)
 
