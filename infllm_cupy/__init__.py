@@ -7,7 +7,15 @@ is exported next to its reference, `naive_<op>` (same signature).
 __version__ = "0.1.0"
 
 from .compress import compress_k, naive_compress_k
-from .decode import DecodeCache, naive_infllmv2_decode, naive_sparse_decode, sparse_decode
+from .decode import (
+    H2O,
+    DecodeCache,
+    infllmv2_decode,
+    infllmv2_prefill_into_cache,
+    naive_infllmv2_decode,
+    naive_sparse_decode,
+    sparse_decode,
+)
 from .pipeline import InfLLMv2Attention, InfLLMv2Config, infllmv2_attention, naive_infllmv2_attention
 from .stage1 import naive_stage1_select, stage1_select
 from .stage2 import (
@@ -36,8 +44,12 @@ __all__ = [
     "naive_sparse_attn_varlen",
     "block_sparse_attn_varlen",
     "naive_block_sparse_attn_varlen",
-    # decode: one query per sequence against its KV cache
+    # decode: one query per sequence against its KV cache (the whole step, its attention alone,
+    # chunked prefill into the cache, and H2O eviction scores from the step's attention weights)
     "DecodeCache",
+    "infllmv2_decode",
+    "infllmv2_prefill_into_cache",
+    "H2O",
     "sparse_decode",
     "naive_sparse_decode",
     # references without a kernel of their own: the dense fallback (the pipeline runs it on torch

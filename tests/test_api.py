@@ -191,6 +191,11 @@ def _bool_cases():
         ("return_lse", lambda x: sparse_decode(q1, cache, return_lse=x)),
         ("return_attn_weights", lambda x: naive_sparse_decode(q1, cache, return_attn_weights=x)),
         ("return_aux", lambda x: naive_infllmv2_decode(q1, *cache.packed(), return_aux=x)),
+        ("return_lse", lambda x: infllm_cupy.infllmv2_decode(q1, cache, return_lse=x)),
+        ("return_attn_weights", lambda x: infllm_cupy.infllmv2_decode(q1, cache, return_attn_weights=x)),
+        ("return_topk_idx", lambda x: infllm_cupy.infllmv2_decode(q1, cache, return_topk_idx=x)),
+        ("return_aux", lambda x: infllm_cupy.infllmv2_prefill_into_cache(
+            q1, torch.randn(1, 2, 64), torch.randn(1, 2, 64), cache, cu_seqlens_from_lengths([1]), return_aux=x)),
     ]
 
 
@@ -198,10 +203,13 @@ def infllmv2_attention_(*args, **kwargs):
     return infllm_cupy.infllmv2_attention(*args, **kwargs)
 
 
-@pytest.mark.parametrize("i", range(20))
+N_BOOL_CASES = 24
+
+
+@pytest.mark.parametrize("i", range(N_BOOL_CASES))
 def test_flags_must_be_bools(i):
     cases = _bool_cases()
-    assert len(cases) == 20
+    assert len(cases) == N_BOOL_CASES
     name, call = cases[i]
     for bad in ("no", 1, None, 724):
         with pytest.raises(TypeError, match=f"{name} must be a bool"):

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .. import _jit
-from .._checks import check_backend, check_tensor
+from .._checks import check_backend, check_flags, check_tensor
 from .._kernel_arg import check_kernel
 from .._launch import cdiv, empty, launch, ptr
 from ..pipeline import (
@@ -236,6 +236,7 @@ def infllmv2_decode(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Conf
     `cache.append`) captures in a CUDA graph; the graph keeps the path (dense or sparse) it was
     captured on. The reference path reads lengths on the host.
     """
+    check_flags(return_attn_weights=return_attn_weights, return_lse=return_lse, return_topk_idx=return_topk_idx)
     cfg = _check_step_inputs(q, cache, config, weights, backend, kernel)
     kern = uses_kernels(q, backend)
     topk_idx = None
@@ -283,6 +284,7 @@ def infllmv2_prefill_into_cache(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     """
     from ..pipeline import dense_aux
 
+    check_flags(return_aux=return_aux)
     cfg = check_config(config)
     check_backend(backend)
     _check_compression(cfg)
