@@ -1,0 +1,14 @@
+"""The pattern zoo: static and predicted block-sparsity patterns of other systems as `BlockLayout`s
+that `block_sparse_attn_varlen` runs (docs/patterns.md).
+
+- `local_stride`: vLLM's / dkernel's local + vertical-stride pattern (homogeneous or head-sliding).
+- `per_kv_head`: collapse per-query-head masks to our per-KV-head layout when the groups agree.
+"""
+from .local_stride import head_sliding_step, local_stride, local_stride_block_mask, per_kv_head
+
+__all__ = [
+    "local_stride",
+    "local_stride_block_mask",
+    "head_sliding_step",
+    "per_kv_head",
+]
