@@ -3,7 +3,10 @@ that `block_sparse_attn_varlen` runs (docs/patterns.md).
 
 - `local_stride`: vLLM's / dkernel's local + vertical-stride pattern (homogeneous or head-sliding).
 - `per_kv_head`: collapse per-query-head masks to our per-KV-head layout when the groups agree.
+- `to_csr`/`from_csr` (vLLM), `to_bsr`/`from_bsr` (FlashInfer), `to_block_mask`/`from_block_mask`
+  (FlexAttention): other systems' formats in and out, exact or a ValueError.
 """
+from .formats import from_block_mask, from_bsr, from_csr, to_block_mask, to_bsr, to_csr
 from .local_stride import head_sliding_step, local_stride, local_stride_block_mask, per_kv_head
 
 __all__ = [
@@ -11,4 +14,10 @@ __all__ = [
     "local_stride_block_mask",
     "head_sliding_step",
     "per_kv_head",
+    "to_csr",
+    "from_csr",
+    "to_bsr",
+    "from_bsr",
+    "to_block_mask",
+    "from_block_mask",
 ]
