@@ -217,8 +217,8 @@ class SparseAttention(torch.nn.Module):
             raise ValueError(f"k and v must have q's batch and sequence sizes {(B, T)} on dims 0 and {sd}, "
                              f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
         if T > self.max_seqlen:
-            raise ValueError(f"q has {T} tokens on seq_dim={sd} but the pattern covers "
-                             f"{self.max_seqlen} ({self.num_pattern_heads} x ... blocks of {self.block_size})")
+            raise ValueError(f"q has {T} tokens on seq_dim={sd} but the pattern covers {self.max_seqlen} "
+                             f"({self.block_sparse_pattern.shape[-1]} blocks of {self.block_size})")
         if seqlens is None and left_paddings is None:
             cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
             out = self._run(*(t.reshape(B * T, *t.shape[2:]) for t in (qb, kb, vb)), sm_scale, cu, T)
