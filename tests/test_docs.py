@@ -229,3 +229,20 @@ def test_environment_read_in_one_place():
             if f != "infllm_cupy/_env.py" and re.search(r"os\.environ|\bgetenv\b|\benviron\b", line):
                 problems.append(f"{f}:{i + 1}: reads the environment (only infllm_cupy/_env.py may)")
     assert not problems, "\n".join(problems)
+
+
+def test_no_test_name_defined_twice():
+    """One test file per op family and no test name twice across tests/ (pytest -k stays unambiguous)."""
+    import ast
+
+    seen: dict[str, str] = {}
+    dups = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                where = f"{path.relative_to(ROOT)}:{node.lineno}"
+                if node.name in seen:
+                    dups.append(f"{node.name}: {seen[node.name]} and {where}")
+                seen.setdefault(node.name, where)
+    assert seen, "no tests found: the scan is broken"
+    assert not dups, "\n".join(dups)

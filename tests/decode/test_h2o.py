@@ -111,7 +111,7 @@ def test_evict_compacts_per_head_and_attention_continues():
             torch.testing.assert_close(out[b, hq], p @ v[b, pos, h], atol=1e-5, rtol=1e-5)
 
 
-def test_bad_input_names_the_argument():
+def test_h2o_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="recent"):
         H2O(1, 1, 10, budget=4, recent=5)
     with pytest.raises(ValueError, match="budget"):
