@@ -5,9 +5,11 @@ that `block_sparse_attn_varlen` runs (docs/patterns.md).
 - `per_kv_head`: collapse per-query-head masks to our per-KV-head layout when the groups agree.
 - `to_csr`/`from_csr` (vLLM), `to_bsr`/`from_bsr` (FlashInfer), `to_block_mask`/`from_block_mask`
   (FlexAttention): other systems' formats in and out, exact or a ValueError.
+- `sliding_tile`: Sliding Tile Attention's tile windows on 2-D/3-D grids, with the token permutation.
 """
 from .formats import from_block_mask, from_bsr, from_csr, to_block_mask, to_bsr, to_csr
 from .local_stride import head_sliding_step, local_stride, local_stride_block_mask, per_kv_head
+from .sliding_tile import sliding_tile, tile_permutation, tile_window_mask
 
 __all__ = [
     "local_stride",
@@ -20,4 +22,7 @@ __all__ = [
     "from_bsr",
     "to_block_mask",
     "from_block_mask",
+    "sliding_tile",
+    "tile_permutation",
+    "tile_window_mask",
 ]
