@@ -20,9 +20,22 @@ from ..decode.sparse_decode import sparse_decode
 from ..stage2.layout import BlockLayout
 from .local_stride import per_kv_head
 
-# mask tensor -> {(device, G, H): (rows int32 [(B,) H', NQB, K], q_block, per_query_head)}; weak so that a
-# dropped layout frees its table
-_TABLES: "weakref.WeakKeyDictionary[torch.Tensor, dict]" = weakref.WeakKeyDictionary()
+# id(mask) -> (weak ref to the mask, {(device, G, H): (rows int32 [(B,) H', NQB, K], q_block, per_query_head)}):
+# weak so that a dropped layout frees its table, and keyed by identity, not by the tensor (a tensor's
+# == is elementwise, and a dead mask's id can be reused)
+_TABLES: dict = {}
+
+
+def _tables_of(mask: torch.Tensor) -> dict:
+    key = id(mask)
+    entry = _TABLES.get(key)
+    if entry is None or entry[0]() is not mask:
+        def drop(ref, key=key):
+            if _TABLES.get(key, (None,))[0] is ref:
+                del _TABLES[key]
+        entry = (weakref.ref(mask, drop), {})
+        _TABLES[key] = entry
+    return entry[1]
 
 
 def _rows(mask: torch.Tensor) -> torch.Tensor:
@@ -39,7 +52,7 @@ def _rows(mask: torch.Tensor) -> torch.Tensor:
 def _table(layout: BlockLayout, G: int, H: int, device: torch.device):
     """`(rows, q_block, per_query_head)` for a layout with H (KV) or H * G (query) heads."""
     mask = layout.mask
-    per_dev = _TABLES.setdefault(mask, {})
+    per_dev = _tables_of(mask)
     hit = per_dev.get((device, G, H))
     if hit is not None:
         return hit
