@@ -91,3 +91,43 @@ def test_bench_decode_runs_on_cpu(tmp_path):
     assert "ours_dense with weights / without (eager)" in goals and "ours dense / fastest dense anchor (eager)" in goals
     assert payload["check"] and all(" ok " in c for c in payload["check"]), payload["check"]
     assert "### Goals (issue #22)" in r.stdout and "| config | impl |" in r.stdout
+
+
+PATTERNS = ("local_stride", "local_stride_sliding", "per_head", "sliding_tile", "sparge")
+
+
+def test_bench_patterns_runs_on_cpu(tmp_path):
+    out = tmp_path / "patterns.json"
+    r = run_script("bench_patterns.py", "--device", "cpu", "--warmup", "0", "--rep", "1", "--budget-s", "0",
+                   "--json", str(out))
+    payload = json.loads(out.read_text())
+    rows = json_rows(out)
+    assert {row["config"] for row in rows} == {"B1-T2K-HQ4-H2-D32"}       # the CPU default: 2048x1, small heads
+    assert {row["selection"] for row in rows if row["impl"] in ("ours", "flex")} == set(PATTERNS)
+    assert {row["mode"] for row in rows} == {"fwd", "fwdbwd"}
+    built = {row["selection"] for row in rows if row["impl"] == "ours" and "not built yet" not in row["note"]}
+    assert {"local_stride", "local_stride_sliding", "per_head"} <= built
+    for row in rows:
+        if row["impl"] == "ours" and row["selection"] in built:
+            # on CPU ours runs the reference, forward and backward; density and FLOP come with every row
+            assert row["ms"] > 0 and row["tflops"] > 0 and 0 < row["density"] <= 1, row
+        if row["ms"] is None:
+            assert row["note"], row                                        # failures are recorded, not raised
+    ours = {(row["selection"], row["mode"]): row for row in rows if row["impl"] == "ours"}
+    # head-sliding strides differ inside a KV head's group: ours runs with K/V repeated per query head
+    assert "KV repeated" in ours[("local_stride_sliding", "fwd")]["note"]
+    assert "KV repeated" not in ours[("local_stride", "fwd")]["note"]
+    assert ours[("per_head", "fwd")]["density"] < 1
+    dense = [row for row in rows if row["impl"] == "dense"]
+    assert dense and all(row["ms"] > 0 and row["density"] == 1.0 for row in dense)
+    # every built pattern's BlockMask makes FlexAttention compute exactly ours' (query, key) pairs
+    assert payload["check"].startswith("check (T=2048) PASSED"), payload["check"]
+    assert "local_stride: ok (0 pairs differ" in payload["check"]
+    goals = {(g["pattern"], g["mode"]): g for g in payload["goals"]}
+    fwd = goals[("local_stride", "fwd")]
+    assert fwd["ours/(dens*dense)"] == pytest.approx(fwd["ours_ms"] / (fwd["density"] * fwd["dense_ms"]))
+    assert fwd["flex/ours"] == pytest.approx(fwd["flex_ms"] / fwd["ours_ms"])
+    assert "| config | pattern | mode | density |" in r.stdout and "goals: flex/ours >= 1.2" in r.stdout
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_patterns.py"), "--device", "cpu",
+                          "--patterns", "local_stride,nope"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--patterns: unknown ['nope']" in bad.stderr

@@ -1,0 +1,593 @@
+r"""The pattern zoo (issue #23): every pattern through our block-sparse op against FlexAttention with the
+same mask and dense cuDNN SDPA, forward and forward+backward, in one process.
+
+    python benchmarks/bench_patterns.py                                   # 32kx8 and 128kx2, all patterns
+    python benchmarks/bench_patterns.py --patterns local_stride,sparge --modes fwd --json out.json
+    python benchmarks/bench_patterns.py --device cpu                      # tiny smoke run (references)
+
+Patterns (rows' `pattern`; heads: README config HQ 32, H 2, D 128, bf16; 128-token blocks where the
+pattern allows, so FlexAttention gets whole 128x128 tiles):
+    local_stride          vLLM's local + vertical stride, homogeneous heads: block 128, local 8, stride 8
+    local_stride_sliding  the same with head-sliding strides: the 16 query heads of a KV head differ, so ours
+                          runs with K/V repeated per query head inside the timed call (G = 1, the cost a
+                          per-query-head pattern pays; docs/patterns.md, "Per query head vs per KV head")
+    per_head              a dkernel-style arbitrary per-query-head pattern over 64-token blocks (head h: sink
+                          block, local window of 4 + 4 (h % 4) blocks, vertical stride 16 shifted by h);
+                          Flex needs its mask_mod to look the 64-blocks up inside 128 tiles
+    sliding_tile          STA on a 3-D (frames, 64, 64) token grid, 2x8x8 = 128-token tiles, non-causal,
+                          tokens permuted so tiles are contiguous (permutation not timed)
+    sparge                SpargeAttn's predicted mask (`predict_sparge`) on `structured_sequence(T)`, shared
+                          by the batch (random q/k/v would predict near-dense); the prediction is timed too
+A pattern whose constructor is not in `infllm_cupy.patterns` yet gets rows with note "not built yet".
+
+Implementations: `ours` = `block_sparse_attn_varlen` on the pattern's `BlockLayout`; `flex` =
+FlexAttention (torch.compile on CUDA) with a `BlockMask` of 128x128 tiles selecting exactly the same
+keys (`full_kv_*` for whole tiles, a mask_mod for the causal diagonal and, for patterns not aligned to
+128, a look-up of the 64-blocks); `dense` = SDPA cuDNN dense (causal for causal patterns), `[B, HQ, T, D]`
+with enable_gqa (K/V repeated if the backend refuses GQA; on CPU the default backend).
+Effective TFLOP/s count the keys each query attends under the pattern (causal clipping included; dense:
+all of them); bwd = 2.5x, fwdbwd = 3.5x the forward. density = attended keys / dense keys.
+Goals (issue #23): flex ms / ours ms >= 1.2; ours ms / (density x dense ms) <= 1.3.
+
+Time: the default run (2 configs x 5 patterns x fwd,fwdbwd) is estimated, not measured, at about
+3.5 minutes on an H100: about 2 minutes of FlexAttention compiles (a forward and a backward kernel per
+config and mask_mod) and about 1.5 minutes of timing (the dense fwdbwd at 32kx8 is about 0.5 s per call).
+`--budget-s` (default 240) skips the remaining rows, recorded as skipped, so the run cannot go much past it.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks._harness import (  # noqa: E402
+    MODES, Row, add_run_args, bench_gpu_time, env_line, env_stamp, flops_attn, free_gpu_memory,
+    print_table, summarize, tflops, write_json,
+)
+from benchmarks.bench_stage2 import _short, make_fn, parse_config, shape_id  # noqa: E402
+from infllm_cupy import _env  # noqa: E402
+from infllm_cupy._constants import KV_BLOCK  # noqa: E402
+from infllm_cupy.selections import uniform_cu_seqlens  # noqa: E402
+from infllm_cupy.stage2 import BlockLayout, block_sparse_attn_varlen  # noqa: E402
+
+PATTERNS = ("local_stride", "local_stride_sliding", "per_head", "sliding_tile", "sparge")
+IMPLS = ("ours", "flex", "dense")
+FLEX_TILE = 128
+NOT_BUILT = "not built yet"
+GOAL_FLEX, GOAL_DENSITY = 1.2, 1.3
+
+
+@dataclasses.dataclass
+class PRow(Row):
+    """A harness row plus the pattern's density (attended keys / dense keys)."""
+    density: float | None = None
+
+
+@dataclasses.dataclass
+class Pattern:
+    """A built pattern: its layout (per KV head, or per query head when a group's heads differ)."""
+    name: str
+    layout: BlockLayout | None
+    causal: bool = True
+    per_q_head: bool = False
+    perm: torch.Tensor | None = None
+    note: str = ""
+    predict: Callable[[], object] | None = None     # the predictor, timed as its own row (sparge)
+
+
+# ------------------------------------------------------------------------------------------------ patterns
+
+
+def _collapse(mask: torch.Tensor, q_block: int, G: int) -> tuple[BlockLayout, bool]:
+    """Per-KV-head layout when the G heads of every group agree, else the per-query-head one."""
+    hq = mask.shape[-3]
+    grouped = mask.reshape(hq // G, G, *mask.shape[-2:])
+    if bool((grouped == grouped[:, :1]).all()):
+        return BlockLayout(grouped[:, 0].contiguous(), q_block), False
+    return BlockLayout(mask.contiguous(), q_block), True
+
+
+def per_head_mask(HQ: int, T: int) -> torch.Tensor:
+    """bool `[HQ, NB, NB]` over 64-token blocks: head h keeps block 0, a local window of 4 + 4 (h % 4)
+    blocks and every 16th column shifted by h (a dkernel-style pattern that differs per query head)."""
+    nb = -(-T // KV_BLOCK)
+    i = torch.arange(nb).view(1, -1, 1)
+    j = torch.arange(nb).view(1, 1, -1)
+    h = torch.arange(HQ).view(-1, 1, 1)
+    keep = (j == 0) | (i - j < 4 + 4 * (h % 4)) | ((j + h) % 16 == 15)
+    return (keep & (j <= i)).contiguous()
+
+
+def tile_grid(T: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """A 3-D (frames, height, width) grid of T tokens and a 128-token tile (2, 8, 8)."""
+    side = 64 if T % (2 * 64 * 64) == 0 else 16 if T % (2 * 16 * 16) == 0 else 8
+    if T % (2 * side * side):
+        raise ValueError(f"T={T} is not a multiple of {2 * side * side} (2 frames of {side}x{side})")
+    return (T // (side * side), side, side), (2, 8, 8)
+
+
+def build_pattern(name: str, T: int, HQ: int, H: int, device: torch.device, seed: int, args) -> Pattern:
+    """Build one pattern for sequences of T tokens; a constructor not in the package yet gives a note."""
+    G = HQ // H
+    try:
+        import infllm_cupy.patterns as P
+    except Exception as e:  # noqa: BLE001 - the package may be mid-edit: the other rows still run
+        return Pattern(name, None, note=f"{NOT_BUILT}: infllm_cupy.patterns ({_short(e)})")
+    if name in ("local_stride", "local_stride_sliding"):
+        if not hasattr(P, "local_stride"):
+            return Pattern(name, None, note=f"{NOT_BUILT}: infllm_cupy.patterns.local_stride")
+        lay = P.local_stride(HQ, T, block_size=128, local_blocks=8, vert_stride=8,
+                             homo_head=name == "local_stride")
+        layout, per_q = _collapse(lay.mask, lay.q_block, G)
+        return Pattern(name, layout, per_q_head=per_q)
+    if name == "per_head":
+        layout, per_q = _collapse(per_head_mask(HQ, T), KV_BLOCK, G)
+        return Pattern(name, layout, per_q_head=per_q)
+    if name == "sliding_tile":
+        if not hasattr(P, "sliding_tile"):
+            return Pattern(name, None, causal=False, note=f"{NOT_BUILT}: infllm_cupy.patterns.sliding_tile")
+        grid, tile = tile_grid(T)
+        lay, perm, _ = P.sliding_tile(grid, tile, args.sta_window, num_heads=H)
+        return Pattern(name, lay, causal=False, perm=perm)
+    if name == "sparge":
+        if not hasattr(P, "predict_sparge"):
+            return Pattern(name, None, note=f"{NOT_BUILT}: infllm_cupy.patterns.predict_sparge")
+        from infllm_cupy.synthetic import structured_sequence
+        data = structured_sequence(T, HQ, H, args.d, dtype=torch.bfloat16, device=device, seed=seed)
+
+        def predict():
+            return P.predict_sparge(data.q, data.k, cdfthreshd=args.cdfthreshd)
+
+        lay = predict()
+        mask = lay.mask[0] if lay.per_sequence else lay.mask
+        if mask.shape[0] == HQ and H != HQ:
+            layout, per_q = _collapse(mask, lay.q_block, G)
+        else:
+            layout, per_q = BlockLayout(mask.contiguous(), lay.q_block), False
+        return Pattern(name, layout, per_q_head=per_q, predict=predict)
+    raise ValueError(f"unknown pattern {name!r}")
+
+
+# ---------------------------------------------------------------------------------------------- key counts
+
+
+def pair_counts(T: int, q_block: int, nkb: int, causal: bool, device="cpu") -> torch.Tensor:
+    """int64 `[NQB, NKB]`: (query, key) pairs of query block i (q_block tokens) and 64-key block j that
+    attention computes, tokens past T dropped, keys after the query dropped when causal."""
+    nqb = -(-T // q_block)
+    a = (torch.arange(nqb, device=device) * q_block).view(-1, 1)              # first query of the block
+    b = ((torch.arange(nqb, device=device) + 1) * q_block).clamp(max=T).view(-1, 1) - 1
+    s0 = (torch.arange(nkb, device=device) * KV_BLOCK).view(1, -1)
+    L = (T - s0).clamp(min=0, max=KV_BLOCK)                                  # keys in the block
+    if not causal:
+        return (b - a + 1) * L
+
+    def upto(x):   # sum over queries t <= x of the keys s0 <= s <= t in the block
+        u = (x - s0 + 1).clamp(min=0)
+        inside = torch.minimum(u, L)
+        return inside * (inside + 1) // 2 + (u - inside) * L
+    return upto(b) - upto(a - 1)
+
+
+def attended_keys(p: Pattern, T: int, B: int, HQ: int) -> int:
+    """Sum over (query token, query head) of the keys each attends under the pattern (the FLOP basis)."""
+    m = p.layout.mask
+    cnt = pair_counts(T, p.layout.q_block, m.shape[-1], p.causal, m.device)
+    nqb = cnt.shape[0]
+    per_head = (m[..., :nqb, :].long() * cnt).sum()
+    return int(per_head) * B * (1 if p.per_q_head else HQ // m.shape[-3])
+
+
+def dense_keys(T: int, B: int, HQ: int, causal: bool) -> int:
+    return HQ * B * (T * (T + 1) // 2 if causal else T * T)
+
+
+# --------------------------------------------------------------------------------------------- BlockMask
+
+
+def causal_mask(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _ordered(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    nk = mask.shape[-1]
+    idx = torch.where(mask, torch.arange(nk, device=mask.device), nk).sort(dim=-1).values
+    return mask.sum(-1, dtype=torch.int32), torch.where(idx == nk, 0, idx).to(torch.int32)
+
+
+def flex_block_mask(p: Pattern, T: int, HQ: int, BlockMask):
+    """A BlockMask of 128x128 tiles (one batch row, broadcast; HQ heads) selecting exactly the pattern's keys.
+
+    A tile wholly inside the pattern and strictly below the diagonal (or anywhere, non-causal) is a
+    full tile; a tile only partly inside, or on the diagonal, is a partial tile whose mask_mod applies
+    causality and, when the pattern is not aligned to 128 tokens, looks its 64-blocks up."""
+    m, qb = p.layout.mask, p.layout.q_block
+    if qb % KV_BLOCK:
+        raise ValueError(f"q_block {qb} is not a multiple of {KV_BLOCK}")
+    G = HQ // m.shape[-3]
+    n64 = -(-T // KV_BLOCK)
+    fine = m.repeat_interleave(qb // KV_BLOCK, dim=-2)[:, :n64, :n64]        # [Hl, n64, n64] 64x64 blocks
+    nt = -(-T // FLEX_TILE)
+    fine = torch.nn.functional.pad(fine, (0, 2 * nt - n64, 0, 2 * nt - n64))
+    sub = fine.view(fine.shape[0], nt, 2, nt, 2)
+    i = torch.arange(2 * nt, device=m.device)
+    if p.causal:   # a 64x64 sub-block strictly after the diagonal computes nothing: drop it before "any"
+        sub = (sub & (i.view(-1, 1) >= i.view(1, -1)).view(1, nt, 2, nt, 2))
+    any_, all_ = sub.any(4).any(2), sub.all(4).all(2)                        # [Hl, nt, nt]
+    ti = torch.arange(nt, device=m.device)
+    below = (ti.view(-1, 1) > ti.view(1, -1)) if p.causal else torch.ones(nt, nt, dtype=torch.bool,
+                                                                         device=m.device)
+    full = all_ & below
+    partial = any_ & ~full
+    aligned = bool((partial & below).sum() == 0)       # partial tiles only on the diagonal (or none)
+    if aligned:
+        mask_mod = causal_mask if p.causal else None
+    else:
+        lut = fine.to(m.device)
+        causal = p.causal
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            keep = lut[h // G, q_idx // KV_BLOCK, kv_idx // KV_BLOCK]
+            return keep & (q_idx >= kv_idx) if causal else keep
+
+    rep = (lambda x: x.repeat_interleave(G, dim=0)[None].contiguous())
+    num, ind = _ordered(partial)
+    fnum, find = _ordered(full)
+    bm = BlockMask.from_kv_blocks(rep(num), rep(ind), rep(fnum), rep(find), BLOCK_SIZE=FLEX_TILE,
+                                  mask_mod=mask_mod, seq_lengths=(T, T))
+    return bm, mask_mod, aligned
+
+
+# ------------------------------------------------------------------------------------------------ runner
+
+
+class Runner:
+    def __init__(self, args, device: torch.device):
+        self.args, self.device = args, device
+        self.rows: list[PRow] = []
+        self.t_start = time.perf_counter()
+
+    def over_budget(self) -> bool:
+        return self.args.budget_s > 0 and time.perf_counter() - self.t_start > self.args.budget_s
+
+    def time(self, row: PRow, forward: Callable | None, inputs, keys: int | None, *, skip: str = "") -> PRow:
+        """Time one row; a failure (or `skip`) is recorded in `row.note` and the run goes on."""
+        a = self.args
+        if keys is not None:
+            row.keys_per_q = keys / self.n_q_rows
+            row.flop = flops_attn(keys, a.d, row.mode)
+        if skip or forward is None:
+            row.note = skip or "unavailable"
+        elif self.over_budget():
+            row.note = f"skipped: --budget-s {a.budget_s:g} s exceeded"
+        else:
+            fn = None
+            try:
+                fn = make_fn(forward, inputs, row.mode) if row.impl != "predict" else forward
+                times = bench_gpu_time(fn, warmup=a.warmup, rep=a.rep, target_ms=a.target_ms, min_rep=a.min_rep,
+                                       max_rep=a.max_rep, device=self.device)
+                st = summarize(times)
+                row.ms, row.ms_p20, row.ms_p80, row.reps = st["ms"], st["ms_p20"], st["ms_p80"], len(times)
+                row.tflops = tflops(row.flop, row.ms)
+            except Exception as e:  # noqa: BLE001 - one failing row must not kill the table
+                row.note = (row.note + "; " if row.note else "") + _short(e)
+            finally:
+                del fn
+                free_gpu_memory(self.device)
+        self.rows.append(row)
+        tqdm.write(f"  {row.impl:<7} {row.config} {row.selection:<20} {row.mode:<6} "
+                   f"ms={row.ms if row.ms is None else round(row.ms, 3)} "
+                   f"TFLOP/s={row.tflops if row.tflops is None else round(row.tflops, 1)} {row.note}")
+        return row
+
+
+def sdpa_fn(device: torch.device, causal: bool, gqa: bool = True):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    ctx = (lambda: sdpa_kernel([SDPBackend.CUDNN_ATTENTION])) if device.type == "cuda" else contextlib.nullcontext
+
+    def sdpa(q_, k_, v_):
+        with ctx():
+            return torch.nn.functional.scaled_dot_product_attention(q_, k_, v_, is_causal=causal, enable_gqa=gqa)
+    return sdpa
+
+
+def bench_config(r: Runner, T: int, B: int, phase: str, flex, BlockMask, cache: dict):
+    """One (T, B): in phase "anchors" dense and Flex rows, in phase "ours" our rows (and the predictor)."""
+    a, dev = r.args, r.device
+    HQ, H, D = a.hq, a.h, a.d
+    G = HQ // H
+    cfg = shape_id(B, T, HQ, H, D)
+    r.n_q_rows = B * T * HQ
+    g = torch.Generator(device=dev).manual_seed(a.seed)
+    q = torch.randn(B * T, HQ, D, generator=g, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(B * T, H, D, generator=g, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(B * T, H, D, generator=g, device=dev, dtype=torch.bfloat16)
+    cu = uniform_cu_seqlens(B, T, dev)
+    bhtd = None
+    if phase == "anchors":
+        bhtd = tuple(x.view(B, T, x.shape[1], D).transpose(1, 2).contiguous() for x in (q, k, v))
+
+    pats = []
+    for name in a.patterns:
+        key = (name, T)
+        if key not in cache:
+            try:
+                cache[key] = build_pattern(name, T, HQ, H, dev, a.seed, a)
+            except Exception as e:  # noqa: BLE001 - a broken constructor is a row note, not a crash
+                cache[key] = Pattern(name, None, note=f"build failed: {_short(e)}")
+        pats.append(cache[key])
+
+    if phase == "anchors" and "dense" in a.impls:
+        for causal in sorted({p.causal for p in pats if p.layout is not None}, reverse=True):
+            keys = dense_keys(T, B, HQ, causal)
+            for mode in a.modes:
+                row = r.time(PRow("dense", cfg, "causal" if causal else "full", None, mode, density=1.0),
+                              sdpa_fn(dev, causal), bhtd, keys)
+                if row.ms is None and dev.type == "cuda" and not row.note.startswith("skipped"):
+                    r.rows.pop()     # GQA refused by this backend: K/V repeated to HQ heads instead
+                    kr, vr = (x.repeat_interleave(G, dim=1) for x in bhtd[1:])
+                    r.time(PRow("dense", cfg, "causal" if causal else "full", None, mode, density=1.0,
+                                note=f"KV repeated ({row.note[:80]})"), sdpa_fn(dev, causal, gqa=False),
+                           (bhtd[0], kr, vr), keys)
+                    del kr, vr
+
+    for p in tqdm(pats, desc=f"{cfg} {phase}", disable=None, leave=False):
+        keys = attended_keys(p, T, B, HQ) if p.layout is not None else None
+        dens = keys / dense_keys(T, B, HQ, p.causal) if keys is not None else None
+        skip = p.note if p.layout is None else ""
+        if phase == "anchors" and "flex" in a.impls:
+            fn, note = None, ""
+            if not skip:
+                try:
+                    bm, _, aligned = flex_block_mask(p, T, HQ, BlockMask)
+                    note = "" if aligned else "mask_mod looks up 64-blocks"
+
+                    def fn(q_, k_, v_, bm=bm):
+                        return flex(q_, k_, v_, block_mask=bm, enable_gqa=True)
+                except Exception as e:  # noqa: BLE001
+                    skip = f"BlockMask: {_short(e)}"
+            for mode in a.modes:
+                r.time(PRow("flex", cfg, p.name, None, mode, density=dens, note=note), fn, bhtd, keys, skip=skip)
+            fn = bm = None
+        if phase == "ours" and "ours" in a.impls:
+            fn, note = None, ""
+            if not skip:
+                lay, causal = p.layout, p.causal
+                if p.per_q_head:
+                    note = "KV repeated per query head (G=1)"
+
+                    def fn(q_, k_, v_, lay=lay, causal=causal):
+                        return block_sparse_attn_varlen(q_, k_.repeat_interleave(G, 1), v_.repeat_interleave(G, 1),
+                                                        cu, cu, lay, T, T, causal=causal)
+                else:
+                    def fn(q_, k_, v_, lay=lay, causal=causal):
+                        return block_sparse_attn_varlen(q_, k_, v_, cu, cu, lay, T, T, causal=causal)
+            for mode in a.modes:
+                r.time(PRow("ours", cfg, p.name, None, mode, density=dens, note=note), fn, (q, k, v), keys, skip=skip)
+            if p.predict is not None and "fwd" in a.modes:
+                with torch.no_grad():
+                    r.time(PRow("predict", cfg, p.name, None, "fwd", note="predict_sparge on one sequence"),
+                           p.predict, (), None)
+            fn = None
+    del q, k, v, bhtd
+    free_gpu_memory(dev)
+
+
+def _tiles(num: torch.Tensor, ind: torch.Tensor, nt: int) -> torch.Tensor:
+    """bool `[HQ, NQ, NK]` from a BlockMask's (num_blocks, indices) pair (first batch row)."""
+    num, ind = num[0].long(), ind[0].long()
+    valid = torch.arange(ind.shape[-1], device=ind.device) < num[..., None]
+    out = torch.zeros(*num.shape, nt + 1, dtype=torch.bool, device=ind.device)
+    out.scatter_(-1, torch.where(valid, ind, nt), True)
+    return out[..., :nt]
+
+
+def flex_token_mask(bm, mask_mod, T: int, HQ: int) -> torch.Tensor:
+    """bool `[HQ, T, T]`: the (query, key) pairs compiled FlexAttention computes with `bm`: every pair of a
+    full tile, the pairs of a partial tile that `mask_mod` keeps, nothing elsewhere. (Eager FlexAttention
+    ignores the block lists and applies mask_mod everywhere, so comparing eager outputs would not test them.)"""
+    nt = -(-T // FLEX_TILE)
+    full, part = _tiles(bm.full_kv_num_blocks, bm.full_kv_indices, nt), _tiles(bm.kv_num_blocks, bm.kv_indices, nt)
+    up = (lambda t: t.repeat_interleave(FLEX_TILE, 1).repeat_interleave(FLEX_TILE, 2)[:, :T, :T])
+    dev = bm.kv_indices.device
+    h, qi, ki = (torch.arange(n, device=dev).view(*s) for n, s in ((HQ, (-1, 1, 1)), (T, (1, -1, 1)), (T, (1, 1, -1))))
+    kept = torch.ones(1, 1, 1, dtype=torch.bool, device=dev) if mask_mod is None else mask_mod(0, h, qi, ki)
+    return up(full) | (up(part) & kept)
+
+
+def pattern_token_mask(p: Pattern, T: int, HQ: int) -> torch.Tensor:
+    """bool `[HQ, T, T]`: the (query, key) pairs our op attends under the pattern."""
+    m = p.layout.mask
+    m = m.repeat_interleave(HQ // m.shape[0], 0).repeat_interleave(p.layout.q_block, 1)[:, :T]
+    m = m.repeat_interleave(KV_BLOCK, 2)[:, :, :T]
+    if p.causal:
+        m = m & torch.ones(T, T, dtype=torch.bool, device=m.device).tril()
+    return m
+
+
+def run_check(a, dev, BlockMask) -> str:
+    """Per pattern, on one short sequence: the BlockMask built here makes FlexAttention compute exactly
+    the (query, key) pairs ours attends (token level, no tolerance)."""
+    T = min(a.configs[0][0], 2048)
+    verdicts, ok_all = [], True
+    for name in a.patterns:
+        try:
+            p = build_pattern(name, T, a.hq, a.h, dev, a.seed, a)
+            if p.layout is None:
+                verdicts.append(f"{name}: {p.note}")
+                continue
+            bm, mask_mod, _ = flex_block_mask(p, T, a.hq, BlockMask)
+            want, got = pattern_token_mask(p, T, a.hq), flex_token_mask(bm, mask_mod, T, a.hq)
+            bad = int((want != got).sum())
+            ok = bad == 0
+            verdicts.append(f"{name}: {'ok' if ok else 'FAIL'} ({bad} pairs differ of {want.numel()})")
+        except Exception as e:  # noqa: BLE001
+            ok = False
+            verdicts.append(f"{name}: ERROR {_short(e)}")
+        ok_all &= ok
+    return f"check (T={T}) " + ("PASSED: " if ok_all else "FAILED: ") + "; ".join(verdicts)
+
+
+# ---------------------------------------------------------------------------------------------- reporting
+
+
+def goal_table(rows: list[PRow]) -> list[dict]:
+    """One line per (config, pattern, mode) with ours: ms of each implementation and the goal ratios."""
+    idx = {(x.impl, x.config, x.selection, x.mode): x for x in rows}
+    out = []
+    for x in rows:
+        if x.impl != "ours":
+            continue
+        p = PATTERN_CAUSAL.get((x.config, x.selection), True)
+        fl = idx.get(("flex", x.config, x.selection, x.mode))
+        de = idx.get(("dense", x.config, "causal" if p else "full", x.mode))
+        rec = {"config": x.config, "pattern": x.selection, "mode": x.mode, "density": x.density, "ours_ms": x.ms,
+               "ours_TFLOP/s": x.tflops, "flex_ms": fl.ms if fl else None, "dense_ms": de.ms if de else None,
+               "flex/ours": None, "ours/(dens*dense)": None, "goals": "-"}
+        if x.ms and fl and fl.ms:
+            rec["flex/ours"] = fl.ms / x.ms
+            x.ratios["flex/ours"] = rec["flex/ours"]
+        if x.ms and de and de.ms and x.density:
+            rec["ours/(dens*dense)"] = x.ms / (x.density * de.ms)
+            x.ratios["ours/(density*dense)"] = rec["ours/(dens*dense)"]
+        if rec["flex/ours"] is not None and rec["ours/(dens*dense)"] is not None:
+            ok = rec["flex/ours"] >= GOAL_FLEX and rec["ours/(dens*dense)"] <= GOAL_DENSITY
+            rec["goals"] = "met" if ok else "MISSED"
+        out.append(rec)
+    return out
+
+
+PATTERN_CAUSAL: dict[tuple[str, str], bool] = {}
+
+
+def markdown(records: list[dict], cols: list[str]) -> str:
+    def cell(v):
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+        return str(v)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(cell(r.get(c)) for c in cols) + " |" for r in records]
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    add_run_args(p, target_ms=300.0, min_rep=3, max_rep=10)
+    p.set_defaults(budget_s=240.0)
+    p.add_argument("--patterns", default=",".join(PATTERNS), help=f"subset of {','.join(PATTERNS)}")
+    p.add_argument("--modes", default="fwd,fwdbwd", help=f"subset of {','.join(MODES)}. Default: fwd,fwdbwd")
+    p.add_argument("--impls", default=",".join(IMPLS), help=f"subset of {','.join(IMPLS)}")
+    p.add_argument("--skip-check", action="store_true",
+                   help="skip the check that each BlockMask selects exactly the pattern's (query, key) pairs")
+    p.add_argument("--cdfthreshd", type=float, default=0.9, help="SpargeAttn's cumulative-mass threshold")
+    p.add_argument("--sta-window", default="3,3,3",
+                   help="STA window in tiles per axis (frames, height, width). Default: 3,3,3")
+    a = p.parse_args(argv)
+    dev = torch.device(a.device)
+    if a.configs is None:
+        a.configs = ("8kx2" if a.quick else "32kx8,128kx2") if dev.type == "cuda" else "2048x1"
+        if dev.type != "cuda" and a.hq == 32 and a.h == 2 and a.d == 128:
+            a.hq, a.h, a.d = 4, 2, 32          # CPU smoke: the references are slow; the shapes stay GQA
+    a.configs = [parse_config(c) for c in a.configs.split(",") if c]
+    a.patterns = [s for s in a.patterns.split(",") if s]
+    a.modes = [m for m in a.modes.split(",") if m]
+    a.impls = [i for i in a.impls.split(",") if i]
+    a.sta_window = tuple(int(x) for x in a.sta_window.split(","))
+    for name, vals, allowed in (("--patterns", a.patterns, PATTERNS), ("--modes", a.modes, MODES),
+                                ("--impls", a.impls, IMPLS)):
+        bad = [x for x in vals if x not in allowed]
+        if bad:
+            p.error(f"{name}: unknown {bad}; choose from {list(allowed)}")
+    if a.hq % a.h:
+        p.error("--hq must be a multiple of --h")
+    if a.quick:
+        a.target_ms, a.max_rep = min(a.target_ms, 100.0), min(a.max_rep, 5)
+    return a
+
+
+def main(argv=None) -> list[PRow]:
+    a = parse_args(argv)
+    dev = torch.device(a.device)
+    env = env_stamp()
+    print("env: " + ", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
+    print(f"configs {a.configs}, patterns {a.patterns}, modes {a.modes}, HQ {a.hq} H {a.h} D {a.d}, "
+          f"budget {a.budget_s:g} s", flush=True)
+    r = Runner(a, dev)
+
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    flex = flex_attention
+    if dev.type == "cuda" and not a.no_compile:
+        import torch._dynamo.config as dynamo_config
+        for name in ("cache_size_limit", "recompile_limit"):
+            if hasattr(dynamo_config, name):
+                setattr(dynamo_config, name, max(64, getattr(dynamo_config, name)))
+        flex = torch.compile(flex_attention, dynamic=False)
+    if any(m != "fwd" for m in a.modes):
+        try:  # compiled backward with donated buffers refuses retain_graph=True (the bwd timing)
+            import torch._functorch.config as functorch_config
+            functorch_config.donated_buffer = False
+        except Exception:  # noqa: BLE001
+            pass
+
+    check = "check skipped (--skip-check)" if a.skip_check else run_check(a, dev, BlockMask)
+    print(check, flush=True)
+    cache: dict = {}
+    stack = contextlib.ExitStack()
+    # pass 1: the anchors; pass 2: ours, so that a crash in ours cannot cost the anchors
+    for phase in ("anchors", "ours"):
+        if phase == "ours":
+            if "ours" not in a.impls:
+                continue
+            stack.enter_context(_env.override(validate=False))   # the launcher's host-side checks are not timed
+        for T, B in tqdm(a.configs, desc=phase, unit="config", disable=None):
+            try:
+                bench_config(r, T, B, phase, flex, BlockMask, cache)
+            except Exception as e:  # noqa: BLE001 - e.g. OOM building inputs: record it, go on
+                r.rows.append(PRow(phase, shape_id(B, T, a.hq, a.h, a.d), note=f"config failed: {_short(e)}"))
+                tqdm.write(f"config {T}x{B} ({phase}) failed: {_short(e)}")
+                free_gpu_memory(dev)
+            if a.json:
+                write_json(r.rows, a.json, env, extra={"check": check, "argv": sys.argv[1:]})
+    stack.close()
+    for (name, T), p in cache.items():
+        for B in {b for t, b in a.configs if t == T}:
+            PATTERN_CAUSAL[(shape_id(B, T, a.hq, a.h, a.d), name)] = p.causal
+
+    peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
+    order = {i: n for n, i in enumerate(("dense", "flex", "ours", "predict"))}
+    cfg_order = {shape_id(B, T, a.hq, a.h, a.d): n for n, (T, B) in enumerate(a.configs)}
+    r.rows.sort(key=lambda x: (cfg_order.get(x.config, 99), x.selection, order.get(x.impl, 9),
+                               MODES.index(x.mode) if x.mode in MODES else 9))
+    goals = goal_table(r.rows)
+    print_table(r.rows, ("impl", "config", "selection", "mode", "density", "ms", "tflops", "keys_per_q", "reps",
+                         "note"),
+                title="All rows (selection = pattern; ms = median; TFLOP/s effective on attended keys)")
+    cols = ["config", "pattern", "mode", "density", "ours_ms", "ours_TFLOP/s", "flex_ms", "dense_ms", "flex/ours",
+            "ours/(dens*dense)", "goals"]
+    print(f"\n### Patterns against FlexAttention and dense cuDNN (goals: flex/ours >= {GOAL_FLEX}, "
+          f"ours/(density x dense) <= {GOAL_DENSITY})\n")
+    print(markdown(goals, cols) if goals else "(no ours rows)", flush=True)
+    print(f"\n{check}")
+    print(env_line(env, r.t_start, f"peak GPU memory {peak:.1f} GiB"), flush=True)
+    if a.json:
+        write_json(r.rows, a.json, env, extra={"check": check, "argv": sys.argv[1:], "peak_gib": peak,
+                                            "goals": goals})
+    return r.rows
+
+
+if __name__ == "__main__":
+    main()
