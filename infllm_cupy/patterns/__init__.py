@@ -6,10 +6,12 @@ that `block_sparse_attn_varlen` runs (docs/patterns.md).
 - `to_csr`/`from_csr` (vLLM), `to_bsr`/`from_bsr` (FlashInfer), `to_block_mask`/`from_block_mask`
   (FlexAttention): other systems' formats in and out, exact or a ValueError.
 - `sliding_tile`: Sliding Tile Attention's tile windows on 2-D/3-D grids, with the token permutation.
+- `predict_sparge`: SpargeAttn's predicted mask (vectorised torch), `naive_predict_sparge` its loops.
 """
 from .formats import from_block_mask, from_bsr, from_csr, to_block_mask, to_bsr, to_csr
 from .local_stride import head_sliding_step, local_stride, local_stride_block_mask, per_kv_head
 from .sliding_tile import sliding_tile, tile_permutation, tile_window_mask
+from .sparge import naive_predict_sparge, predict_sparge
 
 __all__ = [
     "local_stride",
@@ -25,4 +27,6 @@ __all__ = [
     "sliding_tile",
     "tile_permutation",
     "tile_window_mask",
+    "predict_sparge",
+    "naive_predict_sparge",
 ]
