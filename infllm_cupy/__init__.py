@@ -16,6 +16,19 @@ from .decode import (
     naive_sparse_decode,
     sparse_decode,
 )
+from .patterns import (
+    from_block_mask,
+    from_bsr,
+    from_csr,
+    local_stride,
+    naive_predict_sparge,
+    per_kv_head,
+    predict_sparge,
+    sliding_tile,
+    to_block_mask,
+    to_bsr,
+    to_csr,
+)
 from .pipeline import InfLLMv2Attention, InfLLMv2Config, infllmv2_attention, naive_infllmv2_attention
 from .stage1 import naive_stage1_select, stage1_select
 from .stage2 import (
@@ -56,4 +69,17 @@ __all__ = [
     # SDPA) and a whole decode step (selection and attention)
     "naive_dense_attn_varlen",
     "naive_infllmv2_decode",
+    # the pattern zoo (docs/patterns.md): other systems' static patterns and formats as BlockLayouts,
+    # and SpargeAttn's predicted mask with its loop reference
+    "local_stride",
+    "sliding_tile",
+    "per_kv_head",
+    "to_csr",
+    "from_csr",
+    "to_bsr",
+    "from_bsr",
+    "to_block_mask",
+    "from_block_mask",
+    "predict_sparge",
+    "naive_predict_sparge",
 ]
