@@ -20,7 +20,8 @@ from ..decode.sparse_decode import sparse_decode
 from ..stage2.layout import BlockLayout
 from .local_stride import per_kv_head
 
-# id(mask) -> (weak ref to the mask, {(device, G, H): (rows int32 [(B,) H', NQB, K], q_block, per_query_head)}):
+# id(mask) -> (weak ref to the mask, {(device, G, H): (rows, q_block, per_query_head)}), rows int32
+# [(B,) H', NQB, K]:
 # weak so that a dropped layout frees its table, and keyed by identity, not by the tensor (a tensor's
 # == is elementwise, and a dead mask's id can be reused)
 _TABLES: dict = {}
@@ -71,7 +72,7 @@ def _table(layout: BlockLayout, G: int, H: int, device: torch.device):
     return hit
 
 
-def pattern_topk_idx(layout: BlockLayout, seqlens: torch.Tensor, *, num_q_heads: int | None = None) -> torch.Tensor:
+def pattern_topk_idx(layout: BlockLayout, seqlens: torch.Tensor) -> torch.Tensor:
     """The decode step's block selection under `layout`: int32 `[H', B, K]`, row `(L_b - 1) // q_block`
     of head h' (and of sequence b for a per-sequence layout), ascending, -1 padded; H' is the layout's
     head count. Built on seqlens' device without a host read (lengths past the layout use its last
@@ -134,12 +135,14 @@ def pattern_decode(q: torch.Tensor, cache, layout, *, softmax_scale: float | Non
     H = k.shape[2]
     HQ = q.shape[1]
     if HQ % H:
-        raise ValueError(f"q has {HQ} heads and the cache has {H}: the query head count must be a multiple of it")
+        raise ValueError(f"q has {HQ} heads and the cache has {H}: the query head count must be a "
+                         f"multiple of it")
     G = HQ // H
     if isinstance(layout, SparseAttention):
         layout, _ = layout.layout_for(HQ, H, q.device)
     if not isinstance(layout, BlockLayout):
-        raise TypeError(f"layout must be a BlockLayout or a SparseAttention module, got {type(layout).__name__}")
+        raise TypeError(f"layout must be a BlockLayout or a SparseAttention module, "
+                        f"got {type(layout).__name__}")
     if layout.per_sequence and layout.mask.shape[0] != seqlens.shape[0]:
         raise ValueError(f"layout has {layout.mask.shape[0]} sequences but the cache has {seqlens.shape[0]}")
     if isinstance(cache, DecodeCache) and validate_values():
@@ -150,13 +153,14 @@ def pattern_decode(q: torch.Tensor, cache, layout, *, softmax_scale: float | Non
     rows, q_block, per_query_head = _table(layout, G, H, q.device)
     idx = _gather(rows, q_block, seqlens.to(q.device), layout.per_sequence)
     if not per_query_head:
-        return sparse_decode(q, cache, idx, softmax_scale=softmax_scale, return_lse=return_lse, backend=backend)
+        return sparse_decode(q, cache, idx, softmax_scale=softmax_scale, return_lse=return_lse,
+                             backend=backend)
     # query heads of a group select differently: one G = 1 call per group member g (heads h*G + g)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
     for g in range(G):
-        res = sparse_decode(q[:, g::G].contiguous(), cache, idx[g::G].contiguous(), softmax_scale=softmax_scale,
-                            return_lse=return_lse, backend=backend)
+        res = sparse_decode(q[:, g::G].contiguous(), cache, idx[g::G].contiguous(),
+                            softmax_scale=softmax_scale, return_lse=return_lse, backend=backend)
         if return_lse:
             out[:, g::G], lse[:, g::G] = res
         else:

@@ -59,7 +59,8 @@ def dkernel_local_stride_mask(num_heads: int, max_seq_len: int, block_size: int,
     i = torch.arange(nb)[:, None]
     j = torch.arange(nb)[None, :]
     p = torch.arange(n_pat)[:, None, None]
-    vertical = ((j[None] + p * step + head_sliding_offset) % vert_stride == 0) | (p >= n_pat - num_dense_heads)
+    vertical = (j[None] + p * step + head_sliding_offset) % vert_stride == 0
+    vertical = vertical | (p >= n_pat - num_dense_heads)
     return ((i >= j) & ((i - j < local_blocks) | vertical)).contiguous()
 
 
@@ -99,13 +100,14 @@ class SparseAttention(torch.nn.Module):
         check_tensor("block_sparse_pattern", block_sparse_pattern)
         if block_sparse_pattern.dim() == 2:
             block_sparse_pattern = block_sparse_pattern[None]
-        if block_sparse_pattern.dim() != 3 or block_sparse_pattern.shape[-1] != block_sparse_pattern.shape[-2] \
-                or block_sparse_pattern.shape[-1] == 0:
-            raise ValueError(f"block_sparse_pattern must be [NB, NB] or [num_heads, NB, NB] (square, NB > 0), "
-                             f"got shape {tuple(block_sparse_pattern.shape)}")
+        shape = tuple(block_sparse_pattern.shape)
+        if len(shape) != 3 or shape[-1] != shape[-2] or shape[-1] == 0:
+            raise ValueError(f"block_sparse_pattern must be [NB, NB] or [num_heads, NB, NB] (square, "
+                             f"NB > 0), got shape {shape}")
         if block_sparse_pattern.dtype != torch.bool:
             if block_sparse_pattern.is_floating_point() or block_sparse_pattern.is_complex():
-                raise TypeError(f"block_sparse_pattern must be bool or integer 0/1, got {block_sparse_pattern.dtype}")
+                raise TypeError(f"block_sparse_pattern must be bool or integer 0/1, "
+                                f"got {block_sparse_pattern.dtype}")
             block_sparse_pattern = block_sparse_pattern != 0
         if seq_dim not in (1, 2) or isinstance(seq_dim, bool):
             raise ValueError(f"seq_dim must be 1 ([B, T, H, D]) or 2 ([B, H, T, D]), got {seq_dim!r}")
@@ -126,8 +128,8 @@ class SparseAttention(torch.nn.Module):
         return self.block_sparse_pattern.shape[0]
 
     def extra_repr(self) -> str:
-        return (f"block_size={self.block_size}, pattern_heads={self.num_pattern_heads}, max_seqlen={self.max_seqlen}, "
-                f"seq_dim={self.seq_dim}, causal={self.causal}")
+        return (f"block_size={self.block_size}, pattern_heads={self.num_pattern_heads}, "
+                f"max_seqlen={self.max_seqlen}, seq_dim={self.seq_dim}, causal={self.causal}")
 
     def layout_for(self, num_q_heads: int, num_kv_heads: int, device) -> tuple[BlockLayout, bool]:
         """`(layout, expand_kv)` for these head counts: the cached `BlockLayout` over 64-key blocks on
@@ -139,8 +141,8 @@ class SparseAttention(torch.nn.Module):
         if hit is not None:
             return hit
         if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
-            raise ValueError(f"q has {num_q_heads} heads and k has {num_kv_heads}: the query head count must be a "
-                             f"positive multiple of the key/value head count")
+            raise ValueError(f"q has {num_q_heads} heads and k has {num_kv_heads}: the query head count must "
+                             f"be a positive multiple of the key/value head count")
         G = num_q_heads // num_kv_heads
         P = self.num_pattern_heads
         base = expand_blocks(self.block_sparse_pattern.cpu(), self.block_size, self.max_seqlen)
@@ -154,8 +156,8 @@ class SparseAttention(torch.nn.Module):
             if layout is None:
                 layout, expand = base, True
         else:
-            raise ValueError(f"block_sparse_pattern has {P} heads; q has {num_q_heads} and k has {num_kv_heads} "
-                             f"(the pattern needs 1, {num_kv_heads} or {num_q_heads} heads)")
+            raise ValueError(f"block_sparse_pattern has {P} heads; q has {num_q_heads} and k has "
+                             f"{num_kv_heads} (the pattern needs 1, {num_kv_heads} or {num_q_heads} heads)")
         hit = (BlockLayout(layout.mask.to(device), layout.q_block), expand)
         self._layouts[key] = hit
         return hit
@@ -169,7 +171,8 @@ class SparseAttention(torch.nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float | None = None, *,
                 cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
                 seqlens: torch.Tensor | None = None, left_paddings: torch.Tensor | None = None,
-                cu_seqlen_q: torch.Tensor | None = None, cu_seqlen_k: torch.Tensor | None = None) -> torch.Tensor:
+                cu_seqlen_q: torch.Tensor | None = None,
+                cu_seqlen_k: torch.Tensor | None = None) -> torch.Tensor:
         r"""Attention of q over k, v under the pattern (prefill: queries and keys are the same tokens).
 
         Args:
@@ -198,7 +201,8 @@ class SparseAttention(torch.nn.Module):
             if cu_seqlens is None:
                 raise ValueError("cu_seqlens is required for packed 3-D inputs q [total, HQ, D]")
             if seqlens is not None or left_paddings is not None:
-                raise ValueError("seqlens and left_paddings are for 4-D inputs; packed inputs take cu_seqlens")
+                raise ValueError("seqlens and left_paddings are for 4-D inputs; packed inputs take "
+                                 "cu_seqlens")
             return self._packed(q, k, v, sm_scale, cu_seqlens, max_seqlen)
         if q.dim() != 4:
             raise ValueError(f"q must be 4-D [B, T, H, D] / [B, H, T, D] or packed 3-D [total, H, D], "
@@ -238,7 +242,8 @@ class SparseAttention(torch.nn.Module):
         cu[1:] = n.cumsum(0).to(torch.int32)
         packed = [t.reshape(B * T, *t.shape[2:]).index_select(0, flat) for t in (qb, kb, vb)]
         out_p = self._run(*packed, sm_scale, cu.to(q.device), max(1, int(n.max())) if B else 1)
-        out = out_p.new_zeros((B * T, *out_p.shape[1:])).index_copy(0, flat, out_p).view(B, T, *out_p.shape[1:])
+        out = out_p.new_zeros((B * T, *out_p.shape[1:])).index_copy(0, flat, out_p)
+        out = out.view(B, T, *out_p.shape[1:])
         return out if sd == 1 else out.transpose(1, 2)
 
     @staticmethod
@@ -250,8 +255,9 @@ class SparseAttention(torch.nn.Module):
         for t in given[1:]:
             check_tensor("cu_seqlen_k", t)
             if t is not first and (t.shape != first.shape or not torch.equal(t.cpu(), first.cpu())):
-                raise ValueError("cu_seqlen_q and cu_seqlen_k (and cu_seqlens) must describe the same lengths: "
-                                 "the modules run prefill; decode over a static pattern is pattern_decode")
+                raise ValueError("cu_seqlen_q and cu_seqlen_k (and cu_seqlens) must describe the same "
+                                 "lengths: the modules run prefill; decode over a static pattern is "
+                                 "pattern_decode")
         return first
 
     def _packed(self, q, k, v, sm_scale, cu, max_seqlen):
@@ -270,8 +276,8 @@ class SparseAttention(torch.nn.Module):
 
     def _run(self, q, k, v, sm_scale, cu, max_seqlen):
         if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-            raise ValueError(f"q has {q.shape[1]} heads and k has {k.shape[1]}: the query head count must be a "
-                             f"positive multiple of the key/value head count")
+            raise ValueError(f"q has {q.shape[1]} heads and k has {k.shape[1]}: the query head count must "
+                             f"be a positive multiple of the key/value head count")
         if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float))
                                      or not math.isfinite(sm_scale) or sm_scale <= 0):
             raise ValueError(f"sm_scale must be a positive finite float or None, got {sm_scale!r}")
@@ -307,14 +313,16 @@ class LocalStrideSparseAttention(SparseAttention):
         seq_dim, causal, backend, kernel: as `SparseAttention`.
     """
 
-    def __init__(self, num_heads: int, max_seq_len: int, block_size: int, local_blocks: int, vert_stride: int, *,
+    def __init__(self, num_heads: int, max_seq_len: int, block_size: int, local_blocks: int,
+                 vert_stride: int, *,
                  homo_head: bool = False, num_kv_heads: int | None = None, head_sliding_offset: int = 0,
                  num_dense_heads: int = 0, seq_dim: int = 1, causal: bool = True, backend: str = "auto",
                  kernel: str = "auto"):
         check_int_args(1, block_size=block_size)
         mask = dkernel_local_stride_mask(num_heads, max_seq_len, block_size, local_blocks, vert_stride,
                                          homo_head=homo_head, num_kv_heads=num_kv_heads,
-                                         head_sliding_offset=head_sliding_offset, num_dense_heads=num_dense_heads)
+                                         head_sliding_offset=head_sliding_offset,
+                                         num_dense_heads=num_dense_heads)
         super().__init__(block_size, mask, seq_dim=seq_dim, causal=causal, backend=backend, kernel=kernel)
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.local_blocks, self.vert_stride, self.homo_head = local_blocks, vert_stride, homo_head

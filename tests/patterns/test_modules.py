@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from infllm_cupy.patterns.local_stride import local_stride_block_mask
-from infllm_cupy.patterns.modules import LocalStrideSparseAttention, SparseAttention, dkernel_local_stride_mask
+from infllm_cupy.patterns.modules import (
+    LocalStrideSparseAttention,
+    SparseAttention,
+    dkernel_local_stride_mask,
+)
 from infllm_cupy.testing import assert_close_to_ref, cu_seqlens_from_lengths
 
 BS = 64
@@ -32,7 +36,8 @@ def dense_ref(q, k, v, lengths, pattern_q, *, causal=True, scale=None, exact=Tru
     scale = D ** -0.5 if scale is None else scale
     outs, s = [], 0
     for L in lengths:
-        qs, ks, vs = q[s:s + L], k[s:s + L].repeat_interleave(HQ // H, 1), v[s:s + L].repeat_interleave(HQ // H, 1)
+        qs = q[s:s + L]
+        ks, vs = k[s:s + L].repeat_interleave(HQ // H, 1), v[s:s + L].repeat_interleave(HQ // H, 1)
         blk = torch.arange(L) // BS
         mask = pattern_q[:, blk][:, :, blk].to(q.device)                      # [HQ, L, L]
         if causal:
@@ -111,7 +116,7 @@ def test_non_causal_pattern_and_positional_sm_scale():
     pattern = random_pattern(H, 3, seed=5, diag=False) | torch.eye(3, dtype=torch.bool)   # upper blocks too
     attn = SparseAttention(BS, pattern, causal=False)
     q, k, v = inputs(sum(lengths), G * H, H, D, torch.bfloat16, seed=3)
-    out = attn(q, k, v, 0.05, cu_seqlens=cu_seqlens_from_lengths(lengths))     # sm_scale positional, as dkernel
+    out = attn(q, k, v, 0.05, cu_seqlens=cu_seqlens_from_lengths(lengths))     # sm_scale positional (dkernel)
     check_against_dense(out, q, k, v, lengths, q_head_pattern(pattern, G * H, H), causal=False, scale=0.05)
 
 

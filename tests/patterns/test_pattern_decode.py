@@ -24,7 +24,8 @@ def make_cache(kind, lengths, dtype, device="cpu", cap=512):
         return DecodeCache.contiguous(B, cap, H, D, dtype=dtype, device=device)
     pages = cap // 128
     table = torch.randperm(B * pages, generator=torch.Generator().manual_seed(1)).view(B, pages)
-    return DecodeCache.paged(B * pages, 128, H, D, table.to(torch.int32).to(device), dtype=dtype, device=device)
+    return DecodeCache.paged(B * pages, 128, H, D, table.to(torch.int32).to(device), dtype=dtype,
+                             device=device)
 
 
 def prefill_last_rows(q, k, v, lengths, layout, G):
@@ -87,14 +88,14 @@ def test_module_prefill_then_steps_across_block_boundaries(homo_head):
     idx0 = torch.cat([torch.arange(s, s + L) for s, L in zip(starts.tolist(), lengths)])
     cache.append(k[idx0], v[idx0], cu_seqlens_from_lengths(lengths))
     for s in range(steps):
-        pos = starts + torch.tensor(lengths) + s                                     # the new token of each sequence
+        pos = starts + torch.tensor(lengths) + s          # the new token of each sequence
         cache.append(k[pos], v[pos])
         out = pattern_decode(q[pos], cache, attn)
         cur = [L + s + 1 for L in lengths]
         sel = torch.cat([torch.arange(st, st + L) for st, L in zip(starts.tolist(), cur)])
         pre = attn(q[sel], k[sel], v[sel], cu_seqlens=cu_seqlens_from_lengths(cur))
         torch.testing.assert_close(out, pre[cu_seqlens_from_lengths(cur)[1:].long() - 1], rtol=0, atol=1e-12)
-    assert attn.layout_for(H * G, H, "cpu")[1] == (not homo_head)   # both the repeat path and the collapsed one
+    assert attn.layout_for(H * G, H, "cpu")[1] == (not homo_head)   # the repeat path and the collapsed one
 
 
 def test_pattern_topk_idx_rows():
@@ -123,7 +124,8 @@ def test_bad_arguments():
     with pytest.raises(TypeError, match="layout must be"):
         pattern_decode(q, cache, torch.ones(2, 2, 2, dtype=torch.bool))
     with pytest.raises(ValueError, match="q has 3 heads"):
-        pattern_decode(rand((2, 3, D), torch.float32, 2), cache, BlockLayout(torch.ones(2, 2, 2, dtype=torch.bool)))
+        pattern_decode(rand((2, 3, D), torch.float32, 2), cache,
+                       BlockLayout(torch.ones(2, 2, 2, dtype=torch.bool)))
     with pytest.raises(TypeError, match="return_lse"):
         pattern_decode(q, cache, BlockLayout(torch.ones(2, 2, 2, dtype=torch.bool)), return_lse=1)
     with pytest.raises(TypeError, match="q must have dtype"):
@@ -143,9 +145,11 @@ def test_gpu_decode_kernel_matches_reference(dtype, Dh, kind, G, cache_kind):
     layout = layouts(kind, G, B, 16, 16, 64, seed=Dh)
     k, v = rand((total, H, Dh), dtype, 1, "cuda"), rand((total, H, Dh), dtype, 2, "cuda")
     q = rand((B, H * G, Dh), dtype, 0, "cuda")
-    cache = DecodeCache.contiguous(B, 1024, H, Dh, dtype=dtype, device="cuda") if cache_kind == "contiguous" else \
-        DecodeCache.paged(B * 8, 128, H, Dh, torch.randperm(B * 8).view(B, 8).to(torch.int32).cuda(),
-                          dtype=dtype, device="cuda")
+    if cache_kind == "contiguous":
+        cache = DecodeCache.contiguous(B, 1024, H, Dh, dtype=dtype, device="cuda")
+    else:
+        table = torch.randperm(B * 8).view(B, 8).to(torch.int32).cuda()
+        cache = DecodeCache.paged(B * 8, 128, H, Dh, table, dtype=dtype, device="cuda")
     cache.append(k, v, cu_seqlens_from_lengths(lengths, "cuda"))
     out = pattern_decode(q, cache, layout)
     seqlens = cache.seqlens
