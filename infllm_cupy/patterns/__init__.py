@@ -7,9 +7,14 @@ that `block_sparse_attn_varlen` runs (docs/patterns.md).
   (FlexAttention): other systems' formats in and out, exact or a ValueError.
 - `sliding_tile`: Sliding Tile Attention's tile windows on 2-D/3-D grids, with the token permutation.
 - `predict_sparge`: SpargeAttn's predicted mask (vectorised torch), `naive_predict_sparge` its loops.
+- `SparseAttention`, `LocalStrideSparseAttention`: dkernel-like modules (batch-first or packed, GQA,
+  per-head patterns, forward and backward); `dkernel_local_stride_mask` their local + stride rule.
+- `pattern_decode`, `pattern_topk_idx`: a decode step over a static pattern through `sparse_decode`.
 """
 from .formats import from_block_mask, from_bsr, from_csr, to_block_mask, to_bsr, to_csr
 from .local_stride import head_sliding_step, local_stride, local_stride_block_mask, per_kv_head
+from .modules import LocalStrideSparseAttention, SparseAttention, dkernel_local_stride_mask
+from .decode import pattern_decode, pattern_topk_idx
 from .sliding_tile import sliding_tile, tile_permutation, tile_window_mask
 from .sparge import naive_predict_sparge, predict_sparge
 
@@ -29,4 +34,9 @@ __all__ = [
     "tile_window_mask",
     "predict_sparge",
     "naive_predict_sparge",
+    "SparseAttention",
+    "LocalStrideSparseAttention",
+    "dkernel_local_stride_mask",
+    "pattern_decode",
+    "pattern_topk_idx",
 ]
