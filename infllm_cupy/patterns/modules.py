@@ -223,9 +223,11 @@ class SparseAttention(torch.nn.Module):
         if T > self.max_seqlen:
             raise ValueError(f"q has {T} tokens on seq_dim={sd} but the pattern covers {self.max_seqlen} "
                              f"({self.block_sparse_pattern.shape[-1]} blocks of {self.block_size})")
+        if B == 0:
+            return q.new_zeros(q.shape)
         if seqlens is None and left_paddings is None:
-            cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
-            out = self._run(*(t.reshape(B * T, *t.shape[2:]) for t in (qb, kb, vb)), sm_scale, cu, T)
+            cu = torch.arange(B + 1, dtype=torch.int32, device=q.device) * T
+            out = self._run(*(t.reshape(B * T, *t.shape[2:]) for t in (qb, kb, vb)), sm_scale, cu, max(1, T))
             out = out.view(B, T, *out.shape[1:])
             return out if sd == 1 else out.transpose(1, 2)
         # padded batch: gather the valid tokens into the packed form and scatter the output back

@@ -242,6 +242,18 @@ def test_bad_constructor_arguments(ctor, err, match):
         ctor()
 
 
+def test_empty_batches_and_sequences():
+    attn = SparseAttention(64, torch.ones(2, 2, dtype=torch.bool).tril())
+    q, k = torch.randn(2, 100, 4, 64, requires_grad=True), torch.randn(2, 100, 2, 64)
+    assert attn(q[:0], k[:0], k[:0]).shape == (0, 100, 4, 64)
+    assert attn(q[:, :0], k[:, :0], k[:, :0]).shape == (2, 0, 4, 64)
+    out = attn(q, k, k, seqlens=torch.tensor([0, 100]))
+    full = attn(q[1:], k[1:], k[1:])
+    assert bool((out[0] == 0).all()) and torch.equal(out[1], full[0])
+    out.sum().backward()
+    assert bool((q.grad[0] == 0).all()) and q.grad[1].abs().sum() > 0
+
+
 def test_bad_call_arguments():
     attn = SparseAttention(64, make_pattern("kv", 4, 2, 2))
     q, k, v = inputs(100, 4, 2, 64, torch.float32)
