@@ -227,7 +227,7 @@ def _sorted_indices(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def to_block_mask(layout: BlockLayout, *, seq_len_q: int | None = None, seq_len_kv: int | None = None,
                   BLOCK_SIZE=128, causal: bool = False, num_q_heads: int | None = None):
     """A FlexAttention `BlockMask` computing exactly what `block_sparse_attn_varlen(..., layout,
-    causal=causal)` computes on one sequence (docs/patterns.md, "FlexAttention BlockMask").
+    causal=causal)` computes on one sequence (docs/patterns.md, "Formats").
 
     Blocks of `BLOCK_SIZE` (int or (Q, KV)) tokens that contain any selected token pair are listed;
     those whose every pair is selected (all sub-blocks, below the diagonal when causal, inside the

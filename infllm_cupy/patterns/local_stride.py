@@ -1,6 +1,6 @@
 """vLLM's local + vertical-stride pattern (Phi-3-small blocksparse attention) as a `BlockLayout`,
 and the rule that turns per-query-head masks into our per-KV-head layout (docs/patterns.md,
-sections "Local + vertical stride" and "Per query head vs per KV head").
+"Local + vertical stride", "Per query head vs per KV head").
 """
 from __future__ import annotations
 
