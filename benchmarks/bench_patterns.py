@@ -147,7 +147,7 @@ def build_pattern(name: str, T: int, HQ: int, H: int, device: torch.device, seed
         data = structured_sequence(T, HQ, H, args.d, dtype=torch.bfloat16, device=device, seed=seed)
 
         def predict():
-            return P.predict_sparge(data.q, data.k, cdfthreshd=args.cdfthreshd)
+            return P.predict_sparge(data.q, data.k, cdfthreshd=args.cdfthreshd, causal=True)
 
         lay = predict()
         mask = lay.mask[0] if lay.per_sequence else lay.mask

@@ -30,6 +30,9 @@ FIGURES = {
     "01_infllmv2_selection": ["01_selection_maps.png", "01_block_scores.png", "01_mass_by_query_block.png",
                               "01_mass_vs_topk.png", "01_mass_per_head.png"],
     "02_decode": ["02_selection_over_time.png", "02_h2o_vs_infllm.png", "02_mass_captured.png"],
+    # 03_timing.png only on a GPU
+    "03_pattern_gallery": ["03_local_stride.png", "03_per_head.png", "03_formats.png", "03_sliding_tile.png",
+                           "03_infllm_vs_sparge.png", "03_mass_vs_density.png"],
 }
 
 
@@ -207,7 +210,7 @@ def test_sweep_summaries_and_plots(tmp_path):
 # ------------------------------------------------------------------------------------ size choice
 
 
-@pytest.mark.parametrize("notebook", ["01_infllmv2_selection", "02_decode"])
+@pytest.mark.parametrize("notebook", ["01_infllmv2_selection", "02_decode", "03_pattern_gallery"])
 @pytest.mark.parametrize("nb_smoke, smoke, why", [(None, True, "no CUDA GPU"), ("0", False, "NB_SMOKE=0"),
                                                   ("1", True, "NB_SMOKE=1")])
 def test_notebook_picks_its_size(notebook, nb_smoke, smoke, why, tmp_path):
