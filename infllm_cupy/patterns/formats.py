@@ -285,13 +285,14 @@ def to_block_mask(layout: BlockLayout, *, seq_len_q: int | None = None, seq_len_
     kv_num, kv_idx = _sorted_indices(partial)
     full_num, full_idx = _sorted_indices(full)
 
-    token_mask = mask
     q_block = layout.q_block
-    per_seq = layout.per_sequence
+    shared = layout.mask                                   # [H, NQB, NKB] when not per sequence
 
     def mask_mod(b, h, q_idx, kv_idx):
-        bb = b if per_seq else torch.zeros_like(b)
-        sel = token_mask[bb, h // G, q_idx // q_block, kv_idx // KV_BLOCK]
+        if layout.per_sequence:
+            sel = shared[b, h // G, q_idx // q_block, kv_idx // KV_BLOCK]
+        else:
+            sel = shared[h // G, q_idx // q_block, kv_idx // KV_BLOCK]
         return sel & (kv_idx <= q_idx) if causal else sel
 
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(bq, bk), mask_mod=mask_mod,

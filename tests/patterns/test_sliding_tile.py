@@ -72,3 +72,22 @@ def test_sliding_tile_rejects():
         sliding_tile((4, 8, 8), (1, 8, 8), (1, 1))
     with pytest.raises(ValueError, match=r"grid must be \(T, H, W\) or \(H, W\)"):
         sliding_tile((64,), (64,), (1,))
+
+
+def test_sta_attention_through_the_op_equals_masked_dense_attention():
+    """Permute in, run the block-sparse reference with the layout, permute out: the same as dense
+    attention under STA's token mask in the grid order."""
+    from infllm_cupy import naive_block_sparse_attn_varlen
+    from infllm_cupy.testing import cu_seqlens_from_lengths
+
+    grid, tile, window = (4, 8, 8), (2, 4, 8), (1, 3, 1)
+    layout, perm, inv = sliding_tile(grid, tile, window, num_heads=1)
+    N = 256
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(N, h, 32, generator=g, dtype=torch.float64) for h in (2, 1, 1))
+    cu = cu_seqlens_from_lengths([N])
+    out = naive_block_sparse_attn_varlen(q[perm], k[perm], v[perm], cu, cu, layout, N, N, causal=False)[inv]
+    allowed = sta_token_mask(grid, tile, window)
+    s = torch.einsum("qhd,kd->hqk", q, k[:, 0]) * 32 ** -0.5
+    ref = torch.einsum("hqk,kd->qhd", s.masked_fill(~allowed, float("-inf")).softmax(-1), v[:, 0])
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
