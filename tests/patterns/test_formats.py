@@ -233,3 +233,27 @@ def test_flex_attention_matches_our_reference_with_the_converted_mask():
     out = flex_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                          block_mask=bm, enable_gqa=True)
     torch.testing.assert_close(out[0].transpose(0, 1), ref, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.gpu
+def test_compiled_flex_attention_on_cuda_with_our_block_mask():
+    """The BlockMask the benchmark hands to compiled FlexAttention (128 x 128 blocks over a 64-key
+    layout, GQA, causal, a length off the block grid) computes the layout's attention."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from infllm_cupy.testing import assert_close_to_ref
+
+    g = torch.Generator().manual_seed(0)
+    L, H, G, D = 1000, 2, 4, 128
+    layout = BlockLayout(torch.rand(H, 16, 16, generator=g) < 0.5, 64)
+    layout.mask[:, :, 0] = True
+    q = torch.randn(L, H * G, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(L, H, D, generator=g, dtype=torch.float64) for _ in range(2))
+    cu = cu_seqlens_from_lengths([L])
+    ref = naive_block_sparse_attn_varlen(q, k, v, cu, cu, layout, L, L, causal=True)
+    lowp = naive_block_sparse_attn_varlen(*(x.bfloat16() for x in (q, k, v)), cu, cu, layout, L, L, causal=True)
+    cuda_layout = BlockLayout(layout.mask.cuda(), layout.q_block)
+    bm = to_block_mask(cuda_layout, seq_len_q=L, seq_len_kv=L, causal=True, num_q_heads=H * G)
+    qc, kc, vc = (x.cuda().bfloat16().transpose(0, 1)[None] for x in (q, k, v))
+    out = torch.compile(flex_attention)(qc, kc, vc, block_mask=bm, enable_gqa=True)
+    assert_close_to_ref("flex_attention", out[0].transpose(0, 1).float().cpu(), ref, lowp)
