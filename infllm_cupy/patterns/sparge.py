@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_bool, check_cu_seqlens_any, check_int_args, check_tensor, check_heads
+from .._checks import check_cu_seqlens_any, check_flags, check_heads, check_int_args, check_tensor
 from .._constants import KV_BLOCK
 from ..stage2.layout import BlockLayout
 
@@ -39,9 +39,7 @@ def _check(q, k, cu_seqlens, block_q, block_k, sink_blocks, causal, per_query_he
     check_tensor("k", k, ndim=3, shape=(q.shape[0], None, q.shape[2]))
     if not q.dtype.is_floating_point or not k.dtype.is_floating_point:
         raise TypeError("q and k must be floating point")
-    check_flags_ = (("causal", causal), ("per_query_head", per_query_head))
-    for n, v in check_flags_:
-        check_bool(n, v)
+    check_flags(causal=causal, per_query_head=per_query_head)
     if block_q not in (64, 128) or isinstance(block_q, bool):
         raise ValueError(f"block_q must be 64 or 128 (the layout's query block), got {block_q!r}")
     if block_k != KV_BLOCK or isinstance(block_k, bool):
