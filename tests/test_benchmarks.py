@@ -106,7 +106,9 @@ def test_bench_patterns_runs_on_cpu(tmp_path):
     assert {row["selection"] for row in rows if row["impl"] in ("ours", "flex")} == set(PATTERNS)
     assert {row["mode"] for row in rows} == {"fwd", "fwdbwd"}
     built = {row["selection"] for row in rows if row["impl"] == "ours" and "not built yet" not in row["note"]}
-    assert {"local_stride", "local_stride_sliding", "per_head"} <= built
+    assert built == set(PATTERNS)
+    predict = [row for row in rows if row["impl"] == "predict"]
+    assert len(predict) == 1 and predict[0]["ms"] > 0 and predict[0]["selection"] == "sparge"
     for row in rows:
         if row["impl"] == "ours" and row["selection"] in built:
             # on CPU ours runs the reference, forward and backward; density and FLOP come with every row
@@ -122,11 +124,12 @@ def test_bench_patterns_runs_on_cpu(tmp_path):
     assert dense and all(row["ms"] > 0 and row["density"] == 1.0 for row in dense)
     # every built pattern's BlockMask makes FlexAttention compute exactly ours' (query, key) pairs
     assert payload["check"].startswith("check (T=2048) PASSED"), payload["check"]
-    assert "local_stride: ok (0 pairs differ" in payload["check"]
+    assert all(f"{p}: ok (0 pairs differ" in payload["check"] for p in PATTERNS), payload["check"]
     goals = {(g["pattern"], g["mode"]): g for g in payload["goals"]}
     fwd = goals[("local_stride", "fwd")]
     assert fwd["ours/(dens*dense)"] == pytest.approx(fwd["ours_ms"] / (fwd["density"] * fwd["dense_ms"]))
     assert fwd["flex/ours"] == pytest.approx(fwd["flex_ms"] / fwd["ours_ms"])
+    assert fwd["goals"] == "n/a (cpu)"                                      # no verdict from references
     assert "| config | pattern | mode | density |" in r.stdout and "goals: flex/ours >= 1.2" in r.stdout
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_patterns.py"), "--device", "cpu",
                           "--patterns", "local_stride,nope"], cwd=ROOT, capture_output=True, text=True, timeout=120)
