@@ -36,9 +36,9 @@ Goals (issue #23): flex ms / ours ms >= 1.2; ours ms / (density x dense ms) <= 1
 Time: the default run (2 configs x 5 patterns x fwd,fwdbwd) is estimated, not measured, at about
 3.5 to 4 minutes on an H100: about 100 s of FlexAttention compiles (a forward and a backward kernel per
 config and causal flag), about 50 s of dense SDPA (a 128kx2 full-attention fwd+bwd call is about 4 s;
-warm-up, a sizing call and 3 timed calls), and about 60 s for the sparse rows, our NVRTC compiles and the SpargeAttn
-inputs. `--budget-s` (default 240) skips the remaining rows (recorded as skipped; the anchors stop at
-80% of it so ours keeps the rest), so the run cannot go much past 4 minutes.
+warm-up, a sizing call and 3 timed calls), and about 60 s for the sparse rows, our NVRTC compiles and
+the SpargeAttn inputs. `--budget-s` (default 240) skips the remaining rows (recorded as skipped; the
+anchors stop at 80% of it so ours keeps the rest), so the run cannot go much past 4 minutes.
 """
 from __future__ import annotations
 
@@ -289,8 +289,8 @@ class Runner:
             fn = None
             try:
                 fn = make_fn(forward, inputs, row.mode) if row.impl != "predict" else forward
-                times = bench_gpu_time(fn, warmup=a.warmup, rep=a.rep, target_ms=a.target_ms, min_rep=a.min_rep,
-                                       max_rep=a.max_rep, device=self.device)
+                times = bench_gpu_time(fn, warmup=a.warmup, rep=a.rep, target_ms=a.target_ms,
+                                       min_rep=a.min_rep, max_rep=a.max_rep, device=self.device)
                 st = summarize(times)
                 row.ms, row.ms_p20, row.ms_p80, row.reps = st["ms"], st["ms_p20"], st["ms_p80"], len(times)
                 row.tflops = tflops(row.flop, row.ms)
@@ -308,11 +308,13 @@ class Runner:
 
 def sdpa_fn(device: torch.device, causal: bool, gqa: bool = True):
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    ctx = (lambda: sdpa_kernel([SDPBackend.CUDNN_ATTENTION])) if device.type == "cuda" else contextlib.nullcontext
+    ctx = ((lambda: sdpa_kernel([SDPBackend.CUDNN_ATTENTION])) if device.type == "cuda"
+           else contextlib.nullcontext)
 
     def sdpa(q_, k_, v_):
         with ctx():
-            return torch.nn.functional.scaled_dot_product_attention(q_, k_, v_, is_causal=causal, enable_gqa=gqa)
+            return torch.nn.functional.scaled_dot_product_attention(q_, k_, v_, is_causal=causal,
+                                                                    enable_gqa=gqa)
     return sdpa
 
 
@@ -375,7 +377,8 @@ def bench_config(r: Runner, T: int, B: int, phase: str, flex, BlockMask, cache: 
                 except Exception as e:  # noqa: BLE001
                     skip = f"BlockMask: {_short(e)}"
             for mode in a.modes:
-                r.time(PRow("flex", cfg, p.name, None, mode, density=dens, note=note), fn, bhtd, keys, skip=skip)
+                r.time(PRow("flex", cfg, p.name, None, mode, density=dens, note=note), fn, bhtd, keys,
+                       skip=skip)
             fn = bm = None
         if phase == "ours" and "ours" in a.impls:
             fn, note = None, ""
@@ -385,13 +388,14 @@ def bench_config(r: Runner, T: int, B: int, phase: str, flex, BlockMask, cache: 
                     note = "KV repeated per query head (G=1)"
 
                     def fn(q_, k_, v_, lay=lay, causal=causal):
-                        return block_sparse_attn_varlen(q_, k_.repeat_interleave(G, 1), v_.repeat_interleave(G, 1),
-                                                        cu, cu, lay, T, T, causal=causal)
+                        k_, v_ = k_.repeat_interleave(G, 1), v_.repeat_interleave(G, 1)
+                        return block_sparse_attn_varlen(q_, k_, v_, cu, cu, lay, T, T, causal=causal)
                 else:
                     def fn(q_, k_, v_, lay=lay, causal=causal):
                         return block_sparse_attn_varlen(q_, k_, v_, cu, cu, lay, T, T, causal=causal)
             for mode in a.modes:
-                r.time(PRow("ours", cfg, p.name, None, mode, density=dens, note=note), fn, (q, k, v), keys, skip=skip)
+                r.time(PRow("ours", cfg, p.name, None, mode, density=dens, note=note), fn, (q, k, v), keys,
+                       skip=skip)
             if p.predict is not None and "fwd" in a.modes:
                 with torch.no_grad():
                     r.time(PRow("predict", cfg, p.name, None, "fwd", note="predict_sparge on one sequence"),
@@ -411,14 +415,17 @@ def _tiles(num: torch.Tensor, ind: torch.Tensor, nt: int) -> torch.Tensor:
 
 
 def flex_token_mask(bm, mask_mod, T: int, HQ: int) -> torch.Tensor:
-    """bool `[HQ, T, T]`: the (query, key) pairs compiled FlexAttention computes with `bm`: every pair of a
-    full tile, the pairs of a partial tile that `mask_mod` keeps, nothing elsewhere. (Eager FlexAttention
-    ignores the block lists and applies mask_mod everywhere, so comparing eager outputs would not test them.)"""
+    """bool `[HQ, T, T]`: the (query, key) pairs compiled FlexAttention computes with `bm`: every pair
+    of a full tile, the pairs of a partial tile that `mask_mod` keeps, nothing elsewhere. (Eager
+    FlexAttention ignores the block lists and applies mask_mod everywhere, so comparing eager outputs
+    would not test them.)"""
     nt = -(-T // FLEX_TILE)
-    full, part = _tiles(bm.full_kv_num_blocks, bm.full_kv_indices, nt), _tiles(bm.kv_num_blocks, bm.kv_indices, nt)
+    full = _tiles(bm.full_kv_num_blocks, bm.full_kv_indices, nt)
+    part = _tiles(bm.kv_num_blocks, bm.kv_indices, nt)
     up = (lambda t: t.repeat_interleave(FLEX_TILE, 1).repeat_interleave(FLEX_TILE, 2)[:, :T, :T])
     dev = bm.kv_indices.device
-    h, qi, ki = (torch.arange(n, device=dev).view(*s) for n, s in ((HQ, (-1, 1, 1)), (T, (1, -1, 1)), (T, (1, 1, -1))))
+    h = torch.arange(HQ, device=dev).view(-1, 1, 1)
+    qi, ki = torch.arange(T, device=dev).view(1, -1, 1), torch.arange(T, device=dev).view(1, 1, -1)
     kept = torch.ones(1, 1, 1, dtype=torch.bool, device=dev) if mask_mod is None else mask_mod(0, h, qi, ki)
     return up(full) | (up(part) & kept)
 
@@ -470,8 +477,9 @@ def goal_table(rows: list[PRow], on_gpu: bool = True) -> list[dict]:
         p = PATTERN_CAUSAL.get((x.config, x.selection), True)
         fl = idx.get(("flex", x.config, x.selection, x.mode))
         de = idx.get(("dense", x.config, "causal" if p else "full", x.mode))
-        rec = {"config": x.config, "pattern": x.selection, "mode": x.mode, "density": x.density, "ours_ms": x.ms,
-               "ours_TFLOP/s": x.tflops, "flex_ms": fl.ms if fl else None, "dense_ms": de.ms if de else None,
+        rec = {"config": x.config, "pattern": x.selection, "mode": x.mode, "density": x.density,
+               "ours_ms": x.ms, "ours_TFLOP/s": x.tflops, "flex_ms": fl.ms if fl else None,
+               "dense_ms": de.ms if de else None,
                "flex/ours": None, "ours/(dens*dense)": None, "goals": "-"}
         if x.ms and fl and fl.ms:
             rec["flex/ours"] = fl.ms / x.ms
@@ -592,11 +600,11 @@ def main(argv=None) -> list[PRow]:
     r.rows.sort(key=lambda x: (cfg_order.get(x.config, 99), x.selection, order.get(x.impl, 9),
                                MODES.index(x.mode) if x.mode in MODES else 9))
     goals = goal_table(r.rows, on_gpu=dev.type == "cuda")
-    print_table(r.rows, ("impl", "config", "selection", "mode", "density", "ms", "tflops", "keys_per_q", "reps",
-                         "note"),
+    print_table(r.rows, ("impl", "config", "selection", "mode", "density", "ms", "tflops", "keys_per_q",
+                         "reps", "note"),
                 title="All rows (selection = pattern; ms = median; TFLOP/s effective on attended keys)")
-    cols = ["config", "pattern", "mode", "density", "ours_ms", "ours_TFLOP/s", "flex_ms", "dense_ms", "flex/ours",
-            "ours/(dens*dense)", "goals"]
+    cols = ["config", "pattern", "mode", "density", "ours_ms", "ours_TFLOP/s", "flex_ms", "dense_ms",
+            "flex/ours", "ours/(dens*dense)", "goals"]
     print(f"\n### Patterns against FlexAttention and dense cuDNN (goals: flex/ours >= {GOAL_FLEX}, "
           f"ours/(density x dense) <= {GOAL_DENSITY})\n")
     print(markdown(goals, cols) if goals else "(no ours rows)", flush=True)

@@ -102,7 +102,7 @@ def test_bench_patterns_runs_on_cpu(tmp_path):
                    "--json", str(out))
     payload = json.loads(out.read_text())
     rows = json_rows(out)
-    assert {row["config"] for row in rows} == {"B1-T2K-HQ4-H2-D32"}       # the CPU default: 2048x1, small heads
+    assert {row["config"] for row in rows} == {"B1-T2K-HQ4-H2-D32"}       # CPU default: 2048x1, small heads
     assert {row["selection"] for row in rows if row["impl"] in ("ours", "flex")} == set(PATTERNS)
     assert {row["mode"] for row in rows} == {"fwd", "fwdbwd"}
     built = {row["selection"] for row in rows if row["impl"] == "ours" and "not built yet" not in row["note"]}
@@ -132,5 +132,6 @@ def test_bench_patterns_runs_on_cpu(tmp_path):
     assert fwd["goals"] == "n/a (cpu)"                                      # no verdict from references
     assert "| config | pattern | mode | density |" in r.stdout and "goals: flex/ours >= 1.2" in r.stdout
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_patterns.py"), "--device", "cpu",
-                          "--patterns", "local_stride,nope"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                          "--patterns", "local_stride,nope"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
     assert bad.returncode == 2 and "--patterns: unknown ['nope']" in bad.stderr
