@@ -116,7 +116,9 @@ def missing(name, attr):
 
 def draw(ax, mask, title, xlabel="key block (64)"):
     """One block map: query block down, key block across, dark = attended."""
-    ax.imshow(mask.float().cpu(), cmap="Greys", vmin=0, vmax=1, interpolation="nearest", aspect="auto")
+    # beyond a few hundred blocks a one-block stride column is thinner than a pixel: average, don't drop
+    interp = "nearest" if max(mask.shape) <= 256 else "antialiased"
+    ax.imshow(mask.float().cpu(), cmap="Greys", vmin=0, vmax=1, interpolation=interp, aspect="auto")
     ax.set_title(title, fontsize=9)
     ax.set_xlabel(xlabel, fontsize=8)
     ax.set_ylabel("query block", fontsize=8)
