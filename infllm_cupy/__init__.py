@@ -17,11 +17,14 @@ from .decode import (
     sparse_decode,
 )
 from .patterns import (
+    LocalStrideSparseAttention,
+    SparseAttention,
     from_block_mask,
     from_bsr,
     from_csr,
     local_stride,
     naive_predict_sparge,
+    pattern_decode,
     per_kv_head,
     predict_sparge,
     sliding_tile,
@@ -82,4 +85,8 @@ __all__ = [
     "from_block_mask",
     "predict_sparge",
     "naive_predict_sparge",
+    # dkernel-like modules on our kernels, and decode over a static pattern
+    "SparseAttention",
+    "LocalStrideSparseAttention",
+    "pattern_decode",
 ]

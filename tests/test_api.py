@@ -69,7 +69,7 @@ FLAGS = {"causal", "softmax_scale", "return_lse", "return_scores", "return_aux",
          "backend", "kernel", "score_dtype", "topk", "local_blocks", "init_blocks", "upcast", "weights", "plan",
          "varlen_offset_quirk", "exact_stage1", "dense_len", "cache_lens", "dtype", "device"}
 PUBLIC_MODULES = ["infllm_cupy", "infllm_cupy.compress", "infllm_cupy.stage1", "infllm_cupy.stage2",
-                  "infllm_cupy.decode"]
+                  "infllm_cupy.decode", "infllm_cupy.patterns"]
 
 
 def _public_callables():
