@@ -135,3 +135,19 @@ def test_bench_patterns_runs_on_cpu(tmp_path):
                           "--patterns", "local_stride,nope"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "--patterns: unknown ['nope']" in bad.stderr
+
+
+@pytest.mark.gpu
+def test_bench_patterns_quick_on_gpu(tmp_path):
+    """The CUDA path: compiled FlexAttention with our BlockMasks, cuDNN SDPA and our kernels, every pattern,
+    forward and forward+backward, at the --quick size (8kx2, README heads)."""
+    out = tmp_path / "patterns.json"
+    run_script("bench_patterns.py", "--quick", "--budget-s", "0", "--json", str(out))
+    payload = json.loads(out.read_text())
+    rows = json_rows(out)
+    assert payload["check"].startswith("check (T=2048) PASSED"), payload["check"]
+    timed = [row for row in rows if row["impl"] in ("ours", "flex", "dense")]
+    assert {row["selection"] for row in timed if row["impl"] == "ours"} == set(PATTERNS)
+    assert all(row["ms"] and row["ms"] > 0 for row in timed), \
+        [(row["impl"], row["selection"], row["mode"], row["note"]) for row in timed if not row["ms"]]
+    assert {g["goals"] for g in payload["goals"]} <= {"met", "MISSED"} and len(payload["goals"]) == 10
