@@ -95,8 +95,9 @@ class BlockLayout:
         seq = torch.repeat_interleave(torch.arange(B, device=m.device), lens)
         pos = torch.arange(seq.numel(), device=m.device) - cu_seqlens_q[:-1].long().to(m.device)[seq]
         qb = pos // self.q_block
-        src = rows[seq if self.per_sequence else torch.zeros_like(seq)]                    # [T, H, NQB, K]
-        return src[torch.arange(seq.numel(), device=m.device), :, qb].permute(1, 0, 2).contiguous()
+        # one gather of each token's row: [T, H, K] (never [T, H, NQB, K], tens of GB at 32k tokens)
+        b = seq if self.per_sequence else torch.zeros_like(seq)
+        return rows[b, :, qb].permute(1, 0, 2).contiguous()
 
     def packed(self, n_words: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Bitmask rows for the kernel: (`words` int32 `[rows, n_words]`, `mask_base` int32 `[B or 1]`
