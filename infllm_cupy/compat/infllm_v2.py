@@ -1,0 +1,362 @@
+"""The original InfLLM-v2 package's public API (`import infllm_v2`) on infllm-cupy's ops.
+
+Same names, signatures, shapes, dtypes and semantics as OpenBMB/infllmv2_cuda_impl's `infllm_v2`
+package (spec: /work/shared/spec/infllm_v2.md sections 4-8; docs/semantics.md), so that code written
+against it (the MiniCPM4 / 4.1 Hugging Face modeling file, vLLM and SGLang integrations) switches by
+changing one import, or by `infllm_cupy.compat.install()`, which registers this module as `infllm_v2`.
+
+Where the original silently ignores an argument because the feature is compiled out
+(`-DFLASHATTENTION_DISABLE_{DROPOUT,ALIBI,SOFTCAP,LOCAL}`, spec section 2), we raise
+NotImplementedError naming it instead, so nobody believes a dropout, ALiBi, softcap or sliding
+window was applied. Arguments that change nothing in the original (`deterministic`, `num_splits`,
+`return_attn_probs` of stage 1) are accepted.
+
+Where the original is wrong by construction we compute the intended semantics rather than its bug:
+any GQA group size G (the original needs G = 16, spec 4.6), fp16 (the original reinterprets it as
+bf16, spec 2), and `infllmv2_attn_with_kvcache` with any number of KV heads (the original's row
+offset hard-codes 2, spec 8). With G = 16, bf16 and 2 KV heads the results are the original's.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple, Union
+
+import torch
+
+from ..decode import sparse_decode
+from ..stage1.naive import naive_pool_blocks, naive_stage1_scores
+from ..stage2 import sparse_attn_varlen
+
+__all__ = [
+    "infllmv2_attn_stage1",
+    "infllmv2_attn_varlen_func",
+    "infllmv2_attn_with_kvcache",
+    "max_pooling_1d",
+    "max_pooling_1d_varlen",
+    "topk_to_uint64",
+    "TopkToUint64Converter",
+    "uint64_to_bool",
+    "blockmask_to_uint64",
+]
+
+__version__ = "0.1.0"
+
+# Stage-2 key-block size: the original hard-codes N_BLOCK_DIM = 64 in every caller of topk_to_uint64.
+_BLOCK = 64
+
+
+def _unsupported(**args) -> None:
+    """NotImplementedError for the first argument that asks for a feature we do not implement.
+
+    The original compiles these features out and ignores the arguments (spec section 2); a loud
+    error is better than a result the caller believes includes them.
+    """
+    for name, (value, default) in args.items():
+        if isinstance(default, tuple):
+            bad = tuple(value) != default
+        elif default is None:
+            bad = value is not None
+        else:
+            bad = value != default
+        if bad:
+            raise NotImplementedError(
+                f"infllm_v2 compat: {name}={value!r} is not supported (only {name}={default!r}); "
+                "the original InfLLM-v2 kernels compile this feature out as well")
+
+
+# ----------------------------------------------------------------------------------------------
+# Bit-mask helpers (topk_to_uint64.py, uint64_to_bool.py, blockmask_to_uint64.py)
+# ----------------------------------------------------------------------------------------------
+
+def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """bool `[rows, 64 * n_words]` -> int64 `[rows, n_words]`: bit `j % 64` of word `j // 64` is `mask[:, j]`.
+
+    Bits 0..62 are summed (distinct powers of two, no overflow); bit 63 is OR-ed in as the sign
+    bit, so the int64 holds the same 64 bits as the original's uint64 words.
+    """
+    rows, width = mask.shape
+    m = mask.reshape(rows, width // 64, 64).to(torch.int64)
+    shifts = torch.arange(63, dtype=torch.int64, device=mask.device)
+    words = (m[..., :63] << shifts).sum(-1)
+    sign = torch.tensor(-(2 ** 63), dtype=torch.int64, device=mask.device)
+    return torch.where(m[..., 63].bool(), words | sign, words)
+
+
+def _unpack_bits(words: torch.Tensor) -> torch.Tensor:
+    """int64 `[rows, n_words]` -> bool `[rows, 64 * n_words]` (inverse of `_pack_bits`)."""
+    shifts = torch.arange(64, dtype=torch.int64, device=words.device)
+    bits = (words.to(torch.int64)[..., None] >> shifts) & 1
+    return bits.reshape(words.shape[0], -1).bool()
+
+
+def topk_to_uint64(topk_idx: torch.Tensor, max_seqlen_k: int, block_size: int,
+                   memory_buffer: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, int]:
+    """Block indices -> one bit per key block, packed into 64-bit words (spec 7.1).
+
+    Args:
+        topk_idx: int32 `[num_heads, total_seqlen, k]` or `[batch, num_heads, total_seqlen, k]`.
+        max_seqlen_k, block_size: `k_blocks = ceil(max_seqlen_k / block_size)`.
+        memory_buffer: reused as the output when it has the output's shape and device.
+
+    Returns:
+        `(words, k_blocks)`: `words` is int64 (the uint64 bit patterns) with the last dim replaced by
+        `ceil(k_blocks / 64)`; bit `j % 64` of word `j // 64` is set iff `j` is in the row. Negative
+        indices (the -1 padding) and indices `>= 64 * n_words` set nothing; indices in
+        `[k_blocks, 64 * n_words)` are kept, as in the original kernel.
+    """
+    if topk_idx.dtype != torch.int32:
+        raise TypeError(f"topk_idx must be int32, got {topk_idx.dtype}")
+    if topk_idx.dim() not in (3, 4):
+        raise ValueError(f"topk_idx must be 3-D or 4-D, got shape {tuple(topk_idx.shape)}")
+    k_blocks = (max_seqlen_k + block_size - 1) // block_size
+    n_words = (k_blocks + 63) // 64
+    lead = tuple(topk_idx.shape[:-1])
+    flat = topk_idx.reshape(-1, topk_idx.shape[-1]).long()
+    rows = flat.shape[0]
+    mask = torch.zeros(rows, 64 * n_words + 1, dtype=torch.bool, device=topk_idx.device)
+    ok = (flat >= 0) & (flat < 64 * n_words)
+    # Dropped entries are routed to a spare column, cut off below.
+    mask.scatter_(1, torch.where(ok, flat, torch.full_like(flat, 64 * n_words)), True)
+    words = _pack_bits(mask[:, :64 * n_words]).reshape(lead + (n_words,))
+    if (memory_buffer is not None and tuple(memory_buffer.shape) == lead + (n_words,)
+            and memory_buffer.device == topk_idx.device):
+        memory_buffer.copy_(words)
+        return memory_buffer, k_blocks
+    return words, k_blocks
+
+
+class TopkToUint64Converter:
+    """Keeps one output buffer across `topk_to_uint64` calls (as the original's converter)."""
+
+    def __init__(self):
+        self.memory_buffer = None
+
+    def convert(self, topk_idx: torch.Tensor, max_seqlen_k: int, block_size: int) -> Tuple[torch.Tensor, int]:
+        result, k_blocks = topk_to_uint64(topk_idx, max_seqlen_k, block_size, self.memory_buffer)
+        self.memory_buffer = result
+        return result, k_blocks
+
+    def clear_memory(self):
+        self.memory_buffer = None
+
+
+def uint64_to_bool(uint64_array: torch.Tensor, last_dim_size: int) -> torch.Tensor:
+    """Packed words `[..., n_words]` -> bool `[..., last_dim_size]` (bit `j % 64` of word `j // 64`)."""
+    lead = tuple(uint64_array.shape[:-1])
+    if last_dim_size > 64 * uint64_array.shape[-1]:
+        raise ValueError(f"last_dim_size {last_dim_size} exceeds 64 * {uint64_array.shape[-1]} words")
+    bits = _unpack_bits(uint64_array.reshape(-1, uint64_array.shape[-1]))
+    return bits[:, :last_dim_size].reshape(lead + (last_dim_size,))
+
+
+def blockmask_to_uint64(blockmask: torch.Tensor) -> Tuple[torch.Tensor, int]:
+    """bool `[..., n]` -> `(int64 [..., ceil(n / 64)], n)`, the inverse of `uint64_to_bool`."""
+    n = blockmask.shape[-1]
+    n_words = (n + 63) // 64
+    lead = tuple(blockmask.shape[:-1])
+    flat = blockmask.reshape(-1, n).bool()
+    padded = torch.zeros(flat.shape[0], 64 * n_words, dtype=torch.bool, device=blockmask.device)
+    padded[:, :n] = flat
+    return _pack_bits(padded).reshape(lead + (n_words,)), n
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage 1 and its pooling (infllmv2_sparse_attention.py, max_pooling_1d.py)
+# ----------------------------------------------------------------------------------------------
+
+def infllmv2_attn_stage1(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_v, max_seqlen_q, max_seqlen_k,
+                         dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                         alibi_slopes=None, deterministic=False, return_attn_probs=True, block_table=None):
+    """Stage-1 relevance scores of the fine compressed keys, summed over each KV group (spec 4).
+
+    Args:
+        q: `[total_q, h_q, d]` queries.
+        k: fine compressed keys `[total_n1, h_kv, d]`, `cu_seqlens_k` their int32 `[B+1]` offsets.
+        v: coarse compressed keys `[total_n2, h_kv, d]` (the LSE approximation; not values), with
+            `cu_seqlens_v`; pass `v=k, cu_seqlens_v=cu_seqlens_k` for the exact softmax over `k`.
+        max_seqlen_k: width of the output (the original slices its buffer to it).
+        causal: the mask of spec 4.3, quirks included (the HF code passes True in prefill, False in decode).
+
+    Returns:
+        bf16 `[h_kv, total_q, max_seqlen_k]`; entries past a sequence's own key count and rows with no
+        visible coarse key are 0. Values are unnormalised (coarse-key LSE) and can exceed 1.
+
+    Runs the PyTorch reference of stage 1 (on the tensors' device): our stage-1 kernel fuses scores,
+    pooling and top-k (`infllm_cupy.stage1_select`) and never materialises this tensor.
+    """
+    _unsupported(dropout_p=(dropout_p, 0.0), window_size=(window_size, (-1, -1)), softcap=(softcap, 0.0),
+                 alibi_slopes=(alibi_slopes, None), block_table=(block_table, None))
+    scores = naive_stage1_scores(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_v, causal=bool(causal),
+                                 softmax_scale=softmax_scale, score_dtype=torch.bfloat16)
+    width = scores.shape[2]
+    if width >= max_seqlen_k:
+        scores = scores[:, :, :max_seqlen_k]
+    else:  # the original's buffer is zero-initialised up to a multiple of 128 >= max_seqlen_k
+        scores = torch.nn.functional.pad(scores, (0, max_seqlen_k - width))
+    return torch.nan_to_num(scores, nan=0.0, posinf=float("inf"), neginf=float("-inf")).contiguous()
+
+
+def max_pooling_1d(input: torch.Tensor, cache_len: int, local_blocks: int, init_blocks: int,
+                   block_size: int = 64, stride: int = 16) -> torch.Tensor:
+    """`max_pooling_1d_varlen` for one sequence: `input` `[num_heads, q_len, k_len]`, `k_len` fine keys.
+
+    Returns `[num_heads, q_len, ceil((q_len + cache_len) / block_size)]` in `input`'s dtype.
+    """
+    if input.dim() != 3:
+        raise ValueError(f"input must be [num_heads, q_len, k_len], got {tuple(input.shape)}")
+    dev = input.device
+    _, q_len, k_len = input.shape
+    cu_q = torch.tensor([0, q_len], dtype=torch.int32, device=dev)
+    cu_k = torch.tensor([0, k_len], dtype=torch.int32, device=dev)
+    return naive_pool_blocks(input, cu_q, cu_k, [int(cache_len)], q_len, init_blocks=init_blocks,
+                             local_blocks=local_blocks, block_size=block_size, kernel_stride=stride)
+
+
+def max_pooling_1d_varlen(input: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                          cache_lens: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, local_blocks: int,
+                          init_blocks: int, block_size: int = 64, stride: int = 16) -> torch.Tensor:
+    """Stage-1 scores -> block scores with the init and local blocks forced to +inf (spec 5).
+
+    For query row `r` of sequence `b`, `off_bq = (r + cache_lens[b]) // block_size`; block `j` is +inf
+    if `j < init_blocks` or `off_bq - local_blocks <= j <= off_bq` (so `local_blocks + 1` local
+    blocks), else the max of `input[h, t, 4j-1 : 4j+4]` clipped to the sequence's own fine-key count
+    `cu_seqlens_k[b+1] - cu_seqlens_k[b]`, or -inf when that window is empty. Future blocks are not
+    masked. Output `[num_heads, total_q, ceil((max_seqlen_q + max(cache_lens)) / block_size)]`, input dtype.
+    """
+    if input.dim() != 3:
+        raise ValueError(f"Expected 3D input, got {input.dim()}D")
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("cache_lens", cache_lens)):
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if input.shape[2] != max_seqlen_k:
+        raise ValueError(f"max_k mismatch: {input.shape[2]} vs {max_seqlen_k}")
+    if cache_lens.shape[0] != cu_seqlens_q.shape[0] - 1:
+        raise ValueError(f"cache_lens batch size mismatch: {cache_lens.shape[0]} vs {cu_seqlens_q.shape[0] - 1}")
+    return naive_pool_blocks(input, cu_seqlens_q, cu_seqlens_k, cache_lens, int(max_seqlen_q),
+                             init_blocks=init_blocks, local_blocks=local_blocks, block_size=block_size,
+                             kernel_stride=stride)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage 2 (infllmv2_sparse_attention.py)
+# ----------------------------------------------------------------------------------------------
+
+def infllmv2_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                              softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                              alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                              block_table=None, topk_idx=None):
+    """Block-sparse varlen attention (spec 7): `infllm_cupy.sparse_attn_varlen` behind the original's API.
+
+    Query `t` (row `r` of its sequence), head `hq`, attends the keys `c < Lk` of its sequence with
+    `c // 64` in `topk_idx[hq // G, t]` and, if `causal`, `c <= r + Lk - Lq`. Negative, out-of-range
+    and future indices select nothing; a row with nothing selected gives output 0 (lse +inf).
+    `topk_idx=None` is dense attention. Differentiable in q, k, v.
+
+    The original has no `block_window_size` argument (its sliding window inside stage 2 was removed;
+    the local window is the forced top-k blocks, spec 5); nor does this function.
+
+    Returns:
+        `out [total_q, h_q, d]`; with `return_attn_probs`, `(out, softmax_lse, None)` where
+        softmax_lse is float32 `[h_kv, total_q * G]` (row `t * G + g`, the original's expanded layout)
+        when `topk_idx` is given and `[h_q, total_q]` otherwise; the original returns no attention
+        probabilities without dropout, hence None.
+    """
+    _unsupported(dropout_p=(dropout_p, 0.0), window_size=(window_size, (-1, -1)), softcap=(softcap, 0.0),
+                 alibi_slopes=(alibi_slopes, None), block_table=(block_table, None))
+    T, HQ, _ = q.shape
+    H = k.shape[1]
+    if HQ % H:
+        raise ValueError(f"the number of query heads ({HQ}) must be a multiple of the KV heads ({H})")
+    sparse = topk_idx is not None
+    if sparse:
+        if topk_idx.dtype != torch.int32:
+            raise TypeError(f"topk_idx must be int32, got {topk_idx.dtype}")
+    else:
+        nb = (int(max_seqlen_k) + _BLOCK - 1) // _BLOCK
+        topk_idx = torch.arange(max(nb, 1), dtype=torch.int32, device=q.device).expand(H, T, max(nb, 1)).contiguous()
+    res = sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, int(max_seqlen_q), int(max_seqlen_k),
+                             causal=bool(causal), softmax_scale=softmax_scale, return_lse=bool(return_attn_probs))
+    if not return_attn_probs:
+        return res
+    out, lse = res
+    if sparse:
+        G = HQ // H
+        lse = lse.reshape(H, G, T).transpose(1, 2).reshape(H, T * G)
+    return out, lse, None
+
+
+def _append_new_kv(k_cache, v_cache, k, v, seqlens, block_table):
+    """Write the new keys/values of each sequence at `seqlens[b]` onwards, in place (paged or not)."""
+    B, S_new = k.shape[:2]
+    page = k_cache.shape[1]
+    for b in range(B):
+        pos = int(seqlens[b]) + torch.arange(S_new, device=k.device)
+        if block_table is None:
+            if int(pos[-1]) >= page:
+                raise ValueError(f"sequence {b}: the cache ({page} positions) cannot hold {int(pos[-1]) + 1}")
+            k_cache[b, pos] = k[b]
+            v_cache[b, pos] = v[b]
+        else:
+            pages = block_table[b].long()[pos // page]
+            k_cache[pages, pos % page] = k[b]
+            v_cache[pages, pos % page] = v[b]
+
+
+def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                               cache_seqlens: Optional[Union[int, torch.Tensor]] = None,
+                               cache_batch_idx: Optional[torch.Tensor] = None,
+                               cache_leftpad: Optional[torch.Tensor] = None,
+                               block_table: Optional[torch.Tensor] = None, softmax_scale=None, causal=False,
+                               window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
+                               num_splits=0, return_softmax_lse=False, topk_idx=None):
+    """Decode attention over a (paged) KV cache with a block selection (spec 8): `infllm_cupy.sparse_decode`.
+
+    Args:
+        q: `[B, 1, h_q, d]` (one query token per sequence; longer queries raise NotImplementedError).
+        k_cache, v_cache: `[B, S, h_kv, d]`, or `[num_pages, page_size, h_kv, d]` with `block_table`
+            int32 `[B, max_pages]` (page_size a multiple of 64 here; the original needs 256).
+        k, v: optional new `[B, S_new, h_kv, d]`, written in place at `cache_seqlens` before attending.
+        cache_seqlens: int or int32 `[B]` (None: the whole cache width).
+        topk_idx: int32 `[B, h_kv, 1, K]` block indices local to each sequence (-1 padding); None = dense.
+        return_softmax_lse: also return float32 lse `[B, h_q, 1]`.
+
+    With one query the causal mask (bottom-right aligned) allows every cached key, so `causal`
+    changes nothing. `num_splits` is a performance knob and is ignored.
+    """
+    _unsupported(rotary_cos=(rotary_cos, None), rotary_sin=(rotary_sin, None),
+                 cache_batch_idx=(cache_batch_idx, None), cache_leftpad=(cache_leftpad, None),
+                 window_size=(window_size, (-1, -1)), softcap=(softcap, 0.0), alibi_slopes=(alibi_slopes, None))
+    if q.dim() != 4:
+        raise ValueError(f"q must be [batch, seqlen, nheads, headdim], got {tuple(q.shape)}")
+    B, Lq, HQ, D = q.shape
+    if Lq != 1:
+        raise NotImplementedError(f"infllm_v2 compat: infllmv2_attn_with_kvcache supports one query token per "
+                                  f"sequence (q seqlen 1), got {Lq}; use infllmv2_attn_varlen_func for prefill")
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together")
+    H = k_cache.shape[2]
+    paged = block_table is not None
+    width = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    if cache_seqlens is None:
+        seqlens = torch.full((B,), width, dtype=torch.int32, device=q.device)
+    elif isinstance(cache_seqlens, int):
+        seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
+    else:
+        seqlens = cache_seqlens.to(torch.int32)
+    if k is not None:
+        _append_new_kv(k_cache, v_cache, k, v, seqlens, block_table)
+        seqlens = seqlens + k.shape[1]
+    sel = None
+    if topk_idx is not None:
+        if topk_idx.dtype != torch.int32:
+            raise TypeError(f"topk_idx must be int32, got {topk_idx.dtype}")
+        if topk_idx.dim() != 4 or tuple(topk_idx.shape[:3]) != (B, H, 1):
+            raise ValueError(f"topk_idx must be [batch, nheads_k, 1, K] = [{B}, {H}, 1, K], "
+                             f"got {tuple(topk_idx.shape)}")
+        sel = topk_idx[:, :, 0, :].permute(1, 0, 2).contiguous()  # our layout [h_kv, B, K]
+    cache = (k_cache, v_cache, seqlens) + ((block_table,) if paged else ())
+    res = sparse_decode(q[:, 0], cache, sel, softmax_scale=softmax_scale, return_lse=bool(return_softmax_lse))
+    if return_softmax_lse:
+        out, lse = res
+        return out.unsqueeze(1), lse.unsqueeze(-1)
+    return res.unsqueeze(1)

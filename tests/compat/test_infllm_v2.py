@@ -1,0 +1,442 @@
+"""The `infllm_v2` compat module against direct transcriptions of the original's semantics.
+
+Each `_orig_*` below transcribes the original package's behaviour as the spec describes it
+(/work/shared/spec/infllm_v2.md sections 4-8: the CUDA kernels' loops and index rules), written
+independently of infllm_cupy's references. CPU tensors, so the reference path runs.
+"""
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import infllm_cupy.compat
+from infllm_cupy.compat import infllm_v2 as iv2
+
+
+def _cu(lengths):
+    return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# transcriptions of the original (spec sections 4.3, 5, 7.1, 8, 13)
+# ---------------------------------------------------------------------------------------------
+
+def _cdiv(a, b):  # C integer division, truncating toward zero
+    return a // b if a >= 0 else -((-a) // b)
+
+
+def _orig_topk_to_uint64(topk_idx, max_seqlen_k, block_size):
+    """topk_to_uint64.cuh: per row and word, OR in the bits of the row's indices in that word's range;
+    -1 is skipped explicitly, other negatives fail `idx >= bit_start`. Words as int64 bit patterns."""
+    k_blocks = (max_seqlen_k + block_size - 1) // block_size
+    n_words = (k_blocks + 63) // 64
+    rows = topk_idx.reshape(-1, topk_idx.shape[-1]).tolist()
+    out = []
+    for row in rows:
+        words = []
+        for w in range(n_words):
+            bit_start, word = w * 64, 0
+            for idx in row:
+                if idx == -1:
+                    continue
+                if bit_start <= idx < bit_start + 64:
+                    word |= 1 << (idx - bit_start)
+            words.append(word - (1 << 64) if word >= 1 << 63 else word)
+        out.append(words)
+    return torch.tensor(out, dtype=torch.int64).reshape(tuple(topk_idx.shape[:-1]) + (n_words,)), k_blocks
+
+
+def _orig_pool(score, cu_q, cu_k1, cache_lens, max_seqlen_q, local_blocks, init_blocks, block_size=64, stride=16):
+    """max_pooling_1d.cuh varlen kernel (spec 5), one element at a time."""
+    w = block_size // stride
+    out_len = (max_seqlen_q + max(cache_lens) + block_size - 1) // block_size
+    hk, T, _ = score.shape
+    out = torch.zeros(hk, T, out_len, dtype=score.dtype)
+    for b in range(len(cu_q) - 1):
+        qs, Lq, n1 = cu_q[b], cu_q[b + 1] - cu_q[b], cu_k1[b + 1] - cu_k1[b]
+        for r in range(Lq):
+            off_bq = (r + cache_lens[b]) // block_size
+            for j in range(out_len):
+                for h in range(hk):
+                    if j < init_blocks or (off_bq >= j and off_bq <= j + local_blocks):
+                        out[h, qs + r, j] = float("inf")
+                    else:
+                        lo, hi = max(w * j - 1, 0), min(w * j + w, n1)
+                        out[h, qs + r, j] = score[h, qs + r, lo:hi].max() if hi > lo else float("-inf")
+    return out
+
+
+def _orig_compress(k, lengths, kernel, stride):
+    outs, ns, s = [], [], 0
+    for L in lengths:
+        n = 0 if L < kernel else (L - kernel) // stride + 1
+        for i in range(n):
+            outs.append(k[s + i * stride: s + i * stride + kernel].float().mean(0).to(k.dtype))
+        ns.append(n)
+        s += L
+    return torch.stack(outs), ns
+
+
+def _orig_stage1(q, k1, k2, lq, n1s, n2s, causal, width):
+    """flash_fwd_kernel.h stage 1 (spec 4.2-4.3): coarse-key max/sum, fine-key probabilities, sum of 16 heads."""
+    T, hq, d = q.shape
+    hk = k1.shape[1]
+    G = hq // hk
+    scale = d ** -0.5
+    out = torch.zeros(hk, T, width, dtype=torch.float32)
+
+    def limit(r, s, n, Lq):
+        return n if not causal else min(n, max(0, _cdiv(r + 1, s) - 1 + n - _cdiv(Lq - s + 1, s)))
+
+    qs = c1 = c2 = 0
+    for Lq, n1, n2 in zip(lq, n1s, n2s):
+        s2 = 16 if n1 == n2 else 64
+        for r in range(Lq):
+            l1, l2 = limit(r, 16, n1, Lq), limit(r, s2, n2, Lq)
+            if l2 == 0:
+                continue
+            for h in range(hk):
+                qh = q[qs + r, h * G:(h + 1) * G].float()
+                s_2 = qh @ k2[c2:c2 + l2, h].float().T
+                m = s_2.max(-1, keepdim=True).values
+                Z = torch.exp(scale * (s_2 - m)).sum(-1, keepdim=True)
+                s_1 = qh @ k1[c1:c1 + l1, h].float().T
+                out[h, qs + r, :l1] = (torch.exp(scale * (s_1 - m)) / Z).sum(0)
+        qs, c1, c2 = qs + Lq, c1 + n1, c2 + n2
+    return out.to(torch.bfloat16)
+
+
+def _orig_stage2(q, k, v, lq, lk, topk_idx, causal):
+    """Spec 7.1: keys of the selected 64-blocks (indices < the sequence's block count), causal bottom-right.
+    Returns out and lse [hq, T] (empty row: out 0, lse +inf)."""
+    T, hq, d = q.shape
+    hk = k.shape[1]
+    G = hq // hk
+    scale = d ** -0.5
+    out = torch.zeros(T, hq, d, dtype=torch.float64)
+    lse = torch.full((hq, T), float("inf"), dtype=torch.float64)
+    qs = ks = 0
+    for Lq, Lk in zip(lq, lk):
+        nb = (Lk + 63) // 64
+        for r in range(Lq):
+            for hh in range(hq):
+                h = hh // G
+                sel = {int(i) for i in topk_idx[h, qs + r] if 0 <= int(i) < nb}
+                keys = [c for c in range(Lk) if c // 64 in sel and (not causal or c <= r + Lk - Lq)]
+                if not keys:
+                    continue
+                s = (k[ks + torch.tensor(keys), h].double() @ q[qs + r, hh].double()) * scale
+                p = torch.softmax(s, 0)
+                out[qs + r, hh] = p @ v[ks + torch.tensor(keys), h].double()
+                lse[hh, qs + r] = torch.logsumexp(s, 0)
+        qs, ks = qs + Lq, ks + Lk
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# bit masks
+# ---------------------------------------------------------------------------------------------
+
+def test_topk_to_uint64_bit_layout():
+    g = torch.Generator().manual_seed(0)
+    max_seqlen_k = 64 * 100  # 100 blocks -> 2 words; indices 100..127 are kept, >= 128 dropped
+    idx = torch.randint(-1, 100, (2, 7, 12), generator=g, dtype=torch.int32)
+    idx[0, 0, :6] = torch.tensor([63, 64, 0, 127, 128, -5], dtype=torch.int32)  # bit 63 = the sign bit
+    got, k_blocks = iv2.topk_to_uint64(idx, max_seqlen_k, 64)
+    want, want_blocks = _orig_topk_to_uint64(idx, max_seqlen_k, 64)
+    assert got.dtype == torch.int64 and got.shape == (2, 7, 2)
+    assert k_blocks == want_blocks == 100
+    assert torch.equal(got, want)
+    assert got[0, 0, 0] < 0  # bit 63 set
+    # 4-D input, as infllmv2_attn_with_kvcache passes it
+    idx4 = idx.reshape(1, 2, 7, 12)
+    got4, _ = iv2.topk_to_uint64(idx4, max_seqlen_k, 64)
+    assert torch.equal(got4, want.reshape(1, 2, 7, 2))
+    # the reused buffer is the output
+    buf = torch.full((2, 7, 2), 7, dtype=torch.int64)
+    res, _ = iv2.topk_to_uint64(idx, max_seqlen_k, 64, memory_buffer=buf)
+    assert res is buf and torch.equal(buf, want)
+    conv = iv2.TopkToUint64Converter()
+    a, _ = conv.convert(idx, max_seqlen_k, 64)
+    b, _ = conv.convert(idx, max_seqlen_k, 64)
+    assert a is b and torch.equal(b, want)
+    with pytest.raises(TypeError):
+        iv2.topk_to_uint64(idx.long(), max_seqlen_k, 64)
+
+
+def test_uint64_bool_roundtrip():
+    g = torch.Generator().manual_seed(1)
+    mask = torch.rand(3, 5, 130, generator=g) < 0.4
+    mask[0, 0, 63] = True
+    words, n = iv2.blockmask_to_uint64(mask)
+    assert n == 130 and words.shape == (3, 5, 3) and words.dtype == torch.int64
+    # bit j of word j // 64, checked against the topk transcription of the same sets
+    idx = torch.full((3, 5, 130), -1, dtype=torch.int32)
+    for i, row in enumerate(mask.reshape(-1, 130)):
+        sel = row.nonzero().flatten()
+        idx.view(-1, 130)[i, :len(sel)] = sel.int()
+    want, _ = _orig_topk_to_uint64(idx, 130 * 64, 64)
+    assert torch.equal(words, want)
+    assert torch.equal(iv2.uint64_to_bool(words, 130), mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# pooling
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("local_blocks,init_blocks", [(2, 1), (32, 1), (1, 0)])
+def test_max_pooling_1d_varlen_quirks(local_blocks, init_blocks):
+    g = torch.Generator().manual_seed(2)
+    lq, n1s, cache = [70, 5, 200], [40, 3, 23], [0, 130, 64]
+    cu_q, cu_k = _cu(lq), _cu(n1s)
+    width = 48  # > every n1: entries past n1 are garbage the kernel must not read
+    score = torch.randn(2, sum(lq), width, generator=g).to(torch.bfloat16)
+    got = iv2.max_pooling_1d_varlen(score, cu_q, cu_k, torch.tensor(cache, dtype=torch.int32), max(lq), width,
+                                    local_blocks, init_blocks)
+    want = _orig_pool(score, cu_q.tolist(), cu_k.tolist(), cache, max(lq), local_blocks, init_blocks)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape == (2, sum(lq), math.ceil((200 + 130) / 64))
+    assert torch.equal(got, want)
+    assert torch.isneginf(got).any()  # empty windows past n1
+    with pytest.raises(ValueError):
+        iv2.max_pooling_1d_varlen(score, cu_q, cu_k, torch.tensor(cache, dtype=torch.int32), max(lq), width - 1,
+                                  local_blocks, init_blocks)
+
+
+def test_max_pooling_1d_single_sequence():
+    g = torch.Generator().manual_seed(3)
+    score = torch.randn(2, 9, 30, generator=g).to(torch.float16)
+    got = iv2.max_pooling_1d(score, 300, 3, 1)
+    want = _orig_pool(score, [0, 9], [0, 30], [300], 9, 3, 1)
+    assert got.dtype == torch.float16 and torch.equal(got, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# stage 1
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_stage1_layout_and_quirks(causal):
+    # 300: plain; 335: L % 16 == 15 (quirk A); 383: L % 16 == 15 and L % 64 == 63 (quirk B); 100: no coarse key
+    g = torch.Generator().manual_seed(4)
+    lengths, hk, G, d = [300, 335, 383, 100], 2, 16, 32
+    q = torch.randn(sum(lengths), hk * G, d, generator=g).to(torch.bfloat16)
+    kk = torch.randn(sum(lengths), hk, d, generator=g).to(torch.bfloat16)
+    k1, n1s = _orig_compress(kk, lengths, 32, 16)
+    k2, n2s = _orig_compress(kk, lengths, 128, 64)
+    cu_q, cu1, cu2 = _cu(lengths), _cu(n1s), _cu(n2s)
+    max_n1 = max(n1s)
+    got = iv2.infllmv2_attn_stage1(q, k1, k2, cu_q, cu1, cu2, max(lengths), max_n1, causal=causal)
+    want = _orig_stage1(q, k1, k2, lengths, n1s, n2s, causal, max_n1)
+    assert got.dtype == torch.bfloat16 and got.shape == (hk, sum(lengths), max_n1)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+    if causal:  # the quirks really are exercised: the last fully covered fine key of L=335 is masked
+        r = 334
+        assert want[:, cu_q[1] + r, (r + 1 - 32) // 16].abs().sum() == 0
+    assert (got[:, cu_q[3]:cu_q[4]] == 0).all()  # no coarse key -> zero rows
+    # a wider max_seqlen_k pads with zeros (the original's buffer is zero-initialised)
+    wide = iv2.infllmv2_attn_stage1(q, k1, k2, cu_q, cu1, cu2, max(lengths), max_n1 + 5, causal=causal)
+    assert wide.shape[2] == max_n1 + 5 and torch.equal(wide[:, :, :max_n1], got) and (wide[:, :, max_n1:] == 0).all()
+    # the HF modeling file feeds this layout straight into the varlen pooling
+    pooled = iv2.max_pooling_1d_varlen(got, cu_q, cu1, torch.zeros(4, dtype=torch.int32), max(lengths), max_n1, 32, 1)
+    want_pooled = _orig_pool(want, cu_q.tolist(), cu1.tolist(), [0] * 4, max(lengths), 32, 1)
+    assert pooled.shape == want_pooled.shape == (hk, sum(lengths), math.ceil(383 / 64))
+    torch.testing.assert_close(pooled.float(), want_pooled.float(), rtol=2 ** -7, atol=1e-3)
+
+
+def test_stage1_exact_mode():
+    g = torch.Generator().manual_seed(5)
+    lengths, hk, G, d = [260], 1, 16, 32
+    q = torch.randn(260, hk * G, d, generator=g).to(torch.bfloat16)
+    kk = torch.randn(260, hk, d, generator=g).to(torch.bfloat16)
+    k1, n1s = _orig_compress(kk, lengths, 32, 16)
+    cu = _cu(n1s)
+    got = iv2.infllmv2_attn_stage1(q, k1, k1, _cu(lengths), cu, cu, 260, n1s[0], causal=True)
+    want = _orig_stage1(q, k1, k1, lengths, n1s, n1s, True, n1s[0])
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+    # exact softmax over the visible fine keys, summed over 16 heads: rows with keys sum to 16
+    rows = got[0].float().sum(-1)
+    assert torch.allclose(rows[rows > 0], torch.full_like(rows[rows > 0], 16.0), rtol=2e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# stage 2
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("G", [16, 2])
+def test_varlen_with_topk_idx(G):
+    g = torch.Generator().manual_seed(6)
+    lq, lk, hk, d = [150, 40, 200], [150, 300, 200], 2, 32
+    q = torch.randn(sum(lq), hk * G, d, generator=g, dtype=torch.float64).float()
+    k = torch.randn(sum(lk), hk, d, generator=g).float()
+    v = torch.randn(sum(lk), hk, d, generator=g).float()
+    topk = torch.randint(-1, 6, (hk, sum(lq), 5), generator=g, dtype=torch.int32)  # incl. -1, future, >= own count
+    topk[:, :, 0] = 0
+    topk[0, 3] = torch.tensor([2, 2, 1, -1, 9], dtype=torch.int32)  # duplicates
+    topk[1, 5] = -1  # nothing selected: out 0, lse +inf
+    out, lse, s = iv2.infllmv2_attn_varlen_func(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=True,
+                                                return_attn_probs=True, topk_idx=topk)
+    want, want_lse = _orig_stage2(q, k, v, lq, lk, topk, causal=True)
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5)
+    assert s is None
+    # the original's LSE layout with topk_idx: [h_kv, total_q * G], row t * G + g
+    T = sum(lq)
+    assert lse.shape == (hk, T * G)
+    mapped = want_lse.reshape(hk, G, T).transpose(1, 2).reshape(hk, T * G)
+    assert torch.isinf(lse[1, 5 * G:6 * G]).all()
+    torch.testing.assert_close(lse.double(), mapped, rtol=1e-4, atol=1e-5)
+    # without return_attn_probs: the tensor alone; differentiable in q, k, v
+    qg = q.clone().requires_grad_()
+    o = iv2.infllmv2_attn_varlen_func(qg, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=True, topk_idx=topk)
+    o.sum().backward()
+    assert qg.grad is not None and torch.isfinite(qg.grad).all()
+
+
+def test_varlen_dense_and_bf16():
+    g = torch.Generator().manual_seed(7)
+    lq, lk, hk, G, d = [70, 130], [70, 130], 1, 4, 64
+    q = torch.randn(sum(lq), hk * G, d, generator=g).to(torch.bfloat16)
+    k = torch.randn(sum(lk), hk, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(sum(lk), hk, d, generator=g).to(torch.bfloat16)
+    out = iv2.infllmv2_attn_varlen_func(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=True)
+    every = torch.arange(3, dtype=torch.int32).expand(hk, sum(lq), 3)
+    want, _ = _orig_stage2(q, k, v, lq, lk, every, causal=True)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)
+    out_nc, lse, _ = iv2.infllmv2_attn_varlen_func(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=False,
+                                                   return_attn_probs=True)
+    want_nc, want_lse = _orig_stage2(q, k, v, lq, lk, every, causal=False)
+    torch.testing.assert_close(out_nc.double(), want_nc, rtol=2e-2, atol=2e-2)
+    assert lse.shape == (hk * G, sum(lq))  # FlashAttention's layout without topk_idx
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-3, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# decode with a KV cache
+# ---------------------------------------------------------------------------------------------
+
+def _orig_decode(q, k_full, v_full, seqlens, topk):
+    """Spec 8: one query per sequence, non-causal over its first seqlens[b] keys, selected blocks only."""
+    B, _, hq, d = q.shape
+    hk = k_full.shape[2]
+    G = hq // hk
+    out = torch.zeros(B, 1, hq, d, dtype=torch.float64)
+    lse = torch.full((B, hq, 1), float("inf"), dtype=torch.float64)
+    for b in range(B):
+        L = int(seqlens[b])
+        nb = (L + 63) // 64
+        for hh in range(hq):
+            h = hh // G
+            sel = set(range(nb)) if topk is None else {int(i) for i in topk[b, h, 0] if 0 <= int(i) < nb}
+            keys = torch.tensor([c for c in range(L) if c // 64 in sel], dtype=torch.long)
+            if len(keys) == 0:
+                continue
+            s = (k_full[b, keys, h].double() @ q[b, 0, hh].double()) * d ** -0.5
+            out[b, 0, hh] = torch.softmax(s, 0) @ v_full[b, keys, h].double()
+            lse[b, hh, 0] = torch.logsumexp(s, 0)
+    return out, lse
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_decode(paged):
+    g = torch.Generator().manual_seed(8)
+    B, S, hk, G, d, page = 3, 320, 2, 16, 32, 64
+    seqlens = torch.tensor([300, 65, 128], dtype=torch.int32)
+    q = torch.randn(B, 1, hk * G, d, generator=g)
+    k_full = torch.randn(B, S, hk, d, generator=g)
+    v_full = torch.randn(B, S, hk, d, generator=g)
+    topk = torch.randint(-1, 6, (B, hk, 1, 4), generator=g, dtype=torch.int32)
+    topk[:, :, 0, 0] = 0
+    topk[2, 1, 0] = -1  # nothing selected
+    block_table = None
+    if paged:
+        n_pages = S // page
+        perm = torch.randperm(B * n_pages, generator=g)
+        block_table = perm.reshape(B, n_pages).to(torch.int32)
+        k_cache = torch.zeros(B * n_pages, page, hk, d)
+        v_cache = torch.zeros(B * n_pages, page, hk, d)
+        for b in range(B):
+            for p in range(n_pages):
+                k_cache[block_table[b, p]] = k_full[b, p * page:(p + 1) * page]
+                v_cache[block_table[b, p]] = v_full[b, p * page:(p + 1) * page]
+    else:
+        k_cache, v_cache = k_full.clone(), v_full.clone()
+    out, lse = iv2.infllmv2_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=block_table,
+                                              return_softmax_lse=True, topk_idx=topk)
+    want, want_lse = _orig_decode(q, k_full, v_full, seqlens, topk)
+    assert out.shape == (B, 1, hk * G, d) and lse.shape == (B, hk * G, 1)
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-4, atol=1e-5)
+    # new k/v are written in place at cache_seqlens and attended (dense here)
+    k_new, v_new = torch.randn(B, 1, hk, d, generator=g), torch.randn(B, 1, hk, d, generator=g)
+    out2 = iv2.infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=seqlens,
+                                          block_table=block_table)
+    k_full2, v_full2 = k_full.clone(), v_full.clone()
+    for b in range(B):
+        k_full2[b, int(seqlens[b])] = k_new[b, 0]
+        v_full2[b, int(seqlens[b])] = v_new[b, 0]
+        pos = int(seqlens[b])
+        stored = (k_cache[block_table[b, pos // page], pos % page] if paged else k_cache[b, pos])
+        assert torch.equal(stored, k_new[b, 0])
+    want2, _ = _orig_decode(q, k_full2, v_full2, seqlens + 1, None)
+    torch.testing.assert_close(out2.double(), want2, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# unsupported arguments, install()
+# ---------------------------------------------------------------------------------------------
+
+def _small():
+    q = torch.randn(64, 16, 32)
+    k = torch.randn(64, 1, 32)
+    cu = _cu([64])
+    return q, k, cu
+
+
+@pytest.mark.parametrize("kw", [dict(dropout_p=0.1), dict(alibi_slopes=torch.ones(16)), dict(softcap=5.0),
+                                dict(window_size=(32, 0)), dict(block_table=torch.zeros(1, 1, dtype=torch.int32))])
+def test_varlen_and_stage1_unsupported(kw):
+    q, k, cu = _small()
+    name = next(iter(kw))
+    with pytest.raises(NotImplementedError, match=name):
+        iv2.infllmv2_attn_varlen_func(q, k, k, cu, cu, 64, 64, **kw)
+    with pytest.raises(NotImplementedError, match=name):
+        iv2.infllmv2_attn_stage1(q, k, k, cu, cu, cu, 64, 64, **kw)
+
+
+@pytest.mark.parametrize("kw", [dict(rotary_cos=torch.ones(8, 16)), dict(rotary_sin=torch.ones(8, 16)),
+                                dict(cache_batch_idx=torch.zeros(1, dtype=torch.int32)),
+                                dict(cache_leftpad=torch.zeros(1, dtype=torch.int32)), dict(softcap=1.0),
+                                dict(alibi_slopes=torch.ones(16)), dict(window_size=(8, 0))])
+def test_kvcache_unsupported(kw):
+    q = torch.randn(1, 1, 16, 32)
+    kc = torch.randn(1, 64, 1, 32)
+    with pytest.raises(NotImplementedError, match=next(iter(kw))):
+        iv2.infllmv2_attn_with_kvcache(q, kc, kc, cache_seqlens=10, **kw)
+    with pytest.raises(NotImplementedError, match="seqlen"):
+        iv2.infllmv2_attn_with_kvcache(torch.randn(1, 2, 16, 32), kc, kc, cache_seqlens=10)
+
+
+def test_accepted_no_op_arguments():
+    q, k, cu = _small()
+    a = iv2.infllmv2_attn_varlen_func(q, k, k, cu, cu, 64, 64, causal=True)
+    b = iv2.infllmv2_attn_varlen_func(q, k, k, cu, cu, 64, 64, causal=True, deterministic=True)
+    assert torch.equal(a, b)
+    kc = torch.randn(1, 64, 1, 32)
+    x = iv2.infllmv2_attn_with_kvcache(q[:1, None], kc, kc, cache_seqlens=10)
+    y = iv2.infllmv2_attn_with_kvcache(q[:1, None], kc, kc, cache_seqlens=10, num_splits=4, causal=True)
+    assert torch.equal(x, y)
+
+
+def test_install_is_opt_in(monkeypatch):
+    code = ("import sys, infllm_cupy; assert 'infllm_v2' not in sys.modules; "
+            "assert 'infllm_cupy.compat' not in sys.modules; print('ok')")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+    monkeypatch.setitem(sys.modules, "infllm_v2", None)  # restored (removed) after the test
+    infllm_cupy.compat.install()
+    import infllm_v2
+    from infllm_v2 import infllmv2_attn_varlen_func, max_pooling_1d_varlen, topk_to_uint64  # noqa: F401
+
+    assert infllm_v2 is iv2 and infllmv2_attn_varlen_func is iv2.infllmv2_attn_varlen_func
