@@ -56,6 +56,15 @@ def add_run_args(p: argparse.ArgumentParser, *, target_ms: float, min_rep: int, 
     p.add_argument("--no-compile", action="store_true", help="run FlexAttention eagerly (always on CPU)")
 
 
+def csv_choices(p: argparse.ArgumentParser, name: str, text: str, allowed: Sequence[str]) -> list[str]:
+    """The comma-separated option `name` as a list; an entry not in `allowed` is an argparse error."""
+    vals = [x for x in text.split(",") if x]
+    bad = [x for x in vals if x not in allowed]
+    if bad:
+        p.error(f"{name}: unknown {bad}; choose from {list(allowed)}")
+    return vals
+
+
 def env_line(env: dict[str, str], t_start: float, extra: str = "") -> str:
     """The closing line of a run: GPU, versions, commit, wall time."""
     return (f"env: {env['gpu']}, torch {env['torch']}, cuda {env['cuda']}, cupy {env['cupy']}, "

@@ -49,7 +49,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._harness import bench_gpu_time, env_line, env_stamp, free_gpu_memory, summarize, write_json  # noqa: E402
+from benchmarks._harness import (  # noqa: E402
+    bench_gpu_time, csv_choices, env_line, env_stamp, free_gpu_memory, summarize, write_json,
+)
 
 OURS = ("ours_sparse", "ours_step", "ours_dense")
 SDPA = ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math")
@@ -490,10 +492,7 @@ def parse_args(argv=None):
         a.configs = [parse_config(c) for c in a.configs.split(",") if c]
     except ValueError:
         p.error(f"--configs: expected BATCHxCONTEXT entries like 8x128k, got {a.configs!r}")
-    a.impls = [i for i in a.impls.split(",") if i]
-    bad = [i for i in a.impls if i not in IMPLS]
-    if bad:
-        p.error(f"--impls: unknown {bad}; choose from {list(IMPLS)}")
+    a.impls = csv_choices(p, "--impls", a.impls, IMPLS)
     a.graph_batches = {int(x) for x in a.graph_batches.split(",") if x}
     if a.hq % a.h:
         p.error("--hq must be a multiple of --h")

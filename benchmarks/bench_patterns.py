@@ -58,7 +58,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._harness import (  # noqa: E402
-    MODES, Row, add_run_args, bench_gpu_time, env_line, env_stamp, flops_attn, free_gpu_memory,
+    MODES, Row, add_run_args, bench_gpu_time, csv_choices, env_line, env_stamp, flops_attn, free_gpu_memory,
     print_table, summarize, tflops, write_json,
 )
 from benchmarks.bench_stage2 import _short, make_fn, parse_config, shape_id  # noqa: E402
@@ -534,15 +534,10 @@ def parse_args(argv=None):
         if dev.type != "cuda" and a.hq == 32 and a.h == 2 and a.d == 128:
             a.hq, a.h, a.d = 4, 2, 32          # CPU smoke: the references are slow; the shapes stay GQA
     a.configs = [parse_config(c) for c in a.configs.split(",") if c]
-    a.patterns = [s for s in a.patterns.split(",") if s]
-    a.modes = [m for m in a.modes.split(",") if m]
-    a.impls = [i for i in a.impls.split(",") if i]
+    a.patterns = csv_choices(p, "--patterns", a.patterns, PATTERNS)
+    a.modes = csv_choices(p, "--modes", a.modes, MODES)
+    a.impls = csv_choices(p, "--impls", a.impls, IMPLS)
     a.sta_window = tuple(int(x) for x in a.sta_window.split(","))
-    for name, vals, allowed in (("--patterns", a.patterns, PATTERNS), ("--modes", a.modes, MODES),
-                                ("--impls", a.impls, IMPLS)):
-        bad = [x for x in vals if x not in allowed]
-        if bad:
-            p.error(f"{name}: unknown {bad}; choose from {list(allowed)}")
     if a.hq % a.h:
         p.error("--hq must be a multiple of --h")
     if a.quick:

@@ -44,6 +44,7 @@ from benchmarks._harness import (  # noqa: E402
     add_run_args,
     bench_gpu_time,
     causal_dense_keys,
+    csv_choices,
     env_line,
     env_stamp,
     flops_attn,
@@ -359,10 +360,7 @@ def finish_args(p: argparse.ArgumentParser, a, impls: tuple[str, ...]):
     a.configs = [parse_config(c) for c in a.configs.split(",") if c]
     if a.max_configs > 0:
         a.configs = a.configs[:a.max_configs]
-    a.impls = [i for i in a.impls.split(",") if i]
-    bad = [i for i in a.impls if i not in impls]
-    if bad:
-        p.error(f"--impls: unknown {bad}; choose from {list(impls)}")
+    a.impls = csv_choices(p, "--impls", a.impls, impls)
     if a.hq % a.h:
         p.error("--hq must be a multiple of --h")
     if a.quick:

@@ -37,8 +37,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._harness import (  # noqa: E402
-    MODES, README_CONFIGS, Row, add_run_args, bench_gpu_time, causal_dense_keys, env_line, env_stamp, flops_attn,
-    format_table, free_gpu_memory, print_table, summarize, tflops, write_json,
+    MODES, README_CONFIGS, Row, add_run_args, bench_gpu_time, causal_dense_keys, csv_choices, env_line, env_stamp,
+    flops_attn, format_table, free_gpu_memory, print_table, summarize, tflops, write_json,
 )
 from infllm_cupy import _env  # noqa: E402
 from infllm_cupy._constants import KV_BLOCK  # noqa: E402
@@ -370,14 +370,9 @@ def parse_args(argv=None):
         a.configs = ("8kx2" if dev.type == "cuda" else "512x2") if a.quick else README_CONFIGS
     a.configs = [parse_config(c) for c in a.configs.split(",") if c]
     a.K = [int(x) for x in a.K.split(",") if x]
-    a.selections = [s for s in a.selections.split(",") if s]
-    a.modes = [m for m in a.modes.split(",") if m]
-    a.impls = [i for i in a.impls.split(",") if i]
-    for name, vals, allowed in (("--selections", a.selections, SELECTION_NAMES), ("--modes", a.modes, MODES),
-                                ("--impls", a.impls, IMPLS)):
-        bad = [x for x in vals if x not in allowed]
-        if bad:
-            p.error(f"{name}: unknown {bad}; choose from {list(allowed)}")
+    a.selections = csv_choices(p, "--selections", a.selections, SELECTION_NAMES)
+    a.modes = csv_choices(p, "--modes", a.modes, MODES)
+    a.impls = csv_choices(p, "--impls", a.impls, IMPLS)
     if a.hq % a.h:
         p.error("--hq must be a multiple of --h")
     if a.quick:
