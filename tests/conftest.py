@@ -30,6 +30,22 @@ def _has_nvrtc() -> bool:
     return has_nvrtc()
 
 
+# Hypothesis profiles of the fuzz tests (tests/fuzz, docs/reliability.md): derandomized, so a run is
+# reproducible; "fuzz-ci" (the default) is the CPU share's small budget, "fuzz-device" the GPU run's
+# (pytest -m gpu tests/fuzz --hypothesis-profile=fuzz-device), "fuzz-smoke" a quick look.
+try:
+    from hypothesis import HealthCheck, settings
+
+    _FUZZ = dict(derandomize=True, deadline=None, print_blob=True, database=None,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                        HealthCheck.filter_too_much])
+    settings.register_profile("fuzz-ci", max_examples=40, **_FUZZ)
+    settings.register_profile("fuzz-smoke", max_examples=3, **_FUZZ)
+    settings.register_profile("fuzz-device", max_examples=500, **_FUZZ)
+    settings.load_profile("fuzz-ci")
+except ImportError:  # the fuzz tests skip themselves without hypothesis
+    pass
+
 WHY_NO_GPU = _why_no_gpu()
 HAS_GPU = WHY_NO_GPU is None
 HAS_NVRTC = _has_nvrtc()
