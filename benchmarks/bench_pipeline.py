@@ -3,6 +3,16 @@ r"""InfLLM-v2 end to end (compression -> stage 1 -> top-k -> stage 2) against de
     python benchmarks/bench_pipeline.py --quick                                  # smoke run, one small config
     python benchmarks/bench_pipeline.py --configs 32kx8 --json benchmarks/results/pipeline_32k.json
     python benchmarks/bench_pipeline.py --configs 32kx8,64kx4,128kx2 --max-configs 1   # the first one only
+    python benchmarks/bench_pipeline.py --configs 32kx8,128kx2 --inputs structured,random   # issue #26's goals
+    python benchmarks/bench_pipeline.py --configs 512kx1,1Mx1 --inputs structured --impls selection,stage2,pipeline,sdpa_cudnn
+
+Inputs (`--inputs`, comma-separated, each config runs once per mode):
+    random      unit-normal q, k, v (the default): random queries pick unrelated blocks
+    structured  `infllm_cupy.synthetic.structured_sequence` per sequence (sink, local context, recurring
+                topics, needles; seed + b for sequence b): selections coherent as in a trained model.
+                Its rows' config ids end in `-structured`
+A config whose estimated peak GPU memory (inputs, the stage-1 plan's global scratch, stage 2 and the
+SDPA copies; `estimate_peak_bytes`) exceeds the free memory is skipped with the reason printed.
 
 Rows (impl), all forward under `no_grad`, on the same seeded bf16 inputs:
     selection   compression + stage 1 + top-k: `pipeline.select_blocks` with the stages `stages_for`
@@ -14,6 +24,8 @@ Rows (impl), all forward under `no_grad`, on the same seeded bf16 inputs:
     flex_union  FlexAttention (compiled) with a 128x128 BlockMask over the union of the pipeline's
                 `topk_idx` per 128-token query tile (infllm_cupy/selections.py): the least an exact
                 FlexAttention version of the same selection computes
+Summary: per config and input mode, the ms of every row, `selection/stage2` (selection ms / stage-2 ms) and
+anchor ms / pipeline ms; then the verdicts of issue #26's goals (`goal_verdicts`).
 Memory: the selection's and the pipeline's extra GPU memory, `torch.cuda.max_memory_allocated()`
 during one call minus the memory allocated before it (inputs and earlier results excluded).
 TFLOP/s are effective (keys each query attends: the selection's for stage2/pipeline, the tiles' for
@@ -26,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -61,6 +74,7 @@ from infllm_cupy.selections import attended_keys, to_flex_block_mask_inputs, uni
 
 IMPLS = ("selection", "stage2", "pipeline", "sdpa_cudnn", "flex_union")
 ANCHORS = ("sdpa_cudnn", "flex_union")
+INPUTS = ("random", "structured")
 
 
 def make_inputs(B: int, T: int, HQ: int, H: int, D: int, device, seed: int = 0, dtype=torch.bfloat16):
@@ -70,6 +84,56 @@ def make_inputs(B: int, T: int, HQ: int, H: int, D: int, device, seed: int = 0, 
     k = torch.randn(B * T, H, D, generator=g, device=device, dtype=dtype)
     v = torch.randn(B * T, H, D, generator=g, device=device, dtype=dtype)
     return q, k, v, uniform_cu_seqlens(B, T, device)
+
+
+def make_structured_inputs(B: int, T: int, HQ: int, H: int, D: int, device, seed: int = 0, dtype=torch.bfloat16):
+    """`make_inputs`' layout from `structured_sequence` (README-head defaults: sink, local context,
+    topics, needles), sequence b drawn with seed `seed + b` on the CPU and moved one at a time."""
+    from infllm_cupy.synthetic import structured_sequence
+
+    parts = [structured_sequence(T, HQ, H, D, dtype=dtype, device=device, seed=seed + b) for b in range(B)]
+    q, k, v = (torch.cat([getattr(s, name) for s in parts]) for name in ("q", "k", "v"))
+    return q, k, v, uniform_cu_seqlens(B, T, device)
+
+
+def estimate_peak_bytes(B: int, T: int, HQ: int, H: int, D: int, K: int, device: torch.device) -> dict:
+    """Estimated GPU bytes of one config: `inputs` (q, k, v), `selection` (compressed keys, `topk_idx`
+    and the stage-1 plan's global block-key scratch, if the plan has one), `stage2` (its output),
+    `sdpa` (the `[B, heads, T, D]` copies and output) and `peak` = inputs + `topk_idx` kept + the
+    largest of the rows' extras."""
+    from infllm_cupy.stage1 import plan as s1plan
+    from infllm_cupy.stage1.select import _smem_limits
+
+    total, el = B * T, 2
+    inputs = total * (HQ + 2 * H) * D * el
+    out_len = -(-T // 64)
+    topk_bytes = H * total * K * 4
+    ck_bytes = (total // 16 + total // 64 + 2 * B) * H * D * el
+    scratch = 0
+    if device.type == "cuda":
+        G = HQ // H
+        plan = s1plan.stage1_plan(torch.cuda.get_device_capability(device), G, D, torch.bfloat16, torch.bfloat16,
+                                  out_len, *_smem_limits(device))
+        scratch = s1plan.scratch_bytes(plan, H, total, out_len, 2)
+    sel = ck_bytes + topk_bytes + scratch
+    stage2 = total * HQ * D * el
+    sdpa = inputs + total * HQ * D * el
+    peak = inputs + topk_bytes + max(sel, stage2 + ck_bytes, sdpa)
+    return {"inputs": inputs, "selection": sel, "scratch": scratch, "stage2": stage2, "sdpa": sdpa, "peak": peak,
+            "topk_idx": topk_bytes, "compressed_keys": ck_bytes}
+
+
+def memory_skip_reason(B: int, T: int, HQ: int, H: int, D: int, K: int, device: torch.device) -> str:
+    """Why the config cannot fit in the free GPU memory (with 5% and 1 GiB slack), or ""."""
+    if device.type != "cuda":
+        return ""
+    est = estimate_peak_bytes(B, T, HQ, H, D, K, device)
+    free, _ = torch.cuda.mem_get_info(device)
+    if est["peak"] <= 0.95 * free - 2**30:
+        return ""
+    gib = lambda x: f"{x / 2**30:.1f} GiB"  # noqa: E731
+    return (f"skipped: estimated peak {gib(est['peak'])} > free {gib(free)} (inputs {gib(est['inputs'])}, "
+            f"stage-1 block-key scratch {gib(est['scratch'])}, SDPA copies {gib(est['sdpa'])})")
 
 
 def extra_memory(fn: Callable[[], object], device: torch.device) -> tuple[float | None, object]:
@@ -184,9 +248,10 @@ class Runner:
         writing the JSON after each; returns the configs' memory records."""
         a, memory = self.args, []
         with no_validation(a.validate):
-            for T, B in tqdm(a.configs, unit="config", disable=None):
+            for cfg in tqdm(a.configs, unit="config", disable=None):
+                T, B = cfg[:2]
                 try:
-                    memory.append(bench_config(T, B))
+                    memory.append(bench_config(*cfg))
                 except Exception as e:  # noqa: BLE001 - e.g. OOM building inputs: record it, go on
                     self.rows.append(Row("config", shape_id(B, T, a.hq, a.h, a.d),
                                          note=f"config failed: {_short(e)}"))
@@ -252,28 +317,44 @@ def sdpa_cudnn_fn(q, k, v, B: int, T: int) -> tuple[Callable[[], object], str]:
         return (lambda: call(kr, vr, False)), f"KV repeated to HQ heads ({_short(e)[:80]})"
 
 
-def config_setup(r: Runner, T: int, B: int) -> tuple:
+def config_id(B: int, T: int, HQ: int, H: int, D: int, inputs: str = "random") -> str:
+    """The rows' config id: the shape, with `-structured` for the structured inputs."""
+    return shape_id(B, T, HQ, H, D) + ("" if inputs == "random" else f"-{inputs}")
+
+
+def config_setup(r: Runner, T: int, B: int, inputs: str = "random") -> tuple:
     """What every row of one `(T, B)` shares: `(cfg_id, cfg, K, q, k, v, cu, stages, cache_lens,
-    n_q_rows)` with the MiniCPM4 config at `--topk` / `--local-blocks` and seeded inputs."""
+    n_q_rows)` with the MiniCPM4 config at `--topk` / `--local-blocks` and seeded inputs of the
+    given kind (`random` or `structured`)."""
     from infllm_cupy.pipeline import InfLLMv2Config, stages_for
 
     a = r.args
-    cfg_id = shape_id(B, T, a.hq, a.h, a.d)
+    cfg_id = config_id(B, T, a.hq, a.h, a.d, inputs)
     cfg = InfLLMv2Config(topk=a.topk, local_blocks=a.local_blocks, dense_len=0)
     K = cfg.topk + cfg.local_blocks
-    print(f"\n== {cfg_id}: topk {cfg.topk} + local {cfg.local_blocks} (K = {K}), backend {a.backend}", flush=True)
-    q, k, v, cu = make_inputs(B, T, a.hq, a.h, a.d, r.device, a.seed)
+    print(f"\n== {cfg_id}: topk {cfg.topk} + local {cfg.local_blocks} (K = {K}), backend {a.backend}, "
+          f"{inputs} inputs", flush=True)
+    make = make_structured_inputs if inputs == "structured" else make_inputs
+    q, k, v, cu = make(B, T, a.hq, a.h, a.d, r.device, a.seed)
     cache_lens = torch.zeros(B, dtype=torch.int32, device=r.device)
     return cfg_id, cfg, K, q, k, v, cu, stages_for(q, a.backend), cache_lens, B * T * a.hq
 
 
-def bench_config(r: Runner, T: int, B: int, flex, BlockMask, flex_note: str = "") -> dict:
-    """Time every requested row on one `(T, B)`; returns the memory record of the config."""
+def bench_config(r: Runner, T: int, B: int, flex, BlockMask, flex_note: str = "", inputs: str = "random") -> dict:
+    """Time every requested row on one `(T, B)` and input kind; returns the memory record of the config
+    (a config that cannot fit gets one row per requested impl, each with the reason)."""
     from infllm_cupy.pipeline import infllmv2_attention, select_blocks
 
     a = r.args
     HQ, H, D = a.hq, a.h, a.d
-    cfg_id, cfg, K, q, k, v, cu, stages, cache_lens, n_q_rows = config_setup(r, T, B)
+    skip = memory_skip_reason(B, T, HQ, H, D, a.topk + a.local_blocks, r.device)
+    if skip:
+        cfg_id = config_id(B, T, HQ, H, D, inputs)
+        print(f"\n== {cfg_id}: {skip}", flush=True)
+        for impl in a.impls:
+            r.rows.append(Row(impl, cfg_id, "-", a.topk + a.local_blocks, "fwd", note=skip))
+        return {"config": cfg_id, "inputs": inputs, "T": T, "B": B, "skipped": skip}
+    cfg_id, cfg, K, q, k, v, cu, stages, cache_lens, n_q_rows = config_setup(r, T, B, inputs)
 
     def selection():
         return select_blocks(stages, q, k, cu, cu, T, cache_lens, True, cfg, need_scores=False)
@@ -281,7 +362,7 @@ def bench_config(r: Runner, T: int, B: int, flex, BlockMask, flex_note: str = ""
     def pipeline():
         return infllmv2_attention(q, k, v, cu, cu, T, T, cfg, backend=a.backend)
 
-    mem = {"config": cfg_id}
+    mem = {"config": cfg_id, "inputs": inputs, "T": T, "B": B, "topk_idx_GiB": H * B * T * K * 4 / 2**30}
     topk_idx = None
     if "selection" in a.impls:
         r.time(Row("selection", cfg_id, "-", K, "fwd"), selection, None, n_q_rows, D, memory=mem,
@@ -321,21 +402,58 @@ def bench_config(r: Runner, T: int, B: int, flex, BlockMask, flex_note: str = ""
 
 
 def summary(rows: list[Row], memory: list[dict]) -> list[dict]:
-    """One line per config: ms of every row, anchor ms / pipeline ms, the selection's share and memory."""
+    """One line per config: ms of every row, selection / stage 2, anchor ms / pipeline ms, the
+    selection's share of the pipeline and memory."""
     by = {(x.config, x.impl): x for x in rows}
     out = []
     for m in memory:
         c = m["config"]
         ms = {i: (by[(c, i)].ms if (c, i) in by else None) for i in IMPLS}
         pipe = ms["pipeline"]
-        rec = {"config": c, **{f"{i}_ms": ms[i] for i in IMPLS}}
+        rec = {"config": c, "inputs": m.get("inputs", "random"), "T": m.get("T"), "B": m.get("B"),
+               **{f"{i}_ms": ms[i] for i in IMPLS}}
+        rec["selection/stage2"] = ms["selection"] / ms["stage2"] if ms["selection"] and ms["stage2"] else None
         for i in ANCHORS:
             rec[f"{i}/pipeline"] = ms[i] / pipe if ms[i] and pipe else None
             if (c, "pipeline") in by and ms[i] and pipe:
                 by[(c, "pipeline")].ratios[i] = ms[i] / pipe
         rec["selection_share"] = ms["selection"] / pipe if ms["selection"] and pipe else None
         rec["sel_mem_GiB"], rec["pipe_mem_GiB"] = m.get("selection_GiB"), m.get("pipeline_GiB")
+        rec["topk_idx_GiB"] = m.get("topk_idx_GiB")
         out.append(rec)
+    return out
+
+
+# Issue #26's goals (H100, README head config, K = 96): (T, B, inputs or None for every kind, column,
+# "min" / "max", target, label). The selection goals were stated on the pipeline's own selection.
+GOALS = (
+    (32768, 8, "structured", "sdpa_cudnn/pipeline", "min", 2.0, "whole pipeline vs dense cuDNN SDPA, 32k x 8"),
+    (131072, 2, "structured", "sdpa_cudnn/pipeline", "min", 5.0, "whole pipeline vs dense cuDNN SDPA, 128k x 2"),
+    (131072, 2, None, "selection/stage2", "max", 0.20, "selection / stage 2, 128k x 2"),
+    (32768, 8, None, "selection/stage2", "max", 0.10, "selection / stage 2, 32k x 8"),
+    (524288, 1, None, "selection/stage2", "max", 0.35, "selection / stage 2, 512k x 1"),
+    (524288, 1, None, "sel_mem_GiB", "mem", 4.0, "selection extra memory O(total_q x K), 512k x 1"),
+)
+
+
+def goal_verdicts(recs: list[dict]) -> list[dict]:
+    """Every goal of `GOALS` whose config ran (per input kind): value, target, met. The memory goal
+    compares the selection's extra GPU memory with 4x `topk_idx` (O(total_q x K))."""
+    out = []
+    for T, B, inputs, col, kind, target, label in GOALS:
+        for rec in recs:
+            if rec.get("T") != T or rec.get("B") != B or (inputs is not None and rec.get("inputs") != inputs):
+                continue
+            value = rec.get(col)
+            if kind == "mem":
+                bound = target * rec["topk_idx_GiB"] if rec.get("topk_idx_GiB") else None
+                met = None if value is None or bound is None else value <= bound
+                want = f"<= {bound:.2f} GiB (4 x topk_idx)" if bound else "-"
+            else:
+                met = None if value is None else (value >= target if kind == "min" else value <= target)
+                want = f"{'>=' if kind == 'min' else '<='} {target:g}"
+            out.append({"goal": f"{label} ({rec['inputs']} inputs)", "value": value, "target": want,
+                        "met": "not run" if met is None else ("MET" if met else "NOT MET")})
     return out
 
 
@@ -372,7 +490,18 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     add_common_args(p, IMPLS)
-    return finish_args(p, p.parse_args(argv), IMPLS)
+    p.add_argument("--inputs", default="random",
+                   help=f"comma-separated input kinds, each config runs once per kind: {','.join(INPUTS)}. "
+                        f"Default: random")
+    a = p.parse_args(argv)
+    if a.configs:       # "1Mx1": M = 1024k
+        a.configs = re.sub(r"(\d+(?:\.\d+)?)[mM]x", lambda m: f"{round(float(m.group(1)) * 1024)}kx", a.configs)
+    a = finish_args(p, a, IMPLS)
+    a.inputs = csv_choices(p, "--inputs", a.inputs, INPUTS)
+    if not a.inputs:
+        p.error("--inputs must name at least one of " + ",".join(INPUTS))
+    a.configs = [(T, B, inputs) for T, B in a.configs for inputs in a.inputs]
+    return a
 
 
 def no_validation(keep: bool):
@@ -397,12 +526,23 @@ def main(argv=None) -> list[Row]:
     flex, BlockMask, flex_note = (load_flex(dev, not a.no_compile) if "flex_union" in a.impls
                                   else (None, None, "not requested"))
     r = Runner(a, dev)
-    memory = r.run_configs(lambda T, B: bench_config(r, T, B, flex, BlockMask, flex_note), env, check)
-    cols = ["config", *[f"{i}_ms" for i in IMPLS], *[f"{i}/pipeline" for i in ANCHORS], "selection_share",
-            "sel_mem_GiB", "pipe_mem_GiB"]
-    return r.report("All rows (ms = median; TFLOP/s effective on attended keys; keys_per_q per query head)",
-                    "Per config: ms of each row, anchor ms / pipeline ms (> 1: ours faster), selection share of the "
-                    "pipeline, extra GPU memory (GiB)", summary(r.rows, memory), cols, env, check, memory)
+    memory = r.run_configs(lambda T, B, inputs: bench_config(r, T, B, flex, BlockMask, flex_note, inputs), env,
+                           check)
+    cols = ["config", *[f"{i}_ms" for i in IMPLS], "selection/stage2", *[f"{i}/pipeline" for i in ANCHORS],
+            "selection_share", "sel_mem_GiB", "pipe_mem_GiB"]
+    recs = summary(r.rows, memory)
+    rows = r.report("All rows (ms = median; TFLOP/s effective on attended keys; keys_per_q per query head)",
+                    "Per config: ms of each row, selection ms / stage-2 ms, anchor ms / pipeline ms (> 1: ours "
+                    "faster), selection share of the pipeline, extra GPU memory (GiB)", recs, cols, env, check,
+                    memory)
+    gl = goal_verdicts(recs)
+    print("\n### Goals (issue #26; H100, README head config, K = 96)")
+    print(format_table(gl, ["goal", "value", "target", "met"], max_width=80) if gl
+          else "(no config of a goal ran: 32kx8, 128kx2, 512kx1)")
+    if a.json:
+        write_json(rows, a.json, env, extra={"check": check, "memory": memory, "summary": recs, "goals": gl,
+                                             "argv": sys.argv[1:]})
+    return rows
 
 
 if __name__ == "__main__":

@@ -104,6 +104,14 @@ class Stage1Plan:
         return smem_bytes(D, itemsize, self.warps, lgp_of(G), olp, key_bytes, self.block_keys_in_smem)
 
 
+def scratch_bytes(plan: Stage1Plan, H: int, total_q: int, out_len: int, key_bytes: int) -> int:
+    """Bytes of the global block-key scratch `[H, total_q, olp]` that `plan` needs (0 when the block
+    keys live in shared memory): the memory wall of long sequences (docs/stage1.md, 5. Memory plan)."""
+    if plan.block_keys_in_smem:
+        return 0
+    return H * total_q * (-(-out_len // 64) * 64) * key_bytes
+
+
 @functools.lru_cache(maxsize=1024)
 def stage1_plan(capability, G: int, D: int, dtype: torch.dtype, score_dtype: torch.dtype, out_len: int,
                 smem_max: int, smem_per_sm: int, kernel: str = "auto") -> Stage1Plan:
