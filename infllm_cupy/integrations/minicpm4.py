@@ -1,0 +1,205 @@
+"""A MiniCPM4-style InfLLM-v2 attention layer written against the `infllm_v2` compat API.
+
+The layer follows the structure of MiniCPM4's Hugging Face modeling file (`MiniCPMInfLLMv2Attention`,
+spec /work/shared/spec/infllm_v2.md section 9; docs/integrations.md, "The MiniCPM4-style layer"),
+calling only the original package's public functions as `infllm_cupy.compat.infllm_v2` offers them:
+
+  * `kv_seq_len < dense_len`: dense varlen attention (`infllmv2_attn_varlen_func` without `topk_idx`;
+    HF calls flash-attn's here);
+  * otherwise: mean-compress the keys (32/16 and 128/64, kept per layer and updated incrementally),
+    `infllmv2_attn_stage1` (causal in prefill, not in decode), `max_pooling_1d_varlen` with the init
+    and local blocks forced, `topk(K = topk + window_size // block_size)`, blocks after the query's own
+    set to -1, then `infllmv2_attn_varlen_func(..., causal=q_len != 1, topk_idx=...)`.
+
+Decode is HF's path (spec section 8): the one query attends the whole cached K/V through the varlen
+function with the selection of a non-causal stage 1 over the compressed cache.
+
+`use_minicpm4_attention(model)` swaps this layer into a Llama-style HF model (LlamaForCausalLM: same
+projection names, so the weights are kept), which then generates with any HF cache. The compressed
+keys are a side table on the HF cache object, keyed by `layer_idx` (the layer is handed the cache;
+MiniCPM4 keeps them in its own cache layer instead).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..compat import infllm_v2
+
+__all__ = ["MiniCPM4SparseAttention", "use_minicpm4_attention"]
+
+_SIDE_TABLE = "_infllm_cupy_compressed_keys"     # attribute of the HF cache: {layer_idx: _Compressed}
+
+
+def _rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rope(q, k, cos, sin):
+    """Llama's rotary embedding on `[B, heads, L, D]` (post-RoPE keys feed compression, as MiniCPM4's
+    `use_nope=False`)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _windows(k: torch.Tensor, lo: int, hi: int, kernel: int, stride: int) -> torch.Tensor:
+    """Means of windows `[i*stride, i*stride + kernel)`, i in [lo, hi), of `k [B, L, H, D]` -> `[B, hi-lo, H, D]`
+    (summed in fp32 and rounded to k's dtype, as `naive_compress_k`)."""
+    idx = torch.arange(lo, hi, device=k.device)[:, None] * stride + torch.arange(kernel, device=k.device)[None, :]
+    acc = torch.float64 if k.dtype == torch.float64 else torch.float32
+    return k[:, idx].to(acc).mean(dim=2).to(k.dtype)
+
+
+def _n_windows(L: int, kernel: int, stride: int) -> int:
+    return 0 if L < kernel else (L - kernel) // stride + 1
+
+
+class _Compressed:
+    """One layer's compressed keys: `ck1 [B, n1, H, D]`, `ck2 [B, n2, H, D]` over the first `length` keys."""
+
+    def __init__(self, ck1, ck2, length):
+        self.ck1, self.ck2, self.length = ck1, ck2, length
+
+
+class MiniCPM4SparseAttention(nn.Module):
+    """MiniCPM4's InfLLM-v2 attention (HF `MiniCPMInfLLMv2Attention`'s structure) on the compat API.
+
+    Args:
+        config: a Llama-style HF config (`hidden_size`, `num_attention_heads`, `num_key_value_heads`,
+            optional `head_dim`, `attention_bias`) with MiniCPM4's `sparse_config` dict (`kernel_size`,
+            `kernel_stride`, `init_blocks`, `block_size`, `window_size`, `topk`, `dense_len`; missing keys
+            take MiniCPM4's values). `use_nope=True` raises NotImplementedError.
+        layer_idx (int): this layer's index in the cache.
+    """
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        from .transformers import config_from_sparse_config
+
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scaling = self.head_dim ** -0.5
+        self.is_causal = True
+        bias = bool(getattr(config, "attention_bias", False))
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        sc = config_from_sparse_config(getattr(config, "sparse_config", None))   # checks the dict
+        self.kernel_size, self.kernel_stride = sc.kernel_size, sc.kernel_stride
+        self.block_size, self.init_blocks, self.local_blocks = sc.block_size, sc.init_blocks, sc.local_blocks
+        self.topk = sc.topk + sc.local_blocks          # HF: sparse_config["topk"] + window_size // block_size
+        self.dense_len = sc.dense_len
+
+    # -------------------------------------------------------------------------------- compressed keys
+    def _compressed_keys(self, cache, k: torch.Tensor, q_len: int) -> _Compressed:
+        """ck1/ck2 of `k [B, Lk, H, D]`: the side table's, extended by the windows the new `q_len` keys
+        complete; recompressed from scratch when there is none or it does not end where the new keys
+        start (MiniCPM4's "is_prefilling" branch: first crossing of dense_len, or a fresh prompt)."""
+        B, Lk = k.shape[:2]
+        fine = (self.kernel_size, self.kernel_stride)
+        coarse = (4 * self.kernel_size, 4 * self.kernel_stride)
+        table = None
+        if cache is not None:
+            table = getattr(cache, _SIDE_TABLE, None)
+            if table is None:
+                table = {}
+                setattr(cache, _SIDE_TABLE, table)
+        st = None if table is None else table.get(self.layer_idx)
+        if st is None or st.length != Lk - q_len or st.ck1.shape[0] != B:
+            st = _Compressed(_windows(k, 0, _n_windows(Lk, *fine), *fine),
+                             _windows(k, 0, _n_windows(Lk, *coarse), *coarse), Lk)
+        else:
+            parts = []
+            for ck, (kr, s) in ((st.ck1, fine), (st.ck2, coarse)):
+                lo, hi = ck.shape[1], _n_windows(Lk, kr, s)
+                parts.append(torch.cat([ck, _windows(k, lo, hi, kr, s)], dim=1) if hi > lo else ck)
+            st = _Compressed(parts[0], parts[1], Lk)
+        if table is not None:
+            table[self.layer_idx] = st
+        return st
+
+    # ------------------------------------------------------------------------------------ attention
+    def _sparse_attention(self, q, k, v, cu_q, cu_k, B, q_len, kv_len, cache):
+        """Compress, stage 1, pooling, top-k, varlen sparse attention (HF `compressed_attention` and forward)."""
+        dev = q.device
+        H, D = self.num_kv_heads, self.head_dim
+        st = self._compressed_keys(cache, k.view(B, kv_len, H, D), q_len)
+        n1, n2 = st.ck1.shape[1], st.ck2.shape[1]
+        steps = torch.arange(B + 1, dtype=torch.int32, device=dev)
+        cu_c1, cu_c2 = steps * n1, steps * n2
+        with torch.no_grad():
+            score = infllm_v2.infllmv2_attn_stage1(
+                q, st.ck1.reshape(B * n1, H, D), st.ck2.reshape(B * n2, H, D), cu_q, cu_c1, cu_c2, q_len, n1,
+                softmax_scale=self.scaling, causal=q_len != 1)
+            cache_lens = torch.full((B,), kv_len - q_len, dtype=torch.int32, device=dev)
+            block_score = infllm_v2.max_pooling_1d_varlen(
+                score, cu_q, cu_c1, cache_lens, q_len, n1, local_blocks=self.local_blocks,
+                init_blocks=self.init_blocks, block_size=self.block_size, stride=self.kernel_stride)
+            K = min(self.topk, block_score.shape[-1])
+            topk_idx = block_score.topk(K, dim=-1).indices.sort(-1).values
+            # a query's own block is the last it may select (spec section 6: strict '>')
+            q_idx = ((torch.arange(q_len, device=dev) + kv_len - q_len) // self.block_size).repeat(B)
+            topk_idx[topk_idx > q_idx[None, :, None]] = -1
+            topk_idx = topk_idx.to(torch.int32)
+        return infllm_v2.infllmv2_attn_varlen_func(q, k, v, cu_q, cu_k, q_len, kv_len, softmax_scale=self.scaling,
+                                                   causal=q_len != 1, topk_idx=topk_idx)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
+                past_key_values=None, cache=None, **kwargs):
+        # transformers renamed the decoder layers' `past_key_values` argument to `cache` (5.2x); take either
+        cache = cache if cache is not None else past_key_values
+        if attention_mask is not None and (attention_mask.dim() != 2 or not bool(attention_mask.all())):
+            raise NotImplementedError("MiniCPM4SparseAttention: attention_mask with padding (or a custom 4-D mask) "
+                                      "is not supported; run sequences of equal length per batch without padding")
+        if position_embeddings is None:
+            raise ValueError("position_embeddings (cos, sin) are required (the model's rotary embedding)")
+        B, q_len, _ = hidden_states.shape
+        HQ, H, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(hidden_states).view(B, q_len, HQ, D).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(B, q_len, H, D).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(B, q_len, H, D).transpose(1, 2)
+        q, k = _rope(q, k, *position_embeddings)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        kv_len = k.shape[2]
+        # varlen, unpadded (every row one sequence of the same length)
+        q = q.transpose(1, 2).reshape(B * q_len, HQ, D)
+        k = k.transpose(1, 2).reshape(B * kv_len, H, D)
+        v = v.transpose(1, 2).reshape(B * kv_len, H, D)
+        steps = torch.arange(B + 1, dtype=torch.int32, device=q.device)
+        cu_q, cu_k = steps * q_len, steps * kv_len
+        if self.dense_len < 0 or kv_len >= self.dense_len:   # MiniCPM4: dense_len = -1 means always sparse
+            out = self._sparse_attention(q, k, v, cu_q, cu_k, B, q_len, kv_len, cache)
+        else:
+            out = infllm_v2.infllmv2_attn_varlen_func(q, k, v, cu_q, cu_k, q_len, kv_len, softmax_scale=self.scaling,
+                                                      causal=q_len != 1)
+        out = self.o_proj(out.reshape(B, q_len, HQ * D))
+        return out, None
+
+
+def use_minicpm4_attention(model: nn.Module) -> nn.Module:
+    """Replace every decoder layer's `self_attn` of a Llama-style HF causal LM (`model.model.layers[i]`)
+    by `MiniCPM4SparseAttention` with the same weights, in place; returns the model.
+
+    Also registers the `infllm_cupy` attention name and selects it, so that the model builds no dense
+    attention mask (its mask function gives None, or the padding mask that the layer refuses).
+    """
+    from .transformers import ATTN_NAME, register
+
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise TypeError(f"model must be a Llama-style HF causal LM with model.model.layers, got "
+                        f"{type(model).__name__}")
+    for i, layer in enumerate(layers):
+        old = layer.self_attn
+        new = MiniCPM4SparseAttention(model.config, getattr(old, "layer_idx", i))
+        new.load_state_dict(old.state_dict())
+        layer.self_attn = new.to(device=old.q_proj.weight.device, dtype=old.q_proj.weight.dtype)
+    register()
+    model.set_attn_implementation(ATTN_NAME)
+    return model

@@ -1,0 +1,301 @@
+"""InfLLM-v2 sparse attention behind Hugging Face transformers' `attn_implementation` switch.
+
+    from infllm_cupy.integrations.transformers import register, InfLLMv2Cache
+    register()                                                   # once per process
+    model = LlamaForCausalLM(config).to("cuda")                  # or from_pretrained(..., attn_implementation=...)
+    model.set_attn_implementation("infllm_cupy")                 # or config._attn_implementation / the kwarg
+    model.generate(ids, past_key_values=InfLLMv2Cache(model.config, max_cache_len=65536), ...)
+
+How HF's calls map onto our ops (docs/integrations.md, "How the backend maps HF's calls"):
+  * a call with several query tokens (prefill, or a chunk after a cache) runs `infllmv2_attention`, the
+    prefill pipeline: dense causal attention while the keys are shorter than `dense_len`, else
+    compression, stage 1, top-k and stage-2 sparse attention, causal mask aligned bottom-right;
+  * a one-token call (decode) runs `infllmv2_decode`: on the `DecodeCache` of an `InfLLMv2Cache` (its
+    compressed keys kept up to date at every append), or, with any other HF cache, on a DecodeCache built
+    from the keys at every step (same results; a copy and a recompression per step and layer).
+
+Where the compressed keys live (docs/integrations.md, "The cache"): HF's attention function is handed
+the key/value tensors the cache returned, not the cache object, so a side table keyed by `layer_idx`
+on the cache would be out of the function's reach without changing the model's code. Instead
+`InfLLMv2Cache` is a `DynamicCache` whose layers store K/V in a `DecodeCache` (preallocated to
+`max_cache_len`, compressed keys appended with the keys) and return views of it; the view carries
+its `DecodeCache` as an attribute, which the attention function reads. The model code is untouched
+and any HF cache still works (more slowly at decode).
+
+The sparse hyper-parameters come from the model config's `sparse_config` dict, MiniCPM4's format
+(`kernel_size`, `kernel_stride`, `init_blocks`, `block_size`, `window_size`, `topk`, `use_nope`,
+`dense_len`); without one, MiniCPM4's defaults (`InfLLMv2Config()`).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..decode import DecodeCache, infllmv2_decode
+from ..pipeline import InfLLMv2Config, infllmv2_attention
+
+__all__ = ["ATTN_NAME", "InfLLMv2Cache", "InfLLMv2CacheLayer", "config_from_sparse_config",
+           "infllm_cupy_attention", "register"]
+
+ATTN_NAME = "infllm_cupy"
+# Attribute of the key view an `InfLLMv2CacheLayer` returns: its DecodeCache (see the module docstring).
+_CACHE_ATTR = "_infllm_cupy_decode_cache"
+SPARSE_CONFIG_KEYS = ("kernel_size", "kernel_stride", "init_blocks", "block_size", "window_size", "topk",
+                      "use_nope", "dense_len")
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise ImportError('infllm_cupy.integrations.transformers needs transformers: pip install -e ".[hf]"') from e
+    return transformers
+
+
+# ------------------------------------------------------------------------------------------ config
+def config_from_sparse_config(sparse_config: dict | None, *, softmax_scale: float | None = None) -> InfLLMv2Config:
+    """MiniCPM4's `sparse_config` dict (HF config attribute) -> `InfLLMv2Config`.
+
+    `window_size // block_size` is `local_blocks`; the coarse compression is 4x the fine one (MiniCPM4's
+    `CompressK(kernel_size * 4, kernel_stride * 4)`). `use_nope=True` (stage 1 on pre-RoPE keys) is not
+    supported: the attention function only sees post-RoPE keys. None gives MiniCPM4's defaults.
+    """
+    if sparse_config is None:
+        sparse_config = {}
+    if not isinstance(sparse_config, dict):
+        raise TypeError(f"sparse_config must be a dict (MiniCPM4's format) or None, got {type(sparse_config).__name__}")
+    unknown = sorted(set(sparse_config) - set(SPARSE_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"sparse_config: unknown key(s) {unknown}; expected some of {list(SPARSE_CONFIG_KEYS)}")
+    if sparse_config.get("use_nope", False):
+        raise NotImplementedError("sparse_config: use_nope=True (stage 1 on pre-RoPE keys) is not supported; "
+                                  "the attention function receives post-RoPE keys only")
+    d = InfLLMv2Config()
+    block = int(sparse_config.get("block_size", d.block_size))
+    window = int(sparse_config.get("window_size", d.local_blocks * block))
+    if window % block:
+        raise ValueError(f"sparse_config: window_size ({window}) must be a multiple of block_size ({block})")
+    ks = int(sparse_config.get("kernel_size", d.kernel_size))
+    st = int(sparse_config.get("kernel_stride", d.kernel_stride))
+    return InfLLMv2Config(kernel_size=ks, kernel_stride=st, coarse_kernel_size=4 * ks, coarse_kernel_stride=4 * st,
+                          block_size=block, topk=int(sparse_config.get("topk", d.topk)),
+                          local_blocks=window // block, init_blocks=int(sparse_config.get("init_blocks", d.init_blocks)),
+                          dense_len=int(sparse_config.get("dense_len", d.dense_len)), softmax_scale=softmax_scale)
+
+
+def _config_of(module, scaling) -> InfLLMv2Config:
+    """The module's InfLLMv2Config, converted once per (sparse_config, scaling) and kept on the module."""
+    sc = getattr(getattr(module, "config", None), "sparse_config", None)
+    key = (tuple(sorted(sc.items())) if isinstance(sc, dict) else sc, scaling)
+    memo = getattr(module, "_infllm_cupy_cfg", None)
+    if memo is not None and memo[0] == key:
+        return memo[1]
+    cfg = config_from_sparse_config(sc, softmax_scale=None if scaling is None else float(scaling))
+    try:
+        module._infllm_cupy_cfg = (key, cfg)
+    except AttributeError:  # pragma: no cover - a module that refuses attributes: convert every call
+        pass
+    return cfg
+
+
+# --------------------------------------------------------------------------------------- attention
+def _check_unsupported(module, attention_mask, dropout, kwargs) -> None:
+    if dropout:
+        raise NotImplementedError(f"infllm_cupy attention: dropout={dropout!r} is not supported (eval mode, or "
+                                  f"attention_dropout=0)")
+    for name in ("sliding_window", "softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"infllm_cupy attention: {name}={kwargs[name]!r} is not supported")
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"infllm_cupy attention: {name} (packed sequences in one row) is not "
+                                      f"supported; pass one sequence per batch row")
+    if getattr(module, "is_causal", True) is False or kwargs.get("is_causal", True) is False:
+        raise NotImplementedError("infllm_cupy attention: is_causal=False (bidirectional attention) is not "
+                                  "supported; InfLLM-v2 is causal")
+    if attention_mask is not None:
+        # The mask function registered with us (FlashAttention's) returns None unless a row has padding;
+        # a 4-D mask is a custom one we cannot honour.
+        if attention_mask.dim() != 2 or not bool(attention_mask.all()):
+            raise NotImplementedError(
+                "infllm_cupy attention: attention_mask with padding (left- or right-padded batches) or a custom "
+                f"{attention_mask.dim()}-D mask is not supported; run sequences of equal length per batch "
+                "(e.g. batch 1) without padding")
+
+
+def infllm_cupy_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                          *, backend: str = "auto", **kwargs):
+    """HF attention function: `query [B, HQ, Lq, D]`, `key`/`value [B, H, Lk, D]` (the cache's keys,
+    current ones included) -> `([B, Lq, HQ, D], None)`.
+
+    Every sequence of the batch has the same length (no padding). `Lq > 1`: the prefill pipeline
+    (`infllmv2_attention`, the last `Lk - Lq` keys' predecessors as the cache, causal bottom-right).
+    `Lq == 1`: `infllmv2_decode` on the `DecodeCache` of an `InfLLMv2Cache` (or, with another HF cache, on
+    one built from the keys at every step). Attention weights are not returned (None).
+    """
+    _check_unsupported(module, attention_mask, dropout, kwargs)
+    if query.dim() != 4 or key.dim() != 4 or value.shape != key.shape:
+        raise ValueError(f"query must be [B, HQ, Lq, D] and key/value [B, H, Lk, D] of one shape, got "
+                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    B, HQ, Lq, D = query.shape
+    H, Lk = key.shape[1], key.shape[2]
+    if Lq > Lk:
+        raise ValueError(f"query has {Lq} tokens but key only {Lk}: the keys must include the queries' own")
+    cfg = _config_of(module, scaling)
+    k = key.transpose(1, 2).reshape(B * Lk, H, D)
+    v = value.transpose(1, 2).reshape(B * Lk, H, D)
+    steps = torch.arange(B + 1, dtype=torch.int32)
+    if Lq == 1:
+        cache = getattr(key, _CACHE_ATTR, None)
+        if cache is None or cache.max_len() != Lk:
+            # Another HF cache: decode semantics (non-causal stage 1 over the cache, spec section 8) need
+            # a DecodeCache; build one from the keys (a copy and a recompression per step and layer). The
+            # prefill pipeline on one query would use the causal stage 1 of chunked prefill, which can
+            # pick other blocks.
+            cache = DecodeCache.contiguous(B, Lk, H, D, dtype=key.dtype, device=key.device)
+            cache.append(k, v, (steps * Lk).tolist())
+        out = infllmv2_decode(query[:, :, 0].contiguous(), cache, config=cfg, backend=backend)
+        return out.unsqueeze(1), None
+    q = query.transpose(1, 2).reshape(B * Lq, HQ, D)
+    out = infllmv2_attention(q, k, v, (steps * Lq).to(query.device), (steps * Lk).to(query.device), Lq, Lk,
+                             config=cfg, backend=backend)
+    return out.view(B, Lq, HQ, D), None
+
+
+def register(name: str = ATTN_NAME, *, backend: str = "auto") -> str:
+    """Register the attention function (and FlashAttention's mask function, which gives None or the 2-D
+    padding mask) under `name` in transformers' `AttentionInterface` / `AttentionMaskInterface`.
+
+    After this, `attn_implementation=name` (from_pretrained, the config, `set_attn_implementation`) runs
+    InfLLM-v2. `backend` ("auto", "kernels", "reference") is passed to our ops. Idempotent; returns `name`.
+    """
+    from ..pipeline import check_backend
+
+    check_backend(backend)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty str, got {name!r}")
+    _transformers()
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    fn = infllm_cupy_attention if backend == "auto" else functools.partial(infllm_cupy_attention, backend=backend)
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
+    return name
+
+
+# ------------------------------------------------------------------------------------------- cache
+def _make_classes():
+    _transformers()
+    from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+    class InfLLMv2CacheLayer(DynamicLayer):
+        """One layer's K/V in a `DecodeCache` (contiguous `[B, max_cache_len, H, D]`, compressed keys kept
+        at every append); `update` returns `[B, H, L, D]` views tagged with the DecodeCache."""
+
+        def __init__(self, max_cache_len: int, **kwargs):
+            super().__init__(**kwargs)
+            if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
+                raise ValueError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
+            self.max_cache_len = max_cache_len
+            self.decode_cache: DecodeCache | None = None
+
+        def lazy_initialization(self, key_states, value_states, *args, **kwargs) -> None:
+            B, H, _, D = key_states.shape
+            self.device = key_states.device
+            self.decode_cache = DecodeCache.contiguous(B, self.max_cache_len, H, D, dtype=key_states.dtype,
+                                                       device=key_states.device)
+            self.is_initialized = True
+            self._set_views()
+
+        def _set_views(self):
+            c = self.decode_cache
+            L = c.max_len()
+            self.keys = c.k[:, :L].transpose(1, 2)
+            self.values = c.v[:, :L].transpose(1, 2)
+            setattr(self.keys, _CACHE_ATTR, c)
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            c = self.decode_cache
+            B, H, n, D = key_states.shape
+            if (B, H, D) != (c.batch, c.num_heads, c.head_dim) or key_states.dtype != c.dtype:
+                raise ValueError(f"key_states: [B, H, n, D] = {tuple(key_states.shape)} {key_states.dtype} does not "
+                                 f"match this cache's batch {c.batch}, {c.num_heads} heads, head dim {c.head_dim}, "
+                                 f"{c.dtype}")
+            if c.max_len() + n > self.max_cache_len:
+                raise ValueError(f"max_cache_len: the cache holds {c.max_len()} tokens and cannot take {n} more "
+                                 f"(max_cache_len = {self.max_cache_len}); build InfLLMv2Cache with a larger one")
+            k = key_states.transpose(1, 2)
+            v = value_states.transpose(1, 2)
+            if n == 1:
+                c.append(k.contiguous(), v.contiguous())
+            else:
+                c.append(k.reshape(B * n, H, D), v.reshape(B * n, H, D), [b * n for b in range(B + 1)])
+            self._set_views()
+            return self.keys, self.values
+
+        def reset(self) -> None:
+            if self.is_initialized:
+                self.decode_cache.reset()
+                self._set_views()
+
+        def crop(self, tokens_to_remove: int) -> None:
+            if not self.is_initialized or tokens_to_remove == 0:
+                return
+            L = self.decode_cache.max_len()
+            keep = L - abs(tokens_to_remove) if tokens_to_remove < 0 else tokens_to_remove
+            self.decode_cache.reset([max(keep, 0)] * self.decode_cache.batch)
+            self._set_views()
+
+        def _unsupported(self, *args, **kwargs):
+            raise NotImplementedError("InfLLMv2Cache: reordering, repeating, selecting batch rows and offloading are "
+                                      "not supported (beam search, contrastive search); use greedy or sampling")
+
+        reorder_cache = batch_repeat_interleave = batch_select_indices = offload = prefetch = _unsupported
+
+    class InfLLMv2Cache(DynamicCache):
+        """A DynamicCache whose layers keep K/V and InfLLM-v2's compressed keys in `DecodeCache`s, so that
+        decode runs `infllmv2_decode` (stage 1 on the compressed cache, sparse split-KV attention) instead of
+        re-reading every key. Contiguous, preallocated to `max_cache_len` tokens per sequence; batch and
+        dtype are fixed by the first update.
+
+        Args:
+            config: the model config (its decoder's `num_hidden_layers` sets the layer count), or None with
+                `num_layers`.
+            max_cache_len (int): tokens per sequence (prompt and generated).
+            num_layers (int, Optional): layer count when `config` is None.
+        """
+
+        def __init__(self, config=None, *, max_cache_len: int, num_layers: int | None = None):
+            if num_layers is None:
+                if config is None:
+                    raise ValueError("InfLLMv2Cache needs config or num_layers")
+                num_layers = config.get_text_config(decoder=True).num_hidden_layers
+            if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+                raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+            Cache.__init__(self, layers=[InfLLMv2CacheLayer(max_cache_len) for _ in range(num_layers)])
+
+        def decode_caches(self) -> list:
+            """The layers' DecodeCache objects (None for a layer not yet written)."""
+            return [layer.decode_cache for layer in self.layers]
+
+    return InfLLMv2CacheLayer, InfLLMv2Cache
+
+
+@functools.cache
+def _classes():
+    return _make_classes()
+
+
+def __getattr__(name):
+    # The cache classes subclass transformers' and are built on first access, so that importing this
+    # module (and the package) never needs transformers.
+    if name == "InfLLMv2CacheLayer":
+        return _classes()[0]
+    if name == "InfLLMv2Cache":
+        return _classes()[1]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
