@@ -1,0 +1,274 @@
+"""The transformers backend (`attn_implementation="infllm_cupy"`, `InfLLMv2Cache`) and the MiniCPM4-style layer
+on the compat API, in small Llama models built in code (random weights, nothing downloaded).
+
+CPU tests run the references in fp32: the dense regime gives eager attention's greedy tokens; in the sparse
+regime the backend (our pipeline ops) and the MiniCPM4-style layer (the `infllm_v2` API, as MiniCPM4's HF
+file calls it) agree, through prefill, decode and the first crossing of `dense_len`. GPU tests run the kernels
+in bf16 against the fp32 references by FlashAttention's rule.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from infllm_cupy import DecodeCache, naive_compress_k  # noqa: E402
+from infllm_cupy.integrations import transformers as hf  # noqa: E402
+from infllm_cupy.integrations.minicpm4 import MiniCPM4SparseAttention, use_minicpm4_attention  # noqa: E402
+from infllm_cupy.testing import rel_l2_err  # noqa: E402
+
+# Sparse regime reached at a few hundred tokens: K = topk + window_size / block_size = 4 + 2 = 6 of 10 blocks.
+SPARSE = dict(dense_len=256, topk=4, window_size=128)
+PROMPT = 640
+VOCAB = 128
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    # transformers 5.2x deprecates generate's `past_key_values` for `cache`; 5.17 knows only the former
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
+
+
+def small_config(sparse_config=None, **kw) -> LlamaConfig:
+    """The issue's config: 2 layers, hidden 256, HQ 16, H 2 (head dim 64, a kernel size)."""
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=16, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+                      initializer_range=0.1, **kw)
+    if sparse_config is not None:
+        cfg.sparse_config = dict(sparse_config)
+    return cfg
+
+
+def model_for(cfg, impl=hf.ATTN_NAME, *, seed=0, dtype=torch.float32, device="cpu"):
+    hf.register()
+    torch.manual_seed(seed)
+    m = LlamaForCausalLM(cfg).eval().to(device=device, dtype=dtype)
+    m.set_attn_implementation(impl)
+    return m
+
+
+def prompt(B, T, *, seed=1, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (B, T), generator=g).to(device)
+
+
+def generate(model, ids, n, cache=None):
+    kw = {} if cache is None else {"past_key_values": cache}
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kw)
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits)
+
+
+def step_logits(model, ids, n_prompt, cache):
+    """Logits of a prefill of `ids[:, :n_prompt]` then one decode step per remaining token (teacher forcing):
+    the same tokens for every model, so logits compare even where greedy tokens would diverge."""
+    with torch.no_grad():
+        out = [model(ids[:, :n_prompt], past_key_values=cache, use_cache=True).logits[:, -1]]
+        for t in range(n_prompt, ids.shape[1]):
+            out.append(model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+    return torch.stack(out)
+
+
+# ------------------------------------------------------------------------------------------- CPU
+def test_dense_regime_greedy_tokens_equal_eager():
+    cfg = small_config()                                    # dense_len 8192: every call dense
+    ids = prompt(2, 48)
+    m = model_for(cfg)
+    toks, logits = generate(m, ids, 6)
+    toks_c, logits_c = generate(m, ids, 6, hf.InfLLMv2Cache(cfg, max_cache_len=64))
+    m.set_attn_implementation("eager")
+    ref_toks, ref_logits = generate(m, ids, 6)
+    assert torch.equal(toks, ref_toks) and torch.equal(toks_c, ref_toks)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits_c, ref_logits, atol=1e-4, rtol=1e-4)
+    assert len(set(ref_toks.flatten().tolist())) > 2, "degenerate model: the comparison says little"
+
+
+def test_sparse_prefill_equals_minicpm4_layer_and_differs_from_dense():
+    cfg = small_config(SPARSE)
+    ids = prompt(2, PROMPT)
+    m = model_for(cfg)
+    mc = use_minicpm4_attention(copy.deepcopy(m))
+    assert all(isinstance(layer.self_attn, MiniCPM4SparseAttention) for layer in mc.model.layers)
+    with torch.no_grad():
+        ours, theirs = m(ids).logits, mc(ids).logits
+        m.set_attn_implementation("eager")
+        dense = m(ids).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    # below dense_len both are dense; past it the selection drops blocks and the logits move
+    torch.testing.assert_close(ours[:, :255], dense[:, :255], atol=1e-4, rtol=1e-4)
+    assert (ours[:, 400:] - dense[:, 400:]).abs().max() > 0.1, "sparse regime not reached"
+
+
+def test_sparse_path_selecting_every_block_equals_eager():
+    """An independent oracle of the sparse plumbing (packing, GQA, cache offsets): with K >= the number of
+    blocks the selection keeps every block and the result is dense causal attention."""
+    cfg = small_config(dict(dense_len=256, topk=16, window_size=128))     # K = 18 >= 12 blocks
+    ids = prompt(1, 700)
+    m = model_for(cfg)
+    with torch.no_grad():
+        ours = step_logits(m, ids, 690, hf.InfLLMv2Cache(cfg, max_cache_len=700))
+        m.set_attn_implementation("eager")
+        ref = step_logits(m, ids, 690, DynamicCache())
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("n_prompt,dense_len", [(PROMPT, 256), (636, 640)])   # 636: decode crosses dense_len
+def test_sparse_decode_caches_and_minicpm4_layer_agree(n_prompt, dense_len):
+    cfg = small_config(dict(SPARSE, dense_len=dense_len))
+    ids = prompt(2, n_prompt)
+    m = model_for(cfg)
+    mc = use_minicpm4_attention(copy.deepcopy(m))
+    n = 10
+    toks, logits = generate(m, ids, n, hf.InfLLMv2Cache(cfg, max_cache_len=n_prompt + n))
+    toks_d, logits_d = generate(m, ids, n)                                  # DynamicCache
+    toks_m, logits_m = generate(mc, ids, n)
+    assert torch.equal(toks, toks_m) and torch.equal(toks_d, toks_m)
+    torch.testing.assert_close(logits, logits_m, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits_d, logits_m, atol=1e-4, rtol=1e-4)
+    m.set_attn_implementation("eager")
+    _, logits_e = generate(m, torch.cat([ids, toks], 1)[:, :n_prompt], n)
+    assert (logits_e - logits).abs().max() > 1e-2, "decode never left the dense regime"
+
+
+def test_cache_keeps_keys_and_compressed_keys():
+    cfg = small_config(SPARSE)
+    ids = prompt(2, 300)
+    m = model_for(cfg)
+    cache = hf.InfLLMv2Cache(cfg, max_cache_len=320)
+    generate(m, ids, 7, cache)
+    assert cache.get_seq_length() == 306               # the last generated token is never fed back
+    for layer, dc in zip(cache.layers, cache.decode_caches()):
+        assert isinstance(dc, DecodeCache) and dc.lengths() == [306, 306]
+        k, v, cu = dc.packed()
+        assert torch.equal(layer.keys.transpose(1, 2).reshape(-1, 2, 64), k)
+        ck1, _ = naive_compress_k(k, cu, 32, 16)
+        ck2, _ = naive_compress_k(k, cu, 128, 64)
+        got1, _, got2, _ = dc.packed_compressed()
+        assert torch.equal(got1, ck1) and torch.equal(got2, ck2)
+    cache.crop(-6)
+    assert cache.get_seq_length() == 300 and cache.decode_caches()[0].lengths() == [300, 300]
+
+
+def test_sparse_config_maps_minicpm4_keys():
+    cfg = hf.config_from_sparse_config({"kernel_size": 32, "kernel_stride": 16, "init_blocks": 1, "block_size": 64,
+                                        "window_size": 2048, "topk": 64, "use_nope": False, "dense_len": 8192},
+                                       softmax_scale=0.125)
+    assert (cfg.topk, cfg.local_blocks, cfg.init_blocks, cfg.dense_len) == (64, 32, 1, 8192)
+    assert (cfg.coarse_kernel_size, cfg.coarse_kernel_stride, cfg.softmax_scale) == (128, 64, 0.125)
+    assert hf.config_from_sparse_config(None) == hf.InfLLMv2Config()
+
+
+# ------------------------------------------------------------------------------------ bad inputs
+def test_padded_batch_raises_naming_attention_mask():
+    m = model_for(small_config())
+    ids = prompt(2, 16)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0                                                        # left padding
+    with pytest.raises(NotImplementedError, match="attention_mask"):
+        m(ids, attention_mask=mask)
+    mc = use_minicpm4_attention(copy.deepcopy(m))
+    with pytest.raises(NotImplementedError, match="attention_mask"):
+        mc(ids, attention_mask=mask)
+
+
+def test_unsupported_arguments_raise_naming_them():
+    hf.register()
+    cfg = small_config()
+    module = LlamaForCausalLM(cfg).model.layers[0].self_attn
+    q, k = torch.randn(1, 16, 4, 64), torch.randn(1, 2, 4, 64)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        hf.infllm_cupy_attention(module, q, k, k, None, dropout=0.1)
+    with pytest.raises(NotImplementedError, match="sliding_window"):
+        hf.infllm_cupy_attention(module, q, k, k, None, sliding_window=128)
+    with pytest.raises(NotImplementedError, match="cu_seq_lens_q"):
+        hf.infllm_cupy_attention(module, q, k, k, None, cu_seq_lens_q=torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match="query has 4 tokens but key only 2"):
+        hf.infllm_cupy_attention(module, q, k[:, :, :2], k[:, :, :2], None)
+    with pytest.raises(NotImplementedError, match="use_nope"):
+        hf.config_from_sparse_config({"use_nope": True})
+    with pytest.raises(ValueError, match=r"sparse_config: unknown key\(s\) \['topK'\]"):
+        hf.config_from_sparse_config({"topK": 4})
+    with pytest.raises(ValueError, match="window_size"):
+        hf.config_from_sparse_config({"window_size": 100})
+    with pytest.raises(ValueError, match="backend"):
+        hf.register(backend="cuda")
+    with pytest.raises(ValueError, match="max_cache_len"):
+        hf.InfLLMv2Cache(cfg, max_cache_len=0)
+    with pytest.raises(ValueError, match="config or num_layers"):
+        hf.InfLLMv2Cache(max_cache_len=8)
+
+
+def test_cache_overflow_and_beam_search_raise():
+    cfg = small_config()
+    m = model_for(cfg)
+    ids = prompt(1, 16)
+    with pytest.raises(ValueError, match="max_cache_len"):
+        generate(m, ids, 8, hf.InfLLMv2Cache(cfg, max_cache_len=20))
+    with pytest.raises(NotImplementedError, match="beam search"):
+        m.generate(ids, max_new_tokens=2, num_beams=2, do_sample=False, pad_token_id=0,
+                   past_key_values=hf.InfLLMv2Cache(cfg, max_cache_len=32))
+
+
+# ------------------------------------------------------------------------------------------- GPU
+def _rule(name, out, ref, lowp, mult=2.0):
+    """FlashAttention's rule on relative L2 error of logits: a model's logits move with every block that a
+    near-tie in stage-1 scores selects differently, so the max error of a whole model is dominated by the
+    odd flipped token; the L2 error is not."""
+    assert torch.isfinite(out).all(), f"{name}: non-finite logits"
+    err, base = rel_l2_err(out, ref), rel_l2_err(lowp, ref)
+    assert err <= mult * base + 1e-5, f"{name}: rel L2 {err:.3e} > {mult} x {base:.3e} (low-precision reference)"
+
+
+@pytest.mark.gpu
+def test_gpu_dense_regime_within_error_rule_of_eager():
+    cfg = small_config()
+    ids = prompt(2, 200, device="cuda")
+    ours = step_logits(model_for(cfg, dtype=torch.bfloat16, device="cuda"), ids, 190,
+                       hf.InfLLMv2Cache(cfg, max_cache_len=200))
+    ref = step_logits(model_for(cfg, "eager", device="cuda"), ids, 190, DynamicCache())
+    lowp = step_logits(model_for(cfg, "eager", dtype=torch.bfloat16, device="cuda"), ids, 190, DynamicCache())
+    _rule("dense", ours.float(), ref, lowp.float())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_prompt", [PROMPT, 250])
+def test_gpu_sparse_kernels_within_error_rule_of_reference(n_prompt):
+    """Kernels (bf16) against the reference ops in fp32, the reference ops in bf16 as the low-precision
+    baseline, through prefill and 10 decode steps; also the MiniCPM4-style layer on the compat API."""
+    ref_name = hf.register("infllm_cupy_reference", backend="reference")
+    cfg = small_config(SPARSE)
+    ids = prompt(2, n_prompt + 10, device="cuda")
+
+    def run(impl, dtype, minicpm=False, cache=True):
+        m = model_for(cfg, impl, dtype=dtype, device="cuda")
+        if minicpm:
+            use_minicpm4_attention(m)
+        c = hf.InfLLMv2Cache(cfg, max_cache_len=n_prompt + 10) if cache else DynamicCache()
+        return step_logits(m, ids, n_prompt, c).float()
+
+    ref = run(ref_name, torch.float32)
+    lowp = run(ref_name, torch.bfloat16)
+    _rule("kernels, InfLLMv2Cache", run(hf.ATTN_NAME, torch.bfloat16), ref, lowp)
+    _rule("kernels, DynamicCache", run(hf.ATTN_NAME, torch.bfloat16, cache=False), ref, lowp)
+    _rule("MiniCPM4-style layer on the compat API", run(hf.ATTN_NAME, torch.bfloat16, minicpm=True), ref, lowp)
+
+
+@pytest.mark.gpu
+def test_gpu_generate_runs_kernels_at_head_dim_128():
+    """MiniCPM4's head shape (G = 16, D = 128) generates through the kernels; tokens are valid ids."""
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=32, num_key_value_heads=2, head_dim=128, max_position_embeddings=4096)
+    cfg.sparse_config = dict(SPARSE)
+    m = model_for(cfg, dtype=torch.bfloat16, device="cuda")
+    ids = prompt(1, 1000, device="cuda")
+    toks, logits = generate(m, ids, 8, hf.InfLLMv2Cache(cfg, max_cache_len=1008))
+    assert toks.shape == (1, 8) and torch.isfinite(logits).all()
