@@ -9,7 +9,7 @@
                                softmax_scale, score_dtype, exact, kernel) -> topk_idx int32 [H, B, K]
 
 `block_table` and `topk_idx` are optional (None: contiguous cache; dense decode). CUDA tensors run the
-kernels (`sparse_decode`, the static-width stage-1 launch of `step.py`), CPU tensors the references
+kernels (`sparse_decode`, `select_kernel` of `step.py`: the split stage-1 decode kernels), CPU tensors the references
 (`naive_sparse_decode`, `naive_stage1_select`). The fake implementations give the output shapes
 from the input shapes alone: W is the cache's width (`L_max`, or `max_pages * page_size`) and
 `K = min(topk + local_blocks, cdiv(width, block_size))`, so `decode_select` pads the reference's
@@ -111,12 +111,10 @@ def decode_select_op(q: Tensor, ck1: Tensor, ck2: Tensor, seqlens: Tensor, width
                      score_dtype: torch.dtype, exact: bool, kernel: str) -> Tensor:
     """Stage 1 for decode over the cache's compressed keys `ck1 [B, N1, H, D]`, `ck2 [B, N2, H, D]`:
     `topk_idx int32 [H, B, K]`, `K = min(topk + local_blocks, cdiv(width, block_size))`."""
-    from .step import _stage1_kernel_decode, layout_of
+    from .step import select_kernel
 
     cfg = _select_config(topk, local_blocks, init_blocks, block_size, softmax_scale, score_dtype, exact)
-    cu_q, k1, cu1, k2, cu2, cache_lens = layout_of(ck1, ck2, seqlens, exact)
-    return _stage1_kernel_decode(q.contiguous(), k1, k2, cu_q, cu1, cu2, cache_lens, cdiv(width, block_size),
-                                 cfg, kernel)
+    return select_kernel(q, ck1, ck2, seqlens, cdiv(width, block_size), cfg, kernel)
 
 
 @decode_select_op.register_kernel("cpu")

@@ -17,6 +17,7 @@ import torch
 from .. import _jit
 from .._checks import check_backend, check_flags, check_tensor
 from .._kernel_arg import check_kernel
+from .._constants import KV_BLOCK
 from .._launch import cdiv, empty, launch, ptr
 from ..pipeline import (
     InfLLMv2Config,
@@ -28,6 +29,7 @@ from ..pipeline import (
 )
 from .cache import COMPRESSIONS, DecodeCache, _capturing
 from .naive import naive_sparse_decode
+from .select_decode import select_decode
 from .sparse_decode import WEIGHTS, sparse_decode
 
 
@@ -169,6 +171,22 @@ def _stage1_kernel_decode(q, ck1, ck2, cu_q, cu_c1, cu_c2, cache_lens, out_len: 
     return topk_idx
 
 
+def select_kernel(q, ck1, ck2, seqlens, out_len: int, cfg: InfLLMv2Config, kernel: str, layout=None):
+    """Stage 1 for decode on CUDA tensors. `kernel="auto"`: the split decode kernels
+    (`select_decode`, docs/decode.md "Stage 1 for decode: the split kernels"); "sm80" / "sm90a": the
+    prefill stage-1 kernel of that name, one CTA per (sequence, KV head), over `layout_of`'s view (kept
+    as a second implementation to compare against). Both give the same selection."""
+    if kernel == "auto":
+        if cfg.block_size != KV_BLOCK:
+            raise ValueError(f"config: block_size must be {KV_BLOCK} for the kernels, got {cfg.block_size}")
+        return select_decode(q.contiguous(), ck1, ck2, seqlens, out_len, topk=cfg.topk,
+                             local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks,
+                             softmax_scale=cfg.softmax_scale, score_dtype=cfg.score_dtype, exact=cfg.exact_stage1)
+    cu_q, k1, cu1, k2, cu2, cache_lens = layout if layout is not None else layout_of(ck1, ck2, seqlens,
+                                                                                      cfg.exact_stage1)
+    return _stage1_kernel_decode(q.contiguous(), k1, k2, cu_q, cu1, cu2, cache_lens, out_len, cfg, kernel)
+
+
 def decode_select(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Config | None = None,
                   backend: str = "auto", kernel: str = "auto") -> torch.Tensor:
     r"""Stage 1 for decode: `topk_idx int32 [H, B, K]` of one query per sequence over its cache.
@@ -177,11 +195,17 @@ def decode_select(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Config
     own ck1/ck2), pooling with the init blocks and the local window ending at block
     `(L_b - 1) // 64` forced, top-K, blocks after the query's own block `-1`. CPU tensors (or
     `backend="reference"`) run `naive_stage1_select`, with `K = min(topk + local_blocks,
-    cdiv(max L, 64))` as `naive_infllmv2_decode`; the kernel sizes K on the cache's width
+    cdiv(max L, 64))` as `naive_infllmv2_decode`; the kernels size K on the cache's width
     (`cdiv(capacity, 64)`) so that shapes stay the same from step to step (extra slots are `-1`).
+    `kernel`: "auto" runs the split decode kernels (`select_decode`), "sm80" / "sm90a" the prefill
+    stage-1 kernel (`select_kernel`).
     """
     cfg = check_config(config)
     check_backend(backend)
+    check_kernel(kernel)
+    if uses_kernels(q, backend) and kernel == "auto":
+        return select_kernel(q, cache.ck1, cache.ck2, cache.seqlens, cdiv(cache.capacity, cfg.block_size), cfg,
+                             kernel)
     lay = decode_layout(cache, exact=cfg.exact_stage1)
     cu_q, ck1, cu_c1, ck2, cu_c2, cache_lens = lay
     if not uses_kernels(q, backend):
@@ -193,8 +217,8 @@ def decode_select(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Config
             init_blocks=cfg.init_blocks, block_size=cfg.block_size, kernel_stride=cfg.kernel_stride,
             coarse_kernel_stride=cfg.coarse_kernel_stride, varlen_offset_quirk=cfg.varlen_offset_quirk,
             score_dtype=cfg.score_dtype)
-    return _stage1_kernel_decode(q.contiguous(), ck1, ck2, cu_q, cu_c1, cu_c2, cache_lens,
-                                 cdiv(cache.capacity, cfg.block_size), cfg, kernel)
+    return select_kernel(q, cache.ck1, cache.ck2, cache.seqlens, cdiv(cache.capacity, cfg.block_size), cfg,
+                         kernel, lay)
 
 
 def infllmv2_decode(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Config | None = None,
@@ -224,8 +248,9 @@ def infllmv2_decode(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Conf
             dense path).
         backend (str, Optional): "auto" (kernels for CUDA tensors, references for CPU), "kernels"
             or "reference".
-        kernel (str, Optional): the stage-1 kernel choice ("auto", "sm80", "sm90a"), as in
-            `stage1_select`.
+        kernel (str, Optional): stage 1 on CUDA tensors: "auto" runs the split decode kernels
+            (`select_decode`); "sm80" or "sm90a" the prefill stage-1 kernel of that name with one CTA
+            per (sequence, KV head) (slower at long contexts; the same selection).
 
     Returns:
         out `[B, HQ, D]` in q's dtype, then lse, weights and topk_idx as asked, in that order.

@@ -1,0 +1,287 @@
+"""Launcher of kernels_cu/decode/select_decode.cu: stage 1 for decode (one query token per sequence) with
+each sequence's compressed keys split over many CTAs, then an exact merge and the top-k. Design:
+docs/decode.md ("Stage 1 for decode: the split kernels").
+
+Three launches: `select_decode_coarse` (per range of coarse keys: max and sum of the scaled
+exponentials per query head), `select_decode_fine` (per range of fine keys: merges the coarse partials
+into each head's normaliser, group-summed rounded scores, max pooling of the range's blocks) and
+`select_decode_topk` (per sequence and KV head: the one block a range shares with the next, padding,
+forced blocks, top-K). The result equals the prefill stage-1 kernel's `decode_select` (same rounding
+points: group sum in fp32, rounded to `score_dtype`, then pooled).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+import torch
+
+from .. import _jit
+from .._checks import KERNEL_DTYPES, check_tensor
+from .._constants import HEAD_DIMS
+from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
+
+SOURCE = "decode/select_decode.cu"
+TILE = 64                  # compressed keys per tile (#define SEL_TILE)
+NSTAGE = 3                 # ck tiles in the cp.async ring (#define SEL_NST)
+ROW_TILES = (1, 2, 4)      # MT: 16-row mma tiles of the query group, G <= 64
+MAX_GROUP = 16 * ROW_TILES[-1]
+SCORE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # `kind` of stage1/select_common.cuh
+KEY_TYPE = {0: "unsigned", 1: "unsigned short", 2: "unsigned short"}
+MAX_SMEM = 227 * 1024      # dynamic shared memory of one CTA on sm_90 (sm_80: 163 KB)
+
+# Work split (docs/decode.md, "Stage 1 for decode: the split kernels"): about CTAS_PER_SM CTAs per SM
+# for each score kernel, every CTA at least one 64-key tile, at most MAX_TILES tiles (the scores of a
+# fine range stay in shared memory).
+CTAS_PER_SM = 2
+MAX_TILES = 64
+
+_jit.register_instances(SOURCE, [f"select_decode_{k}<{CXX_TYPE[t]}, {d}, {mt}>" for k in ("coarse", "fine")
+                                 for t in KERNEL_DTYPES for d in HEAD_DIMS for mt in ROW_TILES])
+_jit.register_instances(SOURCE, [f"select_decode_topk<{kt}>" for kt in ("unsigned", "unsigned short")])
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectDecodePlan:
+    """What the stage-1 decode launches run: a pure function of shapes and the SM count
+    (`plan_select_decode`), the same at every step of a captured graph.
+
+    Attributes:
+        row_tiles (int): 16-row mma tiles of the query group (G <= 16 * row_tiles); 4 warps each.
+        fine_tiles (int): 64-key tiles of ck1 per CTA of the fine kernel (T1).
+        fine_ranges (int): CTAs per (sequence, KV head) of the fine kernel (R1); they cover fine keys
+            `[-1, 64 T1 R1 - 1)`, i.e. blocks `[0, 16 T1 R1)`.
+        coarse_tiles (int): 64-key tiles of ck2 (exact mode: ck1) per CTA of the coarse kernel (T2).
+        coarse_ranges (int): CTAs per (sequence, KV head) of the coarse kernel (R2).
+    """
+    row_tiles: int
+    fine_tiles: int
+    fine_ranges: int
+    coarse_tiles: int
+    coarse_ranges: int
+
+    def score_smem_bytes(self, head_dim: int, fine: bool) -> int:
+        """Dynamic shared memory of a score kernel (SelSmem in the .cu; the fine kernel adds its range's
+        64 T1 fp32 scores)."""
+        rowb, mt = 2 * head_dim, self.row_tiles
+        base = 16 * mt * rowb + NSTAGE * TILE * rowb + 2 * 4 * mt * 16 * 4 + 16 * mt * 4
+        return base + (4 * TILE * self.fine_tiles if fine else 0)
+
+
+def _ranges(n_keys: int, want: int) -> tuple[int, int]:
+    """(tiles per CTA, CTAs) covering `n_keys` keys with about `want` CTAs."""
+    n_tiles = max(1, cdiv(n_keys, TILE))
+    per = min(MAX_TILES, max(1, cdiv(n_tiles, max(1, want))))
+    return per, cdiv(n_tiles, per)
+
+
+def plan_select_decode(batch: int, num_kv_heads: int, group: int, n1_max: int, n2_max: int,
+                       sm_count: int) -> SelectDecodePlan:
+    """The split for `batch` sequences x `num_kv_heads` whose rows hold at most `n1_max` fine and
+    `n2_max` coarse windows (the cache's `ck1.shape[1]`, `ck2.shape[1]`; exact mode: both n1_max), on a
+    GPU of `sm_count` SMs. The fine ranges cover keys -1 .. n1_max - 1 plus the block past the last
+    key (`64 T1 R1 >= n1_max + 4`)."""
+    if not 1 <= group <= MAX_GROUP:
+        raise ValueError(f"the query group G = HQ / H must be in [1, {MAX_GROUP}], got {group}")
+    for name, x in (("batch", batch), ("num_kv_heads", num_kv_heads), ("sm_count", sm_count)):
+        if x < 1:
+            raise ValueError(f"{name} must be >= 1, got {x}")
+    for name, x in (("n1_max", n1_max), ("n2_max", n2_max)):
+        if x < 0:
+            raise ValueError(f"{name} must be >= 0, got {x}")
+    mt = next(t for t in ROW_TILES if group <= 16 * t)
+    want = cdiv(CTAS_PER_SM * sm_count, batch * num_kv_heads)
+    t1, r1 = _ranges(n1_max + 4, want)
+    t2, r2 = _ranges(n2_max, want)
+    return SelectDecodePlan(mt, t1, r1, t2, r2)
+
+
+def check_select_plan(plan, group: int, n1_max: int, n2_max: int, head_dim: int) -> None:
+    """`plan` must fit the group, cover every window and fit a CTA's shared memory."""
+    if not isinstance(plan, SelectDecodePlan) or plan.row_tiles not in ROW_TILES or 16 * plan.row_tiles < group:
+        raise ValueError(f"plan: {plan!r} does not fit G = {group} (row_tiles in {ROW_TILES}, 16 x row_tiles >= G)")
+    if min(plan.fine_tiles, plan.fine_ranges, plan.coarse_tiles, plan.coarse_ranges) < 1:
+        raise ValueError(f"plan: every count must be >= 1, got {plan!r}")
+    if TILE * plan.fine_tiles * plan.fine_ranges < n1_max + 4:
+        raise ValueError(f"plan: {plan!r} covers {TILE * plan.fine_tiles * plan.fine_ranges} fine keys, the "
+                         f"cache holds up to {n1_max} (+ 4 needed)")
+    if TILE * plan.coarse_tiles * plan.coarse_ranges < n2_max:
+        raise ValueError(f"plan: {plan!r} covers {TILE * plan.coarse_tiles * plan.coarse_ranges} coarse keys, "
+                         f"the cache holds up to {n2_max}")
+    if plan.score_smem_bytes(head_dim, True) > MAX_SMEM:
+        raise ValueError(f"plan: {plan!r} needs {plan.score_smem_bytes(head_dim, True)} B of shared memory")
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def _plan_for(B: int, H: int, G: int, N1: int, N2: int, D: int, device_index: int) -> SelectDecodePlan:
+    plan = plan_select_decode(B, H, G, N1, N2, _sm_count(device_index))
+    check_select_plan(plan, G, N1, N2, D)
+    return plan
+
+
+def select_decode(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, seqlens: torch.Tensor, out_len: int, *,
+                  topk: int, local_blocks: int, init_blocks: int, softmax_scale: float | None,
+                  score_dtype: torch.dtype | None, exact: bool, plan: SelectDecodePlan | None = None) -> torch.Tensor:
+    r"""Stage 1 for decode on CUDA tensors: `topk_idx int32 [H, B, K]`, `K = min(topk + local_blocks,
+    out_len)`.
+
+    Args:
+        q (torch.Tensor): `[B, HQ, D]` bf16/fp16, D in {64, 128}, G = HQ / H <= 64.
+        ck1, ck2 (torch.Tensor): the cache's compressed keys `[B, N1, H, D]` (32/16) and `[B, N2, H, D]`
+            (128/64), q's dtype, sequence b's valid windows first (`DecodeCache.ck1`, `.ck2`).
+        seqlens (torch.Tensor): int32 `[B]`, the cache lengths `L_b` (the current token included):
+            the windows counted from them, the query in block `(L_b - 1) // 64`.
+        out_len (int): blocks of the cache's width (`cdiv(capacity, 64)`), the static row length.
+        topk, local_blocks, init_blocks, softmax_scale, score_dtype, exact: as `InfLLMv2Config`
+            (`score_dtype` None: fp32; `exact`: ck1 also gives the normaliser, ck2 unused).
+        plan (SelectDecodePlan, Optional): Default: `plan_select_decode` for these shapes and this GPU.
+
+    Reads nothing back from the device and allocates shapes fixed by the arguments' shapes, so it
+    captures in a CUDA graph.
+    """
+    check_tensor("q", q, ndim=3, dtypes=KERNEL_DTYPES, contiguous=True)
+    B, HQ, D = q.shape
+    check_tensor("ck1", ck1, ndim=4, dtypes=(q.dtype,), device=q.device, contiguous=True)
+    H = ck1.shape[2]
+    if ck1.shape[0] != B or ck1.shape[3] != D:
+        raise ValueError(f"ck1 must have shape [B={B}, N1, H, D={D}], got {tuple(ck1.shape)}")
+    if not exact:
+        check_tensor("ck2", ck2, ndim=4, dtypes=(q.dtype,), device=q.device, contiguous=True)
+        if ck2.shape[0] != B or ck2.shape[2:] != ck1.shape[2:]:
+            raise ValueError(f"ck2 must have shape [B={B}, N2, H={H}, D={D}], got {tuple(ck2.shape)}")
+    check_tensor("seqlens", seqlens, shape=(B,), dtypes=(torch.int32,), device=q.device, contiguous=True)
+    if D not in HEAD_DIMS:
+        raise ValueError(f"q: head dim {D} is not one of the kernel's {HEAD_DIMS}")
+    if HQ % H:
+        raise ValueError(f"q has {HQ} heads, not a multiple of ck1's {H} KV heads")
+    G = HQ // H
+    sdt = torch.float32 if score_dtype is None else score_dtype
+    if sdt not in SCORE_KIND:
+        raise ValueError(f"score_dtype must be one of {tuple(SCORE_KIND)} or None, got {score_dtype!r}")
+    if not q.is_cuda:
+        raise ValueError(f"q must be a CUDA tensor, got one on {q.device}")
+    N1 = ck1.shape[1]
+    N2 = N1 if exact else ck2.shape[1]
+    if plan is None:
+        plan = _plan_for(B, H, G, N1, N2, D, q.device.index)
+    else:
+        check_select_plan(plan, G, N1, N2, D)
+    K = min(topk + local_blocks, out_len)
+    dev = q.device
+    topk_idx = empty((H, B, K), dtype=torch.int32, device=dev)
+    if B == 0 or K <= 0:
+        return topk_idx
+    kind = SCORE_KIND[sdt]
+    olp = cdiv(out_len, 64) * 64
+    key_bytes = 4 if kind == 0 else 2
+    if olp * key_bytes > MAX_SMEM:
+        raise ValueError(f"the cache's width ({out_len} blocks) needs {olp * key_bytes} B of shared memory for "
+                         f"the top-k row; at most {MAX_SMEM}")
+    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    sl2 = np.float32(scale * math.log2(math.e))
+    T1, R1, T2, R2 = plan.fine_tiles, plan.fine_ranges, plan.coarse_tiles, plan.coarse_ranges
+    part = torch.empty((B, H, R2, G, 2), dtype=torch.float32, device=dev)
+    blk = torch.empty((B, H, 16 * T1 * R1), dtype=torch.float32, device=dev)
+    lead = torch.empty((B, H, R1), dtype=torch.float32, device=dev)
+    i32 = np.int32
+    mt, T = plan.row_tiles, CXX_TYPE[q.dtype]
+    ck_c = ck1 if exact else ck2
+    name = f"select_decode_coarse<{T}, {D}, {mt}>"
+    launch(_jit.get_kernel(SOURCE, name), name=name, grid=(R2, H, B), block=(128 * mt,),
+           shared_mem=plan.score_smem_bytes(D, False),
+           args=(ptr(q), ptr(ck_c), ptr(seqlens), i32(N2), i32(H), i32(G), i32(T2), i32(exact), sl2, ptr(part)))
+    name = f"select_decode_fine<{T}, {D}, {mt}>"
+    launch(_jit.get_kernel(SOURCE, name), name=name, grid=(R1, H, B), block=(128 * mt,),
+           shared_mem=plan.score_smem_bytes(D, True),
+           args=(ptr(q), ptr(ck1), ptr(seqlens), i32(N1), i32(H), i32(G), i32(T1), i32(R2), i32(exact), i32(kind),
+                 sl2, ptr(part), ptr(blk), ptr(lead)))
+    name = f"select_decode_topk<{KEY_TYPE[kind]}>"
+    launch(_jit.get_kernel(SOURCE, name), name=name, grid=(H * B,), block=(256,), shared_mem=olp * key_bytes,
+           args=(ptr(blk), ptr(lead), ptr(seqlens), i32(B), i32(H), i32(T1), i32(R1), i32(out_len), i32(olp),
+                 i32(K), i32(init_blocks), i32(local_blocks), i32(kind), ptr(topk_idx)))
+    return topk_idx
+
+
+@torch.no_grad()
+def emulate_select_decode(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, seqlens: torch.Tensor,
+                          out_len: int, plan: SelectDecodePlan, *, topk: int, local_blocks: int, init_blocks: int,
+                          softmax_scale: float | None, score_dtype: torch.dtype | None, exact: bool) -> torch.Tensor:
+    """The split kernels' algorithm in PyTorch (fp32, any device): per-range coarse (max, sum) partials
+    merged into each head's normaliser, per-range fine scores with the one key a range's first block
+    takes from the previous range, the boundary max in the top-k step. It checks the merge math on
+    CPU (tests/decode/test_select_decode.py); results equal `decode_select(backend="reference")` up to
+    the summation order of fp32 sums."""
+    B, HQ, D = q.shape
+    H = ck1.shape[2]
+    G = HQ // H
+    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    sl2 = scale * math.log2(math.e)
+    sdt = torch.float32 if score_dtype is None else score_dtype
+    T1, R1, T2, R2 = plan.fine_tiles, plan.fine_ranges, plan.coarse_tiles, plan.coarse_ranges
+    nbr = 16 * T1
+    K = min(topk + local_blocks, out_len)
+    out = torch.full((H, B, max(K, 0)), -1, dtype=torch.int32)
+    ninf = float("-inf")
+    for b in range(B):
+        L = int(seqlens[b])
+        n1 = 0 if L < 32 else (L - 32) // 16 + 1
+        n2 = n1 if exact else (0 if L < 128 else (L - 128) // 64 + 1)
+        ckc = ck1 if exact else ck2
+        for h in range(H):
+            qg = q[b, h * G:(h + 1) * G].float()                                   # [G, D]
+            # coarse kernel: one (max, sum) per range and head, log2 domain
+            parts = []
+            for r in range(R2):
+                k0, k1_ = r * 64 * T2, min(n2, (r + 1) * 64 * T2)
+                if k1_ <= k0:
+                    parts.append((torch.full((G,), ninf), torch.zeros(G)))
+                    continue
+                x = (qg @ ckc[b, k0:k1_, h].float().T) * sl2                        # [G, n]
+                m = x.amax(dim=1)
+                parts.append((m, torch.exp2(x - m[:, None]).sum(dim=1)))
+            M = torch.stack([p[0] for p in parts]).amax(dim=0)
+            Z = sum(torch.where(p[0] == ninf, torch.zeros(G), p[1] * torch.exp2(p[0] - M)) for p in parts)
+            bias = M + torch.log2(Z)
+            # fine kernel: range r holds keys [64 T1 r - 1, 64 T1 (r + 1) - 1)
+            blk = torch.full((R1 * nbr,), ninf)
+            lead = torch.full((R1,), ninf)
+            for r in range(R1):
+                k0 = 64 * T1 * r - 1
+                if r > 0 and k0 >= n1:
+                    continue
+                keys = torch.arange(k0, k0 + 64 * T1)
+                ok = (keys >= 0) & (keys < n1)
+                sc = torch.full((64 * T1,), ninf)
+                if ok.any():
+                    kv = ck1[b, keys[ok], h].float()
+                    p = torch.exp2((qg @ kv.T) * sl2 - bias[:, None]).sum(dim=0)
+                    sc[ok] = p.to(sdt).float() if n2 > 0 else torch.zeros_like(p)
+                pooled = torch.full((nbr,), ninf)
+                for jl in range(nbr):
+                    hi = 4 * jl + 5 if jl + 1 < nbr else 4 * jl + 4
+                    pooled[jl] = sc[4 * jl:hi].max()
+                blk[r * nbr:(r + 1) * nbr] = pooled
+                lead[r] = sc[0]
+            # top-k kernel
+            nbv = n1 // 4 + 1 if n1 > 0 else 0
+            qb = max(L - 1, 0) // 64
+            row = torch.full((out_len,), ninf)
+            for j in range(min(out_len, nbv)):
+                x = blk[j]
+                rn = (j + 1) // nbr
+                if (j + 1) % nbr == 0 and rn < R1 and rn * nbr * 4 - 1 < n1:
+                    x = max(x, lead[rn])
+                row[j] = x
+            j = torch.arange(out_len)
+            row[(j < init_blocks) | ((j <= qb) & (j >= qb - local_blocks))] = float("inf")
+            order = torch.sort(-row, stable=True).indices[:K]          # ties: the lower block first
+            sel = torch.sort(order).values
+            out[h, b] = torch.where(sel > qb, torch.full_like(sel, -1), sel).to(torch.int32)
+    return out

@@ -1,0 +1,320 @@
+// decode/select_decode.cu: InfLLM-v2 stage 1 for decode (one query token per sequence) with each
+// sequence's compressed keys split over many CTAs, and an exact merge. Design: docs/decode.md
+// (section "Stage 1 for decode: the split kernels").
+//
+// Semantics (docs/semantics.md, stage 1; non-causal): per KV head h of sequence b with L = seqlens[b],
+// n1 = fine windows (32/16) and n2 = coarse windows (128/64) of L (exact mode: ck2 = ck1, n2 = n1):
+//   bias_g = log2 sum_j 2^(sl2 q_g.ck2_j)            (max-shifted; sl2 = softmax_scale * log2 e)
+//   score_i = round_kind(sum_{g < G} 2^(sl2 q_g.ck1_i - bias_g))    (0 for every i when n2 = 0)
+//   block_j = max score_i over i in [4j - 1, 4j + 3] and [0, n1); -inf when empty
+//   forced +inf: j < init_blocks and qb - local_blocks <= j <= qb, qb = max(L - 1, 0) / 64
+//   topk_idx[h, b] = the K best blocks (ties to the lower index) ascending, blocks > qb -> -1
+//
+// Launch contract (mirrored by infllm_cupy/decode/select_decode.py):
+//
+// ck1 [B, N1, H, D] T, ck2 [B, N2, H, D] T (sequence b's valid windows first in its row), q [B, HQ, D] T,
+// seqlens int32 [B]. Every kernel reads n1/n2 from seqlens (n = L < ks ? 0 : (L - ks) / st + 1).
+//
+// select_decode_coarse<T, D, MT>   T in {__half, __nv_bfloat16}, D in {64, 128}, MT in {1, 2, 4}
+//   grid (R2, H, B)  block (128 MT)  dynamic smem SelSmem<D, MT>::BYTES
+//   CTA r takes coarse keys [64 T2 r, 64 T2 (r + 1)); writes part float2 [B, H, R2, G] = (max, sum)
+//   of 2^(sl2 q_g.ck2_j) over its valid keys in the log2 domain ((-inf, 0) when it has none)
+//   (exact: pass ck1 as ck2, N2 = N1, exact = 1)
+// select_decode_fine<T, D, MT>
+//   grid (R1, H, B)  block (128 MT)  dynamic smem SelSmem<D, MT>::BYTES + 4 * 64 T1
+//   CTA r takes fine keys [64 T1 r - 1, 64 T1 (r + 1) - 1) (one key to the left of its blocks), merges
+//   the R2 coarse partials into bias_g, and writes blocks [16 T1 r, 16 T1 (r + 1)) of
+//   blk float [B, H, 16 T1 R1] (rounded score values; the last block of the range lacks its key
+//   64 T1 (r + 1) - 1) and lead float [B, H, R1] = the score of its first key (-inf for r = 0).
+//   CTAs whose first key is >= n1 exit without writing (the top-k kernel does not read them).
+// select_decode_topk<KT>          KT = unsigned (score kind 0, fp32) or unsigned short (bf16, fp16)
+//   grid (H * B)  block (256)  dynamic smem olp * sizeof(KT), olp = out_len rounded up to 64
+//   completes each row (block j of range r's last slot: max with lead[r + 1]; blocks past the last
+//   fine key: -inf; padding: key 0; forced blocks) and writes topk_idx int32 [H, B, K].
+//
+// Why (docs/decode.md): at 128k a sequence has 8191 fine windows per KV head (2 MB at D = 128); one CTA
+// per (sequence, KV head) leaves most of a 132-SM GPU idle. Splitting the windows over ranges makes the
+// scan bandwidth-bound; what crosses ranges is small and merged exactly: the coarse normaliser (a
+// (max, sum) pair per head and range), and the one fine key a block shares with the previous range.
+#include "common/types.cuh"
+#include "common/mma_sm80.cuh"
+#include "stage1/select_common.cuh"
+
+#define SEL_TILE 64          // compressed keys per tile
+#define SEL_NST 3            // ck tiles in flight per CTA (cp.async ring)
+#define SEL_FINE_KS 32       // fine compression kernel / stride (the cache's, spec section 3)
+#define SEL_FINE_ST 16
+#define SEL_COARSE_KS 128
+#define SEL_COARSE_ST 64
+
+__device__ __forceinline__ int sel_windows(int L, int ks, int st) { return L < ks ? 0 : (L - ks) / st + 1; }
+
+// Dynamic shared memory of the score kernels: Q [16 MT rows], the ck ring, per-warp row stats / group
+// sums, then (fine kernel) the range's scores.
+template <int D, int MT>
+struct SelSmem {
+    static constexpr int ROWB = 2 * D;
+    static constexpr int TILE = SEL_TILE * ROWB;
+    static constexpr int Q = 0;
+    static constexpr int CK = Q + 16 * MT * ROWB;
+    static constexpr int RED = CK + SEL_NST * TILE;             // float [4 MT][16] x 2 (coarse) / [MT][64] (fine)
+    static constexpr int BIAS = RED + 2 * 4 * MT * 16 * 4;      // float [16 MT]
+    static constexpr int BYTES = BIAS + 16 * MT * 4;            // fine kernel: + float [64 T1] scores
+};
+
+// Q rows of the group into shared memory (rows >= G as zeros), one cp.async group with the first tiles.
+template <typename T, int D, int MT>
+__device__ __forceinline__ void sel_load_q(u32 q_s, const T* __restrict__ q, int b, int h, int H, int G, int tid) {
+    constexpr int CH = D / 8;
+    const int HQ = H * G;
+    for (int idx = tid; idx < 16 * MT * CH; idx += 128 * MT) {
+        const int r = idx / CH, ch = idx % CH;
+        const bool ok = r < G;
+        const T* src = ok ? q + ((int64)b * HQ + (int64)h * G + r) * D + ch * 8 : q;
+        cp_async_16(q_s + swz<D>(r, ch) * 16, src, ok ? 16 : 0);
+    }
+}
+
+// Rows key0 .. key0 + 63 of ck (sequence b, head h) into stage `dst`; rows outside [0, n) are zeros.
+template <typename T, int D, int MT>
+__device__ __forceinline__ void sel_load_tile(u32 dst, const T* __restrict__ ck, int b, int h, int H, int N, int n,
+                                              int key0, int tid) {
+    constexpr int CH = D / 8;
+#pragma unroll 2
+    for (int idx = tid; idx < SEL_TILE * CH; idx += 128 * MT) {
+        const int r = idx / CH, ch = idx % CH, key = key0 + r;
+        const bool ok = key >= 0 && key < n;
+        const T* src = ok ? ck + (((int64)b * N + key) * H + h) * D + ch * 8 : ck;
+        cp_async_16(dst + swz<D>(r, ch) * 16, src, ok ? 16 : 0);
+    }
+}
+
+// S = Q K^T of one tile for this warp: rows 16 mt + g + 8 (e / 2), keys 16 kw + 8 t + 2 c + e % 2.
+template <typename T, int D>
+__device__ __forceinline__ void sel_tile_scores(float (&s)[2][4], u32 q_s, u32 kt, const u32 (&a_off)[4],
+                                                const u32 (&b_off)[4]) {
+#pragma unroll
+    for (int t = 0; t < 2; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+        u32 qf[4], bk[4];
+        ldmatrix_x4(qf, q_s + a_off[ks & 3] + (ks >> 2) * 128);
+        ldmatrix_x4(bk, kt + b_off[ks & 3] + (ks >> 2) * 128);
+        mma_16816<T>(s[0], qf, bk[0], bk[1]);
+        mma_16816<T>(s[1], qf, bk[2], bk[3]);
+    }
+}
+
+template <typename T, int D, int MT>
+__global__ void __launch_bounds__(128 * MT)
+select_decode_coarse(const T* __restrict__ q, const T* __restrict__ ck2, const int* __restrict__ seqlens, int N2,
+                     int H, int G, int T2, int exact, float sl2, float2* __restrict__ part) {
+    typedef SelSmem<D, MT> SM;
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int r2 = blockIdx.x, h = blockIdx.y, b = blockIdx.z, R2 = gridDim.x;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, mt = warp >> 2, kw = warp & 3;
+    const int g4 = lane >> 2, c4 = lane & 3;
+    const int L = seqlens[b];
+    const int n2 = exact ? sel_windows(L, SEL_FINE_KS, SEL_FINE_ST) : sel_windows(L, SEL_COARSE_KS, SEL_COARSE_ST);
+    const int k0 = r2 * T2 * SEL_TILE;
+    const int nt = max(0, min(T2, (n2 - k0 + SEL_TILE - 1) / SEL_TILE));
+    const u32 s_base = smem_u32(smem), q_s = s_base + SM::Q, ck_s = s_base + SM::CK;
+    if (nt > 0) sel_load_q<T, D, MT>(q_s, q, b, h, H, G, tid);
+#pragma unroll
+    for (int st = 0; st < SEL_NST - 1; ++st) {
+        if (st < nt) sel_load_tile<T, D, MT>(ck_s + st * SM::TILE, ck2, b, h, H, N2, n2, k0 + st * SEL_TILE, tid);
+        cp_async_commit();
+    }
+    u32 a_off[4], b_off[4], t_off[4];
+    ldsm_offsets(lane, 16 * mt, SM::ROWB, a_off, b_off, t_off);
+    float m[2] = {-INFLLM_INF, -INFLLM_INF}, l[2] = {0.f, 0.f};
+    for (int i = 0; i < nt; ++i) {
+        if (i + SEL_NST - 1 < nt)
+            sel_load_tile<T, D, MT>(ck_s + ((i + SEL_NST - 1) % SEL_NST) * SM::TILE, ck2, b, h, H, N2, n2,
+                                    k0 + (i + SEL_NST - 1) * SEL_TILE, tid);
+        cp_async_commit();
+        cp_async_wait<SEL_NST - 1>();
+        __syncthreads();
+        float s[2][4];
+        sel_tile_scores<T, D>(s, q_s, ck_s + (i % SEL_NST) * SM::TILE + 16 * kw * SM::ROWB, a_off, b_off);
+        const int key0 = k0 + i * SEL_TILE + 16 * kw + 2 * c4;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float x[4];
+#pragma unroll
+            for (int t = 0; t < 2; ++t)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) x[2 * t + e] = key0 + 8 * t + e < n2 ? s[t][2 * r + e] * sl2 : -INFLLM_INF;
+            float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+            mx = fmaxf(mx, __shfl_xor_sync(S1_FULL, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(S1_FULL, mx, 2));
+            const float m_new = fmaxf(m[r], mx);
+            const float m_use = m_new == -INFLLM_INF ? 0.f : m_new;
+            float sum = 0.f;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sum += exp2f(x[e] - m_use);
+            l[r] = l[r] * exp2f(m[r] - m_use) + sum;
+            m[r] = m_new;
+        }
+        __syncthreads();   // the stage read here is the one tile i + NST lands in
+    }
+    cp_async_wait<0>();
+    // combine the 4 key-quarter warps of each row tile (fixed order: the same rounding every run)
+    float* m_s = reinterpret_cast<float*>(smem + SM::RED);
+    float* l_s = m_s + 4 * MT * 16;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(S1_FULL, l[r], 1);
+        l[r] += __shfl_xor_sync(S1_FULL, l[r], 2);
+        if (c4 == 0) {
+            m_s[(mt * 4 + kw) * 16 + g4 + 8 * r] = m[r];
+            l_s[(mt * 4 + kw) * 16 + g4 + 8 * r] = l[r];
+        }
+    }
+    __syncthreads();
+    for (int g = tid; g < G; g += 128 * MT) {
+        const int rt = g >> 4, rr = g & 15;
+        float M = -INFLLM_INF, Z = 0.f;
+        for (int w = 0; w < 4; ++w) M = fmaxf(M, m_s[(rt * 4 + w) * 16 + rr]);
+        if (M != -INFLLM_INF)
+            for (int w = 0; w < 4; ++w) Z += l_s[(rt * 4 + w) * 16 + rr] * exp2f(m_s[(rt * 4 + w) * 16 + rr] - M);
+        part[(((int64)b * H + h) * R2 + r2) * G + g] = make_float2(M, Z);
+    }
+}
+
+template <typename T, int D, int MT>
+__global__ void __launch_bounds__(128 * MT, 1)
+select_decode_fine(const T* __restrict__ q, const T* __restrict__ ck1, const int* __restrict__ seqlens, int N1,
+                   int H, int G, int T1, int R2, int exact, int kind, float sl2, const float2* __restrict__ part,
+                   float* __restrict__ blk, float* __restrict__ lead) {
+    typedef SelSmem<D, MT> SM;
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int r1 = blockIdx.x, h = blockIdx.y, b = blockIdx.z, R1 = gridDim.x;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, mt = warp >> 2, kw = warp & 3;
+    const int g4 = lane >> 2, c4 = lane & 3;
+    const int L = seqlens[b];
+    const int n1 = sel_windows(L, SEL_FINE_KS, SEL_FINE_ST);
+    const int n2 = exact ? n1 : sel_windows(L, SEL_COARSE_KS, SEL_COARSE_ST);
+    const int k0 = r1 * T1 * SEL_TILE - 1;            // the key block 16 T1 r1 shares with the previous range
+    if (r1 > 0 && k0 >= n1) return;                  // no block of this range has a key (never read)
+    const int nt = max(0, min(T1, (n1 - k0 + SEL_TILE - 1) / SEL_TILE));
+    const u32 s_base = smem_u32(smem), q_s = s_base + SM::Q, ck_s = s_base + SM::CK;
+    float* red = reinterpret_cast<float*>(smem + SM::RED);     // [MT][64] group sums of the tile
+    float* bias_s = reinterpret_cast<float*>(smem + SM::BIAS);
+    float* sc = reinterpret_cast<float*>(smem + SM::BYTES);     // [64 T1] the range's rounded scores
+    if (nt > 0) sel_load_q<T, D, MT>(q_s, q, b, h, H, G, tid);
+#pragma unroll
+    for (int st = 0; st < SEL_NST - 1; ++st) {
+        if (st < nt) sel_load_tile<T, D, MT>(ck_s + st * SM::TILE, ck1, b, h, H, N1, n1, k0 + st * SEL_TILE, tid);
+        cp_async_commit();
+    }
+    // the exact coarse normaliser of each head: merge the R2 (max, sum) partials (while the tiles load)
+    for (int g = tid; g < 16 * MT; g += 128 * MT) {
+        float bias = INFLLM_INF;                     // padding rows: 2^(x - inf) = 0
+        if (g < G && n2 > 0) {
+            const float2* p = part + ((int64)b * H + h) * R2 * G + g;
+            float M = -INFLLM_INF;
+            for (int r = 0; r < R2; ++r) M = fmaxf(M, p[(int64)r * G].x);
+            float Z = 0.f;
+            for (int r = 0; r < R2; ++r) {
+                const float2 x = p[(int64)r * G];
+                Z += x.x == -INFLLM_INF ? 0.f : x.y * exp2f(x.x - M);
+            }
+            bias = M + log2f(Z);
+        }
+        bias_s[g] = bias;
+    }
+    for (int i = tid; i < 64 * T1; i += 128 * MT) sc[i] = -INFLLM_INF;
+    __syncthreads();
+    float bias[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) bias[r] = bias_s[16 * mt + g4 + 8 * r];
+    u32 a_off[4], b_off[4], t_off[4];
+    ldsm_offsets(lane, 16 * mt, SM::ROWB, a_off, b_off, t_off);
+    for (int i = 0; i < nt; ++i) {
+        if (i + SEL_NST - 1 < nt)
+            sel_load_tile<T, D, MT>(ck_s + ((i + SEL_NST - 1) % SEL_NST) * SM::TILE, ck1, b, h, H, N1, n1,
+                                    k0 + (i + SEL_NST - 1) * SEL_TILE, tid);
+        cp_async_commit();
+        cp_async_wait<SEL_NST - 1>();
+        __syncthreads();
+        float s[2][4];
+        sel_tile_scores<T, D>(s, q_s, ck_s + (i % SEL_NST) * SM::TILE + 16 * kw * SM::ROWB, a_off, b_off);
+        // p = 2^(sl2 s - bias_g), summed over the warp's 16 rows (lanes of equal c4)
+        float v[2][2];
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float x = exp2f(fmaf(s[t][e], sl2, -bias[0])) + exp2f(fmaf(s[t][2 + e], sl2, -bias[1]));
+                x += __shfl_xor_sync(S1_FULL, x, 4);
+                x += __shfl_xor_sync(S1_FULL, x, 8);
+                x += __shfl_xor_sync(S1_FULL, x, 16);
+                v[t][e] = x;
+            }
+        if (g4 == 0) {
+#pragma unroll
+            for (int t = 0; t < 2; ++t)
+                *reinterpret_cast<float2*>(red + mt * 64 + 16 * kw + 8 * t + 2 * c4) = make_float2(v[t][0], v[t][1]);
+        }
+        __syncthreads();   // also: the stage read here is the one tile i + NST lands in
+        if (tid < SEL_TILE) {
+            float x = 0.f;
+#pragma unroll
+            for (int m2 = 0; m2 < MT; ++m2) x += red[m2 * 64 + tid];
+            const int key = k0 + i * SEL_TILE + tid;
+            const float xr = kind == 0 ? x : round_score<unsigned short>(x, kind);
+            sc[i * SEL_TILE + tid] = key < 0 || key >= n1 ? -INFLLM_INF : n2 > 0 ? xr : 0.f;
+        }
+        // red is rewritten only after the next tile's barrier
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    // max pooling: block 16 T1 r1 + jl = columns 4 jl .. 4 jl + 4 (the range's last block lacks column 64 T1)
+    const int64 row = (int64)b * H + h;
+    const int nbr = 16 * T1;
+    for (int jl = tid; jl < nbr; jl += 128 * MT) {
+        const float* c = sc + 4 * jl;
+        float mx = fmaxf(fmaxf(c[0], c[1]), fmaxf(c[2], c[3]));
+        if (jl + 1 < nbr) mx = fmaxf(mx, c[4]);
+        blk[row * nbr * R1 + (int64)r1 * nbr + jl] = mx;
+    }
+    if (tid == 0) lead[row * R1 + r1] = sc[0];
+}
+
+template <typename KT>
+__global__ void __launch_bounds__(256)
+select_decode_topk(const float* __restrict__ blk, const float* __restrict__ lead, const int* __restrict__ seqlens,
+                   int B, int H, int T1, int R1, int out_len, int olp, int K, int init_blocks, int local_blocks,
+                   int kind, int* __restrict__ topk_idx) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    KT* rowk = reinterpret_cast<KT*>(smem);
+    const int h = blockIdx.x / B, b = blockIdx.x % B, tid = threadIdx.x;
+    const int L = seqlens[b];
+    const int n1 = sel_windows(L, SEL_FINE_KS, SEL_FINE_ST);
+    const int nbv = n1 > 0 ? n1 / 4 + 1 : 0;          // blocks j with a fine key (4 j - 1 < n1)
+    const int qb = max(L - 1, 0) / 64;                // the query's own block (cache_lens = L - 1)
+    const int nbr = 16 * T1;
+    const int64 row = (int64)b * H + h;
+    const float* bp = blk + row * nbr * R1;
+    const float* lp = lead + row * R1;
+    for (int j = tid; j < olp; j += 256) {
+        KT k = 0;                                     // padding: below every real key, never selected
+        if (j < out_len) {
+            float x = -INFLLM_INF;
+            if (j < nbv) {
+                x = bp[j];
+                const int rn = (j + 1) / nbr;         // the range whose first key closes block j
+                if ((j + 1) % nbr == 0 && rn < R1 && rn * nbr * 4 - 1 < n1) x = fmaxf(x, lp[rn]);
+            }
+            k = score_key<KT>(x, kind);
+            if (j < init_blocks || (j <= qb && j >= qb - local_blocks)) k = score_key<KT>(INFLLM_INF, kind);
+        }
+        rowk[j] = k;
+    }
+    __syncthreads();
+    if (tid < 32 && K > 0) {
+        const int jpre = (max(qb, K - 1) / 64 + 1) * 64;
+        select_row<KT>(rowk, olp, jpre, K, qb, tid, topk_idx + ((int64)h * B + b) * K);
+    }
+}

@@ -1,0 +1,284 @@
+"""Stage 1 for decode split over CTAs (decode/select_decode.py, kernels_cu/decode/select_decode.cu): the
+plan, the merge math (a PyTorch emulation of the split algorithm against the reference, CPU) and the
+kernels against the reference and the prefill stage-1 kernel (GPU)."""
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from infllm_cupy import _env
+from infllm_cupy.decode import DecodeCache
+from infllm_cupy.decode.select_decode import (
+    SelectDecodePlan,
+    check_select_plan,
+    emulate_select_decode,
+    plan_select_decode,
+    select_decode,
+)
+from infllm_cupy.decode.step import decode_select, layout_of
+from infllm_cupy.pipeline import InfLLMv2Config
+from infllm_cupy.stage1.naive import naive_stage1_select
+from infllm_cupy.testing import cu_seqlens_from_lengths
+
+# fp32 scores: no two blocks tie, so every implementation must pick the same blocks
+CFG = InfLLMv2Config(topk=6, local_blocks=2, dense_len=0, score_dtype=torch.float32)
+
+
+def build_cache(lengths, H, D, dtype, *, page_size=None, device="cpu", seed=0, spare=70):
+    g = torch.Generator().manual_seed(seed)
+    B, cap = len(lengths), max(lengths) + spare
+    if page_size is None:
+        cache = DecodeCache.contiguous(B, cap, H, D, dtype=dtype, device=device)
+    else:
+        per = math.ceil(cap / page_size)
+        bt = torch.randperm(B * per + 1, generator=g)[:B * per].view(B, per).to(torch.int32)
+        cache = DecodeCache.paged(B * per + 1, page_size, H, D, bt.to(device), dtype=dtype, device=device)
+    k = (torch.randn(sum(lengths), H, D, generator=g) * 2).to(device, dtype)
+    v = torch.randn(sum(lengths), H, D, generator=g).to(device, dtype)
+    cache.append(k, v, cu_seqlens_from_lengths(lengths))
+    return cache
+
+
+def reference(q, ck1, ck2, seqlens, width, cfg):
+    """naive_stage1_select over the cache's own windows, padded with -1 to the static K, and its block
+    scores `[H, B, n]`."""
+    q, ck1, ck2, seqlens = (t.cpu() for t in (q, ck1, ck2, seqlens))
+    cu_q, k1, cu1, k2, cu2, cache_lens = layout_of(ck1, ck2, seqlens, cfg.exact_stage1)
+    idx, _, bs = naive_stage1_select(
+        q, k1, k2, cu_q, cu1, cu2, 1, causal=False, cache_lens=cache_lens, softmax_scale=cfg.softmax_scale,
+        topk=cfg.topk, local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks, block_size=cfg.block_size,
+        score_dtype=cfg.score_dtype, return_scores=True)
+    K = min(cfg.topk + cfg.local_blocks, -(-width // cfg.block_size))
+    pad = K - idx.shape[2]
+    return (torch.nn.functional.pad(idx, (0, pad), value=-1) if pad > 0 else idx), bs
+
+
+def assert_same_blocks(got, ref, block_scores, tol):
+    """Equal rows; where a row differs, as sets of the same size whose differing blocks' reference
+    scores lie within `tol` (relative) of each other (a near-tie that one rounding decides)."""
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    for h in range(got.shape[0]):
+        for b in range(got.shape[1]):
+            x, y = got[h, b].tolist(), ref[h, b].tolist()
+            if x == y:
+                continue
+            sx, sy = {i for i in x if i >= 0}, {i for i in y if i >= 0}
+            assert len(sx) == len(sy) and sx != sy, f"row (h={h}, b={b}): {x} != {y}"
+            sc = [float(block_scores[h, b, i]) for i in sorted(sx ^ sy)]
+            assert max(sc) - min(sc) <= tol * max(abs(v) for v in sc), f"row (h={h}, b={b}): {sorted(sx ^ sy)} {sc}"
+
+
+# ------------------------------------------------------------------------------------------- CPU
+def test_select_plan_splits_long_caches_over_the_gpu():
+    # README head config at 128k: N1 = 8191 fine and N2 = 2047 coarse windows per row
+    for B in (1, 8, 64):
+        p = plan_select_decode(B, 2, 16, 8191, 2047, 132)
+        assert p.row_tiles == 1
+        assert 64 * p.fine_tiles * p.fine_ranges >= 8191 + 4 and 64 * p.coarse_tiles * p.coarse_ranges >= 2047
+        fine_ctas = B * 2 * p.fine_ranges
+        assert fine_ctas >= min(2 * 132, B * 2 * 129) * 0.9, (B, p)       # about two CTAs per SM, or one tile each
+        assert p.fine_ranges == -(-129 // p.fine_tiles)                       # no empty trailing range
+    assert plan_select_decode(1, 2, 16, 8191, 2047, 132).fine_tiles == 1
+    assert plan_select_decode(8, 2, 16, 8191, 2047, 132) == plan_select_decode(8, 2, 16, 8191, 2047, 132)
+    assert [plan_select_decode(1, 1, g, 10, 2, 1).row_tiles for g in (1, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 4, 4]
+    tiny = plan_select_decode(3, 1, 4, 0, 0, 132)
+    assert tiny.fine_tiles == tiny.fine_ranges == tiny.coarse_tiles == tiny.coarse_ranges == 1
+    huge = plan_select_decode(512, 8, 16, 1 << 20, 1 << 18, 132)
+    assert huge.fine_tiles <= 64 and 64 * huge.fine_tiles * huge.fine_ranges >= (1 << 20) + 4
+
+
+def test_select_plan_checks_name_the_problem():
+    with pytest.raises(ValueError, match="group"):
+        plan_select_decode(1, 1, 65, 10, 2, 132)
+    with pytest.raises(ValueError, match="batch"):
+        plan_select_decode(0, 1, 4, 10, 2, 132)
+    with pytest.raises(ValueError, match="n1_max"):
+        plan_select_decode(1, 1, 4, -1, 2, 132)
+    with pytest.raises(ValueError, match="fine keys"):
+        check_select_plan(SelectDecodePlan(1, 1, 2, 1, 1), 4, 125, 10, 128)          # 128 < 125 + 4
+    with pytest.raises(ValueError, match="coarse keys"):
+        check_select_plan(SelectDecodePlan(1, 1, 3, 1, 1), 4, 125, 65, 128)
+    with pytest.raises(ValueError, match="G = 20"):
+        check_select_plan(SelectDecodePlan(1, 1, 3, 1, 2), 20, 125, 65, 128)
+    check_select_plan(SelectDecodePlan(2, 1, 3, 1, 2), 20, 125, 65, 128)
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["coarse", "exact"])
+@pytest.mark.parametrize("tiles", [(1, 1), (2, 3)], ids=["tile_ranges", "wide_ranges"])
+def test_split_merge_math_equals_the_reference(exact, tiles):
+    # ranges of one or two tiles: many range boundaries inside each sequence (pooling across them,
+    # coarse partials merged), lengths around every window and block edge, one empty-ish sequence
+    lengths, H, HQ, D = [1, 63, 64, 65, 127, 128, 1000, 4097, 2500], 2, 6, 32
+    cfg = dataclasses.replace(CFG, exact_stage1=exact)
+    cache = build_cache(lengths, H, D, torch.float32)
+    q = torch.randn(len(lengths), HQ, D, generator=torch.Generator().manual_seed(5))
+    N1, N2 = cache.ck1.shape[1], cache.ck2.shape[1]
+    n2 = N1 if exact else N2
+    t1, t2 = tiles
+    plan = SelectDecodePlan(1, t1, -(-(N1 + 4) // (64 * t1)), t2, max(1, -(-n2 // (64 * t2))))
+    check_select_plan(plan, HQ // H, N1, n2, D)
+    width = cache.capacity
+    got = emulate_select_decode(q, cache.ck1, cache.ck2, cache.seqlens, -(-width // 64), plan, topk=cfg.topk,
+                                local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks,
+                                softmax_scale=cfg.softmax_scale, score_dtype=cfg.score_dtype, exact=exact)
+    ref, bs = reference(q, cache.ck1, cache.ck2, cache.seqlens, width, cfg)
+    assert_same_blocks(got, ref, bs, 1e-5)
+    # the reference through decode_select is the same selection (sized on the longest sequence)
+    dsel = decode_select(q, cache, config=cfg, backend="reference")
+    assert torch.equal(ref[:, :, :dsel.shape[2]], dsel)
+
+
+def plant(cache, q, b, keys):
+    """Make fine windows `keys` of sequence b the best-scoring ones of every KV head (q's group mean, scaled):
+    a window at a range boundary then decides two blocks, one of them through the neighbouring range."""
+    H = cache.ck1.shape[2]
+    qg = q[b].float().view(H, -1, q.shape[2]).mean(dim=1)
+    for i in keys:
+        cache.ck1[b, i] = (qg / qg.norm(dim=-1, keepdim=True) * 4).to(cache.ck1.dtype)
+
+
+def test_split_merge_takes_the_boundary_key_from_the_next_range():
+    # ranges of one tile: range r starts at fine key 64 r - 1, so keys 127 and 191 are the first keys of
+    # ranges 2 and 3 and the last keys of blocks 31 and 47 (ranges 1 and 2)
+    lengths, H, HQ, D = [4097, 3000], 2, 4, 32
+    cfg = dataclasses.replace(CFG, topk=6, local_blocks=2)               # 4 blocks chosen by score
+    cache = build_cache(lengths, H, D, torch.float32, seed=11)
+    q = torch.randn(2, HQ, D, generator=torch.Generator().manual_seed(2))
+    plant(cache, q, 0, (127, 191))
+    plant(cache, q, 1, (63, 127))
+    N1, N2 = cache.ck1.shape[1], cache.ck2.shape[1]
+    plan = SelectDecodePlan(1, 1, -(-(N1 + 4) // 64), 1, -(-N2 // 64))
+    got = emulate_select_decode(q, cache.ck1, cache.ck2, cache.seqlens, -(-cache.capacity // 64), plan,
+                                topk=cfg.topk, local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks,
+                                softmax_scale=None, score_dtype=cfg.score_dtype, exact=False)
+    ref, bs = reference(q, cache.ck1, cache.ck2, cache.seqlens, cache.capacity, cfg)
+    for h in range(H):
+        assert {31, 32, 47, 48} <= set(ref[h, 0].tolist()) and {15, 16, 31, 32} <= set(ref[h, 1].tolist())
+    assert torch.equal(got, ref)
+
+
+def test_split_merge_math_with_bf16_scores_and_one_range_per_block_row():
+    # bf16 scores tie often; the emulation breaks ties to the lower block as the kernels do
+    lengths, H, HQ, D = [3000, 700], 1, 16, 64
+    cfg = InfLLMv2Config(topk=10, local_blocks=3, dense_len=0)
+    cache = build_cache(lengths, H, D, torch.float32, seed=3)
+    q = torch.randn(2, HQ, D, generator=torch.Generator().manual_seed(7))
+    N1, N2 = cache.ck1.shape[1], cache.ck2.shape[1]
+    plan = plan_select_decode(2, H, 16, N1, N2, 4)
+    got = emulate_select_decode(q, cache.ck1, cache.ck2, cache.seqlens, -(-cache.capacity // 64), plan,
+                                topk=cfg.topk, local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks,
+                                softmax_scale=None, score_dtype=torch.bfloat16, exact=False)
+    ref, bs = reference(q, cache.ck1, cache.ck2, cache.seqlens, cache.capacity, cfg)
+    assert_same_blocks(got, ref, bs, 1e-2)
+
+
+def test_select_decode_checks_name_the_argument():
+    q = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
+    ck1 = torch.zeros(2, 10, 2, 64, dtype=torch.bfloat16)
+    ck2 = torch.zeros(2, 3, 2, 64, dtype=torch.bfloat16)
+    L = torch.tensor([100, 90], dtype=torch.int32)
+    kw = dict(topk=4, local_blocks=2, init_blocks=1, softmax_scale=None, score_dtype=torch.bfloat16, exact=False)
+    with pytest.raises((TypeError, ValueError), match="q"):
+        select_decode(q.float(), ck1, ck2, L, 4, **kw)
+    with pytest.raises(ValueError, match="ck1"):
+        select_decode(q, ck1[:1], ck2, L, 4, **kw)
+    with pytest.raises(ValueError, match="ck2"):
+        select_decode(q, ck1, ck2[:, :, :1], L, 4, **kw)
+    with pytest.raises((TypeError, ValueError), match="seqlens"):
+        select_decode(q, ck1, ck2, L.long(), 4, **kw)
+    with pytest.raises(ValueError, match="score_dtype"):
+        select_decode(q, ck1, ck2, L, 4, **dict(kw, score_dtype=torch.float64))
+    with pytest.raises(ValueError, match="CUDA"):
+        select_decode(q, ck1, ck2, L, 4, **kw)
+
+
+# ------------------------------------------------------------------------------------------- GPU
+# (lengths, HQ, H, D, dtype, page_size, exact)
+GPU_CASES = [
+    ([1, 63, 64, 65, 127, 128, 1000, 4097], 16, 2, 128, torch.bfloat16, None, False),
+    ([1, 63, 64, 65, 127, 128, 1000, 4097], 16, 2, 128, torch.bfloat16, None, True),
+    ([65, 4097, 300], 2, 2, 64, torch.float16, 64, False),
+    ([1000, 129, 4000], 1, 1, 128, torch.float16, 256, False),
+    ([2049, 17, 5000], 32, 1, 64, torch.bfloat16, None, False),
+    ([3001, 800], 24, 2, 128, torch.float16, 128, True),
+    ([130000, 5000], 16, 2, 128, torch.bfloat16, None, False),
+    ([130001], 8, 1, 64, torch.bfloat16, 256, False),
+]
+GPU_IDS = [f"L{'-'.join(map(str, c[0][:4]))}_HQ{c[1]}_H{c[2]}_D{c[3]}_{str(c[4])[6:]}_"
+           f"{'pg' + str(c[5]) if c[5] else 'contig'}{'_exact' if c[6] else ''}" for c in GPU_CASES]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=GPU_IDS)
+def test_split_select_kernel_matches_reference_and_prefill_kernel(case):
+    lengths, HQ, H, D, dtype, page_size, exact = case
+    cache = build_cache(lengths, H, D, dtype, page_size=page_size, device="cuda", seed=len(lengths))
+    q = torch.randn(len(lengths), HQ, D, generator=torch.Generator().manual_seed(1)).to("cuda", dtype)
+    for cfg, tol in ((dataclasses.replace(CFG, exact_stage1=exact), 1e-4),
+                     (InfLLMv2Config(dense_len=0, exact_stage1=exact), 1e-2)):    # MiniCPM4's: K = 96, bf16
+        got = decode_select(q, cache, config=cfg)
+        ref, bs = reference(q, cache.ck1, cache.ck2, cache.seqlens, cache.capacity, cfg)
+        assert_same_blocks(got.cpu(), ref, bs, tol)
+        if cfg.score_dtype == torch.float32 and HQ // H <= 32:
+            # the prefill stage-1 kernel (one CTA per sequence and head): the same rows, bit for bit
+            assert torch.equal(got, decode_select(q, cache, config=cfg, kernel="sm80"))
+        if len(lengths) > 1:                          # a plan with many short ranges selects the same blocks
+            N1 = cache.ck1.shape[1]
+            n2 = N1 if exact else cache.ck2.shape[1]
+            mt = next(t for t in (1, 2, 4) if HQ // H <= 16 * t)
+            plan = SelectDecodePlan(mt, 1, -(-(N1 + 4) // 64), 1, max(1, -(-n2 // 64)))
+            other = select_decode(q, cache.ck1, cache.ck2, cache.seqlens, -(-cache.capacity // 64),
+                                  topk=cfg.topk, local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks,
+                                  softmax_scale=cfg.softmax_scale, score_dtype=cfg.score_dtype, exact=exact,
+                                  plan=plan)
+            assert_same_blocks(other.cpu(), ref, bs, tol)
+
+
+@pytest.mark.gpu
+def test_split_select_replays_in_a_cuda_graph():
+    lengths, HQ, H, D, dtype = [4000, 70, 1500], 16, 2, 128, torch.bfloat16
+    cfg = InfLLMv2Config(dense_len=0)
+    eager = build_cache(lengths, H, D, dtype, device="cuda")
+    graphed = build_cache(lengths, H, D, dtype, device="cuda")
+    q = torch.randn(3, HQ, D, device="cuda", dtype=dtype)
+    kn, vn = (torch.randn(3, H, D, device="cuda", dtype=dtype) for _ in range(2))
+    with _env.override(validate=False):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):                            # compile and warm up outside the capture
+            decode_select(q, build_cache(lengths, H, D, dtype, device="cuda"), config=cfg)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graphed.append(kn, vn)
+            got = decode_select(q, graphed, config=cfg)
+    for _ in range(3):                                        # three steps: lengths grow on the device
+        graph.replay()
+        eager.append(kn, vn)
+        ref = decode_select(q, eager, config=cfg)
+        torch.cuda.synchronize()
+        assert torch.equal(got, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("short_ranges", [False, True], ids=["default_plan", "one_tile_ranges"])
+def test_split_select_kernel_boundary_keys(short_ranges):
+    lengths, HQ, H, D, dtype = [20000, 9000], 16, 2, 128, torch.bfloat16
+    cfg = dataclasses.replace(CFG, topk=8, local_blocks=2)                # 6 blocks chosen by score
+    cache = build_cache(lengths, H, D, dtype, device="cuda", seed=4)
+    q = torch.randn(2, HQ, D, generator=torch.Generator().manual_seed(9)).to("cuda", dtype)
+    N1, N2 = cache.ck1.shape[1], cache.ck2.shape[1]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    plan = SelectDecodePlan(1, 1, -(-(N1 + 4) // 64), 1, -(-N2 // 64)) if short_ranges else \
+        plan_select_decode(2, H, HQ // H, N1, N2, sms)
+    t = 64 * plan.fine_tiles
+    plant(cache, q, 0, (t - 1, 2 * t - 1, 3 * t - 1))                  # first keys of ranges 1, 2, 3
+    plant(cache, q, 1, (t - 1, 2 * t - 1, 3 * t - 1))
+    got = select_decode(q, cache.ck1, cache.ck2, cache.seqlens, -(-cache.capacity // 64), topk=cfg.topk,
+                        local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks, softmax_scale=None,
+                        score_dtype=cfg.score_dtype, exact=False, plan=plan)
+    ref, bs = reference(q, cache.ck1, cache.ck2, cache.seqlens, cache.capacity, cfg)
+    edge = {t // 4 * r + d for r in (1, 2, 3) for d in (-1, 0)}         # the blocks on both sides of each edge
+    assert all(edge <= set(ref[h, b].tolist()) for h in range(H) for b in range(2))
+    assert torch.equal(got.cpu(), ref)
