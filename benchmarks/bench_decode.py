@@ -12,6 +12,9 @@ Implementations (rows; `weights` = with `return_attn_weights=True`, fp32 per que
                     block 0, the local_blocks + 1 blocks ending at the last one, random others
     ours_step       infllmv2_decode: stage 1 over the cache's compressed keys, top-k, sparse_decode
     ours_dense      sparse_decode over every block (dense decode through our kernel)
+    ours_select     (opt-in) decode_select alone (stage 1 + top-k): the split decode kernels (select_decode)
+    ours_select_s1  (opt-in) decode_select through the prefill stage-1 kernel (kernel="sm90a" on H100, else
+                    "sm80"): one CTA per (sequence, KV head), for comparison
     sdpa_cudnn, sdpa_flash, sdpa_efficient, sdpa_math
                     torch SDPA dense decode, q `[B, HQ, 1, D]`, K/V `[B, H, L, D]`, enable_gqa
     flex            FlexAttention (compiled) with a BlockMask of the same selection as ours_sparse
@@ -53,10 +56,12 @@ from benchmarks._harness import (  # noqa: E402
     bench_gpu_time, csv_choices, env_line, env_stamp, free_gpu_memory, summarize, write_json,
 )
 
-OURS = ("ours_sparse", "ours_step", "ours_dense")
+OURS = ("ours_sparse", "ours_step", "ours_dense", "ours_select", "ours_select_s1")
+NO_WEIGHTS = ("ours_select", "ours_select_s1")   # stage 1 alone: no attention, no weights; opt-in rows
 SDPA = ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math")
 ANCHORS = (*SDPA, "flex", "eager_grouped", "eager_hf", "flashinfer")
 IMPLS = (*OURS, *ANCHORS)
+DEFAULT_IMPLS = tuple(i for i in IMPLS if i not in NO_WEIGHTS)
 DENSE_ANCHORS = (*SDPA, "flashinfer")            # dense decode without weights: "the fastest dense anchor"
 WITH_WEIGHTS = ("eager_grouped", "eager_hf")     # anchors that only exist with weights
 DEFAULT_CONFIGS = "1x32k,1x128k,8x32k,8x128k,64x32k,64x128k"
@@ -347,15 +352,29 @@ def bench_config(r: Runner, B: int, L: int, flex, BlockMask, ours, flashinfer, f
         "ours_step": (lambda w: lambda: infllmv2_decode(q, cache, config=step_cfg, return_attn_weights=w),
                       kv_sel + ck_bytes + qo),
         "ours_dense": (lambda w: lambda: sparse_decode(q, cache, None, return_attn_weights=w), kv_all + qo),
+        "ours_select": (lambda w: lambda: decode_select(q, cache, config=step_cfg), ck_bytes + B * HQ * D * esz),
+        "ours_select_s1": (lambda w: lambda: decode_select(q, cache, config=step_cfg, kernel=s1_kernel),
+                           ck_bytes + B * HQ * D * esz),
     }
+    from infllm_cupy.decode.step import decode_select
+    s1_kernel = "sm90a" if dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0) else "sm80"
     for impl in OURS:
         if impl not in a.impls:
             continue
         make, nbytes = calls[impl]
-        for w in weight_opts:
+        for w in ([False] if impl in NO_WEIGHTS else weight_opts):
             for mode in modes:
                 r.time(Row(impl, cfg, w, mode), make(w) if sparse_decode else None, nbytes + (w32 if w else 0),
                        skip="" if sparse_decode else r.ours_err)
+    if a.splits and sparse_decode is not None and dev.type == "cuda":
+        # the split-count sweep of docs/decode.md section 4 (graph replays, no weights)
+        from infllm_cupy.decode.sparse_decode import DecodePlan, plan_decode
+        mt = plan_decode(B, H, G, K, 1).row_tiles
+        for S in a.splits:
+            per = -(-K // S)
+            plan = DecodePlan(mt, -(-K // per), per)
+            r.time(Row(f"ours_sparse_s{plan.num_splits}", cfg, False, "graph"),
+                   lambda plan=plan: sparse_decode(q, cache, topk_idx, plan=plan), kv_sel + qo)
     del cache, q, topk_idx
     free_gpu_memory(dev)
 
@@ -462,7 +481,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--configs", default=None, help=f"comma-separated BATCHxCONTEXT. Default: {DEFAULT_CONFIGS} "
                                                    "(on CPU: 1x1k,2x1k)")
-    p.add_argument("--impls", default=",".join(IMPLS), help=f"subset of {','.join(IMPLS)}")
+    p.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
+                   help=f"subset of {','.join(IMPLS)}. Default: all but {','.join(NO_WEIGHTS)}")
     p.add_argument("--json", default=None, help="write all rows, the goals and the env stamp to this file")
     p.add_argument("--hq", type=int, default=32)
     p.add_argument("--h", type=int, default=2)
@@ -481,6 +501,9 @@ def parse_args(argv=None):
                    help="after this many seconds skip the remaining rows (0: no limit). Default: 140")
     p.add_argument("--check", action="store_true",
                    help="per config, ours (dense, sparse) against SDPA math / the reference on sequence 0")
+    p.add_argument("--splits", default="",
+                   help="also time ours_sparse (graph) with these split counts, e.g. 8,16,24,32,48 (rows "
+                        "ours_sparse_sS)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-compile", action="store_true", help="run FlexAttention eagerly (always on CPU)")
@@ -494,6 +517,7 @@ def parse_args(argv=None):
         p.error(f"--configs: expected BATCHxCONTEXT entries like 8x128k, got {a.configs!r}")
     a.impls = csv_choices(p, "--impls", a.impls, IMPLS)
     a.graph_batches = {int(x) for x in a.graph_batches.split(",") if x}
+    a.splits = [int(x) for x in a.splits.split(",") if x]
     if a.hq % a.h:
         p.error("--hq must be a multiple of --h")
     return a
