@@ -233,6 +233,8 @@ def decode(args, dev: torch.device) -> None:
         # the last complete fine and coarse windows against a fresh mean
         for name, ck, (kr, st) in (("ck1", cache.ck1, (32, 16)), ("ck2", cache.ck2, (128, 64))):
             n = (L - kr) // st + 1
+            if n < 1:
+                continue
             pos = torch.arange((n - 1) * st, (n - 1) * st + kr, device=dev)
             want = cache.k[table[b][pos // ps].long(), pos % ps].float().mean(0)
             report(f"{tag}: {name} last window of sequence {b}", (ck[b, n - 1].float() - want).abs().max().item(),
