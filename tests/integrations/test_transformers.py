@@ -272,3 +272,18 @@ def test_gpu_generate_runs_kernels_at_head_dim_128():
     ids = prompt(1, 1000, device="cuda")
     toks, logits = generate(m, ids, 8, hf.InfLLMv2Cache(cfg, max_cache_len=1008))
     assert toks.shape == (1, 8) and torch.isfinite(logits).all()
+
+
+def test_readme_transformers_block_runs():
+    """README.md's "Using with transformers / MiniCPM4" block runs as written (CPU, seconds)."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Using with transformers / MiniCPM4", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    ns = {"__name__": "readme_transformers"}
+    exec(compile(block, "README.md (transformers)", "exec"), ns)
+    out = ns["out"]
+    assert out.shape == (1, 528) and torch.equal(out[:, :512], ns["ids"])
+    assert ns["model"].config._attn_implementation == hf.ATTN_NAME
