@@ -1,0 +1,394 @@
+"""Context-parallel InfLLM-v2 attention over `torch.distributed` (docs/context_parallel.md).
+
+All-gather form: every rank holds the zigzag shard of q, k, v (zigzag.py); K and V are gathered
+into natural order, and each rank runs compression, stage 1, top-k and stage 2 for its own
+queries against the gathered keys, with global positions. The backward reduce-scatters dK and dV
+to their owners. Everything else is the single-GPU ops, unchanged: a chunk's queries at global
+positions `[a, e)` are a chunked-prefill sequence (queries `[a, e)`, keys `[0, e)`), which the
+stage-1 `cache_lens` and stage 2's bottom-right causal alignment already express (§3).
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from .._checks import check_backend, check_flags, check_kernel_inputs, check_softmax_scale, check_tensor
+from .._checks import REF_DTYPES
+from .._kernel_arg import check_kernel
+from ..pipeline import InfLLMv2Config, check_config, check_kernel_block_size, stages_for, uses_kernels
+from ..stage1.naive import naive_stage1_select, q_block_idx_prefill
+from ..stage2.layout import BlockLayout
+from ..stage2.naive import naive_sparse_attn_varlen, naive_sparse_attn_varlen_bwd
+from .zigzag import (
+    ZigzagPlan,
+    _group_info,
+    _lengths,
+    all_gather_rows,
+    check_zigzag_lengths,
+    put_rows,
+    reduce_scatter_rows,
+    take_rows,
+    zigzag_plan,
+)
+
+# ------------------------------------------------------------------------------ agreement of ranks
+
+_META_FIELDS = ("version", "world size", "local input error", "sequences", "lengths hash", "total tokens",
+                "q rows", "q heads", "kv heads", "head dim", "dtype", "k rows", "v shape", "layout",
+                "config hash", "backend/kernel", "device type")
+_DTYPE_CODE = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float64: 4}
+
+
+def _crc(s: str) -> int:
+    return zlib.crc32(s.encode())
+
+
+def _local_meta(W, lengths, q, k, v, layout, cfg, backend, kernel, error):
+    def dim(t, i):
+        return int(t.shape[i]) if isinstance(t, torch.Tensor) and t.dim() > i else -1
+
+    lh = _crc(",".join(map(str, lengths))) if lengths is not None else -1
+    lay = -1 if layout is None else _crc(f"{layout.q_block}:{tuple(layout.mask.shape)}")
+    return [1, W, 1 if error else 0, -1 if lengths is None else len(lengths), lh,
+            -1 if lengths is None else sum(lengths), dim(q, 0), dim(q, 1), dim(k, 1), dim(q, 2),
+            _DTYPE_CODE.get(getattr(q, "dtype", None), 0), dim(k, 0),
+            _crc(str(tuple(v.shape))) if isinstance(v, torch.Tensor) else -1, lay, _crc(repr(cfg)),
+            _crc(f"{backend}/{kernel}"), _crc(q.device.type) if isinstance(q, torch.Tensor) else -1]
+
+
+def _meta_device(group, q):
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree_across_ranks(meta: list[int], error: Exception | None, group=None) -> None:
+    """All-gather a small int64 description of every rank's call and raise the same way on every
+    rank when they differ or one rank's own checks failed, instead of hanging in a later collective.
+
+    `meta` follows `_META_FIELDS`; `error` is this rank's own input error (raised on this rank, the
+    others name it by rank)."""
+    W, r = _group_info(group)
+    dev = _meta_device(group, None)
+    mine = torch.tensor(meta, dtype=torch.int64, device=dev)
+    allm = all_gather_rows(mine[None], group).cpu()               # [W, fields]
+    bad_ranks = [w for w in range(W) if int(allm[w, 2])]
+    if error is not None:
+        raise error
+    if bad_ranks:
+        raise ValueError(f"context parallel: rank(s) {bad_ranks} of {W} failed their input checks (their "
+                         f"error names the argument); this rank {r} stops too")
+    diff = [(i, allm[:, i].tolist()) for i in range(allm.shape[1]) if bool((allm[:, i] != allm[0, i]).any())]
+    if diff:
+        parts = "; ".join(f"{_META_FIELDS[i]}: {vals}" for i, vals in diff)
+        raise ValueError(f"context parallel: the {W} ranks disagree ({parts}; values by rank, hashes for "
+                         f"lengths/config/layout). Every rank must pass the same global cu_seqlens, config, "
+                         f"layout, dtype and head shapes, and a shard of total / {W} rows")
+
+
+# ---------------------------------------------------------------------------------- the selection
+
+
+def _slot_layout(layout: BlockLayout, plan: ZigzagPlan, slot, device) -> BlockLayout:
+    """The rows of a global layout that the slot's chunks own, as a per-sequence layout of the
+    slot's 2B sequences (fillers select nothing). A chunk starts on a query-block boundary."""
+    qb = layout.q_block
+    m = layout.mask.to(device)
+    B = len(plan.lengths)
+    nqb = max(c // qb for c in slot.chunk)
+    out = torch.zeros((2 * B, m.shape[-3], nqb, m.shape[-1]), dtype=torch.bool, device=device)
+    for b, (a, c) in enumerate(zip(slot.starts, slot.chunk)):
+        mb = m[b] if layout.per_sequence else m
+        out[2 * b, :, :c // qb] = mb[:, a // qb:(a + c) // qb]
+    return BlockLayout(out, qb)
+
+
+def _dense_layout(lengths, H, device) -> BlockLayout:
+    """Every block (causality masks the future): the dense fallback below `dense_len` as a layout."""
+    nb = -(-max(lengths) // 64)
+    return BlockLayout(torch.ones((H, nb, nb), dtype=torch.bool, device=device), 64)
+
+
+def _select(plan: ZigzagPlan, q, k_full, cfg: InfLLMv2Config, stages) -> list:
+    """Compression of the gathered keys, then stage 1 and top-k for each slot's queries (no grad)."""
+    cu_full = torch.tensor((0,) + tuple(sum(plan.lengths[:b + 1]) for b in range(len(plan.lengths))),
+                           dtype=torch.int32, device=q.device)
+    # gather K, then compress: every window, including those that straddle chunk boundaries, is the
+    # single-GPU one bit for bit (docs/context_parallel.md §4)
+    ck1, _ = stages["compress_k"](k_full, cu_full, cfg.kernel_size, cfg.kernel_stride)
+    if cfg.exact_stage1:
+        ck2, c2 = ck1, (cfg.kernel_size, cfg.kernel_stride)
+    else:
+        ck2, _ = stages["compress_k"](k_full, cu_full, cfg.coarse_kernel_size, cfg.coarse_kernel_stride)
+        c2 = (cfg.coarse_kernel_size, cfg.coarse_kernel_stride)
+    sels = []
+    for slot in plan.slots:
+        cu_c1 = plan.slot_compressed_cu(slot, cfg.kernel_size, cfg.kernel_stride)
+        cu_c2 = plan.slot_compressed_cu(slot, *c2)
+        reference = stages["stage1_select"] is naive_stage1_select
+        sel = stages["stage1_select"](
+            take_rows(q, slot.rows).contiguous(), ck1, ck2, slot.cu_q, cu_c1, cu_c2, slot.max_q, causal=True,
+            cache_lens=slot.cache_lens, softmax_scale=cfg.softmax_scale, topk=cfg.topk,
+            local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks, block_size=cfg.block_size,
+            kernel_stride=cfg.kernel_stride, coarse_kernel_stride=cfg.coarse_kernel_stride,
+            varlen_offset_quirk=False, score_dtype=cfg.score_dtype, return_scores=reference)
+        if reference:
+            q_blocks = q_block_idx_prefill(slot.cu_q, slot.max_q, block_size=cfg.block_size,
+                                           cache_lens=slot.cache_lens)
+            sel = topk_lower_index_ties(sel[2], q_blocks, cfg.topk + cfg.local_blocks)
+        sels.append(sel)
+    return sels
+
+
+def topk_lower_index_ties(block_scores: torch.Tensor, q_block_idx: torch.Tensor, K: int) -> torch.Tensor:
+    """`naive_select_topk` with ties to the lower block index, the stage-1 kernel's rule.
+
+    Ties are structural in InfLLM-v2's pooling (adjacent blocks share a fine key, docs/semantics.md),
+    and `torch.topk` breaks them by the row's width and layout, which differ between a chunk's
+    call and the whole sequence's; the lower-index rule makes the reference path of context
+    parallelism select exactly what the single-process pipeline under the same rule selects."""
+    K = min(K, block_scores.shape[2])
+    order = torch.sort(block_scores, dim=-1, descending=True, stable=True).indices[..., :K]
+    idx = order.sort(dim=-1).values
+    return idx.masked_fill(idx > q_block_idx.long()[None, :, None], -1).to(torch.int32)
+
+
+# ---------------------------------------------------------------------------------------- stage 2
+
+
+def _s2_fwd(q, k, v, slot, sel, scale, kernel, use_ops):
+    if isinstance(sel, BlockLayout):
+        if use_ops:
+            from ..stage2.ops import block_sparse_attn_fwd
+
+            return block_sparse_attn_fwd(q, k, v, slot.cu_q, slot.cu_k, sel.mask, sel.q_block, slot.max_q,
+                                         slot.max_k, True, scale, kernel)
+        sel = sel.to_topk_idx(slot.cu_q)
+    if use_ops:
+        from ..stage2.ops import sparse_attn_fwd
+
+        return sparse_attn_fwd(q, k, v, slot.cu_q, slot.cu_k, sel, slot.max_q, slot.max_k, True, scale, kernel)
+    return naive_sparse_attn_varlen(q, k, v, slot.cu_q, slot.cu_k, sel, slot.max_q, slot.max_k, causal=True,
+                                    softmax_scale=scale, return_lse=True)
+
+
+def _s2_bwd(dout, q, k, v, out, lse, slot, sel, scale, kernel, use_ops):
+    if isinstance(sel, BlockLayout):
+        if use_ops:
+            from ..stage2.ops import block_sparse_attn_bwd
+
+            return block_sparse_attn_bwd(dout, q, k, v, out, lse, slot.cu_q, slot.cu_k, sel.mask, sel.q_block,
+                                         slot.max_q, slot.max_k, True, scale, kernel)
+        sel = sel.to_topk_idx(slot.cu_q)
+    if use_ops:
+        from ..stage2.ops import sparse_attn_bwd
+
+        return sparse_attn_bwd(dout, q, k, v, out, lse, slot.cu_q, slot.cu_k, sel, slot.max_q, slot.max_k, True,
+                               scale, kernel)
+    return naive_sparse_attn_varlen_bwd(dout, q, k, v, slot.cu_q, slot.cu_k, sel, slot.max_q, slot.max_k, True,
+                                        scale)
+
+
+def _combine_key_grads(plan: ZigzagPlan, g0: torch.Tensor, g1: torch.Tensor, dtype) -> torch.Tensor:
+    """dK (or dV) of the rank's two slots as one natural-order tensor in `dtype`.
+
+    Slot 1's prefix `[S_b, S_b + e1_b)` holds slot 0's (`e0_b < e1_b`); rows past a prefix belong
+    to a filler sequence and are zeroed here rather than trusted. The overlap adds in fp32 (or wider)."""
+    acc = g1 if g1.dtype == dtype else g1.to(dtype)
+    s0, s1 = plan.slots
+    for b, S in enumerate(plan.seq_starts[:-1]):
+        e0, e1, end = S + s0.ends[b], S + s1.ends[b], plan.seq_starts[b + 1]
+        acc[e1:end] = 0
+        wide = torch.promote_types(dtype, torch.float32)
+        acc[S:e0] = (g1[S:e0].to(wide) + g0[S:e0].to(wide)).to(dtype)
+    return acc
+
+
+class _CPAttention(torch.autograd.Function):
+    """The whole context-parallel layer: gathers, selection, stage 2 per slot; backward reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan: ZigzagPlan, group, cfg, layout, stages, scale, kernel, use_ops,
+                reduce_dtype, dense):
+        # K first: the compression needs it. V's gather then runs on NCCL's stream while this
+        # stream compresses and runs stage 1 (docs/context_parallel.md §5).
+        k_full = all_gather_rows(k, group).index_select(0, plan.nat_from_gath)
+        v_gath, v_work = all_gather_rows(v, group, async_op=True)
+        H = k.shape[1]
+        with torch.no_grad():
+            if layout is not None or dense:
+                lay = layout if layout is not None else _dense_layout(plan.lengths, H, q.device)
+                sels = [_slot_layout(lay, plan, s, q.device) for s in plan.slots]
+            else:
+                sels = _select(plan, q, k_full, cfg, stages)
+        v_work.wait()
+        v_full = v_gath.index_select(0, plan.nat_from_gath)
+        del v_gath
+        out = torch.empty_like(q)
+        lses, outs = [], []
+        for slot, sel in zip(plan.slots, sels):
+            o, lse = _s2_fwd(take_rows(q, slot.rows).contiguous(), k_full, v_full, slot, sel, scale, kernel, use_ops)
+            put_rows(out, slot.rows, o)
+            lses.append(lse)
+        ctx.plan, ctx.group, ctx.sels, ctx.scale, ctx.kernel, ctx.use_ops = plan, group, sels, scale, kernel, use_ops
+        ctx.reduce_dtype, ctx.k_dtype = reduce_dtype, k.dtype
+        ctx.save_for_backward(q, k_full, v_full, out, *lses)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k_full, v_full, out, *lses = ctx.saved_tensors
+        plan = ctx.plan
+        dq = torch.empty_like(q)
+        dks, dvs = [], []
+        for slot, sel, lse in zip(plan.slots, ctx.sels, lses):
+            rows = slot.rows
+            dq_s, dk_s, dv_s = _s2_bwd(take_rows(dout, rows).contiguous(), take_rows(q, rows).contiguous(), k_full,
+                                       v_full, take_rows(out, rows).contiguous(), lse, slot, sel, ctx.scale,
+                                       ctx.kernel, ctx.use_ops)
+            put_rows(dq, rows, dq_s)
+            dks.append(dk_s)
+            dvs.append(dv_s)
+        rd = ctx.reduce_dtype
+        # dK's reduce-scatter runs while dV is combined and permuted
+        dk_g = _combine_key_grads(plan, *dks, rd).index_select(0, plan.gath_from_nat)
+        del dks
+        dk, k_work = reduce_scatter_rows(dk_g, ctx.group, async_op=True)
+        dv_g = _combine_key_grads(plan, *dvs, rd).index_select(0, plan.gath_from_nat)
+        del dvs
+        dv = reduce_scatter_rows(dv_g, ctx.group)
+        k_work.wait()
+        return (dq, dk.to(ctx.k_dtype), dv.to(ctx.k_dtype)) + (None,) * 10
+
+
+def cp_infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                          config: InfLLMv2Config | None = None, *, group=None, layout: BlockLayout | None = None,
+                          backend: str = "auto", kernel: str = "auto", grad_reduce_dtype: torch.dtype | None = None,
+                          check_ranks: bool = True) -> torch.Tensor:
+    r"""InfLLM-v2 prefill attention with context parallelism over a process group (all-gather, zigzag).
+
+    Every rank passes its zigzag shard (`zigzag_shard`) of the global packed `q`, `k`, `v` and the
+    GLOBAL `cu_seqlens`; the result is this rank's shard of what `infllmv2_attention` gives on the
+    concatenated sequences (same selection, causal limits and init / local blocks, by global
+    position), differentiable in the three shards. K and V are all-gathered (V while stage 1 runs),
+    the gathered K is compressed on every rank, and the backward reduce-scatters dK and dV.
+    Launch with `torchrun`; NCCL for CUDA tensors, gloo for CPU tensors (the references).
+
+    Args:
+        q (torch.Tensor):
+            This rank's queries `[total / W, HQ, D]`, zigzag layout.
+        k, v (torch.Tensor):
+            This rank's keys and values `[total / W, H, D]`, q's dtype.
+        cu_seqlens (torch.Tensor):
+            int32 `[B+1]` of the global sequences (identical on every rank); every length a multiple
+            of `2 * W * 64` (`zigzag_granule`; `2 * W * lcm(64, layout.q_block)` with a layout).
+        config (InfLLMv2Config, Optional):
+            As `infllmv2_attention`; `varlen_offset_quirk` must be False (it depends on the batch's
+            other sequences, which a chunk does not see). Below `dense_len`: dense causal attention.
+            Default: `None` (MiniCPM4 defaults).
+        group (ProcessGroup, Optional):
+            Keyword-only, as every argument after it. Default: `None` (the default group).
+        layout (BlockLayout, Optional):
+            A static query-block layout of the GLOBAL sequences (`[H, NQB, NKB]` or
+            `[B, H, NQB, NKB]`) instead of the InfLLM-v2 selection; the same on every rank.
+            Default: `None`.
+        backend (str, Optional):
+            "auto", "kernels" or "reference", as `infllmv2_attention`. Default: "auto".
+        kernel (str, Optional):
+            The stage-2 `kernel` argument. Default: "auto".
+        grad_reduce_dtype (torch.dtype, Optional):
+            dtype of the dK / dV reduce-scatter: `None` is k's dtype (half the bytes of fp32);
+            `torch.float32` sums the ranks' partial gradients without rounding them first.
+            Default: `None`.
+        check_ranks (bool, Optional):
+            All-gather a small description of every rank's call first and raise on every rank if
+            they differ or one rank's inputs are bad (one tiny collective and a host read per call).
+            Default: `True`.
+
+    Returns:
+        out (torch.Tensor): `[total / W, HQ, D]`, this rank's shard, q's dtype.
+    """
+    cfg = check_config(config)
+    check_flags(check_ranks=check_ranks)
+    W, r = _group_info(group)
+    error, lengths, kernel_path = None, None, False
+    try:
+        check_backend(backend)
+        check_kernel(kernel)
+        if layout is not None and not isinstance(layout, BlockLayout):
+            raise TypeError(f"layout must be a BlockLayout or None, got {type(layout).__name__}")
+        if cfg.block_size != 64:
+            raise ValueError(f"config.block_size must be 64 with context parallelism (the zigzag chunks are whole "
+                             f"64-key blocks), got {cfg.block_size}")
+        if cfg.varlen_offset_quirk:
+            raise ValueError("config.varlen_offset_quirk=True is not supported with context parallelism (HF's "
+                             "offset depends on the whole batch's query lengths)")
+        check_tensor("q", q, ndim=3, dtypes=REF_DTYPES)
+        check_tensor("k", k, ndim=3, dtypes=(q.dtype,))
+        check_tensor("v", v, ndim=3, dtypes=(q.dtype,))
+        if v.shape != k.shape:
+            raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+        if q.shape[1] % k.shape[1] or q.shape[2] != k.shape[2]:
+            raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)}: HQ must be a multiple of H and the head "
+                             f"dims equal")
+        lengths = _lengths(cu_seqlens)
+        check_zigzag_lengths(lengths, W, layout.q_block if layout is not None else 64)
+        if q.shape[0] * W != sum(lengths) or k.shape[0] != q.shape[0]:
+            raise ValueError(f"q has {q.shape[0]} rows and k {k.shape[0]}: each must be the rank's zigzag shard of "
+                             f"total / world size = {sum(lengths)} / {W} = {sum(lengths) // W} rows")
+        if layout is not None:
+            layout.check_against(k.shape[1], len(lengths), max(lengths))
+        if grad_reduce_dtype is not None and grad_reduce_dtype not in REF_DTYPES:
+            raise ValueError(f"grad_reduce_dtype must be a float dtype or None, got {grad_reduce_dtype!r}")
+        kernel_path = uses_kernels(q, backend)
+        if kernel_path:
+            check_kernel_block_size(cfg.block_size)
+            check_kernel_inputs(q, k, v)
+        elif backend == "kernels":
+            raise ValueError(f"backend='kernels' needs CUDA tensors, got q on {q.device}")
+    except (ValueError, TypeError) as e:
+        error = e
+    if check_ranks:
+        agree_across_ranks(_local_meta(W, lengths, q, k, v, layout, cfg, backend, kernel, error), error, group)
+    elif error is not None:
+        raise error
+    plan = zigzag_plan(lengths, W, r, q.device)
+    scale = check_softmax_scale(cfg.softmax_scale, q.shape[2])
+    dense = layout is None and max(lengths) < cfg.dense_len
+    use_ops = kernel_path   # the custom ops on CUDA; the references (same math as the ops' CPU kernels) else
+    reduce_dtype = grad_reduce_dtype or k.dtype
+    return _CPAttention.apply(q, k, v, plan, group, cfg, layout, stages_for(q, backend), scale, kernel, use_ops,
+                              reduce_dtype, dense)
+
+
+class ContextParallelInfLLMv2(torch.nn.Module):
+    r"""`cp_infllmv2_attention` as a module holding its configuration and process group (no parameters).
+
+    Example (under `torchrun`, one process per GPU):
+        >>> attn = ContextParallelInfLLMv2(InfLLMv2Config(), group=dist.group.WORLD)
+        >>> q_l, k_l, v_l = (zigzag_shard(t, cu) for t in (q, k, v))
+        >>> out_l = attn(q_l, k_l, v_l, cu)              # this rank's shard of the output
+        >>> out = zigzag_unshard(out_l, cu)             # the whole output, on every rank
+    """
+
+    def __init__(self, config: InfLLMv2Config | None = None, *, group=None, backend: str = "auto",
+                 kernel: str = "auto", grad_reduce_dtype: torch.dtype | None = None, check_ranks: bool = True):
+        super().__init__()
+        self.config = check_config(config)
+        self.group = group
+        self.backend = check_backend(backend)
+        self.kernel = check_kernel(kernel)
+        check_flags(check_ranks=check_ranks)
+        self.grad_reduce_dtype = grad_reduce_dtype
+        self.check_ranks = check_ranks
+
+    def forward(self, q, k, v, cu_seqlens, layout: BlockLayout | None = None):
+        return cp_infllmv2_attention(q, k, v, cu_seqlens, self.config, group=self.group, layout=layout,
+                                     backend=self.backend, kernel=self.kernel,
+                                     grad_reduce_dtype=self.grad_reduce_dtype, check_ranks=self.check_ranks)
+
+    def extra_repr(self) -> str:
+        return f"backend={self.backend!r}, kernel={self.kernel!r}, config={self.config}"
