@@ -1,0 +1,88 @@
+"""The reliability tools on the CPU (docs/reliability.md): tools/big_run.py at small sizes against its
+own fp32 references (the ops run their PyTorch references on CPU tensors), tools/sanitize.py's
+driver on the references and its report parser on canned compute-sanitizer logs. Tools are run as
+subprocesses, never imported (ARCHITECTURE.md, "4. Import rules")."""
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(*args, timeout=300):
+    p = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return p.returncode, p.stdout, p.stderr
+
+
+def test_big_run_checks_pass_on_the_references_at_small_sizes():
+    rc, out, err = _run("tools/big_run.py", "--tokens", "700", "--heads", "4", "--kv-heads", "2", "--topk", "4",
+                        "--rows", "6", "--device", "cpu", "--cache-pages", "8", "--page-size", "64",
+                        "--append-chunk", "100", "--chunk", "300", "--kernels", "auto")
+    assert rc == 0, out + err
+    lines = [json.loads(x) for x in out.splitlines()]
+    checks = [x for x in lines if "check" in x]
+    assert len(checks) >= 15 and all(c["ok"] for c in checks)
+    assert any("dk keys of block 0" in c["check"] for c in checks)
+    assert any("decode" in c["check"] and c["check"].endswith(": out") for c in checks)
+    assert lines[-1] == {"verdict": "PASS", "failures": []}
+
+
+def test_big_run_fails_loudly_on_a_wrong_tolerance():
+    # a tolerance no bf16 result meets: every error check must fail and the exit status say so
+    rc, out, err = _run("tools/big_run.py", "--tokens", "300", "--heads", "2", "--kv-heads", "1", "--topk", "3",
+                        "--rows", "2", "--device", "cpu", "--skip", "decode", "--kernels", "auto", "--tol", "1e-12")
+    assert rc == 1, out + err
+    assert json.loads(out.splitlines()[-1])["verdict"] == "FAIL"
+
+
+def test_sanitize_driver_runs_every_family_on_the_references():
+    rc, out, err = _run("tools/sanitize.py", "--driver", "--device", "cpu")
+    assert rc == 0, out + err
+    for what in ("compress", "stage1", "stage2 fwd+bwd", "block layout", "decode cache append", "sparse_decode",
+                 "infllmv2_decode", "local_stride", "pattern_decode"):
+        assert f"driver: {what}" in out, what
+    assert out.rstrip().endswith("driver: done")
+
+
+def test_sanitize_lists_our_kernels():
+    rc, out, err = _run("tools/sanitize.py", "--list")
+    assert rc == 0, err
+    names = out.split("our kernels:")[1].split(", ")
+    for n in ("compress_mean_pool", "stage1_select", "stage2_fwd_sm90", "stage2_bwd_dkdv_sm90", "sparse_decode_split"):
+        assert n in [x.strip() for x in names], n
+
+
+CANNED = textwrap.dedent("""\
+    ========= COMPUTE-SANITIZER
+    driver: stage2 ok
+    ========= Invalid __global__ read of size 16 bytes
+    =========     at 0x1a70 in kernels_cu/stage2/sparse_fwd.cu:120:void stage2_fwd<__nv_bfloat16, 128, 4>(const T1 *)
+    =========     by thread (3,0,0) in block (7,0,0)
+    =========     Address 0x7f00 is out of bounds
+    ========= Invalid __global__ read of size 16 bytes
+    =========     at stage2_fwd<__nv_bfloat16, 128, 4>(const T1 *)+0x1a70 in sparse_fwd.cu:120
+    ========= Error: Race reported between Write access at stage1_select_sm90<__half, 64>(int)+0x10
+    =========     and Read access at stage1_select_sm90<__half, 64>(int)+0x20 [8 hazards]
+    ========= Uninitialized __global__ memory read of size 4 bytes
+    =========     at 0x40 in void at::native::vectorized_elementwise_kernel<4, float>(int)
+    ========= Program hit cudaErrorInvalidValue (error 1) due to "invalid argument" on CUDA API call to cudaFoo.
+    =========     Saved host backtrace up to driver entry point at error
+    ========= ERROR SUMMARY: 4 errors
+    """)
+
+
+def test_sanitize_report_parser_on_a_canned_log(tmp_path):
+    # the parser runs inside the tool (tests never import tools): feed it a canned log
+    log = tmp_path / "log.txt"
+    log.write_text(CANNED)
+    code = ("import runpy, sys, json; m = runpy.run_path('tools/sanitize.py');"
+            f"s, o, x = m['parse_findings'](open({str(log)!r}).read(), m['our_kernel_names']());"
+            "print(json.dumps([s, sorted([k[1], n] for k, n in o.items()), sorted([k[1], n] for k, n in x.items())]))")
+    rc, out, err = _run("-c", code)
+    assert rc == 0, err
+    summary, ours, others = json.loads(out)
+    assert summary == 4
+    assert ours == [["stage1_select_sm90", 1], ["stage2_fwd", 2]]
+    assert others == [["vectorized_elementwise_kernel", 1]]
