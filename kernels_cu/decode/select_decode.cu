@@ -1,6 +1,6 @@
 // decode/select_decode.cu: InfLLM-v2 stage 1 for decode (one query token per sequence) with each
-// sequence's compressed keys split over many CTAs, and an exact merge. Design: docs/decode.md
-// (section "Stage 1 for decode: the split kernels").
+// sequence's compressed keys split over many CTAs, and an exact merge. Design: docs/decode.md,
+// "Stage 1 for decode: the split kernels".
 //
 // Semantics (docs/semantics.md, stage 1; non-causal): per KV head h of sequence b with L = seqlens[b],
 // n1 = fine windows (32/16) and n2 = coarse windows (128/64) of L (exact mode: ck2 = ck1, n2 = n1):
