@@ -144,18 +144,21 @@ def infllm_cupy_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     if Lq > Lk:
         raise ValueError(f"query has {Lq} tokens but key only {Lk}: the keys must include the queries' own")
     cfg = _config_of(module, scaling)
+    cache = getattr(key, _CACHE_ATTR, None) if Lq == 1 else None
+    if cache is not None and cache.max_len() == Lk:
+        out = infllmv2_decode(query[:, :, 0].contiguous(), cache, config=cfg, backend=backend)
+        return out.unsqueeze(1), None
+    # packed varlen: a view for batch 1 (an InfLLMv2Cache's storage row), a copy otherwise
     k = key.transpose(1, 2).reshape(B * Lk, H, D)
     v = value.transpose(1, 2).reshape(B * Lk, H, D)
     steps = torch.arange(B + 1, dtype=torch.int32)
     if Lq == 1:
-        cache = getattr(key, _CACHE_ATTR, None)
-        if cache is None or cache.max_len() != Lk:
-            # Another HF cache: decode semantics (non-causal stage 1 over the cache, spec section 8) need
-            # a DecodeCache; build one from the keys (a copy and a recompression per step and layer). The
-            # prefill pipeline on one query would use the causal stage 1 of chunked prefill, which can
-            # pick other blocks.
-            cache = DecodeCache.contiguous(B, Lk, H, D, dtype=key.dtype, device=key.device)
-            cache.append(k, v, (steps * Lk).tolist())
+        # Another HF cache: decode semantics (non-causal stage 1 over the cache, spec section 8) need a
+        # DecodeCache; build one from the keys (a copy and a recompression per step and layer). The
+        # prefill pipeline on one query would run the causal stage 1 of chunked prefill, which can pick
+        # other blocks.
+        cache = DecodeCache.contiguous(B, Lk, H, D, dtype=key.dtype, device=key.device)
+        cache.append(k, v, (steps * Lk).tolist())
         out = infllmv2_decode(query[:, :, 0].contiguous(), cache, config=cfg, backend=backend)
         return out.unsqueeze(1), None
     q = query.transpose(1, 2).reshape(B * Lq, HQ, D)
