@@ -108,3 +108,21 @@ def test_cp_nccl_two_gpus_flash_attention_rule(tmp_path_factory):
                                                    f"{bound:.3e} (single GPU: {d[f'one_{name}']:.3e})")
     for case in ("case_ranks_disagree_lengths", "case_one_rank_bad_input"):
         assert all(d["raised"] == "ValueError" for d in ranks(res, case)), case
+
+
+def test_bench_cp_runs_on_cpu_under_torchrun(tmp_path):
+    """benchmarks/bench_cp.py as a user starts it (torchrun, 2 processes), on CPU with gloo: every row
+    timed, the sampled-block check passes, the JSON carries the rows."""
+    out = tmp_path / "cp.json"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        str(ROOT / "benchmarks" / "bench_cp.py"), "--device", "cpu", "--lengths", "512,1024",
+                        "--q-heads", "4", "--kv-heads", "2", "--head-dim", "16", "--topk", "4", "--local-blocks", "2",
+                        "--no-search", "--rep", "1", "--check-blocks", "4", "--json", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"bench_cp exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    assert r.stdout.count("within FlashAttention's rule: PASSED") == 2, r.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["L"], row["mode"]) for row in rows] == [(512, "fwd"), (512, "fwdbwd"), (1024, "fwd"), (1024, "fwdbwd")]
+    assert all(row["cp_ms"] > 0 and row["single_ms"] > 0 and row["bytes_per_rank"] > 0 for row in rows)
+    # all-gather of K and V: (W - 1) / W of 1024 rows x 2 heads x 16 dims x 4 bytes, twice
+    assert rows[2]["bytes_per_rank"] == 2 * 512 * 2 * 16 * 4

@@ -1,0 +1,448 @@
+r"""Context parallelism (infllm_cupy.distributed): W GPUs against 1 at the same total length, one layer.
+
+    torchrun --nproc_per_node 2 benchmarks/bench_cp.py                          # 128k and 256k, search, 2 H100s
+    torchrun --nproc_per_node 2 benchmarks/bench_cp.py --lengths 262144 --no-search --json cp.json
+    torchrun --nproc_per_node 8 benchmarks/bench_cp.py --lengths 1048576 --skip-single --no-search \
+        --check-blocks 8                                                       # issue #28: 1M tokens, 8 ranks
+    torchrun --nproc_per_node 2 benchmarks/bench_cp.py --device cpu --lengths 1024 --q-heads 4 --kv-heads 2 \
+        --head-dim 16 --topk 4 --local-blocks 2 --no-search --rep 1           # CPU smoke run (gloo, references)
+
+One sequence of L tokens (README head config by default: HQ 32, H 2, D 128, bf16, InfLLM-v2 selection
+with topk 64 + local 32 = K 96 blocks, `dense_len = 0`), unit-normal inputs generated chunk by chunk
+from one seed, so every rank makes only its own zigzag chunks and the single-GPU run the same tensors.
+
+Rows, per length:
+    single   `infllmv2_attention` on rank 0's GPU alone (the other ranks wait); skipped with
+             `--skip-single` or when it does not fit (OOM is caught and reported)
+    cp       `cp_infllmv2_attention` on all W ranks; ms is the slowest rank's median
+    comm     the collectives alone at this length: all-gather of K and V (forward), reduce-scatter
+             of dK and dV (backward), in the gradient-reduce dtype
+Modes: fwd, fwdbwd (forward + backward of one layer). Columns: ms, peak GiB per GPU
+(`max_memory_allocated` during the call, inputs included), bytes per rank per layer (received by
+all-gather / sent by reduce-scatter: `(W-1)/W x L x H x D x bytes`, twice), speedup = single / cp.
+
+`--search`: the longest L that trains (fwd+bwd of the layer) on 1 GPU and on W GPUs, by bisection
+over multiples of 2W x 64 tokens within `--search-budget-s`. Single-GPU probes catch OOM; a W-GPU
+probe first reserves, on every rank, the peak its measured rows predict (+5%, a fit of
+`b L + c L^2` per rank: the stage-2 bitmask rows grow as L^2), and runs only if all ranks could, so
+that one rank's OOM cannot leave the others waiting in a collective. Reported: the longest length
+that ran and the shortest that did not (or was predicted not to), per GPU count.
+
+`--check-blocks N`: outputs and dq of N sampled 64-token query blocks against the float64 stage-2
+reference over the same blocks' stage-1 selection (each block a chunked-prefill sequence over its
+prefix), FlashAttention's rule (2x / 3x the error of the same math in bf16), on the rank that owns them.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._harness import bench_gpu_time, env_line, env_stamp, format_table  # noqa: E402
+from infllm_cupy import InfLLMv2Config, infllmv2_attention  # noqa: E402
+from infllm_cupy.distributed import (  # noqa: E402
+    all_gather_rows,
+    cp_infllmv2_attention,
+    reduce_scatter_rows,
+    zigzag_plan,
+)
+
+GiB = 2 ** 30
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--lengths", default="131072,262144", help="comma-separated sequence lengths. Default: %(default)s")
+    # not --hq / --h / --d as the other scripts: torchrun's own parser takes "--h" and "--d" for
+    # abbreviations of its options even after the script's name
+    p.add_argument("--q-heads", dest="hq", type=int, default=32)
+    p.add_argument("--kv-heads", dest="h", type=int, default=2)
+    p.add_argument("--head-dim", dest="d", type=int, default=128)
+    p.add_argument("--topk", type=int, default=64)
+    p.add_argument("--local-blocks", type=int, default=32)
+    p.add_argument("--modes", default="fwd,fwdbwd")
+    p.add_argument("--rep", type=int, default=5, help="timed runs per row (fixed: every rank runs the same count)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--skip-single", action="store_true", help="no single-GPU rows (lengths one GPU cannot hold)")
+    p.add_argument("--grad-reduce-dtype", default="input", choices=("input", "float32"))
+    p.add_argument("--search", dest="search", action="store_true", default=True)
+    p.add_argument("--no-search", dest="search", action="store_false")
+    p.add_argument("--search-budget-s", type=float, default=100.0, help="seconds for both searches together")
+    p.add_argument("--search-steps", type=int, default=5, help="bisection steps per GPU count")
+    p.add_argument("--check-blocks", type=int, default=0, help="sampled 64-token query blocks to check per length")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    a.lengths = [int(x) for x in a.lengths.split(",") if x]
+    a.modes = [m for m in a.modes.split(",") if m]
+    bad = [m for m in a.modes if m not in ("fwd", "fwdbwd")]
+    if bad:
+        p.error(f"--modes: unknown {bad}; choose from ['fwd', 'fwdbwd']")
+    return a
+
+
+class Ctx:
+    def __init__(self, a):
+        self.a = a
+        self.rank, self.W = dist.get_rank(), dist.get_world_size()
+        self.dev = torch.device("cuda", torch.cuda.current_device()) if a.device == "cuda" else torch.device("cpu")
+        self.dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
+        self.cfg = InfLLMv2Config(topk=a.topk, local_blocks=a.local_blocks, dense_len=0)
+        self.reduce_dtype = torch.float32 if a.grad_reduce_dtype == "float32" else None
+        self.backend = "auto" if a.device == "cuda" else "reference"
+        self.granule = 2 * self.W * 64
+
+    def log(self, *x):
+        if self.rank == 0:
+            print(*x, flush=True)
+
+    def sync(self):
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def peak_reset(self):
+        if self.dev.type == "cuda":
+            self.sync()
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak(self) -> float:
+        return torch.cuda.max_memory_allocated() / GiB if self.dev.type == "cuda" else float("nan")
+
+    def gather(self, x: float) -> list[float]:
+        out = [None] * self.W
+        dist.all_gather_object(out, x)
+        return out
+
+
+def chunk_tensor(c: Ctx, kind: str, L: int, j: int, n: int, heads: int) -> torch.Tensor:
+    """Chunk j (of n equal chunks) of the global tensor `kind`: the same values on any rank."""
+    g = torch.Generator(device=c.dev).manual_seed(((c.a.seed * 8 + _KIND_ID[kind]) * 4099 + j) * 1_000_003 + L)
+    return torch.randn(L // n, heads, c.a.d, generator=g, device=c.dev, dtype=torch.float32).to(c.dtype)
+
+
+_KINDS = {"q": "hq", "k": "h", "v": "h", "do": "hq"}
+_KIND_ID = {"q": 1, "k": 2, "v": 3, "do": 4}     # not hash(): string hashes differ between processes
+
+
+def full_tensor(c: Ctx, kind: str, L: int) -> torch.Tensor:
+    n = 2 * c.W
+    return torch.cat([chunk_tensor(c, kind, L, j, n, getattr(c.a, _KINDS[kind])) for j in range(n)])
+
+
+def shard_tensor(c: Ctx, kind: str, L: int) -> torch.Tensor:
+    n, r = 2 * c.W, c.rank
+    return torch.cat([chunk_tensor(c, kind, L, j, n, getattr(c.a, _KINDS[kind])) for j in (r, n - 1 - r)])
+
+
+def is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def time_rows(c: Ctx, fns: dict, reps: int) -> dict:
+    """{mode: median ms} of the modes' callables, each rank timing its own (fixed reps)."""
+    return {m: statistics.median(bench_gpu_time(fn, warmup=c.a.warmup, rep=reps, device=c.dev.type))
+            for m, fn in fns.items()}
+
+
+def single_rows(c: Ctx, L: int) -> dict:
+    """Rank 0 alone: ms per mode and peak GiB of one fwd+bwd, or an OOM note."""
+    res: dict = {}
+    if c.rank != 0:
+        return res
+    try:
+        q, k, v = (full_tensor(c, x, L).requires_grad_() for x in ("q", "k", "v"))
+        do = full_tensor(c, "do", L)
+        cu = torch.tensor([0, L], dtype=torch.int32, device=c.dev)
+
+        def fwd():
+            with torch.no_grad():
+                return infllmv2_attention(q, k, v, cu, config=c.cfg, backend=c.backend)
+
+        def fwdbwd():
+            out = infllmv2_attention(q, k, v, cu, config=c.cfg, backend=c.backend)
+            torch.autograd.backward(out, do)
+            q.grad = k.grad = v.grad = None
+
+        fns = {"fwd": fwd, "fwdbwd": fwdbwd}
+        res["ms"] = time_rows(c, {m: fns[m] for m in c.a.modes}, c.a.rep)
+        c.peak_reset()
+        fwdbwd()
+        c.sync()
+        res["peak_gib"] = c.peak()
+    except Exception as e:  # noqa: BLE001 - OOM and friends are a result here
+        if not is_oom(e):
+            raise
+        res = {"oom": True, "note": f"OOM: {str(e).splitlines()[0][:120]}"}
+    finally:
+        q = k = v = do = None
+        if c.dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return res
+
+
+def cp_inputs(c: Ctx, L: int):
+    q, k, v = (shard_tensor(c, x, L).requires_grad_() for x in ("q", "k", "v"))
+    return q, k, v, shard_tensor(c, "do", L), torch.tensor([0, L], dtype=torch.int32, device=c.dev)
+
+
+def cp_call(c: Ctx, q, k, v, cu, **kw):
+    return cp_infllmv2_attention(q, k, v, cu, c.cfg, backend=c.backend, grad_reduce_dtype=c.reduce_dtype, **kw)
+
+
+def cp_rows(c: Ctx, L: int) -> dict:
+    q, k, v, do, cu = cp_inputs(c, L)
+
+    def fwd():
+        with torch.no_grad():
+            return cp_call(c, q, k, v, cu, check_ranks=False)
+
+    def fwdbwd():
+        out = cp_call(c, q, k, v, cu, check_ranks=False)
+        torch.autograd.backward(out, do)
+        q.grad = k.grad = v.grad = None
+
+    cp_call(c, q, k, v, cu)          # the ranks' agreement check, once, outside the timing
+    fns = {"fwd": fwd, "fwdbwd": fwdbwd}
+    ms = time_rows(c, {m: fns[m] for m in c.a.modes}, c.a.rep)
+    c.peak_reset()
+    fwdbwd()
+    c.sync()
+    peak = c.peak()
+    # the collectives alone, as the layer issues them
+    rd = c.reduce_dtype or k.dtype
+    g = torch.zeros(k.shape[0] * c.W, *k.shape[1:], dtype=rd, device=c.dev)
+
+    def gather_kv():
+        all_gather_rows(k.detach(), None)
+        all_gather_rows(v.detach(), None)
+
+    def scatter_dkdv():
+        reduce_scatter_rows(g, None)
+        reduce_scatter_rows(g, None)
+
+    comm = time_rows(c, {"fwd": gather_kv, "fwdbwd": scatter_dkdv}, c.a.rep)
+    per_rank_rows = (c.W - 1) * k.shape[0]
+    row_bytes = k.shape[1] * k.shape[2]
+    bytes_ = {"fwd": 2 * per_rank_rows * row_bytes * k.element_size(),
+              "bwd": 2 * per_rank_rows * row_bytes * torch.empty(0, dtype=rd).element_size()}
+    res = {"ms": ms, "peak_gib": peak, "comm_ms": comm, "bytes": bytes_}
+    if c.a.check_blocks:
+        res["check"] = check_blocks(c, L, q, k, v, do, cu)
+    return res
+
+
+def check_blocks(c: Ctx, L: int, q, k, v, do, cu) -> dict:
+    """Out and dq of sampled 64-token query blocks this rank owns against the float64 stage-2 reference
+    over the same blocks' selection (FlashAttention's rule). Every rank samples the same global blocks."""
+    from infllm_cupy.distributed.cp import topk_lower_index_ties
+    from infllm_cupy.pipeline import select_blocks, stages_for
+    from infllm_cupy.stage1.naive import q_block_idx_prefill
+    from infllm_cupy.testing import max_abs_err, reference_sparse_grads
+
+    q_l, k_l, v_l = (t.detach().requires_grad_() for t in (q, k, v))
+    out_l = cp_call(c, q_l, k_l, v_l, cu, check_ranks=False)
+    (dq_l,) = torch.autograd.grad(out_l, (q_l,), do)
+    kf, vf = full_tensor(c, "k", L), full_tensor(c, "v", L)
+    plan = zigzag_plan([L], c.W, c.rank, c.dev)
+    g = torch.Generator().manual_seed(c.a.seed + 17)
+    blocks = sorted(torch.randperm(L // 64, generator=g)[:c.a.check_blocks].tolist())
+    local_of = {int(t): 64 * i for i, t in enumerate(plan.local_rows[::64].tolist())}
+    mine = [b for b in blocks if b * 64 in local_of]
+    worst = {"out": 0.0, "dq": 0.0}
+    ok = True
+    stages = stages_for(q, c.backend)
+    for b in mine:
+        a0, i0 = b * 64, local_of[b * 64]
+        rows = slice(i0, i0 + 64)
+        qb, dob = q_l.detach()[rows].contiguous(), do[rows].contiguous()
+        e = a0 + 64
+        cu_q = torch.tensor([0, 64], dtype=torch.int32, device=c.dev)
+        cu_k = torch.tensor([0, e], dtype=torch.int32, device=c.dev)
+        cache = torch.tensor([a0], dtype=torch.int32, device=c.dev)
+        reference = c.backend == "reference"
+        aux = select_blocks(stages, qb, kf[:e], cu_q, cu_k, 64, cache, True, c.cfg, need_scores=reference)
+        sel = aux["topk_idx"]
+        if reference:       # the layer's reference path breaks ties to the lower block index, as the kernels
+            sel = topk_lower_index_ties(aux["block_scores"], q_block_idx_prefill(cu_q, 64, cache_lens=cache),
+                                        c.cfg.topk + c.cfg.local_blocks)
+        ref_out, _, (ref_dq, _, _) = reference_sparse_grads(qb, kf[:e], vf[:e], dob, cu_q, cu_k, sel, 64, e, True,
+                                                            exact=True)
+        low_out, _, (low_dq, _, _) = reference_sparse_grads(qb, kf[:e], vf[:e], dob, cu_q, cu_k, sel, 64, e, True,
+                                                            exact=False)
+        for name, got, ref, low, mult in (("out", out_l.detach()[rows], ref_out, low_out, 2),
+                                          ("dq", dq_l[rows], ref_dq, low_dq, 3)):
+            err, base = max_abs_err(got, ref), max_abs_err(low, ref)
+            worst[name] = max(worst[name], err / max(base, 1e-12))
+            ok = ok and bool(err <= mult * base + 1e-6) and not bool(torch.isnan(got).any())
+    return {"blocks": len(mine), "ok": ok, "err_over_bf16_out": worst["out"], "err_over_bf16_dq": worst["dq"]}
+
+
+# ------------------------------------------------------------------------------------------ search
+
+
+def probe_single(c: Ctx, L: int) -> bool:
+    ok = None
+    if c.rank == 0:
+        try:
+            q, k, v = (full_tensor(c, x, L).requires_grad_() for x in ("q", "k", "v"))
+            cu = torch.tensor([0, L], dtype=torch.int32, device=c.dev)
+            out = infllmv2_attention(q, k, v, cu, config=c.cfg, backend=c.backend)
+            torch.autograd.backward(out, torch.ones_like(out))
+            c.sync()
+            ok = True
+        except Exception as e:  # noqa: BLE001
+            if not is_oom(e):
+                raise
+            ok = False
+        finally:
+            q = k = v = out = None
+            torch.cuda.empty_cache()
+    return bool(c.gather(ok)[0])
+
+
+def predicted_peak(points: list[tuple[int, float]], L: int) -> float | None:
+    """GiB at L from `b L + c L^2` fitted through the two longest measured (L, peak) points."""
+    if len(points) < 2:
+        return None
+    (l1, p1), (l2, p2) = sorted(points)[-2:]
+    # p = b l + c l^2: two equations
+    det = l1 * l2 * l2 - l2 * l1 * l1
+    if det == 0:
+        return None
+    cc = (p2 * l1 - p1 * l2) / det
+    bb = (p1 - cc * l1 * l1) / l1
+    return max(bb * L + cc * L * L, 0.0)
+
+
+def probe_cp(c: Ctx, L: int, points) -> tuple[bool, str]:
+    pred = predicted_peak(points, L)
+    can = True
+    if pred is not None:
+        try:          # reserve what the fit predicts; every rank must manage it before any collective
+            t = torch.empty(int(pred * 1.05 * GiB), dtype=torch.uint8, device=c.dev)
+            del t
+        except Exception as e:  # noqa: BLE001
+            if not is_oom(e):
+                raise
+            can = False
+        torch.cuda.empty_cache()
+    if not all(c.gather(can)):
+        return False, f"predicted {pred:.1f} GiB does not fit on every rank"
+    q, k, v, do, cu = cp_inputs(c, L)
+    out = cp_call(c, q, k, v, cu, check_ranks=False)
+    torch.autograd.backward(out, torch.ones_like(out))
+    c.sync()
+    q = k = v = do = out = None
+    torch.cuda.empty_cache()
+    return True, "ran"
+
+
+def search(c: Ctx, probe, lo: int, hi: int, t_end: float) -> dict:
+    """Bisection over multiples of the granule: lo ran (or 0), hi failed (or is the cap)."""
+    g = c.granule
+    tried = []
+    for _ in range(c.a.search_steps):
+        if hi - lo <= g or time.perf_counter() > t_end:
+            break
+        mid = (lo + hi) // 2 // g * g
+        if mid <= lo:
+            break
+        ok, why = probe(mid)
+        tried.append((mid, ok, why))
+        c.log(f"  probe L={mid}: {'ran' if ok else why}")
+        if ok:
+            lo = mid
+        else:
+            hi = mid
+    return {"longest_ran": lo, "shortest_failed": hi, "probes": tried}
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    t0 = time.perf_counter()
+    if a.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if a.device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=300))
+    c = Ctx(a)
+    env = env_stamp() if c.rank == 0 else {}
+    c.log(f"bench_cp: W = {c.W} ranks, HQ {a.hq}, H {a.h}, D {a.d}, {c.dtype}, K = {a.topk + a.local_blocks}, "
+          f"lengths {a.lengths}")
+    for L in a.lengths:
+        if L % c.granule:
+            raise SystemExit(f"--lengths: {L} is not a multiple of 2 x {c.W} x 64 = {c.granule}")
+    rows, points = [], []
+    for L in a.lengths:
+        single = {} if a.skip_single else single_rows(c, L)
+        dist.barrier()
+        cp = cp_rows(c, L)
+        ms = {m: max(c.gather(cp["ms"][m])) for m in a.modes}
+        comm = {m: max(c.gather(cp["comm_ms"][m])) for m in ("fwd", "fwdbwd")}
+        peaks = c.gather(cp["peak_gib"])
+        points.append((L, max(peaks)))
+        checks = c.gather(cp.get("check"))
+        for m in a.modes:
+            s_ms = single.get("ms", {}).get(m)
+            rows.append({"L": L, "mode": m, "single_ms": s_ms, "cp_ms": ms[m],
+                         "speedup": (s_ms / ms[m]) if s_ms else None,
+                         "single_peak_gib": single.get("peak_gib"), "cp_peak_gib_max": max(peaks),
+                         "cp_peak_gib_by_rank": [round(p, 2) for p in peaks],
+                         "comm_ms": comm["fwd"] if m == "fwd" else comm["fwd"] + comm["fwdbwd"],
+                         "bytes_per_rank": cp["bytes"]["fwd"] if m == "fwd" else cp["bytes"]["fwd"] + cp["bytes"]["bwd"],
+                         "note": single.get("note", "") if c.rank == 0 else ""})
+        if a.check_blocks:
+            total = sum(x["blocks"] for x in checks)
+            all_ok = all(x["ok"] for x in checks)
+            c.log(f"check L={L}: {total} sampled query blocks on {c.W} ranks, out and dq within FlashAttention's "
+                  f"rule: {'PASSED' if all_ok and total else 'FAILED'} (worst err / bf16 err: out "
+                  f"{max(x['err_over_bf16_out'] for x in checks):.2f}, dq {max(x['err_over_bf16_dq'] for x in checks):.2f})")
+            rows[-1]["check"] = checks
+        dist.barrier()
+    cols = ("L", "mode", "single_ms", "cp_ms", "speedup", "comm_ms", "bytes_per_rank", "single_peak_gib",
+            "cp_peak_gib_max", "note")
+    c.log(f"\n{c.W} GPUs (cp) against 1 (single), one layer; ms: slowest rank's median of {a.rep}")
+    c.log(format_table(rows, cols))
+    result = {"rows": rows}
+    if a.search and a.device == "cuda":
+        t_end = time.perf_counter() + a.search_budget_s
+        longest_measured = max(a.lengths)
+        single_ok = [r["L"] for r in rows if r["single_ms"] is not None]
+        cap1 = 16 * longest_measured if single_ok and max(single_ok) == longest_measured else longest_measured
+        c.log(f"\nsearch: longest fwd+bwd on 1 GPU (bisection in ({max(single_ok, default=0)}, {cap1}])")
+        s1 = search(c, lambda L: (probe_single(c, L), "OOM"), max(single_ok, default=0), cap1,
+                    time.perf_counter() + a.search_budget_s / 2)
+        capw = max(2 * c.W * s1["shortest_failed"], 2 * longest_measured)
+        c.log(f"search: longest fwd+bwd on {c.W} GPUs (bisection in ({longest_measured}, {capw}])")
+        if len(points) >= 2:
+            sw = search(c, lambda L: probe_cp(c, L, points), longest_measured, capw, t_end)
+        else:       # without a fit of the peak, a probe could OOM on one rank only and hang the others
+            c.log("  skipped: the guard needs measured peaks at two --lengths")
+            sw = {"longest_ran": longest_measured, "shortest_failed": None, "probes": []}
+        result["search"] = {"single": s1, "cp": sw}
+        c.log(f"longest that ran: 1 GPU {s1['longest_ran']} (failed at {s1['shortest_failed']}), {c.W} GPUs "
+              f"{sw['longest_ran']} (failed or predicted not to fit at {sw['shortest_failed']}); ratio "
+              f"{sw['longest_ran'] / max(s1['longest_ran'], 1):.2f}x")
+    if c.rank == 0:
+        print(env_line(env, t0), flush=True)
+        if a.json:
+            Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.json).write_text(json.dumps({"env": env, "argv": sys.argv[1:], "world_size": c.W, **result},
+                                               indent=1, default=str))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
