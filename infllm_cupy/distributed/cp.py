@@ -83,7 +83,10 @@ def agree_across_ranks(meta: list[int], error: Exception | None, group=None) -> 
                          f"error names the argument); this rank {r} stops too")
     diff = [(i, allm[:, i].tolist()) for i in range(allm.shape[1]) if bool((allm[:, i] != allm[0, i]).any())]
     if diff:
-        parts = "; ".join(f"{_META_FIELDS[i]}: {vals}" for i, vals in diff)
+        names = {code: str(dt).replace("torch.", "") for dt, code in _DTYPE_CODE.items()}
+        parts = "; ".join(f"{_META_FIELDS[i]}: "
+                          f"{[names.get(x, x) for x in vals] if _META_FIELDS[i] == 'dtype' else vals}"
+                          for i, vals in diff)
         raise ValueError(f"context parallel: the {W} ranks disagree ({parts}; values by rank, hashes for "
                          f"lengths/config/layout). Every rank must pass the same global cu_seqlens, config, "
                          f"layout, dtype and head shapes, and a shard of total / {W} rows")
@@ -126,11 +129,12 @@ def _select(plan: ZigzagPlan, q, k_full, cfg: InfLLMv2Config, stages) -> list:
         c2 = (cfg.coarse_kernel_size, cfg.coarse_kernel_stride)
     sels = []
     for slot in plan.slots:
-        cu_c1 = plan.slot_compressed_cu(slot, cfg.kernel_size, cfg.kernel_stride)
-        cu_c2 = plan.slot_compressed_cu(slot, *c2)
+        cu_c1, end1 = plan.slot_compressed_cu(slot, cfg.kernel_size, cfg.kernel_stride)
+        cu_c2, end2 = plan.slot_compressed_cu(slot, *c2)
         reference = stages["stage1_select"] is naive_stage1_select
         sel = stages["stage1_select"](
-            take_rows(q, slot.rows).contiguous(), ck1, ck2, slot.cu_q, cu_c1, cu_c2, slot.max_q, causal=True,
+            take_rows(q, slot.rows).contiguous(), ck1[:end1], ck2[:end2], slot.cu_q, cu_c1, cu_c2, slot.max_q,
+            causal=True,
             cache_lens=slot.cache_lens, softmax_scale=cfg.softmax_scale, topk=cfg.topk,
             local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks, block_size=cfg.block_size,
             kernel_stride=cfg.kernel_stride, coarse_kernel_stride=cfg.coarse_kernel_stride,
@@ -193,18 +197,23 @@ def _s2_bwd(dout, q, k, v, out, lse, slot, sel, scale, kernel, use_ops):
 
 
 def _combine_key_grads(plan: ZigzagPlan, g0: torch.Tensor, g1: torch.Tensor, dtype) -> torch.Tensor:
-    """dK (or dV) of the rank's two slots as one natural-order tensor in `dtype`.
+    """dK (or dV) of the rank's two slots, `[k_end]` rows each, as one tensor in the all-gather's
+    rank-major order and `dtype`, ready for the reduce-scatter.
 
     Slot 1's prefix `[S_b, S_b + e1_b)` holds slot 0's (`e0_b < e1_b`); rows past a prefix belong
-    to a filler sequence and are zeroed here rather than trusted. The overlap adds in fp32 (or wider)."""
+    to a filler sequence (B > 1) and are zeroed here rather than trusted. The overlap adds in fp32
+    (or wider); rows no slot reaches stay zero."""
     acc = g1 if g1.dtype == dtype else g1.to(dtype)
+    wide = torch.promote_types(dtype, torch.float32)
     s0, s1 = plan.slots
     for b, S in enumerate(plan.seq_starts[:-1]):
-        e0, e1, end = S + s0.ends[b], S + s1.ends[b], plan.seq_starts[b + 1]
+        e0, e1, end = S + s0.ends[b], S + s1.ends[b], min(plan.seq_starts[b + 1], s1.k_end)
         acc[e1:end] = 0
-        wide = torch.promote_types(dtype, torch.float32)
         acc[S:e0] = (g1[S:e0].to(wide) + g0[S:e0].to(wide)).to(dtype)
-    return acc
+    out = acc.new_zeros((plan.total,) + tuple(acc.shape[1:])) if s1.k_end < plan.total else acc.new_empty(
+        (plan.total,) + tuple(acc.shape[1:]))
+    out.index_copy_(0, plan.nat_from_gath[:s1.k_end], acc)
+    return out
 
 
 class _CPAttention(torch.autograd.Function):
@@ -230,7 +239,8 @@ class _CPAttention(torch.autograd.Function):
         out = torch.empty_like(q)
         lses, outs = [], []
         for slot, sel in zip(plan.slots, sels):
-            o, lse = _s2_fwd(take_rows(q, slot.rows).contiguous(), k_full, v_full, slot, sel, scale, kernel, use_ops)
+            o, lse = _s2_fwd(take_rows(q, slot.rows).contiguous(), k_full[:slot.k_end], v_full[:slot.k_end], slot,
+                             sel, scale, kernel, use_ops)
             put_rows(out, slot.rows, o)
             lses.append(lse)
         ctx.plan, ctx.group, ctx.sels, ctx.scale, ctx.kernel, ctx.use_ops = plan, group, sels, scale, kernel, use_ops
@@ -245,19 +255,19 @@ class _CPAttention(torch.autograd.Function):
         dq = torch.empty_like(q)
         dks, dvs = [], []
         for slot, sel, lse in zip(plan.slots, ctx.sels, lses):
-            rows = slot.rows
-            dq_s, dk_s, dv_s = _s2_bwd(take_rows(dout, rows).contiguous(), take_rows(q, rows).contiguous(), k_full,
-                                       v_full, take_rows(out, rows).contiguous(), lse, slot, sel, ctx.scale,
-                                       ctx.kernel, ctx.use_ops)
+            rows, n = slot.rows, slot.k_end
+            dq_s, dk_s, dv_s = _s2_bwd(take_rows(dout, rows).contiguous(), take_rows(q, rows).contiguous(),
+                                       k_full[:n], v_full[:n], take_rows(out, rows).contiguous(), lse, slot, sel,
+                                       ctx.scale, ctx.kernel, ctx.use_ops)
             put_rows(dq, rows, dq_s)
             dks.append(dk_s)
             dvs.append(dv_s)
         rd = ctx.reduce_dtype
         # dK's reduce-scatter runs while dV is combined and permuted
-        dk_g = _combine_key_grads(plan, *dks, rd).index_select(0, plan.gath_from_nat)
+        dk_g = _combine_key_grads(plan, *dks, rd)
         del dks
         dk, k_work = reduce_scatter_rows(dk_g, ctx.group, async_op=True)
-        dv_g = _combine_key_grads(plan, *dvs, rd).index_select(0, plan.gath_from_nat)
+        dv_g = _combine_key_grads(plan, *dvs, rd)
         del dvs
         dv = reduce_scatter_rows(dv_g, ctx.group)
         k_work.wait()

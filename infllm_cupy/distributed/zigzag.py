@@ -63,11 +63,12 @@ def check_zigzag_lengths(lengths, world_size: int, q_block: int = KV_BLOCK) -> N
 
 @dataclasses.dataclass(frozen=True)
 class Slot:
-    """One of a rank's two chunk slots (0: chunk `r`, 1: chunk `2W-1-r`) as a varlen batch of `2B`
-    sequences over the natural-order keys: sequence `2b` is the chunk's queries against keys
-    `[S_b, S_b + e_b)` (the prefix up to the chunk's end, so bottom-right causal alignment puts
-    its queries at their global positions), sequence `2b + 1` a query-less filler over
-    `[S_b + e_b, S_{b+1})` that keeps the next prefix starting where its sequence starts."""
+    """One of a rank's two chunk slots (0: chunk `r`, 1: chunk `2W-1-r`) as a varlen batch over the
+    natural-order keys `k_full[:k_end]`. One sequence (B = 1): the chunk's queries against keys
+    `[0, e)`, the prefix up to the chunk's end, so that bottom-right causal alignment puts its
+    queries at their global positions. B > 1: `2B` sequences, `2b` the chunk of sequence b against
+    `[S_b, S_b + e_b)`, `2b + 1` a query-less filler over `[S_b + e_b, S_{b+1})` that keeps the
+    next prefix starting where its sequence starts (docs/context_parallel.md §3)."""
     starts: tuple        # a_b: global position of the chunk's first token inside its sequence
     ends: tuple          # e_b = a_b + c_b
     chunk: tuple         # c_b
@@ -77,6 +78,7 @@ class Slot:
     cache_lens: torch.Tensor   # int32 [2B]: a_b for the chunks, 0 for the fillers
     max_q: int
     max_k: int
+    k_end: int           # keys past this row are no slot sequence's (B = 1: e; else the total)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,15 +99,19 @@ class ZigzagPlan:
     def total(self) -> int:
         return sum(self.lengths)
 
-    def slot_compressed_cu(self, slot: Slot, kernel_size: int, kernel_stride: int) -> torch.Tensor:
-        """int32 `[2B+1]` over the full sequences' compressed keys for `slot`: the chunk's prefix
-        holds the windows that end by `e_b` (a prefix of the sequence's windows), the filler the rest."""
+    def slot_compressed_cu(self, slot: Slot, kernel_size: int, kernel_stride: int) -> tuple[torch.Tensor, int]:
+        """(`cu` int32, `end`) of the slot over the full sequences' compressed keys `ck[:end]`: a chunk's
+        sequence holds the windows that end by `e_b` (a prefix of its sequence's windows), a filler
+        the rest of the sequence's."""
+        if len(self.lengths) == 1:
+            n_e = _n_windows(slot.ends[0], kernel_size, kernel_stride)
+            return torch.tensor([0, n_e], dtype=torch.int32, device=self.device), n_e
         cu, acc = [0], 0
         for L, e in zip(self.lengths, slot.ends):
             n_e, n_L = _n_windows(e, kernel_size, kernel_stride), _n_windows(L, kernel_size, kernel_stride)
             cu += [acc + n_e, acc + n_L]
             acc += n_L
-        return torch.tensor(cu, dtype=torch.int32, device=self.device)
+        return torch.tensor(cu, dtype=torch.int32, device=self.device), acc
 
 
 def _n_windows(L: int, kernel_size: int, kernel_stride: int) -> int:
@@ -155,16 +161,19 @@ def _zigzag_plan(lengths: tuple, W: int, r: int, device: str) -> ZigzagPlan:
         else:
             rows = torch.cat([torch.arange(seq_starts[b] // W + s * c, seq_starts[b] // W + (s + 1) * c)
                               for b, c in enumerate(chunk)]).to(dev)
-        cu_q, cu_k, cache, qa = [0], [0], [], 0
-        for b, (L, c, a, e) in enumerate(zip(lengths, chunk, starts, ends)):
-            qa += c
-            cu_q += [qa, qa]
-            cu_k += [seq_starts[b] + e, seq_starts[b + 1]]
-            cache += [a, 0]
-        lk = [cu_k[i + 1] - cu_k[i] for i in range(2 * B)]
+        if B == 1:      # no filler: the keys past the chunk's end are simply not passed
+            cu_q, cu_k, cache, k_end = [0, chunk[0]], [0, ends[0]], [starts[0]], ends[0]
+        else:
+            cu_q, cu_k, cache, qa, k_end = [0], [0], [], 0, total
+            for b, (L, c, a, e) in enumerate(zip(lengths, chunk, starts, ends)):
+                qa += c
+                cu_q += [qa, qa]
+                cu_k += [seq_starts[b] + e, seq_starts[b + 1]]
+                cache += [a, 0]
+        lk = [cu_k[i + 1] - cu_k[i] for i in range(len(cu_k) - 1)]
         slots.append(Slot(starts, ends, chunk, rows, torch.tensor(cu_q, dtype=torch.int32, device=dev),
                           torch.tensor(cu_k, dtype=torch.int32, device=dev),
-                          torch.tensor(cache, dtype=torch.int32, device=dev), max(chunk), max(lk)))
+                          torch.tensor(cache, dtype=torch.int32, device=dev), max(chunk), max(lk), k_end))
     return ZigzagPlan(lengths, W, r, dev, n_local, tuple(seq_starts), nat_from_gath.to(dev), gath_from_nat.to(dev),
                       local_rows.to(dev), tuple(slots))
 

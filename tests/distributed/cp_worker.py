@@ -227,6 +227,8 @@ def _gpu_case(lengths, HQ, H, D, cfg=None, layout=None, seed=0, **kw):
     low_out, _, low_grads = reference_sparse_grads(q, k, v, do, cu, cu, sel, L, L, True, exact=False)
     out, grads = _cp(q, k, v, do, cu, cfg, "auto", layout, **kw)
     res = _errs(out, grads, ref_out, ref_grads, cu)
+    if layout is None:
+        res["selection_mismatch_rows"] = _selection_mismatches(q, k, cu, cfg, sel, lengths)
     res |= {f"base_{n}": max_abs_err(zigzag_shard(a, cu), zigzag_shard(b, cu))
             for n, a, b in zip(("out", "dq", "dk", "dv"), (low_out,) + tuple(low_grads),
                                (ref_out,) + tuple(ref_grads))}
@@ -234,6 +236,29 @@ def _gpu_case(lengths, HQ, H, D, cfg=None, layout=None, seed=0, **kw):
             for n, a, b in zip(("out", "dq", "dk", "dv"), (one_out,) + tuple(one_grads),
                                (ref_out,) + tuple(ref_grads))}
     return res
+
+
+def _selection_mismatches(q, k, cu, cfg, sel, lengths) -> int:
+    """(KV head, token) rows of this rank whose selected block set differs from the single-GPU one: the
+    context-parallel stage 1 on its chunks (`cp._select`) against the whole sequence's, for diagnosis."""
+    from infllm_cupy.distributed.cp import _select
+    from infllm_cupy.distributed.zigzag import zigzag_plan
+    from infllm_cupy.pipeline import stages_for
+
+    plan = zigzag_plan(lengths, dist.get_world_size(), dist.get_rank(), q.device)
+    with torch.no_grad():
+        sels = _select(plan, zigzag_shard(q, cu), k, cfg, stages_for(q, "auto"))
+    bad = 0
+    for slot, s_cp in zip(plan.slots, sels):
+        rows = plan.local_rows[slot.rows] if isinstance(slot.rows, slice) else plan.local_rows[slot.rows]
+        for a, b in ((sel[:, rows], s_cp),):
+            nb = max(int(a.max()), int(b.max())) + 1
+            ma = torch.zeros(*a.shape[:2], nb + 1, dtype=torch.bool, device=a.device)
+            mb = torch.zeros_like(ma)
+            ma.scatter_(2, a.long().clamp(min=-1) % (nb + 1), True)
+            mb.scatter_(2, b.long().clamp(min=-1) % (nb + 1), True)
+            bad += int((ma[..., :nb] != mb[..., :nb]).any(-1).sum())
+    return bad
 
 
 GPU_CFG = dict(topk=16, local_blocks=4, init_blocks=1, dense_len=0, score_dtype=torch.float32)
