@@ -21,7 +21,8 @@ import torch
 from .. import _jit
 from .._checks import KERNEL_DTYPES, check_tensor
 from .._constants import HEAD_DIMS
-from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
+from .._launch import CXX_TYPE, cdiv, empty, ptr
+from ._fast import Launches
 
 SOURCE = "decode/select_decode.cu"
 TILE = 64                  # compressed keys per tile (#define SEL_TILE)
@@ -187,25 +188,24 @@ def select_decode(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, seqlens
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
     sl2 = np.float32(scale * math.log2(math.e))
     T1, R1, T2, R2 = plan.fine_tiles, plan.fine_ranges, plan.coarse_tiles, plan.coarse_ranges
-    part = torch.empty((B, H, R2, G, 2), dtype=torch.float32, device=dev)
-    blk = torch.empty((B, H, 16 * T1 * R1), dtype=torch.float32, device=dev)
-    lead = torch.empty((B, H, R1), dtype=torch.float32, device=dev)
+    # one scratch allocation (fewer allocator calls on the eager path): part float2 [B, H, R2, G] first
+    # (8-byte aligned), then blk [B, H, 16 T1 R1] and lead [B, H, R1]
+    n_part, n_blk = B * H * R2 * G * 2, B * H * 16 * T1 * R1
+    scratch = torch.empty(n_part + n_blk + B * H * R1, dtype=torch.float32, device=dev)
+    part, blk, lead = scratch[:n_part], scratch[n_part:n_part + n_blk], scratch[n_part + n_blk:]
     i32 = np.int32
     mt, T = plan.row_tiles, CXX_TYPE[q.dtype]
     ck_c = ck1 if exact else ck2
-    name = f"select_decode_coarse<{T}, {D}, {mt}>"
-    launch(_jit.get_kernel(SOURCE, name), name=name, grid=(R2, H, B), block=(128 * mt,),
-           shared_mem=plan.score_smem_bytes(D, False),
-           args=(ptr(q), ptr(ck_c), ptr(seqlens), i32(N2), i32(H), i32(G), i32(T2), i32(exact), sl2, ptr(part)))
-    name = f"select_decode_fine<{T}, {D}, {mt}>"
-    launch(_jit.get_kernel(SOURCE, name), name=name, grid=(R1, H, B), block=(128 * mt,),
-           shared_mem=plan.score_smem_bytes(D, True),
-           args=(ptr(q), ptr(ck1), ptr(seqlens), i32(N1), i32(H), i32(G), i32(T1), i32(R2), i32(exact), i32(kind),
-                 sl2, ptr(part), ptr(blk), ptr(lead)))
-    name = f"select_decode_topk<{KEY_TYPE[kind]}>"
-    launch(_jit.get_kernel(SOURCE, name), name=name, grid=(H * B,), block=(256,), shared_mem=olp * key_bytes,
-           args=(ptr(blk), ptr(lead), ptr(seqlens), i32(B), i32(H), i32(T1), i32(R1), i32(out_len), i32(olp),
-                 i32(K), i32(init_blocks), i32(local_blocks), i32(kind), ptr(topk_idx)))
+    run = Launches(dev)
+    run.add(SOURCE, f"select_decode_coarse<{T}, {D}, {mt}>", (R2, H, B), (128 * mt,), plan.score_smem_bytes(D, False),
+            (ptr(q), ptr(ck_c), ptr(seqlens), i32(N2), i32(H), i32(G), i32(T2), i32(exact), sl2, ptr(part)))
+    run.add(SOURCE, f"select_decode_fine<{T}, {D}, {mt}>", (R1, H, B), (128 * mt,), plan.score_smem_bytes(D, True),
+            (ptr(q), ptr(ck1), ptr(seqlens), i32(N1), i32(H), i32(G), i32(T1), i32(R2), i32(exact), i32(kind),
+             sl2, ptr(part), ptr(blk), ptr(lead)))
+    run.add(SOURCE, f"select_decode_topk<{KEY_TYPE[kind]}>", (H * B,), (256,), olp * key_bytes,
+            (ptr(blk), ptr(lead), ptr(seqlens), i32(B), i32(H), i32(T1), i32(R1), i32(out_len), i32(olp),
+             i32(K), i32(init_blocks), i32(local_blocks), i32(kind), ptr(topk_idx)))
+    run.run()
     return topk_idx
 
 

@@ -11,14 +11,12 @@ attention over the selected blocks. CPU tensors run the references, CUDA tensors
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from .. import _jit
 from .._checks import check_backend, check_flags, check_tensor
 from .._kernel_arg import check_kernel
 from .._constants import KV_BLOCK
-from .._launch import cdiv, empty, launch, ptr
+from .._launch import cdiv
 from ..pipeline import (
     InfLLMv2Config,
     check_config,
@@ -108,83 +106,29 @@ def layout_of(ck1: torch.Tensor, ck2: torch.Tensor, seqlens: torch.Tensor, exact
     return (out[0], out[1], out[2], out[3], out[4], cache_lens)
 
 
-def _stage1_kernel_decode(q, ck1, ck2, cu_q, cu_c1, cu_c2, cache_lens, out_len: int, cfg: InfLLMv2Config,
-                          kernel: str):
-    """The stage-1 kernel for decode with a static `out_len` (blocks of the cache's width).
-
-    `stage1_select` sizes its output from `max(cache_lens)`, a device-to-host read that a captured
-    graph cannot make and whose value changes with every step; the decode step knows a static bound
-    (the cache's width), so it launches the same kernel with the same arguments and that bound. A
-    wider `out_len` than the batch's longest sequence only adds `-1` slots when it exceeds K (blocks
-    past a query's own block become the `-1` tail). Same checks as `launch_select`, none reading values.
-    """
-    from ..stage1 import select as s1
-
-    s1._kernel_checks(q, cfg.score_dtype, cfg.block_size, cfg.kernel_stride, cfg.coarse_kernel_stride,
-                      cfg.softmax_scale)
-    total_q, HQ, D = q.shape
-    H = ck1.shape[1]
-    G = HQ // H
-    if G > s1.MAX_GROUP:
-        raise ValueError(f"q has {HQ} heads for {H} KV heads (G = {G}); the stage-1 kernel supports G <= "
-                         f"{s1.MAX_GROUP}")
-    B2 = cu_q.numel() - 1
-    sdt = torch.float32 if cfg.score_dtype is None else cfg.score_dtype
-    smem_max, smem_sm = s1._smem_limits(q.device)
-    plan = s1.stage1_plan(torch.cuda.get_device_capability(q.device), G, D, q.dtype, sdt, out_len, smem_max,
-                          smem_sm, kernel)
-    K = min(cfg.topk + cfg.local_blocks, out_len)
-    topk_idx = empty((H, total_q, K), dtype=torch.int32, device=q.device)
-    if total_q == 0 or out_len == 0 or K == 0:
-        return topk_idx
-    lgp = s1.lgp_of(G)
-    olp = cdiv(out_len, 64) * 64
-    sm90a = plan.kernel == s1.SM90A
-    tok = plan.tokens_per_cta(G)
-    if tok == 0 or (sm90a and lgp > s1.SM90_MAX_LGP):
-        raise ValueError(f"the plan's {plan.kernel} CTA of {plan.warps} warps cannot hold a token's G = {G} "
-                         f"rows")
-    key_bytes = 4 if sdt == torch.float32 else 2
-    scratch = None
-    if not plan.block_keys_in_smem:
-        scratch = torch.empty((H, total_q, olp), dtype=torch.int32 if key_bytes == 4 else torch.int16,
-                              device=q.device)
-    shared = plan.smem_bytes(G, D, q.element_size(), out_len, key_bytes)
-    if shared > smem_max:
-        raise ValueError(f"the stage-1 kernel needs {shared} B of shared memory for D = {D}, G = {G}; "
-                         f"this device allows {smem_max}")
-    scale = D ** -0.5 if cfg.softmax_scale is None else float(cfg.softmax_scale)
-    null = np.uint64(0)
-    i32 = np.int32
-    name = s1.kernel_name(q.dtype, sdt, D, sm90a)
-    fn = _jit.get_kernel(s1.SOURCE_SM90, name, sm90a=True) if sm90a else _jit.get_kernel(s1.SOURCE, name)
-    n_tiles = 1                                         # one query row per stage-1 sequence
-    launch(fn, name=name, grid=(n_tiles * B2 * H,), block=(32 * plan.warps,), shared_mem=shared,
-           args=(ptr(q), ptr(ck1), ptr(ck2), ptr(cu_q), ptr(cu_c1), ptr(cu_c2), ptr(cache_lens),
-                 ptr(topk_idx),
-                 null, null, ptr(scratch) if scratch is not None else null,
-                 i32(total_q), i32(HQ), i32(H), i32(G), i32(lgp), i32(B2), i32(n_tiles), i32(1), i32(out_len),
-                 i32(olp), i32(K), i32(0), i32(cfg.init_blocks), i32(cfg.local_blocks),
-                 i32(1 if cfg.varlen_offset_quirk else 0), i32(0), i32(s1.SCORE_KIND[sdt]),
-                 i32(s1.KERNEL_STRIDE),
-                 i32(s1.COARSE_STRIDE), np.float32(scale * 1.4426950408889634), i32(plan.topk_prefix)))
-    return topk_idx
-
-
 def select_kernel(q, ck1, ck2, seqlens, out_len: int, cfg: InfLLMv2Config, kernel: str, layout=None):
-    """Stage 1 for decode on CUDA tensors. `kernel="auto"`: the split decode kernels
-    (`select_decode`, docs/decode.md "Stage 1 for decode: the split kernels"); "sm80" / "sm90a": the
-    prefill stage-1 kernel of that name, one CTA per (sequence, KV head), over `layout_of`'s view (kept
-    as a second implementation to compare against). Both give the same selection."""
+    """Stage 1 for decode on CUDA tensors, `[H, B, K]` with the static `K = min(topk + local_blocks,
+    out_len)`. `kernel="auto"`: the split decode kernels (`select_decode`, docs/decode.md "Stage 1 for
+    decode: the split kernels"), no host read, capturable. "sm80" / "sm90a": the prefill stage-1 kernel
+    of that name through `launch_select` over `layout_of`'s view, one CTA per (sequence, KV head), kept
+    as a second implementation to compare against; it sizes its output on `max(cache_lens)` (a host
+    read, so not capturable) and is padded here with `-1` to the static K (the same selection)."""
+    if cfg.block_size != KV_BLOCK:
+        raise ValueError(f"config: block_size must be {KV_BLOCK} for the kernels, got {cfg.block_size}")
     if kernel == "auto":
-        if cfg.block_size != KV_BLOCK:
-            raise ValueError(f"config: block_size must be {KV_BLOCK} for the kernels, got {cfg.block_size}")
         return select_decode(q.contiguous(), ck1, ck2, seqlens, out_len, topk=cfg.topk,
                              local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks,
                              softmax_scale=cfg.softmax_scale, score_dtype=cfg.score_dtype, exact=cfg.exact_stage1)
+    from ..stage1.select import launch_select
+
     cu_q, k1, cu1, k2, cu2, cache_lens = layout if layout is not None else layout_of(ck1, ck2, seqlens,
                                                                                       cfg.exact_stage1)
-    return _stage1_kernel_decode(q.contiguous(), k1, k2, cu_q, cu1, cu2, cache_lens, out_len, cfg, kernel)
+    idx = launch_select(q.contiguous(), k1, k2, cu_q, cu1, cu2, 1, causal=False, cache_lens=cache_lens,
+                        softmax_scale=cfg.softmax_scale, topk=cfg.topk, local_blocks=cfg.local_blocks,
+                        init_blocks=cfg.init_blocks, block_size=cfg.block_size, score_dtype=cfg.score_dtype,
+                        kernel=kernel)
+    K = min(cfg.topk + cfg.local_blocks, out_len)
+    return torch.nn.functional.pad(idx, (0, K - idx.shape[2]), value=-1) if idx.shape[2] < K else idx
 
 
 def decode_select(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Config | None = None,

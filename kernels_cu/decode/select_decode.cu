@@ -49,6 +49,14 @@
 
 __device__ __forceinline__ int sel_windows(int L, int ks, int st) { return L < ks ? 0 : (L - ks) / st + 1; }
 
+// (M, Z) <- the pair of the union of two sets given by their (max, sum of 2^(x - max)) in log2 units.
+__device__ __forceinline__ void sel_merge_pair(float& M, float& Z, float m, float z) {
+    const float mn = fmaxf(M, m);
+    if (mn == -INFLLM_INF) return;              // both empty
+    Z = Z * exp2f(M - mn) + z * exp2f(m - mn);
+    M = mn;
+}
+
 // Dynamic shared memory of the score kernels: Q [16 MT rows], the ck ring, per-warp row stats / group
 // sums, then (fine kernel) the range's scores.
 template <int D, int MT>
@@ -208,21 +216,38 @@ select_decode_fine(const T* __restrict__ q, const T* __restrict__ ck1, const int
         if (st < nt) sel_load_tile<T, D, MT>(ck_s + st * SM::TILE, ck1, b, h, H, N1, n1, k0 + st * SEL_TILE, tid);
         cp_async_commit();
     }
-    // the exact coarse normaliser of each head: merge the R2 (max, sum) partials (while the tiles load)
-    for (int g = tid; g < 16 * MT; g += 128 * MT) {
-        float bias = INFLLM_INF;                     // padding rows: 2^(x - inf) = 0
-        if (g < G && n2 > 0) {
-            const float2* p = part + ((int64)b * H + h) * R2 * G + g;
-            float M = -INFLLM_INF;
-            for (int r = 0; r < R2; ++r) M = fmaxf(M, p[(int64)r * G].x);
-            float Z = 0.f;
-            for (int r = 0; r < R2; ++r) {
-                const float2 x = p[(int64)r * G];
-                Z += x.x == -INFLLM_INF ? 0.f : x.y * exp2f(x.x - M);
+    // the exact coarse normaliser of each head: merge the R2 (max, sum) partials while the tiles load.
+    // Warp w takes heads w + 4 MT i (i < 4 covers the 16 MT rows), its lanes ranges lane + 32 k; all
+    // loads of a round are issued before use (one memory latency per 32 ranges, not one per range),
+    // and the butterfly's fixed order gives every fine CTA of the row the same bias bit for bit.
+    {
+        constexpr int NW = 4 * MT;
+        const float2* pb = part + ((int64)b * H + h) * R2 * G;
+        float M[4], Z[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) { M[i] = -INFLLM_INF; Z[i] = 0.f; }
+        for (int r0 = 0; r0 < R2; r0 += 32) {
+            const int r = r0 + lane;
+            float2 x[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int g = warp + NW * i;
+                x[i] = g < G && r < R2 && n2 > 0 ? pb[(int64)r * G + g] : make_float2(-INFLLM_INF, 0.f);
             }
-            bias = M + log2f(Z);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) sel_merge_pair(M[i], Z[i], x[i].x, x[i].y);
         }
-        bias_s[g] = bias;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+#pragma unroll
+            for (int o = 16; o; o >>= 1) {
+                const float mo = __shfl_xor_sync(S1_FULL, M[i], o), zo = __shfl_xor_sync(S1_FULL, Z[i], o);
+                sel_merge_pair(M[i], Z[i], mo, zo);
+            }
+            const int g = warp + NW * i;        // padding rows and rows of a sequence without coarse keys:
+            if (lane == 0)                       // 2^(x - inf) = 0
+                bias_s[g] = g < G && n2 > 0 && M[i] != -INFLLM_INF ? M[i] + log2f(Z[i]) : INFLLM_INF;
+        }
     }
     for (int i = tid; i < 64 * T1; i += 128 * MT) sc[i] = -INFLLM_INF;
     __syncthreads();

@@ -111,6 +111,14 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
         int* row_s = list + per_split;                  // entries [0, e1) of the row: one coalesced read
         for (int i = tid; i < e1; i += NT) row_s[i] = row[i];
         __syncthreads();
+        // a row whose valid entries come first and ascend strictly (what stage 1 writes) repeats no
+        // block: then the quadratic first-occurrence scan below is skipped
+        int ascending = 1;
+        for (int i = tid; i + 1 < e1; i += NT) {
+            const int a = row_s[i], c = row_s[i + 1];
+            ascending &= c < 0 || (a >= 0 && a < c);
+        }
+        const bool no_repeats = __syncthreads_and(ascending) != 0;
         int base = 0;
         for (int c0 = e0; c0 < e1; c0 += NT) {
             const int i = c0 + tid;
@@ -119,8 +127,9 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
             if (i < e1) {
                 x = row_s[i];
                 bool dup = false;
+                if (!no_repeats)
 #pragma unroll 4
-                for (int j = 0; j < i; ++j) dup |= row_s[j] == x;   // count a repeated block once
+                    for (int j = 0; j < i; ++j) dup |= row_s[j] == x;   // count a repeated block once
                 keep = x >= 0 && x < nb && !dup;
             }
             const unsigned bal = __ballot_sync(0xffffffffu, keep);
