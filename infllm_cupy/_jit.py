@@ -12,13 +12,21 @@ that every kernel builds for sm_80 and sm_90, and a cheap regression check on re
 
 Each launcher declares the template instances it uses with `register_instances`, so the CPU
 check covers every kernel the package can launch.
+
+The disk cache under faults (docs/reliability.md, "5. The run-time compiler under faults"): a
+truncated or corrupted entry fails its checksum and is recompiled and replaced, with a warning
+naming the file; an unreadable entry is recompiled; a cache folder that cannot be written leaves
+compiled kernels in the process, with one warning; two processes compiling the same kernel each
+write a complete file and rename it into place, so neither ever reads a partial one.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import hashlib
+import os
 import re
+import warnings
 from pathlib import Path
 
 from . import _env
@@ -162,6 +170,89 @@ def device_capability() -> tuple[int, int]:
     return torch.cuda.get_device_capability()
 
 
+# --------------------------------------------------------------------------------------------
+# Disk cache under faults
+# --------------------------------------------------------------------------------------------
+class KernelCacheWarning(RuntimeWarning):
+    """The kernel disk cache met a fault (corrupt entry, unreadable file, read-only folder) and went on."""
+
+
+_WARNED: set = set()
+
+
+def _warn(msg: str, once_key=None) -> None:
+    if once_key is not None:
+        if once_key in _WARNED:
+            return
+        _WARNED.add(once_key)
+    warnings.warn(msg, KernelCacheWarning, stacklevel=3)
+
+
+@functools.cache
+def _cache_class():
+    from cupy.cuda import _compiler_cache as cc
+
+    class KernelDiskCache(cc.DiskKernelCacheBackend):
+        """CuPy's disk cache (entries prefixed with their SHA-1, written to a temporary file and renamed
+        into place) with its faults turned into recompiles and warnings instead of exceptions."""
+
+        def __init__(self, cache_dir: str | None = None):
+            self._disabled = False
+            try:
+                super().__init__(cache_dir)
+            except OSError as e:   # the folder cannot be created: run uncached
+                self._cache_dir = cache_dir or cc._default_cache_dir
+                self._save_cuda_source = False
+                self._disabled = True
+                _warn(f"kernel cache folder {self._cache_dir} cannot be created ({e}); compiled kernels are "
+                      f"kept in this process only (set CUPY_CACHE_DIR to a writable folder)", self._cache_dir)
+
+        @property
+        def cache_dir(self) -> str:
+            return self._cache_dir
+
+        def load(self, name: str) -> bytes | None:
+            if self._disabled:
+                return None
+            path = os.path.join(self._cache_dir, name)
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except FileNotFoundError:
+                return None
+            except OSError as e:
+                _warn(f"kernel cache entry {path} cannot be read ({e}); recompiling")
+                return None
+            payload = self._decode_cubin(data)
+            if payload is None:
+                _warn(f"kernel cache entry {path} is truncated or corrupted ({len(data)} bytes, checksum "
+                      f"mismatch); recompiling and replacing it")
+            return payload
+
+        def save(self, name: str, cubin: bytes, source: str) -> None:
+            if self._disabled:
+                return
+            try:
+                super().save(name, cubin, source)
+            except OSError as e:
+                _warn(f"kernel cache folder {self._cache_dir} is not writable ({e}); compiled kernels are kept "
+                      f"in this process only (set CUPY_CACHE_DIR to a writable folder)", self._cache_dir)
+
+    return KernelDiskCache
+
+
+def install_kernel_cache():
+    """Put `KernelDiskCache` in place of CuPy's default disk cache (same folder), once; a backend
+    the user installed is left alone. Returns the backend in use. Needs CuPy, not a GPU."""
+    from cupy.cuda import _compiler_cache as cc
+    from cupy.cuda import compiler
+
+    current = compiler._kernel_cache_backend
+    if type(current) is cc.DiskKernelCacheBackend:
+        compiler._set_kernel_cache_backend(_cache_class()(current._cache_dir))
+    return compiler._kernel_cache_backend
+
+
 def get_kernel(source: str, name: str, *, sm90a: bool = False):
     """Compile (once per process; once per machine through CuPy's disk cache) and return a kernel.
 
@@ -197,6 +288,7 @@ def get_kernel(source: str, name: str, *, sm90a: bool = False):
         if cap != (9, 0):
             raise ValueError(f"kernel {name} needs sm_90a (compute capability 9.0); this device is {cap}")
         options += ("-arch=sm_90a",)
+    install_kernel_cache()
     with cupy.cuda.Device(dev):
         mod = cupy.RawModule(code=_code(source), options=options,
                              name_expressions=[name])

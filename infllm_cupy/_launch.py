@@ -22,13 +22,52 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# The shapes behind the pointers handed out lately, so that a failed launch can name what its pointer
+# arguments were (docs/reliability.md, "5. The run-time compiler under faults"): one dict store per
+# pointer (dtype and torch.Size references, formatted only on failure), forgotten past 1024 entries.
+_PTR_SHAPES: dict = {}
+_PTR_SHAPES_MAX = 1024
+
+
+def _remember(address: int, t: torch.Tensor) -> None:
+    if len(_PTR_SHAPES) >= _PTR_SHAPES_MAX:
+        _PTR_SHAPES.clear()
+    _PTR_SHAPES[address] = (t.dtype, t.shape)
+
+
 def ptr(t: torch.Tensor) -> np.uint64:
     """Device pointer of a contiguous CUDA tensor, as a kernel argument."""
     if not t.is_cuda:
         raise ValueError(f"expected a CUDA tensor, got one on {t.device}")
     if not t.is_contiguous():
         raise ValueError("kernels read contiguous tensors; call .contiguous() first")
-    return np.uint64(t.data_ptr())
+    address = t.data_ptr()
+    _remember(address, t)
+    return np.uint64(address)
+
+
+def describe_args(args) -> str:
+    """The kernel arguments in words: pointers as the tensors they came from (`bfloat16[1000, 32,
+    128]`, when `ptr` made them), scalars as `int32 5`, tensor maps by their size."""
+    out = []
+    for i, a in enumerate(args):
+        if isinstance(a, np.uint64):
+            known = _PTR_SHAPES.get(int(a))
+            what = f"{str(known[0]).replace('torch.', '')}{list(known[1])}" if known else "pointer"
+            out.append(f"arg{i}={what}@{int(a):#x}" if int(a) else f"arg{i}=nullptr")
+        elif isinstance(a, np.generic):
+            out.append(f"arg{i}={a.dtype} {a.item()!r}")
+        elif isinstance(a, np.ndarray):
+            out.append(f"arg{i}=array {a.dtype}{list(a.shape)}")
+        else:
+            out.append(f"arg{i}={type(a).__name__}")
+    return ", ".join(out)
+
+
+def launch_error(name: str, grid, block, shared_mem: int, args, err: BaseException) -> RuntimeError:
+    """The exception a failed launch raises: the kernel, its launch shape and its arguments' shapes."""
+    return RuntimeError(f"launch of kernel {name} failed: {err}\n  grid={tuple(grid)}, block={tuple(block)}, "
+                        f"dynamic shared memory={shared_mem} B\n  arguments: {describe_args(args)}")
 
 
 def current_stream():
@@ -62,19 +101,18 @@ def launch(kernel, *, name: str, grid, block, args, shared_mem: int = 0, pdl: bo
     grid = tuple(int(g) for g in grid)
     if any(g <= 0 for g in grid):
         return  # nothing to do: an empty grid is not a launch error
-    if shared_mem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared_mem:
-        kernel.max_dynamic_shared_size_bytes = shared_mem
     block = tuple(int(b) for b in block)
     try:
+        if shared_mem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared_mem:
+            kernel.max_dynamic_shared_size_bytes = shared_mem
         with torch.cuda.device(torch.cuda.current_device()):
             stream = current_stream()
             if pdl:
                 _launch_programmatic(kernel, grid, block, args, shared_mem, stream.ptr)
             else:
                 kernel(grid, block, args, shared_mem=shared_mem, stream=stream)
-    except (cupy.cuda.driver.CUDADriverError, _DriverError) as e:
-        raise RuntimeError(f"launch of kernel {name} failed (grid={grid}, block={block}, "
-                           f"shared_mem={shared_mem}): {e}") from e
+    except (cupy.cuda.driver.CUDADriverError, cupy.cuda.runtime.CUDARuntimeError, _DriverError) as e:
+        raise launch_error(name, grid, block, shared_mem, args, e) from e
 
 
 class _DriverError(RuntimeError):

@@ -130,3 +130,120 @@ def test_wgmma_rates_tool_compiles_without_a_gpu():
     n = int(head.split()[1])
     assert n > 0 and log.count("Used ") == n, r.stdout
     assert "C7511" not in log, log
+
+
+# ------------------------------------------------------------------------------------------------
+# the disk cache under faults (docs/reliability.md, "5. The run-time compiler under faults"): the
+# backend CuPy's compile path loads from and saves to, exercised without a GPU
+# ------------------------------------------------------------------------------------------------
+cupy_cache = pytest.importorskip("cupy.cuda._compiler_cache", reason="CuPy (the gpu extra) not installed")
+
+
+def _cache(path):
+    return _jit._cache_class()(str(path))
+
+
+def test_cache_entry_round_trip_and_corruption_recompiles(tmp_path):
+    cache = _cache(tmp_path)
+    payload = os.urandom(4096)
+    cache.save("k.cubin", payload, "source")
+    assert cache.load("k.cubin") == payload
+    assert cache.load("absent.cubin") is None
+    entry = tmp_path / "k.cubin"
+    good = entry.read_bytes()
+    for name, bad in (("truncated", good[:-100]), ("cut inside the checksum", good[:10]), ("empty", b""),
+                      ("a flipped byte", good[:2000] + bytes([good[2000] ^ 1]) + good[2001:])):
+        entry.write_bytes(bad)
+        with pytest.warns(_jit.KernelCacheWarning, match=r"k\.cubin is truncated or corrupted.*recompiling"):
+            assert cache.load("k.cubin") is None, name
+        # the recompile saves over it; the next load is clean
+        cache.save("k.cubin", payload, "source")
+        assert cache.load("k.cubin") == payload
+
+
+def test_unreadable_cache_entry_recompiles(tmp_path):
+    cache = _cache(tmp_path)
+    (tmp_path / "k.cubin").mkdir()                      # something there that cannot be read as a file
+    with pytest.warns(_jit.KernelCacheWarning, match=r"k\.cubin cannot be read.*recompiling"):
+        assert cache.load("k.cubin") is None
+
+
+def test_unwritable_cache_folder_warns_once_and_goes_on(tmp_path):
+    # a folder that cannot exist (a file is in its place): fails for root too
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("x")
+    _jit._WARNED.discard(str(blocker))
+    with pytest.warns(_jit.KernelCacheWarning, match="cannot be created.*kept in this process only"):
+        cache = _cache(blocker)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                  # once per folder: no second warning
+        cache.save("k.cubin", b"payload", "source")
+        assert cache.load("k.cubin") is None
+    if os.geteuid() != 0:                               # a read-only folder (root writes anyway)
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o555)
+        try:
+            with pytest.warns(_jit.KernelCacheWarning, match="is not writable.*kept in this process only"):
+                _cache(ro).save("k.cubin", b"payload", "source")
+        finally:
+            ro.chmod(0o755)
+
+
+_WRITER = """
+import os, sys
+from infllm_cupy import _jit
+cache = _jit._cache_class()(sys.argv[1])
+for i in range(int(sys.argv[3])):
+    cache.save("k.cubin", bytes([int(sys.argv[2])]) * (1 << 20), "source")
+"""
+
+
+def test_two_processes_writing_one_entry_never_expose_a_partial_file(tmp_path):
+    """Two processes compiling the same kernel save the same entry at once; a reader meanwhile sees
+    nothing, or one writer's complete entry, never a torn one (write to a temporary file, rename)."""
+    import warnings
+
+    cache = _cache(tmp_path)
+    writers = [subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), str(b), "40"]) for b in (1, 2)]
+    seen = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", _jit.KernelCacheWarning)
+        while any(w.poll() is None for w in writers):
+            got = cache.load("k.cubin")
+            if got is not None:
+                assert got in (b"\x01" * (1 << 20), b"\x02" * (1 << 20))
+                seen.add(got[0])
+    assert all(w.returncode == 0 for w in writers)
+    assert cache.load("k.cubin") in (b"\x01" * (1 << 20), b"\x02" * (1 << 20))
+    assert not [p for p in tmp_path.iterdir() if p.name != "k.cubin"], "temporary files left behind"
+
+
+def test_install_kernel_cache_replaces_only_cupys_default():
+    from cupy.cuda import compiler
+
+    saved = compiler._kernel_cache_backend
+    try:
+        compiler._set_kernel_cache_backend(cupy_cache.DiskKernelCacheBackend(saved._cache_dir))
+        ours = _jit.install_kernel_cache()
+        assert type(ours).__name__ == "KernelDiskCache" and ours.cache_dir == saved._cache_dir
+        assert _jit.install_kernel_cache() is ours                     # once
+        mine = cupy_cache.KernelCacheBackend.__new__(type("UserBackend", (cupy_cache.KernelCacheBackend,),
+                                                          {"load": lambda s, n: None, "save": lambda *a: None}))
+        compiler._set_kernel_cache_backend(mine)
+        assert _jit.install_kernel_cache() is mine                     # a user's backend is left alone
+    finally:
+        compiler._set_kernel_cache_backend(saved)
+
+
+@pytest.mark.nvrtc
+def test_two_processes_compiling_one_kernel_at_once():
+    code = ("from infllm_cupy import _jit; r = _jit.compile_report('compress/mean_pool.cu', "
+            "['compress_mean_pool<float, 64>'], 'sm_80'); print(r.kernels[0].registers)")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert outs[0][0] == outs[1][0] and int(outs[0][0]) > 0

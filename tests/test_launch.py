@@ -24,3 +24,58 @@ def test_programmatic_launch_rejects_python_scalars():
     # a Python int has no fixed C type: it must fail before anything reaches the driver
     with pytest.raises(TypeError, match="NumPy scalars or arrays, got int"):
         _launch._launch_programmatic(None, (1,), (32,), (np.int32(1), 3), 0, 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# a failed launch names the kernel and its arguments' shapes (docs/reliability.md, "5. The run-time
+# compiler under faults")
+# ------------------------------------------------------------------------------------------------
+def test_launch_error_names_kernel_grid_and_argument_shapes():
+    import torch
+
+    q = torch.zeros(7, 4, 64, dtype=torch.bfloat16)
+    _launch._remember(0x7000, q)
+    err = _launch.launch_error("stage2_fwd<__nv_bfloat16, 64>", (3, 2), (128,), 49152,
+                               (np.uint64(0x7000), np.uint64(0x9990), np.uint64(0), np.int32(7), np.float32(0.125),
+                                np.zeros(128, np.uint8)), RuntimeError("CUDA_ERROR_INVALID_VALUE"))
+    msg = str(err)
+    assert "stage2_fwd<__nv_bfloat16, 64>" in msg and "CUDA_ERROR_INVALID_VALUE" in msg
+    assert "grid=(3, 2), block=(128,), dynamic shared memory=49152 B" in msg
+    assert "arg0=bfloat16[7, 4, 64]@0x7000" in msg and "arg1=pointer@0x9990" in msg and "arg2=nullptr" in msg
+    assert "arg3=int32 7" in msg and "arg4=float32 0.125" in msg and "arg5=array uint8[128]" in msg
+
+
+def test_failed_launch_raises_with_the_description(monkeypatch):
+    # the driver's refusal, mocked (no GPU here): launch() turns it into the described RuntimeError
+    import contextlib
+
+    pytest.importorskip("cupy")
+
+    class Refusing:
+        max_dynamic_shared_size_bytes = 0
+
+        def __call__(self, *a, **k):
+            raise _launch._DriverError("cuLaunchKernel: error 1 (invalid argument)")
+
+    monkeypatch.setattr(_launch.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_launch.torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(_launch, "current_stream", lambda: None)
+    with pytest.raises(RuntimeError, match=r"(?s)launch of kernel compress_mean_pool failed: cuLaunchKernel.*"
+                                           r"grid=\(4,\), block=\(64,\).*arg0=int32 3"):
+        _launch.launch(Refusing(), name="compress_mean_pool", grid=(4,), block=(64,), args=(np.int32(3),))
+
+
+@pytest.mark.gpu
+def test_a_real_failed_launch_names_the_kernel_and_shapes():
+    import torch
+
+    from infllm_cupy import _jit
+    from infllm_cupy.compress import mean_pool
+
+    k = torch.randn(100, 2, 64, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(5, 2, 64, device="cuda", dtype=torch.bfloat16)
+    kern = _jit.get_kernel(mean_pool.SOURCE, "compress_mean_pool<__nv_bfloat16, 64>")
+    # 4096 threads per block: every GPU refuses the launch itself
+    with pytest.raises(RuntimeError, match=r"(?s)compress_mean_pool.*block=\(4096,\).*bfloat16\[100, 2, 64\]"):
+        _launch.launch(kern, name="compress_mean_pool", grid=(1,), block=(4096,),
+                       args=(_launch.ptr(k), _launch.ptr(out), np.int32(5)))
