@@ -21,18 +21,24 @@ class Launches:
         self.device = device
         self.items = []
 
-    def add(self, source: str, name: str, grid, block, shared_mem: int, args) -> None:
+    def add(self, source: str, name: str, grid, block, shared_mem: int, args, *, pdl: bool = False) -> None:
+        """`pdl`: launch as a programmatic dependent of the launch before it (sm_90 only; elsewhere a
+        plain launch). The kernel must wait (griddepcontrol.wait) before reading that one's output."""
         self.items.append((source, name, tuple(int(g) for g in grid), tuple(int(b) for b in block),
-                           int(shared_mem), args))
+                           int(shared_mem), args, pdl))
 
     def run(self) -> None:
         items = [it for it in self.items if all(g > 0 for g in it[2])]   # an empty grid launches nothing
         if not items:
             return
+        pdl_ok = torch.cuda.get_device_capability(self.device)[0] >= 9
         with torch.cuda.device(self.device):
             stream = current_stream()
-            for source, name, grid, block, smem, args in items:
+            for source, name, grid, block, smem, args, pdl in items:
                 kern = _jit.get_kernel(source, name)
+                if pdl and pdl_ok:
+                    launch(kern, name=name, grid=grid, block=block, args=args, shared_mem=smem, pdl=True)
+                    continue
                 try:
                     if smem > _BIG_SMEM and kern.max_dynamic_shared_size_bytes < smem:
                         kern.max_dynamic_shared_size_bytes = smem

@@ -38,6 +38,9 @@ MAX_SMEM = 227 * 1024      # dynamic shared memory of one CTA on sm_90 (sm_80: 1
 # fine range stay in shared memory).
 CTAS_PER_SM = 2
 MAX_TILES = 64
+# The fine and top-k launches as programmatic dependents of the launch before them (sm_90): the fine
+# kernel's Q and ck1 loads overlap the coarse kernel, and two launch gaps of a graph replay shrink.
+PDL = True
 
 _jit.register_instances(SOURCE, [f"select_decode_{k}<{CXX_TYPE[t]}, {d}, {mt}>" for k in ("coarse", "fine")
                                  for t in KERNEL_DTYPES for d in HEAD_DIMS for mt in ROW_TILES])
@@ -201,10 +204,10 @@ def select_decode(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, seqlens
             (ptr(q), ptr(ck_c), ptr(seqlens), i32(N2), i32(H), i32(G), i32(T2), i32(exact), sl2, ptr(part)))
     run.add(SOURCE, f"select_decode_fine<{T}, {D}, {mt}>", (R1, H, B), (128 * mt,), plan.score_smem_bytes(D, True),
             (ptr(q), ptr(ck1), ptr(seqlens), i32(N1), i32(H), i32(G), i32(T1), i32(R2), i32(exact), i32(kind),
-             sl2, ptr(part), ptr(blk), ptr(lead)))
+             sl2, ptr(part), ptr(blk), ptr(lead)), pdl=PDL)
     run.add(SOURCE, f"select_decode_topk<{KEY_TYPE[kind]}>", (H * B,), (256,), olp * key_bytes,
             (ptr(blk), ptr(lead), ptr(seqlens), i32(B), i32(H), i32(T1), i32(R1), i32(out_len), i32(olp),
-             i32(K), i32(init_blocks), i32(local_blocks), i32(kind), ptr(topk_idx)))
+             i32(K), i32(init_blocks), i32(local_blocks), i32(kind), ptr(topk_idx)), pdl=PDL)
     run.run()
     return topk_idx
 

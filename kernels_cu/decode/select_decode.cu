@@ -32,6 +32,9 @@
 //   completes each row (block j of range r's last slot: max with lead[r + 1]; blocks past the last
 //   fine key: -inf; padding: key 0; forced blocks) and writes topk_idx int32 [H, B, K].
 //
+// The fine and top-k kernels may be launched as programmatic dependents of the kernel before them
+// (sm_90): each waits (griddepcontrol.wait) before reading what that kernel wrote.
+//
 // Why (docs/decode.md): at 128k a sequence has 8191 fine windows per KV head (2 MB at D = 128); one CTA
 // per (sequence, KV head) leaves most of a 132-SM GPU idle. Splitting the windows over ranges makes the
 // scan bandwidth-bound; what crosses ranges is small and merged exactly: the coarse normaliser (a
@@ -48,6 +51,21 @@
 #define SEL_COARSE_ST 64
 
 __device__ __forceinline__ int sel_windows(int L, int ks, int st) { return L < ks ? 0 : (L - ks) / st + 1; }
+
+// Programmatic dependent launch (sm_90; no-ops below, and in a grid launched without the attribute):
+// the fine kernel starts while the coarse kernel runs and loads its Q and ck1 tiles (written before
+// the coarse kernel started), then waits for the coarse partials; the top-k kernel's launch overlaps
+// the fine kernel's tail. A grid's wait returns once the grid before it has completed and flushed.
+__device__ __forceinline__ void sel_pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void sel_pdl_trigger() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
 
 // (M, Z) <- the pair of the union of two sets given by their (max, sum of 2^(x - max)) in log2 units.
 __device__ __forceinline__ void sel_merge_pair(float& M, float& Z, float m, float z) {
@@ -120,6 +138,7 @@ select_decode_coarse(const T* __restrict__ q, const T* __restrict__ ck2, const i
     typedef SelSmem<D, MT> SM;
     extern __shared__ __align__(128) unsigned char smem[];
     const int r2 = blockIdx.x, h = blockIdx.y, b = blockIdx.z, R2 = gridDim.x;
+    sel_pdl_trigger();                               // the fine kernel may start its prologue now
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, mt = warp >> 2, kw = warp & 3;
     const int g4 = lane >> 2, c4 = lane & 3;
     const int L = seqlens[b];
@@ -204,7 +223,10 @@ select_decode_fine(const T* __restrict__ q, const T* __restrict__ ck1, const int
     const int n1 = sel_windows(L, SEL_FINE_KS, SEL_FINE_ST);
     const int n2 = exact ? n1 : sel_windows(L, SEL_COARSE_KS, SEL_COARSE_ST);
     const int k0 = r1 * T1 * SEL_TILE - 1;            // the key block 16 T1 r1 shares with the previous range
-    if (r1 > 0 && k0 >= n1) return;                  // no block of this range has a key (never read)
+    if (r1 > 0 && k0 >= n1) {                        // no block of this range has a key (never read)
+        sel_pdl_wait();                              // (completes after the coarse grid, as every CTA)
+        return;
+    }
     const int nt = max(0, min(T1, (n1 - k0 + SEL_TILE - 1) / SEL_TILE));
     const u32 s_base = smem_u32(smem), q_s = s_base + SM::Q, ck_s = s_base + SM::CK;
     float* red = reinterpret_cast<float*>(smem + SM::RED);     // [MT][64] group sums of the tile
@@ -220,6 +242,7 @@ select_decode_fine(const T* __restrict__ q, const T* __restrict__ ck1, const int
     // Warp w takes heads w + 4 MT i (i < 4 covers the 16 MT rows), its lanes ranges lane + 32 k; all
     // loads of a round are issued before use (one memory latency per 32 ranges, not one per range),
     // and the butterfly's fixed order gives every fine CTA of the row the same bias bit for bit.
+    sel_pdl_wait();                                  // the coarse partials are complete from here
     {
         constexpr int NW = 4 * MT;
         const float2* pb = part + ((int64)b * H + h) * R2 * G;
@@ -305,6 +328,7 @@ select_decode_fine(const T* __restrict__ q, const T* __restrict__ ck1, const int
         blk[row * nbr * R1 + (int64)r1 * nbr + jl] = mx;
     }
     if (tid == 0) lead[row * R1 + r1] = sc[0];
+    sel_pdl_trigger();
 }
 
 template <typename KT>
@@ -315,6 +339,7 @@ select_decode_topk(const float* __restrict__ blk, const float* __restrict__ lead
     extern __shared__ __align__(16) unsigned char smem[];
     KT* rowk = reinterpret_cast<KT*>(smem);
     const int h = blockIdx.x / B, b = blockIdx.x % B, tid = threadIdx.x;
+    sel_pdl_wait();                                  // blk and lead of the fine kernel
     const int L = seqlens[b];
     const int n1 = sel_windows(L, SEL_FINE_KS, SEL_FINE_ST);
     const int nbv = n1 > 0 ? n1 / 4 + 1 : 0;          // blocks j with a fine key (4 j - 1 < n1)
