@@ -2,8 +2,8 @@ r"""Context parallelism (infllm_cupy.distributed): W GPUs against 1 at the same 
 
     torchrun --nproc_per_node 2 benchmarks/bench_cp.py                          # 128k and 256k, search, 2 H100s
     torchrun --nproc_per_node 2 benchmarks/bench_cp.py --lengths 262144 --no-search --json cp.json
-    torchrun --nproc_per_node 8 benchmarks/bench_cp.py --lengths 1048576 --skip-single --no-search \
-        --check-blocks 8                                                       # issue #28: 1M tokens, 8 ranks
+    torchrun --nproc_per_node 8 benchmarks/bench_cp.py --lengths 1048576 --ranks 2,4,8 --skip-single \
+        --no-search --check-blocks 8          # issue #28: 1M tokens on 8 ranks, and on 2 and 4 at the same length
     torchrun --nproc_per_node 2 benchmarks/bench_cp.py --device cpu --lengths 1024 --q-heads 4 --kv-heads 2 \
         --head-dim 16 --topk 4 --local-blocks 2 --no-search --rep 1           # CPU smoke run (gloo, references)
 
@@ -11,7 +11,7 @@ One sequence of L tokens (README head config by default: HQ 32, H 2, D 128, bf16
 with topk 64 + local 32 = K 96 blocks, `dense_len = 0`), unit-normal inputs generated chunk by chunk
 from one seed, so every rank makes only its own zigzag chunks and the single-GPU run the same tensors.
 
-Rows, per length:
+Rows, per length (and per group size of `--ranks`: the layer on the first n ranks, the others idle):
     single   `infllmv2_attention` on rank 0's GPU alone (the other ranks wait); skipped with
              `--skip-single` or when it does not fit (OOM is caught and reported)
     cp       `cp_infllmv2_attention` on all W ranks; ms is the slowest rank's median
@@ -78,6 +78,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--skip-single", action="store_true", help="no single-GPU rows (lengths one GPU cannot hold)")
+    p.add_argument("--ranks", default=None,
+                   help="comma-separated group sizes to run the layer on, each the first n ranks (issue #28's "
+                        "scaling: 2,4,8 on 8 GPUs). Default: the whole world")
     p.add_argument("--grad-reduce-dtype", default="input", choices=("input", "float32"))
     p.add_argument("--search", dest="search", action="store_true", default=True)
     p.add_argument("--no-search", dest="search", action="store_false")
@@ -88,6 +91,7 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     a.lengths = [int(x) for x in a.lengths.split(",") if x]
     a.modes = [m for m in a.modes.split(",") if m]
+    a.ranks = [int(x) for x in a.ranks.split(",") if x] if a.ranks else None
     bad = [m for m in a.modes if m not in ("fwd", "fwdbwd")]
     if bad:
         p.error(f"--modes: unknown {bad}; choose from ['fwd', 'fwdbwd']")
@@ -97,16 +101,29 @@ def parse_args(argv=None):
 class Ctx:
     def __init__(self, a):
         self.a = a
-        self.rank, self.W = dist.get_rank(), dist.get_world_size()
+        self.world_rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.sizes = a.ranks or [self.world]
+        bad = [n for n in self.sizes if not 1 <= n <= self.world]
+        if bad:
+            raise SystemExit(f"--ranks: {bad} outside 1..{self.world}")
+        # every rank takes part in creating every group (new_group is collective over the world)
+        self.groups = {n: (None if n == self.world else dist.new_group(list(range(n)))) for n in self.sizes}
+        self.use(self.world)
         self.dev = torch.device("cuda", torch.cuda.current_device()) if a.device == "cuda" else torch.device("cpu")
         self.dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
         self.cfg = InfLLMv2Config(topk=a.topk, local_blocks=a.local_blocks, dense_len=0)
         self.reduce_dtype = torch.float32 if a.grad_reduce_dtype == "float32" else None
         self.backend = "auto" if a.device == "cuda" else "reference"
-        self.granule = 2 * self.W * 64
+        self.granule = 2 * max(self.sizes) * 64
+
+    def use(self, n: int) -> None:
+        """Run the layer on the first n ranks: `group`, `W`, this rank's `rank` in it (or -1), `active`."""
+        self.group, self.W = self.groups.get(n), n
+        self.active = self.world_rank < n
+        self.rank = self.world_rank if self.active else -1
 
     def log(self, *x):
-        if self.rank == 0:
+        if self.world_rank == 0:
             print(*x, flush=True)
 
     def sync(self):
@@ -122,7 +139,7 @@ class Ctx:
         return torch.cuda.max_memory_allocated() / GiB if self.dev.type == "cuda" else float("nan")
 
     def gather(self, x: float) -> list[float]:
-        out = [None] * self.W
+        out = [None] * self.world
         dist.all_gather_object(out, x)
         return out
 
@@ -160,7 +177,7 @@ def time_rows(c: Ctx, fns: dict, reps: int) -> dict:
 def single_rows(c: Ctx, L: int) -> dict:
     """Rank 0 alone: ms per mode and peak GiB of one fwd+bwd, or an OOM note."""
     res: dict = {}
-    if c.rank != 0:
+    if c.world_rank != 0:
         return res
     try:
         q, k, v = (full_tensor(c, x, L).requires_grad_() for x in ("q", "k", "v"))
@@ -199,7 +216,8 @@ def cp_inputs(c: Ctx, L: int):
 
 
 def cp_call(c: Ctx, q, k, v, cu, **kw):
-    return cp_infllmv2_attention(q, k, v, cu, c.cfg, backend=c.backend, grad_reduce_dtype=c.reduce_dtype, **kw)
+    return cp_infllmv2_attention(q, k, v, cu, c.cfg, group=c.group, backend=c.backend,
+                                 grad_reduce_dtype=c.reduce_dtype, **kw)
 
 
 def cp_rows(c: Ctx, L: int) -> dict:
@@ -226,12 +244,12 @@ def cp_rows(c: Ctx, L: int) -> dict:
     g = torch.zeros(k.shape[0] * c.W, *k.shape[1:], dtype=rd, device=c.dev)
 
     def gather_kv():
-        all_gather_rows(k.detach(), None)
-        all_gather_rows(v.detach(), None)
+        all_gather_rows(k.detach(), c.group)
+        all_gather_rows(v.detach(), c.group)
 
     def scatter_dkdv():
-        reduce_scatter_rows(g, None)
-        reduce_scatter_rows(g, None)
+        reduce_scatter_rows(g, c.group)
+        reduce_scatter_rows(g, c.group)
 
     comm = time_rows(c, {"fwd": gather_kv, "fwdbwd": scatter_dkdv}, c.a.rep)
     per_rank_rows = (c.W - 1) * k.shape[0]
@@ -295,7 +313,7 @@ def check_blocks(c: Ctx, L: int, q, k, v, do, cu) -> dict:
 
 def probe_single(c: Ctx, L: int) -> bool:
     ok = None
-    if c.rank == 0:
+    if c.world_rank == 0:
         try:
             q, k, v = (full_tensor(c, x, L).requires_grad_() for x in ("q", "k", "v"))
             cu = torch.tensor([0, L], dtype=torch.int32, device=c.dev)
@@ -377,45 +395,51 @@ def main(argv=None):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if a.device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=300))
     c = Ctx(a)
-    env = env_stamp() if c.rank == 0 else {}
-    c.log(f"bench_cp: W = {c.W} ranks, HQ {a.hq}, H {a.h}, D {a.d}, {c.dtype}, K = {a.topk + a.local_blocks}, "
-          f"lengths {a.lengths}")
+    env = env_stamp() if c.world_rank == 0 else {}
+    c.log(f"bench_cp: {c.world} ranks, layer on groups of {c.sizes}, HQ {a.hq}, H {a.h}, D {a.d}, {c.dtype}, "
+          f"K = {a.topk + a.local_blocks}, lengths {a.lengths}")
     for L in a.lengths:
         if L % c.granule:
-            raise SystemExit(f"--lengths: {L} is not a multiple of 2 x {c.W} x 64 = {c.granule}")
-    rows, points = [], []
+            raise SystemExit(f"--lengths: {L} is not a multiple of 2 x {max(c.sizes)} x 64 = {c.granule}")
+    rows, points = [], {n: [] for n in c.sizes}
     for L in a.lengths:
         single = {} if a.skip_single else single_rows(c, L)
         dist.barrier()
-        cp = cp_rows(c, L)
-        ms = {m: max(c.gather(cp["ms"][m])) for m in a.modes}
-        comm = {m: max(c.gather(cp["comm_ms"][m])) for m in ("fwd", "fwdbwd")}
-        peaks = c.gather(cp["peak_gib"])
-        points.append((L, max(peaks)))
-        checks = c.gather(cp.get("check"))
-        for m in a.modes:
-            s_ms = single.get("ms", {}).get(m)
-            rows.append({"L": L, "mode": m, "single_ms": s_ms, "cp_ms": ms[m],
-                         "speedup": (s_ms / ms[m]) if s_ms else None,
-                         "single_peak_gib": single.get("peak_gib"), "cp_peak_gib_max": max(peaks),
-                         "cp_peak_gib_by_rank": [round(p, 2) for p in peaks],
-                         "comm_ms": comm["fwd"] if m == "fwd" else comm["fwd"] + comm["fwdbwd"],
-                         "bytes_per_rank": cp["bytes"]["fwd"] if m == "fwd" else cp["bytes"]["fwd"] + cp["bytes"]["bwd"],
-                         "note": single.get("note", "") if c.rank == 0 else ""})
-        if a.check_blocks:
-            total = sum(x["blocks"] for x in checks)
-            all_ok = all(x["ok"] for x in checks)
-            c.log(f"check L={L}: {total} sampled query blocks on {c.W} ranks, out and dq within FlashAttention's "
-                  f"rule: {'PASSED' if all_ok and total else 'FAILED'} (worst err / bf16 err: out "
-                  f"{max(x['err_over_bf16_out'] for x in checks):.2f}, dq {max(x['err_over_bf16_dq'] for x in checks):.2f})")
-            rows[-1]["check"] = checks
-        dist.barrier()
-    cols = ("L", "mode", "single_ms", "cp_ms", "speedup", "comm_ms", "bytes_per_rank", "single_peak_gib",
+        for n in c.sizes:
+            c.use(n)
+            cp = cp_rows(c, L) if c.active else None
+            got = [x for x in c.gather(cp) if x is not None]       # the n active ranks' results
+            ms = {m: max(x["ms"][m] for x in got) for m in a.modes}
+            comm = {m: max(x["comm_ms"][m] for x in got) for m in ("fwd", "fwdbwd")}
+            peaks = [x["peak_gib"] for x in got]
+            points[n].append((L, max(peaks)))
+            for m in a.modes:
+                s_ms = single.get("ms", {}).get(m)
+                b = got[0]["bytes"]
+                rows.append({"L": L, "ranks": n, "mode": m, "single_ms": s_ms, "cp_ms": ms[m],
+                             "speedup": (s_ms / ms[m]) if s_ms else None,
+                             "single_peak_gib": single.get("peak_gib"), "cp_peak_gib_max": max(peaks),
+                             "cp_peak_gib_by_rank": [round(p, 2) for p in peaks],
+                             "comm_ms": comm["fwd"] if m == "fwd" else comm["fwd"] + comm["fwdbwd"],
+                             "bytes_per_rank": b["fwd"] if m == "fwd" else b["fwd"] + b["bwd"],
+                             "note": single.get("note", "")})
+            if a.check_blocks:
+                checks = [x["check"] for x in got]
+                total = sum(x["blocks"] for x in checks)
+                all_ok = all(x["ok"] for x in checks)
+                c.log(f"check L={L}, {n} ranks: {total} sampled query blocks, out and dq within FlashAttention's "
+                      f"rule: {'PASSED' if all_ok and total else 'FAILED'} (worst err / bf16 err: out "
+                      f"{max(x['err_over_bf16_out'] for x in checks):.2f}, dq "
+                      f"{max(x['err_over_bf16_dq'] for x in checks):.2f})")
+                rows[-1]["check"] = checks
+            dist.barrier()
+    c.use(c.world)
+    cols = ("L", "ranks", "mode", "single_ms", "cp_ms", "speedup", "comm_ms", "bytes_per_rank", "single_peak_gib",
             "cp_peak_gib_max", "note")
-    c.log(f"\n{c.W} GPUs (cp) against 1 (single), one layer; ms: slowest rank's median of {a.rep}")
+    c.log(f"\nW GPUs (cp, `ranks`) against 1 (single), one layer; ms: slowest rank's median of {a.rep}")
     c.log(format_table(rows, cols))
     result = {"rows": rows}
-    if a.search and a.device == "cuda":
+    if a.search and a.device == "cuda" and c.world in c.sizes:
         t_end = time.perf_counter() + a.search_budget_s
         longest_measured = max(a.lengths)
         single_ok = [r["L"] for r in rows if r["single_ms"] is not None]
@@ -425,8 +449,8 @@ def main(argv=None):
                     time.perf_counter() + a.search_budget_s / 2)
         capw = max(2 * c.W * s1["shortest_failed"], 2 * longest_measured)
         c.log(f"search: longest fwd+bwd on {c.W} GPUs (bisection in ({longest_measured}, {capw}])")
-        if len(points) >= 2:
-            sw = search(c, lambda L: probe_cp(c, L, points), longest_measured, capw, t_end)
+        if len(points[c.world]) >= 2:
+            sw = search(c, lambda L: probe_cp(c, L, points[c.world]), longest_measured, capw, t_end)
         else:       # without a fit of the peak, a probe could OOM on one rank only and hang the others
             c.log("  skipped: the guard needs measured peaks at two --lengths")
             sw = {"longest_ran": longest_measured, "shortest_failed": None, "probes": []}
@@ -434,11 +458,11 @@ def main(argv=None):
         c.log(f"longest that ran: 1 GPU {s1['longest_ran']} (failed at {s1['shortest_failed']}), {c.W} GPUs "
               f"{sw['longest_ran']} (failed or predicted not to fit at {sw['shortest_failed']}); ratio "
               f"{sw['longest_ran'] / max(s1['longest_ran'], 1):.2f}x")
-    if c.rank == 0:
+    if c.world_rank == 0:
         print(env_line(env, t0), flush=True)
         if a.json:
             Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(a.json).write_text(json.dumps({"env": env, "argv": sys.argv[1:], "world_size": c.W, **result},
+            Path(a.json).write_text(json.dumps({"env": env, "argv": sys.argv[1:], "world_size": c.world, **result},
                                                indent=1, default=str))
     dist.barrier()
     dist.destroy_process_group()
