@@ -5,7 +5,8 @@ shared-memory limits); `stage1_select` calls it with the public `kernel=` argume
 "sm90a") and `launch_select` does what the plan says. Tests reach other tile shapes, the global
 block-key scratch or the top-K rerun (`topk_prefix`) by building a plan themselves
 (`dataclasses.replace(stage1_plan(...), field=value)`) and calling `launch_select` with it.
-Why each choice: docs/stage1.md (3. The sm_90a kernel, 4. Top-K on a prefix, 5. Memory plan).
+Why each choice: docs/stage1.md (3. The sm_90a kernel, 4. Top-K on a prefix, 5. Memory plan,
+9. Long context: key ranges).
 """
 from __future__ import annotations
 
@@ -75,12 +76,17 @@ class Stage1Plan:
     warpgroups; sm80: 1, 2 or 4, enough for one token's G rows). block_keys_in_smem: the block-key
     rows in shared memory, else in a global scratch. topk_prefix: 0 lets the top-K search the
     blocks up to each token's own block first; a positive value shortens that prefix to this many
-    blocks (tests: it makes the search fall back to the whole row).
+    blocks (tests: it makes the search fall back to the whole row). range_blocks: 0 runs one launch;
+    a positive multiple of 64 splits the key blocks into ranges of that many blocks, one range pass
+    each, with an exact merge of the candidates (block keys in shared memory, rows of
+    `64 + range_blocks` keys; the launcher uses the global scratch instead when K > range_blocks or
+    `return_scores` is asked for).
     """
     kernel: str
     warps: int
     block_keys_in_smem: bool = True
     topk_prefix: int = 0
+    range_blocks: int = 0
 
     def __post_init__(self):
         if self.kernel not in (SM80, SM90A):
@@ -91,6 +97,10 @@ class Stage1Plan:
                              f"got {self.warps!r}")
         if not isinstance(self.topk_prefix, int) or self.topk_prefix < 0:
             raise ValueError(f"Stage1Plan.topk_prefix must be an int >= 0, got {self.topk_prefix!r}")
+        if (isinstance(self.range_blocks, bool) or not isinstance(self.range_blocks, int) or self.range_blocks < 0
+                or self.range_blocks % 64):
+            raise ValueError(f"Stage1Plan.range_blocks must be 0 or a positive multiple of 64, got "
+                             f"{self.range_blocks!r}")
 
     def tokens_per_cta(self, G: int) -> int:
         """Tokens whose rows one CTA holds (0: the CTA cannot hold one token's G rows)."""
@@ -98,18 +108,46 @@ class Stage1Plan:
         return rows >> lgp_of(G)
 
     def smem_bytes(self, G: int, D: int, itemsize: int, out_len: int, key_bytes: int) -> int:
-        olp = -(-out_len // 64) * 64
+        """Dynamic shared memory of one launch; with range_blocks, of one range pass."""
+        olp = 64 + self.range_blocks if self.range_blocks else -(-out_len // 64) * 64
+        in_smem = self.block_keys_in_smem or self.range_blocks > 0
         if self.kernel == SM90A:
-            return smem_bytes_sm90(D, itemsize, lgp_of(G), olp, key_bytes, self.block_keys_in_smem)
-        return smem_bytes(D, itemsize, self.warps, lgp_of(G), olp, key_bytes, self.block_keys_in_smem)
+            return smem_bytes_sm90(D, itemsize, lgp_of(G), olp, key_bytes, in_smem)
+        return smem_bytes(D, itemsize, self.warps, lgp_of(G), olp, key_bytes, in_smem)
 
 
-def scratch_bytes(plan: Stage1Plan, H: int, total_q: int, out_len: int, key_bytes: int) -> int:
-    """Bytes of the global block-key scratch `[H, total_q, olp]` that `plan` needs (0 when the block
-    keys live in shared memory): the memory wall of long sequences (docs/stage1.md, 5. Memory plan)."""
+def scratch_bytes(plan: Stage1Plan, H: int, total_q: int, out_len: int, key_bytes: int, K: int = 96,
+                  HQ: int = 0) -> int:
+    """Bytes of the global memory that `plan` needs besides the output: the block-key scratch
+    `[H, total_q, olp]` (the memory wall of long sequences, docs/stage1.md, 5. Memory plan) or, for
+    a range split, the candidates and the merge (about 40 B per (KV head, token, slot)) and the row
+    biases `[total_q, HQ]` float (O(total_q x K)); 0 when the block keys live in shared memory."""
+    if plan.range_blocks and K <= plan.range_blocks:
+        return H * total_q * K * 40 + total_q * HQ * 4
     if plan.block_keys_in_smem:
         return 0
     return H * total_q * (-(-out_len // 64) * 64) * key_bytes
+
+
+def range_blocks_for(kernel: str, warps: int, G: int, D: int, itemsize: int, key_bytes: int, smem_max: int,
+                     smem_per_sm: int) -> int:
+    """The widest key range (a multiple of 64 blocks) whose rows (`64 + range` keys per token) fit in
+    shared memory, two CTAs per SM if that still leaves 512 blocks or more, else one; 0 if none fits."""
+    lgp = lgp_of(G)
+
+    def smem(rb):
+        if kernel == SM90A:
+            return smem_bytes_sm90(D, itemsize, lgp, 64 + rb, key_bytes, True)
+        return smem_bytes(D, itemsize, warps, lgp, 64 + rb, key_bytes, True)
+
+    best = 0
+    for limit in (min(smem_per_sm // 2 - 1024, smem_max), smem_max):
+        fixed = smem(0)
+        per = smem(64) - fixed                       # bytes per 64 blocks of every token's row
+        best = max(0, (limit - fixed) // per * 64) if per > 0 else 0
+        if best >= 512:
+            return best
+    return best
 
 
 @functools.lru_cache(maxsize=1024)
@@ -132,8 +170,16 @@ def stage1_plan(capability, G: int, D: int, dtype: torch.dtype, score_dtype: tor
     olp = -(-out_len // 64) * 64
     key_bytes = 4 if score_dtype == torch.float32 else 2
     itemsize = dtype.itemsize
+    # where the block-key rows do not fit in shared memory, the key blocks are split into ranges
+    # (docs/stage1.md, 9. Long context: key ranges) instead of a global [H, total_q, olp] scratch
     if sm90a:
-        return Stage1Plan(SM90A, SM90_THREADS // 32,
-                          smem_bytes_sm90(D, itemsize, lgp, olp, key_bytes, True) <= smem_max)
+        in_smem = smem_bytes_sm90(D, itemsize, lgp, olp, key_bytes, True) <= smem_max
+        rb = 0 if in_smem else range_blocks_for(SM90A, SM90_THREADS // 32, G, D, itemsize, key_bytes, smem_max,
+                                                smem_per_sm)
+        return Stage1Plan(SM90A, SM90_THREADS // 32, in_smem, 0, rb)
     warps, in_smem = choose_tiles(D, itemsize, lgp, olp, key_bytes, smem_max, smem_per_sm)
-    return Stage1Plan(SM80, warps, in_smem)
+    if in_smem:
+        return Stage1Plan(SM80, warps, True)
+    warps = max(1, (1 << lgp) // ROWS_PER_WARP)       # fewest tokens per CTA: the widest ranges
+    return Stage1Plan(SM80, warps, False, 0,
+                      range_blocks_for(SM80, warps, G, D, itemsize, key_bytes, smem_max, smem_per_sm))

@@ -8,9 +8,15 @@ tile: on an H100, G = 1 beyond about 190k tokens, G = 2 beyond about 370k; half 
 scores), where they go to a global scratch `[H, total_q, ceil(out_len/64)*64]` of keys.
 `return_scores=True` also writes the scores and block scores (the original's stage-1 and pooling
 outputs) for inspection. Ties in the block scores go to the lower block index.
+
+Where the plan splits the key blocks into ranges (`Stage1Plan.range_blocks`, chosen where the rows
+do not fit in shared memory), one range pass per range writes each token's K best (key, block)
+candidates of that range, and the candidates are merged exactly (`_merge_into`); extra memory
+O(total_q x K) instead of the scratch (docs/stage1.md, 9. Long context: key ranges).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -32,7 +38,7 @@ from .._constants import HEAD_DIMS
 from .._constants import KV_BLOCK
 from .._kernel_arg import check_kernel
 from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
-from .naive import naive_stage1_select
+from .naive import naive_stage1_select, q_block_idx_prefill
 from .plan import (  # noqa: F401  (the sizing functions re-exported: the launcher's vocabulary)
     MAX_GROUP,
     SM90_MAX_LGP,
@@ -54,16 +60,23 @@ KERNEL_STRIDE, COARSE_STRIDE = 16, 64   # what the kernel is built for (and KV_B
 SCORE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # kernels_cu: `kind`
 
 
-def kernel_name(dtype: torch.dtype, score_dtype: torch.dtype, D: int, sm90a: bool = False) -> str:
+def kernel_name(dtype: torch.dtype, score_dtype: torch.dtype, D: int, sm90a: bool = False,
+                ranged: bool = False) -> str:
+    """The instance's name expression; `ranged`: the range-pass entry point of the same kernel."""
     key = "unsigned" if score_dtype == torch.float32 else "unsigned short"
-    return f"stage1_select{'_sm90' if sm90a else ''}<{CXX_TYPE[dtype]}, {key}, {D}>"
+    return f"stage1_select{'_range' if ranged else ''}{'_sm90' if sm90a else ''}<{CXX_TYPE[dtype]}, {key}, {D}>"
 
 
 # Every instance the launcher can request: 2 input dtypes x (16-bit, 32-bit scores) x 2 head dims
-# (the group shape and bf16 / fp16 scores are run-time arguments), for each of the two kernels.
+# (the group shape and bf16 / fp16 scores are run-time arguments), for each of the two kernels, and
+# each kernel's range-pass entry point.
 for _sm90a, _src in ((False, SOURCE), (True, SOURCE_SM90)):
-    _jit.register_instances(_src, list(dict.fromkeys(kernel_name(dt, st, d, _sm90a) for dt in KERNEL_DTYPES
-                                                     for st in SCORE_DTYPES for d in HEAD_DIMS)), sm90a=_sm90a)
+    _jit.register_instances(_src, list(dict.fromkeys(kernel_name(dt, st, d, _sm90a, rg) for rg in (False, True)
+                                                     for dt in KERNEL_DTYPES for st in SCORE_DTYPES
+                                                     for d in HEAD_DIMS)), sm90a=_sm90a)
+
+_IDX_BITS = 31                     # merge key: (block key << 31) | (2^31 - 1 - block), one int64
+_MERGE_ELEMS = 1 << 25             # elements of one merge chunk (bounds the merge's temporaries)
 
 
 def _smem_limits(device: torch.device) -> tuple[int, int]:
@@ -243,8 +256,11 @@ def launch_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
     n_tiles = cdiv(max_seqlen_q, tok)
     if n_tiles * B * H >= 2**31:
         raise ValueError(f"too many CTAs ({n_tiles} token tiles x {B} sequences x {H} heads)")
+    ranged = plan.range_blocks > 0 and not return_scores and 0 < K <= plan.range_blocks
+    if plan.range_blocks and not ranged:       # inspection outputs or K wider than a range: one launch
+        plan = dataclasses.replace(plan, range_blocks=0)
     scratch = None
-    if not plan.block_keys_in_smem:
+    if not plan.block_keys_in_smem and not ranged:
         scratch = torch.empty((H, total_q, olp), dtype=torch.int32 if key_bytes == 4 else torch.int16,
                               device=q.device)
     shared = plan.smem_bytes(G, D, q.element_size(), out_len, key_bytes)
@@ -256,17 +272,56 @@ def launch_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
     cache_dev = cache.to(torch.int32).contiguous() if cache_lens is not None else None
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
     null = np.uint64(0)
-    name = kernel_name(q.dtype, sdt, D, sm90a)
     opt = lambda t: ptr(t) if t is not None else null
+
+    def args(olp_arg):
+        return (ptr(q), ptr(ck1), ptr(ck2), ptr(cu_seqlens_q), ptr(cu_seqlens_c1), ptr(cu_seqlens_c2),
+                opt(cache_dev), ptr(topk_idx), opt(scores), opt(block_scores), opt(scratch),
+                np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(lgp), np.int32(B),
+                np.int32(n_tiles), np.int32(max_seqlen_q), np.int32(out_len), np.int32(olp_arg), np.int32(K),
+                np.int32(max_n1), np.int32(init_blocks), np.int32(local_blocks),
+                np.int32(1 if varlen_offset_quirk else 0), np.int32(1 if causal else 0),
+                np.int32(SCORE_KIND[sdt]), np.int32(KERNEL_STRIDE), np.int32(COARSE_STRIDE),
+                np.float32(scale * 1.4426950408889634), np.int32(plan.topk_prefix))
+
+    name = kernel_name(q.dtype, sdt, D, sm90a, ranged)
     kernel_fn = _jit.get_kernel(SOURCE_SM90, name, sm90a=True) if sm90a else _jit.get_kernel(SOURCE, name)
-    launch(kernel_fn, name=name, grid=(n_tiles * B * H,), block=(32 * plan.warps,),
-           shared_mem=shared,
-           args=(ptr(q), ptr(ck1), ptr(ck2), ptr(cu_seqlens_q), ptr(cu_seqlens_c1), ptr(cu_seqlens_c2),
-                 opt(cache_dev), ptr(topk_idx), opt(scores), opt(block_scores), opt(scratch),
-                 np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(lgp), np.int32(B),
-                 np.int32(n_tiles), np.int32(max_seqlen_q), np.int32(out_len), np.int32(olp), np.int32(K),
-                 np.int32(max_n1), np.int32(init_blocks), np.int32(local_blocks),
-                 np.int32(1 if varlen_offset_quirk else 0), np.int32(1 if causal else 0),
-                 np.int32(SCORE_KIND[sdt]), np.int32(KERNEL_STRIDE), np.int32(COARSE_STRIDE),
-                 np.float32(scale * 1.4426950408889634), np.int32(plan.topk_prefix)))
-    return (topk_idx, scores, block_scores) if return_scores else topk_idx
+    if not ranged:
+        launch(kernel_fn, name=name, grid=(n_tiles * B * H,), block=(32 * plan.warps,), shared_mem=shared,
+               args=args(olp))
+        return (topk_idx, scores, block_scores) if return_scores else topk_idx
+
+    # ---- range passes (docs/stage1.md, 9. Long context: key ranges): the first keeps each row's
+    # coarse-pass bias for the others; each writes K candidates per token, merged into `run`
+    W = plan.range_blocks
+    ranges = [(j, min(out_len, j + W)) for j in range(0, out_len, W)]
+    row_bias = torch.empty((total_q, HQ), dtype=torch.float32, device=q.device) if len(ranges) > 1 else None
+    cand_key = torch.empty((H, total_q, K), dtype=torch.int32, device=q.device)
+    cand_idx = torch.empty((H, total_q, K), dtype=torch.int32, device=q.device)
+    run = None
+    for i, (j_lo, j_hi) in enumerate(ranges):
+        bias_mode = 0 if row_bias is None else (1 if i == 0 else 2)
+        launch(kernel_fn, name=name, grid=(n_tiles * B * H,), block=(32 * plan.warps,), shared_mem=shared,
+               args=(*args(64 + W), np.int32(j_lo), np.int32(j_hi), ptr(cand_key), ptr(cand_idx), opt(row_bias),
+                     np.int32(bias_mode)))
+        run = _merge_into(run, cand_key, cand_idx, K)
+    idx = ((1 << _IDX_BITS) - 1 - (run & ((1 << _IDX_BITS) - 1))).to(torch.int32).sort(dim=-1).values
+    q_blocks = q_block_idx_prefill(cu_seqlens_q, max_seqlen_q, varlen_offset_quirk=varlen_offset_quirk,
+                                   cache_lens=cache)
+    topk_idx.copy_(idx.masked_fill(idx > q_blocks.to(idx.device, torch.int32)[None, :, None], -1))
+    return topk_idx
+
+
+def _merge_into(run: torch.Tensor | None, cand_key: torch.Tensor, cand_idx: torch.Tensor, K: int) -> torch.Tensor:
+    """The top-K of the union of the running candidates and one range's, as int64 merge keys
+    `(block key << 31) | (2^31 - 1 - block)`: larger is better, ties to the lower block (the block
+    keys are the kernels' order-preserving score keys, zero-extended from 16 or 32 bits)."""
+    new = ((cand_key.to(torch.int64) & 0xFFFFFFFF) << _IDX_BITS) | ((1 << _IDX_BITS) - 1 - cand_idx.to(torch.int64))
+    if run is None:
+        return new
+    H, T, _ = run.shape
+    step = max(1, _MERGE_ELEMS // max(1, H * 2 * K))
+    for t in range(0, T, step):
+        both = torch.cat([run[:, t:t + step], new[:, t:t + step]], dim=-1)
+        run[:, t:t + step] = torch.topk(both, K, dim=-1, sorted=False).values
+    return run

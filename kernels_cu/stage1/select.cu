@@ -28,6 +28,12 @@
 //   olp      out_len rounded up to a multiple of 64;   s1 = 16 (fine stride), s2c = 64 (coarse stride)
 //   sl2      softmax_scale * log2(e);   topk_prefix: 0, or a test hook forcing the top-K's whole-row
 //            rerun (finish_token in select_common.cuh)
+//   range pass (cand_idx != null; docs/stage1.md, 9. Long context: key ranges): blocks [j_lo, j_hi) only,
+//            j_lo a multiple of 64; olp = 64 + wr (wr >= K, a multiple of 64: the range row and a 64-key pad);
+//            bs_scratch, scores and block_scores null; writes cand_key (32-bit keys) / cand_idx [H, total_q, K]
+//            instead of topk_idx. bias_mode 1 stores the coarse pass's per-row bias to row_bias
+//            [total_q, HQ] float, 2 loads it and skips the coarse pass. A full launch passes j_lo = 0,
+//            j_hi = out_len, null candidates and bias_mode 0.
 //
 // Semantics (exactly infllm_cupy/stage1/naive.py): for query row r of sequence b (Lq queries, n1 fine
 // and n2 coarse keys; exact mode iff n1 == n2, then the coarse pass uses stride s1), visible counts
@@ -56,14 +62,16 @@
 #include "stage1/select_common.cuh"
 
 template <typename T, typename KT, int D>
-__global__ void __launch_bounds__(128, 2)
-stage1_select(const T* __restrict__ q, const T* __restrict__ ck1, const T* __restrict__ ck2,
-              const int* __restrict__ cu_q, const int* __restrict__ cu_c1, const int* __restrict__ cu_c2,
-              const int* __restrict__ cache_lens, int* __restrict__ topk_idx, KT* __restrict__ scores,
-              KT* __restrict__ block_scores, KT* __restrict__ bs_scratch,
-              int total_q, int HQ, int H, int G, int lgp, int B, int n_tiles, int max_seqlen_q,
-              int out_len, int olp, int K, int max_n1, int init_blocks, int local_blocks,
-              int quirk, int causal, int kind, int s1, int s2c, float sl2, int topk_prefix) {
+__device__ __forceinline__ void
+stage1_select_body(const T* __restrict__ q, const T* __restrict__ ck1, const T* __restrict__ ck2,
+                   const int* __restrict__ cu_q, const int* __restrict__ cu_c1, const int* __restrict__ cu_c2,
+                   const int* __restrict__ cache_lens, int* __restrict__ topk_idx, KT* __restrict__ scores,
+                   KT* __restrict__ block_scores, KT* __restrict__ bs_scratch,
+                   int total_q, int HQ, int H, int G, int lgp, int B, int n_tiles, int max_seqlen_q,
+                   int out_len, int olp, int K, int max_n1, int init_blocks, int local_blocks,
+                   int quirk, int causal, int kind, int s1, int s2c, float sl2, int topk_prefix,
+                   int j_lo, int j_hi, unsigned* __restrict__ cand_key, int* __restrict__ cand_idx,
+                   float* __restrict__ row_bias, int bias_mode) {
     typedef KT key_t;
     constexpr int CH = D / 8;                 // 16-byte chunks per row
     constexpr int ROWB = CH * 16;             // bytes per tile row
@@ -78,14 +86,25 @@ stage1_select(const T* __restrict__ q, const T* __restrict__ ck1, const T* __res
     const int nwt = GP > 32 ? GP >> 5 : 1;    // warps per token
     S1Cta w;
     if (!s1_cta(w, TOK, H, B, n_tiles, cu_q, cu_c1, cu_c2, cache_lens, s1, s2c, causal)) return;
-    const int NT = w.nc + w.nf;
+    const bool ranged = cand_idx != nullptr;
+    // a range pass runs the fine tiles [ft_lo, ft_lo + nf) (w.nf stays the CTA's visible tiles);
+    // ft_lo = S1_FT_LO is re-derived from the parameter j_lo (0 in a full launch) where it is used
+    int nf = w.nf;
+    if (ranged) {
+        int ft_lo;
+        s1_range_tiles(w.nf, j_lo, j_hi, ft_lo, nf);
+        if (bias_mode == 2 || (nf == 0 && bias_mode != 1)) w.nc = 0;
+    }
+#define S1_FT_LO max(0, j_lo / 16 - 1)
+    const int NT = w.nc + nf;
 
     T* sK = reinterpret_cast<T*>(smem);                                               // [2][64 * D]
     float* sT = reinterpret_cast<float*>(smem + 2 * S1_TILE * D * sizeof(T));         // [TOK][68]
     float* sP = sT + TOK * S1_ST;                                                     // [nwarps][64]
     key_t* sB = reinterpret_cast<key_t*>(sP + (LG == 5 ? nwarps * 64 : 0));           // [TOK][olp]
     const int64 score_row0 = (int64)w.h * total_q + w.qs + w.t0;                      // row of token 0
-    key_t* bs0 = bs_scratch ? bs_scratch + score_row0 * olp : sB;                    // token tok: bs0 + tok * olp
+    // token tok pools block j into bs0[tok * olp + j] (a range row starts 64 keys in, at block j_lo)
+    key_t* bs0 = bs_scratch ? bs_scratch + score_row0 * olp : ranged ? sB + 64 - j_lo : sB;
 
     for (int i = tid; i < TOK; i += nthreads) sT[i * S1_ST + 3] = -INFLLM_INF;        // no column -1
 
@@ -98,6 +117,8 @@ stage1_select(const T* __restrict__ q, const T* __restrict__ ck1, const T* __res
     for (int rr = 0; rr < 4; ++rr)
         live |= s1_row_init(w, warp * 32 + (rr >> 1) * 16 + (rr & 1) * 8 + g, lgp, G, s1, causal, lim1[rr], lim2[rr],
                             bias[rr], m_run[rr], z_run[rr]);
+    // a range pass after the first: the coarse pass's bias, parked in m_run (dead without coarse tiles)
+    if (bias_mode == 2) s1_row_bias<4>(w, 2, row_bias, m_run, warp * 32 + g, lgp, G, HQ, c);
     live = __any_sync(S1_FULL, live);          // the warp has a real token
 
     // tokens whose staging and pooling this warp owns (GP >= 64: the first warp of the token)
@@ -145,7 +166,7 @@ stage1_select(const T* __restrict__ q, const T* __restrict__ ck1, const T* __res
             const bool coarse = u < w.nc;
             const T* base = coarse ? ck2 : ck1;
             const int cs = coarse ? w.c2s : w.c1s, n = coarse ? w.n2 : w.n1;
-            const int key0 = (coarse ? u : u - w.nc) * S1_TILE;
+            const int key0 = (coarse ? u : u - w.nc + S1_FT_LO) * S1_TILE;
             const int rows = min(S1_TILE, n - key0);           // keys of the tile that exist
             const T* src = base + (int64)(cs + key0 + ld_row0) * key_stride + (int64)w.h * D + ld_ch * 8;
             const u32 dst = sKa + stage * (S1_TILE * D * (int)sizeof(T));
@@ -168,7 +189,7 @@ stage1_select(const T* __restrict__ q, const T* __restrict__ ck1, const T* __res
             if (u + 1 < NT) load_tile(u + 1, stage ^ 1);
             cp_async_commit();
             const bool fine = u >= w.nc;
-            const int kb = (fine ? u - w.nc : u) * S1_TILE;    // first key of the tile
+            const int kb = (fine ? u - w.nc + S1_FT_LO : u) * S1_TILE;    // first key of the tile
 
             float s[MT][8][4];
             if (live) {
@@ -195,9 +216,18 @@ stage1_select(const T* __restrict__ q, const T* __restrict__ ck1, const T* __res
             if (!fine) {
                 // ---- pass 1: online max and sum over the visible coarse keys
                 if (live) coarse_update<MT>(s, lim2, m_run, z_run, kb, c, sl2);
-                if (u == w.nc - 1) coarse_bias(z_run, m_run, lim1, bias, sl2);
+                if (u == w.nc - 1) {
+                    coarse_bias(z_run, m_run, lim1, bias, sl2);
+                    // the first range pass keeps the bias for the others (a CTA without coarse tiles
+                    // has no fine tile in any range: its rows' biases are never read)
+                    if (bias_mode == 1) s1_row_bias<4>(w, 1, row_bias, bias, warp * 32 + g, lgp, G, HQ, c);
+                }
             } else {
                 // ---- pass 2: fine-key probabilities, summed over each token's rows
+                if (bias_mode == 2 && u == 0) {
+#pragma unroll
+                    for (int rr = 0; rr < 4; ++rr) bias[rr] = m_run[rr];
+                }
                 if (live) {
                     fine_probs<MT>(s, lim1, bias, kb, c, sl2);
                     switch (LG) {   // CTA-uniform
@@ -233,8 +263,46 @@ stage1_select(const T* __restrict__ q, const T* __restrict__ ck1, const T* __res
         cp_async_wait<0>();
     }
     __syncthreads();                               // every token's block keys and carry are in place
+    if (ranged) {
+        s1_finish_range_all<KT>(w, w.nf, warp, nwarps, lane, sT, sB, score_row0, olp, j_lo, j_hi, out_len,
+                                init_blocks, local_blocks, K, cand_key, cand_idx, kind);
+        return;
+    }
 
     // ---- per token: finish the block-key row (forced, uncomputed tail, padding), then top-K
     s1_finish_all<KT>(w, warp, nwarps, lane, sT, sB, bs_scratch, score_row0, olp, out_len, init_blocks, local_blocks, K,
                       max_n1, quirk, max_seqlen_q, scores, block_scores, topk_idx, topk_prefix, kind);
+}
+#undef S1_FT_LO
+
+// The launches: the full selection (today's contract, a range pass's arguments fixed so that the
+// compiler drops the range code), and a range pass (docs/stage1.md, 9. Long context: key ranges).
+template <typename T, typename KT, int D>
+__global__ void __launch_bounds__(128, 2)
+stage1_select(const T* __restrict__ q, const T* __restrict__ ck1, const T* __restrict__ ck2, const int* __restrict__
+              cu_q, const int* __restrict__ cu_c1, const int* __restrict__ cu_c2, const int* __restrict__ cache_lens,
+              int* __restrict__ topk_idx, KT* __restrict__ scores, KT* __restrict__ block_scores, KT* __restrict__
+              bs_scratch, int total_q, int HQ, int H, int G, int lgp, int B, int n_tiles, int max_seqlen_q, int
+              out_len, int olp, int K, int max_n1, int init_blocks, int local_blocks, int quirk, int causal, int kind,
+              int s1, int s2c, float sl2, int topk_prefix) {
+    stage1_select_body<T, KT, D>(q, ck1, ck2, cu_q, cu_c1, cu_c2, cache_lens, topk_idx, scores, block_scores,
+                                 bs_scratch, total_q, HQ, H, G, lgp, B, n_tiles, max_seqlen_q, out_len, olp, K,
+                                 max_n1, init_blocks, local_blocks, quirk, causal, kind, s1, s2c, sl2, topk_prefix, 0,
+                                 out_len, nullptr, nullptr, nullptr, 0);
+}
+
+template <typename T, typename KT, int D>
+__global__ void __launch_bounds__(128, 2)
+stage1_select_range(const T* __restrict__ q, const T* __restrict__ ck1, const T* __restrict__ ck2, const int*
+                    __restrict__ cu_q, const int* __restrict__ cu_c1, const int* __restrict__ cu_c2, const int*
+                    __restrict__ cache_lens, int* __restrict__ topk_idx, KT* __restrict__ scores, KT* __restrict__
+                    block_scores, KT* __restrict__ bs_scratch, int total_q, int HQ, int H, int G, int lgp, int B, int
+                    n_tiles, int max_seqlen_q, int out_len, int olp, int K, int max_n1, int init_blocks, int
+                    local_blocks, int quirk, int causal, int kind, int s1, int s2c, float sl2, int topk_prefix, int
+                    j_lo, int j_hi, unsigned* __restrict__ cand_key, int* __restrict__ cand_idx, float* __restrict__
+                    row_bias, int bias_mode) {
+    stage1_select_body<T, KT, D>(q, ck1, ck2, cu_q, cu_c1, cu_c2, cache_lens, topk_idx, scores, block_scores,
+                                 bs_scratch, total_q, HQ, H, G, lgp, B, n_tiles, max_seqlen_q, out_len, olp, K,
+                                 max_n1, init_blocks, local_blocks, quirk, causal, kind, s1, s2c, sl2, topk_prefix,
+                                 j_lo, j_hi, cand_key, cand_idx, row_bias, bias_mode);
 }

@@ -482,3 +482,136 @@ __device__ __forceinline__ void s1_finish_all(const S1Cta& w, int warp, int nwar
             for (int cg = 64 * w.nf + lane; cg < max_n1; cg += 32) scores[trow * max_n1 + cg] = Score<KT>::bits(0.f, kind);
     }
 }
+
+// ------------------------------------------------------------------------------------------------
+// Key-range passes (docs/stage1.md, 9. Long context: key ranges). A pass covers blocks [j_lo, j_hi)
+// (j_lo a multiple of 64): its CTA computes the fine tiles [max(0, j_lo / 16 - 1), j_hi / 16) (one
+// tile of overlap gives the carry, column 4 j_lo - 1, of the pooling window of block j_lo), pools
+// into a per-token row of olp = 64 + wr keys whose first 64 keys are a landing pad for the overlap
+// tile's blocks (block j at row[64 + j - j_lo]), and writes the range's K best (key, block index)
+// candidates; the exact merge of the ranges' candidates runs after the last pass.
+// ------------------------------------------------------------------------------------------------
+
+// select_row's K largest keys (ties to the lower index) of one range row of wr keys, written as
+// candidates: the order-preserving key (zero-extended to 32 bits) and the global block j_lo + j.
+// Same search and prefix rule as select_row; the output is ascending in block index.
+template <typename key_t>
+__device__ __forceinline__ void select_row_cand(key_t* row, int wr, int jpre, int K, int j_lo, int lane,
+                                                unsigned* __restrict__ out_key, int* __restrict__ out_idx) {
+    constexpr int KPW = 4 / sizeof(key_t);
+    const unsigned* words = reinterpret_cast<const unsigned*>(row);
+    int nwords = wr / KPW;
+    const int npre = min(jpre / KPW, nwords);
+    unsigned tail_max = 0;
+    for (int x = npre + lane; x < nwords; x += 32) {
+        const unsigned w = words[x];
+        tail_max = max(tail_max, sizeof(key_t) == 2 ? max(w & 0xffffu, w >> 16) : w);
+    }
+    tail_max = __reduce_max_sync(S1_FULL, tail_max);
+    int above;
+    unsigned T = kth_key<key_t>(words, npre, K, above, lane);
+    if (npre < nwords && T < tail_max) T = kth_key<key_t>(words, nwords, K, above, lane);
+    else nwords = npre;
+    const int need = K - above;
+    const unsigned lt = (1u << lane) - 1u;
+    int eq_seen = 0, taken = 0;
+#pragma unroll 1
+    for (int base = 0; base < nwords && taken < K; base += 32) {
+        const unsigned w = words[base + lane];
+        unsigned kk[KPW];
+        if (KPW == 2) { kk[0] = w & 0xffffu; kk[KPW - 1] = w >> 16; } else { kk[0] = w; }
+        bool eq[KPW], tk[KPW];
+        unsigned be[KPW], bt[KPW];
+        int below = 0;
+#pragma unroll
+        for (int x = 0; x < KPW; ++x) {
+            eq[x] = kk[x] == T;
+            be[x] = __ballot_sync(S1_FULL, eq[x]);
+            below += __popc(be[x] & lt);
+        }
+        int rank = eq_seen + below;
+#pragma unroll
+        for (int x = 0; x < KPW; ++x) {
+            tk[x] = kk[x] > T || (eq[x] && rank < need);
+            rank += eq[x];
+            eq_seen += __popc(be[x]);
+        }
+        int pos = taken;
+#pragma unroll
+        for (int x = 0; x < KPW; ++x) {
+            bt[x] = __ballot_sync(S1_FULL, tk[x]);
+            pos += __popc(bt[x] & lt);
+        }
+#pragma unroll
+        for (int x = 0; x < KPW; ++x) {
+            if (tk[x]) {
+                out_key[pos] = kk[x];
+                out_idx[pos] = j_lo + (base + lane) * KPW + x;
+            }
+            pos += tk[x];
+            taken += __popc(bt[x]);
+        }
+    }
+}
+
+// The fine tiles [ft_lo, ft_lo + nf) that a range pass computes, from the CTA's visible tiles nf_all.
+__device__ __forceinline__ void s1_range_tiles(int nf_all, int j_lo, int j_hi, int& ft_lo, int& nf) {
+    ft_lo = max(0, j_lo / 16 - 1);
+    nf = max(0, min(nf_all, (j_hi + 15) / 16) - ft_lo);
+}
+
+// A range pass after the tile loop: warp `warp` of `nwarps` completes each of its tokens' range row
+// as finish_token does (pooled [j_lo, min(jt, j_hi)), the tail by the visibility rule with the carry
+// at jt, padding past min(j_hi, out_len), forced init and local blocks inside the range) and writes
+// its K candidates to cand_key / cand_idx [H, total_q, K]. sB + tok * olp + 64 is token tok's row.
+template <typename KT>
+__device__ __forceinline__ void s1_finish_range_all(const S1Cta& w, int nf_all, int warp, int nwarps, int lane,
+                                                    const float* sT, KT* sB, int64 score_row0, int olp, int j_lo,
+                                                    int j_hi, int out_len, int init_blocks, int local_blocks, int K,
+                                                    unsigned* __restrict__ cand_key, int* __restrict__ cand_idx,
+                                                    int kind) {
+    const int jt = 16 * nf_all;                      // first block whose fine keys no token here sees
+    const int wr = olp - 64, jend = min(j_hi, out_len);
+    const KT key_inf = score_key<KT>(INFLLM_INF, kind), key_zero = score_key<KT>(0.f, kind);
+    const KT key_ninf = score_key<KT>(-INFLLM_INF, kind);
+#pragma unroll 1
+    for (int tok = warp; tok < w.ntok; tok += nwarps) {
+        const int r = w.t0 + tok;
+        const int64 trow = score_row0 + tok;
+        KT* row = sB + tok * olp + 64;
+        const KT key_carry = score_key<KT>(sT[tok * S1_ST + 3], kind);
+        const int off_bq = (r + w.cache) / 64;
+        for (int j = max(min(jt, jend), j_lo) + lane; j < j_lo + wr; j += 32) {
+            KT k = 0;                               // padding: below every real key
+            if (j < jend) {
+                const KT own = 4 * j < w.n1 ? key_zero : key_ninf;
+                const KT prev = j == 0 ? key_ninf : j == jt ? key_carry : (4 * j - 1 < w.n1 ? key_zero : key_ninf);
+                k = own > prev ? own : prev;
+            }
+            row[j - j_lo] = k;
+        }
+        __syncwarp();
+        for (int j = j_lo + lane; j < min(init_blocks, jend); j += 32) row[j - j_lo] = key_inf;
+        for (int j = max(j_lo, off_bq - local_blocks) + lane; j <= min(off_bq, jend - 1); j += 32) row[j - j_lo] = key_inf;
+        __syncwarp();
+        const int jpre = ((max(off_bq - j_lo, K - 1)) / 64 + 1) * 64;
+        if (K > 0) select_row_cand(row, wr, max(jpre, 64), K, j_lo, lane, cand_key + trow * K, cand_idx + trow * K);
+    }
+}
+
+// Row statistics of the coarse pass (the exp2 bias of fine_probs) for a range pass: mode 1 stores
+// this thread's rows' biases to row_bias [total_q, HQ] (after the coarse pass), mode 2 loads them
+// (the coarse pass is skipped; rows of padding heads or past the CTA's tokens get +inf, as
+// s1_row_init gives them). This thread's row rr is CTA row row0 + 8 rr (both kernels' layout).
+template <int NR>
+__device__ __forceinline__ void s1_row_bias(const S1Cta& w, int mode, float* __restrict__ row_bias, float (&bias)[NR],
+                                            int row0, int lgp, int G, int HQ, int c) {
+#pragma unroll
+    for (int rr = 0; rr < NR; ++rr) {
+        const int tok = (row0 + 8 * rr) >> lgp, gh = (row0 + 8 * rr) & ((1 << lgp) - 1);
+        const bool valid = tok < w.ntok && gh < G;
+        const float* p = row_bias + ((int64)(w.qs + w.t0 + tok) * HQ + (int64)w.h * G + gh);
+        if (mode == 2) bias[rr] = valid ? *p : INFLLM_INF;
+        else if (valid && c == 0) *const_cast<float*>(p) = bias[rr];
+    }
+}

@@ -9,6 +9,12 @@
 //   dyn smem 1024 (alignment) + 2 * 64 * D * sizeof(T) (Q, two 64-row tiles) + 2 * 64 * D * sizeof(T)
 //            (two key tiles) + TOK * 68 * 4 (staging rows) + (lgp == 5 ? 8 * 64 * 4 : 0) (per-warp column
 //            sums) + (bs_scratch ? 0 : TOK * olp * sizeof(KT))
+//   range pass (cand_idx != null; docs/stage1.md, 9. Long context: key ranges): blocks [j_lo, j_hi) only,
+//            j_lo a multiple of 64; olp = 64 + wr (wr >= K, a multiple of 64: the range row and a 64-key pad);
+//            bs_scratch, scores and block_scores null; writes cand_key (32-bit keys) / cand_idx [H, total_q, K]
+//            instead of topk_idx. bias_mode 1 stores the coarse pass's per-row bias to row_bias
+//            [total_q, HQ] float, 2 loads it and skips the coarse pass. A full launch passes j_lo = 0,
+//            j_hi = out_len, null candidates and bias_mode 0.
 //
 // Why a second kernel: the SM80 kernel runs at ~40% issue utilisation with two warps per scheduler;
 // its warps stall on their own dependency chains (mma.sync accumulators, exp, shuffles), and 128
@@ -24,14 +30,16 @@
 #include "stage1/select_common.cuh"
 
 template <typename T, typename KT, int D>
-__global__ void __launch_bounds__(256, 2)
-stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* __restrict__ ck2,
-                   const int* __restrict__ cu_q, const int* __restrict__ cu_c1, const int* __restrict__ cu_c2,
-                   const int* __restrict__ cache_lens, int* __restrict__ topk_idx, KT* __restrict__ scores,
-                   KT* __restrict__ block_scores, KT* __restrict__ bs_scratch,
-                   int total_q, int HQ, int H, int G, int lgp, int B, int n_tiles, int max_seqlen_q,
-                   int out_len, int olp, int K, int max_n1, int init_blocks, int local_blocks,
-                   int quirk, int causal, int kind, int s1, int s2c, float sl2, int topk_prefix) {
+__device__ __forceinline__ void
+stage1_select_sm90_body(const T* __restrict__ q, const T* __restrict__ ck1, const T* __restrict__ ck2,
+                        const int* __restrict__ cu_q, const int* __restrict__ cu_c1, const int* __restrict__ cu_c2,
+                        const int* __restrict__ cache_lens, int* __restrict__ topk_idx, KT* __restrict__ scores,
+                        KT* __restrict__ block_scores, KT* __restrict__ bs_scratch,
+                        int total_q, int HQ, int H, int G, int lgp, int B, int n_tiles, int max_seqlen_q,
+                        int out_len, int olp, int K, int max_n1, int init_blocks, int local_blocks,
+                        int quirk, int causal, int kind, int s1, int s2c, float sl2, int topk_prefix,
+                        int j_lo, int j_hi, unsigned* __restrict__ cand_key, int* __restrict__ cand_idx,
+                        float* __restrict__ row_bias, int bias_mode) {
     typedef KT key_t;
     constexpr int CH = D / 8;                 // 16-byte chunks per row
     constexpr int MT = 1;                     // m-tiles per warp (16 rows)
@@ -49,13 +57,25 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
     const int TOK = 128 >> lgp;               // tokens per CTA
     S1Cta w;
     if (!s1_cta(w, TOK, H, B, n_tiles, cu_q, cu_c1, cu_c2, cache_lens, s1, s2c, causal)) return;
-    const int NT = w.nc + w.nf;
+    const bool ranged = cand_idx != nullptr;
+    // a range pass runs the fine tiles [ft_lo, ft_lo + nf) (w.nf stays the CTA's visible tiles);
+    // ft_lo = S1_FT_LO is re-derived from the parameter j_lo (0 in a full launch) where it is used
+    int nf = w.nf;
+    if (ranged) {
+        int ft_lo;
+        s1_range_tiles(w.nf, j_lo, j_hi, ft_lo, nf);
+        if (bias_mode == 2 || (nf == 0 && bias_mode != 1)) w.nc = 0;
+    }
+#define S1_FT_LO max(0, j_lo / 16 - 1)
+    const int NT = w.nc + nf;
 
     float* sT = reinterpret_cast<float*>(smem + (sK + 2 * TILE - raw));              // [TOK][68]
     float* sP = sT + TOK * S1_ST;                                                     // [8][64] if lgp == 5
     key_t* sB = reinterpret_cast<key_t*>(sP + (lgp == 5 ? 8 * 64 : 0));               // [TOK][olp]
     const int64 score_row0 = (int64)w.h * total_q + w.qs + w.t0;                      // row of token 0
     key_t* bs0 = bs_scratch ? bs_scratch + score_row0 * olp : sB;                    // token tok: bs0 + tok * olp
+    // where the tiles pool block j of token tok: sBp[tok * olp + j] (a range row starts 64 keys in, at j_lo)
+    key_t* sBp = ranged ? sB + 64 - j_lo : sB;
 
     for (int i = tid; i < TOK; i += NTHREADS) sT[i * S1_ST + 3] = -INFLLM_INF;        // no column -1
 
@@ -68,6 +88,8 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
     for (int rr = 0; rr < 2; ++rr)
         live |= s1_row_init(w, warp * 16 + rr * 8 + g, lgp, G, s1, causal, lim1[rr], lim2[rr], bias[rr], m_run[rr],
                             z_run[rr]);
+    // a range pass after the first: the coarse pass's bias, parked in m_run (dead without coarse tiles)
+    if (bias_mode == 2) s1_row_bias<2>(w, 2, row_bias, m_run, warp * 16 + g, lgp, G, HQ, c);
     live = __any_sync(S1_FULL, live);          // the warp has a real token
     const int tpw = 16 >> lgp;                 // tokens whose staging and pooling this warp owns
     const int tfirst = (warp * 16) >> lgp;
@@ -97,7 +119,7 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
             const bool coarse = u < w.nc;
             const T* src_base = coarse ? ck2 : ck1;
             const int cs = coarse ? w.c2s : w.c1s, n = coarse ? w.n2 : w.n1;
-            const int key0 = (coarse ? u : u - w.nc) * S1_TILE;
+            const int key0 = (coarse ? u : u - w.nc + S1_FT_LO) * S1_TILE;
             const int rows = min(S1_TILE, n - key0);
             const T* src = src_base + (int64)(cs + key0 + ld_row0) * key_stride + (int64)w.h * D + ld_ch * 8;
             const u32 dst = sK + stage * TILE + ld_dst0;
@@ -118,14 +140,14 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
         // one compiles to shared-memory loads and stores (a generic pointer costs 64-bit math)
         auto pool = [&](int kb) {
             if (bs_scratch) pool_tile<KT>(sT, bs0, olp, scores, score_row0, max_n1, tfirst, tpw, w.ntok, kb, w.n1, out_len, lane, kind);
-            else pool_tile<KT>(sT, sB, olp, scores, score_row0, max_n1, tfirst, tpw, w.ntok, kb, w.n1, out_len, lane, kind);
+            else pool_tile<KT>(sT, sBp, olp, scores, score_row0, max_n1, tfirst, tpw, w.ntok, kb, w.n1, out_len, lane, kind);
         };
         // G > 8 paths: the previous tile's column 63, and pooling from a lane's two column sums
         float carry = -INFLLM_INF;
         KT* srow = scores != nullptr ? scores + (score_row0 + tfirst) * max_n1 : nullptr;
         auto pool_cols = [&](float2 sum, int kb) {
             if (bs_scratch) pool_columns<KT>(sum, carry, bs0 + (int64)tfirst * olp, srow, max_n1, kb, w.n1, out_len, lane, kind);
-            else pool_columns<KT>(sum, carry, sB + tfirst * olp, srow, max_n1, kb, w.n1, out_len, lane, kind);
+            else pool_columns<KT>(sum, carry, sBp + tfirst * olp, srow, max_n1, kb, w.n1, out_len, lane, kind);
         };
         float s[MT][8][4];
         float (&sacc)[32] = reinterpret_cast<float (&)[32]>(s);
@@ -142,7 +164,7 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
             if (u + 1 < NT) load_tile(u + 1, stage ^ 1);
             cp_async_commit();
             const bool fine = u >= w.nc;
-            const int kb = (fine ? u - w.nc : u) * S1_TILE;    // first key of the tile
+            const int kb = (fine ? u - w.nc + S1_FT_LO : u) * S1_TILE;    // first key of the tile
 
             // S = Q K^T on the tensor cores (both warpgroups, always: wgmma is warpgroup-collective)
             const u32 kd = k_lo + ((stage * TILE) >> 4);
@@ -161,10 +183,19 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
             if (!fine) {
                 // ---- pass 1: online max and sum over the visible coarse keys
                 if (live) coarse_update<MT>(s, lim2, m_run, z_run, kb, c, sl2);
-                if (u == w.nc - 1) coarse_bias(z_run, m_run, lim1, bias, sl2);
+                if (u == w.nc - 1) {
+                    coarse_bias(z_run, m_run, lim1, bias, sl2);
+                    // the first range pass keeps the bias for the others (a CTA without coarse tiles
+                    // has no fine tile in any range: its rows' biases are never read)
+                    if (bias_mode == 1) s1_row_bias<2>(w, 1, row_bias, bias, warp * 16 + g, lgp, G, HQ, c);
+                }
                 pend_kb = -1;
             } else {
                 // ---- pass 2: fine-key probabilities, summed over each token's rows, staged
+                if (bias_mode == 2 && u == 0) {
+#pragma unroll
+                    for (int rr = 0; rr < 2; ++rr) bias[rr] = m_run[rr];
+                }
                 if (live) {
                     fine_probs<MT>(s, lim1, bias, kb, c, sl2);
                     switch (lgp) {   // CTA-uniform
@@ -199,7 +230,45 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
     }
     __syncthreads();                               // every token's block keys and carry are in place
 
+    if (ranged) {
+        s1_finish_range_all<KT>(w, w.nf, warp, NTHREADS / 32, lane, sT, sB, score_row0, olp, j_lo, j_hi, out_len,
+                                init_blocks, local_blocks, K, cand_key, cand_idx, kind);
+        return;
+    }
     // ---- per token: finish the block-key row (forced, uncomputed tail, padding), then top-K
     s1_finish_all<KT>(w, warp, NTHREADS / 32, lane, sT, sB, bs_scratch, score_row0, olp, out_len, init_blocks, local_blocks, K,
                       max_n1, quirk, max_seqlen_q, scores, block_scores, topk_idx, topk_prefix, kind);
+}
+#undef S1_FT_LO
+
+// The launches: the full selection (today's contract, a range pass's arguments fixed so that the
+// compiler drops the range code), and a range pass (docs/stage1.md, 9. Long context: key ranges).
+template <typename T, typename KT, int D>
+__global__ void __launch_bounds__(256, 2)
+stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* __restrict__ ck2, const int*
+                   __restrict__ cu_q, const int* __restrict__ cu_c1, const int* __restrict__ cu_c2, const int*
+                   __restrict__ cache_lens, int* __restrict__ topk_idx, KT* __restrict__ scores, KT* __restrict__
+                   block_scores, KT* __restrict__ bs_scratch, int total_q, int HQ, int H, int G, int lgp, int B, int
+                   n_tiles, int max_seqlen_q, int out_len, int olp, int K, int max_n1, int init_blocks, int
+                   local_blocks, int quirk, int causal, int kind, int s1, int s2c, float sl2, int topk_prefix) {
+    stage1_select_sm90_body<T, KT, D>(q, ck1, ck2, cu_q, cu_c1, cu_c2, cache_lens, topk_idx, scores, block_scores,
+                                      bs_scratch, total_q, HQ, H, G, lgp, B, n_tiles, max_seqlen_q, out_len, olp, K,
+                                      max_n1, init_blocks, local_blocks, quirk, causal, kind, s1, s2c, sl2,
+                                      topk_prefix, 0, out_len, nullptr, nullptr, nullptr, 0);
+}
+
+template <typename T, typename KT, int D>
+__global__ void __launch_bounds__(256, 2)
+stage1_select_range_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* __restrict__ ck2, const int*
+                         __restrict__ cu_q, const int* __restrict__ cu_c1, const int* __restrict__ cu_c2, const int*
+                         __restrict__ cache_lens, int* __restrict__ topk_idx, KT* __restrict__ scores, KT*
+                         __restrict__ block_scores, KT* __restrict__ bs_scratch, int total_q, int HQ, int H, int G,
+                         int lgp, int B, int n_tiles, int max_seqlen_q, int out_len, int olp, int K, int max_n1, int
+                         init_blocks, int local_blocks, int quirk, int causal, int kind, int s1, int s2c, float sl2,
+                         int topk_prefix, int j_lo, int j_hi, unsigned* __restrict__ cand_key, int* __restrict__
+                         cand_idx, float* __restrict__ row_bias, int bias_mode) {
+    stage1_select_sm90_body<T, KT, D>(q, ck1, ck2, cu_q, cu_c1, cu_c2, cache_lens, topk_idx, scores, block_scores,
+                                      bs_scratch, total_q, HQ, H, G, lgp, B, n_tiles, max_seqlen_q, out_len, olp, K,
+                                      max_n1, init_blocks, local_blocks, quirk, causal, kind, s1, s2c, sl2,
+                                      topk_prefix, j_lo, j_hi, cand_key, cand_idx, row_bias, bias_mode);
 }

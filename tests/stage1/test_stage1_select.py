@@ -849,7 +849,8 @@ def test_stage1_plan():
     assert stage1_plan((9, 0), 16, 128, bf16, bf16, 2048, *H100, kernel="sm90a").kernel == "sm90a"
     # G = 1 at 128k on SM80: fewer warps before the global scratch; sm_90a: scratch past the smem
     assert stage1_plan((8, 0), 1, 128, bf16, bf16, 2048, *H100) == Stage1Plan("sm80", 1, True)
-    assert stage1_plan((9, 0), 1, 128, bf16, fp32, 8192, *H100) == Stage1Plan("sm90a", 8, False)
+    # past the shared memory the key blocks split into ranges (the scratch stays the fallback)
+    assert stage1_plan((9, 0), 1, 128, bf16, fp32, 8192, *H100) == Stage1Plan("sm90a", 8, False, 0, 192)
     for kernel, cap, G, match in (("sm90a", (8, 0), 16, "capability 9.0"), ("sm90a", (9, 0), 33, "G <= 32"),
                                   ("sm70", (9, 0), 16, "kernel must be one of"),
                                   ("SM90A", (9, 0), 16, "kernel must be one of")):
@@ -889,6 +890,7 @@ def test_every_instance_is_registered():
             for st in (torch.bfloat16, torch.float16, torch.float32):
                 for d in (64, 128):
                     assert sel.kernel_name(dt, st, d, sm90a) in names
-        assert len(names) == 8
+                    assert sel.kernel_name(dt, st, d, sm90a, ranged=True) in names
+        assert len(names) == 16
     assert [lgp_of(G) for G in (1, 2, 3, 4, 5, 16, 17, 24, 32, 33, 64, 65, 128)] == \
         [0, 1, 2, 2, 3, 4, 5, 5, 5, 6, 6, 7, 7]
