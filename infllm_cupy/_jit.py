@@ -13,7 +13,7 @@ that every kernel builds for sm_80 and sm_90, and a cheap regression check on re
 Each launcher declares the template instances it uses with `register_instances`, so the CPU
 check covers every kernel the package can launch.
 
-The disk cache under faults (docs/reliability.md, "5. The run-time compiler under faults"): a
+The disk cache under faults (docs/reliability.md, "The run-time compiler under faults"): a
 truncated or corrupted entry fails its checksum and is recompiled and replaced, with a warning
 naming the file; an unreadable entry is recompiled; a cache folder that cannot be written leaves
 compiled kernels in the process, with one warning; two processes compiling the same kernel each

@@ -23,7 +23,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 # The shapes behind the pointers handed out lately, so that a failed launch can name what its pointer
-# arguments were (docs/reliability.md, "5. The run-time compiler under faults"): one dict store per
+# arguments were (docs/reliability.md, "The run-time compiler under faults"): one dict store per
 # pointer (dtype and torch.Size references, formatted only on failure), forgotten past 1024 entries.
 _PTR_SHAPES: dict = {}
 _PTR_SHAPES_MAX = 1024

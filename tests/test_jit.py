@@ -133,7 +133,7 @@ def test_wgmma_rates_tool_compiles_without_a_gpu():
 
 
 # ------------------------------------------------------------------------------------------------
-# the disk cache under faults (docs/reliability.md, "5. The run-time compiler under faults"): the
+# the disk cache under faults (docs/reliability.md, "The run-time compiler under faults"): the
 # backend CuPy's compile path loads from and saves to, exercised without a GPU
 # ------------------------------------------------------------------------------------------------
 cupy_cache = pytest.importorskip("cupy.cuda._compiler_cache", reason="CuPy (the gpu extra) not installed")

@@ -27,7 +27,7 @@ def test_programmatic_launch_rejects_python_scalars():
 
 
 # ------------------------------------------------------------------------------------------------
-# a failed launch names the kernel and its arguments' shapes (docs/reliability.md, "5. The run-time
+# a failed launch names the kernel and its arguments' shapes (docs/reliability.md, "The run-time
 # compiler under faults")
 # ------------------------------------------------------------------------------------------------
 def test_launch_error_names_kernel_grid_and_argument_shapes():

@@ -1,6 +1,6 @@
 """Past 2^31 elements: stage-2 forward and backward at 1M tokens, and the decode cache at the
 largest page count that fits, checked on sampled rows against an fp32 reference (docs/reliability.md,
-"3. Past 2^31 elements").
+"Past 2^31 elements").
 
     python tools/big_run.py                        # the device run: 1,048,576 x 32 x 128 bf16, H 2, K 96
     python tools/big_run.py --tokens 4096 --device cpu --cache-pages 64     # the CPU self-check (tests)

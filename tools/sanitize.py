@@ -1,5 +1,5 @@
 """Every kernel family at small sizes under NVIDIA compute-sanitizer's four tools (docs/reliability.md,
-"2. Sanitizers").
+"Sanitizers").
 
     python tools/sanitize.py                              # memcheck, racecheck, synccheck, initcheck
     python tools/sanitize.py --tools memcheck --families stage2,decode

@@ -1,4 +1,4 @@
-"""Shared pieces of the property-based fuzz tests (docs/reliability.md, "1. Fuzzing"): hypothesis
+"""Shared pieces of the property-based fuzz tests (docs/reliability.md, "Fuzzing"): hypothesis
 strategies for ragged batches and hostile selections, brute-force oracles, and the one-line
 reproducer every case records with `note()`.
 

@@ -1,6 +1,6 @@
 """Fuzzing, GPU share: every public op family's kernels against its PyTorch reference over random
 ragged batches (zero-length and one-token sequences inside a batch), G, D, dtype, K and hostile
-selections (docs/reliability.md, "1. Fuzzing"), with FlashAttention's error rule.
+selections (docs/reliability.md, "Fuzzing"), with FlashAttention's error rule.
 
     pytest -m gpu tests/fuzz --hypothesis-profile=fuzz-device     # >= 500 cases per family
 

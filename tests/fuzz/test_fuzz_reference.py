@@ -1,5 +1,5 @@
 """Fuzzing, CPU share: each op family's PyTorch reference against a brute-force oracle written in
-fuzzlib.py from the semantics alone (docs/reliability.md, "1. Fuzzing"). Runs in CI with the
+fuzzlib.py from the semantics alone (docs/reliability.md, "Fuzzing"). Runs in CI with the
 `fuzz-ci` hypothesis profile (tests/conftest.py): derandomized, a handful of examples per family.
 A failure prints hypothesis' falsifying example and a `reproduce: ...` line with the exact call.
 """

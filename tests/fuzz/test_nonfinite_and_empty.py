@@ -1,4 +1,4 @@
-"""Non-finite and degenerate inputs (docs/reliability.md, "4. Non-finite inputs" and "Zero-length
+"""Non-finite and degenerate inputs (docs/reliability.md, "Non-finite inputs" and "Zero-length
 sequences"), for the references on CPU and the kernels on the GPU:
 
 - NaN or inf in one sequence never changes another sequence's rows: they are bit-identical to a run
