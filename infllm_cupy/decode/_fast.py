@@ -22,8 +22,11 @@ class Launches:
         self.items = []
 
     def add(self, source: str, name: str, grid, block, shared_mem: int, args, *, pdl: bool = False) -> None:
-        """`pdl`: launch as a programmatic dependent of the launch before it (sm_90 only; elsewhere a
-        plain launch). The kernel must wait (griddepcontrol.wait) before reading that one's output."""
+        """`pdl`: launch as a programmatic dependent of the launch before it while a CUDA graph is being
+        captured on sm_90 (a replay then overlaps the two); eagerly, and below sm_90, a plain launch
+        (the driver call with launch attributes costs more host time than it saves on the GPU when
+        the host is the bottleneck). The kernel must wait (griddepcontrol.wait) before reading that
+        launch's output."""
         self.items.append((source, name, tuple(int(g) for g in grid), tuple(int(b) for b in block),
                            int(shared_mem), args, pdl))
 
@@ -31,7 +34,8 @@ class Launches:
         items = [it for it in self.items if all(g > 0 for g in it[2])]   # an empty grid launches nothing
         if not items:
             return
-        pdl_ok = torch.cuda.get_device_capability(self.device)[0] >= 9
+        pdl_ok = (torch.cuda.is_current_stream_capturing()
+                  and torch.cuda.get_device_capability(self.device)[0] >= 9)
         with torch.cuda.device(self.device):
             stream = current_stream()
             for source, name, grid, block, smem, args, pdl in items:
