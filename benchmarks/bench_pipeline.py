@@ -114,7 +114,7 @@ def estimate_peak_bytes(B: int, T: int, HQ: int, H: int, D: int, K: int, device:
         G = HQ // H
         plan = s1plan.stage1_plan(torch.cuda.get_device_capability(device), G, D, torch.bfloat16, torch.bfloat16,
                                   out_len, *_smem_limits(device))
-        scratch = s1plan.scratch_bytes(plan, H, total, out_len, 2)
+        scratch = s1plan.scratch_bytes(plan, H, total, out_len, 2, K=K, HQ=HQ)
     sel = ck_bytes + topk_bytes + scratch
     stage2 = total * HQ * D * el
     sdpa = inputs + total * HQ * D * el
