@@ -243,11 +243,16 @@ def _cache_class():
 
 def install_kernel_cache():
     """Put `KernelDiskCache` in place of CuPy's default disk cache (same folder), once; a backend
-    the user installed is left alone. Returns the backend in use. Needs CuPy, not a GPU."""
-    from cupy.cuda import _compiler_cache as cc
-    from cupy.cuda import compiler
+    the user installed is left alone. Returns the backend in use, or None with a CuPy that has no
+    pluggable cache (before 14: its own cache then runs unchanged). Needs CuPy, not a GPU."""
+    try:
+        from cupy.cuda import _compiler_cache as cc
+        from cupy.cuda import compiler
 
-    current = compiler._kernel_cache_backend
+        current = compiler._kernel_cache_backend
+        compiler._set_kernel_cache_backend  # noqa: B018  (present with the backend)
+    except (ImportError, AttributeError):
+        return None
     if type(current) is cc.DiskKernelCacheBackend:
         compiler._set_kernel_cache_backend(_cache_class()(current._cache_dir))
     return compiler._kernel_cache_backend

@@ -136,10 +136,13 @@ def test_wgmma_rates_tool_compiles_without_a_gpu():
 # the disk cache under faults (docs/reliability.md, "The run-time compiler under faults"): the
 # backend CuPy's compile path loads from and saves to, exercised without a GPU
 # ------------------------------------------------------------------------------------------------
-cupy_cache = pytest.importorskip("cupy.cuda._compiler_cache", reason="CuPy (the gpu extra) not installed")
+def _cupy_cache():
+    """CuPy's pluggable disk cache (CuPy >= 14); the tests skip without it."""
+    return pytest.importorskip("cupy.cuda._compiler_cache", reason="needs CuPy >= 14 (the gpu extra)")
 
 
 def _cache(path):
+    _cupy_cache()
     return _jit._cache_class()(str(path))
 
 
@@ -222,6 +225,7 @@ def test_two_processes_writing_one_entry_never_expose_a_partial_file(tmp_path):
 
 
 def test_install_kernel_cache_replaces_only_cupys_default():
+    cupy_cache = _cupy_cache()
     from cupy.cuda import compiler
 
     saved = compiler._kernel_cache_backend
