@@ -355,6 +355,12 @@ def bench_config(r: Runner, T: int, B: int, flex, BlockMask, flex_note: str = ""
             r.rows.append(Row(impl, cfg_id, "-", a.topk + a.local_blocks, "fwd", note=skip))
         return {"config": cfg_id, "inputs": inputs, "T": T, "B": B, "skipped": skip}
     cfg_id, cfg, K, q, k, v, cu, stages, cache_lens, n_q_rows = config_setup(r, T, B, inputs)
+    if r.device.type == "cuda":     # which stage-1 launch runs: one, or key-range passes (docs/stage1.md, 9.)
+        from infllm_cupy.stage1.plan import stage1_plan
+        from infllm_cupy.stage1.select import _smem_limits
+        plan = stage1_plan(torch.cuda.get_device_capability(r.device), HQ // H, D, q.dtype, torch.bfloat16,
+                           -(-T // 64), *_smem_limits(r.device))
+        print(f"  stage-1 plan: {plan}", flush=True)
 
     def selection():
         return select_blocks(stages, q, k, cu, cu, T, cache_lens, True, cfg, need_scores=False)
