@@ -59,12 +59,15 @@ class SelectDecodePlan:
             `[-1, 64 T1 R1 - 1)`, i.e. blocks `[0, 16 T1 R1)`.
         coarse_tiles (int): 64-key tiles of ck2 (exact mode: ck1) per CTA of the coarse kernel (T2).
         coarse_ranges (int): CTAs per (sequence, KV head) of the coarse kernel (R2).
+        fused_topk (bool): the last fine CTA of each row runs the top-k (no third launch; an atomic
+            count per row). Default False: not yet timed on a GPU (docs/decode.md, "Not built yet").
     """
     row_tiles: int
     fine_tiles: int
     fine_ranges: int
     coarse_tiles: int
     coarse_ranges: int
+    fused_topk: bool = False
 
     def score_smem_bytes(self, head_dim: int, fine: bool) -> int:
         """Dynamic shared memory of a score kernel (SelSmem in the .cu; the fine kernel adds its range's
@@ -114,6 +117,8 @@ def check_select_plan(plan, group: int, n1_max: int, n2_max: int, head_dim: int)
     if TILE * plan.coarse_tiles * plan.coarse_ranges < n2_max:
         raise ValueError(f"plan: {plan!r} covers {TILE * plan.coarse_tiles * plan.coarse_ranges} coarse keys, "
                          f"the cache holds up to {n2_max}")
+    if not isinstance(plan.fused_topk, bool):
+        raise ValueError(f"plan: fused_topk must be a bool, got {plan.fused_topk!r}")
     if plan.score_smem_bytes(head_dim, True) > MAX_SMEM:
         raise ValueError(f"plan: {plan!r} needs {plan.score_smem_bytes(head_dim, True)} B of shared memory")
 
@@ -192,22 +197,31 @@ def select_decode(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, seqlens
     sl2 = np.float32(scale * math.log2(math.e))
     T1, R1, T2, R2 = plan.fine_tiles, plan.fine_ranges, plan.coarse_tiles, plan.coarse_ranges
     # one scratch allocation (fewer allocator calls on the eager path): part float2 [B, H, R2, G] first
-    # (8-byte aligned), then blk [B, H, 16 T1 R1] and lead [B, H, R1]
-    n_part, n_blk = B * H * R2 * G * 2, B * H * 16 * T1 * R1
-    scratch = torch.empty(n_part + n_blk + B * H * R1, dtype=torch.float32, device=dev)
-    part, blk, lead = scratch[:n_part], scratch[n_part:n_part + n_blk], scratch[n_part + n_blk:]
+    # (8-byte aligned), then blk [B, H, 16 T1 R1], lead [B, H, R1] and the fused top-k's counts [B, H]
+    n_part, n_blk, n_lead = B * H * R2 * G * 2, B * H * 16 * T1 * R1, B * H * R1
+    scratch = torch.empty(n_part + n_blk + n_lead + B * H, dtype=torch.float32, device=dev)
+    part, blk = scratch[:n_part], scratch[n_part:n_part + n_blk]
+    lead = scratch[n_part + n_blk:n_part + n_blk + n_lead]
+    counter = scratch[n_part + n_blk + n_lead:].view(torch.int32)
+    fused = plan.fused_topk
+    cnt = ptr(counter) if fused else np.uint64(0)
+    fine_smem = plan.score_smem_bytes(D, True)
+    if fused:
+        fine_smem = max(fine_smem, olp * key_bytes)        # the top-k row reuses the CTA's shared memory
     i32 = np.int32
     mt, T = plan.row_tiles, CXX_TYPE[q.dtype]
     ck_c = ck1 if exact else ck2
     run = Launches(dev)
     run.add(SOURCE, f"select_decode_coarse<{T}, {D}, {mt}>", (R2, H, B), (128 * mt,), plan.score_smem_bytes(D, False),
-            (ptr(q), ptr(ck_c), ptr(seqlens), i32(N2), i32(H), i32(G), i32(T2), i32(exact), sl2, ptr(part)))
-    run.add(SOURCE, f"select_decode_fine<{T}, {D}, {mt}>", (R1, H, B), (128 * mt,), plan.score_smem_bytes(D, True),
+            (ptr(q), ptr(ck_c), ptr(seqlens), i32(N2), i32(H), i32(G), i32(T2), i32(exact), sl2, ptr(part), cnt))
+    run.add(SOURCE, f"select_decode_fine<{T}, {D}, {mt}>", (R1, H, B), (128 * mt,), fine_smem,
             (ptr(q), ptr(ck1), ptr(seqlens), i32(N1), i32(H), i32(G), i32(T1), i32(R2), i32(exact), i32(kind),
-             sl2, ptr(part), ptr(blk), ptr(lead)), pdl=PDL)
-    run.add(SOURCE, f"select_decode_topk<{KEY_TYPE[kind]}>", (H * B,), (256,), olp * key_bytes,
-            (ptr(blk), ptr(lead), ptr(seqlens), i32(B), i32(H), i32(T1), i32(R1), i32(out_len), i32(olp),
-             i32(K), i32(init_blocks), i32(local_blocks), i32(kind), ptr(topk_idx)), pdl=PDL)
+             sl2, ptr(part), ptr(blk), ptr(lead), cnt, i32(B), i32(out_len), i32(olp), i32(K), i32(init_blocks),
+             i32(local_blocks), ptr(topk_idx)), pdl=PDL)
+    if not fused:
+            run.add(SOURCE, f"select_decode_topk<{KEY_TYPE[kind]}>", (H * B,), (256,), olp * key_bytes,
+                (ptr(blk), ptr(lead), ptr(seqlens), i32(B), i32(H), i32(T1), i32(R1), i32(out_len), i32(olp),
+                 i32(K), i32(init_blocks), i32(local_blocks), i32(kind), ptr(topk_idx)), pdl=PDL)
     run.run()
     return topk_idx
 

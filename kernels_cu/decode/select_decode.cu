@@ -27,6 +27,9 @@
 //   blk float [B, H, 16 T1 R1] (rounded score values; the last block of the range lacks its key
 //   64 T1 (r + 1) - 1) and lead float [B, H, R1] = the score of its first key (-inf for r = 0).
 //   CTAs whose first key is >= n1 exit without writing (the top-k kernel does not read them).
+//   Fused top-k (counter != nullptr; SelectDecodePlan.fused_topk): the coarse kernel zeroes
+//   counter int32 [B, H], every fine CTA that runs counts itself after its writes, and the last one of
+//   its row runs the top-k kernel's body (dynamic smem then at least olp * key bytes); no top-k launch.
 // select_decode_topk<KT>          KT = unsigned (score kind 0, fp32) or unsigned short (bf16, fp16)
 //   grid (H * B)  block (256)  dynamic smem olp * sizeof(KT), olp = out_len rounded up to 64
 //   completes each row (block j of range r's last slot: max with lead[r + 1]; blocks past the last
@@ -134,11 +137,12 @@ __device__ __forceinline__ void sel_tile_scores(float (&s)[2][4], u32 q_s, u32 k
 template <typename T, int D, int MT>
 __global__ void __launch_bounds__(128 * MT)
 select_decode_coarse(const T* __restrict__ q, const T* __restrict__ ck2, const int* __restrict__ seqlens, int N2,
-                     int H, int G, int T2, int exact, float sl2, float2* __restrict__ part) {
+                     int H, int G, int T2, int exact, float sl2, float2* __restrict__ part, int* __restrict__ counter) {
     typedef SelSmem<D, MT> SM;
     extern __shared__ __align__(128) unsigned char smem[];
     const int r2 = blockIdx.x, h = blockIdx.y, b = blockIdx.z, R2 = gridDim.x;
     sel_pdl_trigger();                               // the fine kernel may start its prologue now
+    if (counter != nullptr && r2 == 0 && threadIdx.x == 0) counter[(int64)b * H + h] = 0;   // fused top-k's count
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, mt = warp >> 2, kw = warp & 3;
     const int g4 = lane >> 2, c4 = lane & 3;
     const int L = seqlens[b];
@@ -209,11 +213,18 @@ select_decode_coarse(const T* __restrict__ q, const T* __restrict__ ck2, const i
     }
 }
 
+template <typename KT>
+__device__ __forceinline__ void sel_topk_row(KT* rowk, const float* __restrict__ blk, const float* __restrict__ lead,
+                                             int L, int b, int h, int B, int H, int T1, int R1, int out_len, int olp,
+                                             int K, int init_blocks, int local_blocks, int kind,
+                                             int* __restrict__ topk_idx, int tid, int nthreads);
+
 template <typename T, int D, int MT>
 __global__ void __launch_bounds__(128 * MT, 1)
 select_decode_fine(const T* __restrict__ q, const T* __restrict__ ck1, const int* __restrict__ seqlens, int N1,
                    int H, int G, int T1, int R2, int exact, int kind, float sl2, const float2* __restrict__ part,
-                   float* __restrict__ blk, float* __restrict__ lead) {
+                   float* __restrict__ blk, float* __restrict__ lead, int* __restrict__ counter, int B, int out_len,
+                   int olp, int K, int init_blocks, int local_blocks, int* __restrict__ topk_idx) {
     typedef SelSmem<D, MT> SM;
     extern __shared__ __align__(128) unsigned char smem[];
     const int r1 = blockIdx.x, h = blockIdx.y, b = blockIdx.z, R1 = gridDim.x;
@@ -328,19 +339,39 @@ select_decode_fine(const T* __restrict__ q, const T* __restrict__ ck1, const int
         blk[row * nbr * R1 + (int64)r1 * nbr + jl] = mx;
     }
     if (tid == 0) lead[row * R1 + r1] = sc[0];
+    if (counter != nullptr) {
+        // fused top-k: the last range of the row to finish takes it (threadFenceReduction's pattern).
+        // The coarse kernel zeroed the counter; only ranges that run count (r1 == 0 or 64 T1 r1 <= n1).
+        __shared__ int is_last;
+        __threadfence();                             // this CTA's blk / lead before its count
+        __syncthreads();
+        if (tid == 0) {
+            const int active = 1 + min(R1 - 1, n1 / (64 * T1));
+            is_last = atomicAdd(counter + row, 1) == active - 1;
+        }
+        __syncthreads();
+        if (is_last) {
+            __threadfence();                         // the other ranges' blk / lead, read through L2
+            if (kind == 0)
+                sel_topk_row<unsigned>(reinterpret_cast<unsigned*>(smem), blk, lead, L, b, h, B, H, T1, R1, out_len,
+                                       olp, K, init_blocks, local_blocks, 0, topk_idx, tid, 128 * MT);
+            else
+                sel_topk_row<unsigned short>(reinterpret_cast<unsigned short*>(smem), blk, lead, L, b, h, B, H, T1,
+                                             R1, out_len, olp, K, init_blocks, local_blocks, kind, topk_idx, tid,
+                                             128 * MT);
+        }
+    }
     sel_pdl_trigger();
 }
 
+// One (KV head, sequence) row: the block keys in shared memory (`rowk`, olp keys), completed, then the
+// top-K by warp 0. blk and lead are read through L2 (__ldcg): in the fused form other CTAs wrote them
+// during this kernel.
 template <typename KT>
-__global__ void __launch_bounds__(256)
-select_decode_topk(const float* __restrict__ blk, const float* __restrict__ lead, const int* __restrict__ seqlens,
-                   int B, int H, int T1, int R1, int out_len, int olp, int K, int init_blocks, int local_blocks,
-                   int kind, int* __restrict__ topk_idx) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    KT* rowk = reinterpret_cast<KT*>(smem);
-    const int h = blockIdx.x / B, b = blockIdx.x % B, tid = threadIdx.x;
-    sel_pdl_wait();                                  // blk and lead of the fine kernel
-    const int L = seqlens[b];
+__device__ __forceinline__ void sel_topk_row(KT* rowk, const float* __restrict__ blk, const float* __restrict__ lead,
+                                             int L, int b, int h, int B, int H, int T1, int R1, int out_len, int olp,
+                                             int K, int init_blocks, int local_blocks, int kind,
+                                             int* __restrict__ topk_idx, int tid, int nthreads) {
     const int n1 = sel_windows(L, SEL_FINE_KS, SEL_FINE_ST);
     const int nbv = n1 > 0 ? n1 / 4 + 1 : 0;          // blocks j with a fine key (4 j - 1 < n1)
     const int qb = max(L - 1, 0) / 64;                // the query's own block (cache_lens = L - 1)
@@ -348,14 +379,14 @@ select_decode_topk(const float* __restrict__ blk, const float* __restrict__ lead
     const int64 row = (int64)b * H + h;
     const float* bp = blk + row * nbr * R1;
     const float* lp = lead + row * R1;
-    for (int j = tid; j < olp; j += 256) {
+    for (int j = tid; j < olp; j += nthreads) {
         KT k = 0;                                     // padding: below every real key, never selected
         if (j < out_len) {
             float x = -INFLLM_INF;
             if (j < nbv) {
-                x = bp[j];
+                x = __ldcg(bp + j);
                 const int rn = (j + 1) / nbr;         // the range whose first key closes block j
-                if ((j + 1) % nbr == 0 && rn < R1 && rn * nbr * 4 - 1 < n1) x = fmaxf(x, lp[rn]);
+                if ((j + 1) % nbr == 0 && rn < R1 && rn * nbr * 4 - 1 < n1) x = fmaxf(x, __ldcg(lp + rn));
             }
             k = score_key<KT>(x, kind);
             if (j < init_blocks || (j <= qb && j >= qb - local_blocks)) k = score_key<KT>(INFLLM_INF, kind);
@@ -367,4 +398,16 @@ select_decode_topk(const float* __restrict__ blk, const float* __restrict__ lead
         const int jpre = (max(qb, K - 1) / 64 + 1) * 64;
         select_row<KT>(rowk, olp, jpre, K, qb, tid, topk_idx + ((int64)h * B + b) * K);
     }
+}
+
+template <typename KT>
+__global__ void __launch_bounds__(256)
+select_decode_topk(const float* __restrict__ blk, const float* __restrict__ lead, const int* __restrict__ seqlens,
+                   int B, int H, int T1, int R1, int out_len, int olp, int K, int init_blocks, int local_blocks,
+                   int kind, int* __restrict__ topk_idx) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int h = blockIdx.x / B, b = blockIdx.x % B;
+    sel_pdl_wait();                                  // blk and lead of the fine kernel
+    sel_topk_row<KT>(reinterpret_cast<KT*>(smem), blk, lead, seqlens[b], b, h, B, H, T1, R1, out_len, olp, K,
+                     init_blocks, local_blocks, kind, topk_idx, threadIdx.x, 256);
 }

@@ -2,6 +2,7 @@
 plan, the merge math (a PyTorch emulation of the split algorithm against the reference, CPU) and the
 kernels against the reference and the prefill stage-1 kernel (GPU)."""
 import dataclasses
+import importlib
 import math
 
 import pytest
@@ -20,6 +21,8 @@ from infllm_cupy.decode.step import decode_select, layout_of
 from infllm_cupy.pipeline import InfLLMv2Config
 from infllm_cupy.stage1.naive import naive_stage1_select
 from infllm_cupy.testing import cu_seqlens_from_lengths
+
+sd = importlib.import_module("infllm_cupy.decode.select_decode")   # the module (the package exports a function)
 
 # fp32 scores: no two blocks tie, so every implementation must pick the same blocks
 CFG = InfLLMv2Config(topk=6, local_blocks=2, dense_len=0, score_dtype=torch.float32)
@@ -102,6 +105,9 @@ def test_select_plan_checks_name_the_problem():
     with pytest.raises(ValueError, match="G = 20"):
         check_select_plan(SelectDecodePlan(1, 1, 3, 1, 2), 20, 125, 65, 128)
     check_select_plan(SelectDecodePlan(2, 1, 3, 1, 2), 20, 125, 65, 128)
+    with pytest.raises(ValueError, match="fused_topk"):
+        check_select_plan(SelectDecodePlan(2, 1, 3, 1, 2, 1), 20, 125, 65, 128)
+    assert not plan_select_decode(8, 2, 16, 8191, 2047, 132).fused_topk       # opt-in until timed
 
 
 @pytest.mark.parametrize("exact", [False, True], ids=["coarse", "exact"])
@@ -223,22 +229,33 @@ def test_split_select_kernel_matches_reference_and_prefill_kernel(case):
         if cfg.score_dtype == torch.float32 and HQ // H <= 32:
             # the prefill stage-1 kernel (one CTA per sequence and head): the same rows, bit for bit
             assert torch.equal(got, decode_select(q, cache, config=cfg, kernel="sm80"))
+        N1 = cache.ck1.shape[1]
+        n2 = N1 if exact else cache.ck2.shape[1]
+        mt = next(t for t in (1, 2, 4) if HQ // H <= 16 * t)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        plans = [dataclasses.replace(plan_select_decode(len(lengths), H, HQ // H, N1, n2, sms), fused_topk=True)]
         if len(lengths) > 1:                          # a plan with many short ranges selects the same blocks
-            N1 = cache.ck1.shape[1]
-            n2 = N1 if exact else cache.ck2.shape[1]
-            mt = next(t for t in (1, 2, 4) if HQ // H <= 16 * t)
-            plan = SelectDecodePlan(mt, 1, -(-(N1 + 4) // 64), 1, max(1, -(-n2 // 64)))
+            plans += [SelectDecodePlan(mt, 1, -(-(N1 + 4) // 64), 1, max(1, -(-n2 // 64)), fused)
+                      for fused in (False, True)]
+        for plan in plans:
             other = select_decode(q, cache.ck1, cache.ck2, cache.seqlens, -(-cache.capacity // 64),
                                   topk=cfg.topk, local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks,
                                   softmax_scale=cfg.softmax_scale, score_dtype=cfg.score_dtype, exact=exact,
                                   plan=plan)
+            if plan.fine_tiles == plans[0].fine_tiles and plan.coarse_tiles == plans[0].coarse_tiles:
+                assert torch.equal(other, got), plan          # the fused top-k: the same rows, bit for bit
             assert_same_blocks(other.cpu(), ref, bs, tol)
 
 
 @pytest.mark.gpu
-def test_split_select_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("fused", [False, True], ids=["topk_kernel", "fused_topk"])
+def test_split_select_replays_in_a_cuda_graph(fused, monkeypatch):
     lengths, HQ, H, D, dtype = [4000, 70, 1500], 16, 2, 128, torch.bfloat16
     cfg = InfLLMv2Config(dense_len=0)
+    if fused:                                      # decode_select's plan with the fused top-k
+        monkeypatch.setattr(sd, "plan_select_decode",
+                            lambda *a: dataclasses.replace(plan_select_decode(*a), fused_topk=True))
+        sd._plan_for.cache_clear()
     eager = build_cache(lengths, H, D, dtype, device="cuda")
     graphed = build_cache(lengths, H, D, dtype, device="cuda")
     q = torch.randn(3, HQ, D, device="cuda", dtype=dtype)
@@ -259,11 +276,13 @@ def test_split_select_replays_in_a_cuda_graph():
         ref = decode_select(q, eager, config=cfg)
         torch.cuda.synchronize()
         assert torch.equal(got, ref)
+    sd._plan_for.cache_clear()                     # no fused plan left cached for later tests
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True], ids=["topk_kernel", "fused_topk"])
 @pytest.mark.parametrize("short_ranges", [False, True], ids=["default_plan", "one_tile_ranges"])
-def test_split_select_kernel_boundary_keys(short_ranges):
+def test_split_select_kernel_boundary_keys(short_ranges, fused):
     lengths, HQ, H, D, dtype = [20000, 9000], 16, 2, 128, torch.bfloat16
     cfg = dataclasses.replace(CFG, topk=8, local_blocks=2)                # 6 blocks chosen by score
     cache = build_cache(lengths, H, D, dtype, device="cuda", seed=4)
@@ -272,6 +291,7 @@ def test_split_select_kernel_boundary_keys(short_ranges):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     plan = SelectDecodePlan(1, 1, -(-(N1 + 4) // 64), 1, -(-N2 // 64)) if short_ranges else \
         plan_select_decode(2, H, HQ // H, N1, N2, sms)
+    plan = dataclasses.replace(plan, fused_topk=fused)
     t = 64 * plan.fine_tiles
     plant(cache, q, 0, (t - 1, 2 * t - 1, 3 * t - 1))                  # first keys of ranges 1, 2, 3
     plant(cache, q, 1, (t - 1, 2 * t - 1, 3 * t - 1))
