@@ -377,28 +377,43 @@ sparse_decode_weights(const float* logits, const float* __restrict__ lse2, const
     if (p >= W) return;
     const bool vec = (W & 3) == 0;
     const bool blk_on = sel[(p - p0) / BLK] != 0;
+    const bool full = vec && blk_on && p + 3 < L;       // one 16-byte load per head
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int g = 0; g < G; ++g) {
-        const int64 at = ((int64)b * HQ + (int64)h * G + g) * W + p;
-        float x[4];
-        if (vec && blk_on && p + 3 < L) {
-            const float4 lv = *reinterpret_cast<const float4*>(logits + at);
-            x[0] = exp2f(lv.x - lse_s[g]); x[1] = exp2f(lv.y - lse_s[g]);
-            x[2] = exp2f(lv.z - lse_s[g]); x[3] = exp2f(lv.w - lse_s[g]);
-        } else {
+    // heads four at a time, their loads issued before any store: logits may alias out, so the compiler
+    // cannot hoist a head's load above the previous head's store, and one load per thread in flight
+    // is too little to cover the memory latency
+    for (int g0 = 0; g0 < G; g0 += 4) {
+        float4 lv[4];
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-                x[e] = blk_on && p + e < L && p + e < W ? exp2f(logits[at + e] - lse_s[g]) : 0.f;
+        for (int i = 0; i < 4; ++i) {
+            const int g = g0 + i;
+            const float* src = logits + ((int64)b * HQ + (int64)h * G + g) * W + p;
+            lv[i] = full && g < G ? *reinterpret_cast<const float4*>(src) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
-        if (per_kv_head) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[e] += x[e];
-        } else if (vec) {
-            *reinterpret_cast<float4*>(out + at) = make_float4(x[0], x[1], x[2], x[3]);
-        } else {
+        for (int i = 0; i < 4; ++i) {
+            const int g = g0 + i;
+            if (g >= G) break;
+            const int64 at = ((int64)b * HQ + (int64)h * G + g) * W + p;
+            float x[4];
+            if (full) {
+                x[0] = exp2f(lv[i].x - lse_s[g]); x[1] = exp2f(lv[i].y - lse_s[g]);
+                x[2] = exp2f(lv[i].z - lse_s[g]); x[3] = exp2f(lv[i].w - lse_s[g]);
+            } else {
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-                if (p + e < W) out[at + e] = x[e];
+                for (int e = 0; e < 4; ++e)
+                    x[e] = blk_on && p + e < L && p + e < W ? exp2f(logits[at + e] - lse_s[g]) : 0.f;
+            }
+            if (per_kv_head) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[e] += x[e];
+            } else if (vec) {
+                *reinterpret_cast<float4*>(out + at) = make_float4(x[0], x[1], x[2], x[3]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (p + e < W) out[at + e] = x[e];
+            }
         }
     }
     if (per_kv_head) {
