@@ -86,3 +86,48 @@ def test_sanitize_report_parser_on_a_canned_log(tmp_path):
     assert summary == 4
     assert ours == [["stage1_select_sm90", 1], ["stage2_fwd", 2]]
     assert others == [["vectorized_elementwise_kernel", 1]]
+
+
+_FAKE_SANITIZER = """#!{python}
+# a stand-in for compute-sanitizer: runs the wrapped driver on the CPU and reports what it is told
+import subprocess, sys
+args = sys.argv[1:]
+tool = args[args.index("--tool") + 1]
+cmd = args[next(i for i, a in enumerate(args) if a.endswith("python") or "python3" in a or a == sys.executable):]
+p = subprocess.run(cmd + ["--device", "cpu"], capture_output=True, text=True)
+print("========= COMPUTE-SANITIZER")
+print(p.stdout, end="")
+print(p.stderr, end="", file=sys.stderr)
+bad = {report!r}.get(tool)
+if bad:
+    print("========= " + bad[0])
+    print("=========     at 0x10 in x.cu:1:" + bad[1] + "(int)")
+print("========= ERROR SUMMARY: %d errors" % (1 if bad else 0))
+print("filter:", "--kernel-regex" in args)
+sys.exit(99 if bad else p.returncode)
+"""
+
+
+def _fake_sanitizer(tmp_path, report):
+    exe = tmp_path / "compute-sanitizer"
+    exe.write_text(_FAKE_SANITIZER.format(python=sys.executable, report=report))
+    exe.chmod(0o755)
+    return str(exe)
+
+
+def test_sanitize_end_to_end_with_a_stand_in_sanitizer(tmp_path):
+    exe = _fake_sanitizer(tmp_path, {"racecheck": ("Error: Race reported between Write access", "stage2_fwd_sm90"),
+                                     "initcheck": ("Uninitialized __global__ memory read of size 4 bytes",
+                                                   "vectorized_elementwise_kernel")})
+    rc, out, err = _run("tools/sanitize.py", "--sanitizer", exe, "--no-warmup", "--families", "compress",
+                        "--tools", "memcheck,racecheck,initcheck", "--log-dir", str(tmp_path / "logs"))
+    assert rc == 1, out + err
+    lines = {ln.split(":")[0]: ln for ln in out.splitlines() if ln.split(":")[0] in
+             ("memcheck", "racecheck", "initcheck")}
+    assert "PASS: 0 findings in our kernels, 0 in others" in lines["memcheck"] and "completed" in lines["memcheck"]
+    assert "FAIL: 1 findings in our kernels" in lines["racecheck"]
+    assert "    ours      1 x stage2_fwd_sm90: Error: Race reported between Write access" in out
+    assert "PASS: 0 findings in our kernels, 1 in others" in lines["initcheck"]   # torch's kernels do not fail it
+    assert out.rstrip().endswith("sanitize: FAIL")
+    assert "filter: True" in (tmp_path / "logs" / "racecheck.log").read_text()
+    assert "filter: False" in (tmp_path / "logs" / "memcheck.log").read_text()
