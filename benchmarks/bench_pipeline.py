@@ -499,7 +499,12 @@ def parse_args(argv=None):
     p.add_argument("--inputs", default="random",
                    help=f"comma-separated input kinds, each config runs once per kind: {','.join(INPUTS)}. "
                         f"Default: random")
+    p.add_argument("--stage1-range-blocks", type=int, default=0,
+                   help="force stage 1's key-range split with ranges of this many blocks (a multiple of 64) "
+                        "wherever K fits one (docs/stage1.md, 9. Long context: key ranges); 0: the plan's choice")
     a = p.parse_args(argv)
+    if a.stage1_range_blocks < 0 or a.stage1_range_blocks % 64:
+        p.error(f"--stage1-range-blocks must be 0 or a positive multiple of 64, got {a.stage1_range_blocks}")
     if a.configs:       # "1Mx1": M = 1024k
         a.configs = re.sub(r"(\d+(?:\.\d+)?)[mM]x", lambda m: f"{round(float(m.group(1)) * 1024)}kx", a.configs)
     a = finish_args(p, a, IMPLS)
@@ -508,6 +513,25 @@ def parse_args(argv=None):
         p.error("--inputs must name at least one of " + ",".join(INPUTS))
     a.configs = [(T, B, inputs) for T, B in a.configs for inputs in a.inputs]
     return a
+
+
+@contextlib.contextmanager
+def forced_stage1_ranges(range_blocks: int):
+    """While active, every stage-1 plan of the kernels splits into ranges of `range_blocks` blocks
+    (0: no change): to measure the split against one launch where both fit."""
+    if not range_blocks:
+        yield
+        return
+    import dataclasses
+
+    from infllm_cupy.stage1 import select as sel
+
+    real = sel.stage1_plan
+    sel.stage1_plan = lambda *args, **kw: dataclasses.replace(real(*args, **kw), range_blocks=range_blocks)
+    try:
+        yield
+    finally:
+        sel.stage1_plan = real
 
 
 def no_validation(keep: bool):
@@ -532,8 +556,11 @@ def main(argv=None) -> list[Row]:
     flex, BlockMask, flex_note = (load_flex(dev, not a.no_compile) if "flex_union" in a.impls
                                   else (None, None, "not requested"))
     r = Runner(a, dev)
-    memory = r.run_configs(lambda T, B, inputs: bench_config(r, T, B, flex, BlockMask, flex_note, inputs), env,
-                           check)
+    with forced_stage1_ranges(a.stage1_range_blocks):
+        if a.stage1_range_blocks:
+            print(f"stage 1: key ranges of {a.stage1_range_blocks} blocks forced (--stage1-range-blocks)")
+        memory = r.run_configs(lambda T, B, inputs: bench_config(r, T, B, flex, BlockMask, flex_note, inputs),
+                               env, check)
     cols = ["config", *[f"{i}_ms" for i in IMPLS], "selection/stage2", *[f"{i}/pipeline" for i in ANCHORS],
             "selection_share", "sel_mem_GiB", "pipe_mem_GiB"]
     recs = summary(r.rows, memory)
