@@ -244,7 +244,8 @@ def decode(args, dev: torch.device) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=1 << 20)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=2)

@@ -269,11 +269,13 @@ def main() -> int:
     # the workload alone first: it compiles every kernel into CuPy's disk cache (the sanitized runs
     # then load them), and a failure here is the workload's, not a sanitizer finding
     t0 = time.perf_counter()
-    warm = subprocess.CompletedProcess([], 0, "", "") if args.no_warmup else subprocess.run([sys.executable, str(HERE), "--driver", "--families", ",".join(families)],
-                          capture_output=True, text=True, timeout=args.timeout)
+    driver = [sys.executable, str(HERE), "--driver", "--families", ",".join(families)]
+    warm = (subprocess.CompletedProcess([], 0, "", "") if args.no_warmup
+            else subprocess.run(driver, capture_output=True, text=True, timeout=args.timeout))
     (log_dir / "warmup.log").write_text(warm.stdout + warm.stderr)
-    print(f"warm-up (no sanitizer): {'ok' if warm.returncode == 0 else 'FAILED'}, "
-          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    print("warm-up (no sanitizer): " + ("skipped" if args.no_warmup else
+                                          f"{'ok' if warm.returncode == 0 else 'FAILED'}, "
+                                          f"{time.perf_counter() - t0:.0f} s"), flush=True)
     if warm.returncode != 0:
         print((warm.stdout + warm.stderr)[-3000:])
         print("sanitize: FAIL (the workload fails without a sanitizer)")
