@@ -92,8 +92,10 @@ def test_dense_regime_greedy_tokens_equal_eager():
     assert len(set(ref_toks.flatten().tolist())) > 2, "degenerate model: the comparison says little"
 
 
-def test_sparse_prefill_equals_minicpm4_layer_and_differs_from_dense():
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_sparse_prefill_equals_minicpm4_layer_and_differs_from_dense(kv_heads):
     cfg = small_config(SPARSE)
+    cfg.num_key_value_heads = kv_heads
     ids = prompt(2, PROMPT)
     m = model_for(cfg)
     mc = use_minicpm4_attention(copy.deepcopy(m))
