@@ -271,3 +271,18 @@ def test_planned_ranges_match_the_scratch_and_use_less_memory(kernel):
     # inspection outputs are not written by range passes: the launcher falls back to one launch
     idx, sc, bs = launch_select(*inputs, L, plan=plan, return_scores=True, **kw)
     assert torch.equal(idx, scratch) and not torch.isnan(bs).any()
+
+
+def test_bench_stage1_ranges_script_starts():
+    """The range benchmark starts: without a GPU it says so; with one, it rejects a bad range width."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_stage1_ranges.py"
+    bad = subprocess.run([sys.executable, str(script), "--ranges", "100"], capture_output=True, text=True,
+                         timeout=120)
+    if not torch.cuda.is_available():
+        assert bad.returncode == 0 and "needs a CUDA GPU" in bad.stdout
+    else:
+        assert bad.returncode == 2 and "multiples of 64" in bad.stderr
