@@ -393,7 +393,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     if a.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if a.device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group("nccl" if a.device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=180))
     c = Ctx(a)
     env = env_stamp() if c.world_rank == 0 else {}
     c.log(f"bench_cp: {c.world} ranks, layer on groups of {c.sizes}, HQ {a.hq}, H {a.h}, D {a.d}, {c.dtype}, "

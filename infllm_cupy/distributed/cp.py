@@ -97,12 +97,13 @@ def agree_across_ranks(meta: list[int], error: Exception | None, group=None) -> 
 
 def _slot_layout(layout: BlockLayout, plan: ZigzagPlan, slot, device) -> BlockLayout:
     """The rows of a global layout that the slot's chunks own, as a per-sequence layout of the
-    slot's 2B sequences (fillers select nothing). A chunk starts on a query-block boundary."""
+    slot's sequences (one, or 2B with fillers that select nothing). A chunk starts on a query-block
+    boundary (`zigzag_granule`)."""
     qb = layout.q_block
     m = layout.mask.to(device)
     B = len(plan.lengths)
     nqb = max(c // qb for c in slot.chunk)
-    out = torch.zeros((2 * B, m.shape[-3], nqb, m.shape[-1]), dtype=torch.bool, device=device)
+    out = torch.zeros((1 if B == 1 else 2 * B, m.shape[-3], nqb, m.shape[-1]), dtype=torch.bool, device=device)
     for b, (a, c) in enumerate(zip(slot.starts, slot.chunk)):
         mb = m[b] if layout.per_sequence else m
         out[2 * b, :, :c // qb] = mb[:, a // qb:(a + c) // qb]
@@ -237,7 +238,7 @@ class _CPAttention(torch.autograd.Function):
         v_full = v_gath.index_select(0, plan.nat_from_gath)
         del v_gath
         out = torch.empty_like(q)
-        lses, outs = [], []
+        lses = []
         for slot, sel in zip(plan.slots, sels):
             o, lse = _s2_fwd(take_rows(q, slot.rows).contiguous(), k_full[:slot.k_end], v_full[:slot.k_end], slot,
                              sel, scale, kernel, use_ops)

@@ -61,7 +61,7 @@ def _single(q, k, v, do, cu, cfg, backend, layout=None):
 
         L = int((cu[1:] - cu[:-1]).max())
         out = block_sparse_attn_varlen(*leaves, cu, cu, layout, L, L, causal=True, backend=backend)
-        sel = layout.to_topk_idx(cu)
+        sel = layout.to_topk_idx(cu.cpu()).to(q.device)
     grads = torch.autograd.grad(out, leaves, do)
     return out.detach(), grads, sel
 
@@ -155,6 +155,20 @@ def case_shard_roundtrip(W):
             "grad_ok": bool(torch.equal(xl.grad, grad_want))}
 
 
+def case_module_equals_function(W):
+    """`ContextParallelInfLLMv2` (module form, explicit group) gives the function's output bit for bit."""
+    from infllm_cupy.distributed import ContextParallelInfLLMv2
+
+    g = 2 * W * 64
+    q, k, v, _, cu = _inputs([2 * g], 4, 2, 16, torch.float64, "cpu", 7)
+    shards = [zigzag_shard(t, cu) for t in (q, k, v)]
+    cfg = InfLLMv2Config(**CFG_SMALL)
+    mod = ContextParallelInfLLMv2(cfg, group=dist.group.WORLD, backend="reference")
+    a = mod(*shards, cu)
+    b = cp_infllmv2_attention(*shards, cu, cfg, backend="reference")
+    return {"equal": bool(torch.equal(a, b)), "repr_ok": "backend='reference'" in repr(mod)}
+
+
 def _expect_raise(fn):
     try:
         fn()
@@ -203,6 +217,7 @@ def case_bad_length_every_rank(W):
 
 CPU_CASES = [case_token_b1, case_token_varlen_gqa, case_token_exact_stage1, case_token_fp32_reduce,
              case_layout_shared, case_layout_per_sequence_q128, case_dense_fallback, case_shard_roundtrip,
+             case_module_equals_function,
              case_ranks_disagree_lengths, case_ranks_disagree_dtype, case_one_rank_bad_input,
              case_bad_length_every_rank]
 

@@ -63,6 +63,11 @@ def test_zigzag_shard_unshard(cpu2):
         assert d == {"roundtrip": True, "local_rows_ok": True, "grad_ok": True}, (r, d)
 
 
+def test_module_form_equals_the_function(cpu2):
+    for r, d in enumerate(ranks(cpu2, "case_module_equals_function")):
+        assert d == {"equal": True, "repr_ok": True}, (r, d)
+
+
 def test_ranks_that_disagree_raise_on_every_rank(cpu2):
     for case, field in (("case_ranks_disagree_lengths", "lengths hash"), ("case_ranks_disagree_dtype", "dtype")):
         for r, d in enumerate(ranks(cpu2, case)):
