@@ -24,8 +24,10 @@ all-gather / sent by reduce-scatter: `(W-1)/W x L x H x D x bytes`, twice), spee
 `--search`: the longest L that trains (fwd+bwd of the layer) on 1 GPU and on W GPUs, by bisection
 over multiples of 2W x 64 tokens within `--search-budget-s`. Single-GPU probes catch OOM; a W-GPU
 probe first reserves, on every rank, the peak its measured rows predict (+5%, a fit of
-`b L + c L^2` per rank: the stage-2 bitmask rows grow as L^2), and runs only if all ranks could, so
-that one rank's OOM cannot leave the others waiting in a collective. Reported: the longest length
+`b L + c L^2` per rank: the stage-2 bitmask rows grow as L^2) plus the stage-1 kernel's global
+scratch counted as if always taken (`stage1_scratch_gib`, an upper bound), and runs only if all
+ranks could, so that one rank's OOM cannot leave the others waiting in a collective: the W-GPU
+result is therefore a lower bound where the guard, not a probe, stopped it. Reported: the longest length
 that ran and the shortest that did not (or was predicted not to), per GPU count.
 
 `--check-blocks N`: outputs and dq of N sampled 64-token query blocks against the float64 stage-2
@@ -345,8 +347,19 @@ def predicted_peak(points: list[tuple[int, float]], L: int) -> float | None:
     return max(bb * L + cc * L * L, 0.0)
 
 
+def stage1_scratch_gib(c: Ctx, L: int) -> float:
+    """The stage-1 kernel's global block-key scratch `[H, tokens of the call, out_len rounded to 64]` of
+    score-dtype keys, which it takes where the rows do not fit in shared memory (README head config:
+    beyond about 650k tokens, docs/stage1.md §5): counted always, an upper bound, because it appears
+    past the measured lengths and differs between ranks (a slot's out_len follows its chunk's end)."""
+    olp = -(-(L // 64) // 64) * 64
+    return c.a.h * (L // (2 * c.W)) * olp * c.cfg.score_dtype.itemsize / GiB
+
+
 def probe_cp(c: Ctx, L: int, points) -> tuple[bool, str]:
     pred = predicted_peak(points, L)
+    if pred is not None:
+        pred += stage1_scratch_gib(c, L)
     can = True
     if pred is not None:
         try:          # reserve what the fit predicts; every rank must manage it before any collective
@@ -439,6 +452,14 @@ def main(argv=None):
     c.log(f"\nW GPUs (cp, `ranks`) against 1 (single), one layer; ms: slowest rank's median of {a.rep}")
     c.log(format_table(rows, cols))
     result = {"rows": rows}
+
+    def save():
+        if c.world_rank == 0 and a.json:
+            Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.json).write_text(json.dumps({"env": env, "argv": sys.argv[1:], "world_size": c.world, **result},
+                                               indent=1, default=str))
+
+    save()          # the rows survive a search that fails
     if a.search and a.device == "cuda" and c.world in c.sizes:
         t_end = time.perf_counter() + a.search_budget_s
         longest_measured = max(a.lengths)
@@ -458,12 +479,9 @@ def main(argv=None):
         c.log(f"longest that ran: 1 GPU {s1['longest_ran']} (failed at {s1['shortest_failed']}), {c.W} GPUs "
               f"{sw['longest_ran']} (failed or predicted not to fit at {sw['shortest_failed']}); ratio "
               f"{sw['longest_ran'] / max(s1['longest_ran'], 1):.2f}x")
+    save()
     if c.world_rank == 0:
         print(env_line(env, t0), flush=True)
-        if a.json:
-            Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(a.json).write_text(json.dumps({"env": env, "argv": sys.argv[1:], "world_size": c.world, **result},
-                                               indent=1, default=str))
     dist.barrier()
     dist.destroy_process_group()
 
