@@ -1,11 +1,11 @@
 r"""Context parallelism (infllm_cupy.distributed): W GPUs against 1 at the same total length, one layer.
 
-    torchrun --nproc_per_node 2 benchmarks/bench_cp.py                          # 128k and 256k, search, 2 H100s
+    torchrun --nproc_per_node 2 benchmarks/bench_cp.py             # 128k and 256k, search, 2 H100s
     torchrun --nproc_per_node 2 benchmarks/bench_cp.py --lengths 262144 --no-search --json cp.json
     torchrun --nproc_per_node 8 benchmarks/bench_cp.py --lengths 1048576 --ranks 2,4,8 --skip-single \
-        --no-search --check-blocks 8          # issue #28: 1M tokens on 8 ranks, and on 2 and 4 at the same length
+        --no-search --check-blocks 8      # issue #28: 1M tokens on 8 ranks, and on 2 and 4 at that length
     torchrun --nproc_per_node 2 benchmarks/bench_cp.py --device cpu --lengths 1024 --q-heads 4 --kv-heads 2 \
-        --head-dim 16 --topk 4 --local-blocks 2 --no-search --rep 1           # CPU smoke run (gloo, references)
+        --head-dim 16 --topk 4 --local-blocks 2 --no-search --rep 1     # CPU smoke run (gloo, references)
 
 One sequence of L tokens (README head config by default: HQ 32, H 2, D 128, bf16, InfLLM-v2 selection
 with topk 64 + local 32 = K 96 blocks, `dense_len = 0`), unit-normal inputs generated chunk by chunk
@@ -34,12 +34,12 @@ that ran and the shortest that did not (or was predicted not to), per GPU count.
 reference over the same blocks' stage-1 selection (each block a chunked-prefill sequence over its
 prefix), FlashAttention's rule (2x / 3x the error of the same math in bf16), on the rank that owns them.
 """
+
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
-import math
 import os
 import statistics
 import sys
@@ -60,13 +60,18 @@ from infllm_cupy.distributed import (  # noqa: E402
     zigzag_plan,
 )
 
-GiB = 2 ** 30
+GiB = 2**30
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--lengths", default="131072,262144", help="comma-separated sequence lengths. Default: %(default)s")
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    p.add_argument(
+        "--lengths", default="131072,262144", help="comma-separated sequence lengths. Default: %(default)s"
+    )
     # not --hq / --h / --d as the other scripts: torchrun's own parser takes "--h" and "--d" for
     # abbreviations of its options even after the script's name
     p.add_argument("--q-heads", dest="hq", type=int, default=32)
@@ -75,20 +80,29 @@ def parse_args(argv=None):
     p.add_argument("--topk", type=int, default=64)
     p.add_argument("--local-blocks", type=int, default=32)
     p.add_argument("--modes", default="fwd,fwdbwd")
-    p.add_argument("--rep", type=int, default=5, help="timed runs per row (fixed: every rank runs the same count)")
+    p.add_argument(
+        "--rep", type=int, default=5, help="timed runs per row (fixed: every rank runs the same count)"
+    )
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--skip-single", action="store_true", help="no single-GPU rows (lengths one GPU cannot hold)")
-    p.add_argument("--ranks", default=None,
-                   help="comma-separated group sizes to run the layer on, each the first n ranks (issue #28's "
-                        "scaling: 2,4,8 on 8 GPUs). Default: the whole world")
+    p.add_argument(
+        "--skip-single", action="store_true", help="no single-GPU rows (lengths one GPU cannot hold)"
+    )
+    p.add_argument(
+        "--ranks",
+        default=None,
+        help="comma-separated group sizes to run the layer on, each the first n ranks (issue #28's "
+        "scaling: 2,4,8 on 8 GPUs). Default: the whole world",
+    )
     p.add_argument("--grad-reduce-dtype", default="input", choices=("input", "float32"))
     p.add_argument("--search", dest="search", action="store_true", default=True)
     p.add_argument("--no-search", dest="search", action="store_false")
     p.add_argument("--search-budget-s", type=float, default=100.0, help="seconds for both searches together")
     p.add_argument("--search-steps", type=int, default=5, help="bisection steps per GPU count")
-    p.add_argument("--check-blocks", type=int, default=0, help="sampled 64-token query blocks to check per length")
+    p.add_argument(
+        "--check-blocks", type=int, default=0, help="sampled 64-token query blocks to check per length"
+    )
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     a.lengths = [int(x) for x in a.lengths.split(",") if x]
@@ -111,7 +125,9 @@ class Ctx:
         # every rank takes part in creating every group (new_group is collective over the world)
         self.groups = {n: (None if n == self.world else dist.new_group(list(range(n)))) for n in self.sizes}
         self.use(self.world)
-        self.dev = torch.device("cuda", torch.cuda.current_device()) if a.device == "cuda" else torch.device("cpu")
+        self.dev = (
+            torch.device("cuda", torch.cuda.current_device()) if a.device == "cuda" else torch.device("cpu")
+        )
         self.dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
         self.cfg = InfLLMv2Config(topk=a.topk, local_blocks=a.local_blocks, dense_len=0)
         self.reduce_dtype = torch.float32 if a.grad_reduce_dtype == "float32" else None
@@ -148,12 +164,14 @@ class Ctx:
 
 def chunk_tensor(c: Ctx, kind: str, L: int, j: int, n: int, heads: int) -> torch.Tensor:
     """Chunk j (of n equal chunks) of the global tensor `kind`: the same values on any rank."""
-    g = torch.Generator(device=c.dev).manual_seed(((c.a.seed * 8 + _KIND_ID[kind]) * 4099 + j) * 1_000_003 + L)
+    g = torch.Generator(device=c.dev).manual_seed(
+        ((c.a.seed * 8 + _KIND_ID[kind]) * 4099 + j) * 1_000_003 + L
+    )
     return torch.randn(L // n, heads, c.a.d, generator=g, device=c.dev, dtype=torch.float32).to(c.dtype)
 
 
 _KINDS = {"q": "hq", "k": "h", "v": "h", "do": "hq"}
-_KIND_ID = {"q": 1, "k": 2, "v": 3, "do": 4}     # not hash(): string hashes differ between processes
+_KIND_ID = {"q": 1, "k": 2, "v": 3, "do": 4}  # not hash(): string hashes differ between processes
 
 
 def full_tensor(c: Ctx, kind: str, L: int) -> torch.Tensor:
@@ -172,8 +190,10 @@ def is_oom(e: BaseException) -> bool:
 
 def time_rows(c: Ctx, fns: dict, reps: int) -> dict:
     """{mode: median ms} of the modes' callables, each rank timing its own (fixed reps)."""
-    return {m: statistics.median(bench_gpu_time(fn, warmup=c.a.warmup, rep=reps, device=c.dev.type))
-            for m, fn in fns.items()}
+    return {
+        m: statistics.median(bench_gpu_time(fn, warmup=c.a.warmup, rep=reps, device=c.dev.type))
+        for m, fn in fns.items()
+    }
 
 
 def single_rows(c: Ctx, L: int) -> dict:
@@ -218,8 +238,9 @@ def cp_inputs(c: Ctx, L: int):
 
 
 def cp_call(c: Ctx, q, k, v, cu, **kw):
-    return cp_infllmv2_attention(q, k, v, cu, c.cfg, group=c.group, backend=c.backend,
-                                 grad_reduce_dtype=c.reduce_dtype, **kw)
+    return cp_infllmv2_attention(
+        q, k, v, cu, c.cfg, group=c.group, backend=c.backend, grad_reduce_dtype=c.reduce_dtype, **kw
+    )
 
 
 def cp_rows(c: Ctx, L: int) -> dict:
@@ -234,7 +255,7 @@ def cp_rows(c: Ctx, L: int) -> dict:
         torch.autograd.backward(out, do)
         q.grad = k.grad = v.grad = None
 
-    cp_call(c, q, k, v, cu)          # the ranks' agreement check, once, outside the timing
+    cp_call(c, q, k, v, cu)  # the ranks' agreement check, once, outside the timing
     fns = {"fwd": fwd, "fwdbwd": fwdbwd}
     ms = time_rows(c, {m: fns[m] for m in c.a.modes}, c.a.rep)
     c.peak_reset()
@@ -256,8 +277,10 @@ def cp_rows(c: Ctx, L: int) -> dict:
     comm = time_rows(c, {"fwd": gather_kv, "fwdbwd": scatter_dkdv}, c.a.rep)
     per_rank_rows = (c.W - 1) * k.shape[0]
     row_bytes = k.shape[1] * k.shape[2]
-    bytes_ = {"fwd": 2 * per_rank_rows * row_bytes * k.element_size(),
-              "bwd": 2 * per_rank_rows * row_bytes * torch.empty(0, dtype=rd).element_size()}
+    bytes_ = {
+        "fwd": 2 * per_rank_rows * row_bytes * k.element_size(),
+        "bwd": 2 * per_rank_rows * row_bytes * torch.empty(0, dtype=rd).element_size(),
+    }
     res = {"ms": ms, "peak_gib": peak, "comm_ms": comm, "bytes": bytes_}
     if c.a.check_blocks:
         res["check"] = check_blocks(c, L, q, k, v, do, cu)
@@ -278,7 +301,7 @@ def check_blocks(c: Ctx, L: int, q, k, v, do, cu) -> dict:
     kf, vf = full_tensor(c, "k", L), full_tensor(c, "v", L)
     plan = zigzag_plan([L], c.W, c.rank, c.dev)
     g = torch.Generator().manual_seed(c.a.seed + 17)
-    blocks = sorted(torch.randperm(L // 64, generator=g)[:c.a.check_blocks].tolist())
+    blocks = sorted(torch.randperm(L // 64, generator=g)[: c.a.check_blocks].tolist())
     local_of = {int(t): 64 * i for i, t in enumerate(plan.local_rows[::64].tolist())}
     mine = [b for b in blocks if b * 64 in local_of]
     worst = {"out": 0.0, "dq": 0.0}
@@ -295,15 +318,22 @@ def check_blocks(c: Ctx, L: int, q, k, v, do, cu) -> dict:
         reference = c.backend == "reference"
         aux = select_blocks(stages, qb, kf[:e], cu_q, cu_k, 64, cache, True, c.cfg, need_scores=reference)
         sel = aux["topk_idx"]
-        if reference:       # the layer's reference path breaks ties to the lower block index, as the kernels
-            sel = topk_lower_index_ties(aux["block_scores"], q_block_idx_prefill(cu_q, 64, cache_lens=cache),
-                                        c.cfg.topk + c.cfg.local_blocks)
-        ref_out, _, (ref_dq, _, _) = reference_sparse_grads(qb, kf[:e], vf[:e], dob, cu_q, cu_k, sel, 64, e, True,
-                                                            exact=True)
-        low_out, _, (low_dq, _, _) = reference_sparse_grads(qb, kf[:e], vf[:e], dob, cu_q, cu_k, sel, 64, e, True,
-                                                            exact=False)
-        for name, got, ref, low, mult in (("out", out_l.detach()[rows], ref_out, low_out, 2),
-                                          ("dq", dq_l[rows], ref_dq, low_dq, 3)):
+        if reference:  # the layer's reference path breaks ties to the lower block index, as the kernels
+            sel = topk_lower_index_ties(
+                aux["block_scores"],
+                q_block_idx_prefill(cu_q, 64, cache_lens=cache),
+                c.cfg.topk + c.cfg.local_blocks,
+            )
+        ref_out, _, (ref_dq, _, _) = reference_sparse_grads(
+            qb, kf[:e], vf[:e], dob, cu_q, cu_k, sel, 64, e, True, exact=True
+        )
+        low_out, _, (low_dq, _, _) = reference_sparse_grads(
+            qb, kf[:e], vf[:e], dob, cu_q, cu_k, sel, 64, e, True, exact=False
+        )
+        for name, got, ref, low, mult in (
+            ("out", out_l.detach()[rows], ref_out, low_out, 2),
+            ("dq", dq_l[rows], ref_dq, low_dq, 3),
+        ):
             err, base = max_abs_err(got, ref), max_abs_err(low, ref)
             worst[name] = max(worst[name], err / max(base, 1e-12))
             ok = ok and bool(err <= mult * base + 1e-6) and not bool(torch.isnan(got).any())
@@ -362,7 +392,7 @@ def probe_cp(c: Ctx, L: int, points) -> tuple[bool, str]:
         pred += stage1_scratch_gib(c, L)
     can = True
     if pred is not None:
-        try:          # reserve what the fit predicts; every rank must manage it before any collective
+        try:  # reserve what the fit predicts; every rank must manage it before any collective
             t = torch.empty(int(pred * 1.05 * GiB), dtype=torch.uint8, device=c.dev)
             del t
         except Exception as e:  # noqa: BLE001
@@ -374,7 +404,7 @@ def probe_cp(c: Ctx, L: int, points) -> tuple[bool, str]:
         return False, f"predicted {pred:.1f} GiB does not fit on every rank"
     q, k, v, do, cu = cp_inputs(c, L)
     out = cp_call(c, q, k, v, cu, check_ranks=False)
-    torch.autograd.backward(out, torch.ones_like(out))
+    torch.autograd.backward(out, do)
     c.sync()
     q = k = v = do = out = None
     torch.cuda.empty_cache()
@@ -409,8 +439,10 @@ def main(argv=None):
     dist.init_process_group("nccl" if a.device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=180))
     c = Ctx(a)
     env = env_stamp() if c.world_rank == 0 else {}
-    c.log(f"bench_cp: {c.world} ranks, layer on groups of {c.sizes}, HQ {a.hq}, H {a.h}, D {a.d}, {c.dtype}, "
-          f"K = {a.topk + a.local_blocks}, lengths {a.lengths}")
+    c.log(
+        f"bench_cp: {c.world} ranks, layer on groups of {c.sizes}, HQ {a.hq}, H {a.h}, D {a.d}, {c.dtype}, "
+        f"K = {a.topk + a.local_blocks}, lengths {a.lengths}"
+    )
     for L in a.lengths:
         if L % c.granule:
             raise SystemExit(f"--lengths: {L} is not a multiple of 2 x {max(c.sizes)} x 64 = {c.granule}")
@@ -421,7 +453,7 @@ def main(argv=None):
         for n in c.sizes:
             c.use(n)
             cp = cp_rows(c, L) if c.active else None
-            got = [x for x in c.gather(cp) if x is not None]       # the n active ranks' results
+            got = [x for x in c.gather(cp) if x is not None]  # the n active ranks' results
             ms = {m: max(x["ms"][m] for x in got) for m in a.modes}
             comm = {m: max(x["comm_ms"][m] for x in got) for m in ("fwd", "fwdbwd")}
             peaks = [x["peak_gib"] for x in got]
@@ -429,26 +461,49 @@ def main(argv=None):
             for m in a.modes:
                 s_ms = single.get("ms", {}).get(m)
                 b = got[0]["bytes"]
-                rows.append({"L": L, "ranks": n, "mode": m, "single_ms": s_ms, "cp_ms": ms[m],
-                             "speedup": (s_ms / ms[m]) if s_ms else None,
-                             "single_peak_gib": single.get("peak_gib"), "cp_peak_gib_max": max(peaks),
-                             "cp_peak_gib_by_rank": [round(p, 2) for p in peaks],
-                             "comm_ms": comm["fwd"] if m == "fwd" else comm["fwd"] + comm["fwdbwd"],
-                             "bytes_per_rank": b["fwd"] if m == "fwd" else b["fwd"] + b["bwd"],
-                             "note": single.get("note", "")})
+                rows.append(
+                    {
+                        "L": L,
+                        "ranks": n,
+                        "mode": m,
+                        "single_ms": s_ms,
+                        "cp_ms": ms[m],
+                        "speedup": (s_ms / ms[m]) if s_ms else None,
+                        "single_peak_gib": single.get("peak_gib"),
+                        "cp_peak_gib_max": max(peaks),
+                        "cp_peak_gib_by_rank": [round(p, 2) for p in peaks],
+                        "comm_ms": comm["fwd"] if m == "fwd" else comm["fwd"] + comm["fwdbwd"],
+                        "bytes_per_rank": b["fwd"] if m == "fwd" else b["fwd"] + b["bwd"],
+                        "note": single.get("note", ""),
+                    }
+                )
             if a.check_blocks:
                 checks = [x["check"] for x in got]
                 total = sum(x["blocks"] for x in checks)
                 all_ok = all(x["ok"] for x in checks)
-                c.log(f"check L={L}, {n} ranks: {total} sampled query blocks, out and dq within FlashAttention's "
-                      f"rule: {'PASSED' if all_ok and total else 'FAILED'} (worst err / bf16 err: out "
-                      f"{max(x['err_over_bf16_out'] for x in checks):.2f}, dq "
-                      f"{max(x['err_over_bf16_dq'] for x in checks):.2f})")
+                c.log(
+                    f"check L={L}, {n} ranks: {total} sampled query blocks, out and dq within "
+                    f"FlashAttention's "
+                    f"rule: {'PASSED' if all_ok and total else 'FAILED'} (worst err / bf16 err: out "
+                    f"{max(x['err_over_bf16_out'] for x in checks):.2f}, dq "
+                    f"{max(x['err_over_bf16_dq'] for x in checks):.2f})"
+                )
                 rows[-1]["check"] = checks
             dist.barrier()
     c.use(c.world)
-    cols = ("L", "ranks", "mode", "single_ms", "cp_ms", "speedup", "comm_ms", "bytes_per_rank", "single_peak_gib",
-            "cp_peak_gib_max", "note")
+    cols = (
+        "L",
+        "ranks",
+        "mode",
+        "single_ms",
+        "cp_ms",
+        "speedup",
+        "comm_ms",
+        "bytes_per_rank",
+        "single_peak_gib",
+        "cp_peak_gib_max",
+        "note",
+    )
     c.log(f"\nW GPUs (cp, `ranks`) against 1 (single), one layer; ms: slowest rank's median of {a.rep}")
     c.log(format_table(rows, cols))
     result = {"rows": rows}
@@ -456,29 +511,39 @@ def main(argv=None):
     def save():
         if c.world_rank == 0 and a.json:
             Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(a.json).write_text(json.dumps({"env": env, "argv": sys.argv[1:], "world_size": c.world, **result},
-                                               indent=1, default=str))
+            Path(a.json).write_text(
+                json.dumps(
+                    {"env": env, "argv": sys.argv[1:], "world_size": c.world, **result}, indent=1, default=str
+                )
+            )
 
-    save()          # the rows survive a search that fails
+    save()  # the rows survive a search that fails
     if a.search and a.device == "cuda" and c.world in c.sizes:
         t_end = time.perf_counter() + a.search_budget_s
         longest_measured = max(a.lengths)
         single_ok = [r["L"] for r in rows if r["single_ms"] is not None]
         cap1 = 16 * longest_measured if single_ok and max(single_ok) == longest_measured else longest_measured
         c.log(f"\nsearch: longest fwd+bwd on 1 GPU (bisection in ({max(single_ok, default=0)}, {cap1}])")
-        s1 = search(c, lambda L: (probe_single(c, L), "OOM"), max(single_ok, default=0), cap1,
-                    time.perf_counter() + a.search_budget_s / 2)
+        s1 = search(
+            c,
+            lambda L: (probe_single(c, L), "OOM"),
+            max(single_ok, default=0),
+            cap1,
+            time.perf_counter() + a.search_budget_s / 2,
+        )
         capw = max(2 * c.W * s1["shortest_failed"], 2 * longest_measured)
         c.log(f"search: longest fwd+bwd on {c.W} GPUs (bisection in ({longest_measured}, {capw}])")
         if len(points[c.world]) >= 2:
             sw = search(c, lambda L: probe_cp(c, L, points[c.world]), longest_measured, capw, t_end)
-        else:       # without a fit of the peak, a probe could OOM on one rank only and hang the others
+        else:  # without a fit of the peak, a probe could OOM on one rank only and hang the others
             c.log("  skipped: the guard needs measured peaks at two --lengths")
             sw = {"longest_ran": longest_measured, "shortest_failed": None, "probes": []}
         result["search"] = {"single": s1, "cp": sw}
-        c.log(f"longest that ran: 1 GPU {s1['longest_ran']} (failed at {s1['shortest_failed']}), {c.W} GPUs "
-              f"{sw['longest_ran']} (failed or predicted not to fit at {sw['shortest_failed']}); ratio "
-              f"{sw['longest_ran'] / max(s1['longest_ran'], 1):.2f}x")
+        c.log(
+            f"longest that ran: 1 GPU {s1['longest_ran']} (failed at {s1['shortest_failed']}), {c.W} GPUs "
+            f"{sw['longest_ran']} (failed or predicted not to fit at {sw['shortest_failed']}); ratio "
+            f"{sw['longest_ran'] / max(s1['longest_ran'], 1):.2f}x"
+        )
     save()
     if c.world_rank == 0:
         print(env_line(env, t0), flush=True)

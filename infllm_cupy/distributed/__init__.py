@@ -1,5 +1,6 @@
 """Context parallelism over `torch.distributed`: all-gather of K and V with the zigzag layout
 (docs/context_parallel.md). Launch with `torchrun`; NCCL for CUDA tensors, gloo for CPU tensors."""
+
 from .cp import ContextParallelInfLLMv2, agree_across_ranks, cp_infllmv2_attention
 from .zigzag import (
     ZigzagPlan,

@@ -7,6 +7,7 @@ to their owners. Everything else is the single-GPU ops, unchanged: a chunk's que
 positions `[a, e)` are a chunked-prefill sequence (queries `[a, e)`, keys `[0, e)`), which the
 stage-1 `cache_lens` and stage 2's bottom-right causal alignment already express (§3).
 """
+
 from __future__ import annotations
 
 import zlib
@@ -35,9 +36,25 @@ from .zigzag import (
 
 # ------------------------------------------------------------------------------ agreement of ranks
 
-_META_FIELDS = ("version", "world size", "local input error", "sequences", "lengths hash", "total tokens",
-                "q rows", "q heads", "kv heads", "head dim", "dtype", "k rows", "v shape", "layout",
-                "config hash", "backend/kernel", "device type")
+_META_FIELDS = (
+    "version",
+    "world size",
+    "local input error",
+    "sequences",
+    "lengths hash",
+    "total tokens",
+    "q rows",
+    "q heads",
+    "kv heads",
+    "head dim",
+    "dtype",
+    "k rows",
+    "v shape",
+    "layout",
+    "config hash",
+    "backend/kernel",
+    "device type",
+)
 _DTYPE_CODE = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float64: 4}
 
 
@@ -51,11 +68,25 @@ def _local_meta(W, lengths, q, k, v, layout, cfg, backend, kernel, error):
 
     lh = _crc(",".join(map(str, lengths))) if lengths is not None else -1
     lay = -1 if layout is None else _crc(f"{layout.q_block}:{tuple(layout.mask.shape)}")
-    return [1, W, 1 if error else 0, -1 if lengths is None else len(lengths), lh,
-            -1 if lengths is None else sum(lengths), dim(q, 0), dim(q, 1), dim(k, 1), dim(q, 2),
-            _DTYPE_CODE.get(getattr(q, "dtype", None), 0), dim(k, 0),
-            _crc(str(tuple(v.shape))) if isinstance(v, torch.Tensor) else -1, lay, _crc(repr(cfg)),
-            _crc(f"{backend}/{kernel}"), _crc(q.device.type) if isinstance(q, torch.Tensor) else -1]
+    return [
+        1,
+        W,
+        1 if error else 0,
+        -1 if lengths is None else len(lengths),
+        lh,
+        -1 if lengths is None else sum(lengths),
+        dim(q, 0),
+        dim(q, 1),
+        dim(k, 1),
+        dim(q, 2),
+        _DTYPE_CODE.get(getattr(q, "dtype", None), 0),
+        dim(k, 0),
+        _crc(str(tuple(v.shape))) if isinstance(v, torch.Tensor) else -1,
+        lay,
+        _crc(repr(cfg)),
+        _crc(f"{backend}/{kernel}"),
+        _crc(q.device.type) if isinstance(q, torch.Tensor) else -1,
+    ]
 
 
 def _meta_device(group, q):
@@ -74,22 +105,28 @@ def agree_across_ranks(meta: list[int], error: Exception | None, group=None) -> 
     W, r = _group_info(group)
     dev = _meta_device(group, None)
     mine = torch.tensor(meta, dtype=torch.int64, device=dev)
-    allm = all_gather_rows(mine[None], group).cpu()               # [W, fields]
+    allm = all_gather_rows(mine[None], group).cpu()  # [W, fields]
     bad_ranks = [w for w in range(W) if int(allm[w, 2])]
     if error is not None:
         raise error
     if bad_ranks:
-        raise ValueError(f"context parallel: rank(s) {bad_ranks} of {W} failed their input checks (their "
-                         f"error names the argument); this rank {r} stops too")
+        raise ValueError(
+            f"context parallel: rank(s) {bad_ranks} of {W} failed their input checks (their "
+            f"error names the argument); this rank {r} stops too"
+        )
     diff = [(i, allm[:, i].tolist()) for i in range(allm.shape[1]) if bool((allm[:, i] != allm[0, i]).any())]
     if diff:
         names = {code: str(dt).replace("torch.", "") for dt, code in _DTYPE_CODE.items()}
-        parts = "; ".join(f"{_META_FIELDS[i]}: "
-                          f"{[names.get(x, x) for x in vals] if _META_FIELDS[i] == 'dtype' else vals}"
-                          for i, vals in diff)
-        raise ValueError(f"context parallel: the {W} ranks disagree ({parts}; values by rank, hashes for "
-                         f"lengths/config/layout). Every rank must pass the same global cu_seqlens, config, "
-                         f"layout, dtype and head shapes, and a shard of total / {W} rows")
+        parts = "; ".join(
+            f"{_META_FIELDS[i]}: "
+            f"{[names.get(x, x) for x in vals] if _META_FIELDS[i] == 'dtype' else vals}"
+            for i, vals in diff
+        )
+        raise ValueError(
+            f"context parallel: the {W} ranks disagree ({parts}; values by rank, hashes for "
+            f"lengths/config/layout). Every rank must pass the same global cu_seqlens, config, "
+            f"layout, dtype and head shapes, and a shard of total / {W} rows"
+        )
 
 
 # ---------------------------------------------------------------------------------- the selection
@@ -103,10 +140,12 @@ def _slot_layout(layout: BlockLayout, plan: ZigzagPlan, slot, device) -> BlockLa
     m = layout.mask.to(device)
     B = len(plan.lengths)
     nqb = max(c // qb for c in slot.chunk)
-    out = torch.zeros((1 if B == 1 else 2 * B, m.shape[-3], nqb, m.shape[-1]), dtype=torch.bool, device=device)
+    out = torch.zeros(
+        (1 if B == 1 else 2 * B, m.shape[-3], nqb, m.shape[-1]), dtype=torch.bool, device=device
+    )
     for b, (a, c) in enumerate(zip(slot.starts, slot.chunk)):
         mb = m[b] if layout.per_sequence else m
-        out[2 * b, :, :c // qb] = mb[:, a // qb:(a + c) // qb]
+        out[2 * b, :, : c // qb] = mb[:, a // qb : (a + c) // qb]
     return BlockLayout(out, qb)
 
 
@@ -118,8 +157,11 @@ def _dense_layout(lengths, H, device) -> BlockLayout:
 
 def _select(plan: ZigzagPlan, q, k_full, cfg: InfLLMv2Config, stages) -> list:
     """Compression of the gathered keys, then stage 1 and top-k for each slot's queries (no grad)."""
-    cu_full = torch.tensor((0,) + tuple(sum(plan.lengths[:b + 1]) for b in range(len(plan.lengths))),
-                           dtype=torch.int32, device=q.device)
+    cu_full = torch.tensor(
+        (0,) + tuple(sum(plan.lengths[: b + 1]) for b in range(len(plan.lengths))),
+        dtype=torch.int32,
+        device=q.device,
+    )
     # gather K, then compress: every window, including those that straddle chunk boundaries, is the
     # single-GPU one bit for bit (docs/context_parallel.md §4)
     ck1, _ = stages["compress_k"](k_full, cu_full, cfg.kernel_size, cfg.kernel_stride)
@@ -134,15 +176,30 @@ def _select(plan: ZigzagPlan, q, k_full, cfg: InfLLMv2Config, stages) -> list:
         cu_c2, end2 = plan.slot_compressed_cu(slot, *c2)
         reference = stages["stage1_select"] is naive_stage1_select
         sel = stages["stage1_select"](
-            take_rows(q, slot.rows).contiguous(), ck1[:end1], ck2[:end2], slot.cu_q, cu_c1, cu_c2, slot.max_q,
+            take_rows(q, slot.rows).contiguous(),
+            ck1[:end1],
+            ck2[:end2],
+            slot.cu_q,
+            cu_c1,
+            cu_c2,
+            slot.max_q,
             causal=True,
-            cache_lens=slot.cache_lens, softmax_scale=cfg.softmax_scale, topk=cfg.topk,
-            local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks, block_size=cfg.block_size,
-            kernel_stride=cfg.kernel_stride, coarse_kernel_stride=cfg.coarse_kernel_stride,
-            varlen_offset_quirk=False, score_dtype=cfg.score_dtype, return_scores=reference)
+            cache_lens=slot.cache_lens,
+            softmax_scale=cfg.softmax_scale,
+            topk=cfg.topk,
+            local_blocks=cfg.local_blocks,
+            init_blocks=cfg.init_blocks,
+            block_size=cfg.block_size,
+            kernel_stride=cfg.kernel_stride,
+            coarse_kernel_stride=cfg.coarse_kernel_stride,
+            varlen_offset_quirk=False,
+            score_dtype=cfg.score_dtype,
+            return_scores=reference,
+        )
         if reference:
-            q_blocks = q_block_idx_prefill(slot.cu_q, slot.max_q, block_size=cfg.block_size,
-                                           cache_lens=slot.cache_lens)
+            q_blocks = q_block_idx_prefill(
+                slot.cu_q, slot.max_q, block_size=cfg.block_size, cache_lens=slot.cache_lens
+            )
             sel = topk_lower_index_ties(sel[2], q_blocks, cfg.topk + cfg.local_blocks)
         sels.append(sel)
     return sels
@@ -169,15 +226,40 @@ def _s2_fwd(q, k, v, slot, sel, scale, kernel, use_ops):
         if use_ops:
             from ..stage2.ops import block_sparse_attn_fwd
 
-            return block_sparse_attn_fwd(q, k, v, slot.cu_q, slot.cu_k, sel.mask, sel.q_block, slot.max_q,
-                                         slot.max_k, True, scale, kernel)
+            return block_sparse_attn_fwd(
+                q,
+                k,
+                v,
+                slot.cu_q,
+                slot.cu_k,
+                sel.mask,
+                sel.q_block,
+                slot.max_q,
+                slot.max_k,
+                True,
+                scale,
+                kernel,
+            )
         sel = sel.to_topk_idx(slot.cu_q)
     if use_ops:
         from ..stage2.ops import sparse_attn_fwd
 
-        return sparse_attn_fwd(q, k, v, slot.cu_q, slot.cu_k, sel, slot.max_q, slot.max_k, True, scale, kernel)
-    return naive_sparse_attn_varlen(q, k, v, slot.cu_q, slot.cu_k, sel, slot.max_q, slot.max_k, causal=True,
-                                    softmax_scale=scale, return_lse=True)
+        return sparse_attn_fwd(
+            q, k, v, slot.cu_q, slot.cu_k, sel, slot.max_q, slot.max_k, True, scale, kernel
+        )
+    return naive_sparse_attn_varlen(
+        q,
+        k,
+        v,
+        slot.cu_q,
+        slot.cu_k,
+        sel,
+        slot.max_q,
+        slot.max_k,
+        causal=True,
+        softmax_scale=scale,
+        return_lse=True,
+    )
 
 
 def _s2_bwd(dout, q, k, v, out, lse, slot, sel, scale, kernel, use_ops):
@@ -185,16 +267,33 @@ def _s2_bwd(dout, q, k, v, out, lse, slot, sel, scale, kernel, use_ops):
         if use_ops:
             from ..stage2.ops import block_sparse_attn_bwd
 
-            return block_sparse_attn_bwd(dout, q, k, v, out, lse, slot.cu_q, slot.cu_k, sel.mask, sel.q_block,
-                                         slot.max_q, slot.max_k, True, scale, kernel)
+            return block_sparse_attn_bwd(
+                dout,
+                q,
+                k,
+                v,
+                out,
+                lse,
+                slot.cu_q,
+                slot.cu_k,
+                sel.mask,
+                sel.q_block,
+                slot.max_q,
+                slot.max_k,
+                True,
+                scale,
+                kernel,
+            )
         sel = sel.to_topk_idx(slot.cu_q)
     if use_ops:
         from ..stage2.ops import sparse_attn_bwd
 
-        return sparse_attn_bwd(dout, q, k, v, out, lse, slot.cu_q, slot.cu_k, sel, slot.max_q, slot.max_k, True,
-                               scale, kernel)
-    return naive_sparse_attn_varlen_bwd(dout, q, k, v, slot.cu_q, slot.cu_k, sel, slot.max_q, slot.max_k, True,
-                                        scale)
+        return sparse_attn_bwd(
+            dout, q, k, v, out, lse, slot.cu_q, slot.cu_k, sel, slot.max_q, slot.max_k, True, scale, kernel
+        )
+    return naive_sparse_attn_varlen_bwd(
+        dout, q, k, v, slot.cu_q, slot.cu_k, sel, slot.max_q, slot.max_k, True, scale
+    )
 
 
 def _combine_key_grads(plan: ZigzagPlan, g0: torch.Tensor, g1: torch.Tensor, dtype) -> torch.Tensor:
@@ -211,9 +310,12 @@ def _combine_key_grads(plan: ZigzagPlan, g0: torch.Tensor, g1: torch.Tensor, dty
         e0, e1, end = S + s0.ends[b], S + s1.ends[b], min(plan.seq_starts[b + 1], s1.k_end)
         acc[e1:end] = 0
         acc[S:e0] = (g1[S:e0].to(wide) + g0[S:e0].to(wide)).to(dtype)
-    out = acc.new_zeros((plan.total,) + tuple(acc.shape[1:])) if s1.k_end < plan.total else acc.new_empty(
-        (plan.total,) + tuple(acc.shape[1:]))
-    out.index_copy_(0, plan.nat_from_gath[:s1.k_end], acc)
+    out = (
+        acc.new_zeros((plan.total,) + tuple(acc.shape[1:]))
+        if s1.k_end < plan.total
+        else acc.new_empty((plan.total,) + tuple(acc.shape[1:]))
+    )
+    out.index_copy_(0, plan.nat_from_gath[: s1.k_end], acc)
     return out
 
 
@@ -221,8 +323,22 @@ class _CPAttention(torch.autograd.Function):
     """The whole context-parallel layer: gathers, selection, stage 2 per slot; backward reduce-scatters."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan: ZigzagPlan, group, cfg, layout, stages, scale, kernel, use_ops,
-                reduce_dtype, dense):
+    def forward(
+        ctx,
+        q,
+        k,
+        v,
+        plan: ZigzagPlan,
+        group,
+        cfg,
+        layout,
+        stages,
+        scale,
+        kernel,
+        use_ops,
+        reduce_dtype,
+        dense,
+    ):
         # K first: the compression needs it. V's gather then runs on NCCL's stream while this
         # stream compresses and runs stage 1 (docs/context_parallel.md §5).
         k_full = all_gather_rows(k, group).index_select(0, plan.nat_from_gath)
@@ -240,11 +356,26 @@ class _CPAttention(torch.autograd.Function):
         out = torch.empty_like(q)
         lses = []
         for slot, sel in zip(plan.slots, sels):
-            o, lse = _s2_fwd(take_rows(q, slot.rows).contiguous(), k_full[:slot.k_end], v_full[:slot.k_end], slot,
-                             sel, scale, kernel, use_ops)
+            o, lse = _s2_fwd(
+                take_rows(q, slot.rows).contiguous(),
+                k_full[: slot.k_end],
+                v_full[: slot.k_end],
+                slot,
+                sel,
+                scale,
+                kernel,
+                use_ops,
+            )
             put_rows(out, slot.rows, o)
             lses.append(lse)
-        ctx.plan, ctx.group, ctx.sels, ctx.scale, ctx.kernel, ctx.use_ops = plan, group, sels, scale, kernel, use_ops
+        ctx.plan, ctx.group, ctx.sels, ctx.scale, ctx.kernel, ctx.use_ops = (
+            plan,
+            group,
+            sels,
+            scale,
+            kernel,
+            use_ops,
+        )
         ctx.reduce_dtype, ctx.k_dtype = reduce_dtype, k.dtype
         ctx.save_for_backward(q, k_full, v_full, out, *lses)
         return out
@@ -257,9 +388,19 @@ class _CPAttention(torch.autograd.Function):
         dks, dvs = [], []
         for slot, sel, lse in zip(plan.slots, ctx.sels, lses):
             rows, n = slot.rows, slot.k_end
-            dq_s, dk_s, dv_s = _s2_bwd(take_rows(dout, rows).contiguous(), take_rows(q, rows).contiguous(),
-                                       k_full[:n], v_full[:n], take_rows(out, rows).contiguous(), lse, slot, sel,
-                                       ctx.scale, ctx.kernel, ctx.use_ops)
+            dq_s, dk_s, dv_s = _s2_bwd(
+                take_rows(dout, rows).contiguous(),
+                take_rows(q, rows).contiguous(),
+                k_full[:n],
+                v_full[:n],
+                take_rows(out, rows).contiguous(),
+                lse,
+                slot,
+                sel,
+                ctx.scale,
+                ctx.kernel,
+                ctx.use_ops,
+            )
             put_rows(dq, rows, dq_s)
             dks.append(dk_s)
             dvs.append(dv_s)
@@ -275,10 +416,20 @@ class _CPAttention(torch.autograd.Function):
         return (dq, dk.to(ctx.k_dtype), dv.to(ctx.k_dtype)) + (None,) * 10
 
 
-def cp_infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                          config: InfLLMv2Config | None = None, *, group=None, layout: BlockLayout | None = None,
-                          backend: str = "auto", kernel: str = "auto", grad_reduce_dtype: torch.dtype | None = None,
-                          check_ranks: bool = True) -> torch.Tensor:
+def cp_infllmv2_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    config: InfLLMv2Config | None = None,
+    *,
+    group=None,
+    layout: BlockLayout | None = None,
+    backend: str = "auto",
+    kernel: str = "auto",
+    grad_reduce_dtype: torch.dtype | None = None,
+    check_ranks: bool = True,
+) -> torch.Tensor:
     r"""InfLLM-v2 prefill attention with context parallelism over a process group (all-gather, zigzag).
 
     Every rank passes its zigzag shard (`zigzag_shard`) of the global packed `q`, `k`, `v` and the
@@ -332,24 +483,32 @@ def cp_infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
         if layout is not None and not isinstance(layout, BlockLayout):
             raise TypeError(f"layout must be a BlockLayout or None, got {type(layout).__name__}")
         if cfg.block_size != 64:
-            raise ValueError(f"config.block_size must be 64 with context parallelism (the zigzag chunks are whole "
-                             f"64-key blocks), got {cfg.block_size}")
+            raise ValueError(
+                f"config.block_size must be 64 with context parallelism (the zigzag chunks are whole "
+                f"64-key blocks), got {cfg.block_size}"
+            )
         if cfg.varlen_offset_quirk:
-            raise ValueError("config.varlen_offset_quirk=True is not supported with context parallelism (HF's "
-                             "offset depends on the whole batch's query lengths)")
+            raise ValueError(
+                "config.varlen_offset_quirk=True is not supported with context parallelism (HF's "
+                "offset depends on the whole batch's query lengths)"
+            )
         check_tensor("q", q, ndim=3, dtypes=REF_DTYPES)
         check_tensor("k", k, ndim=3, dtypes=(q.dtype,))
         check_tensor("v", v, ndim=3, dtypes=(q.dtype,))
         if v.shape != k.shape:
             raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
         if q.shape[1] % k.shape[1] or q.shape[2] != k.shape[2]:
-            raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)}: HQ must be a multiple of H and the head "
-                             f"dims equal")
+            raise ValueError(
+                f"q {tuple(q.shape)} and k {tuple(k.shape)}: HQ must be a multiple of H and the head "
+                f"dims equal"
+            )
         lengths = _lengths(cu_seqlens)
         check_zigzag_lengths(lengths, W, layout.q_block if layout is not None else 64)
         if q.shape[0] * W != sum(lengths) or k.shape[0] != q.shape[0]:
-            raise ValueError(f"q has {q.shape[0]} rows and k {k.shape[0]}: each must be the rank's zigzag shard of "
-                             f"total / world size = {sum(lengths)} / {W} = {sum(lengths) // W} rows")
+            raise ValueError(
+                f"q has {q.shape[0]} rows and k {k.shape[0]}: each must be the rank's zigzag shard of "
+                f"total / world size = {sum(lengths)} / {W} = {sum(lengths) // W} rows"
+            )
         if layout is not None:
             layout.check_against(k.shape[1], len(lengths), max(lengths))
         if grad_reduce_dtype is not None and grad_reduce_dtype not in REF_DTYPES:
@@ -363,16 +522,19 @@ def cp_infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
     except (ValueError, TypeError) as e:
         error = e
     if check_ranks:
-        agree_across_ranks(_local_meta(W, lengths, q, k, v, layout, cfg, backend, kernel, error), error, group)
+        agree_across_ranks(
+            _local_meta(W, lengths, q, k, v, layout, cfg, backend, kernel, error), error, group
+        )
     elif error is not None:
         raise error
     plan = zigzag_plan(lengths, W, r, q.device)
     scale = check_softmax_scale(cfg.softmax_scale, q.shape[2])
     dense = layout is None and max(lengths) < cfg.dense_len
-    use_ops = kernel_path   # the custom ops on CUDA; the references (same math as the ops' CPU kernels) else
+    use_ops = kernel_path  # the custom ops on CUDA; the references (same math as the ops' CPU kernels) else
     reduce_dtype = grad_reduce_dtype or k.dtype
-    return _CPAttention.apply(q, k, v, plan, group, cfg, layout, stages_for(q, backend), scale, kernel, use_ops,
-                              reduce_dtype, dense)
+    return _CPAttention.apply(
+        q, k, v, plan, group, cfg, layout, stages_for(q, backend), scale, kernel, use_ops, reduce_dtype, dense
+    )
 
 
 class ContextParallelInfLLMv2(torch.nn.Module):
@@ -385,8 +547,16 @@ class ContextParallelInfLLMv2(torch.nn.Module):
         >>> out = zigzag_unshard(out_l, cu)             # the whole output, on every rank
     """
 
-    def __init__(self, config: InfLLMv2Config | None = None, *, group=None, backend: str = "auto",
-                 kernel: str = "auto", grad_reduce_dtype: torch.dtype | None = None, check_ranks: bool = True):
+    def __init__(
+        self,
+        config: InfLLMv2Config | None = None,
+        *,
+        group=None,
+        backend: str = "auto",
+        kernel: str = "auto",
+        grad_reduce_dtype: torch.dtype | None = None,
+        check_ranks: bool = True,
+    ):
         super().__init__()
         self.config = check_config(config)
         self.group = group
@@ -397,9 +567,19 @@ class ContextParallelInfLLMv2(torch.nn.Module):
         self.check_ranks = check_ranks
 
     def forward(self, q, k, v, cu_seqlens, layout: BlockLayout | None = None):
-        return cp_infllmv2_attention(q, k, v, cu_seqlens, self.config, group=self.group, layout=layout,
-                                     backend=self.backend, kernel=self.kernel,
-                                     grad_reduce_dtype=self.grad_reduce_dtype, check_ranks=self.check_ranks)
+        return cp_infllmv2_attention(
+            q,
+            k,
+            v,
+            cu_seqlens,
+            self.config,
+            group=self.group,
+            layout=layout,
+            backend=self.backend,
+            kernel=self.kernel,
+            grad_reduce_dtype=self.grad_reduce_dtype,
+            check_ranks=self.check_ranks,
+        )
 
     def extra_repr(self) -> str:
         return f"backend={self.backend!r}, kernel={self.kernel!r}, config={self.config}"

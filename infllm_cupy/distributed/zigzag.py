@@ -11,6 +11,7 @@ which chunk, the permutation between the all-gathered buffer (rank-major) and th
 (global packed) order, and, for each of the rank's two chunk slots, the varlen description that
 lets the single-GPU ops see the chunk's queries at their global positions (§3).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,7 +37,8 @@ def all_gather_rows(x: torch.Tensor, group=None, *, async_op: bool = False):
 
 
 def reduce_scatter_rows(x: torch.Tensor, group=None, *, async_op: bool = False):
-    """Sum over ranks of `[W * n, ...]`, each rank keeping its `[n, ...]` slice; with `async_op`, `(out, work)`."""
+    """Sum over ranks of `[W * n, ...]`, each rank keeping its `[n, ...]` slice; with `async_op`,
+    `(out, work)`."""
     W = dist.get_world_size(group)
     out = x.new_empty((x.shape[0] // W,) + tuple(x.shape[1:]))
     work = _reduce_scatter(out, x.contiguous(), group=group, async_op=async_op)
@@ -56,9 +58,11 @@ def check_zigzag_lengths(lengths, world_size: int, q_block: int = KV_BLOCK) -> N
     bad = [(b, L) for b, L in enumerate(lengths) if L <= 0 or L % g]
     if bad:
         b, L = bad[0]
-        raise ValueError(f"cu_seqlens: sequence {b} has length {L}; with {world_size} ranks every sequence must be a "
-                         f"positive multiple of {g} (2 x world size chunks of whole {math.lcm(KV_BLOCK, q_block)}-token "
-                         f"blocks); pad the sequences ({len(bad)} of {len(lengths)} are not)")
+        raise ValueError(
+            f"cu_seqlens: sequence {b} has length {L}; with {world_size} ranks every sequence must be a "
+            f"positive multiple of {g} (2 x world size chunks of whole {math.lcm(KV_BLOCK, q_block)}-token "
+            f"blocks); pad the sequences ({len(bad)} of {len(lengths)} are not)"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,37 +73,41 @@ class Slot:
     queries at their global positions. B > 1: `2B` sequences, `2b` the chunk of sequence b against
     `[S_b, S_b + e_b)`, `2b + 1` a query-less filler over `[S_b + e_b, S_{b+1})` that keeps the
     next prefix starting where its sequence starts (docs/context_parallel.md §3)."""
-    starts: tuple        # a_b: global position of the chunk's first token inside its sequence
-    ends: tuple          # e_b = a_b + c_b
-    chunk: tuple         # c_b
-    rows: object         # the chunk's local rows: a slice (B = 1) or an int64 index tensor
-    cu_q: torch.Tensor   # int32 [2B+1] over the slot's packed queries
-    cu_k: torch.Tensor   # int32 [2B+1] over the natural-order keys
-    cache_lens: torch.Tensor   # int32 [2B]: a_b for the chunks, 0 for the fillers
+
+    starts: tuple  # a_b: global position of the chunk's first token inside its sequence
+    ends: tuple  # e_b = a_b + c_b
+    chunk: tuple  # c_b
+    rows: object  # the chunk's local rows: a slice (B = 1) or an int64 index tensor
+    cu_q: torch.Tensor  # int32 [2B+1] over the slot's packed queries
+    cu_k: torch.Tensor  # int32 [2B+1] over the natural-order keys
+    cache_lens: torch.Tensor  # int32 [2B]: a_b for the chunks, 0 for the fillers
     max_q: int
     max_k: int
-    k_end: int           # keys past this row are no slot sequence's (B = 1: e; else the total)
+    k_end: int  # keys past this row are no slot sequence's (B = 1: e; else the total)
 
 
 @dataclasses.dataclass(frozen=True)
 class ZigzagPlan:
     """Bookkeeping of the zigzag layout for sequence `lengths`, `world_size` ranks, rank `rank`."""
+
     lengths: tuple
     world_size: int
     rank: int
     device: torch.device
     n_local: int
-    seq_starts: tuple            # S_b, global packed start of each sequence
+    seq_starts: tuple  # S_b, global packed start of each sequence
     nat_from_gath: torch.Tensor  # int64 [total]: natural row t is gathered row nat_from_gath[t]
     gath_from_nat: torch.Tensor  # the inverse permutation
-    local_rows: torch.Tensor     # int64 [n_local]: the global rows this rank holds, in local order
-    slots: tuple                 # (Slot, Slot)
+    local_rows: torch.Tensor  # int64 [n_local]: the global rows this rank holds, in local order
+    slots: tuple  # (Slot, Slot)
 
     @property
     def total(self) -> int:
         return sum(self.lengths)
 
-    def slot_compressed_cu(self, slot: Slot, kernel_size: int, kernel_stride: int) -> tuple[torch.Tensor, int]:
+    def slot_compressed_cu(
+        self, slot: Slot, kernel_size: int, kernel_stride: int
+    ) -> tuple[torch.Tensor, int]:
         """(`cu` int32, `end`) of the slot over the full sequences' compressed keys `ck[:end]`: a chunk's
         sequence holds the windows that end by `e_b` (a prefix of its sequence's windows), a filler
         the rest of the sequence's."""
@@ -128,7 +136,9 @@ def _zigzag_plan(lengths: tuple, W: int, r: int, device: str) -> ZigzagPlan:
     dev = torch.device(device)
     for b, L in enumerate(lengths):
         if L % (2 * W):
-            raise ValueError(f"cu_seqlens: sequence {b} has length {L}, not a multiple of 2 x world size = {2 * W}")
+            raise ValueError(
+                f"cu_seqlens: sequence {b} has length {L}, not a multiple of 2 x world size = {2 * W}"
+            )
     B = len(lengths)
     seq_starts = [0]
     for L in lengths:
@@ -145,7 +155,7 @@ def _zigzag_plan(lengths: tuple, W: int, r: int, device: str) -> ZigzagPlan:
             w, half = (j, 0) if j < W else (2 * W - 1 - j, 1)
             s = seq_starts[b] + j * c
             g0 = w * n_local + base_local + half * c
-            nat_from_gath[s:s + c] = torch.arange(g0, g0 + c)
+            nat_from_gath[s : s + c] = torch.arange(g0, g0 + c)
     gath_from_nat = torch.empty_like(nat_from_gath)
     gath_from_nat[nat_from_gath] = torch.arange(total)
     local_rows = nat_from_gath.new_empty(n_local)
@@ -159,9 +169,13 @@ def _zigzag_plan(lengths: tuple, W: int, r: int, device: str) -> ZigzagPlan:
         if B == 1:
             rows = slice(s * chunk[0], (s + 1) * chunk[0])
         else:
-            rows = torch.cat([torch.arange(seq_starts[b] // W + s * c, seq_starts[b] // W + (s + 1) * c)
-                              for b, c in enumerate(chunk)]).to(dev)
-        if B == 1:      # no filler: the keys past the chunk's end are simply not passed
+            rows = torch.cat(
+                [
+                    torch.arange(seq_starts[b] // W + s * c, seq_starts[b] // W + (s + 1) * c)
+                    for b, c in enumerate(chunk)
+                ]
+            ).to(dev)
+        if B == 1:  # no filler: the keys past the chunk's end are simply not passed
             cu_q, cu_k, cache, k_end = [0, chunk[0]], [0, ends[0]], [starts[0]], ends[0]
         else:
             cu_q, cu_k, cache, qa, k_end = [0], [0], [], 0, total
@@ -171,11 +185,32 @@ def _zigzag_plan(lengths: tuple, W: int, r: int, device: str) -> ZigzagPlan:
                 cu_k += [seq_starts[b] + e, seq_starts[b + 1]]
                 cache += [a, 0]
         lk = [cu_k[i + 1] - cu_k[i] for i in range(len(cu_k) - 1)]
-        slots.append(Slot(starts, ends, chunk, rows, torch.tensor(cu_q, dtype=torch.int32, device=dev),
-                          torch.tensor(cu_k, dtype=torch.int32, device=dev),
-                          torch.tensor(cache, dtype=torch.int32, device=dev), max(chunk), max(lk), k_end))
-    return ZigzagPlan(lengths, W, r, dev, n_local, tuple(seq_starts), nat_from_gath.to(dev), gath_from_nat.to(dev),
-                      local_rows.to(dev), tuple(slots))
+        slots.append(
+            Slot(
+                starts,
+                ends,
+                chunk,
+                rows,
+                torch.tensor(cu_q, dtype=torch.int32, device=dev),
+                torch.tensor(cu_k, dtype=torch.int32, device=dev),
+                torch.tensor(cache, dtype=torch.int32, device=dev),
+                max(chunk),
+                max(lk),
+                k_end,
+            )
+        )
+    return ZigzagPlan(
+        lengths,
+        W,
+        r,
+        dev,
+        n_local,
+        tuple(seq_starts),
+        nat_from_gath.to(dev),
+        gath_from_nat.to(dev),
+        local_rows.to(dev),
+        tuple(slots),
+    )
 
 
 def take_rows(x: torch.Tensor, rows) -> torch.Tensor:
@@ -192,16 +227,24 @@ def put_rows(out: torch.Tensor, rows, val: torch.Tensor) -> None:
 
 def _group_info(group):
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialised: call torch.distributed.init_process_group "
-                           "(e.g. under torchrun) before the context-parallel functions")
+        raise RuntimeError(
+            "torch.distributed is not initialised: call torch.distributed.init_process_group "
+            "(e.g. under torchrun) before the context-parallel functions"
+        )
     return dist.get_world_size(group), dist.get_rank(group)
 
 
 def _lengths(cu_seqlens: torch.Tensor) -> list[int]:
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
-            or cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError("cu_seqlens must be an int32 (or int64) 1-D tensor [B+1] of the global (unsharded) "
-                         f"sequences, got {cu_seqlens!r:.80}")
+    if (
+        not isinstance(cu_seqlens, torch.Tensor)
+        or cu_seqlens.dim() != 1
+        or cu_seqlens.numel() < 2
+        or cu_seqlens.dtype not in (torch.int32, torch.int64)
+    ):
+        raise ValueError(
+            "cu_seqlens must be an int32 (or int64) 1-D tensor [B+1] of the global (unsharded) "
+            f"sequences, got {cu_seqlens!r:.80}"
+        )
     c = cu_seqlens.detach().to("cpu", torch.int64)
     if int(c[0]) != 0 or bool((c[1:] < c[:-1]).any()):
         raise ValueError(f"cu_seqlens must start at 0 and never decrease, got {c.tolist()[:16]}")
@@ -260,5 +303,7 @@ def zigzag_unshard(x_local: torch.Tensor, cu_seqlens: torch.Tensor, group=None) 
     W, r = _group_info(group)
     lengths = _lengths(cu_seqlens)
     if x_local.shape[0] * W != sum(lengths):
-        raise ValueError(f"x_local has {x_local.shape[0]} rows; {W} ranks x that != {sum(lengths)} (cu_seqlens)")
+        raise ValueError(
+            f"x_local has {x_local.shape[0]} rows; {W} ranks x that != {sum(lengths)} (cu_seqlens)"
+        )
     return _GatherRows.apply(x_local, zigzag_plan(lengths, W, r, x_local.device), group)

@@ -10,6 +10,7 @@ and rank 0 writes `{case: [rank 0's dict, rank 1's dict, ...]}`. The comparisons
 the output and of dq, dk, dv against the same rows of the single-process result on the
 concatenated sequences.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,9 @@ def _inputs(lengths, HQ, H, D, dtype, device, seed):
     q, do = (torch.randn(T, HQ, D, generator=g).to(device, dtype) for _ in range(2))
     k, v = (torch.randn(T, H, D, generator=g).to(device, dtype) for _ in range(2))
     # keys with structure (a shared direction per 64-block), so stage 1's scores are far from ties
-    k = k + 2.0 * torch.randn(T // 64, 1, H, D, generator=g).expand(T // 64, 64, H, D).reshape(T, H, D).to(device,
-                                                                                                          dtype)
+    k = k + 2.0 * torch.randn(T // 64, 1, H, D, generator=g).expand(T // 64, 64, H, D).reshape(T, H, D).to(
+        device, dtype
+    )
     return q, k, v, do, cu_seqlens_from_lengths(lengths, device)
 
 
@@ -54,8 +56,12 @@ def _single(q, k, v, do, cu, cfg, backend, layout=None):
         if backend == "reference" and not aux["dense"]:
             # ties to the lower block index, as the kernels and the context-parallel reference path
             L = int((cu[1:] - cu[:-1]).max())
-            sel = topk_lower_index_ties(aux["block_scores"], q_block_idx_prefill(cu, L), cfg.topk + cfg.local_blocks)
-            out = naive_sparse_attn_varlen(*leaves, cu, cu, sel, L, L, causal=True, softmax_scale=cfg.softmax_scale)
+            sel = topk_lower_index_ties(
+                aux["block_scores"], q_block_idx_prefill(cu, L), cfg.topk + cfg.local_blocks
+            )
+            out = naive_sparse_attn_varlen(
+                *leaves, cu, cu, sel, L, L, causal=True, softmax_scale=cfg.softmax_scale
+            )
     else:
         from infllm_cupy import block_sparse_attn_varlen
 
@@ -76,16 +82,19 @@ def _cp(q, k, v, do, cu, cfg, backend, layout=None, **kw):
 
 def _errs(out, grads, ref_out, ref_grads, cu):
     names = ("out", "dq", "dk", "dv")
-    return {f"err_{n}": max_abs_err(a, zigzag_shard(b, cu)) for n, a, b in
-            zip(names, (out,) + tuple(grads), (ref_out,) + tuple(ref_grads))} | {
-        "nan": bool(any(torch.isnan(t).any() for t in (out,) + tuple(grads)))}
+    return {
+        f"err_{n}": max_abs_err(a, zigzag_shard(b, cu))
+        for n, a, b in zip(names, (out,) + tuple(grads), (ref_out,) + tuple(ref_grads))
+    } | {"nan": bool(any(torch.isnan(t).any() for t in (out,) + tuple(grads)))}
 
 
 def _ref_case(lengths, HQ, H, D, cfg=None, layout=None, seed=0, **kw):
     """CPU, float64 references: the context-parallel shards against the single-process pipeline."""
     q, k, v, do, cu = _inputs(lengths, HQ, H, D, torch.float64, "cpu", seed)
     # rank 0 computes the single-process result once and sends it (ranks share CI's few cores)
-    ref = list(_single(q, k, v, do, cu, cfg, "reference", layout)[:2]) if dist.get_rank() == 0 else [None, None]
+    ref = (
+        list(_single(q, k, v, do, cu, cfg, "reference", layout)[:2]) if dist.get_rank() == 0 else [None, None]
+    )
     dist.broadcast_object_list(ref, src=0)
     ref_out, ref_grads = ref
     out, grads = _cp(q, k, v, do, cu, cfg, "reference", layout, **kw)
@@ -135,7 +144,9 @@ def case_layout_per_sequence_q128(W):
 
 
 def case_dense_fallback(W):
-    return _ref_case([2 * 2 * W * 64], 4, 2, 16, InfLLMv2Config(topk=4, local_blocks=2, dense_len=1 << 20), seed=6)
+    return _ref_case(
+        [2 * 2 * W * 64], 4, 2, 16, InfLLMv2Config(topk=4, local_blocks=2, dense_len=1 << 20), seed=6
+    )
 
 
 def case_shard_roundtrip(W):
@@ -147,12 +158,23 @@ def case_shard_roundtrip(W):
     full = zigzag_unshard(xl, cu)
     (full * torch.arange(full.numel(), dtype=torch.float64).view_as(full)).sum().backward()
     r, c = dist.get_rank(), [L // (2 * W) for L in lengths]
-    want = torch.cat([torch.cat([torch.arange(S + r * cc, S + (r + 1) * cc),
-                                 torch.arange(S + (2 * W - 1 - r) * cc, S + (2 * W - r) * cc)])
-                      for S, cc in zip((0, g), c)])
+    want = torch.cat(
+        [
+            torch.cat(
+                [
+                    torch.arange(S + r * cc, S + (r + 1) * cc),
+                    torch.arange(S + (2 * W - 1 - r) * cc, S + (2 * W - r) * cc),
+                ]
+            )
+            for S, cc in zip((0, g), c)
+        ]
+    )
     grad_want = W * torch.arange(full.numel(), dtype=torch.float64).view_as(full)[want]
-    return {"roundtrip": bool(torch.equal(full, x)), "local_rows_ok": bool(torch.equal(xl.detach()[:, 0, 0].long(), want)),
-            "grad_ok": bool(torch.equal(xl.grad, grad_want))}
+    return {
+        "roundtrip": bool(torch.equal(full, x)),
+        "local_rows_ok": bool(torch.equal(xl.detach()[:, 0, 0].long(), want)),
+        "grad_ok": bool(torch.equal(xl.grad, grad_want)),
+    }
 
 
 def case_module_equals_function(W):
@@ -182,8 +204,11 @@ def case_ranks_disagree_lengths(W):
     g = 2 * W * 64
     lengths = [2 * g, 2 * g] if dist.get_rank() != 1 else [g, 3 * g]
     q, k, v, _, cu = _inputs(lengths, 4, 2, 16, torch.float64, "cpu", 0)
-    return _expect_raise(lambda: cp_infllmv2_attention(*(zigzag_shard(t, cu) for t in (q, k, v)), cu,
-                                                       InfLLMv2Config(**CFG_SMALL), backend="reference"))
+    return _expect_raise(
+        lambda: cp_infllmv2_attention(
+            *(zigzag_shard(t, cu) for t in (q, k, v)), cu, InfLLMv2Config(**CFG_SMALL), backend="reference"
+        )
+    )
 
 
 def case_ranks_disagree_dtype(W):
@@ -191,8 +216,11 @@ def case_ranks_disagree_dtype(W):
     lengths = [2 * W * 64]
     dt = torch.float32 if dist.get_rank() == 1 else torch.float64
     q, k, v, _, cu = _inputs(lengths, 4, 2, 16, dt, "cpu", 0)
-    return _expect_raise(lambda: cp_infllmv2_attention(*(zigzag_shard(t, cu) for t in (q, k, v)), cu,
-                                                       InfLLMv2Config(**CFG_SMALL), backend="reference"))
+    return _expect_raise(
+        lambda: cp_infllmv2_attention(
+            *(zigzag_shard(t, cu) for t in (q, k, v)), cu, InfLLMv2Config(**CFG_SMALL), backend="reference"
+        )
+    )
 
 
 def case_one_rank_bad_input(W):
@@ -201,9 +229,10 @@ def case_one_rank_bad_input(W):
     q, k, v, _, cu = _inputs([g], 4, 2, 16, torch.float64, "cpu", 0)
     ql, kl, vl = (zigzag_shard(t, cu) for t in (q, k, v))
     if dist.get_rank() == 0:
-        kl = kl[:, :, :8]           # a head dim that differs from q's
-    return _expect_raise(lambda: cp_infllmv2_attention(ql, kl, vl, cu, InfLLMv2Config(**CFG_SMALL),
-                                                       backend="reference"))
+        kl = kl[:, :, :8]  # a head dim that differs from q's
+    return _expect_raise(
+        lambda: cp_infllmv2_attention(ql, kl, vl, cu, InfLLMv2Config(**CFG_SMALL), backend="reference")
+    )
 
 
 def case_bad_length_every_rank(W):
@@ -211,15 +240,26 @@ def case_bad_length_every_rank(W):
     cu = cu_seqlens_from_lengths([g + 64 * W])
     q = torch.randn(int(cu[-1]) // W, 4, 16, dtype=torch.float64)
     k = torch.randn(int(cu[-1]) // W, 2, 16, dtype=torch.float64)
-    return _expect_raise(lambda: cp_infllmv2_attention(q, k, k.clone(), cu, InfLLMv2Config(**CFG_SMALL),
-                                                       backend="reference"))
+    return _expect_raise(
+        lambda: cp_infllmv2_attention(q, k, k.clone(), cu, InfLLMv2Config(**CFG_SMALL), backend="reference")
+    )
 
 
-CPU_CASES = [case_token_b1, case_token_varlen_gqa, case_token_exact_stage1, case_token_fp32_reduce,
-             case_layout_shared, case_layout_per_sequence_q128, case_dense_fallback, case_shard_roundtrip,
-             case_module_equals_function,
-             case_ranks_disagree_lengths, case_ranks_disagree_dtype, case_one_rank_bad_input,
-             case_bad_length_every_rank]
+CPU_CASES = [
+    case_token_b1,
+    case_token_varlen_gqa,
+    case_token_exact_stage1,
+    case_token_fp32_reduce,
+    case_layout_shared,
+    case_layout_per_sequence_q128,
+    case_dense_fallback,
+    case_shard_roundtrip,
+    case_module_equals_function,
+    case_ranks_disagree_lengths,
+    case_ranks_disagree_dtype,
+    case_one_rank_bad_input,
+    case_bad_length_every_rank,
+]
 
 
 def case_dryrun8(W):
@@ -244,12 +284,18 @@ def _gpu_case(lengths, HQ, H, D, cfg=None, layout=None, seed=0, **kw):
     res = _errs(out, grads, ref_out, ref_grads, cu)
     if layout is None:
         res["selection_mismatch_rows"] = _selection_mismatches(q, k, cu, cfg, sel, lengths)
-    res |= {f"base_{n}": max_abs_err(zigzag_shard(a, cu), zigzag_shard(b, cu))
-            for n, a, b in zip(("out", "dq", "dk", "dv"), (low_out,) + tuple(low_grads),
-                               (ref_out,) + tuple(ref_grads))}
-    res |= {f"one_{n}": max_abs_err(zigzag_shard(a, cu), zigzag_shard(b, cu))
-            for n, a, b in zip(("out", "dq", "dk", "dv"), (one_out,) + tuple(one_grads),
-                               (ref_out,) + tuple(ref_grads))}
+    res |= {
+        f"base_{n}": max_abs_err(zigzag_shard(a, cu), zigzag_shard(b, cu))
+        for n, a, b in zip(
+            ("out", "dq", "dk", "dv"), (low_out,) + tuple(low_grads), (ref_out,) + tuple(ref_grads)
+        )
+    }
+    res |= {
+        f"one_{n}": max_abs_err(zigzag_shard(a, cu), zigzag_shard(b, cu))
+        for n, a, b in zip(
+            ("out", "dq", "dk", "dv"), (one_out,) + tuple(one_grads), (ref_out,) + tuple(ref_grads)
+        )
+    }
     return res
 
 
@@ -302,26 +348,41 @@ def case_gpu_readme_k96(W):
     return _gpu_case([32768], 32, 2, 128, InfLLMv2Config(dense_len=0), seed=14)
 
 
-GPU_CASES = [case_gpu_token_b1, case_gpu_token_varlen, case_gpu_token_d64_g1, case_gpu_layout, case_gpu_readme_k96,
-             case_ranks_disagree_lengths, case_one_rank_bad_input]
+GPU_CASES = [
+    case_gpu_token_b1,
+    case_gpu_token_varlen,
+    case_gpu_token_d64_g1,
+    case_gpu_layout,
+    case_gpu_readme_k96,
+    case_ranks_disagree_lengths,
+    case_one_rank_bad_input,
+]
 SUITES = {"cpu": CPU_CASES, "gpu": GPU_CASES, "dryrun8": [case_dryrun8, case_ranks_disagree_lengths]}
 
 
 def _worker(rank, world, suite, out, port):
     gpu = suite == "gpu"
-    os.environ.setdefault("INFLLM_CUPY_POISON", "1")      # kernel outputs start as NaN: unwritten rows show
+    os.environ.setdefault("INFLLM_CUPY_POISON", "1")  # kernel outputs start as NaN: unwritten rows show
     if gpu:
         torch.cuda.set_device(rank)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120),
-                            **({"device_id": torch.device("cuda", rank)} if gpu else {}))
+    dist.init_process_group(
+        "nccl" if gpu else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+        **({"device_id": torch.device("cuda", rank)} if gpu else {}),
+    )
     results = {}
     for case in SUITES[suite]:
         try:
             results[case.__name__] = case(world)
-        except Exception as e:                                     # recorded, the test reports it
-            results[case.__name__] = {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-2000:]}
+        except Exception as e:  # recorded, the test reports it
+            results[case.__name__] = {
+                "error": f"{type(e).__name__}: {e}",
+                "tb": traceback.format_exc()[-2000:],
+            }
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
     if rank == 0:

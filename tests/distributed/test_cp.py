@@ -2,6 +2,7 @@
 output and of dq, dk, dv against the same rows of the single-process result on the concatenated
 sequences. The ranks run in a subprocess (tests/distributed/cp_worker.py, torch.multiprocessing
 over gloo on CPU, NCCL on GPUs), as torchrun would start them; its JSON holds every rank's numbers."""
+
 from __future__ import annotations
 
 import json
@@ -20,9 +21,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_suite(tmp_path_factory, suite: str, world: int) -> dict:
     out = tmp_path_factory.mktemp(f"cp_{suite}") / "r.json"
-    r = subprocess.run([sys.executable, str(WORKER), "--world", str(world), "--suite", suite, "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and out.exists(), f"worker exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    r = subprocess.run(
+        [sys.executable, str(WORKER), "--world", str(world), "--suite", suite, "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (
+        r.returncode == 0 and out.exists()
+    ), f"worker exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return json.loads(out.read_text())
 
 
@@ -42,20 +50,34 @@ def ranks(results: dict, case: str) -> list[dict]:
 EXACT = 1e-12
 
 
-@pytest.mark.parametrize("case", ["case_token_b1", "case_token_varlen_gqa", "case_token_exact_stage1",
-                                  "case_layout_shared", "case_layout_per_sequence_q128", "case_dense_fallback"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "case_token_b1",
+        "case_token_varlen_gqa",
+        "case_token_exact_stage1",
+        "case_layout_shared",
+        "case_layout_per_sequence_q128",
+        "case_dense_fallback",
+    ],
+)
 def test_cp_gloo_matches_single_process(cpu2, case):
     for r, d in enumerate(ranks(cpu2, case)):
         assert not d["nan"], f"{case} rank {r}: NaN"
         for name in ("out", "dq", "dk", "dv"):
-            assert d[f"err_{name}"] <= EXACT, f"{case} rank {r}: max |{name} - single process| = {d[f'err_{name}']:.2e}"
+            assert (
+                d[f"err_{name}"] <= EXACT
+            ), f"{case} rank {r}: max |{name} - single process| = {d[f'err_{name}']:.2e}"
 
 
 def test_cp_gloo_fp32_gradient_reduce(cpu2):
     # float64 inputs, dK / dV summed over ranks in float32: float32 rounding, no more
     for r, d in enumerate(ranks(cpu2, "case_token_fp32_reduce")):
         assert d["err_out"] <= EXACT and d["err_dq"] <= EXACT, (r, d)
-        assert 0 < d["err_dk"] <= 1e-5 and 0 < d["err_dv"] <= 1e-5, (r, d)   # > 0: the reduce really ran in fp32
+        assert 0 < d["err_dk"] <= 1e-5 and 0 < d["err_dv"] <= 1e-5, (
+            r,
+            d,
+        )  # > 0: the reduce really ran in fp32
 
 
 def test_zigzag_shard_unshard(cpu2):
@@ -69,7 +91,10 @@ def test_module_form_equals_the_function(cpu2):
 
 
 def test_ranks_that_disagree_raise_on_every_rank(cpu2):
-    for case, field in (("case_ranks_disagree_lengths", "lengths hash"), ("case_ranks_disagree_dtype", "dtype")):
+    for case, field in (
+        ("case_ranks_disagree_lengths", "lengths hash"),
+        ("case_ranks_disagree_dtype", "dtype"),
+    ):
         for r, d in enumerate(ranks(cpu2, case)):
             assert d["raised"] == "ValueError" and "disagree" in d["msg"] and field in d["msg"], (case, r, d)
 
@@ -103,16 +128,23 @@ def test_cp_nccl_two_gpus_flash_attention_rule(tmp_path_factory):
     (2x / 3x the error of PyTorch in bf16) of the float64 stage-2 reference over the single-GPU
     selection; the single-GPU kernel result is held to the same bound, for comparison."""
     res = run_suite(tmp_path_factory, "gpu", 2)
-    for case in ("case_gpu_token_b1", "case_gpu_token_varlen", "case_gpu_token_d64_g1", "case_gpu_layout",
-                 "case_gpu_readme_k96"):
+    for case in (
+        "case_gpu_token_b1",
+        "case_gpu_token_varlen",
+        "case_gpu_token_d64_g1",
+        "case_gpu_layout",
+        "case_gpu_readme_k96",
+    ):
         for r, d in enumerate(ranks(res, case)):
             assert not d["nan"], (case, r)
             for name, mult in (("out", 2), ("dq", 3), ("dk", 3), ("dv", 3)):
                 bound = mult * d[f"base_{name}"] + 1e-6
-                assert d[f"err_{name}"] <= bound, (f"{case} rank {r}: {name} error {d[f'err_{name}']:.3e} > "
-                                                   f"{bound:.3e} (single GPU: {d[f'one_{name}']:.3e}); rows whose "
-                                                   f"selection differs from the single GPU's: "
-                                                   f"{d.get('selection_mismatch_rows', '-')}")
+                assert d[f"err_{name}"] <= bound, (
+                    f"{case} rank {r}: {name} error {d[f'err_{name}']:.3e} > "
+                    f"{bound:.3e} (single GPU: {d[f'one_{name}']:.3e}); rows whose "
+                    f"selection differs from the single GPU's: "
+                    f"{d.get('selection_mismatch_rows', '-')}"
+                )
     for case in ("case_ranks_disagree_lengths", "case_one_rank_bad_input"):
         assert all(d["raised"] == "ValueError" for d in ranks(res, case)), case
 
@@ -121,15 +153,50 @@ def test_bench_cp_runs_on_cpu_under_torchrun(tmp_path):
     """benchmarks/bench_cp.py as a user starts it (torchrun, 2 processes), on CPU with gloo: every row
     timed, the sampled-block check passes, the JSON carries the rows."""
     out = tmp_path / "cp.json"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                        str(ROOT / "benchmarks" / "bench_cp.py"), "--device", "cpu", "--lengths", "512,1024",
-                        "--q-heads", "4", "--kv-heads", "2", "--head-dim", "16", "--topk", "4", "--local-blocks", "2",
-                        "--no-search", "--rep", "1", "--check-blocks", "4", "--json", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            str(ROOT / "benchmarks" / "bench_cp.py"),
+            "--device",
+            "cpu",
+            "--lengths",
+            "512,1024",
+            "--q-heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "16",
+            "--topk",
+            "4",
+            "--local-blocks",
+            "2",
+            "--no-search",
+            "--rep",
+            "1",
+            "--check-blocks",
+            "4",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, f"bench_cp exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     assert r.stdout.count("within FlashAttention's rule: PASSED") == 2, r.stdout
     rows = json.loads(out.read_text())["rows"]
-    assert [(row["L"], row["mode"]) for row in rows] == [(512, "fwd"), (512, "fwdbwd"), (1024, "fwd"), (1024, "fwdbwd")]
+    assert [(row["L"], row["mode"]) for row in rows] == [
+        (512, "fwd"),
+        (512, "fwdbwd"),
+        (1024, "fwd"),
+        (1024, "fwdbwd"),
+    ]
     assert all(row["cp_ms"] > 0 and row["single_ms"] > 0 and row["bytes_per_rank"] > 0 for row in rows)
     # all-gather of K and V: (W - 1) / W of 1024 rows x 2 heads x 16 dims x 4 bytes, twice
     assert rows[2]["bytes_per_rank"] == 2 * 512 * 2 * 16 * 4
