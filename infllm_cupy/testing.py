@@ -22,6 +22,11 @@ def assert_close_to_ref(name: str, out: torch.Tensor, ref: torch.Tensor, ref_low
     assert not torch.isnan(out).any(), f"{name}: NaN in output (an element was never written?)"
     err = max_abs_err(out, ref)
     base = max_abs_err(ref_lowp, ref)
+    if out.dtype in (torch.float16, torch.bfloat16) and ref.numel():
+        # one unit in the last place of the largest reference value: the output's own rounding. On a
+        # handful of elements the low-precision torch error can fall below it by luck (a 2-token
+        # backward in the fuzzer); on real sizes `base` is far above it.
+        atol_floor = max(atol_floor, torch.finfo(out.dtype).eps * ref.abs().max().item())
     assert err <= mult * base + atol_floor, (
         f"{name}: max|out-ref| = {err:.3e} > {mult} x {base:.3e} (low-precision torch error); "
         f"rel L2 {rel_l2_err(out, ref):.2e}")

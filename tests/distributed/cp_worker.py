@@ -325,13 +325,15 @@ def _selection_mismatches(q, k, cu, cfg, sel, lengths) -> int:
 GPU_CFG = dict(topk=16, local_blocks=4, init_blocks=1, dense_len=0, score_dtype=torch.float32)
 
 
+# Lengths: the float64 reference holds [HQ, T, T] scores (and autograd keeps copies), so 16k tokens at 16
+# heads ran a GPU out of memory; these still select 20 of 64+ blocks (the sparse regime).
 def case_gpu_token_b1(W):
-    return _gpu_case([16384], 16, 2, 128, InfLLMv2Config(**GPU_CFG), seed=10)
+    return _gpu_case([4096], 16, 2, 128, InfLLMv2Config(**GPU_CFG), seed=10)
 
 
 def case_gpu_token_varlen(W):
     g = 2 * W * 64
-    return _gpu_case([16 * g, 48 * g, 8 * g], 32, 2, 128, InfLLMv2Config(**GPU_CFG), seed=11)
+    return _gpu_case([4 * g, 12 * g, 2 * g], 32, 2, 128, InfLLMv2Config(**GPU_CFG), seed=11)
 
 
 def case_gpu_token_d64_g1(W):
@@ -339,13 +341,13 @@ def case_gpu_token_d64_g1(W):
 
 
 def case_gpu_layout(W):
-    lengths = [8192, 4096]
+    lengths = [4096, 2048]
     return _gpu_case(lengths, 16, 2, 128, layout=_random_layout(lengths, 2, 128, True, 13), seed=13)
 
 
 def case_gpu_readme_k96(W):
     """The README head config with MiniCPM4's K = 96 (topk 64, local 32), bf16 scores as shipped."""
-    return _gpu_case([32768], 32, 2, 128, InfLLMv2Config(dense_len=0), seed=14)
+    return _gpu_case([8192], 32, 2, 128, InfLLMv2Config(dense_len=0), seed=14)
 
 
 GPU_CASES = [
