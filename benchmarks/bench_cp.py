@@ -22,13 +22,17 @@ Modes: fwd, fwdbwd (forward + backward of one layer). Columns: ms, peak GiB per 
 all-gather / sent by reduce-scatter: `(W-1)/W x L x H x D x bytes`, twice), speedup = single / cp.
 
 `--search`: the longest L that trains (fwd+bwd of the layer) on 1 GPU and on W GPUs, by bisection
-over multiples of 2W x 64 tokens within `--search-budget-s`. Single-GPU probes catch OOM; a W-GPU
-probe first reserves, on every rank, the peak its measured rows predict (+5%, a fit of
-`b L + c L^2` per rank: the stage-2 bitmask rows grow as L^2) plus the stage-1 kernel's global
-scratch counted as if always taken (`stage1_scratch_gib`, an upper bound), and runs only if all
-ranks could, so that one rank's OOM cannot leave the others waiting in a collective: the W-GPU
-result is therefore a lower bound where the guard, not a probe, stopped it. Reported: the longest length
-that ran and the shortest that did not (or was predicted not to), per GPU count.
+over multiples of 2W x 64 tokens within `--search-budget-s` (and `--search-max`). A W-GPU probe
+first reserves, on every rank, the peak its measured rows predict (+5%, a fit of `b L + c L^2` per
+rank: the stage-2 bitmask rows grow as L^2) plus the stage-1 kernel's global scratch counted as if
+always taken (`stage1_scratch_gib`, an upper bound), and runs only if all ranks could: the W-GPU
+result is therefore a lower bound where the guard, not a probe, stopped it. Every probe step ends
+on every rank with the same collectives: a rank catches its own failure (OOM or other), frees its
+memory, issues with zeros the layer's collectives it skipped, and then the ranks agree on one
+verdict (all_reduce MIN); the bounds, the next length and the time budget are agreed values, so no
+rank leaves the search alone. An OOM bisects below; any other error stops that search. Reported:
+the longest length that ran and the shortest that did not (or was predicted not to), per GPU count.
+Runs on CPU too (`--device cpu`: no guard), which is how tests/distributed/test_cp.py checks it.
 
 `--check-blocks N`: outputs and dq of N sampled 64-token query blocks against the float64 stage-2
 reference over the same blocks' stage-1 selection (each block a chunked-prefill sequence over its
@@ -38,7 +42,9 @@ prefix), FlashAttention's rule (2x / 3x the error of the same math in bf16), on 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -101,6 +107,28 @@ def parse_args(argv=None):
     p.add_argument("--search-budget-s", type=float, default=100.0, help="seconds for both searches together")
     p.add_argument("--search-steps", type=int, default=5, help="bisection steps per GPU count")
     p.add_argument(
+        "--search-max",
+        type=int,
+        default=None,
+        help="longest length either search may probe (default: 16 x the longest --lengths for 1 GPU, "
+        "then 2W x the 1-GPU failure)",
+    )
+    p.add_argument(
+        "--inject-probe-failure-rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="test hook: rank R raises an injected OOM in the first search probe at "
+        "--inject-probe-failure-at (the others must not hang: tests/distributed/test_cp.py)",
+    )
+    p.add_argument(
+        "--inject-probe-failure-at",
+        default="layer",
+        choices=("layer", "guard", "single"),
+        help="test hook: where rank R fails: inside the W-rank layer after its K/V all-gathers, in the "
+        "W-rank guard's reservation, or in the 1-GPU probe (rank 0 only). Default: %(default)s",
+    )
+    p.add_argument(
         "--check-blocks", type=int, default=0, help="sampled 64-token query blocks to check per length"
     )
     p.add_argument("--json", default=None)
@@ -111,6 +139,8 @@ def parse_args(argv=None):
     bad = [m for m in a.modes if m not in ("fwd", "fwdbwd")]
     if bad:
         p.error(f"--modes: unknown {bad}; choose from ['fwd', 'fwdbwd']")
+    if a.search_max is not None and a.search_max <= 0:
+        p.error(f"--search-max: expected a positive length, got {a.search_max}")
     return a
 
 
@@ -133,6 +163,7 @@ class Ctx:
         self.reduce_dtype = torch.float32 if a.grad_reduce_dtype == "float32" else None
         self.backend = "auto" if a.device == "cuda" else "reference"
         self.granule = 2 * max(self.sizes) * 64
+        self.injected_once: set[str] = set()  # --inject-probe-failure-rank fires once per place
 
     def use(self, n: int) -> None:
         """Run the layer on the first n ranks: `group`, `W`, this rank's `rank` in it (or -1), `active`."""
@@ -160,6 +191,18 @@ class Ctx:
         out = [None] * self.world
         dist.all_gather_object(out, x)
         return out
+
+    def agree(self, level: int) -> int:
+        """The MIN over the world of every rank's `level`: one all_reduce, the same value everywhere."""
+        t = torch.tensor([int(level)], dtype=torch.int32, device=self.dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    def same(self, what: str, x) -> None:
+        """Raise on every rank (never on some only) unless every rank holds the same `x`."""
+        xs = self.gather(x)
+        if any(y != xs[0] for y in xs):
+            raise RuntimeError(f"bench_cp: the ranks disagree on {what}: {xs}")
 
 
 def chunk_tensor(c: Ctx, kind: str, L: int, j: int, n: int, heads: int) -> torch.Tensor:
@@ -343,24 +386,125 @@ def check_blocks(c: Ctx, L: int, q, k, v, do, cu) -> dict:
 # ------------------------------------------------------------------------------------------ search
 
 
-def probe_single(c: Ctx, L: int) -> bool:
-    ok = None
+# Every probe step ends on every rank with the same collectives: each rank catches its own failure,
+# frees what it holds, completes the layer's collectives it skipped (`_Ledger`), then the ranks agree
+# on one verdict (all_reduce MIN of a level) before any other collective. Decisions (stop, next
+# length) come only from agreed values, so no rank can leave the loop alone (the hang of
+# docs/context_parallel.md §8: ranks that disagree leave one of them waiting in a collective).
+OK, FAILED, ERROR = 2, 1, 0  # agreed by MIN: the worst rank's outcome wins
+
+
+def failure_level(e: BaseException) -> int:
+    """FAILED for an OOM (the length does not fit: bisect below), ERROR for anything else (stop)."""
+    return FAILED if is_oom(e) else ERROR
+
+
+def describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+
+
+def free_memory(c: Ctx) -> None:
+    # the caught exception's traceback frames held tensors; collect cycles before returning blocks
+    gc.collect()
+    if c.dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def verdict(c: Ctx, level: int, why: str) -> tuple[int, str]:
+    """Every rank's reason, once the level is agreed (so every rank takes this gather or none)."""
+    if level == OK:
+        return OK, "ran"
+    whys = c.gather(why)
+    return level, "; ".join(f"rank {r}: {w}" for r, w in enumerate(whys) if w) or "failed"
+
+
+def injected(c: Ctx, where: str) -> bool:
+    """The test hook `--inject-probe-failure-rank`: fail this rank once, at `where`."""
+    a = c.a
+    hit = a.inject_probe_failure_rank == c.world_rank and a.inject_probe_failure_at == where
+    if hit and where not in c.injected_once:
+        c.injected_once.add(where)
+        return True
+    return False
+
+
+def injected_oom(where: str) -> torch.OutOfMemoryError:
+    return torch.OutOfMemoryError(f"out of memory (injected by --inject-probe-failure-rank, at {where})")
+
+
+def probe_single(c: Ctx, L: int) -> tuple[int, str]:
+    """Rank 0 alone runs fwd+bwd at L (no collective inside); the others wait in the agreement."""
+    level, why = OK, ""
     if c.world_rank == 0:
         try:
             q, k, v = (full_tensor(c, x, L).requires_grad_() for x in ("q", "k", "v"))
             cu = torch.tensor([0, L], dtype=torch.int32, device=c.dev)
             out = infllmv2_attention(q, k, v, cu, config=c.cfg, backend=c.backend)
+            if injected(c, "single"):
+                raise injected_oom("single")
             torch.autograd.backward(out, torch.ones_like(out))
             c.sync()
-            ok = True
-        except Exception as e:  # noqa: BLE001
-            if not is_oom(e):
-                raise
-            ok = False
+        except Exception as e:  # noqa: BLE001 - a failed probe is a result
+            level, why = failure_level(e), describe(e)
+        q = k = v = out = None
+        free_memory(c)
+    return verdict(c, c.agree(level), why)
+
+
+class _Ledger:
+    """The collectives one fwd+bwd of the layer issues on every rank (infllm_cupy/distributed/cp.py,
+    `_CPAttention`: all-gather K, all-gather V; backward: reduce-scatter dK, dV), counted as this rank
+    issues them, so that a rank that failed between two of them can issue the rest with zeros and
+    its peers, which went on, are not left waiting. Counted by wrapping the two functions where the
+    layer looks them up, during the probe only. A successful probe whose count or shapes differ from
+    this list is reported as an ERROR: the ledger is out of date with the layer."""
+
+    def __init__(self, c: Ctx, L: int):
+        kv = ((L // c.W, c.a.h, c.a.d), c.dtype)
+        dkv = ((L, c.a.h, c.a.d), c.reduce_dtype or c.dtype)
+        self.c = c
+        self.expected = [("ag", *kv), ("ag", *kv), ("rs", *dkv), ("rs", *dkv)]
+        self.issued: list[tuple] = []
+
+    @contextlib.contextmanager
+    def counting(self):
+        import infllm_cupy.distributed.cp as cp_mod
+
+        saved = cp_mod.all_gather_rows, cp_mod.reduce_scatter_rows
+
+        def wrap(kind, fn):
+            def counted(x, *args, **kw):
+                r = fn(x, *args, **kw)
+                self.issued.append((kind, tuple(x.shape), x.dtype))
+                if len(self.issued) == 2 and injected(self.c, "layer"):  # after both gathers
+                    raise injected_oom("layer")
+                return r
+
+            return counted
+
+        cp_mod.all_gather_rows, cp_mod.reduce_scatter_rows = wrap("ag", saved[0]), wrap("rs", saved[1])
+        try:
+            yield self
         finally:
-            q = k = v = out = None
-            torch.cuda.empty_cache()
-    return bool(c.gather(ok)[0])
+            cp_mod.all_gather_rows, cp_mod.reduce_scatter_rows = saved
+
+    def mismatch(self, *, finished: bool) -> str:
+        """'' while the collectives issued are the expected ones (all of them where `finished`)."""
+        n = len(self.expected) if finished else len(self.issued)
+        if self.issued != self.expected[:n] or len(self.issued) != n:
+            return f"the layer issued {self.issued}, the bench's ledger expects {self.expected}"
+        return ""
+
+    def complete(self) -> None:
+        """Issue, with zeros, the collectives this rank skipped. Raises (and the process dies, which
+        torchrun turns into every rank stopping) only where the collectives themselves fail."""
+        c = self.c
+        for kind, shape, dtype in self.expected[len(self.issued) :]:
+            x = torch.zeros(shape, dtype=dtype, device=c.dev)
+            (all_gather_rows if kind == "ag" else reduce_scatter_rows)(x, c.group)
+            self.issued.append((kind, shape, dtype))
+            x = None
+        c.sync()
 
 
 def predicted_peak(points: list[tuple[int, float]], L: int) -> float | None:
@@ -386,49 +530,75 @@ def stage1_scratch_gib(c: Ctx, L: int) -> float:
     return c.a.h * (L // (2 * c.W)) * olp * c.cfg.score_dtype.itemsize / GiB
 
 
-def probe_cp(c: Ctx, L: int, points) -> tuple[bool, str]:
-    pred = predicted_peak(points, L)
+def probe_cp(c: Ctx, L: int, points) -> tuple[int, str]:
+    # 1. the guard, local: reserve what the fit predicts (+5%); agreed before the layer's collectives
+    pred = predicted_peak(points, L) if c.dev.type == "cuda" else None
+    level, why = OK, ""
     if pred is not None:
         pred += stage1_scratch_gib(c, L)
-    can = True
-    if pred is not None:
-        try:  # reserve what the fit predicts; every rank must manage it before any collective
+    try:
+        if injected(c, "guard"):
+            raise injected_oom("guard")
+        if pred is not None:
             t = torch.empty(int(pred * 1.05 * GiB), dtype=torch.uint8, device=c.dev)
-            del t
-        except Exception as e:  # noqa: BLE001
-            if not is_oom(e):
-                raise
-            can = False
-        torch.cuda.empty_cache()
-    if not all(c.gather(can)):
-        return False, f"predicted {pred:.1f} GiB does not fit on every rank"
-    q, k, v, do, cu = cp_inputs(c, L)
-    out = cp_call(c, q, k, v, cu, check_ranks=False)
-    torch.autograd.backward(out, do)
-    c.sync()
-    q = k = v = do = out = None
-    torch.cuda.empty_cache()
-    return True, "ran"
+            t = None
+    except Exception as e:  # noqa: BLE001
+        guard = "guard" if pred is None else f"guard: predicted {pred:.1f} GiB + 5% did not fit"
+        level, why = failure_level(e), f"{describe(e)} ({guard})"
+    free_memory(c)
+    level = c.agree(level)
+    if level != OK:
+        return verdict(c, level, why)
+    # 2. the layer: every rank ends it having issued the same four collectives, whatever failed here
+    ledger = _Ledger(c, L)
+    try:
+        with ledger.counting():
+            q, k, v, do, cu = cp_inputs(c, L)
+            out = cp_call(c, q, k, v, cu, check_ranks=False)
+            torch.autograd.backward(out, do)
+            c.sync()
+        why = ledger.mismatch(finished=True)  # every rank ran the same layer: all or none see it
+        level = ERROR if why else OK
+    except Exception as e:  # noqa: BLE001 - a failed probe is a result
+        level, why = failure_level(e), describe(e)
+    q = k = v = do = out = cu = None
+    free_memory(c)
+    if level != OK and not why.startswith("the layer issued"):
+        if ledger.mismatch(finished=False):  # cannot know what the peers wait for: die, not hang
+            raise RuntimeError(f"bench_cp probe at L={L}: {ledger.mismatch(finished=False)}; after {why}")
+        ledger.complete()
+    return verdict(c, c.agree(level), why)
 
 
 def search(c: Ctx, probe, lo: int, hi: int, t_end: float) -> dict:
-    """Bisection over multiples of the granule: lo ran (or 0), hi failed (or is the cap)."""
+    """Bisection over multiples of the granule: lo ran (or 0), hi failed (or is the cap). Every
+    decision comes from agreed values: the bounds (checked equal on every rank), each probe's
+    agreed verdict, and the time budget (agreed: the first rank out of time stops every rank)."""
     g = c.granule
-    tried = []
+    c.same("search bounds", (lo, hi))
+    cap, tried, stopped = hi, [], ""
     for _ in range(c.a.search_steps):
-        if hi - lo <= g or time.perf_counter() > t_end:
+        if hi - lo <= g:
             break
         mid = (lo + hi) // 2 // g * g
         if mid <= lo:
             break
-        ok, why = probe(mid)
-        tried.append((mid, ok, why))
-        c.log(f"  probe L={mid}: {'ran' if ok else why}")
-        if ok:
+        if c.agree(OK if time.perf_counter() < t_end else FAILED) != OK:
+            stopped = "time budget"
+            break
+        level, why = probe(mid)
+        tried.append((mid, level == OK, why))
+        c.log(f"  probe L={mid}: {why}")
+        if level == OK:
             lo = mid
         else:
             hi = mid
-    return {"longest_ran": lo, "shortest_failed": hi, "probes": tried}
+        if level == ERROR:  # not a memory limit: bisecting below it would not measure one
+            stopped = f"error at L={mid}"
+            break
+    # shortest_failed: None where nothing failed up to the cap (which was not itself probed)
+    failed = hi if any(L == hi for L, ok, _ in tried) else None
+    return {"longest_ran": lo, "shortest_failed": failed, "cap": cap, "probes": tried, "stopped": stopped}
 
 
 def main(argv=None):
@@ -449,7 +619,7 @@ def main(argv=None):
     rows, points = [], {n: [] for n in c.sizes}
     for L in a.lengths:
         single = {} if a.skip_single else single_rows(c, L)
-        dist.barrier()
+        single = c.gather(single)[0]  # rank 0's: every rank holds the same rows (the search reads them)
         for n in c.sizes:
             c.use(n)
             cp = cp_rows(c, L) if c.active else None
@@ -518,31 +688,39 @@ def main(argv=None):
             )
 
     save()  # the rows survive a search that fails
-    if a.search and a.device == "cuda" and c.world in c.sizes:
+    if a.search and c.world in c.sizes:
         t_end = time.perf_counter() + a.search_budget_s
+        cap = a.search_max or float("inf")
         longest_measured = max(a.lengths)
         single_ok = [r["L"] for r in rows if r["single_ms"] is not None]
-        cap1 = 16 * longest_measured if single_ok and max(single_ok) == longest_measured else longest_measured
-        c.log(f"\nsearch: longest fwd+bwd on 1 GPU (bisection in ({max(single_ok, default=0)}, {cap1}])")
+        lo1 = max(single_ok, default=0)
+        cap1 = 16 * longest_measured if single_ok and lo1 == longest_measured else longest_measured
+        cap1 = max(min(cap1, cap) // c.granule * c.granule, lo1)
+        c.log(f"\nsearch: longest fwd+bwd on 1 GPU (bisection in ({lo1}, {cap1}])")
         s1 = search(
             c,
-            lambda L: (probe_single(c, L), "OOM"),
-            max(single_ok, default=0),
+            lambda L: probe_single(c, L),
+            lo1,
             cap1,
             time.perf_counter() + a.search_budget_s / 2,
         )
-        capw = max(2 * c.W * s1["shortest_failed"], 2 * longest_measured)
+        capw = max(2 * c.W * (s1["shortest_failed"] or s1["cap"]), 2 * longest_measured)
+        capw = max(min(capw, cap) // c.granule * c.granule, longest_measured)
         c.log(f"search: longest fwd+bwd on {c.W} GPUs (bisection in ({longest_measured}, {capw}])")
-        if len(points[c.world]) >= 2:
-            sw = search(c, lambda L: probe_cp(c, L, points[c.world]), longest_measured, capw, t_end)
-        else:  # without a fit of the peak, a probe could OOM on one rank only and hang the others
-            c.log("  skipped: the guard needs measured peaks at two --lengths")
-            sw = {"longest_ran": longest_measured, "shortest_failed": None, "probes": []}
+        if len(points[c.world]) < 2 and a.device == "cuda":
+            # no fit, no guard: a probe may OOM on one rank, which the probe survives (_Ledger)
+            c.log("  unguarded: the guard needs measured peaks at two --lengths")
+        sw = search(c, lambda L: probe_cp(c, L, points[c.world]), longest_measured, capw, t_end)
         result["search"] = {"single": s1, "cp": sw}
+        def upper(r):
+            stop = f", stopped: {r['stopped']}" if r["stopped"] else ""
+            if r["shortest_failed"] is None:
+                return f"nothing failed up to the cap {r['cap']}{stop}"
+            return f"failed or predicted not to fit at {r['shortest_failed']}{stop}"
+
         c.log(
-            f"longest that ran: 1 GPU {s1['longest_ran']} (failed at {s1['shortest_failed']}), {c.W} GPUs "
-            f"{sw['longest_ran']} (failed or predicted not to fit at {sw['shortest_failed']}); ratio "
-            f"{sw['longest_ran'] / max(s1['longest_ran'], 1):.2f}x"
+            f"longest that ran: 1 GPU {s1['longest_ran']} ({upper(s1)}), {c.W} GPUs {sw['longest_ran']} "
+            f"({upper(sw)}); ratio {sw['longest_ran'] / max(s1['longest_ran'], 1):.2f}x"
         )
     save()
     if c.world_rank == 0:

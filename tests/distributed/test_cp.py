@@ -200,3 +200,45 @@ def test_bench_cp_runs_on_cpu_under_torchrun(tmp_path):
     assert all(row["cp_ms"] > 0 and row["single_ms"] > 0 and row["bytes_per_rank"] > 0 for row in rows)
     # all-gather of K and V: (W - 1) / W of 1024 rows x 2 heads x 16 dims x 4 bytes, twice
     assert rows[2]["bytes_per_rank"] == 2 * 512 * 2 * 16 * 4
+
+
+# the CPU smoke configuration of bench_cp (README-like heads, scaled down)
+_BENCH_SMALL = ["--device", "cpu", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "16", "--topk", "4"]
+_BENCH_SMALL += ["--local-blocks", "2", "--rep", "1"]
+
+
+@pytest.mark.parametrize(
+    "rank, where",
+    [(0, "layer"), (1, "layer"), (1, "guard"), (0, "single")],
+)
+def test_bench_cp_search_survives_one_rank_failing_a_probe(tmp_path, rank, where):
+    """`--search` with one rank raising an (injected) OOM in the first probe: inside the 2-rank layer
+    after its K/V all-gathers (the peer goes on to the backward's reduce-scatters), in the guard
+    before the layer, or in the 1-GPU probe. The run must finish (a rank that skipped a collective
+    would hang NCCL; gloo aborts on the mismatched sizes) with that length reported as failed and the
+    bisection going on below it. Search over (1024, 2048] in steps of 256: 1536, then 1280 or 1792."""
+    out = tmp_path / "cp.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+        + [str(ROOT / "benchmarks" / "bench_cp.py"), *_BENCH_SMALL, "--lengths", "512,1024"]
+        + ["--search-max", "2048", "--inject-probe-failure-rank", str(rank)]
+        + ["--inject-probe-failure-at", where, "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, f"bench_cp exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    search = json.loads(out.read_text())["search"]
+    hit, clean = (search["single"], search["cp"]) if where == "single" else (search["cp"], search["single"])
+    first = hit["probes"][0]
+    assert first[:2] == [1536, False], hit
+    assert f"rank {rank}: OutOfMemoryError" in first[2], hit
+    assert f"injected by --inject-probe-failure-rank, at {where}" in first[2], hit
+    assert f"rank {1 - rank}:" not in first[2], hit  # the peer did not fail
+    assert [p[:2] for p in hit["probes"][1:]] == [[1280, True]], hit
+    assert (hit["longest_ran"], hit["shortest_failed"], hit["stopped"]) == (1280, 1536, ""), hit
+    # the other search, after the failure, ran every probe
+    assert [p[:2] for p in clean["probes"]] == [[1536, True], [1792, True]], clean
+    assert (clean["longest_ran"], clean["shortest_failed"], clean["cap"]) == (1792, None, 2048), clean
+    assert f"probe L=1536: rank {rank}: OutOfMemoryError" in r.stdout, r.stdout
