@@ -250,6 +250,43 @@ def format_table(records: Sequence[dict[str, Any]], columns: Sequence[str], *, m
     return "\n".join(out)
 
 
+def markdown_table(records: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    """GitHub-markdown table of `records` over `columns` (the form the README and notes take):
+    None as "-", booleans as yes/no, numbers to three significant digits below 100."""
+    def cell(x: Any) -> str:
+        if x is None:
+            return "-"
+        if isinstance(x, bool):
+            return "yes" if x else "no"
+        if isinstance(x, float):
+            return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
+        return str(x).replace("|", "/")
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in records]
+    return "\n".join(lines)
+
+
+def setup_flex(device: torch.device, *, compile_: bool, backward: bool):
+    """`(flex, BlockMask)`: FlexAttention, compiled on CUDA unless `compile_` is False. A benchmark
+    compiles one kernel per mask shape, so dynamo's recompile limit is raised; with `backward`, the
+    compiled backward's donated buffers are turned off (they refuse retain_graph=True, which the
+    backward timing uses)."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    if device.type != "cuda" or not compile_:
+        return flex_attention, BlockMask
+    import torch._dynamo.config as dynamo_config
+    for name in ("cache_size_limit", "recompile_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(64, getattr(dynamo_config, name)))
+    if backward:
+        try:
+            import torch._functorch.config as functorch_config
+            functorch_config.donated_buffer = False
+        except Exception:  # noqa: BLE001
+            pass
+    return torch.compile(flex_attention, dynamic=False), BlockMask
+
+
 ROW_COLUMNS = ("impl", "config", "selection", "K", "mode", "ms", "tflops", "keys_per_q", "reps", "note")
 
 

@@ -55,7 +55,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._harness import (  # noqa: E402
-    bench_gpu_time, csv_choices, env_line, env_stamp, free_gpu_memory, summarize, write_json,
+    bench_gpu_time, csv_choices, env_line, env_stamp, free_gpu_memory, markdown_table, setup_flex, summarize,
+    write_json,
 )
 
 OURS = ("ours_sparse", "ours_step", "ours_dense", "ours_select", "ours_select_fused", "ours_select_s1")
@@ -477,18 +478,6 @@ def goals(rows: list[Row], copy: Row | None) -> list[dict]:
     return out
 
 
-def markdown(records: list[dict], cols: list[str]) -> str:
-    def f(x):
-        if x is None:
-            return "-"
-        if isinstance(x, bool):
-            return "yes" if x else "no"
-        if isinstance(x, float):
-            return f"{x:.0f}" if abs(x) >= 100 else f"{x:.1f}" if abs(x) >= 10 else f"{x:.2f}"
-        return str(x).replace("|", "/")
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(f(r.get(c)) for c in cols) + " |" for r in records]
-    return "\n".join(lines)
 
 
 def parse_args(argv=None):
@@ -547,14 +536,7 @@ def main(argv=None) -> list[Row]:
     sparse_decode, infllmv2_decode, r.ours_err = load_ours()
     flashinfer, fi_note = load_flashinfer() if "flashinfer" in a.impls else (None, "not requested")
     print(f"ours: {'ok' if sparse_decode else r.ours_err}; flashinfer: {'ok' if flashinfer else fi_note}", flush=True)
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
-    flex = flex_attention
-    if dev.type == "cuda" and not a.no_compile:
-        import torch._dynamo.config as dynamo_config
-        for name in ("cache_size_limit", "recompile_limit"):
-            if hasattr(dynamo_config, name):
-                setattr(dynamo_config, name, max(64, getattr(dynamo_config, name)))
-        flex = torch.compile(flex_attention, dynamic=False)
+    flex, BlockMask = setup_flex(dev, compile_=not a.no_compile, backward=False)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     validate = contextlib.nullcontext()
@@ -580,9 +562,9 @@ def main(argv=None) -> list[Row]:
             for x in r.rows]
     print(f"\n### Decode, microseconds per step (median), HQ {a.hq} / H {a.h} / D {a.d}, bf16, "
           f"K = {a.topk + a.local_blocks} blocks; copy bandwidth {copy.gbps or float('nan'):.0f} GB/s\n")
-    print(markdown(recs, cols))
+    print(markdown_table(recs, cols))
     print("\n### Goals (issue #22)\n")
-    print(markdown(gl, ["goal", "config", "value", "target", "met", "detail"]) if gl else "(no goal computable)")
+    print(markdown_table(gl, ["goal", "config", "value", "target", "met", "detail"]) if gl else "(no goal computable)")
     for c in check:
         print(c)
     print(env_line(env, r.t0, f"peak GPU memory {peak:.1f} GiB"), flush=True)

@@ -58,8 +58,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._harness import (  # noqa: E402
-    MODES, Row, add_run_args, bench_gpu_time, csv_choices, env_line, env_stamp, flops_attn, free_gpu_memory,
-    print_table, summarize, tflops, write_json,
+    add_run_args, bench_gpu_time, csv_choices, env_line, env_stamp, flops_attn, free_gpu_memory,
+    markdown_table, MODES, print_table, Row, setup_flex, summarize, tflops, write_json,
 )
 from benchmarks.bench_stage2 import _short, make_fn, parse_config, shape_id  # noqa: E402
 from infllm_cupy import _env  # noqa: E402
@@ -499,16 +499,6 @@ def goal_table(rows: list[PRow], on_gpu: bool = True) -> list[dict]:
 PATTERN_CAUSAL: dict[tuple[str, str], bool] = {}
 
 
-def markdown(records: list[dict], cols: list[str]) -> str:
-    def cell(v):
-        if v is None:
-            return "-"
-        if isinstance(v, float):
-            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
-        return str(v)
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(cell(r.get(c)) for c in cols) + " |" for r in records]
-    return "\n".join(lines)
 
 
 def parse_args(argv=None):
@@ -554,20 +544,7 @@ def main(argv=None) -> list[PRow]:
           f"budget {a.budget_s:g} s", flush=True)
     r = Runner(a, dev)
 
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
-    flex = flex_attention
-    if dev.type == "cuda" and not a.no_compile:
-        import torch._dynamo.config as dynamo_config
-        for name in ("cache_size_limit", "recompile_limit"):
-            if hasattr(dynamo_config, name):
-                setattr(dynamo_config, name, max(64, getattr(dynamo_config, name)))
-        flex = torch.compile(flex_attention, dynamic=False)
-    if any(m != "fwd" for m in a.modes):
-        try:  # compiled backward with donated buffers refuses retain_graph=True (the bwd timing)
-            import torch._functorch.config as functorch_config
-            functorch_config.donated_buffer = False
-        except Exception:  # noqa: BLE001
-            pass
+    flex, BlockMask = setup_flex(dev, compile_=not a.no_compile, backward=any(m != "fwd" for m in a.modes))
 
     check = "check skipped (--skip-check)" if a.skip_check else run_check(a, dev, BlockMask)
     print(check, flush=True)
@@ -605,7 +582,7 @@ def main(argv=None) -> list[PRow]:
             "flex/ours", "ours/(dens*dense)", "goals"]
     print(f"\n### Patterns against FlexAttention and dense cuDNN (goals: flex/ours >= {GOAL_FLEX}, "
           f"ours/(density x dense) <= {GOAL_DENSITY})\n")
-    print(markdown(goals, cols) if goals else "(no ours rows)", flush=True)
+    print(markdown_table(goals, cols) if goals else "(no ours rows)", flush=True)
     print(f"\n{check}")
     print(env_line(env, r.t_start, f"peak GPU memory {peak:.1f} GiB"), flush=True)
     if a.json:

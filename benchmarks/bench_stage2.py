@@ -37,8 +37,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._harness import (  # noqa: E402
-    MODES, README_CONFIGS, Row, add_run_args, bench_gpu_time, causal_dense_keys, csv_choices, env_line, env_stamp,
-    flops_attn, format_table, free_gpu_memory, print_table, summarize, tflops, write_json,
+    add_run_args, bench_gpu_time, causal_dense_keys, csv_choices, env_line, env_stamp, flops_attn,
+    format_table, free_gpu_memory, MODES, print_table, README_CONFIGS, Row, setup_flex, summarize, tflops,
+    write_json,
 )
 from infllm_cupy import _env  # noqa: E402
 from infllm_cupy._constants import KV_BLOCK  # noqa: E402
@@ -390,20 +391,7 @@ def main(argv=None) -> list[Row]:
     nsa, r.nsa_err = (load_nsa() if "nsa" in a.impls else (None, "not requested"))
     print(f"ours: {'ok' if ours else r.ours_err}; nsa: {'ok' if nsa else r.nsa_err}", flush=True)
 
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
-    flex = flex_attention
-    if dev.type == "cuda" and not a.no_compile:
-        import torch._dynamo.config as dynamo_config
-        for name in ("cache_size_limit", "recompile_limit"):
-            if hasattr(dynamo_config, name):
-                setattr(dynamo_config, name, max(64, getattr(dynamo_config, name)))
-        flex = torch.compile(flex_attention, dynamic=False)
-    if any(m != "fwd" for m in a.modes):
-        try:  # compiled backward with donated buffers refuses retain_graph=True (the bwd timing)
-            import torch._functorch.config as functorch_config
-            functorch_config.donated_buffer = False
-        except Exception:  # noqa: BLE001
-            pass
+    flex, BlockMask = setup_flex(dev, compile_=not a.no_compile, backward=any(m != "fwd" for m in a.modes))
 
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
