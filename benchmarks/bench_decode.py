@@ -40,8 +40,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import math
-import statistics
 import sys
 import time
 from collections.abc import Callable

@@ -2,7 +2,6 @@
 torch.compile: against the references naive_infllmv2_decode / naive_infllmv2_attention (CPU), the
 kernels against the float64 reference by FlashAttention's rule (GPU)."""
 import dataclasses
-import math
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ from infllm_cupy.decode import DecodeCache, naive_infllmv2_decode, naive_sparse_
 from infllm_cupy.decode.ops import decode_select_op, decode_step, sparse_decode_op, sparse_decode_weights_op
 from infllm_cupy.decode.step import decode_layout, decode_select, infllmv2_decode, infllmv2_prefill_into_cache
 from infllm_cupy.pipeline import InfLLMv2Config, naive_infllmv2_attention
-from infllm_cupy.testing import assert_close_to_ref, cu_seqlens_from_lengths
+from infllm_cupy.testing import assert_close_to_ref, cu_seqlens_from_lengths, random_decode_cache
 from infllm_cupy.compress.naive import n_chunks, naive_compress_k
 from infllm_cupy.stage2.naive import naive_dense_attn_varlen
 
@@ -20,22 +19,6 @@ from infllm_cupy.stage2.naive import naive_dense_attn_varlen
 # no two blocks tie in top-k (ties may be broken differently by torch.topk and the kernel).
 CFG = InfLLMv2Config(topk=4, local_blocks=2, dense_len=0, score_dtype=torch.float32)
 
-
-def make_cache(lengths, H, D, dtype, *, page_size=None, device="cpu", seed=0, spare=70):
-    """A cache holding random K/V of `lengths` (one chunk), `spare` positions of room; paged caches
-    get shuffled pages."""
-    g = torch.Generator().manual_seed(seed)
-    B, cap = len(lengths), max(lengths) + spare
-    if page_size is None:
-        cache = DecodeCache.contiguous(B, cap, H, D, dtype=dtype, device=device)
-    else:
-        per = math.ceil(cap / page_size)
-        bt = torch.randperm(B * per + 2, generator=g)[:B * per].view(B, per).to(torch.int32)
-        cache = DecodeCache.paged(B * per + 2, page_size, H, D, bt.to(device), dtype=dtype, device=device)
-    k = (torch.randn(sum(lengths), H, D, generator=g) * 2).to(device, dtype)
-    v = torch.randn(sum(lengths), H, D, generator=g).to(device, dtype)
-    cache.append(k, v, cu_seqlens_from_lengths(lengths))
-    return cache
 
 
 def oracle(q, cache, cfg, *, aux=False):
@@ -68,7 +51,7 @@ def same_selection(a, b, block_scores=None, tol=1e-3):
 def test_step_equals_the_reference(page_size, exact):
     lengths, H, HQ, D = [1, 65, 300, 700, 1025], 2, 8, 32
     cfg = dataclasses.replace(CFG, exact_stage1=exact)
-    cache = make_cache(lengths, H, D, torch.float32, page_size=page_size)
+    cache = random_decode_cache(lengths, H, D, torch.float32, page_size=page_size)
     q = torch.randn(len(lengths), HQ, D)
     out, idx = infllmv2_decode(q, cache, config=cfg, return_topk_idx=True)
     ref, ref_idx = oracle(q, cache, cfg)
@@ -82,7 +65,7 @@ def test_step_bf16_within_flash_attention_rule_and_default_scores():
     # MiniCPM4's bf16 stage-1 scores; the output against float64 attention over the same selection
     lengths, H, HQ, D = [130, 900, 640], 2, 16, 64
     cfg = dataclasses.replace(CFG, score_dtype=torch.bfloat16)
-    cache = make_cache(lengths, H, D, torch.bfloat16, page_size=64)
+    cache = random_decode_cache(lengths, H, D, torch.bfloat16, page_size=64)
     q = torch.randn(len(lengths), HQ, D).to(torch.bfloat16)
     out, lse, idx = infllmv2_decode(q, cache, config=cfg, return_lse=True, return_topk_idx=True)
     _, ref_idx = oracle(q, cache, cfg)
@@ -98,7 +81,7 @@ def test_dense_below_dense_len_and_sparse_from_it():
     # spec section 9: dense while the longest cache (current token included) is < dense_len
     lengths, H, HQ, D = [511, 200], 2, 4, 32
     cfg = dataclasses.replace(CFG, dense_len=512)
-    cache = make_cache(lengths, H, D, torch.float32)
+    cache = random_decode_cache(lengths, H, D, torch.float32)
     q = torch.randn(2, HQ, D)
     out, idx = infllmv2_decode(q, cache, config=cfg, return_topk_idx=True)
     ref, ref_idx = oracle(q, cache, cfg)
@@ -115,7 +98,7 @@ def test_dense_below_dense_len_and_sparse_from_it():
 
 def test_weights_of_the_step():
     lengths, H, HQ, D = [300, 1000], 2, 8, 32
-    cache = make_cache(lengths, H, D, torch.float32, page_size=64)
+    cache = random_decode_cache(lengths, H, D, torch.float32, page_size=64)
     q = torch.randn(2, HQ, D)
     out, w, idx = infllmv2_decode(q, cache, config=CFG, return_attn_weights=True, return_topk_idx=True)
     _, wr = naive_sparse_decode(q, cache, idx, return_attn_weights=True)
@@ -131,7 +114,7 @@ def test_weights_of_the_step():
 
 
 def test_decode_layout_views_the_cache_without_copying():
-    cache = make_cache([40, 200, 1], 2, 16, torch.float32, spare=100)
+    cache = random_decode_cache([40, 200, 1], 2, 16, torch.float32, spare=100)
     cu_q, ck1, cu1, ck2, cu2, cache_lens = decode_layout(cache)
     N1, N2 = cache.ck1.shape[1], cache.ck2.shape[1]
     assert ck1.data_ptr() == cache.ck1.data_ptr() and ck2.data_ptr() == cache.ck2.data_ptr()
@@ -150,7 +133,7 @@ def test_decode_layout_views_the_cache_without_copying():
 def test_chunked_prefill_equals_the_reference_pipeline(page_size, dense_len):
     cfg = dataclasses.replace(CFG, dense_len=dense_len)
     H, HQ, D = 2, 4, 32
-    cache = make_cache([1, 300, 800], H, D, torch.float32, page_size=page_size, spare=300)
+    cache = random_decode_cache([1, 300, 800], H, D, torch.float32, page_size=page_size, spare=300)
     for n in ([5, 0, 64], [130, 1, 3]):
         q = torch.randn(sum(n), HQ, D)
         k, v = torch.randn(sum(n), H, D), torch.randn(sum(n), H, D)
@@ -173,7 +156,7 @@ def test_chunked_prefill_equals_the_reference_pipeline(page_size, dense_len):
 
 def test_chunked_prefill_errors_leave_the_cache_unchanged():
     H, HQ, D = 2, 4, 16
-    cache = make_cache([10, 20], H, D, torch.float32, spare=5)
+    cache = random_decode_cache([10, 20], H, D, torch.float32, spare=5)
     before = (cache.k.clone(), cache.ck1.clone(), cache.lengths())
     q = torch.randn(8, HQ, D)
     kv = torch.randn(8, H, D)
@@ -195,7 +178,7 @@ def test_chunked_prefill_errors_leave_the_cache_unchanged():
 
 
 def test_bad_input_names_the_argument():
-    cache = make_cache([100, 70], 2, 32, torch.float32)
+    cache = random_decode_cache([100, 70], 2, 32, torch.float32)
     q = torch.randn(2, 4, 32)
     cases = [
         (dict(q=q.double()), "q"),
@@ -222,7 +205,7 @@ def test_bad_input_names_the_argument():
 
 def test_decode_select_op_pads_to_the_static_k():
     # the op sizes K on the cache's width (a static shape); the reference on the longest sequence
-    cache = make_cache([200, 130], 2, 32, torch.float32, spare=700)             # width 900: 15 blocks
+    cache = random_decode_cache([200, 130], 2, 32, torch.float32, spare=700)             # width 900: 15 blocks
     q = torch.randn(2, 4, 32)
     ref = decode_select(q, cache, config=dataclasses.replace(CFG, topk=12))     # K = min(14, 4) = 4
     got = decode_select_op(q, cache.ck1, cache.ck2, cache.seqlens, cache.capacity, 12, 2, 1, 64, 32 ** -0.5,
@@ -233,7 +216,7 @@ def test_decode_select_op_pads_to_the_static_k():
 
 def test_ops_fake_and_schema():
     # torch.library.opcheck: schema, fake implementation against the CPU kernel, autograd registration
-    cache = make_cache([100, 70], 2, 32, torch.float32, page_size=64)
+    cache = random_decode_cache([100, 70], 2, 32, torch.float32, page_size=64)
     q = torch.randn(2, 4, 32)
     idx = torch.tensor([[[0, 1], [1, -1]], [[1, 0], [0, 0]]], dtype=torch.int32)
     base = (q, cache.k, cache.v, cache.seqlens, cache.block_table)
@@ -258,8 +241,8 @@ def test_decode_loop_compiles_fullgraph_on_cpu(backend):
     counters.clear()
     H, HQ, D = 2, 4, 32
     cfg = dataclasses.replace(CFG, dense_len=250)
-    eager = make_cache([240, 100], H, D, torch.float32, page_size=64, spare=40)
-    compiled = make_cache([240, 100], H, D, torch.float32, page_size=64, spare=40)
+    eager = random_decode_cache([240, 100], H, D, torch.float32, page_size=64, spare=40)
+    compiled = random_decode_cache([240, 100], H, D, torch.float32, page_size=64, spare=40)
 
     @torch.compile(fullgraph=True, backend=backend)
     def step(cache, q, k, v, dense: bool):
@@ -307,11 +290,11 @@ GPU_IDS = [f"L{'-'.join(map(str, c[0]))}_HQ{c[1]}_H{c[2]}_D{c[3]}_{str(c[4])[6:]
 @pytest.mark.parametrize("case", GPU_CASES, ids=GPU_IDS)
 def test_kernel_step_matches_reference(case):
     lengths, HQ, H, D, dtype, page_size = case
-    cache = make_cache(lengths, H, D, dtype, page_size=page_size, device="cuda")
+    cache = random_decode_cache(lengths, H, D, dtype, page_size=page_size, device="cuda")
     q = torch.randn(len(lengths), HQ, D, generator=torch.Generator().manual_seed(1)).to("cuda", dtype)
     out, lse, w, idx = infllmv2_decode(q, cache, config=CFG, return_lse=True, return_attn_weights=True,
                                        return_topk_idx=True)
-    cpu = make_cache(lengths, H, D, dtype, page_size=page_size)                 # same draws on the CPU
+    cpu = random_decode_cache(lengths, H, D, dtype, page_size=page_size)                 # same draws on the CPU
     _, ref_idx, aux = oracle(q.cpu(), cpu, CFG, aux=True)
     same_selection(idx.cpu(), ref_idx, aux["block_scores"])
     assert idx.shape[2] == min(CFG.topk + CFG.local_blocks, -(-cache.capacity // 64))
@@ -331,7 +314,7 @@ def test_kernel_step_matches_reference(case):
 def test_kernel_dense_path_and_chunked_prefill():
     lengths, HQ, H, D, dtype = [300, 65], 8, 2, 128, torch.bfloat16
     cfg = dataclasses.replace(CFG, dense_len=10000)
-    cache = make_cache(lengths, H, D, dtype, page_size=64, device="cuda", spare=400)
+    cache = random_decode_cache(lengths, H, D, dtype, page_size=64, device="cuda", spare=400)
     q = torch.randn(2, HQ, D, device="cuda", dtype=dtype)
     out, idx = infllmv2_decode(q, cache, config=cfg, return_topk_idx=True)
     assert idx is None
@@ -357,8 +340,8 @@ def test_kernel_dense_path_and_chunked_prefill():
 def test_whole_step_replays_bit_identically_in_a_cuda_graph(page_size):
     # append + stage 1 + top-k + sparse decode with weights, captured with value checks off
     lengths, HQ, H, D, dtype = [700, 63, 1029], 16, 2, 128, torch.bfloat16
-    eager = make_cache(lengths, H, D, dtype, page_size=page_size, device="cuda")
-    graphed = make_cache(lengths, H, D, dtype, page_size=page_size, device="cuda")
+    eager = random_decode_cache(lengths, H, D, dtype, page_size=page_size, device="cuda")
+    graphed = random_decode_cache(lengths, H, D, dtype, page_size=page_size, device="cuda")
     g = torch.Generator().manual_seed(3)
     kn, vn = (torch.randn(3, H, D, generator=g).to("cuda", dtype) for _ in range(2))
     q = torch.randn(3, HQ, D, generator=g).to("cuda", dtype)
@@ -372,7 +355,7 @@ def test_whole_step_replays_bit_identically_in_a_cuda_graph(page_size):
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):                 # warm-up: compilation, allocator
-            step(make_cache(lengths, H, D, dtype, page_size=page_size, device="cuda"))
+            step(random_decode_cache(lengths, H, D, dtype, page_size=page_size, device="cuda"))
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -390,7 +373,7 @@ def test_whole_step_replays_bit_identically_in_a_cuda_graph(page_size):
 @pytest.mark.gpu
 def test_kernel_ops_under_compile():
     cfg = dataclasses.replace(CFG, dense_len=0)
-    cache = make_cache([500, 90], 2, 64, torch.float16, page_size=64, device="cuda")
+    cache = random_decode_cache([500, 90], 2, 64, torch.float16, page_size=64, device="cuda")
     q = torch.randn(2, 8, 64, device="cuda", dtype=torch.float16)
     step = torch.compile(lambda q: decode_step(q, cache, config=cfg, dense=False), fullgraph=True,
                          backend="eager")

@@ -2,14 +2,13 @@
 plan, the merge math (a PyTorch emulation of the split algorithm against the reference, CPU) and the
 kernels against the reference and the prefill stage-1 kernel (GPU)."""
 import dataclasses
+import functools
 import importlib
-import math
 
 import pytest
 import torch
 
 from infllm_cupy import _env
-from infllm_cupy.decode import DecodeCache
 from infllm_cupy.decode.select_decode import (
     SelectDecodePlan,
     check_select_plan,
@@ -20,7 +19,7 @@ from infllm_cupy.decode.select_decode import (
 from infllm_cupy.decode.step import decode_select, layout_of
 from infllm_cupy.pipeline import InfLLMv2Config
 from infllm_cupy.stage1.naive import naive_stage1_select
-from infllm_cupy.testing import cu_seqlens_from_lengths
+from infllm_cupy.testing import random_decode_cache
 
 sd = importlib.import_module("infllm_cupy.decode.select_decode")   # the module (the package exports a function)
 
@@ -28,19 +27,7 @@ sd = importlib.import_module("infllm_cupy.decode.select_decode")   # the module 
 CFG = InfLLMv2Config(topk=6, local_blocks=2, dense_len=0, score_dtype=torch.float32)
 
 
-def build_cache(lengths, H, D, dtype, *, page_size=None, device="cpu", seed=0, spare=70):
-    g = torch.Generator().manual_seed(seed)
-    B, cap = len(lengths), max(lengths) + spare
-    if page_size is None:
-        cache = DecodeCache.contiguous(B, cap, H, D, dtype=dtype, device=device)
-    else:
-        per = math.ceil(cap / page_size)
-        bt = torch.randperm(B * per + 1, generator=g)[:B * per].view(B, per).to(torch.int32)
-        cache = DecodeCache.paged(B * per + 1, page_size, H, D, bt.to(device), dtype=dtype, device=device)
-    k = (torch.randn(sum(lengths), H, D, generator=g) * 2).to(device, dtype)
-    v = torch.randn(sum(lengths), H, D, generator=g).to(device, dtype)
-    cache.append(k, v, cu_seqlens_from_lengths(lengths))
-    return cache
+build_cache = functools.partial(random_decode_cache, spare_pages=1)   # the page draws these tests were written on
 
 
 def reference(q, ck1, ck2, seqlens, width, cfg):
