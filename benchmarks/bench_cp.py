@@ -522,12 +522,23 @@ def predicted_peak(points: list[tuple[int, float]], L: int) -> float | None:
 
 
 def stage1_scratch_gib(c: Ctx, L: int) -> float:
-    """The stage-1 kernel's global block-key scratch `[H, tokens of the call, out_len rounded to 64]` of
-    score-dtype keys, which it takes where the rows do not fit in shared memory (README head config:
-    beyond about 650k tokens, docs/stage1.md §5): counted always, an upper bound, because it appears
-    past the measured lengths and differs between ranks (a slot's out_len follows its chunk's end)."""
-    olp = -(-(L // 64) // 64) * 64
-    return c.a.h * (L // (2 * c.W)) * olp * c.cfg.score_dtype.itemsize / GiB
+    """Stage 1's global memory besides its output at L, for one slot of L / (2 W) tokens (the wider
+    slot's `out_len`, the whole sequence's blocks): what `stage1.plan.scratch_bytes` says for the plan
+    the pipeline takes there. Past what shared memory holds, that plan splits the key blocks into
+    ranges (docs/stage1.md §9) and needs O(tokens x K), not the `[H, tokens, out_len]` block-key
+    scratch; the guard adds it because it appears only past the measured lengths."""
+    from infllm_cupy.stage1.plan import scratch_bytes, stage1_plan
+    from infllm_cupy.stage1.select import _smem_limits
+
+    if c.dev.type != "cuda":
+        return 0.0
+    a = c.a
+    G, out_len = a.hq // a.h, -(-L // 64)
+    sdt = c.cfg.score_dtype
+    plan = stage1_plan(torch.cuda.get_device_capability(c.dev), G, a.d, c.dtype, sdt, out_len,
+                       *_smem_limits(c.dev))
+    K = c.cfg.topk + c.cfg.local_blocks
+    return scratch_bytes(plan, a.h, L // (2 * c.W), out_len, sdt.itemsize, K, a.hq) / GiB
 
 
 def probe_cp(c: Ctx, L: int, points) -> tuple[int, str]:

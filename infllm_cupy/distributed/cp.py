@@ -384,8 +384,9 @@ class _CPAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k_full, v_full, out, *lses = ctx.saved_tensors
         plan = ctx.plan
-        dq = torch.empty_like(q)
-        dks, dvs = [], []
+        # dq is assembled after both slots: allocated before them, it would sit beside the wider
+        # slot's backward and its buffers, the layer's memory peak (docs/context_parallel.md §6)
+        dqs, dks, dvs = [], [], []
         for slot, sel, lse in zip(plan.slots, ctx.sels, lses):
             rows, n = slot.rows, slot.k_end
             dq_s, dk_s, dv_s = _s2_bwd(
@@ -401,9 +402,15 @@ class _CPAttention(torch.autograd.Function):
                 ctx.kernel,
                 ctx.use_ops,
             )
-            put_rows(dq, rows, dq_s)
+            dqs.append(dq_s)
             dks.append(dk_s)
             dvs.append(dv_s)
+            del dq_s, dk_s, dv_s
+        ctx.sels = None
+        dq = torch.empty_like(q)
+        for slot, dq_s in zip(plan.slots, dqs):
+            put_rows(dq, slot.rows, dq_s)
+        del dqs
         rd = ctx.reduce_dtype
         # dK's reduce-scatter runs while dV is combined and permuted
         dk_g = _combine_key_grads(plan, *dks, rd)
