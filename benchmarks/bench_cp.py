@@ -522,11 +522,11 @@ def predicted_peak(points: list[tuple[int, float]], L: int) -> float | None:
 
 
 def stage1_scratch_gib(c: Ctx, L: int) -> float:
-    """Stage 1's global memory besides its output at L, for one slot of L / (2 W) tokens (the wider
-    slot's `out_len`, the whole sequence's blocks): what `stage1.plan.scratch_bytes` says for the plan
-    the pipeline takes there. Past what shared memory holds, that plan splits the key blocks into
-    ranges (docs/stage1.md §9) and needs O(tokens x K), not the `[H, tokens, out_len]` block-key
-    scratch; the guard adds it because it appears only past the measured lengths."""
+    """Stage 1's block-key scratch at L (one slot of L / (2 W) tokens, the whole sequence's blocks) where
+    the plan the pipeline takes there keeps one: `[H, tokens, out_len]` keys, quadratic in L, so it
+    can appear past the measured lengths and the fit would miss it. 0 where the plan holds the rows
+    in shared memory or splits the key blocks into ranges (docs/stage1.md §9): its O(tokens x K)
+    candidates live in the forward, below the backward's peak that the fit measured."""
     from infllm_cupy.stage1.plan import scratch_bytes, stage1_plan
     from infllm_cupy.stage1.select import _smem_limits
 
@@ -537,6 +537,8 @@ def stage1_scratch_gib(c: Ctx, L: int) -> float:
     sdt = c.cfg.score_dtype
     plan = stage1_plan(torch.cuda.get_device_capability(c.dev), G, a.d, c.dtype, sdt, out_len,
                        *_smem_limits(c.dev))
+    if plan.block_keys_in_smem or plan.range_blocks:
+        return 0.0
     K = c.cfg.topk + c.cfg.local_blocks
     return scratch_bytes(plan, a.h, L // (2 * c.W), out_len, sdt.itemsize, K, a.hq) / GiB
 
