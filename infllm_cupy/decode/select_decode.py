@@ -6,7 +6,8 @@ Three launches: `select_decode_coarse` (per range of coarse keys: max and sum of
 exponentials per query head), `select_decode_fine` (per range of fine keys: merges the coarse partials
 into each head's normaliser, group-summed rounded scores, max pooling of the range's blocks) and
 `select_decode_topk` (per sequence and KV head: the one block a range shares with the next, padding,
-forced blocks, top-K). The result equals the prefill stage-1 kernel's `decode_select` (same rounding
+forced blocks, top-K by the whole CTA). `select_topk_rows` runs the top-k launch alone on given block
+scores (tests, benchmarks). The result equals the prefill stage-1 kernel's `decode_select` (same rounding
 points: group sum in fp32, rounded to `score_dtype`, then pooled).
 """
 from __future__ import annotations
@@ -32,6 +33,8 @@ MAX_GROUP = 16 * ROW_TILES[-1]
 SCORE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # `kind` of stage1/select_common.cuh
 KEY_TYPE = {0: "unsigned", 1: "unsigned short", 2: "unsigned short"}
 MAX_SMEM = 227 * 1024      # dynamic shared memory of one CTA on sm_90 (sm_80: 163 KB)
+TOPK_SCRATCH_BYTES = 4 * 584   # the CTA top-k's histograms and counts after the row (#define SEL_TOPK_SCRATCH)
+TOPK_THREADS = 256         # threads of the top-k kernel (any multiple of 32 up to 512 works)
 
 # Work split (docs/decode.md, "Stage 1 for decode: the split kernels"): about CTAS_PER_SM CTAs per SM
 # for each score kernel, every CTA at least one 64-key tile, at most MAX_TILES tiles (the scores of a
@@ -61,6 +64,9 @@ class SelectDecodePlan:
         coarse_ranges (int): CTAs per (sequence, KV head) of the coarse kernel (R2).
         fused_topk (bool): the last fine CTA of each row runs the top-k (no third launch; an atomic
             count per row). Default False: not yet timed on a GPU (docs/decode.md, "Not built yet").
+        cta_topk (bool): the top-k by every warp of the CTA (radix select and a block-wide compaction);
+            False: by one warp (the prefill kernel's `select_row`, the earlier form, kept to compare
+            and time). The same rows bit for bit. Default True.
     """
     row_tiles: int
     fine_tiles: int
@@ -68,6 +74,7 @@ class SelectDecodePlan:
     coarse_tiles: int
     coarse_ranges: int
     fused_topk: bool = False
+    cta_topk: bool = True
 
     def score_smem_bytes(self, head_dim: int, fine: bool) -> int:
         """Dynamic shared memory of a score kernel (SelSmem in the .cu; the fine kernel adds its range's
@@ -119,6 +126,8 @@ def check_select_plan(plan, group: int, n1_max: int, n2_max: int, head_dim: int)
                          f"the cache holds up to {n2_max}")
     if not isinstance(plan.fused_topk, bool):
         raise ValueError(f"plan: fused_topk must be a bool, got {plan.fused_topk!r}")
+    if not isinstance(plan.cta_topk, bool):
+        raise ValueError(f"plan: cta_topk must be a bool, got {plan.cta_topk!r}")
     if plan.score_smem_bytes(head_dim, True) > MAX_SMEM:
         raise ValueError(f"plan: {plan!r} needs {plan.score_smem_bytes(head_dim, True)} B of shared memory")
 
@@ -188,11 +197,7 @@ def select_decode(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, seqlens
     if B == 0 or K <= 0:
         return topk_idx
     kind = SCORE_KIND[sdt]
-    olp = cdiv(out_len, 64) * 64
-    key_bytes = 4 if kind == 0 else 2
-    if olp * key_bytes > MAX_SMEM:
-        raise ValueError(f"the cache's width ({out_len} blocks) needs {olp * key_bytes} B of shared memory for "
-                         f"the top-k row; at most {MAX_SMEM}")
+    olp, topk_smem = _topk_row_smem(out_len, kind)
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
     sl2 = np.float32(scale * math.log2(math.e))
     T1, R1, T2, R2 = plan.fine_tiles, plan.fine_ranges, plan.coarse_tiles, plan.coarse_ranges
@@ -207,7 +212,7 @@ def select_decode(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, seqlens
     cnt = ptr(counter) if fused else np.uint64(0)
     fine_smem = plan.score_smem_bytes(D, True)
     if fused:
-        fine_smem = max(fine_smem, olp * key_bytes)        # the top-k row reuses the CTA's shared memory
+        fine_smem = max(fine_smem, topk_smem)              # the top-k row reuses the CTA's shared memory
     i32 = np.int32
     mt, T = plan.row_tiles, CXX_TYPE[q.dtype]
     ck_c = ck1 if exact else ck2
@@ -217,11 +222,78 @@ def select_decode(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, seqlens
     run.add(SOURCE, f"select_decode_fine<{T}, {D}, {mt}>", (R1, H, B), (128 * mt,), fine_smem,
             (ptr(q), ptr(ck1), ptr(seqlens), i32(N1), i32(H), i32(G), i32(T1), i32(R2), i32(exact), i32(kind),
              sl2, ptr(part), ptr(blk), ptr(lead), cnt, i32(B), i32(out_len), i32(olp), i32(K), i32(init_blocks),
-             i32(local_blocks), ptr(topk_idx)), pdl=PDL)
+             i32(local_blocks), i32(plan.cta_topk), ptr(topk_idx)), pdl=PDL)
     if not fused:
-            run.add(SOURCE, f"select_decode_topk<{KEY_TYPE[kind]}>", (H * B,), (256,), olp * key_bytes,
+        run.add(SOURCE, f"select_decode_topk<{KEY_TYPE[kind]}>", (H * B,), (TOPK_THREADS,), topk_smem,
                 (ptr(blk), ptr(lead), ptr(seqlens), i32(B), i32(H), i32(T1), i32(R1), i32(out_len), i32(olp),
-                 i32(K), i32(init_blocks), i32(local_blocks), i32(kind), ptr(topk_idx)), pdl=PDL)
+                 i32(K), i32(init_blocks), i32(local_blocks), i32(kind), i32(plan.cta_topk), i32(0), ptr(topk_idx)),
+                pdl=PDL)
+    run.run()
+    return topk_idx
+
+
+def _topk_row_smem(out_len: int, kind: int) -> tuple[int, int]:
+    """(olp, dynamic shared memory of the top-k kernel): the row of olp = out_len rounded up to 64 keys,
+    then the CTA top-k's scratch."""
+    olp = cdiv(out_len, 64) * 64
+    smem = olp * (4 if kind == 0 else 2) + TOPK_SCRATCH_BYTES
+    if smem > MAX_SMEM:
+        raise ValueError(f"the cache's width ({out_len} blocks) needs {smem} B of shared memory for the top-k "
+                         f"row; at most {MAX_SMEM}")
+    return olp, smem
+
+
+def select_topk_rows(blk: torch.Tensor, lead: torch.Tensor, seqlens: torch.Tensor, out_len: int, *, fine_tiles: int,
+                     topk: int, local_blocks: int, init_blocks: int, score_dtype: torch.dtype | None,
+                     cta_topk: bool = True, topk_prefix: int = 0, threads: int = TOPK_THREADS) -> torch.Tensor:
+    r"""The top-k launch alone (`select_decode_topk`) on block scores as the fine kernel leaves them: a
+    test and benchmark hook. Returns `topk_idx int32 [H, B, K]`, `K = min(topk + local_blocks, out_len)`.
+
+    Args:
+        blk (torch.Tensor): float32 `[B, H, 16 T1 R1]`, block scores per range (T1 = `fine_tiles`); block
+            j is read where sequence b has a fine window in it (`4 j - 1 < n1`), rounded to `score_dtype`.
+        lead (torch.Tensor): float32 `[B, H, R1]`: range r's first window score, max-ed into block
+            `16 T1 r - 1` (read where that window exists).
+        seqlens (torch.Tensor): int32 `[B]`, the cache lengths (windows, the query's block, forced blocks).
+        out_len (int): blocks per row. topk, local_blocks, init_blocks, score_dtype: as `select_decode`.
+        cta_topk (bool): as `SelectDecodePlan.cta_topk`. topk_prefix (int): > 0 ends the search prefix
+            past block `max(topk_prefix, K) - 1` (the kernel's test hook). threads (int): CTA size, a
+            multiple of 32 in [32, 512] (the fused form runs 128 x row_tiles).
+    """
+    check_tensor("blk", blk, ndim=3, dtypes=(torch.float32,), contiguous=True)
+    B, H, nb = blk.shape
+    check_tensor("lead", lead, ndim=3, dtypes=(torch.float32,), device=blk.device, contiguous=True)
+    check_tensor("seqlens", seqlens, shape=(B,), dtypes=(torch.int32,), device=blk.device, contiguous=True)
+    if not isinstance(fine_tiles, int) or fine_tiles < 1 or nb % (16 * fine_tiles):
+        raise ValueError(f"fine_tiles must be an int >= 1 dividing blk's {nb} blocks by 16 x fine_tiles, "
+                         f"got {fine_tiles!r}")
+    R1 = nb // (16 * fine_tiles)
+    if lead.shape != (B, H, R1):
+        raise ValueError(f"lead must have shape [B={B}, H={H}, R1={R1}], got {tuple(lead.shape)}")
+    if not isinstance(out_len, int) or not 1 <= out_len <= nb:
+        raise ValueError(f"out_len must be an int in [1, {nb}] (blk's blocks), got {out_len!r}")
+    sdt = torch.float32 if score_dtype is None else score_dtype
+    if sdt not in SCORE_KIND:
+        raise ValueError(f"score_dtype must be one of {tuple(SCORE_KIND)} or None, got {score_dtype!r}")
+    if not isinstance(cta_topk, bool):
+        raise ValueError(f"cta_topk must be a bool, got {cta_topk!r}")
+    if not isinstance(topk_prefix, int) or topk_prefix < 0:
+        raise ValueError(f"topk_prefix must be an int >= 0, got {topk_prefix!r}")
+    if not isinstance(threads, int) or not 32 <= threads <= 512 or threads % 32:
+        raise ValueError(f"threads must be a multiple of 32 in [32, 512], got {threads!r}")
+    if not blk.is_cuda:
+        raise ValueError(f"blk must be a CUDA tensor, got one on {blk.device}")
+    kind = SCORE_KIND[sdt]
+    olp, smem = _topk_row_smem(out_len, kind)
+    K = min(topk + local_blocks, out_len)
+    topk_idx = empty((H, B, K), dtype=torch.int32, device=blk.device)
+    if B == 0 or H == 0 or K <= 0:
+        return topk_idx
+    i32 = np.int32
+    run = Launches(blk.device)
+    run.add(SOURCE, f"select_decode_topk<{KEY_TYPE[kind]}>", (H * B,), (threads,), smem,
+            (ptr(blk), ptr(lead), ptr(seqlens), i32(B), i32(H), i32(fine_tiles), i32(R1), i32(out_len), i32(olp),
+             i32(K), i32(init_blocks), i32(local_blocks), i32(kind), i32(cta_topk), i32(topk_prefix), ptr(topk_idx)))
     run.run()
     return topk_idx
 
@@ -243,9 +315,9 @@ def emulate_select_decode(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor,
     sdt = torch.float32 if score_dtype is None else score_dtype
     T1, R1, T2, R2 = plan.fine_tiles, plan.fine_ranges, plan.coarse_tiles, plan.coarse_ranges
     nbr = 16 * T1
-    K = min(topk + local_blocks, out_len)
-    out = torch.full((H, B, max(K, 0)), -1, dtype=torch.int32)
     ninf = float("-inf")
+    blk_all = torch.full((B, H, R1 * nbr), ninf)
+    lead_all = torch.full((B, H, R1), ninf)
     for b in range(B):
         L = int(seqlens[b])
         n1 = 0 if L < 32 else (L - 32) // 16 + 1
@@ -286,19 +358,51 @@ def emulate_select_decode(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor,
                     pooled[jl] = sc[4 * jl:hi].max()
                 blk[r * nbr:(r + 1) * nbr] = pooled
                 lead[r] = sc[0]
-            # top-k kernel
-            nbv = n1 // 4 + 1 if n1 > 0 else 0
-            qb = max(L - 1, 0) // 64
-            row = torch.full((out_len,), ninf)
-            for j in range(min(out_len, nbv)):
-                x = blk[j]
-                rn = (j + 1) // nbr
-                if (j + 1) % nbr == 0 and rn < R1 and rn * nbr * 4 - 1 < n1:
-                    x = max(x, lead[rn])
-                row[j] = x
-            j = torch.arange(out_len)
+            blk_all[b, h], lead_all[b, h] = blk, lead
+    return emulate_topk_rows(blk_all, lead_all, seqlens, out_len, fine_tiles=T1, topk=topk,
+                             local_blocks=local_blocks, init_blocks=init_blocks, score_dtype=score_dtype)
+
+
+def score_keys(x: torch.Tensor, score_dtype: torch.dtype) -> torch.Tensor:
+    """int64 order-preserving keys of `x` rounded to `score_dtype` (stage1/select_common.cuh, `Score`):
+    the kernels compare these, so -0.0 < +0.0 there."""
+    bits = 32 if score_dtype == torch.float32 else 16
+    view = torch.int32 if bits == 32 else torch.int16
+    u = x.to(score_dtype).view(view).to(torch.int64) & ((1 << bits) - 1)
+    sign = 1 << (bits - 1)
+    return torch.where(u & sign != 0, ~u & ((1 << bits) - 1), u | sign)
+
+
+@torch.no_grad()
+def emulate_topk_rows(blk: torch.Tensor, lead: torch.Tensor, seqlens: torch.Tensor, out_len: int, *,
+                      fine_tiles: int, topk: int, local_blocks: int, init_blocks: int,
+                      score_dtype: torch.dtype | None) -> torch.Tensor:
+    """The top-k kernel in PyTorch (CPU), `select_topk_rows`'s arguments: each row completed (the
+    boundary max with the next range's lead, -inf past the last window, forced blocks), its K best keys
+    (ties to the lower block) ascending, blocks past the query's own as -1. `int32 [H, B, K]`."""
+    blk, lead, seqlens = blk.cpu().float(), lead.cpu().float(), seqlens.cpu()
+    B, H, nb = blk.shape
+    nbr = 16 * fine_tiles
+    R1 = nb // nbr
+    sdt = torch.float32 if score_dtype is None else score_dtype
+    K = min(topk + local_blocks, out_len)
+    out = torch.full((H, B, max(K, 0)), -1, dtype=torch.int32)
+    j = torch.arange(out_len)
+    for b in range(B):
+        L = int(seqlens[b])
+        n1 = 0 if L < 32 else (L - 32) // 16 + 1
+        nbv = n1 // 4 + 1 if n1 > 0 else 0
+        qb = max(L - 1, 0) // 64
+        nv = min(out_len, nbv)
+        for h in range(H):
+            row = torch.full((out_len,), float("-inf"))
+            row[:nv] = blk[b, h, :nv]
+            for jb in range(nbr - 1, nv, nbr):              # the last block of each range but the last
+                rn = (jb + 1) // nbr
+                if rn < R1 and rn * nbr * 4 - 1 < n1:
+                    row[jb] = torch.maximum(row[jb], lead[b, h, rn])
             row[(j < init_blocks) | ((j <= qb) & (j >= qb - local_blocks))] = float("inf")
-            order = torch.sort(-row, stable=True).indices[:K]          # ties: the lower block first
+            order = torch.sort(-score_keys(row, sdt), stable=True).indices[:K]    # ties: the lower block first
             sel = torch.sort(order).values
             out[h, b] = torch.where(sel > qb, torch.full_like(sel, -1), sel).to(torch.int32)
     return out

@@ -31,9 +31,15 @@
 //   counter int32 [B, H], every fine CTA that runs counts itself after its writes, and the last one of
 //   its row runs the top-k kernel's body (dynamic smem then at least olp * key bytes); no top-k launch.
 // select_decode_topk<KT>          KT = unsigned (score kind 0, fp32) or unsigned short (bf16, fp16)
-//   grid (H * B)  block (256)  dynamic smem olp * sizeof(KT), olp = out_len rounded up to 64
+//   grid (H * B)  block (a multiple of 32, at most 512; 256 from the launcher)
+//   dynamic smem olp * sizeof(KT) + 4 * SEL_TOPK_SCRATCH, olp = out_len rounded up to 64
 //   completes each row (block j of range r's last slot: max with lead[r + 1]; blocks past the last
 //   fine key: -inf; padding: key 0; forced blocks) and writes topk_idx int32 [H, B, K].
+//   cta = 1: the whole CTA selects (radix select, then a compaction over all warps); cta = 0: warp 0
+//   alone (select_row of stage1/select_common.cuh, the earlier form). The same rows bit for bit.
+//   topk_prefix > 0 (a test hook, as the prefill kernel's): the search prefix ends past block
+//   max(topk_prefix, K) - 1 instead of past the query's own block, so that the whole-row rerun runs.
+//   The fused form (fine kernel) takes cta too, and dynamic smem of at least the top-k kernel's.
 //
 // The fine and top-k kernels may be launched as programmatic dependents of the kernel before them
 // (sm_90): each waits (griddepcontrol.wait) before reading what that kernel wrote.
@@ -52,6 +58,7 @@
 #define SEL_FINE_ST 16
 #define SEL_COARSE_KS 128
 #define SEL_COARSE_ST 64
+#define SEL_TOPK_SCRATCH 584 // ints of shared memory after the top-k row (sel_topk_row): 2 x 256 + 64 + 8
 
 __device__ __forceinline__ int sel_windows(int L, int ks, int st) { return L < ks ? 0 : (L - ks) / st + 1; }
 
@@ -214,17 +221,18 @@ select_decode_coarse(const T* __restrict__ q, const T* __restrict__ ck2, const i
 }
 
 template <typename KT>
-__device__ __forceinline__ void sel_topk_row(KT* rowk, const float* __restrict__ blk, const float* __restrict__ lead,
-                                             int L, int b, int h, int B, int H, int T1, int R1, int out_len, int olp,
-                                             int K, int init_blocks, int local_blocks, int kind,
-                                             int* __restrict__ topk_idx, int tid, int nthreads);
+__device__ __forceinline__ void sel_topk_row(KT* rowk, int* scratch, const float* __restrict__ blk,
+                                             const float* __restrict__ lead, int L, int b, int h, int B, int H, int T1,
+                                             int R1, int out_len, int olp, int K, int init_blocks, int local_blocks,
+                                             int kind, int cta, int topk_prefix, int* __restrict__ topk_idx, int tid,
+                                             int nthreads);
 
 template <typename T, int D, int MT>
 __global__ void __launch_bounds__(128 * MT, 1)
 select_decode_fine(const T* __restrict__ q, const T* __restrict__ ck1, const int* __restrict__ seqlens, int N1,
                    int H, int G, int T1, int R2, int exact, int kind, float sl2, const float2* __restrict__ part,
                    float* __restrict__ blk, float* __restrict__ lead, int* __restrict__ counter, int B, int out_len,
-                   int olp, int K, int init_blocks, int local_blocks, int* __restrict__ topk_idx) {
+                   int olp, int K, int init_blocks, int local_blocks, int cta, int* __restrict__ topk_idx) {
     typedef SelSmem<D, MT> SM;
     extern __shared__ __align__(128) unsigned char smem[];
     const int r1 = blockIdx.x, h = blockIdx.y, b = blockIdx.z, R1 = gridDim.x;
@@ -353,25 +361,184 @@ select_decode_fine(const T* __restrict__ q, const T* __restrict__ ck1, const int
         if (is_last) {
             __threadfence();                         // the other ranges' blk / lead, read through L2
             if (kind == 0)
-                sel_topk_row<unsigned>(reinterpret_cast<unsigned*>(smem), blk, lead, L, b, h, B, H, T1, R1, out_len,
-                                       olp, K, init_blocks, local_blocks, 0, topk_idx, tid, 128 * MT);
+                sel_topk_row<unsigned>(reinterpret_cast<unsigned*>(smem),
+                                       reinterpret_cast<int*>(smem + (size_t)olp * sizeof(unsigned)), blk, lead, L, b,
+                                       h, B, H, T1, R1, out_len, olp, K, init_blocks, local_blocks, 0, cta, 0,
+                                       topk_idx, tid, 128 * MT);
             else
-                sel_topk_row<unsigned short>(reinterpret_cast<unsigned short*>(smem), blk, lead, L, b, h, B, H, T1,
-                                             R1, out_len, olp, K, init_blocks, local_blocks, kind, topk_idx, tid,
-                                             128 * MT);
+                sel_topk_row<unsigned short>(reinterpret_cast<unsigned short*>(smem),
+                                             reinterpret_cast<int*>(smem + (size_t)olp * sizeof(unsigned short)), blk,
+                                             lead, L, b, h, B, H, T1, R1, out_len, olp, K, init_blocks, local_blocks,
+                                             kind, cta, 0, topk_idx, tid, 128 * MT);
         }
     }
     sel_pdl_trigger();
 }
 
-// One (KV head, sequence) row: the block keys in shared memory (`rowk`, olp keys), completed, then the
-// top-K by warp 0. blk and lead are read through L2 (__ldcg): in the fused form other CTAs wrote them
-// during this kernel.
+// ------------------------------------------------------------------------------------------------
+// The CTA-wide top-K of one block-key row (docs/decode.md, "Stage 1 for decode: the split kernels",
+// the top-k). The same selection as select_row (stage1/select_common.cuh): the K largest keys, ties to
+// the lower index, ascending, blocks past qb -> -1; but where select_row searches the K-th key with a
+// bisection on one warp (16 or 32 sequential counts of the row), every warp here takes a share:
+//   1. radix select of the K-th key T, 8-bit digits from the top (2 passes for 16-bit keys, 4 for
+//      fp32): a shared-memory histogram of the digit over the keys that match the digits found so
+//      far (all threads), then one warp finds the digit at which the count from the top reaches K;
+//   2. compaction: each warp counts the keys > T and == T of its contiguous share of the row; after
+//      one barrier every warp knows, from the warps before it, how many ties at T are taken before
+//      its share (ties go to the lower index) and where its first output lands, and writes its
+//      share's selected blocks with ballots, as select_row does.
+// Scratch (SEL_TOPK_SCRATCH ints of shared memory): two histograms of 256 bins (a pass counts into
+// one while the search of the pass before zeroes the other: one barrier less per pass), per-warp
+// counts, and the search's digit and remaining rank.
+// ------------------------------------------------------------------------------------------------
+
+// The K-th largest of the first n keys of `rowk` (n >= K): the digits of T from the top, and `need`,
+// the number of keys == T among the K (K minus the keys > T). hist[0 .. 256) holds the first pass's
+// counts (`counted`: the caller filled it) or zeros; on return it is zero again, so a second call may
+// follow. Every thread calls it past a barrier that follows the last write to rowk and hist.
 template <typename KT>
-__device__ __forceinline__ void sel_topk_row(KT* rowk, const float* __restrict__ blk, const float* __restrict__ lead,
-                                             int L, int b, int h, int B, int H, int T1, int R1, int out_len, int olp,
-                                             int K, int init_blocks, int local_blocks, int kind,
-                                             int* __restrict__ topk_idx, int tid, int nthreads) {
+__device__ __forceinline__ unsigned sel_radix_kth(const KT* rowk, int n, int K, bool counted, int* hist, int* res,
+                                                  int& need, int tid, int nthreads) {
+    constexpr int BITS = Score<KT>::KEY_BITS, PASSES = BITS / 8;
+    const int lane = tid & 31;
+    unsigned prefix = 0;
+    int kk = K;                                       // rank of T among the keys matching the prefix
+#pragma unroll
+    for (int p = 0; p < PASSES; ++p) {
+        const int shift = BITS - 8 * (p + 1);
+        int* hp = hist + (p & 1) * 256;
+        if (p > 0 || !counted) {
+#pragma unroll 4
+            for (int j = tid; j < n; j += nthreads) {
+                const unsigned k = rowk[j];
+                if (p == 0 || (k >> (shift + 8)) == (prefix >> (shift + 8))) atomicAdd(hp + ((k >> shift) & 255), 1);
+            }
+            __syncthreads();
+        }
+        if (tid < 32) {
+            // lane l holds bins 255 - 8 l - i (i < 8): digits descend along the lanes
+            const int4 lo = *reinterpret_cast<const int4*>(hp + 248 - 8 * lane);
+            const int4 hi = *reinterpret_cast<const int4*>(hp + 252 - 8 * lane);
+            const int c[8] = {hi.w, hi.z, hi.y, hi.x, lo.w, lo.z, lo.y, lo.x};
+            int s = 0;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) s += c[i];
+            int incl = s;                             // keys of this lane's bins and all higher bins
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int t = __shfl_up_sync(S1_FULL, incl, o);
+                if (lane >= o) incl += t;
+            }
+            const unsigned hit = __ballot_sync(S1_FULL, incl >= kk);
+            // the other histogram: the next pass counts into it (the pass before searched it already)
+            int4* other = reinterpret_cast<int4*>(hist + ((p + 1) & 1) * 256 + 8 * lane);
+            other[0] = make_int4(0, 0, 0, 0);
+            other[1] = make_int4(0, 0, 0, 0);
+            if (lane == __ffs(hit) - 1) {
+                int excl = incl - s, d = -1;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    if (d < 0) {
+                        if (excl + c[i] >= kk) d = 255 - 8 * lane - i;
+                        else excl += c[i];
+                    }
+                }
+                res[0] = d;
+                res[1] = kk - excl;
+            }
+        }
+        __syncthreads();
+        prefix |= (unsigned)res[0] << shift;
+        kk = res[1];
+    }
+    need = kk;
+    return prefix;
+}
+
+// Writes the K selected blocks of the first n keys (n a multiple of 64) ascending to out, given their
+// K-th key T and the ties at T to take (`need`, lowest index first); blocks past qb as -1. wv: 64 ints.
+template <typename KT>
+__device__ __forceinline__ void sel_compact(const KT* rowk, int n, unsigned T, int need, int qb, int* wv, int tid,
+                                            int nthreads, int* __restrict__ out) {
+    constexpr int KPW = 4 / sizeof(KT);               // keys per 32-bit word (index order: low half first)
+    const unsigned* words = reinterpret_cast<const unsigned*>(rowk);
+    const int lane = tid & 31, warp = tid >> 5, nwarps = nthreads >> 5;
+    const int ngroups = n / (32 * KPW);               // groups of 32 words, one word per lane
+    const int gpw = (ngroups + nwarps - 1) / nwarps;
+    const int g0 = min(warp * gpw, ngroups), g1 = min(g0 + gpw, ngroups);
+    int gt = 0, eq = 0;
+    for (int g = g0; g < g1; ++g) {
+        const unsigned w = words[g * 32 + lane];
+#pragma unroll
+        for (int x = 0; x < KPW; ++x) {
+            const unsigned k = KPW == 2 ? (x ? w >> 16 : w & 0xffffu) : w;
+            gt += k > T;
+            eq += k == T;
+        }
+    }
+    gt = (int)__reduce_add_sync(S1_FULL, (unsigned)gt);
+    eq = (int)__reduce_add_sync(S1_FULL, (unsigned)eq);
+    if (lane == 0) {
+        wv[warp] = gt;
+        wv[32 + warp] = eq;
+    }
+    __syncthreads();
+    const int gv = lane < nwarps ? wv[lane] : 0, ev = lane < nwarps ? wv[32 + lane] : 0;
+    const int gt_off = (int)__reduce_add_sync(S1_FULL, lane < warp ? (unsigned)gv : 0u);   // keys > T before
+    const int eq_off = (int)__reduce_add_sync(S1_FULL, lane < warp ? (unsigned)ev : 0u);   // ties before
+    const int end = gt_off + gt + min(eq_off + eq, need);   // output position after this warp's share
+    const unsigned lt = (1u << lane) - 1u;
+    int eq_seen = eq_off, taken = gt_off + min(eq_off, need);
+#pragma unroll 1
+    for (int g = g0; g < g1 && taken < end; ++g) {
+        const unsigned w = words[g * 32 + lane];
+        unsigned kk[KPW];
+        if (KPW == 2) { kk[0] = w & 0xffffu; kk[KPW - 1] = w >> 16; } else { kk[0] = w; }
+        bool eqx[KPW], tk[KPW];
+        unsigned be[KPW], bt[KPW];
+        int below = 0;
+#pragma unroll
+        for (int x = 0; x < KPW; ++x) {
+            eqx[x] = kk[x] == T;
+            be[x] = __ballot_sync(S1_FULL, eqx[x]);
+            below += __popc(be[x] & lt);
+        }
+        int rank = eq_seen + below;
+#pragma unroll
+        for (int x = 0; x < KPW; ++x) {
+            tk[x] = kk[x] > T || (eqx[x] && rank < need);
+            rank += eqx[x];
+            eq_seen += __popc(be[x]);
+        }
+        int pos = taken;
+#pragma unroll
+        for (int x = 0; x < KPW; ++x) {
+            bt[x] = __ballot_sync(S1_FULL, tk[x]);
+            pos += __popc(bt[x] & lt);
+        }
+#pragma unroll
+        for (int x = 0; x < KPW; ++x) {
+            const int j = (g * 32 + lane) * KPW + x;
+            if (tk[x]) out[pos] = j > qb ? -1 : j;
+            pos += tk[x];
+            taken += __popc(bt[x]);
+        }
+    }
+}
+
+// One (KV head, sequence) row: the block keys in shared memory (`rowk`, olp keys), completed, then the
+// top-K, by the whole CTA (cta = 1) or by warp 0 (select_row). blk and lead are read through L2
+// (__ldcg): in the fused form other CTAs wrote them during this kernel. scratch: SEL_TOPK_SCRATCH ints
+// of shared memory (cta = 1). Every thread of the CTA calls it (barriers inside).
+template <typename KT>
+__device__ __forceinline__ void sel_topk_row(KT* rowk, int* scratch, const float* __restrict__ blk,
+                                             const float* __restrict__ lead, int L, int b, int h, int B, int H, int T1,
+                                             int R1, int out_len, int olp, int K, int init_blocks, int local_blocks,
+                                             int kind, int cta, int topk_prefix, int* __restrict__ topk_idx, int tid,
+                                             int nthreads) {
+    constexpr int KB = Score<KT>::KEY_BITS;
+    constexpr int UNR = 4;                            // blocks per thread in flight (L2 latency)
+    if (K <= 0) return;
     const int n1 = sel_windows(L, SEL_FINE_KS, SEL_FINE_ST);
     const int nbv = n1 > 0 ? n1 / 4 + 1 : 0;          // blocks j with a fine key (4 j - 1 < n1)
     const int qb = max(L - 1, 0) / 64;                // the query's own block (cache_lens = L - 1)
@@ -379,35 +546,77 @@ __device__ __forceinline__ void sel_topk_row(KT* rowk, const float* __restrict__
     const int64 row = (int64)b * H + h;
     const float* bp = blk + row * nbr * R1;
     const float* lp = lead + row * R1;
-    for (int j = tid; j < olp; j += nthreads) {
-        KT k = 0;                                     // padding: below every real key, never selected
-        if (j < out_len) {
-            float x = -INFLLM_INF;
-            if (j < nbv) {
-                x = __ldcg(bp + j);
+    int* out = topk_idx + ((int64)h * B + b) * K;
+    // select_row's search prefix: blocks after the query's own one are -inf or padding, so the top-K
+    // lies in the prefix unless a key after it beats the prefix's K-th (then the whole row is searched)
+    const int jpre = ((topk_prefix > 0 ? max(topk_prefix, K) - 1 : max(qb, K - 1)) / 64 + 1) * 64;
+    const int npk = min(jpre, olp);
+    int* hist = scratch;                              // [2][256]
+    int* wv = scratch + 512;                          // [64] per-warp values
+    int* res = scratch + 576;                         // the search's digit and remaining rank
+    if (cta) {
+        for (int i = tid; i < 512; i += nthreads) hist[i] = 0;
+        __syncthreads();
+    }
+    const KT key_inf = score_key<KT>(INFLLM_INF, kind);
+    unsigned tmax = 0;                                // the largest key after the prefix
+    // complete the row; the CTA path also counts the first digit of the prefix's keys
+    for (int j0 = tid; j0 < olp; j0 += UNR * nthreads) {
+        float x[UNR];
+#pragma unroll
+        for (int u = 0; u < UNR; ++u) {
+            const int j = j0 + u * nthreads;
+            x[u] = -INFLLM_INF;
+            if (j < out_len && j < nbv) {
+                x[u] = __ldcg(bp + j);
                 const int rn = (j + 1) / nbr;         // the range whose first key closes block j
-                if ((j + 1) % nbr == 0 && rn < R1 && rn * nbr * 4 - 1 < n1) x = fmaxf(x, __ldcg(lp + rn));
+                if ((j + 1) % nbr == 0 && rn < R1 && rn * nbr * 4 - 1 < n1) x[u] = fmaxf(x[u], __ldcg(lp + rn));
             }
-            k = score_key<KT>(x, kind);
-            if (j < init_blocks || (j <= qb && j >= qb - local_blocks)) k = score_key<KT>(INFLLM_INF, kind);
         }
-        rowk[j] = k;
+#pragma unroll
+        for (int u = 0; u < UNR; ++u) {
+            const int j = j0 + u * nthreads;
+            if (j >= olp) break;
+            KT k = 0;                                 // padding: below every real key, never selected
+            if (j < out_len) {
+                k = score_key<KT>(x[u], kind);
+                if (j < init_blocks || (j <= qb && j >= qb - local_blocks)) k = key_inf;
+            }
+            rowk[j] = k;
+            if (cta) {
+                if (j < npk) atomicAdd(hist + ((unsigned)k >> (KB - 8)), 1);
+                else tmax = max(tmax, (unsigned)k);
+            }
+        }
     }
+    if (!cta) {
+        __syncthreads();
+        if (tid < 32) select_row<KT>(rowk, olp, jpre, K, qb, tid, out);
+        return;
+    }
+    const int lane = tid & 31, warp = tid >> 5;
+    tmax = __reduce_max_sync(S1_FULL, tmax);
+    if (lane == 0) wv[warp] = (int)tmax;
     __syncthreads();
-    if (tid < 32 && K > 0) {
-        const int jpre = (max(qb, K - 1) / 64 + 1) * 64;
-        select_row<KT>(rowk, olp, jpre, K, qb, tid, topk_idx + ((int64)h * B + b) * K);
+    const unsigned tail_max = __reduce_max_sync(S1_FULL, lane < (nthreads >> 5) ? (unsigned)wv[lane] : 0u);
+    int need, n = npk;
+    unsigned T = sel_radix_kth<KT>(rowk, npk, K, true, hist, res, need, tid, nthreads);
+    if (npk < olp && T < tail_max) {                  // a key after the prefix beats its K-th: whole row
+        n = olp;
+        T = sel_radix_kth<KT>(rowk, olp, K, false, hist, res, need, tid, nthreads);
     }
+    sel_compact<KT>(rowk, n, T, need, qb, wv, tid, nthreads, out);
 }
 
 template <typename KT>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(512)
 select_decode_topk(const float* __restrict__ blk, const float* __restrict__ lead, const int* __restrict__ seqlens,
                    int B, int H, int T1, int R1, int out_len, int olp, int K, int init_blocks, int local_blocks,
-                   int kind, int* __restrict__ topk_idx) {
+                   int kind, int cta, int topk_prefix, int* __restrict__ topk_idx) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int h = blockIdx.x / B, b = blockIdx.x % B;
     sel_pdl_wait();                                  // blk and lead of the fine kernel
-    sel_topk_row<KT>(reinterpret_cast<KT*>(smem), blk, lead, seqlens[b], b, h, B, H, T1, R1, out_len, olp, K,
-                     init_blocks, local_blocks, kind, topk_idx, threadIdx.x, 256);
+    sel_topk_row<KT>(reinterpret_cast<KT*>(smem), reinterpret_cast<int*>(smem + (size_t)olp * sizeof(KT)), blk, lead,
+                     seqlens[b], b, h, B, H, T1, R1, out_len, olp, K, init_blocks, local_blocks, kind, cta,
+                     topk_prefix, topk_idx, threadIdx.x, blockDim.x);
 }
