@@ -21,10 +21,13 @@
 //   o_part  float [B, HQ, S, D]   the split's normalised output (0 for a split with no valid key)
 //   lse_part float [B, HQ, S]     its log2-sum-exp of the scaled logits (-inf for no valid key)
 //   logits  float [B, HQ, W] or nullptr: the log2-domain scaled logit of every key the split reads
-//           (rows g < G, positions < L_b); the weights pass turns them into probabilities
+//           (rows g < G, positions < L_b); the weights pass turns them into probabilities.
+//           16-byte aligned rows (W % 4 == 0) get 16-byte stores
+//   evict_first  nonzero: K/V loads carry an L2 evict-first cache policy (DecodePlan.kv_evict_first)
 //
 // sparse_decode_merge<T, D>
-//   grid (B * HQ)  block (256)  dynamic shared memory S * 4 bytes (the merge weights)
+//   grid (B * HQ)  block (P * D / 4) for a power of two P, 32 .. 1024 threads (DecodePlan.merge_threads)
+//   dynamic shared memory 16 * blockDim + 4 * S bytes (the groups' float4 sums, then the merge weights)
 //   out [B, HQ, D] T = sum_s 2^(lse_s - lse) o_s;  lse_out float [B, HQ] natural log (+inf when
 //   no split saw a key, then out = 0);  lse2_out float [B * HQ] the same in log2 (weights pass)
 //
@@ -66,6 +69,40 @@ struct SplitSmem {
     static constexpr int LIST = WCNT + 4 * MT * 4;                     // int [per_split], then int [K] (sparse)
 };
 
+// 16-byte cp.async forms of the split kernel's K/V loads (docs/decode.md, 3. The split kernel): a full
+// block needs no src-size operand; with attention weights the K/V stream may be marked evict-first in
+// L2 so that the logits written beside it stay there for the weights pass (5. Attention weights).
+__device__ __forceinline__ void cp_async_16_full(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_async_16_hint(u32 dst, const void* src, unsigned long long policy) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "l"(policy));
+}
+// p + bytes, opaque to the scheduler: the unrolled passes of a block load then step one pointer per
+// tensor instead of computing every pass's 64-bit address up front (which cost registers and spills)
+__device__ __forceinline__ const void* step_ptr(const void* p, long long bytes) {
+    asm volatile("add.s64 %0, %0, %1;\n" : "+l"(p) : "l"(bytes));
+    return p;
+}
+__device__ __forceinline__ unsigned long long l2_evict_first_policy() {
+    unsigned long long p;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
+    return p;
+}
+
+// The epilogue's fp32 sum buffers over the (free) K/V stages: NBUF buffers of 16 MT rows of OROW
+// floats, then the 16 MT reciprocal row sums. Rows padded by 8 floats: the float2 stores of a fragment
+// row (8 rows x 4 lanes x 8 bytes per half-warp) then hit 32 distinct banks.
+template <int D, int MT>
+struct EpilogueSmem {
+    static constexpr int OROW = D + 8;
+    static constexpr int BUF = 16 * MT * OROW * 4;                     // bytes of one buffer
+    static constexpr int AVAIL = KVLayout<D>::NSTAGE * KVLayout<D>::STAGE - 16 * MT * 4;
+    // one buffer per key-quarter warp where they fit (one round), else 2 or 1 (2 or 4 rounds)
+    static constexpr int NBUF = 4 * BUF <= AVAIL ? 4 : 2 * BUF <= AVAIL ? 2 : 1;
+    static constexpr int ROWL = NBUF * BUF;                            // float [16 MT]: 1 / row sum
+};
+
 // At most 128 registers per thread (4 / MT CTAs of 128 MT threads per SM): enough for the fp32 output
 // tile of D = 128, and without the bound ptxas picked 80 at D = 64 on sm_80 and spilled.
 template <typename T, int D, int MT>
@@ -74,7 +111,7 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
                     const int* __restrict__ seqlens, const int* __restrict__ block_table, int max_pages,
                     int page_size, int seq_rows, const int* __restrict__ topk, int K, int B, int H, int G,
                     int per_split, float scale_log2, float* __restrict__ o_part, float* __restrict__ lse_part,
-                    float* __restrict__ logits, int W) {
+                    float* __restrict__ logits, int W, int evict_first) {
     constexpr int NT = 128 * MT, NW = 4 * MT, ROWB = KVLayout<D>::ROWB, CH = D / 8;
     typedef SplitSmem<D, MT> SM;
     extern __shared__ __align__(128) unsigned char smem[];
@@ -147,24 +184,61 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
     }
     auto block_of = [&](int i) { return topk == nullptr ? e0 + i : list[i]; };
 
+    // ---- K/V block loads. Chunk idx = tid + NT p of a block is row tid / CH + RPI p, 16-byte chunk
+    // tid % CH: RPI = NT / CH is a multiple of 8, so the swizzle (chunk ^ row % 8) and the offsets are
+    // the same in every pass p and hoisted here; per pass, a full block costs two cp.async and the
+    // pointer steps (docs/decode.md, 3. The split kernel).
+    constexpr int RPI = NT / CH, NPASS = BLK / RPI;
+    static_assert(RPI % 8 == 0 && BLK % RPI == 0, "rows per load pass");
     const int64 tok_stride = (int64)H * D;     // elements between consecutive positions of one head
+    const int ld_r = tid / CH;
+    const u32 ld_dst = swz<D>(ld_r, tid % CH) * 16;
+    const int ld_src = (ld_r * H + h) * D + (tid % CH) * 8;    // 32-bit: within 64 rows of one block
+    const int pass_stride = RPI * H * D;
+    // a 64-key block lies in one page (page_size % 64 == 0): block j is block j % bpp of page j / bpp,
+    // a shift for the usual power-of-two page sizes (a FastDiv here cost registers and spills on sm_80)
+    const int bpp = block_table != nullptr ? page_size / BLK : 1;
+    const int bpp_log2 = (bpp & (bpp - 1)) == 0 ? __ffs(bpp) - 1 : -1;
     auto load_block = [&](int j, int st) {
         int64 row0;
         if (block_table != nullptr) {
-            const int p = block_table[(int64)b * max_pages + (j * BLK) / page_size];
-            row0 = (int64)p * page_size + (j * BLK) % page_size;
+            const int pg = bpp_log2 >= 0 ? j >> bpp_log2 : j / bpp;
+            const int p = block_table[(int64)b * max_pages + pg];
+            row0 = (int64)p * page_size + (j - pg * bpp) * BLK;
         } else {
             row0 = (int64)b * seq_rows + (int64)j * BLK;
         }
-        const u32 ks = kv_s + st * KVLayout<D>::STAGE, vs = ks + KVLayout<D>::TILE;
-#pragma unroll 2
-        for (int idx = tid; idx < BLK * CH; idx += NT) {
-            const int r = idx / CH, ch = idx % CH;
-            const bool ok = j * BLK + r < L;                   // the tail of the last block reads zeros
-            const int64 off = (row0 + r) * tok_stride + (int64)h * D + ch * 8;
-            const u32 dst = swz<D>(r, ch) * 16;
-            cp_async_16(ks + dst, ok ? k + off : k, ok ? 16 : 0);
-            cp_async_16(vs + dst, ok ? v + off : v, ok ? 16 : 0);
+        const int64 off = row0 * tok_stride + ld_src;
+        const void* kp = k + off;
+        const void* vp = v + off;
+        const long long step = (long long)pass_stride * sizeof(T);
+        const u32 ks = kv_s + st * KVLayout<D>::STAGE + ld_dst, vs = ks + KVLayout<D>::TILE;
+        const int avail = L - j * BLK;         // rows of the block below L (CTA-uniform)
+        if (avail >= BLK) {
+            if (evict_first) {
+                const unsigned long long policy = l2_evict_first_policy();   // one instruction: not held across the loop
+#pragma unroll
+                for (int p = 0; p < NPASS; ++p) {
+                    if (p > 0) kp = step_ptr(kp, step), vp = step_ptr(vp, step);
+                    cp_async_16_hint(ks + p * RPI * ROWB, kp, policy);
+                    cp_async_16_hint(vs + p * RPI * ROWB, vp, policy);
+                }
+            } else {
+#pragma unroll
+                for (int p = 0; p < NPASS; ++p) {
+                    if (p > 0) kp = step_ptr(kp, step), vp = step_ptr(vp, step);
+                    cp_async_16_full(ks + p * RPI * ROWB, kp);
+                    cp_async_16_full(vs + p * RPI * ROWB, vp);
+                }
+            }
+        } else {                               // the tail of the last block reads zeros
+#pragma unroll
+            for (int p = 0; p < NPASS; ++p) {
+                const bool ok = ld_r + RPI * p < avail;
+                if (p > 0) kp = step_ptr(kp, step), vp = step_ptr(vp, step);
+                cp_async_16(ks + p * RPI * ROWB, ok ? kp : k, ok ? 16 : 0);
+                cp_async_16(vs + p * RPI * ROWB, ok ? vp : v, ok ? 16 : 0);
+            }
         }
     };
     constexpr int NS = KVLayout<D>::NSTAGE;
@@ -182,7 +256,6 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     float m[2] = {-INFLLM_INF, -INFLLM_INF}, l[2] = {0.f, 0.f};
-    float* lg_row = logits != nullptr ? logits + ((int64)b * HQ + (int64)h * G) * W : nullptr;
 
     for (int i = 0; i < n; ++i) {
         const int j = block_of(i);
@@ -204,16 +277,53 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
             mma_16816<T>(s[0], qf, bk[0], bk[1]);
             mma_16816<T>(s[1], qf, bk[2], bk[3]);
         }
-        const int key0 = j * BLK + 16 * kw + 2 * c4;
 #pragma unroll
         for (int t = 0; t < 2; ++t)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = key0 + 8 * t + (e & 1);
-                s[t][e] = key < L ? s[t][e] * scale_log2 : -INFLLM_INF;
-                const int r = 16 * mt + g4 + 8 * (e >> 1);
-                if (lg_row != nullptr && key < L && r < G) lg_row[(int64)r * W + key] = s[t][e];
+            for (int e = 0; e < 4; ++e) s[t][e] *= scale_log2;
+        const bool tail = j * BLK + BLK > L;               // CTA-uniform: only the last block is masked
+        const int key0 = j * BLK + 16 * kw;
+        if (tail) {
+#pragma unroll
+            for (int t = 0; t < 2; ++t)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (key0 + 2 * c4 + 8 * t + (e & 1) >= L) s[t][e] = -INFLLM_INF;
+        }
+        if (logits != nullptr) {
+            // recomputed per block (a few instructions, only with weights) rather than held in registers:
+            // the logits row of this thread's first fragment row (the second is 8 W further); rows >= G
+            // store nothing
+            float* lg = logits + ((int64)b * HQ + (int64)h * G + 16 * mt + g4) * W;
+            const bool lg_row0 = 16 * mt + g4 < G, lg_row1 = 16 * mt + g4 + 8 < G;
+            // 16-byte stores need 16-byte aligned rows (W % 4 == 0); quad lane c4 then stores keys
+            // kofs .. kofs + 3 of the warp's 16 after one pair exchange with lane ^ 1
+            if ((W & 3) == 0 && !tail) {
+                const int kofs = 4 * (c4 >> 1) + 8 * (c4 & 1);
+                // lane c4 holds keys 2c4, 2c4 + 1 (s[0]) and 8 + 2c4, +1 (s[1]) of rows g4, g4 + 8;
+                // even lanes swap their s[1] pair for the odd neighbour's s[0] pair: then each lane
+                // holds 4 consecutive keys and a row's 16 keys are 4 full 16-byte stores
+                const bool odd = c4 & 1;
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const float x0 = odd ? s[0][2 * r] : s[1][2 * r], x1 = odd ? s[0][2 * r + 1] : s[1][2 * r + 1];
+                    const float y0 = __shfl_xor_sync(0xffffffffu, x0, 1), y1 = __shfl_xor_sync(0xffffffffu, x1, 1);
+                    const float4 val = odd ? make_float4(y0, y1, s[1][2 * r], s[1][2 * r + 1])
+                                           : make_float4(s[0][2 * r], s[0][2 * r + 1], y0, y1);
+                    if (r == 0 ? lg_row0 : lg_row1)
+                        *reinterpret_cast<float4*>(lg + (int64)(8 * r) * W + key0 + kofs) = val;
+                }
+            } else {
+#pragma unroll
+                for (int t = 0; t < 2; ++t)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int key = key0 + 2 * c4 + 8 * t + (e & 1);
+                        if ((e < 2 ? lg_row0 : lg_row1) && key < L) lg[(int64)(8 * (e >> 1)) * W + key] = s[t][e];
+                    }
             }
+        }
+        float alpha[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float mx = fmaxf(fmaxf(s[0][2 * r], s[0][2 * r + 1]), fmaxf(s[1][2 * r], s[1][2 * r + 1]));
@@ -221,7 +331,7 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float m_new = fmaxf(m[r], mx);
             const float m_use = m_new == -INFLLM_INF ? 0.f : m_new;   // nothing valid yet: every p is 0
-            const float alpha = exp2f(m[r] - m_use);
+            alpha[r] = exp2f(m[r] - m_use);
             m[r] = m_new;
             float sum = 0.f;
 #pragma unroll
@@ -231,11 +341,17 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
                     s[t][e] = exp2f(s[t][e] - m_use);
                     sum += s[t][e];
                 }
-            l[r] = l[r] * alpha + sum;
+            l[r] = l[r] * alpha[r] + sum;
+        }
+        // rescale the output tile only where some row's max moved (x 1 is exact, so skipping it
+        // changes no bit); a warp-uniform test, since the tile is the warp's
+        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
             for (int nt = 0; nt < D / 8; ++nt) {
-                o[nt][2 * r] *= alpha;
-                o[nt][2 * r + 1] *= alpha;
+                o[nt][0] *= alpha[0];
+                o[nt][1] *= alpha[0];
+                o[nt][2] *= alpha[1];
+                o[nt][3] *= alpha[1];
             }
         }
         u32 pa[4];
@@ -262,6 +378,21 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
         }
     }
     __syncthreads();
+    typedef EpilogueSmem<D, MT> EP;
+    constexpr int OROW = EP::OROW, NBUF = EP::NBUF;
+    float* obuf = reinterpret_cast<float*>(smem + SM::KV);          // the K/V stages are free now
+    float* row_inv = reinterpret_cast<float*>(smem + SM::KV + EP::ROWL);
+    // each row's max and sum once (not per output element): 1 / sum for the final pass, lse_part here
+    if (tid < G) {
+        const int rt = tid >> 4, rr = tid & 15;
+        float M = -INFLLM_INF, Lsum = 0.f;
+        for (int w = 0; w < 4; ++w) M = fmaxf(M, m_s[(rt * 4 + w) * 16 + rr]);
+        if (M != -INFLLM_INF)
+            for (int w = 0; w < 4; ++w) Lsum += l_s[(rt * 4 + w) * 16 + rr] * exp2f(m_s[(rt * 4 + w) * 16 + rr] - M);
+        row_inv[tid] = Lsum > 0.f ? 1.f / Lsum : 0.f;    // 0: the split saw no key, o_part is 0
+        const int64 hq = (int64)b * HQ + (int64)h * G + tid;
+        lse_part[hq * S + split] = Lsum > 0.f ? M + __log2f(Lsum) : -INFLLM_INF;
+    }
     float sc[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -270,56 +401,67 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
         for (int w = 0; w < 4; ++w) M = fmaxf(M, m_s[(mt * 4 + w) * 16 + g4 + 8 * r]);
         sc[r] = M == -INFLLM_INF ? 0.f : exp2f(m[r] - M);
     }
-    // fp32 [16 MT][D] sum buffer over the K/V stages (free now), rows padded by 4 floats
-    constexpr int OROW = D + 4;
-    float* obuf = reinterpret_cast<float*>(smem + SM::KV);
-    for (int round = 0; round < 4; ++round) {
-        if (kw == round) {
+    // key-quarter warp kw adds its scaled tile into buffer kw % NBUF in round kw / NBUF (one round
+    // when the 4 buffers fit); the final pass sums the buffers in order
+    float* mine = obuf + kw % NBUF * (16 * MT * OROW) + (16 * mt + g4) * OROW + 2 * c4;
+#pragma unroll
+    for (int round = 0; round < 4 / NBUF; ++round) {
+        if (kw / NBUF == round) {
 #pragma unroll
             for (int nt = 0; nt < D / 8; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float* dst = obuf + (16 * mt + g4 + 8 * (e >> 1)) * OROW + nt * 8 + 2 * c4 + (e & 1);
-                    const float x = o[nt][e] * sc[e >> 1];
-                    *dst = round == 0 ? x : *dst + x;
+                for (int r = 0; r < 2; ++r) {
+                    float2* dst = reinterpret_cast<float2*>(mine + 8 * r * OROW + nt * 8);
+                    float2 x = make_float2(o[nt][2 * r] * sc[r], o[nt][2 * r + 1] * sc[r]);
+                    if (round > 0) {
+                        const float2 y = *dst;
+                        x = make_float2(y.x + x.x, y.y + x.y);
+                    }
+                    *dst = x;
                 }
         }
         __syncthreads();
     }
-    for (int idx = tid; idx < G * D; idx += NT) {
-        const int r = idx / D, d = idx % D;
-        const int rt = r >> 4, rr = r & 15;
-        float M = -INFLLM_INF, Lsum = 0.f;
-        for (int w = 0; w < 4; ++w) M = fmaxf(M, m_s[(rt * 4 + w) * 16 + rr]);
-        if (M != -INFLLM_INF)
-            for (int w = 0; w < 4; ++w) Lsum += l_s[(rt * 4 + w) * 16 + rr] * exp2f(m_s[(rt * 4 + w) * 16 + rr] - M);
-        const int64 hq = (int64)b * HQ + (int64)h * G + r;
-        o_part[(hq * S + split) * D + d] = Lsum > 0.f ? obuf[r * OROW + d] / Lsum : 0.f;
-        if (d == 0) lse_part[hq * S + split] = Lsum > 0.f ? M + __log2f(Lsum) : -INFLLM_INF;
+    constexpr int DV = D / 4;
+    float* o_part_s = o_part + (((int64)b * HQ + (int64)h * G) * S + split) * D;   // row r at + r S D
+    for (int idx = tid; idx < G * DV; idx += NT) {
+        const int r = idx / DV, d = 4 * (idx % DV);
+        float4 a = *reinterpret_cast<const float4*>(obuf + r * OROW + d);
+#pragma unroll
+        for (int bf = 1; bf < NBUF; ++bf) {
+            const float4 c = *reinterpret_cast<const float4*>(obuf + bf * (16 * MT * OROW) + r * OROW + d);
+            a = make_float4(a.x + c.x, a.y + c.y, a.z + c.z, a.w + c.w);
+        }
+        const float inv = row_inv[r];
+        *reinterpret_cast<float4*>(o_part_s + (int64)r * S * D + d) = make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
     }
 }
 
+// P = blockDim.x / (D / 4) thread groups (a power of two): group p sums splits p, p + P, .. with
+// 16-byte loads of 4 output dims per thread, then a tree over the groups in shared memory.
 template <typename T, int D>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(1024)
 sparse_decode_merge(const float* __restrict__ o_part, const float* __restrict__ lse_part, int S,
                     T* __restrict__ out, float* __restrict__ lse_out, float* __restrict__ lse2_out) {
-    constexpr int P = 256 / D;                    // thread groups splitting the S partial outputs
-    extern __shared__ float wts[];                // [S] merge weights 2^(lse_s - max)
-    __shared__ float red[8];
-    __shared__ float acc_s[P][D];
+    constexpr int DV = D / 4;
+    extern __shared__ float4 merge_smem[];        // [P][DV] group sums, then [S] merge weights 2^(lse_s - max)
+    __shared__ float red[32];
+    const int NTH = blockDim.x, P = NTH / DV, NWARP = NTH >> 5;
+    float4* acc_s = merge_smem;
+    float* wts = reinterpret_cast<float*>(merge_smem + P * DV);
     const int64 row = blockIdx.x;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const float* lp = lse_part + row * S;
     float M = -INFLLM_INF;
-    for (int s = tid; s < S; s += 256) M = fmaxf(M, lp[s]);
+    for (int s = tid; s < S; s += NTH) M = fmaxf(M, lp[s]);
     for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
     if (lane == 0) red[warp] = M;
     __syncthreads();
     M = red[0];
-    for (int w = 1; w < 8; ++w) M = fmaxf(M, red[w]);
+    for (int w = 1; w < NWARP; ++w) M = fmaxf(M, red[w]);
     __syncthreads();
     float sum = 0.f;
-    for (int s = tid; s < S; s += 256) {
+    for (int s = tid; s < S; s += NTH) {
         const float w = M == -INFLLM_INF ? 0.f : exp2f(lp[s] - M);
         wts[s] = w;
         sum += w;
@@ -328,20 +470,34 @@ sparse_decode_merge(const float* __restrict__ o_part, const float* __restrict__ 
     if (lane == 0) red[warp] = sum;
     __syncthreads();
     sum = 0.f;
-    for (int w = 0; w < 8; ++w) sum += red[w];      // the same order in every thread
+    for (int w = 0; w < NWARP; ++w) sum += red[w];      // the same order in every thread
     // every split wrote its o_part rows (zeros when it saw no key), so w * o is never 0 * NaN
-    const int d = tid % D, part = tid / D;
-    const float* op = o_part + row * S * D + d;
-    float acc = 0.f;
+    const int d4 = tid % DV, part = tid / DV;
+    const float4* op = reinterpret_cast<const float4*>(o_part + row * S * D) + d4;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 4
-    for (int s = part; s < S; s += P) acc += wts[s] * op[(int64)s * D];
-    acc_s[part][d] = acc;
+    for (int s = part; s < S; s += P) {
+        const float w = wts[s];
+        const float4 x = op[(int64)s * DV];
+        acc = make_float4(acc.x + w * x.x, acc.y + w * x.y, acc.z + w * x.z, acc.w + w * x.w);
+    }
+    acc_s[part * DV + d4] = acc;
     __syncthreads();
+    for (int half = P >> 1; half > 0; half >>= 1) {
+        if (part < half) {
+            const float4 c = acc_s[(part + half) * DV + d4];
+            acc = make_float4(acc.x + c.x, acc.y + c.y, acc.z + c.z, acc.w + c.w);
+            acc_s[part * DV + d4] = acc;
+        }
+        __syncthreads();
+    }
     if (part == 0) {
-        float a = 0.f;
-#pragma unroll
-        for (int p = 0; p < P; ++p) a += acc_s[p][d];
-        out[row * D + d] = from_float<T>(sum > 0.f ? a / sum : 0.f);
+        Vec<T, 4> res;
+        res.elem[0] = from_float<T>(sum > 0.f ? acc.x / sum : 0.f);
+        res.elem[1] = from_float<T>(sum > 0.f ? acc.y / sum : 0.f);
+        res.elem[2] = from_float<T>(sum > 0.f ? acc.z / sum : 0.f);
+        res.elem[3] = from_float<T>(sum > 0.f ? acc.w / sum : 0.f);
+        res.store(out + row * D + 4 * d4);
     }
     if (tid == 0) {
         const float lse2 = sum > 0.f ? M + __log2f(sum) : INFLLM_INF;
