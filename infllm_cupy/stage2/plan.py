@@ -168,6 +168,11 @@ BLOCK0_PART_TILES = 1024
 # MAX_KV_PASSES), whose values happen to be the same today.
 DKDV_PASS_BYTES = 32 << 20
 DKDV_MAX_PASSES = 8
+# Flush interval of the SM80 dk/dv (docs/stage2_bwd.md, 12. SM80 path): a CTA adds its register sums
+# to fp32 rows in global memory after this many 64-row query tiles. A quarter of the tiles one sm_90a
+# query-range pass sums at 1M tokens (which met the error rule there); up to 32k tokens at G = 16
+# no CTA has more, so nothing is allocated and the kernel is the one without flushes.
+DKDV_FLUSH_TILES = 8192
 # dq ring step shapes (the kernel's `step_mode`; dq has 64-key steps only): one ring shared by the
 # warpgroups, the per-CTA choice between shared and per-warpgroup rings, or split rings everywhere
 DQ_STEPS = {"single": 0, "auto": 1, "split": 3}
@@ -193,8 +198,9 @@ class BwdTiles:
     def dq_name(self, dtype, D):
         return f"stage2_bwd_dq<{CXX_TYPE[dtype]}, {D}, {self.dq_warps}>"
 
-    def dkdv_name(self, dtype, D):
-        return f"stage2_bwd_dkdv<{CXX_TYPE[dtype]}, {D}, {self.dkdv_cols}>"
+    def dkdv_name(self, dtype, D, flush: bool = False):
+        """The SM80 dk/dv instance; `flush`: the one with two-level sums (BwdPlan.dkdv_flush)."""
+        return f"stage2_bwd_dkdv<{CXX_TYPE[dtype]}, {D}, {self.dkdv_cols}, {'true' if flush else 'false'}>"
 
 
 DEFAULT_BWD_TILES = BwdTiles()
@@ -212,6 +218,9 @@ class BwdPlan:
     `dkdv_passes` (query-range passes; 1: none), `block0_parts` (CTAs sharing block 0; only
     without passes) and `pdl` (passes after the first as programmatic dependent launches; False
     launches them one after the other, which the tests compare against).
+    SM80 dk/dv only: `dkdv_flush` (query tiles a CTA sums in registers before it adds them to fp32
+    rows in global memory; those rows are allocated only where a sequence has more tiles, see
+    `sm80_dkdv_flushes`).
     """
     kernel: str
     tiles: BwdTiles = DEFAULT_BWD_TILES
@@ -223,6 +232,7 @@ class BwdPlan:
     dkdv_passes: int = 1
     block0_parts: int = 1
     pdl: bool = True
+    dkdv_flush: int = DKDV_FLUSH_TILES
 
     def __post_init__(self):
         if self.kernel not in (SM80, SM90A) or self.dq not in (SM80, SM90A):
@@ -243,6 +253,16 @@ class BwdPlan:
         if not isinstance(self.block0_parts, int) or not 1 <= self.block0_parts <= 32 \
                 or (self.block0_parts > 1 and self.dkdv_passes > 1):
             raise ValueError(f"BwdPlan.block0_parts must be an int in [1, 32], and 1 with passes, got {self}")
+        if type(self.dkdv_flush) is not int or self.dkdv_flush < 1:
+            raise ValueError(f"BwdPlan.dkdv_flush must be an int >= 1 (query tiles per flush), got "
+                             f"{self.dkdv_flush!r}")
+
+
+def sm80_dkdv_flushes(max_seqlen_q: int, G: int, flush: int) -> bool:
+    """Whether some CTA of the SM80 dk/dv can sum more than `flush` query tiles (a key block
+    selected by every row of the longest sequence): only then does the launcher allocate the fp32
+    rows and run the flushing instance."""
+    return cdiv(max_seqlen_q * G, QT) > flush
 
 
 def dkdv_block0_parts(max_seqlen_q: int, G: int, part_tiles: int = BLOCK0_PART_TILES) -> int:

@@ -34,6 +34,7 @@ from .plan import (  # noqa: F401  (BwdTiles ... re-exported: the launcher's voc
     BwdPlan,
     BwdTiles,
     bwd_plan,
+    sm80_dkdv_flushes,
     sm90_smem_bytes,
 )
 RING_SOURCE = "stage2/sparse_bwd_dq_sm90.cu"   # the dq kernel on the forward's K/V ring
@@ -49,7 +50,8 @@ for _dt in KERNEL_DTYPES:
         _jit.register_instances(BWD_SOURCE, [f"stage2_bwd_delta<{CXX_TYPE[_dt]}, {_d}>"])
         for _t in ALL_BWD_TILES:
             _jit.register_instances(BWD_SOURCE, [_t.dq_name(_dt, _d)])
-            _jit.register_instances(BWD_SOURCE, [_t.dkdv_name(_dt, _d)], strict=_t.dkdv_cols != 64)
+            _jit.register_instances(BWD_SOURCE, [_t.dkdv_name(_dt, _d, f) for f in (False, True)],
+                                    strict=_t.dkdv_cols != 64)
 _jit.register_instances(BWD_SOURCE, ["stage2_bwd_tiles"])
 _jit.register_instances(RING_SOURCE, [f"stage2_bwd_dq_ring_sm90<{CXX_TYPE[dt]}, {d}, {ns}>" for dt in KERNEL_DTYPES
                                       for d in HEAD_DIMS for ns in SM90_STAGES], sm90a=True)
@@ -203,7 +205,13 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                        for g, own, other in runs]
     else:
         kv_smem = dkdv_smem_bytes(D, itemsize)
-        kv_launches = [(plan.tiles.dkdv_name(q.dtype, D), False,
+        # two-level sums where some CTA may sum more than plan.dkdv_flush tiles (docs/stage2_bwd.md,
+        # 12. SM80 path): fp32 rows each CTA stores before it reads them, so no zero fill
+        flush = sm80_dkdv_flushes(max_seqlen_q, G, plan.dkdv_flush)
+        flush_rows = tuple(empty((total_k, H, D), dtype=torch.float32, device=dev) for _ in range(2 * flush))
+        flush_args = ((ptr(flush_rows[0]), ptr(flush_rows[1]), np.int32(plan.dkdv_flush)) if flush
+                      else (np.uint64(0), np.uint64(0), np.int32(0)))
+        kv_launches = [(plan.tiles.dkdv_name(q.dtype, D, flush), False,
                         (ptr(by_tiles[0]), ptr(by_tiles[1]), np.int64(by_tiles[2])), False)]
     launch(dq_kernel, name=dq_name, grid=(cdiv(max_seqlen_q * G, dq_rows), H, B), block=(dq_threads,),
            shared_mem=dq_smem, args=dq_args)
@@ -240,7 +248,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                        args=args + pass_args + (np.int32(pdl and passes > 1),), pdl=pdl and p > 0)
         else:
             launch(_jit.get_kernel(BWD_SOURCE, kv_name), name=kv_name, grid=(H, B, n_kb), block=(128,),
-                   shared_mem=kv_smem, args=common + index_args + (ptr(dk), ptr(dv)) + tail)
+                   shared_mem=kv_smem, args=common + index_args + (ptr(dk), ptr(dv)) + tail + flush_args)
 
     if len(kv_launches) == 2:
         # the two halves of dkdv="auto" run side by side: one after the other, the first one's

@@ -16,11 +16,17 @@
 //       dyn smem (2 * 16 * WARPS * D + 4 * 64 * D) * sizeof(T) + 4 * n_words
 //       dq [total_q, HQ, D] T. The forward's loop (the union of the CTA's tokens' blocks) with
 //       dS = P * (dP - delta) and dq += dS K in place of the online softmax.
-//   stage2_bwd_dkdv<T, D, KN>    grid (H, B, cdiv(max_seqlen_k, 64)), block 128
+//   stage2_bwd_dkdv<T, D, KN, false> grid (H, B, cdiv(max_seqlen_k, 64)), block 128
 //       dyn smem (2 * 64 * D + 4 * 64 * D) * sizeof(T) + 2 * 3 * 64 * 4
 //       dk, dv [total_k, H, D] T. One CTA per 64-key block walks the query tiles in its ut row,
 //       so it owns its keys' gradients outright: every key row is written exactly once (zeros when
 //       no query selected it) and there are no float atomics, so results are bit-identical run to run.
+//   stage2_bwd_dkdv<T, D, KN, true>: the same with three more arguments, dk32, dv32 [total_k, H, D]
+//       f32 and `flush` >= 1: after every `flush` tiles summed in registers, when more tiles follow,
+//       the CTA adds its sums into its own rows there (a store the first time) and restarts from
+//       zero; it adds those rows back before the final store. A CTA with at most `flush` tiles
+//       never touches them, and computes the bits of the <.., false> instance (docs/stage2_bwd.md,
+//       12. SM80 path).
 // Semantics are the forward's: query (r, h*G+g) depends on key c iff c/64 is set in its mask row,
 // c < Lk and, when causal, c <= r + Lk - Lq. Gradients are scaled like FlashAttention's.
 #include "common/types.cuh"
@@ -265,7 +271,7 @@ stage2_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
 // dk, dv: CTA = one 64-key block j of one (h, b); warp w owns keys 16 w .. 16 w + 15 and computes
 // the transposed products S^T = K Q^T and dP^T = V dO^T over a tile's 64 query rows, KN at a
 // time, so that P^T and dS^T are already A operands of dV += P^T dO and dK += dS^T Q.
-template <typename T, int D, int KN>
+template <typename T, int D, int KN, bool FLUSH>
 __global__ void __launch_bounds__(128, 2)
 stage2_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -273,7 +279,8 @@ stage2_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __res
                 const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
                 const long long* __restrict__ ut_off, const unsigned* __restrict__ ut, long long ut_h_stride,
                 T* __restrict__ dk, T* __restrict__ dv, int total_q, int HQ, int H, int G, int n_words,
-                long long mask_h_stride, int mask_q_block, float scale_log2, float scale, int causal) {
+                long long mask_h_stride, int mask_q_block, float scale_log2, float scale, int causal,
+                float* __restrict__ dk32, float* __restrict__ dv32, int flush) {
     constexpr int THREADS = 128;
     constexpr int CH = D / 8;
     constexpr float LOG2E = 1.4426950408889634f;
@@ -371,6 +378,35 @@ stage2_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     ldsm_offsets(lane, warp * 16, ROWB, a_off, b_off, t_off);
     const u32 sKa = smem_u32(sK), sVa = smem_u32(sV), sQa = smem_u32(sQ), sOa = smem_u32(sO);
     const int key0 = kbase + warp * 16 + (lane >> 2);   // this thread's keys: key0 and key0 + 8
+
+    // FLUSH: two-level sums (docs/stage2_bwd.md, 12. SM80 path): a key block selected by a million
+    // tokens would add 2^18 tiles into these registers, and fp32 rounding grows with the count. Each
+    // thread moves its own elements, so no barrier; rows of keys past Lk belong to the next sequence.
+    auto flush_sums = [&](bool add) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int key = key0 + 8 * r;
+            const int64 base = ((int64)(sq.ks + key) * H + h) * D + (lane & 3) * 2;
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                float2 a = make_float2(adk[n][2 * r], adk[n][2 * r + 1]);
+                float2 c = make_float2(adv[n][2 * r], adv[n][2 * r + 1]);
+                if (key < sq.Lk) {
+                    float2* pk = reinterpret_cast<float2*>(dk32 + base + n * 8);
+                    float2* pv = reinterpret_cast<float2*>(dv32 + base + n * 8);
+                    if (add) {
+                        const float2 ok = *pk, ov = *pv;
+                        a.x += ok.x; a.y += ok.y; c.x += ov.x; c.y += ov.y;
+                    }
+                    *pk = a;
+                    *pv = c;
+                }
+                adk[n][2 * r] = adk[n][2 * r + 1] = adv[n][2 * r] = adv[n][2 * r + 1] = 0.f;
+            }
+        }
+    };
+    int since = 0;          // tiles summed in the registers since the last flush
+    bool flushed = false;   // dk32 / dv32 hold this CTA's earlier sums
     int stage = 0;
     while (tile >= 0) {
         cp_async_wait<0>();
@@ -428,6 +464,11 @@ stage2_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         }
         stage ^= 1;
         tile = tn;
+        if (FLUSH && ++since == flush && tile >= 0) {
+            flush_sums(flushed);
+            flushed = true;
+            since = 0;
+        }
     }
     cp_async_wait<0>();
 
@@ -438,6 +479,14 @@ stage2_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         const int64 base = ((int64)(sq.ks + key) * H + h) * D + (lane & 3) * 2;
 #pragma unroll
         for (int n = 0; n < D / 8; ++n) {
+            if (FLUSH && flushed) {   // the remainder plus the earlier sums, in this order
+                const float2 ok = *reinterpret_cast<const float2*>(dk32 + base + n * 8);
+                const float2 ov = *reinterpret_cast<const float2*>(dv32 + base + n * 8);
+                adk[n][2 * r] += ok.x;
+                adk[n][2 * r + 1] += ok.y;
+                adv[n][2 * r] += ov.x;
+                adv[n][2 * r + 1] += ov.y;
+            }
             *reinterpret_cast<u32*>(dk + base + n * 8) = pack2<T>(adk[n][2 * r] * scale, adk[n][2 * r + 1] * scale);
             *reinterpret_cast<u32*>(dv + base + n * 8) = pack2<T>(adv[n][2 * r], adv[n][2 * r + 1]);
         }
