@@ -13,8 +13,11 @@ from infllm_cupy.decode.select_decode import (
     SelectDecodePlan,
     check_select_plan,
     emulate_select_decode,
+    emulate_topk_rows,
     plan_select_decode,
+    score_keys,
     select_decode,
+    select_topk_rows,
 )
 from infllm_cupy.decode.step import decode_select, layout_of
 from infllm_cupy.pipeline import InfLLMv2Config
@@ -94,7 +97,10 @@ def test_select_plan_checks_name_the_problem():
     check_select_plan(SelectDecodePlan(2, 1, 3, 1, 2), 20, 125, 65, 128)
     with pytest.raises(ValueError, match="fused_topk"):
         check_select_plan(SelectDecodePlan(2, 1, 3, 1, 2, 1), 20, 125, 65, 128)
+    with pytest.raises(ValueError, match="cta_topk"):
+        check_select_plan(SelectDecodePlan(2, 1, 3, 1, 2, False, 1), 20, 125, 65, 128)
     assert not plan_select_decode(8, 2, 16, 8191, 2047, 132).fused_topk       # opt-in until timed
+    assert plan_select_decode(8, 2, 16, 8191, 2047, 132).cta_topk             # the CTA-wide top-k by default
 
 
 @pytest.mark.parametrize("exact", [False, True], ids=["coarse", "exact"])
@@ -186,6 +192,84 @@ def test_select_decode_checks_name_the_argument():
         select_decode(q, ck1, ck2, L, 4, **kw)
 
 
+# the top-k step alone: row patterns (block scores as values of the score dtype, -0.0 included where
+# a dtype underflows: the kernels order keys, -0.0 below +0.0)
+TOPK_PATTERNS = ("normal", "few_values", "all_equal", "all_ninf", "low_bits", "wide")
+ONE_BITS = {torch.float32: (0x3F800000, torch.int32), torch.bfloat16: (0x3F80, torch.int16),
+            torch.float16: (0x3C00, torch.int16)}
+
+
+def block_rows(pattern, shape, sdt, g):
+    """float32 block scores of `shape` in `pattern`, each a value of `sdt`."""
+    if pattern == "normal":                       # both signs
+        x = torch.randn(shape, generator=g)
+    elif pattern == "few_values":                 # many ties at and around the K-th
+        x = torch.tensor([0.25, 0.5, 1.0, 2.0, float("-inf")])[torch.randint(0, 5, shape, generator=g)]
+    elif pattern == "all_equal":
+        x = torch.full(shape, 0.5)
+    elif pattern == "all_ninf":
+        x = torch.full(shape, float("-inf"))
+    elif pattern == "low_bits":                   # keys that differ in the lowest digit only
+        one, it = ONE_BITS[sdt]
+        return (one + torch.randint(0, 6, shape, generator=g)).to(it).view(sdt).float()
+    else:                                         # "wide": overflow to +-inf and underflow to +-0 in fp16
+        e = torch.rand(shape, generator=g) * 160 - 80
+        x = torch.sign(torch.randn(shape, generator=g)) * torch.exp2(e)
+    return x.to(sdt).float()
+
+
+@pytest.mark.parametrize("sdt", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_topk_emulation_takes_the_best_keys_ties_to_the_lower_block(sdt):
+    # emulate_topk_rows (the GPU tests' reference) against a sort of (key, block) pairs in Python,
+    # with the row completion checked on the blocks it touches
+    g = torch.Generator().manual_seed(3)
+    B, H, T1, out_len = 2, 2, 1, 150
+    seqlens = torch.tensor([64 * out_len, 2000], dtype=torch.int32)
+    for pattern in TOPK_PATTERNS:
+        blk = block_rows(pattern, (B, H, 16 * T1 * 10), sdt, g)
+        lead = block_rows(pattern, (B, H, 10), sdt, g)
+        got = emulate_topk_rows(blk, lead, seqlens, out_len, fine_tiles=T1, topk=20, local_blocks=3,
+                                init_blocks=1, score_dtype=sdt)
+        for b in range(B):
+            L = int(seqlens[b])
+            n1 = (L - 32) // 16 + 1
+            nbv, qb = n1 // 4 + 1, (L - 1) // 64
+            for h in range(H):
+                vals = []
+                for j in range(out_len):
+                    x = float(blk[b, h, j]) if j < nbv else float("-inf")
+                    if j < nbv and j % 16 == 15 and 4 * (j + 1) - 1 < n1:   # range (j + 1) / 16's first key
+                        x = max(x, float(lead[b, h, (j + 1) // 16]))
+                    if j < 1 or qb - 3 <= j <= qb:
+                        x = float("inf")
+                    vals.append(x)
+                keys = score_keys(torch.tensor(vals), sdt).tolist()
+                best = sorted(sorted(range(out_len), key=lambda j: (-keys[j], j))[:23])
+                assert got[h, b].tolist() == [j if j <= qb else -1 for j in best], (pattern, b, h)
+
+
+def test_select_topk_rows_checks_name_the_argument():
+    blk, lead = torch.zeros(2, 1, 32), torch.zeros(2, 1, 2)
+    L = torch.tensor([100, 90], dtype=torch.int32)
+    kw = dict(fine_tiles=1, topk=4, local_blocks=2, init_blocks=1, score_dtype=torch.bfloat16)
+    with pytest.raises((TypeError, ValueError), match="blk"):
+        select_topk_rows(blk.double(), lead, L, 20, **kw)
+    with pytest.raises(ValueError, match="lead"):
+        select_topk_rows(blk, lead[:, :, :1], L, 20, **kw)
+    with pytest.raises(ValueError, match="fine_tiles"):
+        select_topk_rows(blk, lead, L, 20, **dict(kw, fine_tiles=3))
+    with pytest.raises(ValueError, match="out_len"):
+        select_topk_rows(blk, lead, L, 33, **kw)
+    with pytest.raises(ValueError, match="cta_topk"):
+        select_topk_rows(blk, lead, L, 20, cta_topk=1, **kw)
+    with pytest.raises(ValueError, match="threads"):
+        select_topk_rows(blk, lead, L, 20, threads=100, **kw)
+    with pytest.raises(ValueError, match="topk_prefix"):
+        select_topk_rows(blk, lead, L, 20, topk_prefix=-1, **kw)
+    with pytest.raises(ValueError, match="CUDA"):
+        select_topk_rows(blk, lead, L, 20, **kw)
+
+
 # ------------------------------------------------------------------------------------------- GPU
 # (lengths, HQ, H, D, dtype, page_size, exact)
 GPU_CASES = [
@@ -197,6 +281,7 @@ GPU_CASES = [
     ([3001, 800], 24, 2, 128, torch.float16, 128, True),
     ([130000, 5000], 16, 2, 128, torch.bfloat16, None, False),
     ([130001], 8, 1, 64, torch.bfloat16, 256, False),
+    ([3000, 200, 20000], 48, 1, 64, torch.float16, None, False),     # G = 48: the fused top-k on 512 threads
 ]
 GPU_IDS = [f"L{'-'.join(map(str, c[0][:4]))}_HQ{c[1]}_H{c[2]}_D{c[3]}_{str(c[4])[6:]}_"
            f"{'pg' + str(c[5]) if c[5] else 'contig'}{'_exact' if c[6] else ''}" for c in GPU_CASES]
@@ -220,7 +305,10 @@ def test_split_select_kernel_matches_reference_and_prefill_kernel(case):
         n2 = N1 if exact else cache.ck2.shape[1]
         mt = next(t for t in (1, 2, 4) if HQ // H <= 16 * t)
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        plans = [dataclasses.replace(plan_select_decode(len(lengths), H, HQ // H, N1, n2, sms), fused_topk=True)]
+        default = plan_select_decode(len(lengths), H, HQ // H, N1, n2, sms)
+        # the fused top-k and the one-warp top-k (select_row) on the default split: the same rows bit for bit
+        plans = [dataclasses.replace(default, fused_topk=fused, cta_topk=cta)
+                 for fused, cta in ((True, True), (False, False), (True, False))]
         if len(lengths) > 1:                          # a plan with many short ranges selects the same blocks
             plans += [SelectDecodePlan(mt, 1, -(-(N1 + 4) // 64), 1, max(1, -(-n2 // 64)), fused)
                       for fused in (False, True)]
@@ -230,7 +318,7 @@ def test_split_select_kernel_matches_reference_and_prefill_kernel(case):
                                   softmax_scale=cfg.softmax_scale, score_dtype=cfg.score_dtype, exact=exact,
                                   plan=plan)
             if plan.fine_tiles == plans[0].fine_tiles and plan.coarse_tiles == plans[0].coarse_tiles:
-                assert torch.equal(other, got), plan          # the fused top-k: the same rows, bit for bit
+                assert torch.equal(other, got), plan          # the same scores: the same rows, bit for bit
             assert_same_blocks(other.cpu(), ref, bs, tol)
 
 
@@ -289,3 +377,57 @@ def test_split_select_kernel_boundary_keys(short_ranges, fused):
     edge = {t // 4 * r + d for r in (1, 2, 3) for d in (-1, 0)}         # the blocks on both sides of each edge
     assert all(edge <= set(ref[h, b].tolist()) for h in range(H) for b in range(2))
     assert torch.equal(got.cpu(), ref)
+
+
+# (out_len, fine_tiles, lengths, topk, local_blocks, init_blocks): rows of the top-k kernel alone
+TOPK_ROW_CASES = [
+    (2048, 1, [131072, 131000, 1], 64, 32, 1),        # the README decode at 128k: K = 96 of 2048
+    (1500, 2, [96000, 70001, 33], 1, 0, 0),           # K = 1; olp = 1536, not a power of two
+    (100, 1, [6400, 3000, 64], 100, 0, 0),            # K = out_len: every block, -1 past the query's own
+    (333, 4, [21312, 20000, 200], 40, 3, 2),
+    (1, 1, [64, 1, 20], 5, 2, 1),                     # K capped at one block
+    (4097, 1, [262208, 100000, 4000], 200, 8, 1),     # more than 4096 keys
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pattern", TOPK_PATTERNS)
+@pytest.mark.parametrize("sdt", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_cta_topk_equals_the_warp_topk_and_the_emulation(sdt, pattern):
+    # the top-k kernel on planted block scores: the CTA-wide top-k (threads 128 / 256 / 512: the
+    # fused form's CTA sizes and the kernel's) and the one-warp select_row give the same rows bit for
+    # bit, equal to the emulation; topk_prefix = 64 makes the search prefix short, so that keys after
+    # it beat its K-th and the whole row is searched again
+    g = torch.Generator().manual_seed(len(pattern))
+    for out_len, T1, lengths, topk, local_blocks, init_blocks in TOPK_ROW_CASES:
+        B, H = len(lengths), 2
+        R1 = -(-(out_len + 1) // (16 * T1))
+        blk = block_rows(pattern, (B, H, 16 * T1 * R1), sdt, g).cuda()
+        lead = block_rows(pattern, (B, H, R1), sdt, g).cuda()
+        seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        kw = dict(fine_tiles=T1, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks,
+                  score_dtype=sdt)
+        want = emulate_topk_rows(blk, lead, seqlens, out_len, **kw)
+        for threads in (128, 256, 512):
+            for prefix in (0, 64):
+                cta = select_topk_rows(blk, lead, seqlens, out_len, cta_topk=True, topk_prefix=prefix,
+                                       threads=threads, **kw)
+                warp = select_topk_rows(blk, lead, seqlens, out_len, cta_topk=False, topk_prefix=prefix,
+                                        threads=threads, **kw)
+                case = (out_len, lengths, threads, prefix)
+                assert torch.equal(cta, warp), case
+                assert torch.equal(cta.cpu(), want), case
+
+
+def test_bench_select_topk_script_starts():
+    """The top-k benchmark starts: without a GPU it says so; with one, it rejects a bad --inner."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_select_topk.py"
+    r = subprocess.run([sys.executable, str(script), "--inner", "0"], capture_output=True, text=True, timeout=120)
+    if not torch.cuda.is_available():
+        assert r.returncode == 0 and "needs a CUDA GPU" in r.stdout, r.stderr
+    else:
+        assert r.returncode == 2 and "--inner" in r.stderr, r.stderr
