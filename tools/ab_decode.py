@@ -1,0 +1,218 @@
+"""A/B of split-KV decode plan variants (and the pre-issue-#22 kernels), interleaved CUDA-graph
+replays in one process (development tool; docs/decode.md, sections 3-5).
+
+    mkdir -p /tmp/old && git archive 4da7f5b~1 kernels_cu | tar -x -C /tmp/old   # the kernels before issue #22
+    python tools/ab_decode.py --old-tree /tmp/old/kernels_cu
+
+Configs (README head shape: HQ 32, H 2, D 128, bf16, contiguous cache, K = 96 selected blocks in
+InfLLM-v2's shape): 8x32k sparse, 8x32k sparse + weights, 8x32k dense, 8x32k dense + weights,
+1x128k sparse (`--configs`). Variants (`--variants`, `label:FIELD=VALUE+FIELD=VALUE` over the plan
+`plan_decode` gives the config, e.g. `ev1:kv_evict_first=1`, `mg32:merge_groups=32`; `default` is the
+plan itself): the default list times the cache policy both ways and the merge at a few group counts.
+With `--old-tree DIR`, variant `old` launches that tree's kernels with the launch of commit
+4da7f5b~1 (split without the cache-policy argument, merge at 256 threads) on the same plan's splits.
+
+Each variant's call (split, merge and, with weights, the weights pass: one `sparse_decode` step) is
+captured `--calls` times in one CUDA graph; each repetition replays every variant's graph once in
+rotated order (clock and power drift fall on all alike) and the median per call is reported, with
+the ratio to the first variant and the K/V bytes per second. Before timing, every variant's output
+(out, lse, weights) is compared with the first variant's: `same bits`, or the largest difference,
+and FAIL past fp32-reassociation size (out 2e-2, lse 1e-3, weights 1e-5 absolute).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_decode import random_selection  # noqa: E402
+from infllm_cupy import _env  # noqa: E402
+from infllm_cupy._launch import CXX_TYPE, cdiv, ptr  # noqa: E402
+from infllm_cupy.decode._fast import Launches  # noqa: E402
+
+SD = importlib.import_module("infllm_cupy.decode.sparse_decode")   # the package exports a function of that name
+
+CONFIGS = {   # name: (B, L, sparse, weights)
+    "8x32k_sparse": (8, 32768, True, False),
+    "8x32k_sparse_w": (8, 32768, True, True),
+    "8x32k_dense": (8, 32768, False, False),
+    "8x32k_dense_w": (8, 32768, False, True),
+    "1x128k_sparse": (1, 131072, True, False),
+}
+DEFAULT_VARIANTS = ["default", "ev0:kv_evict_first=0", "ev1:kv_evict_first=1", "mg2:merge_groups=2",
+                    "mg8:merge_groups=8", "mg32:merge_groups=32"]
+TOL = {"out": 2e-2, "lse": 1e-3, "weights": 1e-5}
+
+
+def parse_variant(spec: str):
+    """(label, {plan field: value}) of one --variants entry."""
+    label, _, rest = spec.partition(":")
+    fields = {}
+    for part in filter(None, rest.split("+")):
+        name, _, val = part.partition("=")
+        if name == "kv_evict_first":
+            fields[name] = val.lower() in ("1", "true", "yes")
+        elif name in ("merge_groups", "num_splits", "per_split", "row_tiles"):
+            fields[name] = int(val)
+        else:
+            raise SystemExit(f"--variants {spec!r}: unknown plan field {name!r}")
+    return label, fields
+
+
+def old_call(tree: str, q, cache, topk, plan, weights: bool, scale: float):
+    """The launch of commit 4da7f5b~1 (the kernels of `tree`): same splits as `plan`."""
+    k, v, seqlens = cache
+    B, HQ, D = q.shape
+    H, width = k.shape[2], k.shape[1]
+    G, K = HQ // H, (topk.shape[2] if topk is not None else 0)
+    S, dev = plan.num_splits, q.device
+    n_o, n_l = B * HQ * S * D, B * HQ * S
+    scratch = torch.empty(n_o + n_l + B * HQ, dtype=torch.float32, device=dev)
+    o_part, lse_part, lse2 = scratch[:n_o], scratch[n_o:n_o + n_l], scratch[n_o + n_l:]
+    out = torch.empty((B, HQ, D), dtype=q.dtype, device=dev)
+    lse = torch.empty((B, HQ), dtype=torch.float32, device=dev)
+    w_out = torch.empty((B, HQ, width), dtype=torch.float32, device=dev) if weights else None
+    null = np.uint64(0)
+    run = Launches(dev)
+    run.add(SD.SOURCE, f"sparse_decode_split<{CXX_TYPE[q.dtype]}, {D}, {plan.row_tiles}>", (S, H, B),
+            (128 * plan.row_tiles,), plan.split_smem_bytes(D, topk is not None, K),
+            (ptr(q), ptr(k), ptr(v), ptr(seqlens), null, np.int32(0), np.int32(0), np.int32(width),
+             ptr(topk) if topk is not None else null, np.int32(K), np.int32(B), np.int32(H), np.int32(G),
+             np.int32(plan.per_split), np.float32(scale * math.log2(math.e)), ptr(o_part), ptr(lse_part),
+             ptr(w_out) if weights else null, np.int32(width)))
+    run.add(SD.SOURCE, f"sparse_decode_merge<{CXX_TYPE[q.dtype]}, {D}>", (B * HQ,), (256,), 4 * S,
+            (ptr(o_part), ptr(lse_part), np.int32(S), ptr(out), ptr(lse), ptr(lse2)))
+    if weights:
+        run.add(SD.SOURCE, "sparse_decode_weights", (cdiv(width, SD.WCHUNK), H, B), (SD.WCHUNK // 4,), 0,
+                (ptr(w_out), ptr(lse2), ptr(seqlens), ptr(topk) if topk is not None else null, np.int32(K),
+                 np.int32(B), np.int32(H), np.int32(G), np.int32(width), np.int32(0), ptr(w_out)))
+    with _env.override(kernels_dir=tree):
+        run.run()
+    return (out, lse, w_out) if weights else (out, lse)
+
+
+def capture(fn, calls: int):
+    """A CUDA graph of `calls` calls of `fn` (warmed up on the capture stream first)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
+def compare(res, base) -> tuple[str, bool]:
+    if all(torch.equal(a, b) for a, b in zip(res, base)):
+        return "same bits", True
+    parts, ok = [], True
+    for name, a, b in zip(("out", "lse", "weights"), res, base):
+        fin = torch.isfinite(b) & torch.isfinite(a)
+        if not torch.equal(torch.isfinite(a), torch.isfinite(b)):
+            parts.append(f"{name} inf pattern differs")
+            ok = False
+            continue
+        d = (a.float()[fin] - b.float()[fin]).abs().max().item() if bool(fin.any()) else 0.0
+        ok &= d <= TOL[name]
+        parts.append(f"{name} {d:.1e}")
+    return ", ".join(parts) + ("" if ok else "  FAIL"), ok
+
+
+def run_config(name: str, a, variants) -> bool:
+    B, L, sparse, weights = CONFIGS[name]
+    HQ, H, D, dtype = 32, 2, 128, torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k = torch.randn(B, L, H, D, generator=g, device="cuda", dtype=dtype)
+    v = torch.randn(B, L, H, D, generator=g, device="cuda", dtype=dtype)
+    seqlens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, HQ, D, generator=g, device="cuda", dtype=dtype)
+    cache = (k, v, seqlens)
+    topk = random_selection(B, H, L, a.topk, a.local_blocks, "cuda", g) if sparse else None
+    n_entries = topk.shape[2] if sparse else cdiv(L, 64)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    base_plan = SD.plan_decode(B, H, HQ // H, n_entries, sms, attn_weights=weights)
+    kv_bytes = 2 * B * H * D * 2 * (n_entries * 64 if sparse else L)
+    scale = D ** -0.5
+
+    calls = []
+    for label, fields in variants:
+        if label == "old":
+            fn = (lambda: old_call(a.old_tree, q, cache, topk, base_plan, weights, scale))
+            desc = f"old kernels ({a.old_tree}), {base_plan.num_splits} splits"
+        else:
+            plan = dataclasses.replace(base_plan, **fields)
+            if "num_splits" not in fields and "per_split" in fields:
+                plan = dataclasses.replace(plan, num_splits=cdiv(n_entries, plan.per_split))
+            fn = (lambda plan=plan: SD.sparse_decode(q, cache, topk, return_lse=True, return_attn_weights=weights,
+                                                     plan=plan))
+            desc = (f"S {plan.num_splits} x {plan.per_split}, evict_first {plan.kv_evict_first}, merge "
+                    f"{plan.merge_threads(D)} threads")
+        calls.append((label, fn, desc))
+    print(f"\n{name}: B {B} L {L} {'K ' + str(n_entries) if sparse else 'dense'}{' + weights' if weights else ''}, "
+          f"{kv_bytes / 1e6:.1f} MB of K/V", flush=True)
+    ok = True
+    base = None
+    for label, fn, desc in calls:
+        res = fn()
+        torch.cuda.synchronize()
+        if base is None:
+            base, note = res, "reference"
+        else:
+            note, good = compare(res, base)
+            ok &= good
+        print(f"  {label:10s} {desc:60s} {note}", flush=True)
+    graphs = [(label, capture(fn, a.calls)) for label, fn, _ in calls]
+    torch.cuda.synchronize()
+    times = {label: [] for label, _ in graphs}
+    for rep in range(a.reps):
+        r = rep % len(graphs)
+        for label, graph in graphs[r:] + graphs[:r]:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            graph.replay()
+            e1.record()
+            times[label].append((e0, e1))
+    torch.cuda.synchronize()
+    med = {lb: statistics.median(e0.elapsed_time(e1) * 1e3 / a.calls for e0, e1 in ev) for lb, ev in times.items()}
+    first = med[graphs[0][0]]
+    for label, _ in graphs:
+        print(f"  {label:10s} {med[label]:9.2f} us  {first / med[label]:.3f}x of {graphs[0][0]}  "
+              f"{kv_bytes / med[label] / 1e6:7.0f} GB/s K/V", flush=True)
+    return ok
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
+    p.add_argument("--old-tree", default=None, help="a kernels_cu/ folder from before issue #22: adds variant `old`")
+    p.add_argument("--topk", type=int, default=64)
+    p.add_argument("--local-blocks", type=int, default=32)
+    p.add_argument("--calls", type=int, default=20, help="calls per graph replay")
+    p.add_argument("--reps", type=int, default=60, help="replays per variant")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    variants = [parse_variant(s) for s in a.variants]
+    if a.old_tree:
+        if not (Path(a.old_tree) / "decode" / "sparse_decode.cu").is_file():
+            raise SystemExit(f"--old-tree {a.old_tree}: no decode/sparse_decode.cu there")
+        variants.insert(0, ("old", {}))
+    ok = all([run_config(c, a, variants) for c in a.configs])
+    print("\nall outputs agree" if ok else "\nSOME OUTPUTS DIFFER (FAIL above)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
