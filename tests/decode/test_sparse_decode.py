@@ -274,7 +274,8 @@ def test_kernel_plans_agree():
 @pytest.mark.parametrize("D", [64, 128])
 def test_kernel_plan_variants(page_size, D):
     # the K/V cache policy changes no bit; merge group counts (32 to 1024 threads) only the fp32
-    # merge order; many splits (S > the merge's threads) and one; both logit store paths (W % 4)
+    # merge order; 1 to 41 splits (up to 41 per merge thread with one group); both logit store paths
+    # (W % 4 == 0 or not); page sizes whose blocks per page are a power of two (64) or not (192)
     lengths, HQ, H, dtype = [1000, 333, 64, 2500], 32, 2, torch.bfloat16
     cache = make_cache(lengths, H, D, dtype, page_size=page_size, device="cuda", spare=70 if page_size else 71)
     q = torch.randn(len(lengths), HQ, D, generator=torch.Generator().manual_seed(5)).to("cuda", dtype)
@@ -290,8 +291,8 @@ def test_kernel_plan_variants(page_size, D):
         base = None
         for S in (1, 5, n):
             per = cdiv_(n, S)
-            for evict in (False, True):
-                for groups in (0, max(1, 128 // D), 1024 // (D // 4)):
+            for groups in (0, max(1, 128 // D), 1024 // (D // 4)):
+                for evict in (False, True):
                     plan = DecodePlan(1, cdiv_(n, per), per, kv_evict_first=evict, merge_groups=groups)
                     res = sparse_decode(q, cache, sel, return_lse=True, return_attn_weights=True, plan=plan)
                     name = f"S{plan.num_splits}_evict{int(evict)}_g{groups}_{'sparse' if sel is not None else 'dense'}"
