@@ -7,8 +7,9 @@ replays in one process (development tool; docs/decode.md, sections 3-5).
 Configs (README head shape: HQ 32, H 2, D 128, bf16, contiguous cache, K = 96 selected blocks in
 InfLLM-v2's shape): 8x32k sparse, 8x32k sparse + weights, 8x32k dense, 8x32k dense + weights,
 1x128k sparse (`--configs`). Variants (`--variants`, `label:FIELD=VALUE+FIELD=VALUE` over the plan
-`plan_decode` gives the config, e.g. `ev1:kv_evict_first=1`, `mg32:merge_groups=32`; `default` is the
-plan itself): the default list times the cache policy both ways and the merge at a few group counts.
+`plan_decode` gives the config, e.g. `ev1:kv_evict_first=1`, `mg32:merge_groups=32`, `pdl0:pdl=0`;
+`default` is the plan itself): the default list times the cache policy both ways, the merge at a few
+group counts and without programmatic dependent launch.
 With `--old-tree DIR`, variant `old` launches that tree's kernels with the launch of commit
 4da7f5b~1 (split without the cache-policy argument, merge at 256 threads) on the same plan's splits.
 
@@ -48,7 +49,7 @@ CONFIGS = {   # name: (B, L, sparse, weights)
     "1x128k_sparse": (1, 131072, True, False),
 }
 DEFAULT_VARIANTS = ["default", "ev0:kv_evict_first=0", "ev1:kv_evict_first=1", "mg2:merge_groups=2",
-                    "mg8:merge_groups=8", "mg32:merge_groups=32"]
+                    "mg8:merge_groups=8", "mg32:merge_groups=32", "pdl0:pdl=0"]
 TOL = {"out": 2e-2, "lse": 1e-3, "weights": 1e-5}
 
 
@@ -58,7 +59,7 @@ def parse_variant(spec: str):
     fields = {}
     for part in filter(None, rest.split("+")):
         name, _, val = part.partition("=")
-        if name == "kv_evict_first":
+        if name in ("kv_evict_first", "pdl"):
             fields[name] = val.lower() in ("1", "true", "yes")
         elif name in ("merge_groups", "num_splits", "per_split", "row_tiles"):
             fields[name] = int(val)
@@ -157,7 +158,7 @@ def run_config(name: str, a, variants) -> bool:
             fn = (lambda plan=plan: SD.sparse_decode(q, cache, topk, return_lse=True, return_attn_weights=weights,
                                                      plan=plan))
             desc = (f"S {plan.num_splits} x {plan.per_split}, evict_first {plan.kv_evict_first}, merge "
-                    f"{plan.merge_threads(D)} threads")
+                    f"{plan.merge_threads(D)} threads, pdl {plan.pdl}")
         calls.append((label, fn, desc))
     print(f"\n{name}: B {B} L {L} {'K ' + str(n_entries) if sparse else 'dense'}{' + weights' if weights else ''}, "
           f"{kv_bytes / 1e6:.1f} MB of K/V", flush=True)

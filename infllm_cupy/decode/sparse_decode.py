@@ -62,12 +62,15 @@ class DecodePlan:
         kv_evict_first (bool): K/V loads with an L2 evict-first cache policy.
         merge_groups (int): thread groups of the merge over the splits (a power of two, D / 4 threads
             each, 32 to 1024 threads in all); 0 = `default_merge_groups`.
+        pdl (bool): under CUDA-graph capture on sm_90, launch the merge and the weights pass as
+            programmatic dependents of the kernel before them (their launch overlaps its tail).
     """
     row_tiles: int
     num_splits: int
     per_split: int
     kv_evict_first: bool = False
     merge_groups: int = 0
+    pdl: bool = True
 
     def merge_threads(self, head_dim: int) -> int:
         """Threads per CTA of the merge: merge_groups (or its default) groups of head_dim / 4."""
@@ -192,12 +195,12 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
              ptr(logits) if logits is not None else null, np.int32(width), np.int32(plan.kv_evict_first)))
     nt = plan.merge_threads(D)
     run.add(SOURCE, f"sparse_decode_merge<{CXX_TYPE[q.dtype]}, {D}>", (B * HQ,), (nt,), 16 * nt + 4 * S,
-            (ptr(o_part), ptr(lse_part), np.int32(S), ptr(out), ptr(lse), ptr(lse2)))
+            (ptr(o_part), ptr(lse_part), np.int32(S), ptr(out), ptr(lse), ptr(lse2)), pdl=plan.pdl)
     if return_attn_weights:
         run.add(SOURCE, "sparse_decode_weights", (cdiv(width, WCHUNK), H, B), (WCHUNK // 4,), 0,
                 (ptr(logits), ptr(lse2), ptr(seqlens), ptr(topk_idx) if sparse else null, np.int32(K),
                  np.int32(B), np.int32(H), np.int32(G), np.int32(width),
-                 np.int32(weights == "per_kv_head"), ptr(w_out)))
+                 np.int32(weights == "per_kv_head"), ptr(w_out)), pdl=plan.pdl)
     run.run()
     res = [out]
     if return_lse:
@@ -215,10 +218,12 @@ def check_plan(plan, group: int, n_entries: int, head_dim: int, k: int = 0) -> N
     if plan.num_splits < 1 or plan.per_split < 1 or plan.num_splits * plan.per_split < n_entries:
         raise ValueError(f"plan: {plan!r} covers {plan.num_splits * plan.per_split} entries, fewer than "
                          f"the {n_entries} to read")
-    if not isinstance(plan.kv_evict_first, bool):
-        raise ValueError(f"plan: kv_evict_first must be a bool, got {plan.kv_evict_first!r}")
+    for flag in ("kv_evict_first", "pdl"):
+        if not isinstance(getattr(plan, flag), bool):
+            raise ValueError(f"plan: {flag} must be a bool, got {getattr(plan, flag)!r}")
     g = plan.merge_groups
-    if isinstance(g, bool) or not isinstance(g, int) or g < 0 or (g & (g - 1)) or (g and not 32 <= g * (head_dim // 4) <= MERGE_MAX_THREADS):
+    is_int = isinstance(g, int) and not isinstance(g, bool)
+    if not is_int or g < 0 or (g & (g - 1)) or (g and not 32 <= g * (head_dim // 4) <= MERGE_MAX_THREADS):
         raise ValueError(f"plan: merge_groups must be 0 (default) or a power of two with 32 <= merge_groups x "
                          f"D / 4 <= {MERGE_MAX_THREADS} at D = {head_dim}, got {g!r}")
     if plan.split_smem_bytes(head_dim, k > 0, k) > MAX_SMEM:

@@ -28,11 +28,13 @@
 // sparse_decode_merge<T, D>
 //   grid (B * HQ)  block (P * D / 4) for a power of two P, 32 .. 1024 threads (DecodePlan.merge_threads)
 //   dynamic shared memory 16 * blockDim + 4 * S bytes (the groups' float4 sums, then the merge weights)
+//   may be launched as a programmatic dependent of the split kernel (it waits before reading)
 //   out [B, HQ, D] T = sum_s 2^(lse_s - lse) o_s;  lse_out float [B, HQ] natural log (+inf when
 //   no split saw a key, then out = 0);  lse2_out float [B * HQ] the same in log2 (weights pass)
 //
 // sparse_decode_weights
-//   grid (cdiv(W, WCHUNK), H, B)  block (WCHUNK / 4 = 256)  static shared memory
+//   grid (cdiv(W, WCHUNK), H, B)  block (WCHUNK / 4 = 256)  static shared memory; may be launched as a
+//   programmatic dependent of the merge (it waits before reading)
 //   out [B, HQ, W] (per_kv_head = 0) or [B, H, W] (per_kv_head = 1) float: 2^(logit - lse2) at the
 //   selected positions < L_b, 0 elsewhere. With per_kv_head = 0, `logits` may alias `out` (each
 //   element is read and then written by the same thread).
@@ -88,6 +90,17 @@ __device__ __forceinline__ unsigned long long l2_evict_first_policy() {
     unsigned long long p;
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
     return p;
+}
+
+// Programmatic dependent launch (sm_90; a no-op below, and in a grid launched without the attribute):
+// the merge and the weights pass may be launched as dependents of the kernel before them, so that
+// their launch overlaps that kernel's tail (DecodePlan.pdl); they wait here before reading its output.
+// The wait returns once the grid before has completed and flushed (the merge's wait covers the split
+// kernel for the weights pass too: the merge completes after it).
+__device__ __forceinline__ void sd_pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
 }
 
 // The epilogue's fp32 sum buffers over the (free) K/V stages: NBUF buffers of 16 MT rows of OROW
@@ -451,6 +464,7 @@ sparse_decode_merge(const float* __restrict__ o_part, const float* __restrict__ 
     float* wts = reinterpret_cast<float*>(merge_smem + P * DV);
     const int64 row = blockIdx.x;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    sd_pdl_wait();
     const float* lp = lse_part + row * S;
     float M = -INFLLM_INF;
     for (int s = tid; s < S; s += NTH) M = fmaxf(M, lp[s]);
@@ -514,6 +528,7 @@ sparse_decode_weights(const float* logits, const float* __restrict__ lse2, const
     __shared__ float lse_s[64];
     const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
     const int p0 = blockIdx.x * WCHUNK, blk0 = p0 / BLK;
+    sd_pdl_wait();
     const int L = seqlens[b], nb = (L + BLK - 1) / BLK;
     const int HQ = H * G;
     for (int g = tid; g < G; g += blockDim.x) lse_s[g] = lse2[(int64)b * HQ + (int64)h * G + g];

@@ -175,6 +175,8 @@ def test_plan_cache_policy_and_merge_groups():
             check_plan(plan, 16, 96, D, 96)
     with pytest.raises(ValueError, match="kv_evict_first"):
         check_plan(DecodePlan(1, 8, 12, kv_evict_first=1), 16, 96, 128, 96)
+    with pytest.raises(ValueError, match="pdl"):
+        check_plan(DecodePlan(1, 8, 12, pdl=None), 16, 96, 128, 96)
 
 
 def cdiv_(a, b):
