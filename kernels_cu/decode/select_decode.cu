@@ -537,7 +537,8 @@ __device__ __forceinline__ void sel_topk_row(KT* rowk, int* scratch, const float
                                              int kind, int cta, int topk_prefix, int* __restrict__ topk_idx, int tid,
                                              int nthreads) {
     constexpr int KB = Score<KT>::KEY_BITS;
-    constexpr int UNR = 4;                            // blocks per thread in flight (L2 latency)
+    constexpr int UNR = 8;                            // blocks per thread in flight (L2 latency): 2048 blocks
+                                                      // on 256 threads in one round
     if (K <= 0) return;
     const int n1 = sel_windows(L, SEL_FINE_KS, SEL_FINE_ST);
     const int nbv = n1 > 0 ? n1 / 4 + 1 : 0;          // blocks j with a fine key (4 j - 1 < n1)
