@@ -1,6 +1,7 @@
 """Stage 1 for decode split over CTAs (decode/select_decode.py, kernels_cu/decode/select_decode.cu): the
-plan, the merge math (a PyTorch emulation of the split algorithm against the reference, CPU) and the
-kernels against the reference and the prefill stage-1 kernel (GPU)."""
+plan, the merge math (a PyTorch emulation of the split algorithm against the reference, CPU), the
+kernels against the reference and the prefill stage-1 kernel, and the top-k launch alone on planted
+block scores, its CTA-wide and one-warp forms against each other and the emulation (GPU)."""
 import dataclasses
 import functools
 import importlib
