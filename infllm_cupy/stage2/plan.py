@@ -169,9 +169,9 @@ BLOCK0_PART_TILES = 1024
 DKDV_PASS_BYTES = 32 << 20
 DKDV_MAX_PASSES = 8
 # Flush interval of the SM80 dk/dv (docs/stage2_bwd.md, 12. SM80 path): a CTA adds its register sums
-# to fp32 rows in global memory after this many 64-row query tiles. A quarter of the tiles one sm_90a
-# query-range pass sums at 1M tokens (which met the error rule there); up to 32k tokens at G = 16
-# no CTA has more, so nothing is allocated and the kernel is the one without flushes.
+# to fp32 rows in global memory after this many 64-row query tiles: a quarter of the query rows one
+# sm_90a query-range pass sums at 1M tokens (which met the error rule there). Up to 32k tokens at
+# G = 16 no CTA has more, so nothing is allocated and the kernel is the one without flushes.
 DKDV_FLUSH_TILES = 8192
 # dq ring step shapes (the kernel's `step_mode`; dq has 64-key steps only): one ring shared by the
 # warpgroups, the per-CTA choice between shared and per-warpgroup rings, or split rings everywhere
