@@ -249,6 +249,19 @@ def test_topk_emulation_takes_the_best_keys_ties_to_the_lower_block(sdt):
                 assert got[h, b].tolist() == [j if j <= qb else -1 for j in best], (pattern, b, h)
 
 
+def test_topk_scratch_size_matches_the_kernel():
+    # the launcher sizes the top-k kernel's shared memory as the row plus the CTA top-k's scratch
+    import re
+
+    from infllm_cupy import _jit
+
+    src = (_jit.kernels_dir() / sd.SOURCE).read_text()
+    ints = int(re.search(r"#define SEL_TOPK_SCRATCH (\d+)", src).group(1))
+    assert sd.TOPK_SCRATCH_BYTES == 4 * ints and ints >= 2 * 256 + 64 + 2
+    assert sd._topk_row_smem(100, 1) == (128, 256 + 4 * ints)
+    with pytest.raises(ValueError, match="shared memory"):
+        sd._topk_row_smem(sd.MAX_SMEM // 4, 0)
+
 def test_select_topk_rows_checks_name_the_argument():
     blk, lead = torch.zeros(2, 1, 32), torch.zeros(2, 1, 2)
     L = torch.tensor([100, 90], dtype=torch.int32)
