@@ -8,7 +8,10 @@ the split kernels"). GPU only; CUDA-graph replays.
 Configs are BATCHxCONTEXT (k = 1024), README head config (HQ 32, H 2, D 128, bf16), K = topk +
 local_blocks = 96 by default, full caches of CONTEXT keys. Rows (`impl`):
     topk_cta, topk_warp        the top-k launch alone (`select_topk_rows`) on block scores of the config's
-                               shape (positive, spread like pooled softmax sums, rounded to --score)
+                               shape (positive, spread like pooled softmax sums, rounded to --score);
+                               256 threads, as select_decode launches it
+    topk_cta_tN                the CTA top-k launch alone on N threads (--topk-threads; the fused form
+                               runs 128 x row_tiles)
     select_cta, select_warp    `select_decode` with the default plan (coarse, fine and top-k launches)
     fused_cta, fused_warp      the same with the fused top-k (the last fine CTA of each row)
 A graph holds --inner calls back to back; `us` is the replay time divided by --inner (a launch's share
@@ -54,7 +57,7 @@ def graph_of(fn, inner: int):
 
 
 def bench_config(a, B: int, L: int) -> list[dict]:
-    """The six rows of one config (dicts: impl, config, score, us, us_p20, us_p80, same, note)."""
+    """The rows of one config (dicts: impl, config, score, us, us_p20, us_p80, same, note)."""
     from infllm_cupy.decode.select_decode import plan_select_decode, select_decode, select_topk_rows
 
     dev, sdt = torch.device("cuda"), SCORES[a.score]
@@ -75,6 +78,9 @@ def bench_config(a, B: int, L: int) -> list[dict]:
     lead = torch.exp2(torch.randn(B, H, plan.fine_ranges, generator=g, device=dev) * 4 - 12).to(sdt).float()
     kw = dict(topk=a.topk, local_blocks=a.local_blocks, init_blocks=1, score_dtype=sdt)
     calls = {}
+    for n in a.topk_threads:
+        calls[f"topk_cta_t{n}"] = lambda n=n: select_topk_rows(
+            blk, lead, cache.seqlens, out_len, fine_tiles=plan.fine_tiles, cta_topk=True, threads=n, **kw)
     for cta in (True, False):
         tag = "cta" if cta else "warp"
         calls[f"topk_{tag}"] = lambda cta=cta: select_topk_rows(
@@ -86,7 +92,9 @@ def bench_config(a, B: int, L: int) -> list[dict]:
                 **kw)
     print(f"\n== {cfg_id}: out_len {out_len}, K {min(a.topk + a.local_blocks, out_len)}, {plan}", flush=True)
     recs, results = [], {}
-    for impl in ("topk_cta", "topk_warp", "select_cta", "select_warp", "fused_cta", "fused_warp"):
+    impls = ("topk_cta", "topk_warp", *(f"topk_cta_t{n}" for n in a.topk_threads),
+             "select_cta", "select_warp", "fused_cta", "fused_warp")
+    for impl in impls:
         rec = {"impl": impl, "config": cfg_id, "score": a.score}
         try:
             results[impl] = calls[impl]()
@@ -100,7 +108,7 @@ def bench_config(a, B: int, L: int) -> list[dict]:
             rec["note"] = _short(e)
         recs.append(rec)
     for rec in recs:
-        other = rec["impl"].rsplit("_", 1)[0] + "_warp"
+        other = rec["impl"].split("_", 1)[0] + "_warp"
         if rec["impl"] in results and other in results:
             rec["same"] = bool(torch.equal(results[rec["impl"]], results[other]))
         print(f"  {rec}", flush=True)
@@ -118,6 +126,7 @@ def main(argv=None):
     p.add_argument("--local-blocks", type=int, default=32)
     p.add_argument("--score", choices=tuple(SCORES), default="bf16", help="score dtype (the top-k key width)")
     p.add_argument("--inner", type=int, default=20, help="calls per graph replay. Default: %(default)s")
+    p.add_argument("--topk-threads", default="128,512", help="topk_cta_tN rows (multiples of 32 up to 512)")
     p.add_argument("--rep", type=int, default=None, help="timed replays; default adaptive")
     p.add_argument("--json", default=None, help="write the rows and the env stamp to this file")
     a = p.parse_args(argv)
@@ -126,6 +135,7 @@ def main(argv=None):
         return []
     if a.inner < 1 or a.hq % a.h:
         p.error("--inner must be >= 1 and --hq a multiple of --h")
+    a.topk_threads = [int(x) for x in a.topk_threads.split(",") if x]
     try:
         configs = [parse_config(c) for c in a.configs.split(",") if c]
     except ValueError:

@@ -74,7 +74,7 @@ class SelectDecodePlan:
     coarse_tiles: int
     coarse_ranges: int
     fused_topk: bool = False
-    cta_topk: bool = True
+    cta_topk: bool = dataclasses.field(default=True, kw_only=True)
 
     def score_smem_bytes(self, head_dim: int, fine: bool) -> int:
         """Dynamic shared memory of a score kernel (SelSmem in the .cu; the fine kernel adds its range's

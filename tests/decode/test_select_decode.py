@@ -99,7 +99,7 @@ def test_select_plan_checks_name_the_problem():
     with pytest.raises(ValueError, match="fused_topk"):
         check_select_plan(SelectDecodePlan(2, 1, 3, 1, 2, 1), 20, 125, 65, 128)
     with pytest.raises(ValueError, match="cta_topk"):
-        check_select_plan(SelectDecodePlan(2, 1, 3, 1, 2, False, 1), 20, 125, 65, 128)
+        check_select_plan(SelectDecodePlan(2, 1, 3, 1, 2, cta_topk=1), 20, 125, 65, 128)
     assert not plan_select_decode(8, 2, 16, 8191, 2047, 132).fused_topk       # opt-in until timed
     assert plan_select_decode(8, 2, 16, 8191, 2047, 132).cta_topk             # the CTA-wide top-k by default
 
