@@ -344,17 +344,20 @@ def dense_aux(**given) -> dict:
 
 
 def _prefill(stages: dict, q, k, v, cu_seqlens_q, cu_seqlens_k, lq: list[int], lk: list[int], max_seqlen_q: int,
-             max_seqlen_k: int, cfg: InfLLMv2Config, return_aux: bool, kernel_path: bool):
-    """The prefill pipeline over checked inputs, with the given stage implementations."""
+             max_seqlen_k: int, cfg: InfLLMv2Config, return_aux: bool, kernel_path: bool, compressed=None):
+    """The prefill pipeline over checked inputs, with the given stage implementations; `compressed`
+    (`ck1, cu_seqlens_c1, ck2, cu_seqlens_c2` of k, or None) skips the compression."""
     if max_seqlen_k < cfg.dense_len:
         out = stages["dense_attn"](q, k, v, cu_seqlens_q, cu_seqlens_k, causal=True,
                                    softmax_scale=cfg.softmax_scale)
         return (out, dense_aux()) if return_aux else out
     if kernel_path:
         check_kernel_path(cfg, q, k, v)
-    cache_lens = torch.tensor([b - a for a, b in zip(lq, lk)], dtype=torch.int32, device=q.device)
+    # host ints, not a device tensor: stage 1 needs max(cache_lens) on the host, which a CUDA tensor
+    # would cost a device-to-host sync to give
+    cache_lens = [b - a for a, b in zip(lq, lk)]
     aux = select_blocks(stages, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache_lens, True, cfg,
-                        need_scores=return_aux)
+                        *(compressed or ()), need_scores=return_aux)
     out = stages["sparse_attn"](q, k, v, cu_seqlens_q, cu_seqlens_k, aux["topk_idx"], max_seqlen_q, max_seqlen_k,
                                 causal=True, softmax_scale=cfg.softmax_scale, block_size=cfg.block_size)
     return (out, dict(dense=False, **aux)) if return_aux else out
@@ -481,6 +484,52 @@ def infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
                                                                 max_seqlen_k)
     return _prefill(stages_for(q, backend), q, k, v, cu_seqlens_q, cu_seqlens_k, lq, lk, max_seqlen_q, max_seqlen_k,
                     cfg, return_aux, kernel_path=uses_kernels(q, backend))
+
+
+def infllmv2_attention_host_lengths(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                    cu_seqlens_k: torch.Tensor, seqlens_q: list[int], seqlens_k: list[int],
+                                    config: InfLLMv2Config | None = None, *, backend: str = "auto",
+                                    compressed: tuple | None = None) -> torch.Tensor:
+    r"""`infllmv2_attention` for a caller that knows the sequence lengths on the host (the transformers
+    integration, docs/integrations.md "How the backend maps HF's calls"): the lengths are not read back
+    from `cu_seqlens_*` (a device-to-host sync per call), and `compressed` may hand over k's compressed
+    keys (e.g. a `DecodeCache`'s) instead of compressing k again. Same outputs as `infllmv2_attention`
+    when `compressed` is what `compress_k` gives for k.
+
+    Args:
+        q, k, v, cu_seqlens_q, cu_seqlens_k, config, backend:
+            As in `infllmv2_attention` (`cu_seqlens_k` required).
+        seqlens_q, seqlens_k (list[int]):
+            Per-sequence query and key lengths, the differences of `cu_seqlens_q` / `cu_seqlens_k`
+            (trusted: only their sums and `Lq <= Lk` are checked, on the host).
+        compressed (tuple, Optional):
+            `(ck1, cu_seqlens_c1, ck2, cu_seqlens_c2)` of k with the config's kernel sizes and strides
+            (packed varlen, as `compress_k` returns them), or None to compress here. Default: `None`.
+
+    Returns:
+        out (torch.Tensor): `[total_q, HQ, D]` in q's dtype.
+    """
+    cfg = check_config(config)
+    check_backend(backend)
+    check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    for name, lens, total, cu in (("seqlens_q", seqlens_q, q.shape[0], cu_seqlens_q),
+                                  ("seqlens_k", seqlens_k, k.shape[0], cu_seqlens_k)):
+        if (not isinstance(lens, (list, tuple)) or len(lens) != cu.numel() - 1
+                or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in lens) or sum(lens) != total):
+            raise ValueError(f"{name} must be {cu.numel() - 1} non-negative ints summing to {total}, got "
+                             f"{list(lens)[:16] if isinstance(lens, (list, tuple)) else lens!r}")
+    if any(a > b for a, b in zip(seqlens_q, seqlens_k)):
+        raise ValueError(f"seqlens_q: every query length must be <= its key length, got {seqlens_q} vs {seqlens_k}")
+    if compressed is not None:
+        if not isinstance(compressed, (tuple, list)) or len(compressed) != 4:
+            raise ValueError("compressed must be (ck1, cu_seqlens_c1, ck2, cu_seqlens_c2) or None")
+        for name, t in zip(("ck1", "ck2"), compressed[0::2]):
+            check_tensor(name, t, ndim=3, dtypes=(k.dtype,), shape=(None, k.shape[1], k.shape[2]), device=k.device)
+        for name, t in zip(("cu_seqlens_c1", "cu_seqlens_c2"), compressed[1::2]):
+            check_tensor(name, t, shape=(cu_seqlens_k.numel(),), dtypes=(torch.int32,), device=k.device)
+    return _prefill(stages_for(q, backend), q, k, v, cu_seqlens_q, cu_seqlens_k, list(seqlens_q), list(seqlens_k),
+                    max(seqlens_q, default=0), max(seqlens_k, default=0), cfg, False,
+                    kernel_path=uses_kernels(q, backend), compressed=compressed)
 
 
 class InfLLMv2Attention(torch.nn.Module):

@@ -298,7 +298,8 @@ class DecodeCache:
         B = self.batch
         starts = self._host_lens
         n = torch.tensor(counts, dtype=torch.long, device=self.device)
-        seq = torch.repeat_interleave(torch.arange(B, device=self.device), n)              # [total_new]
+        # output_size: the total is known on the host; without it repeat_interleave reads it back (a sync)
+        seq = torch.repeat_interleave(torch.arange(B, device=self.device), n, output_size=sum(counts))
         first = torch.cumsum(n, 0) - n                                                      # chunk offsets
         local = torch.arange(sum(counts), device=self.device) - first[seq]
         pos = torch.tensor(starts, dtype=torch.long, device=self.device)[seq] + local

@@ -33,7 +33,8 @@ import functools
 import torch
 
 from ..decode import DecodeCache, infllmv2_decode
-from ..pipeline import InfLLMv2Config, infllmv2_attention
+from ..decode.cache import COMPRESSIONS
+from ..pipeline import InfLLMv2Config, infllmv2_attention_host_lengths, uses_kernels
 
 __all__ = ["ATTN_NAME", "InfLLMv2Cache", "InfLLMv2CacheLayer", "config_from_sparse_config",
            "infllm_cupy_attention", "register"]
@@ -144,10 +145,18 @@ def infllm_cupy_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     if Lq > Lk:
         raise ValueError(f"query has {Lq} tokens but key only {Lk}: the keys must include the queries' own")
     cfg = _config_of(module, scaling)
-    cache = getattr(key, _CACHE_ATTR, None) if Lq == 1 else None
-    if cache is not None and cache.max_len() == Lk:
+    cache = getattr(key, _CACHE_ATTR, None)
+    if cache is not None and cache.max_len() != Lk:
+        cache = None                    # a stale view (the cache grew since): treat as any HF cache's keys
+    if Lq == 1 and cache is not None:
         out = infllmv2_decode(query[:, :, 0].contiguous(), cache, config=cfg, backend=backend)
         return out.unsqueeze(1), None
+    if Lq == Lk and Lk < cfg.dense_len and uses_kernels(query, backend):
+        # The pipeline's dense branch on the kernel path is torch SDPA per sequence (causal, GQA); rows
+        # of equal length make it one SDPA call on HF's own layout: no packing, no host reads.
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True,
+                                                               scale=cfg.softmax_scale, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
     # packed varlen: a view for batch 1 (an InfLLMv2Cache's storage row), a copy otherwise
     k = key.transpose(1, 2).reshape(B * Lk, H, D)
     v = value.transpose(1, 2).reshape(B * Lk, H, D)
@@ -162,9 +171,20 @@ def infllm_cupy_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
         out = infllmv2_decode(query[:, :, 0].contiguous(), cache, config=cfg, backend=backend)
         return out.unsqueeze(1), None
     q = query.transpose(1, 2).reshape(B * Lq, HQ, D)
-    out = infllmv2_attention(q, k, v, (steps * Lq).to(query.device), (steps * Lk).to(query.device), Lq, Lk,
-                             config=cfg, backend=backend)
+    # Lengths are known here (no padding), so the pipeline reads nothing back from the device; an
+    # InfLLMv2Cache already compressed these keys at `update` (docs/integrations.md, "The cache"),
+    # so the pipeline does not compress them a second time.
+    compressed = None
+    if cache is not None and Lk >= cfg.dense_len and _cache_compression_matches(cfg):
+        compressed = cache.packed_compressed()
+    out = infllmv2_attention_host_lengths(q, k, v, (steps * Lq).to(query.device), (steps * Lk).to(query.device),
+                                          [Lq] * B, [Lk] * B, cfg, backend=backend, compressed=compressed)
     return out.view(B, Lq, HQ, D), None
+
+
+def _cache_compression_matches(cfg: InfLLMv2Config) -> bool:
+    """Whether a DecodeCache's compressed keys (fixed kernel/stride pairs) are the config's."""
+    return ((cfg.kernel_size, cfg.kernel_stride), (cfg.coarse_kernel_size, cfg.coarse_kernel_stride)) == COMPRESSIONS
 
 
 def register(name: str = ATTN_NAME, *, backend: str = "auto") -> str:
