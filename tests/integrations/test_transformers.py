@@ -160,6 +160,62 @@ def test_cache_keeps_keys_and_compressed_keys():
     assert cache.get_seq_length() == 300 and cache.decode_caches()[0].lengths() == [300, 300]
 
 
+def test_prefill_reuses_cache_compressed_keys_and_reads_no_lengths(monkeypatch):
+    """Prefill into an InfLLMv2Cache: the pipeline takes the keys the cache compressed at `update` instead of
+    compressing them again, and reads no cu_seqlens back to the host (the integration knows the lengths);
+    the logits equal, bit for bit, those of a DynamicCache (where the pipeline compresses)."""
+    from infllm_cupy import pipeline
+
+    cfg = small_config(SPARSE)
+    ids = prompt(2, PROMPT)
+    m = model_for(cfg)
+    calls = []
+    compress = pipeline._REFERENCE_STAGES["compress_k"]
+    monkeypatch.setitem(pipeline._REFERENCE_STAGES, "compress_k",
+                        lambda *a, **kw: calls.append(a[2:4]) or compress(*a, **kw))
+
+    def no_host_read(cu):
+        raise AssertionError("the integration's prefill read cu_seqlens back to the host")
+
+    monkeypatch.setattr(pipeline, "seqlens_host", no_host_read)
+    with torch.no_grad():
+        ours = m(ids, past_key_values=hf.InfLLMv2Cache(cfg, max_cache_len=PROMPT), use_cache=True).logits
+        assert calls == [], "the pipeline compressed keys the InfLLMv2Cache had compressed already"
+        dyn = m(ids, past_key_values=DynamicCache(), use_cache=True).logits
+    assert calls == [(32, 16), (128, 64)] * cfg.num_hidden_layers         # DynamicCache: the pipeline compresses
+    assert torch.equal(ours, dyn)
+
+
+def test_host_lengths_entry_equals_infllmv2_attention():
+    """`infllmv2_attention_host_lengths` (the integration's entry: host lengths, optional compressed keys)
+    gives `infllmv2_attention`'s output on a ragged chunked-prefill batch, and names bad arguments."""
+    from infllm_cupy import InfLLMv2Config, infllmv2_attention
+    from infllm_cupy.pipeline import infllmv2_attention_host_lengths
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    lq, lk = [130, 257], [300, 257]
+    HQ, H, D = 4, 2, 32
+    q = torch.randn(sum(lq), HQ, D, generator=g)
+    k, v = (torch.randn(sum(lk), H, D, generator=g) for _ in range(2))
+    cu_q = torch.tensor([0, lq[0], sum(lq)], dtype=torch.int32)
+    cu_k = torch.tensor([0, lk[0], sum(lk)], dtype=torch.int32)
+    cfg = InfLLMv2Config(dense_len=0, topk=3, local_blocks=1, score_dtype=torch.float32)
+    ref = infllmv2_attention(q, k, v, cu_q, cu_k, config=cfg)
+    ck1, cu1 = naive_compress_k(k, cu_k, 32, 16)
+    ck2, cu2 = naive_compress_k(k, cu_k, 128, 64)
+    assert torch.equal(infllmv2_attention_host_lengths(q, k, v, cu_q, cu_k, lq, lk, cfg), ref)
+    assert torch.equal(infllmv2_attention_host_lengths(q, k, v, cu_q, cu_k, lq, lk, cfg,
+                                                       compressed=(ck1, cu1, ck2, cu2)), ref)
+    with pytest.raises(ValueError, match="seqlens_q"):
+        infllmv2_attention_host_lengths(q, k, v, cu_q, cu_k, [130, 256], lk, cfg)
+    with pytest.raises(ValueError, match="seqlens_k"):
+        infllmv2_attention_host_lengths(q, k, v, cu_q, cu_k, lq, [300.0, 257], cfg)
+    with pytest.raises(ValueError, match="compressed"):
+        infllmv2_attention_host_lengths(q, k, v, cu_q, cu_k, lq, lk, cfg, compressed=(ck1, cu1))
+    with pytest.raises(ValueError, match="ck2"):
+        infllmv2_attention_host_lengths(q, k, v, cu_q, cu_k, lq, lk, cfg, compressed=(ck1, cu1, ck2[:, :1], cu2))
+
+
 def test_sparse_config_maps_minicpm4_keys():
     cfg = hf.config_from_sparse_config({"kernel_size": 32, "kernel_stride": 16, "init_blocks": 1, "block_size": 64,
                                         "window_size": 2048, "topk": 64, "use_nope": False, "dense_len": 8192},
