@@ -68,6 +68,7 @@ class DecodePlan:
     row_tiles: int
     num_splits: int
     per_split: int
+    _: dataclasses.KW_ONLY
     kv_evict_first: bool = False
     merge_groups: int = 0
     pdl: bool = True
