@@ -262,6 +262,35 @@ def test_topk_scratch_size_matches_the_kernel():
     with pytest.raises(ValueError, match="shared memory"):
         sd._topk_row_smem(sd.MAX_SMEM // 4, 0)
 
+def test_cta_topk_source_on_host_threads(tmp_path):
+    # the kernel's own top-k code (from the CTA top-k's first comment to the end of sel_topk_row),
+    # compiled for the host by tests/decode/topk_host_harness.cpp and run on random rows (ties, all
+    # -inf, K = 1 .. out_len, 32 .. 512 threads, short search prefixes) against a stable sort
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from infllm_cupy import _jit
+
+    cxx = shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    src = (_jit.kernels_dir() / sd.SOURCE).read_text()
+    m = re.search(r"^// The K-th largest of the first n keys.*?(?=^template <typename KT>\n__global__)", src,
+                  re.S | re.M)
+    assert m and "void sel_topk_row" in m.group(0), "the CTA top-k's code moved in select_decode.cu"
+    (tmp_path / "sel_topk_extract.cu").write_text(m.group(0))
+    exe = tmp_path / "harness"
+    harness = Path(__file__).with_name("topk_host_harness.cpp")
+    build = subprocess.run([cxx, "-std=c++20", "-O1", "-pthread", f"-I{tmp_path}", str(harness), "-o", str(exe)],
+                           capture_output=True, text=True, timeout=300)
+    if build.returncode and "barrier" in build.stderr and "No such file" in build.stderr:
+        pytest.skip("the host C++ library has no <barrier> (C++20)")
+    assert build.returncode == 0, build.stderr[-3000:]
+    run = subprocess.run([str(exe), "3", "40"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "40 cases, 0 mismatches" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
+
 def test_select_topk_rows_checks_name_the_argument():
     blk, lead = torch.zeros(2, 1, 32), torch.zeros(2, 1, 2)
     L = torch.tensor([100, 90], dtype=torch.int32)
