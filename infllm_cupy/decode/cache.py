@@ -67,6 +67,9 @@ class DecodeCache:
         self.ck1, self.ck2 = ck1, ck2
         self._host_lens = list(host_lens)
         self._capacities = list(capacities)
+        # True once a one-token append ran under CUDA-graph capture (replays advance the device lengths
+        # only), until `sync_lengths` or `reset`: the host mirror may then lag, and appends must not use it
+        self._host_stale = False
 
     # ---------------------------------------------------------------------------------------- build
     @classmethod
@@ -164,6 +167,7 @@ class DecodeCache:
         """Refresh the host mirror from the device lengths (one device-to-host copy), e.g. after
         replaying a captured step; returns the lengths."""
         self._host_lens = [int(x) for x in self.seqlens.cpu().tolist()]
+        self._host_stale = False
         return list(self._host_lens)
 
     def positions(self, b: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,6 +222,7 @@ class DecodeCache:
             raise ValueError(f"seqlens must have {self.batch} entries in [0, current length], got {new}")
         self.seqlens.copy_(torch.tensor(new, dtype=torch.int32))
         self._host_lens = new
+        self._host_stale = False
 
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor, cu_seqlens_new=None) -> None:
         r"""Write new keys and values after each sequence's last, and the compression windows they complete.
@@ -246,8 +251,13 @@ class DecodeCache:
             capturing = _capturing()
             if not capturing:
                 self._check_capacity([1] * B)
-            self._append_one(k_new, v_new)
-            if not capturing:
+            if not capturing and not self._host_stale and not self.is_paged and len(set(self._host_lens)) == 1:
+                self._append_one_at(self._host_lens[0], k_new, v_new)
+            else:
+                self._append_one(k_new, v_new)
+            if capturing:
+                self._host_stale = True
+            else:
                 self._host_lens = [L + 1 for L in self._host_lens]
             return
         counts = _chunk_counts(cu_seqlens_new, B)
@@ -292,6 +302,19 @@ class DecodeCache:
             r, s = self._slots(t.clamp(max=self.capacity - 1), b[:, None].expand(-1, kr))
             win = _window_mean(self.k[r, s])                           # [B, H, D]
             ck[b, i] = torch.where(done[:, None, None], win, ck[b, i])
+        self.seqlens.add_(1)
+
+    def _append_one_at(self, L: int, k_new, v_new) -> None:
+        # Eager step of a contiguous cache whose sequences all hold L keys (HF's batches), the host
+        # mirror exact: the same writes as `_append_one` with host positions, so a slice copy per
+        # tensor and a window mean only when one completes (every 16th / 64th step), instead of some
+        # forty small launches per step. Same values: `_window_mean` over the same [B, kr, H, D] keys.
+        self.k[:, L] = k_new
+        self.v[:, L] = v_new
+        for ck, (kr, st) in zip((self.ck1, self.ck2), COMPRESSIONS):
+            first = L + 1 - kr                                         # window [first, L] ends at the new key
+            if first >= 0 and first % st == 0 and first // st < ck.shape[1]:
+                ck[:, first // st] = _window_mean(self.k[:, first:L + 1])
         self.seqlens.add_(1)
 
     def _append_chunks(self, k_new, v_new, counts) -> None:

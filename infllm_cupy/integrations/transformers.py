@@ -7,9 +7,10 @@
     model.generate(ids, past_key_values=InfLLMv2Cache(model.config, max_cache_len=65536), ...)
 
 How HF's calls map onto our ops (docs/integrations.md, "How the backend maps HF's calls"):
-  * a call with several query tokens (prefill, or a chunk after a cache) runs `infllmv2_attention`, the
-    prefill pipeline: dense causal attention while the keys are shorter than `dense_len`, else
-    compression, stage 1, top-k and stage-2 sparse attention, causal mask aligned bottom-right;
+  * a call with several query tokens (prefill, or a chunk after a cache) runs the prefill pipeline
+    (`infllmv2_attention_host_lengths`: the lengths given on the host, so no sync): dense causal
+    attention while the keys are shorter than `dense_len`, else compression (an InfLLMv2Cache's
+    compressed keys instead), stage 1, top-k and stage-2 sparse attention, causal mask aligned bottom-right;
   * a one-token call (decode) runs `infllmv2_decode`: on the `DecodeCache` of an `InfLLMv2Cache` (its
     compressed keys kept up to date at every append), or, with any other HF cache, on a DecodeCache built
     from the keys at every step (same results; a copy and a recompression per step and layer).
@@ -132,7 +133,7 @@ def infllm_cupy_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     current ones included) -> `([B, Lq, HQ, D], None)`.
 
     Every sequence of the batch has the same length (no padding). `Lq > 1`: the prefill pipeline
-    (`infllmv2_attention`, the last `Lk - Lq` keys' predecessors as the cache, causal bottom-right).
+    (`infllmv2_attention_host_lengths`, the first `Lk - Lq` keys as the cache, causal bottom-right).
     `Lq == 1`: `infllmv2_decode` on the `DecodeCache` of an `InfLLMv2Cache` (or, with another HF cache, on
     one built from the keys at every step). Attention weights are not returned (None).
     """

@@ -216,6 +216,36 @@ def test_host_lengths_entry_equals_infllmv2_attention():
         infllmv2_attention_host_lengths(q, k, v, cu_q, cu_k, lq, lk, cfg, compressed=(ck1, cu1, ck2[:, :1], cu2))
 
 
+@pytest.mark.parametrize("B,L0", [(1, 0), (3, 200)])
+def test_decode_cache_eager_one_token_append_equals_vectorized(B, L0):
+    """InfLLMv2Cache's decode step appends one token: the eager path of a contiguous cache with equal host
+    lengths (slices, a window mean only when one completes) writes what the capturable vectorized path
+    writes, bit for bit, across ck1 and ck2 window boundaries; a stale host mirror takes the vectorized path."""
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    H, D, n = 2, 16, 140
+    caches = [DecodeCache.contiguous(B, L0 + n, H, D, dtype=torch.bfloat16) for _ in range(2)]
+    if L0:
+        k0, v0 = (torch.randn(B * L0, H, D, generator=g).to(torch.bfloat16) for _ in range(2))
+        for c in caches:
+            c.append(k0, v0, [b * L0 for b in range(B + 1)])
+    taken = []
+    fast, vec = caches
+    vec._append_one_at = lambda *a: taken.append("fast")        # must not be taken while the mirror is stale
+    fast._append_one = lambda *a: taken.append("vectorized")     # must not be taken with an exact mirror
+    vec._host_stale = True
+    for _ in range(n):
+        k, v = (torch.randn(B, H, D, generator=g).to(torch.bfloat16) for _ in range(2))
+        fast.append(k, v)
+        vec.append(k, v)
+    assert taken == [] and fast.lengths() == [L0 + n] * B and vec.sync_lengths() == [L0 + n] * B
+    for name in ("k", "v", "ck1", "ck2", "seqlens"):
+        assert torch.equal(getattr(fast, name), getattr(vec, name)), name
+    ck1, _, ck2, _ = fast.packed_compressed()
+    k_all, _, cu = fast.packed()
+    assert torch.equal(ck1, naive_compress_k(k_all, cu, 32, 16)[0])
+    assert torch.equal(ck2, naive_compress_k(k_all, cu, 128, 64)[0])
+
+
 def test_sparse_config_maps_minicpm4_keys():
     cfg = hf.config_from_sparse_config({"kernel_size": 32, "kernel_stride": 16, "init_blocks": 1, "block_size": 64,
                                         "window_size": 2048, "topk": 64, "use_nope": False, "dense_len": 8192},
