@@ -354,8 +354,11 @@ def _prefill(stages: dict, q, k, v, cu_seqlens_q, cu_seqlens_k, lq: list[int], l
     if kernel_path:
         check_kernel_path(cfg, q, k, v)
     # host ints, not a device tensor: stage 1 needs max(cache_lens) on the host, which a CUDA tensor
-    # would cost a device-to-host sync to give
+    # would cost a device-to-host sync to give; None (zeros) for a plain prefill, which spares the
+    # ints' blocking host-to-device copy as well
     cache_lens = [b - a for a, b in zip(lq, lk)]
+    if not any(cache_lens):
+        cache_lens = None
     aux = select_blocks(stages, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache_lens, True, cfg,
                         *(compressed or ()), need_scores=return_aux)
     out = stages["sparse_attn"](q, k, v, cu_seqlens_q, cu_seqlens_k, aux["topk_idx"], max_seqlen_q, max_seqlen_k,

@@ -320,12 +320,12 @@ class DecodeCache:
     def _append_chunks(self, k_new, v_new, counts) -> None:
         B = self.batch
         starts = self._host_lens
-        n = torch.tensor(counts, dtype=torch.long, device=self.device)
+        n_dev = _h2d(torch.tensor(counts, dtype=torch.long), self.device)
         # output_size: the total is known on the host; without it repeat_interleave reads it back (a sync)
-        seq = torch.repeat_interleave(torch.arange(B, device=self.device), n, output_size=sum(counts))
-        first = torch.cumsum(n, 0) - n                                                      # chunk offsets
+        seq = torch.repeat_interleave(torch.arange(B, device=self.device), n_dev, output_size=sum(counts))
+        first = torch.cumsum(n_dev, 0) - n_dev                                                     # chunk offsets
         local = torch.arange(sum(counts), device=self.device) - first[seq]
-        pos = torch.tensor(starts, dtype=torch.long, device=self.device)[seq] + local
+        pos = _h2d(torch.tensor(starts, dtype=torch.long), self.device)[seq] + local
         row, slot = self._slots(pos, seq)
         self.k[row, slot] = k_new
         self.v[row, slot] = v_new
@@ -338,7 +338,7 @@ class DecodeCache:
                      + torch.arange(kr, device=self.device)[None, :])      # [hi - lo, kr]
                 r, s = self._slots(t, torch.full_like(t, b))
                 ck[b, lo:hi] = _window_mean(self.k[r, s])
-        self.seqlens.add_(torch.tensor(counts, dtype=torch.int32, device=self.device))
+        self.seqlens.add_(n_dev.to(torch.int32))
         self._host_lens = [L + n for L, n in zip(starts, counts)]
 
     def recompress(self) -> None:
@@ -353,11 +353,21 @@ class DecodeCache:
 
 
 # -------------------------------------------------------------------------------------- helpers
+def _h2d(t: torch.Tensor, device) -> torch.Tensor:
+    """A small host tensor on `device`, without a host sync: torch's blocking host-to-device copy
+    synchronizes the stream, a non-blocking one from pinned memory does not (the pinned block is
+    reused only after the copy, torch's caching host allocator records it on the stream)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _cu(lengths, device) -> torch.Tensor:
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     if lengths:
         cu[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(torch.int32)
-    return cu.to(device)
+    return _h2d(cu, device)
 
 
 def _check_sizes(**sizes) -> None:

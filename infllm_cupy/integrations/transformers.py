@@ -34,7 +34,7 @@ import functools
 import torch
 
 from ..decode import DecodeCache, infllmv2_decode
-from ..decode.cache import COMPRESSIONS
+from ..decode.cache import COMPRESSIONS, _h2d
 from ..pipeline import InfLLMv2Config, infllmv2_attention_host_lengths, uses_kernels
 
 __all__ = ["ATTN_NAME", "InfLLMv2Cache", "InfLLMv2CacheLayer", "config_from_sparse_config",
@@ -178,7 +178,7 @@ def infllm_cupy_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     compressed = None
     if cache is not None and Lk >= cfg.dense_len and _cache_compression_matches(cfg):
         compressed = cache.packed_compressed()
-    out = infllmv2_attention_host_lengths(q, k, v, (steps * Lq).to(query.device), (steps * Lk).to(query.device),
+    out = infllmv2_attention_host_lengths(q, k, v, _h2d(steps * Lq, query.device), _h2d(steps * Lk, query.device),
                                           [Lq] * B, [Lk] * B, cfg, backend=backend, compressed=compressed)
     return out.view(B, Lq, HQ, D), None
 
