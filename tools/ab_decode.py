@@ -7,7 +7,7 @@ replays in one process (development tool; docs/decode.md, sections 3-5).
 Configs (README head shape: HQ 32, H 2, D 128, bf16, contiguous cache, K = 96 selected blocks in
 InfLLM-v2's shape): 8x32k sparse, 8x32k sparse + weights, 8x32k dense, 8x32k dense + weights,
 1x128k sparse (`--configs`). Variants (`--variants`, `label:FIELD=VALUE+FIELD=VALUE` over the plan
-`plan_decode` gives the config, e.g. `ev1:kv_evict_first=1`, `mg32:merge_groups=32`, `pdl0:pdl=0`;
+`plan_decode` gives the config, e.g. `mg32:merge_groups=32`, `pdl0:pdl=0`;
 `default` is the plan itself): the default list times the cache policy both ways, the merge at a few
 group counts and without programmatic dependent launch.
 With `--old-tree DIR`, variant `old` launches that tree's kernels with the launch of commit
@@ -48,7 +48,7 @@ CONFIGS = {   # name: (B, L, sparse, weights)
     "8x32k_dense_w": (8, 32768, False, True),
     "1x128k_sparse": (1, 131072, True, False),
 }
-DEFAULT_VARIANTS = ["default", "ev0:kv_evict_first=0", "ev1:kv_evict_first=1", "mg2:merge_groups=2",
+DEFAULT_VARIANTS = ["default", "mg2:merge_groups=2",
                     "mg8:merge_groups=8", "mg32:merge_groups=32", "pdl0:pdl=0"]
 TOL = {"out": 2e-2, "lse": 1e-3, "weights": 1e-5}
 
@@ -59,7 +59,7 @@ def parse_variant(spec: str):
     fields = {}
     for part in filter(None, rest.split("+")):
         name, _, val = part.partition("=")
-        if name in ("kv_evict_first", "pdl"):
+        if name == "pdl":
             fields[name] = val.lower() in ("1", "true", "yes")
         elif name in ("merge_groups", "num_splits", "per_split", "row_tiles"):
             fields[name] = int(val)
@@ -142,7 +142,7 @@ def run_config(name: str, a, variants) -> bool:
     topk = random_selection(B, H, L, a.topk, a.local_blocks, "cuda", g) if sparse else None
     n_entries = topk.shape[2] if sparse else cdiv(L, 64)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    base_plan = SD.plan_decode(B, H, HQ // H, n_entries, sms, attn_weights=weights)
+    base_plan = SD.plan_decode(B, H, HQ // H, n_entries, sms)
     kv_bytes = 2 * B * H * D * 2 * (n_entries * 64 if sparse else L)
     scale = D ** -0.5
 
@@ -157,7 +157,7 @@ def run_config(name: str, a, variants) -> bool:
                 plan = dataclasses.replace(plan, num_splits=cdiv(n_entries, plan.per_split))
             fn = (lambda plan=plan: SD.sparse_decode(q, cache, topk, return_lse=True, return_attn_weights=weights,
                                                      plan=plan))
-            desc = (f"S {plan.num_splits} x {plan.per_split}, evict_first {plan.kv_evict_first}, merge "
+            desc = (f"S {plan.num_splits} x {plan.per_split}, merge "
                     f"{plan.merge_threads(D)} threads, pdl {plan.pdl}")
         calls.append((label, fn, desc))
     print(f"\n{name}: B {B} L {L} {'K ' + str(n_entries) if sparse else 'dense'}{' + weights' if weights else ''}, "

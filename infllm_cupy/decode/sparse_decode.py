@@ -30,11 +30,6 @@ MAX_SMEM = 227 * 1024  # dynamic shared memory of one CTA on sm_90 (sm_80: 163 K
 CTAS_PER_SM = 2
 MIN_BLOCKS_PER_SPLIT = 1
 MAX_SPLITS = 256
-# K/V loads marked L2 evict-first (docs/decode.md, 5. Attention weights): with weights, so that the
-# logits the split kernel writes stay in L2 for the weights pass; without, plain loads. Defaults to be
-# set by measurement (tools/ab_decode.py times both).
-EVICT_FIRST_WITH_WEIGHTS = True
-EVICT_FIRST_WITHOUT_WEIGHTS = False
 # The merge (docs/decode.md, 4. Splits and the merge): thread groups of D / 4 threads (16-byte loads),
 # each about MERGE_SPLITS_PER_GROUP splits, at most 1024 threads per CTA.
 MERGE_SPLITS_PER_GROUP = 4
@@ -59,7 +54,6 @@ class DecodePlan:
         row_tiles (int): 16-row mma tiles of the query group (G <= 16 * row_tiles); 4 warps each.
         num_splits (int): CTAs per (sequence, KV head) along the block list; merged by LSE.
         per_split (int): topk entries (sparse) or blocks (dense) each split takes.
-        kv_evict_first (bool): K/V loads with an L2 evict-first cache policy.
         merge_groups (int): thread groups of the merge over the splits (a power of two, D / 4 threads
             each, 32 to 1024 threads in all); 0 = `default_merge_groups`.
         pdl (bool): under CUDA-graph capture on sm_90, launch the merge and the weights pass as
@@ -69,7 +63,6 @@ class DecodePlan:
     num_splits: int
     per_split: int
     _: dataclasses.KW_ONLY
-    kv_evict_first: bool = False
     merge_groups: int = 0
     pdl: bool = True
 
@@ -95,11 +88,9 @@ def default_merge_groups(num_splits: int, head_dim: int) -> int:
     return min(max(want, cdiv(32, dv)), MERGE_MAX_THREADS // dv)
 
 
-def plan_decode(batch: int, num_kv_heads: int, group: int, n_entries: int, sm_count: int, *,
-                attn_weights: bool = False) -> DecodePlan:
+def plan_decode(batch: int, num_kv_heads: int, group: int, n_entries: int, sm_count: int) -> DecodePlan:
     """The launch plan for `batch` sequences x `num_kv_heads` with `n_entries` topk entries per row
-    (sparse) or blocks of the cache's width (dense), on a GPU of `sm_count` SMs; `attn_weights`: the
-    launch also writes the attention weights (the K/V cache policy follows it)."""
+    (sparse) or blocks of the cache's width (dense), on a GPU of `sm_count` SMs."""
     if not 1 <= group <= MAX_GROUP:
         raise ValueError(f"the query group G = HQ / H must be in [1, {MAX_GROUP}], got {group}")
     mt = next(t for t in ROW_TILES if group <= 16 * t)
@@ -107,10 +98,7 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, n_entries: int, sm_co
     want = cdiv(CTAS_PER_SM * sm_count, max(1, batch * num_kv_heads))
     splits = max(1, min(want, cdiv(n_entries, MIN_BLOCKS_PER_SPLIT), MAX_SPLITS))
     per = cdiv(n_entries, splits)
-    if not isinstance(attn_weights, bool):
-        raise TypeError(f"attn_weights must be a bool, got {type(attn_weights).__name__}")
-    evict = EVICT_FIRST_WITH_WEIGHTS if attn_weights else EVICT_FIRST_WITHOUT_WEIGHTS
-    return DecodePlan(mt, cdiv(n_entries, per), per, kv_evict_first=evict)
+    return DecodePlan(mt, cdiv(n_entries, per), per)
 
 
 @functools.cache
@@ -169,7 +157,7 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
     sparse = topk_idx is not None
     n_entries = K if sparse else cdiv(width, KV_BLOCK)
     if plan is None:
-        plan = plan_decode(B, H, G, n_entries, _sm_count(q.device.index), attn_weights=return_attn_weights)
+        plan = plan_decode(B, H, G, n_entries, _sm_count(q.device.index))
     check_plan(plan, G, n_entries, D, K)
     S = plan.num_splits
     dev = q.device
@@ -193,7 +181,7 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
              np.int32(0 if paged else k.shape[1]), ptr(topk_idx) if sparse else null, np.int32(K),
              np.int32(B), np.int32(H), np.int32(G), np.int32(plan.per_split),
              np.float32(scale * math.log2(math.e)), ptr(o_part), ptr(lse_part),
-             ptr(logits) if logits is not None else null, np.int32(width), np.int32(plan.kv_evict_first)))
+             ptr(logits) if logits is not None else null, np.int32(width)))
     nt = plan.merge_threads(D)
     run.add(SOURCE, f"sparse_decode_merge<{CXX_TYPE[q.dtype]}, {D}>", (B * HQ,), (nt,), 16 * nt + 4 * S,
             (ptr(o_part), ptr(lse_part), np.int32(S), ptr(out), ptr(lse), ptr(lse2)), pdl=plan.pdl)
@@ -219,9 +207,8 @@ def check_plan(plan, group: int, n_entries: int, head_dim: int, k: int = 0) -> N
     if plan.num_splits < 1 or plan.per_split < 1 or plan.num_splits * plan.per_split < n_entries:
         raise ValueError(f"plan: {plan!r} covers {plan.num_splits * plan.per_split} entries, fewer than "
                          f"the {n_entries} to read")
-    for flag in ("kv_evict_first", "pdl"):
-        if not isinstance(getattr(plan, flag), bool):
-            raise ValueError(f"plan: {flag} must be a bool, got {getattr(plan, flag)!r}")
+    if not isinstance(plan.pdl, bool):
+        raise ValueError(f"plan: pdl must be a bool, got {plan.pdl!r}")
     g = plan.merge_groups
     is_int = isinstance(g, int) and not isinstance(g, bool)
     if not is_int or g < 0 or (g & (g - 1)) or (g and not 32 <= g * (head_dim // 4) <= MERGE_MAX_THREADS):

@@ -23,7 +23,6 @@
 //   logits  float [B, HQ, W] or nullptr: the log2-domain scaled logit of every key the split reads
 //           (rows g < G, positions < L_b); the weights pass turns them into probabilities.
 //           16-byte aligned rows (W % 4 == 0) get 16-byte stores
-//   evict_first  nonzero: K/V loads carry an L2 evict-first cache policy (DecodePlan.kv_evict_first)
 //
 // sparse_decode_merge<T, D>
 //   grid (B * HQ)  block (P * D / 4) for a power of two P, 32 .. 1024 threads (DecodePlan.merge_threads)
@@ -72,23 +71,14 @@ struct SplitSmem {
 };
 
 // 16-byte cp.async forms of the split kernel's K/V loads (docs/decode.md, 3. The split kernel): a full
-// block needs no src-size operand; with attention weights the K/V stream may be marked evict-first in
-// L2 so that the logits written beside it stay there for the weights pass (5. Attention weights).
+// block needs no src-size operand.
 __device__ __forceinline__ void cp_async_16_full(u32 dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(src));
-}
-__device__ __forceinline__ void cp_async_16_hint(u32 dst, const void* src, unsigned long long policy) {
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "l"(policy));
 }
 // p + bytes, opaque to the scheduler: the unrolled passes of a block load then step one pointer per
 // tensor instead of computing every pass's 64-bit address up front (which cost registers and spills)
 __device__ __forceinline__ const void* step_ptr(const void* p, long long bytes) {
     asm volatile("add.s64 %0, %0, %1;\n" : "+l"(p) : "l"(bytes));
-    return p;
-}
-__device__ __forceinline__ unsigned long long l2_evict_first_policy() {
-    unsigned long long p;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
     return p;
 }
 
@@ -124,7 +114,7 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
                     const int* __restrict__ seqlens, const int* __restrict__ block_table, int max_pages,
                     int page_size, int seq_rows, const int* __restrict__ topk, int K, int B, int H, int G,
                     int per_split, float scale_log2, float* __restrict__ o_part, float* __restrict__ lse_part,
-                    float* __restrict__ logits, int W, int evict_first) {
+                    float* __restrict__ logits, int W) {
     constexpr int NT = 128 * MT, NW = 4 * MT, ROWB = KVLayout<D>::ROWB, CH = D / 8;
     typedef SplitSmem<D, MT> SM;
     extern __shared__ __align__(128) unsigned char smem[];
@@ -228,21 +218,11 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
         const u32 ks = kv_s + st * KVLayout<D>::STAGE + ld_dst, vs = ks + KVLayout<D>::TILE;
         const int avail = L - j * BLK;         // rows of the block below L (CTA-uniform)
         if (avail >= BLK) {
-            if (evict_first) {
-                const unsigned long long policy = l2_evict_first_policy();   // one instruction: not held across the loop
 #pragma unroll
-                for (int p = 0; p < NPASS; ++p) {
-                    if (p > 0) kp = step_ptr(kp, step), vp = step_ptr(vp, step);
-                    cp_async_16_hint(ks + p * RPI * ROWB, kp, policy);
-                    cp_async_16_hint(vs + p * RPI * ROWB, vp, policy);
-                }
-            } else {
-#pragma unroll
-                for (int p = 0; p < NPASS; ++p) {
-                    if (p > 0) kp = step_ptr(kp, step), vp = step_ptr(vp, step);
-                    cp_async_16_full(ks + p * RPI * ROWB, kp);
-                    cp_async_16_full(vs + p * RPI * ROWB, vp);
-                }
+            for (int p = 0; p < NPASS; ++p) {
+                if (p > 0) kp = step_ptr(kp, step), vp = step_ptr(vp, step);
+                cp_async_16_full(ks + p * RPI * ROWB, kp);
+                cp_async_16_full(vs + p * RPI * ROWB, vp);
             }
         } else {                               // the tail of the last block reads zeros
 #pragma unroll

@@ -7,8 +7,6 @@ import torch
 
 from infllm_cupy.decode import DecodeCache, naive_sparse_decode, plan_decode, sparse_decode
 from infllm_cupy.decode.sparse_decode import (
-    EVICT_FIRST_WITH_WEIGHTS,
-    EVICT_FIRST_WITHOUT_WEIGHTS,
     DecodePlan,
     _check_kernel_inputs,
     check_plan,
@@ -150,12 +148,7 @@ def test_plan_checks():
         check_plan(DecodePlan(1, 1, 60000), 16, 60000, 128, 60000)
 
 
-def test_plan_cache_policy_and_merge_groups():
-    # the K/V cache policy follows the weights flag through the module's two defaults
-    assert plan_decode(8, 2, 16, 96, 132).kv_evict_first is EVICT_FIRST_WITHOUT_WEIGHTS
-    assert plan_decode(8, 2, 16, 96, 132, attn_weights=True).kv_evict_first is EVICT_FIRST_WITH_WEIGHTS
-    with pytest.raises(TypeError, match="attn_weights"):
-        plan_decode(8, 2, 16, 96, 132, attn_weights=1)
+def test_plan_merge_groups():
     # merge groups: a power of two near S / 4, at least a warp and at most 1024 threads of D / 4
     assert default_merge_groups(16, 128) == 4 and default_merge_groups(96, 128) == 32
     assert default_merge_groups(1, 128) == 1 and default_merge_groups(1, 64) == 2
@@ -166,15 +159,13 @@ def test_plan_cache_policy_and_merge_groups():
             assert g & (g - 1) == 0 and 32 <= g * D // 4 <= 1024
             assert DecodePlan(1, S, 1).merge_threads(D) == g * D // 4
     assert DecodePlan(1, 8, 12, merge_groups=8).merge_threads(128) == 256
-    check_plan(DecodePlan(1, 8, 12, kv_evict_first=True, merge_groups=32), 16, 96, 128, 96)
+    check_plan(DecodePlan(1, 8, 12, merge_groups=32), 16, 96, 128, 96)
     check_plan(DecodePlan(1, 8, 12, merge_groups=2), 16, 96, 64, 96)
     for plan, D in [(DecodePlan(1, 8, 12, merge_groups=3), 128), (DecodePlan(1, 8, 12, merge_groups=64), 128),
                     (DecodePlan(1, 8, 12, merge_groups=1), 64), (DecodePlan(1, 8, 12, merge_groups=-2), 128),
                     (DecodePlan(1, 8, 12, merge_groups=True), 128), (DecodePlan(1, 8, 12, merge_groups=2.0), 128)]:
         with pytest.raises(ValueError, match="merge_groups"):
             check_plan(plan, 16, 96, D, 96)
-    with pytest.raises(ValueError, match="kv_evict_first"):
-        check_plan(DecodePlan(1, 8, 12, kv_evict_first=1), 16, 96, 128, 96)
     with pytest.raises(ValueError, match="pdl"):
         check_plan(DecodePlan(1, 8, 12, pdl=None), 16, 96, 128, 96)
 
@@ -290,24 +281,17 @@ def test_kernel_plan_variants(page_size, D):
                                                   return_attn_weights=True)
         lowp, lowp_lse, lowp_w = naive_sparse_decode(q, cache, sel, return_lse=True, return_attn_weights=True,
                                                      upcast=False)
-        base = None
         for S in (1, 5, n):
             per = cdiv_(n, S)
             for groups in (0, max(1, 128 // D), 1024 // (D // 4)):
-                for evict in (False, True):
-                    plan = DecodePlan(1, cdiv_(n, per), per, kv_evict_first=evict, merge_groups=groups)
-                    res = sparse_decode(q, cache, sel, return_lse=True, return_attn_weights=True, plan=plan)
-                    name = f"S{plan.num_splits}_evict{int(evict)}_g{groups}_{'sparse' if sel is not None else 'dense'}"
-                    assert_close_to_ref("out " + name, res[0], ref, lowp)
-                    fin = ~torch.isinf(ref_lse)
-                    assert bool(torch.isinf(res[1][~fin]).all())
-                    assert_close_to_ref("lse " + name, res[1][fin], ref_lse[fin], lowp_lse[fin], atol_floor=1e-5)
-                    assert_close_to_ref("weights " + name, res[2], ref_w, lowp_w, atol_floor=1e-6)
-                    if not evict:
-                        base = res
-                    else:                                     # same plan but the cache policy: same bits
-                        for a, b in zip(res, base):
-                            assert torch.equal(a, b), name
+                plan = DecodePlan(1, cdiv_(n, per), per, merge_groups=groups)
+                res = sparse_decode(q, cache, sel, return_lse=True, return_attn_weights=True, plan=plan)
+                name = f"S{plan.num_splits}_g{groups}_{'sparse' if sel is not None else 'dense'}"
+                assert_close_to_ref("out " + name, res[0], ref, lowp)
+                fin = ~torch.isinf(ref_lse)
+                assert bool(torch.isinf(res[1][~fin]).all())
+                assert_close_to_ref("lse " + name, res[1][fin], ref_lse[fin], lowp_lse[fin], atol_floor=1e-5)
+                assert_close_to_ref("weights " + name, res[2], ref_w, lowp_w, atol_floor=1e-6)
 
 
 @pytest.mark.gpu
