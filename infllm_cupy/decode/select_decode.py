@@ -34,7 +34,9 @@ SCORE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # `kind` 
 KEY_TYPE = {0: "unsigned", 1: "unsigned short", 2: "unsigned short"}
 MAX_SMEM = 227 * 1024      # dynamic shared memory of one CTA on sm_90 (sm_80: 163 KB)
 TOPK_SCRATCH_BYTES = 4 * 584   # the CTA top-k's histograms and counts after the row (#define SEL_TOPK_SCRATCH)
-TOPK_THREADS = 256         # threads of the top-k kernel (any multiple of 32 up to 512 works)
+# threads of the top-k kernel (any multiple of 32 up to 512 works): 512 took 5.6 us against 6.7 us for
+# 256 at 2048 blocks (docs/decode.md, 14. Stage 1 for decode: the split kernels)
+TOPK_THREADS = 512
 
 # Work split (docs/decode.md, "Stage 1 for decode: the split kernels"): about CTAS_PER_SM CTAs per SM
 # for each score kernel, every CTA at least one 64-key tile, at most MAX_TILES tiles (the scores of a
