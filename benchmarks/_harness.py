@@ -128,6 +128,22 @@ def bench_gpu_time(fn: Callable[[], Any], *, warmup: int = 1, rep: int | None = 
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
 
+def capture_graph(fn: Callable[[], Any], calls: int = 1, *, warmup: int = 2) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `calls` calls of `fn`, after `warmup` calls on a side stream (allocations and
+    lazy compiles happen outside the capture); replay it with `.replay()`."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
 def free_gpu_memory(device: torch.device) -> None:
     """Drop unreachable tensors and hand cached blocks back (between rows and configs)."""
     gc.collect()

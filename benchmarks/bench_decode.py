@@ -53,8 +53,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._harness import (  # noqa: E402
-    bench_gpu_time, csv_choices, env_line, env_stamp, free_gpu_memory, markdown_table, setup_flex, summarize,
-    write_json,
+    bench_gpu_time, capture_graph, csv_choices, env_line, env_stamp, free_gpu_memory, markdown_table, setup_flex,
+    summarize, write_json,
 )
 
 OURS = ("ours_sparse", "ours_step", "ours_dense", "ours_select", "ours_select_fused", "ours_select_s1")
@@ -177,16 +177,7 @@ class Runner:
 
 def capture(fn: Callable) -> Callable:
     """`fn` captured in a CUDA graph (after two warm-up calls on a side stream); returns the replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+    return capture_graph(fn).replay
 
 
 def copy_bandwidth(r: Runner) -> Row:

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._harness import bench_gpu_time, env_line, env_stamp, format_table, summarize  # noqa: E402
+from benchmarks._harness import bench_gpu_time, capture_graph, env_line, env_stamp, format_table, summarize  # noqa: E402
 from benchmarks.bench_decode import parse_config, random_cache  # noqa: E402
 
 SCORES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -39,21 +39,6 @@ SCORES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-
-
-def graph_of(fn, inner: int):
-    """`fn` called `inner` times inside one CUDA graph (warmed up on a side stream first); the replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(inner):
-            fn()
-    return graph.replay
 
 
 def bench_config(a, B: int, L: int) -> list[dict]:
@@ -99,7 +84,7 @@ def bench_config(a, B: int, L: int) -> list[dict]:
         try:
             results[impl] = calls[impl]()
             torch.cuda.synchronize()
-            times = bench_gpu_time(graph_of(calls[impl], a.inner), warmup=3, rep=a.rep, target_ms=300,
+            times = bench_gpu_time(capture_graph(calls[impl], a.inner).replay, warmup=3, rep=a.rep, target_ms=300,
                                    min_rep=10, max_rep=100, device=dev)
             st = summarize(times)
             rec["us"] = st["ms"] * 1e3 / a.inner

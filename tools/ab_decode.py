@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._harness import capture_graph  # noqa: E402
 from benchmarks.bench_decode import random_selection  # noqa: E402
 from infllm_cupy import _env  # noqa: E402
 from infllm_cupy._launch import CXX_TYPE, cdiv, ptr  # noqa: E402
@@ -100,19 +101,6 @@ def old_call(tree: str, q, cache, topk, plan, weights: bool, scale: float):
     return (out, lse, w_out) if weights else (out, lse)
 
 
-def capture(fn, calls: int):
-    """A CUDA graph of `calls` calls of `fn` (warmed up on the capture stream first)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return graph
-
 
 def compare(res, base) -> tuple[str, bool]:
     if all(torch.equal(a, b) for a, b in zip(res, base)):
@@ -173,7 +161,7 @@ def run_config(name: str, a, variants) -> bool:
             note, good = compare(res, base)
             ok &= good
         print(f"  {label:10s} {desc:60s} {note}", flush=True)
-    graphs = [(label, capture(fn, a.calls)) for label, fn, _ in calls]
+    graphs = [(label, capture_graph(fn, a.calls, warmup=1)) for label, fn, _ in calls]
     torch.cuda.synchronize()
     times = {label: [] for label, _ in graphs}
     for rep in range(a.reps):
