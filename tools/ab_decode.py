@@ -8,10 +8,10 @@ Configs (README head shape: HQ 32, H 2, D 128, bf16, contiguous cache, K = 96 se
 InfLLM-v2's shape): 8x32k sparse, 8x32k sparse + weights, 8x32k dense, 8x32k dense + weights,
 1x128k sparse (`--configs`). Variants (`--variants`, `label:FIELD=VALUE+FIELD=VALUE` over the plan
 `plan_decode` gives the config, e.g. `mg32:merge_groups=32`, `pdl0:pdl=0`;
-`default` is the plan itself): the default list times the cache policy both ways, the merge at a few
+`default` is the plan itself): the default list times the merge at a few
 group counts and without programmatic dependent launch.
 With `--old-tree DIR`, variant `old` launches that tree's kernels with the launch of commit
-4da7f5b~1 (split without the cache-policy argument, merge at 256 threads) on the same plan's splits.
+4da7f5b~1 (merge at 256 threads) on the same plan's splits.
 
 Each variant's call (split, merge and, with weights, the weights pass: one `sparse_decode` step) is
 captured `--calls` times in one CUDA graph; each repetition replays every variant's graph once in

@@ -266,7 +266,7 @@ def test_kernel_plans_agree():
 @pytest.mark.parametrize("page_size", [None, 64, 192], ids=["contiguous", "page64", "page192"])
 @pytest.mark.parametrize("D", [64, 128])
 def test_kernel_plan_variants(page_size, D):
-    # the K/V cache policy changes no bit; merge group counts (32 to 1024 threads) only the fp32
+    # merge group counts (32 to 1024 threads) change only the fp32
     # merge order; 1 to 41 splits (up to 41 per merge thread with one group); both logit store paths
     # (W % 4 == 0 or not); page sizes whose blocks per page are a power of two (64) or not (192)
     lengths, HQ, H, dtype = [1000, 333, 64, 2500], 32, 2, torch.bfloat16
