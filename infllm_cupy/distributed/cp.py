@@ -384,33 +384,33 @@ class _CPAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k_full, v_full, out, *lses = ctx.saved_tensors
         plan = ctx.plan
-        # dq is assembled after both slots: allocated before them, it would sit beside the wider
-        # slot's backward and its buffers, the layer's memory peak (docs/context_parallel.md §6)
-        dqs, dks, dvs = [], [], []
-        for slot, sel, lse in zip(plan.slots, ctx.sels, lses):
-            rows, n = slot.rows, slot.k_end
-            dq_s, dk_s, dv_s = _s2_bwd(
+        sels, ctx.sels = list(ctx.sels), None
+        # The wider slot first: slot 1 (chunk 2W-1-r) ends after slot 0 in every sequence, so its
+        # backward holds the longest K/V-length fp32 dK/dV sums and the largest masks, the layer's
+        # memory peak; run second, it would also hold slot 0's dq and dK/dV. dq is assembled after
+        # both slots for the same reason (docs/context_parallel.md §8, "Memory at the peak").
+        dqs, dks, dvs = [None, None], [None, None], [None, None]
+        for s in (1, 0):
+            slot, rows = plan.slots[s], plan.slots[s].rows
+            n = slot.k_end
+            dqs[s], dks[s], dvs[s] = _s2_bwd(
                 take_rows(dout, rows).contiguous(),
                 take_rows(q, rows).contiguous(),
                 k_full[:n],
                 v_full[:n],
                 take_rows(out, rows).contiguous(),
-                lse,
+                lses[s],
                 slot,
-                sel,
+                sels[s],
                 ctx.scale,
                 ctx.kernel,
                 ctx.use_ops,
             )
-            dqs.append(dq_s)
-            dks.append(dk_s)
-            dvs.append(dv_s)
-            del dq_s, dk_s, dv_s
-        ctx.sels = None
+            sels[s] = None
         dq = torch.empty_like(q)
-        for slot, dq_s in zip(plan.slots, dqs):
-            put_rows(dq, slot.rows, dq_s)
-        del dqs
+        for s, slot in enumerate(plan.slots):
+            put_rows(dq, slot.rows, dqs[s])
+            dqs[s] = None
         rd = ctx.reduce_dtype
         # dK's reduce-scatter runs while dV is combined and permuted
         dk_g = _combine_key_grads(plan, *dks, rd)
