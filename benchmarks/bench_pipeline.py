@@ -102,7 +102,7 @@ def estimate_peak_bytes(B: int, T: int, HQ: int, H: int, D: int, K: int, device:
     `sdpa` (the `[B, heads, T, D]` copies and output) and `peak` = inputs + `topk_idx` kept + the
     largest of the rows' extras."""
     from infllm_cupy.stage1 import plan as s1plan
-    from infllm_cupy.stage1.select import _smem_limits
+    from infllm_cupy.stage1.select import device_stage1_plan
 
     total, el = B * T, 2
     inputs = total * (HQ + 2 * H) * D * el
@@ -112,8 +112,7 @@ def estimate_peak_bytes(B: int, T: int, HQ: int, H: int, D: int, K: int, device:
     scratch = 0
     if device.type == "cuda":
         G = HQ // H
-        plan = s1plan.stage1_plan(torch.cuda.get_device_capability(device), G, D, torch.bfloat16, torch.bfloat16,
-                                  out_len, *_smem_limits(device))
+        plan = device_stage1_plan(device, G, D, torch.bfloat16, torch.bfloat16, out_len, rows=H * total)
         scratch = s1plan.scratch_bytes(plan, H, total, out_len, 2, K=K, HQ=HQ)
     sel = ck_bytes + topk_bytes + scratch
     stage2 = total * HQ * D * el
@@ -356,10 +355,8 @@ def bench_config(r: Runner, T: int, B: int, flex, BlockMask, flex_note: str = ""
         return {"config": cfg_id, "inputs": inputs, "T": T, "B": B, "skipped": skip}
     cfg_id, cfg, K, q, k, v, cu, stages, cache_lens, n_q_rows = config_setup(r, T, B, inputs)
     if r.device.type == "cuda":     # which stage-1 launch runs: one, or key-range passes (docs/stage1.md, 9.)
-        from infllm_cupy.stage1.plan import stage1_plan
-        from infllm_cupy.stage1.select import _smem_limits
-        plan = stage1_plan(torch.cuda.get_device_capability(r.device), HQ // H, D, q.dtype, torch.bfloat16,
-                           -(-T // 64), *_smem_limits(r.device))
+        from infllm_cupy.stage1.select import device_stage1_plan
+        plan = device_stage1_plan(r.device, HQ // H, D, q.dtype, torch.bfloat16, -(-T // 64), rows=H * T * B)
         print(f"  stage-1 plan: {plan}", flush=True)
 
     def selection():

@@ -81,8 +81,7 @@ def main(argv=None):
         except torch.OutOfMemoryError as e:
             recs.append({"case": case, "variant": "-", "note": f"inputs: {_short(e)}"})
             continue
-        base = sel.stage1_plan(torch.cuda.get_device_capability(dev), G, a.d, torch.bfloat16, torch.bfloat16, out_len,
-                               *sel._smem_limits(dev))
+        base = sel.device_stage1_plan(dev, G, a.d, torch.bfloat16, torch.bfloat16, out_len, rows=2 * T)
         print(f"\n== {case}: T = {T}, G = {G}, out_len = {out_len}; the plan: {base}", flush=True)
         ref = None
         for name, plan in [("plan", base)] + [(f"ranges={r}", dataclasses.replace(

@@ -23,6 +23,9 @@ MAX_GROUP = 128          # G <= 128: a token's rows fit in one CTA (4 warps x 32
 TILE = 64                # compressed keys per tile (kernels_cu: S1_TILE)
 STAGE_STRIDE = 68        # floats per staging row (kernels_cu: S1_ST)
 ROWS_PER_WARP = 32
+# docs/stage1.md, 9. Long context: key ranges (the plan's choice, measured on the H100)
+RANGE_MIN_TWO_PER_SM = 2048   # a split at two CTAs per SM pays only with ranges this wide (fewer merges)
+SCRATCH_BUDGET_FRACTION = 8   # the global block-key scratch may take 1/8 of the device memory
 
 
 def lgp_of(G: int) -> int:
@@ -129,10 +132,10 @@ def scratch_bytes(plan: Stage1Plan, H: int, total_q: int, out_len: int, key_byte
     return H * total_q * (-(-out_len // 64) * 64) * key_bytes
 
 
-def range_blocks_for(kernel: str, warps: int, G: int, D: int, itemsize: int, key_bytes: int, smem_max: int,
-                     smem_per_sm: int) -> int:
-    """The widest key range (a multiple of 64 blocks) whose rows (`64 + range` keys per token) fit in
-    shared memory, two CTAs per SM if that still leaves 512 blocks or more, else one; 0 if none fits."""
+def _range_widths(kernel: str, warps: int, G: int, D: int, itemsize: int, key_bytes: int, smem_max: int,
+                  smem_per_sm: int) -> tuple[int, int]:
+    """(widest range at two CTAs per SM, widest at one CTA per SM): multiples of 64 blocks whose rows
+    (`64 + range` keys per token) fit in shared memory; 0 where none fits."""
     lgp = lgp_of(G)
 
     def smem(rb):
@@ -140,25 +143,34 @@ def range_blocks_for(kernel: str, warps: int, G: int, D: int, itemsize: int, key
             return smem_bytes_sm90(D, itemsize, lgp, 64 + rb, key_bytes, True)
         return smem_bytes(D, itemsize, warps, lgp, 64 + rb, key_bytes, True)
 
-    best = 0
-    for limit in (min(smem_per_sm // 2 - 1024, smem_max), smem_max):
-        fixed = smem(0)
-        per = smem(64) - fixed                       # bytes per 64 blocks of every token's row
-        best = max(0, (limit - fixed) // per * 64) if per > 0 else 0
-        if best >= 512:
-            return best
-    return best
+    fixed = smem(0)
+    per = smem(64) - fixed                       # bytes per 64 blocks of every token's row
+    return tuple(max(0, (limit - fixed) // per * 64) if per > 0 else 0
+                 for limit in (min(smem_per_sm // 2 - 1024, smem_max), smem_max))
+
+
+def range_blocks_for(kernel: str, warps: int, G: int, D: int, itemsize: int, key_bytes: int, smem_max: int,
+                     smem_per_sm: int) -> int:
+    """The key-range width of a split: the widest at two CTAs per SM if it holds RANGE_MIN_TWO_PER_SM
+    blocks or more, else the widest at one CTA per SM (each pass costs a merge: fewer, wider passes
+    beat occupancy, docs/stage1.md, 9. Long context: key ranges); 0 if none fits."""
+    two, one = _range_widths(kernel, warps, G, D, itemsize, key_bytes, smem_max, smem_per_sm)
+    return two if two >= RANGE_MIN_TWO_PER_SM else one
 
 
 @functools.lru_cache(maxsize=1024)
 def stage1_plan(capability, G: int, D: int, dtype: torch.dtype, score_dtype: torch.dtype, out_len: int,
-                smem_max: int, smem_per_sm: int, kernel: str = "auto") -> Stage1Plan:
+                smem_max: int, smem_per_sm: int, kernel: str = "auto", *, rows: int = 0,
+                scratch_budget: int = 0) -> Stage1Plan:
     """The stage-1 plan for one call.
 
     capability: the device's (major, minor); smem_max, smem_per_sm: its opt-in per-block and per-SM
     dynamic shared memory. score_dtype: that of the scores (fp32 keys take 4 bytes, 16-bit ones 2).
     kernel: "auto" (sm_90a on capability 9.0 when G <= 32, else SM80), "sm80" or "sm90a"
-    (ValueError on another capability or G > 32).
+    (ValueError on another capability or G > 32). rows: H x total_q, the rows a global block-key
+    scratch would hold; scratch_budget: the bytes that scratch may take (`scratch_budget_of`). Where
+    the block-key rows do not fit in shared memory, one launch with the scratch is taken while it
+    fits the budget, key ranges beyond (rows = 0 or budget 0: ranges always).
     """
     lgp = lgp_of(G)
     sm90a = wants_sm90a(kernel, capability, "stage 1")
@@ -170,16 +182,28 @@ def stage1_plan(capability, G: int, D: int, dtype: torch.dtype, score_dtype: tor
     olp = -(-out_len // 64) * 64
     key_bytes = 4 if score_dtype == torch.float32 else 2
     itemsize = dtype.itemsize
-    # where the block-key rows do not fit in shared memory, the key blocks are split into ranges
-    # (docs/stage1.md, 9. Long context: key ranges) instead of a global [H, total_q, olp] scratch
+    scratch_fits = 0 < rows * olp * key_bytes <= scratch_budget
+    # docs/stage1.md, 9. Long context: key ranges: rows in shared memory at two CTAs per SM -> one
+    # launch; at one CTA per SM -> ranges at two per SM where they are wide (fewer tokens wait on each
+    # SM's exp and top-K); past shared memory -> the global scratch within its budget, else ranges
     if sm90a:
-        in_smem = smem_bytes_sm90(D, itemsize, lgp, olp, key_bytes, True) <= smem_max
-        rb = 0 if in_smem else range_blocks_for(SM90A, SM90_THREADS // 32, G, D, itemsize, key_bytes, smem_max,
-                                                smem_per_sm)
-        return Stage1Plan(SM90A, SM90_THREADS // 32, in_smem, 0, rb)
+        warps = SM90_THREADS // 32
+        full = smem_bytes_sm90(D, itemsize, lgp, olp, key_bytes, True)
+        two, _ = _range_widths(SM90A, warps, G, D, itemsize, key_bytes, smem_max, smem_per_sm)
+        if full <= min(smem_per_sm // 2 - 1024, smem_max):
+            return Stage1Plan(SM90A, warps, True, 0, 0)
+        if full <= smem_max:
+            split = two >= RANGE_MIN_TWO_PER_SM and olp > two
+            return Stage1Plan(SM90A, warps, True, 0, two if split else 0)
+        if scratch_fits:
+            return Stage1Plan(SM90A, warps, False, 0, 0)
+        return Stage1Plan(SM90A, warps, False, 0,
+                          range_blocks_for(SM90A, warps, G, D, itemsize, key_bytes, smem_max, smem_per_sm))
     warps, in_smem = choose_tiles(D, itemsize, lgp, olp, key_bytes, smem_max, smem_per_sm)
     if in_smem:
         return Stage1Plan(SM80, warps, True)
+    if scratch_fits:
+        return Stage1Plan(SM80, warps, False)
     warps = max(1, (1 << lgp) // ROWS_PER_WARP)       # fewest tokens per CTA: the widest ranges
     return Stage1Plan(SM80, warps, False, 0,
                       range_blocks_for(SM80, warps, G, D, itemsize, key_bytes, smem_max, smem_per_sm))

@@ -41,6 +41,7 @@ from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
 from .naive import naive_stage1_select, q_block_idx_prefill
 from .plan import (  # noqa: F401  (the sizing functions re-exported: the launcher's vocabulary)
     MAX_GROUP,
+    SCRATCH_BUDGET_FRACTION,
     SM90_MAX_LGP,
     SM90A,
     Stage1Plan,
@@ -93,6 +94,26 @@ def _smem_limits_of(device_index: int) -> tuple[int, int]:
         return int(p["sharedMemPerBlockOptin"]), int(p["sharedMemPerMultiprocessor"])
     except (ImportError, KeyError, RuntimeError):   # conservative: A100's numbers
         return 163 * 1024, 164 * 1024
+
+
+def device_stage1_plan(device: torch.device, G: int, D: int, dtype: torch.dtype, score_dtype: torch.dtype,
+                       out_len: int, *, rows: int, kernel: str = "auto") -> Stage1Plan:
+    """`stage1_plan` with `device`'s capability, shared-memory limits and scratch budget: the plan
+    `stage1_select` takes for `rows` = H x total_q rows (benchmarks size their memory guards by it)."""
+    return stage1_plan(torch.cuda.get_device_capability(device), G, D, dtype, score_dtype, out_len,
+                       *_smem_limits(device), kernel, rows=rows, scratch_budget=scratch_budget_of(device))
+
+
+def scratch_budget_of(device: torch.device) -> int:
+    """Bytes the plan may give the global block-key scratch on `device` (docs/stage1.md, 9. Long
+    context: key ranges): a fixed share of its memory."""
+    return _total_memory_of(device.index if device.index is not None else torch.cuda.current_device()) \
+        // SCRATCH_BUDGET_FRACTION
+
+
+@functools.cache
+def _total_memory_of(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).total_memory)
 
 
 def _kernel_checks(q, score_dtype, block_size, kernel_stride, coarse_kernel_stride, softmax_scale):
@@ -236,8 +257,7 @@ def launch_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
     out_len = cdiv(max_seqlen_q + max_cache, KV_BLOCK)
     smem_max, smem_sm = _smem_limits(q.device)
     if plan is None:
-        plan = stage1_plan(torch.cuda.get_device_capability(q.device), G, D, q.dtype, sdt, out_len, smem_max,
-                           smem_sm, kernel)
+        plan = device_stage1_plan(q.device, G, D, q.dtype, sdt, out_len, rows=ck1.shape[1] * q.shape[0], kernel=kernel)
     K = min(topk + local_blocks, out_len)
     max_n1 = max(seqlens_host(cu_seqlens_c1), default=0) if return_scores else 0
     topk_idx = empty((H, total_q, K), dtype=torch.int32, device=q.device)

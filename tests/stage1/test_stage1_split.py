@@ -154,14 +154,24 @@ H100 = (227 * 1024, 228 * 1024)   # (opt-in per-block, per-SM) dynamic shared me
 
 def test_range_plan_on_h100_shapes():
     bf16, fp32 = torch.bfloat16, torch.float32
-    # README head config (G = 16, D = 128): 512k tokens (8192 blocks) still fit one CTA's rows
-    assert stage1_plan((9, 0), 16, 128, bf16, bf16, 8192, *H100) == Stage1Plan("sm90a", 8, True, 0, 0)
+    # README head config (G = 16, D = 128): 128k tokens (2048 blocks) fit two CTAs per SM: one launch;
+    # 512k tokens (8192 blocks) fit one CTA's rows, but ranges of 2816 blocks at two CTAs per SM were
+    # faster (docs/stage1.md §9), with the rows in shared memory kept for inspection calls
+    assert stage1_plan((9, 0), 16, 128, bf16, bf16, 2048, *H100) == Stage1Plan("sm90a", 8, True, 0, 0)
+    assert stage1_plan((9, 0), 16, 128, bf16, bf16, 8192, *H100) == Stage1Plan("sm90a", 8, True, 0, 2816)
+    # past shared memory: the global scratch while it fits the budget, ranges beyond it
+    p256 = dict(rows=2 * 2**18, scratch_budget=10 * 2**30)      # [2, 256k, 4096] int16: 4 GiB
+    assert stage1_plan((9, 0), 1, 128, bf16, bf16, 4096, *H100, **p256) == Stage1Plan("sm90a", 8, False, 0, 0)
+    assert stage1_plan((9, 0), 1, 128, bf16, bf16, 4096, *H100, rows=2 * 2**18, scratch_budget=2**32 - 1) \
+        == stage1_plan((9, 0), 1, 128, bf16, bf16, 4096, *H100)
+    assert stage1_plan((8, 0), 1, 128, bf16, bf16, 4096, *H100, **p256) == Stage1Plan("sm80", 4, False, 0, 0)
     # 1M tokens do not: ranges of 2816 blocks, two CTAs per SM
     p = stage1_plan((9, 0), 16, 128, bf16, bf16, 16384, *H100)
     assert p == Stage1Plan("sm90a", 8, False, 0, 2816)
     assert p.smem_bytes(16, 128, 2, 16384, 2) <= 228 * 1024 // 2 - 1024
     # SM80: the fewest tokens per CTA, the widest ranges
-    assert stage1_plan((8, 0), 1, 128, bf16, bf16, 8192, *H100) == Stage1Plan("sm80", 1, False, 0, 1088)
+    # (two CTAs per SM hold 1088 blocks, under RANGE_MIN_TWO_PER_SM: one CTA per SM, wider ranges)
+    assert stage1_plan((8, 0), 1, 128, bf16, bf16, 8192, *H100) == Stage1Plan("sm80", 1, False, 0, 2880)
     # a range is the widest multiple of 64 that fits; none fits -> 0
     rb = range_blocks_for("sm90a", 8, 1, 128, 2, 4, *H100)
     assert rb == 192 and Stage1Plan("sm90a", 8, False, 0, rb).smem_bytes(1, 128, 2, 10**6, 4) <= H100[0]
