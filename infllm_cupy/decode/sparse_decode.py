@@ -22,6 +22,7 @@ WCHUNK = 1024          # positions per CTA of the weights pass (#define WCHUNK)
 ROW_TILES = (1, 2, 4)  # MT: 16-row tiles of the query group, so G <= 64
 MAX_GROUP = 16 * ROW_TILES[-1]
 WEIGHTS = ("per_head", "per_kv_head")
+PMAX_GROUP = 16        # keys per recorded max of the relative probabilities (a warp's key quarter of a block)
 MAX_SMEM = 227 * 1024  # dynamic shared memory of one CTA on sm_90 (sm_80: 163 KB; the default plans stay far below)
 
 # Split planning (docs/decode.md, 4. Splits and the merge): about CTAS_PER_SM CTAs per SM in one
@@ -161,16 +162,22 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
     check_plan(plan, G, n_entries, D, K)
     S = plan.num_splits
     dev = q.device
-    # the merge's inputs and the log2 LSE in one scratch allocation (fewer allocator calls when eager)
+    # the merge's inputs, the log2 LSE and (with weights) the fp16 relative probabilities and their
+    # per-16-key maxima in one scratch allocation (fewer allocator calls when eager; docs/decode.md,
+    # 5. Attention weights)
     n_o, n_l = B * HQ * S * D, B * HQ * S
-    scratch = torch.empty(n_o + n_l + B * HQ, dtype=torch.float32, device=dev)
-    o_part, lse_part, lse2 = scratch[:n_o], scratch[n_o:n_o + n_l], scratch[n_o + n_l:]
+    n_p, n_m = weights_scratch_floats(B, HQ, width) if return_attn_weights else (0, 0)
+    scratch = torch.empty(n_o + n_p + n_l + B * HQ + n_m, dtype=torch.float32, device=dev)
+    o_part = scratch[:n_o]
+    prel = scratch[n_o:n_o + n_p].view(torch.float16)      # 16-byte aligned: n_o is a multiple of 4
+    lse_part = scratch[n_o + n_p:n_o + n_p + n_l]
+    lse2 = scratch[n_o + n_p + n_l:n_o + n_p + n_l + B * HQ]
+    pmax = scratch[n_o + n_p + n_l + B * HQ:]
     out = empty((B, HQ, D), dtype=q.dtype, device=dev)
     lse = empty((B, HQ), dtype=torch.float32, device=dev)
-    w_out = logits = None
+    w_out = None
     if return_attn_weights:
         w_out = empty((B, HQ if weights == "per_head" else H, width), dtype=torch.float32, device=dev)
-        logits = w_out if weights == "per_head" else torch.empty((B, HQ, width), dtype=torch.float32, device=dev)
     null = np.uint64(0)
     paged = bt is not None
     run = Launches(dev)
@@ -181,13 +188,14 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
              np.int32(0 if paged else k.shape[1]), ptr(topk_idx) if sparse else null, np.int32(K),
              np.int32(B), np.int32(H), np.int32(G), np.int32(plan.per_split),
              np.float32(scale * math.log2(math.e)), ptr(o_part), ptr(lse_part),
-             ptr(logits) if logits is not None else null, np.int32(width)))
+             ptr(prel) if return_attn_weights else null, ptr(pmax) if return_attn_weights else null,
+             np.int32(width)))
     nt = plan.merge_threads(D)
     run.add(SOURCE, f"sparse_decode_merge<{CXX_TYPE[q.dtype]}, {D}>", (B * HQ,), (nt,), 16 * nt + 4 * S,
             (ptr(o_part), ptr(lse_part), np.int32(S), ptr(out), ptr(lse), ptr(lse2)), pdl=plan.pdl)
     if return_attn_weights:
         run.add(SOURCE, "sparse_decode_weights", (cdiv(width, WCHUNK), H, B), (WCHUNK // 4,), 0,
-                (ptr(logits), ptr(lse2), ptr(seqlens), ptr(topk_idx) if sparse else null, np.int32(K),
+                (ptr(prel), ptr(pmax), ptr(lse2), ptr(seqlens), ptr(topk_idx) if sparse else null, np.int32(K),
                  np.int32(B), np.int32(H), np.int32(G), np.int32(width),
                  np.int32(weights == "per_kv_head"), ptr(w_out)), pdl=plan.pdl)
     run.run()
@@ -197,6 +205,14 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
     if return_attn_weights:
         res.append(w_out)
     return res[0] if len(res) == 1 else tuple(res)
+
+
+def weights_scratch_floats(batch: int, num_heads: int, width: int) -> tuple[int, int]:
+    """fp32 words of the weights' scratch (docs/decode.md, 5. Attention weights): the fp16 relative
+    probabilities `[B, HQ, W]` (rounded up to 16 bytes) and one fp32 max per 16-key group
+    `[B, HQ, cdiv(W, 16)]`."""
+    rows = batch * num_heads
+    return 4 * cdiv(rows * width, 8), rows * cdiv(width, PMAX_GROUP)
 
 
 def check_plan(plan, group: int, n_entries: int, head_dim: int, k: int = 0) -> None:

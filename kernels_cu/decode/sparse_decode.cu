@@ -20,9 +20,11 @@
 //   split s takes entries [s * per_split, (s + 1) * per_split) of its topk row (dense: those blocks)
 //   o_part  float [B, HQ, S, D]   the split's normalised output (0 for a split with no valid key)
 //   lse_part float [B, HQ, S]     its log2-sum-exp of the scaled logits (-inf for no valid key)
-//   logits  float [B, HQ, W] or nullptr: the log2-domain scaled logit of every key the split reads
-//           (rows g < G, positions < L_b); the weights pass turns them into probabilities.
-//           16-byte aligned rows (W % 4 == 0) get 16-byte stores
+//   prel    __half [B, HQ, W] or nullptr: the relative probability 2^(s - m) of every key the split
+//           reads (rows g < G, positions < L_b; s its log2-domain scaled logit), where m is the running
+//           max of the warp's row when the key's 16-key group was read (so prel <= 1); 8-byte aligned
+//           rows (W % 4 == 0) get 8-byte stores that fill 32-byte sectors
+//   pmax    float [B, HQ, cdiv(W, 16)]: that m, per (row, 16-key group) read (with prel)
 //
 // sparse_decode_merge<T, D>
 //   grid (B * HQ)  block (P * D / 4) for a power of two P, 32 .. 1024 threads (DecodePlan.merge_threads)
@@ -34,9 +36,8 @@
 // sparse_decode_weights
 //   grid (cdiv(W, WCHUNK), H, B)  block (WCHUNK / 4 = 256)  static shared memory; may be launched as a
 //   programmatic dependent of the merge (it waits before reading)
-//   out [B, HQ, W] (per_kv_head = 0) or [B, H, W] (per_kv_head = 1) float: 2^(logit - lse2) at the
-//   selected positions < L_b, 0 elsewhere. With per_kv_head = 0, `logits` may alias `out` (each
-//   element is read and then written by the same thread).
+//   out [B, HQ, W] (per_kv_head = 0) or [B, H, W] (per_kv_head = 1) float: prel * 2^(pmax - lse2) at
+//   the selected positions < L_b, 0 elsewhere (prel, pmax: the split kernel's; no aliasing with out)
 //
 // Why this shape (docs/decode.md): decode reads each K/V byte once, so the kernel is bound by DRAM
 // bandwidth; the G query heads of a KV head share every K/V tile in shared memory, the tensor cores
@@ -114,7 +115,7 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
                     const int* __restrict__ seqlens, const int* __restrict__ block_table, int max_pages,
                     int page_size, int seq_rows, const int* __restrict__ topk, int K, int B, int H, int G,
                     int per_split, float scale_log2, float* __restrict__ o_part, float* __restrict__ lse_part,
-                    float* __restrict__ logits, int W) {
+                    __half* __restrict__ prel, float* __restrict__ pmax, int W) {
     constexpr int NT = 128 * MT, NW = 4 * MT, ROWB = KVLayout<D>::ROWB, CH = D / 8;
     typedef SplitSmem<D, MT> SM;
     extern __shared__ __align__(128) unsigned char smem[];
@@ -283,39 +284,6 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
                 for (int e = 0; e < 4; ++e)
                     if (key0 + 2 * c4 + 8 * t + (e & 1) >= L) s[t][e] = -INFLLM_INF;
         }
-        if (logits != nullptr) {
-            // recomputed per block (a few instructions, only with weights) rather than held in registers:
-            // the logits row of this thread's first fragment row (the second is 8 W further); rows >= G
-            // store nothing
-            float* lg = logits + ((int64)b * HQ + (int64)h * G + 16 * mt + g4) * W;
-            const bool lg_row0 = 16 * mt + g4 < G, lg_row1 = 16 * mt + g4 + 8 < G;
-            // 16-byte stores need 16-byte aligned rows (W % 4 == 0); quad lane c4 then stores keys
-            // kofs .. kofs + 3 of the warp's 16 after one pair exchange with lane ^ 1
-            if ((W & 3) == 0 && !tail) {
-                const int kofs = 4 * (c4 >> 1) + 8 * (c4 & 1);
-                // lane c4 holds keys 2c4, 2c4 + 1 (s[0]) and 8 + 2c4, +1 (s[1]) of rows g4, g4 + 8;
-                // even lanes swap their s[1] pair for the odd neighbour's s[0] pair: then each lane
-                // holds 4 consecutive keys and a row's 16 keys are 4 full 16-byte stores
-                const bool odd = c4 & 1;
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const float x0 = odd ? s[0][2 * r] : s[1][2 * r], x1 = odd ? s[0][2 * r + 1] : s[1][2 * r + 1];
-                    const float y0 = __shfl_xor_sync(0xffffffffu, x0, 1), y1 = __shfl_xor_sync(0xffffffffu, x1, 1);
-                    const float4 val = odd ? make_float4(y0, y1, s[1][2 * r], s[1][2 * r + 1])
-                                           : make_float4(s[0][2 * r], s[0][2 * r + 1], y0, y1);
-                    if (r == 0 ? lg_row0 : lg_row1)
-                        *reinterpret_cast<float4*>(lg + (int64)(8 * r) * W + key0 + kofs) = val;
-                }
-            } else {
-#pragma unroll
-                for (int t = 0; t < 2; ++t)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int key = key0 + 2 * c4 + 8 * t + (e & 1);
-                        if ((e < 2 ? lg_row0 : lg_row1) && key < L) lg[(int64)(8 * (e >> 1)) * W + key] = s[t][e];
-                    }
-            }
-        }
         float alpha[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -335,6 +303,36 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
                     sum += s[t][e];
                 }
             l[r] = l[r] * alpha[r] + sum;
+            if (prel != nullptr) {
+                // weights (docs/decode.md, 5. Attention weights): s now holds 2^(logit - m_use) <= 1,
+                // stored as fp16 with m_use per 16-key group; the weights pass rescales by 2^(m_use - lse2).
+                // Row and pointers are recomputed per block (a few instructions, only with weights)
+                // rather than held in registers; rows >= G store nothing
+                const int row = 16 * mt + g4 + 8 * r;
+                const int64 rowi = (int64)b * HQ + (int64)h * G + row;
+                __half* pr = prel + rowi * W;
+                const u32 w0 = pack2<__half>(s[0][2 * r], s[0][2 * r + 1]);   // keys 2 c4, 2 c4 + 1
+                const u32 w1 = pack2<__half>(s[1][2 * r], s[1][2 * r + 1]);   // keys 8 + 2 c4, + 1
+                if ((W & 3) == 0 && !tail) {
+                    // one exchange with lane c4 ^ 1 gives each lane 4 consecutive keys (even lanes keys
+                    // 2 c4 .. + 3, odd lanes 8 + 2 (c4 - 1) .. + 3): a row's 16 keys are 4 8-byte stores
+                    // of one 32-byte sector
+                    const bool odd = c4 & 1;
+                    const u32 y = __shfl_xor_sync(0xffffffffu, odd ? w0 : w1, 1);
+                    if (row < G)
+                        *reinterpret_cast<uint2*>(pr + key0 + 4 * (c4 >> 1) + 8 * (c4 & 1)) =
+                            odd ? make_uint2(y, w1) : make_uint2(w0, y);
+                } else if (row < G) {
+                    const int kk = key0 + 2 * c4;
+                    const __half2 h0 = *reinterpret_cast<const __half2*>(&w0), h1 = *reinterpret_cast<const __half2*>(&w1);
+                    if (kk < L) pr[kk] = __low2half(h0);
+                    if (kk + 1 < L) pr[kk + 1] = __high2half(h0);
+                    if (kk + 8 < L) pr[kk + 8] = __low2half(h1);
+                    if (kk + 9 < L) pr[kk + 9] = __high2half(h1);
+                }
+                // key0 < L: a tail block's later key quarters may lie past W (not a multiple of 64)
+                if (c4 == 0 && row < G && key0 < L) pmax[rowi * ((W + 15) >> 4) + (key0 >> 4)] = m_use;
+            }
         }
         // rescale the output tile only where some row's max moved (x 1 is exact, so skipping it
         // changes no bit); a warp-uniform test, since the tile is the warp's
@@ -500,17 +498,18 @@ sparse_decode_merge(const float* __restrict__ o_part, const float* __restrict__ 
     }
 }
 
-__global__ void __launch_bounds__(256)
-sparse_decode_weights(const float* logits, const float* __restrict__ lse2, const int* __restrict__ seqlens,
-                      const int* __restrict__ topk, int K, int B, int H, int G, int W, int per_kv_head,
-                      float* out) {
+// at least 5 CTAs (40 warps) per SM: unbounded, ptxas took 53 registers on sm_80 (4 CTAs); 6 spilled
+__global__ void __launch_bounds__(256, 5)
+sparse_decode_weights(const __half* __restrict__ prel, const float* __restrict__ pmax, const float* __restrict__ lse2,
+                      const int* __restrict__ seqlens, const int* __restrict__ topk, int K, int B, int H, int G, int W,
+                      int per_kv_head, float* __restrict__ out) {
     __shared__ int sel[WCHUNK / BLK];
     __shared__ float lse_s[64];
     const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
     const int p0 = blockIdx.x * WCHUNK, blk0 = p0 / BLK;
     sd_pdl_wait();
     const int L = seqlens[b], nb = (L + BLK - 1) / BLK;
-    const int HQ = H * G;
+    const int HQ = H * G, NG = (W + 15) >> 4;
     for (int g = tid; g < G; g += blockDim.x) lse_s[g] = lse2[(int64)b * HQ + (int64)h * G + g];
     if (tid < WCHUNK / BLK) sel[tid] = topk == nullptr ? (blk0 + tid < nb) : 0;
     __syncthreads();
@@ -522,38 +521,42 @@ sparse_decode_weights(const float* logits, const float* __restrict__ lse2, const
         }
         __syncthreads();
     }
-    // WCHUNK = 4 * blockDim.x: each thread takes 4 consecutive positions of one 64-key block, as one
-    // 16-byte store per head when the rows are 16-byte aligned (W % 4 == 0)
+    // WCHUNK = 4 * blockDim.x: each thread takes 4 consecutive positions of one 16-key group (one pmax),
+    // as one 8-byte load and one 16-byte store per head when the rows are aligned (W % 4 == 0)
     const int p = p0 + 4 * tid;
     if (p >= W) return;
     const bool vec = (W & 3) == 0;
     const bool blk_on = sel[(p - p0) / BLK] != 0;
-    const bool full = vec && blk_on && p + 3 < L;       // one 16-byte load per head
+    const bool on = blk_on && p < L;                    // positions p + e < L also need p + e < W
+    const bool full = vec && blk_on && p + 3 < L;       // one 8-byte load per head
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    // heads four at a time, their loads issued before any store: logits may alias out, so the compiler
-    // cannot hoist a head's load above the previous head's store, and one load per thread in flight
-    // is too little to cover the memory latency
+    // heads four at a time, every load issued before the arithmetic: one load per thread in flight is
+    // too little to cover the memory latency
     for (int g0 = 0; g0 < G; g0 += 4) {
-        float4 lv[4];
+        uint2 pv[4];
+        float mv[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const int g = g0 + i;
-            const float* src = logits + ((int64)b * HQ + (int64)h * G + g) * W + p;
-            lv[i] = full && g < G ? *reinterpret_cast<const float4*>(src) : make_float4(0.f, 0.f, 0.f, 0.f);
+            const int64 rowi = (int64)b * HQ + (int64)h * G + g0 + i;
+            const bool ld = on && g0 + i < G;
+            pv[i] = full && ld ? *reinterpret_cast<const uint2*>(prel + rowi * W + p) : make_uint2(0u, 0u);
+            mv[i] = ld ? pmax[rowi * NG + (p >> 4)] : 0.f;
         }
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int g = g0 + i;
             if (g >= G) break;
             const int64 at = ((int64)b * HQ + (int64)h * G + g) * W + p;
+            // 2^(m - lse2) <= 1: m is the max of some of the row's logits, lse2 their log-sum-exp
+            const float f = on ? exp2f(mv[i] - lse_s[g]) : 0.f;
             float x[4];
             if (full) {
-                x[0] = exp2f(lv[i].x - lse_s[g]); x[1] = exp2f(lv[i].y - lse_s[g]);
-                x[2] = exp2f(lv[i].z - lse_s[g]); x[3] = exp2f(lv[i].w - lse_s[g]);
+                const float2 a = unpack2<__half>(pv[i].x), c = unpack2<__half>(pv[i].y);
+                x[0] = a.x * f; x[1] = a.y * f; x[2] = c.x * f; x[3] = c.y * f;
             } else {
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
-                    x[e] = blk_on && p + e < L && p + e < W ? exp2f(logits[at + e] - lse_s[g]) : 0.f;
+                    x[e] = on && p + e < L && p + e < W ? __half2float(prel[at + e]) * f : 0.f;
             }
             if (per_kv_head) {
 #pragma unroll

@@ -11,6 +11,7 @@ from infllm_cupy.decode.sparse_decode import (
     _check_kernel_inputs,
     check_plan,
     default_merge_groups,
+    weights_scratch_floats,
 )
 from infllm_cupy.stage2.naive import naive_dense_attn_varlen, naive_sparse_attn_varlen
 from infllm_cupy.testing import assert_close_to_ref, cu_seqlens_from_lengths, random_topk_idx
@@ -174,6 +175,15 @@ def cdiv_(a, b):
     return -(-a // b)
 
 
+def test_weights_scratch_size():
+    # fp16 relative probabilities [B, HQ, W] in whole 16-byte units (so what follows stays aligned),
+    # then one fp32 max per 16-key group (docs/decode.md, 5. Attention weights)
+    for B, HQ, W in [(1, 1, 1), (2, 3, 71), (8, 32, 32768), (3, 5, 130)]:
+        n_p, n_m = weights_scratch_floats(B, HQ, W)
+        assert n_p % 4 == 0 and 2 * n_p >= B * HQ * W > 2 * n_p - 8
+        assert n_m == B * HQ * cdiv_(W, 16)
+
+
 def test_kernel_input_checks_name_the_argument():
     cache = make_cache([100, 7], 2, 64, torch.bfloat16, page_size=64)
     q = torch.randn(2, 8, 64, dtype=torch.bfloat16)
@@ -242,7 +252,7 @@ def test_kernel_matches_reference(case):
     torch.testing.assert_close(w.sum(-1)[~empty], torch.ones_like(lse)[~empty], atol=1e-4, rtol=0)
     wk = sparse_decode(q, cache, idx, return_attn_weights=True, weights="per_kv_head")[1]
     torch.testing.assert_close(wk, w.view(len(lengths), H, HQ // H, -1).sum(2), atol=1e-5, rtol=0)
-    # without weights the output is the same bits (the logits are only stored on the side)
+    # without weights the output is the same bits (the relative probabilities are only stored on the side)
     assert torch.equal(sparse_decode(q, cache, idx), out)
 
 
@@ -325,6 +335,43 @@ def test_decode_step_replays_bit_identically_in_a_cuda_graph(page_size):
         assert torch.equal(a, b)
     for name in ("k", "v", "ck1", "ck2", "seqlens"):
         assert torch.equal(getattr(graphed, name), getattr(eager, name)), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 64], ids=["contiguous_w_odd", "page64"])
+@pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
+def test_weights_precision_on_peaked_rows(page_size, sparse):
+    # fp16 relative probabilities (docs/decode.md, 5. Attention weights): each weight is within
+    # 2^-11 (fp16 rounding) of the float64 value relative, plus the fp32 logits' own rounding (at
+    # scale 1 the log2 logits reach ~100, whose fp32 ulp is ~1e-5 of an exponent): 2^-10 in all; and
+    # within 2^-24 absolute where 2^(s - m) leaves fp16's normal range (subnormal, or 0 below
+    # 2^-25). A large softmax scale makes the rows
+    # peaked (logits spread over hundreds), so most weights sit far below the row max and many flush;
+    # the running max moves often within a split, so many keys are stored relative to a smaller m.
+    lengths, HQ, H, D, dtype = [3000, 700, 1025], 16, 2, 128, torch.bfloat16
+    cache = make_cache(lengths, H, D, dtype, page_size=page_size, device="cuda", spare=71)
+    assert (cache.capacity % 4 == 0) == (page_size is not None)      # both prel store paths
+    q = torch.randn(len(lengths), HQ, D, generator=torch.Generator().manual_seed(7)).to("cuda", dtype)
+    idx = selection(H, lengths, 20, device="cuda") if sparse else None
+    for scale in (D ** -0.5, 0.25, 1.0):
+        out, lse, w = sparse_decode(q, cache, idx, softmax_scale=scale, return_lse=True, return_attn_weights=True)
+        ref, ref_w = naive_sparse_decode(q.double(), as_tuple(cache, torch.float64), idx, softmax_scale=scale,
+                                         return_attn_weights=True)
+        lowp, lowp_w = naive_sparse_decode(q, cache, idx, softmax_scale=scale, return_attn_weights=True,
+                                           upcast=False)
+        assert_close_to_ref(f"out scale {scale}", out, ref, lowp)
+        assert_close_to_ref(f"weights scale {scale}", w, ref_w, lowp_w, atol_floor=1e-6)
+        err = (w.double() - ref_w.double()).abs()
+        bound = 2.0 ** -10 * ref_w.double().abs() + 2.0 ** -24
+        assert bool((err <= bound).all()), (
+            f"scale {scale}: weight error {(err - bound).max().item():.3e} past 2^-10 relative + 2^-24")
+        assert bool((w[ref_w == 0] == 0).all())
+        torch.testing.assert_close(w.sum(-1), torch.ones_like(lse), atol=1e-4, rtol=0)
+        if scale == 1.0:   # the rows are peaked: many selected positions round to 0 or subnormal fp16
+            tiny = (ref_w > 0) & (ref_w < 2.0 ** -14)
+            assert int(tiny.sum()) > 1000
+        wk = sparse_decode(q, cache, idx, softmax_scale=scale, return_attn_weights=True, weights="per_kv_head")[1]
+        torch.testing.assert_close(wk, w.view(len(lengths), H, HQ // H, -1).sum(2), atol=1e-5, rtol=0)
 
 
 @pytest.mark.gpu
