@@ -22,7 +22,9 @@ from ..pipeline import InfLLMv2Config, check_config, check_kernel_block_size, st
 from ..stage1.naive import naive_stage1_select, q_block_idx_prefill
 from ..stage2.layout import BlockLayout
 from ..stage2.naive import naive_sparse_attn_varlen, naive_sparse_attn_varlen_bwd
+from .._constants import KV_BLOCK
 from .zigzag import (
+    Slot,
     ZigzagPlan,
     _group_info,
     _lengths,
@@ -319,6 +321,55 @@ def _combine_key_grads(plan: ZigzagPlan, g0: torch.Tensor, g1: torch.Tensor, dty
     return out
 
 
+def _bwd_pieces(plan: ZigzagPlan, slot, sel, q, k_full) -> list:
+    """`[(piece, r0, r1)]`: the slot's backward as query pieces in row order (`r0:r1` of the slot's
+    rows; one piece, the slot itself, unless split). The stage-2 backward's masks and transposed
+    indices grow as queries x keys (`H x tokens x keys / 2048` int32 words for the masks alone): a
+    slot whose masks would outweigh its dq is cut into pieces of whole 64-token blocks, piece `j`
+    the queries `[b_j, b_j+1)` against the key prefix `[0, b_j+1)` (a chunked-prefill sequence, as
+    the slot, docs/context_parallel.md §3). One sequence and the token-level selection only (the
+    long-sequence case, docs/context_parallel.md §9); a layout or a batch keeps one piece."""
+    whole = [(slot, 0, slot.max_q)]
+    if len(plan.lengths) != 1 or not isinstance(sel, torch.Tensor):
+        return whole
+    H, (HQ, D) = k_full.shape[1], q.shape[1:]
+    mask_bytes = H * slot.max_q * -(-slot.max_k // 2048) * 4
+    dq_bytes = slot.max_q * HQ * D * q.element_size()
+    p = min(slot.max_q // KV_BLOCK, bwd_piece_count(mask_bytes, dq_bytes))
+    if p <= 1:
+        return whole
+    a, r_start, dev, units = slot.starts[0], slot.rows.start, q.device, slot.max_q // KV_BLOCK
+    out = []
+    for j in range(p):
+        r0, r1 = j * units // p * KV_BLOCK, (j + 1) * units // p * KV_BLOCK
+        e = a + r1
+        piece = Slot(
+            (a + r0,),
+            (e,),
+            (r1 - r0,),
+            slice(r_start + r0, r_start + r1),
+            torch.tensor([0, r1 - r0], dtype=torch.int32, device=dev),
+            torch.tensor([0, e], dtype=torch.int32, device=dev),
+            torch.tensor([a + r0], dtype=torch.int32, device=dev),
+            r1 - r0,
+            e,
+            e,
+        )
+        out.append((piece, r0, r1))
+    return out
+
+
+# pieces of a slot's backward at most (each holds its own dq and K/V-length dK/dV until the end)
+BWD_MAX_PIECES = 4
+
+
+def bwd_piece_count(mask_bytes: int, dq_bytes: int) -> int:
+    """Pieces for a slot whose backward masks take `mask_bytes` and dq `dq_bytes`: masks no larger
+    than the piece's dq (at the README head config, slots past about 2M keys: 2 pieces at 3M tokens
+    on 2 ranks), which takes them below the end of the backward, where dq is assembled (§9)."""
+    return max(1, min(BWD_MAX_PIECES, -(-mask_bytes // dq_bytes)))
+
+
 class _CPAttention(torch.autograd.Function):
     """The whole context-parallel layer: gathers, selection, stage 2 per slot; backward reduce-scatters."""
 
@@ -377,40 +428,59 @@ class _CPAttention(torch.autograd.Function):
             use_ops,
         )
         ctx.reduce_dtype, ctx.k_dtype = reduce_dtype, k.dtype
-        ctx.save_for_backward(q, k_full, v_full, out, *lses)
+        # the gathered K and V are this function's own intermediates: held on ctx rather than saved,
+        # so that the backward can drop them before it assembles dq (docs/context_parallel.md §9)
+        ctx.kv_full = [k_full, v_full]
+        ctx.save_for_backward(q, out, *lses)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k_full, v_full, out, *lses = ctx.saved_tensors
+        q, out, *lses = ctx.saved_tensors
+        k_full, v_full = ctx.kv_full
         plan = ctx.plan
         sels, ctx.sels = list(ctx.sels), None
         # The wider slot first: slot 1 (chunk 2W-1-r) ends after slot 0 in every sequence, so its
         # backward holds the longest K/V-length fp32 dK/dV sums and the largest masks, the layer's
-        # memory peak; run second, it would also hold slot 0's dq and dK/dV. dq is assembled after
-        # both slots for the same reason (docs/context_parallel.md §8, "Memory at the peak").
-        dqs, dks, dvs = [None, None], [None, None], [None, None]
+        # memory peak; run second, it would also hold slot 0's dq and dK/dV. A long slot runs in query
+        # pieces, the wider piece first, so that its masks shrink; dq is assembled after every piece
+        # (docs/context_parallel.md §9).
+        acc_dtype = torch.promote_types(ctx.k_dtype, ctx.reduce_dtype)
+        dq_parts, dks, dvs = [], [None, None], [None, None]
         for s in (1, 0):
-            slot, rows = plan.slots[s], plan.slots[s].rows
-            n = slot.k_end
-            dqs[s], dks[s], dvs[s] = _s2_bwd(
-                take_rows(dout, rows).contiguous(),
-                take_rows(q, rows).contiguous(),
-                k_full[:n],
-                v_full[:n],
-                take_rows(out, rows).contiguous(),
-                lses[s],
-                slot,
-                sels[s],
-                ctx.scale,
-                ctx.kernel,
-                ctx.use_ops,
-            )
+            slot = plan.slots[s]
+            for piece, r0, r1 in reversed(_bwd_pieces(plan, slot, sels[s], q, k_full)):
+                n = piece.k_end
+                rows = piece.rows
+                sel = sels[s] if r0 == 0 and r1 == slot.max_q else sels[s][:, r0:r1]
+                lse = lses[s] if r0 == 0 and r1 == slot.max_q else lses[s][:, r0:r1].contiguous()
+                dq_p, dk_p, dv_p = _s2_bwd(
+                    take_rows(dout, rows).contiguous(),
+                    take_rows(q, rows).contiguous(),
+                    k_full[:n],
+                    v_full[:n],
+                    take_rows(out, rows).contiguous(),
+                    lse,
+                    piece,
+                    sel,
+                    ctx.scale,
+                    ctx.kernel,
+                    ctx.use_ops,
+                )
+                dq_parts.append((rows, dq_p))
+                if dks[s] is None:  # the slot's widest piece: its prefix holds every later one's
+                    dks[s], dvs[s] = dk_p.to(acc_dtype), dv_p.to(acc_dtype)
+                else:  # the add runs in fp32 (or wider) and rounds once, as _combine_key_grads
+                    dks[s][:n].add_(dk_p)
+                    dvs[s][:n].add_(dv_p)
+                del dq_p, dk_p, dv_p
             sels[s] = None
+        ctx.kv_full = k_full = v_full = None
         dq = torch.empty_like(q)
-        for s, slot in enumerate(plan.slots):
-            put_rows(dq, slot.rows, dqs[s])
-            dqs[s] = None
+        while dq_parts:
+            rows, dq_p = dq_parts.pop()
+            put_rows(dq, rows, dq_p)
+            del dq_p
         rd = ctx.reduce_dtype
         # dK's reduce-scatter runs while dV is combined and permuted
         dk_g = _combine_key_grads(plan, *dks, rd)

@@ -149,6 +149,39 @@ def case_dense_fallback(W):
     )
 
 
+class _ForcedPieces:
+    """Every slot's backward in `n` query pieces (`cp.bwd_piece_count` picks more only for long
+    slots), counting the stage-2 backward calls, so that short test sequences run the pieces."""
+
+    def __init__(self, n):
+        self.n, self.calls = n, 0
+
+    def __enter__(self):
+        import infllm_cupy.distributed.cp as cp
+
+        self.saved = cp.bwd_piece_count, cp._s2_bwd
+        inner = cp._s2_bwd
+
+        def counted(*a, **kw):
+            self.calls += 1
+            return inner(*a, **kw)
+
+        cp.bwd_piece_count, cp._s2_bwd = (lambda mask_bytes, dq_bytes: self.n), counted
+        return self
+
+    def __exit__(self, *exc):
+        import infllm_cupy.distributed.cp as cp
+
+        cp.bwd_piece_count, cp._s2_bwd = self.saved
+
+
+def case_token_bwd_pieces(W):
+    # chunks of 6 blocks: 3 pieces of 2 blocks in each slot, accumulated in float64 (exact)
+    with _ForcedPieces(3) as f:
+        res = _ref_case([6 * 2 * W * 64], 4, 2, 16, InfLLMv2Config(**CFG_SMALL), seed=7)
+    return res | {"bwd_calls": f.calls}
+
+
 def case_shard_roundtrip(W):
     g = 2 * W * 64
     lengths = [g, 2 * g]
@@ -253,6 +286,7 @@ CPU_CASES = [
     case_layout_shared,
     case_layout_per_sequence_q128,
     case_dense_fallback,
+    case_token_bwd_pieces,
     case_shard_roundtrip,
     case_module_equals_function,
     case_ranks_disagree_lengths,
@@ -350,7 +384,16 @@ def case_gpu_readme_k96(W):
     return _gpu_case([8192], 32, 2, 128, InfLLMv2Config(dense_len=0), seed=14)
 
 
+def case_gpu_bwd_pieces(W):
+    """The README head config with every slot's backward in 2 query pieces (bf16 dK / dV partials
+    summed per piece, docs/context_parallel.md §9)."""
+    with _ForcedPieces(2) as f:
+        res = _gpu_case([8192], 32, 2, 128, InfLLMv2Config(dense_len=0), seed=15)
+    return res | {"bwd_calls": f.calls}
+
+
 GPU_CASES = [
+    case_gpu_bwd_pieces,
     case_gpu_token_b1,
     case_gpu_token_varlen,
     case_gpu_token_d64_g1,

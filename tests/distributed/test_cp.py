@@ -70,6 +70,29 @@ def test_cp_gloo_matches_single_process(cpu2, case):
             ), f"{case} rank {r}: max |{name} - single process| = {d[f'err_{name}']:.2e}"
 
 
+def test_cp_gloo_backward_in_query_pieces(cpu2):
+    # every slot in 3 query pieces (forced; long slots choose it): the same float64 results
+    for r, d in enumerate(ranks(cpu2, "case_token_bwd_pieces")):
+        assert d["bwd_calls"] == 2 * 3, (r, d)
+        assert not d["nan"], (r, d)
+        for name in ("out", "dq", "dk", "dv"):
+            assert d[f"err_{name}"] <= EXACT, (r, name, d[f"err_{name}"])
+
+
+def test_bwd_piece_count_splits_only_long_slots():
+    from infllm_cupy.distributed.cp import BWD_MAX_PIECES, bwd_piece_count
+
+    # README head config (H 2, HQ 32, D 128, bf16) on 2 ranks, rank 0's wide slot: L / 4 queries over
+    # L keys; masks H x L/4 x L/2048 x 4 B against dq L/4 x 8 KiB
+    def count(L):
+        n_q = L // 4
+        return bwd_piece_count(2 * n_q * -(-L // 2048) * 4, n_q * 32 * 128 * 2)
+
+    assert count(262144) == 1 and count(1 << 21) == 1
+    assert count(3_000_000) == 2
+    assert count(1 << 30) == BWD_MAX_PIECES
+
+
 def test_cp_gloo_fp32_gradient_reduce(cpu2):
     # float64 inputs, dK / dV summed over ranks in float32: float32 rounding, no more
     for r, d in enumerate(ranks(cpu2, "case_token_fp32_reduce")):
@@ -128,7 +151,9 @@ def test_cp_nccl_two_gpus_flash_attention_rule(tmp_path_factory):
     (2x / 3x the error of PyTorch in bf16) of the float64 stage-2 reference over the single-GPU
     selection; the single-GPU kernel result is held to the same bound, for comparison."""
     res = run_suite(tmp_path_factory, "gpu", 2)
+    assert all(d["bwd_calls"] == 2 * 2 for d in ranks(res, "case_gpu_bwd_pieces"))
     for case in (
+        "case_gpu_bwd_pieces",
         "case_gpu_token_b1",
         "case_gpu_token_varlen",
         "case_gpu_token_d64_g1",
