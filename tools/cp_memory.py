@@ -57,7 +57,8 @@ class Recorder:
             self.phase_max[p] = max(self.phase_max.get(p, 0), a)
         if a > self.best:
             self.best, self.best_where = a, where
-        if a > self.snap_at * 1.02:  # a snapshot per 2% of growth: each one walks every block
+        # a snapshot per 2% of growth past 256 MiB: each one walks every block
+        if a > max(self.snap_at * 1.02, 2**28):
             self.snap_at, self.best_blocks = a, live_blocks()
 
     def report(self) -> dict:
@@ -120,7 +121,7 @@ def compress_timeline(samples, phase_max) -> list[tuple[str, float]]:
 def instrument(rec_ref: list) -> None:
     """Wrap the layer's helpers and every package module's `launch` so that they sample memory."""
     import infllm_cupy._launch as launch_mod
-    import infllm_cupy.distributed.cp as cp
+    from infllm_cupy.distributed import cp
 
     def wrap(mod, name):
         fn = getattr(mod, name)
@@ -135,12 +136,13 @@ def instrument(rec_ref: list) -> None:
             try:
                 return fn(*a, **kw)
             finally:
-                rec.stack.pop()
                 rec.sample(f"exit {name}")
+                rec.stack.pop()
 
         setattr(mod, name, wrapped)
 
-    for name in ("_select", "_s2_fwd", "_s2_bwd", "_combine_key_grads", "all_gather_rows", "reduce_scatter_rows"):
+    names = ("_select", "_s2_fwd", "_s2_bwd", "_combine_key_grads", "all_gather_rows", "reduce_scatter_rows")
+    for name in names:
         wrap(cp, name)
     orig = launch_mod.launch
 
@@ -176,10 +178,12 @@ def run_one(rec_ref, label, tokens, fn) -> dict:
 
 def print_report(rank: int, rep: dict) -> None:
     L = rep["tokens"]
-    print(f"\n=== rank {rank}: {rep['label']} at {L} tokens{'  ERROR ' + rep['error'] if rep['error'] else ''}")
+    err = f"  ERROR {rep['error']}" if rep["error"] else ""
+    print(f"\n=== rank {rank}: {rep['label']} at {L} tokens{err}")
+    mx = rep["max_memory_allocated_gib"]
     print(
-        f"max_memory_allocated {rep['max_memory_allocated_gib']:.2f} GiB ({rep['max_memory_allocated_gib'] * GiB / L:.0f}"
-        f" B per token), reserved {rep['reserved_gib']:.2f} GiB, outside torch {rep['outside_torch_gib']:.2f} GiB"
+        f"max_memory_allocated {mx:.2f} GiB ({mx * GiB / L:.0f} B per token), reserved "
+        f"{rep['reserved_gib']:.2f} GiB, outside torch {rep['outside_torch_gib']:.2f} GiB"
     )
     print(
         f"highest sample {rep['highest_sample_gib']:.2f} GiB at {rep['highest_sample_at']}; live at the "
@@ -195,12 +199,16 @@ def print_report(rank: int, rep: dict) -> None:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--length", type=int, required=True, help="tokens of the one sequence (multiple of 2W x 64)")
+    p.add_argument(
+        "--length", type=int, required=True, help="tokens of the one sequence (multiple of 2W x 64)"
+    )
     p.add_argument("--single-length", type=int, default=0, help="also one GPU (rank 0) at this length first")
     p.add_argument("--json", default=None)
-    p.add_argument("--max-entries", type=int, default=1000, help="trace entries kept (blocks keep their stacks)")
+    p.add_argument(
+        "--max-entries", type=int, default=1000, help="trace entries kept (blocks keep their stacks)"
+    )
     a = p.parse_args(argv)
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=300))
     from benchmarks.bench_cp import Ctx, _Ledger, cp_call, cp_inputs, full_tensor
     from benchmarks.bench_cp import parse_args as bench_args

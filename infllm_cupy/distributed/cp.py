@@ -17,12 +17,12 @@ import torch.distributed as dist
 
 from .._checks import check_backend, check_flags, check_kernel_inputs, check_softmax_scale, check_tensor
 from .._checks import REF_DTYPES
+from .._constants import KV_BLOCK
 from .._kernel_arg import check_kernel
 from ..pipeline import InfLLMv2Config, check_config, check_kernel_block_size, stages_for, uses_kernels
 from ..stage1.naive import naive_stage1_select, q_block_idx_prefill
 from ..stage2.layout import BlockLayout
 from ..stage2.naive import naive_sparse_attn_varlen, naive_sparse_attn_varlen_bwd
-from .._constants import KV_BLOCK
 from .zigzag import (
     Slot,
     ZigzagPlan,
@@ -325,7 +325,7 @@ def _bwd_pieces(plan: ZigzagPlan, slot, sel, q, k_full) -> list:
     """`[(piece, r0, r1)]`: the slot's backward as query pieces in row order (`r0:r1` of the slot's
     rows; one piece, the slot itself, unless split). The stage-2 backward's masks and transposed
     indices grow as queries x keys (`H x tokens x keys / 2048` int32 words for the masks alone): a
-    slot whose masks would outweigh its dq is cut into pieces of whole 64-token blocks, piece `j`
+    slot whose masks would outweigh half its dq is cut into pieces of whole 64-token blocks, piece `j`
     the queries `[b_j, b_j+1)` against the key prefix `[0, b_j+1)` (a chunked-prefill sequence, as
     the slot, docs/context_parallel.md §3). One sequence and the token-level selection only (the
     long-sequence case, docs/context_parallel.md §9); a layout or a batch keeps one piece."""
@@ -364,10 +364,11 @@ BWD_MAX_PIECES = 4
 
 
 def bwd_piece_count(mask_bytes: int, dq_bytes: int) -> int:
-    """Pieces for a slot whose backward masks take `mask_bytes` and dq `dq_bytes`: masks no larger
-    than the piece's dq (at the README head config, slots past about 2M keys: 2 pieces at 3M tokens
-    on 2 ranks), which takes them below the end of the backward, where dq is assembled (§9)."""
-    return max(1, min(BWD_MAX_PIECES, -(-mask_bytes // dq_bytes)))
+    """Pieces for a slot whose backward masks take `mask_bytes` and dq `dq_bytes`: each piece's masks
+    at most half its dq. At the README head config on 2 ranks that splits slots from about 1M keys
+    (3 pieces of rank 0's wide slot at 2.9M tokens) and takes every slot phase below the end of the
+    backward, where dq is assembled (docs/context_parallel.md §9, the table of phases)."""
+    return max(1, min(BWD_MAX_PIECES, -(-2 * mask_bytes // dq_bytes)))
 
 
 class _CPAttention(torch.autograd.Function):

@@ -157,7 +157,7 @@ class _ForcedPieces:
         self.n, self.calls = n, 0
 
     def __enter__(self):
-        import infllm_cupy.distributed.cp as cp
+        from infllm_cupy.distributed import cp
 
         self.saved = cp.bwd_piece_count, cp._s2_bwd
         inner = cp._s2_bwd
@@ -170,7 +170,7 @@ class _ForcedPieces:
         return self
 
     def __exit__(self, *exc):
-        import infllm_cupy.distributed.cp as cp
+        from infllm_cupy.distributed import cp
 
         cp.bwd_piece_count, cp._s2_bwd = self.saved
 
