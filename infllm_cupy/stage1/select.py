@@ -77,7 +77,15 @@ for _sm90a, _src in ((False, SOURCE), (True, SOURCE_SM90)):
                                                      for d in HEAD_DIMS)), sm90a=_sm90a)
 
 _IDX_BITS = 31                     # merge key: (block key << 31) | (2^31 - 1 - block), one int64
-_MERGE_ELEMS = 1 << 25             # elements of one merge chunk (bounds the merge's temporaries)
+_MERGE_ELEMS = 1 << 25             # elements of one merge chunk of the torch merge (bounds its temporaries)
+
+# The range passes' merge kernel (docs/stage1.md, 9. Long context: key ranges; its paragraph "The merge
+# kernel"): one instance per candidates-per-lane count NI (K <= 32 NI); past MERGE_MAX_K the torch merge runs.
+MERGE_SOURCE = "stage1/merge_cand.cu"
+MERGE_WARPS = 4                    # mirrors #define MERGE_WARPS in merge_cand.cu
+MERGE_ITEMS = (1, 2, 3, 4, 6, 8, 16, 32)
+MERGE_MAX_K = 32 * MERGE_ITEMS[-1]
+_jit.register_instances(MERGE_SOURCE, [f"merge_range_candidates<{n}>" for n in MERGE_ITEMS])
 
 
 def _smem_limits(device: torch.device) -> tuple[int, int]:
@@ -335,7 +343,44 @@ def launch_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
 def _merge_into(run: torch.Tensor | None, cand_key: torch.Tensor, cand_idx: torch.Tensor, K: int) -> torch.Tensor:
     """The top-K of the union of the running candidates and one range's, as int64 merge keys
     `(block key << 31) | (2^31 - 1 - block)`: larger is better, ties to the lower block (the block
-    keys are the kernels' order-preserving score keys, zero-extended from 16 or 32 bits)."""
+    keys are the kernels' order-preserving score keys, zero-extended from 16 or 32 bits). `run`
+    None: the first range. The merge kernel up to `MERGE_MAX_K` (its rows sorted descending), the
+    torch merge beyond (unsorted rows); the final step sorts by block index either way."""
+    if K <= MERGE_MAX_K:
+        return _merge_into_kernel(run, cand_key, cand_idx, K)
+    return _merge_into_torch(run, cand_key, cand_idx, K)
+
+
+def _merge_into_kernel(run: torch.Tensor | None, cand_key: torch.Tensor, cand_idx: torch.Tensor,
+                       K: int) -> torch.Tensor:
+    """`_merge_into` on kernels_cu/stage1/merge_cand.cu, in place in `run` (which must be sorted
+    descending per row, as this function leaves it); returns `run`, or a new `[H, total_q, K]` int64
+    holding the sorted candidates when `run` is None. `cand_key` / `cand_idx`: int32 `[H, total_q, K]`."""
+    if not 1 <= K <= MERGE_MAX_K:
+        raise ValueError(f"K must be in [1, {MERGE_MAX_K}] for the merge kernel, got {K}")
+    if cand_key.shape != cand_idx.shape or cand_key.dim() != 3 or cand_key.shape[-1] != K:
+        raise ValueError(f"cand_key and cand_idx must both have shape [H, total_q, K = {K}], got "
+                         f"{tuple(cand_key.shape)} and {tuple(cand_idx.shape)}")
+    if cand_key.dtype != torch.int32 or cand_idx.dtype != torch.int32:
+        raise TypeError(f"cand_key and cand_idx must be int32, got {cand_key.dtype} and {cand_idx.dtype}")
+    if run is not None and (run.shape != cand_key.shape or run.dtype != torch.int64 or not run.is_contiguous()):
+        raise ValueError(f"run must be a contiguous int64 tensor of shape {tuple(cand_key.shape)}, got "
+                         f"{run.dtype} {tuple(run.shape)}")
+    out = empty(tuple(cand_key.shape), dtype=torch.int64, device=cand_key.device) if run is None else run
+    rows = cand_key.shape[0] * cand_key.shape[1]
+    ni = next(n for n in MERGE_ITEMS if 32 * n >= K)
+    name = f"merge_range_candidates<{ni}>"
+    launch(_jit.get_kernel(MERGE_SOURCE, name), name=name, grid=(cdiv(rows, MERGE_WARPS),),
+           block=(32 * MERGE_WARPS,), shared_mem=MERGE_WARPS * 2 * K * 8,
+           args=(ptr(cand_key), ptr(cand_idx), ptr(out), np.int64(rows), np.int32(K),
+                 np.int32(0 if run is None else 1)))
+    return out
+
+
+def _merge_into_torch(run: torch.Tensor | None, cand_key: torch.Tensor, cand_idx: torch.Tensor,
+                      K: int) -> torch.Tensor:
+    """`_merge_into` in torch ops (the reference of the merge kernel, and the path past
+    `MERGE_MAX_K`): `torch.topk` over the union, chunked over tokens; rows unsorted."""
     new = ((cand_key.to(torch.int64) & 0xFFFFFFFF) << _IDX_BITS) | ((1 << _IDX_BITS) - 1 - cand_idx.to(torch.int64))
     if run is None:
         return new
