@@ -10,11 +10,14 @@ that `block_sparse_attn_varlen` runs (docs/patterns.md).
 - `SparseAttention`, `LocalStrideSparseAttention`: dkernel-like modules (batch-first or packed, GQA,
   per-head patterns, forward and backward); `dkernel_local_stride_mask` their local + stride rule.
 - `pattern_decode`, `pattern_topk_idx`: a decode step over a static pattern through `sparse_decode`.
+- `qhead_block_sparse_attn_varlen`: a layout with one row per query head, K/V not repeated in the
+  CUDA forward (the kernels' per-query-head mask rows).
 """
 from .formats import from_block_mask, from_bsr, from_csr, to_block_mask, to_bsr, to_csr
 from .local_stride import head_sliding_step, local_stride, local_stride_block_mask, per_kv_head
 from .modules import LocalStrideSparseAttention, SparseAttention, dkernel_local_stride_mask
 from .decode import pattern_decode, pattern_topk_idx
+from .qhead import qhead_block_sparse_attn_varlen
 from .sliding_tile import sliding_tile, tile_permutation, tile_window_mask
 from .sparge import naive_predict_sparge, predict_sparge
 
@@ -39,4 +42,5 @@ __all__ = [
     "dkernel_local_stride_mask",
     "pattern_decode",
     "pattern_topk_idx",
+    "qhead_block_sparse_attn_varlen",
 ]

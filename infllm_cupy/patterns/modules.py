@@ -26,6 +26,7 @@ from .._kernel_arg import check_kernel
 from ..stage2.attention import block_sparse_attn_varlen
 from ..stage2.layout import BlockLayout
 from .local_stride import expand_blocks, per_kv_head
+from .qhead import qhead_block_sparse_attn_varlen
 
 
 def dkernel_local_stride_mask(num_heads: int, max_seq_len: int, block_size: int, local_blocks: int,
@@ -133,8 +134,8 @@ class SparseAttention(torch.nn.Module):
 
     def layout_for(self, num_q_heads: int, num_kv_heads: int, device) -> tuple[BlockLayout, bool]:
         """`(layout, expand_kv)` for these head counts: the cached `BlockLayout` over 64-key blocks on
-        `device`, and whether k/v must be repeated per query head (G = 1) because the pattern's query
-        heads of a group differ."""
+        `device`, and whether it is per query head (the pattern's query heads of a group differ:
+        the call then runs `qhead_block_sparse_attn_varlen`, no K/V repeat in the CUDA forward)."""
         device = torch.device(device)
         key = (num_q_heads, num_kv_heads, device)
         hit = self._layouts.get(key)
@@ -284,13 +285,13 @@ class SparseAttention(torch.nn.Module):
                                      or not math.isfinite(sm_scale) or sm_scale <= 0):
             raise ValueError(f"sm_scale must be a positive finite float or None, got {sm_scale!r}")
         layout, expand = self.layout_for(q.shape[1], k.shape[1], q.device)
-        if expand:
-            G = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
         q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
-        return block_sparse_attn_varlen(q, k, v, cu, cu, layout, max_seqlen, max_seqlen, causal=self.causal,
-                                        softmax_scale=None if sm_scale is None else float(sm_scale),
-                                        backend=self.backend, kernel=self.kernel)
+        # a group whose query heads differ: the per-query-head forward kernels on CUDA tensors (K/V
+        # not repeated), the expanded path elsewhere and in the backward (qhead.py)
+        attn = qhead_block_sparse_attn_varlen if expand else block_sparse_attn_varlen
+        return attn(q, k, v, cu, cu, layout, max_seqlen, max_seqlen, causal=self.causal,
+                    softmax_scale=None if sm_scale is None else float(sm_scale), backend=self.backend,
+                    kernel=self.kernel)
 
 
 class LocalStrideSparseAttention(SparseAttention):

@@ -77,6 +77,8 @@ class FwdPlan:
     sm_90a only: `step` (a key of FWD_STEPS), `stages` (K/V ring depth, one of SM90_STAGES; it must
     fit the shared memory with the mask rows), `kv_passes` (key-range passes; 1: none) and
     `split_min` (a CTA splits over the passes only where its union of blocks exceeds this many).
+    `qhead_rows`: the mask rows are per query head (a layout with HQ heads; the kernels' QH
+    instances, docs/stage2_fwd.md, "Per-query-head mask rows"); SM80 only with the default tiles.
     """
     kernel: str
     tiles: FwdTiles = DEFAULT_TILES
@@ -84,6 +86,7 @@ class FwdPlan:
     stages: int = SM90_STAGES[0]
     kv_passes: int = 1
     split_min: int = 0
+    qhead_rows: bool = False
 
     def __post_init__(self):
         if self.kernel not in (SM80, SM90A):
@@ -98,6 +101,11 @@ class FwdPlan:
             raise ValueError(f"FwdPlan.kv_passes must be an int >= 1 (1 for the SM80 kernel), got {self.kv_passes!r}")
         if not isinstance(self.split_min, int) or self.split_min < 0:
             raise ValueError(f"FwdPlan.split_min must be an int >= 0, got {self.split_min!r}")
+        if not isinstance(self.qhead_rows, bool):
+            raise TypeError(f"FwdPlan.qhead_rows must be a bool, got {self.qhead_rows!r}")
+        if self.qhead_rows and self.kernel == SM80 and self.tiles != DEFAULT_TILES:
+            # only the default tile shape has a per-query-head instance (compile time of the CPU suite)
+            raise ValueError(f"FwdPlan.qhead_rows needs the default SM80 tiles {DEFAULT_TILES}, got {self.tiles}")
 
 
 def n_mask_words(max_seqlen_k: int) -> int:

@@ -37,6 +37,11 @@ SM90_SOURCE = "stage2/sparse_fwd_sm90.cu"
 MASK_SOURCE = "stage2/block_masks.cu"
 MASK_WARPS = 8          # mirrors #define WARPS in block_masks.cu
 
+
+def _qh_name(name: str) -> str:
+    """The QH (per-query-head mask rows) twin of a forward instance's name expression."""
+    return name[:-1] + ", true>"
+
 # MT = 2 spills a little under the 255-register cap (D = 128: 116 B; D = 64: 8 B), yet measures
 # fastest: the CPU compile check tolerates its spills and demands none of the MT = 1 variants.
 for _t in ALL_TILES:
@@ -44,6 +49,12 @@ for _t in ALL_TILES:
         _jit.register_instances(FWD_SOURCE, [_t.name(dt, _d) for dt in KERNEL_DTYPES],
                                 strict=_t.m_tiles == 1)
 _jit.register_instances(SM90_SOURCE, [f"stage2_fwd_sm90<{CXX_TYPE[dt]}, {d}, {ns}>" for dt in KERNEL_DTYPES
+                                     for d in HEAD_DIMS for ns in SM90_STAGES], sm90a=True)
+# per-query-head mask rows (FwdPlan.qhead_rows): the QH instances, SM80 with the default tiles only
+# (MT = 2 spills as its KV-row twin does: not strict)
+_jit.register_instances(FWD_SOURCE, [_qh_name(DEFAULT_TILES.name(dt, d)) for dt in KERNEL_DTYPES for d in HEAD_DIMS],
+                        strict=False)
+_jit.register_instances(SM90_SOURCE, [f"stage2_fwd_sm90<{CXX_TYPE[dt]}, {d}, {ns}, true>" for dt in KERNEL_DTYPES
                                      for d in HEAD_DIMS for ns in SM90_STAGES], sm90a=True)
 _jit.register_instances(MASK_SOURCE, ["token_block_masks"])
 
@@ -73,7 +84,8 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
                max_seqlen_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on checked, contiguous inputs, as `plan` says. Returns
     `out [total_q, HQ, D]` and `lse [HQ, total_q]` float32. `masks` is `[..., n_words]` int32; see the
-    .cu header for the rows. An sm_90a plan runs in `plan.kv_passes` key-range passes over
+    .cu header for the rows; with `plan.qhead_rows` they are per query head (`mask_h_stride` rows
+    between query heads, a layout with HQ heads). An sm_90a plan runs in `plan.kv_passes` key-range passes over
     `cdiv(max_seqlen_k, 64)` blocks (default: what the mask rows cover), in which the CTAs whose union
     of blocks exceeds `plan.split_min` split."""
     check_aligned(q=q, k=k, v=v)
@@ -95,11 +107,13 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
     if plan.kernel == SM80:
         tiles = plan.tiles
         name = tiles.name(q.dtype, D)
+        if plan.qhead_rows:
+            name = _qh_name(name)
         launch(_jit.get_kernel(FWD_SOURCE, name), name=name, grid=(cdiv(max_seqlen_q * G, tiles.rows), H, B),
                block=(32 * tiles.warps,), shared_mem=(tiles.rows * D + 4 * KV_BLOCK * D) * itemsize + 4 * n_words,
                args=(ptr(q), ptr(k), ptr(v)) + head + (ptr(out), ptr(lse)) + tail)
         return out, lse
-    name = f"stage2_fwd_sm90<{CXX_TYPE[q.dtype]}, {D}, {plan.stages}>"
+    name = f"stage2_fwd_sm90<{CXX_TYPE[q.dtype]}, {D}, {plan.stages}{', true' if plan.qhead_rows else ''}>"
     kernel = _jit.get_kernel(SM90_SOURCE, name, sm90a=True)
     smem = sm90_smem_bytes(D, plan.stages, n_words, itemsize)
     maps = (rows_map(k, KV_BLOCK), rows_map(v, KV_BLOCK))

@@ -661,7 +661,7 @@ __device__ __forceinline__ void ring_epilogue_fwd(T* out, float* lse, float (&o)
 
 // The CTA body of both ring kernels. DQ = false: the forward (out, lse written). DQ = true:
 // the backward's dq over the same ring (out = dq; lse and delta read; dout tiles beside Q).
-template <typename T, int D, int NS, bool DQ>
+template <typename T, int D, int NS, bool DQ, bool QH = false>
 __device__ __forceinline__ void
 ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap& tmap_k, const TmaMap& tmap_v,
               const unsigned* __restrict__ masks, const int* __restrict__ mask_base,
@@ -670,6 +670,7 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
               int total_q, int HQ, int H, int G, int n_words, long long mask_h_stride, int mask_q_block,
               float scale_log2, float scale, int causal, int step_mode, int blk_lo, int blk_hi,
               int* __restrict__ cta_split, int split_min, int x_off) {
+    static_assert(!(DQ && QH), "per-query-head mask rows are a forward instance (dq runs the expanded path)");
     constexpr int M = 64 * NC;
     constexpr int CH = D / 8;
     constexpr u32 TILE_Q = 64 * D * sizeof(T);
@@ -709,7 +710,8 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
     const int nb = min(key_blocks(sq.Lk), n_words * 32);
     if (later_pass && last_visible_block(nb, causal, (int)((min(m0 + M, sq.rows_total) - 1) / G), sq.shift) < blk_lo)
         return;
-    const unsigned* mrows = seq_mask_rows(masks, mask_base, b, h, mask_h_stride, n_words);
+    // QH: the rows of query head h * G + g start g * mask_h_stride rows after these
+    const unsigned* mrows = seq_mask_rows(masks, mask_base, b, QH ? h * G : h, mask_h_stride, n_words);
 
     // ---- each consumer warpgroup's Q tile: issued first, so that it lands during the setup
     if (wg < NC) {
@@ -733,22 +735,37 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
     unsigned mixed = 0u;        // bit g: rows of warpgroup g differ in some block of its union (this thread's words)
     {
         int q_lo[NC], q_hi[NC], lim[NC];
+        int qt_lo[NC], qg_lo[NC], qt_hi[NC], qg_hi[NC];   // QH: the warpgroup's first and last (token, head)
 #pragma unroll
         for (int g = 0; g < NC; ++g) {
             const int64 r_lo = m0 + 64 * g, r_hi = min(m0 + 64 * (g + 1), sq.rows_total) - 1;
-            if (r_lo > r_hi) { q_lo[g] = 1; q_hi[g] = 0; lim[g] = -1; continue; }
+            if (r_lo > r_hi) {
+                q_lo[g] = 1; q_hi[g] = 0; lim[g] = -1;
+                if constexpr (QH) { qt_lo[g] = 1; qt_hi[g] = 0; qg_lo[g] = 0; qg_hi[g] = 0; }
+                continue;
+            }
             const int t_lo = (int)(r_lo / G), t_hi = (int)(r_hi / G);
             q_lo[g] = t_lo / mask_q_block;
             q_hi[g] = t_hi / mask_q_block;
             lim[g] = last_visible_block(clip_hi, causal, t_hi, sq.shift);
+            if constexpr (QH) {
+                qt_lo[g] = t_lo; qt_hi[g] = t_hi;
+                qg_lo[g] = (int)(r_lo - (int64)t_lo * G);
+                qg_hi[g] = (int)(r_hi - (int64)t_hi * G);
+            }
         }
         for (int w = tid; w < n_words; w += 128 * (NC + 1)) {
             unsigned u[NC], all = 0;
 #pragma unroll
             for (int g = 0; g < NC; ++g) {
                 unsigned a;
-                u[g] = clip_word_below(clip_word(rows_or_and(mrows, n_words, q_lo[g], q_hi[g], w, a), w, lim[g]), w,
-                                       blk_lo);
+                unsigned o;
+                if constexpr (QH)
+                    o = qh_rows_or_and(mrows, n_words, mask_h_stride, mask_q_block, G, qt_lo[g], qg_lo[g], qt_hi[g],
+                                       qg_hi[g], w, a);
+                else
+                    o = rows_or_and(mrows, n_words, q_lo[g], q_hi[g], w, a);
+                u[g] = clip_word_below(clip_word(o, w, lim[g]), w, blk_lo);
                 if (u[g] != clip_word_below(clip_word(a, w, lim[g]), w, blk_lo)) mixed |= 1u << g;
                 sUw[g * n_words + w] = u[g];
                 all |= u[g];
@@ -856,7 +873,12 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
             row_ok[r] = R < sq.rows_total;
             const int t = row_ok[r] ? (int)(R / G) : 0;
             rk[r] = causal ? t + sq.shift : sq.Lk - 1;
-            mrow[r] = mrows + (int64)(t / mask_q_block) * n_words;
+            if constexpr (QH) {
+                const int gq = row_ok[r] ? (int)(R - (int64)t * G) : 0;
+                mrow[r] = mrows + ((int64)gq * mask_h_stride + t / mask_q_block) * n_words;
+            } else {
+                mrow[r] = mrows + (int64)(t / mask_q_block) * n_words;
+            }
         }
     }
     float o[D / 2];

@@ -1,9 +1,9 @@
 // stage2/sparse_fwd.cu: token-level block-sparse attention forward (InfLLM-v2 stage 2), SM80 path.
 //
 // Launch contract (mirrored by infllm_cupy/stage2/sparse_fwd.py):
-//   kernel   stage2_fwd<T, D, WARPS, MT, KN>  T in {__half, __nv_bfloat16}, D in {64, 128}, WARPS in
+//   kernel   stage2_fwd<T, D, WARPS, MT, KN, QH>  T in {__half, __nv_bfloat16}, D in {64, 128}, WARPS in
 //            {4, 8}, MT in {1, 2} m-tiles of 16 rows per warp (a CTA owns M = 16 * MT * WARPS rows),
-//            KN in {32, 64} keys per softmax sub-step
+//            KN in {32, 64} keys per softmax sub-step, QH (default false): per-query-head mask rows
 //   grid     (cdiv(max_seqlen_q * G, M), H, B)      block (32 * WARPS)
 //   dyn smem (M * D + 4 * 64 * D) * sizeof(T) + 4 * n_words
 //   q        [total_q, HQ, D] T, contiguous          k, v [total_k, H, D] T, contiguous
@@ -11,6 +11,10 @@
 //            sequence b for KV head h is  mask_base[b] + h * mask_h_stride + r / mask_q_block:
 //              token-level topk_idx: mask_base = cu_seqlens_q, mask_h_stride = total_q, mask_q_block = 1
 //              query-block layouts:  mask_base[b] = first row of b's layout, mask_q_block = 64 or 128
+//            With QH, each query head has its own rows: the row of token r under query head h*G+g is
+//            mask_base[b] + (h*G+g) * mask_h_stride + r / mask_q_block (a layout with HQ heads), and
+//            a CTA walks the union over its (token, head) rows (docs/stage2_fwd.md, "Per-query-head
+//            mask rows").
 //   out      [total_q, HQ, D] T                        lse [HQ, total_q] float32 (natural log)
 //   Semantics: query (r, head h*G+g) attends keys c of its sequence with c/64 set in its mask row,
 //   c < Lk and, when causal, c <= r + Lk - Lq (bottom-right). No allowed key: out = 0, lse = +inf.
@@ -31,7 +35,7 @@
 
 // Registers: MT = 1 at 8 warps would spill under a 128-register cap, so 8-warp CTAs run one per SM
 // with the full register file; 4-warp CTAs run two per SM (255 registers each).
-template <typename T, int D, int WARPS, int MT, int KN>
+template <typename T, int D, int WARPS, int MT, int KN, bool QH = false>
 __global__ void __launch_bounds__(32 * WARPS, WARPS == 4 ? 2 : 1)
 stage2_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
            const unsigned* __restrict__ masks, const int* __restrict__ mask_base,
@@ -62,10 +66,17 @@ stage2_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
     // last block any row of this CTA may see
     const int max_block = last_visible_block(min(nb, n_words * 32), causal, t_hi, sq.shift);
     const int nw = union_words(max_block);
-    const unsigned* mrows = seq_mask_rows(masks, mask_base, b, h, mask_h_stride, n_words);
+    const unsigned* mrows = seq_mask_rows(masks, mask_base, b, QH ? h * G : h, mask_h_stride, n_words);
 
     // ---- union of the CTA's tokens' blocks, clipped to max_block
-    cta_union(sU, mrows, n_words, t_lo / mask_q_block, t_hi / mask_q_block, max_block, nw, tid, THREADS);
+    if constexpr (QH) {
+        const int g_lo = (int)(m0 - (int64)t_lo * G);
+        const int g_hi = (int)(min(m0 + M, sq.rows_total) - 1 - (int64)t_hi * G);
+        cta_union_qh(sU, mrows, n_words, mask_h_stride, mask_q_block, G, t_lo, g_lo, t_hi, g_hi, max_block, nw, tid,
+                     THREADS);
+    } else {
+        cta_union(sU, mrows, n_words, t_lo / mask_q_block, t_hi / mask_q_block, max_block, nw, tid, THREADS);
+    }
 
     // ---- Q tile: rows are (token, head) pairs, zero past the sequence
     for (int i = tid; i < M * CH; i += THREADS) {
@@ -96,7 +107,12 @@ stage2_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
         row_ok[r] = R < sq.rows_total;
         const int t = row_ok[r] ? (int)(R / G) : t_lo;
         rk[r] = causal ? t + sq.shift : sq.Lk - 1;
-        mrow[r] = mrows + (int64)(t / mask_q_block) * n_words;
+        if constexpr (QH) {
+            const int g = row_ok[r] ? (int)(R - (int64)t * G) : 0;
+            mrow[r] = mrows + ((int64)g * mask_h_stride + t / mask_q_block) * n_words;
+        } else {
+            mrow[r] = mrows + (int64)(t / mask_q_block) * n_words;
+        }
     }
 
     float o[MT][D / 8][4];

@@ -1,0 +1,136 @@
+"""Layouts with one row per query head, without repeating K/V (docs/patterns.md, "Per query head vs per KV head").
+
+`qhead_block_sparse_attn_varlen(q, k, v, ..., layout)` takes a `BlockLayout` with HQ heads (query head
+`h * G + g` reads row `h * G + g`). On CUDA tensors the forward runs the stage-2 forward kernels'
+per-query-head instances (`FwdPlan.qhead_rows`, docs/stage2_fwd.md, "Per-query-head mask rows"): K/V
+stay at H heads, a CTA's K/V loads serve its whole group, and its union walk takes the union over its
+rows' heads. The backward still runs the expanded path (K/V repeated to HQ heads, the G = 1 backward
+kernels over the same layout, dK/dV summed over the group in fp32): the backward kernels have no
+per-query-head rows yet. CPU tensors, and `backend="reference"`, run the expanded path through
+`block_sparse_attn_varlen` (the reference on CPU tensors).
+
+The forward is the custom op `infllm_cupy::qhead_block_sparse_attn_fwd` (fake implementation for
+torch.compile, autograd formula as above).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .._checks import check_backend, check_flags, check_softmax_scale
+from .._kernel_arg import check_kernel
+from ..stage2.attention import _check_common, block_sparse_attn_varlen
+from ..stage2.layout import BlockLayout
+from ..stage2.naive import naive_block_sparse_attn_varlen
+from ..stage2.ops import block_sparse_attn_bwd, fwd_plan_for, layout_fwd
+
+Tensor = torch.Tensor
+
+
+def _expand_kv(k: Tensor, v: Tensor, G: int) -> tuple[Tensor, Tensor]:
+    return k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+
+
+@torch.library.custom_op("infllm_cupy::qhead_block_sparse_attn_fwd", mutates_args=(), device_types="cuda")
+def qhead_block_sparse_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                                layout_mask: Tensor, q_block: int, max_seqlen_q: int, max_seqlen_k: int,
+                                causal: bool, softmax_scale: float, kernel: str) -> tuple[Tensor, Tensor]:
+    """`(out, lse)` under `BlockLayout(layout_mask, q_block)` with one row per query head (mask on q's device)."""
+    plan = dataclasses.replace(fwd_plan_for(q, k, max_seqlen_k, split_min=None, kernel=kernel), qhead_rows=True)
+    return layout_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal,
+                      softmax_scale, plan)
+
+
+@qhead_block_sparse_attn_fwd.register_kernel("cpu")
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+      kernel):
+    ke, ve = _expand_kv(k, v, q.shape[1] // k.shape[1])
+    out, lse = naive_block_sparse_attn_varlen(q, ke, ve, cu_seqlens_q, cu_seqlens_k, BlockLayout(layout_mask, q_block),
+                                              max_seqlen_q, max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+                                              return_lse=True)
+    return out.contiguous(), lse.contiguous()
+
+
+@qhead_block_sparse_attn_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+      kernel):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, layout_mask = inputs[:6]
+    ctx.q_block = inputs[6]
+    ctx.args = inputs[7:]
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, layout_mask)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k, layout_mask = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    H, G = k.shape[1], q.shape[1] // k.shape[1]
+    # the expanded path's backward: same out and lse (the same function), G = 1 kernels over the
+    # per-query-head layout, dK/dV of the G copies summed in fp32
+    ke, ve = _expand_kv(k, v, G)
+    dq, dke, dve = block_sparse_attn_bwd(dout, q, ke, ve, out, lse, cu_q, cu_k, layout_mask, ctx.q_block, *ctx.args)
+    acc = torch.promote_types(k.dtype, torch.float32)      # fp32 sums for bf16/fp16, float64 stays
+    dk = dke.view(k.shape[0], H, G, k.shape[2]).sum(2, dtype=acc).to(k.dtype)
+    dv = dve.view(v.shape[0], H, G, v.shape[2]).sum(2, dtype=acc).to(v.dtype)
+    return (dq, dk, dv) + (None,) * 9
+
+
+qhead_block_sparse_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def qhead_block_sparse_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                                   layout: BlockLayout, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = True,
+                                   softmax_scale: float | None = None, return_lse: bool = False,
+                                   backend: str = "auto", kernel: str = "auto"):
+    r"""`block_sparse_attn_varlen` under a layout with one row per query head.
+
+    Query head `hq` of token t in query block i attends the 64-key blocks j with
+    `layout.mask[(b,) hq, i, j]`, over KV head `hq // G`'s keys; otherwise the semantics of
+    `block_sparse_attn_varlen` (causal bottom-right, empty rows give 0 and `lse = +inf`).
+    Differentiable in q, k, v.
+
+    Args:
+        layout (BlockLayout): `mask` bool `[HQ, NQB, NKB]` or `[B, HQ, NQB, NKB]` (HQ = q's heads).
+        backend (str, Optional): "auto" (the per-query-head kernels on CUDA tensors, the expanded
+            reference on CPU tensors), "kernels" (refuses CPU tensors) or "reference" (the expanded
+            path through `block_sparse_attn_varlen(..., backend="reference")`). Default: "auto".
+        Others: as `block_sparse_attn_varlen`.
+
+    Returns:
+        out (torch.Tensor): `[total_q, HQ, D]`; and `lse` `[HQ, total_q]` with `return_lse`.
+    """
+    if not isinstance(layout, BlockLayout):
+        raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
+    check_kernel(kernel)
+    check_flags(causal=causal, return_lse=return_lse)
+    backend = check_backend(backend)
+    for name, t in (("q", q), ("k", k)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor [total, heads, D], got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    HQ, H = q.shape[1], k.shape[1]
+    if H == 0 or HQ % H:
+        raise ValueError(f"q has {HQ} heads and k has {H}: the query head count must be a positive multiple of "
+                         f"the key/value head count")
+    if layout.num_kv_heads != HQ:
+        raise ValueError(f"layout has {layout.num_kv_heads} heads but q has {HQ}: a per-query-head layout has one "
+                         f"row per query head (a per-KV-head one goes to block_sparse_attn_varlen)")
+    if backend == "reference" or (backend == "auto" and not q.is_cuda):
+        G = HQ // H
+        ke, ve = _expand_kv(k, v, G)
+        return block_sparse_attn_varlen(q, ke, ve, cu_seqlens_q, cu_seqlens_k, layout, max_seqlen_q, max_seqlen_k,
+                                        causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+                                        backend=backend, kernel=kernel)
+    layout.check_against(HQ, cu_seqlens_q.numel() - 1, max_seqlen_q)
+    _check_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend)
+    out, lse = qhead_block_sparse_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, layout.mask.to(q.device),
+                                           layout.q_block, max_seqlen_q, max_seqlen_k, bool(causal),
+                                           check_softmax_scale(softmax_scale, q.shape[2]), kernel)
+    return (out, lse) if return_lse else out
