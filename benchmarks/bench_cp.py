@@ -24,7 +24,9 @@ all-gather / sent by reduce-scatter: `(W-1)/W x L x H x D x bytes`, twice), spee
 `--search`: the longest L that trains (fwd+bwd of the layer) on 1 GPU and on W GPUs, by bisection
 over multiples of 2W x 64 tokens within `--search-budget-s` (and `--search-max`). A W-GPU probe
 first reserves, on every rank, the peak its measured rows predict (+5%, a fit of `b L + c L^2` per
-rank: the stage-2 bitmask rows grow as L^2) plus the stage-1 kernel's global scratch counted as if
+rank: the stage-2 bitmask rows grow as L^2; at 256k and 512k the measured peak is the backward's dq
+assembly, linear, which bounds every later phase since the backward splits long slots into query
+pieces, docs/context_parallel.md §9, so time the rows there and not past 1M) plus the stage-1 kernel's global scratch counted as if
 always taken (`stage1_scratch_gib`, an upper bound), and runs only if all ranks could: the W-GPU
 result is therefore a lower bound where the guard, not a probe, stopped it. Every probe step ends
 on every rank with the same collectives: a rank catches its own failure (OOM or other), frees its
