@@ -97,6 +97,15 @@ __device__ __forceinline__ void sd_pdl_wait() {
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
+// Lets the dependent grid launch once every CTA of this grid has passed here (or exited), instead of
+// once all have exited: its CTAs get resident during this grid's tail and then wait in sd_pdl_wait,
+// which still waits for this grid's completion, so no result changes. All CTAs of this grid are
+// resident or done by then, so the early dependents cannot keep one from running.
+__device__ __forceinline__ void sd_pdl_trigger() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
 
 // The epilogue's fp32 sum buffers over the (free) K/V stages: NBUF buffers of 16 MT rows of OROW
 // floats, then the 16 MT reciprocal row sums. Rows padded by 8 floats: the float2 stores of a fragment
@@ -433,6 +442,7 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
         __syncthreads();   // the stage read here is the one block i + NS lands in
     }
     cp_async_wait<0>();
+    sd_pdl_trigger();      // the merge (or weights pass) may launch during the epilogue
 
     // ---- combine the 4 key-quarter warps of each row tile, then write the split's partial result
 #pragma unroll
@@ -523,6 +533,7 @@ sparse_decode_merge(const float* __restrict__ o_part, const float* __restrict__ 
     const int64 row = blockIdx.x;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     sd_pdl_wait();
+    sd_pdl_trigger();      // the weights pass may launch while the merge runs
     const float* lp = lse_part + row * S;
     float M = -INFLLM_INF;
     for (int s = tid; s < S; s += NTH) M = fmaxf(M, lp[s]);
