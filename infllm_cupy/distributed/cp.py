@@ -437,6 +437,11 @@ class _CPAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        if ctx.kv_full is None:
+            raise RuntimeError(
+                "cp_infllmv2_attention: its backward ran a second time (retain_graph=True); the first "
+                "one frees the gathered K, V and the selections: run the forward again"
+            )
         q, out, *lses = ctx.saved_tensors
         k_full, v_full = ctx.kv_full
         plan = ctx.plan
@@ -475,7 +480,7 @@ class _CPAttention(torch.autograd.Function):
                     dks[s][:n].add_(dk_p)
                     dvs[s][:n].add_(dv_p)
                 del dq_p, dk_p, dv_p
-            sels[s] = None
+            sels[s] = sel = lse = None  # the slot's selection is not held into the next phases
         ctx.kv_full = k_full = v_full = None
         dq = torch.empty_like(q)
         while dq_parts:

@@ -182,6 +182,19 @@ def case_token_bwd_pieces(W):
     return res | {"bwd_calls": f.calls}
 
 
+def case_second_backward_raises(W):
+    # the backward frees the gathered K, V and the selections (docs/context_parallel.md §9)
+    q, k, v, do, cu = _inputs([2 * W * 64], 4, 2, 16, torch.float64, "cpu", 8)
+    leaves = [zigzag_shard(t, cu).requires_grad_() for t in (q, k, v)]
+    out = cp_infllmv2_attention(*leaves, cu, InfLLMv2Config(**CFG_SMALL), backend="reference")
+    torch.autograd.backward(out, zigzag_shard(do, cu), retain_graph=True)
+    try:
+        torch.autograd.backward(out, zigzag_shard(do, cu))
+    except RuntimeError as e:
+        return {"raised": "RuntimeError", "msg": str(e)[:200]}
+    return {"raised": None}
+
+
 def case_shard_roundtrip(W):
     g = 2 * W * 64
     lengths = [g, 2 * g]
@@ -287,6 +300,7 @@ CPU_CASES = [
     case_layout_per_sequence_q128,
     case_dense_fallback,
     case_token_bwd_pieces,
+    case_second_backward_raises,
     case_shard_roundtrip,
     case_module_equals_function,
     case_ranks_disagree_lengths,

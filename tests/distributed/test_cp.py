@@ -79,6 +79,11 @@ def test_cp_gloo_backward_in_query_pieces(cpu2):
             assert d[f"err_{name}"] <= EXACT, (r, name, d[f"err_{name}"])
 
 
+def test_second_backward_raises_a_clear_error(cpu2):
+    for r, d in enumerate(ranks(cpu2, "case_second_backward_raises")):
+        assert d["raised"] == "RuntimeError" and "second time" in d["msg"], (r, d)
+
+
 def test_bwd_piece_count_splits_only_long_slots():
     from infllm_cupy.distributed.cp import BWD_MAX_PIECES, bwd_piece_count
 
