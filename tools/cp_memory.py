@@ -120,8 +120,14 @@ def compress_timeline(samples, phase_max) -> list[tuple[str, float]]:
 
 def instrument(rec_ref: list) -> None:
     """Wrap the layer's helpers and every package module's `launch` so that they sample memory."""
+    import importlib
+
     import infllm_cupy._launch as launch_mod
     from infllm_cupy.distributed import cp
+
+    # the launching modules, imported now so that their `launch` is replaced below
+    for m in ("compress.mean_pool", "stage1.select", "stage2.sparse_fwd", "stage2.sparse_bwd"):
+        importlib.import_module(f"infllm_cupy.{m}")
 
     def wrap(mod, name):
         fn = getattr(mod, name)
