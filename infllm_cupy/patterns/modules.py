@@ -75,11 +75,11 @@ class SparseAttention(torch.nn.Module):
 
     Heads of the pattern: 1 (shared), the KV head count (each group of G query heads shares its KV
     head's row: no cost) or the query head count. A per-query-head pattern whose G heads agree in
-    every group collapses to the KV-head layout (`per_kv_head`); where they differ the module stays
-    exact by running with k and v repeated to one KV head per query head (G = 1): k/v are read
-    G times (G x the K/V bandwidth of the collapsed case, and a G x copy of k and v), and autograd
-    sums dk, dv back over the group. The `BlockLayout` is built once per (head counts, device) and
-    cached.
+    every group collapses to the KV-head layout (`per_kv_head`); where they differ the module runs
+    the layout per query head through `qhead_block_sparse_attn_varlen`: the CUDA forward reads k/v
+    at H heads (one query head per CTA, no copy); the backward repeats k and v to one KV head per
+    query head (G = 1, a G x copy) and sums dk, dv back over the group. The `BlockLayout` is built
+    once per (head counts, device) and cached.
 
     Args:
         block_size (int): tokens per pattern block (queries and keys), a multiple of 64.

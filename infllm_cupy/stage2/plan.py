@@ -69,6 +69,10 @@ DEFAULT_TILES = FwdTiles()
 ALL_TILES = [FwdTiles(w, m, kn) for w in (4, 8) for m in (1, 2) for kn in (32, 64)]
 
 
+# the forward kernels' QH template value per FwdPlan.qhead
+QHEAD_MODES = {"off": 0, "group": 1, "head": 2}
+
+
 @dataclasses.dataclass(frozen=True)
 class FwdPlan:
     """What `stage2_fwd` launches.
@@ -77,8 +81,10 @@ class FwdPlan:
     sm_90a only: `step` (a key of FWD_STEPS), `stages` (K/V ring depth, one of SM90_STAGES; it must
     fit the shared memory with the mask rows), `kv_passes` (key-range passes; 1: none) and
     `split_min` (a CTA splits over the passes only where its union of blocks exceeds this many).
-    `qhead_rows`: the mask rows are per query head (a layout with HQ heads; the kernels' QH
-    instances, docs/stage2_fwd.md, "Per-query-head mask rows"); SM80 only with the default tiles.
+    `qhead`: how mask rows per query head (a layout with HQ heads) run, a key of QHEAD_MODES
+    (docs/stage2_fwd.md, "Per-query-head mask rows"): "off" (rows per KV head), "group" (a CTA's rows
+    span the group's heads and walk the union of their rows), "head" (one query head per CTA, K/V
+    heads shared through the L2); not "off": SM80 only with the default tiles.
     """
     kernel: str
     tiles: FwdTiles = DEFAULT_TILES
@@ -86,7 +92,7 @@ class FwdPlan:
     stages: int = SM90_STAGES[0]
     kv_passes: int = 1
     split_min: int = 0
-    qhead_rows: bool = False
+    qhead: str = "off"
 
     def __post_init__(self):
         if self.kernel not in (SM80, SM90A):
@@ -101,11 +107,12 @@ class FwdPlan:
             raise ValueError(f"FwdPlan.kv_passes must be an int >= 1 (1 for the SM80 kernel), got {self.kv_passes!r}")
         if not isinstance(self.split_min, int) or self.split_min < 0:
             raise ValueError(f"FwdPlan.split_min must be an int >= 0, got {self.split_min!r}")
-        if not isinstance(self.qhead_rows, bool):
-            raise TypeError(f"FwdPlan.qhead_rows must be a bool, got {self.qhead_rows!r}")
-        if self.qhead_rows and self.kernel == SM80 and self.tiles != DEFAULT_TILES:
-            # only the default tile shape has a per-query-head instance (compile time of the CPU suite)
-            raise ValueError(f"FwdPlan.qhead_rows needs the default SM80 tiles {DEFAULT_TILES}, got {self.tiles}")
+        if self.qhead not in QHEAD_MODES:
+            raise ValueError(f"FwdPlan.qhead must be one of {tuple(QHEAD_MODES)}, got {self.qhead!r}")
+        if self.qhead != "off" and self.kernel == SM80 and self.tiles != DEFAULT_TILES:
+            # only the default tile shape has per-query-head instances (compile time of the CPU suite)
+            raise ValueError(f"FwdPlan.qhead={self.qhead!r} needs the default SM80 tiles {DEFAULT_TILES}, "
+                             f"got {self.tiles}")
 
 
 def n_mask_words(max_seqlen_k: int) -> int:

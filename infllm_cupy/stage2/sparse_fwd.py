@@ -24,6 +24,7 @@ from .plan import (  # noqa: F401  (FwdTiles ... re-exported: the launcher's voc
     SM90_CONSUMERS,
     SM90_STAGES,
     SM90A,
+    QHEAD_MODES,
     FwdPlan,
     FwdTiles,
     fwd_plan,
@@ -38,9 +39,9 @@ MASK_SOURCE = "stage2/block_masks.cu"
 MASK_WARPS = 8          # mirrors #define WARPS in block_masks.cu
 
 
-def _qh_name(name: str) -> str:
-    """The QH (per-query-head mask rows) twin of a forward instance's name expression."""
-    return name[:-1] + ", true>"
+def _qh_name(name: str, qhead: str) -> str:
+    """The instance of FwdPlan.qhead `qhead` (the kernels' QH) of a forward name expression."""
+    return name if qhead == "off" else f"{name[:-1]}, {QHEAD_MODES[qhead]}>"
 
 # MT = 2 spills a little under the 255-register cap (D = 128: 116 B; D = 64: 8 B), yet measures
 # fastest: the CPU compile check tolerates its spills and demands none of the MT = 1 variants.
@@ -50,12 +51,13 @@ for _t in ALL_TILES:
                                 strict=_t.m_tiles == 1)
 _jit.register_instances(SM90_SOURCE, [f"stage2_fwd_sm90<{CXX_TYPE[dt]}, {d}, {ns}>" for dt in KERNEL_DTYPES
                                      for d in HEAD_DIMS for ns in SM90_STAGES], sm90a=True)
-# per-query-head mask rows (FwdPlan.qhead_rows): the QH instances, SM80 with the default tiles only
+# per-query-head mask rows (FwdPlan.qhead): the QH instances, SM80 with the default tiles only
 # (MT = 2 spills as its KV-row twin does: not strict)
-_jit.register_instances(FWD_SOURCE, [_qh_name(DEFAULT_TILES.name(dt, d)) for dt in KERNEL_DTYPES for d in HEAD_DIMS],
-                        strict=False)
-_jit.register_instances(SM90_SOURCE, [f"stage2_fwd_sm90<{CXX_TYPE[dt]}, {d}, {ns}, true>" for dt in KERNEL_DTYPES
-                                     for d in HEAD_DIMS for ns in SM90_STAGES], sm90a=True)
+_jit.register_instances(FWD_SOURCE, [_qh_name(DEFAULT_TILES.name(dt, d), m) for m in ("group", "head")
+                                     for dt in KERNEL_DTYPES for d in HEAD_DIMS], strict=False)
+_jit.register_instances(SM90_SOURCE, [_qh_name(f"stage2_fwd_sm90<{CXX_TYPE[dt]}, {d}, {ns}>", m)
+                                      for m in ("group", "head") for dt in KERNEL_DTYPES for d in HEAD_DIMS
+                                      for ns in SM90_STAGES], sm90a=True)
 _jit.register_instances(MASK_SOURCE, ["token_block_masks"])
 
 
@@ -84,8 +86,8 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
                max_seqlen_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on checked, contiguous inputs, as `plan` says. Returns
     `out [total_q, HQ, D]` and `lse [HQ, total_q]` float32. `masks` is `[..., n_words]` int32; see the
-    .cu header for the rows; with `plan.qhead_rows` they are per query head (`mask_h_stride` rows
-    between query heads, a layout with HQ heads). An sm_90a plan runs in `plan.kv_passes` key-range passes over
+    .cu header for the rows; with `plan.qhead` other than "off" they are per query head
+    (`mask_h_stride` rows between query heads, a layout with HQ heads). An sm_90a plan runs in `plan.kv_passes` key-range passes over
     `cdiv(max_seqlen_k, 64)` blocks (default: what the mask rows cover), in which the CTAs whose union
     of blocks exceeds `plan.split_min` split."""
     check_aligned(q=q, k=k, v=v)
@@ -95,6 +97,11 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
     total_q, HQ, D = q.shape
     H = k.shape[1]
     G = HQ // H
+    kv_group = 1
+    if plan.qhead == "head":
+        # one query head per CTA: the kernels see HQ heads of one query each (G = 1) and read K/V
+        # head h / kv_group (sparse_fwd.cu, QH = 2)
+        H, G, kv_group = HQ, 1, G
     B = cu_seqlens_q.numel() - 1
     n_words = masks.shape[-1]
     out = empty((total_q, HQ, D), dtype=q.dtype, device=q.device)
@@ -103,17 +110,16 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
     tail = (np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words),
             np.int64(mask_h_stride), np.int32(mask_q_block), np.float32(softmax_scale * 1.4426950408889634),
             np.int32(1 if causal else 0))
+    qh_tail = (np.int32(kv_group),)
     itemsize = q.element_size()
     if plan.kernel == SM80:
         tiles = plan.tiles
-        name = tiles.name(q.dtype, D)
-        if plan.qhead_rows:
-            name = _qh_name(name)
+        name = _qh_name(tiles.name(q.dtype, D), plan.qhead)
         launch(_jit.get_kernel(FWD_SOURCE, name), name=name, grid=(cdiv(max_seqlen_q * G, tiles.rows), H, B),
                block=(32 * tiles.warps,), shared_mem=(tiles.rows * D + 4 * KV_BLOCK * D) * itemsize + 4 * n_words,
-               args=(ptr(q), ptr(k), ptr(v)) + head + (ptr(out), ptr(lse)) + tail)
+               args=(ptr(q), ptr(k), ptr(v)) + head + (ptr(out), ptr(lse)) + tail + qh_tail)
         return out, lse
-    name = f"stage2_fwd_sm90<{CXX_TYPE[q.dtype]}, {D}, {plan.stages}{', true' if plan.qhead_rows else ''}>"
+    name = _qh_name(f"stage2_fwd_sm90<{CXX_TYPE[q.dtype]}, {D}, {plan.stages}>", plan.qhead)
     kernel = _jit.get_kernel(SM90_SOURCE, name, sm90a=True)
     smem = sm90_smem_bytes(D, plan.stages, n_words, itemsize)
     maps = (rows_map(k, KV_BLOCK), rows_map(v, KV_BLOCK))
@@ -133,7 +139,8 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
         launch(kernel, name=name, grid=(grid[0] - x_off,) + grid[1:], block=(128 * (SM90_CONSUMERS + 1),),
                shared_mem=smem, args=(ptr(q),) + maps + head + (ptr(out), ptr(lse)) + tail
                + (np.int32(FWD_STEPS[plan.step]), np.int32(p * per), np.int32(blk_hi),
-                  ptr(split) if split is not None else np.uint64(0), np.int32(plan.split_min), np.int32(x_off)))
+                  ptr(split) if split is not None else np.uint64(0), np.int32(plan.split_min), np.int32(x_off))
+               + qh_tail)
         if p == 0 and passes > 1 and validate_values() and not torch.cuda.is_current_stream_capturing():
             # Where host reads are allowed anyway (the cu_seqlens checks), one more tells whether
             # any CTA split: if none did (block-shared selections), the later passes are not

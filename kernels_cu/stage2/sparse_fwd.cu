@@ -3,7 +3,8 @@
 // Launch contract (mirrored by infllm_cupy/stage2/sparse_fwd.py):
 //   kernel   stage2_fwd<T, D, WARPS, MT, KN, QH>  T in {__half, __nv_bfloat16}, D in {64, 128}, WARPS in
 //            {4, 8}, MT in {1, 2} m-tiles of 16 rows per warp (a CTA owns M = 16 * MT * WARPS rows),
-//            KN in {32, 64} keys per softmax sub-step, QH (default false): per-query-head mask rows
+//            KN in {32, 64} keys per softmax sub-step, QH in {0, 1, 2} (default 0): per-query-head
+//            mask rows, see masks
 //   grid     (cdiv(max_seqlen_q * G, M), H, B)      block (32 * WARPS)
 //   dyn smem (M * D + 4 * 64 * D) * sizeof(T) + 4 * n_words
 //   q        [total_q, HQ, D] T, contiguous          k, v [total_k, H, D] T, contiguous
@@ -11,10 +12,12 @@
 //            sequence b for KV head h is  mask_base[b] + h * mask_h_stride + r / mask_q_block:
 //              token-level topk_idx: mask_base = cu_seqlens_q, mask_h_stride = total_q, mask_q_block = 1
 //              query-block layouts:  mask_base[b] = first row of b's layout, mask_q_block = 64 or 128
-//            With QH, each query head has its own rows: the row of token r under query head h*G+g is
+//            QH = 1: each query head has its own rows: the row of token r under query head h*G+g is
 //            mask_base[b] + (h*G+g) * mask_h_stride + r / mask_q_block (a layout with HQ heads), and
-//            a CTA walks the union over its (token, head) rows (docs/stage2_fwd.md, "Per-query-head
-//            mask rows").
+//            a CTA walks the union over its (token, head) rows. QH = 2: one query head per CTA: the
+//            launch passes H = HQ and G = 1 (grid.y runs over query heads, masks as a layout with HQ
+//            heads) and k, v keep their H / kv_group heads: query head h reads K/V head h / kv_group.
+//            kv_group is read only with QH = 2 (docs/stage2_fwd.md, "Per-query-head mask rows").
 //   out      [total_q, HQ, D] T                        lse [HQ, total_q] float32 (natural log)
 //   Semantics: query (r, head h*G+g) attends keys c of its sequence with c/64 set in its mask row,
 //   c < Lk and, when causal, c <= r + Lk - Lq (bottom-right). No allowed key: out = 0, lse = +inf.
@@ -35,14 +38,14 @@
 
 // Registers: MT = 1 at 8 warps would spill under a 128-register cap, so 8-warp CTAs run one per SM
 // with the full register file; 4-warp CTAs run two per SM (255 registers each).
-template <typename T, int D, int WARPS, int MT, int KN, bool QH = false>
+template <typename T, int D, int WARPS, int MT, int KN, int QH = 0>
 __global__ void __launch_bounds__(32 * WARPS, WARPS == 4 ? 2 : 1)
 stage2_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
            const unsigned* __restrict__ masks, const int* __restrict__ mask_base,
            const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
            T* __restrict__ out, float* __restrict__ lse,
            int total_q, int HQ, int H, int G, int n_words, long long mask_h_stride, int mask_q_block,
-           float scale_log2, int causal) {
+           float scale_log2, int causal, int kv_group) {
     constexpr int THREADS = 32 * WARPS;
     constexpr int WROWS = 16 * MT;              // rows per warp
     constexpr int M = WROWS * WARPS;            // rows per CTA
@@ -66,10 +69,10 @@ stage2_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
     // last block any row of this CTA may see
     const int max_block = last_visible_block(min(nb, n_words * 32), causal, t_hi, sq.shift);
     const int nw = union_words(max_block);
-    const unsigned* mrows = seq_mask_rows(masks, mask_base, b, QH ? h * G : h, mask_h_stride, n_words);
+    const unsigned* mrows = seq_mask_rows(masks, mask_base, b, QH == 1 ? h * G : h, mask_h_stride, n_words);
 
     // ---- union of the CTA's tokens' blocks, clipped to max_block
-    if constexpr (QH) {
+    if constexpr (QH == 1) {
         const int g_lo = (int)(m0 - (int64)t_lo * G);
         const int g_hi = (int)(min(m0 + M, sq.rows_total) - 1 - (int64)t_hi * G);
         cta_union_qh(sU, mrows, n_words, mask_h_stride, mask_q_block, G, t_lo, g_lo, t_hi, g_hi, max_block, nw, tid,
@@ -88,7 +91,8 @@ stage2_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
     cp_async_commit();
 
     auto load_kv = [&](int j, int stage) {
-        load_kv_block<T, D>(sK + stage * BLOCK_N * D, sV + stage * BLOCK_N * D, k, v, j, sq.ks, sq.Lk, H, h, tid, THREADS);
+        load_kv_block<T, D>(sK + stage * BLOCK_N * D, sV + stage * BLOCK_N * D, k, v, j, sq.ks, sq.Lk,
+                            QH == 2 ? H / kv_group : H, QH == 2 ? h / kv_group : h, tid, THREADS);
     };
 
     __syncthreads();  // sU complete
@@ -107,7 +111,7 @@ stage2_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
         row_ok[r] = R < sq.rows_total;
         const int t = row_ok[r] ? (int)(R / G) : t_lo;
         rk[r] = causal ? t + sq.shift : sq.Lk - 1;
-        if constexpr (QH) {
+        if constexpr (QH == 1) {
             const int g = row_ok[r] ? (int)(R - (int64)t * G) : 0;
             mrow[r] = mrows + ((int64)g * mask_h_stride + t / mask_q_block) * n_words;
         } else {

@@ -5,7 +5,8 @@
 //   kernel   stage2_fwd_sm90<T, D, NS, QH>  T in {__half, __nv_bfloat16}, D in {64, 128}, NS in {4, 6} K/V ring
 //            stages (6 where the shared memory holds them: faster on block-shared selections, see
 //            docs/stage2_fwd.md, "sm_90a kernel: warp specialisation and the K/V ring"); capability 9.0;
-//            QH (default false): per-query-head mask rows, as stage2_fwd's QH (sparse_fwd.cu)
+//            QH in {0, 1, 2} (default 0): per-query-head mask rows and kv_group, as stage2_fwd's
+//            (sparse_fwd.cu)
 //   grid     (cdiv(max_seqlen_q * G, 64 * NC), H, B)     block (128 * (NC + 1))
 //   dyn smem 1 KB alignment slack + NC Q tiles + NS K and V stages + (2 NC + 1) NS mbarriers
 //            + (NC + 1) * n_words union words (fwd_smem_bytes in the launcher)
@@ -33,7 +34,7 @@
 //            warpgroup NC produces; setmaxnreg moves registers from the producer to the consumers.
 #include "stage2/ring_sm90.cuh"
 
-template <typename T, int D, int NS, bool QH = false>
+template <typename T, int D, int NS, int QH = 0>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
 stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, const __grid_constant__ TmaMap tmap_v,
                 const unsigned* __restrict__ masks, const int* __restrict__ mask_base,
@@ -41,8 +42,8 @@ stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, 
                 T* __restrict__ out, float* __restrict__ lse,
                 int total_q, int HQ, int H, int G, int n_words, long long mask_h_stride, int mask_q_block,
                 float scale_log2, int causal, int step_mode, int blk_lo, int blk_hi, int* __restrict__ cta_split,
-                int split_min, int x_off) {
+                int split_min, int x_off, int kv_group) {
     ring_cta_sm90<T, D, NS, false, QH>(q, nullptr, tmap_k, tmap_v, masks, mask_base, cu_seqlens_q, cu_seqlens_k, out, lse,
                                    nullptr, total_q, HQ, H, G, n_words, mask_h_stride, mask_q_block, scale_log2, 1.f,
-                                   causal, step_mode, blk_lo, blk_hi, cta_split, split_min, x_off);
+                                   causal, step_mode, blk_lo, blk_hi, cta_split, split_min, x_off, kv_group);
 }
