@@ -129,6 +129,20 @@ def test_qhead_custom_op_gradients_on_cpu():
         torch.testing.assert_close(g, w, atol=1e-9, rtol=1e-7, msg=name)
 
 
+def test_qhead_custom_op_opcheck():
+    """Registration of `infllm_cupy::qhead_block_sparse_attn_fwd`: schema, autograd, fake tensors and
+    AOT dispatch (torch.compile) on the CPU implementation."""
+    torch.manual_seed(13)
+    T, HQ, H, D = 100, 4, 2, 16
+    q = torch.randn(T, HQ, D, requires_grad=True)
+    k, v = (torch.randn(T, H, D, requires_grad=True) for _ in range(2))
+    cu = cu_seqlens_from_lengths([60, 40])
+    mask = qhead_mask((HQ, 1, 1), seed=14, empty_rows=False)
+    res = torch.library.opcheck(qhead_block_sparse_attn_fwd, (q, k, v, cu, cu, mask, 64, 60, 60, True, 0.25, "auto",
+                                                             "head"))
+    assert set(res.values()) == {"SUCCESS"}, res
+
+
 def _dense_diff(q, k, v, mask, scale):
     """Differentiable dense masked causal attention of one sequence (rows with no key give 0)."""
     L, HQ, H = q.shape[0], q.shape[1], k.shape[1]
