@@ -5,19 +5,22 @@ register (`_jit.registered()`) is compiled by NVRTC from both trees with the pac
 (BASE_OPTIONS, CuPy's -ftz=true, the include folders; sm_90a for sm90a sets, else --arch), and
 the tool prints per instance the ptxas resources (registers, spill bytes, stack frame, static
 shared memory) of both, the SASS instruction counts, and whether the SASS is identical
-(addresses, encodings and label names ignored: "yes"), differs only in order and register
-assignment (the same multiset of instructions with register numbers masked, NOP padding left
-out: "sched"), or differs ("NO -a/+b": a masked instructions only the old code has, b only the
+(addresses, encodings, label names and the return-address constants of calls ignored: "yes"),
+differs only in order and register assignment (the same multiset of instructions with register
+numbers masked, NOP padding left out: "sched"), or differs ("NO -a/+b": a masked instructions only the old code has, b only the
 new). Needs no GPU; SASS needs nvdisasm (the nvidia-cuda-nvdisasm wheel, or CUDA's bin/ on PATH);
 without it only the resources are compared.
 
     git archive <commit> kernels_cu | tar -x -C /tmp/old      # the tree before
     python tools/sass_diff.py /tmp/old/kernels_cu kernels_cu [--source stage2/] [--arch sm_80] [-j 2]
+    python tools/sass_diff.py /tmp/old/kernels_cu kernels_cu --source stage1/ \
+        --rename '(stage1_select)(_sm90)?<(.*), true>' '\1_range\2<\3>' --rename ', false>' '>'
 
 A kernel that moved to another file is found in each tree by its name (the first .cu file of the
 tree that defines it), so the registry may come from either side's package (PYTHONPATH=<a checkout
-of the package> picks another one than this checkout's). Exit status 1 when any instance differs
-in resources or SASS ("sched" included).
+of the package> picks another one than this checkout's); `--rename` maps a name the change gave
+an instance to the old tree's name. Exit status 1 when any instance differs in resources or
+SASS ("sched" included).
 """
 from __future__ import annotations
 
@@ -121,32 +124,45 @@ def _get_cubin(prog: int) -> bytes:
 
 
 _FUNC = re.compile(r"^\s*\.text\.(\S+):")
-_INSN = re.compile(r"^\s*(?:/\*[0-9a-f]{4,}\*/)\s*(.*?)\s*;?\s*(?:/\*.*\*/)?\s*$")
+_INSN = re.compile(r"^\s*(?:/\*([0-9a-f]{4,})\*/)\s*(.*?)\s*;?\s*(?:/\*.*\*/)?\s*$")
+_MOV_IMM = re.compile(r"^(MOV R\d+, )0x([0-9a-f]+)$")
+_SPACES = re.compile(r"\s+")
 _LABEL_REF = re.compile(r"\.L_x_\d+")
 
 
 def sass_by_function(nvdisasm: str, cubin: bytes) -> dict[str, list[str]]:
     """{mangled kernel name: its instructions}, addresses and encodings dropped, labels renamed in
-    order of first appearance (so that equal code gives equal text)."""
+    order of first appearance (so that equal code gives equal text), return addresses (a `MOV R,
+    imm` of the address after a CALL.REL: they move with any change of code size before them)
+    written as `<ret>`, the function's own name as `<self>`, and runs of white space as one space."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         text = subprocess.run([nvdisasm, "-c", f.name], check=True, capture_output=True, text=True).stdout
-    out: dict[str, list[str]] = {}
+    raw: dict[str, list[tuple[int, str]]] = {}
     cur = None
     for line in text.splitlines():
         if m := _FUNC.match(line):
-            cur = out.setdefault(m.group(1), [])
+            cur = raw.setdefault(m.group(1), [])
             continue
         if cur is None:
             continue
         if m := _INSN.match(line):
-            ins = m.group(1).strip()
+            ins = m.group(2).strip()
             if ins:
-                cur.append(ins)
-    for name, insns in out.items():
+                cur.append((int(m.group(1), 16), ins))
+    out: dict[str, list[str]] = {}
+    for name, insns in raw.items():
+        rets = {insns[i + 1][0] for i, (_, ins) in enumerate(insns[:-1]) if "CALL.REL" in ins}
         labels: dict[str, str] = {}
-        out[name] = [_LABEL_REF.sub(lambda m: labels.setdefault(m.group(0), f"L{len(labels)}"), i) for i in insns]
+        code = []
+        for _, ins in insns:
+            if (m := _MOV_IMM.match(ins)) and int(m.group(2), 16) in rets:
+                ins = m.group(1) + "<ret>"
+            # the function's own (mangled) name, a return's target, changes with a renamed kernel
+            ins = _SPACES.sub(" ", ins.replace(name, "<self>"))
+            code.append(_LABEL_REF.sub(lambda m: labels.setdefault(m.group(0), f"L{len(labels)}"), ins))
+        out[name] = code
     return out
 
 
@@ -163,9 +179,12 @@ def resources(log: str, lowered: dict[str, str]) -> dict[str, _jit.KernelResourc
     return {k.name: k for k in _jit._parse_ptxas(log, lowered)}
 
 
-def compare_set(old_tree: Path, new_tree: Path, source: str, names, arch: str, nvdisasm: str | None):
-    old_source, source = find_source(old_tree, source, names), find_source(new_tree, source, names)
-    cub_o, log_o, low_o = compile_cubin(old_tree, old_source, names, arch)
+def compare_set(old_tree: Path, new_tree: Path, source: str, names, arch: str, nvdisasm: str | None,
+                old_names=None):
+    """`old_names[i]`: the old tree's name expression of `names[i]` (default: the same)."""
+    old_names = tuple(old_names or names)
+    old_source, source = find_source(old_tree, source, old_names), find_source(new_tree, source, names)
+    cub_o, log_o, low_o = compile_cubin(old_tree, old_source, old_names, arch)
     cub_n, log_n, low_n = compile_cubin(new_tree, source, names, arch)
     res_o, res_n = resources(log_o, low_o), resources(log_n, low_n)
     sass_o = sass_by_function(nvdisasm, cub_o) if nvdisasm else {}
@@ -173,9 +192,9 @@ def compare_set(old_tree: Path, new_tree: Path, source: str, names, arch: str, n
     inv_o = {v: k for k, v in low_o.items()}
     inv_n = {v: k for k, v in low_n.items()}
     rows = []
-    for n in names:
-        ro, rn = res_o[n], res_n[n]
-        so, sn = sass_o.get(inv_o[n]), sass_n.get(inv_n[n])
+    for n_old, n in zip(old_names, names):
+        ro, rn = res_o[n_old], res_n[n]
+        so, sn = sass_o.get(inv_o[n_old]), sass_n.get(inv_n[n])
         same, only = None, (0, 0)
         if so is not None and sn is not None:
             # identical, else the same instructions with registers and order ignored ("sched"): a
@@ -198,6 +217,9 @@ def main(argv=None) -> int:
     ap.add_argument("--source", default="", help="only sources whose path starts with this (e.g. stage2/)")
     ap.add_argument("--arch", default="sm_80", help="architecture of the non-sm90a sets (default sm_80)")
     ap.add_argument("-j", type=int, default=os.cpu_count() or 1, help="parallel compiles")
+    ap.add_argument("--rename", nargs=2, action="append", default=[], metavar=("REGEX", "REPL"),
+                    help="the old tree's name of an instance: re.sub(REGEX, REPL, name) (repeatable, in order), "
+                         "for a kernel renamed or re-templated by the change")
     args = ap.parse_args(argv)
     nvdisasm = nvdisasm_path()
     if nvdisasm is None:
@@ -209,9 +231,16 @@ def main(argv=None) -> int:
         arch = "sm_90a" if ks.sm90a else args.arch
         # one program per instance, so that the sets compile in parallel
         jobs += [(ks.source, (n,), arch) for n in ks.names]
+
+    def old_name(n: str) -> str:
+        for pat, repl in args.rename:
+            n = re.sub(pat, repl, n)
+        return n
+
     rows = []
     with cf.ProcessPoolExecutor(max_workers=args.j) as ex:
-        futs = [ex.submit(compare_set, args.old.resolve(), args.new.resolve(), s, n, a, nvdisasm) for s, n, a in jobs]
+        futs = [ex.submit(compare_set, args.old.resolve(), args.new.resolve(), s, n, a, nvdisasm,
+                          tuple(map(old_name, n))) for s, n, a in jobs]
         for f in futs:
             rows += f.result()
     bad = 0

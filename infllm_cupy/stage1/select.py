@@ -63,14 +63,14 @@ SCORE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # kernels
 
 def kernel_name(dtype: torch.dtype, score_dtype: torch.dtype, D: int, sm90a: bool = False,
                 ranged: bool = False) -> str:
-    """The instance's name expression; `ranged`: the range-pass entry point of the same kernel."""
+    """The instance's name expression; `ranged`: the kernel's range-pass instance (RANGED = true)."""
     key = "unsigned" if score_dtype == torch.float32 else "unsigned short"
-    return f"stage1_select{'_range' if ranged else ''}{'_sm90' if sm90a else ''}<{CXX_TYPE[dtype]}, {key}, {D}>"
+    return f"stage1_select{'_sm90' if sm90a else ''}<{CXX_TYPE[dtype]}, {key}, {D}, {'true' if ranged else 'false'}>"
 
 
 # Every instance the launcher can request: 2 input dtypes x (16-bit, 32-bit scores) x 2 head dims
 # (the group shape and bf16 / fp16 scores are run-time arguments), for each of the two kernels, and
-# each kernel's range-pass entry point.
+# each kernel's range-pass instance.
 for _sm90a, _src in ((False, SOURCE), (True, SOURCE_SM90)):
     _jit.register_instances(_src, list(dict.fromkeys(kernel_name(dt, st, d, _sm90a, rg) for rg in (False, True)
                                                      for dt in KERNEL_DTYPES for st in SCORE_DTYPES
@@ -316,7 +316,7 @@ def launch_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
     kernel_fn = _jit.get_kernel(SOURCE_SM90, name, sm90a=True) if sm90a else _jit.get_kernel(SOURCE, name)
     if not ranged:
         launch(kernel_fn, name=name, grid=(n_tiles * B * H,), block=(32 * plan.warps,), shared_mem=shared,
-               args=args(olp))
+               args=(*args(olp), np.int32(0), np.int32(out_len), null, null, null, np.int32(0)))   # unused
         return (topk_idx, scores, block_scores) if return_scores else topk_idx
 
     # ---- range passes (docs/stage1.md, 9. Long context: key ranges): the first keeps each row's

@@ -4,7 +4,7 @@
 // local blocks forced, and the top-K of those block scores: InfLLM-v2's topk_idx.
 //
 // Launch contract (mirrored by infllm_cupy/stage1/select.py):
-//   kernel   stage1_select<T, KT, D>
+//   kernel   stage1_select<T, KT, D, RANGED>   RANGED: a range pass (below), else the full selection
 //              T  in {__half, __nv_bfloat16}: q, ck1, ck2
 //              KT = unsigned short for bf16/fp16 scores, unsigned for float32 scores: the score dtype's
 //                 bit pattern; `kind` (0 float32, 1 bf16, 2 fp16) picks the rounding. Fine scores are
@@ -28,12 +28,12 @@
 //   olp      out_len rounded up to a multiple of 64;   s1 = 16 (fine stride), s2c = 64 (coarse stride)
 //   sl2      softmax_scale * log2(e);   topk_prefix: 0, or a test hook forcing the top-K's whole-row
 //            rerun (finish_token in select_common.cuh)
-//   range pass (cand_idx != null; docs/stage1.md, 9. Long context: key ranges): blocks [j_lo, j_hi) only,
+//   range pass (RANGED, cand_idx != null; docs/stage1.md, 9. Long context: key ranges): blocks [j_lo, j_hi),
 //            j_lo a multiple of 64; olp = 64 + wr (wr >= K, a multiple of 64: the range row and a 64-key pad);
 //            bs_scratch, scores and block_scores null; writes cand_key (32-bit keys) / cand_idx [H, total_q, K]
 //            instead of topk_idx. bias_mode 1 stores the coarse pass's per-row bias to row_bias
-//            [total_q, HQ] float, 2 loads it and skips the coarse pass. A full launch passes j_lo = 0,
-//            j_hi = out_len, null candidates and bias_mode 0.
+//            [total_q, HQ] float, 2 loads it and skips the coarse pass. A full launch (RANGED = false)
+//            ignores j_lo .. bias_mode (the launcher passes 0, out_len, null, null, null, 0).
 //
 // Semantics (exactly infllm_cupy/stage1/naive.py): for query row r of sequence b (Lq queries, n1 fine
 // and n2 coarse keys; exact mode iff n1 == n2, then the coarse pass uses stride s1), visible counts
@@ -275,34 +275,22 @@ stage1_select_body(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
 }
 #undef S1_FT_LO
 
-// The launches: the full selection (today's contract, a range pass's arguments fixed so that the
-// compiler drops the range code), and a range pass (docs/stage1.md, 9. Long context: key ranges).
-template <typename T, typename KT, int D>
+// The launch: the full selection (RANGED = false: the range arguments fixed, so that the compiler
+// drops the range code) or a range pass (docs/stage1.md, 9. Long context: key ranges).
+template <typename T, typename KT, int D, bool RANGED>
 __global__ void __launch_bounds__(128, 2)
-stage1_select(const T* __restrict__ q, const T* __restrict__ ck1, const T* __restrict__ ck2, const int* __restrict__
-              cu_q, const int* __restrict__ cu_c1, const int* __restrict__ cu_c2, const int* __restrict__ cache_lens,
-              int* __restrict__ topk_idx, KT* __restrict__ scores, KT* __restrict__ block_scores, KT* __restrict__
-              bs_scratch, int total_q, int HQ, int H, int G, int lgp, int B, int n_tiles, int max_seqlen_q, int
-              out_len, int olp, int K, int max_n1, int init_blocks, int local_blocks, int quirk, int causal, int kind,
-              int s1, int s2c, float sl2, int topk_prefix) {
-    stage1_select_body<T, KT, D>(q, ck1, ck2, cu_q, cu_c1, cu_c2, cache_lens, topk_idx, scores, block_scores,
-                                 bs_scratch, total_q, HQ, H, G, lgp, B, n_tiles, max_seqlen_q, out_len, olp, K,
-                                 max_n1, init_blocks, local_blocks, quirk, causal, kind, s1, s2c, sl2, topk_prefix, 0,
-                                 out_len, nullptr, nullptr, nullptr, 0);
-}
-
-template <typename T, typename KT, int D>
-__global__ void __launch_bounds__(128, 2)
-stage1_select_range(const T* __restrict__ q, const T* __restrict__ ck1, const T* __restrict__ ck2, const int*
-                    __restrict__ cu_q, const int* __restrict__ cu_c1, const int* __restrict__ cu_c2, const int*
-                    __restrict__ cache_lens, int* __restrict__ topk_idx, KT* __restrict__ scores, KT* __restrict__
-                    block_scores, KT* __restrict__ bs_scratch, int total_q, int HQ, int H, int G, int lgp, int B, int
-                    n_tiles, int max_seqlen_q, int out_len, int olp, int K, int max_n1, int init_blocks, int
-                    local_blocks, int quirk, int causal, int kind, int s1, int s2c, float sl2, int topk_prefix, int
-                    j_lo, int j_hi, unsigned* __restrict__ cand_key, int* __restrict__ cand_idx, float* __restrict__
-                    row_bias, int bias_mode) {
-    stage1_select_body<T, KT, D>(q, ck1, ck2, cu_q, cu_c1, cu_c2, cache_lens, topk_idx, scores, block_scores,
-                                 bs_scratch, total_q, HQ, H, G, lgp, B, n_tiles, max_seqlen_q, out_len, olp, K,
-                                 max_n1, init_blocks, local_blocks, quirk, causal, kind, s1, s2c, sl2, topk_prefix,
-                                 j_lo, j_hi, cand_key, cand_idx, row_bias, bias_mode);
+stage1_select(const T* __restrict__ q, const T* __restrict__ ck1, const T* __restrict__ ck2,
+              const int* __restrict__ cu_q, const int* __restrict__ cu_c1, const int* __restrict__ cu_c2,
+              const int* __restrict__ cache_lens, int* __restrict__ topk_idx, KT* __restrict__ scores,
+              KT* __restrict__ block_scores, KT* __restrict__ bs_scratch,
+              int total_q, int HQ, int H, int G, int lgp, int B, int n_tiles, int max_seqlen_q,
+              int out_len, int olp, int K, int max_n1, int init_blocks, int local_blocks,
+              int quirk, int causal, int kind, int s1, int s2c, float sl2, int topk_prefix,
+              int j_lo, int j_hi, unsigned* __restrict__ cand_key, int* __restrict__ cand_idx,
+              float* __restrict__ row_bias, int bias_mode) {
+    stage1_select_body<T, KT, D>(q, ck1, ck2, cu_q, cu_c1, cu_c2, cache_lens, topk_idx, scores, block_scores, bs_scratch,
+                                 total_q, HQ, H, G, lgp, B, n_tiles, max_seqlen_q, out_len, olp, K, max_n1, init_blocks,
+                                 local_blocks, quirk, causal, kind, s1, s2c, sl2, topk_prefix, RANGED ? j_lo : 0,
+                                 RANGED ? j_hi : out_len, RANGED ? cand_key : nullptr, RANGED ? cand_idx : nullptr,
+                                 RANGED ? row_bias : nullptr, RANGED ? bias_mode : 0);
 }
