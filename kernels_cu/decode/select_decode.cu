@@ -386,7 +386,7 @@ select_decode_fine(const T* __restrict__ q, const T* __restrict__ ck1, const int
 //   2. compaction: each warp counts the keys > T and == T of its contiguous share of the row; after
 //      one barrier every warp knows, from the warps before it, how many ties at T are taken before
 //      its share (ties go to the lower index) and where its first output lands, and writes its
-//      share's selected blocks with ballots, as select_row does.
+//      share's selected blocks with select_row's ballot sweep (sweep_words, stage1/select_common.cuh).
 // Scratch (SEL_TOPK_SCRATCH ints of shared memory): two histograms of 256 bins (a pass counts into
 // one while the search of the pass before zeroes the other: one barrier less per pass), per-warp
 // counts, and the search's digit and remaining rank.
@@ -487,43 +487,8 @@ __device__ __forceinline__ void sel_compact(const KT* rowk, int n, unsigned T, i
     const int gt_off = (int)__reduce_add_sync(S1_FULL, lane < warp ? (unsigned)gv : 0u);   // keys > T before
     const int eq_off = (int)__reduce_add_sync(S1_FULL, lane < warp ? (unsigned)ev : 0u);   // ties before
     const int end = gt_off + gt + min(eq_off + eq, need);   // output position after this warp's share
-    const unsigned lt = (1u << lane) - 1u;
-    int eq_seen = eq_off, taken = gt_off + min(eq_off, need);
-#pragma unroll 1
-    for (int g = g0; g < g1 && taken < end; ++g) {
-        const unsigned w = words[g * 32 + lane];
-        unsigned kk[KPW];
-        if (KPW == 2) { kk[0] = w & 0xffffu; kk[KPW - 1] = w >> 16; } else { kk[0] = w; }
-        bool eqx[KPW], tk[KPW];
-        unsigned be[KPW], bt[KPW];
-        int below = 0;
-#pragma unroll
-        for (int x = 0; x < KPW; ++x) {
-            eqx[x] = kk[x] == T;
-            be[x] = __ballot_sync(S1_FULL, eqx[x]);
-            below += __popc(be[x] & lt);
-        }
-        int rank = eq_seen + below;
-#pragma unroll
-        for (int x = 0; x < KPW; ++x) {
-            tk[x] = kk[x] > T || (eqx[x] && rank < need);
-            rank += eqx[x];
-            eq_seen += __popc(be[x]);
-        }
-        int pos = taken;
-#pragma unroll
-        for (int x = 0; x < KPW; ++x) {
-            bt[x] = __ballot_sync(S1_FULL, tk[x]);
-            pos += __popc(bt[x] & lt);
-        }
-#pragma unroll
-        for (int x = 0; x < KPW; ++x) {
-            const int j = (g * 32 + lane) * KPW + x;
-            if (tk[x]) out[pos] = j > qb ? -1 : j;
-            pos += tk[x];
-            taken += __popc(bt[x]);
-        }
-    }
+    sweep_words<KT, false>(words, g0 * 32, g1 * 32, end, T, need, lane, eq_off, gt_off + min(eq_off, need), qb, out,
+                           nullptr);
 }
 
 // One (KV head, sequence) row: the block keys in shared memory (`rowk`, olp keys), completed, then the

@@ -106,35 +106,22 @@ __device__ __forceinline__ unsigned kth_key(const unsigned* words, int nw, int K
     return T;
 }
 
-// The per-token top-K over a block-key row `row` (olp keys, out_len real, padding keys 0): the K
-// largest (ties to the lower index), ascending, blocks above qb replaced by -1.
-// The search first runs on the prefix of jpre keys (jpre a multiple of 64, at least K and past the
-// token's own block): blocks after the token's own one are invisible to it (score 0 or -inf, or
-// padding), so for most tokens the top-K lies in the prefix, which is on average half the row. It
-// is kept when its K-th key T is >= every key after the prefix (then no later key can displace a
-// prefix key: later ties lose to lower indices); otherwise the search reruns on the whole row.
-template <typename key_t>
-__device__ __forceinline__ void select_row(key_t* row, int olp, int jpre, int K, int qb, int lane, int* __restrict__ out) {
+// The top-K sweep's output (sweep_words, select_keys): CAND = false writes block indices to out_idx,
+// blocks above `qb_lo` (the token's own block) as -1 (topk_idx); CAND = true writes a key range's
+// candidates, the key (zero-extended) to out_key and the global block qb_lo + j (qb_lo = j_lo) to out_idx.
+// The ascending sweep of a top-K with threshold T over words w0 .. w1 - 1 of a block-key row (w0, w1
+// multiples of 32; keys in index order: lane-major, low half first), 32 words a step, until `end`
+// keys are taken. Keys > T are taken, and ties at T while fewer than `need` ties came before (ties
+// to the lower index); ballot prefix sums give the output positions. eq_seen / taken: ties seen and
+// keys taken before word w0.
+template <typename key_t, bool CAND>
+__device__ __forceinline__ void sweep_words(const unsigned* words, int w0, int w1, int end, unsigned T, int need,
+                                            int lane, int eq_seen, int taken, int qb_lo, int* __restrict__ out_idx,
+                                            unsigned* __restrict__ out_key) {
     constexpr int KPW = 4 / sizeof(key_t);                    // keys per 32-bit word
-    const unsigned* words = reinterpret_cast<const unsigned*>(row);
-    int nwords = olp / KPW;                                   // a multiple of 32
-    const int npre = min(jpre / KPW, nwords);                 // a multiple of 32 too
-    unsigned tail_max = 0;
-    for (int x = npre + lane; x < nwords; x += 32) {
-        const unsigned w = words[x];
-        tail_max = max(tail_max, sizeof(key_t) == 2 ? max(w & 0xffffu, w >> 16) : w);
-    }
-    tail_max = __reduce_max_sync(S1_FULL, tail_max);
-    int above;
-    unsigned T = kth_key<key_t>(words, npre, K, above, lane);
-    if (npre < nwords && T < tail_max) T = kth_key<key_t>(words, nwords, K, above, lane);
-    else nwords = npre;
-    const int need = K - above;                               // ties at T to take, lowest index first
-    // ascending sweep; keys in index order: lane-major, low half first
     const unsigned lt = (1u << lane) - 1u;
-    int eq_seen = 0, taken = 0;
 #pragma unroll 1
-    for (int base = 0; base < nwords && taken < K; base += 32) {
+    for (int base = w0; base < w1 && taken < end; base += 32) {
         const unsigned w = words[base + lane];
         unsigned kk[KPW];
         if (KPW == 2) { kk[0] = w & 0xffffu; kk[KPW - 1] = w >> 16; } else { kk[0] = w; }
@@ -163,11 +150,53 @@ __device__ __forceinline__ void select_row(key_t* row, int olp, int jpre, int K,
 #pragma unroll
         for (int x = 0; x < KPW; ++x) {
             const int j = (base + lane) * KPW + x;
-            if (tk[x]) out[pos] = j > qb ? -1 : j;
+            if (tk[x]) {
+                if (CAND) {
+                    out_key[pos] = kk[x];
+                    out_idx[pos] = qb_lo + j;
+                } else {
+                    out_idx[pos] = j > qb_lo ? -1 : j;
+                }
+            }
             pos += tk[x];
             taken += __popc(bt[x]);
         }
     }
+}
+
+// The K largest keys (ties to the lower index) of a block-key row of n keys (n a multiple of 64),
+// ascending in index, written as sweep_words<key_t, CAND> writes them.
+// The search first runs on the prefix of jpre keys (jpre a multiple of 64, at least K and past the
+// token's own block): blocks after the token's own one are invisible to it (score 0 or -inf, or
+// padding), so for most tokens the top-K lies in the prefix, which is on average half the row. It
+// is kept when its K-th key T is >= every key after the prefix (then no later key can displace a
+// prefix key: later ties lose to lower indices); otherwise the search reruns on the whole row.
+template <typename key_t, bool CAND>
+__device__ __forceinline__ void select_keys(const key_t* row, int n, int jpre, int K, int qb_lo, int lane,
+                                            int* __restrict__ out_idx, unsigned* __restrict__ out_key) {
+    constexpr int KPW = 4 / sizeof(key_t);                    // keys per 32-bit word
+    const unsigned* words = reinterpret_cast<const unsigned*>(row);
+    int nwords = n / KPW;                                     // a multiple of 32
+    const int npre = min(jpre / KPW, nwords);                 // a multiple of 32 too
+    unsigned tail_max = 0;
+    for (int x = npre + lane; x < nwords; x += 32) {
+        const unsigned w = words[x];
+        tail_max = max(tail_max, sizeof(key_t) == 2 ? max(w & 0xffffu, w >> 16) : w);
+    }
+    tail_max = __reduce_max_sync(S1_FULL, tail_max);
+    int above;
+    unsigned T = kth_key<key_t>(words, npre, K, above, lane);
+    if (npre < nwords && T < tail_max) T = kth_key<key_t>(words, nwords, K, above, lane);
+    else nwords = npre;
+    const int need = K - above;                               // ties at T to take, lowest index first
+    sweep_words<key_t, CAND>(words, 0, nwords, K, T, need, lane, 0, 0, qb_lo, out_idx, out_key);
+}
+
+// The per-token top-K over a block-key row `row` (olp keys, out_len real, padding keys 0): the K
+// largest (ties to the lower index), ascending, blocks above qb replaced by -1 (select_keys).
+template <typename key_t>
+__device__ __forceinline__ void select_row(key_t* row, int olp, int jpre, int K, int qb, int lane, int* __restrict__ out) {
+    select_keys<key_t, false>(row, olp, jpre, K, qb, lane, out, nullptr);
 }
 
 // Pass 2, after the probabilities: sum each token's rows (s holds this thread's MT m-tiles x 8 n-tiles)
@@ -494,64 +523,11 @@ __device__ __forceinline__ void s1_finish_all(const S1Cta& w, int warp, int nwar
 
 // select_row's K largest keys (ties to the lower index) of one range row of wr keys, written as
 // candidates: the order-preserving key (zero-extended to 32 bits) and the global block j_lo + j.
-// Same search and prefix rule as select_row; the output is ascending in block index.
+// Same search, prefix rule and sweep as select_row (select_keys); the output is ascending in block index.
 template <typename key_t>
 __device__ __forceinline__ void select_row_cand(key_t* row, int wr, int jpre, int K, int j_lo, int lane,
                                                 unsigned* __restrict__ out_key, int* __restrict__ out_idx) {
-    constexpr int KPW = 4 / sizeof(key_t);
-    const unsigned* words = reinterpret_cast<const unsigned*>(row);
-    int nwords = wr / KPW;
-    const int npre = min(jpre / KPW, nwords);
-    unsigned tail_max = 0;
-    for (int x = npre + lane; x < nwords; x += 32) {
-        const unsigned w = words[x];
-        tail_max = max(tail_max, sizeof(key_t) == 2 ? max(w & 0xffffu, w >> 16) : w);
-    }
-    tail_max = __reduce_max_sync(S1_FULL, tail_max);
-    int above;
-    unsigned T = kth_key<key_t>(words, npre, K, above, lane);
-    if (npre < nwords && T < tail_max) T = kth_key<key_t>(words, nwords, K, above, lane);
-    else nwords = npre;
-    const int need = K - above;
-    const unsigned lt = (1u << lane) - 1u;
-    int eq_seen = 0, taken = 0;
-#pragma unroll 1
-    for (int base = 0; base < nwords && taken < K; base += 32) {
-        const unsigned w = words[base + lane];
-        unsigned kk[KPW];
-        if (KPW == 2) { kk[0] = w & 0xffffu; kk[KPW - 1] = w >> 16; } else { kk[0] = w; }
-        bool eq[KPW], tk[KPW];
-        unsigned be[KPW], bt[KPW];
-        int below = 0;
-#pragma unroll
-        for (int x = 0; x < KPW; ++x) {
-            eq[x] = kk[x] == T;
-            be[x] = __ballot_sync(S1_FULL, eq[x]);
-            below += __popc(be[x] & lt);
-        }
-        int rank = eq_seen + below;
-#pragma unroll
-        for (int x = 0; x < KPW; ++x) {
-            tk[x] = kk[x] > T || (eq[x] && rank < need);
-            rank += eq[x];
-            eq_seen += __popc(be[x]);
-        }
-        int pos = taken;
-#pragma unroll
-        for (int x = 0; x < KPW; ++x) {
-            bt[x] = __ballot_sync(S1_FULL, tk[x]);
-            pos += __popc(bt[x] & lt);
-        }
-#pragma unroll
-        for (int x = 0; x < KPW; ++x) {
-            if (tk[x]) {
-                out_key[pos] = kk[x];
-                out_idx[pos] = j_lo + (base + lane) * KPW + x;
-            }
-            pos += tk[x];
-            taken += __popc(bt[x]);
-        }
-    }
+    select_keys<key_t, true>(row, wr, jpre, K, j_lo, lane, out_idx, out_key);
 }
 
 // The fine tiles [ft_lo, ft_lo + nf) that a range pass computes, from the CTA's visible tiles nf_all.

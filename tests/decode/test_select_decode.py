@@ -263,9 +263,10 @@ def test_topk_scratch_size_matches_the_kernel():
         sd._topk_row_smem(sd.MAX_SMEM // 4, 0)
 
 def test_cta_topk_source_on_host_threads(tmp_path):
-    # the kernel's own top-k code (from the CTA top-k's first comment to the end of sel_topk_row),
-    # compiled for the host by tests/decode/topk_host_harness.cpp and run on random rows (ties, all
-    # -inf, K = 1 .. out_len, 32 .. 512 threads, short search prefixes) against a stable sort
+    # the kernel's own top-k code (from the CTA top-k's first comment to the end of sel_topk_row, and
+    # the sweep_words it calls), compiled for the host by tests/decode/topk_host_harness.cpp and run
+    # on random rows (ties, all -inf, K = 1 .. out_len, 32 .. 512 threads, short search prefixes)
+    # against a stable sort
     import re
     import shutil
     import subprocess
@@ -280,7 +281,11 @@ def test_cta_topk_source_on_host_threads(tmp_path):
     m = re.search(r"^// The K-th largest of the first n keys.*?(?=^template <typename KT>\n__global__)", src,
                   re.S | re.M)
     assert m and "void sel_topk_row" in m.group(0), "the CTA top-k's code moved in select_decode.cu"
-    (tmp_path / "sel_topk_extract.cu").write_text(m.group(0))
+    # its ballot sweep is select_row's (sweep_words in stage1/select_common.cuh)
+    common = (_jit.kernels_dir() / "stage1" / "select_common.cuh").read_text()
+    sw = re.search(r"^// The ascending sweep of a top-K.*?(?=^// The K largest keys)", common, re.S | re.M)
+    assert sw and "void sweep_words" in sw.group(0), "sweep_words moved in stage1/select_common.cuh"
+    (tmp_path / "sel_topk_extract.cu").write_text(sw.group(0) + m.group(0))
     exe = tmp_path / "harness"
     harness = Path(__file__).with_name("topk_host_harness.cpp")
     build = subprocess.run([cxx, "-std=c++20", "-O1", "-pthread", f"-I{tmp_path}", str(harness), "-o", str(exe)],
