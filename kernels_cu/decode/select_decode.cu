@@ -141,6 +141,45 @@ __device__ __forceinline__ void sel_tile_scores(float (&s)[2][4], u32 q_s, u32 k
     }
 }
 
+// The score kernels' pipeline (docs/decode.md, 14. Stage 1 for decode: the split kernels): Q and the
+// first SEL_NST - 1 tiles of ck keys [k0, k0 + 64 nt) into the ring, one cp.async group a tile (Q in
+// the first); sel_score_tiles runs the loop.
+template <typename T, int D, int MT>
+__device__ __forceinline__ void sel_ring_start(u32 q_s, u32 ck_s, const T* __restrict__ q, const T* __restrict__ ck,
+                                               int b, int h, int H, int G, int N, int n, int k0, int nt, int tid) {
+    typedef SelSmem<D, MT> SM;
+    if (nt > 0) sel_load_q<T, D, MT>(q_s, q, b, h, H, G, tid);
+#pragma unroll
+    for (int st = 0; st < SEL_NST - 1; ++st) {
+        if (st < nt) sel_load_tile<T, D, MT>(ck_s + st * SM::TILE, ck, b, h, H, N, n, k0 + st * SEL_TILE, tid);
+        cp_async_commit();
+    }
+}
+
+// The tiles i < nt that sel_ring_start began: tile i + SEL_NST - 1 is copied while tile i is scored,
+// and this warp's S of tile i (sel_tile_scores: rows 16 mt + ..., keys 16 kw + ...) goes to use(i, s).
+// `use` must pass a CTA barrier after its last read of the ring: the next copy overwrites tile i's stage.
+template <typename T, int D, int MT, typename Use>
+__device__ __forceinline__ void sel_score_tiles(u32 q_s, u32 ck_s, const T* __restrict__ ck, int b, int h, int H,
+                                                int N, int n, int k0, int nt, int tid, int lane, int mt, int kw,
+                                                Use&& use) {
+    typedef SelSmem<D, MT> SM;
+    u32 a_off[4], b_off[4], t_off[4];
+    ldsm_offsets(lane, 16 * mt, SM::ROWB, a_off, b_off, t_off);
+    for (int i = 0; i < nt; ++i) {
+        if (i + SEL_NST - 1 < nt)
+            sel_load_tile<T, D, MT>(ck_s + ((i + SEL_NST - 1) % SEL_NST) * SM::TILE, ck, b, h, H, N, n,
+                                    k0 + (i + SEL_NST - 1) * SEL_TILE, tid);
+        cp_async_commit();
+        cp_async_wait<SEL_NST - 1>();
+        __syncthreads();
+        float s[2][4];
+        sel_tile_scores<T, D>(s, q_s, ck_s + (i % SEL_NST) * SM::TILE + 16 * kw * SM::ROWB, a_off, b_off);
+        use(i, s);
+    }
+    cp_async_wait<0>();
+}
+
 template <typename T, int D, int MT>
 __global__ void __launch_bounds__(128 * MT)
 select_decode_coarse(const T* __restrict__ q, const T* __restrict__ ck2, const int* __restrict__ seqlens, int N2,
@@ -157,24 +196,9 @@ select_decode_coarse(const T* __restrict__ q, const T* __restrict__ ck2, const i
     const int k0 = r2 * T2 * SEL_TILE;
     const int nt = max(0, min(T2, (n2 - k0 + SEL_TILE - 1) / SEL_TILE));
     const u32 s_base = smem_u32(smem), q_s = s_base + SM::Q, ck_s = s_base + SM::CK;
-    if (nt > 0) sel_load_q<T, D, MT>(q_s, q, b, h, H, G, tid);
-#pragma unroll
-    for (int st = 0; st < SEL_NST - 1; ++st) {
-        if (st < nt) sel_load_tile<T, D, MT>(ck_s + st * SM::TILE, ck2, b, h, H, N2, n2, k0 + st * SEL_TILE, tid);
-        cp_async_commit();
-    }
-    u32 a_off[4], b_off[4], t_off[4];
-    ldsm_offsets(lane, 16 * mt, SM::ROWB, a_off, b_off, t_off);
+    sel_ring_start<T, D, MT>(q_s, ck_s, q, ck2, b, h, H, G, N2, n2, k0, nt, tid);
     float m[2] = {-INFLLM_INF, -INFLLM_INF}, l[2] = {0.f, 0.f};
-    for (int i = 0; i < nt; ++i) {
-        if (i + SEL_NST - 1 < nt)
-            sel_load_tile<T, D, MT>(ck_s + ((i + SEL_NST - 1) % SEL_NST) * SM::TILE, ck2, b, h, H, N2, n2,
-                                    k0 + (i + SEL_NST - 1) * SEL_TILE, tid);
-        cp_async_commit();
-        cp_async_wait<SEL_NST - 1>();
-        __syncthreads();
-        float s[2][4];
-        sel_tile_scores<T, D>(s, q_s, ck_s + (i % SEL_NST) * SM::TILE + 16 * kw * SM::ROWB, a_off, b_off);
+    sel_score_tiles<T, D, MT>(q_s, ck_s, ck2, b, h, H, N2, n2, k0, nt, tid, lane, mt, kw, [&](int i, float (&s)[2][4]) {
         const int key0 = k0 + i * SEL_TILE + 16 * kw + 2 * c4;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -195,8 +219,7 @@ select_decode_coarse(const T* __restrict__ q, const T* __restrict__ ck2, const i
             m[r] = m_new;
         }
         __syncthreads();   // the stage read here is the one tile i + NST lands in
-    }
-    cp_async_wait<0>();
+    });
     // combine the 4 key-quarter warps of each row tile (fixed order: the same rounding every run)
     float* m_s = reinterpret_cast<float*>(smem + SM::RED);
     float* l_s = m_s + 4 * MT * 16;
@@ -251,12 +274,7 @@ select_decode_fine(const T* __restrict__ q, const T* __restrict__ ck1, const int
     float* red = reinterpret_cast<float*>(smem + SM::RED);     // [MT][64] group sums of the tile
     float* bias_s = reinterpret_cast<float*>(smem + SM::BIAS);
     float* sc = reinterpret_cast<float*>(smem + SM::BYTES);     // [64 T1] the range's rounded scores
-    if (nt > 0) sel_load_q<T, D, MT>(q_s, q, b, h, H, G, tid);
-#pragma unroll
-    for (int st = 0; st < SEL_NST - 1; ++st) {
-        if (st < nt) sel_load_tile<T, D, MT>(ck_s + st * SM::TILE, ck1, b, h, H, N1, n1, k0 + st * SEL_TILE, tid);
-        cp_async_commit();
-    }
+    sel_ring_start<T, D, MT>(q_s, ck_s, q, ck1, b, h, H, G, N1, n1, k0, nt, tid);
     // the exact coarse normaliser of each head: merge the R2 (max, sum) partials while the tiles load.
     // Warp w takes heads w + 4 MT i (i < 4 covers the 16 MT rows), its lanes ranges lane + 32 k; all
     // loads of a round are issued before use (one memory latency per 32 ranges, not one per range),
@@ -296,17 +314,7 @@ select_decode_fine(const T* __restrict__ q, const T* __restrict__ ck1, const int
     float bias[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) bias[r] = bias_s[16 * mt + g4 + 8 * r];
-    u32 a_off[4], b_off[4], t_off[4];
-    ldsm_offsets(lane, 16 * mt, SM::ROWB, a_off, b_off, t_off);
-    for (int i = 0; i < nt; ++i) {
-        if (i + SEL_NST - 1 < nt)
-            sel_load_tile<T, D, MT>(ck_s + ((i + SEL_NST - 1) % SEL_NST) * SM::TILE, ck1, b, h, H, N1, n1,
-                                    k0 + (i + SEL_NST - 1) * SEL_TILE, tid);
-        cp_async_commit();
-        cp_async_wait<SEL_NST - 1>();
-        __syncthreads();
-        float s[2][4];
-        sel_tile_scores<T, D>(s, q_s, ck_s + (i % SEL_NST) * SM::TILE + 16 * kw * SM::ROWB, a_off, b_off);
+    sel_score_tiles<T, D, MT>(q_s, ck_s, ck1, b, h, H, N1, n1, k0, nt, tid, lane, mt, kw, [&](int i, float (&s)[2][4]) {
         // p = 2^(sl2 s - bias_g), summed over the warp's 16 rows (lanes of equal c4)
         float v[2][2];
 #pragma unroll
@@ -334,8 +342,7 @@ select_decode_fine(const T* __restrict__ q, const T* __restrict__ ck1, const int
             sc[i * SEL_TILE + tid] = key < 0 || key >= n1 ? -INFLLM_INF : n2 > 0 ? xr : 0.f;
         }
         // red is rewritten only after the next tile's barrier
-    }
-    cp_async_wait<0>();
+    });
     __syncthreads();
     // max pooling: block 16 T1 r1 + jl = columns 4 jl .. 4 jl + 4 (the range's last block lacks column 64 T1)
     const int64 row = (int64)b * H + h;
