@@ -109,6 +109,9 @@ class FwdPlan:
             raise ValueError(f"FwdPlan.split_min must be an int >= 0, got {self.split_min!r}")
         if self.qhead not in QHEAD_MODES:
             raise ValueError(f"FwdPlan.qhead must be one of {tuple(QHEAD_MODES)}, got {self.qhead!r}")
+        if self.qhead != "off" and self.kv_passes != 1:
+            # layouts run one pass; "head" CTAs would also need their own pass flags
+            raise ValueError(f"FwdPlan.qhead={self.qhead!r} needs kv_passes=1, got {self.kv_passes}")
         if self.qhead != "off" and self.kernel == SM80 and self.tiles != DEFAULT_TILES:
             # only the default tile shape has per-query-head instances (compile time of the CPU suite)
             raise ValueError(f"FwdPlan.qhead={self.qhead!r} needs the default SM80 tiles {DEFAULT_TILES}, "

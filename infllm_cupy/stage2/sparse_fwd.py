@@ -100,7 +100,8 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
     kv_group = 1
     if plan.qhead == "head":
         # one query head per CTA: the kernels see HQ heads of one query each (G = 1) and read K/V
-        # head h / kv_group (sparse_fwd.cu, QH = 2)
+        # head h / kv_group; the grid runs the group's heads of a row tile next to each other
+        # (sparse_fwd.cu, QH = 2). One key-range pass (FwdPlan's check).
         H, G, kv_group = HQ, 1, G
     B = cu_seqlens_q.numel() - 1
     n_words = masks.shape[-1]
@@ -115,7 +116,8 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
     if plan.kernel == SM80:
         tiles = plan.tiles
         name = _qh_name(tiles.name(q.dtype, D), plan.qhead)
-        launch(_jit.get_kernel(FWD_SOURCE, name), name=name, grid=(cdiv(max_seqlen_q * G, tiles.rows), H, B),
+        launch(_jit.get_kernel(FWD_SOURCE, name), name=name,
+               grid=(cdiv(max_seqlen_q * G, tiles.rows) * kv_group, H // kv_group, B),
                block=(32 * tiles.warps,), shared_mem=(tiles.rows * D + 4 * KV_BLOCK * D) * itemsize + 4 * n_words,
                args=(ptr(q), ptr(k), ptr(v)) + head + (ptr(out), ptr(lse)) + tail + qh_tail)
         return out, lse
@@ -126,7 +128,7 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
     n_kb = cdiv(max_seqlen_k, KV_BLOCK) if max_seqlen_k is not None else 32 * n_words
     per = cdiv(n_kb, max(1, min(plan.kv_passes, n_kb)))
     passes = cdiv(n_kb, per) if n_kb > 0 else 1
-    grid = (cdiv(max_seqlen_q * G, 64 * SM90_CONSUMERS), H, B)
+    grid = (cdiv(max_seqlen_q * G, 64 * SM90_CONSUMERS) * kv_group, H // kv_group, B)
     # zeros: CTAs past a short sequence's rows write no flag, and `split.any()` below reads them all
     split = torch.zeros(grid[::-1], dtype=torch.int32, device=q.device) if passes > 1 else None
     # where every sequence has as many queries as keys (one cu_seqlens tensor for both: no host

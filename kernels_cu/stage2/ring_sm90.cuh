@@ -695,12 +695,15 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
     unsigned* sUw = sU + n_words;                                                    // [NC][n_words]
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
-    const int h = blockIdx.y, b = blockIdx.z;
+    // QH 2: grid.x runs over (row tile, head of the group), heads fastest, so that the group's heads
+    // of one tile run together and share its K/V blocks in the L2; grid.y is the KV head
+    const int h = QH == 2 ? (int)(blockIdx.y * kv_group + blockIdx.x % kv_group) : (int)blockIdx.y;
+    const int b = blockIdx.z;
     // key-range passes (cta_split != null; see the launch contract): pass 0 decides per CTA and
     // records it; a later pass runs only the CTAs that split (checked first: most CTAs of a
     // block-shared selection leave here), and only those whose rows can see a block of its range
     const bool passes = cta_split != nullptr, later_pass = passes && blk_lo > 0;
-    const int cta_x = (int)blockIdx.x + x_off;
+    const int cta_x = (QH == 2 ? (int)(blockIdx.x / kv_group) : (int)blockIdx.x) + x_off;
     const int cta_id = (b * H + h) * ((int)gridDim.x + x_off) + cta_x;
     if (later_pass && cta_split[cta_id] == 0) return;
     S2Seq sq;

@@ -15,9 +15,11 @@
 //            QH = 1: each query head has its own rows: the row of token r under query head h*G+g is
 //            mask_base[b] + (h*G+g) * mask_h_stride + r / mask_q_block (a layout with HQ heads), and
 //            a CTA walks the union over its (token, head) rows. QH = 2: one query head per CTA: the
-//            launch passes H = HQ and G = 1 (grid.y runs over query heads, masks as a layout with HQ
-//            heads) and k, v keep their H / kv_group heads: query head h reads K/V head h / kv_group.
-//            kv_group is read only with QH = 2 (docs/stage2_fwd.md, "Per-query-head mask rows").
+//            launch passes H = HQ and G = 1 (masks as a layout with HQ heads) and k, v keep their
+//            H / kv_group heads: query head h reads K/V head h / kv_group; the grid is
+//            (cdiv(max_seqlen_q, M) * kv_group, H / kv_group, B), block x = tile * kv_group + head
+//            in group. kv_group is read only with QH = 2 (docs/stage2_fwd.md, "Per-query-head mask
+//            rows").
 //   out      [total_q, HQ, D] T                        lse [HQ, total_q] float32 (natural log)
 //   Semantics: query (r, head h*G+g) attends keys c of its sequence with c/64 set in its mask row,
 //   c < Lk and, when causal, c <= r + Lk - Lq (bottom-right). No allowed key: out = 0, lse = +inf.
@@ -58,10 +60,13 @@ stage2_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
     unsigned* sU = reinterpret_cast<unsigned*>(sV + 2 * BLOCK_N * D);
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int h = blockIdx.y, b = blockIdx.z;
+    // QH 2: grid.x runs over (row tile, head of the group), heads fastest (the group's heads of one
+    // tile run together and share its K/V blocks in the L2); grid.y is the KV head
+    const int h = QH == 2 ? (int)(blockIdx.y * kv_group + blockIdx.x % kv_group) : (int)blockIdx.y;
+    const int b = blockIdx.z;
     S2Seq sq;
     s2_seq(sq, cu_seqlens_q, cu_seqlens_k, b, G, causal);
-    const int64 m0 = (int64)blockIdx.x * M;
+    const int64 m0 = (int64)(QH == 2 ? blockIdx.x / kv_group : blockIdx.x) * M;
     if (m0 >= sq.rows_total) return;
     const int nb = key_blocks(sq.Lk);
     const int t_lo = (int)(m0 / G);

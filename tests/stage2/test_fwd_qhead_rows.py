@@ -182,6 +182,8 @@ def test_fwd_plan_qhead_field():
         FwdPlan("sm90a", qhead=True)
     with pytest.raises(ValueError, match="default SM80 tiles"):
         FwdPlan("sm80", FwdTiles(8, 1, 64), qhead="head")
+    with pytest.raises(ValueError, match="needs kv_passes=1"):
+        FwdPlan("sm90a", kv_passes=2, qhead="head")
 
 
 @pytest.mark.nvrtc
