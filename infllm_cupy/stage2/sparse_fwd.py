@@ -87,9 +87,9 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
     """Launch the forward kernel on checked, contiguous inputs, as `plan` says. Returns
     `out [total_q, HQ, D]` and `lse [HQ, total_q]` float32. `masks` is `[..., n_words]` int32; see the
     .cu header for the rows; with `plan.qhead` other than "off" they are per query head
-    (`mask_h_stride` rows between query heads, a layout with HQ heads). An sm_90a plan runs in `plan.kv_passes` key-range passes over
-    `cdiv(max_seqlen_k, 64)` blocks (default: what the mask rows cover), in which the CTAs whose union
-    of blocks exceeds `plan.split_min` split."""
+    (`mask_h_stride` rows between query heads, a layout with HQ heads). An sm_90a plan runs in
+    `plan.kv_passes` key-range passes over `cdiv(max_seqlen_k, 64)` blocks (default: what the mask
+    rows cover), in which the CTAs whose union of blocks exceeds `plan.split_min` split."""
     check_aligned(q=q, k=k, v=v)
     if plan.kernel == SM90A and not sm90_fits_keys(k.shape[0]):
         raise ValueError(f"an sm_90a FwdPlan needs 0 < total_k < 2**31 - {KV_BLOCK} (TMA tensor maps), got "

@@ -16,6 +16,7 @@ import math
 
 import pytest
 import torch
+from conftest import HAS_GPU
 
 from infllm_cupy import _jit
 from infllm_cupy.patterns import SparseAttention, qhead_block_sparse_attn_varlen
@@ -26,8 +27,6 @@ from infllm_cupy.stage2.layout import BlockLayout
 from infllm_cupy.stage2.naive import naive_block_sparse_attn_varlen
 from infllm_cupy.stage2.plan import DEFAULT_TILES, FwdPlan, FwdTiles
 from infllm_cupy.testing import assert_close_to_ref, cu_seqlens_from_lengths
-
-from conftest import HAS_GPU
 
 HOPPER = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)
 NEEDS_HOPPER = pytest.mark.skipif(not HOPPER, reason="sm_90a kernel needs capability 9.0")
