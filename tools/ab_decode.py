@@ -8,9 +8,9 @@ Configs (README head shape: HQ 32, H 2, D 128, bf16, contiguous cache, K = 96 se
 InfLLM-v2's shape; `--configs`): `BxL_MODE[_W]` for B x L in 1x128k, 8x32k, 8x128k, 64x32k, MODE
 sparse or dense, W absent (no weights), `w` (weights per query head) or `wk` (summed per KV head);
 the default list is `DEFAULT_CONFIGS`. Variants (`--variants`, `label:FIELD=VALUE+FIELD=VALUE` over
-the plan `plan_decode` gives the config, e.g. `mg32:merge_groups=32`, `pdl0:pdl=0`,
-`fm:fused_merge=1`; `default` is the plan itself): the default list times the merge at a few
-group counts, without programmatic dependent launch, and folded into the split kernel.
+the plan `plan_decode` gives the config, e.g. `mg32:merge_groups=32`, `pdl0:pdl=0`; `default` is the
+plan itself): the default list times the merge at a few group counts and without programmatic
+dependent launch.
 With `--old-tree DIR`, variant `old` launches that tree's kernels with the launch of commit b3c8198
 (the split kernel stores fp32 logits, in place in the per-head weights or in an fp32 scratch for
 the per-KV-head sum) on the same plan's splits.
@@ -52,7 +52,7 @@ CONFIGS = {f"{size}_{mode}{w}": (B, L, mode == "sparse", wm)     # name: (B, L, 
            for size, (B, L) in SIZES.items() for mode in ("sparse", "dense") for w, wm in WEIGHT_MODES.items()}
 DEFAULT_CONFIGS = ["8x32k_sparse", "8x32k_sparse_w", "8x32k_dense", "8x32k_dense_w", "1x128k_sparse"]
 DEFAULT_VARIANTS = ["default", "mg2:merge_groups=2",
-                    "mg8:merge_groups=8", "mg32:merge_groups=32", "pdl0:pdl=0", "fm:fused_merge=1"]
+                    "mg8:merge_groups=8", "mg32:merge_groups=32", "pdl0:pdl=0"]
 TOL = {"out": 2e-2, "lse": 1e-3, "weights": 1e-5}
 
 
@@ -62,7 +62,7 @@ def parse_variant(spec: str):
     fields = {}
     for part in filter(None, rest.split("+")):
         name, _, val = part.partition("=")
-        if name in ("pdl", "fused_merge"):
+        if name == "pdl":
             fields[name] = val.lower() in ("1", "true", "yes")
         elif name in ("merge_groups", "num_splits", "per_split", "row_tiles"):
             fields[name] = int(val)
@@ -163,7 +163,7 @@ def run_config(name: str, a, variants) -> bool:
                                                      return_attn_weights=weights is not None,
                                                      weights=weights or "per_head", plan=plan))
             desc = (f"S {plan.num_splits} x {plan.per_split}, merge "
-                    f"{'fused' if plan.fused_merge else str(plan.merge_threads(D)) + ' threads'}, pdl {plan.pdl}")
+                    f"{plan.merge_threads(D)} threads, pdl {plan.pdl}")
         calls.append((label, fn, desc))
     print(f"\n{name}: B {B} L {L} {'K ' + str(n_entries) if sparse else 'dense'}{' + weights ' + weights if weights else ''}, "
           f"{kv_bytes / 1e6:.1f} MB of K/V", flush=True)

@@ -59,9 +59,6 @@ class DecodePlan:
             each, 32 to 1024 threads in all); 0 = `default_merge_groups`.
         pdl (bool): under CUDA-graph capture on sm_90, launch the merge and the weights pass as
             programmatic dependents of the kernel before them (their launch overlaps its tail).
-        fused_merge (bool): the split kernel's last CTA of each (sequence, KV head) merges the splits
-            (an atomic count per group in a per-device workspace); no merge launch. Off until timed.
-            Calls with it must not run concurrently on one device (they share the counts).
     """
     row_tiles: int
     num_splits: int
@@ -69,7 +66,6 @@ class DecodePlan:
     _: dataclasses.KW_ONLY
     merge_groups: int = 0
     pdl: bool = True
-    fused_merge: bool = False
 
     def merge_threads(self, head_dim: int) -> int:
         """Threads per CTA of the merge: merge_groups (or its default) groups of head_dim / 4."""
@@ -109,25 +105,6 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, n_entries: int, sm_co
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-_COUNTERS: dict[int, torch.Tensor] = {}
-
-
-def merge_counters(device: torch.device, n: int) -> torch.Tensor:
-    """The fused merge's per-device workspace of `n` int32 counts, zero between launches (each launch's
-    last CTAs reset theirs; DecodePlan.fused_merge). Grown outside CUDA-graph capture only: a capture
-    must be preceded by one eager call of the same or a larger shape (the usual warm-up)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    buf = _COUNTERS.get(idx)
-    if buf is None or buf.numel() < n:
-        if torch.cuda.is_current_stream_capturing():
-            raise ValueError(f"plan: fused_merge needs {n} counters on cuda:{idx} and has "
-                             f"{0 if buf is None else buf.numel()}; run one eager call with these shapes "
-                             f"before capturing (the workspace is not allocated inside a capture)")
-        buf = torch.zeros(max(n, 2 * (0 if buf is None else buf.numel())), dtype=torch.int32, device=device)
-        _COUNTERS[idx] = buf
-    return buf
 
 
 def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, *,
@@ -203,8 +180,6 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
         w_out = empty((B, HQ if weights == "per_head" else H, width), dtype=torch.float32, device=dev)
     null = np.uint64(0)
     paged = bt is not None
-    fused = plan.fused_merge
-    counters = merge_counters(dev, B * H) if fused else None
     run = Launches(dev)
     run.add(SOURCE, f"sparse_decode_split<{CXX_TYPE[q.dtype]}, {D}, {plan.row_tiles}>", (S, H, B),
             (128 * plan.row_tiles,), plan.split_smem_bytes(D, sparse, K),
@@ -214,11 +189,10 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
              np.int32(B), np.int32(H), np.int32(G), np.int32(plan.per_split),
              np.float32(scale * math.log2(math.e)), ptr(o_part), ptr(lse_part),
              ptr(prel) if return_attn_weights else null, ptr(pmax) if return_attn_weights else null,
-             np.int32(width), ptr(counters) if fused else null, ptr(out), ptr(lse), ptr(lse2)))
-    if not fused:
-        nt = plan.merge_threads(D)
-        run.add(SOURCE, f"sparse_decode_merge<{CXX_TYPE[q.dtype]}, {D}>", (B * HQ,), (nt,), 16 * nt + 4 * S,
-                (ptr(o_part), ptr(lse_part), np.int32(S), ptr(out), ptr(lse), ptr(lse2)), pdl=plan.pdl)
+             np.int32(width)))
+    nt = plan.merge_threads(D)
+    run.add(SOURCE, f"sparse_decode_merge<{CXX_TYPE[q.dtype]}, {D}>", (B * HQ,), (nt,), 16 * nt + 4 * S,
+            (ptr(o_part), ptr(lse_part), np.int32(S), ptr(out), ptr(lse), ptr(lse2)), pdl=plan.pdl)
     if return_attn_weights:
         run.add(SOURCE, "sparse_decode_weights", (cdiv(width, WCHUNK), H, B), (WCHUNK // 4,), 0,
                 (ptr(prel), ptr(pmax), ptr(lse2), ptr(seqlens), ptr(topk_idx) if sparse else null, np.int32(K),
@@ -251,8 +225,6 @@ def check_plan(plan, group: int, n_entries: int, head_dim: int, k: int = 0) -> N
                          f"the {n_entries} to read")
     if not isinstance(plan.pdl, bool):
         raise ValueError(f"plan: pdl must be a bool, got {plan.pdl!r}")
-    if not isinstance(plan.fused_merge, bool):
-        raise ValueError(f"plan: fused_merge must be a bool, got {plan.fused_merge!r}")
     g = plan.merge_groups
     is_int = isinstance(g, int) and not isinstance(g, bool)
     if not is_int or g < 0 or (g & (g - 1)) or (g and not 32 <= g * (head_dim // 4) <= MERGE_MAX_THREADS):

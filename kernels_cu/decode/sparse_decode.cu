@@ -25,10 +25,6 @@
 //           max of the warp's row when the key's 16-key group was read (so prel <= 1); 8-byte aligned
 //           rows (W % 4 == 0) get 8-byte stores that fill 32-byte sectors
 //   pmax    float [B, HQ, cdiv(W, 16)]: that m, per (row, 16-key group) read (with prel)
-//   counters int [B * H] or nullptr: with it the split kernel also merges (DecodePlan.fused_merge): the
-//           last CTA of each (sequence, KV head) to finish, found by an atomic count that it resets to
-//           0, merges the group's S splits in split order into out, lse_out, lse2_out (as
-//           sparse_decode_merge; the merge launch is skipped). Zero at launch; zero again after it
 //
 // sparse_decode_merge<T, D>
 //   grid (B * HQ)  block (P * D / 4) for a power of two P, 32 .. 1024 threads (DecodePlan.merge_threads)
@@ -39,7 +35,7 @@
 //
 // sparse_decode_weights
 //   grid (cdiv(W, WCHUNK), H, B)  block (WCHUNK / 4 = 256)  static shared memory; may be launched as a
-//   programmatic dependent of the merge, or of the split kernel with the fused merge (it waits before reading)
+//   programmatic dependent of the merge (it waits before reading)
 //   out [B, HQ, W] (per_kv_head = 0) or [B, H, W] (per_kv_head = 1) float: prel * 2^(pmax - lse2) at
 //   the selected positions < L_b, 0 elsewhere (prel, pmax: the split kernel's; no aliasing with out)
 //
@@ -120,77 +116,6 @@ struct EpilogueSmem {
     static constexpr int ROWL = NBUF * BUF;                            // float [16 MT]: 1 / row sum
 };
 
-// The merge folded into the split kernel (DecodePlan.fused_merge; docs/decode.md, 4. Splits and the
-// merge): one launch fewer per step. Every CTA publishes its o_part / lse_part rows (fence, then one
-// atomic count per (sequence, KV head)); the CTA that brings the count to S merges the group. The
-// merge reads the splits in split order whichever CTA is last, so the result is the same on every run.
-// The last CTA resets the count to 0: no other CTA of this launch touches it again, and the next
-// launch (or graph replay) finds it zero.
-template <typename T, int D, int NT>
-__device__ __forceinline__ void split_fused_merge(int* counters, const float* o_part, const float* lse_part,
-                                                  T* out, float* lse_out, float* lse2_out, int b, int h, int H,
-                                                  int G, int S, int* is_last, float* row_m, float* row_s) {
-    const int tid = threadIdx.x, HQ = H * G;
-    __threadfence();                            // this CTA's o_part / lse_part before its count
-    __syncthreads();
-    if (tid == 0) {
-        int* c = counters + (int64)b * H + h;
-        const int last = atomicAdd(c, 1) == S - 1;
-        if (last) *c = 0;
-        *is_last = last;
-    }
-    __syncthreads();
-    if (!*is_last) return;
-    __threadfence();                            // the other splits' rows (counted before ours) before reading them
-    const int64 row0 = (int64)b * HQ + (int64)h * G;
-    // per row: the max and the sum of 2^(lse_s - max) over the splits, in split order (sparse_decode_merge's
-    // formulas; loads bypass L1, which may hold nothing of other CTAs but is not asked to)
-    for (int r = tid; r < G; r += NT) {
-        const float* lp = lse_part + (row0 + r) * S;
-        float M = -INFLLM_INF;
-        for (int s = 0; s < S; ++s) M = fmaxf(M, __ldcg(lp + s));
-        float sum = 0.f;
-        if (M != -INFLLM_INF)
-            for (int s = 0; s < S; ++s) sum += exp2f(__ldcg(lp + s) - M);
-        row_m[r] = M;
-        row_s[r] = sum;
-        const float lse2 = sum > 0.f ? M + __log2f(sum) : INFLLM_INF;
-        lse2_out[row0 + r] = lse2;
-        lse_out[row0 + r] = sum > 0.f ? lse2 * LN2 : INFLLM_INF;
-    }
-    __syncthreads();
-    constexpr int DV = D / 4, BATCH = 8;        // BATCH splits' loads in flight per thread
-    for (int idx = tid; idx < G * DV; idx += NT) {
-        const int r = idx / DV, d4 = idx % DV;
-        const float M = row_m[r], sum = row_s[r];
-        const float* lp = lse_part + (row0 + r) * S;
-        const float4* op = reinterpret_cast<const float4*>(o_part + (row0 + r) * S * D) + d4;
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int s0 = 0; s0 < S; s0 += BATCH) {
-            float4 x[BATCH];
-            float l[BATCH];
-#pragma unroll
-            for (int i = 0; i < BATCH; ++i) {
-                const bool ok = s0 + i < S;
-                x[i] = ok ? __ldcg(op + (int64)(s0 + i) * DV) : make_float4(0.f, 0.f, 0.f, 0.f);
-                l[i] = ok ? __ldcg(lp + s0 + i) : -INFLLM_INF;
-            }
-#pragma unroll
-            for (int i = 0; i < BATCH; ++i) {
-                // every split wrote its o_part rows (zeros when it saw no key), so w * x is never 0 * NaN
-                const float w = M == -INFLLM_INF || s0 + i >= S ? 0.f : exp2f(l[i] - M);
-                acc = make_float4(acc.x + w * x[i].x, acc.y + w * x[i].y, acc.z + w * x[i].z, acc.w + w * x[i].w);
-            }
-        }
-        Vec<T, 4> res;
-        res.elem[0] = from_float<T>(sum > 0.f ? acc.x / sum : 0.f);
-        res.elem[1] = from_float<T>(sum > 0.f ? acc.y / sum : 0.f);
-        res.elem[2] = from_float<T>(sum > 0.f ? acc.z / sum : 0.f);
-        res.elem[3] = from_float<T>(sum > 0.f ? acc.w / sum : 0.f);
-        res.store(out + (row0 + r) * D + 4 * d4);
-    }
-}
-
 // At most 128 registers per thread (4 / MT CTAs of 128 MT threads per SM): enough for the fp32 output
 // tile of D = 128, and without the bound ptxas picked 80 at D = 64 on sm_80 and spilled.
 template <typename T, int D, int MT>
@@ -199,8 +124,7 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
                     const int* __restrict__ seqlens, const int* __restrict__ block_table, int max_pages,
                     int page_size, int seq_rows, const int* __restrict__ topk, int K, int B, int H, int G,
                     int per_split, float scale_log2, float* __restrict__ o_part, float* __restrict__ lse_part,
-                    __half* __restrict__ prel, float* __restrict__ pmax, int W, int* __restrict__ counters,
-                    T* __restrict__ out, float* __restrict__ lse_out, float* __restrict__ lse2_out) {
+                    __half* __restrict__ prel, float* __restrict__ pmax, int W) {
     constexpr int NT = 128 * MT, NW = 4 * MT, ROWB = KVLayout<D>::ROWB, CH = D / 8;
     typedef SplitSmem<D, MT> SM;
     extern __shared__ __align__(128) unsigned char smem[];
@@ -512,10 +436,6 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
         const float inv = row_inv[r];
         *reinterpret_cast<float4*>(o_part_s + (int64)r * S * D + d) = make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
     }
-    // shared scratch of the fused merge: the warp counts and the row stats (MT * 64 floats each, G <= 16 MT)
-    // are free now
-    if (counters != nullptr)
-        split_fused_merge<T, D, NT>(counters, o_part, lse_part, out, lse_out, lse2_out, b, h, H, G, S, wcnt, m_s, l_s);
 }
 
 // P = blockDim.x / (D / 4) thread groups (a power of two): group p sums splits p, p + P, .. with

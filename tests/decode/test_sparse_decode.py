@@ -169,9 +169,6 @@ def test_plan_merge_groups():
             check_plan(plan, 16, 96, D, 96)
     with pytest.raises(ValueError, match="pdl"):
         check_plan(DecodePlan(1, 8, 12, pdl=None), 16, 96, 128, 96)
-    check_plan(DecodePlan(1, 8, 12, fused_merge=True), 16, 96, 128, 96)
-    with pytest.raises(ValueError, match="fused_merge"):
-        check_plan(DecodePlan(1, 8, 12, fused_merge=1), 16, 96, 128, 96)
 
 
 def cdiv_(a, b):
@@ -375,63 +372,6 @@ def test_weights_precision_on_peaked_rows(page_size, sparse):
             assert int(tiny.sum()) > 1000
         wk = sparse_decode(q, cache, idx, softmax_scale=scale, return_attn_weights=True, weights="per_kv_head")[1]
         torch.testing.assert_close(wk, w.view(len(lengths), H, HQ // H, -1).sum(2), atol=1e-5, rtol=0)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("D", [64, 128])
-def test_fused_merge(D):
-    # DecodePlan.fused_merge (docs/decode.md, 4. Splits and the merge): the split kernel's last CTA per
-    # (sequence, KV head) merges. Same results as the merge kernel up to fp32 summation order, the
-    # same bits on every run (the merge order does not depend on which CTA is last), the counts back
-    # at 0 after each launch, weights through the split kernel's lse2, and graph replay = eager.
-    from infllm_cupy.decode.sparse_decode import _COUNTERS
-    lengths, HQ, H = [1000, 333, 64, 2500, 1], 40, 2                  # G = 20: two row tiles
-    cache = make_cache(lengths, H, D, torch.bfloat16, page_size=64, device="cuda")
-    q = torch.randn(len(lengths), HQ, D, generator=torch.Generator().manual_seed(6)).to("cuda", torch.bfloat16)
-    idx = selection(H, lengths, 24, device="cuda")
-    idx[:, 2] = -1                                                     # a sequence with nothing selected
-    for sel in (idx, None):
-        n = 24 if sel is not None else cdiv_(cache.capacity, 64)
-        ref, ref_lse, ref_w = naive_sparse_decode(q.double(), as_tuple(cache, torch.float64), sel, return_lse=True,
-                                                  return_attn_weights=True)
-        lowp = naive_sparse_decode(q, cache, sel, upcast=False)
-        fin = ~torch.isinf(ref_lse)
-        for S in (1, 3, n):
-            per = cdiv_(n, S)
-            plain = DecodePlan(2, cdiv_(n, per), per)
-            fused = DecodePlan(2, cdiv_(n, per), per, fused_merge=True)
-            a = sparse_decode(q, cache, sel, return_lse=True, return_attn_weights=True, plan=plain)
-            runs = [sparse_decode(q, cache, sel, return_lse=True, return_attn_weights=True, plan=fused)
-                    for _ in range(3)]
-            torch.cuda.synchronize()
-            assert int(_COUNTERS[torch.cuda.current_device()].abs().sum()) == 0, "counts not reset"
-            for r in runs[1:]:
-                for x, y in zip(r, runs[0]):
-                    assert torch.equal(x, y), "fused merge differs between runs"
-            out, lse, w = runs[0]
-            name = f"S{fused.num_splits}_{'sparse' if sel is not None else 'dense'}"
-            assert_close_to_ref("out " + name, out, ref, lowp)
-            assert bool(torch.isinf(lse[~fin]).all()) and bool((out[~fin] == 0).all())
-            torch.testing.assert_close(lse[fin], a[1][fin], atol=1e-5, rtol=0)
-            torch.testing.assert_close(out.float(), a[0].float(), atol=2e-2, rtol=0)
-            torch.testing.assert_close(w, a[2], atol=1e-6, rtol=0)
-            assert bool((w[ref_w == 0] == 0).all())
-    # graph replay of a fused step equals eager (the counts are reset inside the kernel, so replays repeat)
-    plan = DecodePlan(2, 6, 4, fused_merge=True)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        sparse_decode(q, cache, idx, return_lse=True, return_attn_weights=True, plan=plan)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        res_g = sparse_decode(q, cache, idx, return_lse=True, return_attn_weights=True, plan=plan)
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    res_e = sparse_decode(q, cache, idx, return_lse=True, return_attn_weights=True, plan=plan)
-    for x, y in zip(res_g, res_e):
-        assert torch.equal(x, y)
 
 
 @pytest.mark.gpu
