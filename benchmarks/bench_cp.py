@@ -529,16 +529,15 @@ def stage1_scratch_gib(c: Ctx, L: int) -> float:
     can appear past the measured lengths and the fit would miss it. 0 where the plan holds the rows
     in shared memory or splits the key blocks into ranges (docs/stage1.md §9): its O(tokens x K)
     candidates live in the forward, below the backward's peak that the fit measured."""
-    from infllm_cupy.stage1.plan import scratch_bytes, stage1_plan
-    from infllm_cupy.stage1.select import _smem_limits
+    from infllm_cupy.stage1.plan import scratch_bytes
+    from infllm_cupy.stage1.select import device_stage1_plan
 
     if c.dev.type != "cuda":
         return 0.0
     a = c.a
     G, out_len = a.hq // a.h, -(-L // 64)
     sdt = c.cfg.score_dtype
-    plan = stage1_plan(torch.cuda.get_device_capability(c.dev), G, a.d, c.dtype, sdt, out_len,
-                       *_smem_limits(c.dev))
+    plan = device_stage1_plan(c.dev, G, a.d, c.dtype, sdt, out_len, rows=a.h * (L // (2 * c.W)))
     if plan.block_keys_in_smem or plan.range_blocks:
         return 0.0
     K = c.cfg.topk + c.cfg.local_blocks
