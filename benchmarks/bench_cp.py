@@ -68,6 +68,8 @@ from infllm_cupy.distributed import (  # noqa: E402
     zigzag_plan,
 )
 
+from infllm_cupy.stage2.sparse_bwd import BWD_MAX_KEYS  # noqa: E402
+
 GiB = 2**30
 
 
@@ -114,6 +116,13 @@ def parse_args(argv=None):
         default=None,
         help="longest length either search may probe (default: 16 x the longest --lengths for 1 GPU, "
         "then 2W x the 1-GPU failure)",
+    )
+    p.add_argument(
+        "--memory-cap-gib",
+        type=float,
+        default=None,
+        help="cap torch's allocator at this many GiB per GPU (set_per_process_memory_fraction), so that "
+        "a larger card measures the longest lengths of a smaller one: 79.1 is the H100 80GB's capacity",
     )
     p.add_argument(
         "--inject-probe-failure-rank",
@@ -620,6 +629,9 @@ def main(argv=None):
     t0 = time.perf_counter()
     if a.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        if a.memory_cap_gib:
+            total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, a.memory_cap_gib * GiB / total))
     dist.init_process_group("nccl" if a.device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=180))
     c = Ctx(a)
     env = env_stamp() if c.world_rank == 0 else {}
@@ -704,7 +716,9 @@ def main(argv=None):
     save()  # the rows survive a search that fails
     if a.search and c.world in c.sizes:
         t_end = time.perf_counter() + a.search_budget_s
-        cap = a.search_max or float("inf")
+        # the backward kernels take at most 65535 key blocks (one grid.z slice each): a longer probe
+        # would stop the search with an error, not measure a memory limit
+        cap = min(a.search_max or float("inf"), BWD_MAX_KEYS)
         longest_measured = max(a.lengths)
         single_ok = [r["L"] for r in rows if r["single_ms"] is not None]
         lo1 = max(single_ok, default=0)

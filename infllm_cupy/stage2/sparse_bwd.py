@@ -60,6 +60,8 @@ _jit.register_instances(SM90_SOURCE, [f"stage2_bwd_dkdv_sm90<{CXX_TYPE[dt]}, {d}
                          + [f"stage2_bwd_dkdv_parts<{CXX_TYPE[dt]}, {d}>" for dt in KERNEL_DTYPES for d in HEAD_DIMS],
                          sm90a=True)
 
+BWD_MAX_KEYS = 65535 * KV_BLOCK   # the dk/dv grid has one z slice per 64-key block (CUDA: z <= 65535)
+
 
 def dq_smem_bytes(D: int, tiles: BwdTiles, n_words: int, itemsize: int = 2) -> int:
     return (2 * 16 * tiles.dq_warps * D + 4 * KV_BLOCK * D) * itemsize + 4 * n_words
@@ -126,8 +128,8 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if max_seqlen_q * (q.shape[1] // k.shape[1]) >= 2**31:
         raise ValueError(f"max_seqlen_q * G must be < 2**31 for the backward kernels (32-bit row indices within "
                          f"a sequence), got {max_seqlen_q} * {q.shape[1] // k.shape[1]}")
-    if cdiv(max_seqlen_k, KV_BLOCK) > 65535:
-        raise ValueError(f"max_seqlen_k must be <= {65535 * KV_BLOCK} for the backward kernels (one grid.z slice "
+    if max_seqlen_k > BWD_MAX_KEYS:
+        raise ValueError(f"max_seqlen_k must be <= {BWD_MAX_KEYS} for the backward kernels (one grid.z slice "
                          f"per 64-key block), got {max_seqlen_k}")
     total_q, HQ, D = q.shape
     total_k, H, _ = k.shape
