@@ -102,8 +102,8 @@ def test_merge_ties_to_the_lower_block_and_keys_as_unsigned():
 
 
 def test_merge_past_the_kernel_bound_runs_the_torch_merge_on_cpu():
-    """K > MERGE_MAX_K dispatches to the torch merge (which runs on CPU tensors too)."""
-    K = sel.MERGE_MAX_K + 1
+    """K > MERGE_KERNEL_UP_TO_K dispatches to the torch merge (which runs on CPU tensors too)."""
+    K = sel.MERGE_KERNEL_UP_TO_K + 1
     want, run = None, None
     for ck, ci in range_passes(1, 3, K, 2, key_bits=16, pattern="ties", seed=5):
         want = brute_merge(want, ck, ci, K)
@@ -174,7 +174,7 @@ def test_merge_kernel_equals_torch_merge(pattern, key_bits, K):
 
 @pytest.mark.gpu
 def test_merge_kernel_dispatch_and_in_place():
-    """`_merge_into` takes the kernel up to MERGE_MAX_K, merging in place into the running list."""
+    """`_merge_into` takes the kernel up to MERGE_KERNEL_UP_TO_K, merging in place into the running list."""
     K = 96
     (ck0, ci0), (ck1, ci1) = range_passes(3, 1001, K, 2, key_bits=16, pattern="padding", seed=3, device="cuda")
     run = sel._merge_into(None, ck0, ci0, K)
