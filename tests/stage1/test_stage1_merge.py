@@ -206,7 +206,7 @@ def _selections(inputs, L, range_blocks, kernel, monkeypatch, **kw):
         m.setattr(sel, "_merge_into_kernel", counting)
         got = sel.launch_select(*inputs, L, plan=plan, **kw)
     with monkeypatch.context() as m:
-        m.setattr(sel, "MERGE_MAX_K", 0)                 # every merge on torch
+        m.setattr(sel, "MERGE_KERNEL_UP_TO_K", 0)        # every merge on torch
         ref = sel.launch_select(*inputs, L, plan=plan, **kw)
     return one, got, ref, len(calls)
 
