@@ -13,7 +13,12 @@ plan itself): the default list times the merge at a few group counts and without
 dependent launch.
 With `--old-tree DIR`, variant `old` launches that tree's kernels with the launch of commit b3c8198
 (the split kernel stores fp32 logits, in place in the per-head weights or in an fp32 scratch for
-the per-KV-head sum) on the same plan's splits.
+the per-KV-head sum) on the same plan's splits. With `--tree LABEL=DIR` (repeatable), variant LABEL
+launches the kernels of DIR (a kernels_cu/ folder whose kernel signatures match this checkout's:
+an earlier commit's, or a candidate) with this checkout's launch and the default plan.
+With `--kernel-times`, each variant also runs `--calls` eager calls (no PDL: it applies under
+capture only) under the PyTorch profiler and prints its kernels' mean device time per call (split,
+merge, weights pass), so that a change in the sum can be placed.
 
 Each variant's call (split, merge and, with weights, the weights pass: one `sparse_decode` step) is
 captured `--calls` times in one CUDA graph; each repetition replays every variant's graph once in
@@ -110,6 +115,28 @@ def old_call(tree: str, q, cache, topk, plan, weights, scale: float):
 
 
 
+def kernel_times(fn, calls: int) -> dict[str, float]:
+    """{kernel kind: mean device microseconds per call} of `calls` eager calls of `fn`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None)
+        if us is None:
+            us = ev.cuda_time_total
+        if us <= 0:
+            continue
+        kind = next((k for k in ("split", "merge", "weights") if f"sparse_decode_{k}" in ev.key), "other")
+        out[kind] = out.get(kind, 0.0) + us / calls
+    return out
+
+
 def compare(res, base) -> tuple[str, bool]:
     if all(torch.equal(a, b) for a, b in zip(res, base)):
         return "same bits", True
@@ -151,7 +178,16 @@ def run_config(name: str, a, variants) -> bool:
 
     calls = []
     for label, fields in variants:
-        if label == "old":
+        if label in a.trees:
+            tree = a.trees[label]
+            plan = dataclasses.replace(base_plan, **fields)
+
+            def fn(plan=plan, tree=tree):
+                with _env.override(kernels_dir=tree):
+                    return SD.sparse_decode(q, cache, topk, return_lse=True, return_attn_weights=weights is not None,
+                                            weights=weights or "per_head", plan=plan)
+            desc = f"kernels of {tree}, S {plan.num_splits} x {plan.per_split}"
+        elif label == "old":
             fn = (lambda plan=dataclasses.replace(base_plan, **fields):
                   old_call(a.old_tree, q, cache, topk, plan, weights, scale))
             desc = f"old kernels ({a.old_tree}), {base_plan.num_splits} splits"
@@ -195,6 +231,11 @@ def run_config(name: str, a, variants) -> bool:
     for label, _ in graphs:
         print(f"  {label:10s} {med[label]:9.2f} us  {first / med[label]:.3f}x of {graphs[0][0]}  "
               f"{kv_bytes / med[label] / 1e6:7.0f} GB/s K/V", flush=True)
+    if a.kernel_times:
+        for label, fn, _ in calls:
+            kt = kernel_times(fn, a.calls)
+            print(f"  {label:10s} eager kernels: " + ", ".join(f"{k} {v:.2f}" for k, v in kt.items())
+                  + f", sum {sum(kt.values()):.2f} us", flush=True)
     return ok
 
 
@@ -203,6 +244,9 @@ def main(argv=None) -> int:
     p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS), help="BxL_MODE[_w|_wk]")
     p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
     p.add_argument("--old-tree", default=None, help="a kernels_cu/ folder of commit b3c8198 (git archive): adds variant `old`")
+    p.add_argument("--tree", action="append", default=[], metavar="LABEL=DIR",
+                   help="variant LABEL: the kernels of DIR (a kernels_cu/ folder) with this checkout's launch")
+    p.add_argument("--kernel-times", action="store_true", help="per-kernel eager device times (PyTorch profiler)")
     p.add_argument("--topk", type=int, default=64)
     p.add_argument("--local-blocks", type=int, default=32)
     p.add_argument("--calls", type=int, default=20, help="calls per graph replay")
@@ -215,6 +259,15 @@ def main(argv=None) -> int:
         if not (Path(a.old_tree) / "decode" / "sparse_decode.cu").is_file():
             raise SystemExit(f"--old-tree {a.old_tree}: no decode/sparse_decode.cu there")
         variants.insert(0, ("old", {}))
+    a.trees = {}
+    for spec in a.tree:
+        label, sep, tree = spec.partition("=")
+        if not sep or not label or label in ("old", "default") or label in a.trees:
+            raise SystemExit(f"--tree {spec!r}: expected LABEL=DIR with a new label")
+        if not (Path(tree) / "decode" / "sparse_decode.cu").is_file():
+            raise SystemExit(f"--tree {spec!r}: no decode/sparse_decode.cu under {tree}")
+        a.trees[label] = tree
+    variants[1 if a.old_tree else 0:1 if a.old_tree else 0] = [(label, {}) for label in a.trees]
     ok = all([run_config(c, a, variants) for c in a.configs])
     print("\nall outputs agree" if ok else "\nSOME OUTPUTS DIFFER (FAIL above)")
     return 0 if ok else 1

@@ -166,13 +166,14 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
     # per-16-key maxima in one scratch allocation (fewer allocator calls when eager; docs/decode.md,
     # 5. Attention weights)
     n_o, n_l = B * HQ * S * D, B * HQ * S
-    n_p, n_m = weights_scratch_floats(B, HQ, width) if return_attn_weights else (0, 0)
-    scratch = torch.empty(n_o + n_p + n_l + B * HQ + n_m, dtype=torch.float32, device=dev)
+    n_p, n_m = weights_scratch_floats(B, H, G, width) if return_attn_weights else (0, 0)
+    scratch = torch.empty(n_o + n_p + n_m + n_l + B * HQ, dtype=torch.float32, device=dev)
+    # prel and pmax 16-byte aligned (n_o, n_p, n_m are multiples of 4 floats): 8- and 16-byte accesses
     o_part = scratch[:n_o]
-    prel = scratch[n_o:n_o + n_p].view(torch.float16)      # 16-byte aligned: n_o is a multiple of 4
-    lse_part = scratch[n_o + n_p:n_o + n_p + n_l]
-    lse2 = scratch[n_o + n_p + n_l:n_o + n_p + n_l + B * HQ]
-    pmax = scratch[n_o + n_p + n_l + B * HQ:]
+    prel = scratch[n_o:n_o + n_p].view(torch.float16)
+    pmax = scratch[n_o + n_p:n_o + n_p + n_m]
+    lse_part = scratch[n_o + n_p + n_m:n_o + n_p + n_m + n_l]
+    lse2 = scratch[n_o + n_p + n_m + n_l:]
     out = empty((B, HQ, D), dtype=q.dtype, device=dev)
     lse = empty((B, HQ), dtype=torch.float32, device=dev)
     w_out = None
@@ -207,12 +208,13 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
     return res[0] if len(res) == 1 else tuple(res)
 
 
-def weights_scratch_floats(batch: int, num_heads: int, width: int) -> tuple[int, int]:
+def weights_scratch_floats(batch: int, kv_heads: int, group: int, width: int) -> tuple[int, int]:
     """fp32 words of the weights' scratch (docs/decode.md, 5. Attention weights): the fp16 relative
-    probabilities `[B, HQ, W]` (rounded up to 16 bytes) and one fp32 max per 16-key group
-    `[B, HQ, cdiv(W, 16)]`."""
-    rows = batch * num_heads
-    return 4 * cdiv(rows * width, 8), rows * cdiv(width, PMAX_GROUP)
+    probabilities `[B, HQ, W]` (rounded up to 16 bytes) and one fp32 max per 16-key group and query
+    head, `[B, H, cdiv(W, 16), GP]` with the group padded to GP = a multiple of 4 (a 16-byte load
+    takes 4 heads' maxes)."""
+    rows = batch * kv_heads * group
+    return 4 * cdiv(rows * width, 8), batch * kv_heads * cdiv(width, PMAX_GROUP) * 4 * cdiv(group, 4)
 
 
 def check_plan(plan, group: int, n_entries: int, head_dim: int, k: int = 0) -> None:

@@ -24,7 +24,8 @@
 //           reads (rows g < G, positions < L_b; s its log2-domain scaled logit), where m is the running
 //           max of the warp's row when the key's 16-key group was read (so prel <= 1); 8-byte aligned
 //           rows (W % 4 == 0) get 8-byte stores that fill 32-byte sectors
-//   pmax    float [B, HQ, cdiv(W, 16)]: that m, per (row, 16-key group) read (with prel)
+//   pmax    float [B, H, cdiv(W, 16), GP], GP = G rounded up to 4: that m, per (16-key group read, row
+//           g < GP; rows >= G hold the zero rows' m): a group's 4 heads are one 16-byte load
 //
 // sparse_decode_merge<T, D>
 //   grid (B * HQ)  block (P * D / 4) for a power of two P, 32 .. 1024 threads (DecodePlan.merge_threads)
@@ -340,7 +341,8 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
                     if (kk + 9 < L) pr[kk + 9] = __high2half(h1);
                 }
                 // key0 < L: a tail block's later key quarters may lie past W (not a multiple of 64)
-                if (c4 == 0 && row < G && key0 < L) pmax[rowi * ((W + 15) >> 4) + (key0 >> 4)] = m_use;
+                if (c4 == 0 && row < ((G + 3) & ~3) && key0 < L)
+                    pmax[(((int64)b * H + h) * ((W + 15) >> 4) + (key0 >> 4)) * ((G + 3) & ~3) + row] = m_use;
             }
         }
         // rescale the output tile only where some row's max moved (x 1 is exact, so skipping it
@@ -509,8 +511,10 @@ sparse_decode_merge(const float* __restrict__ o_part, const float* __restrict__ 
     }
 }
 
-// at least 5 CTAs (40 warps) per SM: unbounded, ptxas took 53 registers on sm_80 (4 CTAs); 6 spilled
-__global__ void __launch_bounds__(256, 5)
+// At most 40 registers (6 CTAs per SM; ptxas takes 40 unbounded too): the bound only keeps an edit
+// from silently losing residency. Registers were not the per-KV-head regression of 4827195 (48
+// registers bounded to 40 ran as slow); the pass's shape is in docs/decode.md, 5. Attention weights.
+__global__ void __launch_bounds__(256, 6)
 sparse_decode_weights(const __half* __restrict__ prel, const float* __restrict__ pmax, const float* __restrict__ lse2,
                       const int* __restrict__ seqlens, const int* __restrict__ topk, int K, int B, int H, int G, int W,
                       int per_kv_head, float* __restrict__ out) {
@@ -537,58 +541,79 @@ sparse_decode_weights(const __half* __restrict__ prel, const float* __restrict__
     const int p = p0 + 4 * tid;
     if (p >= W) return;
     const bool vec = (W & 3) == 0;
-    const bool blk_on = sel[(p - p0) / BLK] != 0;
-    const bool on = blk_on && p < L;                    // positions p + e < L also need p + e < W
-    const bool full = vec && blk_on && p + 3 < L;       // one 8-byte load per head
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    // heads four at a time, every load issued before the arithmetic: one load per thread in flight is
-    // too little to cover the memory latency
-    for (int g0 = 0; g0 < G; g0 += 4) {
-        uint2 pv[4];
-        float mv[4];
+    const int64 row0 = (int64)b * HQ + (int64)h * G;                // the group's first query-head row
+    float* dst = out + (per_kv_head ? (int64)b * H + h : row0) * W + p;
+    const int n_out = per_kv_head ? 1 : G;                          // output rows of this thread
+    if (!(sel[(p - p0) / BLK] != 0 && p < L)) {
+        // nothing read here (most positions of a sparse row): zeros, without the heads' loop (the
+        // same bits: every x was 0 there)
+        for (int g = 0; g < n_out; ++g, dst += W) {
+            if (vec) {
+                *reinterpret_cast<float4*>(dst) = make_float4(0.f, 0.f, 0.f, 0.f);
+            } else {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int64 rowi = (int64)b * HQ + (int64)h * G + g0 + i;
-            const bool ld = on && g0 + i < G;
-            pv[i] = full && ld ? *reinterpret_cast<const uint2*>(prel + rowi * W + p) : make_uint2(0u, 0u);
-            mv[i] = ld ? pmax[rowi * NG + (p >> 4)] : 0.f;
+                for (int e = 0; e < 4; ++e)
+                    if (p + e < W) dst[e] = 0.f;
+            }
         }
+        return;
+    }
+    const __half* src = prel + row0 * W + p;
+    // the 16-key group's maxes of the G heads (padded to GP), 4 heads per 16-byte load
+    const float* msrc = pmax + (((int64)b * H + h) * NG + (p >> 4)) * ((G + 3) & ~3);
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    // head g's 4 weights: summed (per KV head) or stored
+    auto emit = [&](int g, float x0, float x1, float x2, float x3) {
+        if (per_kv_head) {
+            acc[0] += x0; acc[1] += x1; acc[2] += x2; acc[3] += x3;
+        } else if (vec) {
+            *reinterpret_cast<float4*>(dst + (int64)g * W) = make_float4(x0, x1, x2, x3);
+        } else {
+            const float x[4] = {x0, x1, x2, x3};
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int g = g0 + i;
-            if (g >= G) break;
-            const int64 at = ((int64)b * HQ + (int64)h * G + g) * W + p;
-            // 2^(m - lse2) <= 1: m is the max of some of the row's logits, lse2 their log-sum-exp
-            const float f = on ? exp2f(mv[i] - lse_s[g]) : 0.f;
-            float x[4];
-            if (full) {
+            for (int e = 0; e < 4; ++e)
+                if (p + e < W) dst[(int64)g * W + e] = x[e];
+        }
+    };
+    if (vec && p + 3 < L) {
+        // heads four at a time, every load issued before the arithmetic: one load per thread in
+        // flight is too little to cover the memory latency
+        const __half* sp = src;                         // head g0's row, 4 W further per pass
+        for (int g0 = 0; g0 < G; g0 += 4, sp += 4 * (int64)W) {
+            uint2 pv[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                pv[i] = g0 + i < G ? *reinterpret_cast<const uint2*>(sp + (int64)i * W) : make_uint2(0u, 0u);
+            const float4 m4 = *reinterpret_cast<const float4*>(msrc + g0);
+            const float mv[4] = {m4.x, m4.y, m4.z, m4.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int g = g0 + i;
+                if (g >= G) break;
+                // 2^(m - lse2) <= 1: m is the max of some of the row's logits, lse2 their log-sum-exp
+                const float f = exp2f(mv[i] - lse_s[g]);
                 const float2 a = unpack2<__half>(pv[i].x), c = unpack2<__half>(pv[i].y);
-                x[0] = a.x * f; x[1] = a.y * f; x[2] = c.x * f; x[3] = c.y * f;
-            } else {
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    x[e] = on && p + e < L && p + e < W ? __half2float(prel[at + e]) * f : 0.f;
+                emit(g, a.x * f, a.y * f, c.x * f, c.y * f);
             }
-            if (per_kv_head) {
+        }
+    } else {
+        // the row's last positions, or rows not 8-byte aligned: 2-byte loads, a head at a time
+        for (int g = 0; g < G; ++g) {
+            const float f = exp2f(msrc[g] - lse_s[g]);
+            float x[4];
 #pragma unroll
-                for (int e = 0; e < 4; ++e) acc[e] += x[e];
-            } else if (vec) {
-                *reinterpret_cast<float4*>(out + at) = make_float4(x[0], x[1], x[2], x[3]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (p + e < W) out[at + e] = x[e];
-            }
+            for (int e = 0; e < 4; ++e)
+                x[e] = p + e < L && p + e < W ? __half2float(src[(int64)g * W + e]) * f : 0.f;
+            emit(g, x[0], x[1], x[2], x[3]);
         }
     }
     if (per_kv_head) {
-        const int64 at = ((int64)b * H + h) * W + p;
         if (vec) {
-            *reinterpret_cast<float4*>(out + at) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+            *reinterpret_cast<float4*>(dst) = make_float4(acc[0], acc[1], acc[2], acc[3]);
         } else {
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                if (p + e < W) out[at + e] = acc[e];
+                if (p + e < W) dst[e] = acc[e];
         }
     }
 }

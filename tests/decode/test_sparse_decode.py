@@ -177,11 +177,13 @@ def cdiv_(a, b):
 
 def test_weights_scratch_size():
     # fp16 relative probabilities [B, HQ, W] in whole 16-byte units (so what follows stays aligned),
-    # then one fp32 max per 16-key group (docs/decode.md, 5. Attention weights)
-    for B, HQ, W in [(1, 1, 1), (2, 3, 71), (8, 32, 32768), (3, 5, 130)]:
-        n_p, n_m = weights_scratch_floats(B, HQ, W)
-        assert n_p % 4 == 0 and 2 * n_p >= B * HQ * W > 2 * n_p - 8
-        assert n_m == B * HQ * cdiv_(W, 16)
+    # then one fp32 max per 16-key group and query head, the group padded to a multiple of 4, also
+    # whole 16-byte units (docs/decode.md, 5. Attention weights)
+    for B, H, G, W in [(1, 1, 1, 1), (2, 1, 3, 71), (8, 2, 16, 32768), (3, 5, 1, 130), (2, 3, 6, 64)]:
+        n_p, n_m = weights_scratch_floats(B, H, G, W)
+        assert n_p % 4 == 0 and 2 * n_p >= B * H * G * W > 2 * n_p - 8
+        gp = -(-G // 4) * 4
+        assert n_m % 4 == 0 and n_m == B * H * cdiv_(W, 16) * gp
 
 
 def test_kernel_input_checks_name_the_argument():
