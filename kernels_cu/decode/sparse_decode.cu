@@ -562,7 +562,8 @@ sparse_decode_weights(const __half* __restrict__ prel, const float* __restrict__
     // the 16-key group's maxes of the G heads (padded to GP), 4 heads per 16-byte load
     const float* msrc = pmax + (((int64)b * H + h) * NG + (p >> 4)) * ((G + 3) & ~3);
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    // head g's 4 weights: summed (per KV head) or stored
+    // head g's 4 weights: summed (per KV head) or stored. The products are __fmul_rn: a product that
+    // the compiler contracted into the sum (an FFMA) would change the per-KV-head bits
     auto emit = [&](int g, float x0, float x1, float x2, float x3) {
         if (per_kv_head) {
             acc[0] += x0; acc[1] += x1; acc[2] += x2; acc[3] += x3;
@@ -593,7 +594,7 @@ sparse_decode_weights(const __half* __restrict__ prel, const float* __restrict__
                 // 2^(m - lse2) <= 1: m is the max of some of the row's logits, lse2 their log-sum-exp
                 const float f = exp2f(mv[i] - lse_s[g]);
                 const float2 a = unpack2<__half>(pv[i].x), c = unpack2<__half>(pv[i].y);
-                emit(g, a.x * f, a.y * f, c.x * f, c.y * f);
+                emit(g, __fmul_rn(a.x, f), __fmul_rn(a.y, f), __fmul_rn(c.x, f), __fmul_rn(c.y, f));
             }
         }
     } else {
@@ -603,7 +604,7 @@ sparse_decode_weights(const __half* __restrict__ prel, const float* __restrict__
             float x[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                x[e] = p + e < L && p + e < W ? __half2float(src[(int64)g * W + e]) * f : 0.f;
+                x[e] = p + e < L && p + e < W ? __fmul_rn(__half2float(src[(int64)g * W + e]), f) : 0.f;
             emit(g, x[0], x[1], x[2], x[3]);
         }
     }
