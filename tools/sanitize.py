@@ -90,6 +90,23 @@ def drive(families: list[str], dev: str = "cuda") -> None:
                      lambda: ic.stage1_select(q, ck1, ck2, cu, cu1, cu2, max(lens), topk=3, local_blocks=1,
                                               return_scores=True, backend=backend, kernel=kernel))
 
+        if on_gpu:      # key-range passes and the merge kernel (docs/stage1.md §9): 65 blocks, ranges of 64
+            import dataclasses
+
+            from infllm_cupy.stage1 import select as sel
+            lr = [4160 - 7]
+            cur = cu_seqlens_from_lengths(lr, dev)
+            q, k = rnd(lr[0], 16, 128), 4 * rnd(lr[0], 1, 128)
+            ck1, cu1 = ic.naive_compress_k(k, cur, 32, 16)
+            ck2, cu2 = ic.naive_compress_k(k, cur, 128, 64)
+            for kernel in kernels:
+                plan = dataclasses.replace(sel.device_stage1_plan(q.device, 16, 128, bf, bf, -(-lr[0] // 64),
+                                                                  rows=lr[0], kernel=kernel),
+                                           range_blocks=64, block_keys_in_smem=True)
+                step(f"stage1 key ranges + merge kernel {kernel}",
+                     lambda: sel.launch_select(q, ck1, ck2, cur, cu1, cu2, lr[0], topk=3, local_blocks=1,
+                                               kernel=kernel, plan=plan))
+
     def fwd_bwd(op, *args, kernel):
         q, k, v = (t.clone().requires_grad_() for t in args[:3])
         out = op(q, k, v, *args[3:], backend=backend, kernel=kernel)
@@ -137,6 +154,13 @@ def drive(families: list[str], dev: str = "cuda") -> None:
         lay = ic.local_stride(H, max(lens) + 1, block_size=64, local_blocks=1, vert_stride=2)
         step("local_stride through the stage-2 kernels",
              lambda: fwd_bwd(ic.block_sparse_attn_varlen, q, k, v, cu, cu, lay, max(lens), max(lens), kernel="auto"))
+        from infllm_cupy.patterns import qhead_block_sparse_attn_varlen
+        lay_q = ic.local_stride(HQ, max(lens) + 1, block_size=64, local_blocks=1, vert_stride=2,
+                                homo_head=False)
+        for kernel in kernels:
+            step(f"per-query-head rows fwd+bwd {kernel}",
+                 lambda: fwd_bwd(qhead_block_sparse_attn_varlen, q, k, v, cu, cu, lay_q, max(lens), max(lens),
+                                 kernel=kernel))
         cache = ic.DecodeCache.contiguous(len(lens), max(lens) + 2, H, D, dtype=bf, device=dev)
         cache.append(k, v, cu)
         cache.append(rnd(len(lens), H, D), rnd(len(lens), H, D))
