@@ -326,7 +326,10 @@ def launch_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
     # coarse-pass bias for the others; each writes K candidates per token, merged into `run`
     W = plan.range_blocks
     ranges = [(j, min(out_len, j + W)) for j in range(0, out_len, W)]
-    row_bias = torch.empty((total_q, HQ), dtype=torch.float32, device=q.device) if len(ranges) > 1 else None
+    # filled: a later pass loads every row's bias up front, also for CTAs without coarse tiles, whose
+    # biases the first pass never stores (and the loads never use): defined values for initcheck
+    row_bias = torch.full((total_q, HQ), float("inf"), dtype=torch.float32, device=q.device) \
+        if len(ranges) > 1 else None
     cand_key = torch.empty((H, total_q, K), dtype=torch.int32, device=q.device)
     cand_idx = torch.empty((H, total_q, K), dtype=torch.int32, device=q.device)
     run = None
