@@ -11,6 +11,7 @@
 // the register A operand has mma.m16n8k16's A layout for the same 16 rows.
 #pragma once
 #include "common/mma_sm80.cuh"
+#include "common/pdl.cuh"
 
 typedef unsigned long long u64;
 
@@ -203,16 +204,6 @@ __device__ __forceinline__ void tma_load_3d(u32 dst, const TmaMap& map, int c0, 
     asm volatile(
         "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
         :: "r"(dst), "l"(reinterpret_cast<u64>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
-}
-// Programmatic dependent launch (sm_90). launch_dependents: the next kernel in the stream, if
-// launched with programmatic stream serialization, may start once every CTA of this grid has
-// issued it (or exited). wait: returns once the grid this one was launched behind has completed
-// and its stores are visible; at once for a grid launched without the attribute.
-__device__ __forceinline__ void grid_dep_launch_dependents() {
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
-__device__ __forceinline__ void grid_dep_wait() {
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
 }
 __device__ __forceinline__ void st_shared_zero16(u32 addr) {
     asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" :: "r"(addr), "r"(0) : "memory");

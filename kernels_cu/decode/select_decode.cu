@@ -50,6 +50,7 @@
 // (max, sum) pair per head and range), and the one fine key a block shares with the previous range.
 #include "common/types.cuh"
 #include "common/mma_sm80.cuh"
+#include "common/pdl.cuh"
 #include "stage1/select_common.cuh"
 
 #define SEL_TILE 64          // compressed keys per tile
@@ -62,20 +63,9 @@
 
 __device__ __forceinline__ int sel_windows(int L, int ks, int st) { return L < ks ? 0 : (L - ks) / st + 1; }
 
-// Programmatic dependent launch (sm_90; no-ops below, and in a grid launched without the attribute):
-// the fine kernel starts while the coarse kernel runs and loads its Q and ck1 tiles (written before
-// the coarse kernel started), then waits for the coarse partials; the top-k kernel's launch overlaps
-// the fine kernel's tail. A grid's wait returns once the grid before it has completed and flushed.
-__device__ __forceinline__ void sel_pdl_wait() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void sel_pdl_trigger() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
+// Programmatic dependent launch (common/pdl.cuh): the fine kernel starts while the coarse kernel
+// runs and loads its Q and ck1 tiles (written before the coarse kernel started), then waits for the
+// coarse partials; the top-k kernel's launch overlaps the fine kernel's tail.
 
 // (M, Z) <- the pair of the union of two sets given by their (max, sum of 2^(x - max)) in log2 units.
 __device__ __forceinline__ void sel_merge_pair(float& M, float& Z, float m, float z) {
@@ -187,7 +177,7 @@ select_decode_coarse(const T* __restrict__ q, const T* __restrict__ ck2, const i
     typedef SelSmem<D, MT> SM;
     extern __shared__ __align__(128) unsigned char smem[];
     const int r2 = blockIdx.x, h = blockIdx.y, b = blockIdx.z, R2 = gridDim.x;
-    sel_pdl_trigger();                               // the fine kernel may start its prologue now
+    pdl_launch_dependents();                               // the fine kernel may start its prologue now
     if (counter != nullptr && r2 == 0 && threadIdx.x == 0) counter[(int64)b * H + h] = 0;   // fused top-k's count
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, mt = warp >> 2, kw = warp & 3;
     const int g4 = lane >> 2, c4 = lane & 3;
@@ -266,7 +256,7 @@ select_decode_fine(const T* __restrict__ q, const T* __restrict__ ck1, const int
     const int n2 = exact ? n1 : sel_windows(L, SEL_COARSE_KS, SEL_COARSE_ST);
     const int k0 = r1 * T1 * SEL_TILE - 1;            // the key block 16 T1 r1 shares with the previous range
     if (r1 > 0 && k0 >= n1) {                        // no block of this range has a key (never read)
-        sel_pdl_wait();                              // (completes after the coarse grid, as every CTA)
+        pdl_wait();                              // (completes after the coarse grid, as every CTA)
         return;
     }
     const int nt = max(0, min(T1, (n1 - k0 + SEL_TILE - 1) / SEL_TILE));
@@ -279,7 +269,7 @@ select_decode_fine(const T* __restrict__ q, const T* __restrict__ ck1, const int
     // Warp w takes heads w + 4 MT i (i < 4 covers the 16 MT rows), its lanes ranges lane + 32 k; all
     // loads of a round are issued before use (one memory latency per 32 ranges, not one per range),
     // and the butterfly's fixed order gives every fine CTA of the row the same bias bit for bit.
-    sel_pdl_wait();                                  // the coarse partials are complete from here
+    pdl_wait();                                  // the coarse partials are complete from here
     {
         constexpr int NW = 4 * MT;
         const float2* pb = part + ((int64)b * H + h) * R2 * G;
@@ -379,7 +369,7 @@ select_decode_fine(const T* __restrict__ q, const T* __restrict__ ck1, const int
                                              kind, cta, 0, topk_idx, tid, 128 * MT);
         }
     }
-    sel_pdl_trigger();
+    pdl_launch_dependents();
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -588,7 +578,7 @@ select_decode_topk(const float* __restrict__ blk, const float* __restrict__ lead
                    int kind, int cta, int topk_prefix, int* __restrict__ topk_idx) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int h = blockIdx.x / B, b = blockIdx.x % B;
-    sel_pdl_wait();                                  // blk and lead of the fine kernel
+    pdl_wait();                                  // blk and lead of the fine kernel
     sel_topk_row<KT>(reinterpret_cast<KT*>(smem), reinterpret_cast<int*>(smem + (size_t)olp * sizeof(KT)), blk, lead,
                      seqlens[b], b, h, B, H, T1, R1, out_len, olp, K, init_blocks, local_blocks, kind, cta,
                      topk_prefix, topk_idx, threadIdx.x, blockDim.x);

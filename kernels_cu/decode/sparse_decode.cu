@@ -46,6 +46,7 @@
 // splits over the block list put enough CTAs on the machine at batch 1.
 #include "common/types.cuh"
 #include "common/mma_sm80.cuh"
+#include "common/pdl.cuh"
 
 #define BLK 64          // keys per selection block
 #define WCHUNK 1024     // positions per CTA of the weights pass
@@ -84,25 +85,11 @@ __device__ __forceinline__ const void* step_ptr(const void* p, long long bytes) 
     return p;
 }
 
-// Programmatic dependent launch (sm_90; a no-op below, and in a grid launched without the attribute):
-// the merge and the weights pass may be launched as dependents of the kernel before them, so that
-// their launch overlaps that kernel's tail (DecodePlan.pdl); they wait here before reading its output.
-// The wait returns once the grid before has completed and flushed (the merge's wait covers the split
-// kernel for the weights pass too: the merge completes after it).
-__device__ __forceinline__ void sd_pdl_wait() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-// Lets the dependent grid launch once every CTA of this grid has passed here (or exited), instead of
-// once all have exited: its CTAs get resident during this grid's tail and then wait in sd_pdl_wait,
-// which still waits for this grid's completion, so no result changes. All CTAs of this grid are
-// resident or done by then, so the early dependents cannot keep one from running.
-__device__ __forceinline__ void sd_pdl_trigger() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
+// Programmatic dependent launch (common/pdl.cuh): the merge and the weights pass may be launched as
+// dependents of the kernel before them, so that their launch overlaps that kernel's tail
+// (DecodePlan.pdl); they wait before reading its output (the merge's wait covers the split kernel for
+// the weights pass too: the merge completes after it). The split kernel and the merge trigger early,
+// once every CTA is resident or done, so the early dependents cannot keep one of them from running.
 
 // The epilogue's fp32 sum buffers over the (free) K/V stages: NBUF buffers of 16 MT rows of OROW
 // floats, then the 16 MT reciprocal row sums. Rows padded by 8 floats: the float2 stores of a fragment
@@ -368,7 +355,7 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
         __syncthreads();   // the stage read here is the one block i + NS lands in
     }
     cp_async_wait<0>();
-    sd_pdl_trigger();      // the merge (or weights pass) may launch during the epilogue
+    pdl_launch_dependents();      // the merge (or weights pass) may launch during the epilogue
 
     // ---- combine the 4 key-quarter warps of each row tile, then write the split's partial result
 #pragma unroll
@@ -454,8 +441,8 @@ sparse_decode_merge(const float* __restrict__ o_part, const float* __restrict__ 
     float* wts = reinterpret_cast<float*>(merge_smem + P * DV);
     const int64 row = blockIdx.x;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    sd_pdl_wait();
-    sd_pdl_trigger();      // the weights pass may launch while the merge runs
+    pdl_wait();
+    pdl_launch_dependents();      // the weights pass may launch while the merge runs
     const float* lp = lse_part + row * S;
     float M = -INFLLM_INF;
     for (int s = tid; s < S; s += NTH) M = fmaxf(M, lp[s]);
@@ -522,7 +509,7 @@ sparse_decode_weights(const __half* __restrict__ prel, const float* __restrict__
     __shared__ float lse_s[64];
     const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
     const int p0 = blockIdx.x * WCHUNK, blk0 = p0 / BLK;
-    sd_pdl_wait();
+    pdl_wait();
     const int L = seqlens[b], nb = (L + BLK - 1) / BLK;
     const int HQ = H * G, NG = (W + 15) >> 4;
     for (int g = tid; g < G; g += blockDim.x) lse_s[g] = lse2[(int64)b * HQ + (int64)h * G + g];

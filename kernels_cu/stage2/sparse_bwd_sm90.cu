@@ -233,7 +233,7 @@ __device__ __forceinline__ void dkdv_epilogue(float (&adk)[D / 2], float (&adv)[
         }
         return;
     }
-    if (pdl) grid_dep_wait();   // the pass before has added its sums to dk32, dv32
+    if (pdl) pdl_wait();   // the pass before has added its sums to dk32, dv32
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int key = kbase + key_r0 + 8 * r;
@@ -300,7 +300,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     // reads dk32 / dv32; of the CTAs that leave early only CTA 0 waits, which is enough to keep a
     // pass from completing before the one before it (a pass p + 1 waits for p alone) without
     // holding SMs with CTAs that have nothing to do
-    if (pdl) grid_dep_launch_dependents();
+    if (pdl) pdl_launch_dependents();
     // the CTA order of the launch contract: block 0's parts of every (sequence, head), then
     // (sequence, head) slowest and key block fastest
     const int HB = H * n_seq;
@@ -310,7 +310,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     S2Seq sq;
     s2_seq_bounds(sq, cu_seqlens_q, cu_seqlens_k, b);
     if (j >= key_blocks(sq.Lk)) {
-        if (pdl && blockIdx.x == 0) grid_dep_wait();
+        if (pdl && blockIdx.x == 0) pdl_wait();
         return;
     }
     s2_seq_shift(sq, causal);
@@ -339,7 +339,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         const int tiles_n = cta_sum128(GATHER ? other : own);
         const bool gather_wins = 2 * (int64)tokens * G < (int64)tiles_n * QT;
         if (gather_wins != GATHER) {
-            if (pdl && blockIdx.x == 0) grid_dep_wait();
+            if (pdl && blockIdx.x == 0) pdl_wait();
             return;
         }
     }
@@ -417,7 +417,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     // the first tile; a pass that finds none adds nothing (except the last, which writes dk, dv)
     bool have = advance();
     if (passes && !have && !last_pass) {
-        if (pdl && blockIdx.x == 0) grid_dep_wait();
+        if (pdl && blockIdx.x == 0) pdl_wait();
         return;
     }
     {
