@@ -476,7 +476,7 @@ class _CPAttention(torch.autograd.Function):
                 dq_parts.append((rows, dq_p))
                 if dks[s] is None:  # the slot's widest piece: its prefix holds every later one's
                     dks[s], dvs[s] = dk_p.to(acc_dtype), dv_p.to(acc_dtype)
-                else:  # the add runs in fp32 (or wider) and rounds once, as _combine_key_grads
+                else:  # in k's dtype (fp32 with grad_reduce_dtype=float32), rounded once per add
                     dks[s][:n].add_(dk_p)
                     dvs[s][:n].add_(dv_p)
                 del dq_p, dk_p, dv_p
