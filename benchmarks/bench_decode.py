@@ -13,8 +13,6 @@ Implementations (rows; `weights` = with `return_attn_weights=True`, fp32 per que
     ours_step       infllmv2_decode: stage 1 over the cache's compressed keys, top-k, sparse_decode
     ours_dense      sparse_decode over every block (dense decode through our kernel)
     ours_select     (opt-in) decode_select alone (stage 1 + top-k): the split decode kernels (select_decode)
-    ours_select_fused (opt-in) the same with the plan's fused top-k (SelectDecodePlan.fused_topk: the last
-                    fine CTA of a row takes the top-k, two launches instead of three)
     ours_select_s1  (opt-in) decode_select through the prefill stage-1 kernel (kernel="sm90a" on H100, else
                     "sm80"): one CTA per (sequence, KV head), for comparison
     sdpa_cudnn, sdpa_flash, sdpa_efficient, sdpa_math
@@ -57,8 +55,8 @@ from benchmarks._harness import (  # noqa: E402
     summarize, write_json,
 )
 
-OURS = ("ours_sparse", "ours_step", "ours_dense", "ours_select", "ours_select_fused", "ours_select_s1")
-NO_WEIGHTS = ("ours_select", "ours_select_fused", "ours_select_s1")   # stage 1 alone: no attention, no weights; opt-in rows
+OURS = ("ours_sparse", "ours_step", "ours_dense", "ours_select", "ours_select_s1")
+NO_WEIGHTS = ("ours_select", "ours_select_s1")   # stage 1 alone: no attention, no weights; opt-in rows
 SDPA = ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math")
 ANCHORS = (*SDPA, "flex", "eager_grouped", "eager_hf", "flashinfer")
 IMPLS = (*OURS, *ANCHORS)
@@ -347,7 +345,6 @@ def bench_config(r: Runner, B: int, L: int, flex, BlockMask, ours, flashinfer, f
         "ours_select": (lambda w: lambda: decode_select(q, cache, config=step_cfg), ck_bytes + B * HQ * D * esz),
         "ours_select_s1": (lambda w: lambda: decode_select(q, cache, config=step_cfg, kernel=s1_kernel),
                            ck_bytes + B * HQ * D * esz),
-        "ours_select_fused": (lambda w: lambda: fused_select(q, cache, step_cfg), ck_bytes + B * HQ * D * esz),
     }
     from infllm_cupy.decode.step import decode_select
     s1_kernel = "sm90a" if dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0) else "sm80"
@@ -370,18 +367,6 @@ def bench_config(r: Runner, B: int, L: int, flex, BlockMask, ours, flashinfer, f
                    lambda plan=plan: sparse_decode(q, cache, topk_idx, plan=plan), kv_sel + qo)
     del cache, q, topk_idx
     free_gpu_memory(dev)
-
-
-def fused_select(q, cache, cfg):
-    """`decode_select` with the fused top-k plan (`SelectDecodePlan.fused_topk`)."""
-    from infllm_cupy.decode.select_decode import plan_select_decode, select_decode
-    B, HQ, D = q.shape
-    H, N1, N2 = cache.ck1.shape[2], cache.ck1.shape[1], cache.ck2.shape[1]
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    plan = dataclasses.replace(plan_select_decode(B, H, HQ // H, N1, N2, sms), fused_topk=True)
-    return select_decode(q, cache.ck1, cache.ck2, cache.seqlens, -(-cache.capacity // BLOCK), topk=cfg.topk,
-                         local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks, softmax_scale=cfg.softmax_scale,
-                         score_dtype=cfg.score_dtype, exact=cfg.exact_stage1, plan=plan)
 
 
 def run_check(cfg: str, q, cache, topk_idx, sparse_decode) -> str:

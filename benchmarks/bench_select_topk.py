@@ -1,26 +1,22 @@
-r"""The decode top-k (issue #22): the CTA-wide top-k (`SelectDecodePlan.cta_topk`, the default) against
-the one-warp `select_row`, alone and inside stage 1 for decode (docs/decode.md, "Stage 1 for decode:
-the split kernels"). GPU only; CUDA-graph replays.
+r"""The decode top-k (issue #22): the CTA-wide top-k launch alone, on several CTA sizes, and inside stage 1
+for decode (docs/decode.md, "Stage 1 for decode: the split kernels"). GPU only; CUDA-graph replays.
 
     python benchmarks/bench_select_topk.py                          # 1x128k,8x128k,8x32k,1x32k (< 60 s, H100)
     python benchmarks/bench_select_topk.py --configs 1x128k --json out.json
 
 Configs are BATCHxCONTEXT (k = 1024), README head config (HQ 32, H 2, D 128, bf16), K = topk +
 local_blocks = 96 by default, full caches of CONTEXT keys. Rows (`impl`):
-    topk_cta, topk_warp        the top-k launch alone (`select_topk_rows`) on block scores of the config's
-                               shape (positive, spread like pooled softmax sums, rounded to --score);
-                               256 threads, as select_decode launches it
-    topk_cta_tN                the CTA top-k launch alone on N threads (--topk-threads; the fused form
-                               runs 128 x row_tiles)
-    select_cta, select_warp    `select_decode` with the default plan (coarse, fine and top-k launches)
-    fused_cta, fused_warp      the same with the fused top-k (the last fine CTA of each row)
+    topk            the top-k launch alone (`select_topk_rows`) on block scores of the config's shape
+                    (positive, spread like pooled softmax sums, rounded to --score), on TOPK_THREADS
+                    (512) threads, as select_decode launches it
+    topk_tN         the same on N threads (--topk-threads)
+    select          `select_decode` with the default plan (coarse, fine and top-k launches)
 A graph holds --inner calls back to back; `us` is the replay time divided by --inner (a launch's share
-of the replay gaps included). `same` says whether the row's selection equals the `_warp` row's.
+of the replay gaps included). `same` (topk rows) says whether the selection equals `emulate_topk_rows`'s.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -43,7 +39,9 @@ def _short(e: BaseException) -> str:
 
 def bench_config(a, B: int, L: int) -> list[dict]:
     """The rows of one config (dicts: impl, config, score, us, us_p20, us_p80, same, note)."""
-    from infllm_cupy.decode.select_decode import plan_select_decode, select_decode, select_topk_rows
+    from infllm_cupy.decode.select_decode import (
+        emulate_topk_rows, plan_select_decode, select_decode, select_topk_rows,
+    )
 
     dev, sdt = torch.device("cuda"), SCORES[a.score]
     cfg_id = f"{B}x{L // 1024}k" if L % 1024 == 0 else f"{B}x{L}"
@@ -62,23 +60,16 @@ def bench_config(a, B: int, L: int) -> list[dict]:
     blk = torch.exp2(torch.randn(B, H, nb, generator=g, device=dev) * 4 - 12).to(sdt).float()
     lead = torch.exp2(torch.randn(B, H, plan.fine_ranges, generator=g, device=dev) * 4 - 12).to(sdt).float()
     kw = dict(topk=a.topk, local_blocks=a.local_blocks, init_blocks=1, score_dtype=sdt)
-    calls = {}
+    calls = {"topk": lambda: select_topk_rows(blk, lead, cache.seqlens, out_len, fine_tiles=plan.fine_tiles, **kw)}
     for n in a.topk_threads:
-        calls[f"topk_cta_t{n}"] = lambda n=n: select_topk_rows(
-            blk, lead, cache.seqlens, out_len, fine_tiles=plan.fine_tiles, cta_topk=True, threads=n, **kw)
-    for cta in (True, False):
-        tag = "cta" if cta else "warp"
-        calls[f"topk_{tag}"] = lambda cta=cta: select_topk_rows(
-            blk, lead, cache.seqlens, out_len, fine_tiles=plan.fine_tiles, cta_topk=cta, **kw)
-        for fused in (False, True):
-            pl = dataclasses.replace(plan, cta_topk=cta, fused_topk=fused)
-            calls[f"{'fused' if fused else 'select'}_{tag}"] = lambda pl=pl: select_decode(
-                q, cache.ck1, cache.ck2, cache.seqlens, out_len, softmax_scale=None, exact=False, plan=pl,
-                **kw)
+        calls[f"topk_t{n}"] = lambda n=n: select_topk_rows(
+            blk, lead, cache.seqlens, out_len, fine_tiles=plan.fine_tiles, threads=n, **kw)
+    calls["select"] = lambda: select_decode(q, cache.ck1, cache.ck2, cache.seqlens, out_len, softmax_scale=None,
+                                            exact=False, plan=plan, **kw)
     print(f"\n== {cfg_id}: out_len {out_len}, K {min(a.topk + a.local_blocks, out_len)}, {plan}", flush=True)
     recs, results = [], {}
-    impls = ("topk_cta", "topk_warp", *(f"topk_cta_t{n}" for n in a.topk_threads),
-             "select_cta", "select_warp", "fused_cta", "fused_warp")
+    want = emulate_topk_rows(blk, lead, cache.seqlens, out_len, fine_tiles=plan.fine_tiles, **kw)
+    impls = ("topk", *(f"topk_t{n}" for n in a.topk_threads), "select")
     for impl in impls:
         rec = {"impl": impl, "config": cfg_id, "score": a.score}
         try:
@@ -93,9 +84,8 @@ def bench_config(a, B: int, L: int) -> list[dict]:
             rec["note"] = _short(e)
         recs.append(rec)
     for rec in recs:
-        other = rec["impl"].split("_", 1)[0] + "_warp"
-        if rec["impl"] in results and other in results:
-            rec["same"] = bool(torch.equal(results[rec["impl"]], results[other]))
+        if rec["impl"].startswith("topk") and rec["impl"] in results:
+            rec["same"] = bool(torch.equal(results[rec["impl"]].cpu(), want))
         print(f"  {rec}", flush=True)
     return recs
 
@@ -111,7 +101,7 @@ def main(argv=None):
     p.add_argument("--local-blocks", type=int, default=32)
     p.add_argument("--score", choices=tuple(SCORES), default="bf16", help="score dtype (the top-k key width)")
     p.add_argument("--inner", type=int, default=20, help="calls per graph replay. Default: %(default)s")
-    p.add_argument("--topk-threads", default="128,512", help="topk_cta_tN rows (multiples of 32 up to 512)")
+    p.add_argument("--topk-threads", default="128,256", help="topk_tN rows (multiples of 32 up to 512)")
     p.add_argument("--rep", type=int, default=None, help="timed replays; default adaptive")
     p.add_argument("--json", default=None, help="write the rows and the env stamp to this file")
     a = p.parse_args(argv)

@@ -8,8 +8,8 @@ decode: the split kernels).
 Each tree (`label=DIR`, the first is the baseline) is made current with `_env.override(kernels_dir=DIR)`
 (the launcher is this checkout's, so the trees must share its launch contract). Per config
 (`--configs`, BATCHxCONTEXT, README head config: HQ 32, H 2, D 128, bf16, K = 64 + 32, full caches)
-and plan variant (`default`: `plan_select_decode`'s plan; `warp`: the one-warp top-k; `fused`: the
-fused top-k), every tree's `topk_idx` is compared with the baseline's (`same bits` or FAIL), then each
+and plan variant (`default`: `plan_select_decode`'s plan; `short`: one-tile fine and coarse ranges, the
+most range boundaries), every tree's `topk_idx` is compared with the baseline's (`same bits` or FAIL), then each
 tree's call is captured `--inner` times in one graph, and each repetition replays every tree's graph
 once in rotated order (clock drift falls on all alike); the median per call and the ratio to the
 baseline are printed. Exit status 1 when a selection differs.
@@ -32,7 +32,7 @@ from benchmarks.bench_decode import parse_config, random_cache  # noqa: E402
 
 from infllm_cupy import _env  # noqa: E402
 
-VARIANTS = ("default", "warp", "fused")
+VARIANTS = ("default", "short")
 
 
 def main(argv=None) -> int:
@@ -71,8 +71,9 @@ def main(argv=None) -> int:
         out_len = -(-cache.capacity // 64)
         base = plan_select_decode(B, H, HQ // H, cache.ck1.shape[1], cache.ck2.shape[1], sms)
         for var in variants:
-            plan = {"default": base, "warp": dataclasses.replace(base, cta_topk=False),
-                    "fused": dataclasses.replace(base, fused_topk=True)}[var]
+            plan = {"default": base, "short": dataclasses.replace(
+                base, fine_tiles=1, fine_ranges=-(-(cache.ck1.shape[1] + 4) // 64), coarse_tiles=1,
+                coarse_ranges=max(1, -(-cache.ck2.shape[1] // 64)))}[var]
 
             def call(plan=plan):
                 return select_decode(q, cache.ck1, cache.ck2, cache.seqlens, out_len, softmax_scale=None,

@@ -64,19 +64,12 @@ class SelectDecodePlan:
             `[-1, 64 T1 R1 - 1)`, i.e. blocks `[0, 16 T1 R1)`.
         coarse_tiles (int): 64-key tiles of ck2 (exact mode: ck1) per CTA of the coarse kernel (T2).
         coarse_ranges (int): CTAs per (sequence, KV head) of the coarse kernel (R2).
-        fused_topk (bool): the last fine CTA of each row runs the top-k (no third launch; an atomic
-            count per row). Default False: not yet timed on a GPU (docs/decode.md, "Not built yet").
-        cta_topk (bool): the top-k by every warp of the CTA (radix select and a block-wide compaction);
-            False: by one warp (the prefill kernel's `select_row`, the earlier form, kept to compare
-            and time). The same rows bit for bit. Default True.
     """
     row_tiles: int
     fine_tiles: int
     fine_ranges: int
     coarse_tiles: int
     coarse_ranges: int
-    fused_topk: bool = False
-    cta_topk: bool = dataclasses.field(default=True, kw_only=True)
 
     def score_smem_bytes(self, head_dim: int, fine: bool) -> int:
         """Dynamic shared memory of a score kernel (SelSmem in the .cu; the fine kernel adds its range's
@@ -126,10 +119,6 @@ def check_select_plan(plan, group: int, n1_max: int, n2_max: int, head_dim: int)
     if TILE * plan.coarse_tiles * plan.coarse_ranges < n2_max:
         raise ValueError(f"plan: {plan!r} covers {TILE * plan.coarse_tiles * plan.coarse_ranges} coarse keys, "
                          f"the cache holds up to {n2_max}")
-    if not isinstance(plan.fused_topk, bool):
-        raise ValueError(f"plan: fused_topk must be a bool, got {plan.fused_topk!r}")
-    if not isinstance(plan.cta_topk, bool):
-        raise ValueError(f"plan: cta_topk must be a bool, got {plan.cta_topk!r}")
     if plan.score_smem_bytes(head_dim, True) > MAX_SMEM:
         raise ValueError(f"plan: {plan!r} needs {plan.score_smem_bytes(head_dim, True)} B of shared memory")
 
@@ -204,32 +193,23 @@ def select_decode(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, seqlens
     sl2 = np.float32(scale * math.log2(math.e))
     T1, R1, T2, R2 = plan.fine_tiles, plan.fine_ranges, plan.coarse_tiles, plan.coarse_ranges
     # one scratch allocation (fewer allocator calls on the eager path): part float2 [B, H, R2, G] first
-    # (8-byte aligned), then blk [B, H, 16 T1 R1], lead [B, H, R1] and the fused top-k's counts [B, H]
+    # (8-byte aligned), then blk [B, H, 16 T1 R1] and lead [B, H, R1]
     n_part, n_blk, n_lead = B * H * R2 * G * 2, B * H * 16 * T1 * R1, B * H * R1
-    scratch = torch.empty(n_part + n_blk + n_lead + B * H, dtype=torch.float32, device=dev)
+    scratch = torch.empty(n_part + n_blk + n_lead, dtype=torch.float32, device=dev)
     part, blk = scratch[:n_part], scratch[n_part:n_part + n_blk]
-    lead = scratch[n_part + n_blk:n_part + n_blk + n_lead]
-    counter = scratch[n_part + n_blk + n_lead:].view(torch.int32)
-    fused = plan.fused_topk
-    cnt = ptr(counter) if fused else np.uint64(0)
-    fine_smem = plan.score_smem_bytes(D, True)
-    if fused:
-        fine_smem = max(fine_smem, topk_smem)              # the top-k row reuses the CTA's shared memory
+    lead = scratch[n_part + n_blk:]
     i32 = np.int32
     mt, T = plan.row_tiles, CXX_TYPE[q.dtype]
     ck_c = ck1 if exact else ck2
     run = Launches(dev)
     run.add(SOURCE, f"select_decode_coarse<{T}, {D}, {mt}>", (R2, H, B), (128 * mt,), plan.score_smem_bytes(D, False),
-            (ptr(q), ptr(ck_c), ptr(seqlens), i32(N2), i32(H), i32(G), i32(T2), i32(exact), sl2, ptr(part), cnt))
-    run.add(SOURCE, f"select_decode_fine<{T}, {D}, {mt}>", (R1, H, B), (128 * mt,), fine_smem,
+            (ptr(q), ptr(ck_c), ptr(seqlens), i32(N2), i32(H), i32(G), i32(T2), i32(exact), sl2, ptr(part)))
+    run.add(SOURCE, f"select_decode_fine<{T}, {D}, {mt}>", (R1, H, B), (128 * mt,), plan.score_smem_bytes(D, True),
             (ptr(q), ptr(ck1), ptr(seqlens), i32(N1), i32(H), i32(G), i32(T1), i32(R2), i32(exact), i32(kind),
-             sl2, ptr(part), ptr(blk), ptr(lead), cnt, i32(B), i32(out_len), i32(olp), i32(K), i32(init_blocks),
-             i32(local_blocks), i32(plan.cta_topk), ptr(topk_idx)), pdl=PDL)
-    if not fused:
-        run.add(SOURCE, f"select_decode_topk<{KEY_TYPE[kind]}>", (H * B,), (TOPK_THREADS,), topk_smem,
-                (ptr(blk), ptr(lead), ptr(seqlens), i32(B), i32(H), i32(T1), i32(R1), i32(out_len), i32(olp),
-                 i32(K), i32(init_blocks), i32(local_blocks), i32(kind), i32(plan.cta_topk), i32(0), ptr(topk_idx)),
-                pdl=PDL)
+             sl2, ptr(part), ptr(blk), ptr(lead)), pdl=PDL)
+    run.add(SOURCE, f"select_decode_topk<{KEY_TYPE[kind]}>", (H * B,), (TOPK_THREADS,), topk_smem,
+            (ptr(blk), ptr(lead), ptr(seqlens), i32(B), i32(H), i32(T1), i32(R1), i32(out_len), i32(olp),
+             i32(K), i32(init_blocks), i32(local_blocks), i32(kind), i32(0), ptr(topk_idx)), pdl=PDL)
     run.run()
     return topk_idx
 
@@ -247,7 +227,7 @@ def _topk_row_smem(out_len: int, kind: int) -> tuple[int, int]:
 
 def select_topk_rows(blk: torch.Tensor, lead: torch.Tensor, seqlens: torch.Tensor, out_len: int, *, fine_tiles: int,
                      topk: int, local_blocks: int, init_blocks: int, score_dtype: torch.dtype | None,
-                     cta_topk: bool = True, topk_prefix: int = 0, threads: int = TOPK_THREADS) -> torch.Tensor:
+                     topk_prefix: int = 0, threads: int = TOPK_THREADS) -> torch.Tensor:
     r"""The top-k launch alone (`select_decode_topk`) on block scores as the fine kernel leaves them: a
     test and benchmark hook. Returns `topk_idx int32 [H, B, K]`, `K = min(topk + local_blocks, out_len)`.
 
@@ -258,9 +238,8 @@ def select_topk_rows(blk: torch.Tensor, lead: torch.Tensor, seqlens: torch.Tenso
             `16 T1 r - 1` (read where that window exists).
         seqlens (torch.Tensor): int32 `[B]`, the cache lengths (windows, the query's block, forced blocks).
         out_len (int): blocks per row. topk, local_blocks, init_blocks, score_dtype: as `select_decode`.
-        cta_topk (bool): as `SelectDecodePlan.cta_topk`. topk_prefix (int): > 0 ends the search prefix
-            past block `max(topk_prefix, K) - 1` (the kernel's test hook). threads (int): CTA size, a
-            multiple of 32 in [32, 512] (the fused form runs 128 x row_tiles).
+        topk_prefix (int): > 0 ends the search prefix past block `max(topk_prefix, K) - 1` (the kernel's
+            test hook). threads (int): CTA size, a multiple of 32 in [32, 512] (`select_decode`: 512).
     """
     check_tensor("blk", blk, ndim=3, dtypes=(torch.float32,), contiguous=True)
     B, H, nb = blk.shape
@@ -277,8 +256,6 @@ def select_topk_rows(blk: torch.Tensor, lead: torch.Tensor, seqlens: torch.Tenso
     sdt = torch.float32 if score_dtype is None else score_dtype
     if sdt not in SCORE_KIND:
         raise ValueError(f"score_dtype must be one of {tuple(SCORE_KIND)} or None, got {score_dtype!r}")
-    if not isinstance(cta_topk, bool):
-        raise ValueError(f"cta_topk must be a bool, got {cta_topk!r}")
     if not isinstance(topk_prefix, int) or topk_prefix < 0:
         raise ValueError(f"topk_prefix must be an int >= 0, got {topk_prefix!r}")
     if not isinstance(threads, int) or not 32 <= threads <= 512 or threads % 32:
@@ -295,7 +272,7 @@ def select_topk_rows(blk: torch.Tensor, lead: torch.Tensor, seqlens: torch.Tenso
     run = Launches(blk.device)
     run.add(SOURCE, f"select_decode_topk<{KEY_TYPE[kind]}>", (H * B,), (threads,), smem,
             (ptr(blk), ptr(lead), ptr(seqlens), i32(B), i32(H), i32(fine_tiles), i32(R1), i32(out_len), i32(olp),
-             i32(K), i32(init_blocks), i32(local_blocks), i32(kind), i32(cta_topk), i32(topk_prefix), ptr(topk_idx)))
+             i32(K), i32(init_blocks), i32(local_blocks), i32(kind), i32(topk_prefix), ptr(topk_idx)))
     run.run()
     return topk_idx
 

@@ -27,19 +27,15 @@
 //   blk float [B, H, 16 T1 R1] (rounded score values; the last block of the range lacks its key
 //   64 T1 (r + 1) - 1) and lead float [B, H, R1] = the score of its first key (-inf for r = 0).
 //   CTAs whose first key is >= n1 exit without writing (the top-k kernel does not read them).
-//   Fused top-k (counter != nullptr; SelectDecodePlan.fused_topk): the coarse kernel zeroes
-//   counter int32 [B, H], every fine CTA that runs counts itself after its writes, and the last one of
-//   its row runs the top-k kernel's body (dynamic smem then at least olp * key bytes); no top-k launch.
 // select_decode_topk<KT>          KT = unsigned (score kind 0, fp32) or unsigned short (bf16, fp16)
-//   grid (H * B)  block (a multiple of 32, at most 512; 256 from the launcher)
+//   grid (H * B)  block (a multiple of 32, at most 512; 512 from the launcher)
 //   dynamic smem olp * sizeof(KT) + 4 * SEL_TOPK_SCRATCH, olp = out_len rounded up to 64
 //   completes each row (block j of range r's last slot: max with lead[r + 1]; blocks past the last
-//   fine key: -inf; padding: key 0; forced blocks) and writes topk_idx int32 [H, B, K].
-//   cta = 1: the whole CTA selects (radix select, then a compaction over all warps); cta = 0: warp 0
-//   alone (select_row of stage1/select_common.cuh, the earlier form). The same rows bit for bit.
+//   fine key: -inf; padding: key 0; forced blocks) and writes topk_idx int32 [H, B, K]. The whole
+//   CTA selects (radix select, then a compaction over all warps): the rows of select_row
+//   (stage1/select_common.cuh) bit for bit.
 //   topk_prefix > 0 (a test hook, as the prefill kernel's): the search prefix ends past block
 //   max(topk_prefix, K) - 1 instead of past the query's own block, so that the whole-row rerun runs.
-//   The fused form (fine kernel) takes cta too, and dynamic smem of at least the top-k kernel's.
 //
 // The fine and top-k kernels may be launched as programmatic dependents of the kernel before them
 // (sm_90): each waits (griddepcontrol.wait) before reading what that kernel wrote.
@@ -173,12 +169,11 @@ __device__ __forceinline__ void sel_score_tiles(u32 q_s, u32 ck_s, const T* __re
 template <typename T, int D, int MT>
 __global__ void __launch_bounds__(128 * MT)
 select_decode_coarse(const T* __restrict__ q, const T* __restrict__ ck2, const int* __restrict__ seqlens, int N2,
-                     int H, int G, int T2, int exact, float sl2, float2* __restrict__ part, int* __restrict__ counter) {
+                     int H, int G, int T2, int exact, float sl2, float2* __restrict__ part) {
     typedef SelSmem<D, MT> SM;
     extern __shared__ __align__(128) unsigned char smem[];
     const int r2 = blockIdx.x, h = blockIdx.y, b = blockIdx.z, R2 = gridDim.x;
     pdl_launch_dependents();                               // the fine kernel may start its prologue now
-    if (counter != nullptr && r2 == 0 && threadIdx.x == 0) counter[(int64)b * H + h] = 0;   // fused top-k's count
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, mt = warp >> 2, kw = warp & 3;
     const int g4 = lane >> 2, c4 = lane & 3;
     const int L = seqlens[b];
@@ -233,19 +228,11 @@ select_decode_coarse(const T* __restrict__ q, const T* __restrict__ ck2, const i
     }
 }
 
-template <typename KT>
-__device__ __forceinline__ void sel_topk_row(KT* rowk, int* scratch, const float* __restrict__ blk,
-                                             const float* __restrict__ lead, int L, int b, int h, int B, int H, int T1,
-                                             int R1, int out_len, int olp, int K, int init_blocks, int local_blocks,
-                                             int kind, int cta, int topk_prefix, int* __restrict__ topk_idx, int tid,
-                                             int nthreads);
-
 template <typename T, int D, int MT>
 __global__ void __launch_bounds__(128 * MT, 1)
 select_decode_fine(const T* __restrict__ q, const T* __restrict__ ck1, const int* __restrict__ seqlens, int N1,
                    int H, int G, int T1, int R2, int exact, int kind, float sl2, const float2* __restrict__ part,
-                   float* __restrict__ blk, float* __restrict__ lead, int* __restrict__ counter, int B, int out_len,
-                   int olp, int K, int init_blocks, int local_blocks, int cta, int* __restrict__ topk_idx) {
+                   float* __restrict__ blk, float* __restrict__ lead) {
     typedef SelSmem<D, MT> SM;
     extern __shared__ __align__(128) unsigned char smem[];
     const int r1 = blockIdx.x, h = blockIdx.y, b = blockIdx.z, R1 = gridDim.x;
@@ -344,31 +331,6 @@ select_decode_fine(const T* __restrict__ q, const T* __restrict__ ck1, const int
         blk[row * nbr * R1 + (int64)r1 * nbr + jl] = mx;
     }
     if (tid == 0) lead[row * R1 + r1] = sc[0];
-    if (counter != nullptr) {
-        // fused top-k: the last range of the row to finish takes it (threadFenceReduction's pattern).
-        // The coarse kernel zeroed the counter; only ranges that run count (r1 == 0 or 64 T1 r1 <= n1).
-        __shared__ int is_last;
-        __threadfence();                             // this CTA's blk / lead before its count
-        __syncthreads();
-        if (tid == 0) {
-            const int active = 1 + min(R1 - 1, n1 / (64 * T1));
-            is_last = atomicAdd(counter + row, 1) == active - 1;
-        }
-        __syncthreads();
-        if (is_last) {
-            __threadfence();                         // the other ranges' blk / lead, read through L2
-            if (kind == 0)
-                sel_topk_row<unsigned>(reinterpret_cast<unsigned*>(smem),
-                                       reinterpret_cast<int*>(smem + (size_t)olp * sizeof(unsigned)), blk, lead, L, b,
-                                       h, B, H, T1, R1, out_len, olp, K, init_blocks, local_blocks, 0, cta, 0,
-                                       topk_idx, tid, 128 * MT);
-            else
-                sel_topk_row<unsigned short>(reinterpret_cast<unsigned short*>(smem),
-                                             reinterpret_cast<int*>(smem + (size_t)olp * sizeof(unsigned short)), blk,
-                                             lead, L, b, h, B, H, T1, R1, out_len, olp, K, init_blocks, local_blocks,
-                                             kind, cta, 0, topk_idx, tid, 128 * MT);
-        }
-    }
     pdl_launch_dependents();
 }
 
@@ -489,14 +451,13 @@ __device__ __forceinline__ void sel_compact(const KT* rowk, int n, unsigned T, i
 }
 
 // One (KV head, sequence) row: the block keys in shared memory (`rowk`, olp keys), completed, then the
-// top-K, by the whole CTA (cta = 1) or by warp 0 (select_row). blk and lead are read through L2
-// (__ldcg): in the fused form other CTAs wrote them during this kernel. scratch: SEL_TOPK_SCRATCH ints
-// of shared memory (cta = 1). Every thread of the CTA calls it (barriers inside).
+// top-K by the whole CTA. blk and lead (the fine kernel's, read once) are loaded through L2 (__ldcg).
+// scratch: SEL_TOPK_SCRATCH ints of shared memory. Every thread of the CTA calls it (barriers inside).
 template <typename KT>
 __device__ __forceinline__ void sel_topk_row(KT* rowk, int* scratch, const float* __restrict__ blk,
                                              const float* __restrict__ lead, int L, int b, int h, int B, int H, int T1,
                                              int R1, int out_len, int olp, int K, int init_blocks, int local_blocks,
-                                             int kind, int cta, int topk_prefix, int* __restrict__ topk_idx, int tid,
+                                             int kind, int topk_prefix, int* __restrict__ topk_idx, int tid,
                                              int nthreads) {
     constexpr int KB = Score<KT>::KEY_BITS;
     constexpr int UNR = 8;                            // blocks per thread in flight (L2 latency): 2048 blocks
@@ -517,13 +478,11 @@ __device__ __forceinline__ void sel_topk_row(KT* rowk, int* scratch, const float
     int* hist = scratch;                              // [2][256]
     int* wv = scratch + 512;                          // [64] per-warp values
     int* res = scratch + 576;                         // the search's digit and remaining rank
-    if (cta) {
-        for (int i = tid; i < 512; i += nthreads) hist[i] = 0;
-        __syncthreads();
-    }
+    for (int i = tid; i < 512; i += nthreads) hist[i] = 0;
+    __syncthreads();
     const KT key_inf = score_key<KT>(INFLLM_INF, kind);
     unsigned tmax = 0;                                // the largest key after the prefix
-    // complete the row; the CTA path also counts the first digit of the prefix's keys
+    // complete the row, counting the first digit of the prefix's keys
     for (int j0 = tid; j0 < olp; j0 += UNR * nthreads) {
         float x[UNR];
 #pragma unroll
@@ -546,16 +505,9 @@ __device__ __forceinline__ void sel_topk_row(KT* rowk, int* scratch, const float
                 if (j < init_blocks || (j <= qb && j >= qb - local_blocks)) k = key_inf;
             }
             rowk[j] = k;
-            if (cta) {
-                if (j < npk) atomicAdd(hist + ((unsigned)k >> (KB - 8)), 1);
-                else tmax = max(tmax, (unsigned)k);
-            }
+            if (j < npk) atomicAdd(hist + ((unsigned)k >> (KB - 8)), 1);
+            else tmax = max(tmax, (unsigned)k);
         }
-    }
-    if (!cta) {
-        __syncthreads();
-        if (tid < 32) select_row<KT>(rowk, olp, jpre, K, qb, tid, out);
-        return;
     }
     const int lane = tid & 31, warp = tid >> 5;
     tmax = __reduce_max_sync(S1_FULL, tmax);
@@ -575,11 +527,11 @@ template <typename KT>
 __global__ void __launch_bounds__(512)
 select_decode_topk(const float* __restrict__ blk, const float* __restrict__ lead, const int* __restrict__ seqlens,
                    int B, int H, int T1, int R1, int out_len, int olp, int K, int init_blocks, int local_blocks,
-                   int kind, int cta, int topk_prefix, int* __restrict__ topk_idx) {
+                   int kind, int topk_prefix, int* __restrict__ topk_idx) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int h = blockIdx.x / B, b = blockIdx.x % B;
     pdl_wait();                                  // blk and lead of the fine kernel
     sel_topk_row<KT>(reinterpret_cast<KT*>(smem), reinterpret_cast<int*>(smem + (size_t)olp * sizeof(KT)), blk, lead,
-                     seqlens[b], b, h, B, H, T1, R1, out_len, olp, K, init_blocks, local_blocks, kind, cta,
+                     seqlens[b], b, h, B, H, T1, R1, out_len, olp, K, init_blocks, local_blocks, kind,
                      topk_prefix, topk_idx, threadIdx.x, blockDim.x);
 }

@@ -1,7 +1,7 @@
 """Stage 1 for decode split over CTAs (decode/select_decode.py, kernels_cu/decode/select_decode.cu): the
 plan, the merge math (a PyTorch emulation of the split algorithm against the reference, CPU), the
 kernels against the reference and the prefill stage-1 kernel, and the top-k launch alone on planted
-block scores, its CTA-wide and one-warp forms against each other and the emulation (GPU)."""
+block scores against the emulation (GPU)."""
 import dataclasses
 import functools
 import importlib
@@ -96,12 +96,20 @@ def test_select_plan_checks_name_the_problem():
     with pytest.raises(ValueError, match="G = 20"):
         check_select_plan(SelectDecodePlan(1, 1, 3, 1, 2), 20, 125, 65, 128)
     check_select_plan(SelectDecodePlan(2, 1, 3, 1, 2), 20, 125, 65, 128)
-    with pytest.raises(ValueError, match="fused_topk"):
-        check_select_plan(SelectDecodePlan(2, 1, 3, 1, 2, 1), 20, 125, 65, 128)
-    with pytest.raises(ValueError, match="cta_topk"):
-        check_select_plan(SelectDecodePlan(2, 1, 3, 1, 2, cta_topk=1), 20, 125, 65, 128)
-    assert not plan_select_decode(8, 2, 16, 8191, 2047, 132).fused_topk       # opt-in until timed
-    assert plan_select_decode(8, 2, 16, 8191, 2047, 132).cta_topk             # the CTA-wide top-k by default
+    with pytest.raises(ValueError, match="every count"):
+        check_select_plan(SelectDecodePlan(2, 1, 3, 0, 2), 20, 125, 65, 128)
+
+
+def test_select_plan_table_in_the_docs_lists_its_fields():
+    # docs/decode.md's SelectDecodePlan table names every field of the plan, and no other (the fused
+    # and one-warp top-k switches were removed: docs/decode.md, "Stage 1 for decode: the split kernels")
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "decode.md").read_text()
+    table = doc[doc.index("| `SelectDecodePlan` field |"):].split("\n\n")[0].splitlines()[2:]   # past the header
+    named = {n for row in table for n in re.findall(r"`(\w+)`", row.split("|")[1])}
+    assert table and named == {f.name for f in dataclasses.fields(SelectDecodePlan)}
 
 
 @pytest.mark.parametrize("exact", [False, True], ids=["coarse", "exact"])
@@ -308,8 +316,6 @@ def test_select_topk_rows_checks_name_the_argument():
         select_topk_rows(blk, lead, L, 20, **dict(kw, fine_tiles=3))
     with pytest.raises(ValueError, match="out_len"):
         select_topk_rows(blk, lead, L, 33, **kw)
-    with pytest.raises(ValueError, match="cta_topk"):
-        select_topk_rows(blk, lead, L, 20, cta_topk=1, **kw)
     with pytest.raises(ValueError, match="threads"):
         select_topk_rows(blk, lead, L, 20, threads=100, **kw)
     with pytest.raises(ValueError, match="topk_prefix"):
@@ -329,7 +335,7 @@ GPU_CASES = [
     ([3001, 800], 24, 2, 128, torch.float16, 128, True),
     ([130000, 5000], 16, 2, 128, torch.bfloat16, None, False),
     ([130001], 8, 1, 64, torch.bfloat16, 256, False),
-    ([3000, 200, 20000], 48, 1, 64, torch.float16, None, False),     # G = 48: the fused top-k on 512 threads
+    ([3000, 200, 20000], 48, 1, 64, torch.float16, None, False),     # G = 48: four row tiles, 512 threads
 ]
 GPU_IDS = [f"L{'-'.join(map(str, c[0][:4]))}_HQ{c[1]}_H{c[2]}_D{c[3]}_{str(c[4])[6:]}_"
            f"{'pg' + str(c[5]) if c[5] else 'contig'}{'_exact' if c[6] else ''}" for c in GPU_CASES]
@@ -354,12 +360,11 @@ def test_split_select_kernel_matches_reference_and_prefill_kernel(case):
         mt = next(t for t in (1, 2, 4) if HQ // H <= 16 * t)
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         default = plan_select_decode(len(lengths), H, HQ // H, N1, n2, sms)
-        # the fused top-k and the one-warp top-k (select_row) on the default split: the same rows bit for bit
-        plans = [dataclasses.replace(default, fused_topk=fused, cta_topk=cta)
-                 for fused, cta in ((True, True), (False, False), (True, False))]
-        if len(lengths) > 1:                          # a plan with many short ranges selects the same blocks
-            plans += [SelectDecodePlan(mt, 1, -(-(N1 + 4) // 64), 1, max(1, -(-n2 // 64)), fused)
-                      for fused in (False, True)]
+        # the default plan passed explicitly, and (several sequences) a plan with many short ranges: the
+        # same blocks
+        plans = [default]
+        if len(lengths) > 1:
+            plans.append(SelectDecodePlan(mt, 1, -(-(N1 + 4) // 64), 1, max(1, -(-n2 // 64))))
         for plan in plans:
             other = select_decode(q, cache.ck1, cache.ck2, cache.seqlens, -(-cache.capacity // 64),
                                   topk=cfg.topk, local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks,
@@ -371,14 +376,9 @@ def test_split_select_kernel_matches_reference_and_prefill_kernel(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", [False, True], ids=["topk_kernel", "fused_topk"])
-def test_split_select_replays_in_a_cuda_graph(fused, monkeypatch):
+def test_split_select_replays_in_a_cuda_graph():
     lengths, HQ, H, D, dtype = [4000, 70, 1500], 16, 2, 128, torch.bfloat16
     cfg = InfLLMv2Config(dense_len=0)
-    if fused:                                      # decode_select's plan with the fused top-k
-        monkeypatch.setattr(sd, "plan_select_decode",
-                            lambda *a: dataclasses.replace(plan_select_decode(*a), fused_topk=True))
-        sd._plan_for.cache_clear()
     eager = build_cache(lengths, H, D, dtype, device="cuda")
     graphed = build_cache(lengths, H, D, dtype, device="cuda")
     q = torch.randn(3, HQ, D, device="cuda", dtype=dtype)
@@ -399,13 +399,11 @@ def test_split_select_replays_in_a_cuda_graph(fused, monkeypatch):
         ref = decode_select(q, eager, config=cfg)
         torch.cuda.synchronize()
         assert torch.equal(got, ref)
-    sd._plan_for.cache_clear()                     # no fused plan left cached for later tests
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", [False, True], ids=["topk_kernel", "fused_topk"])
 @pytest.mark.parametrize("short_ranges", [False, True], ids=["default_plan", "one_tile_ranges"])
-def test_split_select_kernel_boundary_keys(short_ranges, fused):
+def test_split_select_kernel_boundary_keys(short_ranges):
     lengths, HQ, H, D, dtype = [20000, 9000], 16, 2, 128, torch.bfloat16
     cfg = dataclasses.replace(CFG, topk=8, local_blocks=2)                # 6 blocks chosen by score
     cache = build_cache(lengths, H, D, dtype, device="cuda", seed=4)
@@ -414,7 +412,6 @@ def test_split_select_kernel_boundary_keys(short_ranges, fused):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     plan = SelectDecodePlan(1, 1, -(-(N1 + 4) // 64), 1, -(-N2 // 64)) if short_ranges else \
         plan_select_decode(2, H, HQ // H, N1, N2, sms)
-    plan = dataclasses.replace(plan, fused_topk=fused)
     t = 64 * plan.fine_tiles
     plant(cache, q, 0, (t - 1, 2 * t - 1, 3 * t - 1))                  # first keys of ranges 1, 2, 3
     plant(cache, q, 1, (t - 1, 2 * t - 1, 3 * t - 1))
@@ -441,11 +438,10 @@ TOPK_ROW_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("pattern", TOPK_PATTERNS)
 @pytest.mark.parametrize("sdt", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-def test_cta_topk_equals_the_warp_topk_and_the_emulation(sdt, pattern):
-    # the top-k kernel on planted block scores: the CTA-wide top-k (threads 128 / 256 / 512: the
-    # fused form's CTA sizes and the kernel's) and the one-warp select_row give the same rows bit for
-    # bit, equal to the emulation; topk_prefix = 64 makes the search prefix short, so that keys after
-    # it beat its K-th and the whole row is searched again
+def test_cta_topk_equals_the_emulation(sdt, pattern):
+    # the top-k kernel on planted block scores, on 128, 256 and 512 threads (select_decode's), equal to
+    # the emulation bit for bit; topk_prefix = 64 makes the search prefix short, so that keys after it
+    # beat its K-th and the whole row is searched again
     g = torch.Generator().manual_seed(len(pattern))
     for out_len, T1, lengths, topk, local_blocks, init_blocks in TOPK_ROW_CASES:
         B, H = len(lengths), 2
@@ -458,13 +454,8 @@ def test_cta_topk_equals_the_warp_topk_and_the_emulation(sdt, pattern):
         want = emulate_topk_rows(blk, lead, seqlens, out_len, **kw)
         for threads in (128, 256, 512):
             for prefix in (0, 64):
-                cta = select_topk_rows(blk, lead, seqlens, out_len, cta_topk=True, topk_prefix=prefix,
-                                       threads=threads, **kw)
-                warp = select_topk_rows(blk, lead, seqlens, out_len, cta_topk=False, topk_prefix=prefix,
-                                        threads=threads, **kw)
-                case = (out_len, lengths, threads, prefix)
-                assert torch.equal(cta, warp), case
-                assert torch.equal(cta.cpu(), want), case
+                got = select_topk_rows(blk, lead, seqlens, out_len, topk_prefix=prefix, threads=threads, **kw)
+                assert torch.equal(got.cpu(), want), (out_len, lengths, threads, prefix)
 
 
 def test_bench_select_topk_script_starts():

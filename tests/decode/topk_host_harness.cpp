@@ -71,7 +71,6 @@ template <> struct Score<unsigned> {
     static unsigned key(unsigned b) { return (b & 0x80000000u) ? ~b : (b | 0x80000000u); }
 };
 template <typename KT> KT score_key(float x, int kind) { return Score<KT>::key(Score<KT>::bits(x, kind)); }
-template <typename KT> void select_row(KT*, int, int, int, int, int, int*) { abort(); }
 
 #include "sel_topk_extract.cu"   // written by the test: the .cu from the CTA top-k to sel_topk_row
 
@@ -140,7 +139,7 @@ static int run_case(std::mt19937& rng, int it) {
         ths.emplace_back([&, t]() {
             t_tid = t;
             sel_topk_row<KT>(reinterpret_cast<KT*>(smem.data()), reinterpret_cast<int*>(smem.data() + olp * sizeof(KT)),
-                             blk.data(), lead.data(), L, 0, 0, 1, 1, T1, R1, out_len, olp, K, init, local, kind, 1,
+                             blk.data(), lead.data(), L, 0, 0, 1, 1, T1, R1, out_len, olp, K, init, local, kind,
                              prefix, out.data(), t, nthreads);
         });
     for (auto& th : ths) th.join();
