@@ -12,6 +12,10 @@ Implementations (rows; `weights` = with `return_attn_weights=True`, fp32 per que
                     block 0, the local_blocks + 1 blocks ending at the last one, random others
     ours_step       infllmv2_decode: stage 1 over the cache's compressed keys, top-k, sparse_decode
     ours_dense      sparse_decode over every block (dense decode through our kernel)
+    ours_sparse_kvh, ours_step_kvh, ours_dense_kvh
+                    the same calls with `weights="per_kv_head"`: fp32 weights summed over each group,
+                    `[B, H, L]` (what H2O accumulates); rows with weights only (their time without
+                    weights is the plain row's)
     ours_select     (opt-in) decode_select alone (stage 1 + top-k): the split decode kernels (select_decode)
     ours_select_s1  (opt-in) decode_select through the prefill stage-1 kernel (kernel="sm90a" on H100, else
                     "sm80"): one CTA per (sequence, KV head), for comparison
@@ -55,8 +59,11 @@ from benchmarks._harness import (  # noqa: E402
     summarize, write_json,
 )
 
-OURS = ("ours_sparse", "ours_step", "ours_dense", "ours_select", "ours_select_s1")
-NO_WEIGHTS = ("ours_select", "ours_select_s1")   # stage 1 alone: no attention, no weights; opt-in rows
+OURS = ("ours_sparse", "ours_step", "ours_dense", "ours_sparse_kvh", "ours_step_kvh", "ours_dense_kvh", "ours_select",
+        "ours_select_s1")
+NO_WEIGHTS = ("ours_select", "ours_select_s1")
+# weights summed per KV head [B, H, L]: timed with weights only; the row without is the plain impl's
+PER_KV_HEAD = {"ours_sparse_kvh": "ours_sparse", "ours_step_kvh": "ours_step", "ours_dense_kvh": "ours_dense"}   # stage 1 alone: no attention, no weights; opt-in rows
 SDPA = ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math")
 ANCHORS = (*SDPA, "flex", "eager_grouped", "eager_hf", "flashinfer")
 IMPLS = (*OURS, *ANCHORS)
@@ -236,6 +243,7 @@ def bench_config(r: Runner, B: int, L: int, flex, BlockMask, ours, flashinfer, f
     kv_sel = 2 * B * H * K * BLOCK * D * esz
     ck_bytes = (cache.ck1.numel() + cache.ck2.numel()) * esz
     w32 = B * HQ * L * 4                                               # fp32 weights [B, HQ, L]
+    wkv32 = B * H * L * 4                                              # per KV head [B, H, L]
     graph = dev.type == "cuda" and B in a.graph_batches
     modes = ["eager", "graph"] if graph else ["eager"]
     weight_opts = [False, True] if a.weights else [False]
@@ -342,6 +350,12 @@ def bench_config(r: Runner, B: int, L: int, flex, BlockMask, ours, flashinfer, f
         "ours_step": (lambda w: lambda: infllmv2_decode(q, cache, config=step_cfg, return_attn_weights=w),
                       kv_sel + ck_bytes + qo),
         "ours_dense": (lambda w: lambda: sparse_decode(q, cache, None, return_attn_weights=w), kv_all + qo),
+        "ours_sparse_kvh": (lambda w: lambda: sparse_decode(q, cache, topk_idx, return_attn_weights=True,
+                                                            weights="per_kv_head"), kv_sel + qo),
+        "ours_step_kvh": (lambda w: lambda: infllmv2_decode(q, cache, config=step_cfg, return_attn_weights=True,
+                                                            weights="per_kv_head"), kv_sel + ck_bytes + qo),
+        "ours_dense_kvh": (lambda w: lambda: sparse_decode(q, cache, None, return_attn_weights=True,
+                                                           weights="per_kv_head"), kv_all + qo),
         "ours_select": (lambda w: lambda: decode_select(q, cache, config=step_cfg), ck_bytes + B * HQ * D * esz),
         "ours_select_s1": (lambda w: lambda: decode_select(q, cache, config=step_cfg, kernel=s1_kernel),
                            ck_bytes + B * HQ * D * esz),
@@ -352,9 +366,13 @@ def bench_config(r: Runner, B: int, L: int, flex, BlockMask, ours, flashinfer, f
         if impl not in a.impls:
             continue
         make, nbytes = calls[impl]
-        for w in ([False] if impl in NO_WEIGHTS else weight_opts):
+        wbytes = wkv32 if impl in PER_KV_HEAD else w32
+        opts = [False] if impl in NO_WEIGHTS else [True] if impl in PER_KV_HEAD else weight_opts
+        if impl in PER_KV_HEAD and not a.weights:
+            continue
+        for w in opts:
             for mode in modes:
-                r.time(Row(impl, cfg, w, mode), make(w) if sparse_decode else None, nbytes + (w32 if w else 0),
+                r.time(Row(impl, cfg, w, mode), make(w) if sparse_decode else None, nbytes + (wbytes if w else 0),
                        skip="" if sparse_decode else r.ours_err)
     if a.splits and sparse_decode is not None and dev.type == "cuda":
         # the split-count sweep of docs/decode.md section 4 (graph replays, no weights)
@@ -436,14 +454,25 @@ def goals(rows: list[Row], copy: Row | None) -> list[dict]:
                 add("ours dense / fastest dense anchor" + tag, cfg, dn.us / fd.us, 1.1, "<=",
                     f"{dn.us:.1f} us / {fd.impl} ({fd.mode}) {fd.us:.1f} us")
             for impl in OURS:
+                if impl in PER_KV_HEAD:
+                    continue
                 on, off = find(rows, impl, cfg, True, mode), find(rows, impl, cfg, False, mode)
                 if on and off:
                     add(f"{impl} with weights / without" + tag, cfg, on.us / off.us, 1.25, "<=",
+                        f"{on.us:.1f} / {off.us:.1f} us")
+            for impl, base in PER_KV_HEAD.items():
+                on, off = find(rows, impl, cfg, True, mode), find(rows, base, cfg, False, mode)
+                if on and off:
+                    add(f"{base} with weights / without, per KV head" + tag, cfg, on.us / off.us, 1.25, "<=",
                         f"{on.us:.1f} / {off.us:.1f} us")
             dw = find(rows, "ours_dense", cfg, True, mode)
             if dw and fd:
                 add("fastest dense anchor (no weights) / ours dense with weights" + tag, cfg, fd.us / dw.us, 0.8,
                     ">=", f"{fd.impl} ({fd.mode}) {fd.us:.1f} us / {dw.us:.1f} us")
+            dk = find(rows, "ours_dense_kvh", cfg, True, mode)
+            if dk and fd:
+                add("fastest dense anchor (no weights) / ours dense with weights, per KV head" + tag, cfg,
+                    fd.us / dk.us, 0.8, ">=", f"{fd.impl} ({fd.mode}) {fd.us:.1f} us / {dk.us:.1f} us")
             for impl, target in (("eager_grouped", 2.5), ("eager_hf", 10.0)):
                 e = find(rows, impl, cfg, True, mode) or find(rows, impl, cfg, True)
                 if dw and e:

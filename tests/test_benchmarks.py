@@ -58,8 +58,8 @@ def test_bench_pipeline_and_stage1_help_and_cpu_run(script, tmp_path):
     assert all(row["ms"] is not None and row["ms"] > 0 for row in rows), [(row["impl"], row["note"]) for row in rows]
 
 
-DECODE_IMPLS = ("ours_sparse", "ours_step", "ours_dense", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math",
-                "flex", "eager_grouped", "eager_hf", "flashinfer")
+DECODE_IMPLS = ("ours_sparse", "ours_step", "ours_dense", "ours_sparse_kvh", "ours_step_kvh", "ours_dense_kvh",
+                "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "flex", "eager_grouped", "eager_hf", "flashinfer")
 
 
 def test_bench_decode_runs_on_cpu(tmp_path):
@@ -72,9 +72,11 @@ def test_bench_decode_runs_on_cpu(tmp_path):
     assert {row["impl"] for row in rows} == {"copy", *DECODE_IMPLS}
     assert {row["config"] for row in rows} == {"-", "2x1k"}
     ours = [row for row in rows if row["impl"].startswith("ours")]
-    # every ours row with and without weights; on CPU they run the references and must time
+    # every ours row with and without weights (the per-KV-head rows with weights only); on CPU they run the
+    # references and must time
     assert sorted((row["impl"], row["weights"]) for row in ours) == sorted(
-        (i, w) for i in ("ours_sparse", "ours_step", "ours_dense") for w in (False, True))
+        [(i, w) for i in ("ours_sparse", "ours_step", "ours_dense") for w in (False, True)]
+        + [(i + "_kvh", True) for i in ("ours_sparse", "ours_step", "ours_dense")])
     assert all(row["us"] > 0 and row["bytes"] > 0 and row["gbps"] > 0 for row in ours)
     # bytes: sparse reads K = 6 blocks of 64 keys x 2 KV heads x D 64 x (K, V) x 2 bytes per sequence, + q and out;
     # dense reads all 1024 keys; weights add fp32 [B, HQ, L]
@@ -83,12 +85,15 @@ def test_bench_decode_runs_on_cpu(tmp_path):
     assert by[("ours_sparse", False)] == 2 * 2 * 2 * 6 * 64 * 64 * 2 + qo
     assert by[("ours_dense", False)] == 2 * 2 * 1024 * 2 * 64 * 2 + qo
     assert by[("ours_dense", True)] - by[("ours_dense", False)] == 2 * 4 * 1024 * 4
+    for i in ("ours_sparse", "ours_step", "ours_dense"):                    # per KV head: fp32 [B, H, L]
+        assert by[(i + "_kvh", True)] - by[(i, False)] == 2 * 2 * 1024 * 4
     assert by[("ours_step", False)] > by[("ours_sparse", False)]             # + the compressed keys
     flashinfer = next(row for row in rows if row["impl"] == "flashinfer")
     assert flashinfer["us"] is not None or flashinfer["note"].startswith("not run")
     assert all(row["note"] for row in rows if row["us"] is None)             # failures are recorded, not raised
     goals = {g["goal"] for g in payload["goals"]}
     assert "ours_dense with weights / without (eager)" in goals and "ours dense / fastest dense anchor (eager)" in goals
+    assert "ours_dense with weights / without, per KV head (eager)" in goals
     assert payload["check"] and all(" ok " in c for c in payload["check"]), payload["check"]
     assert "### Goals (issue #22)" in r.stdout and "| config | impl |" in r.stdout
 

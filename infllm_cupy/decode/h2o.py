@@ -47,8 +47,9 @@ class H2O:
         self.scores.zero_()
 
     def update(self, weights: torch.Tensor) -> None:
-        """Add one step's attention weights: `[B, H, W]` (per KV head) or `[B, HQ, W]` (per query
-        head, summed here over each group of `HQ / H` heads)."""
+        """Add one step's attention weights: `[B, H, W]` (per KV head: ask the step for
+        `weights="per_kv_head"`, which writes 1/G of the per-head form's bytes) or `[B, HQ, W]` (per
+        query head, summed here over each group of `HQ / H` heads: the same scores to fp32 rounding)."""
         B, H, W = self.scores.shape
         check_tensor("weights", weights, ndim=3, device=self.scores.device)
         if weights.shape[0] != B or weights.shape[2] != W or weights.shape[1] % H:

@@ -311,6 +311,38 @@ def test_kernel_step_matches_reference(case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
+@pytest.mark.parametrize("case", GPU_CASES[1:4] + GPU_CASES[5:6], ids=GPU_IDS[1:4] + GPU_IDS[5:6])
+def test_kernel_step_weights_per_kv_head(case, dense):
+    # weights="per_kv_head" through the whole step (the split stage 1, then sparse_decode's summed form)
+    # and through the ops (decode_step): the float64 reference's group sums by FlashAttention's rule, and
+    # the same step's per-head weights summed over each group by the fp32 rule (error at most 2x that of
+    # torch's fp32 sum of them against their float64 sum, plus G fp32 roundings)
+    lengths, HQ, H, D, dtype, page_size = case
+    cfg = dataclasses.replace(CFG, dense_len=10**6 if dense else 0)
+    cache = random_decode_cache(lengths, H, D, dtype, page_size=page_size, device="cuda")
+    q = torch.randn(len(lengths), HQ, D, generator=torch.Generator().manual_seed(4)).to("cuda", dtype)
+    B, G, W = len(lengths), HQ // H, cache.capacity
+    out, wk, idx = infllmv2_decode(q, cache, config=cfg, return_attn_weights=True, weights="per_kv_head",
+                                   return_topk_idx=True)
+    out_h, w = infllmv2_decode(q, cache, config=cfg, return_attn_weights=True)
+    assert (idx is None) == dense and wk.shape == (B, H, W) and wk.dtype == torch.float32
+    assert torch.equal(out, out_h)                    # the weights' form does not touch the output
+    grouped = w.view(B, H, G, W)
+    assert_close_to_ref("per-KV-head = per-head summed", wk, grouped.double().sum(2), grouped.sum(2),
+                        atol_floor=G * 2.0**-23)
+    as64 = (cache.k.double(), cache.v.double(), cache.seqlens, cache.block_table)
+    as64 = as64 if page_size else as64[:3]
+    ref_w = naive_sparse_decode(q.double(), as64, idx, return_attn_weights=True, weights="per_kv_head")[1]
+    lowp_w = naive_sparse_decode(q, cache, idx, return_attn_weights=True, weights="per_kv_head", upcast=False)[1]
+    assert_close_to_ref("weights per KV head", wk, ref_w.float(), lowp_w, atol_floor=1e-6)
+    assert bool((wk[ref_w == 0] == 0).all()), "weights must be exactly 0 where nothing is selected"
+    torch.testing.assert_close(wk.sum(-1), torch.full((B, H), float(G), device="cuda"), atol=G * 1e-4, rtol=0)
+    _, _, wk_op = decode_step(q, cache, config=cfg, dense=dense, return_attn_weights=True, weights="per_kv_head")
+    assert torch.equal(wk_op, wk)
+
+
+@pytest.mark.gpu
 def test_kernel_dense_path_and_chunked_prefill():
     lengths, HQ, H, D, dtype = [300, 65], 8, 2, 128, torch.bfloat16
     cfg = dataclasses.replace(CFG, dense_len=10000)
@@ -336,9 +368,10 @@ def test_kernel_dense_path_and_chunked_prefill():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("weights", ["per_head", "per_kv_head"])
 @pytest.mark.parametrize("page_size", [None, 64])
-def test_whole_step_replays_bit_identically_in_a_cuda_graph(page_size):
-    # append + stage 1 + top-k + sparse decode with weights, captured with value checks off
+def test_whole_step_replays_bit_identically_in_a_cuda_graph(page_size, weights):
+    # append + stage 1 + top-k + sparse decode with weights (either form), captured with value checks off
     lengths, HQ, H, D, dtype = [700, 63, 1029], 16, 2, 128, torch.bfloat16
     eager = random_decode_cache(lengths, H, D, dtype, page_size=page_size, device="cuda")
     graphed = random_decode_cache(lengths, H, D, dtype, page_size=page_size, device="cuda")
@@ -348,7 +381,7 @@ def test_whole_step_replays_bit_identically_in_a_cuda_graph(page_size):
 
     def step(cache):
         cache.append(kn, vn)
-        return infllmv2_decode(q, cache, config=CFG, return_lse=True, return_attn_weights=True,
+        return infllmv2_decode(q, cache, config=CFG, return_lse=True, return_attn_weights=True, weights=weights,
                                return_topk_idx=True)
 
     with _env.override(validate=False):

@@ -64,6 +64,30 @@ def test_h2o_matches_eager_attention_in_a_decode_loop(sparse):
     assert kept.shape == (B, H, 96) and bool((kept >= 0).all())
 
 
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_update_from_per_head_weights_equals_per_kv_head(sparse):
+    # the step's per-KV-head weights are the per-head ones summed over the group, as update() sums them:
+    # both forms accumulate the same scores, so a caller may ask for the smaller one
+    B, H, HQ, D = 2, 2, 8, 16
+    cfg = InfLLMv2Config(topk=3, local_blocks=1, dense_len=0 if sparse else 10**6, score_dtype=torch.float32)
+    g = torch.Generator().manual_seed(5)
+    lengths = [333, 190]
+    cache = DecodeCache.contiguous(B, 400, H, D, dtype=torch.float32)
+    cache.append(torch.randn(sum(lengths), H, D, generator=g), torch.randn(sum(lengths), H, D, generator=g),
+                 cu_seqlens_from_lengths(lengths))
+    by_head = H2O(B, H, cache.capacity, budget=64, recent=8)
+    by_kv_head = H2O(B, H, cache.capacity, budget=64, recent=8)
+    for _ in range(3):
+        q = torch.randn(B, HQ, D, generator=g)
+        w = infllmv2_decode(q, cache, config=cfg, return_attn_weights=True)[1]
+        wk = infllmv2_decode(q, cache, config=cfg, return_attn_weights=True, weights="per_kv_head")[1]
+        assert w.shape == (B, HQ, cache.capacity) and wk.shape == (B, H, cache.capacity)
+        by_head.update(w)
+        by_kv_head.update(wk)
+    torch.testing.assert_close(by_head.scores, by_kv_head.scores, atol=1e-6, rtol=1e-6)
+    assert torch.equal(by_head.kept(cache.seqlens), by_kv_head.kept(cache.seqlens))
+
+
 def test_kept_rule_ties_short_sequences_and_per_head_weights():
     torch.manual_seed(1)
     h2o = H2O(3, 2, 50, budget=12, recent=4)
