@@ -14,7 +14,7 @@ round) so that clock drift shows between rounds, not variants; the best round co
 `topk_idx` must equal the `ns=2` one bit for bit (checked in the first round; a mismatch is
 reported in the table and the exit status is 1). `plan(max=N)` names the variant `stage1_plan`
 takes when `KEY_STAGES_MAX` (infllm_cupy/stage1/plan.py) is N. Capability 9.0 only.
-docs/stage1.md, 3. The sm_90a kernel ("The key-tile ring").
+docs/stage1.md, 3. The sm_90a kernel, its key-tile ring.
 """
 from __future__ import annotations
 

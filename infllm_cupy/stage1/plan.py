@@ -26,7 +26,7 @@ ROWS_PER_WARP = 32
 # docs/stage1.md, 9. Long context: key ranges (the plan's choice, measured on the H100)
 RANGE_MIN_TWO_PER_SM = 2048   # a split at two CTAs per SM pays only with ranges this wide (fewer merges)
 SCRATCH_BUDGET_FRACTION = 8   # the global block-key scratch may take 1/8 of the device memory
-# docs/stage1.md, 3. The sm_90a kernel ("The key-tile ring"): key-tile stages of the sm_90a kernel's
+# docs/stage1.md, 3. The sm_90a kernel, its key-tile ring: key-tile stages of the sm_90a kernel's
 # cp.async ring (template NS) and the deepest the plan picks; 2 until a device A/B shows a deeper
 # ring pays (tools/ab_stage1_ring.py); raising it is the one-line switch
 KEY_STAGES = (2, 3, 4)
@@ -176,7 +176,7 @@ def deepest_ring(plan: Stage1Plan, G: int, D: int, itemsize: int, out_len: int, 
     """`plan` (sm_90a, 2 key stages) with the deepest key-tile ring up to `max_key_stages` that keeps
     its CTAs per SM: two per SM stays two, one stays one; its range width is kept (narrower ranges
     for a deeper ring cost merge passes: a measurement, tools/ab_stage1_ring.py, not a plan rule).
-    docs/stage1.md, 3. The sm_90a kernel ("The key-tile ring")."""
+    docs/stage1.md, 3. The sm_90a kernel, its key-tile ring."""
     if plan.kernel != SM90A:
         return plan
     two_per_sm = min(smem_per_sm // 2 - 1024, smem_max)

@@ -133,7 +133,7 @@ stage1_select_sm90_body(const T* __restrict__ q, const T* __restrict__ ck1, cons
         load_tile(0, 0);
         cp_async_commit();
         if constexpr (NS > 2) {
-            // a deeper ring (docs/stage1.md, 3. The sm_90a kernel, "The key-tile ring"): tiles
+            // a deeper ring (docs/stage1.md, 3. The sm_90a kernel, its key-tile ring): tiles
             // 1 .. NS - 2 in flight too, one commit group each (empty past the last tile), so that
             // the wait at the top of tile u may leave NS - 2 younger groups pending
 #pragma unroll

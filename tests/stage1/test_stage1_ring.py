@@ -1,6 +1,6 @@
 """The sm_90a stage-1 kernel's key-tile ring (`Stage1Plan.key_stages`, template NS): the plan's choice
 (CPU) and the deeper rings' outputs against the 2-stage kernel, bit for bit (GPU, capability 9.0).
-docs/stage1.md, 3. The sm_90a kernel ("The key-tile ring")."""
+docs/stage1.md, 3. The sm_90a kernel, its key-tile ring."""
 from __future__ import annotations
 
 import dataclasses
