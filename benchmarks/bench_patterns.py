@@ -11,8 +11,7 @@ pattern allows, so FlexAttention gets whole 128x128 tiles):
     local_stride_sliding  the same with head-sliding strides: the 16 query heads of a KV head differ, so ours
                           runs the per-query-head forward kernels (`qhead_block_sparse_attn_varlen`, one
                           query head per CTA; its backward repeats K/V per query head inside the timed
-                          call); `ours_group` the same with the group's heads in one CTA (union walk), and
-                          `ours_rep` the older path, K/V repeated to G = 1 for forward and backward
+                          call); `ours_rep` the older path, K/V repeated to G = 1 for forward and backward
                           (docs/patterns.md, "Per query head vs per KV head")
     per_head              a dkernel-style arbitrary per-query-head pattern over 64-token blocks (head h: sink
                           block, local window of 4 + 4 (h % 4) blocks, vertical stride 16 shifted by h);
@@ -72,7 +71,7 @@ from infllm_cupy.patterns import qhead_block_sparse_attn_varlen  # noqa: E402
 from infllm_cupy.stage2 import BlockLayout, block_sparse_attn_varlen  # noqa: E402
 
 PATTERNS = ("local_stride", "local_stride_sliding", "per_head", "sliding_tile", "sparge")
-IMPLS = ("ours", "ours_group", "ours_rep", "flex", "dense")
+IMPLS = ("ours", "ours_rep", "flex", "dense")
 FLEX_TILE = 128
 NOT_BUILT = "not built yet"
 GOAL_FLEX, GOAL_DENSITY = 1.2, 1.3
@@ -276,7 +275,7 @@ class Runner:
 
     def over_budget(self, impl: str) -> bool:
         # the anchors stop at 80% of the budget so that ours (timed after them per config) keeps the rest
-        limit = self.args.budget_s * (1.0 if impl in ("ours", "ours_rep", "ours_group", "predict") else 0.8)
+        limit = self.args.budget_s * (1.0 if impl in ("ours", "ours_rep", "predict") else 0.8)
         return self.args.budget_s > 0 and time.perf_counter() - self.t_start > limit
 
     def time(self, row: PRow, forward: Callable | None, inputs, keys: int | None, *, skip: str = "") -> PRow:
@@ -393,14 +392,6 @@ def bench_config(r: Runner, T: int, B: int, phase: str, flex, BlockMask, cache: 
                 r.time(PRow("ours_rep", cfg, p.name, None, mode, density=dens,
                             note="KV repeated per query head (G=1)"), fn_rep, (q, k, v), keys, skip=skip)
             fn_rep = None
-        if phase == "ours" and "ours_group" in a.impls and p.per_q_head:
-            def fn_group(q_, k_, v_, lay=p.layout, causal=p.causal):
-                return qhead_block_sparse_attn_varlen(q_, k_, v_, cu, cu, lay, T, T, causal=causal, rows="group")
-            for mode in a.modes:
-                r.time(PRow("ours_group", cfg, p.name, None, mode, density=dens,
-                            note="per-query-head rows, group's heads in one CTA (union walk)"), fn_group,
-                       (q, k, v), keys, skip=skip)
-            fn_group = None
         if phase == "ours" and "ours" in a.impls:
             fn, note = None, ""
             if not skip:
@@ -497,14 +488,12 @@ def goal_table(rows: list[PRow], on_gpu: bool = True) -> list[dict]:
         p = PATTERN_CAUSAL.get((x.config, x.selection), True)
         fl = idx.get(("flex", x.config, x.selection, x.mode))
         rp = idx.get(("ours_rep", x.config, x.selection, x.mode))
-        gr = idx.get(("ours_group", x.config, x.selection, x.mode))
         de = idx.get(("dense", x.config, "causal" if p else "full", x.mode))
         rec = {"config": x.config, "pattern": x.selection, "mode": x.mode, "density": x.density,
                "ours_ms": x.ms, "ours_TFLOP/s": x.tflops, "flex_ms": fl.ms if fl else None,
                "dense_ms": de.ms if de else None,
                "flex/ours": None, "ours/(dens*dense)": None, "goals": "-",
-               "rep/ours": rp.ms / x.ms if rp and rp.ms and x.ms else None,
-               "group/ours": gr.ms / x.ms if gr and gr.ms and x.ms else None}
+               "rep/ours": rp.ms / x.ms if rp and rp.ms and x.ms else None}
         if x.ms and fl and fl.ms:
             rec["flex/ours"] = fl.ms / x.ms
             x.ratios["flex/ours"] = rec["flex/ours"]
@@ -576,7 +565,7 @@ def main(argv=None) -> list[PRow]:
     # per config: the anchors, then ours, so that a crash in ours cannot cost that config's anchors
     for T, B in tqdm(a.configs, desc="configs", unit="config", disable=None):
         for phase in ("anchors", "ours"):
-            if phase == "ours" and not {"ours", "ours_rep", "ours_group"} & set(a.impls):
+            if phase == "ours" and not {"ours", "ours_rep"} & set(a.impls):
                 continue
             # the launcher's host-side input checks (a sync per call) are not timed
             ctx = _env.override(validate=False) if phase == "ours" else contextlib.nullcontext()
@@ -594,7 +583,7 @@ def main(argv=None) -> list[PRow]:
             PATTERN_CAUSAL[(shape_id(B, T, a.hq, a.h, a.d), name)] = p.causal
 
     peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
-    order = {i: n for n, i in enumerate(("dense", "flex", "ours_rep", "ours_group", "ours", "predict"))}
+    order = {i: n for n, i in enumerate(("dense", "flex", "ours_rep", "ours", "predict"))}
     cfg_order = {shape_id(B, T, a.hq, a.h, a.d): n for n, (T, B) in enumerate(a.configs)}
     r.rows.sort(key=lambda x: (cfg_order.get(x.config, 99), x.selection, order.get(x.impl, 9),
                                MODES.index(x.mode) if x.mode in MODES else 9))
@@ -603,7 +592,7 @@ def main(argv=None) -> list[PRow]:
                          "reps", "note"),
                 title="All rows (selection = pattern; ms = median; TFLOP/s effective on attended keys)")
     cols = ["config", "pattern", "mode", "density", "ours_ms", "ours_TFLOP/s", "flex_ms", "dense_ms",
-            "flex/ours", "ours/(dens*dense)", "rep/ours", "group/ours", "goals"]
+            "flex/ours", "ours/(dens*dense)", "rep/ours", "goals"]
     print(f"\n### Patterns against FlexAttention and dense cuDNN (goals: flex/ours >= {GOAL_FLEX}, "
           f"ours/(density x dense) <= {GOAL_DENSITY})\n")
     print(markdown_table(goals, cols) if goals else "(no ours rows)", flush=True)

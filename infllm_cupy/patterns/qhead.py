@@ -2,11 +2,9 @@
 
 `qhead_block_sparse_attn_varlen(q, k, v, ..., layout)` takes a `BlockLayout` with HQ heads (query head
 `h * G + g` reads row `h * G + g`). On CUDA tensors the forward runs the stage-2 forward kernels'
-per-query-head instances (`FwdPlan.qhead`, docs/stage2_fwd.md, "Per-query-head mask rows"), K/V kept
-at H heads (no copy): `rows="head"` (default) gives each CTA one query head's tokens, so it walks only
-that head's blocks and the group's heads share K/V through the L2; `rows="group"` keeps the CTAs of
-the per-KV-head op (a CTA's rows span the group's heads and share each K/V load), walking the union
-of its rows' heads, which costs extra blocks wherever the heads of a group differ. The backward
+per-query-head instances (`FwdPlan.qhead="head"`, docs/stage2_fwd.md, "Per-query-head mask rows"),
+K/V kept at H heads (no copy): each CTA takes one query head's tokens, so it walks only that head's
+blocks, and the group's heads share K/V through the L2. The backward
 still runs the expanded path (K/V repeated to HQ heads, the G = 1 backward kernels over the same
 layout, dK/dV summed over the group in fp32): the backward kernels have no
 per-query-head rows yet. CPU tensors, and `backend="reference"`, run the expanded path through
@@ -38,17 +36,17 @@ def _expand_kv(k: Tensor, v: Tensor, G: int) -> tuple[Tensor, Tensor]:
 @torch.library.custom_op("infllm_cupy::qhead_block_sparse_attn_fwd", mutates_args=(), device_types="cuda")
 def qhead_block_sparse_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                                 layout_mask: Tensor, q_block: int, max_seqlen_q: int, max_seqlen_k: int,
-                                causal: bool, softmax_scale: float, kernel: str, rows: str) -> tuple[Tensor, Tensor]:
+                                causal: bool, softmax_scale: float, kernel: str) -> tuple[Tensor, Tensor]:
     """`(out, lse)` under `BlockLayout(layout_mask, q_block)` with one row per query head (mask on q's
-    device); `rows`: FwdPlan.qhead ("head" or "group")."""
-    plan = dataclasses.replace(fwd_plan_for(q, k, max_seqlen_k, split_min=None, kernel=kernel), qhead=rows)
+    device)."""
+    plan = dataclasses.replace(fwd_plan_for(q, k, max_seqlen_k, split_min=None, kernel=kernel), qhead="head")
     return layout_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal,
                       softmax_scale, plan)
 
 
 @qhead_block_sparse_attn_fwd.register_kernel("cpu")
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-      kernel, rows):
+      kernel):
     ke, ve = _expand_kv(k, v, q.shape[1] // k.shape[1])
     out, lse = naive_block_sparse_attn_varlen(q, ke, ve, cu_seqlens_q, cu_seqlens_k, BlockLayout(layout_mask, q_block),
                                               max_seqlen_q, max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
@@ -58,14 +56,14 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, m
 
 @qhead_block_sparse_attn_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-      kernel, rows):
+      kernel):
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, cu_q, cu_k, layout_mask = inputs[:6]
     ctx.q_block = inputs[6]
-    ctx.args = inputs[7:12]          # max_seqlen_q .. kernel: block_sparse_attn_bwd's tail (not rows)
+    ctx.args = inputs[7:12]          # max_seqlen_q .. kernel: block_sparse_attn_bwd's tail
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, layout_mask)
@@ -83,7 +81,7 @@ def _backward(ctx, dout, dlse):
     acc = torch.promote_types(k.dtype, torch.float32)      # fp32 sums for bf16/fp16, float64 stays
     dk = dke.view(k.shape[0], H, G, k.shape[2]).sum(2, dtype=acc).to(k.dtype)
     dv = dve.view(v.shape[0], H, G, v.shape[2]).sum(2, dtype=acc).to(v.dtype)
-    return (dq, dk, dv) + (None,) * 10
+    return (dq, dk, dv) + (None,) * 9
 
 
 qhead_block_sparse_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -92,7 +90,7 @@ qhead_block_sparse_attn_fwd.register_autograd(_backward, setup_context=_setup_co
 def qhead_block_sparse_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                                    layout: BlockLayout, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = True,
                                    softmax_scale: float | None = None, return_lse: bool = False,
-                                   backend: str = "auto", kernel: str = "auto", rows: str = "head"):
+                                   backend: str = "auto", kernel: str = "auto"):
     r"""`block_sparse_attn_varlen` under a layout with one row per query head.
 
     Query head `hq` of token t in query block i attends the 64-key blocks j with
@@ -105,10 +103,6 @@ def qhead_block_sparse_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q
         backend (str, Optional): "auto" (the per-query-head kernels on CUDA tensors, the expanded
             reference on CPU tensors), "kernels" (refuses CPU tensors) or "reference" (the expanded
             path through `block_sparse_attn_varlen(..., backend="reference")`). Default: "auto".
-        rows (str, Optional): how the CUDA forward maps rows to CTAs: "head" (one query head per
-            CTA; each CTA walks only its head's blocks) or "group" (a CTA's rows span the group's
-            heads, sharing each K/V load, and walk the union of their blocks: as good only where the
-            heads of a group nearly agree). Same result either way. Default: "head".
         Others: as `block_sparse_attn_varlen`.
 
     Returns:
@@ -119,8 +113,6 @@ def qhead_block_sparse_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q
     check_kernel(kernel)
     check_flags(causal=causal, return_lse=return_lse)
     backend = check_backend(backend)
-    if rows not in ("head", "group"):
-        raise ValueError(f"rows must be 'head' or 'group', got {rows!r}")
     for name, t in (("q", q), ("k", k)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{name} must be a 3-D tensor [total, heads, D], got "
@@ -142,5 +134,5 @@ def qhead_block_sparse_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q
     _check_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend)
     out, lse = qhead_block_sparse_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, layout.mask.to(q.device),
                                            layout.q_block, max_seqlen_q, max_seqlen_k, bool(causal),
-                                           check_softmax_scale(softmax_scale, q.shape[2]), kernel, rows)
+                                           check_softmax_scale(softmax_scale, q.shape[2]), kernel)
     return (out, lse) if return_lse else out

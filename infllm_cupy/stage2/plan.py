@@ -70,7 +70,7 @@ ALL_TILES = [FwdTiles(w, m, kn) for w in (4, 8) for m in (1, 2) for kn in (32, 6
 
 
 # the forward kernels' QH template value per FwdPlan.qhead
-QHEAD_MODES = {"off": 0, "group": 1, "head": 2}
+QHEAD_MODES = {"off": 0, "head": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,9 +82,8 @@ class FwdPlan:
     fit the shared memory with the mask rows), `kv_passes` (key-range passes; 1: none) and
     `split_min` (a CTA splits over the passes only where its union of blocks exceeds this many).
     `qhead`: how mask rows per query head (a layout with HQ heads) run, a key of QHEAD_MODES
-    (docs/stage2_fwd.md, "Per-query-head mask rows"): "off" (rows per KV head), "group" (a CTA's rows
-    span the group's heads and walk the union of their rows), "head" (one query head per CTA, K/V
-    heads shared through the L2); not "off": SM80 only with the default tiles.
+    (docs/stage2_fwd.md, "Per-query-head mask rows"): "off" (rows per KV head) or "head" (one query
+    head per CTA, K/V heads shared through the L2); "head": SM80 only with the default tiles.
     """
     kernel: str
     tiles: FwdTiles = DEFAULT_TILES

@@ -53,11 +53,10 @@ _jit.register_instances(SM90_SOURCE, [f"stage2_fwd_sm90<{CXX_TYPE[dt]}, {d}, {ns
                                      for d in HEAD_DIMS for ns in SM90_STAGES], sm90a=True)
 # per-query-head mask rows (FwdPlan.qhead): the QH instances, SM80 with the default tiles only
 # (MT = 2 spills as its KV-row twin does: not strict)
-_jit.register_instances(FWD_SOURCE, [_qh_name(DEFAULT_TILES.name(dt, d), m) for m in ("group", "head")
+_jit.register_instances(FWD_SOURCE, [_qh_name(DEFAULT_TILES.name(dt, d), "head")
                                      for dt in KERNEL_DTYPES for d in HEAD_DIMS], strict=False)
-_jit.register_instances(SM90_SOURCE, [_qh_name(f"stage2_fwd_sm90<{CXX_TYPE[dt]}, {d}, {ns}>", m)
-                                      for m in ("group", "head") for dt in KERNEL_DTYPES for d in HEAD_DIMS
-                                      for ns in SM90_STAGES], sm90a=True)
+_jit.register_instances(SM90_SOURCE, [_qh_name(f"stage2_fwd_sm90<{CXX_TYPE[dt]}, {d}, {ns}>", "head")
+                                      for dt in KERNEL_DTYPES for d in HEAD_DIMS for ns in SM90_STAGES], sm90a=True)
 _jit.register_instances(MASK_SOURCE, ["token_block_masks"])
 
 
@@ -86,7 +85,7 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
                max_seqlen_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on checked, contiguous inputs, as `plan` says. Returns
     `out [total_q, HQ, D]` and `lse [HQ, total_q]` float32. `masks` is `[..., n_words]` int32; see the
-    .cu header for the rows; with `plan.qhead` other than "off" they are per query head
+    .cu header for the rows; with `plan.qhead="head"` they are per query head
     (`mask_h_stride` rows between query heads, a layout with HQ heads). An sm_90a plan runs in
     `plan.kv_passes` key-range passes over `cdiv(max_seqlen_k, 64)` blocks (default: what the mask
     rows cover), in which the CTAs whose union of blocks exceeds `plan.split_min` split."""

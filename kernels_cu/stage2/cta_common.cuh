@@ -46,25 +46,6 @@ __device__ __forceinline__ unsigned rows_or(const unsigned* __restrict__ mrows, 
     return rows_or_and(mrows, n_words, q_lo, q_hi, w, all);
 }
 
-// The same over per-query-head mask rows (docs/stage2_fwd.md, "Per-query-head mask rows"): the
-// flattened rows (t_lo, g_lo) .. (t_hi, g_hi) of the (token, head-in-group) space (row t * G + g),
-// head g's rows g * h_stride rows after the KV head's first. Head g's tokens in the range are
-// t_lo + (g < g_lo) .. t_hi - (g > g_hi); an empty range (t_lo > t_hi) gives 0 and ~0.
-__device__ __forceinline__ unsigned qh_rows_or_and(const unsigned* __restrict__ mrows, int n_words, long long h_stride,
-                                                   int q_block, int G, int t_lo, int g_lo, int t_hi, int g_hi, int w,
-                                                   unsigned& all) {
-    unsigned u = 0, a = ~0u;
-    for (int g = 0; g < G; ++g) {
-        const int t0 = t_lo + (g < g_lo ? 1 : 0), t1 = t_hi - (g > g_hi ? 1 : 0);
-        if (t0 > t1) continue;
-        unsigned ag;
-        u |= rows_or_and(mrows + (int64)g * h_stride * n_words, n_words, t0 / q_block, t1 / q_block, w, ag);
-        a &= ag;
-    }
-    all = a;
-    return u;
-}
-
 // Mask words that hold blocks 0..max_block.
 __device__ __forceinline__ int union_words(int max_block) { return max_block >= 0 ? (max_block >> 5) + 1 : 0; }
 
@@ -73,17 +54,6 @@ __device__ __forceinline__ int union_words(int max_block) { return max_block >= 
 __device__ __forceinline__ void cta_union(unsigned* sU, const unsigned* __restrict__ mrows, int n_words, int q_lo, int q_hi,
                                           int max_block, int nw, int tid, int threads) {
     for (int w = tid; w < nw; w += threads) sU[w] = clip_word(rows_or(mrows, n_words, q_lo, q_hi, w), w, max_block);
-}
-
-// cta_union over per-query-head mask rows (qh_rows_or_and's arguments).
-__device__ __forceinline__ void cta_union_qh(unsigned* sU, const unsigned* __restrict__ mrows, int n_words,
-                                             long long h_stride, int q_block, int G, int t_lo, int g_lo, int t_hi,
-                                             int g_hi, int max_block, int nw, int tid, int threads) {
-    for (int w = tid; w < nw; w += threads) {
-        unsigned all;
-        sU[w] = clip_word(qh_rows_or_and(mrows, n_words, h_stride, q_block, G, t_lo, g_lo, t_hi, g_hi, w, all), w,
-                          max_block);
-    }
 }
 
 // This thread's two rows (row0 and row0 + 8 of the flattened (token, head-in-group) space) of a

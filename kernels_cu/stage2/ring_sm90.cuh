@@ -670,9 +670,8 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
               int total_q, int HQ, int H, int G, int n_words, long long mask_h_stride, int mask_q_block,
               float scale_log2, float scale, int causal, int step_mode, int blk_lo, int blk_hi,
               int* __restrict__ cta_split, int split_min, int x_off, int kv_group = 1) {
-    // QH (docs/stage2_fwd.md, "Per-query-head mask rows"): 0 one mask row per KV head; 1 one per query
-    // head, a CTA's rows span the group's heads and walk the union over them; 2 one per query head,
-    // one query head per CTA (h is the query head, G = 1 in the row space; K/V head h / kv_group)
+    // QH (docs/stage2_fwd.md, "Per-query-head mask rows"): 0 one mask row per KV head; 2 one per query
+    // head, one query head per CTA (h is the query head, G = 1 in the row space; K/V head h / kv_group)
     static_assert(!(DQ && QH), "per-query-head mask rows are a forward instance (dq runs the expanded path)");
     constexpr int M = 64 * NC;
     constexpr int CH = D / 8;
@@ -716,8 +715,7 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
     const int nb = min(key_blocks(sq.Lk), n_words * 32);
     if (later_pass && last_visible_block(nb, causal, (int)((min(m0 + M, sq.rows_total) - 1) / G), sq.shift) < blk_lo)
         return;
-    // QH: the rows of query head h * G + g start g * mask_h_stride rows after these
-    const unsigned* mrows = seq_mask_rows(masks, mask_base, b, QH == 1 ? h * G : h, mask_h_stride, n_words);
+    const unsigned* mrows = seq_mask_rows(masks, mask_base, b, h, mask_h_stride, n_words);
 
     // ---- each consumer warpgroup's Q tile: issued first, so that it lands during the setup
     if (wg < NC) {
@@ -741,36 +739,24 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
     unsigned mixed = 0u;        // bit g: rows of warpgroup g differ in some block of its union (this thread's words)
     {
         int q_lo[NC], q_hi[NC], lim[NC];
-        int qt_lo[NC], qg_lo[NC], qt_hi[NC], qg_hi[NC];   // QH 1: the warpgroup's first and last (token, head)
 #pragma unroll
         for (int g = 0; g < NC; ++g) {
             const int64 r_lo = m0 + 64 * g, r_hi = min(m0 + 64 * (g + 1), sq.rows_total) - 1;
             if (r_lo > r_hi) {
                 q_lo[g] = 1; q_hi[g] = 0; lim[g] = -1;
-                if constexpr (QH == 1) { qt_lo[g] = 1; qt_hi[g] = 0; qg_lo[g] = 0; qg_hi[g] = 0; }
                 continue;
             }
             const int t_lo = (int)(r_lo / G), t_hi = (int)(r_hi / G);
             q_lo[g] = t_lo / mask_q_block;
             q_hi[g] = t_hi / mask_q_block;
             lim[g] = last_visible_block(clip_hi, causal, t_hi, sq.shift);
-            if constexpr (QH == 1) {
-                qt_lo[g] = t_lo; qt_hi[g] = t_hi;
-                qg_lo[g] = (int)(r_lo - (int64)t_lo * G);
-                qg_hi[g] = (int)(r_hi - (int64)t_hi * G);
-            }
         }
         for (int w = tid; w < n_words; w += 128 * (NC + 1)) {
             unsigned u[NC], all = 0;
 #pragma unroll
             for (int g = 0; g < NC; ++g) {
                 unsigned a;
-                unsigned o;
-                if constexpr (QH == 1)
-                    o = qh_rows_or_and(mrows, n_words, mask_h_stride, mask_q_block, G, qt_lo[g], qg_lo[g], qt_hi[g],
-                                       qg_hi[g], w, a);
-                else
-                    o = rows_or_and(mrows, n_words, q_lo[g], q_hi[g], w, a);
+                const unsigned o = rows_or_and(mrows, n_words, q_lo[g], q_hi[g], w, a);
                 u[g] = clip_word_below(clip_word(o, w, lim[g]), w, blk_lo);
                 if (u[g] != clip_word_below(clip_word(a, w, lim[g]), w, blk_lo)) mixed |= 1u << g;
                 sUw[g * n_words + w] = u[g];
@@ -880,12 +866,7 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
             row_ok[r] = R < sq.rows_total;
             const int t = row_ok[r] ? (int)(R / G) : 0;
             rk[r] = causal ? t + sq.shift : sq.Lk - 1;
-            if constexpr (QH == 1) {
-                const int gq = row_ok[r] ? (int)(R - (int64)t * G) : 0;
-                mrow[r] = mrows + ((int64)gq * mask_h_stride + t / mask_q_block) * n_words;
-            } else {
-                mrow[r] = mrows + (int64)(t / mask_q_block) * n_words;
-            }
+            mrow[r] = mrows + (int64)(t / mask_q_block) * n_words;
         }
     }
     float o[D / 2];

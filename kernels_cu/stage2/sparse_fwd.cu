@@ -3,7 +3,7 @@
 // Launch contract (mirrored by infllm_cupy/stage2/sparse_fwd.py):
 //   kernel   stage2_fwd<T, D, WARPS, MT, KN, QH>  T in {__half, __nv_bfloat16}, D in {64, 128}, WARPS in
 //            {4, 8}, MT in {1, 2} m-tiles of 16 rows per warp (a CTA owns M = 16 * MT * WARPS rows),
-//            KN in {32, 64} keys per softmax sub-step, QH in {0, 1, 2} (default 0): per-query-head
+//            KN in {32, 64} keys per softmax sub-step, QH in {0, 2} (default 0): per-query-head
 //            mask rows, see masks
 //   grid     (cdiv(max_seqlen_q * G, M), H, B)      block (32 * WARPS)
 //   dyn smem (M * D + 4 * 64 * D) * sizeof(T) + 4 * n_words
@@ -12,9 +12,7 @@
 //            sequence b for KV head h is  mask_base[b] + h * mask_h_stride + r / mask_q_block:
 //              token-level topk_idx: mask_base = cu_seqlens_q, mask_h_stride = total_q, mask_q_block = 1
 //              query-block layouts:  mask_base[b] = first row of b's layout, mask_q_block = 64 or 128
-//            QH = 1: each query head has its own rows: the row of token r under query head h*G+g is
-//            mask_base[b] + (h*G+g) * mask_h_stride + r / mask_q_block (a layout with HQ heads), and
-//            a CTA walks the union over its (token, head) rows. QH = 2: one query head per CTA: the
+//            QH = 2: each query head has its own rows, one query head per CTA: the
 //            launch passes H = HQ and G = 1 (masks as a layout with HQ heads) and k, v keep their
 //            H / kv_group heads: query head h reads K/V head h / kv_group; the grid is
 //            (cdiv(max_seqlen_q, M) * kv_group, H / kv_group, B), block x = tile * kv_group + head
@@ -74,17 +72,10 @@ stage2_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
     // last block any row of this CTA may see
     const int max_block = last_visible_block(min(nb, n_words * 32), causal, t_hi, sq.shift);
     const int nw = union_words(max_block);
-    const unsigned* mrows = seq_mask_rows(masks, mask_base, b, QH == 1 ? h * G : h, mask_h_stride, n_words);
+    const unsigned* mrows = seq_mask_rows(masks, mask_base, b, h, mask_h_stride, n_words);
 
     // ---- union of the CTA's tokens' blocks, clipped to max_block
-    if constexpr (QH == 1) {
-        const int g_lo = (int)(m0 - (int64)t_lo * G);
-        const int g_hi = (int)(min(m0 + M, sq.rows_total) - 1 - (int64)t_hi * G);
-        cta_union_qh(sU, mrows, n_words, mask_h_stride, mask_q_block, G, t_lo, g_lo, t_hi, g_hi, max_block, nw, tid,
-                     THREADS);
-    } else {
-        cta_union(sU, mrows, n_words, t_lo / mask_q_block, t_hi / mask_q_block, max_block, nw, tid, THREADS);
-    }
+    cta_union(sU, mrows, n_words, t_lo / mask_q_block, t_hi / mask_q_block, max_block, nw, tid, THREADS);
 
     // ---- Q tile: rows are (token, head) pairs, zero past the sequence
     for (int i = tid; i < M * CH; i += THREADS) {
@@ -116,12 +107,7 @@ stage2_fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict
         row_ok[r] = R < sq.rows_total;
         const int t = row_ok[r] ? (int)(R / G) : t_lo;
         rk[r] = causal ? t + sq.shift : sq.Lk - 1;
-        if constexpr (QH == 1) {
-            const int g = row_ok[r] ? (int)(R - (int64)t * G) : 0;
-            mrow[r] = mrows + ((int64)g * mask_h_stride + t / mask_q_block) * n_words;
-        } else {
-            mrow[r] = mrows + (int64)(t / mask_q_block) * n_words;
-        }
+        mrow[r] = mrows + (int64)(t / mask_q_block) * n_words;
     }
 
     float o[MT][D / 8][4];

@@ -5,7 +5,7 @@
 //   kernel   stage2_fwd_sm90<T, D, NS, QH>  T in {__half, __nv_bfloat16}, D in {64, 128}, NS in {4, 6} K/V ring
 //            stages (6 where the shared memory holds them: faster on block-shared selections, see
 //            docs/stage2_fwd.md, "sm_90a kernel: warp specialisation and the K/V ring"); capability 9.0;
-//            QH in {0, 1, 2} (default 0): per-query-head mask rows and kv_group, as stage2_fwd's
+//            QH in {0, 2} (default 0): per-query-head mask rows and kv_group, as stage2_fwd's
 //            (sparse_fwd.cu)
 //   grid     (cdiv(max_seqlen_q * G, 64 * NC), H, B)     block (128 * (NC + 1))
 //   dyn smem 1 KB alignment slack + NC Q tiles + NS K and V stages + (2 NC + 1) NS mbarriers

@@ -6,10 +6,9 @@ CPU: the op's semantics against a dense masked softmax written here, the identit
 per-KV-head op where a group's heads agree, the backward formula (expanded path, dK/dV summed over
 the group), argument errors, the plan field, and NVRTC resources of the new instances. GPU: the
 kernels against the float64 reference by FlashAttention's rule (outputs NaN-poisoned by the test
-session), both row mappings ("head": one query head per CTA; "group": the group's heads in one CTA),
-ragged lengths, G 1 to 32 (and 3: groups that straddle the warpgroups' 64 rows), D 64/128,
+session), one query head per CTA ("head"), ragged lengths, G 1 to 32 (and 3), D 64/128,
 bf16/fp16, every sm_90a step shape and the SM80 kernel, and bit-identity with the per-KV-head
-kernels where the heads of each group agree ("group").
+kernels on K/V repeated to G = 1.
 """
 import dataclasses
 import math
@@ -117,7 +116,7 @@ def test_qhead_custom_op_gradients_on_cpu():
               torch.randn(T, H, D, dtype=torch.float64, requires_grad=True)]
     cu = cu_seqlens_from_lengths(lengths)
     mask = qhead_mask((HQ, 3, 3), seed=6)
-    out, _ = qhead_block_sparse_attn_fwd(*leaves, cu, cu, mask, 64, 150, 150, True, D ** -0.5, "auto", "head")
+    out, _ = qhead_block_sparse_attn_fwd(*leaves, cu, cu, mask, 64, 150, 150, True, D ** -0.5, "auto")
     dout = torch.randn_like(out)
     got = torch.autograd.grad(out, leaves, dout)
     ref_leaves = [x.detach().clone().requires_grad_() for x in leaves]
@@ -137,8 +136,8 @@ def test_qhead_custom_op_opcheck():
     k, v = (torch.randn(T, H, D, requires_grad=True) for _ in range(2))
     cu = cu_seqlens_from_lengths([60, 40])
     mask = qhead_mask((HQ, 1, 1), seed=14, empty_rows=False)
-    res = torch.library.opcheck(qhead_block_sparse_attn_fwd, (q, k, v, cu, cu, mask, 64, 60, 60, True, 0.25, "auto",
-                                                             "head"))
+    res = torch.library.opcheck(qhead_block_sparse_attn_fwd, (q, k, v, cu, cu, mask, 64, 60, 60, True, 0.25,
+                                                             "auto"))
     assert set(res.values()) == {"SUCCESS"}, res
 
 
@@ -168,17 +167,16 @@ def test_qhead_argument_errors():
     with pytest.raises(ValueError, match="backend"):
         qhead_block_sparse_attn_varlen(q, k, k, cu, cu, BlockLayout(torch.ones(4, 1, 1, dtype=torch.bool)), 64, 64,
                                        backend="fast")
-    with pytest.raises(ValueError, match="rows must be 'head' or 'group'"):
-        qhead_block_sparse_attn_varlen(q, k, k, cu, cu, BlockLayout(torch.ones(4, 1, 1, dtype=torch.bool)), 64, 64,
-                                       rows="kv")
 
 
 def test_fwd_plan_qhead_field():
     assert FwdPlan("sm90a").qhead == "off"
     assert FwdPlan("sm90a", qhead="head").qhead == "head"
-    assert FwdPlan("sm80", qhead="group").tiles == DEFAULT_TILES
+    assert FwdPlan("sm80", qhead="head").tiles == DEFAULT_TILES
     with pytest.raises(ValueError, match="FwdPlan.qhead must be one of"):
         FwdPlan("sm90a", qhead=True)
+    with pytest.raises(ValueError, match="FwdPlan.qhead must be one of"):
+        FwdPlan("sm90a", qhead="group")       # the union walk, removed (docs/stage2_fwd.md, 9. Tried and not kept)
     with pytest.raises(ValueError, match="default SM80 tiles"):
         FwdPlan("sm80", FwdTiles(8, 1, 64), qhead="head")
     with pytest.raises(ValueError, match="needs kv_passes=1"):
@@ -188,23 +186,21 @@ def test_fwd_plan_qhead_field():
 @pytest.mark.nvrtc
 @pytest.mark.parametrize("D", [64, 128])
 def test_qhead_instances_compile_without_more_spills(D):
-    """The QH instances (1: "group", 2: "head") against their per-KV-head twins (bf16;
+    """The QH = 2 ("head") instances against their per-KV-head twins (bf16;
     tests/test_jit.py compiles every registered instance): sm_90a no spills, no serialised wgmma, the
     same registers; SM80 (MT = 2, which spills already) at most 8 more bytes (D = 64 on sm_80: 0 -> 8)."""
     base = f"stage2_fwd_sm90<__nv_bfloat16, {D}, 6>"
-    rep = _jit.compile_report("stage2/sparse_fwd_sm90.cu", [base, base[:-1] + ", 1>", base[:-1] + ", 2>"], "sm_90a")
+    rep = _jit.compile_report("stage2/sparse_fwd_sm90.cu", [base, base[:-1] + ", 2>"], "sm_90a")
     res = {k.name: k for k in rep.kernels}
     assert "C7511" not in rep.log, rep.log
-    for m in (1, 2):
-        qh = res[base[:-1] + f", {m}>"]
-        assert qh.spill_stores == 0 and qh.spill_loads == 0, str(qh)
-        assert qh.registers == res[base].registers, (str(qh), str(res[base]))
+    qh = res[base[:-1] + ", 2>"]
+    assert qh.spill_stores == 0 and qh.spill_loads == 0, str(qh)
+    assert qh.registers == res[base].registers, (str(qh), str(res[base]))
     base = DEFAULT_TILES.name(torch.bfloat16, D)
-    rep = _jit.compile_report("stage2/sparse_fwd.cu", [base, base[:-1] + ", 1>", base[:-1] + ", 2>"], "sm_80")
+    rep = _jit.compile_report("stage2/sparse_fwd.cu", [base, base[:-1] + ", 2>"], "sm_80")
     res = {k.name: k for k in rep.kernels}
-    for m in (1, 2):
-        qh, twin = res[base[:-1] + f", {m}>"], res[base]
-        assert qh.spill_stores <= twin.spill_stores + 8 and qh.spill_loads <= twin.spill_loads + 8, (str(qh), str(twin))
+    qh, twin = res[base[:-1] + ", 2>"], res[base]
+    assert qh.spill_stores <= twin.spill_stores + 8 and qh.spill_loads <= twin.spill_loads + 8, (str(qh), str(twin))
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -216,11 +212,11 @@ VARIANTS = [pytest.param(v, marks=NEEDS_HOPPER) for v in ("sm90a", "sm90a_pair",
 STEP = {"sm90a": "auto", "sm90a_pair": "pair", "sm90a_single": "single", "sm90a_split": "split"}
 
 
-def qhead_plan(variant, q, k, max_seqlen_k, rows):
+def qhead_plan(variant, q, k, max_seqlen_k):
     if variant == "sm80":
-        return FwdPlan("sm80", qhead=rows)
+        return FwdPlan("sm80", qhead="head")
     plan = ops.fwd_plan_for(q, k, max_seqlen_k, None, kernel="sm90a")
-    return dataclasses.replace(plan, step=STEP[variant], qhead=rows)
+    return dataclasses.replace(plan, step=STEP[variant], qhead="head")
 
 
 def gpu_inputs(lengths, HQ, H, D, dtype, seed):
@@ -247,62 +243,49 @@ def check_qhead_out(out, lse, q, k, v, cu, mask, q_block, mx, causal):
     assert bool((out[empty.T] == 0).all()), "rows with no allowed key must be exactly 0"
 
 
-# "head" at every G; "group" where the rows of a warpgroup split a token's heads (3) and at G = 16
-GROUP_CASES = [(G, "head") for G in (1, 2, 3, 4, 8, 16, 32)] + [(3, "group"), (16, "group")]
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("G,rows", GROUP_CASES)
-def test_qhead_kernel_matches_reference(G, rows, D, dtype):
+@pytest.mark.parametrize("G", [1, 2, 3, 4, 8, 16, 32])
+def test_qhead_kernel_matches_reference(G, D, dtype):
     """The public entry (the plan's kernel for the device) on ragged lengths, per-sequence layout."""
     lengths, H, q_block = [700, 130, 1], 2, 64
     HQ = G * H
     q, k, v, cu = gpu_inputs(lengths, HQ, H, D, dtype, seed=G * 10 + D)
     mask = qhead_mask((len(lengths), HQ, -(-700 // q_block), -(-700 // 64)), seed=G + D)
     out, lse = qhead_block_sparse_attn_varlen(q, k, v, cu, cu, BlockLayout(mask, q_block), 700, 700,
-                                              return_lse=True, backend="kernels", rows=rows)
+                                              return_lse=True, backend="kernels")
     check_qhead_out(out, lse, q, k, v, cu, mask, q_block, 700, True)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", ["head", "group"])
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("G,D,dtype,q_block,causal", [(16, 128, torch.bfloat16, 64, True),
                                                      (4, 64, torch.float16, 128, True),
                                                      (8, 128, torch.bfloat16, 128, False),
                                                      (3, 64, torch.bfloat16, 64, True)])
-def test_qhead_kernel_variants(variant, G, D, dtype, q_block, causal, rows):
+def test_qhead_kernel_variants(variant, G, D, dtype, q_block, causal):
     lengths, H = [1000, 300, 1], 2
     HQ = G * H
     q, k, v, cu = gpu_inputs(lengths, HQ, H, D, dtype, seed=7)
     mask = qhead_mask((HQ, -(-1000 // q_block), -(-1000 // 64)), seed=8)
     out, lse = ops.layout_fwd(q, k, v, cu, cu, mask.cuda(), q_block, 1000, 1000, causal, D ** -0.5,
-                              qhead_plan(variant, q, k, 1000, rows))
+                              qhead_plan(variant, q, k, 1000))
     check_qhead_out(out, lse, q, k, v, cu, mask, q_block, 1000, causal)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("G", [1, 4, 16])
-def test_qhead_kernel_equals_kv_kernel_when_groups_agree(variant, G):
-    """A per-query-head layout whose groups agree runs ("group") the same blocks, bit for bit, as the
-    per-KV-head layout through the KV-row instance; "head" at G = 1 is that instance's launch too, and
-    at any G equals the per-KV-head op on K/V repeated to G = 1, bit for bit."""
+def test_qhead_kernel_equals_expanded_kernel(variant, G):
+    """The per-query-head forward ("head") equals the per-KV-head op on K/V repeated to G = 1, bit
+    for bit, at any G (at G = 1 it is that instance's launch)."""
     lengths, H, D = [900, 200], 2, 128
     HQ = G * H
     q, k, v, cu = gpu_inputs(lengths, HQ, H, D, torch.bfloat16, seed=9)
-    kv = qhead_mask((H, -(-900 // 64), -(-900 // 64)), seed=10)
-    plan = qhead_plan(variant, q, k, 900, "group")
-    per_q = kv.repeat_interleave(G, 0).cuda()
+    plan = qhead_plan(variant, q, k, 900)
+    per_q = qhead_mask((HQ, -(-900 // 64), -(-900 // 64)), seed=10).cuda()    # heads differ inside groups
     out, lse = ops.layout_fwd(q, k, v, cu, cu, per_q, 64, 900, 900, True, D ** -0.5, plan)
-    ref, ref_lse = ops.layout_fwd(q, k, v, cu, cu, kv.cuda(), 64, 900, 900, True, D ** -0.5,
-                                  dataclasses.replace(plan, qhead="off"))
-    assert torch.equal(out, ref)
-    assert torch.equal(lse, ref_lse)
-    out, lse = ops.layout_fwd(q, k, v, cu, cu, per_q, 64, 900, 900, True, D ** -0.5,
-                              dataclasses.replace(plan, qhead="head"))
     ke, ve = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
     ref, ref_lse = ops.layout_fwd(q, ke, ve, cu, cu, per_q, 64, 900, 900, True, D ** -0.5,
                                   dataclasses.replace(plan, qhead="off"))
