@@ -12,8 +12,10 @@ range passes, each with a merge; docs/stage1.md, 9. Long context: key ranges). `
 alone is timed (CUDA events, median), the variants alternating in each round (reversed every other
 round) so that clock drift shows between rounds, not variants; the best round counts. Every variant's
 `topk_idx` must equal the `ns=2` one bit for bit (checked in the first round; a mismatch is
-reported in the table and the exit status is 1). `plan(max=N)` names the variant `stage1_plan`
-takes when `KEY_STAGES_MAX` (infllm_cupy/stage1/plan.py) is N. Capability 9.0 only.
+reported in the table and the exit status is 1). The column `plan picks` names the variant
+`stage1_plan` takes with `KEY_STAGES_MAX` (infllm_cupy/stage1/plan.py) = N (`max=N`) and, with
+`,ranges`, with `RING_RANGES_MIN` = 64 as well (ranges of any width for a deeper ring). Capability
+9.0 only.
 docs/stage1.md, 3. The sm_90a kernel, its key-tile ring.
 """
 from __future__ import annotations
@@ -103,8 +105,10 @@ def main(argv=None) -> int:
         budget = sel.scratch_budget_of(dev)
         base = stage1_plan(cap, G, a.d, torch.bfloat16, torch.bfloat16, out_len, *limits, "sm90a",
                            rows=H * B * T, scratch_budget=budget, max_key_stages=2)
-        chosen = {n: stage1_plan(cap, G, a.d, torch.bfloat16, torch.bfloat16, out_len, *limits, "sm90a",
-                                 rows=H * B * T, scratch_budget=budget, max_key_stages=n) for n in KEY_STAGES}
+        # what the plan takes with KEY_STAGES_MAX = n (and RING_RANGES_MIN = 64: ranges of any width)
+        chosen = {f"max={n}{',ranges' if rr else ''}": stage1_plan(
+            cap, G, a.d, torch.bfloat16, torch.bfloat16, out_len, *limits, "sm90a", rows=H * B * T,
+            scratch_budget=budget, max_key_stages=n, ring_ranges_min=rr) for n in KEY_STAGES for rr in (0, 64)}
         vs = variants(base, G, a.d, out_len, stages, limits)
         print(f"\n== {case}: out_len {out_len}; today's plan {base}", flush=True)
         times: dict[str, list[float]] = {lb: [] for lb, _, _ in vs}
@@ -128,7 +132,7 @@ def main(argv=None) -> int:
         t2 = min(times[vs[0][0]])
         for lb, plan, per_sm in vs:
             best = min(times[lb])
-            picks = [f"max={n}" for n, c in chosen.items() if c == plan]
+            picks = [lb2 for lb2, c in chosen.items() if c == plan]
             recs.append({"case": case, "variant": lb, "range_blocks": plan.range_blocks, "CTAs/SM": per_sm,
                          "ms": best, "x vs ns=2": t2 / best, "rounds": " ".join(f"{x:.2f}" for x in times[lb]),
                          "identical": ident[lb], "plan picks": ",".join(picks) or "-"})

@@ -31,6 +31,10 @@ SCRATCH_BUDGET_FRACTION = 8   # the global block-key scratch may take 1/8 of the
 # ring pays (tools/ab_stage1_ring.py); raising it is the one-line switch
 KEY_STAGES = (2, 3, 4)
 KEY_STAGES_MAX = 2
+# 0: a deeper ring never narrows the key ranges; else a plan at two CTAs per SM may split its rows
+# into ranges this wide or wider (more passes) to keep two per SM with a deeper ring: a second switch
+# for the same A/B (its `ns=N,ranges=W` rows)
+RING_RANGES_MIN = 0
 
 
 def lgp_of(G: int) -> int:
@@ -172,26 +176,40 @@ def range_blocks_for(kernel: str, warps: int, G: int, D: int, itemsize: int, key
 
 
 def deepest_ring(plan: Stage1Plan, G: int, D: int, itemsize: int, out_len: int, key_bytes: int, smem_max: int,
-                 smem_per_sm: int, max_key_stages: int = KEY_STAGES_MAX) -> Stage1Plan:
+                 smem_per_sm: int, max_key_stages: int = KEY_STAGES_MAX,
+                 ring_ranges_min: int = RING_RANGES_MIN) -> Stage1Plan:
     """`plan` (sm_90a, 2 key stages) with the deepest key-tile ring up to `max_key_stages` that keeps
     its CTAs per SM: two per SM stays two, one stays one; its range width is kept (narrower ranges
-    for a deeper ring cost merge passes: a measurement, tools/ab_stage1_ring.py, not a plan rule).
+    for a deeper ring cost merge passes: a measurement, tools/ab_stage1_ring.py), unless
+    `ring_ranges_min` > 0: then a plan at two CTAs per SM whose deeper ring would not fit takes the
+    deepest ring whose widest two-per-SM ranges are at least that wide and narrower than its rows.
     docs/stage1.md, 3. The sm_90a kernel, its key-tile ring."""
     if plan.kernel != SM90A:
         return plan
     two_per_sm = min(smem_per_sm // 2 - 1024, smem_max)
-    limit = two_per_sm if plan.smem_bytes(G, D, itemsize, out_len, key_bytes) <= two_per_sm else smem_max
-    for ns in sorted((n for n in KEY_STAGES if n <= max_key_stages), reverse=True):
+    two = plan.smem_bytes(G, D, itemsize, out_len, key_bytes) <= two_per_sm
+    limit = two_per_sm if two else smem_max
+    depths = sorted((n for n in KEY_STAGES if n <= max_key_stages), reverse=True)
+    best = plan
+    for ns in depths:
         deeper = dataclasses.replace(plan, key_stages=ns)
         if deeper.smem_bytes(G, D, itemsize, out_len, key_bytes) <= limit:
-            return deeper
-    return plan
+            best = deeper
+            break
+    if ring_ranges_min and two and (plan.block_keys_in_smem or plan.range_blocks):
+        rows = plan.range_blocks or -(-out_len // 64) * 64
+        for ns in (n for n in depths if n > best.key_stages):
+            w = _range_widths(SM90A, plan.warps, G, D, itemsize, key_bytes, smem_max, smem_per_sm, ns)[0]
+            if ring_ranges_min <= w < rows:
+                return dataclasses.replace(plan, key_stages=ns, range_blocks=w, block_keys_in_smem=True)
+    return best
 
 
 @functools.lru_cache(maxsize=1024)
 def stage1_plan(capability, G: int, D: int, dtype: torch.dtype, score_dtype: torch.dtype, out_len: int,
                 smem_max: int, smem_per_sm: int, kernel: str = "auto", *, rows: int = 0,
-                scratch_budget: int = 0, max_key_stages: int = KEY_STAGES_MAX) -> Stage1Plan:
+                scratch_budget: int = 0, max_key_stages: int = KEY_STAGES_MAX,
+                ring_ranges_min: int = RING_RANGES_MIN) -> Stage1Plan:
     """The stage-1 plan for one call.
 
     capability: the device's (major, minor); smem_max, smem_per_sm: its opt-in per-block and per-SM
@@ -201,10 +219,13 @@ def stage1_plan(capability, G: int, D: int, dtype: torch.dtype, score_dtype: tor
     scratch would hold; scratch_budget: the bytes that scratch may take (`scratch_budget_of`). Where
     the block-key rows do not fit in shared memory, one launch with the scratch is taken while it
     fits the budget, key ranges beyond (rows = 0 or budget 0: ranges always). max_key_stages: the
-    deepest key-tile ring the sm_90a plan may take (`deepest_ring`; the SM80 kernel has 2).
+    deepest key-tile ring the sm_90a plan may take (`deepest_ring`; the SM80 kernel has 2);
+    ring_ranges_min: 0, or the narrowest key ranges a deeper ring may split the rows into.
     """
     if type(max_key_stages) is not int or max_key_stages not in KEY_STAGES:
         raise ValueError(f"max_key_stages must be one of {KEY_STAGES}, got {max_key_stages!r}")
+    if type(ring_ranges_min) is not int or ring_ranges_min < 0 or ring_ranges_min % 64:
+        raise ValueError(f"ring_ranges_min must be 0 or a positive multiple of 64, got {ring_ranges_min!r}")
     lgp = lgp_of(G)
     sm90a = wants_sm90a(kernel, capability, "stage 1")
     if sm90a and lgp > SM90_MAX_LGP:
@@ -234,7 +255,8 @@ def stage1_plan(capability, G: int, D: int, dtype: torch.dtype, score_dtype: tor
             plan = Stage1Plan(SM90A, warps, False, 0,
                               range_blocks_for(SM90A, warps, G, D, itemsize, key_bytes, smem_max, smem_per_sm))
         # the ring is chosen last, within the occupancy the 2-stage plan has
-        return deepest_ring(plan, G, D, itemsize, out_len, key_bytes, smem_max, smem_per_sm, max_key_stages)
+        return deepest_ring(plan, G, D, itemsize, out_len, key_bytes, smem_max, smem_per_sm, max_key_stages,
+                            ring_ranges_min)
     warps, in_smem = choose_tiles(D, itemsize, lgp, olp, key_bytes, smem_max, smem_per_sm)
     if in_smem:
         return Stage1Plan(SM80, warps, True)

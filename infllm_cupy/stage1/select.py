@@ -299,6 +299,9 @@ def launch_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
     ranged = plan.range_blocks > 0 and not return_scores and 0 < K <= plan.range_blocks
     if plan.range_blocks and not ranged:       # inspection outputs or K wider than a range: one launch
         plan = dataclasses.replace(plan, range_blocks=0)
+        # a ring deepened beside short range rows may not fit beside the full rows: the double buffer
+        if plan.key_stages != 2 and plan.smem_bytes(G, D, q.element_size(), out_len, key_bytes) > smem_max:
+            plan = dataclasses.replace(plan, key_stages=2)
     scratch = None
     if not plan.block_keys_in_smem and not ranged:
         scratch = torch.empty((H, total_q, olp), dtype=torch.int32 if key_bytes == 4 else torch.int16,

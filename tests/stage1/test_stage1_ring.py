@@ -88,6 +88,35 @@ def test_ring_choice_at_the_readme_config():
     assert deepest_ring(Stage1Plan("sm80", 4), 16, 128, 2, 512, 2, *H100, 4) == Stage1Plan("sm80", 4)
 
 
+def test_ring_may_narrow_the_ranges():
+    """ring_ranges_min > 0 (off by default): a plan at two CTAs per SM whose deeper ring would drop
+    it to one splits its rows into the widest ranges that keep two, if they are that wide."""
+    from infllm_cupy.stage1.plan import RING_RANGES_MIN
+
+    assert RING_RANGES_MIN == 0
+
+    def plan(out_len, ns, rr, **kw):
+        return stage1_plan((9, 0), 16, 128, BF16, BF16, out_len, *H100, max_key_stages=ns, ring_ranges_min=rr, **kw)
+    # 128k (out_len 2048): 3 stages fit two per SM with ranges of 1792 blocks, 4 with 768
+    assert (plan(2048, 3, 1024).key_stages, plan(2048, 3, 1024).range_blocks) == (3, 1792)
+    assert (plan(2048, 4, 1024).key_stages, plan(2048, 4, 1024).range_blocks) == (3, 1792)
+    assert (plan(2048, 4, 64).key_stages, plan(2048, 4, 64).range_blocks) == (4, 768)
+    assert plan(2048, 4, 2048) == plan(2048, 2, 0)             # no range that wide: today's plan
+    # 512k: today's ranges of 2816 narrow to 1792 for 3 stages
+    big = dict(rows=2 * 2**19, scratch_budget=2**40)
+    assert (plan(8192, 3, 1024, **big).key_stages, plan(8192, 3, 1024, **big).range_blocks) == (3, 1792)
+    # where the deeper ring fits as it is, no ranges; the block keys stay in shared memory
+    p = plan(512, 4, 64)
+    assert (p.key_stages, p.range_blocks) == (4, 0)
+    for out_len in (1024, 2048, 8192):
+        p = plan(out_len, 4, 64, **big)
+        assert p.block_keys_in_smem and p.smem_bytes(16, 128, 2, out_len, 2) <= TWO_PER_SM
+    with pytest.raises(ValueError, match="ring_ranges_min must be"):
+        plan(512, 3, 100)
+    with pytest.raises(ValueError, match="ring_ranges_min must be"):
+        plan(512, 3, True)
+
+
 @pytest.mark.parametrize("bad", [1, 5, True, 3.0, "3"])
 def test_key_stages_checked(bad):
     with pytest.raises(ValueError, match="key_stages must be one of"):
@@ -202,6 +231,12 @@ def test_deeper_ring_range_passes(ns):
             got = launch_select(*inputs, L, plan=dataclasses.replace(two, key_stages=ns), **kw)
             assert_same(got, launch_select(*inputs, L, plan=two, **kw), f"ns={ns} ranges={rb}")
             assert_same(got, one, f"ns={ns} ranges={rb} vs one launch")
+        # the scores asked for: the launcher drops the ranges and runs one launch on the ring
+        deep = sm90_plan(inputs, L, BF16, key_stages=ns, range_blocks=64, block_keys_in_smem=True)
+        two = dataclasses.replace(deep, key_stages=2, range_blocks=0)
+        assert_same(launch_select(*inputs, L, plan=deep, return_scores=True, topk=8, local_blocks=4),
+                    launch_select(*inputs, L, plan=two, return_scores=True, topk=8, local_blocks=4),
+                    f"ns={ns} ranges dropped for the scores")
 
 
 @pytest.mark.gpu
