@@ -36,29 +36,37 @@ def test_ring_smem_layout():
     assert p.smem_bytes(16, 128, 2, 2048, 2) == smem_bytes_sm90(128, 2, 4, 2048, 2, True, 3)
 
 
-def test_default_plan_keeps_two_stages():
-    """Until a device A/B says otherwise (tools/ab_stage1_ring.py), no plan takes a deeper ring."""
-    assert KEY_STAGES_MAX == 2
+def test_default_plan_follows_the_switches():
+    """The plan's ring follows KEY_STAGES_MAX and RING_RANGES_MIN (2 and 0 until a device A/B says
+    otherwise, tools/ab_stage1_ring.py: then no plan takes a deeper ring)."""
+    from infllm_cupy.stage1.plan import RING_RANGES_MIN
+
     for G in (1, 2, 16, 32):
         for out_len in (64, 512, 2048, 8192, 16384):
             for sdt in (BF16, FP32):
-                p = stage1_plan((9, 0), G, 128, BF16, sdt, out_len, *H100, rows=2 * 64 * out_len,
-                                scratch_budget=10 * 2**30)
-                assert p.key_stages == 2, p
+                kw = dict(rows=2 * 64 * out_len, scratch_budget=10 * 2**30)
+                p = stage1_plan((9, 0), G, 128, BF16, sdt, out_len, *H100, **kw)
+                assert p == stage1_plan((9, 0), G, 128, BF16, sdt, out_len, *H100, max_key_stages=KEY_STAGES_MAX,
+                                        ring_ranges_min=RING_RANGES_MIN, **kw)
+                assert p.key_stages <= KEY_STAGES_MAX
+                if KEY_STAGES_MAX == 2:
+                    assert p == stage1_plan((9, 0), G, 128, BF16, sdt, out_len, *H100, max_key_stages=2,
+                                            ring_ranges_min=0, **kw)
+                    assert p.key_stages == 2, p
 
 
 @pytest.mark.parametrize("G", [1, 2, 16, 32])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("sdt", [BF16, FP32], ids=["bf16keys", "fp32keys"])
 def test_deeper_ring_keeps_occupancy(G, D, sdt):
-    """max_key_stages = 4: the plan is the 2-stage plan but for the ring, which is the deepest that
+    """max_key_stages = 4 (ranges kept): the plan is the 2-stage plan but for the ring, which is the deepest that
     keeps the CTAs per SM (two stay two, one stays one); one stage more would not."""
     kb = 4 if sdt == FP32 else 2
     seen = set()
     for out_len in (64, 300, 512, 1024, 1536, 2048, 3000, 4096, 8192, 16384):
         kw = dict(rows=2 * 64 * out_len, scratch_budget=2**30)
         p2 = stage1_plan((9, 0), G, D, BF16, sdt, out_len, *H100, max_key_stages=2, **kw)
-        p4 = stage1_plan((9, 0), G, D, BF16, sdt, out_len, *H100, max_key_stages=4, **kw)
+        p4 = stage1_plan((9, 0), G, D, BF16, sdt, out_len, *H100, max_key_stages=4, ring_ranges_min=0, **kw)
         assert dataclasses.replace(p4, key_stages=2) == p2
         b2, b4 = (p.smem_bytes(G, D, 2, out_len, kb) for p in (p2, p4))
         limit = TWO_PER_SM if b2 <= TWO_PER_SM else H100[0]
@@ -67,7 +75,7 @@ def test_deeper_ring_keeps_occupancy(G, D, sdt):
             deeper = dataclasses.replace(p4, key_stages=p4.key_stages + 1)
             assert deeper.smem_bytes(G, D, 2, out_len, kb) > limit, (out_len, p4)
         seen.add(p4.key_stages)
-        p3 = stage1_plan((9, 0), G, D, BF16, sdt, out_len, *H100, max_key_stages=3, **kw)
+        p3 = stage1_plan((9, 0), G, D, BF16, sdt, out_len, *H100, max_key_stages=3, ring_ranges_min=0, **kw)
         assert p3.key_stages == min(3, p4.key_stages)
     assert 4 in seen     # short rows: the deepest ring
 
@@ -77,7 +85,7 @@ def test_ring_choice_at_the_readme_config():
     (a third stage would leave one CTA per SM), the global scratch 4 (small CTAs), 512k's ranges
     of 2816 blocks 2 (narrower ranges for a deeper ring are the A/B's question, not the plan's)."""
     def ns(out_len, **kw):
-        return stage1_plan((9, 0), 16, 128, BF16, BF16, out_len, *H100, max_key_stages=4, **kw)
+        return stage1_plan((9, 0), 16, 128, BF16, BF16, out_len, *H100, max_key_stages=4, ring_ranges_min=0, **kw)
     assert ns(512).key_stages == 4 and ns(1024).key_stages == 3 and ns(2048).key_stages == 2
     p = ns(8192, rows=2 * 2**19, scratch_budget=2**40)
     assert p.range_blocks == 2816 and p.key_stages == 2
@@ -91,10 +99,6 @@ def test_ring_choice_at_the_readme_config():
 def test_ring_may_narrow_the_ranges():
     """ring_ranges_min > 0 (off by default): a plan at two CTAs per SM whose deeper ring would drop
     it to one splits its rows into the widest ranges that keep two, if they are that wide."""
-    from infllm_cupy.stage1.plan import RING_RANGES_MIN
-
-    assert RING_RANGES_MIN == 0
-
     def plan(out_len, ns, rr, **kw):
         return stage1_plan((9, 0), 16, 128, BF16, BF16, out_len, *H100, max_key_stages=ns, ring_ranges_min=rr, **kw)
     # 128k (out_len 2048): 3 stages fit two per SM with ranges of 1792 blocks, 4 with 768
