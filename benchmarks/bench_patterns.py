@@ -9,10 +9,12 @@ Patterns (rows' `pattern`; heads: README config HQ 32, H 2, D 128, bf16; 128-tok
 pattern allows, so FlexAttention gets whole 128x128 tiles):
     local_stride          vLLM's local + vertical stride, homogeneous heads: block 128, local 8, stride 8
     local_stride_sliding  the same with head-sliding strides: the 16 query heads of a KV head differ, so ours
-                          runs the per-query-head forward kernels (`qhead_block_sparse_attn_varlen`, one
-                          query head per CTA; its backward repeats K/V per query head inside the timed
-                          call); `ours_rep` the older path, K/V repeated to G = 1 for forward and backward
-                          (docs/patterns.md, "Per query head vs per KV head")
+                          runs the per-query-head kernels (`qhead_block_sparse_attn_varlen`, one query
+                          head per CTA, forward and backward, K/V not repeated); `ours_xbwd` the same
+                          forward with the backward before BwdPlan.qhead (K/V repeated per query head
+                          inside the timed call, the G = 1 backward kernels, dK/dV summed; fwdbwd and bwd
+                          modes only); `ours_rep` the older path, K/V repeated to G = 1 for forward and
+                          backward (docs/patterns.md, "Per query head vs per KV head")
     per_head              a dkernel-style arbitrary per-query-head pattern over 64-token blocks (head h: sink
                           block, local window of 4 + 4 (h % 4) blocks, vertical stride 16 shifted by h);
                           Flex needs its mask_mod to look the 64-blocks up inside 128 tiles
@@ -68,10 +70,11 @@ from infllm_cupy import _env  # noqa: E402
 from infllm_cupy._constants import KV_BLOCK  # noqa: E402
 from infllm_cupy.selections import uniform_cu_seqlens  # noqa: E402
 from infllm_cupy.patterns import qhead_block_sparse_attn_varlen  # noqa: E402
+from infllm_cupy.patterns.qhead import _expanded_bwd, qhead_block_sparse_attn_fwd  # noqa: E402
 from infllm_cupy.stage2 import BlockLayout, block_sparse_attn_varlen  # noqa: E402
 
 PATTERNS = ("local_stride", "local_stride_sliding", "per_head", "sliding_tile", "sparge")
-IMPLS = ("ours", "ours_rep", "flex", "dense")
+IMPLS = ("ours", "ours_xbwd", "ours_rep", "flex", "dense")
 FLEX_TILE = 128
 NOT_BUILT = "not built yet"
 GOAL_FLEX, GOAL_DENSITY = 1.2, 1.3
@@ -79,8 +82,29 @@ GOAL_FLEX, GOAL_DENSITY = 1.2, 1.3
 
 @dataclasses.dataclass
 class PRow(Row):
-    """A harness row plus the pattern's density (attended keys / dense keys)."""
+    """A harness row plus the pattern's density (attended keys / dense keys) and the peak GPU memory
+    allocated while the row was timed (GiB, inputs included)."""
     density: float | None = None
+    peak_gib: float | None = None
+
+
+class _QheadExpandedBwd(torch.autograd.Function):
+    """`ours_xbwd`: the per-query-head forward kernels with the backward as it was before
+    BwdPlan.qhead (K/V repeated to HQ heads, the G = 1 backward kernels, dK/dV summed in fp32)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, mask, q_block, T, causal):
+        scale = q.shape[2] ** -0.5
+        out, lse = qhead_block_sparse_attn_fwd(q, k, v, cu, cu, mask, q_block, T, T, causal, scale, "auto")
+        ctx.save_for_backward(q, k, v, out, lse, cu, mask)
+        ctx.args = (q_block, T, T, causal, scale, "auto")
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu, mask = ctx.saved_tensors
+        dq, dk, dv = _expanded_bwd(dout.contiguous(), q, k, v, out, lse, cu, cu, mask, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None
 
 
 @dataclasses.dataclass
@@ -275,7 +299,7 @@ class Runner:
 
     def over_budget(self, impl: str) -> bool:
         # the anchors stop at 80% of the budget so that ours (timed after them per config) keeps the rest
-        limit = self.args.budget_s * (1.0 if impl in ("ours", "ours_rep", "predict") else 0.8)
+        limit = self.args.budget_s * (1.0 if impl in ("ours", "ours_xbwd", "ours_rep", "predict") else 0.8)
         return self.args.budget_s > 0 and time.perf_counter() - self.t_start > limit
 
     def time(self, row: PRow, forward: Callable | None, inputs, keys: int | None, *, skip: str = "") -> PRow:
@@ -292,8 +316,12 @@ class Runner:
             fn = None
             try:
                 fn = make_fn(forward, inputs, row.mode) if row.impl != "predict" else forward
+                if self.device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(self.device)
                 times = bench_gpu_time(fn, warmup=a.warmup, rep=a.rep, target_ms=a.target_ms,
                                        min_rep=a.min_rep, max_rep=a.max_rep, device=self.device)
+                if self.device.type == "cuda":
+                    row.peak_gib = torch.cuda.max_memory_allocated(self.device) / 2**30
                 st = summarize(times)
                 row.ms, row.ms_p20, row.ms_p80, row.reps = st["ms"], st["ms_p20"], st["ms_p80"], len(times)
                 row.tflops = tflops(row.flop, row.ms)
@@ -392,12 +420,22 @@ def bench_config(r: Runner, T: int, B: int, phase: str, flex, BlockMask, cache: 
                 r.time(PRow("ours_rep", cfg, p.name, None, mode, density=dens,
                             note="KV repeated per query head (G=1)"), fn_rep, (q, k, v), keys, skip=skip)
             fn_rep = None
+        if phase == "ours" and "ours_xbwd" in a.impls and p.per_q_head and dev.type == "cuda":
+            def fn_xbwd(q_, k_, v_, mask=p.layout.mask.to(dev), q_block=p.layout.q_block, causal=p.causal):
+                return _QheadExpandedBwd.apply(q_, k_, v_, cu, mask, q_block, T, causal)
+            for mode in a.modes:
+                if mode != "fwd":       # the forward is ours'
+                    r.time(PRow("ours_xbwd", cfg, p.name, None, mode, density=dens,
+                                note="per-query-head fwd; bwd: KV repeated (before BwdPlan.qhead)"), fn_xbwd,
+                           (q, k, v), keys, skip=skip)
+            fn_xbwd = None
         if phase == "ours" and "ours" in a.impls:
             fn, note = None, ""
             if not skip:
                 lay, causal = p.layout, p.causal
                 if p.per_q_head:
-                    note = "per-query-head rows, one head per CTA (fwd); bwd: KV repeated"
+                    note = ("per-query-head rows, one head per CTA (fwd and bwd)" if dev.type == "cuda"
+                            else "per-query-head layout; CPU reference: KV repeated per query head")
 
                     def fn(q_, k_, v_, lay=lay, causal=causal):
                         return qhead_block_sparse_attn_varlen(q_, k_, v_, cu, cu, lay, T, T, causal=causal)
@@ -488,12 +526,15 @@ def goal_table(rows: list[PRow], on_gpu: bool = True) -> list[dict]:
         p = PATTERN_CAUSAL.get((x.config, x.selection), True)
         fl = idx.get(("flex", x.config, x.selection, x.mode))
         rp = idx.get(("ours_rep", x.config, x.selection, x.mode))
+        xb = idx.get(("ours_xbwd", x.config, x.selection, x.mode))
         de = idx.get(("dense", x.config, "causal" if p else "full", x.mode))
         rec = {"config": x.config, "pattern": x.selection, "mode": x.mode, "density": x.density,
                "ours_ms": x.ms, "ours_TFLOP/s": x.tflops, "flex_ms": fl.ms if fl else None,
                "dense_ms": de.ms if de else None,
                "flex/ours": None, "ours/(dens*dense)": None, "goals": "-",
-               "rep/ours": rp.ms / x.ms if rp and rp.ms and x.ms else None}
+               "rep/ours": rp.ms / x.ms if rp and rp.ms and x.ms else None,
+               "xbwd/ours": xb.ms / x.ms if xb and xb.ms and x.ms else None,
+               "ours_GiB": x.peak_gib, "xbwd_GiB": xb.peak_gib if xb else None}
         if x.ms and fl and fl.ms:
             rec["flex/ours"] = fl.ms / x.ms
             x.ratios["flex/ours"] = rec["flex/ours"]
@@ -565,7 +606,7 @@ def main(argv=None) -> list[PRow]:
     # per config: the anchors, then ours, so that a crash in ours cannot cost that config's anchors
     for T, B in tqdm(a.configs, desc="configs", unit="config", disable=None):
         for phase in ("anchors", "ours"):
-            if phase == "ours" and not {"ours", "ours_rep"} & set(a.impls):
+            if phase == "ours" and not {"ours", "ours_xbwd", "ours_rep"} & set(a.impls):
                 continue
             # the launcher's host-side input checks (a sync per call) are not timed
             ctx = _env.override(validate=False) if phase == "ours" else contextlib.nullcontext()
@@ -583,16 +624,16 @@ def main(argv=None) -> list[PRow]:
             PATTERN_CAUSAL[(shape_id(B, T, a.hq, a.h, a.d), name)] = p.causal
 
     peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
-    order = {i: n for n, i in enumerate(("dense", "flex", "ours_rep", "ours", "predict"))}
+    order = {i: n for n, i in enumerate(("dense", "flex", "ours_rep", "ours_xbwd", "ours", "predict"))}
     cfg_order = {shape_id(B, T, a.hq, a.h, a.d): n for n, (T, B) in enumerate(a.configs)}
     r.rows.sort(key=lambda x: (cfg_order.get(x.config, 99), x.selection, order.get(x.impl, 9),
                                MODES.index(x.mode) if x.mode in MODES else 9))
     goals = goal_table(r.rows, on_gpu=dev.type == "cuda")
     print_table(r.rows, ("impl", "config", "selection", "mode", "density", "ms", "tflops", "keys_per_q",
-                         "reps", "note"),
+                         "peak_gib", "reps", "note"),
                 title="All rows (selection = pattern; ms = median; TFLOP/s effective on attended keys)")
     cols = ["config", "pattern", "mode", "density", "ours_ms", "ours_TFLOP/s", "flex_ms", "dense_ms",
-            "flex/ours", "ours/(dens*dense)", "rep/ours", "goals"]
+            "flex/ours", "ours/(dens*dense)", "rep/ours", "xbwd/ours", "ours_GiB", "xbwd_GiB", "goals"]
     print(f"\n### Patterns against FlexAttention and dense cuDNN (goals: flex/ours >= {GOAL_FLEX}, "
           f"ours/(density x dense) <= {GOAL_DENSITY})\n")
     print(markdown_table(goals, cols) if goals else "(no ours rows)", flush=True)

@@ -76,9 +76,9 @@ class SparseAttention(torch.nn.Module):
     Heads of the pattern: 1 (shared), the KV head count (each group of G query heads shares its KV
     head's row: no cost) or the query head count. A per-query-head pattern whose G heads agree in
     every group collapses to the KV-head layout (`per_kv_head`); where they differ the module runs
-    the layout per query head through `qhead_block_sparse_attn_varlen`: the CUDA forward reads k/v
-    at H heads (one query head per CTA, no copy); the backward repeats k and v to one KV head per
-    query head (G = 1, a G x copy) and sums dk, dv back over the group. The `BlockLayout` is built
+    the layout per query head through `qhead_block_sparse_attn_varlen`: the CUDA forward and
+    backward read k/v at H heads (one query head per CTA, no copy); the backward's dk, dv are summed
+    over the group from per-query-head partials. The `BlockLayout` is built
     once per (head counts, device) and cached.
 
     Args:
@@ -135,7 +135,7 @@ class SparseAttention(torch.nn.Module):
     def layout_for(self, num_q_heads: int, num_kv_heads: int, device) -> tuple[BlockLayout, bool]:
         """`(layout, expand_kv)` for these head counts: the cached `BlockLayout` over 64-key blocks on
         `device`, and whether it is per query head (the pattern's query heads of a group differ:
-        the call then runs `qhead_block_sparse_attn_varlen`, no K/V repeat in the CUDA forward)."""
+        the call then runs `qhead_block_sparse_attn_varlen`, no K/V repeat in the CUDA kernels)."""
         device = torch.device(device)
         key = (num_q_heads, num_kv_heads, device)
         hit = self._layouts.get(key)
@@ -286,8 +286,8 @@ class SparseAttention(torch.nn.Module):
             raise ValueError(f"sm_scale must be a positive finite float or None, got {sm_scale!r}")
         layout, expand = self.layout_for(q.shape[1], k.shape[1], q.device)
         q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
-        # a group whose query heads differ: the per-query-head forward kernels on CUDA tensors (K/V
-        # not repeated), the expanded path elsewhere and in the backward (qhead.py)
+        # a group whose query heads differ: the per-query-head kernels on CUDA tensors, forward and
+        # backward (K/V not repeated), the expanded path elsewhere (qhead.py)
         attn = qhead_block_sparse_attn_varlen if expand else block_sparse_attn_varlen
         return attn(q, k, v, cu, cu, layout, max_seqlen, max_seqlen, causal=self.causal,
                     softmax_scale=None if sm_scale is None else float(sm_scale), backend=self.backend,

@@ -1,17 +1,18 @@
 """Layouts with one row per query head, without repeating K/V (docs/patterns.md, "Per query head vs per KV head").
 
 `qhead_block_sparse_attn_varlen(q, k, v, ..., layout)` takes a `BlockLayout` with HQ heads (query head
-`h * G + g` reads row `h * G + g`). On CUDA tensors the forward runs the stage-2 forward kernels'
-per-query-head instances (`FwdPlan.qhead="head"`, docs/stage2_fwd.md, "Per-query-head mask rows"),
-K/V kept at H heads (no copy): each CTA takes one query head's tokens, so it walks only that head's
-blocks, and the group's heads share K/V through the L2. The backward
-still runs the expanded path (K/V repeated to HQ heads, the G = 1 backward kernels over the same
-layout, dK/dV summed over the group in fp32): the backward kernels have no
-per-query-head rows yet. CPU tensors, and `backend="reference"`, run the expanded path through
-`block_sparse_attn_varlen` (the reference on CPU tensors).
+`h * G + g` reads row `h * G + g`); `block_sparse_attn_varlen` routes such layouts here. On CUDA
+tensors the forward and the backward run the stage-2 kernels' per-query-head instances
+(`FwdPlan.qhead="head"`, `BwdPlan.qhead="head"`; docs/stage2_fwd.md and docs/stage2_bwd.md,
+"Per-query-head mask rows"), K/V kept at H heads (no copy): each CTA takes one query head's rows, so
+it walks only that head's blocks, and the group's heads share K/V through the L2; dK and dV come as
+per-query-head partials that the launcher sums over the group in fp32. CPU tensors, and
+`backend="reference"`, run the expanded path (K/V repeated to HQ heads, the per-KV-head op at G = 1,
+dK/dV summed over the group), which computes the same numbers as the kernels' path.
 
-The forward is the custom op `infllm_cupy::qhead_block_sparse_attn_fwd` (fake implementation for
-torch.compile, autograd formula as above).
+The forward and backward are the custom ops `infllm_cupy::qhead_block_sparse_attn_fwd` and
+`infllm_cupy::qhead_block_sparse_attn_bwd` (fake implementations for torch.compile; the forward
+carries the autograd formula).
 """
 from __future__ import annotations
 
@@ -24,13 +25,22 @@ from .._kernel_arg import check_kernel
 from ..stage2.attention import _check_common, block_sparse_attn_varlen
 from ..stage2.layout import BlockLayout
 from ..stage2.naive import naive_block_sparse_attn_varlen
-from ..stage2.ops import block_sparse_attn_bwd, fwd_plan_for, layout_fwd
+from ..stage2.ops import block_sparse_attn_bwd, fwd_plan_for, layout_bwd, layout_fwd
+from ..stage2.plan import BwdPlan, bwd_plan
 
 Tensor = torch.Tensor
 
 
 def _expand_kv(k: Tensor, v: Tensor, G: int) -> tuple[Tensor, Tensor]:
     return k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+
+
+def qhead_bwd_plan(capability, D: int, dtype: torch.dtype, max_seqlen_q: int, max_seqlen_k: int, total_k: int,
+                   kernel: str = "auto") -> BwdPlan:
+    """The per-query-head backward's plan: the expanded path's (`bwd_plan` at G = 1: the kernels see
+    one query head per row) with `qhead="head"`."""
+    return dataclasses.replace(bwd_plan(capability, 1, D, dtype, max_seqlen_q, max_seqlen_k, total_k, kernel=kernel),
+                               qhead="head")
 
 
 @torch.library.custom_op("infllm_cupy::qhead_block_sparse_attn_fwd", mutates_args=(), device_types="cuda")
@@ -60,10 +70,48 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, m
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
+@torch.library.custom_op("infllm_cupy::qhead_block_sparse_attn_bwd", mutates_args=(), device_types="cuda")
+def qhead_block_sparse_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                                cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, layout_mask: Tensor, q_block: int,
+                                max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
+                                kernel: str) -> tuple[Tensor, Tensor, Tensor]:
+    """`(dq, dk, dv)` of `qhead_block_sparse_attn_fwd` (q's, k's and v's shapes): the backward kernels'
+    per-query-head instances, K/V at H heads."""
+    plan = qhead_bwd_plan(torch.cuda.get_device_capability(q.device), q.shape[2], q.dtype, max_seqlen_q,
+                          max_seqlen_k, k.shape[0], kernel)
+    return layout_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q,
+                      max_seqlen_k, causal, softmax_scale, plan)
+
+
+def _expanded_bwd(dout, q, k, v, out, lse, cu_q, cu_k, layout_mask, q_block, *args):
+    """The expanded path: K/V repeated to HQ heads, the per-KV-head backward at G = 1 over the same
+    layout, dK/dV of the G copies summed in fp32 (float64 stays float64)."""
+    H, G = k.shape[1], q.shape[1] // k.shape[1]
+    ke, ve = _expand_kv(k, v, G)
+    dq, dke, dve = block_sparse_attn_bwd(dout, q, ke, ve, out, lse, cu_q, cu_k, layout_mask, q_block, *args)
+    acc = torch.promote_types(k.dtype, torch.float32)
+    dk = dke.view(k.shape[0], H, G, k.shape[2]).sum(2, dtype=acc).to(k.dtype)
+    dv = dve.view(v.shape[0], H, G, v.shape[2]).sum(2, dtype=acc).to(v.dtype)
+    return dq, dk, dv
+
+
+@qhead_block_sparse_attn_bwd.register_kernel("cpu")
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal,
+      softmax_scale, kernel):
+    return _expanded_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q,
+                         max_seqlen_k, causal, softmax_scale, kernel)
+
+
+@qhead_block_sparse_attn_bwd.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal,
+      softmax_scale, kernel):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, cu_q, cu_k, layout_mask = inputs[:6]
     ctx.q_block = inputs[6]
-    ctx.args = inputs[7:12]          # max_seqlen_q .. kernel: block_sparse_attn_bwd's tail
+    ctx.args = inputs[7:12]          # max_seqlen_q .. kernel: the backward op's tail
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, layout_mask)
@@ -73,14 +121,7 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_q, cu_k, layout_mask = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    H, G = k.shape[1], q.shape[1] // k.shape[1]
-    # the expanded path's backward: same out and lse (the same function), G = 1 kernels over the
-    # per-query-head layout, dK/dV of the G copies summed in fp32
-    ke, ve = _expand_kv(k, v, G)
-    dq, dke, dve = block_sparse_attn_bwd(dout, q, ke, ve, out, lse, cu_q, cu_k, layout_mask, ctx.q_block, *ctx.args)
-    acc = torch.promote_types(k.dtype, torch.float32)      # fp32 sums for bf16/fp16, float64 stays
-    dk = dke.view(k.shape[0], H, G, k.shape[2]).sum(2, dtype=acc).to(k.dtype)
-    dv = dve.view(v.shape[0], H, G, v.shape[2]).sum(2, dtype=acc).to(v.dtype)
+    dq, dk, dv = qhead_block_sparse_attn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, layout_mask, ctx.q_block, *ctx.args)
     return (dq, dk, dv) + (None,) * 9
 
 
@@ -96,13 +137,15 @@ def qhead_block_sparse_attn_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q
     Query head `hq` of token t in query block i attends the 64-key blocks j with
     `layout.mask[(b,) hq, i, j]`, over KV head `hq // G`'s keys; otherwise the semantics of
     `block_sparse_attn_varlen` (causal bottom-right, empty rows give 0 and `lse = +inf`).
-    Differentiable in q, k, v.
+    Differentiable in q, k, v. `block_sparse_attn_varlen` calls this for a layout with HQ heads
+    (HQ != H).
 
     Args:
         layout (BlockLayout): `mask` bool `[HQ, NQB, NKB]` or `[B, HQ, NQB, NKB]` (HQ = q's heads).
-        backend (str, Optional): "auto" (the per-query-head kernels on CUDA tensors, the expanded
-            reference on CPU tensors), "kernels" (refuses CPU tensors) or "reference" (the expanded
-            path through `block_sparse_attn_varlen(..., backend="reference")`). Default: "auto".
+        backend (str, Optional): "auto" (the per-query-head kernels on CUDA tensors, forward and
+            backward, the expanded reference on CPU tensors), "kernels" (refuses CPU tensors) or
+            "reference" (the expanded path through `block_sparse_attn_varlen(..., backend="reference")`).
+            Default: "auto".
         Others: as `block_sparse_attn_varlen`.
 
     Returns:

@@ -117,11 +117,14 @@ def block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
     Same semantics as `sparse_attn_varlen` with every token of query block `i` selecting the
     64-key blocks `j` with `layout.mask[(b,) h, i, j]`. Differentiable in `q`, `k`, `v` (the layout
-    gets no gradient), through the custom op `infllm_cupy::block_sparse_attn_fwd`.
+    gets no gradient), through the custom op `infllm_cupy::block_sparse_attn_fwd`. A layout with one
+    row per query head (HQ heads, HQ != H) runs `qhead_block_sparse_attn_varlen` (the kernels'
+    per-query-head instances, K/V not repeated; docs/patterns.md, "Per query head vs per KV head").
 
     Args:
         layout (BlockLayout):
-            `mask` bool `[H, NQB, NKB]` or `[B, H, NQB, NKB]` over 64-key blocks, and `q_block`.
+            `mask` bool `[H, NQB, NKB]` or `[B, H, NQB, NKB]` over 64-key blocks, and `q_block`; or
+            the same with HQ (q's heads) in place of H: one row per query head.
         Others: as `sparse_attn_varlen`.
 
     Returns:
@@ -132,7 +135,14 @@ def block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     check_kernel(kernel)
     check_flags(causal=causal, return_lse=return_lse)
     B = cu_seqlens_q.numel() - 1
-    layout.check_against(k.shape[1], B, max_seqlen_q)
+    hq = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 3 else None
+    if hq is not None and layout.num_kv_heads == hq != k.shape[1]:
+        # one row per query head. Imported here: the pattern zoo builds on this module.
+        from ..patterns.qhead import qhead_block_sparse_attn_varlen
+        return qhead_block_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, layout, max_seqlen_q, max_seqlen_k,
+                                              causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+                                              backend=backend, kernel=kernel)
+    layout.check_against(k.shape[1], B, max_seqlen_q, num_q_heads=hq)
     if not _use_op(backend, q):
         return naive_block_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, layout, max_seqlen_q, max_seqlen_k,
                                               causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)

@@ -70,10 +70,14 @@ class BlockLayout:
     def num_kv_heads(self) -> int:
         return self.mask.shape[-3]
 
-    def check_against(self, H: int, batch: int, max_seqlen_q: int) -> None:
-        """Raise unless the layout covers `H` KV heads, `batch` sequences and `max_seqlen_q` queries."""
+    def check_against(self, H: int, batch: int, max_seqlen_q: int, num_q_heads: int | None = None) -> None:
+        """Raise unless the layout covers `H` KV heads, `batch` sequences and `max_seqlen_q` queries
+        (`num_q_heads`: q's heads, named in the message where a layout per query head would also do)."""
         if self.num_kv_heads != H:
-            raise ValueError(f"layout has {self.num_kv_heads} KV heads but k has {H}")
+            alt = (f" or q's {num_q_heads} query heads (one row per query head)"
+                   if num_q_heads is not None and num_q_heads != H else "")
+            raise ValueError(f"layout has {self.num_kv_heads} KV heads but k has {H}: a layout has one row per "
+                             f"KV head{alt}")
         if self.per_sequence and self.mask.shape[0] != batch:
             raise ValueError(f"layout has {self.mask.shape[0]} sequences but cu_seqlens_q has {batch}")
         need = -(-max_seqlen_q // self.q_block)

@@ -238,6 +238,11 @@ class BwdPlan:
     SM80 dk/dv only: `dkdv_flush` (query tiles a CTA sums in registers before it adds them to fp32
     rows in global memory; those rows are allocated only where a sequence has more tiles, see
     `sm80_dkdv_flushes`).
+    `qhead`: a key of QHEAD_MODES (docs/stage2_bwd.md, "Per-query-head mask rows"): "off" (mask rows
+    per KV head) or "head" (rows per query head, a layout with HQ heads: every kernel runs with one
+    query head per CTA, G = 1 in its row space, K/V read at head `h / G`, dk/dv as per-query-head
+    partials summed over the group). "head" needs fixed tiles (`dkdv="tiles"`) and, on SM80, the
+    default tiles; the other fields are those of the plan at G = 1 (`bwd_plan(..., G=1, ...)`).
     """
     kernel: str
     tiles: BwdTiles = DEFAULT_BWD_TILES
@@ -250,6 +255,7 @@ class BwdPlan:
     block0_parts: int = 1
     pdl: bool = True
     dkdv_flush: int = DKDV_FLUSH_TILES
+    qhead: str = "off"
 
     def __post_init__(self):
         if self.kernel not in (SM80, SM90A) or self.dq not in (SM80, SM90A):
@@ -273,6 +279,16 @@ class BwdPlan:
         if type(self.dkdv_flush) is not int or self.dkdv_flush < 1:
             raise ValueError(f"BwdPlan.dkdv_flush must be an int >= 1 (query tiles per flush), got "
                              f"{self.dkdv_flush!r}")
+        if not isinstance(self.qhead, str) or self.qhead not in QHEAD_MODES:
+            raise ValueError(f"BwdPlan.qhead must be one of {tuple(QHEAD_MODES)}, got {self.qhead!r}")
+        if self.qhead != "off" and self.kernel == SM90A and self.dkdv != "tiles":
+            # one query head per row: G = 1, where only fixed tiles exist
+            raise ValueError(f"BwdPlan.qhead={self.qhead!r} runs fixed tiles (G = 1 in the row space): dkdv must "
+                             f"be 'tiles', got {self.dkdv!r}")
+        if self.qhead != "off" and self.tiles != DEFAULT_BWD_TILES:
+            # only the default tile shape has per-query-head SM80 instances (compile time of the CPU suite)
+            raise ValueError(f"BwdPlan.qhead={self.qhead!r} needs the default SM80 tiles {DEFAULT_BWD_TILES}, "
+                             f"got {self.tiles}")
 
 
 def sm80_dkdv_flushes(max_seqlen_q: int, G: int, flush: int) -> bool:

@@ -26,6 +26,7 @@ from .plan import (  # noqa: F401  (BwdTiles ... re-exported: the launcher's voc
     DEFAULT_BWD_TILES,
     DQ_STEPS,
     GATHER_G,
+    QHEAD_MODES,
     QT,
     SM80,
     SM90_CONSUMERS,
@@ -59,6 +60,23 @@ _jit.register_instances(SM90_SOURCE, [f"stage2_bwd_dkdv_sm90<{CXX_TYPE[dt]}, {d}
                                      for d in HEAD_DIMS for g in ("false", "true")]
                          + [f"stage2_bwd_dkdv_parts<{CXX_TYPE[dt]}, {d}>" for dt in KERNEL_DTYPES for d in HEAD_DIMS],
                          sm90a=True)
+
+
+def _qh_name(name: str, qhead: str) -> str:
+    """The instance of BwdPlan.qhead `qhead` (the kernels' QH) of a backward name expression."""
+    return name if qhead == "off" else f"{name[:-1]}, {QHEAD_MODES[qhead]}>"
+
+
+# per-query-head mask rows (BwdPlan.qhead="head"): G = 1 in the row space, so fixed tiles only, and
+# the SM80 kernels with the default tiles only (compile time of the CPU suite)
+for _dt in KERNEL_DTYPES:
+    for _d in HEAD_DIMS:
+        _jit.register_instances(BWD_SOURCE, [_qh_name(DEFAULT_BWD_TILES.dq_name(_dt, _d), "head")]
+                                + [_qh_name(DEFAULT_BWD_TILES.dkdv_name(_dt, _d, f), "head") for f in (False, True)])
+        _jit.register_instances(RING_SOURCE, [_qh_name(f"stage2_bwd_dq_ring_sm90<{CXX_TYPE[_dt]}, {_d}, {ns}>", "head")
+                                              for ns in SM90_STAGES], sm90a=True)
+        _jit.register_instances(SM90_SOURCE, [_qh_name(f"stage2_bwd_dkdv_sm90<{CXX_TYPE[_dt]}, {_d}, false>", "head")],
+                                sm90a=True)
 
 BWD_MAX_KEYS = 65535 * KV_BLOCK   # the dk/dv grid has one z slice per 64-key block (CUDA: z <= 65535)
 
@@ -122,7 +140,9 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
     `dout`, `out` `[total_q, HQ, D]`, `lse` float32 `[HQ, total_q]` from the forward. Returns
     `dq [total_q, HQ, D]`, `dk, dv [total_k, H, D]` in q's dtype. Uses no float atomics: the result
-    is bit-identical from run to run.
+    is bit-identical from run to run. With `plan.qhead="head"` the mask rows are per query head (a
+    layout with HQ heads, `mask_h_stride` rows between query heads; docs/stage2_bwd.md,
+    "Per-query-head mask rows").
     """
     check_aligned(dout=dout, q=q, k=k, v=v, out=out)
     if max_seqlen_q * (q.shape[1] // k.shape[1]) >= 2**31:
@@ -134,6 +154,12 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     total_q, HQ, D = q.shape
     total_k, H, _ = k.shape
     G = HQ // H
+    kv_group = 1
+    if plan.qhead == "head":
+        # one query head per CTA and per dk/dv row set: every kernel sees HQ heads of one query each
+        # (G = 1, so the transposed index and the CTA walks are the expanded path's) and reads K/V
+        # head h / kv_group; dk, dv are per-query-head partials, summed over the group at the end
+        H, G, kv_group = HQ, 1, G
     _check_plan(plan, G, total_k)
     B = cu_seqlens_q.numel() - 1
     n_words = masks.shape[-1]
@@ -143,7 +169,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     dk = empty((total_k, H, D), dtype=k.dtype, device=dev)
     dv = empty((total_k, H, D), dtype=v.dtype, device=dev)
     if total_q == 0 or total_k == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        return dq.zero_(), torch.zeros_like(k), torch.zeros_like(v)
     T = CXX_TYPE[q.dtype]
     itemsize = q.element_size()
     scale_log2 = np.float32(softmax_scale * 1.4426950408889634)
@@ -176,22 +202,23 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
               ptr(cu_seqlens_q), ptr(cu_seqlens_k))
     dq_scalars = (ptr(dq), np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words),
                   np.int64(mask_h_stride), np.int32(mask_q_block), scale_log2, np.float32(softmax_scale), causal_i)
+    qh_tail = (np.int32(kv_group),)     # read only by the QH = 2 instances
     if plan.dq == SM90A:
         # dq on the forward's warp-specialised K/V ring (TMA producer, two consumer warpgroups)
         ns = plan.dq_stages
-        dq_name, dq_rows, dq_threads = f"stage2_bwd_dq_ring_sm90<{T}, {D}, {ns}>", 64 * SM90_CONSUMERS, \
-            128 * (SM90_CONSUMERS + 1)
+        dq_name, dq_rows, dq_threads = _qh_name(f"stage2_bwd_dq_ring_sm90<{T}, {D}, {ns}>", plan.qhead), \
+            64 * SM90_CONSUMERS, 128 * (SM90_CONSUMERS + 1)
         dq_kernel = _jit.get_kernel(RING_SOURCE, dq_name, sm90a=True)
         dq_smem = sm90_smem_bytes(D, ns, n_words, itemsize, dq=True)
         dq_args = (ptr(q), ptr(dout), rows_map(k, KV_BLOCK), rows_map(v, KV_BLOCK), ptr(lse), ptr(delta), ptr(masks),
                    ptr(mask_base), ptr(cu_seqlens_q), ptr(cu_seqlens_k)) + dq_scalars \
-            + (np.int32(DQ_STEPS[plan.dq_step]),)
+            + (np.int32(DQ_STEPS[plan.dq_step]),) + qh_tail
     else:
-        dq_name, dq_rows, dq_threads = plan.tiles.dq_name(q.dtype, D), 16 * plan.tiles.dq_warps, \
-            32 * plan.tiles.dq_warps
+        dq_name, dq_rows, dq_threads = _qh_name(plan.tiles.dq_name(q.dtype, D), plan.qhead), \
+            16 * plan.tiles.dq_warps, 32 * plan.tiles.dq_warps
         dq_kernel = _jit.get_kernel(BWD_SOURCE, dq_name)
         dq_smem = dq_smem_bytes(D, plan.tiles, n_words, itemsize)
-        dq_args = common + dq_scalars
+        dq_args = common + dq_scalars + qh_tail
     if sm90a:
         kv_smem = dkdv_sm90_smem_bytes(D, itemsize)
         # (gather mode, own index, the other mode's index or None): dkdv="auto" runs both instances
@@ -200,7 +227,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         else:
             runs = [(True, by_tokens, None)] if gather else [(False, by_tiles, None)]
         null = np.uint64(0)
-        kv_launches = [(f"stage2_bwd_dkdv_sm90<{T}, {D}, {'true' if g else 'false'}>", True,
+        kv_launches = [(_qh_name(f"stage2_bwd_dkdv_sm90<{T}, {D}, {'true' if g else 'false'}>", plan.qhead), True,
                         (ptr(own[0]), ptr(own[1]), np.int64(own[2]))
                         + ((ptr(other[0]), ptr(other[1]), np.int64(other[2])) if other else (null, null, np.int64(0))),
                         g)
@@ -213,9 +240,11 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         flush_rows = tuple(empty((total_k, H, D), dtype=torch.float32, device=dev) for _ in range(2 * flush))
         flush_args = ((ptr(flush_rows[0]), ptr(flush_rows[1]), np.int32(plan.dkdv_flush)) if flush
                       else (np.uint64(0), np.uint64(0), np.int32(0)))
-        kv_launches = [(plan.tiles.dkdv_name(q.dtype, D, flush), False,
+        kv_launches = [(_qh_name(plan.tiles.dkdv_name(q.dtype, D, flush), plan.qhead), False,
                         (ptr(by_tiles[0]), ptr(by_tiles[1]), np.int64(by_tiles[2])), False)]
-    launch(dq_kernel, name=dq_name, grid=(cdiv(max_seqlen_q * G, dq_rows), H, B), block=(dq_threads,),
+    # QH = 2: (row tile, head of the group) in x, heads fastest, KV head in y (the forward's grid)
+    launch(dq_kernel, name=dq_name, grid=(cdiv(max_seqlen_q * G, dq_rows) * kv_group, H // kv_group, B),
+           block=(dq_threads,),
            shared_mem=dq_smem, args=dq_args)
     n_kb = cdiv(max_seqlen_k, KV_BLOCK)
     passes = max(1, min(plan.dkdv_passes, max_seqlen_q)) if sm90a else 1   # a pass has at least one token
@@ -247,10 +276,10 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                               np.int32(p == passes - 1)) if passes > 1
                              else (np.uint64(0), np.uint64(0), np.int32(0), np.int32(max_seqlen_q), np.int32(1)))
                 launch(kernel, name=kv_name, grid=(H * B * (split0 + n_kb - 1),), block=(128,), shared_mem=kv_smem,
-                       args=args + pass_args + (np.int32(pdl and passes > 1),), pdl=pdl and p > 0)
+                       args=args + pass_args + (np.int32(pdl and passes > 1),) + qh_tail, pdl=pdl and p > 0)
         else:
             launch(_jit.get_kernel(BWD_SOURCE, kv_name), name=kv_name, grid=(H, B, n_kb), block=(128,),
-                   shared_mem=kv_smem, args=common + index_args + (ptr(dk), ptr(dv)) + tail + flush_args)
+                   shared_mem=kv_smem, args=common + index_args + (ptr(dk), ptr(dv)) + tail + flush_args + qh_tail)
 
     if len(kv_launches) == 2:
         # the two halves of dkdv="auto" run side by side: one after the other, the first one's
@@ -271,4 +300,9 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         launch(_jit.get_kernel(SM90_SOURCE, name, sm90a=True), name=name, grid=(H * B,), block=(256,),
                args=(ptr(part0), ptr(cu_seqlens_k), ptr(dk), ptr(dv), np.int32(H), np.int32(split0),
                      np.float32(softmax_scale)))
+    if kv_group > 1:
+        # the per-query-head partials summed over each group in fp32, as the expanded path (K/V
+        # repeated to HQ heads) sums its dK, dV: the same numbers
+        dk = dk.view(total_k, HQ // kv_group, kv_group, D).sum(2, dtype=torch.float32).to(k.dtype)
+        dv = dv.view(total_k, HQ // kv_group, kv_group, D).sum(2, dtype=torch.float32).to(v.dtype)
     return dq, dk, dv

@@ -672,7 +672,7 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
               int* __restrict__ cta_split, int split_min, int x_off, int kv_group = 1) {
     // QH (docs/stage2_fwd.md, "Per-query-head mask rows"): 0 one mask row per KV head; 2 one per query
     // head, one query head per CTA (h is the query head, G = 1 in the row space; K/V head h / kv_group)
-    static_assert(!(DQ && QH), "per-query-head mask rows are a forward instance (dq runs the expanded path)");
+    static_assert(QH == 0 || QH == 2, "QH: 0 (rows per KV head) or 2 (one query head per CTA)");
     constexpr int M = 64 * NC;
     constexpr int CH = D / 8;
     constexpr u32 TILE_Q = 64 * D * sizeof(T);
@@ -709,7 +709,9 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
     s2_seq_bounds(sq, cu_seqlens_q, cu_seqlens_k, b);
     s2_seq_rows(sq, G);
     // dq: last tiles first (they see the most blocks when causal), so the longest CTAs start early
-    const int64 m0 = (int64)(DQ ? gridDim.x - 1 - blockIdx.x : cta_x) * M;
+    // (QH 2: over the row tiles, the group's heads of a tile still side by side)
+    const int64 m0 = (int64)(DQ ? (QH == 2 ? gridDim.x / kv_group - 1 - blockIdx.x / kv_group : gridDim.x - 1 - blockIdx.x)
+                                : cta_x) * M;
     if (m0 >= sq.rows_total) return;
     s2_seq_shift(sq, causal);
     const int nb = min(key_blocks(sq.Lk), n_words * 32);

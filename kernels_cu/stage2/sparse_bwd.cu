@@ -12,11 +12,15 @@
 //       selected j and may see it (causal). Row j of (h, b) starts at
 //       h * ut_h_stride + ut_off[b] + j * words_b, words_b = cdiv(cdiv(Lq_b * G, tile_rows), 32).
 //       Built by bit-transposing 32x32 blocks in registers: no atomics, no sort, no host sync.
-//   stage2_bwd_dq<T, D, WARPS>   grid (cdiv(max_seqlen_q * G, 16 * WARPS), H, B), block 32 * WARPS
+//   stage2_bwd_dq<T, D, WARPS, QH>   grid (cdiv(max_seqlen_q * G, 16 * WARPS), H, B), block 32 * WARPS
 //       dyn smem (2 * 16 * WARPS * D + 4 * 64 * D) * sizeof(T) + 4 * n_words
 //       dq [total_q, HQ, D] T. The forward's loop (the union of the CTA's tokens' blocks) with
 //       dS = P * (dP - delta) and dq += dS K in place of the online softmax.
-//   stage2_bwd_dkdv<T, D, KN, false> grid (H, B, cdiv(max_seqlen_k, 64)), block 128
+//       QH in {0, 2} (default 0), trailing argument kv_group: per-query-head mask rows as stage2_fwd's
+//       QH = 2 (sparse_fwd.cu): H = HQ, G = 1, query head h reads K/V head h / kv_group of k, v's
+//       H / kv_group heads; grid (cdiv(max_seqlen_q, 16 * WARPS) * kv_group, H / kv_group, B), block x
+//       = tile * kv_group + head in group (docs/stage2_bwd.md, "Per-query-head mask rows").
+//   stage2_bwd_dkdv<T, D, KN, false, QH> grid (H, B, cdiv(max_seqlen_k, 64)), block 128
 //       dyn smem (2 * 64 * D + 4 * 64 * D) * sizeof(T) + 2 * 3 * 64 * 4
 //       dk, dv [total_k, H, D] T. One CTA per 64-key block walks the query tiles in its ut row,
 //       so it owns its keys' gradients outright: every key row is written exactly once (zeros when
@@ -27,6 +31,10 @@
 //       zero; it adds those rows back before the final store. A CTA with at most `flush` tiles
 //       never touches them, and computes the bits of the <.., false> instance (docs/stage2_bwd.md,
 //       12. SM80 path).
+//   QH = 2 (default 0), trailing argument kv_group: per-query-head mask rows. The launch passes
+//       H = HQ and G = 1 (masks, ut and lse over HQ heads); query head h reads K and V at head
+//       h / kv_group of their H / kv_group heads, and dk, dv (and dk32, dv32) are per-query-head
+//       partials [total_k, HQ, D] that the launcher sums over each group in fp32.
 // Semantics are the forward's: query (r, h*G+g) depends on key c iff c/64 is set in its mask row,
 // c < Lk and, when causal, c <= r + Lk - Lq. Gradients are scaled like FlashAttention's.
 #include "common/types.cuh"
@@ -135,14 +143,14 @@ stage2_bwd_tiles(const unsigned* __restrict__ masks, const int* __restrict__ mas
 // dq: CTA = M = 16 * WARPS consecutive flattened rows of one sequence and KV head, one m-tile per
 // warp; walks the union of its tokens' blocks like the forward and recomputes P from the lse.
 // 8-warp CTAs run one per SM with the full register file (a 128-register cap spills at D = 128).
-template <typename T, int D, int WARPS>
+template <typename T, int D, int WARPS, int QH = 0>
 __global__ void __launch_bounds__(32 * WARPS, WARPS == 4 ? 2 : 1)
 stage2_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
               const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
               const unsigned* __restrict__ masks, const int* __restrict__ mask_base,
               const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
               T* __restrict__ dq, int total_q, int HQ, int H, int G, int n_words, long long mask_h_stride,
-              int mask_q_block, float scale_log2, float scale, int causal) {
+              int mask_q_block, float scale_log2, float scale, int causal, int kv_group) {
     constexpr int THREADS = 32 * WARPS;
     constexpr int M = 16 * WARPS;
     constexpr int CH = D / 8;
@@ -154,11 +162,14 @@ stage2_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     unsigned* sU = reinterpret_cast<unsigned*>(sV + 2 * BLOCK_N * D);
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int h = blockIdx.y, b = blockIdx.z;
+    // QH 2: grid.x runs over (row tile, head of the group), heads fastest, as the forward's (the
+    // group's heads of one tile read the same K/V blocks while they are in the L2)
+    const int h = QH == 2 ? (int)(blockIdx.y * kv_group + blockIdx.x % kv_group) : (int)blockIdx.y;
+    const int b = blockIdx.z;
     S2Seq sq;
     s2_seq(sq, cu_seqlens_q, cu_seqlens_k, b, G, causal);
     // last tiles first: they see the most blocks (causal), so the longest CTAs start earliest
-    const int64 m0 = (int64)(gridDim.x - 1 - blockIdx.x) * M;
+    const int64 m0 = (int64)(QH == 2 ? gridDim.x / kv_group - 1 - blockIdx.x / kv_group : gridDim.x - 1 - blockIdx.x) * M;
     if (m0 >= sq.rows_total) return;
     const int nb = key_blocks(sq.Lk);
     const int t_lo = (int)(m0 / G);
@@ -183,7 +194,8 @@ stage2_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     cp_async_commit();
 
     auto load_kv = [&](int j, int stage) {
-        load_kv_block<T, D>(sK + stage * BLOCK_N * D, sV + stage * BLOCK_N * D, k, v, j, sq.ks, sq.Lk, H, h, tid, THREADS);
+        load_kv_block<T, D>(sK + stage * BLOCK_N * D, sV + stage * BLOCK_N * D, k, v, j, sq.ks, sq.Lk,
+                            QH == 2 ? H / kv_group : H, QH == 2 ? h / kv_group : h, tid, THREADS);
     };
 
     __syncthreads();
@@ -271,7 +283,7 @@ stage2_bwd_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
 // dk, dv: CTA = one 64-key block j of one (h, b); warp w owns keys 16 w .. 16 w + 15 and computes
 // the transposed products S^T = K Q^T and dP^T = V dO^T over a tile's 64 query rows, KN at a
 // time, so that P^T and dS^T are already A operands of dV += P^T dO and dK += dS^T Q.
-template <typename T, int D, int KN, bool FLUSH>
+template <typename T, int D, int KN, bool FLUSH, int QH = 0>
 __global__ void __launch_bounds__(128, 2)
 stage2_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -280,7 +292,7 @@ stage2_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __res
                 const long long* __restrict__ ut_off, const unsigned* __restrict__ ut, long long ut_h_stride,
                 T* __restrict__ dk, T* __restrict__ dv, int total_q, int HQ, int H, int G, int n_words,
                 long long mask_h_stride, int mask_q_block, float scale_log2, float scale, int causal,
-                float* __restrict__ dk32, float* __restrict__ dv32, int flush) {
+                float* __restrict__ dk32, float* __restrict__ dv32, int flush, int kv_group) {
     constexpr int THREADS = 128;
     constexpr int CH = D / 8;
     constexpr float LOG2E = 1.4426950408889634f;
@@ -308,10 +320,12 @@ stage2_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     const unsigned* mrows = seq_mask_rows(masks, mask_base, b, h, mask_h_stride, n_words);
     const int kbase = j * BLOCK_N;
 
+    // QH 2: K/V of the query head's KV head (k, v have H / kv_group heads); dk, dv rows stay per query head
+    const int kv_h = QH == 2 ? h / kv_group : h, kv_H = QH == 2 ? H / kv_group : H;
     for (int i = tid; i < BLOCK_N * CH; i += THREADS) {
         const int row = i / CH, ch = i % CH;
         const int key = kbase + row;
-        const int64 off = ((int64)(sq.ks + key) * H + h) * D + ch * 8;
+        const int64 off = ((int64)(sq.ks + key) * kv_H + kv_h) * D + ch * 8;
         const int bytes = key < sq.Lk ? 16 : 0;
         cp_async_16(smem_u32(sK + swz<D>(row, ch) * 8), bytes ? k + off : k, bytes);
         cp_async_16(smem_u32(sV + swz<D>(row, ch) * 8), bytes ? v + off : v, bytes);

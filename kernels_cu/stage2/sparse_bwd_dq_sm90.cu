@@ -1,8 +1,11 @@
 // stage2/sparse_bwd_dq_sm90.cu: token-level block-sparse attention backward, Hopper (sm_90a) path: dq.
 //
 // Launch contract (mirrored by infllm_cupy/stage2/sparse_bwd.py; dk and dv: sparse_bwd_sm90.cu):
-//   kernel   stage2_bwd_dq_ring_sm90<T, D, NS>  T in {__half, __nv_bfloat16}, D in {64, 128}, NS in {4, 6}
-//            K/V ring stages (the deepest that fits); capability 9.0
+//   kernel   stage2_bwd_dq_ring_sm90<T, D, NS, QH>  T in {__half, __nv_bfloat16}, D in {64, 128}, NS in {4, 6}
+//            K/V ring stages (the deepest that fits); capability 9.0; QH in {0, 2} (default 0) and the
+//            trailing kv_group: per-query-head mask rows as stage2_fwd_sm90's (H = HQ, G = 1, K/V head
+//            h / kv_group, grid (cdiv(max_seqlen_q, 64 * NC) * kv_group, H / kv_group, B), head
+//            fastest in x; the row tiles still run last first)
 //   grid     (cdiv(max_seqlen_q * G, 64 * NC), H, B)     block (128 * (NC + 1)); CTAs in reverse order
 //            (last tiles first: causal, they see the most blocks)
 //   dyn smem as stage2_fwd_sm90 (sparse_fwd_sm90.cu) plus NC dout tiles (placed after the Q tiles)
@@ -17,7 +20,7 @@
 // MN-major in its ring stage (docs/stage2_bwd.md, "dq on the ring").
 #include "stage2/ring_sm90.cuh"
 
-template <typename T, int D, int NS>
+template <typename T, int D, int NS, int QH = 0>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
 stage2_bwd_dq_ring_sm90(const T* __restrict__ q, const T* __restrict__ dout, const __grid_constant__ TmaMap tmap_k,
                         const __grid_constant__ TmaMap tmap_v, const float* __restrict__ lse,
@@ -25,9 +28,10 @@ stage2_bwd_dq_ring_sm90(const T* __restrict__ q, const T* __restrict__ dout, con
                         const int* __restrict__ mask_base, const int* __restrict__ cu_seqlens_q,
                         const int* __restrict__ cu_seqlens_k, T* __restrict__ dq, int total_q, int HQ, int H, int G,
                         int n_words, long long mask_h_stride, int mask_q_block, float scale_log2, float scale,
-                        int causal, int step_mode) {
-    ring_cta_sm90<T, D, NS, true>(q, dout, tmap_k, tmap_v, masks, mask_base, cu_seqlens_q, cu_seqlens_k, dq,
-                                  const_cast<float*>(lse), delta, total_q, HQ, H, G, n_words, mask_h_stride,
-                                  mask_q_block, scale_log2, scale, causal, step_mode, 0, 1 << 30, nullptr, 0, 0);
+                        int causal, int step_mode, int kv_group) {
+    ring_cta_sm90<T, D, NS, true, QH>(q, dout, tmap_k, tmap_v, masks, mask_base, cu_seqlens_q, cu_seqlens_k, dq,
+                                      const_cast<float*>(lse), delta, total_q, HQ, H, G, n_words, mask_h_stride,
+                                      mask_q_block, scale_log2, scale, causal, step_mode, 0, 1 << 30, nullptr, 0, 0,
+                                      kv_group);
 }
 

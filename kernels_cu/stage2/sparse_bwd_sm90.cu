@@ -4,7 +4,7 @@
 // are those of stage2_bwd_dkdv in sparse_bwd.cu (delta and the transposed tile index come from that
 // file's two small kernels); capability 9.0 only. The sm_90a dq kernel runs on the forward's K/V
 // ring: stage2_bwd_dq_ring_sm90 in sparse_bwd_dq_sm90.cu (the ring: ring_sm90.cuh).
-//   stage2_bwd_dkdv_sm90<T, D, GATHER>   grid (H B split0 + H B (n_kb - 1))   block 128
+//   stage2_bwd_dkdv_sm90<T, D, GATHER, QH>   grid (H B split0 + H B (n_kb - 1))   block 128
 //       n_kb = cdiv(max_seqlen_k, 64). CTA order: first the split0 parts of block 0 of every
 //       (sequence, head) (every token selects block 0: alone it would be the longest CTA), then
 //       order = 1: one (sequence, head) after another, key blocks 1, 2, ... within it (CTAs in
@@ -40,6 +40,9 @@
 //       stream serialization attribute): each CTA lets the next pass start at once and waits for
 //       the pass before (griddepcontrol) before it reads dk32, dv32; CTA 0 waits on every path,
 //       so no pass completes before the one before it. pdl = 0: neither instruction runs.
+//       QH = 2 (default 0), trailing argument kv_group: per-query-head mask rows, as stage2_bwd_dkdv's
+//       QH = 2 (sparse_bwd.cu): H = HQ, G = 1, K and V read at head h / kv_group, dk, dv (and dk32,
+//       dv32, part0) per query head; the launcher sums dk, dv over each group in fp32.
 //   stage2_bwd_dkdv_parts<T, D>   grid (H B)   block 256: block 0's dk, dv from the parts.
 //
 // One warpgroup per CTA, every product on wgmma with 128-byte-swizzled shared-memory tiles (the
@@ -264,7 +267,7 @@ __device__ __forceinline__ void dkdv_epilogue(float (&adk)[D / 2], float (&adv)[
     }
 }
 
-template <typename T, int D, bool GATHER>
+template <typename T, int D, bool GATHER, int QH = 0>
 __global__ void __launch_bounds__(128, 2)
 stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                      const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -277,7 +280,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      int total_q, int HQ, int H, int G, int n_words,
                      long long mask_h_stride, int mask_q_block, float scale_log2, float scale, int causal,
                      float* __restrict__ dk32, float* __restrict__ dv32, int q_lo, int q_hi, int last_pass,
-                     int pdl) {
+                     int pdl, int kv_group) {
     constexpr int CH = D / 8;
     constexpr u32 TILE = 64 * D * sizeof(T);
     constexpr u32 HALF = 64 * 128;
@@ -428,7 +431,9 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         for (int u = 0; u < U; ++u) {
             const int key = kbase + (tid + 128 * u) / CH;
             ok[u] = key < sq.Lk;
-            off[u] = ((int64)(sq.ks + key) * H + h) * D;
+            // QH 2: the query head's KV head of k, v's H / kv_group heads (dk, dv rows stay per query head)
+            off[u] = QH == 2 ? ((int64)(sq.ks + key) * (H / kv_group) + h / kv_group) * D
+                             : ((int64)(sq.ks + key) * H + h) * D;
         }
         load_tile_rows<T, D>(sK, k, tid, off, ok);
         load_tile_rows<T, D>(sV, v, tid, off, ok);

@@ -296,8 +296,8 @@ def test_qhead_kernel_equals_expanded_kernel(variant, G):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_module_per_query_head_pattern_forward_and_backward(dtype):
-    """SparseAttention with a per-query-head pattern whose groups differ: the QH forward (no K/V
-    repeat) and the expanded backward, against the float64 reference by FlashAttention's rule."""
+    """SparseAttention with a per-query-head pattern whose groups differ: the QH forward and backward
+    (no K/V repeat), against the float64 reference by FlashAttention's rule."""
     lengths, HQ, H, D, bs = [640, 200], 8, 2, 64, 128
     nb = 5
     pat = qhead_mask((HQ, nb, nb), seed=11, empty_rows=False).tril()

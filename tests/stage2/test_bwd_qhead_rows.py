@@ -1,0 +1,248 @@
+"""Per-query-head mask rows in the stage-2 BACKWARD (`BwdPlan.qhead="head"`, the dq and dk/dv kernels'
+QH = 2 instances; docs/stage2_bwd.md, "Per-query-head mask rows"), and the public routing of
+per-query-head layouts (`block_sparse_attn_varlen` with a layout of HQ heads).
+
+CPU: the plan field and its rules, the public routing (a layout with HQ rows goes to the
+per-query-head op, forward and backward; a head count matching neither H nor HQ is refused), and the
+NVRTC resources of the new instances. GPU: dq, dk, dv against the float64 reference by
+FlashAttention's rule (gradients 3x; outputs NaN-poisoned by the test session) on ragged lengths that
+are not multiples of 64 with a 1-token sequence, G 1 to 32, D 64/128, bf16/fp16, layouts whose heads
+differ inside groups, both kernels ("sm80" and "sm90a"); bit-identity with the expanded path (K/V
+repeated to HQ heads, the G = 1 kernels, dK/dV summed over the group in fp32) for the plan's
+variants (query-range passes, block 0 in parts, SM80 flushes, split dq rings).
+"""
+import dataclasses
+
+import pytest
+import torch
+from conftest import HAS_GPU
+
+from infllm_cupy import _jit
+from infllm_cupy.patterns import qhead_block_sparse_attn_varlen
+from infllm_cupy.stage2 import ops
+from infllm_cupy.stage2.attention import block_sparse_attn_varlen
+from infllm_cupy.stage2.layout import BlockLayout
+from infllm_cupy.stage2.naive import naive_block_sparse_attn_varlen
+from infllm_cupy.stage2.plan import DEFAULT_BWD_TILES, BwdPlan, BwdTiles, bwd_plan
+from infllm_cupy.testing import assert_close_to_ref, assert_grads_close_to_ref, cu_seqlens_from_lengths
+
+HOPPER = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)
+NEEDS_HOPPER = pytest.mark.skipif(not HOPPER, reason="sm_90a kernels need capability 9.0")
+
+
+def qhead_mask(shape, *, seed, density=0.3):
+    """Random per-query-head layout mask whose heads differ inside every group (block 0 kept in most
+    rows; one head's second query block selects nothing, so its rows give 0 and lse = +inf)."""
+    g = torch.Generator().manual_seed(seed)
+    m = torch.rand(shape, generator=g) < density
+    m[..., 0] |= torch.rand(shape[:-1], generator=g) < 0.8
+    if m.shape[-2] > 1:
+        m[..., 1, 1, :] = False
+    return m
+
+
+# ------------------------------------------------------------------------------------------------ CPU
+
+
+def test_bwd_plan_qhead_field():
+    assert BwdPlan("sm90a").qhead == "off"
+    assert BwdPlan("sm90a", qhead="head").qhead == "head"
+    assert BwdPlan("sm80", qhead="head").tiles == DEFAULT_BWD_TILES
+    with pytest.raises(ValueError, match="BwdPlan.qhead must be one of"):
+        BwdPlan("sm90a", qhead="group")
+    with pytest.raises(ValueError, match="BwdPlan.qhead must be one of"):
+        BwdPlan("sm90a", qhead=True)
+    with pytest.raises(ValueError, match="default SM80 tiles"):
+        BwdPlan("sm80", BwdTiles(8, 16), qhead="head")
+    with pytest.raises(ValueError, match="fixed tiles"):
+        BwdPlan("sm90a", dkdv="auto", qhead="head")
+
+
+def test_qhead_bwd_plan_is_the_expanded_plan():
+    """The per-query-head backward's plan is the expanded path's (G = 1) with qhead set: the same
+    passes, block-0 parts and instances, which the bit-identity tests rely on."""
+    from infllm_cupy.patterns.qhead import qhead_bwd_plan
+    for cap in ((9, 0), (8, 0)):
+        for msq in (1000, 40000):
+            p = qhead_bwd_plan(cap, 128, torch.bfloat16, msq, msq, 2 * msq, "auto")
+            e = bwd_plan(cap, 1, 128, torch.bfloat16, msq, msq, 2 * msq, "auto")
+            assert p == dataclasses.replace(e, qhead="head")
+            assert p.dkdv == "tiles"
+
+
+def test_public_op_routes_per_query_head_layouts():
+    """`block_sparse_attn_varlen` with a layout of HQ heads (HQ != H) is the per-query-head op, forward
+    and gradients (CPU: both the expanded reference)."""
+    lengths, HQ, H, D = [150, 40], 8, 2, 16
+    torch.manual_seed(21)
+    T = sum(lengths)
+    leaves = [torch.randn(T, n, D, dtype=torch.float64, requires_grad=True) for n in (HQ, H, H)]
+    cu = cu_seqlens_from_lengths(lengths)
+    lay = BlockLayout(qhead_mask((HQ, 3, 3), seed=22))
+    out, lse = block_sparse_attn_varlen(*leaves, cu, cu, lay, 150, 150, return_lse=True)
+    ref_leaves = [x.detach().clone().requires_grad_() for x in leaves]
+    ref, ref_lse = qhead_block_sparse_attn_varlen(*ref_leaves, cu, cu, lay, 150, 150, return_lse=True)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    dout = torch.randn_like(out)
+    for name, g, r in zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, dout),
+                          torch.autograd.grad(ref, ref_leaves, dout)):
+        assert torch.equal(g, r), name
+    # the reference backend routes too
+    out_r = block_sparse_attn_varlen(*(x.detach() for x in leaves), cu, cu, lay, 150, 150, backend="reference")
+    torch.testing.assert_close(out_r, out.detach(), atol=1e-12, rtol=1e-12)
+
+
+def test_qhead_bwd_custom_op_opcheck():
+    """Registration of `infllm_cupy::qhead_block_sparse_attn_bwd`: schema, fake tensors and AOT
+    dispatch (torch.compile) on the CPU implementation (the expanded path)."""
+    from infllm_cupy.patterns.qhead import qhead_block_sparse_attn_bwd, qhead_block_sparse_attn_fwd
+    torch.manual_seed(23)
+    T, HQ, H, D = 100, 4, 2, 16
+    q, dout = torch.randn(T, HQ, D), torch.randn(T, HQ, D)
+    k, v = torch.randn(T, H, D), torch.randn(T, H, D)
+    cu = cu_seqlens_from_lengths([60, 40])
+    mask = qhead_mask((HQ, 1, 1), seed=24)
+    out, lse = qhead_block_sparse_attn_fwd(q, k, v, cu, cu, mask, 64, 60, 60, True, 0.25, "auto")
+    res = torch.library.opcheck(qhead_block_sparse_attn_bwd, (dout, q, k, v, out, lse, cu, cu, mask, 64, 60, 60,
+                                                             True, 0.25, "auto"))
+    assert set(res.values()) in ({"SUCCESS"}, {"SUCCESS", "SKIP"}), res
+
+
+def test_public_op_refuses_a_layout_of_neither_head_count():
+    q, k = torch.randn(64, 4, 16), torch.randn(64, 2, 16)
+    cu = cu_seqlens_from_lengths([64])
+    with pytest.raises(ValueError, match=r"layout has 3 KV heads but k has 2: .* or q's 4 query heads"):
+        block_sparse_attn_varlen(q, k, k, cu, cu, BlockLayout(torch.ones(3, 1, 1, dtype=torch.bool)), 64, 64)
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("D", [64, 128])
+def test_qhead_bwd_instances_compile_without_more_spills(D):
+    """The QH = 2 backward instances against their per-KV-head twins (bf16; tests/test_jit.py
+    compiles every registered instance): sm_90a no spills, no serialised wgmma, registers within 8 of
+    the twin's; SM80 no more spills than the twin."""
+    T = "__nv_bfloat16"
+    pairs = [("stage2/sparse_bwd_dq_sm90.cu", f"stage2_bwd_dq_ring_sm90<{T}, {D}, 4>"),
+             ("stage2/sparse_bwd_sm90.cu", f"stage2_bwd_dkdv_sm90<{T}, {D}, false>")]
+    for src, base in pairs:
+        rep = _jit.compile_report(src, [base, base[:-1] + ", 2>"], "sm_90a")
+        res = {k.name: k for k in rep.kernels}
+        assert "C7511" not in rep.log, rep.log
+        qh, twin = res[base[:-1] + ", 2>"], res[base]
+        assert qh.spill_stores == 0 and qh.spill_loads == 0, str(qh)
+        assert qh.registers <= twin.registers + 8, (str(qh), str(twin))
+    for base in (DEFAULT_BWD_TILES.dq_name(torch.bfloat16, D), DEFAULT_BWD_TILES.dkdv_name(torch.bfloat16, D)):
+        rep = _jit.compile_report("stage2/sparse_bwd.cu", [base, base[:-1] + ", 2>"], "sm_80")
+        res = {k.name: k for k in rep.kernels}
+        qh, twin = res[base[:-1] + ", 2>"], res[base]
+        assert qh.spill_stores <= twin.spill_stores and qh.spill_loads <= twin.spill_loads, (str(qh), str(twin))
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+KERNELS = [pytest.param("sm90a", marks=NEEDS_HOPPER), "sm80"]
+
+
+def gpu_inputs(lengths, HQ, H, D, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    q, k, v = (torch.randn(T, n, D, generator=g).to("cuda", dtype) for n in (HQ, H, H))
+    return q, k, v, cu_seqlens_from_lengths(lengths, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("D,dtype", [(64, torch.float16), (128, torch.bfloat16)], ids=["d64-fp16", "d128-bf16"])
+@pytest.mark.parametrize("G", [1, 2, 4, 8, 16, 32])
+def test_qhead_bwd_matches_reference(G, D, dtype, kernel):
+    """The public entry's gradients (per-query-head forward and backward kernels, no K/V repeat) on
+    ragged lengths with a 1-token sequence and a per-sequence layout whose heads differ in every
+    group, against the float64 reference on K/V repeated to HQ heads."""
+    lengths, H, q_block = [700, 130, 1], 2, 64
+    HQ = G * H
+    q, k, v, cu = gpu_inputs(lengths, HQ, H, D, dtype, seed=G * 10 + D)
+    mask = qhead_mask((len(lengths), HQ, -(-700 // q_block), -(-700 // 64)), seed=G + D)
+    lay = BlockLayout(mask.cuda(), q_block)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = qhead_block_sparse_attn_varlen(*leaves, cu, cu, lay, 700, 700, backend="kernels", kernel=kernel)
+    ref_leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = naive_block_sparse_attn_varlen(ref_leaves[0], *(x.repeat_interleave(G, 1) for x in ref_leaves[1:]),
+                                         cu, cu, lay, 700, 700)
+    lowp = naive_block_sparse_attn_varlen(leaves[0], *(x.repeat_interleave(G, 1) for x in leaves[1:]),
+                                          cu, cu, lay, 700, 700, upcast=False)
+    assert_close_to_ref("out", out, ref, lowp, mult=2)
+    assert_grads_close_to_ref(out, ref, lowp, leaves, ref_leaves)
+
+
+def _variant_plans(variant, q, k, max_seqlen):
+    """(per-query-head plan, expanded plan): the same plan but for qhead."""
+    kernel = "sm80" if variant.startswith("sm80") else "sm90a"
+    base = bwd_plan(torch.cuda.get_device_capability(), 1, q.shape[2], q.dtype, max_seqlen, max_seqlen, k.shape[0],
+                    kernel=kernel)
+    extra = {"sm80": {}, "sm80_flush": {"dkdv_flush": 3}, "sm90a": {},
+             "sm90a_passes": {"dkdv_passes": 3, "block0_parts": 1},
+             "sm90a_parts": {"dkdv_passes": 1, "block0_parts": 4}, "sm90a_dq_split": {"dq_step": "split"},
+             "sm90a_nopdl": {"dkdv_passes": 2, "block0_parts": 1, "pdl": False}}[variant]
+    base = dataclasses.replace(base, **extra)
+    return dataclasses.replace(base, qhead="head"), base
+
+
+VARIANTS = ["sm80", "sm80_flush"] + [pytest.param(v, marks=NEEDS_HOPPER) for v in
+                                     ("sm90a", "sm90a_passes", "sm90a_parts", "sm90a_dq_split", "sm90a_nopdl")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("G", [1, 4, 16])
+def test_qhead_bwd_bit_identical_to_expanded(variant, G):
+    """dq, dk, dv of the per-query-head backward equal, bit for bit, the expanded path's: K/V repeated
+    to HQ heads, the G = 1 kernels under the same plan, dK/dV summed over the group in fp32 (the
+    kernels differ only in the K/V address, and the sum is the same computation). Also run twice:
+    deterministic."""
+    lengths, H, D = [900, 200, 1], 2, 128
+    HQ = G * H
+    q, k, v, cu = gpu_inputs(lengths, HQ, H, D, torch.bfloat16, seed=31 + G)
+    mask = qhead_mask((HQ, -(-900 // 64), -(-900 // 64)), seed=32 + G).cuda()
+    g = torch.Generator().manual_seed(33)
+    dout = torch.randn(q.shape, generator=g).to("cuda", q.dtype)
+    fwd = dataclasses.replace(ops.fwd_plan_for(q, k, 900, None, kernel="sm80" if variant.startswith("sm80")
+                                               else "sm90a"), qhead="head")
+    out, lse = ops.layout_fwd(q, k, v, cu, cu, mask, 64, 900, 900, True, D ** -0.5, fwd)
+    plan_qh, plan_x = _variant_plans(variant, q, k, 900)
+    got = ops.layout_bwd(dout, q, k, v, out, lse, cu, cu, mask, 64, 900, 900, True, D ** -0.5, plan_qh)
+    again = ops.layout_bwd(dout, q, k, v, out, lse, cu, cu, mask, 64, 900, 900, True, D ** -0.5, plan_qh)
+    ke, ve = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    dq, dke, dve = ops.layout_bwd(dout, q, ke, ve, out, lse, cu, cu, mask, 64, 900, 900, True, D ** -0.5, plan_x)
+    want = (dq, dke.view(-1, H, G, D).sum(2, dtype=torch.float32).to(k.dtype),
+            dve.view(-1, H, G, D).sum(2, dtype=torch.float32).to(v.dtype))
+    for name, a, b, w in zip(("dq", "dk", "dv"), got, again, want):
+        assert a.shape == w.shape, name
+        assert not torch.isnan(a).any(), name
+        assert torch.equal(a, w), name
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_public_op_routes_per_query_head_layouts_on_gpu(kernel):
+    """`block_sparse_attn_varlen` with a layout of HQ heads runs the per-query-head op (bit-equal
+    outputs and gradients), and its gradients pass the rule against the reference."""
+    lengths, HQ, H, D, dtype = [333, 64, 1], 16, 2, 128, torch.bfloat16
+    q, k, v, cu = gpu_inputs(lengths, HQ, H, D, dtype, seed=41)
+    lay = BlockLayout(qhead_mask((HQ, 6, 6), seed=42).cuda(), 64)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = block_sparse_attn_varlen(*leaves, cu, cu, lay, 333, 333, kernel=kernel)
+    qh_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    qh = qhead_block_sparse_attn_varlen(*qh_leaves, cu, cu, lay, 333, 333, kernel=kernel)
+    assert torch.equal(out, qh)
+    dout = torch.randn_like(out)
+    for name, a, b in zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, dout),
+                          torch.autograd.grad(qh, qh_leaves, dout)):
+        assert torch.equal(a, b), name
+    G = HQ // H
+    ref_leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = naive_block_sparse_attn_varlen(ref_leaves[0], *(x.repeat_interleave(G, 1) for x in ref_leaves[1:]),
+                                         cu, cu, lay, 333, 333)
+    lowp = naive_block_sparse_attn_varlen(leaves[0], *(x.repeat_interleave(G, 1) for x in leaves[1:]),
+                                          cu, cu, lay, 333, 333, upcast=False)
+    assert_grads_close_to_ref(out, ref, lowp, leaves, ref_leaves)
