@@ -11,7 +11,7 @@ prints, as shares of dense causal work (each token's whole causal prefix, in 64-
 `random` is unit-normal q and k (what a random-weight model's layers give: neighbouring tokens choose
 independently); `structured` is `infllm_cupy.synthetic.structured_sequence` (sink, local context,
 topics, needles: neighbours choose alike, as in a trained model). Issue #24's 16k prefill gap is read
-from these numbers in docs/integrations.md ("Where a prefill's time goes").
+from these numbers in docs/integrations.md ("Where a prefill's time goes (issue #24)").
 """
 from __future__ import annotations
 
