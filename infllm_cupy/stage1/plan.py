@@ -26,15 +26,6 @@ ROWS_PER_WARP = 32
 # docs/stage1.md, 9. Long context: key ranges (the plan's choice, measured on the H100)
 RANGE_MIN_TWO_PER_SM = 2048   # a split at two CTAs per SM pays only with ranges this wide (fewer merges)
 SCRATCH_BUDGET_FRACTION = 8   # the global block-key scratch may take 1/8 of the device memory
-# docs/stage1.md, 3. The sm_90a kernel, its key-tile ring: key-tile stages of the sm_90a kernel's
-# cp.async ring (template NS) and the deepest the plan picks; 2 until a device A/B shows a deeper
-# ring pays (tools/ab_stage1_ring.py); raising it is the one-line switch
-KEY_STAGES = (2, 3, 4)
-KEY_STAGES_MAX = 2
-# 0: a deeper ring never narrows the key ranges; else a plan at two CTAs per SM may split its rows
-# into ranges this wide or wider (more passes) to keep two per SM with a deeper ring: a second switch
-# for the same A/B (its `ns=N,ranges=W` rows)
-RING_RANGES_MIN = 0
 
 
 def lgp_of(G: int) -> int:
@@ -42,13 +33,12 @@ def lgp_of(G: int) -> int:
     return max(0, (G - 1).bit_length())
 
 
-def smem_bytes_sm90(D: int, itemsize: int, lgp: int, olp: int, key_bytes: int, bs_in_smem: bool,
-                    key_stages: int = 2) -> int:
+def smem_bytes_sm90(D: int, itemsize: int, lgp: int, olp: int, key_bytes: int, bs_in_smem: bool) -> int:
     """Dynamic shared memory of one sm_90a CTA (mirrors select_sm90.cu): alignment slack, two Q
-    tiles and `key_stages` key tiles of 64 rows, the staging rows, per-warp column sums (G > 16) and
-    the block-key rows."""
+    tiles and two key tiles of 64 rows, the staging rows, per-warp column sums (G > 16) and the
+    block-key rows."""
     tok = 128 >> lgp
-    return (1024 + (2 + key_stages) * TILE * D * itemsize + tok * STAGE_STRIDE * 4 + (8 * 64 * 4 if lgp == 5 else 0)
+    return (1024 + 4 * TILE * D * itemsize + tok * STAGE_STRIDE * 4 + (8 * 64 * 4 if lgp == 5 else 0)
             + (tok * olp * key_bytes if bs_in_smem else 0))
 
 
@@ -93,15 +83,13 @@ class Stage1Plan:
     a positive multiple of 64 splits the key blocks into ranges of that many blocks, one range pass
     each, with an exact merge of the candidates (block keys in shared memory, rows of
     `64 + range_blocks` keys; the launcher uses the global scratch instead when K > range_blocks or
-    `return_scores` is asked for). key_stages: the sm_90a kernel's key-tile ring, 2, 3 or 4 tiles
-    in flight-or-in-use (the SM80 kernel: 2).
+    `return_scores` is asked for).
     """
     kernel: str
     warps: int
     block_keys_in_smem: bool = True
     topk_prefix: int = 0
     range_blocks: int = 0
-    key_stages: int = 2
 
     def __post_init__(self):
         if self.kernel not in (SM80, SM90A):
@@ -116,10 +104,6 @@ class Stage1Plan:
                 or self.range_blocks % 64):
             raise ValueError(f"Stage1Plan.range_blocks must be 0 or a positive multiple of 64, got "
                              f"{self.range_blocks!r}")
-        stages = KEY_STAGES if self.kernel == SM90A else (2,)
-        if type(self.key_stages) is not int or self.key_stages not in stages:
-            raise ValueError(f"Stage1Plan.key_stages must be one of {stages} for the {self.kernel} kernel, got "
-                             f"{self.key_stages!r}")
 
     def tokens_per_cta(self, G: int) -> int:
         """Tokens whose rows one CTA holds (0: the CTA cannot hold one token's G rows)."""
@@ -131,7 +115,7 @@ class Stage1Plan:
         olp = 64 + self.range_blocks if self.range_blocks else -(-out_len // 64) * 64
         in_smem = self.block_keys_in_smem or self.range_blocks > 0
         if self.kernel == SM90A:
-            return smem_bytes_sm90(D, itemsize, lgp_of(G), olp, key_bytes, in_smem, self.key_stages)
+            return smem_bytes_sm90(D, itemsize, lgp_of(G), olp, key_bytes, in_smem)
         return smem_bytes(D, itemsize, self.warps, lgp_of(G), olp, key_bytes, in_smem)
 
 
@@ -149,15 +133,14 @@ def scratch_bytes(plan: Stage1Plan, H: int, total_q: int, out_len: int, key_byte
 
 
 def _range_widths(kernel: str, warps: int, G: int, D: int, itemsize: int, key_bytes: int, smem_max: int,
-                  smem_per_sm: int, key_stages: int = 2) -> tuple[int, int]:
+                  smem_per_sm: int) -> tuple[int, int]:
     """(widest range at two CTAs per SM, widest at one CTA per SM): multiples of 64 blocks whose rows
-    (`64 + range` keys per token) fit in shared memory (sm_90a: with a ring of `key_stages` key
-    tiles); 0 where none fits."""
+    (`64 + range` keys per token) fit in shared memory; 0 where none fits."""
     lgp = lgp_of(G)
 
     def smem(rb):
         if kernel == SM90A:
-            return smem_bytes_sm90(D, itemsize, lgp, 64 + rb, key_bytes, True, key_stages)
+            return smem_bytes_sm90(D, itemsize, lgp, 64 + rb, key_bytes, True)
         return smem_bytes(D, itemsize, warps, lgp, 64 + rb, key_bytes, True)
 
     fixed = smem(0)
@@ -167,49 +150,18 @@ def _range_widths(kernel: str, warps: int, G: int, D: int, itemsize: int, key_by
 
 
 def range_blocks_for(kernel: str, warps: int, G: int, D: int, itemsize: int, key_bytes: int, smem_max: int,
-                     smem_per_sm: int, key_stages: int = 2) -> int:
+                     smem_per_sm: int) -> int:
     """The key-range width of a split: the widest at two CTAs per SM if it holds RANGE_MIN_TWO_PER_SM
     blocks or more, else the widest at one CTA per SM (each pass costs a merge: fewer, wider passes
     beat occupancy, docs/stage1.md, 9. Long context: key ranges); 0 if none fits."""
-    two, one = _range_widths(kernel, warps, G, D, itemsize, key_bytes, smem_max, smem_per_sm, key_stages)
+    two, one = _range_widths(kernel, warps, G, D, itemsize, key_bytes, smem_max, smem_per_sm)
     return two if two >= RANGE_MIN_TWO_PER_SM else one
-
-
-def deepest_ring(plan: Stage1Plan, G: int, D: int, itemsize: int, out_len: int, key_bytes: int, smem_max: int,
-                 smem_per_sm: int, max_key_stages: int = KEY_STAGES_MAX,
-                 ring_ranges_min: int = RING_RANGES_MIN) -> Stage1Plan:
-    """`plan` (sm_90a, 2 key stages) with the deepest key-tile ring up to `max_key_stages` that keeps
-    its CTAs per SM: two per SM stays two, one stays one; its range width is kept (narrower ranges
-    for a deeper ring cost merge passes: a measurement, tools/ab_stage1_ring.py), unless
-    `ring_ranges_min` > 0: then a plan at two CTAs per SM whose deeper ring would not fit takes the
-    deepest ring whose widest two-per-SM ranges are at least that wide and narrower than its rows.
-    docs/stage1.md, 3. The sm_90a kernel, its key-tile ring."""
-    if plan.kernel != SM90A:
-        return plan
-    two_per_sm = min(smem_per_sm // 2 - 1024, smem_max)
-    two = plan.smem_bytes(G, D, itemsize, out_len, key_bytes) <= two_per_sm
-    limit = two_per_sm if two else smem_max
-    depths = sorted((n for n in KEY_STAGES if n <= max_key_stages), reverse=True)
-    best = plan
-    for ns in depths:
-        deeper = dataclasses.replace(plan, key_stages=ns)
-        if deeper.smem_bytes(G, D, itemsize, out_len, key_bytes) <= limit:
-            best = deeper
-            break
-    if ring_ranges_min and two and (plan.block_keys_in_smem or plan.range_blocks):
-        rows = plan.range_blocks or -(-out_len // 64) * 64
-        for ns in (n for n in depths if n > best.key_stages):
-            w = _range_widths(SM90A, plan.warps, G, D, itemsize, key_bytes, smem_max, smem_per_sm, ns)[0]
-            if ring_ranges_min <= w < rows:
-                return dataclasses.replace(plan, key_stages=ns, range_blocks=w, block_keys_in_smem=True)
-    return best
 
 
 @functools.lru_cache(maxsize=1024)
 def stage1_plan(capability, G: int, D: int, dtype: torch.dtype, score_dtype: torch.dtype, out_len: int,
                 smem_max: int, smem_per_sm: int, kernel: str = "auto", *, rows: int = 0,
-                scratch_budget: int = 0, max_key_stages: int = KEY_STAGES_MAX,
-                ring_ranges_min: int = RING_RANGES_MIN) -> Stage1Plan:
+                scratch_budget: int = 0) -> Stage1Plan:
     """The stage-1 plan for one call.
 
     capability: the device's (major, minor); smem_max, smem_per_sm: its opt-in per-block and per-SM
@@ -218,14 +170,8 @@ def stage1_plan(capability, G: int, D: int, dtype: torch.dtype, score_dtype: tor
     (ValueError on another capability or G > 32). rows: H x total_q, the rows a global block-key
     scratch would hold; scratch_budget: the bytes that scratch may take (`scratch_budget_of`). Where
     the block-key rows do not fit in shared memory, one launch with the scratch is taken while it
-    fits the budget, key ranges beyond (rows = 0 or budget 0: ranges always). max_key_stages: the
-    deepest key-tile ring the sm_90a plan may take (`deepest_ring`; the SM80 kernel has 2);
-    ring_ranges_min: 0, or the narrowest key ranges a deeper ring may split the rows into.
+    fits the budget, key ranges beyond (rows = 0 or budget 0: ranges always).
     """
-    if type(max_key_stages) is not int or max_key_stages not in KEY_STAGES:
-        raise ValueError(f"max_key_stages must be one of {KEY_STAGES}, got {max_key_stages!r}")
-    if type(ring_ranges_min) is not int or ring_ranges_min < 0 or ring_ranges_min % 64:
-        raise ValueError(f"ring_ranges_min must be 0 or a positive multiple of 64, got {ring_ranges_min!r}")
     lgp = lgp_of(G)
     sm90a = wants_sm90a(kernel, capability, "stage 1")
     if sm90a and lgp > SM90_MAX_LGP:
@@ -245,18 +191,14 @@ def stage1_plan(capability, G: int, D: int, dtype: torch.dtype, score_dtype: tor
         full = smem_bytes_sm90(D, itemsize, lgp, olp, key_bytes, True)
         two, _ = _range_widths(SM90A, warps, G, D, itemsize, key_bytes, smem_max, smem_per_sm)
         if full <= min(smem_per_sm // 2 - 1024, smem_max):
-            plan = Stage1Plan(SM90A, warps, True, 0, 0)
-        elif full <= smem_max:
+            return Stage1Plan(SM90A, warps, True, 0, 0)
+        if full <= smem_max:
             split = two >= RANGE_MIN_TWO_PER_SM and olp > two
-            plan = Stage1Plan(SM90A, warps, True, 0, two if split else 0)
-        elif scratch_fits:
-            plan = Stage1Plan(SM90A, warps, False, 0, 0)
-        else:
-            plan = Stage1Plan(SM90A, warps, False, 0,
-                              range_blocks_for(SM90A, warps, G, D, itemsize, key_bytes, smem_max, smem_per_sm))
-        # the ring is chosen last, within the occupancy the 2-stage plan has
-        return deepest_ring(plan, G, D, itemsize, out_len, key_bytes, smem_max, smem_per_sm, max_key_stages,
-                            ring_ranges_min)
+            return Stage1Plan(SM90A, warps, True, 0, two if split else 0)
+        if scratch_fits:
+            return Stage1Plan(SM90A, warps, False, 0, 0)
+        return Stage1Plan(SM90A, warps, False, 0,
+                          range_blocks_for(SM90A, warps, G, D, itemsize, key_bytes, smem_max, smem_per_sm))
     warps, in_smem = choose_tiles(D, itemsize, lgp, olp, key_bytes, smem_max, smem_per_sm)
     if in_smem:
         return Stage1Plan(SM80, warps, True)

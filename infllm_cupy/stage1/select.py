@@ -40,7 +40,6 @@ from .._kernel_arg import check_kernel
 from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
 from .naive import naive_stage1_select, q_block_idx_prefill
 from .plan import (  # noqa: F401  (the sizing functions re-exported: the launcher's vocabulary)
-    KEY_STAGES,
     MAX_GROUP,
     SCRATCH_BUDGET_FRACTION,
     SM90_MAX_LGP,
@@ -63,25 +62,17 @@ SCORE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # kernels
 
 
 def kernel_name(dtype: torch.dtype, score_dtype: torch.dtype, D: int, sm90a: bool = False,
-                ranged: bool = False, key_stages: int = 2) -> str:
-    """The instance's name expression; `ranged`: the kernel's range-pass instance (RANGED = true);
-    `key_stages`: the sm_90a kernel's key-tile ring (NS; 2 is the template's default, left unnamed)."""
-    if type(key_stages) is not int or key_stages not in KEY_STAGES or (key_stages != 2 and not sm90a):
-        raise ValueError(f"key_stages must be 2 for the SM80 kernel and one of {KEY_STAGES} for sm_90a, "
-                         f"got {key_stages!r}")
+                ranged: bool = False) -> str:
+    """The instance's name expression; `ranged`: the kernel's range-pass instance (RANGED = true)."""
     key = "unsigned" if score_dtype == torch.float32 else "unsigned short"
-    ns = f", {key_stages}" if key_stages != 2 else ""
-    return (f"stage1_select{'_sm90' if sm90a else ''}<{CXX_TYPE[dtype]}, {key}, {D}, "
-            f"{'true' if ranged else 'false'}{ns}>")
+    return f"stage1_select{'_sm90' if sm90a else ''}<{CXX_TYPE[dtype]}, {key}, {D}, {'true' if ranged else 'false'}>"
 
 
 # Every instance the launcher can request: 2 input dtypes x (16-bit, 32-bit scores) x 2 head dims
 # (the group shape and bf16 / fp16 scores are run-time arguments), for each of the two kernels, and
-# each kernel's range-pass instance; the sm_90a kernel for each key-tile ring depth.
+# each kernel's range-pass instance.
 for _sm90a, _src in ((False, SOURCE), (True, SOURCE_SM90)):
-    _jit.register_instances(_src, list(dict.fromkeys(kernel_name(dt, st, d, _sm90a, rg, ns)
-                                                     for ns in (KEY_STAGES if _sm90a else (2,))
-                                                     for rg in (False, True)
+    _jit.register_instances(_src, list(dict.fromkeys(kernel_name(dt, st, d, _sm90a, rg) for rg in (False, True)
                                                      for dt in KERNEL_DTYPES for st in SCORE_DTYPES
                                                      for d in HEAD_DIMS)), sm90a=_sm90a)
 
@@ -299,9 +290,6 @@ def launch_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
     ranged = plan.range_blocks > 0 and not return_scores and 0 < K <= plan.range_blocks
     if plan.range_blocks and not ranged:       # inspection outputs or K wider than a range: one launch
         plan = dataclasses.replace(plan, range_blocks=0)
-        # a ring deepened beside short range rows may not fit beside the full rows: the double buffer
-        if plan.key_stages != 2 and plan.smem_bytes(G, D, q.element_size(), out_len, key_bytes) > smem_max:
-            plan = dataclasses.replace(plan, key_stages=2)
     scratch = None
     if not plan.block_keys_in_smem and not ranged:
         scratch = torch.empty((H, total_q, olp), dtype=torch.int32 if key_bytes == 4 else torch.int16,
@@ -327,7 +315,7 @@ def launch_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
                 np.int32(SCORE_KIND[sdt]), np.int32(KERNEL_STRIDE), np.int32(COARSE_STRIDE),
                 np.float32(scale * 1.4426950408889634), np.int32(plan.topk_prefix))
 
-    name = kernel_name(q.dtype, sdt, D, sm90a, ranged, plan.key_stages)
+    name = kernel_name(q.dtype, sdt, D, sm90a, ranged)
     kernel_fn = _jit.get_kernel(SOURCE_SM90, name, sm90a=True) if sm90a else _jit.get_kernel(SOURCE, name)
     if not ranged:
         launch(kernel_fn, name=name, grid=(n_tiles * B * H,), block=(32 * plan.warps,), shared_mem=shared,

@@ -3,12 +3,11 @@
 // the work differs.
 //
 // Launch contract (mirrored by infllm_cupy/stage1/select.py):
-//   kernel   stage1_select_sm90<T, KT, D, RANGED[, NS]>   (as stage1_select); capability 9.0, G <= 32;
-//            NS = key-tile stages of the cp.async ring, 2 (default), 3 or 4 (Stage1Plan.key_stages)
+//   kernel   stage1_select_sm90<T, KT, D, RANGED>   (as stage1_select); capability 9.0, G <= 32
 //   grid     (n_tiles * B * H)   n_tiles = cdiv(max_seqlen_q, TOK), TOK = 128 / GP; CTA order as stage1_select
 //   block    256 (two warpgroups: 128 rows = TOK tokens x GP rows; lgp <= 5)
-//   dyn smem 1024 (alignment) + 2 * 64 * D * sizeof(T) (Q, two 64-row tiles) + NS * 64 * D * sizeof(T)
-//            (NS key tiles) + TOK * 68 * 4 (staging rows) + (lgp == 5 ? 8 * 64 * 4 : 0) (per-warp column
+//   dyn smem 1024 (alignment) + 2 * 64 * D * sizeof(T) (Q, two 64-row tiles) + 2 * 64 * D * sizeof(T)
+//            (two key tiles) + TOK * 68 * 4 (staging rows) + (lgp == 5 ? 8 * 64 * 4 : 0) (per-warp column
 //            sums) + (bs_scratch ? 0 : TOK * olp * sizeof(KT))
 //   range pass (RANGED, cand_idx != null; docs/stage1.md, 9. Long context: key ranges): blocks [j_lo, j_hi),
 //            j_lo a multiple of 64; olp = 64 + wr (wr >= K, a multiple of 64: the range row and a 64-key pad);
@@ -30,7 +29,7 @@
 #include "common/wgmma_sm90.cuh"
 #include "stage1/select_common.cuh"
 
-template <typename T, typename KT, int D, int NS>
+template <typename T, typename KT, int D>
 __device__ __forceinline__ void
 stage1_select_sm90_body(const T* __restrict__ q, const T* __restrict__ ck1, const T* __restrict__ ck2,
                         const int* __restrict__ cu_q, const int* __restrict__ cu_c1, const int* __restrict__ cu_c2,
@@ -70,7 +69,7 @@ stage1_select_sm90_body(const T* __restrict__ q, const T* __restrict__ ck1, cons
 #define S1_FT_LO max(0, j_lo / 16 - 1)
     const int NT = w.nc + nf;
 
-    float* sT = reinterpret_cast<float*>(smem + (sK + NS * TILE - raw));              // [TOK][68]
+    float* sT = reinterpret_cast<float*>(smem + (sK + 2 * TILE - raw));              // [TOK][68]
     float* sP = sT + TOK * S1_ST;                                                     // [8][64] if lgp == 5
     key_t* sB = reinterpret_cast<key_t*>(sP + (lgp == 5 ? 8 * 64 : 0));               // [TOK][olp]
     const int64 score_row0 = (int64)w.h * total_q + w.qs + w.t0;                      // row of token 0
@@ -132,16 +131,6 @@ stage1_select_sm90_body(const T* __restrict__ q, const T* __restrict__ ck1, cons
         };
         load_tile(0, 0);
         cp_async_commit();
-        if constexpr (NS > 2) {
-            // a deeper ring (docs/stage1.md, 3. The sm_90a kernel, its key-tile ring): tiles
-            // 1 .. NS - 2 in flight too, one commit group each (empty past the last tile), so that
-            // the wait at the top of tile u may leave NS - 2 younger groups pending
-#pragma unroll
-            for (int t = 1; t < NS - 1; ++t) {
-                if (t < NT) load_tile(t, t);
-                cp_async_commit();
-            }
-        }
 
         // descriptors built once, as 32-bit halves: moving one by b bytes adds b >> 4 to the low half
         // (the start-address field; addresses lie below 256 KB, so nothing carries out of it)
@@ -167,17 +156,12 @@ stage1_select_sm90_body(const T* __restrict__ q, const T* __restrict__ ck1, cons
         int pend_kb = -1;                       // fine tile whose pooling is pending (its first key)
 #pragma unroll 1
         for (int u = 0; u < NT; ++u) {
-            // tile u (and, at u = 0, Q) landed (the NS - 2 groups committed after it may still be in
-            // flight); every warp is done with the stage of tile u - 1, whose wgmma were waited on in
-            // the previous iteration: tile u + NS - 1 may overwrite it
-            cp_async_wait<NS - 2>();
+            // tile u (and, at u = 0, Q) landed; every warp is done with the other stage, whose
+            // wgmma were waited on in the previous iteration: the next copy may overwrite it
+            cp_async_wait<0>();
             fence_proxy_async();
             __syncthreads();
-            if constexpr (NS == 2) {
-                if (u + 1 < NT) load_tile(u + 1, stage ^ 1);
-            } else {
-                if (u + NS - 1 < NT) load_tile(u + NS - 1, stage == 0 ? NS - 1 : stage - 1);
-            }
+            if (u + 1 < NT) load_tile(u + 1, stage ^ 1);
             cp_async_commit();
             const bool fine = u >= w.nc;
             const int kb = (fine ? u - w.nc + S1_FT_LO : u) * S1_TILE;    // first key of the tile
@@ -237,8 +221,7 @@ stage1_select_sm90_body(const T* __restrict__ q, const T* __restrict__ ck1, cons
                 }
                 pend_kb = lgp >= 4 ? -1 : kb;
             }
-            if constexpr (NS == 2) stage ^= 1;
-            else stage = stage == NS - 1 ? 0 : stage + 1;
+            stage ^= 1;
         }
         if (pend_kb >= 0 && live) pool(pend_kb);
         if (lgp >= 4 && live && lane == 0 && (lgp == 4 || (warp & 1) == 0))
@@ -260,7 +243,7 @@ stage1_select_sm90_body(const T* __restrict__ q, const T* __restrict__ ck1, cons
 
 // The launch: the full selection (RANGED = false: the range arguments fixed, so that the compiler
 // drops the range code) or a range pass (docs/stage1.md, 9. Long context: key ranges).
-template <typename T, typename KT, int D, bool RANGED, int NS = 2>
+template <typename T, typename KT, int D, bool RANGED>
 __global__ void __launch_bounds__(256, 2)
 stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* __restrict__ ck2,
                    const int* __restrict__ cu_q, const int* __restrict__ cu_c1, const int* __restrict__ cu_c2,
@@ -271,8 +254,7 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
                    int quirk, int causal, int kind, int s1, int s2c, float sl2, int topk_prefix,
                    int j_lo, int j_hi, unsigned* __restrict__ cand_key, int* __restrict__ cand_idx,
                    float* __restrict__ row_bias, int bias_mode) {
-    static_assert(NS >= 2 && NS <= 4, "key-tile stages: 2, 3 or 4");
-    stage1_select_sm90_body<T, KT, D, NS>(q, ck1, ck2, cu_q, cu_c1, cu_c2, cache_lens, topk_idx, scores, block_scores, bs_scratch,
+    stage1_select_sm90_body<T, KT, D>(q, ck1, ck2, cu_q, cu_c1, cu_c2, cache_lens, topk_idx, scores, block_scores, bs_scratch,
                                       total_q, HQ, H, G, lgp, B, n_tiles, max_seqlen_q, out_len, olp, K, max_n1, init_blocks,
                                       local_blocks, quirk, causal, kind, s1, s2c, sl2, topk_prefix, RANGED ? j_lo : 0,
                                       RANGED ? j_hi : out_len, RANGED ? cand_key : nullptr, RANGED ? cand_idx : nullptr,

@@ -891,7 +891,6 @@ def test_every_instance_is_registered():
                 for d in (64, 128):
                     assert sel.kernel_name(dt, st, d, sm90a) in names
                     assert sel.kernel_name(dt, st, d, sm90a, ranged=True) in names
-        # sm_90a: each also with the deeper key-tile rings (tests/stage1/test_stage1_ring.py)
-        assert len(names) == (16 * len(sel.KEY_STAGES) if sm90a else 16)
+        assert len(names) == 16
     assert [lgp_of(G) for G in (1, 2, 3, 4, 5, 16, 17, 24, 32, 33, 64, 65, 128)] == \
         [0, 1, 2, 2, 3, 4, 5, 5, 5, 6, 6, 7, 7]
