@@ -68,7 +68,20 @@ from infllm_cupy.distributed import (  # noqa: E402
     zigzag_plan,
 )
 
-from infllm_cupy.stage2.sparse_bwd import BWD_MAX_KEYS  # noqa: E402
+from infllm_cupy.stage2.plan import SM90_STAGES, SMEM_PER_BLOCK, sm90_smem_bytes  # noqa: E402
+from infllm_cupy.stage2.sparse_bwd import bwd_max_keys  # noqa: E402
+from infllm_cupy.stage2.sparse_fwd import MASK_WARPS  # noqa: E402
+
+
+def key_cap(d: int) -> int:
+    """The longest sequence the searches probe: past it a kernel refuses the shape (an error, not a
+    memory limit). Each bound is a mask row's uint32 words (one per 32 key blocks) in shared
+    memory: the backward's SM80 dq (`bwd_max_keys`; docs/stage2_bwd.md, "Limits"), the sm_90a
+    forward's ring at its shallowest depth, and token_block_masks (MASK_WARPS rows per CTA)."""
+    fixed = sm90_smem_bytes(d, SM90_STAGES[-1], 0)
+    ring_words = (SMEM_PER_BLOCK - fixed) // (sm90_smem_bytes(d, SM90_STAGES[-1], 1) - fixed)
+    mask_words = SMEM_PER_BLOCK // (4 * MASK_WARPS)
+    return min(bwd_max_keys(d), ring_words * 32 * 64, mask_words * 32 * 64)
 
 GiB = 2**30
 
@@ -716,9 +729,8 @@ def main(argv=None):
     save()  # the rows survive a search that fails
     if a.search and c.world in c.sizes:
         t_end = time.perf_counter() + a.search_budget_s
-        # the backward kernels take at most 65535 key blocks (one grid.z slice each): a longer probe
-        # would stop the search with an error, not measure a memory limit
-        cap = min(a.search_max or float("inf"), BWD_MAX_KEYS)
+        # a longer probe would stop the search with a kernel's shape error, not measure a memory limit
+        cap = min(a.search_max or float("inf"), key_cap(a.d))
         longest_measured = max(a.lengths)
         single_ok = [r["L"] for r in rows if r["single_ms"] is not None]
         lo1 = max(single_ok, default=0)

@@ -319,16 +319,19 @@ def bwd_plan(capability, G: int, D: int, dtype: torch.dtype, max_seqlen_q: int, 
     """The backward's plan for one call.
 
     kernel: "auto" (sm_90a on capability 9.0, else SM80), "sm80" or "sm90a" (ValueError on another
-    capability). On sm_90a: dq on the ring (the SM80 dq past TMA's int32 rows), dk/dv by both
-    instances ("auto") where 8 <= G <= 64 and by fixed tiles elsewhere, TMA where G divides 64,
-    query-range passes by size, block 0 in parts where there is one pass.
+    capability). On sm_90a: dq on the ring (the SM80 dq past TMA's int32 rows or the ring's shared
+    memory), dk/dv by both instances ("auto") where 8 <= G <= 64 and by fixed tiles elsewhere, TMA
+    where G divides 64, query-range passes by size, block 0 in parts where there is one pass.
     """
     if not wants_sm90a(kernel, capability, "the stage-2 backward"):
         return BwdPlan(SM80, DEFAULT_BWD_TILES, dq=SM80)
     itemsize = dtype.itemsize
     passes = dkdv_passes(max_seqlen_q, G, D, itemsize)
+    # the ring dq holds its mask-word unions next to its ring: past about 5.9M keys at D = 128 its
+    # shallowest ring no longer fits, the SM80 dq's tiles do (docs/stage2_bwd.md, "Limits")
+    ring_fits = sm90_smem_bytes(D, SM90_STAGES[-1], n_mask_words(max_seqlen_k), itemsize, dq=True) <= SMEM_PER_BLOCK
     return BwdPlan(SM90A, DEFAULT_BWD_TILES,
-                   dq=SM90A if total_k < 2**31 - KV_BLOCK else SM80, dq_step="auto",
+                   dq=SM90A if total_k < 2**31 - KV_BLOCK and ring_fits else SM80, dq_step="auto",
                    dq_stages=sm90_stages(D, n_mask_words(max_seqlen_k), itemsize, dq=True),
                    dkdv="auto" if GATHER_G[0] <= G <= GATHER_G[1] else "tiles", dkdv_tma=64 % G == 0,
                    dkdv_passes=passes, block0_parts=dkdv_block0_parts(max_seqlen_q, G) if passes == 1 else 1,

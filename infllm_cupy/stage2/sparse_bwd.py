@@ -32,6 +32,7 @@ from .plan import (  # noqa: F401  (BwdTiles ... re-exported: the launcher's voc
     SM90_CONSUMERS,
     SM90_STAGES,
     SM90A,
+    SMEM_PER_BLOCK,
     BwdPlan,
     BwdTiles,
     bwd_plan,
@@ -78,7 +79,68 @@ for _dt in KERNEL_DTYPES:
         _jit.register_instances(SM90_SOURCE, [_qh_name(f"stage2_bwd_dkdv_sm90<{CXX_TYPE[_dt]}, {_d}, false>", "head")],
                                 sm90a=True)
 
-BWD_MAX_KEYS = 65535 * KV_BLOCK   # the dk/dv grid has one z slice per 64-key block (CUDA: z <= 65535)
+GRID_X_MAX = 2**31 - 1    # CUDA's grid limits (x; y and z)
+GRID_YZ_MAX = 65535
+
+
+def dkdv_z_chunks(n_kb: int) -> list[tuple[int, int]]:
+    """`(kb0, nz)` of the SM80 dk/dv launches over `n_kb` key blocks: grid.z takes at most 65535,
+    so key blocks kb0 .. kb0 + nz - 1 go to one launch (kernel argument kb0), the chunks in order
+    (docs/stage2_bwd.md, "Limits"). One chunk up to 4,194,240 keys: the launch that ran before."""
+    return [(kb0, min(GRID_YZ_MAX, n_kb - kb0)) for kb0 in range(0, n_kb, GRID_YZ_MAX)]
+
+
+def dq_smem_limit_words(D: int, plan: BwdPlan, itemsize: int = 2, smem: int = SMEM_PER_BLOCK) -> int:
+    """The most mask words per row the dq instance of `plan` takes: its CTA keeps the union of its
+    tokens' mask rows (one uint32 word per 32 key blocks) in shared memory next to its tiles."""
+    if plan.dq == SM90A:
+        return (smem - sm90_smem_bytes(D, plan.dq_stages, 0, itemsize, dq=True)) // (4 * (SM90_CONSUMERS + 1))
+    return (smem - dq_smem_bytes(D, plan.tiles, 0, itemsize)) // 4
+
+
+def bwd_max_keys(D: int, itemsize: int = 2, smem: int = SMEM_PER_BLOCK) -> int:
+    """The longest max_seqlen_k the backward runs at head dim D: the SM80 dq with the default tiles
+    (bwd_plan's dq past the sm_90a ring's shared memory) must hold a mask row's words in `smem`
+    (68,681,728 keys at D = 128 in 16-bit types on an H100), and cu_seqlens are int32
+    (docs/stage2_bwd.md, "Limits")."""
+    words = dq_smem_limit_words(D, BwdPlan(SM80), itemsize, smem)
+    return min(words * 32 * KV_BLOCK, 2**31 - 1)
+
+
+def check_bwd_limits(plan: BwdPlan, *, B: int, H: int, G: int, D: int, itemsize: int, total_q: int, HQ: int,
+                     max_seqlen_q: int, max_seqlen_k: int, n_words: int, smem: int = SMEM_PER_BLOCK) -> None:
+    """The backward's launch limits past which a kernel would not start or would overflow its
+    32-bit math, each named (docs/stage2_bwd.md, "Limits"). `H`, `G`: the row space's (HQ, 1 with
+    per-query-head rows). `smem`: the device's shared memory per block (opt-in)."""
+    if max_seqlen_q * G >= 2**31:
+        raise ValueError(f"max_seqlen_q * G must be < 2**31 for the backward kernels (32-bit row indices within "
+                         f"a sequence), got {max_seqlen_q} * {G}")
+    if B > GRID_YZ_MAX or H > GRID_YZ_MAX:
+        raise ValueError(f"the backward launches put (KV head, sequence) in grid.y / grid.z (<= {GRID_YZ_MAX}): "
+                         f"got {H} heads, {B} sequences")
+    words_max = dq_smem_limit_words(D, plan, itemsize, smem)
+    if n_words > words_max:
+        raise ValueError(
+            f"max_seqlen_k too long for the backward's dq: its CTA keeps the union of its mask rows "
+            f"({n_words} uint32 words, one per 32 key blocks) in shared memory, and the {plan.dq} dq at D = {D} "
+            f"holds at most {words_max} words ({words_max * 32 * KV_BLOCK} keys) in {smem} B; got max_seqlen_k = "
+            f"{max_seqlen_k}" + ("; the SM80 dq (BwdPlan.dq='sm80') holds more" if plan.dq == SM90A else ""))
+    n_kb = cdiv(max_seqlen_k, KV_BLOCK)
+    if plan.kernel == SM90A and H * B * (plan.block0_parts + n_kb - 1) > GRID_X_MAX:
+        raise ValueError(f"the sm_90a dk/dv grid (one CTA per (KV head, sequence, key block)) must be <= "
+                         f"{GRID_X_MAX}: got H * B * (block0_parts + n_kb - 1) = {H} * {B} * "
+                         f"({plan.block0_parts} + {n_kb} - 1)")
+    tile_rows = G if plan.kernel == SM90A and plan.dkdv != "tiles" else QT   # the finest index built
+    max_groups = cdiv(cdiv(max_seqlen_q * G, tile_rows), 32)
+    if cdiv(max_groups * n_words, TILE_WARPS) > GRID_X_MAX or cdiv(total_q * HQ, 8) > GRID_X_MAX:
+        raise ValueError(f"the transposed index's grid (one warp per 32 query tiles x mask word) or delta's "
+                         f"(one warp per query row) exceeds {GRID_X_MAX} CTAs: {max_groups} x {n_words} words, "
+                         f"{total_q} x {HQ} rows")
+
+
+def _device_smem(dev: torch.device) -> int:
+    """The device's shared memory per block (opt-in), SMEM_PER_BLOCK where torch does not say."""
+    return int(getattr(torch.cuda.get_device_properties(dev), "shared_memory_per_block_optin", 0) or SMEM_PER_BLOCK)
 
 
 def dq_smem_bytes(D: int, tiles: BwdTiles, n_words: int, itemsize: int = 2) -> int:
@@ -145,12 +207,6 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     "Per-query-head mask rows").
     """
     check_aligned(dout=dout, q=q, k=k, v=v, out=out)
-    if max_seqlen_q * (q.shape[1] // k.shape[1]) >= 2**31:
-        raise ValueError(f"max_seqlen_q * G must be < 2**31 for the backward kernels (32-bit row indices within "
-                         f"a sequence), got {max_seqlen_q} * {q.shape[1] // k.shape[1]}")
-    if max_seqlen_k > BWD_MAX_KEYS:
-        raise ValueError(f"max_seqlen_k must be <= {BWD_MAX_KEYS} for the backward kernels (one grid.z slice "
-                         f"per 64-key block), got {max_seqlen_k}")
     total_q, HQ, D = q.shape
     total_k, H, _ = k.shape
     G = HQ // H
@@ -164,6 +220,8 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     B = cu_seqlens_q.numel() - 1
     n_words = masks.shape[-1]
     dev = q.device
+    check_bwd_limits(plan, B=B, H=H, G=G, D=D, itemsize=q.element_size(), total_q=total_q, HQ=HQ,
+                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, n_words=n_words, smem=_device_smem(dev))
     dout, out, lse = dout.contiguous(), out.contiguous(), lse.contiguous()
     dq = empty((total_q, HQ, D), dtype=q.dtype, device=dev)
     dk = empty((total_k, H, D), dtype=k.dtype, device=dev)
@@ -278,8 +336,10 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                 launch(kernel, name=kv_name, grid=(H * B * (split0 + n_kb - 1),), block=(128,), shared_mem=kv_smem,
                        args=args + pass_args + (np.int32(pdl and passes > 1),) + qh_tail, pdl=pdl and p > 0)
         else:
-            launch(_jit.get_kernel(BWD_SOURCE, kv_name), name=kv_name, grid=(H, B, n_kb), block=(128,),
-                   shared_mem=kv_smem, args=common + index_args + (ptr(dk), ptr(dv)) + tail + flush_args + qh_tail)
+            kernel = _jit.get_kernel(BWD_SOURCE, kv_name)
+            for kb0, nz in dkdv_z_chunks(n_kb):     # grid.z <= 65535: key blocks in chunks, in order
+                launch(kernel, name=kv_name, grid=(H, B, nz), block=(128,), shared_mem=kv_smem,
+                       args=common + index_args + (ptr(dk), ptr(dv)) + tail + flush_args + qh_tail + (np.int32(kb0),))
 
     if len(kv_launches) == 2:
         # the two halves of dkdv="auto" run side by side: one after the other, the first one's

@@ -20,7 +20,9 @@
 //       QH = 2 (sparse_fwd.cu): H = HQ, G = 1, query head h reads K/V head h / kv_group of k, v's
 //       H / kv_group heads; grid (cdiv(max_seqlen_q, 16 * WARPS) * kv_group, H / kv_group, B), block x
 //       = tile * kv_group + head in group (docs/stage2_bwd.md, "Per-query-head mask rows").
-//   stage2_bwd_dkdv<T, D, KN, false, QH> grid (H, B, cdiv(max_seqlen_k, 64)), block 128
+//   stage2_bwd_dkdv<T, D, KN, false, QH> grid (H, B, nz), block 128, in z-chunks: the launch with
+//       last argument kb0 runs key blocks kb0 .. kb0 + nz - 1 (nz <= 65535, CUDA's grid.z limit);
+//       the launcher covers cdiv(max_seqlen_k, 64) blocks with chunks of 65535 in order
 //       dyn smem (2 * 64 * D + 4 * 64 * D) * sizeof(T) + 2 * 3 * 64 * 4
 //       dk, dv [total_k, H, D] T. One CTA per 64-key block walks the query tiles in its ut row,
 //       so it owns its keys' gradients outright: every key row is written exactly once (zeros when
@@ -31,7 +33,7 @@
 //       zero; it adds those rows back before the final store. A CTA with at most `flush` tiles
 //       never touches them, and computes the bits of the <.., false> instance (docs/stage2_bwd.md,
 //       12. SM80 path).
-//   QH = 2 (default 0), trailing argument kv_group: per-query-head mask rows. The launch passes
+//   QH = 2 (default 0), argument kv_group (before kb0): per-query-head mask rows. The launch passes
 //       H = HQ and G = 1 (masks, ut and lse over HQ heads); query head h reads K and V at head
 //       h / kv_group of their H / kv_group heads, and dk, dv (and dk32, dv32) are per-query-head
 //       partials [total_k, HQ, D] that the launcher sums over each group in fp32.
@@ -292,7 +294,7 @@ stage2_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __res
                 const long long* __restrict__ ut_off, const unsigned* __restrict__ ut, long long ut_h_stride,
                 T* __restrict__ dk, T* __restrict__ dv, int total_q, int HQ, int H, int G, int n_words,
                 long long mask_h_stride, int mask_q_block, float scale_log2, float scale, int causal,
-                float* __restrict__ dk32, float* __restrict__ dv32, int flush, int kv_group) {
+                float* __restrict__ dk32, float* __restrict__ dv32, int flush, int kv_group, int kb0) {
     constexpr int THREADS = 128;
     constexpr int CH = D / 8;
     constexpr float LOG2E = 1.4426950408889634f;
@@ -307,8 +309,9 @@ stage2_bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __res
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     // key block slowest in the launch order: blocks 0, 1, ... (selected by the most query tiles:
-    // the forced init block, the earliest blocks) start first, so the longest CTAs do not trail
-    const int j = blockIdx.z, h = blockIdx.x, b = blockIdx.y;
+    // the forced init block, the earliest blocks) start first, so the longest CTAs do not trail.
+    // kb0: the first key block of this launch's z-chunk (grid.z <= 65535; docs/stage2_bwd.md, "Limits")
+    const int j = (int)blockIdx.z + kb0, h = blockIdx.x, b = blockIdx.y;
     S2Seq sq;
     s2_seq_bounds(sq, cu_seqlens_q, cu_seqlens_k, b);
     if (j >= key_blocks(sq.Lk)) return;
