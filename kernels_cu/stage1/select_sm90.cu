@@ -115,26 +115,44 @@ stage1_select_sm90_body(const T* __restrict__ q, const T* __restrict__ ck1, cons
         constexpr int RSTEP = NTHREADS / CH;
         const int64 key_stride = (int64)H * D, row_step = RSTEP * key_stride;
         const u32 ld_dst0 = swz128(ld_row0, ld_ch, 64);
+        // the copy walks the coarse keys, then the fine ones, tile after tile: a pointer per thread that
+        // steps by one tile (no per-tile address products), and a full tile's copies go without the
+        // per-chunk row test (only a stream's last tile is partial)
+        const T* ld_base;
+        const T* ld_src;
+        int ld_left;                            // rows of the stream from the next tile's first one
+        auto ld_stream = [&](bool coarse) {
+            ld_base = coarse ? ck2 : ck1;
+            const int key0 = coarse ? 0 : S1_FT_LO * S1_TILE;
+            ld_src = ld_base + (int64)((coarse ? w.c2s : w.c1s) + key0 + ld_row0) * key_stride + (int64)w.h * D +
+                     ld_ch * 8;
+            ld_left = (coarse ? w.n2 : w.n1) - key0;
+        };
+        ld_stream(w.nc > 0);
         auto load_tile = [&](int u, int stage) {
-            const bool coarse = u < w.nc;
-            const T* src_base = coarse ? ck2 : ck1;
-            const int cs = coarse ? w.c2s : w.c1s, n = coarse ? w.n2 : w.n1;
-            const int key0 = (coarse ? u : u - w.nc + S1_FT_LO) * S1_TILE;
-            const int rows = min(S1_TILE, n - key0);
-            const T* src = src_base + (int64)(cs + key0 + ld_row0) * key_stride + (int64)w.h * D + ld_ch * 8;
+            if (u == w.nc && u > 0) ld_stream(false);
             const u32 dst = sK + stage * TILE + ld_dst0;
+            if (ld_left >= S1_TILE) {
 #pragma unroll
-            for (int i = 0; i < KROWS; ++i, src += row_step) {
-                const int bytes = ld_row0 + i * RSTEP < rows ? 16 : 0;
-                cp_async_16(dst + i * RSTEP * 128, bytes ? src : src_base, bytes);
+                for (int i = 0; i < KROWS; ++i) cp_async_16(dst + i * RSTEP * 128, ld_src + i * row_step, 16);
+            } else {
+#pragma unroll
+                for (int i = 0; i < KROWS; ++i) {
+                    const int bytes = ld_row0 + i * RSTEP < ld_left ? 16 : 0;
+                    cp_async_16(dst + i * RSTEP * 128, bytes ? ld_src + i * row_step : ld_base, bytes);
+                }
             }
+            ld_src += S1_TILE * key_stride;
+            ld_left -= S1_TILE;
         };
         load_tile(0, 0);
         cp_async_commit();
 
         // descriptors built once, as 32-bit halves: moving one by b bytes adds b >> 4 to the low half
         // (the start-address field; addresses lie below 256 KB, so nothing carries out of it)
-        const u64 q_desc = smem_desc(sQ + wg * TILE, 16, 1024), k_desc = smem_desc(sK, 16, 1024);
+        // warp-uniform bases (warp_uniform: a REDUX), so that ptxas keeps the descriptors in uniform
+        // registers instead of moving each one over with R2UR before every wgmma
+        const u64 q_desc = smem_desc(sQ + warp_uniform(wg) * TILE, 16, 1024), k_desc = smem_desc(sK, 16, 1024);
         const u32 q_lo = (u32)q_desc, k_lo = (u32)k_desc, desc_hi = (u32)(k_desc >> 32);
         // block keys in shared memory or in the global scratch: two call sites, so that the shared
         // one compiles to shared-memory loads and stores (a generic pointer costs 64-bit math)
@@ -167,12 +185,12 @@ stage1_select_sm90_body(const T* __restrict__ q, const T* __restrict__ ck1, cons
             const int kb = (fine ? u - w.nc + S1_FT_LO : u) * S1_TILE;    // first key of the tile
 
             // S = Q K^T on the tensor cores (both warpgroups, always: wgmma is warpgroup-collective)
-            const u32 kd = k_lo + ((stage * TILE) >> 4);
+            const u32 kd = k_lo + ((warp_uniform(stage) * TILE) >> 4);
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) {
                 const u32 koff = ((kk >> 2) * HALF + (kk & 3) * 32) >> 4;
-                wgmma_ss<T, 64>(sacc, desc_of(q_lo + koff, desc_hi), desc_of(kd + koff, desc_hi), kk > 0);
+                wgmma_ss<T, 64>(sacc, ((u64)desc_hi << 32) | (q_lo + koff), ((u64)desc_hi << 32) | (kd + koff), kk > 0);
             }
             wgmma_commit();
             // meanwhile: pool the previous fine tile from the staging rows
