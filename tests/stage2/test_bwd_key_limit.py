@@ -202,9 +202,22 @@ def test_backward_past_65535_key_blocks(long_case, kernel, monkeypatch):
         assert_close_to_ref(name, g[keys], r, lp, mult=3)
         # blocks past the first z-chunk (and past 65535 * 64 keys) got real gradients
         for j in (65535, 65536, 67000, N_KB - 1):
-            rows = (keys >= j * KV_BLOCK) & (keys < (j + 1) * KV_BLOCK)
+            rows = (keys >= j * KV_BLOCK) & (keys < min((j + 1) * KV_BLOCK, LK[0]))   # the long sequence's
             assert rows.any() and bool((g[keys[rows]].float().abs().sum(-1) > 0).any()), (name, j)
         g[keys] = 0            # every other key row: exactly zero (NaN, an unwritten row, counts too)
         assert int(torch.count_nonzero(g)) == 0, f"{name}: rows outside the selected blocks are not all zero"
     del dq, dk, dv
     torch.cuda.empty_cache()
+
+
+@GPU
+def test_launcher_refuses_keys_past_the_dq_shared_memory():
+    """Past the SM80 dq's mask words the launcher names the limit before it allocates anything."""
+    keys = bwd_max_keys(128) + 1
+    q, do, out = (torch.randn(1, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    k, v = (torch.randn(1, 1, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lse = torch.zeros(2, 1, device="cuda")
+    cu = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
+    masks = torch.zeros(1, 1, n_mask_words(keys), dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match=r"sm80 dq at D = 128 holds at most 33536 words"):
+        stage2_bwd(do, q, k, v, out, lse, cu, cu, masks, cu, 1, 1, 1, keys, True, 128 ** -0.5, BwdPlan(SM80))
