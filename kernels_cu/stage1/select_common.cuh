@@ -53,6 +53,14 @@ __device__ __forceinline__ int vis_limit(int r, int s, int n, int Lq, int causal
     return min(n, max(0, lim));
 }
 
+// (m & a) | (~m & b) bit by bit in one LOP3: operands (a, b, m), the truth table of
+// (c & a) | (~c & b) over PTX's a = 0xF0, b = 0xCC, c = 0xAA is 0xE4
+__device__ __forceinline__ unsigned bitsel(unsigned m, unsigned a, unsigned b) {
+    unsigned d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(d) : "r"(a), "r"(b), "r"(m));
+    return d;
+}
+
 // Sum over the lanes that differ in bits 2 .. 2+LV-1 (the low LV bits of the accumulator row g =
 // lane / 4), scattering the result: v holds 16 values v[2n + e] = column 8n + 2(lane%4) + e; after
 // the call v[0 .. 16 >> LV) holds the sums of n-tiles n0 .. n0 + (8 >> LV), n0 = (g % 2^LV) * (8 >> LV).
@@ -62,13 +70,14 @@ __device__ __forceinline__ void reduce_scatter(float (&v)[16], int lane) {
         constexpr int k = LV - 1 - STEP;       // reduces g bit k (lane bit 2 + k)
         constexpr int half = 8 >> STEP;        // values kept
         // lanes with the bit set keep the upper half; the selects are bit masks so that the compiler
-        // never turns them into a select of addresses (which would put v in local memory)
+        // never turns them into a select of addresses (which would put v in local memory), each one
+        // LOP3 (bitsel: written out in C++ ptxas spent about two per select)
         const unsigned up = 0u - ((lane >> (2 + k)) & 1u);
 #pragma unroll
         for (int i = 0; i < half; ++i) {
             const unsigned lo = __float_as_uint(v[i]), hi = __float_as_uint(v[i + half]);
-            const float send = __uint_as_float((lo & up) | (hi & ~up));
-            const float keep = __uint_as_float((hi & up) | (lo & ~up));
+            const float send = __uint_as_float(bitsel(up, lo, hi));
+            const float keep = __uint_as_float(bitsel(up, hi, lo));
             v[i] = keep + __shfl_xor_sync(S1_FULL, send, 4 << k);
         }
         reduce_scatter<LV, STEP + 1>(v, lane);
