@@ -354,6 +354,21 @@ def cp_rows(c: Ctx, L: int) -> dict:
     return res
 
 
+def _selected_keys(k: torch.Tensor, v: torch.Tensor, sel: torch.Tensor):
+    """The keys and values of the 64-key blocks a query block's selection `sel [H, 64, K]` names (the
+    union over its tokens and heads, in order, plus the query block's own block, the last of `k`) and
+    `sel` renumbered onto them. The own block is the last one a token can select, so it stays last and
+    the bottom-right causal mask of the compacted problem is the original one: the float64 reference
+    then costs the selection, not the prefix (a 1M-token prefix is ~17 GB per fp64 score matrix)."""
+    own = torch.tensor([k.shape[0] // 64 - 1], dtype=sel.dtype, device=sel.device)
+    used = torch.unique(torch.cat([sel[sel >= 0], own]))                 # sorted block indices
+    new_of = torch.full((int(used.max()) + 1,), -1, dtype=sel.dtype, device=sel.device)
+    new_of[used] = torch.arange(used.numel(), dtype=sel.dtype, device=sel.device)
+    sel_c = torch.where(sel >= 0, new_of[sel.clamp(min=0).long()], sel)
+    rows = (used.long()[:, None] * 64 + torch.arange(64, device=sel.device)).reshape(-1)
+    return k[rows].contiguous(), v[rows].contiguous(), sel_c
+
+
 def check_blocks(c: Ctx, L: int, q, k, v, do, cu) -> dict:
     """Out and dq of sampled 64-token query blocks this rank owns against the float64 stage-2 reference
     over the same blocks' selection (FlashAttention's rule). Every rank samples the same global blocks."""
@@ -391,11 +406,14 @@ def check_blocks(c: Ctx, L: int, q, k, v, do, cu) -> dict:
                 q_block_idx_prefill(cu_q, 64, cache_lens=cache),
                 c.cfg.topk + c.cfg.local_blocks,
             )
+        kc, vc, sel_c = _selected_keys(kf[:e], vf[:e], sel)
+        ec = kc.shape[0]
+        cu_kc = torch.tensor([0, ec], dtype=torch.int32, device=c.dev)
         ref_out, _, (ref_dq, _, _) = reference_sparse_grads(
-            qb, kf[:e], vf[:e], dob, cu_q, cu_k, sel, 64, e, True, exact=True
+            qb, kc, vc, dob, cu_q, cu_kc, sel_c, 64, ec, True, exact=True
         )
         low_out, _, (low_dq, _, _) = reference_sparse_grads(
-            qb, kf[:e], vf[:e], dob, cu_q, cu_k, sel, 64, e, True, exact=False
+            qb, kc, vc, dob, cu_q, cu_kc, sel_c, 64, ec, True, exact=False
         )
         for name, got, ref, low, mult in (
             ("out", out_l.detach()[rows], ref_out, low_out, 2),
