@@ -112,6 +112,22 @@ def reference_sparse_grads(q, k, v, dout, cu_q, cu_k, topk_idx, max_q, max_k, ca
     return out.detach(), lse, torch.autograd.grad(out, leaves, dout.double() if exact else dout)
 
 
+def assert_qhead_layout_close(out: torch.Tensor, q, k, v, leaves, cu_q, cu_k, layout, max_q: int, max_k: int) -> None:
+    """`out` (from the `leaves` copies of q, k, v under a per-query-head `layout`) and its gradients
+    against the float64 reference with K/V repeated to q's heads (FlashAttention's rule, 2x out and 3x
+    gradients), the same reference in q's precision as the baseline."""
+    from .stage2.naive import naive_block_sparse_attn_varlen
+
+    G = q.shape[1] // k.shape[1]
+    ref_leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = naive_block_sparse_attn_varlen(ref_leaves[0], *(x.repeat_interleave(G, 1) for x in ref_leaves[1:]),
+                                         cu_q, cu_k, layout, max_q, max_k)
+    lowp = naive_block_sparse_attn_varlen(leaves[0], *(x.repeat_interleave(G, 1) for x in leaves[1:]),
+                                          cu_q, cu_k, layout, max_q, max_k, upcast=False)
+    assert_close_to_ref("out", out, ref, lowp, mult=2)
+    assert_grads_close_to_ref(out, ref, lowp, leaves, ref_leaves)
+
+
 def check_sparse_grads(grads, q, k, v, dout, cu_q, cu_k, topk_idx, max_q, max_k, causal, *, out=None):
     """Assert stage-2 gradients (and `out`, if given) against the reference by FlashAttention's rule
     (3x the low-precision error for gradients, 2x for the output), with exact zeros where nothing

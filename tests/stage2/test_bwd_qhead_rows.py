@@ -22,9 +22,8 @@ from infllm_cupy.patterns import qhead_block_sparse_attn_varlen
 from infllm_cupy.stage2 import ops
 from infllm_cupy.stage2.attention import block_sparse_attn_varlen
 from infllm_cupy.stage2.layout import BlockLayout
-from infllm_cupy.stage2.naive import naive_block_sparse_attn_varlen
 from infllm_cupy.stage2.plan import DEFAULT_BWD_TILES, BwdPlan, BwdTiles, bwd_plan
-from infllm_cupy.testing import assert_close_to_ref, assert_grads_close_to_ref, cu_seqlens_from_lengths
+from infllm_cupy.testing import assert_qhead_layout_close, cu_seqlens_from_lengths
 
 HOPPER = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)
 NEEDS_HOPPER = pytest.mark.skipif(not HOPPER, reason="sm_90a kernels need capability 9.0")
@@ -165,13 +164,7 @@ def test_qhead_bwd_matches_reference(G, D, dtype, kernel):
     lay = BlockLayout(mask.cuda(), q_block)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     out = qhead_block_sparse_attn_varlen(*leaves, cu, cu, lay, 700, 700, backend="kernels", kernel=kernel)
-    ref_leaves = [x.double().requires_grad_() for x in (q, k, v)]
-    ref = naive_block_sparse_attn_varlen(ref_leaves[0], *(x.repeat_interleave(G, 1) for x in ref_leaves[1:]),
-                                         cu, cu, lay, 700, 700)
-    lowp = naive_block_sparse_attn_varlen(leaves[0], *(x.repeat_interleave(G, 1) for x in leaves[1:]),
-                                          cu, cu, lay, 700, 700, upcast=False)
-    assert_close_to_ref("out", out, ref, lowp, mult=2)
-    assert_grads_close_to_ref(out, ref, lowp, leaves, ref_leaves)
+    assert_qhead_layout_close(out, q, k, v, leaves, cu, cu, lay, 700, 700)
 
 
 def _variant_plans(variant, q, k, max_seqlen):
@@ -239,10 +232,4 @@ def test_public_op_routes_per_query_head_layouts_on_gpu(kernel):
     for name, a, b in zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, dout, retain_graph=True),
                           torch.autograd.grad(qh, qh_leaves, dout)):
         assert torch.equal(a, b), name
-    G = HQ // H
-    ref_leaves = [x.double().requires_grad_() for x in (q, k, v)]
-    ref = naive_block_sparse_attn_varlen(ref_leaves[0], *(x.repeat_interleave(G, 1) for x in ref_leaves[1:]),
-                                         cu, cu, lay, 333, 333)
-    lowp = naive_block_sparse_attn_varlen(leaves[0], *(x.repeat_interleave(G, 1) for x in leaves[1:]),
-                                          cu, cu, lay, 333, 333, upcast=False)
-    assert_grads_close_to_ref(out, ref, lowp, leaves, ref_leaves)
+    assert_qhead_layout_close(out, q, k, v, leaves, cu, cu, lay, 333, 333)
