@@ -73,6 +73,12 @@ ALL_TILES = [FwdTiles(w, m, kn) for w in (4, 8) for m in (1, 2) for kn in (32, 6
 QHEAD_MODES = {"off": 0, "head": 2}
 
 
+def qhead_instance(name: str, qhead: str) -> str:
+    """The kernel instance of a `FwdPlan.qhead` / `BwdPlan.qhead` value: `name` (a C++ name expression
+    `kernel<...>`) with the QH template value appended; "off" is the default QH = 0, the bare name."""
+    return name if qhead == "off" else f"{name[:-1]}, {QHEAD_MODES[qhead]}>"
+
+
 @dataclasses.dataclass(frozen=True)
 class FwdPlan:
     """What `stage2_fwd` launches.

@@ -38,6 +38,7 @@ from .plan import (  # noqa: F401  (BwdTiles ... re-exported: the launcher's voc
     bwd_plan,
     sm80_dkdv_flushes,
     sm90_smem_bytes,
+    qhead_instance,
 )
 RING_SOURCE = "stage2/sparse_bwd_dq_sm90.cu"   # the dq kernel on the forward's K/V ring
 
@@ -63,20 +64,16 @@ _jit.register_instances(SM90_SOURCE, [f"stage2_bwd_dkdv_sm90<{CXX_TYPE[dt]}, {d}
                          sm90a=True)
 
 
-def _qh_name(name: str, qhead: str) -> str:
-    """The instance of BwdPlan.qhead `qhead` (the kernels' QH) of a backward name expression."""
-    return name if qhead == "off" else f"{name[:-1]}, {QHEAD_MODES[qhead]}>"
-
-
 # per-query-head mask rows (BwdPlan.qhead="head"): G = 1 in the row space, so fixed tiles only, and
 # the SM80 kernels with the default tiles only (compile time of the CPU suite)
 for _dt in KERNEL_DTYPES:
     for _d in HEAD_DIMS:
-        _jit.register_instances(BWD_SOURCE, [_qh_name(DEFAULT_BWD_TILES.dq_name(_dt, _d), "head")]
-                                + [_qh_name(DEFAULT_BWD_TILES.dkdv_name(_dt, _d, f), "head") for f in (False, True)])
-        _jit.register_instances(RING_SOURCE, [_qh_name(f"stage2_bwd_dq_ring_sm90<{CXX_TYPE[_dt]}, {_d}, {ns}>", "head")
-                                              for ns in SM90_STAGES], sm90a=True)
-        _jit.register_instances(SM90_SOURCE, [_qh_name(f"stage2_bwd_dkdv_sm90<{CXX_TYPE[_dt]}, {_d}, false>", "head")],
+        _jit.register_instances(BWD_SOURCE, [qhead_instance(DEFAULT_BWD_TILES.dq_name(_dt, _d), "head")]
+                                + [qhead_instance(DEFAULT_BWD_TILES.dkdv_name(_dt, _d, f), "head") for f in (False, True)])
+        _jit.register_instances(RING_SOURCE,
+                                [qhead_instance(f"stage2_bwd_dq_ring_sm90<{CXX_TYPE[_dt]}, {_d}, {ns}>", "head")
+                                 for ns in SM90_STAGES], sm90a=True)
+        _jit.register_instances(SM90_SOURCE, [qhead_instance(f"stage2_bwd_dkdv_sm90<{CXX_TYPE[_dt]}, {_d}, false>", "head")],
                                 sm90a=True)
 
 GRID_X_MAX = 2**31 - 1    # CUDA's grid limits (x; y and z)
@@ -264,7 +261,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if plan.dq == SM90A:
         # dq on the forward's warp-specialised K/V ring (TMA producer, two consumer warpgroups)
         ns = plan.dq_stages
-        dq_name, dq_rows, dq_threads = _qh_name(f"stage2_bwd_dq_ring_sm90<{T}, {D}, {ns}>", plan.qhead), \
+        dq_name, dq_rows, dq_threads = qhead_instance(f"stage2_bwd_dq_ring_sm90<{T}, {D}, {ns}>", plan.qhead), \
             64 * SM90_CONSUMERS, 128 * (SM90_CONSUMERS + 1)
         dq_kernel = _jit.get_kernel(RING_SOURCE, dq_name, sm90a=True)
         dq_smem = sm90_smem_bytes(D, ns, n_words, itemsize, dq=True)
@@ -272,7 +269,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                    ptr(mask_base), ptr(cu_seqlens_q), ptr(cu_seqlens_k)) + dq_scalars \
             + (np.int32(DQ_STEPS[plan.dq_step]),) + qh_tail
     else:
-        dq_name, dq_rows, dq_threads = _qh_name(plan.tiles.dq_name(q.dtype, D), plan.qhead), \
+        dq_name, dq_rows, dq_threads = qhead_instance(plan.tiles.dq_name(q.dtype, D), plan.qhead), \
             16 * plan.tiles.dq_warps, 32 * plan.tiles.dq_warps
         dq_kernel = _jit.get_kernel(BWD_SOURCE, dq_name)
         dq_smem = dq_smem_bytes(D, plan.tiles, n_words, itemsize)
@@ -285,7 +282,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         else:
             runs = [(True, by_tokens, None)] if gather else [(False, by_tiles, None)]
         null = np.uint64(0)
-        kv_launches = [(_qh_name(f"stage2_bwd_dkdv_sm90<{T}, {D}, {'true' if g else 'false'}>", plan.qhead), True,
+        kv_launches = [(qhead_instance(f"stage2_bwd_dkdv_sm90<{T}, {D}, {'true' if g else 'false'}>", plan.qhead), True,
                         (ptr(own[0]), ptr(own[1]), np.int64(own[2]))
                         + ((ptr(other[0]), ptr(other[1]), np.int64(other[2])) if other else (null, null, np.int64(0))),
                         g)
@@ -298,7 +295,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         flush_rows = tuple(empty((total_k, H, D), dtype=torch.float32, device=dev) for _ in range(2 * flush))
         flush_args = ((ptr(flush_rows[0]), ptr(flush_rows[1]), np.int32(plan.dkdv_flush)) if flush
                       else (np.uint64(0), np.uint64(0), np.int32(0)))
-        kv_launches = [(_qh_name(plan.tiles.dkdv_name(q.dtype, D, flush), plan.qhead), False,
+        kv_launches = [(qhead_instance(plan.tiles.dkdv_name(q.dtype, D, flush), plan.qhead), False,
                         (ptr(by_tiles[0]), ptr(by_tiles[1]), np.int64(by_tiles[2])), False)]
     # QH = 2: (row tile, head of the group) in x, heads fastest, KV head in y (the forward's grid)
     launch(dq_kernel, name=dq_name, grid=(cdiv(max_seqlen_q * G, dq_rows) * kv_group, H // kv_group, B),

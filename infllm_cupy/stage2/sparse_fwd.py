@@ -31,6 +31,7 @@ from .plan import (  # noqa: F401  (FwdTiles ... re-exported: the launcher's voc
     n_mask_words,
     sm90_fits_keys,
     sm90_smem_bytes,
+    qhead_instance,
 )
 
 FWD_SOURCE = "stage2/sparse_fwd.cu"
@@ -38,10 +39,6 @@ SM90_SOURCE = "stage2/sparse_fwd_sm90.cu"
 MASK_SOURCE = "stage2/block_masks.cu"
 MASK_WARPS = 8          # mirrors #define WARPS in block_masks.cu
 
-
-def _qh_name(name: str, qhead: str) -> str:
-    """The instance of FwdPlan.qhead `qhead` (the kernels' QH) of a forward name expression."""
-    return name if qhead == "off" else f"{name[:-1]}, {QHEAD_MODES[qhead]}>"
 
 # MT = 2 spills a little under the 255-register cap (D = 128: 116 B; D = 64: 8 B), yet measures
 # fastest: the CPU compile check tolerates its spills and demands none of the MT = 1 variants.
@@ -53,9 +50,9 @@ _jit.register_instances(SM90_SOURCE, [f"stage2_fwd_sm90<{CXX_TYPE[dt]}, {d}, {ns
                                      for d in HEAD_DIMS for ns in SM90_STAGES], sm90a=True)
 # per-query-head mask rows (FwdPlan.qhead): the QH instances, SM80 with the default tiles only
 # (MT = 2 spills as its KV-row twin does: not strict)
-_jit.register_instances(FWD_SOURCE, [_qh_name(DEFAULT_TILES.name(dt, d), "head")
+_jit.register_instances(FWD_SOURCE, [qhead_instance(DEFAULT_TILES.name(dt, d), "head")
                                      for dt in KERNEL_DTYPES for d in HEAD_DIMS], strict=False)
-_jit.register_instances(SM90_SOURCE, [_qh_name(f"stage2_fwd_sm90<{CXX_TYPE[dt]}, {d}, {ns}>", "head")
+_jit.register_instances(SM90_SOURCE, [qhead_instance(f"stage2_fwd_sm90<{CXX_TYPE[dt]}, {d}, {ns}>", "head")
                                       for dt in KERNEL_DTYPES for d in HEAD_DIMS for ns in SM90_STAGES], sm90a=True)
 _jit.register_instances(MASK_SOURCE, ["token_block_masks"])
 
@@ -114,13 +111,13 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
     itemsize = q.element_size()
     if plan.kernel == SM80:
         tiles = plan.tiles
-        name = _qh_name(tiles.name(q.dtype, D), plan.qhead)
+        name = qhead_instance(tiles.name(q.dtype, D), plan.qhead)
         launch(_jit.get_kernel(FWD_SOURCE, name), name=name,
                grid=(cdiv(max_seqlen_q * G, tiles.rows) * kv_group, H // kv_group, B),
                block=(32 * tiles.warps,), shared_mem=(tiles.rows * D + 4 * KV_BLOCK * D) * itemsize + 4 * n_words,
                args=(ptr(q), ptr(k), ptr(v)) + head + (ptr(out), ptr(lse)) + tail + qh_tail)
         return out, lse
-    name = _qh_name(f"stage2_fwd_sm90<{CXX_TYPE[q.dtype]}, {D}, {plan.stages}>", plan.qhead)
+    name = qhead_instance(f"stage2_fwd_sm90<{CXX_TYPE[q.dtype]}, {D}, {plan.stages}>", plan.qhead)
     kernel = _jit.get_kernel(SM90_SOURCE, name, sm90a=True)
     smem = sm90_smem_bytes(D, plan.stages, n_words, itemsize)
     maps = (rows_map(k, KV_BLOCK), rows_map(v, KV_BLOCK))
