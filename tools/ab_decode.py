@@ -69,7 +69,7 @@ def parse_variant(spec: str):
         name, _, val = part.partition("=")
         if name == "pdl":
             fields[name] = val.lower() in ("1", "true", "yes")
-        elif name in ("merge_groups", "num_splits", "per_split", "row_tiles", "kv_stages"):
+        elif name in ("merge_groups", "num_splits", "per_split", "row_tiles"):
             fields[name] = int(val)
         else:
             raise SystemExit(f"--variants {spec!r}: unknown plan field {name!r}")

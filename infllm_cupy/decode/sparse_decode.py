@@ -36,11 +36,15 @@ MAX_SPLITS = 256
 MERGE_SPLITS_PER_GROUP = 4
 MERGE_MAX_THREADS = 1024
 
-KV_STAGES = (2, 3, 4)   # NS: K/V blocks in the split kernel's shared-memory ring (DecodePlan.kv_stages)
-_jit.register_instances(SOURCE, [f"sparse_decode_split<{CXX_TYPE[t]}, {d}, {mt}, {ns}>"
-                                 for t in KERNEL_DTYPES for d in HEAD_DIMS for mt in ROW_TILES for ns in KV_STAGES])
+_jit.register_instances(SOURCE, [f"sparse_decode_split<{CXX_TYPE[t]}, {d}, {mt}>"
+                                 for t in KERNEL_DTYPES for d in HEAD_DIMS for mt in ROW_TILES])
 _jit.register_instances(SOURCE, [f"sparse_decode_merge<{CXX_TYPE[t]}, {d}>" for t in KERNEL_DTYPES for d in HEAD_DIMS])
 _jit.register_instances(SOURCE, ["sparse_decode_weights"])
+
+
+def kv_stages(head_dim: int) -> int:
+    """K/V blocks in shared memory per CTA (KVLayout::NSTAGE in the .cu)."""
+    return 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +59,6 @@ class DecodePlan:
             each, 32 to 1024 threads in all); 0 = `default_merge_groups`.
         pdl (bool): under CUDA-graph capture on sm_90, launch the merge and the weights pass as
             programmatic dependents of the kernel before them (their launch overlaps its tail).
-        kv_stages (int): K/V blocks in the split kernel's shared-memory ring (2, 3 or 4): blocks
-            i + 1 .. i + kv_stages - 1 load while block i is computed.
     """
     row_tiles: int
     num_splits: int
@@ -64,7 +66,6 @@ class DecodePlan:
     _: dataclasses.KW_ONLY
     merge_groups: int = 0
     pdl: bool = True
-    kv_stages: int = 2
 
     def merge_threads(self, head_dim: int) -> int:
         """Threads per CTA of the merge: merge_groups (or its default) groups of head_dim / 4."""
@@ -72,11 +73,11 @@ class DecodePlan:
         return groups * (head_dim // 4)
 
     def split_smem_bytes(self, head_dim: int, sparse: bool, k: int = 0) -> int:
-        """Dynamic shared memory of the split kernel (SplitSmem in the .cu): Q, the K/V stages, row
+        """Dynamic shared memory of the split kernel (SplitSmem in the .cu): Q, two K/V stages, row
         stats, warp counts, then (sparse) the split's block list and the first k topk entries."""
         rowb = 2 * head_dim
         mt = self.row_tiles
-        return 16 * mt * rowb + self.kv_stages * 2 * KV_BLOCK * rowb + 2 * mt * 4 * 16 * 4 + 4 * mt * 4 + \
+        return 16 * mt * rowb + kv_stages(head_dim) * 2 * KV_BLOCK * rowb + 2 * mt * 4 * 16 * 4 + 4 * mt * 4 + \
             (4 * (self.per_split + k) if sparse else 0)
 
 
@@ -181,7 +182,7 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
     null = np.uint64(0)
     paged = bt is not None
     run = Launches(dev)
-    run.add(SOURCE, f"sparse_decode_split<{CXX_TYPE[q.dtype]}, {D}, {plan.row_tiles}, {plan.kv_stages}>", (S, H, B),
+    run.add(SOURCE, f"sparse_decode_split<{CXX_TYPE[q.dtype]}, {D}, {plan.row_tiles}>", (S, H, B),
             (128 * plan.row_tiles,), plan.split_smem_bytes(D, sparse, K),
             (ptr(q), ptr(k), ptr(v), ptr(seqlens), ptr(bt) if paged else null,
              np.int32(bt.shape[1] if paged else 0), np.int32(k.shape[1] if paged else 0),
@@ -226,16 +227,14 @@ def check_plan(plan, group: int, n_entries: int, head_dim: int, k: int = 0) -> N
                          f"the {n_entries} to read")
     if not isinstance(plan.pdl, bool):
         raise ValueError(f"plan: pdl must be a bool, got {plan.pdl!r}")
-    if type(plan.kv_stages) is not int or plan.kv_stages not in KV_STAGES:
-        raise ValueError(f"plan: kv_stages must be one of {KV_STAGES}, got {plan.kv_stages!r}")
     g = plan.merge_groups
     is_int = isinstance(g, int) and not isinstance(g, bool)
     if not is_int or g < 0 or (g & (g - 1)) or (g and not 32 <= g * (head_dim // 4) <= MERGE_MAX_THREADS):
         raise ValueError(f"plan: merge_groups must be 0 (default) or a power of two with 32 <= merge_groups x "
                          f"D / 4 <= {MERGE_MAX_THREADS} at D = {head_dim}, got {g!r}")
     if plan.split_smem_bytes(head_dim, k > 0, k) > MAX_SMEM:
-        raise ValueError(f"topk_idx: K = {k} entries with plan.kv_stages = {plan.kv_stages} need more shared "
-                         f"memory than a CTA has ({plan.split_smem_bytes(head_dim, k > 0, k)} > {MAX_SMEM} bytes)")
+        raise ValueError(f"topk_idx: K = {k} entries need more shared memory than a CTA has "
+                         f"({plan.split_smem_bytes(head_dim, True, k)} > {MAX_SMEM} bytes)")
 
 
 def _check_kernel_inputs(q, k, v, seqlens, bt, topk_idx):

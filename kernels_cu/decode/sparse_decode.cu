@@ -4,8 +4,7 @@
 //
 // Launch contract (mirrored by infllm_cupy/decode/sparse_decode.py):
 //
-// sparse_decode_split<T, D, MT, NS> T in {__half, __nv_bfloat16}, D in {64, 128}, MT in {1, 2, 4},
-//                                   NS in {2, 3, 4} K/V blocks in the shared-memory ring (DecodePlan.kv_stages)
+// sparse_decode_split<T, D, MT>     T in {__half, __nv_bfloat16}, D in {64, 128}, MT in {1, 2, 4}
 //   grid   (S, H, B)    S = num_splits; one CTA per (split, KV head, sequence) computes all G query
 //                       heads of the KV head (G <= 16 * MT rows, padded with zero rows to 16 * MT)
 //   block  (128 * MT)   4 * MT warps: warp w takes rows 16 * (w / 4) .. +15 of the group and keys
@@ -59,16 +58,17 @@ struct KVLayout {
     static constexpr int ROWB = D * 2;                      // bytes of one 16-bit row
     static constexpr int TILE = BLK * ROWB;                 // one K or V block
     static constexpr int STAGE = 2 * TILE;                  // K then V
+    // K/V ring depth: block i + 1 loads while block i is computed. A first probe with 3 stages at
+    // D = 128 was no faster (docs/decode.md, section 3) and costs residency (two CTAs per SM, not three)
+    static constexpr int NSTAGE = 2;
 };
 
-// Dynamic shared memory: Q [16 MT rows], NS K/V stages (blocks i + 1 .. i + NS - 1 load while block i
-// is computed; the depth is a plan value, docs/decode.md, 3. The split kernel), per-warp row stats,
-// warp counts, block list.
-template <int D, int MT, int NS>
+// Dynamic shared memory: Q [16 MT rows], 2 K/V stages, per-warp row stats, warp counts, block list.
+template <int D, int MT>
 struct SplitSmem {
     static constexpr int Q = 0;
     static constexpr int KV = Q + 16 * MT * KVLayout<D>::ROWB;
-    static constexpr int STATS = KV + NS * KVLayout<D>::STAGE;          // m, l: float [MT][4][16] each
+    static constexpr int STATS = KV + KVLayout<D>::NSTAGE * KVLayout<D>::STAGE;          // m, l: float [MT][4][16] each
     static constexpr int WCNT = STATS + 2 * MT * 4 * 16 * 4;           // int [4 MT]
     static constexpr int LIST = WCNT + 4 * MT * 4;                     // int [per_split], then int [K] (sparse)
 };
@@ -94,11 +94,11 @@ __device__ __forceinline__ const void* step_ptr(const void* p, long long bytes) 
 // The epilogue's fp32 sum buffers over the (free) K/V stages: NBUF buffers of 16 MT rows of OROW
 // floats, then the 16 MT reciprocal row sums. Rows padded by 8 floats: the float2 stores of a fragment
 // row (8 rows x 4 lanes x 8 bytes per half-warp) then hit 32 distinct banks.
-template <int D, int MT, int NS>
+template <int D, int MT>
 struct EpilogueSmem {
     static constexpr int OROW = D + 8;
     static constexpr int BUF = 16 * MT * OROW * 4;                     // bytes of one buffer
-    static constexpr int AVAIL = NS * KVLayout<D>::STAGE - 16 * MT * 4;
+    static constexpr int AVAIL = KVLayout<D>::NSTAGE * KVLayout<D>::STAGE - 16 * MT * 4;
     // one buffer per key-quarter warp where they fit (one round), else 2 or 1 (2 or 4 rounds)
     static constexpr int NBUF = 4 * BUF <= AVAIL ? 4 : 2 * BUF <= AVAIL ? 2 : 1;
     static constexpr int ROWL = NBUF * BUF;                            // float [16 MT]: 1 / row sum
@@ -106,7 +106,7 @@ struct EpilogueSmem {
 
 // At most 128 registers per thread (4 / MT CTAs of 128 MT threads per SM): enough for the fp32 output
 // tile of D = 128, and without the bound ptxas picked 80 at D = 64 on sm_80 and spilled.
-template <typename T, int D, int MT, int NS>
+template <typename T, int D, int MT>
 __global__ void __launch_bounds__(128 * MT, 4 / MT)
 sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                     const int* __restrict__ seqlens, const int* __restrict__ block_table, int max_pages,
@@ -114,7 +114,7 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
                     int per_split, float scale_log2, float* __restrict__ o_part, float* __restrict__ lse_part,
                     __half* __restrict__ prel, float* __restrict__ pmax, int W) {
     constexpr int NT = 128 * MT, NW = 4 * MT, ROWB = KVLayout<D>::ROWB, CH = D / 8;
-    typedef SplitSmem<D, MT, NS> SM;
+    typedef SplitSmem<D, MT> SM;
     extern __shared__ __align__(128) unsigned char smem[];
     float* m_s = reinterpret_cast<float*>(smem + SM::STATS);
     float* l_s = m_s + MT * 64;
@@ -232,6 +232,7 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
             }
         }
     };
+    constexpr int NS = KVLayout<D>::NSTAGE;
 #pragma unroll
     for (int st = 0; st < NS - 1; ++st) {               // group st: block st (group 0 also holds Q)
         if (st < n) load_block(block_of(st), st);
@@ -247,17 +248,13 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
     for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     float m[2] = {-INFLLM_INF, -INFLLM_INF}, l[2] = {0.f, 0.f};
 
-    // the ring's stage of block i (cur) and of block i + NS - 1 (cur - 1 mod NS), stepped rather than
-    // taken mod NS (not a power of two at NS = 3)
-    int cur = 0;
     for (int i = 0; i < n; ++i) {
         const int j = block_of(i);
-        if (i + NS - 1 < n) load_block(block_of(i + NS - 1), cur == 0 ? NS - 1 : cur - 1);
+        if (i + NS - 1 < n) load_block(block_of(i + NS - 1), (i + NS - 1) % NS);
         cp_async_commit();
         cp_async_wait<NS - 1>();                           // block i has landed
         __syncthreads();
-        const u32 kt = kv_s + cur * KVLayout<D>::STAGE + 16 * kw * ROWB;
-        cur = cur == NS - 1 ? 0 : cur + 1;
+        const u32 kt = kv_s + (i % NS) * KVLayout<D>::STAGE + 16 * kw * ROWB;
         const u32 vt = kt + KVLayout<D>::TILE;
 
         float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -371,7 +368,7 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
         }
     }
     __syncthreads();
-    typedef EpilogueSmem<D, MT, NS> EP;
+    typedef EpilogueSmem<D, MT> EP;
     constexpr int OROW = EP::OROW, NBUF = EP::NBUF;
     float* obuf = reinterpret_cast<float*>(smem + SM::KV);          // the K/V stages are free now
     float* row_inv = reinterpret_cast<float*>(smem + SM::KV + EP::ROWL);

@@ -171,17 +171,6 @@ def test_plan_merge_groups():
         check_plan(DecodePlan(1, 8, 12, pdl=None), 16, 96, 128, 96)
 
 
-def test_plan_kv_stages():
-    # the ring depth: 2, 3 or 4 K/V blocks in shared memory, each 2 x 64 x D x 2 bytes more
-    for ns in (2, 3, 4):
-        check_plan(DecodePlan(4, 8, 12, kv_stages=ns), 64, 96, 128, 96)
-    base = DecodePlan(1, 8, 12).split_smem_bytes(128, True, 96)
-    assert DecodePlan(1, 8, 12, kv_stages=3).split_smem_bytes(128, True, 96) == base + 2 * 64 * 128 * 2
-    for ns in (1, 5, True, 3.0):
-        with pytest.raises(ValueError, match="kv_stages"):
-            check_plan(DecodePlan(1, 8, 12, kv_stages=ns), 16, 96, 128, 96)
-
-
 def cdiv_(a, b):
     return -(-a // b)
 
@@ -283,37 +272,6 @@ def test_kernel_plans_agree():
         torch.testing.assert_close(x.float(), a.float(), atol=2e-2, rtol=0)
     for x in (lb, lc):
         torch.testing.assert_close(x, la, atol=1e-4, rtol=0)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("page_size", [None, 64], ids=["contiguous", "page64"])
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("G", [1, 16, 40])
-def test_kv_stages_same_bits(page_size, D, G):
-    # the ring depth changes when a block's loads are issued, not the order of the math: every depth
-    # gives the bits of the two-stage ring (out, lse, weights), with splits of 1 to all blocks
-    lengths, H, dtype = [1000, 65, 1, 2500], 2, torch.float16
-    cache = make_cache(lengths, H, D, dtype, page_size=page_size, device="cuda", spare=70 if page_size else 71)
-    q = torch.randn(len(lengths), H * G, D, generator=torch.Generator().manual_seed(7)).to("cuda", dtype)
-    idx = selection(H, lengths, 24, device="cuda")
-    mt = 1 if G <= 16 else 4
-    for sel in (idx, None):
-        n = 24 if sel is not None else cdiv_(cache.capacity, 64)
-        ref, ref_lse = naive_sparse_decode(q.double(), as_tuple(cache, torch.float64), sel, return_lse=True)
-        lowp, lowp_lse = naive_sparse_decode(q, cache, sel, return_lse=True, upcast=False)
-        for S in (1, 3, n):
-            per = cdiv_(n, S)
-            base = None
-            for ns in (2, 3, 4):
-                plan = DecodePlan(mt, cdiv_(n, per), per, kv_stages=ns)
-                res = sparse_decode(q, cache, sel, return_lse=True, return_attn_weights=True, plan=plan)
-                if base is None:
-                    base = res
-                    assert_close_to_ref(f"out S{S}", res[0], ref, lowp)
-                    fin = ~torch.isinf(ref_lse)
-                    assert_close_to_ref(f"lse S{S}", res[1][fin], ref_lse[fin], lowp_lse[fin], atol_floor=1e-5)
-                for name, x, y in zip(("out", "lse", "weights"), res, base):
-                    assert torch.equal(x, y), f"kv_stages={ns} S={S} {name} differs from kv_stages=2"
 
 
 @pytest.mark.gpu
