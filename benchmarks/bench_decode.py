@@ -31,6 +31,10 @@ The device copy bandwidth (a device-to-device copy, bytes read + written) is mea
 At the batches in --graph-batches (default all) ours, SDPA and the grouped eager anchor are also timed
 as CUDA-graph replays (`mode=graph`): eager, our Python launch path (checks, allocations, CuPy
 launches) costs more than the kernels up to batch 64, so the graph rows say what the GPU does.
+A graph holds one call by default (`--graph-calls 1`: each step's launch latency is in its time); with
+`--graph-calls N` it holds N calls back to back, as a model's decode graph holds one per layer, and
+the time per call is the replay's over N (the steady state, where one call's launch overlaps the
+previous call's tail).
 
 GB/s count the bytes each implementation must move: K/V of the selected (sparse, flex) or all
 positions, the compressed keys ck1 + ck2 (stage 1 of ours_step), q, out, and the weights it returns.
@@ -156,11 +160,12 @@ class Runner:
             row.note = f"skipped: --budget-s {a.budget_s:g} s exceeded"
         else:
             try:
-                run = fn
+                run, per = fn, 1
                 if row.mode == "graph":
-                    run = capture(fn)
-                times = bench_gpu_time(run, warmup=a.warmup, rep=a.rep, target_ms=a.target_ms, min_rep=a.min_rep,
-                                       max_rep=a.max_rep, device=self.dev)
+                    per = a.graph_calls
+                    run = capture_graph(fn, calls=per).replay
+                times = [t / per for t in bench_gpu_time(run, warmup=a.warmup, rep=a.rep, target_ms=a.target_ms,
+                                                         min_rep=a.min_rep, max_rep=a.max_rep, device=self.dev)]
                 st = summarize(times)
                 row.us, row.us_p20, row.us_p80, row.reps = st["ms"] * 1e3, st["ms_p20"] * 1e3, st["ms_p80"] * 1e3, \
                     len(times)
@@ -178,11 +183,6 @@ class Runner:
                    f"us={'-' if row.us is None else f'{row.us:.1f}'} "
                    f"GB/s={'-' if row.gbps is None else f'{row.gbps:.0f}'} {row.note}")
         return row
-
-
-def capture(fn: Callable) -> Callable:
-    """`fn` captured in a CUDA graph (after two warm-up calls on a side stream); returns the replay."""
-    return capture_graph(fn).replay
 
 
 def copy_bandwidth(r: Runner) -> Row:
@@ -499,6 +499,8 @@ def parse_args(argv=None):
     p.add_argument("--no-weights", dest="weights", action="store_false", help="skip the return_attn_weights rows")
     p.add_argument("--graph-batches", default="1,8,64",
                    help="batches also timed as CUDA-graph replays (ours, SDPA, grouped eager). Default: 1,8,64")
+    p.add_argument("--graph-calls", type=int, default=1,
+                   help="calls per captured graph; times are per call (default 1: each replay's launch included)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rep", type=int, default=None, help="timed runs; default adaptive (--target-ms)")
     p.add_argument("--target-ms", type=float, default=25.0)
@@ -524,6 +526,8 @@ def parse_args(argv=None):
         p.error(f"--configs: expected BATCHxCONTEXT entries like 8x128k, got {a.configs!r}")
     a.impls = csv_choices(p, "--impls", a.impls, IMPLS)
     a.graph_batches = {int(x) for x in a.graph_batches.split(",") if x}
+    if a.graph_calls < 1:
+        p.error(f"--graph-calls must be >= 1, got {a.graph_calls}")
     a.splits = [int(x) for x in a.splits.split(",") if x]
     if a.hq % a.h:
         p.error("--hq must be a multiple of --h")
@@ -564,7 +568,8 @@ def main(argv=None) -> list[Row]:
     recs = [{**dataclasses.asdict(x), "GB/s": x.gbps, "MB": None if x.bytes is None else x.bytes / 1e6}
             for x in r.rows]
     print(f"\n### Decode, microseconds per step (median), HQ {a.hq} / H {a.h} / D {a.d}, bf16, "
-          f"K = {a.topk + a.local_blocks} blocks; copy bandwidth {copy.gbps or float('nan'):.0f} GB/s\n")
+          f"K = {a.topk + a.local_blocks} blocks; copy bandwidth {copy.gbps or float('nan'):.0f} GB/s; "
+          f"{a.graph_calls} call(s) per captured graph\n")
     print(markdown_table(recs, cols))
     print("\n### Goals (issue #22)\n")
     print(markdown_table(gl, ["goal", "config", "value", "target", "met", "detail"]) if gl else "(no goal computable)")
