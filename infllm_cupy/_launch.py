@@ -154,7 +154,10 @@ def _launch_programmatic(kernel, grid, block, args, shared_mem: int, stream: int
         else:
             raise TypeError(f"kernel arguments are NumPy scalars or arrays, got {type(a).__name__}")
     params = (ctypes.c_void_p * len(bufs))(*[b.ctypes.data for b in bufs])
-    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=(1).to_bytes(4, "little"))
+    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+    # the value's raw bytes: a c_char array initialised from bytes would stop at the first NUL
+    value = (1).to_bytes(4, "little")
+    ctypes.memmove(ctypes.addressof(attr) + _LaunchAttribute.value.offset, value, len(value))
     grid3, block3 = (*grid, 1, 1)[:3], (*block, 1, 1)[:3]
     cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid3), (ctypes.c_uint * 3)(*block3), shared_mem,
                         ctypes.c_void_p(stream), ctypes.pointer(attr), 1)

@@ -18,6 +18,27 @@ def test_launch_structs_match_cuda_h():
             _launch._LaunchConfig.num_attrs.offset) == (32, 40, 48)
     attr = _launch._LaunchAttribute(id=_launch._PROGRAMMATIC_STREAM_SERIALIZATION, value=(1).to_bytes(4, "little"))
     assert bytes(attr)[:12] == b"\x06\x00\x00\x00\x00\x00\x00\x00\x01\x00\x00\x00"
+    # a c_char array initialised from bytes stops at the first NUL: a value with NULs inside (a
+    # cluster's x, y, z) would lose its later bytes, so the launch copies values with memmove
+    assert bytes(_launch._LaunchAttribute(id=4, value=b"\x08\x00\x00\x00\x01"))[8:13] == b"\x08\x00\x00\x00\x00"
+
+
+def test_programmatic_launch_sets_the_attribute_bytes():
+    seen = {}
+
+    class FakeDriver:
+        def cuLaunchKernelEx(self, cfg, fn, params, extra):
+            c = cfg._obj                     # ctypes.byref(config)
+            seen["attrs"] = [(c.attrs[i].id, bytes(c.attrs[i])[8:16]) for i in range(c.num_attrs)]
+            return 0
+    kern = type("K", (), {"kernel": type("F", (), {"ptr": 0})()})()
+    orig = _launch._driver
+    _launch._driver = lambda: FakeDriver()
+    try:
+        _launch._launch_programmatic(kern, (8, 2), (128,), (np.int32(1),), 0, 0)
+    finally:
+        _launch._driver = orig
+    assert seen["attrs"] == [(6, b"\x01" + b"\x00" * 7)]
 
 
 def test_programmatic_launch_rejects_python_scalars():

@@ -51,7 +51,8 @@ from infllm_cupy.decode._fast import Launches  # noqa: E402
 
 SD = importlib.import_module("infllm_cupy.decode.sparse_decode")   # the package exports a function of that name
 
-SIZES = {"1x128k": (1, 131072), "8x32k": (8, 32768), "8x128k": (8, 131072), "64x32k": (64, 32768)}
+SIZES = {"1x128k": (1, 131072), "8x32k": (8, 32768), "8x128k": (8, 131072), "16x32k": (16, 32768),
+         "64x32k": (64, 32768)}
 WEIGHT_MODES = {"": None, "_w": "per_head", "_wk": "per_kv_head"}
 CONFIGS = {f"{size}_{mode}{w}": (B, L, mode == "sparse", wm)     # name: (B, L, sparse, weights mode or None)
            for size, (B, L) in SIZES.items() for mode in ("sparse", "dense") for w, wm in WEIGHT_MODES.items()}

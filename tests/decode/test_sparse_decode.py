@@ -134,9 +134,26 @@ def test_plan_is_a_pure_function_of_shapes():
     assert p.row_tiles == 1 and p.num_splits * p.per_split >= 96 and (p.num_splits - 1) * p.per_split < 96
     assert plan_decode(1, 2, 17, 96, 132).row_tiles == 2 and plan_decode(1, 2, 64, 96, 132).row_tiles == 4
     assert plan_decode(64, 8, 4, 96, 132).num_splits == 1                       # enough CTAs already
-    assert plan_decode(1, 2, 16, cdiv_(131072, 64), 132).num_splits > 100      # dense 128k at batch 1
+    assert plan_decode(1, 2, 16, cdiv_(131072, 64), 132).num_splits == 64      # dense 128k at batch 1: an SM each
     with pytest.raises(ValueError, match="G"):
         plan_decode(1, 1, 65, 10, 132)
+
+
+def test_plan_fills_one_wave():
+    # the most splits whose CTAs fit one wave at one CTA per SM, never fewer than one split and never
+    # more than the entries (sparse: topk entries; dense: blocks)
+    assert plan_decode(1, 2, 16, 96, 132).num_splits == 48
+    assert plan_decode(8, 2, 16, 96, 132).num_splits == 8
+    assert plan_decode(8, 2, 16, 512, 132).num_splits == 8
+    assert plan_decode(1, 2, 16, 2048, 132).num_splits == 64
+    assert plan_decode(64, 2, 16, 512, 132).num_splits == 1
+    assert plan_decode(128, 2, 16, 512, 132).num_splits == 1
+    assert plan_decode(1, 2, 16, 3, 132).num_splits == 3
+    for b in (1, 3, 8, 16, 33, 64):
+        for n in (1, 96, 2048):
+            p = plan_decode(b, 2, 16, n, 132)
+            assert b * 2 * p.num_splits <= 132 or p.num_splits == 1
+            assert p.num_splits * p.per_split >= n and p.num_splits <= n
 
 
 def test_plan_checks():
