@@ -38,6 +38,7 @@ from .._constants import HEAD_DIMS
 from .._constants import KV_BLOCK
 from .._kernel_arg import check_kernel
 from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
+from .._tma import TMAP_DTYPE, rows_map
 from .naive import naive_stage1_select, q_block_idx_prefill
 from .plan import (  # noqa: F401  (the sizing functions re-exported: the launcher's vocabulary)
     MAX_GROUP,
@@ -300,6 +301,8 @@ def launch_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
                          f"this device allows {smem_max}")
 
     q, ck1, ck2 = (t.contiguous() for t in (q, ck1, ck2))
+    if sm90a:   # TMA reads 16-byte aligned tensors (a view at an odd element offset gets an aligned copy)
+        ck1, ck2 = (t.clone() if t.data_ptr() % 16 else t for t in (ck1, ck2))
     cache_dev = cache.to(torch.int32).contiguous() if cache_lens is not None else None
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
     null = np.uint64(0)
@@ -317,9 +320,11 @@ def launch_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
 
     name = kernel_name(q.dtype, sdt, D, sm90a, ranged)
     kernel_fn = _jit.get_kernel(SOURCE_SM90, name, sm90a=True) if sm90a else _jit.get_kernel(SOURCE, name)
+    # the sm_90a kernel reads its key tiles by TMA (docs/stage1.md, 3.): a map per compressed-key tensor
+    maps = (_key_map(ck1), _key_map(ck2)) if sm90a else ()
     if not ranged:
         launch(kernel_fn, name=name, grid=(n_tiles * B * H,), block=(32 * plan.warps,), shared_mem=shared,
-               args=(*args(olp), np.int32(0), np.int32(out_len), null, null, null, np.int32(0)))   # unused
+               args=(*args(olp), np.int32(0), np.int32(out_len), null, null, null, np.int32(0), *maps))   # unused
         return (topk_idx, scores, block_scores) if return_scores else topk_idx
 
     # ---- range passes (docs/stage1.md, 9. Long context: key ranges): the first keeps each row's
@@ -337,13 +342,21 @@ def launch_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
         bias_mode = 0 if row_bias is None else (1 if i == 0 else 2)
         launch(kernel_fn, name=name, grid=(n_tiles * B * H,), block=(32 * plan.warps,), shared_mem=shared,
                args=(*args(64 + W), np.int32(j_lo), np.int32(j_hi), ptr(cand_key), ptr(cand_idx), opt(row_bias),
-                     np.int32(bias_mode)))
+                     np.int32(bias_mode), *maps))
         run = _merge_into(run, cand_key, cand_idx, K)
     idx = ((1 << _IDX_BITS) - 1 - (run & ((1 << _IDX_BITS) - 1))).to(torch.int32).sort(dim=-1).values
     q_blocks = q_block_idx_prefill(cu_seqlens_q, max_seqlen_q, varlen_offset_quirk=varlen_offset_quirk,
                                    cache_lens=cache)
     topk_idx.copy_(idx.masked_fill(idx > q_blocks.to(idx.device, torch.int32)[None, :, None], -1))
     return topk_idx
+
+
+def _key_map(ck: torch.Tensor) -> np.ndarray:
+    """The sm_90a kernel's tensor map over compressed keys `[n, H, D]` (16-byte aligned): boxes of 64
+    rows by 64 elements of the `[n, H * D]` view; a zero map for an empty tensor (no tile reads it)."""
+    if ck.shape[0] == 0:
+        return np.zeros(1, dtype=TMAP_DTYPE)
+    return rows_map(ck.view(ck.shape[0], -1), KV_BLOCK)
 
 
 def _merge_into(run: torch.Tensor | None, cand_key: torch.Tensor, cand_idx: torch.Tensor, K: int) -> torch.Tensor:

@@ -8,7 +8,10 @@
 //   block    256 (two warpgroups: 128 rows = TOK tokens x GP rows; lgp <= 5)
 //   dyn smem 1024 (alignment) + 2 * 64 * D * sizeof(T) (Q, two 64-row tiles) + 2 * 64 * D * sizeof(T)
 //            (two key tiles) + TOK * 68 * 4 (staging rows) + (lgp == 5 ? 8 * 64 * 4 : 0) (per-warp column
-//            sums) + (bs_scratch ? 0 : TOK * olp * sizeof(KT))
+//            sums) + (bs_scratch ? 0 : TOK * olp * sizeof(KT)); the key ring's four mbarriers take 32 bytes
+//            of the alignment slack (before the 1 KB-aligned tiles, or after the layout's end)
+//   tm1, tm2 tensor maps (infllm_cupy/_tma.py rows_map, boxes of 64 rows x 64 elements) over ck1 and ck2
+//            viewed as [rows, H * D] (a zero map for an empty tensor: its stream has no tile)
 //   range pass (RANGED, cand_idx != null; docs/stage1.md, 9. Long context: key ranges): blocks [j_lo, j_hi),
 //            j_lo a multiple of 64; olp = 64 + wr (wr >= K, a multiple of 64: the range row and a 64-key pad);
 //            bs_scratch, scores and block_scores null; writes cand_key (32-bit keys) / cand_idx [H, total_q, K]
@@ -39,14 +42,13 @@ stage1_select_sm90_body(const T* __restrict__ q, const T* __restrict__ ck1, cons
                         int out_len, int olp, int K, int max_n1, int init_blocks, int local_blocks,
                         int quirk, int causal, int kind, int s1, int s2c, float sl2, int topk_prefix,
                         int j_lo, int j_hi, unsigned* __restrict__ cand_key, int* __restrict__ cand_idx,
-                        float* __restrict__ row_bias, int bias_mode) {
+                        float* __restrict__ row_bias, int bias_mode, const TmaMap& tm1, const TmaMap& tm2) {
     typedef KT key_t;
     constexpr int CH = D / 8;                 // 16-byte chunks per row
     constexpr int MT = 1;                     // m-tiles per warp (16 rows)
     constexpr u32 TILE = 64 * D * sizeof(T);  // one 64-row tile (Q of a warpgroup, or 64 keys)
     constexpr u32 HALF = 64 * 128;            // bytes of one 64-row, 64-element half tile
     constexpr int NTHREADS = 256;
-    constexpr int KROWS = 64 * CH / NTHREADS; // key rows one thread copies per tile
     extern __shared__ unsigned char smem[];
     const u32 raw = smem_u32(smem);
     const u32 base = (raw + 1023u) & ~1023u;  // swizzled tiles start on 1 KB boundaries
@@ -109,44 +111,40 @@ stage1_select_sm90_body(const T* __restrict__ q, const T* __restrict__ ck1, cons
         }
         cp_async_commit();
 
-        // each thread copies chunk ld_ch of key rows ld_row0 + NTHREADS / CH * i (rows 8 apart share a
-        // swizzle phase, so destinations and sources step by constants)
-        const int ld_ch = tid % CH, ld_row0 = tid / CH;
-        constexpr int RSTEP = NTHREADS / CH;
-        const int64 key_stride = (int64)H * D, row_step = RSTEP * key_stride;
-        const u32 ld_dst0 = swz128(ld_row0, ld_ch, 64);
-        // the copy walks the coarse keys, then the fine ones, tile after tile: a pointer per thread that
-        // steps by one tile (no per-tile address products), and a full tile's copies go without the
-        // per-chunk row test (only a stream's last tile is partial)
-        const T* ld_base;
-        const T* ld_src;
-        int ld_left;                            // rows of the stream from the next tile's first one
-        auto ld_stream = [&](bool coarse) {
-            ld_base = coarse ? ck2 : ck1;
-            const int key0 = coarse ? 0 : S1_FT_LO * S1_TILE;
-            ld_src = ld_base + (int64)((coarse ? w.c2s : w.c1s) + key0 + ld_row0) * key_stride + (int64)w.h * D +
-                     ld_ch * 8;
-            ld_left = (coarse ? w.n2 : w.n1) - key0;
+        // ---- key tiles by TMA (docs/stage1.md, 3. The sm_90a kernel): thread 0 issues a 64-key tile as
+        // D / 64 boxes of 64 rows x 128 bytes, the 128-byte-swizzled halves the descriptors read,
+        // completing on full[stage]; each warp arrives on empty[stage] once its wgmma of the tile
+        // completed, and the next copy into that stage waits for all eight (no CTA barrier per tile).
+        // A tile's rows past its stream are the next sequence's keys (zeros past the tensor): the
+        // visibility limits mask them as they masked the zero rows of the cp.async copy.
+        const u32 lay_end = sK + 2 * TILE + TOK * S1_ST * 4 + (lgp == 5 ? 8 * 64 * 4 : 0) +
+                            (bs_scratch ? 0 : TOK * olp * (int)sizeof(KT));
+        const u32 bars = base - raw >= 32 ? raw : lay_end;   // the alignment slack, before or after the tiles
+        auto full = [&](int st) { return bars + 8 * st; };
+        auto empty = [&](int st) { return bars + 16 + 8 * st; };
+        // the first key row of tile u in its tensor: the coarse keys, then the fine ones from S1_FT_LO
+        auto tile_row = [&](int u) { return u < w.nc ? w.c2s + u * S1_TILE : w.c1s + (u - w.nc + S1_FT_LO) * S1_TILE; };
+        auto load_tile = [&](int u, int st) {       // thread 0
+            const u32 bar = full(st);
+            mbar_arrive_expect_tx(bar, TILE);
+#pragma unroll
+            for (int hf = 0; hf < D / 64; ++hf)
+                tma_load_2d(sK + st * TILE + hf * HALF, u < w.nc ? tm2 : tm1, w.h * D + hf * 64, tile_row(u), bar);
         };
-        ld_stream(w.nc > 0);
-        auto load_tile = [&](int u, int stage) {
-            if (u == w.nc && u > 0) ld_stream(false);
-            const u32 dst = sK + stage * TILE + ld_dst0;
-            if (ld_left >= S1_TILE) {
+        if (tid == 0) {
 #pragma unroll
-                for (int i = 0; i < KROWS; ++i) cp_async_16(dst + i * RSTEP * 128, ld_src + i * row_step, 16);
-            } else {
-#pragma unroll
-                for (int i = 0; i < KROWS; ++i) {
-                    const int bytes = ld_row0 + i * RSTEP < ld_left ? 16 : 0;
-                    cp_async_16(dst + i * RSTEP * 128, bytes ? ld_src + i * row_step : ld_base, bytes);
-                }
+            for (int st = 0; st < 2; ++st) {
+                mbar_init(full(st), 1);
+                mbar_init(empty(st), NTHREADS / 32);
             }
-            ld_src += S1_TILE * key_stride;
-            ld_left -= S1_TILE;
-        };
-        load_tile(0, 0);
-        cp_async_commit();
+            asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+            load_tile(0, 0);
+            if (NT > 1) load_tile(1, 1);
+        }
+        // Q landed (generic-proxy copies that wgmma reads) and the barriers are initialised
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();
 
         // descriptors built once, as 32-bit halves: moving one by b bytes adds b >> 4 to the low half
         // (the start-address field; addresses lie below 256 KB, so nothing carries out of it)
@@ -170,17 +168,21 @@ stage1_select_sm90_body(const T* __restrict__ q, const T* __restrict__ ck1, cons
         float s[MT][8][4];
         float (&sacc)[32] = reinterpret_cast<float (&)[32]>(s);
 
-        int stage = 0;
         int pend_kb = -1;                       // fine tile whose pooling is pending (its first key)
 #pragma unroll 1
         for (int u = 0; u < NT; ++u) {
-            // tile u (and, at u = 0, Q) landed; every warp is done with the other stage, whose
-            // wgmma were waited on in the previous iteration: the next copy may overwrite it
-            cp_async_wait<0>();
-            fence_proxy_async();
-            __syncthreads();
-            if (u + 1 < NT) load_tile(u + 1, stage ^ 1);
-            cp_async_commit();
+            const int stage = u & 1;
+            // G > 16: a token's two warps exchange column sums in sP once per tile (below); the
+            // barrier keeps a warp from overwriting its sums before its partner read them
+            if (lgp == 5) __syncthreads();
+            // tile u + 1 into the other stage once every warp's wgmma of tile u - 1 completed
+            // (tiles 0 and 1 were issued before the loop)
+            if (tid == 0 && u >= 1 && u + 1 < NT) {
+                mbar_wait(empty(stage ^ 1), ((u - 1) >> 1) & 1);
+                load_tile(u + 1, stage ^ 1);
+            }
+            __syncwarp();
+            mbar_wait(full(stage), (u >> 1) & 1);   // tile u landed
             const bool fine = u >= w.nc;
             const int kb = (fine ? u - w.nc + S1_FT_LO : u) * S1_TILE;    // first key of the tile
 
@@ -193,10 +195,12 @@ stage1_select_sm90_body(const T* __restrict__ q, const T* __restrict__ ck1, cons
                 wgmma_ss<T, 64>(sacc, ((u64)desc_hi << 32) | (q_lo + koff), ((u64)desc_hi << 32) | (kd + koff), kk > 0);
             }
             wgmma_commit();
-            // meanwhile: pool the previous fine tile from the staging rows
+            // meanwhile: pool the previous fine tile from the staging rows (this warp's tokens' rows)
+            __syncwarp();
             if (pend_kb >= 0 && live) pool(pend_kb);
             wgmma_wait<0>();
             fence_regs(sacc);
+            if (lane == 0) mbar_arrive(empty(stage));     // this warp is done reading the stage
 
             if (!fine) {
                 // ---- pass 1: online max and sum over the visible coarse keys
@@ -239,12 +243,11 @@ stage1_select_sm90_body(const T* __restrict__ q, const T* __restrict__ ck1, cons
                 }
                 pend_kb = lgp >= 4 ? -1 : kb;
             }
-            stage ^= 1;
         }
+        __syncwarp();
         if (pend_kb >= 0 && live) pool(pend_kb);
         if (lgp >= 4 && live && lane == 0 && (lgp == 4 || (warp & 1) == 0))
             sT[tfirst * S1_ST + 3] = carry;    // for the finish below
-        cp_async_wait<0>();
     }
     __syncthreads();                               // every token's block keys and carry are in place
 
@@ -271,10 +274,11 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
                    int out_len, int olp, int K, int max_n1, int init_blocks, int local_blocks,
                    int quirk, int causal, int kind, int s1, int s2c, float sl2, int topk_prefix,
                    int j_lo, int j_hi, unsigned* __restrict__ cand_key, int* __restrict__ cand_idx,
-                   float* __restrict__ row_bias, int bias_mode) {
+                   float* __restrict__ row_bias, int bias_mode, const __grid_constant__ TmaMap tm1,
+                   const __grid_constant__ TmaMap tm2) {
     stage1_select_sm90_body<T, KT, D>(q, ck1, ck2, cu_q, cu_c1, cu_c2, cache_lens, topk_idx, scores, block_scores, bs_scratch,
                                       total_q, HQ, H, G, lgp, B, n_tiles, max_seqlen_q, out_len, olp, K, max_n1, init_blocks,
                                       local_blocks, quirk, causal, kind, s1, s2c, sl2, topk_prefix, RANGED ? j_lo : 0,
                                       RANGED ? j_hi : out_len, RANGED ? cand_key : nullptr, RANGED ? cand_idx : nullptr,
-                                      RANGED ? row_bias : nullptr, RANGED ? bias_mode : 0);
+                                      RANGED ? row_bias : nullptr, RANGED ? bias_mode : 0, tm1, tm2);
 }
