@@ -29,7 +29,7 @@
 //
 // sparse_decode_merge<T, D>
 //   grid (B * HQ)  block (P * D / 4) for a power of two P, 32 .. 1024 threads (DecodePlan.merge_threads)
-//   dynamic shared memory 16 * blockDim + 4 * S bytes (the groups' float4 sums, then the merge weights)
+//   dynamic shared memory 16 * blockDim bytes (the groups' float4 sums; the launcher gives 4 * S more)
 //   may be launched as a programmatic dependent of the split kernel (it waits before reading)
 //   out [B, HQ, D] T = sum_s 2^(lse_s - lse) o_s;  lse_out float [B, HQ] natural log (+inf when
 //   no split saw a key, then out = 0);  lse2_out float [B * HQ] the same in log2 (weights pass)
@@ -427,59 +427,60 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
     }
 }
 
-// P = blockDim.x / (D / 4) thread groups (a power of two): group p sums splits p, p + P, .. with
-// 16-byte loads of 4 output dims per thread, then a tree over the groups in shared memory.
+// P = blockDim.x / (D / 4) thread groups (a power of two): group p merges splits p, p + P, .. in one
+// pass with a running max (its loads of lse_s and o_s do not wait for a row-wide max: one round trip
+// to the L2, docs/decode.md, 4. Splits and the merge), 16-byte loads of 4 output dims per thread;
+// then a tree over the groups in shared memory, each step rescaling both sides to the larger max.
 template <typename T, int D>
 __global__ void __launch_bounds__(1024)
 sparse_decode_merge(const float* __restrict__ o_part, const float* __restrict__ lse_part, int S,
                     T* __restrict__ out, float* __restrict__ lse_out, float* __restrict__ lse2_out) {
     constexpr int DV = D / 4;
-    extern __shared__ float4 merge_smem[];        // [P][DV] group sums, then [S] merge weights 2^(lse_s - max)
-    __shared__ float red[32];
-    const int NTH = blockDim.x, P = NTH / DV, NWARP = NTH >> 5;
+    constexpr int MAXP = 1024 / DV;
+    extern __shared__ float4 merge_smem[];        // [P][DV] group sums (the launch's 16 * blockDim bytes)
+    __shared__ float m_s[MAXP], l_s[MAXP];        // each group's running max and sum
+    const int NTH = blockDim.x, P = NTH / DV;
     float4* acc_s = merge_smem;
-    float* wts = reinterpret_cast<float*>(merge_smem + P * DV);
     const int64 row = blockIdx.x;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x;
+    const int d4 = tid % DV, part = tid / DV;
     pdl_wait();
     pdl_launch_dependents();      // the weights pass may launch while the merge runs
     const float* lp = lse_part + row * S;
-    float M = -INFLLM_INF;
-    for (int s = tid; s < S; s += NTH) M = fmaxf(M, lp[s]);
-    for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-    if (lane == 0) red[warp] = M;
-    __syncthreads();
-    M = red[0];
-    for (int w = 1; w < NWARP; ++w) M = fmaxf(M, red[w]);
-    __syncthreads();
-    float sum = 0.f;
-    for (int s = tid; s < S; s += NTH) {
-        const float w = M == -INFLLM_INF ? 0.f : exp2f(lp[s] - M);
-        wts[s] = w;
-        sum += w;
-    }
-    for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (lane == 0) red[warp] = sum;
-    __syncthreads();
-    sum = 0.f;
-    for (int w = 0; w < NWARP; ++w) sum += red[w];      // the same order in every thread
-    // every split wrote its o_part rows (zeros when it saw no key), so w * o is never 0 * NaN
-    const int d4 = tid % DV, part = tid / DV;
     const float4* op = reinterpret_cast<const float4*>(o_part + row * S * D) + d4;
+    // every split wrote its o_part rows (zeros, lse -inf, when it saw no key): -inf splits are skipped,
+    // so no weight is ever 0 * NaN or exp2(-inf - -inf)
+    float M = -INFLLM_INF, sum = 0.f;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 4
     for (int s = part; s < S; s += P) {
-        const float w = wts[s];
+        const float l = lp[s];
         const float4 x = op[(int64)s * DV];
+        if (l == -INFLLM_INF) continue;
+        if (l > M) {                               // rescale what was summed to the new max
+            const float c = M == -INFLLM_INF ? 0.f : exp2f(M - l);
+            acc = make_float4(acc.x * c, acc.y * c, acc.z * c, acc.w * c);
+            sum *= c;
+            M = l;
+        }
+        const float w = exp2f(l - M);
+        sum += w;
         acc = make_float4(acc.x + w * x.x, acc.y + w * x.y, acc.z + w * x.z, acc.w + w * x.w);
     }
-    acc_s[part * DV + d4] = acc;
-    __syncthreads();
     for (int half = P >> 1; half > 0; half >>= 1) {
-        if (part < half) {
-            const float4 c = acc_s[(part + half) * DV + d4];
-            acc = make_float4(acc.x + c.x, acc.y + c.y, acc.z + c.z, acc.w + c.w);
+        if (part >= half && part < 2 * half) {
             acc_s[part * DV + d4] = acc;
+            if (d4 == 0) m_s[part] = M, l_s[part] = sum;
+        }
+        __syncthreads();
+        if (part < half) {
+            const float4 c4 = acc_s[(part + half) * DV + d4];
+            const float Mo = m_s[part + half], lo = l_s[part + half];
+            const float Mn = fmaxf(M, Mo);
+            const float a = M == -INFLLM_INF ? 0.f : exp2f(M - Mn), bo = Mo == -INFLLM_INF ? 0.f : exp2f(Mo - Mn);
+            acc = make_float4(acc.x * a + c4.x * bo, acc.y * a + c4.y * bo, acc.z * a + c4.z * bo, acc.w * a + c4.w * bo);
+            sum = sum * a + lo * bo;
+            M = Mn;
         }
         __syncthreads();
     }
@@ -490,11 +491,11 @@ sparse_decode_merge(const float* __restrict__ o_part, const float* __restrict__ 
         res.elem[2] = from_float<T>(sum > 0.f ? acc.z / sum : 0.f);
         res.elem[3] = from_float<T>(sum > 0.f ? acc.w / sum : 0.f);
         res.store(out + row * D + 4 * d4);
-    }
-    if (tid == 0) {
-        const float lse2 = sum > 0.f ? M + __log2f(sum) : INFLLM_INF;
-        lse2_out[row] = lse2;
-        lse_out[row] = sum > 0.f ? lse2 * LN2 : INFLLM_INF;
+        if (tid == 0) {
+            const float lse2 = sum > 0.f ? M + __log2f(sum) : INFLLM_INF;
+            lse2_out[row] = lse2;
+            lse_out[row] = sum > 0.f ? lse2 * LN2 : INFLLM_INF;
+        }
     }
 }
 
