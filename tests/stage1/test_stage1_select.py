@@ -617,6 +617,29 @@ def test_decode(HQ, H, kernel):
 
 
 @pytest.mark.gpu
+def test_key_tensors_misaligned_or_empty(kernel):
+    """The sm_90a kernel reads its key tiles by TMA, which needs 16-byte aligned tensors: views of the
+    compressed keys at an odd element offset select as aligned copies do; and a batch whose sequences
+    are all shorter than the coarse window (an empty ck2) selects as the reference."""
+    lengths = [900, 333, 70]
+    q, ck1, ck2, cu_q, cu1, cu2 = make_inputs(lengths, 16, 1, 128, torch.bfloat16)
+
+    def odd_view(t):
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:]
+        buf.copy_(t.reshape(-1))
+        v = buf.view(t.shape)
+        assert v.data_ptr() % 16 and v.is_contiguous()
+        return v
+    ref = stage1_select(q, ck1, ck2, cu_q, cu1, cu2, max(lengths), kernel=kernel)
+    got = stage1_select(q, odd_view(ck1), odd_view(ck2), cu_q, cu1, cu2, max(lengths), kernel=kernel)
+    assert torch.equal(got, ref)
+    short = [100, 50, 127, 1]
+    inputs = make_inputs(short, 16, 1, 128, torch.bfloat16)
+    assert inputs[2].shape[0] == 0, "every sequence below 128 tokens: no coarse key"
+    run_and_check(*inputs, max(short), kernel=kernel)
+
+
+@pytest.mark.gpu
 def test_long_sequence(kernel):
     """More tiles than any other case (out_len 180), README heads."""
     lengths = [11500]
