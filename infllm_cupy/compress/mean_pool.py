@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from .. import _jit
-from .._checks import check_backend, check_compress_args
+from .._checks import check_aligned, check_backend, check_compress_args
 from .._constants import HEAD_DIMS
 from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
 from .naive import compressed_cu_seqlens, naive_compress_k
@@ -49,6 +49,7 @@ def compress_k(k: torch.Tensor, cu_seqlens_k: torch.Tensor, kernel_size: int = 3
     if D not in HEAD_DIMS:
         raise ValueError(f"k has head dim {D}; the compression kernel supports {HEAD_DIMS}")
     k = k.contiguous()
+    check_aligned(k=k)                     # rows read in 4- or 8-byte vectors
     cu_c = compressed_cu_seqlens(cu_seqlens_k, kernel_size, kernel_stride)
     total_c = int(cu_c[-1])
     out = empty((total_c, H, D), dtype=k.dtype, device=k.device)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .. import _jit
-from .._checks import KERNEL_DTYPES, check_tensor
+from .._checks import KERNEL_DTYPES, check_aligned, check_tensor
 from .._constants import HEAD_DIMS
 from .._launch import CXX_TYPE, cdiv, empty, ptr
 from ._fast import Launches
@@ -166,6 +166,7 @@ def select_decode(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, seqlens
         if ck2.shape[0] != B or ck2.shape[2:] != ck1.shape[2:]:
             raise ValueError(f"ck2 must have shape [B={B}, N2, H={H}, D={D}], got {tuple(ck2.shape)}")
     check_tensor("seqlens", seqlens, shape=(B,), dtypes=(torch.int32,), device=q.device, contiguous=True)
+    check_aligned(q=q, ck1=ck1, **({} if exact else {"ck2": ck2}))   # 16-byte cp.async rows
     if D not in HEAD_DIMS:
         raise ValueError(f"q: head dim {D} is not one of the kernel's {HEAD_DIMS}")
     if HQ % H:

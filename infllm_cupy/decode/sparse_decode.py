@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from .. import _jit
-from .._checks import KERNEL_DTYPES, check_backend, check_flags, check_softmax_scale, check_tensor
+from .._checks import KERNEL_DTYPES, check_aligned, check_backend, check_flags, check_softmax_scale, check_tensor
 from .._constants import HEAD_DIMS, KV_BLOCK  # KV_BLOCK: #define BLK in the .cu
 from .._launch import CXX_TYPE, cdiv, empty, ptr
 from ._fast import Launches
@@ -156,6 +156,7 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
                                    return_attn_weights=return_attn_weights, weights=weights)
     k, v, seqlens, bt, width = _cache_tensors(cache)
     B, HQ, D, H, G, K = _check_kernel_inputs(q, k, v, seqlens, bt, topk_idx)
+    check_aligned(q=q, k_cache=k, v_cache=v)       # 16-byte cp.async rows
     scale = check_softmax_scale(softmax_scale, D)
     sparse = topk_idx is not None
     n_entries = K if sparse else cdiv(width, KV_BLOCK)

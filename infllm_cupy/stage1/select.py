@@ -26,6 +26,7 @@ import torch
 from .. import _jit
 from .._checks import (
     KERNEL_DTYPES,
+    check_aligned,
     check_backend,
     check_flags,
     check_int_args,
@@ -301,8 +302,7 @@ def launch_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
                          f"this device allows {smem_max}")
 
     q, ck1, ck2 = (t.contiguous() for t in (q, ck1, ck2))
-    if sm90a:   # TMA reads 16-byte aligned tensors (a view at an odd element offset gets an aligned copy)
-        ck1, ck2 = (t.clone() if t.data_ptr() % 16 else t for t in (ck1, ck2))
+    check_aligned(q=q, ck1=ck1, ck2=ck2)   # 16-byte rows: cp.async (both kernels), TMA (sm_90a)
     cache_dev = cache.to(torch.int32).contiguous() if cache_lens is not None else None
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
     null = np.uint64(0)
@@ -352,7 +352,7 @@ def launch_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
 
 
 def _key_map(ck: torch.Tensor) -> np.ndarray:
-    """The sm_90a kernel's tensor map over compressed keys `[n, H, D]` (16-byte aligned): boxes of 64
+    """The sm_90a kernel's tensor map over compressed keys `[n, H, D]` (checked aligned): boxes of 64
     rows by 64 elements of the `[n, H * D]` view; a zero map for an empty tensor (no tile reads it)."""
     if ck.shape[0] == 0:
         return np.zeros(1, dtype=TMAP_DTYPE)

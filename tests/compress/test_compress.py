@@ -105,3 +105,14 @@ def test_compress_kernel_rejects_bad_head_dim():
     k = torch.randn(64, 2, 96, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="head dim 96"):
         compress_k(k, make_cu([64], "cuda"), backend="kernels")
+
+
+@pytest.mark.gpu
+def test_compress_kernel_rejects_a_misaligned_view():
+    # rows are read in 4- or 8-byte vectors: a view at an odd element offset is refused, not read
+    k = torch.randn(64, 2, 128, device="cuda", dtype=torch.bfloat16)
+    odd = torch.empty(k.numel() + 1, dtype=k.dtype, device="cuda")[1:].view(k.shape).copy_(k)
+    with pytest.raises(ValueError, match="k must start at a 16-byte aligned address"):
+        compress_k(odd, make_cu([64], "cuda"), backend="kernels")
+    out, _ = compress_k(odd.clone(), make_cu([64], "cuda"), backend="kernels")
+    assert torch.equal(out, compress_k(k, make_cu([64], "cuda"), backend="kernels")[0])

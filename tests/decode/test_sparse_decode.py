@@ -276,6 +276,21 @@ def test_kernel_matches_reference(case):
 
 
 @pytest.mark.gpu
+def test_kernel_refuses_misaligned_views():
+    # the split kernel copies 16-byte rows of q, K and V: a view at an odd element offset is refused
+    # with its name before any launch
+    lengths, H, D = [300, 65], 2, 128
+    cache = make_cache(lengths, H, D, torch.bfloat16, device="cuda")
+    q = torch.randn(2, 8, D, device="cuda", dtype=torch.bfloat16)
+    odd = lambda t: torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape).copy_(t)
+    with pytest.raises(ValueError, match="q must start at a 16-byte aligned address"):
+        sparse_decode(odd(q), cache)
+    with pytest.raises(ValueError, match="k_cache must start at a 16-byte aligned address"):
+        sparse_decode(q, (odd(cache.k), cache.v, cache.seqlens))
+    assert torch.equal(sparse_decode(odd(q).clone(), cache), sparse_decode(q, cache))
+
+
+@pytest.mark.gpu
 def test_kernel_plans_agree():
     # one split per row, and many: same result up to fp32 merge rounding
     lengths, HQ, H, D = [900, 333], 8, 2, 128

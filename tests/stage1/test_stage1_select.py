@@ -618,9 +618,10 @@ def test_decode(HQ, H, kernel):
 
 @pytest.mark.gpu
 def test_key_tensors_misaligned_or_empty(kernel):
-    """The sm_90a kernel reads its key tiles by TMA, which needs 16-byte aligned tensors: views of the
-    compressed keys at an odd element offset select as aligned copies do; and a batch whose sequences
-    are all shorter than the coarse window (an empty ck2) selects as the reference."""
+    """Both kernels copy 16-byte rows (cp.async; TMA on sm_90a): a view at an odd element offset is
+    refused with the argument's name before any launch, and its aligned clone selects as the original;
+    a batch whose sequences are all shorter than the coarse window (an empty ck2) selects as the
+    reference."""
     lengths = [900, 333, 70]
     q, ck1, ck2, cu_q, cu1, cu2 = make_inputs(lengths, 16, 1, 128, torch.bfloat16)
 
@@ -631,7 +632,11 @@ def test_key_tensors_misaligned_or_empty(kernel):
         assert v.data_ptr() % 16 and v.is_contiguous()
         return v
     ref = stage1_select(q, ck1, ck2, cu_q, cu1, cu2, max(lengths), kernel=kernel)
-    got = stage1_select(q, odd_view(ck1), odd_view(ck2), cu_q, cu1, cu2, max(lengths), kernel=kernel)
+    for name, args in [("q", (odd_view(q), ck1, ck2)), ("ck1", (q, odd_view(ck1), ck2)),
+                       ("ck2", (q, ck1, odd_view(ck2)))]:
+        with pytest.raises(ValueError, match=f"{name} must start at a 16-byte aligned address"):
+            stage1_select(*args, cu_q, cu1, cu2, max(lengths), kernel=kernel)
+    got = stage1_select(q, odd_view(ck1).clone(), ck2, cu_q, cu1, cu2, max(lengths), kernel=kernel)
     assert torch.equal(got, ref)
     short = [100, 50, 127, 1]
     inputs = make_inputs(short, 16, 1, 128, torch.bfloat16)
