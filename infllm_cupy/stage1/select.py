@@ -324,7 +324,8 @@ def launch_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
     maps = (_key_map(ck1), _key_map(ck2)) if sm90a else ()
     if not ranged:
         launch(kernel_fn, name=name, grid=(n_tiles * B * H,), block=(32 * plan.warps,), shared_mem=shared,
-               args=(*args(olp), np.int32(0), np.int32(out_len), null, null, null, np.int32(0), *maps))   # unused
+               args=(*args(olp), np.int32(0), np.int32(out_len), null, null, null, np.int32(0),   # no range
+                     *maps))
         return (topk_idx, scores, block_scores) if return_scores else topk_idx
 
     # ---- range passes (docs/stage1.md, 9. Long context: key ranges): the first keeps each row's

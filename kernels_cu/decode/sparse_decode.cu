@@ -29,7 +29,7 @@
 //
 // sparse_decode_merge<T, D>
 //   grid (B * HQ)  block (P * D / 4) for a power of two P, 32 .. 1024 threads (DecodePlan.merge_threads)
-//   dynamic shared memory 16 * blockDim bytes (the groups' float4 sums; the launcher gives 4 * S more)
+//   dynamic shared memory 16 * blockDim bytes (the groups' float4 sums)
 //   may be launched as a programmatic dependent of the split kernel (it waits before reading)
 //   out [B, HQ, D] T = sum_s 2^(lse_s - lse) o_s;  lse_out float [B, HQ] natural log (+inf when
 //   no split saw a key, then out = 0);  lse2_out float [B * HQ] the same in log2 (weights pass)
