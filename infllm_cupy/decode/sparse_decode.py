@@ -168,7 +168,8 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
     # the merge's inputs, the log2 LSE and (with weights) the fp16 relative probabilities and their
     # per-16-key maxima in one scratch allocation (fewer allocator calls when eager; docs/decode.md,
     # 5. Attention weights)
-    n_o, n_l = B * HQ * S * D, B * HQ * S
+    direct = S == 1       # one split writes out and lse itself: no partials, no merge launch
+    n_o, n_l = (0, 0) if direct else (B * HQ * S * D, B * HQ * S)
     n_p, n_m = weights_scratch_floats(B, H, G, width) if return_attn_weights else (0, 0)
     scratch = torch.empty(n_o + n_p + n_m + n_l + B * HQ, dtype=torch.float32, device=dev)
     # prel and pmax 16-byte aligned (n_o, n_p, n_m are multiples of 4 floats): 8- and 16-byte accesses
@@ -193,10 +194,11 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
              np.int32(B), np.int32(H), np.int32(G), np.int32(plan.per_split),
              np.float32(scale * math.log2(math.e)), ptr(o_part), ptr(lse_part),
              ptr(prel) if return_attn_weights else null, ptr(pmax) if return_attn_weights else null,
-             np.int32(width)))
-    nt = plan.merge_threads(D)
-    run.add(SOURCE, f"sparse_decode_merge<{CXX_TYPE[q.dtype]}, {D}>", (B * HQ,), (nt,), 16 * nt,
-            (ptr(o_part), ptr(lse_part), np.int32(S), ptr(out), ptr(lse), ptr(lse2)), pdl=plan.pdl)
+             np.int32(width), *((ptr(out), ptr(lse), ptr(lse2)) if direct else (null, null, null))))
+    if not direct:
+        nt = plan.merge_threads(D)
+        run.add(SOURCE, f"sparse_decode_merge<{CXX_TYPE[q.dtype]}, {D}>", (B * HQ,), (nt,), 16 * nt,
+                (ptr(o_part), ptr(lse_part), np.int32(S), ptr(out), ptr(lse), ptr(lse2)), pdl=plan.pdl)
     if return_attn_weights:
         run.add(SOURCE, "sparse_decode_weights", (cdiv(width, WCHUNK), H, B), (WCHUNK // 4,), 0,
                 (ptr(prel), ptr(pmax), ptr(lse2), ptr(seqlens), ptr(topk_idx) if sparse else null, np.int32(K),

@@ -20,6 +20,8 @@
 //   split s takes entries [s * per_split, (s + 1) * per_split) of its topk row (dense: those blocks)
 //   o_part  float [B, HQ, S, D]   the split's normalised output (0 for a split with no valid key)
 //   lse_part float [B, HQ, S]     its log2-sum-exp of the scaled logits (-inf for no valid key)
+//   out, lse_out, lse2_out        nullptr, or (S = 1 only) the merge's outputs, written here instead of
+//                                 o_part and lse_part: one split needs no merge (docs/decode.md, 4.)
 //   prel    __half [B, HQ, W] or nullptr: the relative probability 2^(s - m) of every key the split
 //           reads (rows g < G, positions < L_b; s its log2-domain scaled logit), where m is the running
 //           max of the warp's row when the key's 16-key group was read (so prel <= 1); 8-byte aligned
@@ -112,7 +114,8 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
                     const int* __restrict__ seqlens, const int* __restrict__ block_table, int max_pages,
                     int page_size, int seq_rows, const int* __restrict__ topk, int K, int B, int H, int G,
                     int per_split, float scale_log2, float* __restrict__ o_part, float* __restrict__ lse_part,
-                    __half* __restrict__ prel, float* __restrict__ pmax, int W) {
+                    __half* __restrict__ prel, float* __restrict__ pmax, int W, T* __restrict__ out,
+                    float* __restrict__ lse_out, float* __restrict__ lse2_out) {
     constexpr int NT = 128 * MT, NW = 4 * MT, ROWB = KVLayout<D>::ROWB, CH = D / 8;
     typedef SplitSmem<D, MT> SM;
     extern __shared__ __align__(128) unsigned char smem[];
@@ -381,7 +384,13 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
             for (int w = 0; w < 4; ++w) Lsum += l_s[(rt * 4 + w) * 16 + rr] * exp2f(m_s[(rt * 4 + w) * 16 + rr] - M);
         row_inv[tid] = Lsum > 0.f ? 1.f / Lsum : 0.f;    // 0: the split saw no key, o_part is 0
         const int64 hq = (int64)b * HQ + (int64)h * G + tid;
-        lse_part[hq * S + split] = Lsum > 0.f ? M + __log2f(Lsum) : -INFLLM_INF;
+        const float lse2 = M + __log2f(Lsum);
+        if (out != nullptr) {                           // the only split: the merge's outputs
+            lse2_out[hq] = Lsum > 0.f ? lse2 : INFLLM_INF;
+            lse_out[hq] = Lsum > 0.f ? lse2 * LN2 : INFLLM_INF;
+        } else {
+            lse_part[hq * S + split] = Lsum > 0.f ? lse2 : -INFLLM_INF;
+        }
     }
     float sc[2];
 #pragma unroll
@@ -423,7 +432,16 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
             a = make_float4(a.x + c.x, a.y + c.y, a.z + c.z, a.w + c.w);
         }
         const float inv = row_inv[r];
-        *reinterpret_cast<float4*>(o_part_s + (int64)r * S * D + d) = make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
+        if (out != nullptr) {
+            Vec<T, 4> res;
+            res.elem[0] = from_float<T>(a.x * inv);
+            res.elem[1] = from_float<T>(a.y * inv);
+            res.elem[2] = from_float<T>(a.z * inv);
+            res.elem[3] = from_float<T>(a.w * inv);
+            res.store(out + ((int64)b * HQ + (int64)h * G + r) * D + d);
+        } else {
+            *reinterpret_cast<float4*>(o_part_s + (int64)r * S * D + d) = make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
+        }
     }
 }
 
