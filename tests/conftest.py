@@ -48,6 +48,8 @@ except ImportError:  # the fuzz tests skip themselves without hypothesis
 
 WHY_NO_GPU = _why_no_gpu()
 HAS_GPU = WHY_NO_GPU is None
+# an H100 / H200: the sm_90a kernels (wgmma, TMA) run, and the plans choose them
+HOPPER = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)
 HAS_NVRTC = _has_nvrtc()
 GPU_SKIP = "needs a CUDA GPU and CuPy"
 NVRTC_SKIP = "needs NVRTC and the CUDA headers (the gpu extra; no GPU)"

@@ -28,9 +28,8 @@ from infllm_cupy import (
 )
 from infllm_cupy.testing import cu_seqlens_from_lengths
 
-from conftest import HAS_GPU
+from conftest import HOPPER
 
-HOPPER = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)
 # (device, kernel argument): the reference on CPU; the kernels (SM80 and, on Hopper, sm_90a) on the GPU
 RUNS = [pytest.param("cpu", "auto", id="reference"),
         pytest.param("cuda", "sm80", id="sm80", marks=pytest.mark.gpu),

@@ -40,7 +40,7 @@ from infllm_cupy.stage1.plan import (
 from infllm_cupy.stage1.select import launch_select, stage1_select
 from infllm_cupy.testing import cu_seqlens_from_lengths
 
-from conftest import HAS_GPU
+from conftest import HOPPER
 
 
 # ================================================================================================
@@ -362,7 +362,6 @@ def test_pool_and_topk_reject_bad_inputs():
 # the kernel
 # ================================================================================================
 
-HOPPER = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)
 H100 = (227 * 1024, 228 * 1024)   # (opt-in per-block, per-SM) dynamic shared memory
 
 

@@ -13,7 +13,7 @@ outputs are NaN-poisoned, conftest, so an unwritten row fails). ~11 GB of GPU me
 """
 import pytest
 import torch
-from conftest import HAS_GPU
+from conftest import HOPPER
 
 from infllm_cupy._constants import KV_BLOCK
 from infllm_cupy.stage2 import sparse_bwd as sb
@@ -30,7 +30,6 @@ from infllm_cupy.stage2.sparse_fwd import token_block_masks
 from infllm_cupy.testing import assert_close_to_ref, cu_seqlens_from_lengths, reference_sparse_grads
 
 GPU = pytest.mark.gpu
-HOPPER = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)
 OLD_MAX_KEYS = 65535 * KV_BLOCK   # the launcher's blanket limit before the z-chunks
 
 

@@ -15,7 +15,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import HAS_GPU
+from conftest import HOPPER
 
 from infllm_cupy import _jit
 from infllm_cupy.patterns import qhead_block_sparse_attn_varlen
@@ -25,7 +25,6 @@ from infllm_cupy.stage2.layout import BlockLayout
 from infllm_cupy.stage2.plan import DEFAULT_BWD_TILES, BwdPlan, BwdTiles, bwd_plan
 from infllm_cupy.testing import assert_qhead_layout_close, cu_seqlens_from_lengths
 
-HOPPER = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)
 NEEDS_HOPPER = pytest.mark.skipif(not HOPPER, reason="sm_90a kernels need capability 9.0")
 
 

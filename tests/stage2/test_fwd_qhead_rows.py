@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from conftest import HAS_GPU
+from conftest import HOPPER
 
 from infllm_cupy import _jit
 from infllm_cupy.patterns import SparseAttention, qhead_block_sparse_attn_varlen
@@ -31,7 +31,6 @@ from infllm_cupy.testing import (
     cu_seqlens_from_lengths,
 )
 
-HOPPER = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)
 NEEDS_HOPPER = pytest.mark.skipif(not HOPPER, reason="sm_90a kernel needs capability 9.0")
 
 

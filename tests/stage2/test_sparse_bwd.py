@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import HAS_GPU, STAGE2_CASES, STAGE2_IDS
+from conftest import HOPPER, STAGE2_CASES, STAGE2_IDS
 
 from infllm_cupy.pipeline import InfLLMv2Attention, InfLLMv2Config
 from infllm_cupy.stage2 import naive as s2
@@ -46,7 +46,6 @@ from infllm_cupy.testing import (
 )
 
 GPU = pytest.mark.gpu
-HOPPER = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)
 NEEDS_HOPPER = pytest.mark.skipif(not HOPPER, reason="sm_90a kernels need capability 9.0")
 DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from infllm_cupy.stage2 import naive as s2
 from infllm_cupy.stage2.naive import naive_dense_attn_varlen
 
-from conftest import HAS_GPU, STAGE2_CASES, STAGE2_IDS
+from conftest import HOPPER, STAGE2_CASES, STAGE2_IDS
 
 CASES, IDS = STAGE2_CASES, STAGE2_IDS
 
@@ -50,7 +50,6 @@ def check_against_reference(out, lse, q, k, v, cu_q, cu_k, idx, mq, mk, causal):
     assert bool((out[empty.T] == 0).all()), "rows with no allowed key must be exactly 0"
 
 
-HOPPER = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)
 NEEDS_HOPPER = pytest.mark.skipif(not HOPPER, reason="sm_90a kernel needs capability 9.0")
 # the sm_90a kernel with its per-CTA step choice, and with each step shape forced in every CTA
 SM90_VARIANTS = [pytest.param(t, marks=NEEDS_HOPPER) for t in ("sm90a_pair", "sm90a_single", "sm90a_split", "sm90a")]
