@@ -150,6 +150,70 @@ __device__ __forceinline__ int part_start(const unsigned* __restrict__ urow, int
     return s_pos;
 }
 
+// ---- key-block pairs (docs/stage2_bwd.md, "Key-block pairs"): BwdPlan.dkdv_pair as the kernels'
+// pair_mode. OFF: one CTA per key block; AUTO: blocks 2p, 2p + 1 share one CTA where their query
+// tiles mostly coincide; ALL: wherever the rules below allow (tests).
+#define PAIR_OFF 0
+#define PAIR_AUTO 1
+#define PAIR_ALL 2
+
+// Sums of N ints over the NT threads of the CTA (every thread gets them); two CTA barriers.
+template <int NT, int N>
+__device__ __forceinline__ void cta_sums(int (&x)[N]) {
+    __shared__ int part[NT / 32][N];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+        for (int o = 16; o > 0; o >>= 1) x[i] += __shfl_xor_sync(0xffffffffu, x[i], o);
+    __syncthreads();                       // `part` may still be read by a previous call
+    if (lane == 0)
+#pragma unroll
+        for (int i = 0; i < N; ++i) part[warp][i] = x[i];
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        int t = 0;
+        for (int w = 0; w < NT / 32; ++w) t += part[w][i];
+        x[i] = t;
+    }
+}
+
+// Whether key blocks 2p and 2p + 1 of one (sequence, head) go to the pair kernel rather than to
+// one-block CTAs. Rules: both blocks exist; not block 0 in parts (split0 > 1); with dkdv "auto"
+// (vrow0 != null, the token index) neither block is the gathering instance's; the sequence's last
+// tile is whole, or neither block has it (the pair kernel loads by TMA only, which cannot zero the
+// rows past a sequence); PAIR_AUTO: the tiles both blocks have are at least 3/4 of their union.
+// row0: the tile index row of block 2p (block 2p + 1's follows it), vrow0 likewise. Every
+// instance decides from the same rows, so each block is done by exactly one kernel. Every thread
+// of the CTA (NT threads) must call it; returns the same answer in all of them.
+template <int NT>
+__device__ __noinline__ bool dkdv_pair_taken(int pair_mode, int p, int n_blocks, int split0,
+                                                const unsigned* __restrict__ row0, int groups, int units, bool partial,
+                                                const unsigned* __restrict__ vrow0, int groups_v, int G) {
+    if (pair_mode == PAIR_OFF || 2 * p + 1 >= n_blocks || (p == 0 && split0 > 1)) return false;
+    int c[6] = {0, 0, 0, 0, 0, 0};   // tiles of 2p, of 2p + 1, of both, of either; tokens of 2p, 2p + 1
+    for (int w = threadIdx.x; w < groups; w += NT) {
+        const unsigned a = __ldg(row0 + w), b = __ldg(row0 + groups + w);
+        c[0] += __popc(a);
+        c[1] += __popc(b);
+        c[2] += __popc(a & b);
+        c[3] += __popc(a | b);
+    }
+    if (vrow0 != nullptr)
+        for (int w = threadIdx.x; w < groups_v; w += NT) {
+            c[4] += __popc(__ldg(vrow0 + w));
+            c[5] += __popc(__ldg(vrow0 + groups_v + w));
+        }
+    cta_sums<NT, 6>(c);
+    // the "auto" instance choice of either block (the kernels' gather_wins): gathered blocks never pair
+    bool ok = vrow0 == nullptr || (2 * (int64)c[4] * G >= (int64)c[0] * QT && 2 * (int64)c[5] * G >= (int64)c[1] * QT);
+    if (partial && units > 0) {
+        const int w = (units - 1) >> 5;
+        ok = ok && !(((__ldg(row0 + w) | __ldg(row0 + groups + w)) >> ((units - 1) & 31)) & 1u);
+    }
+    return ok && (pair_mode == PAIR_ALL || 4 * c[2] >= 3 * c[3]);
+}
+
 // ---- dk/dv setup: this CTA's key block j, (sequence, head) hb and part of block 0 (-1: not split),
 // in the CTA order of the launch contract (docs/stage2_bwd.md, "CTA order").
 __device__ __forceinline__ void dkdv_cta_order(int HB, int split0, int n_kb, int order, int& j, int& hb, int& part) {
@@ -280,7 +344,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      int total_q, int HQ, int H, int G, int n_words,
                      long long mask_h_stride, int mask_q_block, float scale_log2, float scale, int causal,
                      float* __restrict__ dk32, float* __restrict__ dv32, int q_lo, int q_hi, int last_pass,
-                     int pdl, int kv_group) {
+                     int pdl, int pair_mode, int kv_group) {
     constexpr int CH = D / 8;
     constexpr u32 TILE = 64 * D * sizeof(T);
     constexpr u32 HALF = 64 * 128;
@@ -342,6 +406,16 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
         const int tiles_n = cta_sum128(GATHER ? other : own);
         const bool gather_wins = 2 * (int64)tokens * G < (int64)tiles_n * QT;
         if (gather_wins != GATHER) {
+            if (pdl && blockIdx.x == 0) pdl_wait();
+            return;
+        }
+    }
+    // a block the pair kernel takes (with its neighbour) is not this kernel's
+    if (!GATHER && pair_mode != PAIR_OFF) {
+        const int groups_v = (sq.Lq + 31) >> 5;
+        const unsigned* vrow0 = vt != nullptr ? vt + (int64)h * vt_h_stride + vt_off[b] + (int64)(j & ~1) * groups_v : nullptr;
+        if (dkdv_pair_taken<128>(pair_mode, j >> 1, key_blocks(sq.Lk), split0, urow - (j & 1) * groups, groups, units,
+                                 sq.rows_total % QT != 0, vrow0, groups_v, G)) {
             if (pdl && blockIdx.x == 0) pdl_wait();
             return;
         }
@@ -592,6 +666,307 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     cp_async_wait<0>();
 
     dkdv_epilogue<T, D>(adk, adv, part, hb, split0, part0, key_r0, c0, kbase, sq.ks, sq.Lk, H, h, passes, last_pass, pdl,
+                        scale, dk32, dv32, dk, dv);
+}
+
+// The union of two key blocks' tile index rows, walked from a top unit downwards: each step gives
+// the next tile either block has and which of them have it (bit 0: block 2p, bit 1: 2p + 1).
+struct PairWalk {
+    int w;          // index word being walked
+    unsigned a, b;  // its bits of either row not taken yet
+};
+
+__device__ __forceinline__ void pair_walk_init(PairWalk& s, const unsigned* __restrict__ row0, int groups, int top) {
+    s.w = top >> 5;
+    const unsigned keep = top >= 0 ? ~0u >> (31 - (top & 31)) : 0u;
+    s.a = top >= 0 ? __ldg(row0 + s.w) & keep : 0u;
+    s.b = top >= 0 ? __ldg(row0 + groups + s.w) & keep : 0u;
+}
+
+__device__ __forceinline__ bool pair_walk_next(PairWalk& s, const unsigned* __restrict__ row0, int groups, int u_lo,
+                                               int& tile, unsigned& which) {
+    while ((s.a | s.b) == 0u) {
+        if (s.w <= 0) {
+            s.w = -1;
+            return false;
+        }
+        --s.w;
+        s.a = __ldg(row0 + s.w);
+        s.b = __ldg(row0 + groups + s.w);
+    }
+    const int bit = 31 - __clz(s.a | s.b);
+    tile = 32 * s.w + bit;
+    if (tile < u_lo) {
+        s.w = -1;
+        s.a = s.b = 0u;
+        return false;
+    }
+    which = ((s.a >> bit) & 1u) | (((s.b >> bit) & 1u) << 1);
+    s.a &= ~(1u << bit);
+    s.b &= ~(1u << bit);
+    return true;
+}
+
+// OR of x over the `threads` threads of named barrier `id`; also a barrier among them.
+__device__ __forceinline__ bool named_barrier_or(int id, int threads, bool x) {
+    int r;
+    asm volatile("{\n.reg .pred p, q;\nsetp.ne.s32 q, %1, 0;\nbar.red.or.pred p, %2, %3, q;\nselp.s32 %0, 1, 0, p;\n}\n"
+                 : "=r"(r) : "r"((int)x), "r"(id), "r"(threads) : "memory");
+    return r != 0;
+}
+
+// dk, dv of two key blocks per CTA (docs/stage2_bwd.md, "Key-block pairs"). Warpgroup w owns key
+// block 2p + w exactly as the one-block kernel's warpgroup owns its block (K, V in shared memory, the
+// same tile step, the same order of sums, so the same bits); the CTA walks the union of the two
+// blocks' query tiles once, and a tile both blocks have is read from L2 once for both. The Q/dO
+// tiles come by TMA from thread 0 into a ring of PAIR_NS stages (full / empty mbarriers, no CTA
+// barrier per tile), so the warpgroups drift apart: a warpgroup whose block a tile does not have
+// only releases the stage. Fixed tiles only, TMA only (dkdv_pair_taken keeps a sequence's partial
+// last tile out of pairs), no block-0 parts. Launch: grid H B (n_kb / 2), block 256, one CTA per SM.
+#define PAIR_NS 3
+template <typename T, int D, bool PIPE, int QH = 0>
+__global__ void __launch_bounds__(256, 1)
+stage2_bwd_dkdv_pair_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                          const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                          const unsigned* __restrict__ masks, const int* __restrict__ mask_base,
+                          const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+                          const long long* __restrict__ ut_off, const unsigned* __restrict__ ut, long long ut_h_stride,
+                          const long long* __restrict__ vt_off, const unsigned* __restrict__ vt, long long vt_h_stride,
+                          T* __restrict__ dk, T* __restrict__ dv, int n_seq, int n_kb, int split0,
+                          const __grid_constant__ TmaMap tmap_q, const __grid_constant__ TmaMap tmap_do,
+                          int total_q, int HQ, int H, int G, int n_words,
+                          long long mask_h_stride, int mask_q_block, float scale_log2, float scale, int causal,
+                          float* __restrict__ dk32, float* __restrict__ dv32, int q_lo, int q_hi, int last_pass,
+                          int pdl, int pair_mode, int kv_group) {
+    constexpr int CH = D / 8;
+    constexpr u32 TILE = 64 * D * sizeof(T);
+    constexpr u32 HALF = 64 * 128;
+    constexpr int NS = PAIR_NS;
+    constexpr float LOG2E = 1.4426950408889634f;
+    extern __shared__ unsigned char smem[];
+    const u32 raw = smem_u32(smem);
+    const u32 base = (raw + 1023u) & ~1023u;
+    const int tid = threadIdx.x, wg = tid >> 7, wt = tid & 127, warp = wt >> 5, lane = tid & 31;
+    const u32 sK = base + wg * 2 * TILE, sV = sK + TILE;         // this warpgroup's block
+    const u32 sQ = base + 4 * TILE, sO = sQ + NS * TILE;          // the shared ring
+    float* sL = reinterpret_cast<float*>(smem + (sO + NS * TILE - raw)) + wg * 6 * QT;   // [2][QT] per warpgroup
+    float* sD = sL + 2 * QT;
+    int* sLim = reinterpret_cast<int*>(sD + 2 * QT);
+    __shared__ alignas(8) unsigned long long full_bar[NS], empty_bar[NS];
+
+    if (pdl) pdl_launch_dependents();
+    const int n_pairs = n_kb >> 1;
+    const int hb = blockIdx.x / n_pairs, p = blockIdx.x - hb * n_pairs;
+    const int b = hb / H, h = hb - b * H;
+    S2Seq sq;
+    s2_seq_bounds(sq, cu_seqlens_q, cu_seqlens_k, b);
+    if (2 * p + 1 >= key_blocks(sq.Lk)) {
+        if (pdl && blockIdx.x == 0) pdl_wait();
+        return;
+    }
+    s2_seq_shift(sq, causal);
+    s2_seq_rows(sq, G);
+    const int units = (int)((sq.rows_total + QT - 1) / QT);
+    const int groups = (units + 31) >> 5, groups_v = (sq.Lq + 31) >> 5;
+    const unsigned* row0 = ut + (int64)h * ut_h_stride + ut_off[b] + (int64)(2 * p) * groups;
+    const unsigned* vrow0 = vt != nullptr ? vt + (int64)h * vt_h_stride + vt_off[b] + (int64)(2 * p) * groups_v : nullptr;
+    if (!dkdv_pair_taken<256>(pair_mode, p, key_blocks(sq.Lk), split0, row0, groups, units, sq.rows_total % QT != 0,
+                              vrow0, groups_v, G)) {
+        if (pdl && blockIdx.x == 0) pdl_wait();
+        return;
+    }
+    const int j = 2 * p + wg, kbase = j * BLOCK_N;
+    const unsigned* mrows = seq_mask_rows(masks, mask_base, b, h, mask_h_stride, n_words);
+    const bool passes = dk32 != nullptr;
+    const int u_lo = !passes ? 0 : (int)min(((int64)q_lo * G + QT - 1) / QT, (int64)units);
+    const int u_hi = !passes ? units : (int)min(((int64)q_hi * G + QT - 1) / QT, (int64)units);
+    PairWalk cw;
+    pair_walk_init(cw, row0, groups, u_hi - 1);
+    int tile = 0;
+    unsigned which = 0u;
+    bool have = pair_walk_next(cw, row0, groups, u_lo, tile, which);
+    if (passes && !have && !last_pass) {
+        if (pdl && blockIdx.x == 0) pdl_wait();
+        return;
+    }
+    FastDiv divG, divM;
+    divG.init((unsigned)G);
+    divM.init((unsigned)mask_q_block);
+    {
+        constexpr int U = 64 * CH / 128;
+        int64 off[U];
+        bool ok[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int key = kbase + (wt + 128 * u) / CH;
+            ok[u] = key < sq.Lk;
+            off[u] = QH == 2 ? ((int64)(sq.ks + key) * (H / kv_group) + h / kv_group) * D
+                             : ((int64)(sq.ks + key) * H + h) * D;
+        }
+        load_tile_rows<T, D>(sK, k, wt, off, ok);
+        load_tile_rows<T, D>(sV, v, wt, off, ok);
+        cp_async_commit();
+    }
+    const u32 full0 = smem_u32(&full_bar[0]), empty0 = smem_u32(&empty_bar[0]);
+    if (tid == 0) {
+        for (int i = 0; i < NS; ++i) {
+            mbar_init(full0 + 8 * i, 1);
+            mbar_init(empty0 + 8 * i, 8);           // one arrival per warp of both warpgroups
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    // Q/dO of tile `t` into stage `st` by thread 0 (whole tiles: 64 / G tokens x G heads, one box
+    // per 64 columns of each map)
+    auto load_tile = [&](int t, int st) {
+        const u32 bar = full0 + 8 * st;
+        const int t0 = (int)divG.div((unsigned)t * QT);
+        mbar_arrive_expect_tx(bar, 2 * TILE);
+#pragma unroll
+        for (int half = 0; half < D / 64; ++half) {
+            tma_load_3d(sQ + st * TILE + half * HALF, tmap_q, half * 64, h * G, sq.qs + t0, bar);
+            tma_load_3d(sO + st * TILE + half * HALF, tmap_do, half * 64, h * G, sq.qs + t0, bar);
+        }
+    };
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();                       // K, V of both blocks and the mbarriers
+    // the producer's walk runs two tiles ahead of the consumers'
+    PairWalk pw;
+    int ptile = 0;
+    bool pnext = false;
+    if (tid == 0) {
+        pw = cw;
+        unsigned wdummy;
+        if (have) load_tile(tile, 0);
+        pnext = pair_walk_next(pw, row0, groups, u_lo, ptile, wdummy);
+        if (pnext) {
+            load_tile(ptile, 1);
+            pnext = pair_walk_next(pw, row0, groups, u_lo, ptile, wdummy);
+        }
+    }
+
+    // row info of this warpgroup's next own tile: fetched during the tile before, committed at
+    // the top of its own step (as the one-block kernel)
+    int f_word = 0, f_rk = -1;
+    float f_l = 0.f, f_d = 0.f;
+    auto fetch_info = [&](int t_) {
+        f_rk = -1;
+        if (wt < QT) {
+            const unsigned R = (unsigned)t_ * QT + wt;
+            const int t = (int)divG.div(R), g = (int)(R - (unsigned)t * G);
+            if (R < (unsigned)sq.rows_total) {
+                const int64 li = ((int64)h * G + g) * total_q + sq.qs + t;
+                f_word = (int)__ldg(mrows + (int64)divM.div((unsigned)t) * n_words + (j >> 5));
+                f_l = __ldg(lse + li);
+                f_d = __ldg(delta + li);
+                f_rk = causal ? t + sq.shift : sq.Lk - 1;
+            }
+        }
+    };
+    auto commit_info = [&](int buf) -> bool {
+        bool cut = false;
+        if (wt < QT) {
+            const bool sel = f_rk >= kbase && ((((unsigned)f_word) >> (j & 31)) & 1u);
+            sLim[buf * QT + wt] = sel ? f_rk - kbase : -1;
+            sL[buf * QT + wt] = sel ? f_l * LOG2E : INFLLM_INF;
+            sD[buf * QT + wt] = sel ? f_d : 0.f;
+            cut = sel && f_rk - kbase < BLOCK_N - 1;
+        }
+        return cut;
+    };
+    auto release = [&](int st) {
+        if (lane == 0) mbar_arrive(empty0 + 8 * st);
+    };
+
+    bool own = have && ((which >> wg) & 1u);
+    if (own) fetch_info(tile);
+    float adk[D / 2], adv[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) adk[i] = adv[i] = 0.f;
+    float s[32], dp[32];
+    u32 pa[4][4], da[4][4];
+    const u64 k_desc = smem_desc(sK, 16, 1024), v_desc = smem_desc(sV, 16, 1024);
+    const u64 q_desc = smem_desc(sQ, 16, 1024), o_desc = smem_desc(sO, 16, 1024);      // K-major B
+    const u64 qt_desc = smem_desc(sQ, HALF, 1024), ot_desc = smem_desc(sO, HALF, 1024);  // MN-major B
+    const int c0 = (lane & 3) * 2;
+    const int key_r0 = warp * 16 + (lane >> 2);
+
+    int st = 0, pending = -1, buf = 0, u = 0;
+    unsigned fpar = 0u, epar = 0u;          // bit i: parity stage i's full / empty barrier completes next
+    while (have) {
+        mbar_wait(full0 + 8 * st, (fpar >> st) & 1u);
+        fpar ^= 1u << st;
+        bool any_cut = false;
+        if (own) {
+            const bool cut = commit_info(buf);
+            any_cut = named_barrier_or(1 + wg, 128, cut);     // also publishes the row info in the warpgroup
+            ss_product_pair_issue<T, D>(s, k_desc, q_desc + ((st * TILE) >> 4), dp, v_desc, o_desc + ((st * TILE) >> 4));
+            if (PIPE && pending >= 0) {     // the previous own tile's dV/dK group is done: its stage is free
+                wgmma_wait<1>();
+                fence_regs(adv);
+                fence_regs(adk);
+                release(pending);
+                pending = -1;
+            }
+        } else {
+            if (pending >= 0) {
+                wgmma_wait<0>();
+                fence_regs(adv);
+                fence_regs(adk);
+                release(pending);
+                pending = -1;
+            }
+            release(st);
+        }
+        // thread 0: the tile two ahead into the stage of tile u - 1, once both warpgroups left it
+        if (tid == 0 && pnext) {
+            const int ps = st == 0 ? NS - 1 : st - 1;
+            if (u >= 1) {
+                mbar_wait(empty0 + 8 * ps, (epar >> ps) & 1u);
+                epar ^= 1u << ps;
+            }
+            load_tile(ptile, ps);
+            unsigned wdummy;
+            pnext = pair_walk_next(pw, row0, groups, u_lo, ptile, wdummy);
+        }
+        int ntile = 0;
+        unsigned nwhich = 0u;
+        const bool have_next = pair_walk_next(cw, row0, groups, u_lo, ntile, nwhich);
+        const bool own_next = have_next && ((nwhich >> wg) & 1u);
+        if (own_next) fetch_info(ntile);
+        if (own) {
+            ss_product_pair_wait(s, dp);
+            dkdv_p_ds(s, dp, sLim + buf * QT, sL + buf * QT, sD + buf * QT, c0, key_r0, scale_log2, any_cut);
+            pack_a_frags<T, 4>(s, pa);
+            pack_a_frags<T, 4>(dp, da);
+            const u64 qtd = qt_desc + ((st * TILE) >> 4), otd = ot_desc + ((st * TILE) >> 4);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, D>(adv, pa[kk], otd + ((kk * 16 * 128) >> 4), 1);
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, D>(adk, da[kk], qtd + ((kk * 16 * 128) >> 4), 1);
+            wgmma_commit();
+            if (PIPE) {
+                pending = st;
+            } else {
+                wgmma_wait<0>();
+                fence_regs(adv);
+                fence_regs(adk);
+                release(st);
+            }
+            buf ^= 1;
+        }
+        tile = ntile;
+        own = own_next;
+        have = have_next;
+        st = st + 1 == NS ? 0 : st + 1;
+        ++u;
+    }
+    wgmma_wait<0>();
+    fence_regs(adv);
+    fence_regs(adk);
+
+    dkdv_epilogue<T, D>(adk, adv, -1, hb, 1, nullptr, key_r0, c0, kbase, sq.ks, sq.Lk, H, h, passes, last_pass, pdl,
                         scale, dk32, dv32, dk, dv);
 }
 
