@@ -158,7 +158,7 @@ def dkdv_sm90_smem_bytes(D: int, itemsize: int = 2) -> int:
     return 1024 + 6 * 64 * D * itemsize + 2 * 3 * QT * 4
 
 
-PAIR_NS = 4     # Q/dO ring stages of the pair dk/dv (mirrors #define PAIR_NS)
+PAIR_NS = 3     # Q/dO ring stages of the pair dk/dv (mirrors #define PAIR_NS)
 PAIR_PIPE = True  # EXPERIMENT: pair kernel's PIPE template value (to be settled by measurement)
 
 

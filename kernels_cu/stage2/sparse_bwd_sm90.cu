@@ -723,7 +723,7 @@ __device__ __forceinline__ bool named_barrier_or(int id, int threads, bool x) {
 // barrier per tile), so the warpgroups drift apart: a warpgroup whose block a tile does not have
 // only releases the stage. Fixed tiles only, TMA only (dkdv_pair_taken keeps a sequence's partial
 // last tile out of pairs), no block-0 parts. Launch: grid H B (n_kb / 2), block 256, one CTA per SM.
-#define PAIR_NS 4
+#define PAIR_NS 3
 template <typename T, int D, bool PIPE, int QH = 0>
 __global__ void __launch_bounds__(256, 1)
 stage2_bwd_dkdv_pair_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -840,9 +840,8 @@ stage2_bwd_dkdv_pair_sm90(const T* __restrict__ q, const T* __restrict__ k, cons
         unsigned wdummy;
         if (have && lane == 0) load_tile(tile, 0);
         pnext = pair_walk_next(pw, row0, groups, u_lo, ptile, wdummy);
-#pragma unroll 1
-        for (int i = 1; i < NS - 1 && pnext; ++i) {
-            if (lane == 0) load_tile(ptile, i);
+        if (pnext) {
+            if (lane == 0) load_tile(ptile, 1);
             pnext = pair_walk_next(pw, row0, groups, u_lo, ptile, wdummy);
         }
     }
@@ -921,7 +920,7 @@ stage2_bwd_dkdv_pair_sm90(const T* __restrict__ q, const T* __restrict__ k, cons
             }
             release(st);
         }
-        // warp 0: the tile NS - 1 ahead into the stage of tile u - 1, once both warpgroups left it
+        // warp 0: the tile two ahead into the stage of tile u - 1, once both warpgroups left it
         if (tid < 32 && pnext) {
             const int ps = st == 0 ? NS - 1 : st - 1;
             if (u >= 1) {
