@@ -830,22 +830,20 @@ stage2_bwd_dkdv_pair_sm90(const T* __restrict__ q, const T* __restrict__ k, cons
     cp_async_wait<0>();
     fence_proxy_async();
     __syncthreads();                       // K, V of both blocks and the mbarriers
-    // the producer, warp 0 (lane 0 issues the copies), walks two tiles ahead of the consumers. The
-    // whole warp waits on the empty barriers, so it stays converged for the warpgroup-wide
-    // instructions after (bar.red, wgmma): one lane spinning alone there could hang the CTA
-    PairWalk pw = cw;
+    // the producer's walk runs two tiles ahead of the consumers'
+    PairWalk pw;
     int ptile = 0;
     bool pnext = false;
-    if (tid < 32) {
+    if (tid == 0) {
+        pw = cw;
         unsigned wdummy;
-        if (have && lane == 0) load_tile(tile, 0);
+        if (have) load_tile(tile, 0);
         pnext = pair_walk_next(pw, row0, groups, u_lo, ptile, wdummy);
         if (pnext) {
-            if (lane == 0) load_tile(ptile, 1);
+            load_tile(ptile, 1);
             pnext = pair_walk_next(pw, row0, groups, u_lo, ptile, wdummy);
         }
     }
-    __syncwarp();
 
     // row info of this warpgroup's next own tile: fetched during the tile before, committed at
     // the top of its own step (as the one-block kernel)
@@ -920,18 +918,17 @@ stage2_bwd_dkdv_pair_sm90(const T* __restrict__ q, const T* __restrict__ k, cons
             }
             release(st);
         }
-        // warp 0: the tile two ahead into the stage of tile u - 1, once both warpgroups left it
-        if (tid < 32 && pnext) {
+        // thread 0: the tile two ahead into the stage of tile u - 1, once both warpgroups left it
+        if (tid == 0 && pnext) {
             const int ps = st == 0 ? NS - 1 : st - 1;
             if (u >= 1) {
                 mbar_wait(empty0 + 8 * ps, (epar >> ps) & 1u);
                 epar ^= 1u << ps;
             }
-            if (lane == 0) load_tile(ptile, ps);
+            load_tile(ptile, ps);
             unsigned wdummy;
             pnext = pair_walk_next(pw, row0, groups, u_lo, ptile, wdummy);
         }
-        __syncwarp();
         int ntile = 0;
         unsigned nwhich = 0u;
         const bool have_next = pair_walk_next(cw, row0, groups, u_lo, ntile, nwhich);
