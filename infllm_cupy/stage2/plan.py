@@ -202,9 +202,6 @@ DQ_STEPS = {"single": 0, "auto": 1, "split": 3}
 # sm_90a dk/dv instances: fixed 64-row query tiles, gathered tokens, or both, each key block done by
 # the one its tile fill favours
 DKDV_INSTANCES = ("tiles", "gather", "auto")
-# Key-block pairs of the sm_90a dk/dv (docs/stage2_bwd.md, "Key-block pairs"): BwdPlan.dkdv_pair ->
-# the kernels' pair_mode (PAIR_OFF / PAIR_AUTO / PAIR_ALL in sparse_bwd_sm90.cu)
-DKDV_PAIR_MODES = {"off": 0, "auto": 1, "all": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,10 +244,6 @@ class BwdPlan:
     SM80 dk/dv only: `dkdv_flush` (query tiles a CTA sums in registers before it adds them to fp32
     rows in global memory; those rows are allocated only where a sequence has more tiles, see
     `sm80_dkdv_flushes`).
-    `dkdv_pair` (sm_90a dk/dv with fixed tiles by TMA): a key of DKDV_PAIR_MODES. "off": one CTA
-    per key block; "auto": blocks 2p, 2p + 1 share a CTA (and each query tile's L2 read) where at
-    least 3/4 of their union's tiles are both blocks'; "all": every pair the kernel's rules allow
-    (tests). Every mode gives the same bits.
     `qhead`: a key of QHEAD_MODES (docs/stage2_bwd.md, "Per-query-head mask rows"): "off" (mask rows
     per KV head) or "head" (rows per query head, a layout with HQ heads: every kernel runs with one
     query head per CTA, G = 1 in its row space, K/V read at head `h / G`, dk/dv as per-query-head
@@ -269,7 +262,6 @@ class BwdPlan:
     pdl: bool = True
     dkdv_flush: int = DKDV_FLUSH_TILES
     qhead: str = "off"
-    dkdv_pair: str = "off"
 
     def __post_init__(self):
         if self.kernel not in (SM80, SM90A) or self.dq not in (SM80, SM90A):
@@ -299,11 +291,6 @@ class BwdPlan:
             # one query head per row: G = 1, where only fixed tiles exist
             raise ValueError(f"BwdPlan.qhead={self.qhead!r} runs fixed tiles (G = 1 in the row space): dkdv must "
                              f"be 'tiles', got {self.dkdv!r}")
-        if not isinstance(self.dkdv_pair, str) or self.dkdv_pair not in DKDV_PAIR_MODES:
-            raise ValueError(f"BwdPlan.dkdv_pair must be one of {tuple(DKDV_PAIR_MODES)}, got {self.dkdv_pair!r}")
-        if self.dkdv_pair != "off" and (self.kernel != SM90A or self.dkdv == "gather" or not self.dkdv_tma):
-            raise ValueError(f"BwdPlan.dkdv_pair={self.dkdv_pair!r} pairs fixed tiles loaded by TMA in the sm_90a "
-                             f"dk/dv: it needs kernel 'sm90a', dkdv 'tiles' or 'auto' and dkdv_tma; got {self}")
         if self.qhead != "off" and self.tiles != DEFAULT_BWD_TILES:
             # only the default tile shape has per-query-head SM80 instances (compile time of the CPU suite)
             raise ValueError(f"BwdPlan.qhead={self.qhead!r} needs the default SM80 tiles {DEFAULT_BWD_TILES}, "

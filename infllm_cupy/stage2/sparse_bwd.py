@@ -24,7 +24,6 @@ from .._tma import TMAP_DTYPE, heads_map, rows_map
 from .plan import (  # noqa: F401  (BwdTiles ... re-exported: the launcher's vocabulary)
     ALL_BWD_TILES,
     DEFAULT_BWD_TILES,
-    DKDV_PAIR_MODES,
     DQ_STEPS,
     GATHER_G,
     QHEAD_MODES,
@@ -61,8 +60,6 @@ _jit.register_instances(RING_SOURCE, [f"stage2_bwd_dq_ring_sm90<{CXX_TYPE[dt]}, 
                                       for d in HEAD_DIMS for ns in SM90_STAGES], sm90a=True)
 _jit.register_instances(SM90_SOURCE, [f"stage2_bwd_dkdv_sm90<{CXX_TYPE[dt]}, {d}, {g}>" for dt in KERNEL_DTYPES
                                      for d in HEAD_DIMS for g in ("false", "true")]
-                         + [f"stage2_bwd_dkdv_pair_sm90<{CXX_TYPE[dt]}, {d}, {pp}>" for dt in KERNEL_DTYPES
-                            for d in HEAD_DIMS for pp in ("true", "false")]
                          + [f"stage2_bwd_dkdv_parts<{CXX_TYPE[dt]}, {d}>" for dt in KERNEL_DTYPES for d in HEAD_DIMS],
                          sm90a=True)
 
@@ -76,9 +73,7 @@ for _dt in KERNEL_DTYPES:
         _jit.register_instances(RING_SOURCE,
                                 [qhead_instance(f"stage2_bwd_dq_ring_sm90<{CXX_TYPE[_dt]}, {_d}, {ns}>", "head")
                                  for ns in SM90_STAGES], sm90a=True)
-        _jit.register_instances(SM90_SOURCE, [qhead_instance(f"stage2_bwd_dkdv_sm90<{CXX_TYPE[_dt]}, {_d}, false>", "head"),
-                                              *(qhead_instance(f"stage2_bwd_dkdv_pair_sm90<{CXX_TYPE[_dt]}, {_d}, {pp}>", "head")
-                                                for pp in ("true", "false"))],
+        _jit.register_instances(SM90_SOURCE, [qhead_instance(f"stage2_bwd_dkdv_sm90<{CXX_TYPE[_dt]}, {_d}, false>", "head")],
                                 sm90a=True)
 
 GRID_X_MAX = 2**31 - 1    # CUDA's grid limits (x; y and z)
@@ -158,18 +153,9 @@ def dkdv_sm90_smem_bytes(D: int, itemsize: int = 2) -> int:
     return 1024 + 6 * 64 * D * itemsize + 2 * 3 * QT * 4
 
 
-PAIR_NS = 3     # Q/dO ring stages of the pair dk/dv (mirrors #define PAIR_NS)
-PAIR_PIPE = True  # EXPERIMENT: pair kernel's PIPE template value (to be settled by measurement)
-
-
-def dkdv_pair_smem_bytes(D: int, itemsize: int = 2) -> int:
-    # 1 KB slack + K, V of two blocks + the Q/dO ring + two row-info buffers per warpgroup
-    return 1024 + (4 + 2 * PAIR_NS) * 64 * D * itemsize + 2 * 2 * 3 * QT * 4
-
-
 @functools.cache
-def _side_stream(device: torch.device, i: int = 0) -> torch.cuda.Stream:
-    """Extra streams per device for the dk/dv instances after the first (`dkdv="auto"`, pairs)."""
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One extra stream per device, for the second dk/dv instance of `dkdv="auto"`."""
     return torch.cuda.Stream(device=device)
 
 
@@ -301,12 +287,6 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                         + ((ptr(other[0]), ptr(other[1]), np.int64(other[2])) if other else (null, null, np.int64(0))),
                         g)
                        for g, own, other in runs]
-        if plan.dkdv_pair != "off":
-            # key-block pairs: the pair kernel over the fixed-tile index (and the token index under
-            # "auto", for the instance choice); the one-block instances skip the blocks it takes
-            kv_launches.append((qhead_instance(f"stage2_bwd_dkdv_pair_sm90<{T}, {D}, {'true' if PAIR_PIPE else 'false'}>",
-                                               plan.qhead), True,
-                                kv_launches[0][2], "pair"))
     else:
         kv_smem = dkdv_smem_bytes(D, itemsize)
         # two-level sums where some CTA may sum more than plan.dkdv_flush tiles (docs/stage2_bwd.md,
@@ -337,23 +317,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     tail = (np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words), np.int64(mask_h_stride),
             np.int32(mask_q_block), scale_log2, np.float32(softmax_scale), causal_i)
 
-    pair_mode = np.int32(DKDV_PAIR_MODES[plan.dkdv_pair])
-
-    def launch_dkdv(kv_name: str, sm90a: bool, index_args: tuple, gather) -> None:
-        if gather == "pair":
-            # two key blocks per CTA, 256 threads, one CTA per SM (sparse_bwd_sm90.cu); passes as below
-            kernel = _jit.get_kernel(SM90_SOURCE, kv_name, sm90a=True)
-            n_pairs = n_kb // 2
-            args = common + index_args + (ptr(dk), ptr(dv), np.int32(B), np.int32(n_kb), np.int32(split0)) \
-                + tmaps + tail
-            for p in range(passes):
-                pass_args = ((ptr(dk32), ptr(dv32), np.int32(p * chunk), np.int32((p + 1) * chunk),
-                              np.int32(p == passes - 1)) if passes > 1
-                             else (np.uint64(0), np.uint64(0), np.int32(0), np.int32(max_seqlen_q), np.int32(1)))
-                launch(kernel, name=kv_name, grid=(H * B * n_pairs,), block=(256,),
-                       shared_mem=dkdv_pair_smem_bytes(D, itemsize),
-                       args=args + pass_args + (np.int32(pdl and passes > 1), pair_mode) + qh_tail, pdl=pdl and p > 0)
-            return
+    def launch_dkdv(kv_name: str, sm90a: bool, index_args: tuple, gather: bool) -> None:
         if sm90a:
             # block 0's parts and the CTA order of the launch contract (sparse_bwd_sm90.cu): (sequence,
             # head) slowest for fixed tiles, key block slowest for gathered tokens (docs/stage2_bwd.md,
@@ -367,29 +331,25 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                               np.int32(p == passes - 1)) if passes > 1
                              else (np.uint64(0), np.uint64(0), np.int32(0), np.int32(max_seqlen_q), np.int32(1)))
                 launch(kernel, name=kv_name, grid=(H * B * (split0 + n_kb - 1),), block=(128,), shared_mem=kv_smem,
-                       args=args + pass_args + (np.int32(pdl and passes > 1), pair_mode) + qh_tail, pdl=pdl and p > 0)
+                       args=args + pass_args + (np.int32(pdl and passes > 1),) + qh_tail, pdl=pdl and p > 0)
         else:
             kernel = _jit.get_kernel(BWD_SOURCE, kv_name)
             for kb0, nz in dkdv_z_chunks(n_kb):     # grid.z <= 65535: key blocks in chunks, in order
                 launch(kernel, name=kv_name, grid=(H, B, nz), block=(128,), shared_mem=kv_smem,
                        args=common + index_args + (ptr(dk), ptr(dv)) + tail + flush_args + qh_tail + (np.int32(kb0),))
 
-    if len(kv_launches) > 1:
-        # the instances (the halves of dkdv="auto", the pair kernel) run side by side, each owning
-        # its key blocks: one after the other, the first one's heaviest block (block 0, selected by
-        # every token) would run alone at its end. The side streams fork from and join back into
-        # the current one, so every later use of these tensors (and of the memory they free) is
-        # ordered after all of them.
+    if len(kv_launches) == 2:
+        # the two halves of dkdv="auto" run side by side: one after the other, the first one's
+        # heaviest block (block 0, selected by every token) would run alone at its end. The side
+        # stream forks from and joins back into the current one, so every later use of these
+        # tensors (and of the memory they free) is ordered after both kernels.
         main = torch.cuda.current_stream(dev)
-        sides = [_side_stream(dev, i) for i in range(len(kv_launches) - 1)]
-        for side in sides:
-            side.wait_stream(main)
+        side = _side_stream(dev)
+        side.wait_stream(main)
         launch_dkdv(*kv_launches[0])
-        for side, kv in zip(sides, kv_launches[1:]):
-            with torch.cuda.stream(side):
-                launch_dkdv(*kv)
-        for side in sides:
-            main.wait_stream(side)
+        with torch.cuda.stream(side):
+            launch_dkdv(*kv_launches[1])
+        main.wait_stream(side)
     else:
         launch_dkdv(*kv_launches[0])
     if split0 > 1:
