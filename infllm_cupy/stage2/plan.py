@@ -244,6 +244,9 @@ class BwdPlan:
     SM80 dk/dv only: `dkdv_flush` (query tiles a CTA sums in registers before it adds them to fp32
     rows in global memory; those rows are allocated only where a sequence has more tiles, see
     `sm80_dkdv_flushes`).
+    `dkdv_group` (sm_90a with qhead "head" only): one dk/dv CTA per (key block, KV head) walks the
+    index rows of the group's query heads one after another and writes dk, dv per KV head (no
+    per-query-head partials, no group sum afterwards); needs `block0_parts` 1.
     `qhead`: a key of QHEAD_MODES (docs/stage2_bwd.md, "Per-query-head mask rows"): "off" (mask rows
     per KV head) or "head" (rows per query head, a layout with HQ heads: every kernel runs with one
     query head per CTA, G = 1 in its row space, K/V read at head `h / G`, dk/dv as per-query-head
@@ -262,6 +265,7 @@ class BwdPlan:
     pdl: bool = True
     dkdv_flush: int = DKDV_FLUSH_TILES
     qhead: str = "off"
+    dkdv_group: bool = False
 
     def __post_init__(self):
         if self.kernel not in (SM80, SM90A) or self.dq not in (SM80, SM90A):
@@ -291,6 +295,11 @@ class BwdPlan:
             # one query head per row: G = 1, where only fixed tiles exist
             raise ValueError(f"BwdPlan.qhead={self.qhead!r} runs fixed tiles (G = 1 in the row space): dkdv must "
                              f"be 'tiles', got {self.dkdv!r}")
+        if type(self.dkdv_group) is not bool:
+            raise ValueError(f"BwdPlan.dkdv_group must be a bool, got {self.dkdv_group!r}")
+        if self.dkdv_group and (self.kernel != SM90A or self.qhead != "head" or self.block0_parts != 1):
+            raise ValueError(f"BwdPlan.dkdv_group walks a group's per-query-head rows in one sm_90a dk/dv CTA: it "
+                             f"needs kernel 'sm90a', qhead 'head' and block0_parts 1; got {self}")
         if self.qhead != "off" and self.tiles != DEFAULT_BWD_TILES:
             # only the default tile shape has per-query-head SM80 instances (compile time of the CPU suite)
             raise ValueError(f"BwdPlan.qhead={self.qhead!r} needs the default SM80 tiles {DEFAULT_BWD_TILES}, "

@@ -40,6 +40,7 @@ from .plan import (  # noqa: F401  (BwdTiles ... re-exported: the launcher's voc
     sm90_smem_bytes,
     qhead_instance,
 )
+DKDV_GROUP_QH = 3        # the sm_90a dk/dv's QH value for BwdPlan.dkdv_group (a group's heads per CTA)
 RING_SOURCE = "stage2/sparse_bwd_dq_sm90.cu"   # the dq kernel on the forward's K/V ring
 
 BWD_SOURCE = "stage2/sparse_bwd.cu"
@@ -73,7 +74,8 @@ for _dt in KERNEL_DTYPES:
         _jit.register_instances(RING_SOURCE,
                                 [qhead_instance(f"stage2_bwd_dq_ring_sm90<{CXX_TYPE[_dt]}, {_d}, {ns}>", "head")
                                  for ns in SM90_STAGES], sm90a=True)
-        _jit.register_instances(SM90_SOURCE, [qhead_instance(f"stage2_bwd_dkdv_sm90<{CXX_TYPE[_dt]}, {_d}, false>", "head")],
+        _jit.register_instances(SM90_SOURCE, [qhead_instance(f"stage2_bwd_dkdv_sm90<{CXX_TYPE[_dt]}, {_d}, false>", "head"),
+                                              f"stage2_bwd_dkdv_sm90<{CXX_TYPE[_dt]}, {_d}, false, {DKDV_GROUP_QH}>"],
                                 sm90a=True)
 
 GRID_X_MAX = 2**31 - 1    # CUDA's grid limits (x; y and z)
@@ -214,6 +216,8 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         # head h / kv_group; dk, dv are per-query-head partials, summed over the group at the end
         H, G, kv_group = HQ, 1, G
     _check_plan(plan, G, total_k)
+    # dkdv_group: dk/dv CTAs per KV head, sums of the group's query heads made in the kernel
+    H_out = HQ // kv_group if plan.dkdv_group else H
     B = cu_seqlens_q.numel() - 1
     n_words = masks.shape[-1]
     dev = q.device
@@ -221,8 +225,8 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, n_words=n_words, smem=_device_smem(dev))
     dout, out, lse = dout.contiguous(), out.contiguous(), lse.contiguous()
     dq = empty((total_q, HQ, D), dtype=q.dtype, device=dev)
-    dk = empty((total_k, H, D), dtype=k.dtype, device=dev)
-    dv = empty((total_k, H, D), dtype=v.dtype, device=dev)
+    dk = empty((total_k, H_out, D), dtype=k.dtype, device=dev)
+    dv = empty((total_k, H_out, D), dtype=v.dtype, device=dev)
     if total_q == 0 or total_k == 0:
         return dq.zero_(), torch.zeros_like(k), torch.zeros_like(v)
     T = CXX_TYPE[q.dtype]
@@ -282,7 +286,8 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         else:
             runs = [(True, by_tokens, None)] if gather else [(False, by_tiles, None)]
         null = np.uint64(0)
-        kv_launches = [(qhead_instance(f"stage2_bwd_dkdv_sm90<{T}, {D}, {'true' if g else 'false'}>", plan.qhead), True,
+        kv_launches = [((f"stage2_bwd_dkdv_sm90<{T}, {D}, false, {DKDV_GROUP_QH}>" if plan.dkdv_group else
+                         qhead_instance(f"stage2_bwd_dkdv_sm90<{T}, {D}, {'true' if g else 'false'}>", plan.qhead)), True,
                         (ptr(own[0]), ptr(own[1]), np.int64(own[2]))
                         + ((ptr(other[0]), ptr(other[1]), np.int64(other[2])) if other else (null, null, np.int64(0))),
                         g)
@@ -305,8 +310,8 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     passes = max(1, min(plan.dkdv_passes, max_seqlen_q)) if sm90a else 1   # a pass has at least one token
     split0 = plan.block0_parts if sm90a else 1
     chunk = cdiv(max_seqlen_q, passes)
-    dk32 = torch.zeros((total_k, H, D), dtype=torch.float32, device=dev) if passes > 1 else None
-    dv32 = torch.zeros((total_k, H, D), dtype=torch.float32, device=dev) if passes > 1 else None
+    dk32 = torch.zeros((total_k, H_out, D), dtype=torch.float32, device=dev) if passes > 1 else None
+    dv32 = torch.zeros((total_k, H_out, D), dtype=torch.float32, device=dev) if passes > 1 else None
     part0 = torch.empty(H * B * split0 * 2 * KV_BLOCK * D if split0 > 1 else 0, dtype=torch.float32, device=dev)
 
     # fixed tiles of 64 / G tokens x G heads come by TMA (boxes of heads_map) where G divides 64
@@ -330,7 +335,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                 pass_args = ((ptr(dk32), ptr(dv32), np.int32(p * chunk), np.int32((p + 1) * chunk),
                               np.int32(p == passes - 1)) if passes > 1
                              else (np.uint64(0), np.uint64(0), np.int32(0), np.int32(max_seqlen_q), np.int32(1)))
-                launch(kernel, name=kv_name, grid=(H * B * (split0 + n_kb - 1),), block=(128,), shared_mem=kv_smem,
+                launch(kernel, name=kv_name, grid=(H_out * B * (split0 + n_kb - 1),), block=(128,), shared_mem=kv_smem,
                        args=args + pass_args + (np.int32(pdl and passes > 1),) + qh_tail, pdl=pdl and p > 0)
         else:
             kernel = _jit.get_kernel(BWD_SOURCE, kv_name)
@@ -357,7 +362,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         launch(_jit.get_kernel(SM90_SOURCE, name, sm90a=True), name=name, grid=(H * B,), block=(256,),
                args=(ptr(part0), ptr(cu_seqlens_k), ptr(dk), ptr(dv), np.int32(H), np.int32(split0),
                      np.float32(softmax_scale)))
-    if kv_group > 1:
+    if kv_group > 1 and not plan.dkdv_group:
         # the per-query-head partials summed over each group in fp32, as the expanded path (K/V
         # repeated to HQ heads) sums its dK, dV: the same numbers
         dk = dk.view(total_k, HQ // kv_group, kv_group, D).sum(2, dtype=torch.float32).to(k.dtype)

@@ -40,6 +40,11 @@
 //       stream serialization attribute): each CTA lets the next pass start at once and waits for
 //       the pass before (griddepcontrol) before it reads dk32, dv32; CTA 0 waits on every path,
 //       so no pass completes before the one before it. pdl = 0: neither instruction runs.
+//       QH = 3: the same rows (H = HQ, G = 1), but one CTA per (key block, KV head): grid
+//       (H / kv_group) B (split0 + n_kb - 1) with split0 = 1, the CTA walks the index rows of the
+//       group's kv_group query heads one after another and writes dk, dv (dk32, dv32) per KV head
+//       [total_k, H / kv_group, D]: the group's sum in fp32 registers, no partials
+//       (docs/stage2_bwd.md, "Per-query-head mask rows").
 //       QH = 2 (default 0), trailing argument kv_group: per-query-head mask rows, as stage2_bwd_dkdv's
 //       QH = 2 (sparse_bwd.cu): H = HQ, G = 1, K and V read at head h / kv_group, dk, dv (and dk32,
 //       dv32, part0) per query head; the launcher sums dk, dv over each group in fp32.
@@ -286,7 +291,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     constexpr u32 HALF = 64 * 128;
     // a tile's S^T/dP^T issue goes behind the previous tile's dV/dK group, not after waiting for it;
     // the gathering walk at D = 128 has no registers for both groups in flight (ptxas spills)
-    constexpr bool PIPE = !GATHER || D < 128;
+    constexpr bool PIPE = (!GATHER && QH != 3) || D < 128;
     constexpr float LOG2E = 1.4426950408889634f;
     extern __shared__ unsigned char smem[];
     const u32 raw = smem_u32(smem);
@@ -306,10 +311,13 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     if (pdl) pdl_launch_dependents();
     // the CTA order of the launch contract: block 0's parts of every (sequence, head), then
     // (sequence, head) slowest and key block fastest
-    const int HB = H * n_seq;
+    // QH 3: one CTA per (key block, KV head) walks the group's query heads one after another
+    const int HC = QH == 3 ? H / kv_group : H;      // heads of the CTA grid
+    const int HB = HC * n_seq;
     int j, hb, part;
     dkdv_cta_order(HB, split0, n_kb, order, j, hb, part);
-    const int b = hb / H, h = hb - b * H;
+    const int b = hb / HC, hc = hb - b * HC;
+    int h = QH == 3 ? hc * kv_group : hc;           // the (query) head of the index row being walked
     S2Seq sq;
     s2_seq_bounds(sq, cu_seqlens_q, cu_seqlens_k, b);
     if (j >= key_blocks(sq.Lk)) {
@@ -373,6 +381,28 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     auto advance = [&]() -> bool {
         if (!GATHER) {
             if (left <= 0) return false;
+            if constexpr (QH == 3) {
+                for (;;) {
+                    while (wbits == 0u && wcur > 0) wbits = __ldg(urow + --wcur);
+                    if (wbits != 0u) {
+                        tile = 32 * wcur + 31 - __clz(wbits);
+                        if (tile >= u_lo) {
+                            wbits &= ~(1u << (tile & 31));
+                            return true;
+                        }
+                    }
+                    // this head's row is done: the next query head of the group, from the top
+                    // (the row's top recomputed, not kept: registers are at the cap at D = 128)
+                    if ((h + 1) % kv_group == 0) return false;
+                    ++h;
+                    urow += ut_h_stride;
+                    mrows += mask_h_stride * n_words;
+                    const int units_ = (int)((sq.rows_total + QT - 1) / QT);
+                    const int t_ = (dk32 != nullptr ? (int)min(((int64)q_hi * G + QT - 1) / QT, (int64)units_) : units_) - 1;
+                    wcur = t_ >> 5;
+                    wbits = t_ >= 0 ? __ldg(urow + wcur) & (~0u >> (31 - (t_ & 31))) : 0u;
+                }
+            }
             while (wbits == 0u) {
                 if (--wcur < 0) return false;
                 wbits = __ldg(urow + wcur);
@@ -432,7 +462,7 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
             const int key = kbase + (tid + 128 * u) / CH;
             ok[u] = key < sq.Lk;
             // QH 2: the query head's KV head of k, v's H / kv_group heads (dk, dv rows stay per query head)
-            off[u] = QH == 2 ? ((int64)(sq.ks + key) * (H / kv_group) + h / kv_group) * D
+            off[u] = QH >= 2 ? ((int64)(sq.ks + key) * (H / kv_group) + h / kv_group) * D
                              : ((int64)(sq.ks + key) * H + h) * D;
         }
         load_tile_rows<T, D>(sK, k, tid, off, ok);
@@ -591,8 +621,9 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     fence_regs(adk);
     cp_async_wait<0>();
 
-    dkdv_epilogue<T, D>(adk, adv, part, hb, split0, part0, key_r0, c0, kbase, sq.ks, sq.Lk, H, h, passes, last_pass, pdl,
-                        scale, dk32, dv32, dk, dv);
+    // QH 3: dk, dv (and dk32, dv32) per KV head, the group's sum made here in fp32
+    dkdv_epilogue<T, D>(adk, adv, part, hb, split0, part0, key_r0, c0, kbase, sq.ks, sq.Lk, HC, hc, passes, last_pass,
+                        pdl, scale, dk32, dv32, dk, dv);
 }
 
 // dk, dv of block 0 from the split0 parts' fp32 sums (see the launch contract), added in part

@@ -56,6 +56,17 @@ def test_bwd_plan_qhead_field():
         BwdPlan("sm90a", dkdv="auto", qhead="head")
 
 
+def test_bwd_plan_dkdv_group_field():
+    assert BwdPlan("sm90a").dkdv_group is False
+    assert BwdPlan("sm90a", qhead="head", dkdv_group=True).dkdv_group is True
+    with pytest.raises(ValueError, match="BwdPlan.dkdv_group must be a bool"):
+        BwdPlan("sm90a", qhead="head", dkdv_group=1)
+    for bad in (dict(qhead="off"), dict(qhead="head", block0_parts=2), dict(kernel="sm80", qhead="head")):
+        kw = {"kernel": "sm90a", **bad}
+        with pytest.raises(ValueError, match="dkdv_group walks a group's per-query-head rows"):
+            BwdPlan(kw.pop("kernel"), dkdv_group=True, **kw)
+
+
 def test_qhead_bwd_plan_is_the_expanded_plan():
     """The per-query-head backward's plan is the expanded path's (G = 1) with qhead set: the same
     passes, block-0 parts and instances, which the bit-identity tests rely on."""
@@ -134,6 +145,18 @@ def test_qhead_bwd_instances_compile_without_more_spills(D):
         res = {k.name: k for k in rep.kernels}
         qh, twin = res[base[:-1] + ", 2>"], res[base]
         assert qh.spill_stores <= twin.spill_stores and qh.spill_loads <= twin.spill_loads, (str(qh), str(twin))
+
+
+@pytest.mark.nvrtc
+def test_dkdv_group_instances_compile_without_spills():
+    """The QH = 3 dk/dv instances (a group's query heads per CTA, BwdPlan.dkdv_group): no spills, no
+    serialised wgmma (at D = 128 without the in-warpgroup pipelining, which left no registers)."""
+    names = [f"stage2_bwd_dkdv_sm90<{t}, {d}, false, 3>" for t in ("__nv_bfloat16", "__half") for d in (64, 128)]
+    rep = _jit.compile_report("stage2/sparse_bwd_sm90.cu", names, "sm_90a")
+    assert "C7511" not in rep.log, rep.log
+    assert {k.name for k in rep.kernels} == set(names)
+    for k in rep.kernels:
+        assert k.spill_stores == 0 and k.spill_loads == 0, str(k)
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -232,3 +255,50 @@ def test_public_op_routes_per_query_head_layouts_on_gpu(kernel):
                           torch.autograd.grad(qh, qh_leaves, dout)):
         assert torch.equal(a, b), name
     assert_qhead_layout_close(out, q, k, v, leaves, cu, cu, lay, 333, 333)
+
+
+@pytest.mark.gpu
+@NEEDS_HOPPER
+@pytest.mark.parametrize("variant", ["one_pass", "passes", "passes_nopdl"])
+@pytest.mark.parametrize("G,D,dtype", [(1, 128, torch.bfloat16), (4, 64, torch.float16), (16, 128, torch.bfloat16),
+                                       (32, 128, torch.float16)], ids=["g1-d128-bf16", "g4-d64-fp16",
+                                                                        "g16-d128-bf16", "g32-d128-fp16"])
+def test_dkdv_group_matches_reference(G, D, dtype, variant):
+    """BwdPlan.dkdv_group (one dk/dv CTA per (key block, KV head) over the group's query heads, sums
+    in fp32 in the kernel) against the float64 reference with K/V repeated to HQ heads, by
+    FlashAttention's rule, on ragged lengths with a 1-token sequence and heads that differ in every
+    group; dq is the partials plan's bit for bit (the same kernel), and a second run gives the same
+    bits (deterministic)."""
+    from infllm_cupy.stage2.naive import naive_block_sparse_attn_varlen
+    from infllm_cupy.testing import assert_close_to_ref
+    lengths, H = [900, 200, 1], 2
+    HQ = G * H
+    q, k, v, cu = gpu_inputs(lengths, HQ, H, D, dtype, seed=51 + G)
+    mask = qhead_mask((HQ, -(-900 // 64), -(-900 // 64)), seed=52 + G).cuda()
+    g = torch.Generator().manual_seed(53)
+    dout = torch.randn(q.shape, generator=g).to("cuda", q.dtype)
+    fwd = dataclasses.replace(ops.fwd_plan_for(q, k, 900, None, kernel="sm90a"), qhead="head")
+    out, lse = ops.layout_fwd(q, k, v, cu, cu, mask, 64, 900, 900, True, D ** -0.5, fwd)
+    base = dataclasses.replace(bwd_plan(torch.cuda.get_device_capability(), 1, D, dtype, 900, 900, k.shape[0],
+                                        kernel="sm90a"), qhead="head", block0_parts=1)
+    base = dataclasses.replace(base, **{"one_pass": {"dkdv_passes": 1}, "passes": {"dkdv_passes": 3},
+                                        "passes_nopdl": {"dkdv_passes": 2, "pdl": False}}[variant])
+    group = dataclasses.replace(base, dkdv_group=True)
+    got = ops.layout_bwd(dout, q, k, v, out, lse, cu, cu, mask, 64, 900, 900, True, D ** -0.5, group)
+    again = ops.layout_bwd(dout, q, k, v, out, lse, cu, cu, mask, 64, 900, 900, True, D ** -0.5, group)
+    partials = ops.layout_bwd(dout, q, k, v, out, lse, cu, cu, mask, 64, 900, 900, True, D ** -0.5, base)
+    lay = BlockLayout(mask.cpu(), 64)
+    ref_leaves = [x.detach().cpu().double().requires_grad_() for x in (q, k, v)]
+    low_leaves = [x.detach().cpu().requires_grad_() for x in (q, k, v)]
+    cu_c = cu.cpu()
+    ref = naive_block_sparse_attn_varlen(ref_leaves[0], *(x.repeat_interleave(G, 1) for x in ref_leaves[1:]),
+                                         cu_c, cu_c, lay, 900, 900)
+    low = naive_block_sparse_attn_varlen(low_leaves[0], *(x.repeat_interleave(G, 1) for x in low_leaves[1:]),
+                                         cu_c, cu_c, lay, 900, 900, upcast=False)
+    ref_g = torch.autograd.grad(ref, ref_leaves, dout.cpu().double())
+    low_g = torch.autograd.grad(low, low_leaves, dout.cpu())
+    for name, a, b, r, lp in zip(("dq", "dk", "dv"), got, again, ref_g, low_g):
+        assert a.shape == r.shape, name
+        assert torch.equal(a, b), f"{name}: not deterministic"
+        assert_close_to_ref(name, a.cpu(), r, lp, mult=3)
+    assert torch.equal(got[0], partials[0])
