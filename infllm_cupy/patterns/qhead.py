@@ -6,7 +6,9 @@ tensors the forward and the backward run the stage-2 kernels' per-query-head ins
 (`FwdPlan.qhead="head"`, `BwdPlan.qhead="head"`; docs/stage2_fwd.md and docs/stage2_bwd.md,
 "Per-query-head mask rows"), K/V kept at H heads (no copy): each CTA takes one query head's rows, so
 it walks only that head's blocks, and the group's heads share K/V through the L2; dK and dV come as
-per-query-head partials that the launcher sums over the group in fp32. CPU tensors, and
+per-query-head partials that the launcher sums over the group in fp32 (where those would take more
+than an eighth of the device memory, one dk/dv CTA per KV head sums its group's heads instead). CPU
+tensors, and
 `backend="reference"`, run the expanded path (K/V repeated to HQ heads, the per-KV-head op at G = 1,
 dK/dV summed over the group), which computes the same numbers as the kernels' path.
 
@@ -35,12 +37,24 @@ def _expand_kv(k: Tensor, v: Tensor, G: int) -> tuple[Tensor, Tensor]:
     return k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
 
 
+# dk/dv partials per query head (G x the size of dk and dv) past this share of the device memory: the
+# sm_90a dk/dv sums each group in its CTA instead (BwdPlan.dkdv_group; docs/stage2_bwd.md, "Per-query-head
+# mask rows"): measured within 0.93-1.04x of the partials' time, so it is the plan where they would be large
+PARTIALS_BUDGET_FRACTION = 8
+
+
 def qhead_bwd_plan(capability, D: int, dtype: torch.dtype, max_seqlen_q: int, max_seqlen_k: int, total_k: int,
-                   kernel: str = "auto") -> BwdPlan:
+                   kernel: str = "auto", *, HQ: int = 1, partials_budget: int | None = None) -> BwdPlan:
     """The per-query-head backward's plan: the expanded path's (`bwd_plan` at G = 1: the kernels see
-    one query head per row) with `qhead="head"`."""
-    return dataclasses.replace(bwd_plan(capability, 1, D, dtype, max_seqlen_q, max_seqlen_k, total_k, kernel=kernel),
+    one query head per row) with `qhead="head"`; on sm_90a, `dkdv_group` (block 0 then in one part)
+    where the per-query-head dk/dv partials, 2 x total_k x HQ x D elements, would take more than
+    `partials_budget` bytes (None: never)."""
+    plan = dataclasses.replace(bwd_plan(capability, 1, D, dtype, max_seqlen_q, max_seqlen_k, total_k, kernel=kernel),
                                qhead="head")
+    partials = 2 * total_k * HQ * D * dtype.itemsize
+    if plan.kernel == "sm90a" and partials_budget is not None and partials > partials_budget:
+        plan = dataclasses.replace(plan, dkdv_group=True, block0_parts=1)
+    return plan
 
 
 @torch.library.custom_op("infllm_cupy::qhead_block_sparse_attn_fwd", mutates_args=(), device_types="cuda")
@@ -78,9 +92,14 @@ def qhead_block_sparse_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, o
     """`(dq, dk, dv)` of `qhead_block_sparse_attn_fwd` (q's, k's and v's shapes): the backward kernels'
     per-query-head instances, K/V at H heads."""
     plan = qhead_bwd_plan(torch.cuda.get_device_capability(q.device), q.shape[2], q.dtype, max_seqlen_q,
-                          max_seqlen_k, k.shape[0], kernel)
+                          max_seqlen_k, k.shape[0], kernel, HQ=q.shape[1],
+                          partials_budget=_total_memory(q.device) // PARTIALS_BUDGET_FRACTION)
     return layout_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q,
                       max_seqlen_k, causal, softmax_scale, plan)
+
+
+def _total_memory(device: torch.device) -> int:
+    return int(torch.cuda.get_device_properties(device).total_memory)
 
 
 def _expanded_bwd(dout, q, k, v, out, lse, cu_q, cu_k, layout_mask, q_block, *args):

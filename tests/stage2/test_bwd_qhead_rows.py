@@ -79,6 +79,20 @@ def test_qhead_bwd_plan_is_the_expanded_plan():
             assert p.dkdv == "tiles"
 
 
+def test_qhead_bwd_plan_groups_dkdv_past_the_partials_budget():
+    """Where the per-query-head dk/dv partials (2 x total_k x HQ x D elements) pass the budget, the
+    sm_90a plan sums each group in its dk/dv CTA (block 0 in one part); below it, or on SM80, the
+    expanded plan."""
+    from infllm_cupy.patterns.qhead import qhead_bwd_plan
+    total_k, HQ, D = 2 * 40000, 32, 128
+    partials = 2 * total_k * HQ * D * 2
+    below = qhead_bwd_plan((9, 0), D, torch.bfloat16, 40000, 40000, total_k, HQ=HQ, partials_budget=partials)
+    above = qhead_bwd_plan((9, 0), D, torch.bfloat16, 40000, 40000, total_k, HQ=HQ, partials_budget=partials - 1)
+    assert not below.dkdv_group and above == dataclasses.replace(below, dkdv_group=True, block0_parts=1)
+    assert not qhead_bwd_plan((8, 0), D, torch.bfloat16, 40000, 40000, total_k, HQ=HQ, partials_budget=0).dkdv_group
+    assert not qhead_bwd_plan((9, 0), D, torch.bfloat16, 40000, 40000, total_k, HQ=HQ).dkdv_group
+
+
 def test_public_op_routes_per_query_head_layouts():
     """`block_sparse_attn_varlen` with a layout of HQ heads (HQ != H) is the per-query-head op, forward
     and gradients (CPU: both the expanded reference)."""
@@ -302,3 +316,29 @@ def test_dkdv_group_matches_reference(G, D, dtype, variant):
         assert torch.equal(a, b), f"{name}: not deterministic"
         assert_close_to_ref(name, a.cpu(), r, lp, mult=3)
     assert torch.equal(got[0], partials[0])
+
+
+@pytest.mark.gpu
+@NEEDS_HOPPER
+@pytest.mark.parametrize("G", [4, 16])
+def test_public_op_sums_groups_in_the_kernel_past_the_budget(G, monkeypatch):
+    """With the partials budget at 0 the public op's backward runs the QH = 3 dk/dv (seen in the
+    launches) and its gradients pass the rule against the float64 reference."""
+    import infllm_cupy.patterns.qhead as qh
+    from infllm_cupy.stage2 import sparse_bwd
+    monkeypatch.setattr(qh, "_total_memory", lambda device: 0)
+    names = []
+    real = sparse_bwd.launch
+
+    def spy(kernel, *, name, **kw):
+        names.append(name)
+        return real(kernel, name=name, **kw)
+    monkeypatch.setattr(sparse_bwd, "launch", spy)
+    lengths, H, D = [700, 130, 1], 2, 128
+    HQ = G * H
+    q, k, v, cu = gpu_inputs(lengths, HQ, H, D, torch.bfloat16, seed=61 + G)
+    lay = BlockLayout(qhead_mask((len(lengths), HQ, 11, 11), seed=62 + G).cuda(), 64)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = qhead_block_sparse_attn_varlen(*leaves, cu, cu, lay, 700, 700, backend="kernels", kernel="sm90a")
+    assert_qhead_layout_close(out, q, k, v, leaves, cu, cu, lay, 700, 700)
+    assert any(n.startswith("stage2_bwd_dkdv_sm90<") and n.endswith(", 3>") for n in names), names
