@@ -47,11 +47,11 @@ def qhead_bwd_plan(capability, D: int, dtype: torch.dtype, max_seqlen_q: int, ma
                    kernel: str = "auto", *, HQ: int = 1, partials_budget: int | None = None) -> BwdPlan:
     """The per-query-head backward's plan: the expanded path's (`bwd_plan` at G = 1: the kernels see
     one query head per row) with `qhead="head"`; on sm_90a, `dkdv_group` (block 0 then in one part)
-    where the per-query-head dk/dv partials, 2 x total_k x HQ x D elements, would take more than
-    `partials_budget` bytes (None: never)."""
+    where the per-query-head dk/dv partials would take more than `partials_budget` bytes (None:
+    never): 2 x total_k x HQ x D elements in q's dtype, and as many fp32 sums with query-range passes."""
     plan = dataclasses.replace(bwd_plan(capability, 1, D, dtype, max_seqlen_q, max_seqlen_k, total_k, kernel=kernel),
                                qhead="head")
-    partials = 2 * total_k * HQ * D * dtype.itemsize
+    partials = 2 * total_k * HQ * D * (dtype.itemsize + (4 if plan.dkdv_passes > 1 else 0))
     if plan.kernel == "sm90a" and partials_budget is not None and partials > partials_budget:
         plan = dataclasses.replace(plan, dkdv_group=True, block0_parts=1)
     return plan

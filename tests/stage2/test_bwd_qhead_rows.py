@@ -80,7 +80,8 @@ def test_qhead_bwd_plan_is_the_expanded_plan():
 
 
 def test_qhead_bwd_plan_groups_dkdv_past_the_partials_budget():
-    """Where the per-query-head dk/dv partials (2 x total_k x HQ x D elements) pass the budget, the
+    """Where the per-query-head dk/dv partials (2 x total_k x HQ x D elements, plus their fp32 sums
+    with query-range passes) pass the budget, the
     sm_90a plan sums each group in its dk/dv CTA (block 0 in one part); below it, or on SM80, the
     expanded plan."""
     from infllm_cupy.patterns.qhead import qhead_bwd_plan
@@ -91,6 +92,10 @@ def test_qhead_bwd_plan_groups_dkdv_past_the_partials_budget():
     assert not below.dkdv_group and above == dataclasses.replace(below, dkdv_group=True, block0_parts=1)
     assert not qhead_bwd_plan((8, 0), D, torch.bfloat16, 40000, 40000, total_k, HQ=HQ, partials_budget=0).dkdv_group
     assert not qhead_bwd_plan((9, 0), D, torch.bfloat16, 40000, 40000, total_k, HQ=HQ).dkdv_group
+    # with query-range passes the per-query-head fp32 sums count too (2 x 4 bytes more per element)
+    long = qhead_bwd_plan((9, 0), D, torch.bfloat16, 131072, 131072, 2 * 131072, HQ=HQ,
+                          partials_budget=2 * 2 * 131072 * HQ * D * 2)
+    assert long.dkdv_group and long.dkdv_passes > 1
 
 
 def test_public_op_routes_per_query_head_layouts():
