@@ -290,7 +290,8 @@ stage2_bwd_dkdv_sm90(const T* __restrict__ q, const T* __restrict__ k, const T* 
     constexpr u32 TILE = 64 * D * sizeof(T);
     constexpr u32 HALF = 64 * 128;
     // a tile's S^T/dP^T issue goes behind the previous tile's dV/dK group, not after waiting for it;
-    // the gathering walk at D = 128 has no registers for both groups in flight (ptxas spills)
+    // the gathering walk and the group walk (QH 3) at D = 128 have no registers for both groups in
+    // flight (ptxas spills)
     constexpr bool PIPE = (!GATHER && QH != 3) || D < 128;
     constexpr float LOG2E = 1.4426950408889634f;
     extern __shared__ unsigned char smem[];
