@@ -22,6 +22,16 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def total_memory(device: torch.device) -> int:
+    """Bytes of memory of CUDA `device` (the memory budgets of the plans are shares of it)."""
+    return _total_memory_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _total_memory_of(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).total_memory)
+
+
 # The shapes behind the pointers handed out lately, so that a failed launch can name what its pointer
 # arguments were (docs/reliability.md, "The run-time compiler under faults"): one dict store per
 # pointer (dtype and torch.Size references, formatted only on failure), forgotten past 1024 entries.

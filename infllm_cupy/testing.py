@@ -112,20 +112,40 @@ def reference_sparse_grads(q, k, v, dout, cu_q, cu_k, topk_idx, max_q, max_k, ca
     return out.detach(), lse, torch.autograd.grad(out, leaves, dout.double() if exact else dout)
 
 
+def _qhead_layout_ref(leaves, cu_q, cu_k, layout, max_q: int, max_k: int, *, exact: bool) -> torch.Tensor:
+    """The reference output of a per-query-head `layout` on `leaves` (q, k, v) with K/V repeated to
+    q's heads: float64 math (`exact`) or the low-precision twin."""
+    from .stage2.naive import naive_block_sparse_attn_varlen
+
+    G = leaves[0].shape[1] // leaves[1].shape[1]
+    return naive_block_sparse_attn_varlen(leaves[0], *(x.repeat_interleave(G, 1) for x in leaves[1:]),
+                                          cu_q, cu_k, layout, max_q, max_k, **({} if exact else {"upcast": False}))
+
+
 def assert_qhead_layout_close(out: torch.Tensor, q, k, v, leaves, cu_q, cu_k, layout, max_q: int, max_k: int) -> None:
     """`out` (from the `leaves` copies of q, k, v under a per-query-head `layout`) and its gradients
     against the float64 reference with K/V repeated to q's heads (FlashAttention's rule, 2x out and 3x
     gradients), the same reference in q's precision as the baseline."""
-    from .stage2.naive import naive_block_sparse_attn_varlen
-
-    G = q.shape[1] // k.shape[1]
     ref_leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    ref = naive_block_sparse_attn_varlen(ref_leaves[0], *(x.repeat_interleave(G, 1) for x in ref_leaves[1:]),
-                                         cu_q, cu_k, layout, max_q, max_k)
-    lowp = naive_block_sparse_attn_varlen(leaves[0], *(x.repeat_interleave(G, 1) for x in leaves[1:]),
-                                          cu_q, cu_k, layout, max_q, max_k, upcast=False)
+    ref = _qhead_layout_ref(ref_leaves, cu_q, cu_k, layout, max_q, max_k, exact=True)
+    lowp = _qhead_layout_ref(leaves, cu_q, cu_k, layout, max_q, max_k, exact=False)
     assert_close_to_ref("out", out, ref, lowp, mult=2)
     assert_grads_close_to_ref(out, ref, lowp, leaves, ref_leaves)
+
+
+def check_qhead_layout_grads(grads, q, k, v, dout, cu_q, cu_k, layout, max_q: int, max_k: int) -> None:
+    """Gradients `(dq, dk, dv)` of a per-query-head `layout` for `dout` (from a launcher, not
+    autograd) against the float64 reference with K/V repeated to q's heads, by FlashAttention's rule
+    (3x the error of the same math in q's precision)."""
+    ref_leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    low_leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    ref = torch.autograd.grad(_qhead_layout_ref(ref_leaves, cu_q, cu_k, layout, max_q, max_k, exact=True), ref_leaves,
+                              dout.double())
+    low = torch.autograd.grad(_qhead_layout_ref(low_leaves, cu_q, cu_k, layout, max_q, max_k, exact=False),
+                              low_leaves, dout)
+    for name, g, r, lp, x in zip(("dq", "dk", "dv"), grads, ref, low, (q, k, v)):
+        assert g.shape == x.shape, f"{name}: shape {tuple(g.shape)} != {tuple(x.shape)}"
+        assert_close_to_ref(name, g, r, lp, mult=3)
 
 
 def check_sparse_grads(grads, q, k, v, dout, cu_q, cu_k, topk_idx, max_q, max_k, causal, *, out=None):

@@ -51,6 +51,11 @@ def _split(name: str) -> tuple[str, dict]:
     return base, fields
 
 
+def with_fields(plan, overrides: str):
+    """`plan` with the fields of `overrides` ('+FIELD=VALUE...', as a name's tail) replaced."""
+    return _replace(plan, _split("x" + overrides)[1]) if overrides else plan
+
+
 def _replace(plan, fields: dict):
     typed = {}
     for key, value in fields.items():

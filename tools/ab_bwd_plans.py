@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 from infllm_cupy.selections import make_selection, uniform_cu_seqlens  # noqa: E402
 from infllm_cupy.stage2 import ops  # noqa: E402
 from infllm_cupy.stage2.ops import bwd_plan_for, fwd_plan_for  # noqa: E402
-from _plans import _replace, _split  # noqa: E402
+from _plans import with_fields  # noqa: E402
 
 
 def pattern_layout(name: str, T: int, HQ: int, H: int):
@@ -83,7 +83,7 @@ def main() -> None:
         print(f"  {case}: inputs and forward ready", flush=True)
         plans = {}
         for name in a.variants.split(","):
-            plans[name] = _replace(base, _split("x" + name)[1]) if name != "base" else base
+            plans[name] = with_fields(base, "" if name == "base" else name)
 
         def run(name):
             return bwd(plans[name])

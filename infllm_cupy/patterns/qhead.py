@@ -24,6 +24,7 @@ import torch
 
 from .._checks import check_backend, check_flags, check_softmax_scale
 from .._kernel_arg import check_kernel
+from .._launch import total_memory
 from ..stage2.attention import _check_common, block_sparse_attn_varlen
 from ..stage2.layout import BlockLayout
 from ..stage2.naive import naive_block_sparse_attn_varlen
@@ -93,13 +94,9 @@ def qhead_block_sparse_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, o
     per-query-head instances, K/V at H heads."""
     plan = qhead_bwd_plan(torch.cuda.get_device_capability(q.device), q.shape[2], q.dtype, max_seqlen_q,
                           max_seqlen_k, k.shape[0], kernel, HQ=q.shape[1],
-                          partials_budget=_total_memory(q.device) // PARTIALS_BUDGET_FRACTION)
+                          partials_budget=total_memory(q.device) // PARTIALS_BUDGET_FRACTION)
     return layout_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q,
                       max_seqlen_k, causal, softmax_scale, plan)
-
-
-def _total_memory(device: torch.device) -> int:
-    return int(torch.cuda.get_device_properties(device).total_memory)
 
 
 def _expanded_bwd(dout, q, k, v, out, lse, cu_q, cu_k, layout_mask, q_block, *args):

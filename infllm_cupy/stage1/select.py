@@ -38,7 +38,7 @@ from .._checks import (
 from .._constants import HEAD_DIMS
 from .._constants import KV_BLOCK
 from .._kernel_arg import check_kernel
-from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
+from .._launch import CXX_TYPE, cdiv, empty, launch, ptr, total_memory
 from .._tma import TMAP_DTYPE, rows_map
 from .naive import naive_stage1_select, q_block_idx_prefill
 from .plan import (  # noqa: F401  (the sizing functions re-exported: the launcher's vocabulary)
@@ -120,13 +120,7 @@ def device_stage1_plan(device: torch.device, G: int, D: int, dtype: torch.dtype,
 def scratch_budget_of(device: torch.device) -> int:
     """Bytes the plan may give the global block-key scratch on `device` (docs/stage1.md, 9. Long
     context: key ranges): a fixed share of its memory."""
-    return _total_memory_of(device.index if device.index is not None else torch.cuda.current_device()) \
-        // SCRATCH_BUDGET_FRACTION
-
-
-@functools.cache
-def _total_memory_of(device_index: int) -> int:
-    return int(torch.cuda.get_device_properties(device_index).total_memory)
+    return total_memory(device) // SCRATCH_BUDGET_FRACTION
 
 
 def _kernel_checks(q, score_dtype, block_size, kernel_stride, coarse_kernel_stride, softmax_scale):

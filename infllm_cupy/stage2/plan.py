@@ -73,9 +73,16 @@ ALL_TILES = [FwdTiles(w, m, kn) for w in (4, 8) for m in (1, 2) for kn in (32, 6
 QHEAD_MODES = {"off": 0, "head": 2}
 
 
-def qhead_instance(name: str, qhead: str) -> str:
+# The sm_90a dk/dv's QH value for BwdPlan.dkdv_group: per-query-head rows, a group's heads per CTA
+DKDV_GROUP_QH = 3
+
+
+def qhead_instance(name: str, qhead: str, *, group: bool = False) -> str:
     """The kernel instance of a `FwdPlan.qhead` / `BwdPlan.qhead` value: `name` (a C++ name expression
-    `kernel<...>`) with the QH template value appended; "off" is the default QH = 0, the bare name."""
+    `kernel<...>`) with the QH template value appended; "off" is the default QH = 0, the bare name.
+    `group` (the sm_90a dk/dv with qhead "head" only, `BwdPlan.dkdv_group`): DKDV_GROUP_QH."""
+    if group:
+        return f"{name[:-1]}, {DKDV_GROUP_QH}>"
     return name if qhead == "off" else f"{name[:-1]}, {QHEAD_MODES[qhead]}>"
 
 

@@ -40,7 +40,6 @@ from .plan import (  # noqa: F401  (BwdTiles ... re-exported: the launcher's voc
     sm90_smem_bytes,
     qhead_instance,
 )
-DKDV_GROUP_QH = 3        # the sm_90a dk/dv's QH value for BwdPlan.dkdv_group (a group's heads per CTA)
 RING_SOURCE = "stage2/sparse_bwd_dq_sm90.cu"   # the dq kernel on the forward's K/V ring
 
 BWD_SOURCE = "stage2/sparse_bwd.cu"
@@ -74,8 +73,8 @@ for _dt in KERNEL_DTYPES:
         _jit.register_instances(RING_SOURCE,
                                 [qhead_instance(f"stage2_bwd_dq_ring_sm90<{CXX_TYPE[_dt]}, {_d}, {ns}>", "head")
                                  for ns in SM90_STAGES], sm90a=True)
-        _jit.register_instances(SM90_SOURCE, [qhead_instance(f"stage2_bwd_dkdv_sm90<{CXX_TYPE[_dt]}, {_d}, false>", "head"),
-                                              f"stage2_bwd_dkdv_sm90<{CXX_TYPE[_dt]}, {_d}, false, {DKDV_GROUP_QH}>"],
+        _jit.register_instances(SM90_SOURCE, [qhead_instance(f"stage2_bwd_dkdv_sm90<{CXX_TYPE[_dt]}, {_d}, false>", "head",
+                                                             group=grp) for grp in (False, True)],
                                 sm90a=True)
 
 GRID_X_MAX = 2**31 - 1    # CUDA's grid limits (x; y and z)
@@ -286,8 +285,8 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         else:
             runs = [(True, by_tokens, None)] if gather else [(False, by_tiles, None)]
         null = np.uint64(0)
-        kv_launches = [((f"stage2_bwd_dkdv_sm90<{T}, {D}, false, {DKDV_GROUP_QH}>" if plan.dkdv_group else
-                         qhead_instance(f"stage2_bwd_dkdv_sm90<{T}, {D}, {'true' if g else 'false'}>", plan.qhead)), True,
+        kv_launches = [(qhead_instance(f"stage2_bwd_dkdv_sm90<{T}, {D}, {'true' if g else 'false'}>", plan.qhead,
+                                       group=plan.dkdv_group), True,
                         (ptr(own[0]), ptr(own[1]), np.int64(own[2]))
                         + ((ptr(other[0]), ptr(other[1]), np.int64(other[2])) if other else (null, null, np.int64(0))),
                         g)
