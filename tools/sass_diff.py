@@ -19,7 +19,7 @@ without it only the resources are compared.
 A kernel that moved to another file is found in each tree by its name (the first .cu file of the
 tree that defines it), so the registry may come from either side's package (PYTHONPATH=<a checkout
 of the package> picks another one than this checkout's); `--rename` maps a name the change gave
-an instance to the old tree's name. Exit status 1 when any instance differs in resources or
+an instance to the old tree's name; `--skip REGEX` leaves out instances the change added. Exit status 1 when any instance differs in resources or
 SASS ("sched" included).
 """
 from __future__ import annotations
@@ -220,6 +220,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rename", nargs=2, action="append", default=[], metavar=("REGEX", "REPL"),
                     help="the old tree's name of an instance: re.sub(REGEX, REPL, name) (repeatable, in order), "
                          "for a kernel renamed or re-templated by the change")
+    ap.add_argument("--skip", action="append", default=[], metavar="REGEX",
+                    help="leave out instances whose name matches (repeatable): kernels the change added")
     args = ap.parse_args(argv)
     nvdisasm = nvdisasm_path()
     if nvdisasm is None:
@@ -230,7 +232,7 @@ def main(argv=None) -> int:
             continue
         arch = "sm_90a" if ks.sm90a else args.arch
         # one program per instance, so that the sets compile in parallel
-        jobs += [(ks.source, (n,), arch) for n in ks.names]
+        jobs += [(ks.source, (n,), arch) for n in ks.names if not any(re.search(p, n) for p in args.skip)]
 
     def old_name(n: str) -> str:
         for pat, repl in args.rename:
