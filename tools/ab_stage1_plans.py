@@ -1,7 +1,7 @@
 """A/B of stage-1 plan variants over `launch_select`, outputs compared bit for bit (development tool).
 
-    python tools/ab_stage1_plans.py --cases 32kx8,128kx2 \
-        --variants base,+pipelined=1+warps=12+key_stages=4,+pipelined=1+warps=8+key_stages=4
+    python tools/ab_stage1_plans.py --cases 32kx8,128kx2,512kx1 \
+        --variants base,+range_blocks=1024,+block_keys_in_smem=0
 
 A variant is `base` (the plan `stage1_select` takes for the case) or `base` with plan fields replaced
 (`+FIELD=VALUE...`, as tools/_plans.py reads them; a leading `+` means `base+`). Per case (T x B,
@@ -33,15 +33,15 @@ from infllm_cupy.stage1.select import (  # noqa: E402
     SOURCE,
     SOURCE_SM90,
     device_stage1_plan,
+    kernel_name,
     launch_select,
-    plan_kernel_name,
 )
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cases", default="32kx8,128kx2")
-    p.add_argument("--variants", default="base,+pipelined=1+warps=12+key_stages=4")
+    p.add_argument("--variants", default="base,+range_blocks=1024")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--rep", type=int, default=5)
     a = p.parse_args(argv)
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
         plans = {v: with_fields(base, v[len("base"):]) for v in variants}
         for v, plan in plans.items():
             sm90a = plan.kernel == SM90A
-            name = plan_kernel_name(plan, q.dtype, torch.bfloat16, D, plan.range_blocks > 0)
+            name = kernel_name(q.dtype, torch.bfloat16, D, sm90a, plan.range_blocks > 0)
             attrs = _jit.get_kernel(SOURCE_SM90 if sm90a else SOURCE, name, sm90a=sm90a).attributes
             print(f"{case} {v}: {plan}; {name}: {attrs['num_regs']} registers, "
                   f"{attrs['local_size_bytes']} B local", flush=True)

@@ -19,9 +19,6 @@ from .._kernel_arg import SM80, SM90A, wants_sm90a
 
 SM90_MAX_LGP = 5         # the sm_90a kernel: a token's rows fit in one or two warps' 16 (G <= 32)
 SM90_THREADS = 256
-# the pipelined sm_90a kernel (docs/stage1.md, 10. The pipelined kernel): warps per CTA (NWG = warps / 4
-# warpgroups of 64 rows, one CTA per SM) and key-tile stages; each pair is a compiled instance
-PIPE_SHAPES = ((12, 4), (12, 3), (8, 4))
 MAX_GROUP = 128          # G <= 128: a token's rows fit in one CTA (4 warps x 32 rows)
 TILE = 64                # compressed keys per tile (kernels_cu: S1_TILE)
 STAGE_STRIDE = 68        # floats per staging row (kernels_cu: S1_ST)
@@ -36,14 +33,13 @@ def lgp_of(G: int) -> int:
     return max(0, (G - 1).bit_length())
 
 
-def smem_bytes_sm90(D: int, itemsize: int, lgp: int, olp: int, key_bytes: int, bs_in_smem: bool,
-                    warps: int = SM90_THREADS // 32, stages: int = 2) -> int:
-    """Dynamic shared memory of one sm_90a CTA (mirrors select_sm90.cu): alignment slack, a Q tile
-    of 64 rows per warpgroup and `stages` key tiles of 64 rows, the staging rows, per-warp column
-    sums (G > 16) and the block-key rows."""
-    tok = (16 * warps) >> lgp
-    return (1024 + (warps // 4 + stages) * TILE * D * itemsize + tok * STAGE_STRIDE * 4
-            + (warps * 64 * 4 if lgp == 5 else 0) + (tok * olp * key_bytes if bs_in_smem else 0))
+def smem_bytes_sm90(D: int, itemsize: int, lgp: int, olp: int, key_bytes: int, bs_in_smem: bool) -> int:
+    """Dynamic shared memory of one sm_90a CTA (mirrors select_sm90.cu): alignment slack, two Q
+    tiles and two key tiles of 64 rows, the staging rows, per-warp column sums (G > 16) and the
+    block-key rows."""
+    tok = 128 >> lgp
+    return (1024 + 4 * TILE * D * itemsize + tok * STAGE_STRIDE * 4 + (8 * 64 * 4 if lgp == 5 else 0)
+            + (tok * olp * key_bytes if bs_in_smem else 0))
 
 
 def smem_bytes(D: int, itemsize: int, warps: int, lgp: int, olp: int, key_bytes: int,
@@ -80,45 +76,28 @@ class Stage1Plan:
     """What `launch_select` launches.
 
     kernel: "sm80" or "sm90a" (G <= 32, capability 9.0). warps: warps per CTA (sm90a: 8, its two
-    warpgroups, or for the pipelined kernel a `PIPE_SHAPES` count; sm80: 1, 2 or 4, enough for one
-    token's G rows). block_keys_in_smem: the block-key
+    warpgroups; sm80: 1, 2 or 4, enough for one token's G rows). block_keys_in_smem: the block-key
     rows in shared memory, else in a global scratch. topk_prefix: 0 lets the top-K search the
     blocks up to each token's own block first; a positive value shortens that prefix to this many
     blocks (tests: it makes the search fall back to the whole row). range_blocks: 0 runs one launch;
     a positive multiple of 64 splits the key blocks into ranges of that many blocks, one range pass
     each, with an exact merge of the candidates (block keys in shared memory, rows of
     `64 + range_blocks` keys; the launcher uses the global scratch instead when K > range_blocks or
-    `return_scores` is asked for). pipelined (sm90a): the pipelined kernel (one CTA per SM, the next
-    key tile's products in flight during this one's exps) with `warps` and `key_stages` key-tile
-    stages, a pair of `PIPE_SHAPES`; else the two-warpgroup kernel (key_stages 2).
+    `return_scores` is asked for).
     """
     kernel: str
     warps: int
     block_keys_in_smem: bool = True
     topk_prefix: int = 0
     range_blocks: int = 0
-    pipelined: bool = False
-    key_stages: int = 2
 
     def __post_init__(self):
         if self.kernel not in (SM80, SM90A):
             raise ValueError(f"Stage1Plan.kernel must be 'sm80' or 'sm90a', got {self.kernel!r}")
-        if not isinstance(self.pipelined, bool):
-            raise TypeError(f"Stage1Plan.pipelined must be a bool, got {self.pipelined!r}")
-        if self.pipelined:
-            if self.kernel != SM90A or (self.warps, self.key_stages) not in PIPE_SHAPES:
-                raise ValueError(f"a pipelined Stage1Plan needs kernel 'sm90a' and (warps, key_stages) in "
-                                 f"{PIPE_SHAPES}, got {self.kernel!r}, ({self.warps!r}, {self.key_stages!r})")
-            return self._check_rest()
-        if self.key_stages != 2:
-            raise ValueError(f"Stage1Plan.key_stages must be 2 unless pipelined, got {self.key_stages!r}")
         allowed = (SM90_THREADS // 32,) if self.kernel == SM90A else (1, 2, 4)
         if self.warps not in allowed:
             raise ValueError(f"Stage1Plan.warps must be one of {allowed} for the {self.kernel} kernel, "
                              f"got {self.warps!r}")
-        self._check_rest()
-
-    def _check_rest(self):
         if not isinstance(self.topk_prefix, int) or self.topk_prefix < 0:
             raise ValueError(f"Stage1Plan.topk_prefix must be an int >= 0, got {self.topk_prefix!r}")
         if (isinstance(self.range_blocks, bool) or not isinstance(self.range_blocks, int) or self.range_blocks < 0
@@ -128,7 +107,7 @@ class Stage1Plan:
 
     def tokens_per_cta(self, G: int) -> int:
         """Tokens whose rows one CTA holds (0: the CTA cannot hold one token's G rows)."""
-        rows = 16 * self.warps if self.kernel == SM90A else ROWS_PER_WARP * self.warps
+        rows = 128 if self.kernel == SM90A else ROWS_PER_WARP * self.warps
         return rows >> lgp_of(G)
 
     def smem_bytes(self, G: int, D: int, itemsize: int, out_len: int, key_bytes: int) -> int:
@@ -136,7 +115,7 @@ class Stage1Plan:
         olp = 64 + self.range_blocks if self.range_blocks else -(-out_len // 64) * 64
         in_smem = self.block_keys_in_smem or self.range_blocks > 0
         if self.kernel == SM90A:
-            return smem_bytes_sm90(D, itemsize, lgp_of(G), olp, key_bytes, in_smem, self.warps, self.key_stages)
+            return smem_bytes_sm90(D, itemsize, lgp_of(G), olp, key_bytes, in_smem)
         return smem_bytes(D, itemsize, self.warps, lgp_of(G), olp, key_bytes, in_smem)
 
 

@@ -43,7 +43,6 @@ from .._tma import TMAP_DTYPE, rows_map
 from .naive import naive_stage1_select, q_block_idx_prefill
 from .plan import (  # noqa: F401  (the sizing functions re-exported: the launcher's vocabulary)
     MAX_GROUP,
-    PIPE_SHAPES,
     SCRATCH_BUDGET_FRACTION,
     SM90_MAX_LGP,
     SM90A,
@@ -65,20 +64,10 @@ SCORE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # kernels
 
 
 def kernel_name(dtype: torch.dtype, score_dtype: torch.dtype, D: int, sm90a: bool = False,
-                ranged: bool = False, pipe: tuple[int, int] | None = None) -> str:
-    """The instance's name expression; `ranged`: the kernel's range-pass instance (RANGED = true);
-    `pipe`: (warps, key stages) of the pipelined sm_90a kernel (a `PIPE_SHAPES` pair)."""
+                ranged: bool = False) -> str:
+    """The instance's name expression; `ranged`: the kernel's range-pass instance (RANGED = true)."""
     key = "unsigned" if score_dtype == torch.float32 else "unsigned short"
-    args = f"{CXX_TYPE[dtype]}, {key}, {D}, {'true' if ranged else 'false'}"
-    if pipe is not None:
-        return f"stage1_select_sm90_pipe<{args}, {pipe[0] // 4}, {pipe[1]}>"
-    return f"stage1_select{'_sm90' if sm90a else ''}<{args}>"
-
-
-def plan_kernel_name(plan: Stage1Plan, dtype: torch.dtype, score_dtype: torch.dtype, D: int, ranged: bool) -> str:
-    """The instance `plan` launches."""
-    pipe = (plan.warps, plan.key_stages) if plan.pipelined else None
-    return kernel_name(dtype, score_dtype, D, plan.kernel == SM90A, ranged, pipe)
+    return f"stage1_select{'_sm90' if sm90a else ''}<{CXX_TYPE[dtype]}, {key}, {D}, {'true' if ranged else 'false'}>"
 
 
 # Every instance the launcher can request: 2 input dtypes x (16-bit, 32-bit scores) x 2 head dims
@@ -88,9 +77,6 @@ for _sm90a, _src in ((False, SOURCE), (True, SOURCE_SM90)):
     _jit.register_instances(_src, list(dict.fromkeys(kernel_name(dt, st, d, _sm90a, rg) for rg in (False, True)
                                                      for dt in KERNEL_DTYPES for st in SCORE_DTYPES
                                                      for d in HEAD_DIMS)), sm90a=_sm90a)
-_jit.register_instances(SOURCE_SM90, [kernel_name(dt, st, d, True, rg, shape) for shape in PIPE_SHAPES
-                                      for rg in (False, True) for dt in KERNEL_DTYPES for st in SCORE_DTYPES
-                                      for d in HEAD_DIMS if st != torch.float16], sm90a=True)
 
 _IDX_BITS = 31                     # merge key: (block key << 31) | (2^31 - 1 - block), one int64
 _MERGE_ELEMS = 1 << 25             # elements of one merge chunk of the torch merge (bounds its temporaries)
@@ -326,7 +312,7 @@ def launch_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
                 np.int32(SCORE_KIND[sdt]), np.int32(KERNEL_STRIDE), np.int32(COARSE_STRIDE),
                 np.float32(scale * 1.4426950408889634), np.int32(plan.topk_prefix))
 
-    name = plan_kernel_name(plan, q.dtype, sdt, D, ranged)
+    name = kernel_name(q.dtype, sdt, D, sm90a, ranged)
     kernel_fn = _jit.get_kernel(SOURCE_SM90, name, sm90a=True) if sm90a else _jit.get_kernel(SOURCE, name)
     # the sm_90a kernel reads its key tiles by TMA (docs/stage1.md, 3.): a map per compressed-key tensor
     maps = (_key_map(ck1), _key_map(ck2)) if sm90a else ()

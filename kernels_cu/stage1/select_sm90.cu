@@ -18,11 +18,6 @@
 //            instead of topk_idx. bias_mode 1 stores the coarse pass's per-row bias to row_bias
 //            [total_q, HQ] float, 2 loads it and skips the coarse pass. A full launch (RANGED = false)
 //            ignores j_lo .. bias_mode (the launcher passes 0, out_len, null, null, null, 0).
-//   pipelined kernel stage1_select_sm90_pipe<T, KT, D, RANGED, NWG, NS> (docs/stage1.md, 10. The
-//            pipelined kernel): the same arguments, with block 128 NWG (NWG warpgroups of 64 rows,
-//            TOK = 64 NWG / GP, one CTA per SM) and NS key tiles: dyn smem 1024 + (NWG + NS) * 64 * D *
-//            sizeof(T) + TOK * 68 * 4 + (lgp == 5 ? 4 NWG * 64 * 4 : 0) + (bs_scratch ? 0 : TOK * olp *
-//            sizeof(KT)), its 2 NS mbarriers in the alignment slack as above
 //
 // Why a second kernel: the SM80 kernel runs at ~40% issue utilisation with two warps per scheduler;
 // its warps stall on their own dependency chains (mma.sync accumulators, exp, shuffles), and 128
@@ -37,9 +32,7 @@
 #include "common/wgmma_sm90.cuh"
 #include "stage1/select_common.cuh"
 
-template <bool B> struct S1Flag { static constexpr bool value = B; };   // a compile-time step argument
-
-template <typename T, typename KT, int D, int NWG, int NS, bool PIPE>
+template <typename T, typename KT, int D>
 __device__ __forceinline__ void
 stage1_select_sm90_body(const T* __restrict__ q, const T* __restrict__ ck1, const T* __restrict__ ck2,
                         const int* __restrict__ cu_q, const int* __restrict__ cu_c1, const int* __restrict__ cu_c2,
@@ -55,15 +48,15 @@ stage1_select_sm90_body(const T* __restrict__ q, const T* __restrict__ ck1, cons
     constexpr int MT = 1;                     // m-tiles per warp (16 rows)
     constexpr u32 TILE = 64 * D * sizeof(T);  // one 64-row tile (Q of a warpgroup, or 64 keys)
     constexpr u32 HALF = 64 * 128;            // bytes of one 64-row, 64-element half tile
-    constexpr int NTHREADS = 128 * NWG;       // NWG warpgroups of 64 rows
+    constexpr int NTHREADS = 256;
     extern __shared__ unsigned char smem[];
     const u32 raw = smem_u32(smem);
     const u32 base = (raw + 1023u) & ~1023u;  // swizzled tiles start on 1 KB boundaries
-    const u32 sQ = base, sK = sQ + NWG * TILE;
+    const u32 sQ = base, sK = sQ + 2 * TILE;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
     const int GP = 1 << lgp;
-    const int TOK = (64 * NWG) >> lgp;        // tokens per CTA
+    const int TOK = 128 >> lgp;               // tokens per CTA
     S1Cta w;
     if (!s1_cta(w, TOK, H, B, n_tiles, cu_q, cu_c1, cu_c2, cache_lens, s1, s2c, causal)) return;
     const bool ranged = cand_idx != nullptr;
@@ -78,9 +71,9 @@ stage1_select_sm90_body(const T* __restrict__ q, const T* __restrict__ ck1, cons
 #define S1_FT_LO max(0, j_lo / 16 - 1)
     const int NT = w.nc + nf;
 
-    float* sT = reinterpret_cast<float*>(smem + (sK + NS * TILE - raw));             // [TOK][68]
-    float* sP = sT + TOK * S1_ST;                                                     // [NW][64] if lgp == 5
-    key_t* sB = reinterpret_cast<key_t*>(sP + (lgp == 5 ? NTHREADS / 32 * 64 : 0));   // [TOK][olp]
+    float* sT = reinterpret_cast<float*>(smem + (sK + 2 * TILE - raw));              // [TOK][68]
+    float* sP = sT + TOK * S1_ST;                                                     // [8][64] if lgp == 5
+    key_t* sB = reinterpret_cast<key_t*>(sP + (lgp == 5 ? 8 * 64 : 0));               // [TOK][olp]
     const int64 score_row0 = (int64)w.h * total_q + w.qs + w.t0;                      // row of token 0
     key_t* bs0 = bs_scratch ? bs_scratch + score_row0 * olp : sB;                    // token tok: bs0 + tok * olp
     // where the tiles pool block j of token tok: sBp[tok * olp + j] (a range row starts 64 keys in, at j_lo)
@@ -104,8 +97,8 @@ stage1_select_sm90_body(const T* __restrict__ q, const T* __restrict__ ck1, cons
     const int tfirst = (warp * 16) >> lgp;
 
     if (NT > 0) {
-        // ---- Q: 64 NWG rows, one 64-row swizzled tile per warpgroup, resident for the whole loop
-        for (int i = tid; i < 64 * NWG * CH; i += NTHREADS) {
+        // ---- Q: 128 rows, two 64-row swizzled tiles (one per warpgroup), resident for the whole loop
+        for (int i = tid; i < 128 * CH; i += NTHREADS) {
             const int row = i / CH, ch = i % CH;
             const int tok = row >> lgp, gh = row & (GP - 1);
             const T* src = q;
@@ -124,11 +117,11 @@ stage1_select_sm90_body(const T* __restrict__ q, const T* __restrict__ ck1, cons
         // completed, and the next copy into that stage waits for all eight (no CTA barrier per tile).
         // A tile's rows past its stream are the next sequence's keys (zeros past the tensor): the
         // visibility limits mask them as they masked the zero rows of the cp.async copy.
-        const u32 lay_end = sK + NS * TILE + TOK * S1_ST * 4 + (lgp == 5 ? NTHREADS / 32 * 64 * 4 : 0) +
+        const u32 lay_end = sK + 2 * TILE + TOK * S1_ST * 4 + (lgp == 5 ? 8 * 64 * 4 : 0) +
                             (bs_scratch ? 0 : TOK * olp * (int)sizeof(KT));
-        const u32 bars = base - raw >= 16 * NS ? raw : lay_end;   // the alignment slack, before or after the tiles
+        const u32 bars = base - raw >= 32 ? raw : lay_end;   // the alignment slack, before or after the tiles
         auto full = [&](int st) { return bars + 8 * st; };
-        auto empty = [&](int st) { return bars + 8 * NS + 8 * st; };
+        auto empty = [&](int st) { return bars + 16 + 8 * st; };
         // the first key row of tile u in its tensor: the coarse keys, then the fine ones from S1_FT_LO
         auto tile_row = [&](int u) { return u < w.nc ? w.c2s + u * S1_TILE : w.c1s + (u - w.nc + S1_FT_LO) * S1_TILE; };
         auto load_tile = [&](int u, int st) {       // thread 0
@@ -140,15 +133,13 @@ stage1_select_sm90_body(const T* __restrict__ q, const T* __restrict__ ck1, cons
         };
         if (tid == 0) {
 #pragma unroll
-            for (int st = 0; st < NS; ++st) {
+            for (int st = 0; st < 2; ++st) {
                 mbar_init(full(st), 1);
                 mbar_init(empty(st), NTHREADS / 32);
             }
             asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
             load_tile(0, 0);
-#pragma unroll
-            for (int st = 1; st < NS; ++st)
-                if (NT > st) load_tile(st, st);
+            if (NT > 1) load_tile(1, 1);
         }
         // Q landed (generic-proxy copies that wgmma reads) and the barriers are initialised
         cp_async_wait<0>();
@@ -174,94 +165,6 @@ stage1_select_sm90_body(const T* __restrict__ q, const T* __restrict__ ck1, cons
             if (bs_scratch) pool_columns<KT>(sum, carry, bs0 + (int64)tfirst * olp, srow, max_n1, kb, w.n1, out_len, lane, kind);
             else pool_columns<KT>(sum, carry, sBp + tfirst * olp, srow, max_n1, kb, w.n1, out_len, lane, kind);
         };
-        // ---- the pipelined loop (docs/stage1.md, 10. The pipelined kernel): each warpgroup issues the
-        // products of tile u + 1 into a second accumulator before it runs tile u's exps, group sum and
-        // pooling, so its own tensor work overlaps its own elementwise work; warp 0 keeps NS - 1 key
-        // tiles in flight (tile u + NS - 1 goes into the stage of tile u - 1 once every warp released it)
-        auto pipelined_loop = [&]() {
-            auto issue = [&](int u, float (&acc)[MT][8][4]) {      // wgmma of tile u into acc (in flight)
-                const int stage = u % NS;
-                mbar_wait(full(stage), (u / NS) & 1);
-                float (&a)[32] = reinterpret_cast<float (&)[32]>(acc);
-                const u32 kd = k_lo + ((warp_uniform(stage) * TILE) >> 4);
-                wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < D / 16; ++kk) {
-                    const u32 koff = ((kk >> 2) * HALF + (kk & 3) * 32) >> 4;
-                    wgmma_ss<T, 64>(a, ((u64)desc_hi << 32) | (q_lo + koff), ((u64)desc_hi << 32) | (kd + koff), kk > 0);
-                }
-                wgmma_commit();
-            };
-            // NEXT: issue tile u + 1 (every step but the last: the loop below issues unconditionally,
-            // since a wgmma issued on one side of a branch makes ptxas serialise them all)
-            auto step = [&](int u, float (&cur)[MT][8][4], float (&nxt)[MT][8][4], auto next) {
-                wgmma_wait<0>();                                     // tile u's products (the only group)
-                fence_regs(reinterpret_cast<float (&)[32]>(cur));
-                __syncwarp();
-                if (lane == 0) mbar_arrive(empty(u % NS));          // this warp is done reading tile u
-                // the whole warp waits (one lane spinning before .aligned instructions can hang the
-                // CTA: docs/stage2_bwd.md, 15.), one lane copies
-                if (warp == 0 && u >= 1 && u + NS - 1 < NT) {
-                    mbar_wait(empty((u - 1) % NS), ((u - 1) / NS) & 1);
-                    if (lane == 0) load_tile(u + NS - 1, (u - 1) % NS);
-                }
-                __syncwarp();
-                if constexpr (decltype(next)::value) issue(u + 1, nxt);
-                const bool fine = u >= w.nc;
-                const int kb = (fine ? u - w.nc + S1_FT_LO : u) * S1_TILE;
-                if (!fine) {
-                    if (live) coarse_update<MT>(cur, lim2, m_run, z_run, kb, c, sl2);
-                    if (u == w.nc - 1) {
-                        coarse_bias(z_run, m_run, lim1, bias, sl2);
-                        if (bias_mode == 1) s1_row_bias<2>(w, 1, row_bias, bias, warp * 16 + g, lgp, G, HQ, c);
-                    }
-                    return;
-                }
-                if (bias_mode == 2 && u == 0) {
-#pragma unroll
-                    for (int rr = 0; rr < 2; ++rr) bias[rr] = m_run[rr];
-                }
-                if (lgp == 5) __syncthreads();       // the partner warp read the previous tile's sums
-                if (live) {
-                    fine_probs<MT>(cur, lim1, bias, kb, c, sl2);
-                    switch (lgp) {   // CTA-uniform; G <= 8 pools from the staging rows at once
-                        case 0: stage_tokens<KT, 0, MT>(cur, sT, nullptr, warp, lane, tfirst, 1, kb, w.n1, kind); pool(kb); break;
-                        case 1: stage_tokens<KT, 1, MT>(cur, sT, nullptr, warp, lane, tfirst, 1, kb, w.n1, kind); pool(kb); break;
-                        case 2: stage_tokens<KT, 2, MT>(cur, sT, nullptr, warp, lane, tfirst, 1, kb, w.n1, kind); pool(kb); break;
-                        case 3: stage_tokens<KT, 3, MT>(cur, sT, nullptr, warp, lane, tfirst, 1, kb, w.n1, kind); pool(kb); break;
-                        case 4: pool_cols(warp_rows_sum(cur, lane), kb); break;
-                        default: *reinterpret_cast<float2*>(sP + warp * 64 + 2 * lane) = warp_rows_sum(cur, lane); break;
-                    }
-                }
-                if (lgp == 5) {
-                    __syncthreads();                 // the partner's sums are in sP
-                    if (live && (warp & 1) == 0) {
-                        const float2 mine = *reinterpret_cast<const float2*>(sP + warp * 64 + 2 * lane);
-                        const float2 theirs = *reinterpret_cast<const float2*>(sP + (warp + 1) * 64 + 2 * lane);
-                        pool_cols(make_float2(mine.x + theirs.x, mine.y + theirs.y), kb);
-                    }
-                }
-            };
-            float acc0[MT][8][4], acc1[MT][8][4];
-            constexpr S1Flag<true> NEXT{};
-            constexpr S1Flag<false> LAST{};
-            issue(0, acc0);
-            int u = 0;
-#pragma unroll 1
-            for (; u + 2 < NT; u += 2) {
-                step(u, acc0, acc1, NEXT);
-                step(u + 1, acc1, acc0, NEXT);
-            }
-            if (u + 1 < NT) {
-                step(u, acc0, acc1, NEXT);
-                step(u + 1, acc1, acc0, LAST);
-            } else {
-                step(u, acc0, acc1, LAST);
-            }
-        };
-        if constexpr (PIPE) {
-            pipelined_loop();
-        } else {
         float s[MT][8][4];
         float (&sacc)[32] = reinterpret_cast<float (&)[32]>(s);
 
@@ -343,7 +246,6 @@ stage1_select_sm90_body(const T* __restrict__ q, const T* __restrict__ ck1, cons
         }
         __syncwarp();
         if (pend_kb >= 0 && live) pool(pend_kb);
-        }
         if (lgp >= 4 && live && lane == 0 && (lgp == 4 || (warp & 1) == 0))
             sT[tfirst * S1_ST + 3] = carry;    // for the finish below
     }
@@ -374,29 +276,7 @@ stage1_select_sm90(const T* __restrict__ q, const T* __restrict__ ck1, const T* 
                    int j_lo, int j_hi, unsigned* __restrict__ cand_key, int* __restrict__ cand_idx,
                    float* __restrict__ row_bias, int bias_mode, const __grid_constant__ TmaMap tm1,
                    const __grid_constant__ TmaMap tm2) {
-    stage1_select_sm90_body<T, KT, D, 2, 2, false>(q, ck1, ck2, cu_q, cu_c1, cu_c2, cache_lens, topk_idx, scores, block_scores, bs_scratch,
-                                      total_q, HQ, H, G, lgp, B, n_tiles, max_seqlen_q, out_len, olp, K, max_n1, init_blocks,
-                                      local_blocks, quirk, causal, kind, s1, s2c, sl2, topk_prefix, RANGED ? j_lo : 0,
-                                      RANGED ? j_hi : out_len, RANGED ? cand_key : nullptr, RANGED ? cand_idx : nullptr,
-                                      RANGED ? row_bias : nullptr, RANGED ? bias_mode : 0, tm1, tm2);
-}
-
-// The pipelined kernel (docs/stage1.md, 10. The pipelined kernel): NWG warpgroups of 64 rows at one CTA
-// per SM, tile u + 1's products in flight while tile u's exps run, NS key stages. Same arguments,
-// outputs and range passes as stage1_select_sm90.
-template <typename T, typename KT, int D, bool RANGED, int NWG, int NS>
-__global__ void __launch_bounds__(128 * NWG, 1)
-stage1_select_sm90_pipe(const T* __restrict__ q, const T* __restrict__ ck1, const T* __restrict__ ck2,
-                   const int* __restrict__ cu_q, const int* __restrict__ cu_c1, const int* __restrict__ cu_c2,
-                   const int* __restrict__ cache_lens, int* __restrict__ topk_idx, KT* __restrict__ scores,
-                   KT* __restrict__ block_scores, KT* __restrict__ bs_scratch,
-                   int total_q, int HQ, int H, int G, int lgp, int B, int n_tiles, int max_seqlen_q,
-                   int out_len, int olp, int K, int max_n1, int init_blocks, int local_blocks,
-                   int quirk, int causal, int kind, int s1, int s2c, float sl2, int topk_prefix,
-                   int j_lo, int j_hi, unsigned* __restrict__ cand_key, int* __restrict__ cand_idx,
-                   float* __restrict__ row_bias, int bias_mode, const __grid_constant__ TmaMap tm1,
-                   const __grid_constant__ TmaMap tm2) {
-    stage1_select_sm90_body<T, KT, D, NWG, NS, true>(q, ck1, ck2, cu_q, cu_c1, cu_c2, cache_lens, topk_idx, scores, block_scores, bs_scratch,
+    stage1_select_sm90_body<T, KT, D>(q, ck1, ck2, cu_q, cu_c1, cu_c2, cache_lens, topk_idx, scores, block_scores, bs_scratch,
                                       total_q, HQ, H, G, lgp, B, n_tiles, max_seqlen_q, out_len, olp, K, max_n1, init_blocks,
                                       local_blocks, quirk, causal, kind, s1, s2c, sl2, topk_prefix, RANGED ? j_lo : 0,
                                       RANGED ? j_hi : out_len, RANGED ? cand_key : nullptr, RANGED ? cand_idx : nullptr,

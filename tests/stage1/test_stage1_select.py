@@ -30,7 +30,6 @@ from infllm_cupy.stage1.naive import (
     vis_limit,
 )
 from infllm_cupy.stage1.plan import (
-    PIPE_SHAPES,
     Stage1Plan,
     choose_tiles,
     lgp_of,
@@ -664,44 +663,6 @@ def test_sm80_tile_plans(warps, in_smem):
         run_and_check(*inputs, max(lengths), plan=plan)
 
 
-# (lengths, HQ, H, D, dtype): G in {1, 2, 4, 8, 16, 32}; ragged, one-token and below-128 sequences,
-# both quirks; the long one has an odd and the short ones an even tile count (the loop's two tails)
-PIPE_CASES = [
-    ([1000, 1, 383], 32, 2, 128, torch.bfloat16),
-    ([1023, 335, 64], 32, 1, 64, torch.float16),
-    ([2000, 700], 8, 1, 64, torch.float16),
-    ([513, 130, 17], 4, 2, 64, torch.bfloat16),
-    ([900, 40], 4, 4, 128, torch.bfloat16),
-    ([777, 191], 16, 4, 64, torch.bfloat16),
-    ([11500, 127], 32, 2, 128, torch.bfloat16),
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="the pipelined kernel needs capability 9.0")
-@pytest.mark.parametrize("shape", PIPE_SHAPES, ids=lambda s: f"w{s[0]}_ks{s[1]}")
-@pytest.mark.parametrize("score_dtype", [torch.bfloat16, None], ids=["bf16scores", "fp32scores"])
-@pytest.mark.parametrize("case", PIPE_CASES, ids=lambda c: f"L{'-'.join(map(str, c[0]))}_HQ{c[1]}_H{c[2]}_D{c[3]}")
-def test_pipelined_kernel(case, score_dtype, shape):
-    """The pipelined sm_90a kernel (docs/stage1.md, 10.) passes the reference checks and gives the
-    two-warpgroup kernel's outputs bit for bit (the same products, exps and sums in the same order)."""
-    lengths, HQ, H, D, dtype = case
-    inputs = make_inputs(lengths, HQ, H, D, dtype, seed=5)
-    L = max(lengths)
-    base = default_plan(inputs, L, "sm90a", score_dtype)
-    plan = dataclasses.replace(base, pipelined=True, warps=shape[0], key_stages=shape[1])
-    got = run_and_check(*inputs, L, score_dtype=score_dtype, plan=plan,
-                        min_unambiguous=0.9 if score_dtype is None else 0.0)
-    two = launch_select(*inputs, L, plan=base, score_dtype=score_dtype, return_scores=True)
-    for name, a, b in zip(("topk_idx", "scores", "block_scores"), got, two):
-        assert torch.equal(a, b), f"{name} differs from the two-warpgroup kernel"
-    # range passes on the pipelined kernel equal its one launch
-    one = launch_select(*inputs, L, plan=plan, score_dtype=score_dtype, topk=8, local_blocks=4)
-    ranged = launch_select(*inputs, L, plan=dataclasses.replace(plan, range_blocks=64), score_dtype=score_dtype,
-                           topk=8, local_blocks=4)
-    assert torch.equal(one, ranged), "range passes of the pipelined kernel differ from its one launch"
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("forced", ["sm80", pytest.param("sm90a", marks=pytest.mark.skipif(
     not HOPPER, reason="the sm_90a kernel needs capability 9.0"))])
@@ -930,17 +891,6 @@ def test_stage1_plan():
         Stage1Plan("sm80", 4, True, -1)
     assert Stage1Plan("sm80", 1).tokens_per_cta(64) == 0 and Stage1Plan("sm80", 2).tokens_per_cta(64) == 1
     assert Stage1Plan("sm90a", 8).tokens_per_cta(16) == 8
-    # the pipelined kernel: a PIPE_SHAPES (warps, key_stages) pair on sm90a only, booleans as booleans
-    for warps, stages in PIPE_SHAPES:
-        p = Stage1Plan("sm90a", warps, pipelined=True, key_stages=stages)
-        assert p.tokens_per_cta(16) == warps and p.tokens_per_cta(1) == 16 * warps
-    for kw, exc, match in ((dict(kernel="sm80", warps=4, pipelined=True, key_stages=4), ValueError, "pipelined"),
-                           (dict(kernel="sm90a", warps=12, pipelined=True, key_stages=5), ValueError, "pipelined"),
-                           (dict(kernel="sm90a", warps=12), ValueError, "warps"),
-                           (dict(kernel="sm90a", warps=8, key_stages=3), ValueError, "key_stages"),
-                           (dict(kernel="sm90a", warps=12, pipelined=1, key_stages=4), TypeError, "pipelined")):
-        with pytest.raises(exc, match=match):
-            Stage1Plan(**kw)
 
 
 def test_kernel_argument_checked_on_cpu():
@@ -957,13 +907,6 @@ def test_sm90_launch_planning():
     assert smem_bytes_sm90(64, 2, 0, 64, 2, False) == 1024 + 4 * 64 * 64 * 2 + 128 * 68 * 4
     assert smem_bytes_sm90(64, 2, 0, 64, 4, True) == smem_bytes_sm90(64, 2, 0, 64, 4, False) + 128 * 64 * 4
     assert smem_bytes_sm90(64, 2, 5, 64, 2, False) == 1024 + 4 * 64 * 64 * 2 + 4 * 68 * 4 + 8 * 64 * 4
-    # the pipelined kernel: a Q tile per warpgroup, `stages` key tiles, staging for 16 x warps rows
-    assert smem_bytes_sm90(128, 2, 4, 64, 2, False, warps=12, stages=4) == \
-        1024 + 7 * 64 * 128 * 2 + 12 * 68 * 4
-    assert smem_bytes_sm90(64, 2, 5, 64, 2, True, warps=8, stages=4) == \
-        1024 + 6 * 64 * 64 * 2 + 4 * 68 * 4 + 8 * 64 * 4 + 4 * 64 * 2
-    assert Stage1Plan("sm90a", 12, pipelined=True, key_stages=3).smem_bytes(16, 128, 2, 2048, 2) == \
-        smem_bytes_sm90(128, 2, 4, 2048, 2, True, warps=12, stages=3) <= 227 * 1024
 
 
 def test_every_instance_is_registered():
@@ -975,10 +918,6 @@ def test_every_instance_is_registered():
                 for d in (64, 128):
                     assert sel.kernel_name(dt, st, d, sm90a) in names
                     assert sel.kernel_name(dt, st, d, sm90a, ranged=True) in names
-                    if sm90a and st != torch.float16:   # fp16 scores share the 16-bit keys' instances
-                        for shape in PIPE_SHAPES:
-                            for rg in (False, True):
-                                assert sel.kernel_name(dt, st, d, True, rg, pipe=shape) in names
-        assert len(names) == (16 + 16 * len(PIPE_SHAPES) if sm90a else 16)
+        assert len(names) == 16
     assert [lgp_of(G) for G in (1, 2, 3, 4, 5, 16, 17, 24, 32, 33, 64, 65, 128)] == \
         [0, 1, 2, 2, 3, 4, 5, 5, 5, 6, 6, 7, 7]
