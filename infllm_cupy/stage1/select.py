@@ -80,6 +80,7 @@ for _sm90a, _src in ((False, SOURCE), (True, SOURCE_SM90)):
 
 _IDX_BITS = 31                     # merge key: (block key << 31) | (2^31 - 1 - block), one int64
 _MERGE_ELEMS = 1 << 25             # elements of one merge chunk of the torch merge (bounds its temporaries)
+_FINAL_ELEMS = 1 << 22             # elements of one chunk of the final conversion (32 MiB int64 temporaries)
 
 # The range passes' merge kernel (docs/stage1.md, 9. Long context: key ranges; its paragraph "The merge
 # kernel"): one instance per candidates-per-lane count NI (K <= 32 NI); past MERGE_MAX_K the torch merge runs.
@@ -267,10 +268,14 @@ def launch_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
         plan = device_stage1_plan(q.device, G, D, q.dtype, sdt, out_len, rows=ck1.shape[1] * q.shape[0], kernel=kernel)
     K = min(topk + local_blocks, out_len)
     max_n1 = max(seqlens_host(cu_seqlens_c1), default=0) if return_scores else 0
-    topk_idx = empty((H, total_q, K), dtype=torch.int32, device=q.device)
+    ranged = plan.range_blocks > 0 and not return_scores and 0 < K <= plan.range_blocks
+    # range passes allocate their output after their candidate buffers are freed (peak memory)
+    topk_idx = None if ranged else empty((H, total_q, K), dtype=torch.int32, device=q.device)
     scores = empty((H, total_q, max_n1), dtype=sdt, device=q.device) if return_scores else None
     block_scores = empty((H, total_q, out_len), dtype=sdt, device=q.device) if return_scores else None
     if total_q == 0 or H == 0 or out_len == 0 or (K == 0 and not return_scores):
+        if topk_idx is None:
+            topk_idx = empty((H, total_q, K), dtype=torch.int32, device=q.device)
         return (topk_idx, scores, block_scores) if return_scores else topk_idx
 
     lgp = lgp_of(G)
@@ -283,7 +288,6 @@ def launch_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
     n_tiles = cdiv(max_seqlen_q, tok)
     if n_tiles * B * H >= 2**31:
         raise ValueError(f"too many CTAs ({n_tiles} token tiles x {B} sequences x {H} heads)")
-    ranged = plan.range_blocks > 0 and not return_scores and 0 < K <= plan.range_blocks
     if plan.range_blocks and not ranged:       # inspection outputs or K wider than a range: one launch
         plan = dataclasses.replace(plan, range_blocks=0)
     scratch = None
@@ -304,7 +308,7 @@ def launch_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
 
     def args(olp_arg):
         return (ptr(q), ptr(ck1), ptr(ck2), ptr(cu_seqlens_q), ptr(cu_seqlens_c1), ptr(cu_seqlens_c2),
-                opt(cache_dev), ptr(topk_idx), opt(scores), opt(block_scores), opt(scratch),
+                opt(cache_dev), opt(topk_idx), opt(scores), opt(block_scores), opt(scratch),
                 np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(lgp), np.int32(B),
                 np.int32(n_tiles), np.int32(max_seqlen_q), np.int32(out_len), np.int32(olp_arg), np.int32(K),
                 np.int32(max_n1), np.int32(init_blocks), np.int32(local_blocks),
@@ -339,11 +343,24 @@ def launch_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
                args=(*args(64 + W), np.int32(j_lo), np.int32(j_hi), ptr(cand_key), ptr(cand_idx), opt(row_bias),
                      np.int32(bias_mode), *maps))
         run = _merge_into(run, cand_key, cand_idx, K)
-    idx = ((1 << _IDX_BITS) - 1 - (run & ((1 << _IDX_BITS) - 1))).to(torch.int32).sort(dim=-1).values
+    del cand_key, cand_idx, row_bias
     q_blocks = q_block_idx_prefill(cu_seqlens_q, max_seqlen_q, varlen_offset_quirk=varlen_offset_quirk,
                                    cache_lens=cache)
-    topk_idx.copy_(idx.masked_fill(idx > q_blocks.to(idx.device, torch.int32)[None, :, None], -1))
-    return topk_idx
+    return _run_to_topk(run, q_blocks)
+
+
+def _run_to_topk(run: torch.Tensor, q_blocks: torch.Tensor) -> torch.Tensor:
+    """The merged run's blocks as `topk_idx`: int32 `[H, total_q, K]`, ascending per row, blocks after
+    the token's query block (`q_blocks[t]`) as -1. Token chunks bound the int64 temporaries."""
+    H, T, K = run.shape
+    out = empty((H, T, K), dtype=torch.int32, device=run.device)
+    qb = q_blocks.to(run.device, torch.int32)
+    low = (1 << _IDX_BITS) - 1
+    step = max(1, _FINAL_ELEMS // max(1, H * K))
+    for t in range(0, T, step):
+        idx = (low - (run[:, t:t + step] & low)).to(torch.int32).sort(dim=-1).values
+        out[:, t:t + step] = idx.masked_fill(idx > qb[None, t:t + step, None], -1)
+    return out
 
 
 def _key_map(ck: torch.Tensor) -> np.ndarray:

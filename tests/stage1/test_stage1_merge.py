@@ -111,6 +111,25 @@ def test_merge_past_the_kernel_bound_runs_the_torch_merge_on_cpu():
     assert torch.equal(run.sort(-1, descending=True).values, want)
 
 
+@pytest.mark.parametrize("chunk", [1 << 22, 7 * 5, 1], ids=["one-chunk", "ragged-chunks", "row-chunks"])
+def test_run_to_topk_in_chunks_equals_the_whole_conversion(chunk, monkeypatch):
+    """The range passes' final conversion (`_run_to_topk`): sorted blocks, future blocks -> -1, the
+    same in token chunks of any size (including one token and a ragged last chunk) as in one go."""
+    H, T, K = 2, 23, 5
+    passes = range_passes(H, T, K, 3, key_bits=16, pattern="random", seed=4)
+    run = None
+    for cand_key, cand_idx in passes:
+        run = sel._merge_into_torch(run, cand_key, cand_idx, K)
+    q_blocks = torch.randint(0, 3 * (K + 7), (T,), generator=torch.Generator().manual_seed(9))
+    low = (1 << IDX_BITS) - 1
+    whole = (low - (run & low)).to(torch.int32).sort(dim=-1).values
+    want = whole.masked_fill(whole > q_blocks.to(torch.int32)[None, :, None], -1)
+    assert bool((want == -1).any()) and bool((want >= 0).any())      # both cases present
+    monkeypatch.setattr(sel, "_FINAL_ELEMS", chunk)
+    got = sel._run_to_topk(run, q_blocks)
+    assert got.dtype == torch.int32 and torch.equal(got, want)
+
+
 def test_merge_kernel_rejects_bad_arguments():
     ck = torch.zeros(2, 3, 4, dtype=torch.int32)
     with pytest.raises(ValueError, match="K must be in"):
