@@ -123,10 +123,11 @@ def scratch_bytes(plan: Stage1Plan, H: int, total_q: int, out_len: int, key_byte
                   HQ: int = 0) -> int:
     """Bytes of the global memory that `plan` needs besides the output: the block-key scratch
     `[H, total_q, olp]` (the memory wall of long sequences, docs/stage1.md, 5. Memory plan) or, for
-    a range split, the candidates and the merge (about 40 B per (KV head, token, slot)) and the row
-    biases `[total_q, HQ]` float (O(total_q x K)); 0 when the block keys live in shared memory."""
+    a range split, the candidates and the running merge keys (16 B per (KV head, token, slot); the
+    output is allocated after the candidates are freed) and the row biases `[total_q, HQ]` float
+    (O(total_q x K)); 0 when the block keys live in shared memory."""
     if plan.range_blocks and K <= plan.range_blocks:
-        return H * total_q * K * 40 + total_q * HQ * 4
+        return H * total_q * K * 16 + total_q * HQ * 4
     if plan.block_keys_in_smem:
         return 0
     return H * total_q * (-(-out_len // 64) * 64) * key_bytes

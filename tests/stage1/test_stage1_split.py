@@ -179,7 +179,7 @@ def test_range_plan_on_h100_shapes():
     assert range_blocks_for("sm90a", 8, 1, 128, 2, 4, 64 * 1024, 64 * 1024) == 0
     # memory: the scratch [H, total_q, olp] against the candidates O(total_q x K)
     assert scratch_bytes(Stage1Plan("sm90a", 8, False), 2, 2**20, 16384, 2) == 2 * 2**20 * 16384 * 2
-    assert scratch_bytes(p, 2, 2**20, 16384, 2, K=96, HQ=32) == 2 * 2**20 * 96 * 40 + 2**20 * 32 * 4
+    assert scratch_bytes(p, 2, 2**20, 16384, 2, K=96, HQ=32) == 2 * 2**20 * 96 * 16 + 2**20 * 32 * 4
     assert scratch_bytes(Stage1Plan("sm90a", 8, True), 2, 2**20, 8192, 2) == 0
     for bad in (-64, 32, 1.0, True):
         with pytest.raises(ValueError, match="range_blocks"):
