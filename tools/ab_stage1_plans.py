@@ -13,7 +13,6 @@ rounds and its ratio to the first variant's.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -22,10 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _plans import with_fields  # noqa: E402
-from ab_stage1_trees import parse_case  # noqa: E402
+from ab_stage1_trees import median_ms, parse_case, readme_inputs, summary  # noqa: E402
 
-from infllm_cupy.compress import compress_k  # noqa: E402
-from infllm_cupy.selections import uniform_cu_seqlens  # noqa: E402
 from infllm_cupy import _jit  # noqa: E402
 from infllm_cupy.stage1.select import (  # noqa: E402
     KV_BLOCK,
@@ -46,17 +43,13 @@ def main(argv=None) -> int:
     p.add_argument("--rep", type=int, default=5)
     a = p.parse_args(argv)
     variants = [v if v.startswith("base") else "base" + v for v in a.variants.split(",")]
-    HQ, H, D = 32, 2, 128
     bad = 0
     for case in a.cases.split(","):
         T, B = parse_case(case)
-        g = torch.Generator(device="cuda").manual_seed(1)
-        q = torch.randn(B * T, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        k = torch.randn(B * T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        cu = uniform_cu_seqlens(B, T, "cuda")
-        ck1, cu1 = compress_k(k, cu, 32, 16, backend="kernels")
-        ck2, cu2 = compress_k(k, cu, 128, 64, backend="kernels")
-        base = device_stage1_plan(q.device, HQ // H, D, q.dtype, torch.bfloat16, -(-T // KV_BLOCK), rows=H * q.shape[0])
+        q, ck1, ck2, cu, cu1, cu2 = readme_inputs(T, B)
+        HQ, H, D = q.shape[1], ck1.shape[1], q.shape[2]
+        base = device_stage1_plan(q.device, HQ // H, D, q.dtype, torch.bfloat16, -(-T // KV_BLOCK),
+                                  rows=H * q.shape[0])
         plans = {v: with_fields(base, v[len("base"):]) for v in variants}
         for v, plan in plans.items():
             sm90a = plan.kernel == SM90A
@@ -66,8 +59,8 @@ def main(argv=None) -> int:
                   f"{attrs['local_size_bytes']} B local", flush=True)
 
         def call(plan):
-            return launch_select(q, ck1, ck2, cu, cu1, cu2, T, topk=64, local_blocks=32, score_dtype=torch.bfloat16,
-                                 plan=plan)
+            return launch_select(q, ck1, ck2, cu, cu1, cu2, T, topk=64, local_blocks=32,
+                                 score_dtype=torch.bfloat16, plan=plan)
 
         times: dict[str, list[float]] = {v: [] for v in variants}
         ref = None
@@ -81,20 +74,9 @@ def main(argv=None) -> int:
                     print(f"  {case} {v}: topk_idx DIFFERS from {variants[0]}", flush=True)
                     bad += 1
                 del out
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                ts = []
-                for _ in range(a.rep + 1):
-                    start.record()
-                    call(plans[v])
-                    end.record()
-                    end.synchronize()
-                    ts.append(start.elapsed_time(end))
-                times[v].append(statistics.median(ts[1:]))
+                times[v].append(median_ms(lambda: call(plans[v]), a.rep))
                 print(f"  round {r} {case} {v:<44} {times[v][-1]:9.3f} ms", flush=True)
-        ref_t = statistics.median(times[variants[0]])
-        for v in variants:
-            m = statistics.median(times[v])
-            print(f"{case:<8} {v:<44} {m:9.3f} ms  {ref_t / m:6.3f}x vs {variants[0]}", flush=True)
+        summary(case, times, 44)
     print("outputs identical" if bad == 0 else f"{bad} output mismatches")
     return 1 if bad else 0
 

@@ -31,6 +31,41 @@ def parse_case(text: str) -> tuple[int, int]:
     return n, int(b)
 
 
+def readme_inputs(T: int, B: int, seed: int = 1):
+    """Random bf16 q and keys at the README heads (HQ 32, H 2, D 128), B sequences of T tokens, and
+    their compressed keys: `(q, ck1, ck2, cu_seqlens, cu_seqlens_c1, cu_seqlens_c2)` on the GPU."""
+    HQ, H, D = 32, 2, 128
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B * T, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(B * T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    cu = uniform_cu_seqlens(B, T, "cuda")
+    ck1, cu1 = compress_k(k, cu, 32, 16, backend="kernels")
+    ck2, cu2 = compress_k(k, cu, 128, 64, backend="kernels")
+    return q, ck1, ck2, cu, cu1, cu2
+
+
+def median_ms(call, rep: int) -> float:
+    """Median CUDA-event time of `rep` calls after one warm-up call."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(rep + 1):
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        ts.append(start.elapsed_time(end))
+    return statistics.median(ts[1:])
+
+
+def summary(case: str, times: dict[str, list[float]], width: int) -> None:
+    """Each variant's median over rounds and its ratio to the first variant's (`times` in order)."""
+    first = next(iter(times))
+    base = statistics.median(times[first])
+    for label, ts in times.items():
+        m = statistics.median(ts)
+        print(f"{case:<8} {label:<{width}} {m:9.3f} ms  {base / m:6.3f}x vs {first}", flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("trees", nargs="+", help="LABEL=DIR of kernels_cu/ trees; the first is the reference")
@@ -40,16 +75,10 @@ def main(argv=None) -> int:
     p.add_argument("--scores", action="store_true", help="also compare scores and block scores (return_scores)")
     a = p.parse_args(argv)
     trees = [t.split("=", 1) for t in a.trees]
-    HQ, H, D = 32, 2, 128
     bad = 0
     for case in a.cases.split(","):
         T, B = parse_case(case)
-        g = torch.Generator(device="cuda").manual_seed(1)
-        q = torch.randn(B * T, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        k = torch.randn(B * T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        cu = uniform_cu_seqlens(B, T, "cuda")
-        ck1, cu1 = compress_k(k, cu, 32, 16, backend="kernels")
-        ck2, cu2 = compress_k(k, cu, 128, 64, backend="kernels")
+        q, ck1, ck2, cu, cu1, cu2 = readme_inputs(T, B)
 
         def call():
             return stage1_select(q, ck1, ck2, cu, cu1, cu2, T, topk=64, local_blocks=32, return_scores=a.scores)
@@ -69,20 +98,9 @@ def main(argv=None) -> int:
                         print(f"  {case} {label}: outputs DIFFER from {trees[0][0]}", flush=True)
                         bad += 1
                     del out
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    ts = []
-                    for _ in range(a.rep + 1):
-                        start.record()
-                        call()
-                        end.record()
-                        end.synchronize()
-                        ts.append(start.elapsed_time(end))
-                    times[label].append(statistics.median(ts[1:]))
+                    times[label].append(median_ms(call, a.rep))
                     print(f"  round {r} {case} {label:<8} {times[label][-1]:9.3f} ms", flush=True)
-        base = statistics.median(times[trees[0][0]])
-        for label, _ in trees:
-            m = statistics.median(times[label])
-            print(f"{case:<8} {label:<8} {m:9.3f} ms  {base / m:6.3f}x vs {trees[0][0]}", flush=True)
+        summary(case, times, 8)
     print("outputs identical" if bad == 0 else f"{bad} output mismatches")
     return 1 if bad else 0
 

@@ -19,8 +19,8 @@ without it only the resources are compared.
 A kernel that moved to another file is found in each tree by its name (the first .cu file of the
 tree that defines it), so the registry may come from either side's package (PYTHONPATH=<a checkout
 of the package> picks another one than this checkout's); `--rename` maps a name the change gave
-an instance to the old tree's name; `--skip REGEX` leaves out instances the change added. Exit status 1 when any instance differs in resources or
-SASS ("sched" included).
+an instance to the old tree's name; `--skip REGEX` leaves out instances the change added. Exit
+status 1 when any instance differs in resources or SASS ("sched" included).
 """
 from __future__ import annotations
 
