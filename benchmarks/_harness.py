@@ -144,6 +144,16 @@ def capture_graph(fn: Callable[[], Any], calls: int = 1, *, warmup: int = 2) -> 
     return graph
 
 
+def device_copy(device: torch.device, nbytes: int | None = None) -> tuple[Callable[[], Any], int]:
+    """`(fn, bytes)`: a device-to-device copy of a large bf16 buffer (1 GiB read + 1 GiB written on CUDA,
+    16 MiB on CPU) and the bytes it moves (read + written): time `fn` and divide, for the copy bandwidth
+    that byte floors are read against. The buffers live as long as `fn`."""
+    n = nbytes or ((1 << 30) if device.type == "cuda" else (1 << 24))
+    src = torch.empty(n // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    return (lambda: dst.copy_(src)), 2 * src.numel() * src.element_size()
+
+
 def free_gpu_memory(device: torch.device) -> None:
     """Drop unreachable tensors and hand cached blocks back (between rows and configs)."""
     gc.collect()

@@ -59,8 +59,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._harness import (  # noqa: E402
-    bench_gpu_time, capture_graph, csv_choices, env_line, env_stamp, free_gpu_memory, markdown_table, setup_flex,
-    summarize, write_json,
+    bench_gpu_time, capture_graph, csv_choices, device_copy, env_line, env_stamp, free_gpu_memory, markdown_table,
+    setup_flex, summarize, write_json,
 )
 
 OURS = ("ours_sparse", "ours_step", "ours_dense", "ours_sparse_kvh", "ours_step_kvh", "ours_dense_kvh", "ours_select",
@@ -187,11 +187,9 @@ class Runner:
 
 def copy_bandwidth(r: Runner) -> Row:
     """Device-to-device copy of a large buffer; GB/s on the bytes read + written."""
-    n = (1 << 30) if r.dev.type == "cuda" else (1 << 24)
-    src = torch.empty(n // 2, dtype=torch.bfloat16, device=r.dev).normal_()
-    dst = torch.empty_like(src)
-    row = r.time(Row("copy", "-"), lambda: dst.copy_(src), 2 * n)
-    del src, dst
+    fn, nbytes = device_copy(r.dev)
+    row = r.time(Row("copy", "-"), fn, nbytes)
+    del fn                                       # the buffers go with it
     return row
 
 

@@ -1,30 +1,66 @@
-r"""A MiniCPM4-style model in transformers: prefill and decode tokens/s with our backend against SDPA, in one process.
+r"""A MiniCPM4-style model in transformers: prefill and decode tokens/s of our backend against SDPA as users run it,
+eager against eager and compiled against compiled, with each row's byte floor, in one process.
 
-    python benchmarks/bench_transformers.py                          # 16k and 64k, 4 layers (about 2 min, H100)
+    python benchmarks/bench_transformers.py --json benchmarks/results/transformers.json   # batches 1,8 x 16k,64k
+    python benchmarks/bench_transformers.py --batches 1,8 --contexts 16k,64k --rep 1 --new-tokens 32 \
+        --impls sdpa_static,sdpa_static_compiled,ours,ours_graphs,ours_compiled        # short (about 4 min, H200)
     python benchmarks/bench_transformers.py --quick                  # smoke run: 12k, 2 small layers, 8 new tokens
     python benchmarks/bench_transformers.py --device cpu --dtype float32 --contexts 1k --layers 1 --hidden 256 \
         --intermediate 512 --hq 16 --h 2 --d 64 --vocab 128 --dense-len 256 --topk 4 --window 128 --new-tokens 2
 
 The model is a LlamaForCausalLM built in code with random weights (nothing downloaded): README head config
 per layer (HQ 32, H 2, D 128, MiniCPM4-8B's), hidden 4096, intermediate 16384, 4 layers by default, bf16,
-MiniCPM4's `sparse_config` (topk 64, window 2048, dense_len 8192). Batch 1. Implementations (rows):
+MiniCPM4's `sparse_config` (topk 64, window 2048, dense_len 8192). Batches --batches (default 1,8) of
+equal-length random prompts (no padding), contexts --contexts (default 16k,64k). Implementations (rows):
 
-    sdpa            attn_implementation="sdpa" with HF's DynamicCache (the default setup)
-    ours            attn_implementation="infllm_cupy" with InfLLMv2Cache (prefill: the InfLLM-v2 pipeline on the
-                    kernels; decode: infllmv2_decode on the cache's compressed keys)
-    ours_dynamic    attn_implementation="infllm_cupy" with HF's DynamicCache (decode rebuilds a DecodeCache per
-                    step and layer; shows what InfLLMv2Cache saves)
+    sdpa_dynamic          attn_implementation="sdpa" + transformers' DynamicCache, eager (the old baseline:
+                          the cache is concatenated every step; no anchor for speed)
+    sdpa_static           "sdpa" + StaticCache(config, max_cache_len=N), eager          (the eager anchor)
+    sdpa_static_compiled  "sdpa" + StaticCache, decode through torch.compile(model.forward,
+                          mode="reduce-overhead") (CUDA graphs; prefill eager, as generate does)
+                                                                                          (the compiled anchor)
+    ours                  attn_implementation="infllm_cupy" + InfLLMv2Cache(config, max_cache_len=N), eager
+    ours_graphs           the same with InfLLMv2Cache(..., decode_graphs=True): each layer's decode attention
+                          captured once as a CUDA graph and replayed (skipped with a note where the cache
+                          does not take the keyword yet)
+    ours_compiled         "infllm_cupy" + InfLLMv2Cache, decode through torch.compile(model.forward,
+                          mode="reduce-overhead")
+    ours_dynamic          (opt-in) "infllm_cupy" + DynamicCache (decode rebuilds a DecodeCache per step and layer)
 
-Prefill: one forward of the whole prompt into an empty cache (`logits_to_keep=1`), CUDA events, after a
-warm-up prefill, median of --rep (the allocator's cache is kept between them, emptied between implementations). Decode: after the prefill, --warmup-steps untimed steps, then --new-tokens
-greedy steps (model forward of one token, argmax on the device, no host sync in the loop) timed as one
-CUDA-event span: tokens/s = new tokens / span. Ratios ours / sdpa are printed per context. Our ops' input
-checks that read device values are off (`_env.override(validate=False)`, as in the other benchmarks;
-`--validate` keeps them).
+Compiled rows: one torch.compile(model.forward, mode="reduce-overhead") per implementation and process
+(transformers' own default compile config otherwise), CUDA only (on CPU they are skipped with a note).
+Their warm-up takes --compile-warmup-steps (default 3) more steps than --warmup-steps, for compilation and
+CUDA-graph recording, and the note gives its wall time, the graph breaks and the CUDA graphs inductor
+skipped. ours_graphs takes the same extra warm-up steps (its capture).
+
+Prefill: one eager forward of the whole prompt into an empty cache (`logits_to_keep=1`), CUDA events, after
+a warm-up prefill, median of --rep (the allocator's cache is kept between them, emptied between rows).
+Decode: greedy steps of one token per sequence with explicit `position_ids` (a device tensor advanced on the
+device, so nothing reads a length back to the host) and argmax on the device; after the warm-up steps,
+--new-tokens steps are timed as one CUDA-event span with no host sync in it: decode tok/s = batch x steps /
+span, ms/step = span / steps. `torch syncs/step` counts the synchronizing torch calls of one warm-up step
+(torch.cuda.set_sync_debug_mode; CuPy's own syncs are not seen).
+
+Byte floor of one decode step = (weight bytes + K/V bytes the step must read) / the device copy bandwidth
+(a large device-to-device copy measured in the same run, bytes read + written). Weight bytes: every
+parameter but the input embedding table (a step reads B of its rows). K/V, per layer, L = the context:
+SDPA rows all cached keys and values (B x L x H x D x 2 tensors); ours rows in the sparse regime
+(L >= dense_len) the selected blocks, B x H x min(L, 64 x (topk + window/64 + 1)) x D x 2, plus the
+compressed keys stage 1 reads, B x H x (L/16 + L/64) x D; below dense_len the whole cache. `x floor` =
+ms/step / floor ms. `vs anchor` = the fair anchor's ms/step over the row's (> 1: the row decodes faster):
+ours, ours_graphs and sdpa_dynamic against sdpa_static (eager), ours_compiled against sdpa_static_compiled,
+ours_dynamic against sdpa_dynamic; `prefill vs anchor` likewise for prefill.
+
+A row that does not fit (torch.cuda.OutOfMemoryError) frees memory and is recorded as "skipped: out of
+memory" (and the larger configs of that row after it); any other failure is recorded as the row's note.
+Our ops' input checks that read device values are off (`_env.override(validate=False)`, as in the other
+benchmarks; `--validate` keeps them). One progress line per row as it finishes; the table at the end.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import inspect
 import json
 import statistics
 import sys
@@ -38,10 +74,18 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._harness import csv_choices, env_line, env_stamp, format_table, free_gpu_memory  # noqa: E402
+from benchmarks._harness import (  # noqa: E402
+    bench_gpu_time, csv_choices, device_copy, env_line, env_stamp, format_table, free_gpu_memory,
+)
 
-IMPLS = ("sdpa", "ours", "ours_dynamic")
+IMPLS = ("sdpa_dynamic", "sdpa_static", "sdpa_static_compiled", "ours", "ours_graphs", "ours_compiled",
+         "ours_dynamic")
+DEFAULT_IMPLS = tuple(i for i in IMPLS if i != "ours_dynamic")
+ANCHOR = {"ours": "sdpa_static", "ours_graphs": "sdpa_static", "sdpa_dynamic": "sdpa_static",
+          "ours_compiled": "sdpa_static_compiled", "ours_dynamic": "sdpa_dynamic"}
+COMPILED = ("sdpa_static_compiled", "ours_compiled")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+BLOCK = 64
 
 
 def parse_context(text: str) -> int:
@@ -49,13 +93,21 @@ def parse_context(text: str) -> int:
     return int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
 
 
+def context_id(T: int) -> str:
+    return f"{T // 1024}k" if T % 1024 == 0 else str(T)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--contexts", default=None, help="comma-separated prompt lengths (k = 1024). Default: 16k,64k "
                    "(--quick: 12k)")
-    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, of {IMPLS}. Default: all")
-    p.add_argument("--quick", action="store_true", help="smoke run: 12k, 2 layers of hidden 1024, 8 new tokens, 1 rep")
+    p.add_argument("--batches", default=None, help="comma-separated batch sizes (equal-length prompts). "
+                   "Default: 1,8 (--quick: 1)")
+    p.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
+                   help=f"comma-separated, of {IMPLS}. Default: all but ours_dynamic")
+    p.add_argument("--quick", action="store_true", help="smoke run: 12k, batch 1, 2 layers of hidden 1024, "
+                   "8 new tokens, 1 rep")
     p.add_argument("--layers", type=int, default=None, help="decoder layers. Default: 4 (--quick: 2)")
     p.add_argument("--hidden", type=int, default=None, help="hidden size. Default: 4096 (--quick: 1024)")
     p.add_argument("--intermediate", type=int, default=None, help="MLP size. Default: 16384 (--quick: 2048)")
@@ -67,7 +119,10 @@ def parse_args(argv=None):
     p.add_argument("--topk", type=int, default=64)
     p.add_argument("--window", type=int, default=2048, help="sparse_config window_size (local_blocks = window / 64)")
     p.add_argument("--new-tokens", type=int, default=None, help="timed decode steps. Default: 64 (--quick: 8)")
-    p.add_argument("--warmup-steps", type=int, default=3)
+    p.add_argument("--warmup-steps", type=int, default=3, help="untimed decode steps before the span. Default: 3")
+    p.add_argument("--compile-warmup-steps", type=int, default=3,
+                   help="extra warm-up steps of the compiled rows and ours_graphs (compilation, CUDA-graph "
+                        "recording), at least 3. Default: 3")
     p.add_argument("--rep", type=int, default=None, help="timed prefills (median). Default: 3 (--quick: 1)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--seed", type=int, default=0)
@@ -78,7 +133,11 @@ def parse_args(argv=None):
                         "every benchmark here: they add a host sync per op)")
     a = p.parse_args(argv)
     q = a.quick
-    a.contexts = [parse_context(x) for x in (a.contexts or ("12k" if q else "16k,64k")).split(",") if x]
+    try:
+        a.contexts = [parse_context(x) for x in (a.contexts or ("12k" if q else "16k,64k")).split(",") if x]
+        a.batches = [int(x) for x in (a.batches or ("1" if q else "1,8")).split(",") if x]
+    except ValueError as e:
+        p.error(f"--contexts / --batches: {e}")
     a.impls = csv_choices(p, "--impls", a.impls, IMPLS)
     a.layers = a.layers or (2 if q else 4)
     a.hidden = a.hidden or (1024 if q else 4096)
@@ -88,6 +147,12 @@ def parse_args(argv=None):
     for name in ("layers", "hidden", "intermediate", "vocab", "hq", "h", "d", "new_tokens", "rep"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not a.contexts or min(a.contexts) < 1 or not a.batches or min(a.batches) < 1:
+        p.error("--contexts and --batches must be positive")
+    if a.warmup_steps < 0:
+        p.error("--warmup-steps must be >= 0")
+    if a.compile_warmup_steps < 3:
+        p.error("--compile-warmup-steps must be >= 3 (compilation, then CUDA-graph recording)")
     if a.hq % a.h:
         p.error(f"--hq ({a.hq}) must be a multiple of --h ({a.h})")
     return a
@@ -98,9 +163,10 @@ def build_model(a, dev):
 
     cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
                       num_hidden_layers=a.layers, num_attention_heads=a.hq, num_key_value_heads=a.h, head_dim=a.d,
-                      max_position_embeddings=max(a.contexts) + a.new_tokens + a.warmup_steps + 64,
+                      max_position_embeddings=max(a.contexts) + a.new_tokens + a.warmup_steps
+                      + a.compile_warmup_steps + 64,
                       initializer_range=0.02)
-    cfg.sparse_config = dict(kernel_size=32, kernel_stride=16, init_blocks=1, block_size=64, window_size=a.window,
+    cfg.sparse_config = dict(kernel_size=32, kernel_stride=16, init_blocks=1, block_size=BLOCK, window_size=a.window,
                              topk=a.topk, use_nope=False, dense_len=a.dense_len)
     torch.manual_seed(a.seed)
     old = torch.get_default_dtype()
@@ -113,8 +179,28 @@ def build_model(a, dev):
     return model.eval(), cfg
 
 
+def weight_bytes(model) -> int:
+    """Bytes of the parameters a decode step reads: all but the input embedding table (B rows of it are read),
+    unless that table is tied to the LM head."""
+    emb = model.get_input_embeddings().weight
+    tied = any(p is emb for n, p in model.named_parameters() if "lm_head" in n) or \
+        model.get_output_embeddings().weight is emb
+    return sum(p.numel() * p.element_size() for p in model.parameters() if tied or p is not emb)
+
+
+def kv_floor_bytes(a, impl: str, B: int, L: int, esz: int) -> int:
+    """K/V bytes one decode step must read over all layers (see the docstring)."""
+    per_layer_all = B * L * a.h * a.d * 2 * esz
+    if impl.startswith("sdpa") or L < a.dense_len:
+        return a.layers * per_layer_all
+    keys = min(L, BLOCK * (a.topk + a.window // BLOCK + 1))
+    sel = B * a.h * keys * a.d * 2 * esz
+    ck = B * a.h * (L // 16 + L // 64) * a.d * esz
+    return a.layers * (sel + ck)
+
+
 class Timer:
-    """CUDA events on the current stream (perf_counter on CPU)."""
+    """CUDA events on the current stream (perf_counter on CPU); synchronizes before the start only."""
 
     def __init__(self, dev):
         self.cuda = dev.type == "cuda"
@@ -137,51 +223,179 @@ class Timer:
             self.ms = (time.perf_counter() - self.t0) * 1e3
 
 
-def make_cache(impl, cfg, max_len):
-    from transformers import DynamicCache
+class Skip(Exception):
+    """A row that cannot run here (recorded as its note, not as a failure)."""
 
+
+def _short(e: BaseException, n: int = 200) -> str:
+    lines = [x for x in str(e).strip().splitlines() if x.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:n]
+
+
+def is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "OutOfMemory" in type(e).__name__ or \
+        "out of memory" in str(e).lower()[:300]
+
+
+def make_cache(impl, cfg, max_len):
+    from transformers import DynamicCache, StaticCache
+
+    if impl.endswith("dynamic"):
+        return DynamicCache()
+    if impl.startswith("sdpa"):
+        return StaticCache(config=cfg, max_cache_len=max_len)
     from infllm_cupy.integrations.transformers import InfLLMv2Cache
 
-    return InfLLMv2Cache(cfg, max_cache_len=max_len) if impl == "ours" else DynamicCache()
+    if impl == "ours_graphs":
+        try:
+            return InfLLMv2Cache(cfg, max_cache_len=max_len, decode_graphs=True)
+        except TypeError as e:
+            if "decode_graphs" in str(e):
+                raise Skip("skipped: InfLLMv2Cache does not take decode_graphs=True yet") from None
+            raise
+    return InfLLMv2Cache(cfg, max_cache_len=max_len)
 
 
-def bench_impl(a, model, cfg, impl, ids, dev) -> dict:
-    from infllm_cupy.integrations.transformers import ATTN_NAME
+class Bench:
+    """The model, the forward's keyword names and the compiled forwards (one per implementation)."""
 
-    model.set_attn_implementation("sdpa" if impl == "sdpa" else ATTN_NAME)
-    T = ids.shape[1]
-    max_len = T + a.warmup_steps + a.new_tokens + 1
-    row = {"impl": impl, "context": T}
-    with torch.no_grad():
-        times, cache, logits = [], None, None
-        for i in range(a.rep + 1):                   # the first prefill warms up (kernel compiles, allocator)
-            # No empty_cache between prefills (only between implementations): emptying it would time
-            # cudaMalloc calls, which weigh on whichever path allocates more distinct buffers.
-            cache = None
-            cache = make_cache(impl, cfg, max_len)
+    def __init__(self, a, dev, model, cfg):
+        self.a, self.dev, self.model, self.cfg = a, dev, model, cfg
+        params = inspect.signature(model.forward).parameters
+        # transformers 5.2x renames past_key_values to cache (the old name warns)
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.cache_position = "cache_position" in params       # older transformers index a StaticCache with it
+        self.compiled: dict[str, object] = {}
+        self.esz = torch.tensor([], dtype=DTYPES[a.dtype]).element_size()
+
+    def forward_for(self, impl):
+        if impl not in COMPILED:
+            return self.model
+        if self.dev.type != "cuda":
+            raise Skip("skipped: compiled rows need CUDA (reduce-overhead: CUDA graphs)")
+        if impl not in self.compiled:
+            import torch._dynamo.config as dc
+            for name in ("cache_size_limit", "recompile_limit"):     # a silent fall-back to eager would lie
+                if hasattr(dc, name):
+                    setattr(dc, name, max(64, getattr(dc, name)))
+            self.compiled[impl] = torch.compile(self.model.forward, mode="reduce-overhead")
+        return self.compiled[impl]
+
+    def run_row(self, impl: str, B: int, T: int, ids, row: dict) -> None:
+        from infllm_cupy.integrations.transformers import ATTN_NAME
+
+        a, dev, model = self.a, self.dev, self.model
+        compiled = impl in COMPILED
+        extra = a.compile_warmup_steps if (compiled or impl == "ours_graphs") else 0
+        warm = a.warmup_steps + extra
+        max_len = T + warm + a.new_tokens + 1
+        fwd = self.forward_for(impl)
+        model.set_attn_implementation("sdpa" if impl.startswith("sdpa") else ATTN_NAME)
+        kw = {self.cache_kw: None, "use_cache": True}
+        cache = logits = None
+        times = []
+        for i in range(a.rep + 1):              # the first prefill warms up (kernel compiles, allocator)
+            # No empty_cache between prefills (only between rows): emptying it would time cudaMalloc calls,
+            # which weigh on whichever path allocates more distinct buffers.
+            cache = logits = None
+            cache = make_cache(impl, self.cfg, max_len)
+            kw[self.cache_kw] = cache
             with Timer(dev) as t:
-                logits = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+                logits = model(ids, logits_to_keep=1, **kw).logits
             if i:
                 times.append(t.ms)
         row["prefill_ms"] = statistics.median(times)
-        row["prefill_tok_s"] = T / (row["prefill_ms"] / 1e3)
+        row["prefill_tok_s"] = B * T / (row["prefill_ms"] / 1e3)
         tok = logits[:, -1].argmax(-1, keepdim=True)
-        row["first_token"] = int(tok.item())
+        logits = None
+        row["first_token"] = int(tok[0, 0].item())
+        pos = torch.full((B, 1), T, dtype=torch.long, device=dev)
+        mark = torch.compiler.cudagraph_mark_step_begin if compiled else (lambda: None)
 
-        def step(tok):
-            out = model(tok, past_key_values=cache, use_cache=True).logits
-            return out[:, -1].argmax(-1, keepdim=True)
+        def step(tok, pos):
+            mark()
+            step_kw = dict(kw, position_ids=pos)
+            if self.cache_position:
+                step_kw["cache_position"] = pos[0]
+            out = fwd(input_ids=tok, **step_kw).logits
+            return out[:, -1].argmax(-1, keepdim=True), pos + 1
 
-        for _ in range(a.warmup_steps):
-            tok = step(tok)
+        counters = None
+        if compiled:
+            from torch._dynamo.utils import counters
+            breaks0 = sum(counters["graph_break"].values())
+            skips0 = counters["inductor"]["cudagraph_skips"]
+        t0 = time.perf_counter()
+        for i in range(warm):
+            if i == warm - 1 and dev.type == "cuda":
+                with warnings.catch_warnings(record=True) as w:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        tok, pos = step(tok, pos)
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+                row["syncs_per_step"] = sum("synchronizing" in str(x.message) for x in w)
+            else:
+                tok, pos = step(tok, pos)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        notes = []
+        if extra:
+            notes.append(f"warm-up {time.perf_counter() - t0:.1f} s")
+        if counters is not None:
+            breaks = sum(counters["graph_break"].values()) - breaks0
+            skips = counters["inductor"]["cudagraph_skips"] - skips0
+            if breaks:
+                notes.append(f"{breaks} graph breaks")
+            if skips:
+                notes.append(f"{skips} cudagraph skips")
         with Timer(dev) as t:
             for _ in range(a.new_tokens):
-                tok = step(tok)
-        row["decode_ms_per_token"] = t.ms / a.new_tokens
-        row["decode_tok_s"] = a.new_tokens / (t.ms / 1e3)
-    del cache
-    free_gpu_memory(dev)
-    return row
+                tok, pos = step(tok, pos)
+        row["decode_ms_per_step"] = t.ms / a.new_tokens
+        row["decode_tok_s"] = B * a.new_tokens / (t.ms / 1e3)
+        if notes:
+            row["note"] = "; ".join(notes)
+        del cache, tok, pos
+
+
+def finish_floor(row: dict, wbytes: int, kv: int, gbps: float | None) -> None:
+    row["weight_gb"], row["kv_gb"] = wbytes / 1e9, kv / 1e9
+    if gbps:
+        row["floor_ms"] = (wbytes + kv) / (gbps * 1e9) * 1e3
+        if row.get("decode_ms_per_step"):
+            row["x_floor"] = row["decode_ms_per_step"] / row["floor_ms"]
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """`vs_anchor` (anchor ms/step over the row's) and `prefill_vs_anchor` on each row with a fair anchor."""
+    by = {(r["impl"], r["batch"], r["context"]): r for r in rows if r.get("decode_ms_per_step")}
+    out = []
+    for r in rows:
+        anchor = ANCHOR.get(r["impl"])
+        x = by.get((anchor, r["batch"], r["context"]))
+        if anchor is None or not r.get("decode_ms_per_step"):
+            continue
+        r["anchor"] = anchor
+        if x is None:
+            continue
+        r["vs_anchor"] = x["decode_ms_per_step"] / r["decode_ms_per_step"]
+        r["prefill_vs_anchor"] = x["prefill_ms"] / r["prefill_ms"]
+        out.append({"impl": r["impl"], "anchor": anchor, "batch": r["batch"], "context": r["context"],
+                    "decode": r["vs_anchor"], "prefill": r["prefill_vs_anchor"]})
+    return out
+
+
+COLUMNS = {"impl": "impl", "batch": "batch", "context": "context", "prefill_ms": "prefill ms",
+           "decode_tok_s": "decode tok/s", "decode_ms_per_step": "ms/step", "floor_ms": "floor ms",
+           "x_floor": "x floor", "anchor": "anchor", "vs_anchor": "vs anchor", "prefill_vs_anchor": "prefill vs anchor",
+           "syncs_per_step": "torch syncs/step", "note": "note"}
+
+
+def table(rows: list[dict]) -> str:
+    recs = [{COLUMNS[k]: (context_id(r[k]) if k == "context" else r.get(k)) for k in COLUMNS} for r in rows]
+    return format_table(recs, list(COLUMNS.values()), max_width=90)
 
 
 def main(argv=None) -> list[dict]:
@@ -196,43 +410,96 @@ def main(argv=None) -> list[dict]:
     env["transformers"] = transformers.__version__
     print("env: " + ", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
     register()
+    fn, nbytes = device_copy(dev)
+    copy_ms = statistics.median(bench_gpu_time(fn, warmup=3, rep=20, device=dev))
+    del fn
+    free_gpu_memory(dev)
+    gbps = nbytes / (copy_ms * 1e6)
     model, cfg = build_model(a, dev)
-    rows = []
-    g = torch.Generator().manual_seed(a.seed + 1)
+    bench = Bench(a, dev, model, cfg)
+    wbytes = weight_bytes(model)
+    print(f"copy bandwidth {gbps:.0f} GB/s (read + written); weights a decode step reads {wbytes / 1e9:.3g} GB; "
+          f"model forward keyword {bench.cache_kw!r}", flush=True)
+    rows: list[dict] = []
+    oom: dict[str, list[tuple[int, int]]] = {}
     from infllm_cupy import _env
 
-    with warnings.catch_warnings(), _env.override(validate=a.validate):
+    configs = [(B, T) for B in a.batches for T in a.contexts]
+    with warnings.catch_warnings(), _env.override(validate=a.validate), torch.no_grad():
         warnings.simplefilter("ignore", FutureWarning)     # transformers 5.2x: past_key_values -> cache
-        for T in a.contexts:
-            ids = torch.randint(0, a.vocab, (1, T), generator=g).to(dev)
+        for B, T in configs:
+            g = torch.Generator().manual_seed(a.seed + 1)
+            ids = torch.randint(0, a.vocab, (B, T), generator=g).to(dev)
             for impl in a.impls:
+                row = {"impl": impl, "batch": B, "context": T}
+                failed = False
+                small = [(b, t) for b, t in oom.get(impl, []) if b <= B and t <= T]
                 try:
-                    rows.append(bench_impl(a, model, cfg, impl, ids, dev))
-                except Exception as e:  # noqa: BLE001 - e.g. OOM: record it, go on
-                    rows.append({"impl": impl, "context": T, "note": f"failed: {type(e).__name__}: {str(e)[:200]}"})
-                    free_gpu_memory(dev)
-                print(format_table(rows[-1:], list(rows[-1])), flush=True)
-    ratios = []
-    for T in a.contexts:
-        by = {r["impl"]: r for r in rows if r["context"] == T and "prefill_tok_s" in r}
-        for impl in ("ours", "ours_dynamic"):
-            if impl in by and "sdpa" in by:
-                ratios.append({"context": T, "impl": f"{impl} / sdpa",
-                               "prefill": by[impl]["prefill_tok_s"] / by["sdpa"]["prefill_tok_s"],
-                               "decode": by[impl]["decode_tok_s"] / by["sdpa"]["decode_tok_s"]})
-    cols = ["impl", "context", "prefill_ms", "prefill_tok_s", "decode_ms_per_token", "decode_tok_s", "note"]
+                    if small:
+                        raise Skip(f"skipped: out of memory ({small[0][0]}x{context_id(small[0][1])} did not fit)")
+                    bench.run_row(impl, B, T, ids, row)
+                except Skip as e:
+                    row["note"] = str(e)
+                except Exception as e:  # noqa: BLE001 - a row must never end the run
+                    failed = True
+                    if is_oom(e):
+                        row = {"impl": impl, "batch": B, "context": T, "note": "skipped: out of memory"}
+                        oom.setdefault(impl, []).append((B, T))
+                    else:
+                        row = {"impl": impl, "batch": B, "context": T, "note": f"failed: {_short(e)}"}
+                if failed:
+                    # outside the except block: the traceback's frames (and their tensors) are gone
+                    if dev.type == "cuda":
+                        with contextlib.suppress(Exception):
+                            torch.cuda.synchronize()
+                    if is_oom_note(row) and impl in COMPILED:
+                        with contextlib.suppress(Exception):
+                            torch._dynamo.reset()
+                            bench.compiled.clear()
+                free_gpu_memory(dev)
+                finish_floor(row, wbytes, kv_floor_bytes(a, impl, B, T, bench.esz), gbps)
+                if dev.type == "cuda":
+                    row["mem_after_gib"] = torch.cuda.memory_allocated() / 2**30
+                rows.append(row)
+                print(progress(row, time.perf_counter() - t0), flush=True)
+            del ids
+    ratios = add_ratios(rows)
+    largest = {}
+    for r in rows:
+        if r.get("decode_ms_per_step") and r["batch"] * r["context"] >= largest.get(r["impl"], (0, 0, 0))[0]:
+            largest[r["impl"]] = (r["batch"] * r["context"], r["batch"], r["context"])
     print(f"\n### transformers LlamaForCausalLM, {a.layers} layers, hidden {a.hidden}, HQ {a.hq} / H {a.h} / D {a.d}, "
-          f"{a.dtype}, batch 1, {a.new_tokens} new tokens; sparse_config topk {a.topk}, window {a.window}, "
-          f"dense_len {a.dense_len}\n")
-    print(format_table(rows, cols))
-    print("\n### ratios of tokens/s (ours / sdpa; > 1: ours faster)\n")
-    print(format_table(ratios, ["context", "impl", "prefill", "decode"]) if ratios else "(no ratio computable)")
+          f"{a.dtype}, {a.new_tokens} timed decode steps; sparse_config topk {a.topk}, window {a.window}, "
+          f"dense_len {a.dense_len}; copy bandwidth {gbps:.0f} GB/s, weights {wbytes / 1e9:.3g} GB\n")
+    print(table(rows))
+    print("\nvs anchor: the fair anchor's ms/step over the row's (> 1: faster than the anchor); "
+          "x floor: ms/step over the byte floor")
+    print("largest batch x context that ran: " + (", ".join(
+        f"{i} {b}x{context_id(t)}" for i, (_, b, t) in largest.items()) or "none"))
     print(env_line(env, t0), flush=True)
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps({"env": env, "argv": sys.argv[1:] if argv is None else list(argv),
-                                            "ratios": ratios, "rows": [{**r, **env} for r in rows]}, indent=1))
+        Path(a.json).write_text(json.dumps({
+            "env": env, "argv": sys.argv[1:] if argv is None else list(argv), "copy_gbps": gbps,
+            "weight_bytes": wbytes, "ratios": ratios,
+            "largest": {i: f"{b}x{context_id(t)}" for i, (_, b, t) in largest.items()},
+            "rows": [{**r, **env} for r in rows]}, indent=1))
     return rows
+
+
+def progress(row: dict, elapsed: float) -> str:
+    def f(k, fmt):
+        return "-" if row.get(k) is None else format(row[k], fmt)
+    head = f"[{elapsed:5.0f} s] {row['impl']:<21} {row['batch']}x{context_id(row['context'])}"
+    if row.get("decode_ms_per_step") is None:
+        return f"{head}: {row.get('note', '')}"
+    return (f"{head}: prefill {f('prefill_ms', '.1f')} ms, decode {f('decode_tok_s', '.1f')} tok/s, "
+            f"{f('decode_ms_per_step', '.2f')} ms/step ({f('x_floor', '.1f')} x floor {f('floor_ms', '.2f')} ms), "
+            f"torch syncs/step {f('syncs_per_step', 'd')}" + (f"; {row['note']}" if row.get("note") else ""))
+
+
+def is_oom_note(row: dict) -> bool:
+    return row.get("note", "").startswith("skipped: out of memory")
 
 
 if __name__ == "__main__":
