@@ -38,7 +38,14 @@ previous call's tail).
 
 GB/s count the bytes each implementation must move: K/V of the selected (sparse, flex) or all
 positions, the compressed keys ck1 + ck2 (stage 1 of ours_step), q, out, and the weights it returns.
-Goals (issue #22) are printed as a second table, with the measured value, the target and whether met.
+`host us` (eager rows of ours and of the SDPA anchors): the host time of one call while the GPU queue is
+not full: --host-calls (default 200) calls back to back without synchronising, time.perf_counter around them
+(in chunks of --host-chunk, default 25, with a synchronize between chunks outside the clock, so that the
+queue never fills and no launch waits for the GPU), per call (median over chunks). Where it is close to
+`us`, the eager call is host-bound.
+Goals (issue #22) are printed as a second table, with the measured value, the target and whether met;
+issue #38's (eager ours_step faster than eager sdpa_cudnn, and at most 60 host us per eager ours_step, at
+1x128k, 8x32k, 8x128k and 64x32k) as a third, with a `goals:` summary line.
 Failures are recorded as notes, never raised.
 """
 from __future__ import annotations
@@ -88,6 +95,7 @@ class Row:
     us: float | None = None
     us_p20: float | None = None
     us_p80: float | None = None
+    host_us: float | None = None          # host time per call, eager rows of ours and SDPA (see host_time)
     reps: int = 0
     bytes: int | None = None
     gbps: float | None = None
@@ -170,6 +178,8 @@ class Runner:
                 row.us, row.us_p20, row.us_p80, row.reps = st["ms"] * 1e3, st["ms_p20"] * 1e3, st["ms_p80"] * 1e3, \
                     len(times)
                 row.gbps = nbytes / (row.us * 1e3) if nbytes and row.us else None
+                if row.mode == "eager" and (row.impl.startswith("ours") or row.impl in SDPA) and a.host_calls:
+                    row.host_us = host_time(fn, a.host_calls, a.host_chunk, self.dev) * 1e6
             except Exception as e:  # noqa: BLE001 - one failure must not end the table
                 row.note = (row.note + "; " if row.note else "") + _short(e)
                 if self.dev.type == "cuda":
@@ -181,8 +191,30 @@ class Runner:
         self.rows.append(row)
         tqdm.write(f"  {row.impl:<14} {row.config:<8} w={int(row.weights)} {row.mode:<5} "
                    f"us={'-' if row.us is None else f'{row.us:.1f}'} "
+                   f"host_us={'-' if row.host_us is None else f'{row.host_us:.1f}'} "
                    f"GB/s={'-' if row.gbps is None else f'{row.gbps:.0f}'} {row.note}")
         return row
+
+
+def host_time(fn: Callable, calls: int, chunk: int, dev: torch.device) -> float:
+    """Host seconds per call of `fn` while the GPU queue is not full: `calls` calls back to back without
+    synchronising, in chunks of `chunk` (a synchronize between chunks, outside the clock, so that the
+    launches a chunk queues stay far below the driver's queue depth and no launch waits for the GPU);
+    time.perf_counter around each chunk, the median over chunks of the time per call."""
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    per = []
+    done = 0
+    while done < calls:
+        n = min(chunk, calls - done)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        per.append((time.perf_counter() - t0) / n)
+        done += n
+    sync()
+    per.sort()
+    return per[len(per) // 2] if len(per) % 2 else (per[len(per) // 2 - 1] + per[len(per) // 2]) / 2
 
 
 def copy_bandwidth(r: Runner) -> Row:
@@ -479,6 +511,36 @@ def goals(rows: list[Row], copy: Row | None) -> list[dict]:
     return out
 
 
+ISSUE38_CONFIGS = ("1x128k", "8x32k", "8x128k", "64x32k")
+HOST_US_TARGET = 60.0
+
+
+def goals_38(rows: list[Row]) -> tuple[list[dict], str]:
+    """Issue #38, eager: ours_step faster than sdpa_cudnn, and host us per ours_step call <= 60, at every
+    config that ran (rows as in `goals`), and a summary line over the issue's configs (1x128k, 8x32k, 8x128k,
+    64x32k)."""
+    out = []
+    cfgs = list(dict.fromkeys(x.config for x in rows if x.config != "-"))
+    for cfg in cfgs:
+        st, cu = find(rows, "ours_step", cfg), find(rows, "sdpa_cudnn", cfg)
+        if st and cu:
+            out.append({"goal": "sdpa_cudnn / ours_step, eager", "config": cfg, "value": round(cu.us / st.us, 3),
+                        "target": "> 1", "met": "yes" if st.us < cu.us else "no",
+                        "detail": f"sdpa_cudnn {cu.us:.1f} us / ours_step {st.us:.1f} us"})
+        if st and st.host_us is not None:
+            out.append({"goal": "host us per eager ours_step", "config": cfg, "value": round(st.host_us, 1),
+                        "target": f"<= {HOST_US_TARGET:g}", "met": "yes" if st.host_us <= HOST_US_TARGET else "no",
+                        "detail": f"{st.host_us:.1f} us host, {st.us:.1f} us per call (CUDA events)"})
+    parts = []
+    for goal in ("sdpa_cudnn / ours_step, eager", "host us per eager ours_step"):
+        got = {g["config"]: g["met"] for g in out if g["goal"] == goal}
+        missing = [c for c in ISSUE38_CONFIGS if c not in got]
+        missed = [c for c in ISSUE38_CONFIGS if got.get(c) == "no"]
+        verdict = "not met" if missed else "not measured" if len(missing) == len(ISSUE38_CONFIGS) else \
+            "met" if not missing else "met where measured"
+        parts.append(f"{goal}: {verdict}" + (f" (missed at {', '.join(missed)})" if missed else "")
+                     + (f" (not run: {', '.join(missing)})" if missing else ""))
+    return out, "issue #38 at " + ", ".join(ISSUE38_CONFIGS) + ": " + "; ".join(parts)
 
 
 def parse_args(argv=None):
@@ -504,6 +566,11 @@ def parse_args(argv=None):
     p.add_argument("--target-ms", type=float, default=25.0)
     p.add_argument("--min-rep", type=int, default=10)
     p.add_argument("--max-rep", type=int, default=200)
+    p.add_argument("--host-calls", type=int, default=None,
+                   help="calls timed on the host (time.perf_counter, no synchronize) for `host us`, eager rows of "
+                        "ours and SDPA; 0: no host column. Default: 200 (on CPU: 4)")
+    p.add_argument("--host-chunk", type=int, default=25,
+                   help="host-timed calls between synchronizes (keeps the GPU queue from filling). Default: 25")
     p.add_argument("--budget-s", type=float, default=140.0,
                    help="after this many seconds skip the remaining rows (0: no limit). Default: 140")
     p.add_argument("--check", action="store_true",
@@ -524,6 +591,10 @@ def parse_args(argv=None):
         p.error(f"--configs: expected BATCHxCONTEXT entries like 8x128k, got {a.configs!r}")
     a.impls = csv_choices(p, "--impls", a.impls, IMPLS)
     a.graph_batches = {int(x) for x in a.graph_batches.split(",") if x}
+    if a.host_calls is None:
+        a.host_calls = 200 if dev.type == "cuda" else 4
+    if a.host_calls < 0 or a.host_chunk < 1:
+        p.error("--host-calls must be >= 0 and --host-chunk >= 1")
     if a.graph_calls < 1:
         p.error(f"--graph-calls must be >= 1, got {a.graph_calls}")
     a.splits = [int(x) for x in a.splits.split(",") if x]
@@ -561,9 +632,11 @@ def main(argv=None) -> list[Row]:
             if a.json:
                 write_json(r.rows, a.json, env, extra={"argv": sys.argv[1:], "check": check})
     gl = goals(r.rows, copy if copy.us else None)
+    gl38, line38 = goals_38(r.rows)
     peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
-    cols = ["config", "impl", "weights", "mode", "us", "GB/s", "MB", "note"]
-    recs = [{**dataclasses.asdict(x), "GB/s": x.gbps, "MB": None if x.bytes is None else x.bytes / 1e6}
+    cols = ["config", "impl", "weights", "mode", "us", "host us", "GB/s", "MB", "note"]
+    recs = [{**dataclasses.asdict(x), "host us": x.host_us, "GB/s": x.gbps,
+             "MB": None if x.bytes is None else x.bytes / 1e6}
             for x in r.rows]
     print(f"\n### Decode, microseconds per step (median), HQ {a.hq} / H {a.h} / D {a.d}, bf16, "
           f"K = {a.topk + a.local_blocks} blocks; copy bandwidth {copy.gbps or float('nan'):.0f} GB/s; "
@@ -571,11 +644,16 @@ def main(argv=None) -> list[Row]:
     print(markdown_table(recs, cols))
     print("\n### Goals (issue #22)\n")
     print(markdown_table(gl, ["goal", "config", "value", "target", "met", "detail"]) if gl else "(no goal computable)")
+    print("\n### Goals (issue #38)\n")
+    print(markdown_table(gl38, ["goal", "config", "value", "target", "met", "detail"]) if gl38
+          else "(no goal computable)")
+    print("\ngoals: " + line38)
     for c in check:
         print(c)
     print(env_line(env, r.t0, f"peak GPU memory {peak:.1f} GiB"), flush=True)
     if a.json:
         write_json(r.rows, a.json, env, extra={"argv": sys.argv[1:], "check": check, "goals": gl,
+                                               "goals_38": gl38, "goals_38_summary": line38,
                                                "copy_gbps": copy.gbps, "peak_gib": peak,
                                                "median_of": "CUDA events per step"})
     return r.rows
