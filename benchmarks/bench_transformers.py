@@ -39,7 +39,9 @@ Decode: greedy steps of one token per sequence with explicit `position_ids` (a d
 device, so nothing reads a length back to the host) and argmax on the device; after the warm-up steps,
 --new-tokens steps are timed as one CUDA-event span with no host sync in it: decode tok/s = batch x steps /
 span, ms/step = span / steps. `torch syncs/step` counts the synchronizing torch calls of one warm-up step
-(torch.cuda.set_sync_debug_mode; CuPy's own syncs are not seen).
+(torch.cuda.set_sync_debug_mode; CuPy's own syncs are not seen). An event per step (no host sync) finds
+outliers: a step over 3x the median is named in the note (e.g. a kernel compiled inside the span), and so
+is memory a finished row leaves allocated ("left X GiB allocated": something still holds its tensors).
 
 Byte floor of one decode step = (weight bytes + K/V bytes the step must read) / the device copy bandwidth
 (a large device-to-device copy measured in the same run, bytes read + written). Weight bytes: every
@@ -52,7 +54,10 @@ ours, ours_graphs and sdpa_dynamic against sdpa_static (eager), ours_compiled ag
 ours_dynamic against sdpa_dynamic; `prefill vs anchor` likewise for prefill.
 
 A row that does not fit (torch.cuda.OutOfMemoryError) frees memory and is recorded as "skipped: out of
-memory" (and the larger configs of that row after it); any other failure is recorded as the row's note.
+memory" (and the larger configs of that row after it); any other failure is recorded as the row's note
+(its traceback in the JSON). After a compiled row fails, dynamo and its CUDA-graph trees start afresh
+(torch._dynamo.reset(): the next compiled row compiles again), as a failed capture can leave tensors in
+the graph pool that make every later compiled row fail.
 Our ops' input checks that read device values are off (`_env.override(validate=False)`, as in the other
 benchmarks; `--validate` keeps them). One progress line per row as it finishes; the table at the end.
 """
@@ -65,6 +70,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -228,8 +234,13 @@ class Skip(Exception):
 
 
 def _short(e: BaseException, n: int = 200) -> str:
+    """The exception's type and first line; where it has no message, where it was raised."""
     lines = [x for x in str(e).strip().splitlines() if x.strip()]
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:n]
+    if lines:
+        return f"{type(e).__name__}: {lines[0]}"[:n]
+    tb = traceback.extract_tb(e.__traceback__)
+    return (f"{type(e).__name__} at {Path(tb[-1].filename).name}:{tb[-1].lineno} ({tb[-1].name})" if tb
+            else type(e).__name__)[:n]
 
 
 def is_oom(e: BaseException) -> bool:
@@ -350,11 +361,20 @@ class Bench:
                 notes.append(f"{breaks} graph breaks")
             if skips:
                 notes.append(f"{skips} cudagraph skips")
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(a.new_tokens)] if dev.type == "cuda" else []
         with Timer(dev) as t:
-            for _ in range(a.new_tokens):
+            for i in range(a.new_tokens):
                 tok, pos = step(tok, pos)
+                if marks:
+                    marks[i].record()               # per-step events (no host sync): outliers only
         row["decode_ms_per_step"] = t.ms / a.new_tokens
         row["decode_tok_s"] = B * a.new_tokens / (t.ms / 1e3)
+        if marks:
+            steps = [t.s.elapsed_time(marks[0])] + [x.elapsed_time(y) for x, y in zip(marks, marks[1:])]
+            med = statistics.median(steps)
+            row["step_ms_median"], row["step_ms_max"] = med, max(steps)
+            if max(steps) > 3 * med:                 # e.g. a kernel compiled inside the span
+                notes.append(f"slowest step {max(steps):.1f} ms (median {med:.2f})")
         if notes:
             row["note"] = "; ".join(notes)
         del cache, tok, pos
@@ -432,6 +452,7 @@ def main(argv=None) -> list[dict]:
             ids = torch.randint(0, a.vocab, (B, T), generator=g).to(dev)
             for impl in a.impls:
                 row = {"impl": impl, "batch": B, "context": T}
+                mem_before = torch.cuda.memory_allocated() / 2**30 if dev.type == "cuda" else 0.0
                 failed = False
                 small = [(b, t) for b, t in oom.get(impl, []) if b <= B and t <= T]
                 try:
@@ -446,20 +467,30 @@ def main(argv=None) -> list[dict]:
                         row = {"impl": impl, "batch": B, "context": T, "note": "skipped: out of memory"}
                         oom.setdefault(impl, []).append((B, T))
                     else:
-                        row = {"impl": impl, "batch": B, "context": T, "note": f"failed: {_short(e)}"}
+                        row = {"impl": impl, "batch": B, "context": T, "note": f"failed: {_short(e)}",
+                               "traceback": "".join(traceback.format_exception(e))[-3000:]}   # in the JSON
                 if failed:
                     # outside the except block: the traceback's frames (and their tensors) are gone
                     if dev.type == "cuda":
                         with contextlib.suppress(Exception):
                             torch.cuda.synchronize()
-                    if is_oom_note(row) and impl in COMPILED:
+                    if impl in COMPILED:
+                        # a failed compiled row can leave CUDA-graph trees in a state where every later
+                        # compiled row fails (seen: tensors left in the graph pool); start them afresh
                         with contextlib.suppress(Exception):
                             torch._dynamo.reset()
-                            bench.compiled.clear()
+                        with contextlib.suppress(Exception):
+                            from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+                            reset_cudagraph_trees()
+                        bench.compiled.clear()
                 free_gpu_memory(dev)
                 finish_floor(row, wbytes, kv_floor_bytes(a, impl, B, T, bench.esz), gbps)
                 if dev.type == "cuda":
                     row["mem_after_gib"] = torch.cuda.memory_allocated() / 2**30
+                    left = row["mem_after_gib"] - mem_before
+                    if left > 0.1:                   # something still holds the row's tensors
+                        row["note"] = (row.get("note", "") + "; " if row.get("note") else "") + \
+                            f"left {left:.2f} GiB allocated"
                 rows.append(row)
                 print(progress(row, time.perf_counter() - t0), flush=True)
             del ids
@@ -497,9 +528,6 @@ def progress(row: dict, elapsed: float) -> str:
             f"{f('decode_ms_per_step', '.2f')} ms/step ({f('x_floor', '.1f')} x floor {f('floor_ms', '.2f')} ms), "
             f"torch syncs/step {f('syncs_per_step', 'd')}" + (f"; {row['note']}" if row.get("note") else ""))
 
-
-def is_oom_note(row: dict) -> bool:
-    return row.get("note", "").startswith("skipped: out of memory")
 
 
 if __name__ == "__main__":
