@@ -148,6 +148,10 @@ def _driver():
                                      ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
     lib.cuLaunchKernelEx.restype = ctypes.c_int
     lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    u = ctypes.c_uint
+    lib.cuLaunchKernel.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p,
+                                   ctypes.c_void_p]
+    lib.cuLaunchKernel.restype = ctypes.c_int
     return lib
 
 
@@ -164,16 +168,91 @@ def _launch_programmatic(kernel, grid, block, args, shared_mem: int, stream: int
         else:
             raise TypeError(f"kernel arguments are NumPy scalars or arrays, got {type(a).__name__}")
     params = (ctypes.c_void_p * len(bufs))(*[b.ctypes.data for b in bufs])
+    grid3, block3 = (*grid, 1, 1)[:3], (*block, 1, 1)[:3]
+    res = _launch_ex(ctypes.c_void_p(kernel.kernel.ptr), grid3, block3, shared_mem, stream, params)
+    if res != 0:
+        raise _DriverError(f"cuLaunchKernelEx: error {res} ({_error_string(res)})")
+
+
+# ------------------------------------------------------------------------------ prepared launches
+# The eager decode step is a handful of tiny kernels (docs/decode.md, 6. CUDA graphs and host
+# synchronisation), so what one launch costs on the host decides its speed. CuPy's kernel call
+# converts every argument on every call; a `PreparedLaunch` packs the arguments once into 8-byte
+# slots (the driver reads sizeof(parameter) bytes from each slot's address, so an int32 or a float
+# sits in the low 4 bytes of its slot) and later calls change only the slots that differ (the
+# pointers of per-call tensors) before one cuLaunchKernel through ctypes.
+
+
+def pack_arg(a) -> int:
+    """A kernel argument's 8-byte slot value: pointers and 64-bit ints as they are, 32-bit ints and
+    floats as their bits in the low 4 bytes."""
+    if isinstance(a, np.uint64):
+        return int(a)
+    if isinstance(a, (np.int32, np.uint32, np.float32)):
+        return int(np.asarray(a).view(np.uint32))
+    if isinstance(a, (np.int64, np.float64)):
+        return int(np.asarray(a).view(np.uint64))
+    raise TypeError(f"prepared kernel arguments are NumPy scalars (pointers as np.uint64, np.int32, np.int64, "
+                    f"np.float32), got {type(a).__name__}")
+
+
+class PreparedLaunch:
+    """One kernel launch whose arguments are packed once (`args`: NumPy scalars, as `launch` takes).
+
+    `set(i, value)` changes argument i (a pointer's address, or a packed value); `launch(stream)`
+    launches on the raw stream handle `stream` (`torch.cuda.current_stream().cuda_stream`), as a
+    programmatic dependent of the launch before it when `pdl` (sm_90). Errors raise `launch_error`'s
+    message, naming the kernel and its arguments."""
+
+    __slots__ = ("kernel", "name", "grid", "block", "shared_mem", "slots", "params", "func")
+
+    def __init__(self, kernel, *, name: str, grid, block, shared_mem: int, args):
+        self.kernel, self.name = kernel, name
+        self.grid = tuple(int(g) for g in (*grid, 1, 1)[:3])
+        self.block = tuple(int(b) for b in (*block, 1, 1)[:3])
+        self.shared_mem = int(shared_mem)
+        if self.shared_mem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < self.shared_mem:
+            kernel.max_dynamic_shared_size_bytes = self.shared_mem
+        self.slots = np.array([pack_arg(a) for a in args], dtype=np.uint64)
+        base = self.slots.ctypes.data
+        self.params = (ctypes.c_void_p * max(1, len(args)))(*[base + 8 * i for i in range(len(args))])
+        self.func = ctypes.c_void_p(kernel.kernel.ptr)
+
+    def set(self, i: int, value: int) -> None:
+        self.slots[i] = value
+
+    def args(self) -> list:
+        """The arguments as `describe_args` reads them (every slot as a pointer-sized value)."""
+        return [np.uint64(int(s)) for s in self.slots]
+
+    def launch(self, stream: int, pdl: bool = False) -> None:
+        lib = _driver()
+        if pdl:
+            res = _launch_ex(self.func, self.grid, self.block, self.shared_mem, stream, self.params)
+        else:
+            g, b = self.grid, self.block
+            res = lib.cuLaunchKernel(self.func, g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem, stream,
+                                     self.params, None)
+        if res:
+            raise launch_error(self.name, self.grid, self.block, self.shared_mem, self.args(), _DriverError(
+                f"cuLaunchKernel: error {res} ({_error_string(res)})"))
+
+
+def raw_stream(device_index: int) -> int:
+    """Torch's current stream on `device_index` as the driver's handle."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+def _error_string(res: int) -> str:
+    msg = ctypes.c_char_p()
+    _driver().cuGetErrorString(res, ctypes.byref(msg))
+    return (msg.value or b"?").decode()
+
+
+def _launch_ex(func, grid, block, shared_mem: int, stream: int, params) -> int:
     attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-    # the value's raw bytes: a c_char array initialised from bytes would stop at the first NUL
     value = (1).to_bytes(4, "little")
     ctypes.memmove(ctypes.addressof(attr) + _LaunchAttribute.value.offset, value, len(value))
-    grid3, block3 = (*grid, 1, 1)[:3], (*block, 1, 1)[:3]
-    cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid3), (ctypes.c_uint * 3)(*block3), shared_mem,
+    cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
                         ctypes.c_void_p(stream), ctypes.pointer(attr), 1)
-    lib = _driver()
-    res = lib.cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(kernel.kernel.ptr), params, None)
-    if res != 0:
-        msg = ctypes.c_char_p()
-        lib.cuGetErrorString(res, ctypes.byref(msg))
-        raise _DriverError(f"cuLaunchKernelEx: error {res} ({(msg.value or b'?').decode()})")
+    return _driver().cuLaunchKernelEx(ctypes.byref(cfg), func, params, None)

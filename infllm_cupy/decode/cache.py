@@ -27,6 +27,7 @@ import torch
 
 from .._checks import INT_DTYPES, REF_DTYPES, check_tensor
 from .._constants import KV_BLOCK  # key block of the sparse selection (spec section 5)
+from .cache_append import append_launches, kernel_appends
 
 COMPRESSIONS = ((32, 16), (128, 64))   # (kernel, stride) of ck1 and ck2 (spec section 3)
 
@@ -60,6 +61,12 @@ class DecodeCache:
         ck1, ck2 (torch.Tensor): `[B, N1, H, D]`, `[B, N2, H, D]` compressed keys (32/16, 128/64).
         page_size (int or None), capacity (int): positions one sequence can hold at most
             (L_max, or max_pages * page_size); the width of attention-weight outputs.
+        graphs (bool): eager `infllmv2_decode` calls on CUDA replay a CUDA graph of the step's
+            launches, captured at the first call of each (q shape, config, outputs, dense or sparse);
+            the same results bit for bit, less host time per call. Default: False.
+
+    The eager decode path keeps prepared launches and their scratch on the cache, so one cache serves
+    one stream at a time (as its appends must).
     """
 
     def __init__(self, k, v, seqlens, block_table, page_size, ck1, ck2, host_lens, capacities):
@@ -67,9 +74,18 @@ class DecodeCache:
         self.ck1, self.ck2 = ck1, ck2
         self._host_lens = list(host_lens)
         self._capacities = list(capacities)
-        # True once a one-token append ran under CUDA-graph capture (replays advance the device lengths
-        # only), until `sync_lengths` or `reset`: the host mirror may then lag, and appends must not use it
+        # True once a one-token append ran under CUDA-graph capture or torch.compile (replays advance the
+        # device lengths only), until `sync_lengths` or `reset`: the host mirror may then lag, and
+        # appends must not use it
         self._host_stale = False
+        # the eager fast paths' prepared launches (docs/decode.md, 6): the one-token append, and the
+        # decode steps by (q shape, config, outputs) (`step.py`); None / empty until first used
+        self._append_program = None
+        self._kernel_appends = None     # whether cache_append.cu takes one-token appends (None: not asked yet)
+        self._step_programs = {}
+        self._min_room = None           # min over sequences of capacity - length (None: recount)
+        # eager `infllmv2_decode` on CUDA replays a CUDA graph of each prepared step (docs/decode.md, 6)
+        self.graphs = False
 
     # ---------------------------------------------------------------------------------------- build
     @classmethod
@@ -168,6 +184,7 @@ class DecodeCache:
         replaying a captured step; returns the lengths."""
         self._host_lens = [int(x) for x in self.seqlens.cpu().tolist()]
         self._host_stale = False
+        self._min_room = None
         return list(self._host_lens)
 
     def positions(self, b: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,6 +230,7 @@ class DecodeCache:
                 raise ValueError(f"block_table: sequence {b} holds {L} keys; its first {used} pages must stay")
         self.block_table.copy_(block_table)
         self._capacities = caps
+        self._min_room = None
 
     def reset(self, seqlens=None) -> None:
         """Forget the contents (all lengths 0), or truncate to `seqlens` (ints, each <= the current
@@ -223,6 +241,7 @@ class DecodeCache:
         self.seqlens.copy_(torch.tensor(new, dtype=torch.int32))
         self._host_lens = new
         self._host_stale = False
+        self._min_room = None
 
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor, cu_seqlens_new=None) -> None:
         r"""Write new keys and values after each sequence's last, and the compression windows they complete.
@@ -248,10 +267,24 @@ class DecodeCache:
                 check_tensor(name, t, shape=(B, 1, H, D) if t.dim() == 4 else (B, H, D))
             k_new = k_new.reshape(B, H, D)
             v_new = v_new.reshape(B, H, D)
+            if torch.compiler.is_compiling():
+                # traced: the op keeps the cache's tensors whole; the host mirror lags from here on
+                torch.ops.infllm_cupy.cache_append(k_new, v_new, self.k, self.v, self.ck1, self.ck2, self.seqlens,
+                                                   self.block_table)
+                self._host_stale = True
+                return
             capturing = _capturing()
             if not capturing:
-                self._check_capacity([1] * B)
-            if not capturing and not self._host_stale and not self.is_paged and len(set(self._host_lens)) == 1:
+                self._check_room()
+            if self._append_kernel_ok():
+                if k_new.data_ptr() % 16 or v_new.data_ptr() % 16:        # 16-byte row pieces
+                    k_new, v_new = k_new.clone(), v_new.clone()
+                if self._append_program is None:
+                    self._append_program = append_launches(k_new, v_new, self.k, self.v, self.ck1, self.ck2,
+                                                           self.seqlens, self.block_table).program(
+                        k_new=k_new, v_new=v_new)
+                self._append_program.run(k_new=k_new, v_new=v_new)
+            elif not capturing and not self._host_stale and not self.is_paged and len(set(self._host_lens)) == 1:
                 self._append_one_at(self._host_lens[0], k_new, v_new)
             else:
                 self._append_one(k_new, v_new)
@@ -259,6 +292,7 @@ class DecodeCache:
                 self._host_stale = True
             else:
                 self._host_lens = [L + 1 for L in self._host_lens]
+                self._min_room -= 1
             return
         counts = _chunk_counts(cu_seqlens_new, B)
         total = sum(counts)
@@ -266,6 +300,19 @@ class DecodeCache:
             check_tensor(name, t, shape=(total, H, D), dtypes=(self.dtype,), device=self.device)
         self._check_capacity(counts)
         self._append_chunks(k_new, v_new, counts)
+
+    def _append_kernel_ok(self) -> bool:
+        if self._kernel_appends is None:
+            self._kernel_appends = kernel_appends(self.k)
+        return self._kernel_appends
+
+    def _check_room(self) -> None:
+        """Every sequence can take one more token (the capacity check of a one-token append, O(1) while
+        the room is counted)."""
+        if self._min_room is None:
+            self._min_room = min((c - L for c, L in zip(self._capacities, self._host_lens)), default=1)
+        if self._min_room < 1:
+            self._check_capacity([1] * self.batch)
 
     def _check_capacity(self, counts) -> None:
         for b, (L, n, cap) in enumerate(zip(self._host_lens, counts, self._capacities)):
@@ -283,26 +330,7 @@ class DecodeCache:
         return page, pos % self.page_size
 
     def _append_one(self, k_new, v_new) -> None:
-        # Static shapes, device-side indices: capturable. Each step recomputes the window that ends at
-        # the new key for every sequence and writes it only where that window is complete now.
-        B = self.batch
-        b = torch.arange(B, device=self.device)
-        pos = self.seqlens.long()
-        row, slot = self._slots(pos, b)
-        self.k[row, slot] = k_new
-        self.v[row, slot] = v_new
-        L = pos + 1
-        for ck, (kr, st) in zip((self.ck1, self.ck2), COMPRESSIONS):
-            if ck.shape[1] == 0:
-                continue
-            first = L - kr                                             # window [first, L) ends at the new key
-            done = (first >= 0) & (torch.remainder(first, st) == 0)
-            i = torch.div(first.clamp(min=0), st, rounding_mode="floor").clamp(max=ck.shape[1] - 1)
-            t = first.clamp(min=0)[:, None] + torch.arange(kr, device=self.device)[None, :]   # [B, kr]
-            r, s = self._slots(t.clamp(max=self.capacity - 1), b[:, None].expand(-1, kr))
-            win = _window_mean(self.k[r, s])                           # [B, H, D]
-            ck[b, i] = torch.where(done[:, None, None], win, ck[b, i])
-        self.seqlens.add_(1)
+        append_one_tensors(k_new, v_new, self.k, self.v, self.ck1, self.ck2, self.seqlens, self.block_table)
 
     def _append_one_at(self, L: int, k_new, v_new) -> None:
         # Eager step of a contiguous cache whose sequences all hold L keys (HF's batches), the host
@@ -340,6 +368,7 @@ class DecodeCache:
                 ck[b, lo:hi] = _window_mean(self.k[r, s])
         self.seqlens.add_(n_dev.to(torch.int32))
         self._host_lens = [L + n for L, n in zip(starts, counts)]
+        self._min_room = None
 
     def recompress(self) -> None:
         """Recompute ck1/ck2 of every sequence from its keys (a cache filled by hand through `k`)."""
@@ -350,6 +379,42 @@ class DecodeCache:
                     t = torch.arange(n, device=self.device)[:, None] * st + torch.arange(kr, device=self.device)
                     r, s = self._slots(t, torch.full_like(t, b))
                     ck[b, :n] = _window_mean(self.k[r, s])
+
+
+def append_one_tensors(k_new, v_new, k, v, ck1, ck2, seqlens, block_table) -> None:
+    """One token per sequence into a cache's tensors, in torch ops with device-side positions (static
+    shapes, capturable): the key and value at `seqlens[b]`, the windows that end there, then the
+    lengths + 1. What `cache_append.cu` does in one launch; the CPU path and the op's CPU kernel."""
+    B = seqlens.shape[0]
+    dev = k.device
+    paged = block_table is not None
+    page = k.shape[1]
+    capacity = block_table.shape[1] * page if paged else k.shape[1]
+
+    def slots(pos, b):
+        if not paged:
+            return b, pos
+        return block_table[b, torch.div(pos, page, rounding_mode="floor")].long(), pos % page
+
+    b = torch.arange(B, device=dev)
+    pos = seqlens.long()
+    row, slot = slots(pos, b)
+    k[row, slot] = k_new
+    v[row, slot] = v_new
+    L = pos + 1
+    # each step recomputes the window that ends at the new key for every sequence and writes it only
+    # where that window is complete now
+    for ck, (kr, st) in zip((ck1, ck2), COMPRESSIONS):
+        if ck.shape[1] == 0:
+            continue
+        first = L - kr                                             # window [first, L) ends at the new key
+        done = (first >= 0) & (torch.remainder(first, st) == 0)
+        i = torch.div(first.clamp(min=0), st, rounding_mode="floor").clamp(max=ck.shape[1] - 1)
+        t = first.clamp(min=0)[:, None] + torch.arange(kr, device=dev)[None, :]   # [B, kr]
+        r, s = slots(t.clamp(max=capacity - 1), b[:, None].expand(-1, kr))
+        win = _window_mean(k[r, s])                                # [B, H, D]
+        ck[b, i] = torch.where(done[:, None, None], win, ck[b, i])
+    seqlens.add_(1)
 
 
 # -------------------------------------------------------------------------------------- helpers

@@ -21,6 +21,8 @@ per sequence) traces too, so `append + decode_step` is one compiled region.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .._constants import KV_BLOCK
@@ -137,6 +139,106 @@ def _(q, ck1, ck2, seqlens, width, topk, local_blocks, init_blocks, block_size, 
       exact, kernel):
     return q.new_empty((ck1.shape[2], q.shape[0], _select_k(width, topk, local_blocks, block_size)),
                        dtype=torch.int32)
+
+
+# ---------------------------------------------------------------------------- cache and whole step
+# Prepared launches of the ops, by the addresses and shapes of their tensors: a compiled caller without
+# CUDA graphs calls an op at every step with the same cache tensors (docs/decode.md, 11).
+_PROGRAMS: dict = {}
+_MAX_PROGRAMS = 64
+
+
+def _program(key, build):
+    prog = _PROGRAMS.get(key)
+    if prog is None:
+        if len(_PROGRAMS) >= _MAX_PROGRAMS:
+            _PROGRAMS.clear()
+        prog = _PROGRAMS[key] = build()
+    return prog
+
+
+def _key(*tensors) -> tuple:
+    return tuple((t.data_ptr(), tuple(t.shape), t.dtype) if t is not None else None for t in tensors)
+
+
+@torch.library.custom_op("infllm_cupy::cache_append", mutates_args=("k_cache", "v_cache", "ck1", "ck2", "seqlens"),
+                         device_types="cuda")
+def cache_append_op(k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor, ck1: Tensor, ck2: Tensor,
+                    seqlens: Tensor, block_table: Tensor | None) -> None:
+    """One token per sequence (`k_new`, `v_new [B, H, D]`) into a cache's tensors, as
+    `DecodeCache.append`: the key and value at `seqlens[b]`, the compression windows that end there,
+    then `seqlens + 1`, positions read on the device. A sequence past its capacity is left unchanged
+    (nothing is read back to check it)."""
+    from .cache_append import append_launches, kernel_appends
+
+    if not kernel_appends(k_cache):
+        from .cache import append_one_tensors
+
+        return append_one_tensors(k_new, v_new, k_cache, v_cache, ck1, ck2, seqlens, block_table)
+    k_new, v_new = k_new.contiguous(), v_new.contiguous()
+    if k_new.data_ptr() % 16 or v_new.data_ptr() % 16:
+        k_new, v_new = k_new.clone(), v_new.clone()
+    prog = _program(("append",) + _key(k_cache, v_cache, ck1, ck2, seqlens, block_table),
+                    lambda: append_launches(k_new, v_new, k_cache, v_cache, ck1, ck2, seqlens,
+                                            block_table).program(k_new=k_new, v_new=v_new))
+    prog.run(k_new=k_new, v_new=v_new)
+
+
+@cache_append_op.register_kernel("cpu")
+def _(k_new, v_new, k_cache, v_cache, ck1, ck2, seqlens, block_table):
+    from .cache import append_one_tensors
+
+    append_one_tensors(k_new, v_new, k_cache, v_cache, ck1, ck2, seqlens, block_table)
+
+
+@cache_append_op.register_fake
+def _(k_new, v_new, k_cache, v_cache, ck1, ck2, seqlens, block_table):
+    return None
+
+
+@torch.library.custom_op("infllm_cupy::infllmv2_decode", mutates_args=(), device_types="cuda")
+def infllmv2_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, ck1: Tensor, ck2: Tensor, seqlens: Tensor,
+                       block_table: Tensor | None, topk: int, local_blocks: int, init_blocks: int, dense_len: int,
+                       softmax_scale: float, score_dtype: torch.dtype, exact: bool) -> Tensor:
+    """`out [B, HQ, D]` of one InfLLM-v2 decode step on a cache's tensors, the dense/sparse rule of
+    spec section 9 decided on the device from `seqlens` (every sequence shorter than `dense_len`:
+    dense), so that a captured graph follows the lengths at every replay. Same function as
+    `infllmv2_decode` (whose eager path decides on the host: the dense split differs, not the result
+    beyond rounding)."""
+    from .step import step_launches
+
+    cfg = _select_config(topk, local_blocks, init_blocks, KV_BLOCK, softmax_scale, score_dtype, exact)
+    cfg = dataclasses.replace(cfg, dense_len=dense_len)
+    q = q.contiguous()
+    if q.data_ptr() % 16:
+        q = q.clone()
+    width = _width(k_cache, block_table)
+    key = ("step", q.shape, q.dtype, q.get_device(), cfg) + _key(k_cache, v_cache, ck1, ck2, seqlens, block_table)
+
+    def build():
+        run, (out, *_) = step_launches(q, k_cache, v_cache, ck1, ck2, seqlens, block_table, width, cfg, dense=None)
+        return run.program(q=q, out=out)
+
+    out = torch.empty_like(q)
+    _program(key, build).run(q=q, out=out)
+    return out
+
+
+@infllmv2_decode_op.register_kernel("cpu")
+def _(q, k_cache, v_cache, ck1, ck2, seqlens, block_table, topk, local_blocks, init_blocks, dense_len, softmax_scale,
+      score_dtype, exact):
+    cache = _cache_tuple(k_cache, v_cache, seqlens, block_table)
+    topk_idx = None
+    if int(seqlens.max()) >= dense_len:
+        topk_idx = decode_select_op(q, ck1, ck2, seqlens, _width(k_cache, block_table), topk, local_blocks,
+                                    init_blocks, KV_BLOCK, softmax_scale, score_dtype, exact, "auto")
+    return naive_sparse_decode(q, cache, topk_idx, softmax_scale=softmax_scale, block_size=KV_BLOCK)
+
+
+@infllmv2_decode_op.register_fake
+def _(q, k_cache, v_cache, ck1, ck2, seqlens, block_table, topk, local_blocks, init_blocks, dense_len, softmax_scale,
+      score_dtype, exact):
+    return q.new_empty(q.shape)
 
 
 # -------------------------------------------------------------------------------------- the step

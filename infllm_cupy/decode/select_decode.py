@@ -22,7 +22,7 @@ import torch
 from .. import _jit
 from .._checks import KERNEL_DTYPES, check_aligned, check_tensor
 from .._constants import HEAD_DIMS
-from .._launch import CXX_TYPE, cdiv, empty, ptr
+from .._launch import CXX_TYPE, cdiv, empty
 from ._fast import Launches
 
 SOURCE = "decode/select_decode.cu"
@@ -135,11 +135,18 @@ def _plan_for(B: int, H: int, G: int, N1: int, N2: int, D: int, device_index: in
     return plan
 
 
+def select_width(topk: int, local_blocks: int, out_len: int, dense_len: int = 0) -> int:
+    """Slots of a `select_decode` row: `K = min(topk + local_blocks, out_len)`, widened with
+    `dense_len > 0` to hold a dense step's blocks (`cdiv(dense_len - 1, 64)`, at most `out_len`)."""
+    K = min(topk + local_blocks, out_len)
+    return max(K, min(cdiv(max(dense_len - 1, 0), 64), out_len)) if dense_len > 0 else K
+
+
 def select_decode(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, seqlens: torch.Tensor, out_len: int, *,
                   topk: int, local_blocks: int, init_blocks: int, softmax_scale: float | None,
-                  score_dtype: torch.dtype | None, exact: bool, plan: SelectDecodePlan | None = None) -> torch.Tensor:
-    r"""Stage 1 for decode on CUDA tensors: `topk_idx int32 [H, B, K]`, `K = min(topk + local_blocks,
-    out_len)`.
+                  score_dtype: torch.dtype | None, exact: bool, plan: SelectDecodePlan | None = None,
+                  dense_len: int = 0) -> torch.Tensor:
+    r"""Stage 1 for decode on CUDA tensors: `topk_idx int32 [H, B, select_width(...)]`.
 
     Args:
         q (torch.Tensor): `[B, HQ, D]` bf16/fp16, D in {64, 128}, G = HQ / H <= 64.
@@ -151,10 +158,28 @@ def select_decode(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, seqlens
         topk, local_blocks, init_blocks, softmax_scale, score_dtype, exact: as `InfLLMv2Config`
             (`score_dtype` None: fp32; `exact`: ck1 also gives the normaliser, ck2 unused).
         plan (SelectDecodePlan, Optional): Default: `plan_select_decode` for these shapes and this GPU.
+        dense_len (int, Optional): > 0 decides dense or sparse on the device (spec section 9): while
+            every `L_b < dense_len` the rows list blocks `0 .. cdiv(L_b, 64) - 1` (then -1), so
+            `sparse_decode` over them is dense decode. Default 0: always select (K = topk +
+            local_blocks slots).
 
     Reads nothing back from the device and allocates shapes fixed by the arguments' shapes, so it
     captures in a CUDA graph.
     """
+    sdt = check_select_inputs(q, ck1, ck2, seqlens, score_dtype=score_dtype, exact=exact, dense_len=dense_len,
+                              plan=plan)
+    run = Launches(q.device)
+    topk_idx = add_select_decode(run, q, ck1, ck2, seqlens, out_len, topk=topk, local_blocks=local_blocks,
+                                 init_blocks=init_blocks, softmax_scale=softmax_scale, score_dtype=sdt, exact=exact,
+                                 plan=plan, dense_len=dense_len)
+    run.run()
+    return topk_idx
+
+
+def check_select_inputs(q, ck1, ck2, seqlens, *, score_dtype, exact: bool, dense_len: int = 0,
+                        plan: SelectDecodePlan | None = None) -> torch.dtype:
+    """`select_decode`'s checks (shapes, dtypes, devices, alignment, the plan); raises naming the argument.
+    Returns the score dtype (fp32 for None)."""
     check_tensor("q", q, ndim=3, dtypes=KERNEL_DTYPES, contiguous=True)
     B, HQ, D = q.shape
     check_tensor("ck1", ck1, ndim=4, dtypes=(q.dtype,), device=q.device, contiguous=True)
@@ -171,24 +196,41 @@ def select_decode(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, seqlens
         raise ValueError(f"q: head dim {D} is not one of the kernel's {HEAD_DIMS}")
     if HQ % H:
         raise ValueError(f"q has {HQ} heads, not a multiple of ck1's {H} KV heads")
-    G = HQ // H
     sdt = torch.float32 if score_dtype is None else score_dtype
     if sdt not in SCORE_KIND:
         raise ValueError(f"score_dtype must be one of {tuple(SCORE_KIND)} or None, got {score_dtype!r}")
+    if isinstance(dense_len, bool) or not isinstance(dense_len, int) or dense_len < 0:
+        raise ValueError(f"dense_len must be an int >= 0, got {dense_len!r}")
     if not q.is_cuda:
         raise ValueError(f"q must be a CUDA tensor, got one on {q.device}")
     N1 = ck1.shape[1]
     N2 = N1 if exact else ck2.shape[1]
+    if plan is not None:
+        check_select_plan(plan, HQ // H, N1, N2, D)
+    return sdt
+
+
+def add_select_decode(run: Launches, q, ck1, ck2, seqlens, out_len: int, *, topk: int, local_blocks: int,
+                      init_blocks: int, softmax_scale, score_dtype: torch.dtype, exact: bool,
+                      plan: SelectDecodePlan | None = None, dense_len: int = 0, topk_idx=None) -> torch.Tensor:
+    """Adds `select_decode`'s three launches to `run` on checked inputs (`select_decode` checks them) and
+    returns the `topk_idx` they write (allocated here unless given, `[H, B, select_width(...)]`). The
+    scratch they use is allocated here and referenced by `run`'s arguments."""
+    B, HQ, D = q.shape
+    H = ck1.shape[2]
+    G = HQ // H
+    N1 = ck1.shape[1]
+    N2 = N1 if exact else ck2.shape[1]
     if plan is None:
         plan = _plan_for(B, H, G, N1, N2, D, q.device.index)
-    else:
-        check_select_plan(plan, G, N1, N2, D)
     K = min(topk + local_blocks, out_len)
+    kout = select_width(topk, local_blocks, out_len, dense_len)
     dev = q.device
-    topk_idx = empty((H, B, K), dtype=torch.int32, device=dev)
+    if topk_idx is None:
+        topk_idx = empty((H, B, kout), dtype=torch.int32, device=dev)
     if B == 0 or K <= 0:
         return topk_idx
-    kind = SCORE_KIND[sdt]
+    kind = SCORE_KIND[score_dtype]
     olp, topk_smem = _topk_row_smem(out_len, kind)
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
     sl2 = np.float32(scale * math.log2(math.e))
@@ -202,16 +244,15 @@ def select_decode(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, seqlens
     i32 = np.int32
     mt, T = plan.row_tiles, CXX_TYPE[q.dtype]
     ck_c = ck1 if exact else ck2
-    run = Launches(dev)
+    dl = i32(dense_len)
     run.add(SOURCE, f"select_decode_coarse<{T}, {D}, {mt}>", (R2, H, B), (128 * mt,), plan.score_smem_bytes(D, False),
-            (ptr(q), ptr(ck_c), ptr(seqlens), i32(N2), i32(H), i32(G), i32(T2), i32(exact), sl2, ptr(part)))
+            (q, ck_c, seqlens, i32(N2), i32(H), i32(G), i32(T2), i32(exact), sl2, dl, part))
     run.add(SOURCE, f"select_decode_fine<{T}, {D}, {mt}>", (R1, H, B), (128 * mt,), plan.score_smem_bytes(D, True),
-            (ptr(q), ptr(ck1), ptr(seqlens), i32(N1), i32(H), i32(G), i32(T1), i32(R2), i32(exact), i32(kind),
-             sl2, ptr(part), ptr(blk), ptr(lead)), pdl=PDL)
+            (q, ck1, seqlens, i32(N1), i32(H), i32(G), i32(T1), i32(R2), i32(exact), i32(kind), sl2, dl, part, blk,
+             lead), pdl=PDL)
     run.add(SOURCE, f"select_decode_topk<{KEY_TYPE[kind]}>", (H * B,), (TOPK_THREADS,), topk_smem,
-            (ptr(blk), ptr(lead), ptr(seqlens), i32(B), i32(H), i32(T1), i32(R1), i32(out_len), i32(olp),
-             i32(K), i32(init_blocks), i32(local_blocks), i32(kind), i32(0), ptr(topk_idx)), pdl=PDL)
-    run.run()
+            (blk, lead, seqlens, i32(B), i32(H), i32(T1), i32(R1), i32(out_len), i32(olp), i32(K), i32(kout),
+             i32(init_blocks), i32(local_blocks), i32(kind), i32(0), dl, topk_idx), pdl=PDL)
     return topk_idx
 
 
@@ -272,8 +313,8 @@ def select_topk_rows(blk: torch.Tensor, lead: torch.Tensor, seqlens: torch.Tenso
     i32 = np.int32
     run = Launches(blk.device)
     run.add(SOURCE, f"select_decode_topk<{KEY_TYPE[kind]}>", (H * B,), (threads,), smem,
-            (ptr(blk), ptr(lead), ptr(seqlens), i32(B), i32(H), i32(fine_tiles), i32(R1), i32(out_len), i32(olp),
-             i32(K), i32(init_blocks), i32(local_blocks), i32(kind), i32(topk_prefix), ptr(topk_idx)))
+            (blk, lead, seqlens, i32(B), i32(H), i32(fine_tiles), i32(R1), i32(out_len), i32(olp), i32(K), i32(K),
+             i32(init_blocks), i32(local_blocks), i32(kind), i32(topk_prefix), i32(0), topk_idx))
     run.run()
     return topk_idx
 

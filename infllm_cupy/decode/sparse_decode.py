@@ -12,7 +12,7 @@ import torch
 from .. import _jit
 from .._checks import KERNEL_DTYPES, check_aligned, check_backend, check_flags, check_softmax_scale, check_tensor
 from .._constants import HEAD_DIMS, KV_BLOCK  # KV_BLOCK: #define BLK in the .cu
-from .._launch import CXX_TYPE, cdiv, empty, ptr
+from .._launch import CXX_TYPE, cdiv, empty
 from ._fast import Launches
 from .cache import DecodeCache  # noqa: F401  (re-exported by the package)
 from .naive import _cache_tensors, naive_sparse_decode
@@ -158,11 +158,33 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
     B, HQ, D, H, G, K = _check_kernel_inputs(q, k, v, seqlens, bt, topk_idx)
     check_aligned(q=q, k_cache=k, v_cache=v)       # 16-byte cp.async rows
     scale = check_softmax_scale(softmax_scale, D)
-    sparse = topk_idx is not None
-    n_entries = K if sparse else cdiv(width, KV_BLOCK)
+    n_entries = K if topk_idx is not None else cdiv(width, KV_BLOCK)
     if plan is None:
         plan = plan_decode(B, H, G, n_entries, _sm_count(q.device.index))
     check_plan(plan, G, n_entries, D, K)
+    run = Launches(q.device)
+    res = add_sparse_decode(run, q, k, v, seqlens, bt, width, topk_idx, scale=scale, plan=plan,
+                            return_attn_weights=return_attn_weights, weights=weights)
+    run.run()
+    out, lse, w_out = res
+    res = [out]
+    if return_lse:
+        res.append(lse)
+    if return_attn_weights:
+        res.append(w_out)
+    return res[0] if len(res) == 1 else tuple(res)
+
+
+def add_sparse_decode(run: Launches, q, k, v, seqlens, bt, width: int, topk_idx, *, scale: float, plan: DecodePlan,
+                      return_attn_weights: bool = False, weights: str = "per_head", out=None, lse=None):
+    """Adds `sparse_decode`'s launches (split, merge unless one split, weights pass) to `run` on checked
+    inputs and a checked plan, and returns `(out, lse, weights or None)` they write (allocated here
+    unless given). Their scratch is allocated here and referenced by `run`'s arguments."""
+    B, HQ, D = q.shape
+    H = k.shape[2]
+    G = HQ // H
+    K = topk_idx.shape[2] if topk_idx is not None else 0
+    sparse = topk_idx is not None
     S = plan.num_splits
     dev = q.device
     # the merge's inputs, the log2 LSE and (with weights) the fp16 relative probabilities and their
@@ -178,39 +200,32 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
     pmax = scratch[n_o + n_p:n_o + n_p + n_m]
     lse_part = scratch[n_o + n_p + n_m:n_o + n_p + n_m + n_l]
     lse2 = scratch[n_o + n_p + n_m + n_l:]
-    out = empty((B, HQ, D), dtype=q.dtype, device=dev)
-    lse = empty((B, HQ), dtype=torch.float32, device=dev)
+    if out is None:
+        out = empty((B, HQ, D), dtype=q.dtype, device=dev)
+    if lse is None:
+        lse = empty((B, HQ), dtype=torch.float32, device=dev)
     w_out = None
     if return_attn_weights:
         w_out = empty((B, HQ if weights == "per_head" else H, width), dtype=torch.float32, device=dev)
-    null = np.uint64(0)
     paged = bt is not None
-    run = Launches(dev)
+    i32 = np.int32
     run.add(SOURCE, f"sparse_decode_split<{CXX_TYPE[q.dtype]}, {D}, {plan.row_tiles}>", (S, H, B),
             (128 * plan.row_tiles,), plan.split_smem_bytes(D, sparse, K),
-            (ptr(q), ptr(k), ptr(v), ptr(seqlens), ptr(bt) if paged else null,
-             np.int32(bt.shape[1] if paged else 0), np.int32(k.shape[1] if paged else 0),
-             np.int32(0 if paged else k.shape[1]), ptr(topk_idx) if sparse else null, np.int32(K),
-             np.int32(B), np.int32(H), np.int32(G), np.int32(plan.per_split),
-             np.float32(scale * math.log2(math.e)), ptr(o_part), ptr(lse_part),
-             ptr(prel) if return_attn_weights else null, ptr(pmax) if return_attn_weights else null,
-             np.int32(width), *((ptr(out), ptr(lse), ptr(lse2)) if direct else (null, null, null))))
+            (q, k, v, seqlens, bt, i32(bt.shape[1] if paged else 0), i32(k.shape[1] if paged else 0),
+             i32(0 if paged else k.shape[1]), topk_idx, i32(K), i32(B), i32(H), i32(G), i32(plan.per_split),
+             np.float32(scale * math.log2(math.e)), o_part if not direct else None,
+             lse_part if not direct else None, prel if return_attn_weights else None,
+             pmax if return_attn_weights else None, i32(width),
+             *((out, lse, lse2) if direct else (None, None, None))))
     if not direct:
         nt = plan.merge_threads(D)
         run.add(SOURCE, f"sparse_decode_merge<{CXX_TYPE[q.dtype]}, {D}>", (B * HQ,), (nt,), 16 * nt,
-                (ptr(o_part), ptr(lse_part), np.int32(S), ptr(out), ptr(lse), ptr(lse2)), pdl=plan.pdl)
+                (o_part, lse_part, i32(S), out, lse, lse2), pdl=plan.pdl)
     if return_attn_weights:
         run.add(SOURCE, "sparse_decode_weights", (cdiv(width, WCHUNK), H, B), (WCHUNK // 4,), 0,
-                (ptr(prel), ptr(pmax), ptr(lse2), ptr(seqlens), ptr(topk_idx) if sparse else null, np.int32(K),
-                 np.int32(B), np.int32(H), np.int32(G), np.int32(width),
-                 np.int32(weights == "per_kv_head"), ptr(w_out)), pdl=plan.pdl)
-    run.run()
-    res = [out]
-    if return_lse:
-        res.append(lse)
-    if return_attn_weights:
-        res.append(w_out)
-    return res[0] if len(res) == 1 else tuple(res)
+                (prel, pmax, lse2, seqlens, topk_idx, i32(K), i32(B), i32(H), i32(G), i32(width),
+                 i32(weights == "per_kv_head"), w_out), pdl=plan.pdl)
+    return out, lse, w_out
 
 
 def weights_scratch_floats(batch: int, kv_heads: int, group: int, width: int) -> tuple[int, int]:

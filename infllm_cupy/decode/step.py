@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_backend, check_flags, check_tensor
+from .._checks import check_aligned, check_backend, check_flags, check_softmax_scale, check_tensor
 from .._kernel_arg import check_kernel
 from .._constants import KV_BLOCK
 from .._launch import cdiv
@@ -25,10 +25,13 @@ from ..pipeline import (
     stages_for,
     uses_kernels,
 )
+from .._launch import empty
+from ._fast import Launches
 from .cache import COMPRESSIONS, DecodeCache, _capturing
 from .naive import naive_sparse_decode
-from .select_decode import select_decode
-from .sparse_decode import WEIGHTS, sparse_decode
+from .select_decode import add_select_decode, check_select_inputs, select_decode
+from .sparse_decode import (WEIGHTS, _check_kernel_inputs, _sm_count, add_sparse_decode, check_plan, plan_decode,
+                            sparse_decode)
 
 
 def _check_step_inputs(q, cache, config, weights, backend, kernel) -> InfLLMv2Config:
@@ -205,6 +208,10 @@ def infllmv2_decode(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Conf
     `cache.append`) captures in a CUDA graph; the graph keeps the path (dense or sparse) it was
     captured on. The reference path reads lengths on the host.
     """
+    if kernel == "auto" and backend in _FAST_BACKENDS and isinstance(cache, DecodeCache) and cache.k.is_cuda:
+        fast = _fast_step(q, cache, config, return_attn_weights, weights, return_lse, return_topk_idx)
+        if fast is not None:
+            return fast
     check_flags(return_attn_weights=return_attn_weights, return_lse=return_lse, return_topk_idx=return_topk_idx)
     cfg = _check_step_inputs(q, cache, config, weights, backend, kernel)
     kern = uses_kernels(q, backend)
@@ -222,6 +229,142 @@ def infllmv2_decode(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Conf
     if return_topk_idx:
         res.append(topk_idx)
     return res[0] if len(res) == 1 else tuple(res)
+
+
+# ------------------------------------------------------------------------------ the eager fast path
+class StepProgram:
+    """One decode step's launches on one cache, prepared (docs/decode.md, 6): built by the first call
+    with a given q shape and dtype, config, outputs and path (dense or sparse), after the full checks;
+    later calls check only what can change between calls (q's identity-free properties, the lengths)
+    and re-point q and the outputs they allocate. Stage-1 and merge scratch belong to the program.
+
+    `run(q, graphs=True)` replays a CUDA graph of the same launches instead, captured at its first
+    such call on static copies of q and the outputs (the outputs returned are clones): the same
+    kernels on the same plan, so the same bits as the launches."""
+
+    __slots__ = ("config", "program", "outs", "graph", "static")
+
+    def __init__(self, config, program, outs):
+        self.config, self.program, self.outs = config, program, outs
+        self.graph = self.static = None
+
+    def run(self, q: torch.Tensor, graphs: bool = False) -> dict:
+        if graphs:
+            return self._replay(q)
+        fresh = {name: empty(shape, dtype=dtype, device=q.device) for name, (shape, dtype) in self.outs.items()}
+        self.program.run(q=q, **fresh)
+        return fresh
+
+    def _replay(self, q: torch.Tensor) -> dict:
+        if self.graph is None:
+            # the first call runs the launches on the static buffers (loading every kernel), then captures
+            static = {name: torch.empty(shape, dtype=dtype, device=q.device)
+                      for name, (shape, dtype) in self.outs.items()}
+            static["q"] = q.clone()
+            self.program.run(**static)
+            result = {name: static[name].clone() for name in self.outs}
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.program.run(**static)
+            self.graph, self.static = graph, static
+            return result
+        self.static["q"].copy_(q)
+        self.graph.replay()
+        return {name: self.static[name].clone() for name in self.outs}
+
+
+_STEP_OUTS = ("out", "lse", "weights", "topk_idx")
+
+
+def _fast_step(q, cache: DecodeCache, config, return_attn_weights, weights, return_lse, return_topk_idx):
+    """`infllmv2_decode` through a `StepProgram` of the cache, or None where the general path must run
+    (not a CUDA tensor of the cache's kind: the general path then raises its error)."""
+    if not (type(q) is torch.Tensor and q.is_cuda and q.dim() == 3 and q.is_contiguous()):
+        return None
+    if type(return_attn_weights) is not bool or type(return_lse) is not bool or type(return_topk_idx) is not bool:
+        return None                                       # the general path names the flag
+    if weights not in WEIGHTS or (config is not None and type(config) is not InfLLMv2Config):
+        return None
+    if q.data_ptr() % 16:
+        return None
+    if cache._host_stale:
+        dense = None          # the mirror lags (captured or compiled appends): the kernels decide on the device
+    else:
+        lens = cache._host_lens
+        if lens and min(lens) < 1:
+            return None                                   # the general path raises, naming the lengths
+        dense = max(lens, default=0) < (config.dense_len if config is not None else _DEFAULT_DENSE)
+    key = (id(config), q.shape, q.dtype, q.get_device(), return_attn_weights, weights, return_lse,
+           return_topk_idx, dense)
+    entry = cache._step_programs.get(key)
+    if entry is None or entry.config is not config:
+        entry = _build_step(q, cache, config, return_attn_weights, weights, return_lse, return_topk_idx,
+                            dense=dense)
+        if len(cache._step_programs) >= _MAX_PROGRAMS:    # a config object per call: keep memory bounded
+            cache._step_programs.clear()
+        cache._step_programs[key] = entry
+    fresh = entry.run(q, cache.graphs)
+    res = [fresh["out"]]
+    if return_lse:
+        res.append(fresh["lse"])
+    if return_attn_weights:
+        res.append(fresh["weights"])
+    if return_topk_idx:
+        res.append(fresh.get("topk_idx"))
+    return res[0] if len(res) == 1 else tuple(res)
+
+
+_DEFAULT_DENSE = InfLLMv2Config().dense_len
+_FAST_BACKENDS = ("auto", "kernels")
+_MAX_PROGRAMS = 32
+
+
+def _build_step(q, cache, config, return_attn_weights, weights, return_lse, return_topk_idx, *, dense: bool | None):
+    """A `StepProgram` after every check of the general path (raises as it does)."""
+    check_flags(return_attn_weights=return_attn_weights, return_lse=return_lse, return_topk_idx=return_topk_idx)
+    cfg = _check_step_inputs(q, cache, config, weights, "kernels", "auto")
+    if cfg.block_size != KV_BLOCK:
+        raise ValueError(f"config: block_size must be {KV_BLOCK} for the kernels, got {cfg.block_size}")
+    run, res = step_launches(q, cache.k, cache.v, cache.ck1, cache.ck2, cache.seqlens, cache.block_table,
+                             cache.capacity, cfg, dense=dense, return_attn_weights=return_attn_weights,
+                             weights=weights)
+    out, lse, w, topk_idx = res
+    outs = {"out": ((tuple(out.shape)), out.dtype)}
+    dyn = {"out": out}
+    for name, t, asked in (("lse", lse, return_lse), ("weights", w, return_attn_weights),
+                           ("topk_idx", topk_idx, return_topk_idx)):
+        if asked and t is not None:
+            outs[name] = (tuple(t.shape), t.dtype)
+            dyn[name] = t
+    return StepProgram(config, run.program(q=q, **dyn), outs)
+
+
+def step_launches(q, k, v, ck1, ck2, seqlens, block_table, width: int, cfg: InfLLMv2Config, *, dense: bool | None,
+                  return_attn_weights: bool = False, weights: str = "per_head"):
+    """The launches of one decode step (stage 1 unless dense, then `sparse_decode`) after their checks:
+    `(Launches, (out, lse, weights or None, topk_idx or None))`. `dense`: the path, or None to decide
+    it on the device from the lengths at every run (spec section 9: stage 1's rows then list every block
+    while the longest sequence is shorter than `cfg.dense_len`; what a captured or compiled step runs)."""
+    B, HQ, D = q.shape
+    H = k.shape[2]
+    G = HQ // H
+    out_len = cdiv(width, KV_BLOCK)
+    run = Launches(q.device)
+    topk_idx = None
+    if not dense:
+        sdt = check_select_inputs(q, ck1, ck2, seqlens, score_dtype=cfg.score_dtype, exact=cfg.exact_stage1)
+        topk_idx = add_select_decode(run, q, ck1, ck2, seqlens, out_len, topk=cfg.topk, local_blocks=cfg.local_blocks,
+                                     init_blocks=cfg.init_blocks, softmax_scale=cfg.softmax_scale, score_dtype=sdt,
+                                     exact=cfg.exact_stage1, dense_len=max(cfg.dense_len, 0) if dense is None else 0)
+    _check_kernel_inputs(q, k, v, seqlens, block_table, topk_idx)
+    check_aligned(q=q, k_cache=k, v_cache=v)
+    scale = check_softmax_scale(cfg.softmax_scale, D)
+    n_entries = topk_idx.shape[2] if topk_idx is not None else out_len
+    plan = plan_decode(B, H, G, n_entries, _sm_count(q.device.index))
+    check_plan(plan, G, n_entries, D, topk_idx.shape[2] if topk_idx is not None else 0)
+    out, lse, w = add_sparse_decode(run, q, k, v, seqlens, block_table, width, topk_idx, scale=scale, plan=plan,
+                                    return_attn_weights=return_attn_weights, weights=weights)
+    return run, (out, lse, w, topk_idx)
 
 
 def infllmv2_prefill_into_cache(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: DecodeCache,

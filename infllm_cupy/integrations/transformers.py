@@ -132,26 +132,45 @@ def infllm_cupy_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     """HF attention function: `query [B, HQ, Lq, D]`, `key`/`value [B, H, Lk, D]` (the cache's keys,
     current ones included) -> `([B, Lq, HQ, D], None)`.
 
-    Every sequence of the batch has the same length (no padding). `Lq > 1`: the prefill pipeline
-    (`infllmv2_attention_host_lengths`, the first `Lk - Lq` keys as the cache, causal bottom-right).
-    `Lq == 1`: `infllmv2_decode` on the `DecodeCache` of an `InfLLMv2Cache` (or, with another HF cache, on
-    one built from the keys at every step). Attention weights are not returned (None).
+    Every sequence of the batch has the same length (no padding). With an `InfLLMv2Cache` (whose key
+    view spans the whole preallocated cache and carries its `DecodeCache`): `Lq == 1` runs
+    `infllmv2_decode` on it (inside torch.compile: the custom op `infllm_cupy::infllmv2_decode`, which
+    decides dense or sparse on the device), `Lq > 1` the prefill pipeline over its first `L` keys. With
+    another HF cache: `Lq > 1` runs the prefill pipeline (`infllmv2_attention_host_lengths`, the first
+    `Lk - Lq` keys as the cache, causal bottom-right), `Lq == 1` `infllmv2_decode` on a `DecodeCache`
+    built from the keys at every step. Attention weights are not returned (None).
     """
-    _check_unsupported(module, attention_mask, dropout, kwargs)
+    cache = getattr(key, _CACHE_ATTR, None)
     if query.dim() != 4 or key.dim() != 4 or value.shape != key.shape:
         raise ValueError(f"query must be [B, HQ, Lq, D] and key/value [B, H, Lk, D] of one shape, got "
                          f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
     B, HQ, Lq, D = query.shape
+    decode = Lq == 1 and cache is not None
+    # the padding check reads the mask's values: once per prefill, never in a decode step (a batch
+    # without padding at prefill has none later; generate appends ones)
+    _check_unsupported(module, None if decode else attention_mask, dropout, kwargs)
+    cfg = _config_of(module, scaling)
+    if decode:
+        if torch.compiler.is_compiling():
+            scale = D ** -0.5 if cfg.softmax_scale is None else float(cfg.softmax_scale)
+            out = torch.ops.infllm_cupy.infllmv2_decode(
+                query[:, :, 0], cache.k, cache.v, cache.ck1, cache.ck2, cache.seqlens, cache.block_table, cfg.topk,
+                cfg.local_blocks, cfg.init_blocks, max(cfg.dense_len, 0), scale, cfg.score_dtype, cfg.exact_stage1)
+        else:
+            out = infllmv2_decode(query[:, :, 0].contiguous(), cache, config=cfg, backend=backend)
+        return out.unsqueeze(1), None
+    if cache is not None:
+        if cache._host_stale:                       # compiled or captured steps advanced the device lengths only
+            cache.sync_lengths()
+        Lk = cache.max_len()
+        key, value = key[:, :, :Lk], value[:, :, :Lk]
+    elif attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[-1] != key.shape[2]:
+        raise NotImplementedError(
+            f"infllm_cupy attention: the keys span {key.shape[2]} positions but the attention mask {attention_mask.shape[-1]} "
+            f"(a static cache that is not an InfLLMv2Cache, e.g. StaticCache); use InfLLMv2Cache")
     H, Lk = key.shape[1], key.shape[2]
     if Lq > Lk:
         raise ValueError(f"query has {Lq} tokens but key only {Lk}: the keys must include the queries' own")
-    cfg = _config_of(module, scaling)
-    cache = getattr(key, _CACHE_ATTR, None)
-    if cache is not None and cache.max_len() != Lk:
-        cache = None                    # a stale view (the cache grew since): treat as any HF cache's keys
-    if Lq == 1 and cache is not None:
-        out = infllmv2_decode(query[:, :, 0].contiguous(), cache, config=cfg, backend=backend)
-        return out.unsqueeze(1), None
     if Lq == Lk and Lk < cfg.dense_len and uses_kernels(query, backend):
         # The pipeline's dense branch on the kernel path is torch SDPA per sequence (causal, GQA); rows
         # of equal length make it one SDPA call on HF's own layout: no packing, no host reads.
@@ -167,9 +186,9 @@ def infllm_cupy_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
         # DecodeCache; build one from the keys (a copy and a recompression per step and layer). The
         # prefill pipeline on one query would run the causal stage 1 of chunked prefill, which can pick
         # other blocks.
-        cache = DecodeCache.contiguous(B, Lk, H, D, dtype=key.dtype, device=key.device)
-        cache.append(k, v, (steps * Lk).tolist())
-        out = infllmv2_decode(query[:, :, 0].contiguous(), cache, config=cfg, backend=backend)
+        dc = DecodeCache.contiguous(B, Lk, H, D, dtype=key.dtype, device=key.device)
+        dc.append(k, v, (steps * Lk).tolist())
+        out = infllmv2_decode(query[:, :, 0].contiguous(), dc, config=cfg, backend=backend)
         return out.unsqueeze(1), None
     q = query.transpose(1, 2).reshape(B * Lq, HQ, D)
     # Lengths are known here (no padding), so the pipeline reads nothing back from the device; an
@@ -213,33 +232,36 @@ def register(name: str = ATTN_NAME, *, backend: str = "auto") -> str:
 # ------------------------------------------------------------------------------------------- cache
 def _make_classes():
     _transformers()
-    from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+    from transformers.cache_utils import Cache, StaticLayer
 
-    class InfLLMv2CacheLayer(DynamicLayer):
+    class InfLLMv2CacheLayer(StaticLayer):
         """One layer's K/V in a `DecodeCache` (contiguous `[B, max_cache_len, H, D]`, compressed keys kept
-        at every append); `update` returns `[B, H, L, D]` views tagged with the DecodeCache."""
+        at every append). Static shapes, as transformers' `StaticLayer`: `update` returns `[B, H,
+        max_cache_len, D]` views of the whole storage, tagged with the DecodeCache (the attention
+        function reads the valid length from it), so a compiled decode step sees the same tensors at
+        every step."""
 
         def __init__(self, max_cache_len: int, **kwargs):
-            super().__init__(**kwargs)
             if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
                 raise ValueError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
-            self.max_cache_len = max_cache_len
+            super().__init__(max_cache_len, **kwargs)
             self.decode_cache: DecodeCache | None = None
+            self.decode_graphs = False
 
         def lazy_initialization(self, key_states, value_states, *args, **kwargs) -> None:
             B, H, _, D = key_states.shape
             self.device = key_states.device
-            self.decode_cache = DecodeCache.contiguous(B, self.max_cache_len, H, D, dtype=key_states.dtype,
-                                                       device=key_states.device)
-            self.is_initialized = True
-            self._set_views()
-
-        def _set_views(self):
-            c = self.decode_cache
-            L = c.max_len()
-            self.keys = c.k[:, :L].transpose(1, 2)
-            self.values = c.v[:, :L].transpose(1, 2)
+            c = DecodeCache.contiguous(B, self.max_cache_len, H, D, dtype=key_states.dtype, device=key_states.device)
+            c.graphs = self.decode_graphs
+            self.decode_cache = c
+            self.keys = c.k.transpose(1, 2)
+            self.values = c.v.transpose(1, 2)
             setattr(self.keys, _CACHE_ATTR, c)
+            if not torch.compiler.is_compiling():
+                # fixed addresses: a compiled step's CUDA graph reads and writes them in place
+                for t in (c.k, c.v, c.ck1, c.ck2, c.seqlens, self.keys, self.values):
+                    torch._dynamo.mark_static_address(t)
+            self.is_initialized = True
 
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
@@ -250,30 +272,48 @@ def _make_classes():
                 raise ValueError(f"key_states: [B, H, n, D] = {tuple(key_states.shape)} {key_states.dtype} does not "
                                  f"match this cache's batch {c.batch}, {c.num_heads} heads, head dim {c.head_dim}, "
                                  f"{c.dtype}")
-            if c.max_len() + n > self.max_cache_len:
-                raise ValueError(f"max_cache_len: the cache holds {c.max_len()} tokens and cannot take {n} more "
-                                 f"(max_cache_len = {self.max_cache_len}); build InfLLMv2Cache with a larger one")
             k = key_states.transpose(1, 2)
             v = value_states.transpose(1, 2)
             if n == 1:
-                c.append(k.contiguous(), v.contiguous())
+                if not torch.compiler.is_compiling() and not c._host_stale:
+                    self._check_room(1)
+                c.append(k.reshape(B, H, D), v.reshape(B, H, D))
             else:
+                if c._host_stale:
+                    c.sync_lengths()
+                self._check_room(n)
                 c.append(k.reshape(B * n, H, D), v.reshape(B * n, H, D), [b * n for b in range(B + 1)])
-            self._set_views()
             return self.keys, self.values
+
+        def _check_room(self, n: int) -> None:
+            L = self.decode_cache.max_len()
+            if L + n > self.max_cache_len:
+                raise ValueError(f"max_cache_len: the cache holds {L} tokens and cannot take {n} more "
+                                 f"(max_cache_len = {self.max_cache_len}); build InfLLMv2Cache with a larger one")
+
+        def get_seq_length(self):
+            """Tokens held: a host int while the host mirror is current (eager), else (inside torch.compile,
+            or after compiled steps) the first sequence's device length, as StaticLayer's."""
+            if not self.is_initialized:
+                return 0
+            c = self.decode_cache
+            if torch.compiler.is_compiling() or c._host_stale:
+                return c.seqlens[0]
+            return c.max_len()
 
         def reset(self) -> None:
             if self.is_initialized:
                 self.decode_cache.reset()
-                self._set_views()
 
         def crop(self, tokens_to_remove: int) -> None:
             if not self.is_initialized or tokens_to_remove == 0:
                 return
-            L = self.decode_cache.max_len()
+            c = self.decode_cache
+            if c._host_stale:
+                c.sync_lengths()
+            L = c.max_len()
             keep = L - abs(tokens_to_remove) if tokens_to_remove < 0 else tokens_to_remove
-            self.decode_cache.reset([max(keep, 0)] * self.decode_cache.batch)
-            self._set_views()
+            c.reset([max(keep, 0)] * c.batch)
 
         def _unsupported(self, *args, **kwargs):
             raise NotImplementedError("InfLLMv2Cache: reordering, repeating, selecting batch rows and offloading are "
@@ -281,27 +321,38 @@ def _make_classes():
 
         reorder_cache = batch_repeat_interleave = batch_select_indices = offload = prefetch = _unsupported
 
-    class InfLLMv2Cache(DynamicCache):
-        """A DynamicCache whose layers keep K/V and InfLLM-v2's compressed keys in `DecodeCache`s, so that
+    class InfLLMv2Cache(Cache):
+        """A static cache whose layers keep K/V and InfLLM-v2's compressed keys in `DecodeCache`s, so that
         decode runs `infllmv2_decode` (stage 1 on the compressed cache, sparse split-KV attention) instead of
         re-reading every key. Contiguous, preallocated to `max_cache_len` tokens per sequence; batch and
-        dtype are fixed by the first update.
+        dtype are fixed by the first update. Compileable, as transformers' StaticCache: `generate` on a
+        GPU compiles its decode steps (`generation_config.disable_compile=True` keeps them eager), and
+        `torch.compile(model.forward, mode="reduce-overhead")` captures them in CUDA graphs.
 
         Args:
             config: the model config (its decoder's `num_hidden_layers` sets the layer count), or None with
                 `num_layers`.
             max_cache_len (int): tokens per sequence (prompt and generated).
             num_layers (int, Optional): layer count when `config` is None.
+            decode_graphs (bool, Optional): eager decode steps replay a CUDA graph of each layer's
+                attention, captured at its first step (per path, dense or sparse): for callers that do not
+                compile (`DecodeCache.graphs`). Default: False.
         """
 
-        def __init__(self, config=None, *, max_cache_len: int, num_layers: int | None = None):
+        def __init__(self, config=None, *, max_cache_len: int, num_layers: int | None = None,
+                     decode_graphs: bool = False):
             if num_layers is None:
                 if config is None:
                     raise ValueError("InfLLMv2Cache needs config or num_layers")
                 num_layers = config.get_text_config(decoder=True).num_hidden_layers
             if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
                 raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
-            Cache.__init__(self, layers=[InfLLMv2CacheLayer(max_cache_len) for _ in range(num_layers)])
+            if not isinstance(decode_graphs, bool):
+                raise TypeError(f"decode_graphs must be a bool, got {decode_graphs!r}")
+            layers = [InfLLMv2CacheLayer(max_cache_len) for _ in range(num_layers)]
+            for layer in layers:
+                layer.decode_graphs = decode_graphs
+            Cache.__init__(self, layers=layers)
 
         def decode_caches(self) -> list:
             """The layers' DecodeCache objects (None for a layer not yet written)."""

@@ -31,11 +31,17 @@
 //   grid (H * B)  block (a multiple of 32, at most 512; 512 from the launcher)
 //   dynamic smem olp * sizeof(KT) + 4 * SEL_TOPK_SCRATCH, olp = out_len rounded up to 64
 //   completes each row (block j of range r's last slot: max with lead[r + 1]; blocks past the last
-//   fine key: -inf; padding: key 0; forced blocks) and writes topk_idx int32 [H, B, K]. The whole
+//   fine key: -inf; padding: key 0; forced blocks) and writes topk_idx int32 [H, B, kout]. The whole
 //   CTA selects (radix select, then a compaction over all warps): the rows of select_row
 //   (stage1/select_common.cuh) bit for bit.
 //   topk_prefix > 0 (a test hook, as the prefill kernel's): the search prefix ends past block
 //   max(topk_prefix, K) - 1 instead of past the query's own block, so that the whole-row rerun runs.
+//
+// dense_len (every kernel; 0: never): a step on which every sequence is shorter than dense_len is dense
+//   (spec section 9, decided on the device so that a captured graph follows the lengths): the score
+//   kernels exit at once and the top-k kernel writes blocks 0 .. cdiv(L, 64) - 1, then -1.
+// kout (top-k kernel): the row length of topk_idx [H, B, kout], >= K (slots past K are -1) and, with
+//   dense_len > 0, >= every dense row's blocks (cdiv(dense_len - 1, 64), at most out_len).
 //
 // The fine and top-k kernels may be launched as programmatic dependents of the kernel before them
 // (sm_90): each waits (griddepcontrol.wait) before reading what that kernel wrote.
@@ -58,6 +64,16 @@
 #define SEL_TOPK_SCRATCH 584 // ints of shared memory after the top-k row (sel_topk_row): 2 x 256 + 64 + 8
 
 __device__ __forceinline__ int sel_windows(int L, int ks, int st) { return L < ks ? 0 : (L - ks) / st + 1; }
+
+// The dense/sparse rule of spec section 9 on the device: the step is dense while every sequence (the
+// current token included) is shorter than dense_len (0: never). Every thread reads the B lengths
+// (cached; B is a batch), so a captured graph takes the right path at every replay.
+__device__ __forceinline__ bool sel_dense_step(const int* __restrict__ seqlens, int B, int dense_len) {
+    if (dense_len <= 0) return false;
+    for (int i = 0; i < B; ++i)
+        if (seqlens[i] >= dense_len) return false;
+    return true;
+}
 
 // Programmatic dependent launch (common/pdl.cuh): the fine kernel starts while the coarse kernel
 // runs and loads its Q and ck1 tiles (written before the coarse kernel started), then waits for the
@@ -169,11 +185,12 @@ __device__ __forceinline__ void sel_score_tiles(u32 q_s, u32 ck_s, const T* __re
 template <typename T, int D, int MT>
 __global__ void __launch_bounds__(128 * MT)
 select_decode_coarse(const T* __restrict__ q, const T* __restrict__ ck2, const int* __restrict__ seqlens, int N2,
-                     int H, int G, int T2, int exact, float sl2, float2* __restrict__ part) {
+                     int H, int G, int T2, int exact, float sl2, int dense_len, float2* __restrict__ part) {
     typedef SelSmem<D, MT> SM;
     extern __shared__ __align__(128) unsigned char smem[];
     const int r2 = blockIdx.x, h = blockIdx.y, b = blockIdx.z, R2 = gridDim.x;
     pdl_launch_dependents();                               // the fine kernel may start its prologue now
+    if (sel_dense_step(seqlens, gridDim.z, dense_len)) return;     // no selection on a dense step
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, mt = warp >> 2, kw = warp & 3;
     const int g4 = lane >> 2, c4 = lane & 3;
     const int L = seqlens[b];
@@ -231,11 +248,15 @@ select_decode_coarse(const T* __restrict__ q, const T* __restrict__ ck2, const i
 template <typename T, int D, int MT>
 __global__ void __launch_bounds__(128 * MT, 1)
 select_decode_fine(const T* __restrict__ q, const T* __restrict__ ck1, const int* __restrict__ seqlens, int N1,
-                   int H, int G, int T1, int R2, int exact, int kind, float sl2, const float2* __restrict__ part,
-                   float* __restrict__ blk, float* __restrict__ lead) {
+                   int H, int G, int T1, int R2, int exact, int kind, float sl2, int dense_len,
+                   const float2* __restrict__ part, float* __restrict__ blk, float* __restrict__ lead) {
     typedef SelSmem<D, MT> SM;
     extern __shared__ __align__(128) unsigned char smem[];
     const int r1 = blockIdx.x, h = blockIdx.y, b = blockIdx.z, R1 = gridDim.x;
+    if (sel_dense_step(seqlens, gridDim.z, dense_len)) {     // no selection on a dense step
+        pdl_wait();
+        return;
+    }
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, mt = warp >> 2, kw = warp & 3;
     const int g4 = lane >> 2, c4 = lane & 3;
     const int L = seqlens[b];
@@ -456,9 +477,9 @@ __device__ __forceinline__ void sel_compact(const KT* rowk, int n, unsigned T, i
 template <typename KT>
 __device__ __forceinline__ void sel_topk_row(KT* rowk, int* scratch, const float* __restrict__ blk,
                                              const float* __restrict__ lead, int L, int b, int h, int B, int H, int T1,
-                                             int R1, int out_len, int olp, int K, int init_blocks, int local_blocks,
-                                             int kind, int topk_prefix, int* __restrict__ topk_idx, int tid,
-                                             int nthreads) {
+                                             int R1, int out_len, int olp, int K, int kout, int init_blocks,
+                                             int local_blocks, int kind, int topk_prefix, int* __restrict__ topk_idx,
+                                             int tid, int nthreads) {
     constexpr int KB = Score<KT>::KEY_BITS;
     constexpr int UNR = 8;                            // blocks per thread in flight (L2 latency): 2048 blocks
                                                       // on 256 threads in one round
@@ -470,7 +491,8 @@ __device__ __forceinline__ void sel_topk_row(KT* rowk, int* scratch, const float
     const int64 row = (int64)b * H + h;
     const float* bp = blk + row * nbr * R1;
     const float* lp = lead + row * R1;
-    int* out = topk_idx + ((int64)h * B + b) * K;
+    int* out = topk_idx + ((int64)h * B + b) * kout;
+    for (int j = K + tid; j < kout; j += nthreads) out[j] = -1;      // the row's slots past K
     // select_row's search prefix: blocks after the query's own one are -inf or padding, so the top-K
     // lies in the prefix unless a key after it beats the prefix's K-th (then the whole row is searched)
     const int jpre = ((topk_prefix > 0 ? max(topk_prefix, K) - 1 : max(qb, K - 1)) / 64 + 1) * 64;
@@ -526,12 +548,18 @@ __device__ __forceinline__ void sel_topk_row(KT* rowk, int* scratch, const float
 template <typename KT>
 __global__ void __launch_bounds__(512)
 select_decode_topk(const float* __restrict__ blk, const float* __restrict__ lead, const int* __restrict__ seqlens,
-                   int B, int H, int T1, int R1, int out_len, int olp, int K, int init_blocks, int local_blocks,
-                   int kind, int topk_prefix, int* __restrict__ topk_idx) {
+                   int B, int H, int T1, int R1, int out_len, int olp, int K, int kout, int init_blocks,
+                   int local_blocks, int kind, int topk_prefix, int dense_len, int* __restrict__ topk_idx) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int h = blockIdx.x / B, b = blockIdx.x % B;
+    if (sel_dense_step(seqlens, B, dense_len)) {      // every block up to the query's: dense attention
+        const int nb = (seqlens[b] + 63) / 64;
+        int* out = topk_idx + ((int64)h * B + b) * kout;
+        for (int j = threadIdx.x; j < kout; j += blockDim.x) out[j] = j < nb ? j : -1;
+        return;
+    }
     pdl_wait();                                  // blk and lead of the fine kernel
     sel_topk_row<KT>(reinterpret_cast<KT*>(smem), reinterpret_cast<int*>(smem + (size_t)olp * sizeof(KT)), blk, lead,
-                     seqlens[b], b, h, B, H, T1, R1, out_len, olp, K, init_blocks, local_blocks, kind,
+                     seqlens[b], b, h, B, H, T1, R1, out_len, olp, K, kout, init_blocks, local_blocks, kind,
                      topk_prefix, topk_idx, threadIdx.x, blockDim.x);
 }

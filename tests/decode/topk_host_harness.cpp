@@ -139,7 +139,7 @@ static int run_case(std::mt19937& rng, int it) {
         ths.emplace_back([&, t]() {
             t_tid = t;
             sel_topk_row<KT>(reinterpret_cast<KT*>(smem.data()), reinterpret_cast<int*>(smem.data() + olp * sizeof(KT)),
-                             blk.data(), lead.data(), L, 0, 0, 1, 1, T1, R1, out_len, olp, K, init, local, kind,
+                             blk.data(), lead.data(), L, 0, 0, 1, 1, T1, R1, out_len, olp, K, K, init, local, kind,
                              prefix, out.data(), t, nthreads);
         });
     for (auto& th : ths) th.join();
