@@ -279,8 +279,10 @@ _STEP_OUTS = ("out", "lse", "weights", "topk_idx")
 def _fast_step(q, cache: DecodeCache, config, return_attn_weights, weights, return_lse, return_topk_idx):
     """`infllmv2_decode` through a `StepProgram` of the cache, or None where the general path must run
     (not a CUDA tensor of the cache's kind: the general path then raises its error)."""
-    if not (type(q) is torch.Tensor and q.is_cuda and q.dim() == 3 and q.is_contiguous()):
+    if not (type(q) is torch.Tensor and q.is_cuda and q.dim() == 3):
         return None
+    if not q.is_contiguous():
+        q = q.contiguous()
     if type(return_attn_weights) is not bool or type(return_lse) is not bool or type(return_topk_idx) is not bool:
         return None                                       # the general path names the flag
     if weights not in WEIGHTS or (config is not None and type(config) is not InfLLMv2Config):

@@ -240,3 +240,55 @@ def test_cache_on_the_gpu_matches_the_compression_kernel(page_size):
     fill(cpu, [[513, 64, 0], [100, 0, 31]], steps=40)
     for x, y in zip(cache.packed(), cpu.packed()):
         assert torch.equal(x.cpu(), y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("page_size", [None, 64, 256], ids=["contiguous", "page64", "page256"])
+def test_one_launch_append_kernel(page_size, dtype):
+    """The one-token append kernel (cache_append.cu): keys, values and lengths equal the torch path's bit
+    for bit; its windows equal the compression kernel's bit for bit (the same fp32 sum in position
+    order), so a cache filled by one-token steps alone is exactly its recompression by `compress_k`;
+    a view that is not 16-byte aligned is accepted."""
+    from infllm_cupy.decode.cache import append_one_tensors
+
+    B, H, D, steps = 3, 2, 128 if dtype == torch.bfloat16 else 64, 300
+    kern = new_cache(B, 400, H, D, dtype, page_size, device="cuda")
+    ref = new_cache(B, 400, H, D, dtype, page_size, device="cuda")
+    g = torch.Generator().manual_seed(7)
+    for i in range(steps):
+        k, v = (torch.randn(B, H, D, generator=g).to("cuda", dtype) for _ in range(2))
+        if i == 5:                                  # an unaligned view (offset by one element)
+            k = torch.cat([k.new_zeros(1), k.flatten()])[1:].view(B, H, D)
+        kern.append(k, v)
+        append_one_tensors(k, v, ref.k, ref.v, ref.ck1, ref.ck2, ref.seqlens, ref.block_table)
+    assert kern._append_program is not None, "the kernel path was not taken"
+    assert kern.lengths() == [steps] * B and kern.seqlens.tolist() == [steps] * B
+    for name in ("k", "v", "seqlens"):
+        assert torch.equal(getattr(kern, name), getattr(ref, name)), name
+    ref._host_lens = kern.lengths()
+    assert_compressed_equal_recompression(kern, exact=True, compress=compress_k)
+    assert_compressed_equal_recompression(ref, exact=False, compress=compress_k)
+
+
+@pytest.mark.gpu
+def test_append_kernel_under_capture_and_the_op():
+    """Captured one-token appends replay at the device lengths (the host mirror lags until
+    `sync_lengths`), and the custom op `infllm_cupy::cache_append` writes what `append` writes."""
+    B, H, D, dtype = 2, 2, 64, torch.bfloat16
+    a = new_cache(B, 300, H, D, dtype, 64, device="cuda")
+    b = new_cache(B, 300, H, D, dtype, 64, device="cuda")
+    fill(a, [[100, 37]], steps=0)
+    fill(b, [[100, 37]], steps=0)
+    k, v = (torch.randn(B, H, D, device="cuda", dtype=dtype) for _ in range(2))
+    a.append(k, v)                                  # warm-up: the prepared launch exists before capture
+    torch.ops.infllm_cupy.cache_append(k, v, b.k, b.v, b.ck1, b.ck2, b.seqlens, b.block_table)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        a.append(k, v)
+    for _ in range(70):
+        graph.replay()
+        torch.ops.infllm_cupy.cache_append(k, v, b.k, b.v, b.ck1, b.ck2, b.seqlens, b.block_table)
+    assert a.sync_lengths() == b.sync_lengths() == [100 + 72, 37 + 72]
+    for name in ("k", "v", "ck1", "ck2", "seqlens"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name

@@ -415,6 +415,104 @@ def test_kernel_ops_under_compile():
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_cache_graphs_replay_equal_the_launches_across_dense_len(page_size):
+    """`DecodeCache.graphs`: each step replays a CUDA graph of the prepared launches, on both sides of
+    dense_len (one graph per path), with the same bits as the eager launches; outputs are fresh tensors
+    (a later step does not overwrite an earlier one's)."""
+    lengths, HQ, H, D, dtype = [500, 380], 16, 2, 128, torch.bfloat16
+    cfg = dataclasses.replace(CFG, dense_len=512, score_dtype=torch.bfloat16)
+    eager = random_decode_cache(lengths, H, D, dtype, page_size=page_size, device="cuda")
+    graphed = random_decode_cache(lengths, H, D, dtype, page_size=page_size, device="cuda")
+    graphed.graphs = True
+    g = torch.Generator().manual_seed(9)
+    kept = []
+    for _ in range(24):                              # 500 -> 524: dense for 11 steps, then sparse
+        kn, vn = (torch.randn(2, H, D, generator=g).to("cuda", dtype) for _ in range(2))
+        q = torch.randn(2, HQ, D, generator=g).to("cuda", dtype)
+        eager.append(kn, vn)
+        graphed.append(kn, vn)
+        res_e = infllmv2_decode(q, eager, config=cfg, return_lse=True, return_attn_weights=True)
+        res_g = infllmv2_decode(q, graphed, config=cfg, return_lse=True, return_attn_weights=True)
+        for a, b in zip(res_g, res_e):
+            assert torch.equal(a, b)
+        kept.append((res_g[0], res_g[0].clone()))
+    assert all(torch.equal(a, b) for a, b in kept)
+    progs = graphed._step_programs.values()
+    assert len(progs) == 2 and all(p.graph is not None for p in progs)
+
+
+@pytest.mark.gpu
+def test_device_decided_step_in_a_graph_follows_the_lengths():
+    """The compiled path's op (`infllm_cupy::infllmv2_decode`, dense or sparse decided on the device):
+    captured once while every sequence is below dense_len, then replayed across it; each replay against
+    the eager step (host-decided, another split of the same keys) within bf16 rounding, and both within
+    FlashAttention's rule of the float64 reference once sparse."""
+    lengths, HQ, H, D, dtype = [440, 300, 2], 32, 2, 128, torch.bfloat16
+    cfg = dataclasses.replace(CFG, dense_len=450, score_dtype=torch.bfloat16)
+    eager = random_decode_cache(lengths, H, D, dtype, page_size=64, device="cuda")
+    graphed = random_decode_cache(lengths, H, D, dtype, page_size=64, device="cuda")
+    g = torch.Generator().manual_seed(11)
+    kn, vn = (torch.zeros(3, H, D, device="cuda", dtype=dtype) for _ in range(2))
+    q = torch.zeros(3, HQ, D, device="cuda", dtype=dtype)
+    scale = D ** -0.5
+
+    def step(cache):
+        cache.append(kn, vn)
+        return torch.ops.infllm_cupy.infllmv2_decode(q, cache.k, cache.v, cache.ck1, cache.ck2, cache.seqlens,
+                                                     cache.block_table, cfg.topk, cfg.local_blocks, cfg.init_blocks,
+                                                     cfg.dense_len, scale, cfg.score_dtype, cfg.exact_stage1)
+
+    warm = random_decode_cache(lengths, H, D, dtype, page_size=64, device="cuda")
+    step(warm)                                       # kernels loaded, prepared launches built
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_g = step(graphed)
+    paths = set()
+    for i in range(20):                              # the longest: 441 -> 460, dense_len 450
+        for t in (kn, vn, q):
+            t.copy_(torch.randn(t.shape, generator=g).to(dtype))
+        graph.replay()
+        eager.append(kn, vn)
+        out_e, idx = infllmv2_decode(q, eager, config=cfg, return_topk_idx=True)
+        paths.add(idx is None)
+        torch.testing.assert_close(out_g.float(), out_e.float(), atol=2e-2, rtol=2e-2)
+        if idx is not None:
+            as64 = (eager.k.double(), eager.v.double(), eager.seqlens, eager.block_table)
+            ref = naive_sparse_decode(q.double(), as64, idx)
+            lowp = naive_sparse_decode(q, eager, idx, upcast=False)
+            assert_close_to_ref("replayed, sparse", out_g, ref, lowp)
+    assert paths == {True, False}
+    assert graphed.sync_lengths() == eager.lengths()
+
+
+@pytest.mark.gpu
+def test_eager_step_program_rechecks_what_changes():
+    """The eager fast path: one prepared program per (q shape, config, outputs, path), reused; bad q
+    still raises naming the argument before any launch; outputs are fresh per call."""
+    lengths, HQ, H, D, dtype = [700, 90], 16, 2, 64, torch.float16
+    cache = random_decode_cache(lengths, H, D, dtype, device="cuda")
+    q = torch.randn(2, HQ, D, device="cuda", dtype=dtype)
+    out1 = infllmv2_decode(q, cache, config=CFG)
+    keep = out1.clone()
+    out2 = infllmv2_decode(torch.randn_like(q), cache, config=CFG)
+    assert len(cache._step_programs) == 1 and out1.data_ptr() != out2.data_ptr() and torch.equal(out1, keep)
+    assert torch.equal(infllmv2_decode(q, cache, config=CFG), keep)
+    with pytest.raises(TypeError, match="q must have dtype"):
+        infllmv2_decode(q.to(torch.bfloat16), cache, config=CFG)
+    with pytest.raises(ValueError, match="q has 3 sequences"):
+        infllmv2_decode(torch.randn(3, HQ, D, device="cuda", dtype=dtype), cache, config=CFG)
+    with pytest.raises(ValueError, match="head dim"):
+        infllmv2_decode(torch.randn(2, HQ, 32, device="cuda", dtype=dtype), cache, config=CFG)
+    odd = torch.randn(2 * HQ * D + 1, device="cuda", dtype=dtype)[1:].view(2, HQ, D)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        infllmv2_decode(odd, cache, config=CFG)
+    with pytest.raises(ValueError, match="return_lse"):
+        infllmv2_decode(q, cache, config=CFG, return_lse=1)
+    assert torch.equal(infllmv2_decode(q.transpose(0, 1).contiguous().transpose(0, 1), cache, config=CFG), keep)
+
+
 # ------------------------------------------------------------------------------------------------
 # The whole-step reference (naive_infllmv2_decode) on a packed cache: the oracle of infllmv2_decode.
 

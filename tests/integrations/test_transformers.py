@@ -363,6 +363,74 @@ def test_gpu_generate_runs_kernels_at_head_dim_128():
     assert toks.shape == (1, 8) and torch.isfinite(logits).all()
 
 
+def _greedy(model, ids, n, cache, forward):
+    """Prefill eagerly, then n greedy steps through `forward` (explicit positions: no length read back)."""
+    with torch.no_grad():
+        tok = model(ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        toks, logits = [], []
+        for i in range(n):
+            pos = torch.full_like(tok, ids.shape[1] + i)
+            lo = forward(input_ids=tok, past_key_values=cache, use_cache=True, position_ids=pos).logits[:, -1]
+            tok = lo.argmax(-1, keepdim=True)
+            toks.append(tok)
+            logits.append(lo.float())
+    return torch.cat(toks, 1), torch.stack(logits)
+
+
+def test_compiled_decode_traces_whole_and_equals_eager_on_cpu():
+    """InfLLMv2Cache under torch.compile (aot_eager on CPU: the ops' CPU kernels): no graph break in the
+    forward, and decode steps across dense_len give eager's tokens and logits."""
+    cfg = small_config(SPARSE)
+    m = model_for(cfg)
+    ids = prompt(2, 250)
+    toks_e, logits_e = _greedy(m, ids, 12, hf.InfLLMv2Cache(cfg, max_cache_len=300), m.forward)
+    torch._dynamo.reset()
+    cache = hf.InfLLMv2Cache(cfg, max_cache_len=300)
+    toks_c, logits_c = _greedy(m, ids, 12, cache, torch.compile(m.forward, backend="aot_eager"))
+    assert torch.equal(toks_c, toks_e)
+    torch.testing.assert_close(logits_c, logits_e, atol=1e-4, rtol=1e-4)
+    assert int(cache.get_seq_length()) == 262 and cache.decode_caches()[0].sync_lengths() == [262, 262]
+    one = torch.zeros(2, 1, dtype=torch.long)
+    ex = torch._dynamo.explain(m.forward)(input_ids=one, past_key_values=cache, use_cache=True,
+                                          position_ids=torch.full_like(one, 262))
+    assert ex.graph_break_count == 0, [str(r) for r in ex.break_reasons]
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_greedy_equals_eager_and_generate_compiles():
+    """32 greedy steps through torch.compile(mode="reduce-overhead") (CUDA graphs taken) across dense_len
+    give the eager steps' tokens; no graph break in the forward; transformers' generate (which compiles
+    the decode steps of a compileable cache) gives the same tokens."""
+    cfg = small_config(dict(SPARSE, dense_len=320))
+    m = model_for(cfg, dtype=torch.bfloat16, device="cuda")
+    ids = prompt(1, 300, device="cuda")
+    toks_e, logits_e = _greedy(m, ids, 32, hf.InfLLMv2Cache(cfg, max_cache_len=400), m.forward)
+    torch._dynamo.reset()
+    cache = hf.InfLLMv2Cache(cfg, max_cache_len=400)
+    compiled = torch.compile(m.forward, mode="reduce-overhead")
+    toks_c, logits_c = _greedy(m, ids, 32, cache, compiled)
+    assert torch.equal(toks_c, toks_e), (toks_c, toks_e)
+    torch.testing.assert_close(logits_c, logits_e, atol=0.1, rtol=0.05)
+    one = torch.zeros(1, 1, dtype=torch.long, device="cuda")
+    ex = torch._dynamo.explain(m.forward)(input_ids=one, past_key_values=cache, use_cache=True,
+                                          position_ids=torch.full_like(one, 332))
+    assert ex.graph_break_count == 0, [str(r) for r in ex.break_reasons]
+    gen, _ = generate(m, ids, 32, hf.InfLLMv2Cache(cfg, max_cache_len=400))
+    assert torch.equal(gen, toks_e)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_graphs_equal_eager():
+    """InfLLMv2Cache(decode_graphs=True): each layer's attention replayed from a CUDA graph, the same
+    logits bit for bit as the launches."""
+    cfg = small_config(dict(SPARSE, dense_len=320))
+    m = model_for(cfg, dtype=torch.bfloat16, device="cuda")
+    ids = prompt(2, 300, device="cuda")
+    toks_e, logits_e = _greedy(m, ids, 30, hf.InfLLMv2Cache(cfg, max_cache_len=400), m.forward)
+    toks_g, logits_g = _greedy(m, ids, 30, hf.InfLLMv2Cache(cfg, max_cache_len=400, decode_graphs=True), m.forward)
+    assert torch.equal(toks_g, toks_e) and torch.equal(logits_g, logits_e)
+
+
 def test_readme_transformers_block_runs():
     """README.md's "Using with transformers / MiniCPM4" block runs as written (CPU, seconds)."""
     import re
