@@ -239,8 +239,12 @@ class PreparedLaunch:
 
 
 def raw_stream(device_index: int) -> int:
-    """Torch's current stream on `device_index` as the driver's handle."""
-    return torch._C._cuda_getCurrentRawStream(device_index)
+    """Torch's current stream on `device_index` as the driver's handle (torch's C accessor where the
+    build has it: a fraction of a microsecond, against a few for `current_stream()`)."""
+    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if get is not None:
+        return get(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
 
 
 def _error_string(res: int) -> str:
