@@ -1,9 +1,9 @@
 r"""A MiniCPM4-style model in transformers: prefill and decode tokens/s of our backend against SDPA as users run it,
 eager against eager and compiled against compiled, with each row's byte floor, in one process.
 
-    python benchmarks/bench_transformers.py --json benchmarks/results/transformers.json   # batches 1,8 x 16k,64k
+    python benchmarks/bench_transformers.py --json benchmarks/results/transformers.json   # 1,8 x 16k,64k: 3.5 min, H200
     python benchmarks/bench_transformers.py --batches 1,8 --contexts 16k,64k --rep 1 --new-tokens 32 \
-        --impls sdpa_static,sdpa_static_compiled,ours,ours_graphs,ours_compiled        # short (about 4 min, H200)
+        --impls sdpa_static,sdpa_static_compiled,ours,ours_graphs,ours_compiled   # short: 2.5 min, H200
     python benchmarks/bench_transformers.py --quick                  # smoke run: 12k, 2 small layers, 8 new tokens
     python benchmarks/bench_transformers.py --device cpu --dtype float32 --contexts 1k --layers 1 --hidden 256 \
         --intermediate 512 --hq 16 --h 2 --d 64 --vocab 128 --dense-len 256 --topk 4 --window 128 --new-tokens 2
