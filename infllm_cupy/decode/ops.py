@@ -142,8 +142,9 @@ def _(q, ck1, ck2, seqlens, width, topk, local_blocks, init_blocks, block_size, 
 
 
 # ---------------------------------------------------------------------------- cache and whole step
-# Prepared launches of the ops, by the addresses and shapes of their tensors: a compiled caller without
-# CUDA graphs calls an op at every step with the same cache tensors (docs/decode.md, 11).
+# Prepared launches of the append op, by the addresses and shapes of the cache tensors: a compiled caller
+# without CUDA graphs calls it at every step with the same tensors (docs/decode.md, 11). It holds no
+# tensor of its own (nothing allocated inside a CUDA graph's pool stays alive).
 _PROGRAMS: dict = {}
 _MAX_PROGRAMS = 64
 
@@ -212,15 +213,12 @@ def infllmv2_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, ck1: Tensor,
     q = q.contiguous()
     if q.data_ptr() % 16:
         q = q.clone()
-    width = _width(k_cache, block_table)
-    key = ("step", q.shape, q.dtype, q.get_device(), cfg) + _key(k_cache, v_cache, ck1, ck2, seqlens, block_table)
-
-    def build():
-        run, (out, *_) = step_launches(q, k_cache, v_cache, ck1, ck2, seqlens, block_table, width, cfg, dense=None)
-        return run.program(q=q, out=out)
-
-    out = torch.empty_like(q)
-    _program(key, build).run(q=q, out=out)
+    # built at every call, not kept: under torch.compile's CUDA graphs (where this op runs at warm-up and
+    # recording only) a kept program's scratch would stay alive in the graph's pool, which cudagraph
+    # trees refuse; eager callers take `infllmv2_decode`'s kept programs instead
+    run, (out, *_) = step_launches(q, k_cache, v_cache, ck1, ck2, seqlens, block_table, _width(k_cache, block_table),
+                                   cfg, dense=None)
+    run.run()
     return out
 
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..compat import infllm_v2
+from .transformers import _CACHE_ATTR as _DECODE_CACHE_ATTR  # an InfLLMv2Cache key view's DecodeCache
 
 __all__ = ["MiniCPM4SparseAttention", "use_minicpm4_attention"]
 
@@ -166,6 +167,11 @@ class MiniCPM4SparseAttention(nn.Module):
         q, k = _rope(q, k, *position_embeddings)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
+            dc = getattr(k, _DECODE_CACHE_ATTR, None)
+            if dc is not None:               # an InfLLMv2Cache's static views: its first L keys are the cache
+                if dc._host_stale:
+                    dc.sync_lengths()
+                k, v = k[:, :, :dc.max_len()], v[:, :, :dc.max_len()]
         kv_len = k.shape[2]
         # varlen, unpadded (every row one sequence of the same length)
         q = q.transpose(1, 2).reshape(B * q_len, HQ, D)

@@ -508,7 +508,7 @@ def test_eager_step_program_rechecks_what_changes():
     odd = torch.randn(2 * HQ * D + 1, device="cuda", dtype=dtype)[1:].view(2, HQ, D)
     with pytest.raises(ValueError, match="16-byte aligned"):
         infllmv2_decode(odd, cache, config=CFG)
-    with pytest.raises(ValueError, match="return_lse"):
+    with pytest.raises(TypeError, match="return_lse"):
         infllmv2_decode(q, cache, config=CFG, return_lse=1)
     assert torch.equal(infllmv2_decode(q.transpose(0, 1).contiguous().transpose(0, 1), cache, config=CFG), keep)
 

@@ -364,10 +364,11 @@ def test_gpu_generate_runs_kernels_at_head_dim_128():
 
 
 def _greedy(model, ids, n, cache, forward):
-    """Prefill eagerly, then n greedy steps through `forward` (explicit positions: no length read back)."""
+    """Prefill eagerly, then n greedy steps through `forward` (explicit positions: no length read back):
+    the n + 1 tokens (the prefill's first) and the n steps' logits."""
     with torch.no_grad():
         tok = model(ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-        toks, logits = [], []
+        toks, logits = [tok], []
         for i in range(n):
             pos = torch.full_like(tok, ids.shape[1] + i)
             lo = forward(input_ids=tok, past_key_values=cache, use_cache=True, position_ids=pos).logits[:, -1]
@@ -415,7 +416,7 @@ def test_gpu_compiled_greedy_equals_eager_and_generate_compiles():
     ex = torch._dynamo.explain(m.forward)(input_ids=one, past_key_values=cache, use_cache=True,
                                           position_ids=torch.full_like(one, 332))
     assert ex.graph_break_count == 0, [str(r) for r in ex.break_reasons]
-    gen, _ = generate(m, ids, 32, hf.InfLLMv2Cache(cfg, max_cache_len=400))
+    gen, _ = generate(m, ids, 33, hf.InfLLMv2Cache(cfg, max_cache_len=400))
     assert torch.equal(gen, toks_e)
 
 
