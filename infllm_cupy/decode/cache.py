@@ -262,9 +262,13 @@ class DecodeCache:
         """
         B, H, D = self.batch, self.num_heads, self.head_dim
         if cu_seqlens_new is None:
-            for name, t in (("k_new", k_new), ("v_new", v_new)):
-                check_tensor(name, t, dtypes=(self.dtype,), device=self.device)
-                check_tensor(name, t, shape=(B, 1, H, D) if t.dim() == 4 else (B, H, D))
+            dt, dev = self.k.dtype, self.k.device
+            if not (type(k_new) is torch.Tensor and type(v_new) is torch.Tensor and k_new.dtype == dt
+                    and v_new.dtype == dt and k_new.shape == (B, H, D) and v_new.shape == (B, H, D)
+                    and k_new.device == dev and v_new.device == dev):     # else the checks name what differs
+                for name, t in (("k_new", k_new), ("v_new", v_new)):
+                    check_tensor(name, t, dtypes=(self.dtype,), device=self.device)
+                    check_tensor(name, t, shape=(B, 1, H, D) if t.dim() == 4 else (B, H, D))
             k_new = k_new.reshape(B, H, D)
             v_new = v_new.reshape(B, H, D)
             if torch.compiler.is_compiling():

@@ -142,9 +142,8 @@ def _(q, ck1, ck2, seqlens, width, topk, local_blocks, init_blocks, block_size, 
 
 
 # ---------------------------------------------------------------------------- cache and whole step
-# Prepared launches of the append op, by the addresses and shapes of the cache tensors: a compiled caller
-# without CUDA graphs calls it at every step with the same tensors (docs/decode.md, 11). It holds no
-# tensor of its own (nothing allocated inside a CUDA graph's pool stays alive).
+# Prepared launches of the append op, by the shapes of its tensors: a compiled caller without CUDA graphs
+# calls it at every step (docs/decode.md, 11). A program holds no tensor: each call re-points them all.
 _PROGRAMS: dict = {}
 _MAX_PROGRAMS = 64
 
@@ -158,8 +157,8 @@ def _program(key, build):
     return prog
 
 
-def _key(*tensors) -> tuple:
-    return tuple((t.data_ptr(), tuple(t.shape), t.dtype) if t is not None else None for t in tensors)
+def _shapes(*tensors) -> tuple:
+    return tuple((tuple(t.shape), t.dtype, t.device) if t is not None else None for t in tensors)
 
 
 @torch.library.custom_op("infllm_cupy::cache_append", mutates_args=("k_cache", "v_cache", "ck1", "ck2", "seqlens"),
@@ -179,10 +178,14 @@ def cache_append_op(k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tens
     k_new, v_new = k_new.contiguous(), v_new.contiguous()
     if k_new.data_ptr() % 16 or v_new.data_ptr() % 16:
         k_new, v_new = k_new.clone(), v_new.clone()
-    prog = _program(("append",) + _key(k_cache, v_cache, ck1, ck2, seqlens, block_table),
+    # every tensor is re-pointed at each call: the kept program holds none (no cache outlives its user)
+    bound = dict(k_new=k_new, v_new=v_new, k=k_cache, v=v_cache, ck1=ck1, ck2=ck2, seqlens=seqlens)
+    if block_table is not None:
+        bound["block_table"] = block_table
+    prog = _program(("append",) + _shapes(k_new, k_cache, ck1, ck2, seqlens, block_table),
                     lambda: append_launches(k_new, v_new, k_cache, v_cache, ck1, ck2, seqlens,
-                                            block_table).program(k_new=k_new, v_new=v_new))
-    prog.run(k_new=k_new, v_new=v_new)
+                                            block_table).program(**bound))
+    prog.run(**bound)
 
 
 @cache_append_op.register_kernel("cpu")

@@ -87,15 +87,15 @@ def config_from_sparse_config(sparse_config: dict | None, *, softmax_scale: floa
 
 
 def _config_of(module, scaling) -> InfLLMv2Config:
-    """The module's InfLLMv2Config, converted once per (sparse_config, scaling) and kept on the module."""
+    """The module's InfLLMv2Config, converted once per (sparse_config, scaling) and kept on the module
+    (the memo is checked by identity of the config dict first: a decode step pays one comparison)."""
     sc = getattr(getattr(module, "config", None), "sparse_config", None)
-    key = (tuple(sorted(sc.items())) if isinstance(sc, dict) else sc, scaling)
     memo = getattr(module, "_infllm_cupy_cfg", None)
-    if memo is not None and memo[0] == key:
-        return memo[1]
+    if memo is not None and memo[0] is sc and memo[1] == scaling and memo[2] == sc:   # same dict, unchanged
+        return memo[3]
     cfg = config_from_sparse_config(sc, softmax_scale=None if scaling is None else float(scaling))
     try:
-        module._infllm_cupy_cfg = (key, cfg)
+        module._infllm_cupy_cfg = (sc, scaling, sc.copy() if isinstance(sc, dict) else sc, cfg)
     except AttributeError:  # pragma: no cover - a module that refuses attributes: convert every call
         pass
     return cfg

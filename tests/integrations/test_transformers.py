@@ -363,13 +363,16 @@ def test_gpu_generate_runs_kernels_at_head_dim_128():
     assert toks.shape == (1, 8) and torch.isfinite(logits).all()
 
 
-def _greedy(model, ids, n, cache, forward):
+def _greedy(model, ids, n, cache, forward, feed=None):
     """Prefill eagerly, then n greedy steps through `forward` (explicit positions: no length read back):
-    the n + 1 tokens (the prefill's first) and the n steps' logits."""
+    the n + 1 tokens (the prefill's first) and the n steps' logits. `feed`: tokens to feed instead of
+    the argmax (teacher forcing), `[B, n + 1]`."""
     with torch.no_grad():
         tok = model(ids, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         toks, logits = [tok], []
         for i in range(n):
+            if feed is not None:
+                tok = feed[:, i:i + 1]
             pos = torch.full_like(tok, ids.shape[1] + i)
             lo = forward(input_ids=tok, past_key_values=cache, use_cache=True, position_ids=pos).logits[:, -1]
             tok = lo.argmax(-1, keepdim=True)
@@ -399,25 +402,32 @@ def test_compiled_decode_traces_whole_and_equals_eager_on_cpu():
 
 @pytest.mark.gpu
 def test_gpu_compiled_greedy_equals_eager_and_generate_compiles():
-    """32 greedy steps through torch.compile(mode="reduce-overhead") (CUDA graphs taken) across dense_len
-    give the eager steps' tokens; no graph break in the forward; transformers' generate (which compiles
-    the decode steps of a compileable cache) gives the same tokens."""
+    """32 greedy steps through torch.compile(mode="reduce-overhead") (CUDA graphs taken) across dense_len:
+    fed eager's tokens, the compiled steps' logits match eager's to bf16 rounding and pick eager's token
+    wherever eager's top-2 margin exceeds that rounding (a random bf16 model has near-ties that inductor's
+    fused ops may break the other way); no graph break in the forward; transformers' generate (which
+    compiles the decode steps of a compileable cache) gives the compiled loop's tokens."""
     cfg = small_config(dict(SPARSE, dense_len=320))
     m = model_for(cfg, dtype=torch.bfloat16, device="cuda")
     ids = prompt(1, 300, device="cuda")
     toks_e, logits_e = _greedy(m, ids, 32, hf.InfLLMv2Cache(cfg, max_cache_len=400), m.forward)
     torch._dynamo.reset()
-    cache = hf.InfLLMv2Cache(cfg, max_cache_len=400)
     compiled = torch.compile(m.forward, mode="reduce-overhead")
-    toks_c, logits_c = _greedy(m, ids, 32, cache, compiled)
-    assert torch.equal(toks_c, toks_e), (toks_c, toks_e)
-    torch.testing.assert_close(logits_c, logits_e, atol=0.1, rtol=0.05)
+    _, logits_f = _greedy(m, ids, 32, hf.InfLLMv2Cache(cfg, max_cache_len=400), compiled, feed=toks_e)
+    diff = (logits_f - logits_e).abs().amax(-1)
+    assert float(diff.max()) < 0.25, diff
+    top2 = logits_e.topk(2, -1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 2 * diff
+    assert int(clear.sum()) >= 24, "too few clear steps to compare"
+    assert torch.equal(logits_f.argmax(-1)[clear], logits_e.argmax(-1)[clear])
+    cache = hf.InfLLMv2Cache(cfg, max_cache_len=400)
+    toks_c, _ = _greedy(m, ids, 32, cache, compiled)
     one = torch.zeros(1, 1, dtype=torch.long, device="cuda")
     ex = torch._dynamo.explain(m.forward)(input_ids=one, past_key_values=cache, use_cache=True,
                                           position_ids=torch.full_like(one, 332))
     assert ex.graph_break_count == 0, [str(r) for r in ex.break_reasons]
     gen, _ = generate(m, ids, 33, hf.InfLLMv2Cache(cfg, max_cache_len=400))
-    assert torch.equal(gen, toks_e)
+    assert torch.equal(gen, toks_c)
 
 
 @pytest.mark.gpu
