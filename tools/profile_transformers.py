@@ -6,7 +6,7 @@ r"""Where the time of a transformers prefill (or decode) goes: ours against SDPA
         --intermediate 512 --hq 16 --h 2 --d 64 --vocab 128 --dense-len 256 --topk 4 --window 128
 
 Builds benchmarks/bench_transformers.py's model (same flags, forwarded: --layers, --hidden, --dense-len,
-...; README head config, MiniCPM4 sparse_config, bf16, batch 1). Per implementation (`sdpa`, `ours` =
+...; README head config, MiniCPM4 sparse_config, bf16, batch 1). Per implementation (`sdpa_static`, `ours` =
 InfLLMv2Cache, `ours_dynamic` = DynamicCache): one warm-up run (kernel compiles), one run under
 torch.profiler, one run under `torch.cuda.set_sync_debug_mode("warn")` to count host syncs. A run is a
 prefill of the prompt into a fresh cache (`--phase prefill`) or, after a prefill, `--steps` decode
@@ -60,7 +60,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)      # "--h" (KV heads) is bench_transformers', not --help
     p.add_argument("--context", default="16k", help="prompt length (k = 1024). Default: 16k")
-    p.add_argument("--impls", default="sdpa,ours", help=f"comma-separated, of {bt.IMPLS}. Default: sdpa,ours")
+    p.add_argument("--impls", default="sdpa_static,ours", help=f"comma-separated, of {bt.IMPLS}. Default: "
+                   "sdpa_static,ours")
     p.add_argument("--phase", default="prefill", choices=PHASES)
     p.add_argument("--steps", type=int, default=8, help="decode steps per run (--phase decode). Default: 8")
     p.add_argument("--top", type=int, default=15, help="kernels listed per impl. Default: 15")
@@ -171,7 +172,7 @@ def profile_impl(a, m, model, cfg, impl, ids, dev) -> dict:
 
     from infllm_cupy.integrations.transformers import ATTN_NAME
 
-    model.set_attn_implementation("sdpa" if impl == "sdpa" else ATTN_NAME)
+    model.set_attn_implementation("sdpa" if impl.startswith("sdpa") else ATTN_NAME)
     on_cuda = dev.type == "cuda"
     fn, setup = _runner(m, model, cfg, impl, ids, a.phase, a.steps)
     with torch.no_grad():

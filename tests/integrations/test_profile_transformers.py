@@ -23,7 +23,7 @@ def _tool():
 
 def test_profile_transformers_runs_on_cpu(capsys):
     tool = _tool()
-    for phase, impls in (("prefill", "sdpa,ours"), ("decode", "ours_dynamic")):
+    for phase, impls in (("prefill", "sdpa_static,ours"), ("decode", "ours_dynamic")):
         results = tool.main([*TINY, "--phase", phase, "--steps", "2", "--impls", impls])
         out = capsys.readouterr().out
         assert [r["impl"] for r in results] == impls.split(",")
