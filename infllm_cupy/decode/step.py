@@ -273,9 +273,6 @@ class StepProgram:
         return {name: self.static[name].clone() for name in self.outs}
 
 
-_STEP_OUTS = ("out", "lse", "weights", "topk_idx")
-
-
 def _fast_step(q, cache: DecodeCache, config, return_attn_weights, weights, return_lse, return_topk_idx):
     """`infllmv2_decode` through a `StepProgram` of the cache, or None where the general path must run
     (not a CUDA tensor of the cache's kind: the general path then raises its error)."""
