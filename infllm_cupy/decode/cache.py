@@ -303,6 +303,13 @@ class DecodeCache:
         for name, t in (("k_new", k_new), ("v_new", v_new)):
             check_tensor(name, t, shape=(total, H, D), dtypes=(self.dtype,), device=self.device)
         self._check_capacity(counts)
+        if torch.compiler.is_compiling():
+            # traced (a compiled prefill): one op, the lengths known on the host as in eager
+            torch.ops.infllm_cupy.cache_append_chunk(k_new, v_new, self.k, self.v, self.ck1, self.ck2, self.seqlens,
+                                                     self.block_table, list(self._host_lens), counts)
+            self._host_lens = [L + n for L, n in zip(self._host_lens, counts)]
+            self._min_room = None
+            return
         self._append_chunks(k_new, v_new, counts)
 
     def _append_kernel_ok(self) -> bool:

@@ -200,6 +200,26 @@ def _(k_new, v_new, k_cache, v_cache, ck1, ck2, seqlens, block_table):
     return None
 
 
+@torch.library.custom_op("infllm_cupy::cache_append_chunk",
+                         mutates_args=("k_cache", "v_cache", "ck1", "ck2", "seqlens"))
+def cache_append_chunk_op(k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor, ck1: Tensor, ck2: Tensor,
+                          seqlens: Tensor, block_table: Tensor | None, starts: list[int], counts: list[int]) -> None:
+    """A chunk of `counts[b]` tokens per sequence (packed `[sum(counts), H, D]`) into a cache's tensors
+    whose sequences hold `starts[b]` keys, as `DecodeCache.append(k_new, v_new, cu_seqlens)` (checked
+    there): the keys, values, the windows they complete and the lengths. Any device."""
+    from .cache import DecodeCache
+
+    page = k_cache.shape[1] if block_table is not None else None
+    width = _width(k_cache, block_table)
+    view = DecodeCache(k_cache, v_cache, seqlens, block_table, page, ck1, ck2, starts, [width] * len(starts))
+    view._append_chunks(k_new, v_new, list(counts))
+
+
+@cache_append_chunk_op.register_fake
+def _(k_new, v_new, k_cache, v_cache, ck1, ck2, seqlens, block_table, starts, counts):
+    return None
+
+
 @torch.library.custom_op("infllm_cupy::infllmv2_decode", mutates_args=(), device_types="cuda")
 def infllmv2_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, ck1: Tensor, ck2: Tensor, seqlens: Tensor,
                        block_table: Tensor | None, topk: int, local_blocks: int, init_blocks: int, dense_len: int,

@@ -34,7 +34,7 @@ import functools
 import torch
 
 from ..decode import DecodeCache, infllmv2_decode
-from ..decode.cache import COMPRESSIONS, _h2d
+from ..decode.cache import COMPRESSIONS, _h2d, n_windows
 from ..pipeline import InfLLMv2Config, infllmv2_attention_host_lengths, uses_kernels
 
 __all__ = ["ATTN_NAME", "InfLLMv2Cache", "InfLLMv2CacheLayer", "config_from_sparse_config",
@@ -102,6 +102,16 @@ def _config_of(module, scaling) -> InfLLMv2Config:
 
 
 # --------------------------------------------------------------------------------------- attention
+def _check_padding(attention_mask) -> None:
+    # The mask function registered with us (FlashAttention's) returns None unless a row has padding or the
+    # keys are static (an InfLLMv2Cache's); a 4-D mask is a custom one we cannot honour.
+    if attention_mask is not None and (attention_mask.dim() != 2 or not bool(attention_mask.all())):
+        raise NotImplementedError(
+            "infllm_cupy attention: attention_mask with padding (left- or right-padded batches) or a custom "
+            f"{attention_mask.dim()}-D mask is not supported; run sequences of equal length per batch "
+            "(e.g. batch 1) without padding")
+
+
 def _check_unsupported(module, attention_mask, dropout, kwargs) -> None:
     if dropout:
         raise NotImplementedError(f"infllm_cupy attention: dropout={dropout!r} is not supported (eval mode, or "
@@ -116,14 +126,8 @@ def _check_unsupported(module, attention_mask, dropout, kwargs) -> None:
     if getattr(module, "is_causal", True) is False or kwargs.get("is_causal", True) is False:
         raise NotImplementedError("infllm_cupy attention: is_causal=False (bidirectional attention) is not "
                                   "supported; InfLLM-v2 is causal")
-    if attention_mask is not None:
-        # The mask function registered with us (FlashAttention's) returns None unless a row has padding;
-        # a 4-D mask is a custom one we cannot honour.
-        if attention_mask.dim() != 2 or not bool(attention_mask.all()):
-            raise NotImplementedError(
-                "infllm_cupy attention: attention_mask with padding (left- or right-padded batches) or a custom "
-                f"{attention_mask.dim()}-D mask is not supported; run sequences of equal length per batch "
-                "(e.g. batch 1) without padding")
+    if not torch.compiler.is_compiling():     # traced: the prefill op checks the mask's values
+        _check_padding(attention_mask)
 
 
 def infllm_cupy_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -159,47 +163,102 @@ def infllm_cupy_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
         else:
             out = infllmv2_decode(query[:, :, 0].contiguous(), cache, config=cfg, backend=backend)
         return out.unsqueeze(1), None
+    ck1 = ck2 = None
     if cache is not None:
         if cache._host_stale:                       # compiled or captured steps advanced the device lengths only
             cache.sync_lengths()
         Lk = cache.max_len()
         key, value = key[:, :, :Lk], value[:, :, :Lk]
+        if _cache_compression_matches(cfg):
+            ck1, ck2 = cache.ck1, cache.ck2
     elif attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[-1] != key.shape[2]:
         raise NotImplementedError(
             f"infllm_cupy attention: the keys span {key.shape[2]} positions but the attention mask {attention_mask.shape[-1]} "
             f"(a static cache that is not an InfLLMv2Cache, e.g. StaticCache); use InfLLMv2Cache")
+    if Lq > key.shape[2]:
+        raise ValueError(f"query has {Lq} tokens but key only {key.shape[2]}: the keys must include the queries' own")
+    if Lq == 1 and cache is None:
+        return _decode_on_keys(query, key, value, cfg, backend), None
+    grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    if torch.compiler.is_compiling() and not grad:
+        # one opaque op: dynamo traces none of the pipeline's host-driven code (lengths, plans, launches).
+        # With gradients (training) the pipeline is traced as before: its stage-2 ops carry the backward.
+        return torch.ops.infllm_cupy.infllmv2_prefill(
+            query, key, value, ck1, ck2, attention_mask, cfg.kernel_size, cfg.kernel_stride, cfg.coarse_kernel_size,
+            cfg.coarse_kernel_stride, cfg.block_size, cfg.topk, cfg.local_blocks, cfg.init_blocks, cfg.dense_len,
+            cfg.exact_stage1, cfg.varlen_offset_quirk, cfg.softmax_scale, cfg.score_dtype, backend), None
+    return prefill_attention(query, key, value, ck1, ck2, cfg, backend), None
+
+
+def _decode_on_keys(query, key, value, cfg, backend):
+    """Decode with another HF cache: decode semantics (non-causal stage 1 over the cache, spec section 8)
+    need a DecodeCache; build one from the keys (a copy and a recompression per step and layer). The
+    prefill pipeline on one query would run the causal stage 1 of chunked prefill, which can pick other
+    blocks."""
+    B, HQ, _, D = query.shape
     H, Lk = key.shape[1], key.shape[2]
-    if Lq > Lk:
-        raise ValueError(f"query has {Lq} tokens but key only {Lk}: the keys must include the queries' own")
+    k = key.transpose(1, 2).reshape(B * Lk, H, D)
+    v = value.transpose(1, 2).reshape(B * Lk, H, D)
+    dc = DecodeCache.contiguous(B, Lk, H, D, dtype=key.dtype, device=key.device)
+    dc.append(k, v, [b * Lk for b in range(B + 1)])
+    return infllmv2_decode(query[:, :, 0].contiguous(), dc, config=cfg, backend=backend).unsqueeze(1)
+
+
+def prefill_attention(query, key, value, ck1, ck2, cfg: InfLLMv2Config, backend: str = "auto") -> torch.Tensor:
+    """The attention function's prefill (`Lq > 1`, every row the same length): `query [B, HQ, Lq, D]`,
+    `key`/`value [B, H, Lk, D]` (the cache first, the queries' own keys last) -> `[B, Lq, HQ, D]`.
+    `ck1`/`ck2`: an InfLLMv2Cache's compressed keys `[B, N, H, D]` (the first windows of each row valid
+    for Lk keys), or None to compress here. The op `infllm_cupy::infllmv2_prefill` runs it inside
+    torch.compile."""
+    B, HQ, Lq, D = query.shape
+    H, Lk = key.shape[1], key.shape[2]
     if Lq == Lk and Lk < cfg.dense_len and uses_kernels(query, backend):
         # The pipeline's dense branch on the kernel path is torch SDPA per sequence (causal, GQA); rows
         # of equal length make it one SDPA call on HF's own layout: no packing, no host reads.
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True,
                                                                scale=cfg.softmax_scale, enable_gqa=True)
-        return out.transpose(1, 2).contiguous(), None
+        return out.transpose(1, 2).contiguous()
     # packed varlen: a view for batch 1 (an InfLLMv2Cache's storage row), a copy otherwise
     k = key.transpose(1, 2).reshape(B * Lk, H, D)
     v = value.transpose(1, 2).reshape(B * Lk, H, D)
-    steps = torch.arange(B + 1, dtype=torch.int32)
-    if Lq == 1:
-        # Another HF cache: decode semantics (non-causal stage 1 over the cache, spec section 8) need a
-        # DecodeCache; build one from the keys (a copy and a recompression per step and layer). The
-        # prefill pipeline on one query would run the causal stage 1 of chunked prefill, which can pick
-        # other blocks.
-        dc = DecodeCache.contiguous(B, Lk, H, D, dtype=key.dtype, device=key.device)
-        dc.append(k, v, (steps * Lk).tolist())
-        out = infllmv2_decode(query[:, :, 0].contiguous(), dc, config=cfg, backend=backend)
-        return out.unsqueeze(1), None
     q = query.transpose(1, 2).reshape(B * Lq, HQ, D)
+    steps = torch.arange(B + 1, dtype=torch.int32)
     # Lengths are known here (no padding), so the pipeline reads nothing back from the device; an
     # InfLLMv2Cache already compressed these keys at `update` (docs/integrations.md, "The cache"),
     # so the pipeline does not compress them a second time.
     compressed = None
-    if cache is not None and Lk >= cfg.dense_len and _cache_compression_matches(cfg):
-        compressed = cache.packed_compressed()
+    if ck1 is not None and Lk >= cfg.dense_len:
+        compressed = []
+        for ck, (kr, st) in zip((ck1, ck2), COMPRESSIONS):
+            n = n_windows(Lk, kr, st)
+            compressed += [ck[:, :n].reshape(B * n, H, D), _h2d(steps * n, query.device)]
     out = infllmv2_attention_host_lengths(q, k, v, _h2d(steps * Lq, query.device), _h2d(steps * Lk, query.device),
-                                          [Lq] * B, [Lk] * B, cfg, backend=backend, compressed=compressed)
-    return out.view(B, Lq, HQ, D), None
+                                          [Lq] * B, [Lk] * B, cfg, backend=backend,
+                                          compressed=None if compressed is None else tuple(compressed))
+    return out.view(B, Lq, HQ, D)
+
+
+@torch.library.custom_op("infllm_cupy::infllmv2_prefill", mutates_args=())
+def _prefill_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ck1: torch.Tensor | None,
+                ck2: torch.Tensor | None, attention_mask: torch.Tensor | None, kernel_size: int, kernel_stride: int, coarse_kernel_size: int,
+                coarse_kernel_stride: int, block_size: int, topk: int, local_blocks: int, init_blocks: int,
+                dense_len: int, exact_stage1: bool, varlen_offset_quirk: bool, softmax_scale: float | None,
+                score_dtype: torch.dtype, backend: str) -> torch.Tensor:
+    """`prefill_attention` as an op (any device: CUDA tensors run the kernels, CPU tensors the references),
+    after the padding check on `attention_mask`."""
+    _check_padding(attention_mask)
+    cfg = InfLLMv2Config(kernel_size=kernel_size, kernel_stride=kernel_stride, coarse_kernel_size=coarse_kernel_size,
+                         coarse_kernel_stride=coarse_kernel_stride, block_size=block_size, topk=topk,
+                         local_blocks=local_blocks, init_blocks=init_blocks, dense_len=dense_len,
+                         exact_stage1=exact_stage1, varlen_offset_quirk=varlen_offset_quirk,
+                         softmax_scale=softmax_scale, score_dtype=score_dtype)
+    return prefill_attention(query, key, value, ck1, ck2, cfg, backend)
+
+
+@_prefill_op.register_fake
+def _(query, key, value, ck1, ck2, attention_mask, *args):
+    B, HQ, Lq, D = query.shape
+    return query.new_empty((B, Lq, HQ, D))
 
 
 def _cache_compression_matches(cfg: InfLLMv2Config) -> bool:

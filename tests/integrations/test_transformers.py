@@ -400,6 +400,34 @@ def test_compiled_decode_traces_whole_and_equals_eager_on_cpu():
     assert ex.graph_break_count == 0, [str(r) for r in ex.break_reasons]
 
 
+def test_compiled_prefill_is_one_op_and_equals_eager_on_cpu():
+    """A prefill inside torch.compile (aot_eager on CPU) calls the op `infllm_cupy::infllmv2_prefill` and
+    the chunk-append op: no graph break, eager's logits and cache; padding still raises inside the op."""
+    cfg = small_config(SPARSE)
+    m = model_for(cfg)
+    ids = prompt(2, 300)
+    with torch.no_grad():
+        eager_cache = hf.InfLLMv2Cache(cfg, max_cache_len=320)
+        ref = m(ids, past_key_values=eager_cache, use_cache=True).logits
+        torch._dynamo.reset()
+        cache = hf.InfLLMv2Cache(cfg, max_cache_len=320)
+        ex = torch._dynamo.explain(m.forward)(input_ids=ids, past_key_values=hf.InfLLMv2Cache(cfg, max_cache_len=320),
+                                              use_cache=True)
+        assert ex.graph_break_count == 0, [str(r) for r in ex.break_reasons]
+        got = torch.compile(m.forward, backend="aot_eager")(input_ids=ids, past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    for a, b in zip(cache.decode_caches(), eager_cache.decode_caches()):
+        assert a.lengths() == b.lengths() == [300, 300]
+        for name in ("k", "v", "ck1", "ck2", "seqlens"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.raises(Exception, match="attention_mask"):
+        torch.compile(m.forward, backend="aot_eager")(input_ids=ids, attention_mask=mask, use_cache=True,
+                                                      past_key_values=hf.InfLLMv2Cache(cfg, max_cache_len=320))
+
+
 @pytest.mark.gpu
 def test_gpu_compiled_greedy_equals_eager_and_generate_compiles():
     """32 greedy steps through torch.compile(mode="reduce-overhead") (CUDA graphs taken) across dense_len:
