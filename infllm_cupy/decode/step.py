@@ -206,7 +206,12 @@ def infllmv2_decode(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Conf
     mirror of the lengths, the stage-1 layout and `cache_lens` are built on the device, the stage-1
     output is sized on the cache's width and `sparse_decode` reads nothing back, so the step (with
     `cache.append`) captures in a CUDA graph; the graph keeps the path (dense or sparse) it was
-    captured on. The reference path reads lengths on the host.
+    captured on (the op `infllm_cupy::infllmv2_decode` decides on the device instead). The reference
+    path reads lengths on the host.
+
+    Eager calls on a CUDA cache (`kernel="auto"`) reuse prepared launches kept on the cache, one set per
+    (q shape, config, outputs, path), after the first call's full checks (docs/decode.md, 6); with
+    `cache.graphs` they replay a CUDA graph of them.
     """
     if kernel == "auto" and backend in _FAST_BACKENDS and isinstance(cache, DecodeCache) and cache.k.is_cuda:
         fast = _fast_step(q, cache, config, return_attn_weights, weights, return_lse, return_topk_idx)
