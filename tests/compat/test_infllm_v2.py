@@ -4,6 +4,7 @@ Each `_orig_*` below transcribes the original package's behaviour as the spec de
 (/work/shared/spec/infllm_v2.md sections 4-8: the CUDA kernels' loops and index rules), written
 independently of infllm_cupy's references. CPU tensors, so the reference path runs.
 """
+import importlib
 import math
 import subprocess
 import sys
@@ -435,8 +436,20 @@ def test_install_is_opt_in(monkeypatch):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
     monkeypatch.setitem(sys.modules, "infllm_v2", None)  # restored (removed) after the test
+    for name in infllm_cupy.compat.SUBMODULES:
+        monkeypatch.setitem(sys.modules, f"infllm_v2.{name}", None)
     infllm_cupy.compat.install()
     import infllm_v2
     from infllm_v2 import infllmv2_attn_varlen_func, max_pooling_1d_varlen, topk_to_uint64  # noqa: F401
 
     assert infllm_v2 is iv2 and infllmv2_attn_varlen_func is iv2.infllmv2_attn_varlen_func
+    # every submodule path of the original package resolves to the same functions
+    for name, names in infllm_cupy.compat.SUBMODULES.items():
+        mod = importlib.import_module(f"infllm_v2.{name}")
+        for n in names:
+            assert getattr(mod, n) is getattr(iv2, n), (name, n)
+    from infllm_v2.max_pooling_1d import max_pooling_1d_varlen as mp      # noqa: F401
+    from infllm_v2.topk_to_uint64 import TopkToUint64Converter            # noqa: F401
+    from infllm_v2.infllmv2_sparse_attention import infllmv2_attn_with_kvcache   # noqa: F401
+
+    assert mp is iv2.max_pooling_1d_varlen
