@@ -45,12 +45,15 @@ __version__ = "0.1.0"
 _BLOCK = 64
 
 
-def _unsupported(**args) -> None:
-    """NotImplementedError for the first argument that asks for a feature we do not implement.
+# Arguments of features the original builds without (-DFLASHATTENTION_DISABLE_{DROPOUT,ALIBI,SOFTCAP,LOCAL},
+# spec section 2): it ignores them. The others it passes to its kernels with FlashAttention's meaning.
+_COMPILED_OUT = ("dropout_p", "alibi_slopes", "softcap", "window_size")
 
-    The original compiles these features out and ignores the arguments (spec section 2); a loud
-    error is better than a result the caller believes includes them.
-    """
+
+def _unsupported(**args) -> None:
+    """NotImplementedError for the first argument that asks for a feature we do not implement, saying what
+    the original does with it: ignores it (a feature compiled out, `_COMPILED_OUT`), or implements it
+    (paged K/V in the varlen functions, rotary embedding, cache batch indices, left padding)."""
     for name, (value, default) in args.items():
         if isinstance(default, tuple):
             bad = tuple(value) != default
@@ -59,9 +62,12 @@ def _unsupported(**args) -> None:
         else:
             bad = value != default
         if bad:
-            raise NotImplementedError(
-                f"infllm_v2 compat: {name}={value!r} is not supported (only {name}={default!r}); "
-                "the original InfLLM-v2 kernels compile this feature out as well")
+            shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+            why = ("the original InfLLM-v2 is built without this feature and ignores the argument, so no result "
+                   "of either includes it" if name in _COMPILED_OUT else
+                   "the original implements it (FlashAttention's meaning); infllm-cupy's compat layer does not yet")
+            raise NotImplementedError(f"infllm_v2 compat: {name}={shown} is not supported (only {name}={default!r}); "
+                                      f"{why}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -285,15 +291,55 @@ def infllmv2_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     return out, lse, None
 
 
+def _check_new_kv(k_cache, v_cache, k, v, seqlens, block_table) -> None:
+    """Everything `_append_new_kv` needs, checked before it writes anything (a failed call leaves the
+    caches as they were): shapes, dtype and device against the caches', and every new position inside
+    its sequence's cache (paged: on a page of the table, not -1). Reads the lengths and the table on the
+    host, as the writes do."""
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache and v_cache must be [.., .., nheads_k, headdim] of one shape, got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    B = seqlens.shape[0]
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[0] != B or t.shape[2:] != k_cache.shape[2:]:
+            raise ValueError(f"{name} must be [batch={B}, seqlen_new, nheads_k={k_cache.shape[2]}, "
+                             f"headdim={k_cache.shape[3]}], got {tuple(getattr(t, 'shape', ()))}")
+        if t.dtype != k_cache.dtype or t.device != k_cache.device:
+            raise ValueError(f"{name} must be {k_cache.dtype} on {k_cache.device} (the cache's), got {t.dtype} on "
+                             f"{t.device}")
+    if v.shape != k.shape:
+        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    n = k.shape[1]
+    page = k_cache.shape[1]
+    lens = [int(x) for x in seqlens.tolist()]
+    if block_table is None:
+        for b, L in enumerate(lens):
+            if L < 0 or L + n > page:
+                raise ValueError(f"cache_seqlens: sequence {b} holds {L} keys; the cache ({page} positions) cannot "
+                                 f"take {n} more")
+        return
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != B:
+        raise ValueError(f"block_table must be int32 [batch={B}, max_pages], got {block_table.dtype} "
+                         f"{tuple(block_table.shape)}")
+    table = block_table.cpu()
+    for b, L in enumerate(lens):
+        if n == 0:
+            continue
+        first, last = L // page, (L + n - 1) // page
+        if L < 0 or last >= table.shape[1] or bool(((table[b, first:last + 1] < 0)
+                                                      | (table[b, first:last + 1] >= k_cache.shape[0])).any()):
+            raise ValueError(f"block_table: sequence {b} (holding {L} keys) has no valid page for positions "
+                             f"{L} .. {L + n - 1} (pages {first} .. {last} of its row)")
+
+
 def _append_new_kv(k_cache, v_cache, k, v, seqlens, block_table):
-    """Write the new keys/values of each sequence at `seqlens[b]` onwards, in place (paged or not)."""
+    """Write the new keys/values of each sequence at `seqlens[b]` onwards, in place (paged or not); the
+    inputs checked by `_check_new_kv`."""
     B, S_new = k.shape[:2]
     page = k_cache.shape[1]
     for b in range(B):
         pos = int(seqlens[b]) + torch.arange(S_new, device=k.device)
         if block_table is None:
-            if int(pos[-1]) >= page:
-                raise ValueError(f"sequence {b}: the cache ({page} positions) cannot hold {int(pos[-1]) + 1}")
             k_cache[b, pos] = k[b]
             v_cache[b, pos] = v[b]
         else:
@@ -343,17 +389,21 @@ def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=N
         seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
     else:
         seqlens = cache_seqlens.to(torch.int32)
-    if k is not None:
-        _append_new_kv(k_cache, v_cache, k, v, seqlens, block_table)
-        seqlens = seqlens + k.shape[1]
+    # every check before the new keys are written: a failed call leaves the caches unchanged
     sel = None
     if topk_idx is not None:
-        if topk_idx.dtype != torch.int32:
-            raise TypeError(f"topk_idx must be int32, got {topk_idx.dtype}")
+        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dtype != torch.int32:
+            raise TypeError(f"topk_idx must be an int32 tensor, got {getattr(topk_idx, 'dtype', type(topk_idx))}")
         if topk_idx.dim() != 4 or tuple(topk_idx.shape[:3]) != (B, H, 1):
             raise ValueError(f"topk_idx must be [batch, nheads_k, 1, K] = [{B}, {H}, 1, K], "
                              f"got {tuple(topk_idx.shape)}")
         sel = topk_idx[:, :, 0, :].permute(1, 0, 2).contiguous()  # our layout [h_kv, B, K]
+    if seqlens.shape != (B,):
+        raise ValueError(f"cache_seqlens must be an int or [batch={B}], got shape {tuple(seqlens.shape)}")
+    if k is not None:
+        _check_new_kv(k_cache, v_cache, k, v, seqlens, block_table)
+        _append_new_kv(k_cache, v_cache, k, v, seqlens, block_table)
+        seqlens = seqlens + k.shape[1]
     cache = (k_cache, v_cache, seqlens) + ((block_table,) if paged else ())
     res = sparse_decode(q[:, 0], cache, sel, softmax_scale=softmax_scale, return_lse=bool(return_softmax_lse))
     if return_softmax_lse:

@@ -384,6 +384,46 @@ def test_kvcache_decode(paged):
     torch.testing.assert_close(out2.double(), want2, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_failed_call_leaves_the_caches_unchanged(paged):
+    """Every check of `infllmv2_attn_with_kvcache` runs before the new k/v are written: a bad selection, bad
+    new keys, an overflowing position or a missing page raise naming the argument, and every cache tensor
+    stays bit-identical."""
+    g = torch.Generator().manual_seed(9)
+    B, hk, d, page = 2, 2, 32, 64
+    q = torch.randn(B, 1, 4 * hk, d, generator=g)
+    if paged:
+        k_cache, v_cache = (torch.randn(5, page, hk, d, generator=g) for _ in range(2))
+        block_table = torch.tensor([[3, 0], [1, -1]], dtype=torch.int32)      # sequence 1 has one page
+    else:
+        k_cache, v_cache = (torch.randn(B, 2 * page, hk, d, generator=g) for _ in range(2))
+        block_table = None
+    k_new, v_new = (torch.randn(B, 1, hk, d, generator=g) for _ in range(2))
+    seqlens = torch.tensor([70, 20], dtype=torch.int32)
+    good = torch.zeros(B, hk, 1, 3, dtype=torch.int32)
+    before = (k_cache.clone(), v_cache.clone())
+    bad_calls = [
+        (TypeError, "topk_idx", dict(topk_idx=good.long())),
+        (ValueError, "topk_idx", dict(topk_idx=good[:, :1])),
+        (ValueError, "k must be", dict(k=k_new[:, :, :1], v=v_new)),
+        (ValueError, "k must be", dict(k=k_new.double(), v=v_new.double())),
+        (ValueError, "v must be", dict(k=k_new, v=v_new[:, :, :, :16])),
+        (ValueError, "k and v", dict(k=k_new, v=torch.cat([v_new, v_new], 1))),
+        (ValueError, "block_table" if paged else "cache_seqlens",
+         dict(cache_seqlens=torch.tensor([70, 64 if paged else 128], dtype=torch.int32))),
+        (ValueError, "cache_seqlens", dict(cache_seqlens=torch.tensor([1, 2, 3], dtype=torch.int32))),
+    ]
+    for exc, match, kw in bad_calls:
+        args = dict(k=k_new, v=v_new, cache_seqlens=seqlens, block_table=block_table, topk_idx=good)
+        args.update(kw)
+        with pytest.raises(exc, match=match):
+            iv2.infllmv2_attn_with_kvcache(q, k_cache, v_cache, **args)
+        assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1]), kw
+    iv2.infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=seqlens,
+                                   block_table=block_table, topk_idx=good)
+    assert not torch.equal(k_cache, before[0])                  # the good call writes
+
+
 # ---------------------------------------------------------------------------------------------
 # unsupported arguments, install()
 # ---------------------------------------------------------------------------------------------
