@@ -247,6 +247,42 @@ def max_pooling_1d_varlen(input: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_se
 # Stage 2 (infllmv2_sparse_attention.py)
 # ----------------------------------------------------------------------------------------------
 
+def _gather_pages(k_cache, v_cache, cu_seqlens_k, block_table):
+    """Paged K/V as the varlen function takes them packed (FlashAttention's paged varlen layout, which
+    the original passes to its kernel): sequence b's key t, `t < cu_seqlens_k[b + 1] - cu_seqlens_k[b]`,
+    is at `k_cache[block_table[b, t // page_size], t % page_size]`. Returns packed `[total_k, h_kv, d]`
+    copies (differentiable: the gradients flow back to the pages). Reads the lengths and the table on the
+    host to check that every key has a page."""
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"with block_table, k and v must be [num_pages, page_size, nheads_k, headdim] of one "
+                         f"shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
+        raise ValueError(f"block_table must be an int32 [batch, max_pages] tensor, got "
+                         f"{getattr(block_table, 'dtype', type(block_table))} {tuple(getattr(block_table, 'shape', ()))}")
+    cu = [int(x) for x in cu_seqlens_k.tolist()]
+    B, page = len(cu) - 1, k_cache.shape[1]
+    if block_table.shape[0] != B:
+        raise ValueError(f"block_table has {block_table.shape[0]} rows for {B} sequences (cu_seqlens_k)")
+    table = block_table.cpu().long()
+    rows, slots = [], []
+    for b in range(B):
+        L = cu[b + 1] - cu[b]
+        if L <= 0:
+            continue
+        need = (L + page - 1) // page
+        if need > table.shape[1] or bool(((table[b, :need] < 0) | (table[b, :need] >= k_cache.shape[0])).any()):
+            raise ValueError(f"block_table: sequence {b} has {L} keys but no valid page for some of its first "
+                             f"{need} pages")
+        t = torch.arange(L)
+        rows.append(table[b, t // page])
+        slots.append(t % page)
+    if not rows:
+        return k_cache.new_empty((0, *k_cache.shape[2:])), v_cache.new_empty((0, *v_cache.shape[2:]))
+    r = torch.cat(rows).to(k_cache.device)
+    c = torch.cat(slots).to(k_cache.device)
+    return k_cache[r, c], v_cache[r, c]
+
+
 def infllmv2_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                               alibi_slopes=None, deterministic=False, return_attn_probs=False,
@@ -261,6 +297,9 @@ def infllmv2_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     The original has no `block_window_size` argument (its sliding window inside stage 2 was removed;
     the local window is the forced top-k blocks, spec 5); nor does this function.
 
+    `block_table` (int32 `[batch, max_pages]`): k and v are paged, `[num_pages, page_size, h_kv, d]`,
+    FlashAttention's layout (`_gather_pages`); the keys are gathered into the packed form first.
+
     Returns:
         `out [total_q, h_q, d]`; with `return_attn_probs`, `(out, softmax_lse, None)` where
         softmax_lse is float32 `[h_kv, total_q * G]` (row `t * G + g`, the original's expanded layout)
@@ -268,7 +307,9 @@ def infllmv2_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         probabilities without dropout, hence None.
     """
     _unsupported(dropout_p=(dropout_p, 0.0), window_size=(window_size, (-1, -1)), softcap=(softcap, 0.0),
-                 alibi_slopes=(alibi_slopes, None), block_table=(block_table, None))
+                 alibi_slopes=(alibi_slopes, None))
+    if block_table is not None:
+        k, v = _gather_pages(k, v, cu_seqlens_k, block_table)
     T, HQ, _ = q.shape
     H = k.shape[1]
     if HQ % H:

@@ -440,10 +440,50 @@ def _small():
 def test_varlen_and_stage1_unsupported(kw):
     q, k, cu = _small()
     name = next(iter(kw))
-    with pytest.raises(NotImplementedError, match=name):
-        iv2.infllmv2_attn_varlen_func(q, k, k, cu, cu, 64, 64, **kw)
+    if name != "block_table":                  # the varlen function takes paged K/V (test below)
+        with pytest.raises(NotImplementedError, match=name):
+            iv2.infllmv2_attn_varlen_func(q, k, k, cu, cu, 64, 64, **kw)
     with pytest.raises(NotImplementedError, match=name):
         iv2.infllmv2_attn_stage1(q, k, k, cu, cu, cu, 64, 64, **kw)
+
+
+@pytest.mark.parametrize("page", [64, 256])
+def test_varlen_paged_kv_equals_packed(page):
+    """`block_table` in `infllmv2_attn_varlen_func`: K/V in shuffled pages (FlashAttention's paged varlen
+    layout) give the packed call's output and lse exactly, ragged lengths, sparse and dense; a missing
+    page raises naming block_table."""
+    g = torch.Generator().manual_seed(12)
+    lq, lk, hk, G, d = [5, 70], [300, 130], 2, 4, 32
+    q = torch.randn(sum(lq), hk * G, d, generator=g)
+    k = torch.randn(sum(lk), hk, d, generator=g)
+    v = torch.randn(sum(lk), hk, d, generator=g)
+    cu_q, cu_k = _cu(lq), _cu(lk)
+    per = [-(-L // page) for L in lk]
+    n_pages = sum(per) + 2
+    order = torch.randperm(n_pages, generator=g)
+    table = torch.full((2, max(per)), -1, dtype=torch.int32)
+    k_pages, v_pages = torch.zeros(n_pages, page, hk, d), torch.zeros(n_pages, page, hk, d)
+    o, used = 0, 0
+    for b, L in enumerate(lk):
+        for p in range(per[b]):
+            pid = int(order[used])
+            used += 1
+            table[b, p] = pid
+            n = min(page, L - p * page)
+            k_pages[pid, :n] = k[o + p * page:o + p * page + n]
+            v_pages[pid, :n] = v[o + p * page:o + p * page + n]
+        o += L
+    topk = torch.randint(-1, 5, (hk, sum(lq), 3), generator=g, dtype=torch.int32)
+    for sel in (topk, None):
+        want = iv2.infllmv2_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=True, topk_idx=sel,
+                                             return_attn_probs=True)
+        got = iv2.infllmv2_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max(lq), max(lk), causal=True,
+                                            topk_idx=sel, block_table=table, return_attn_probs=True)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    bad = table.clone()
+    bad[1, 0] = -1
+    with pytest.raises(ValueError, match="block_table"):
+        iv2.infllmv2_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max(lq), max(lk), block_table=bad)
 
 
 @pytest.mark.parametrize("kw", [dict(rotary_cos=torch.ones(8, 16)), dict(rotary_sin=torch.ones(8, 16)),
