@@ -332,7 +332,56 @@ def infllmv2_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     return out, lse, None
 
 
-def _check_new_kv(k_cache, v_cache, k, v, seqlens, block_table) -> None:
+def _check_batch_idx(cache_batch_idx, B: int, n_rows: int, paged: bool) -> list:
+    """The cache rows `cache_batch_idx` names, as host ints, checked."""
+    if paged:
+        raise ValueError("cache_batch_idx: not with a paged cache (block_table): FlashAttention takes it for "
+                         "contiguous caches only")
+    if (not isinstance(cache_batch_idx, torch.Tensor) or cache_batch_idx.dtype != torch.int32
+            or tuple(cache_batch_idx.shape) != (B,)):
+        raise ValueError(f"cache_batch_idx must be an int32 tensor [batch={B}], got "
+                         f"{getattr(cache_batch_idx, 'dtype', type(cache_batch_idx))} "
+                         f"{tuple(getattr(cache_batch_idx, 'shape', ()))}")
+    rows = [int(x) for x in cache_batch_idx.tolist()]
+    if any(r < 0 or r >= n_rows for r in rows):
+        raise ValueError(f"cache_batch_idx: rows must be in [0, {n_rows}) (the cache's batch), got {rows[:16]}")
+    return rows
+
+
+def _check_rotary(cos, sin, q, seqlens, n_new: int) -> None:
+    for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape != cos.shape:
+            raise ValueError(f"{name} must be [seqlen_ro, rotary_dim / 2] (both of one shape), got "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name} must be {q.dtype} on {q.device} (q's), got {t.dtype} on {t.device}")
+    rd = 2 * cos.shape[1]
+    if rd % 16 or rd > q.shape[-1]:
+        raise ValueError(f"rotary_cos: rotary_dim = 2 x {cos.shape[1]} = {rd} must be a multiple of 16 and at "
+                         f"most headdim {q.shape[-1]}")
+    need = int(seqlens.max()) + n_new if seqlens.numel() else 0
+    if need > cos.shape[0]:
+        raise ValueError(f"rotary_cos: {cos.shape[0]} positions, the new keys reach position {need - 1}")
+
+
+def _rotate(x, cos, sin, pos, interleaved: bool):
+    """Rotary embedding of `x [B, S, h, d]` at positions `pos [B, S]` over its first rotary_dim dims,
+    FlashAttention's kvcache formula (fp32, rounded to x's dtype): interleaved pairs (2i, 2i + 1), or the
+    halves (i, i + rotary_dim / 2)."""
+    rd = 2 * cos.shape[1]
+    c = cos.float()[pos][:, :, None]                    # [B, S, 1, rd / 2]
+    s = sin.float()[pos][:, :, None]
+    xr = x[..., :rd].float()
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        out = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., :rd // 2], xr[..., rd // 2:]
+        out = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return torch.cat((out.to(x.dtype), x[..., rd:]), dim=-1)
+
+
+def _check_new_kv(k_cache, v_cache, k, v, seqlens, block_table, rows=None) -> None:
     """Everything `_append_new_kv` needs, checked before it writes anything (a failed call leaves the
     caches as they were): shapes, dtype and device against the caches', and every new position inside
     its sequence's cache (paged: on a page of the table, not -1). Reads the lengths and the table on the
@@ -354,6 +403,8 @@ def _check_new_kv(k_cache, v_cache, k, v, seqlens, block_table) -> None:
     page = k_cache.shape[1]
     lens = [int(x) for x in seqlens.tolist()]
     if block_table is None:
+        if rows is None and k_cache.shape[0] != B:
+            raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences, q {B} (or pass cache_batch_idx)")
         for b, L in enumerate(lens):
             if L < 0 or L + n > page:
                 raise ValueError(f"cache_seqlens: sequence {b} holds {L} keys; the cache ({page} positions) cannot "
@@ -373,16 +424,17 @@ def _check_new_kv(k_cache, v_cache, k, v, seqlens, block_table) -> None:
                              f"{L} .. {L + n - 1} (pages {first} .. {last} of its row)")
 
 
-def _append_new_kv(k_cache, v_cache, k, v, seqlens, block_table):
-    """Write the new keys/values of each sequence at `seqlens[b]` onwards, in place (paged or not); the
-    inputs checked by `_check_new_kv`."""
+def _append_new_kv(k_cache, v_cache, k, v, seqlens, block_table, rows=None):
+    """Write the new keys/values of each sequence at `seqlens[b]` onwards, in place (paged or not; cache
+    row `rows[b]` of a contiguous cache, b without `rows`); the inputs checked by `_check_new_kv`."""
     B, S_new = k.shape[:2]
     page = k_cache.shape[1]
     for b in range(B):
         pos = int(seqlens[b]) + torch.arange(S_new, device=k.device)
         if block_table is None:
-            k_cache[b, pos] = k[b]
-            v_cache[b, pos] = v[b]
+            r = b if rows is None else rows[b]
+            k_cache[r, pos] = k[b]
+            v_cache[r, pos] = v[b]
         else:
             pages = block_table[b].long()[pos // page]
             k_cache[pages, pos % page] = k[b]
@@ -409,9 +461,16 @@ def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=N
 
     With one query the causal mask (bottom-right aligned) allows every cached key, so `causal`
     changes nothing. `num_splits` is a performance knob and is ignored.
+
+    FlashAttention's kvcache arguments, as the original passes them on:
+        rotary_cos, rotary_sin: `[seqlen_ro, rotary_dim / 2]` (q's dtype, rotary_dim a multiple of 16, at
+            most d), with `k`/`v` only: q is rotated at position `cache_seqlens[b]` and the new keys at
+            `cache_seqlens[b] + i`, over their first rotary_dim dims (`rotary_interleaved`: pairs (0, 1),
+            (2, 3), ...; else GPT-NeoX halves), in fp32 then rounded, before the keys are written.
+        cache_batch_idx: int32 `[B]`, the cache row of each sequence (contiguous caches); attention reads
+            a gathered copy of those rows.
     """
-    _unsupported(rotary_cos=(rotary_cos, None), rotary_sin=(rotary_sin, None),
-                 cache_batch_idx=(cache_batch_idx, None), cache_leftpad=(cache_leftpad, None),
+    _unsupported(cache_leftpad=(cache_leftpad, None),
                  window_size=(window_size, (-1, -1)), softcap=(softcap, 0.0), alibi_slopes=(alibi_slopes, None))
     if q.dim() != 4:
         raise ValueError(f"q must be [batch, seqlen, nheads, headdim], got {tuple(q.shape)}")
@@ -441,10 +500,27 @@ def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=N
         sel = topk_idx[:, :, 0, :].permute(1, 0, 2).contiguous()  # our layout [h_kv, B, K]
     if seqlens.shape != (B,):
         raise ValueError(f"cache_seqlens must be an int or [batch={B}], got shape {tuple(seqlens.shape)}")
+    rows = None
+    if cache_batch_idx is not None:
+        rows = _check_batch_idx(cache_batch_idx, B, k_cache.shape[0], paged)
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None:
+        if k is None:
+            raise ValueError("rotary_cos/rotary_sin rotate the new keys and q: they need k and v (FlashAttention's "
+                             "rule)")
+        _check_rotary(rotary_cos, rotary_sin, q, seqlens, k.shape[1] if isinstance(k, torch.Tensor) else 0)
     if k is not None:
-        _check_new_kv(k_cache, v_cache, k, v, seqlens, block_table)
-        _append_new_kv(k_cache, v_cache, k, v, seqlens, block_table)
+        _check_new_kv(k_cache, v_cache, k, v, seqlens, block_table, rows)
+        if rotary_cos is not None:
+            pos = seqlens.long().to(q.device)[:, None]
+            q = _rotate(q, rotary_cos, rotary_sin, pos, rotary_interleaved)
+            k = _rotate(k, rotary_cos, rotary_sin, pos + torch.arange(k.shape[1], device=q.device), rotary_interleaved)
+        _append_new_kv(k_cache, v_cache, k, v, seqlens, block_table, rows)
         seqlens = seqlens + k.shape[1]
+    if rows is not None:
+        idx = torch.tensor(rows, dtype=torch.long, device=k_cache.device)
+        k_cache, v_cache = k_cache.index_select(0, idx), v_cache.index_select(0, idx)
     cache = (k_cache, v_cache, seqlens) + ((block_table,) if paged else ())
     res = sparse_decode(q[:, 0], cache, sel, softmax_scale=softmax_scale, return_lse=bool(return_softmax_lse))
     if return_softmax_lse:

@@ -424,6 +424,63 @@ def test_kvcache_failed_call_leaves_the_caches_unchanged(paged):
     assert not torch.equal(k_cache, before[0])                  # the good call writes
 
 
+def _rope_by_hand(x, cos, sin, pos, interleaved):
+    """FlashAttention's kvcache rotary, written out per pair: x `[d]` at position `pos`."""
+    out = x.double().clone()
+    half = cos.shape[1]
+    for i in range(half):
+        a, b = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+        c, s_ = float(cos[pos, i]), float(sin[pos, i])
+        out[a] = x[a].double() * c - x[b].double() * s_
+        out[b] = x[a].double() * s_ + x[b].double() * c
+    return out
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_kvcache_rotary_and_cache_batch_idx(interleaved):
+    """rotary_cos/sin (q at cache_seqlens, the new keys at cache_seqlens + i, first rotary_dim dims) and
+    cache_batch_idx (each sequence's cache row), as FlashAttention's kvcache defines them: the written keys
+    and the output against a by-hand rotation and attention; the other cache rows untouched."""
+    g = torch.Generator().manual_seed(13)
+    B, S, hk, G, d, rd = 2, 192, 2, 4, 32, 16
+    rows, seqlens = [2, 0], torch.tensor([40, 130], dtype=torch.int32)
+    k_cache = torch.randn(3, S, hk, d, generator=g)
+    v_cache = torch.randn(3, S, hk, d, generator=g)
+    before = k_cache.clone()
+    q = torch.randn(B, 1, hk * G, d, generator=g)
+    k_new, v_new = torch.randn(B, 1, hk, d, generator=g), torch.randn(B, 1, hk, d, generator=g)
+    ang = torch.rand(256, rd // 2, generator=g) * 6.0
+    cos, sin = ang.cos(), ang.sin()
+    topk = torch.randint(-1, 3, (B, hk, 1, 2), generator=g, dtype=torch.int32)
+    out = iv2.infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, rotary_cos=cos, rotary_sin=sin,
+                                         cache_seqlens=seqlens, cache_batch_idx=torch.tensor(rows, dtype=torch.int32),
+                                         rotary_interleaved=interleaved, topk_idx=topk)
+    q_rot = torch.zeros(B, 1, hk * G, d, dtype=torch.float64)
+    k_full, v_full = before[rows].double(), v_cache[rows].double()
+    for b in range(B):
+        L = int(seqlens[b])
+        for h in range(hk * G):
+            q_rot[b, 0, h] = _rope_by_hand(q[b, 0, h], cos, sin, L, interleaved)
+        for h in range(hk):
+            want_k = _rope_by_hand(k_new[b, 0, h], cos, sin, L, interleaved)
+            torch.testing.assert_close(k_cache[rows[b], L, h].double(), want_k, atol=1e-6, rtol=1e-6)
+            k_full[b, L, h] = want_k
+        v_full[b, L] = v_new[b, 0].double()
+    assert torch.equal(k_cache[1], before[1])                       # a row no sequence uses
+    want, _ = _orig_decode(q_rot, k_full, v_full, seqlens + 1, topk)
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="need k and v"):
+        iv2.infllmv2_attn_with_kvcache(q, k_cache, v_cache, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens,
+                                       cache_batch_idx=torch.tensor(rows, dtype=torch.int32))
+    with pytest.raises(ValueError, match="cache_batch_idx"):
+        iv2.infllmv2_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                       cache_batch_idx=torch.tensor([0, 3], dtype=torch.int32))
+    with pytest.raises(ValueError, match="rotary_cos"):
+        iv2.infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, rotary_cos=cos[:100],
+                                       rotary_sin=sin[:100], cache_seqlens=seqlens,
+                                       cache_batch_idx=torch.tensor(rows, dtype=torch.int32))
+
+
 # ---------------------------------------------------------------------------------------------
 # unsupported arguments, install()
 # ---------------------------------------------------------------------------------------------
@@ -486,9 +543,7 @@ def test_varlen_paged_kv_equals_packed(page):
         iv2.infllmv2_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max(lq), max(lk), block_table=bad)
 
 
-@pytest.mark.parametrize("kw", [dict(rotary_cos=torch.ones(8, 16)), dict(rotary_sin=torch.ones(8, 16)),
-                                dict(cache_batch_idx=torch.zeros(1, dtype=torch.int32)),
-                                dict(cache_leftpad=torch.zeros(1, dtype=torch.int32)), dict(softcap=1.0),
+@pytest.mark.parametrize("kw", [dict(cache_leftpad=torch.zeros(1, dtype=torch.int32)), dict(softcap=1.0),
                                 dict(alibi_slopes=torch.ones(16)), dict(window_size=(8, 0))])
 def test_kvcache_unsupported(kw):
     q = torch.randn(1, 1, 16, 32)
