@@ -24,6 +24,17 @@ def test_quickstart_runs():
     # the budget the quickstart's comment states
     cfg = ns["InfLLMv2Config"](topk=16, local_blocks=4, dense_len=0)
     assert "K = topk + local_blocks = 20" in blocks[0] and cfg.topk + cfg.local_blocks == 20
+    # the decode block continues the quickstart's names
+    assert "DecodeCache" in blocks[1]
+    exec(compile(blocks[1], "README.md (decode)", "exec"), ns)
+    assert ns["o"].shape == (1, HQ, D) and torch.isfinite(ns["o"].float()).all()
+    assert ns["cache"].lengths() == [T + 4]
+
+
+def test_every_python_block_is_run():
+    """README.md's python blocks: the quickstart and decode (above) and the transformers block
+    (tests/integrations/test_transformers.py); a new block needs a test."""
+    assert len(re.findall(r"```python\n", README)) == 3
 
 
 def test_paths_it_names_exist_in_a_clone():
