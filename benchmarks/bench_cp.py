@@ -3,7 +3,7 @@ r"""Context parallelism (infllm_cupy.distributed): W GPUs against 1 at the same 
     torchrun --nproc_per_node 2 benchmarks/bench_cp.py             # 128k and 256k, search, 2 H100s
     torchrun --nproc_per_node 2 benchmarks/bench_cp.py --lengths 262144 --no-search --json cp.json
     torchrun --nproc_per_node 8 benchmarks/bench_cp.py --lengths 1048576 --ranks 2,4,8 --skip-single \
-        --no-search --check-blocks 8      # issue #28: 1M tokens on 8 ranks, and on 2 and 4 at that length
+        --no-search --check-blocks 8      # 1M tokens on 8 ranks, and on 2 and 4 at that length
     torchrun --nproc_per_node 2 benchmarks/bench_cp.py --device cpu --lengths 1024 --q-heads 4 --kv-heads 2 \
         --head-dim 16 --topk 4 --local-blocks 2 --no-search --rep 1     # CPU smoke run (gloo, references)
 
@@ -115,7 +115,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--ranks",
         default=None,
-        help="comma-separated group sizes to run the layer on, each the first n ranks (issue #28's "
+        help="comma-separated group sizes to run the layer on, each the first n ranks (the 1M-token run's "
         "scaling: 2,4,8 on 8 GPUs). Default: the whole world",
     )
     p.add_argument("--grad-reduce-dtype", default="input", choices=("input", "float32"))

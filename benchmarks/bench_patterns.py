@@ -1,4 +1,4 @@
-r"""The pattern zoo (issue #23): every pattern through our block-sparse op against FlexAttention with the
+r"""The pattern zoo: every pattern through our block-sparse op against FlexAttention with the
 same mask and dense cuDNN SDPA, forward and forward+backward, in one process.
 
     python benchmarks/bench_patterns.py                                   # 32kx8 and 128kx2, all patterns
@@ -35,7 +35,7 @@ default backend). Per config the anchors run first, then ours. Before timing, a 
 2k-token sequence that each BlockMask makes FlexAttention compute exactly our (query, key) pairs.
 Effective TFLOP/s count the keys each query attends under the pattern (causal clipping included; dense:
 all of them); bwd = 2.5x, fwdbwd = 3.5x the forward. density = attended keys / dense keys.
-Goals (issue #23): flex ms / ours ms >= 1.2; ours ms / (density x dense ms) <= 1.3.
+Goals: flex ms / ours ms >= 1.2; ours ms / (density x dense ms) <= 1.3.
 
 Time: the default run (2 configs x 5 patterns x fwd,fwdbwd) is estimated, not measured, at about
 3.5 to 4 minutes on an H100: about 100 s of FlexAttention compiles (a forward and a backward kernel per

@@ -3,7 +3,7 @@ r"""InfLLM-v2 end to end (compression -> stage 1 -> top-k -> stage 2) against de
     python benchmarks/bench_pipeline.py --quick                                  # smoke run, one small config
     python benchmarks/bench_pipeline.py --configs 32kx8 --json benchmarks/results/pipeline_32k.json
     python benchmarks/bench_pipeline.py --configs 32kx8,64kx4,128kx2 --max-configs 1   # the first one only
-    python benchmarks/bench_pipeline.py --configs 32kx8,128kx2 --inputs structured,random   # issue #26's goals
+    python benchmarks/bench_pipeline.py --configs 32kx8,128kx2 --inputs structured,random   # the selection goals
     python benchmarks/bench_pipeline.py --configs 512kx1,1Mx1 --inputs structured --impls selection,stage2,pipeline,sdpa_cudnn
 
 Inputs (`--inputs`, comma-separated, each config runs once per mode):
@@ -25,7 +25,7 @@ Rows (impl), all forward under `no_grad`, on the same seeded bf16 inputs:
                 `topk_idx` per 128-token query tile (infllm_cupy/selections.py): the least an exact
                 FlexAttention version of the same selection computes
 Summary: per config and input mode, the ms of every row, `selection/stage2` (selection ms / stage-2 ms) and
-anchor ms / pipeline ms; then the verdicts of issue #26's goals (`goal_verdicts`).
+anchor ms / pipeline ms; then the verdicts of the selection goals (`goal_verdicts`).
 Memory: the selection's and the pipeline's extra GPU memory, `torch.cuda.max_memory_allocated()`
 during one call minus the memory allocated before it (inputs and earlier results excluded).
 TFLOP/s are effective (keys each query attends: the selection's for stage2/pipeline, the tiles' for
@@ -427,7 +427,7 @@ def summary(rows: list[Row], memory: list[dict]) -> list[dict]:
     return out
 
 
-# Issue #26's goals (H100, README head config, K = 96): (T, B, inputs or None for every kind, column,
+# The selection and pipeline goals (H100, README head config, K = 96): (T, B, inputs or None for every kind, column,
 # "min" / "max", target, label). The selection goals were stated on the pipeline's own selection.
 GOALS = (
     (32768, 8, "structured", "sdpa_cudnn/pipeline", "min", 2.0, "whole pipeline vs dense cuDNN SDPA, 32k x 8"),
@@ -566,7 +566,7 @@ def main(argv=None) -> list[Row]:
                     "faster), selection share of the pipeline, extra GPU memory (GiB)", recs, cols, env, check,
                     memory)
     gl = goal_verdicts(recs)
-    print("\n### Goals (issue #26; H100, README head config, K = 96)")
+    print("\n### Goals (selection and pipeline; H100, README head config, K = 96)")
     print(format_table(gl, ["goal", "value", "target", "met"], max_width=80) if gl
           else "(no config of a goal ran: 32kx8, 128kx2, 512kx1)")
     if a.json:

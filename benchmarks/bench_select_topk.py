@@ -1,4 +1,4 @@
-r"""The decode top-k (issue #22): the CTA-wide top-k launch alone, on several CTA sizes, and inside stage 1
+r"""The decode top-k: the CTA-wide top-k launch alone, on several CTA sizes, and inside stage 1
 for decode (docs/decode.md, "Stage 1 for decode: the split kernels"). GPU only; CUDA-graph replays.
 
     python benchmarks/bench_select_topk.py                          # 1x128k,8x128k,8x32k,1x32k (< 60 s, H100)

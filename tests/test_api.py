@@ -60,7 +60,7 @@ def test_block_layout_reference_rejects_bad_layouts():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Flags are keyword-only and booleans are booleans (issue #21 item 9)
+# Flags are keyword-only and booleans are booleans (the public API's rules)
 
 # Parameters that change what a call computes or returns without being data: passed positionally,
 # a value meant for another parameter (`naive_dense_attn_varlen(q, k, v, cu, cu, 724, 724)`) would be

@@ -217,6 +217,37 @@ def test_chronological_pattern_matches_what_it_should():
         assert not _CHRONO.search(s), s
 
 
+# --------------------------------------------------------------- 3b. no history, no outside paths
+# The docs, code and tools describe the code; how the work went (issue numbers, sessions) belongs in the
+# chronological log (docs/perf_log.md) alone, and no path points outside the repository (a program's
+# install location, such as compute-sanitizer's under /usr/local/cuda, and the scratch folders of the
+# tools' usage lines are not document paths).
+_HISTORY = re.compile(r"\bissues? ?#\d+|#\d+'s\b|\bsessions?\b", re.I)
+_OUTSIDE = re.compile(r"(?<![\w.])/(?:work|home|root|mnt|opt)/|\.\./shared\b")
+
+
+def test_docs_and_code_narrate_no_history_and_point_nowhere_outside():
+    problems = []
+    for f in _files("docs", "infllm_cupy", "kernels_cu", "tools", "benchmarks", "scripts") + ["README.md",
+                                                                                              "ARCHITECTURE.md"]:
+        if f == "docs/perf_log.md":
+            continue
+        for i, line in enumerate((ROOT / f).read_text(errors="replace").splitlines()):
+            for pat, what in ((_HISTORY, "narrates the work"), (_OUTSIDE, "points outside the repository")):
+                m = pat.search(line)
+                if m:
+                    problems.append(f"{f}:{i + 1}: {what}: {m.group(0)!r}")
+    assert not problems, "\n".join(problems)
+
+
+def test_history_patterns_match_what_they_should():
+    for s in ("issue #38", "Issue #26's goals", "a1ebb00's session", "#22's bar", "see /work/shared/x.md",
+              "../shared/spec"):
+        assert _HISTORY.search(s) or _OUTSIDE.search(s), s
+    for s in ("issue slots 60% busy", "InfLLM-v2", "/usr/local/cuda/bin", "docs/perf_log.md", "a/b/tmp/x"):
+        assert not (_HISTORY.search(s) or _OUTSIDE.search(s)), s
+
+
 # ------------------------------------------------------------------------------------------ 4. env
 
 def test_environment_read_in_one_place():

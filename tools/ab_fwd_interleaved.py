@@ -1,6 +1,6 @@
 """A/B of stage-2 kernel variants with the calls interleaved, in one process (development tool).
 
-The before/after check of a kernel change (issue #20: within 1%, forward and forward+backward,
+The before/after check of a kernel change (within 1%, forward and forward+backward,
 selections a and c, 32k x 8), against the tree at bc9961f:
 
     mkdir -p /tmp/old && git archive bc9961f infllm_cupy kernels_cu | tar -x -C /tmp/old

@@ -1,4 +1,4 @@
-r"""Where the time of a transformers prefill (or decode) goes: ours against SDPA, under torch.profiler (issue #24).
+r"""Where the time of a transformers prefill (or decode) goes: ours against SDPA, under torch.profiler.
 
     python tools/profile_transformers.py --context 16k                   # H100: about 1 min (model build, compiles)
     python tools/profile_transformers.py --context 16k --phase decode --impls ours,ours_dynamic

@@ -10,8 +10,8 @@ prints, as shares of dense causal work (each token's whole causal prefix, in 64-
 `token` the blocks the tokens select themselves, and per tile size the blocks their union covers.
 `random` is unit-normal q and k (what a random-weight model's layers give: neighbouring tokens choose
 independently); `structured` is `infllm_cupy.synthetic.structured_sequence` (sink, local context,
-topics, needles: neighbours choose alike, as in a trained model). Issue #24's 16k prefill gap is read
-from these numbers in docs/integrations.md ("Where a prefill's time goes (issue #24)").
+topics, needles: neighbours choose alike, as in a trained model). The 16k prefill gap is read
+from these numbers in docs/integrations.md ("Where a prefill's time goes").
 """
 from __future__ import annotations
 

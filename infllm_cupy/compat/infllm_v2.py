@@ -1,7 +1,7 @@
 """The original InfLLM-v2 package's public API (`import infllm_v2`) on infllm-cupy's ops.
 
 Same names, signatures, shapes, dtypes and semantics as OpenBMB/infllmv2_cuda_impl's `infllm_v2`
-package (spec: /work/shared/spec/infllm_v2.md sections 4-8; docs/semantics.md), so that code written
+package (docs/semantics.md), so that code written
 against it (the MiniCPM4 / 4.1 Hugging Face modeling file, vLLM and SGLang integrations) switches by
 changing one import, or by `infllm_cupy.compat.install()`, which registers this module as `infllm_v2`.
 

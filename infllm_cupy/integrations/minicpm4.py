@@ -1,7 +1,7 @@
 """A MiniCPM4-style InfLLM-v2 attention layer written against the `infllm_v2` compat API.
 
 The layer follows the structure of MiniCPM4's Hugging Face modeling file (`MiniCPMInfLLMv2Attention`,
-spec /work/shared/spec/infllm_v2.md section 9; docs/integrations.md, "The MiniCPM4-style layer"),
+docs/semantics.md; docs/integrations.md, "The MiniCPM4-style layer"),
 calling only the original package's public functions as `infllm_cupy.compat.infllm_v2` offers them:
 
   * `kv_seq_len < dense_len`: dense varlen attention (`infllmv2_attn_varlen_func` without `topk_idx`;
