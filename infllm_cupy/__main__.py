@@ -46,6 +46,19 @@ def _positive_int(text: str) -> int:
     return val
 
 
+def _int_at_least(low: int):
+    """An argparse type: an int >= `low` (the bound the option's help states)."""
+    def parse(text: str) -> int:
+        try:
+            val = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if val < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {val}")
+        return val
+    return parse
+
+
 def _nonnegative_int(text: str) -> int:
     try:
         val = int(text)
@@ -58,7 +71,7 @@ def _nonnegative_int(text: str) -> int:
 
 def add_demo_arguments(p: argparse.ArgumentParser, has_gpu: bool) -> None:
     # sizes default by machine (a CPU runs the references, much slower); the help shows this machine's
-    p.add_argument("--tokens", type=_positive_int, default=32768 if has_gpu else 4096,
+    p.add_argument("--tokens", type=_int_at_least(4 * BLOCK), default=32768 if has_gpu else 4096,
                    help="length of the one sequence; at least 256, and 256 per needle (32768 with a CUDA "
                         "GPU, 4096 without)")
     p.add_argument("--device", default="cuda" if has_gpu else "cpu",
@@ -70,7 +83,7 @@ def add_demo_arguments(p: argparse.ArgumentParser, has_gpu: bool) -> None:
                    help="head dimension D (the CUDA kernels take 64 or 128)")
     p.add_argument("--needles", type=_nonnegative_int, default=4,
                    help="needles to plant: key blocks in the first quarter, their queries in the second half")
-    p.add_argument("--topk", type=_positive_int, default=64 if has_gpu else 8,
+    p.add_argument("--topk", type=_int_at_least(INIT_BLOCKS + 1), default=64 if has_gpu else 8,
                    help="selection budget: K = topk + local-blocks blocks per query token, the forced "
                         f"init block and local window included; at least {INIT_BLOCKS + 1} (MiniCPM4: 64; 8 "
                         "without a GPU)")
@@ -121,6 +134,28 @@ def _check_png(p: argparse.ArgumentParser, path: str) -> None:
         p.error(f"argument --png: {path!r} is not writable")
 
 
+def _check_memory(p: argparse.ArgumentParser, args: argparse.Namespace, device) -> None:
+    """Refuse sizes this machine cannot hold, naming the options, before anything is allocated: q, k, v,
+    the output and the compressed keys in bf16, and (CPU references) stage 1's fp32 score matrix
+    `[H, T, T / 16]` with its pooled blocks, against the device's free memory or the host's RAM."""
+    import torch
+
+    T, HQ, H, D = args.tokens, args.heads, args.kv_heads, args.head_dim
+    need = 2 * T * D * (2 * HQ + 2 * H) * 2
+    if device.type == "cpu":
+        need += 2 * 4 * H * T * (T // 16 + 1)
+        try:
+            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):   # no sysconf (Windows): no estimate
+            return
+    else:
+        have = torch.cuda.mem_get_info(device)[0]
+    if need > have:
+        p.error(f"arguments --tokens {T} / --heads {HQ}: the run needs about {need / 2**30:.1f} GiB, more than "
+                f"the {have / 2**30:.1f} GiB of {'host memory' if device.type == 'cpu' else 'free GPU memory'} "
+                f"here; lower --tokens or --heads")
+
+
 def check_demo_args(p: argparse.ArgumentParser, args: argparse.Namespace):
     """Every cross-option rule of the demo, as argparse errors (usage, message, exit status 2)."""
     min_tokens = max(4 * BLOCK, 4 * BLOCK * args.needles)
@@ -136,6 +171,7 @@ def check_demo_args(p: argparse.ArgumentParser, args: argparse.Namespace):
                 f"slots must hold the init block and the local-blocks + 1 local blocks ({INIT_BLOCKS + 1} "
                 f"keeps only those)")
     device = _check_device(p, args.device)
+    _check_memory(p, args, device)
     if device.type == "cuda" and args.head_dim not in (64, 128):
         p.error(f"argument --head-dim: the CUDA kernels take 64 or 128, got {args.head_dim} "
                 f"(--device cpu runs any head dimension)")
@@ -165,7 +201,8 @@ def run_demo(args: argparse.Namespace, device) -> int:
     print(f"InfLLM-v2 demo on {name}: one sequence of {T} "
           f"tokens, HQ={HQ}, H={H}, D={D}, bf16; K = topk {cfg.topk} + local_blocks {cfg.local_blocks} = {K} "
           f"blocks of {cfg.block_size} keys per token: {cfg.init_blocks} init + {cfg.local_blocks + 1} local "
-          f"forced, {K - cfg.init_blocks - cfg.local_blocks - 1} by score")
+          f"(the query's own block and the {cfg.local_blocks} before it) forced, "
+          f"{K - cfg.init_blocks - cfg.local_blocks - 1} by score")
     q, k, v, needles = synthetic_sequence(T, HQ, H, D, args.needles, torch.bfloat16, device)
     cu = torch.tensor([0, T], dtype=torch.int32, device=device)
 
@@ -202,7 +239,8 @@ def run_demo(args: argparse.Namespace, device) -> int:
                 lambda: sparse_attn_varlen(q, k, v, cu, cu, topk_idx, T, T, backend=backend), device)
         bar.update()
 
-    print("\nstage timings (ms, one run after warm-up compiles):")
+    print("\nstage timings (ms, one run after warm-up compiles):" if kernels else
+          "\nstage timings (ms, one run of each reference):")
     for name, ms in timings.items():
         print(f"  {name:42s} {ms:10.1f}")
 

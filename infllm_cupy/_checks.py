@@ -196,11 +196,11 @@ def check_stage1_inputs(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2,
     check_tensor("ck2", ck2, ndim=3, dtypes=(q.dtype,))
     check_same_device(q=q, ck1=ck1, ck2=ck2)
     G = check_heads(q.shape[1], ck1.shape[1], q_name="q", k_name="ck1")
+    if ck1.shape[2] != q.shape[2]:          # before ck2 is compared with ck1: name the tensor that differs
+        raise ValueError(f"ck1 head dim {ck1.shape[2]} differs from q head dim {q.shape[2]}")
     if ck2.shape[1:] != ck1.shape[1:]:
         raise ValueError(f"ck2 must have shape [total_c2, H, D] = [*, {ck1.shape[1]}, {ck1.shape[2]}], "
                          f"got {tuple(ck2.shape)}")
-    if ck1.shape[2] != q.shape[2]:
-        raise ValueError(f"ck1 head dim {ck1.shape[2]} differs from q head dim {q.shape[2]}")
     check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total=q.shape[0], device=q.device, max_seqlen=max_seqlen_q,
                      max_name="max_seqlen_q")
     B = cu_seqlens_q.numel() - 1

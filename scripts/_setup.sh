@@ -13,7 +13,9 @@ infllm_install() {
     if infllm_has_gpu; then
         extras="gpu${extras:+,$extras}"
     elif ! python -c "import torch" >/dev/null 2>&1; then
+        echo "installing torch (CPU wheel, about 200 MB; a few minutes the first time)..." >&2
         python -m pip install -q --disable-pip-version-check torch --index-url https://download.pytorch.org/whl/cpu
     fi
+    echo "installing infllm-cupy${extras:+ with [$extras]} and its dependencies (quiet; minutes the first time)..." >&2
     python -m pip install -q --disable-pip-version-check -e ".${extras:+[$extras]}"
 }

@@ -62,16 +62,18 @@ def _demo_error(capsys, *args) -> str:
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--tokens", "0"], "argument --tokens: must be at least 1, got 0"),
-    (["--tokens", "-5"], "argument --tokens: must be at least 1, got -5"),
+    (["--tokens", "0"], "argument --tokens: must be at least 256, got 0"),
+    (["--tokens", "-5"], "argument --tokens: must be at least 256, got -5"),
     (["--tokens", "4k"], "argument --tokens: expected an integer, got '4k'"),
-    (["--tokens", "100"], "argument --tokens: at least 1024 tokens for 4 needle(s)"),
+    (["--tokens", "300"], "argument --tokens: at least 1024 tokens for 4 needle(s)"),
     (["--tokens", "500", "--needles", "2"], "argument --tokens: at least 512 tokens for 2 needle(s)"),
     (["--needles", "-1"], "argument --needles: must be at least 0, got -1"),
     (["--heads", "3"], "argument --heads: 3 query heads is not a multiple of --kv-heads 2"),
     (["--kv-heads", "0"], "argument --kv-heads: must be at least 1, got 0"),
     (["--head-dim", "0"], "argument --head-dim: must be at least 1, got 0"),
-    (["--topk", "1"], "argument --topk: at least 2, got 1"),
+    (["--topk", "1"], "argument --topk: must be at least 2, got 1"),
+    (["--tokens", "99999999999"], "lower --tokens or --heads"),
+    (["--heads", "100000000", "--kv-heads", "1"], "lower --tokens or --heads"),
     (["--local-blocks", "-1"], "argument --local-blocks: must be at least 0, got -1"),
     (["--device", "tpu"], "argument --device: expected cpu, cuda or cuda:N, got 'tpu'"),
     (["--device", "mps"], "argument --device: expected cpu, cuda or cuda:N, got 'mps'"),
@@ -105,8 +107,9 @@ def test_demo_runs_on_cpu_and_writes_the_png(tmp_path):
     r = run_cli("demo", *SMALL, "--device", "cpu", "--png", str(png), cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     # the header states the budget as the config defines it: forced blocks inside K
-    assert "K = topk 8 + local_blocks 4 = 12 blocks of 64 keys per token: 1 init + 5 local forced, 6 by score" \
-        in r.stdout, r.stdout
+    assert ("K = topk 8 + local_blocks 4 = 12 blocks of 64 keys per token: 1 init + 5 local (the query's own "
+            "block and the 4 before it) forced, 6 by score") in r.stdout, r.stdout
+    assert "stage timings (ms, one run of each reference):" in r.stdout, r.stdout
     assert r.stdout.count("selected by 100% of (token, head) pairs") == 4, r.stdout
     assert png.stat().st_size > 1000
     # output is not a terminal: no progress bar in either stream

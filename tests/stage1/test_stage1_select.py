@@ -921,3 +921,15 @@ def test_every_instance_is_registered():
         assert len(names) == 16
     assert [lgp_of(G) for G in (1, 2, 3, 4, 5, 16, 17, 24, 32, 33, 64, 65, 128)] == \
         [0, 1, 2, 2, 3, 4, 5, 5, 5, 6, 6, 7, 7]
+
+
+def test_stage1_inputs_name_the_key_set_whose_head_dim_differs():
+    """ck1 with another head dim than q is named as ck1 (not blamed on ck2, which matches q)."""
+    from infllm_cupy._checks import check_stage1_inputs
+
+    q = torch.randn(64, 4, 64)
+    ck1, ck2 = torch.randn(3, 2, 32), torch.randn(1, 2, 64)
+    cu = torch.tensor([0, 64], dtype=torch.int32)
+    with pytest.raises(ValueError, match="ck1 head dim 32 differs from q head dim 64"):
+        check_stage1_inputs(q, ck1, ck2, cu, torch.tensor([0, 3], dtype=torch.int32),
+                            torch.tensor([0, 1], dtype=torch.int32))
