@@ -155,7 +155,8 @@ assert err < 5e-2
 # One map per KV head: decode step on the y axis, key block on the x axis, dark where the step
 # selected the block. Column 0 (the sink) and the diagonal band at the right (the local window,
 # moving with the cache) are forced. Dashed lines mark the needle blocks and the steps when their
-# queries run: in the head that carries the needle, its block is picked exactly then.
+# queries run: the head that carries a needle picks its block during those steps (how sharply differs
+# from head to head: the map shows it).
 
 # %%
 fig, axes = plt.subplots(1, H, figsize=(6 * H, 5), squeeze=False)
