@@ -281,8 +281,11 @@ class DecodeCache:
             if not capturing:
                 self._check_room()
             if self._append_kernel_ok():
-                if k_new.data_ptr() % 16 or v_new.data_ptr() % 16:        # 16-byte row pieces
-                    k_new, v_new = k_new.clone(), v_new.clone()
+                # the kernel reads dense [B, H, D] rows in 16-byte pieces
+                if not (k_new.is_contiguous() and v_new.is_contiguous()) or k_new.data_ptr() % 16 or \
+                        v_new.data_ptr() % 16:
+                    k_new, v_new = k_new.clone(memory_format=torch.contiguous_format), \
+                        v_new.clone(memory_format=torch.contiguous_format)
                 if self._append_program is None:
                     self._append_program = append_launches(k_new, v_new, self.k, self.v, self.ck1, self.ck2,
                                                            self.seqlens, self.block_table).program(

@@ -249,7 +249,7 @@ def test_one_launch_append_kernel(page_size, dtype):
     """The one-token append kernel (cache_append.cu): keys, values and lengths equal the torch path's bit
     for bit; its windows equal the compression kernel's bit for bit (the same fp32 sum in position
     order), so a cache filled by one-token steps alone is exactly its recompression by `compress_k`;
-    a view that is not 16-byte aligned is accepted."""
+    views that are not 16-byte aligned or not contiguous are accepted."""
     from infllm_cupy.decode.cache import append_one_tensors
 
     B, H, D, steps = 3, 2, 128 if dtype == torch.bfloat16 else 64, 300
@@ -260,6 +260,8 @@ def test_one_launch_append_kernel(page_size, dtype):
         k, v = (torch.randn(B, H, D, generator=g).to("cuda", dtype) for _ in range(2))
         if i == 5:                                  # an unaligned view (offset by one element)
             k = torch.cat([k.new_zeros(1), k.flatten()])[1:].view(B, H, D)
+        if i == 7:                                  # a non-contiguous view
+            v = v.transpose(0, 1).contiguous().transpose(0, 1)
         kern.append(k, v)
         append_one_tensors(k, v, ref.k, ref.v, ref.ck1, ref.ck2, ref.seqlens, ref.block_table)
     assert kern._append_program is not None, "the kernel path was not taken"
