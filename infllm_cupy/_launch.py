@@ -199,8 +199,9 @@ def pack_arg(a) -> int:
 class PreparedLaunch:
     """One kernel launch whose arguments are packed once (`args`: NumPy scalars, as `launch` takes).
 
-    `set(i, value)` changes argument i (a pointer's address, or a packed value); `launch(stream)`
-    launches on the raw stream handle `stream` (`torch.cuda.current_stream().cuda_stream`), as a
+    `slots[i]` holds argument i (a pointer's address, or a packed value; a `Program` rewrites the
+    pointers of per-call tensors there); `launch(stream)` launches on the raw stream handle `stream`
+    (`torch.cuda.current_stream().cuda_stream`), as a
     programmatic dependent of the launch before it when `pdl` (sm_90). Errors raise `launch_error`'s
     message, naming the kernel and its arguments."""
 
@@ -217,9 +218,6 @@ class PreparedLaunch:
         base = self.slots.ctypes.data
         self.params = (ctypes.c_void_p * max(1, len(args)))(*[base + 8 * i for i in range(len(args))])
         self.func = ctypes.c_void_p(kernel.kernel.ptr)
-
-    def set(self, i: int, value: int) -> None:
-        self.slots[i] = value
 
     def args(self) -> list:
         """The arguments as `describe_args` reads them (every slot as a pointer-sized value)."""
@@ -254,7 +252,9 @@ def _error_string(res: int) -> str:
 
 
 def _launch_ex(func, grid, block, shared_mem: int, stream: int, params) -> int:
+    """cuLaunchKernelEx with programmatic stream serialization; returns the driver's status."""
     attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+    # the value's raw bytes: a c_char array initialised from bytes would stop at the first NUL
     value = (1).to_bytes(4, "little")
     ctypes.memmove(ctypes.addressof(attr) + _LaunchAttribute.value.offset, value, len(value))
     cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,

@@ -257,8 +257,9 @@ def _gather_pages(k_cache, v_cache, cu_seqlens_k, block_table):
         raise ValueError(f"with block_table, k and v must be [num_pages, page_size, nheads_k, headdim] of one "
                          f"shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
-        raise ValueError(f"block_table must be an int32 [batch, max_pages] tensor, got "
-                         f"{getattr(block_table, 'dtype', type(block_table))} {tuple(getattr(block_table, 'shape', ()))}")
+        what = getattr(block_table, "dtype", type(block_table))
+        raise ValueError(f"block_table must be an int32 [batch, max_pages] tensor, got {what} "
+                         f"{tuple(getattr(block_table, 'shape', ()))}")
     cu = [int(x) for x in cu_seqlens_k.tolist()]
     B, page = len(cu) - 1, k_cache.shape[1]
     if block_table.shape[0] != B:

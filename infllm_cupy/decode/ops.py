@@ -21,8 +21,6 @@ per sequence) traces too, so `append + decode_step` is one compiled region.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from .._constants import KV_BLOCK
@@ -101,10 +99,10 @@ def _select_k(width: int, topk: int, local_blocks: int, block_size: int) -> int:
     return min(topk + local_blocks, cdiv(width, block_size))
 
 
-def _select_config(topk, local_blocks, init_blocks, block_size, softmax_scale, score_dtype, exact):
+def _select_config(topk, local_blocks, init_blocks, block_size, softmax_scale, score_dtype, exact, dense_len=0):
     return InfLLMv2Config(topk=topk, local_blocks=local_blocks, init_blocks=init_blocks,
                           block_size=block_size, softmax_scale=softmax_scale, score_dtype=score_dtype,
-                          exact_stage1=exact)
+                          exact_stage1=exact, dense_len=dense_len)
 
 
 @torch.library.custom_op("infllm_cupy::decode_select", mutates_args=(), device_types="cuda")
@@ -231,8 +229,7 @@ def infllmv2_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, ck1: Tensor,
     beyond rounding)."""
     from .step import step_launches
 
-    cfg = _select_config(topk, local_blocks, init_blocks, KV_BLOCK, softmax_scale, score_dtype, exact)
-    cfg = dataclasses.replace(cfg, dense_len=dense_len)
+    cfg = _select_config(topk, local_blocks, init_blocks, KV_BLOCK, softmax_scale, score_dtype, exact, dense_len)
     q = q.contiguous()
     if q.data_ptr() % 16:
         q = q.clone()

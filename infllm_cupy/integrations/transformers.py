@@ -173,8 +173,8 @@ def infllm_cupy_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
             ck1, ck2 = cache.ck1, cache.ck2
     elif attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[-1] != key.shape[2]:
         raise NotImplementedError(
-            f"infllm_cupy attention: the keys span {key.shape[2]} positions but the attention mask {attention_mask.shape[-1]} "
-            f"(a static cache that is not an InfLLMv2Cache, e.g. StaticCache); use InfLLMv2Cache")
+            f"infllm_cupy attention: the keys span {key.shape[2]} positions but the attention mask "
+            f"{attention_mask.shape[-1]} (a static cache that is not an InfLLMv2Cache, e.g. StaticCache); use InfLLMv2Cache")
     if Lq > key.shape[2]:
         raise ValueError(f"query has {Lq} tokens but key only {key.shape[2]}: the keys must include the queries' own")
     if Lq == 1 and cache is None:
@@ -240,8 +240,8 @@ def prefill_attention(query, key, value, ck1, ck2, cfg: InfLLMv2Config, backend:
 
 @torch.library.custom_op("infllm_cupy::infllmv2_prefill", mutates_args=())
 def _prefill_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ck1: torch.Tensor | None,
-                ck2: torch.Tensor | None, attention_mask: torch.Tensor | None, kernel_size: int, kernel_stride: int, coarse_kernel_size: int,
-                coarse_kernel_stride: int, block_size: int, topk: int, local_blocks: int, init_blocks: int,
+                ck2: torch.Tensor | None, attention_mask: torch.Tensor | None, kernel_size: int, kernel_stride: int,
+                coarse_kernel_size: int, coarse_kernel_stride: int, block_size: int, topk: int, local_blocks: int, init_blocks: int,
                 dense_len: int, exact_stage1: bool, varlen_offset_quirk: bool, softmax_scale: float | None,
                 score_dtype: torch.dtype, backend: str) -> torch.Tensor:
     """`prefill_attention` as an op (any device: CUDA tensors run the kernels, CPU tensors the references),
