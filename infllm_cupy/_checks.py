@@ -13,11 +13,7 @@ import torch
 
 from . import _env
 from ._constants import BACKENDS, HEAD_DIMS
-
-# The references also take float64 (for gradcheck and exact comparisons).
-REF_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-INT_DTYPES = (torch.int32, torch.int64)
+from ._dtypes import INT_DTYPES, KERNEL_DTYPES, REF_DTYPES
 
 
 def validate_values() -> bool:

@@ -11,7 +11,8 @@ that `block_sparse_attn_varlen` runs (docs/patterns.md).
   per-head patterns, forward and backward); `dkernel_local_stride_mask` their local + stride rule.
 - `pattern_decode`, `pattern_topk_idx`: a decode step over a static pattern through `sparse_decode`.
 - `qhead_block_sparse_attn_varlen`: a layout with one row per query head, K/V not repeated in the
-  CUDA forward (the kernels' per-query-head mask rows).
+  CUDA forward and backward (the kernels' per-query-head mask rows); a stage-2 op
+  (`infllm_cupy/stage2/attention.py`), named here for the zoo.
 """
 from .formats import from_block_mask, from_bsr, from_csr, to_block_mask, to_bsr, to_csr
 from .local_stride import head_sliding_step, local_stride, local_stride_block_mask, per_kv_head

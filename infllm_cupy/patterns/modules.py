@@ -23,10 +23,9 @@ from .._checks import (
 )
 from .._constants import KV_BLOCK
 from .._kernel_arg import check_kernel
-from ..stage2.attention import block_sparse_attn_varlen
+from ..stage2.attention import block_sparse_attn_varlen, qhead_block_sparse_attn_varlen
 from ..stage2.layout import BlockLayout
 from .local_stride import expand_blocks, per_kv_head
-from .qhead import qhead_block_sparse_attn_varlen
 
 
 def dkernel_local_stride_mask(num_heads: int, max_seq_len: int, block_size: int, local_blocks: int,
@@ -287,7 +286,7 @@ class SparseAttention(torch.nn.Module):
         layout, expand = self.layout_for(q.shape[1], k.shape[1], q.device)
         q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
         # a group whose query heads differ: the per-query-head kernels on CUDA tensors, forward and
-        # backward (K/V not repeated), the expanded path elsewhere (qhead.py)
+        # backward (K/V not repeated), the expanded path elsewhere (stage2/qhead.py)
         attn = qhead_block_sparse_attn_varlen if expand else block_sparse_attn_varlen
         return attn(q, k, v, cu, cu, layout, max_seqlen, max_seqlen, causal=self.causal,
                     softmax_scale=None if sm_scale is None else float(sm_scale), backend=self.backend,

@@ -22,14 +22,10 @@ from .._checks import (
     check_tensor,
     seqlens_host,
 )
+from .._dtypes import compute_dtype
 
 # Elements of one fp32 score chunk `[HQ, chunk, n]`; bounds memory to a few tens of MB.
 _CHUNK_ELEMS = 1 << 23
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for bf16/fp16/fp32 inputs, float64 for float64 inputs."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _trunc_div(a, b: int):

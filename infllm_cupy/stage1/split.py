@@ -34,7 +34,8 @@ from .._checks import (
     check_stage1_inputs,
     seqlens_host,
 )
-from .naive import _CHUNK_ELEMS, _token_layout, compute_dtype, q_block_idx_prefill, vis_limit
+from .._dtypes import compute_dtype
+from .naive import _CHUNK_ELEMS, _token_layout, q_block_idx_prefill, vis_limit
 
 RANGE_ALIGN = 16   # blocks per 64-key fine tile of the kernels: a range starts on a tile
 

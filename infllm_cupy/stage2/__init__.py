@@ -1,7 +1,7 @@
 """Stage 2: attention over the selected key blocks (and dense varlen attention for the fallback)."""
-from .attention import block_sparse_attn_varlen, sparse_attn_varlen
+from .attention import block_sparse_attn_varlen, qhead_block_sparse_attn_varlen, sparse_attn_varlen
 from .layout import BlockLayout
 from .naive import naive_block_sparse_attn_varlen, naive_dense_attn_varlen, naive_sparse_attn_varlen
 
-__all__ = ["sparse_attn_varlen", "block_sparse_attn_varlen", "BlockLayout", "naive_dense_attn_varlen",
-           "naive_sparse_attn_varlen", "naive_block_sparse_attn_varlen"]
+__all__ = ["sparse_attn_varlen", "block_sparse_attn_varlen", "qhead_block_sparse_attn_varlen", "BlockLayout",
+           "naive_dense_attn_varlen", "naive_sparse_attn_varlen", "naive_block_sparse_attn_varlen"]

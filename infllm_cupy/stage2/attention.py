@@ -1,9 +1,11 @@
-"""Public stage-2 ops: InfLLM-v2's token-level sparse attention and its query-block-layout form.
+"""Public stage-2 ops: InfLLM-v2's token-level sparse attention and its query-block-layout form
+(per KV head, or per query head: `qhead_block_sparse_attn_varlen`).
 
 Both go through the custom ops of ops.py (differentiable in q, k, v; torch.compile traces them
 without graph breaks): CUDA tensors run kernels_cu/stage2 (one forward and one backward kernel for
-both forms), CPU tensors the PyTorch reference in naive.py inside the same ops. `backend="reference"`
-calls the reference directly (plain autograd, no custom op).
+both forms), CPU tensors the PyTorch reference in naive.py inside the same ops. Layouts with one row
+per query head go through the custom ops of qhead.py. `backend="reference"` calls the reference
+directly (plain autograd, no custom op).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from .layout import BlockLayout
 from .naive import naive_block_sparse_attn_varlen, naive_sparse_attn_varlen
 from .._kernel_arg import check_kernel
 from .ops import block_sparse_attn_fwd, sparse_attn_fwd
+from .qhead import _expand_kv, qhead_block_sparse_attn_fwd
 
 
 def _use_op(backend: str, q: torch.Tensor) -> bool:
@@ -137,8 +140,7 @@ def block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     B = cu_seqlens_q.numel() - 1
     hq = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 3 else None
     if hq is not None and layout.num_kv_heads == hq != k.shape[1]:
-        # one row per query head. Imported here: the pattern zoo builds on this module.
-        from ..patterns.qhead import qhead_block_sparse_attn_varlen
+        # one row per query head
         return qhead_block_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, layout, max_seqlen_q, max_seqlen_k,
                                               causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
                                               backend=backend, kernel=kernel)
@@ -150,4 +152,57 @@ def block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     out, lse = block_sparse_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, layout.mask.to(q.device), layout.q_block,
                                      max_seqlen_q, max_seqlen_k, bool(causal), check_softmax_scale(softmax_scale, q.shape[2]),
                                      kernel)
+    return (out, lse) if return_lse else out
+
+
+def qhead_block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                   cu_seqlens_k: torch.Tensor, layout: BlockLayout, max_seqlen_q: int,
+                                   max_seqlen_k: int, *, causal: bool = True, softmax_scale: float | None = None,
+                                   return_lse: bool = False, backend: str = "auto", kernel: str = "auto"):
+    r"""`block_sparse_attn_varlen` under a layout with one row per query head.
+
+    Query head `hq` of token t in query block i attends the 64-key blocks j with
+    `layout.mask[(b,) hq, i, j]`, over KV head `hq // G`'s keys; otherwise the semantics of
+    `block_sparse_attn_varlen` (causal bottom-right, empty rows give 0 and `lse = +inf`).
+    Differentiable in q, k, v. `block_sparse_attn_varlen` calls this for a layout with HQ heads
+    (HQ != H).
+
+    Args:
+        layout (BlockLayout): `mask` bool `[HQ, NQB, NKB]` or `[B, HQ, NQB, NKB]` (HQ = q's heads).
+        backend (str, Optional): "auto" (the per-query-head kernels on CUDA tensors, forward and
+            backward, the expanded reference on CPU tensors), "kernels" (refuses CPU tensors) or
+            "reference" (the expanded path through `block_sparse_attn_varlen(..., backend="reference")`).
+            Default: "auto".
+        Others: as `block_sparse_attn_varlen`.
+
+    Returns:
+        out (torch.Tensor): `[total_q, HQ, D]`; and `lse` `[HQ, total_q]` with `return_lse`.
+    """
+    if not isinstance(layout, BlockLayout):
+        raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
+    check_kernel(kernel)
+    check_flags(causal=causal, return_lse=return_lse)
+    backend = check_backend(backend)
+    for name, t in (("q", q), ("k", k)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor [total, heads, D], got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    HQ, H = q.shape[1], k.shape[1]
+    if H == 0 or HQ % H:
+        raise ValueError(f"q has {HQ} heads and k has {H}: the query head count must be a positive multiple of "
+                         f"the key/value head count")
+    if layout.num_kv_heads != HQ:
+        raise ValueError(f"layout has {layout.num_kv_heads} heads but q has {HQ}: a per-query-head layout has one "
+                         f"row per query head (a per-KV-head one goes to block_sparse_attn_varlen)")
+    if backend == "reference" or (backend == "auto" and not q.is_cuda):
+        G = HQ // H
+        ke, ve = _expand_kv(k, v, G)
+        return block_sparse_attn_varlen(q, ke, ve, cu_seqlens_q, cu_seqlens_k, layout, max_seqlen_q, max_seqlen_k,
+                                        causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+                                        backend=backend, kernel=kernel)
+    layout.check_against(HQ, cu_seqlens_q.numel() - 1, max_seqlen_q)
+    _check_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend)
+    out, lse = qhead_block_sparse_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, layout.mask.to(q.device),
+                                           layout.q_block, max_seqlen_q, max_seqlen_k, bool(causal),
+                                           check_softmax_scale(softmax_scale, q.shape[2]), kernel)
     return (out, lse) if return_lse else out

@@ -17,7 +17,7 @@ from .._checks import (
     check_tensor,
     seqlens_host,
 )
-from ..stage1.naive import compute_dtype
+from .._dtypes import compute_dtype
 from .layout import BlockLayout
 
 # Elements of one fp32 score tile `[H, G, chunk, keys]`: 16M (64 MB), enough to keep BLAS busy.

@@ -70,7 +70,7 @@ def test_bwd_plan_dkdv_group_field():
 def test_qhead_bwd_plan_is_the_expanded_plan():
     """The per-query-head backward's plan is the expanded path's (G = 1) with qhead set: the same
     passes, block-0 parts and instances, which the bit-identity tests rely on."""
-    from infllm_cupy.patterns.qhead import qhead_bwd_plan
+    from infllm_cupy.stage2.qhead import qhead_bwd_plan
     for cap in ((9, 0), (8, 0)):
         for msq in (1000, 40000):
             p = qhead_bwd_plan(cap, 128, torch.bfloat16, msq, msq, 2 * msq, "auto")
@@ -84,7 +84,7 @@ def test_qhead_bwd_plan_groups_dkdv_past_the_partials_budget():
     with query-range passes) pass the budget, the
     sm_90a plan sums each group in its dk/dv CTA (block 0 in one part); below it, or on SM80, the
     expanded plan."""
-    from infllm_cupy.patterns.qhead import qhead_bwd_plan
+    from infllm_cupy.stage2.qhead import qhead_bwd_plan
     total_k, HQ, D = 2 * 40000, 32, 128
     partials = 2 * total_k * HQ * D * 2
     below = qhead_bwd_plan((9, 0), D, torch.bfloat16, 40000, 40000, total_k, HQ=HQ, partials_budget=partials)
@@ -143,7 +143,7 @@ def test_public_op_routes_per_query_head_layouts():
 def test_qhead_bwd_custom_op_opcheck():
     """Registration of `infllm_cupy::qhead_block_sparse_attn_bwd`: schema, fake tensors and AOT
     dispatch (torch.compile) on the CPU implementation (the expanded path)."""
-    from infllm_cupy.patterns.qhead import qhead_block_sparse_attn_bwd, qhead_block_sparse_attn_fwd
+    from infllm_cupy.stage2.qhead import qhead_block_sparse_attn_bwd, qhead_block_sparse_attn_fwd
     torch.manual_seed(23)
     T, HQ, H, D = 100, 4, 2, 16
     q, dout = torch.randn(T, HQ, D), torch.randn(T, HQ, D)
@@ -337,7 +337,7 @@ def test_dkdv_group_matches_reference(G, D, dtype, variant):
 def test_public_op_sums_groups_in_the_kernel_past_the_budget(G, monkeypatch):
     """With the partials budget at 0 the public op's backward runs the QH = 3 dk/dv (seen in the
     launches) and its gradients pass the rule against the float64 reference."""
-    import infllm_cupy.patterns.qhead as qh
+    import infllm_cupy.stage2.qhead as qh
     from infllm_cupy.stage2 import sparse_bwd
     monkeypatch.setattr(qh, "total_memory", lambda device: 0)
     names = []

@@ -19,12 +19,12 @@ from conftest import HOPPER
 
 from infllm_cupy import _jit
 from infllm_cupy.patterns import SparseAttention, qhead_block_sparse_attn_varlen
-from infllm_cupy.patterns.qhead import qhead_block_sparse_attn_fwd
 from infllm_cupy.stage2 import ops
 from infllm_cupy.stage2.attention import block_sparse_attn_varlen
 from infllm_cupy.stage2.layout import BlockLayout
 from infllm_cupy.stage2.naive import naive_block_sparse_attn_varlen
 from infllm_cupy.stage2.plan import DEFAULT_TILES, FwdPlan, FwdTiles
+from infllm_cupy.stage2.qhead import qhead_block_sparse_attn_fwd
 from infllm_cupy.testing import (
     assert_close_to_ref,
     assert_qhead_layout_close,
