@@ -1,0 +1,143 @@
+"""The import rules of ARCHITECTURE.md §4, written as import-linter contracts in pyproject.toml
+([tool.importlinter]), hold on this tree and fail on a planted violation; and the rules a contract
+cannot state (what is imported at package import time) hold too.
+
+The contracts run in a subprocess on a copy of the package with one import added: the copy comes first
+on PYTHONPATH, so import-linter reads it and not the installed tree.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+needs_import_linter = pytest.mark.skipif(
+    importlib.util.find_spec("importlinter") is None,
+    reason='import-linter not installed (the test extra: pip install -e ".[test]")')
+
+LINT = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
+
+
+def _lint(tree: Path) -> subprocess.CompletedProcess:
+    """`lint-imports` on the package under `tree` with the contracts of `tree/pyproject.toml`."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]),
+               COLUMNS="200")
+    return subprocess.run([sys.executable, "-c", LINT, "--no-cache"], cwd=tree, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def _copy(tmp_path: Path) -> Path:
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    shutil.copytree(ROOT / "infllm_cupy", tmp_path / "infllm_cupy",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return tmp_path
+
+
+@needs_import_linter
+def test_this_tree_keeps_every_import_contract():
+    res = _lint(ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "0 broken" in res.stdout, res.stdout
+
+
+# (file under infllm_cupy/, the import planted at its end, a line of the report that names the violation)
+PLANTED = {
+    "stage2 takes stage 1's reference": (
+        "stage2/naive.py", "from ..stage1.naive import naive_stage1_select",
+        "infllm_cupy.stage2 is not allowed to import infllm_cupy.stage1"),
+    "compression imports the pipeline": (
+        "compress/mean_pool.py", "from .. import pipeline",
+        "infllm_cupy.compress is not allowed to import infllm_cupy.pipeline"),
+    "a stage-2 op in the pattern zoo": (
+        "stage2/attention.py", "from ..patterns import local_stride",
+        "infllm_cupy.stage2 is not allowed to import infllm_cupy.patterns"),
+    "the pipeline imports decode": (
+        "pipeline.py", "from .decode import naive",
+        "infllm_cupy.pipeline is not allowed to import infllm_cupy.decode"),
+    "the loader knows a stage": (
+        "_jit.py", "from .stage2 import plan",
+        "infllm_cupy._jit is not allowed to import infllm_cupy.stage2"),
+    "plotting on the hot path": (
+        "stage1/select.py", "from .. import viz",
+        "infllm_cupy.stage1 is not allowed to import infllm_cupy.viz"),
+    "test helpers on the hot path": (
+        "pipeline.py", "from . import testing",
+        "infllm_cupy.pipeline is not allowed to import infllm_cupy.testing"),
+    "the forward imports the backward": (
+        "stage2/sparse_fwd.py", "from . import sparse_bwd",
+        "infllm_cupy.stage2.sparse_fwd is not allowed to import infllm_cupy.stage2.sparse_bwd"),
+    "a reference imports a plan": (
+        "stage1/naive.py", "from .plan import Stage1Plan",
+        "infllm_cupy.stage1.naive is not allowed to import infllm_cupy.stage1.plan"),
+    "a reference reaches a launcher": (
+        "compress/naive.py", "from .. import _launch",
+        "infllm_cupy.compress.naive is not allowed to import infllm_cupy._launch"),
+    "the decode reference imports a launcher": (
+        "decode/naive.py", "from . import sparse_decode",
+        "infllm_cupy.decode.naive is not allowed to import infllm_cupy.decode.sparse_decode"),
+    "the package imports a benchmark": (
+        "stage2/layout.py", "import benchmarks._harness",
+        "infllm_cupy is not allowed to import benchmarks"),
+}
+
+
+@needs_import_linter
+@pytest.mark.parametrize("case", sorted(PLANTED))
+def test_a_planted_violation_breaks_a_contract(case, tmp_path):
+    path, line, report = PLANTED[case]
+    tree = _copy(tmp_path)
+    with open(tree / "infllm_cupy" / path, "a") as f:
+        f.write(f"\n{line}  # planted\n")
+    res = _lint(tree)
+    assert res.returncode != 0, f"{case}: no contract broken\n{res.stdout}"
+    out = " ".join(res.stdout.split())
+    assert " ".join(report.split()) in out, f"{case}: expected {report!r} in\n{res.stdout}{res.stderr}"
+
+
+@needs_import_linter
+def test_a_module_outside_the_layers_breaks_the_layer_contract(tmp_path):
+    """Every module directly under infllm_cupy/ has a place in the layer picture (exhaustive layers)."""
+    tree = _copy(tmp_path)
+    (tree / "infllm_cupy" / "unplaced.py").write_text('"""A module in no layer."""\n')
+    res = _lint(tree)
+    assert res.returncode != 0
+    assert "infllm_cupy.unplaced" in res.stdout + res.stderr, res.stdout + res.stderr
+
+
+def test_importing_the_package_imports_no_gpu_plotting_or_model_stack():
+    """CuPy (the gpu extra), matplotlib (viz.py's plot functions) and transformers (the integrations)
+    are imported where they are used, not when any module of the package is imported."""
+    code = ("import importlib, pkgutil, sys, infllm_cupy\n"
+            "for m in pkgutil.walk_packages(infllm_cupy.__path__, 'infllm_cupy.'):\n"
+            "    if not m.name.endswith('__main__'):\n"
+            "        importlib.import_module(m.name)\n"
+            "print(' '.join(sorted({n.split('.')[0] for n in sys.modules} & "
+            "{'cupy', 'cupy_backends', 'matplotlib', 'transformers'})))\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "", f"imported at package import time: {res.stdout.strip()}"
+
+
+def test_the_moved_names_are_still_where_they_were():
+    """The per-query-head op lives in stage 2 and is still named by the pattern zoo; the dtype rules live in
+    `_dtypes` and are still named by `_checks` and the stage-1 reference."""
+    from infllm_cupy import _checks, _dtypes, patterns, stage2
+    from infllm_cupy.patterns import qhead as patterns_qhead
+    from infllm_cupy.stage1 import naive as stage1_naive
+    from infllm_cupy.stage2 import attention, qhead
+
+    assert patterns.qhead_block_sparse_attn_varlen is stage2.qhead_block_sparse_attn_varlen \
+        is attention.qhead_block_sparse_attn_varlen
+    for name in ("qhead_block_sparse_attn_fwd", "qhead_block_sparse_attn_bwd", "qhead_bwd_plan",
+                 "PARTIALS_BUDGET_FRACTION"):
+        assert getattr(patterns_qhead, name) is getattr(qhead, name), name
+    assert stage1_naive.compute_dtype is _dtypes.compute_dtype
+    for name in ("REF_DTYPES", "KERNEL_DTYPES", "INT_DTYPES"):
+        assert getattr(_checks, name) is getattr(_dtypes, name), name
