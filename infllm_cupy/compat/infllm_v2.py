@@ -19,12 +19,14 @@ offset hard-codes 2, spec 8). With G = 16, bf16 and 2 KV heads the results are t
 from __future__ import annotations
 
 import math
+import sys
 from typing import Optional, Tuple, Union
 
 import torch
 
 from ..decode import sparse_decode
-from ..stage1.naive import naive_pool_blocks, naive_stage1_scores
+from ..stage1.naive import naive_stage1_scores
+from ..stage1.pool import pool_blocks
 from ..stage2 import sparse_attn_varlen
 
 __all__ = [
@@ -74,25 +76,43 @@ def _unsupported(**args) -> None:
 # Bit-mask helpers (topk_to_uint64.py, uint64_to_bool.py, blockmask_to_uint64.py)
 # ----------------------------------------------------------------------------------------------
 
-def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    """bool `[rows, 64 * n_words]` -> int64 `[rows, n_words]`: bit `j % 64` of word `j // 64` is `mask[:, j]`.
+# Packing works on bytes: bit `j % 64` of word `j // 64` is bit `j % 8` of the word's byte `(j % 64) // 8`,
+# which is byte `j // 8` of the row's words viewed as uint8 on a little-endian machine (every CUDA GPU and
+# the usual hosts; a big-endian host reverses the bytes of each word). One byte of scratch per bit, no
+# host loop, nothing read back to the host.
+_LITTLE = sys.byteorder == "little"
+_WORD_DTYPES = (torch.int64,) + ((torch.uint64,) if hasattr(torch, "uint64") else ())
 
-    Bits 0..62 are summed (distinct powers of two, no overflow); bit 63 is OR-ed in as the sign
-    bit, so the int64 holds the same 64 bits as the original's uint64 words.
-    """
+
+def _bit_weights(device) -> torch.Tensor:
+    """uint8 `[1, 2, 4, ..., 128]`, built on `device` (no host-to-device copy)."""
+    return torch.bitwise_left_shift(torch.ones(8, dtype=torch.int64, device=device),
+                                    torch.arange(8, dtype=torch.int64, device=device)).to(torch.uint8)
+
+
+def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """bool `[rows, 64 * n_words]` -> int64 `[rows, n_words]`: bit `j % 64` of word `j // 64` is `mask[:, j]`
+    (the int64 holds the original's uint64 bit pattern; bit 63 is the sign bit)."""
     rows, width = mask.shape
-    m = mask.reshape(rows, width // 64, 64).to(torch.int64)
-    shifts = torch.arange(63, dtype=torch.int64, device=mask.device)
-    words = (m[..., :63] << shifts).sum(-1)
-    sign = torch.tensor(-(2 ** 63), dtype=torch.int64, device=mask.device)
-    return torch.where(m[..., 63].bool(), words | sign, words)
+    n_words = width // 64
+    if n_words == 0 or rows == 0:
+        return torch.zeros(rows, n_words, dtype=torch.int64, device=mask.device)
+    bits = mask.reshape(rows, n_words * 8, 8).to(torch.uint8)
+    data = (bits * _bit_weights(mask.device)).sum(-1, dtype=torch.uint8)      # [rows, 8 * n_words] bytes
+    if not _LITTLE:
+        data = data.reshape(rows, n_words, 8).flip(-1).reshape(rows, n_words * 8)
+    return data.contiguous().view(torch.int64)
 
 
 def _unpack_bits(words: torch.Tensor) -> torch.Tensor:
-    """int64 `[rows, n_words]` -> bool `[rows, 64 * n_words]` (inverse of `_pack_bits`)."""
-    shifts = torch.arange(64, dtype=torch.int64, device=words.device)
-    bits = (words.to(torch.int64)[..., None] >> shifts) & 1
-    return bits.reshape(words.shape[0], -1).bool()
+    """int64 (or uint64) `[rows, n_words]` -> bool `[rows, 64 * n_words]` (inverse of `_pack_bits`)."""
+    rows, n_words = words.shape
+    if n_words == 0 or rows == 0:
+        return torch.zeros(rows, 64 * n_words, dtype=torch.bool, device=words.device)
+    data = words.contiguous().view(torch.uint8)                                 # [rows, 8 * n_words]
+    if not _LITTLE:
+        data = data.reshape(rows, n_words, 8).flip(-1).reshape(rows, n_words * 8)
+    return (data[..., None] & _bit_weights(words.device)).ne(0).reshape(rows, 64 * n_words)
 
 
 def topk_to_uint64(topk_idx: torch.Tensor, max_seqlen_k: int, block_size: int,
@@ -117,13 +137,17 @@ def topk_to_uint64(topk_idx: torch.Tensor, max_seqlen_k: int, block_size: int,
     k_blocks = (max_seqlen_k + block_size - 1) // block_size
     n_words = (k_blocks + 63) // 64
     lead = tuple(topk_idx.shape[:-1])
-    flat = topk_idx.reshape(-1, topk_idx.shape[-1]).long()
+    width = 64 * n_words
+    flat = topk_idx.reshape(math.prod(lead), topk_idx.shape[-1]).long()
     rows = flat.shape[0]
-    mask = torch.zeros(rows, 64 * n_words + 1, dtype=torch.bool, device=topk_idx.device)
-    ok = (flat >= 0) & (flat < 64 * n_words)
-    # Dropped entries are routed to a spare column, cut off below.
-    mask.scatter_(1, torch.where(ok, flat, torch.full_like(flat, 64 * n_words)), True)
-    words = _pack_bits(mask[:, :64 * n_words]).reshape(lead + (n_words,))
+    # One flat bit array, one spare entry at the end for the dropped indices (negative, or past the
+    # last word): no host read of which entries are valid.
+    row0 = torch.arange(rows, dtype=torch.int64, device=topk_idx.device)[:, None] * width
+    ok = (flat >= 0) & (flat < width)
+    target = torch.where(ok, row0 + flat, torch.full_like(flat, rows * width))
+    bits = torch.zeros(rows * width + 1, dtype=torch.bool, device=topk_idx.device)
+    bits.scatter_(0, target.reshape(-1), True)
+    words = _pack_bits(bits[:-1].view(rows, width)).reshape(lead + (n_words,))
     if (memory_buffer is not None and tuple(memory_buffer.shape) == lead + (n_words,)
             and memory_buffer.device == topk_idx.device):
         memory_buffer.copy_(words)
@@ -147,22 +171,29 @@ class TopkToUint64Converter:
 
 
 def uint64_to_bool(uint64_array: torch.Tensor, last_dim_size: int) -> torch.Tensor:
-    """Packed words `[..., n_words]` -> bool `[..., last_dim_size]` (bit `j % 64` of word `j // 64`)."""
+    """Packed words `[..., n_words]` (int64 or uint64: the bit patterns) -> bool `[..., last_dim_size]`,
+    element `j` = bit `j % 64` of word `j // 64`. `last_dim_size` may not exceed `64 * n_words` (the
+    original's kernel would read past the row)."""
+    if not isinstance(uint64_array, torch.Tensor) or uint64_array.dtype not in _WORD_DTYPES:
+        raise TypeError(f"uint64_array must be an int64 or uint64 tensor (64-bit words), got "
+                        f"{getattr(uint64_array, 'dtype', type(uint64_array))}")
     lead = tuple(uint64_array.shape[:-1])
-    if last_dim_size > 64 * uint64_array.shape[-1]:
-        raise ValueError(f"last_dim_size {last_dim_size} exceeds 64 * {uint64_array.shape[-1]} words")
-    bits = _unpack_bits(uint64_array.reshape(-1, uint64_array.shape[-1]))
+    n_words = uint64_array.shape[-1]
+    if last_dim_size > 64 * n_words:
+        raise ValueError(f"last_dim_size {last_dim_size} exceeds 64 * {n_words} words")
+    bits = _unpack_bits(uint64_array.reshape(math.prod(lead), n_words))
     return bits[:, :last_dim_size].reshape(lead + (last_dim_size,))
 
 
 def blockmask_to_uint64(blockmask: torch.Tensor) -> Tuple[torch.Tensor, int]:
-    """bool `[..., n]` -> `(int64 [..., ceil(n / 64)], n)`, the inverse of `uint64_to_bool`."""
+    """bool `[..., n]` -> `(int64 [..., ceil(n / 64)], n)`, the inverse of `uint64_to_bool` (a nonzero
+    entry of another dtype counts as set)."""
     n = blockmask.shape[-1]
     n_words = (n + 63) // 64
     lead = tuple(blockmask.shape[:-1])
-    flat = blockmask.reshape(-1, n).bool()
-    padded = torch.zeros(flat.shape[0], 64 * n_words, dtype=torch.bool, device=blockmask.device)
-    padded[:, :n] = flat
+    flat = blockmask.reshape(math.prod(lead), n)
+    flat = flat if flat.dtype == torch.bool else flat.ne(0)
+    padded = torch.nn.functional.pad(flat.to(torch.uint8), (0, 64 * n_words - n))     # 0/1 bytes
     return _pack_bits(padded).reshape(lead + (n_words,)), n
 
 
@@ -206,16 +237,16 @@ def max_pooling_1d(input: torch.Tensor, cache_len: int, local_blocks: int, init_
                    block_size: int = 64, stride: int = 16) -> torch.Tensor:
     """`max_pooling_1d_varlen` for one sequence: `input` `[num_heads, q_len, k_len]`, `k_len` fine keys.
 
-    Returns `[num_heads, q_len, ceil((q_len + cache_len) / block_size)]` in `input`'s dtype.
+    Returns `[num_heads, q_len, ceil((q_len + cache_len) / block_size)]` in `input`'s dtype. Device-side
+    tensor code (`infllm_cupy.stage1.pool.pool_blocks`); reads nothing back to the host but the value checks.
     """
     if input.dim() != 3:
         raise ValueError(f"input must be [num_heads, q_len, k_len], got {tuple(input.shape)}")
     dev = input.device
     _, q_len, k_len = input.shape
-    cu_q = torch.tensor([0, q_len], dtype=torch.int32, device=dev)
-    cu_k = torch.tensor([0, k_len], dtype=torch.int32, device=dev)
-    return naive_pool_blocks(input, cu_q, cu_k, [int(cache_len)], q_len, init_blocks=init_blocks,
-                             local_blocks=local_blocks, block_size=block_size, kernel_stride=stride)
+    two = torch.arange(2, dtype=torch.int32, device=dev)      # [0, 1] built on the device: no host copy
+    return pool_blocks(input, two * q_len, two * k_len, [int(cache_len)], q_len, init_blocks=init_blocks,
+                       local_blocks=local_blocks, block_size=block_size, kernel_stride=stride)
 
 
 def max_pooling_1d_varlen(input: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
@@ -228,6 +259,11 @@ def max_pooling_1d_varlen(input: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_se
     blocks), else the max of `input[h, t, 4j-1 : 4j+4]` clipped to the sequence's own fine-key count
     `cu_seqlens_k[b+1] - cu_seqlens_k[b]`, or -inf when that window is empty. Future blocks are not
     masked. Output `[num_heads, total_q, ceil((max_seqlen_q + max(cache_lens)) / block_size)]`, input dtype.
+
+    Device-side tensor code (`infllm_cupy.stage1.pool.pool_blocks`, equal bit for bit to the reference
+    `naive_pool_blocks`): no host loop; one small read back to the host for the output width
+    (`max(cache_lens)`, as the original) and the value checks. A NaN in a window gives NaN (the original
+    kernel keeps a NaN only when it is the window's first entry); stage 1's scores hold no NaN.
     """
     if input.dim() != 3:
         raise ValueError(f"Expected 3D input, got {input.dim()}D")
@@ -238,9 +274,8 @@ def max_pooling_1d_varlen(input: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_se
         raise ValueError(f"max_k mismatch: {input.shape[2]} vs {max_seqlen_k}")
     if cache_lens.shape[0] != cu_seqlens_q.shape[0] - 1:
         raise ValueError(f"cache_lens batch size mismatch: {cache_lens.shape[0]} vs {cu_seqlens_q.shape[0] - 1}")
-    return naive_pool_blocks(input, cu_seqlens_q, cu_seqlens_k, cache_lens, int(max_seqlen_q),
-                             init_blocks=init_blocks, local_blocks=local_blocks, block_size=block_size,
-                             kernel_stride=stride)
+    return pool_blocks(input, cu_seqlens_q, cu_seqlens_k, cache_lens, int(max_seqlen_q), init_blocks=init_blocks,
+                       local_blocks=local_blocks, block_size=block_size, kernel_stride=stride)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from .naive import (
     q_block_idx_prefill,
     vis_limit,
 )
+from .pool import pool_blocks
 from .select import stage1_select
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "naive_select_topk",
     "naive_stage1_scores",
     "naive_stage1_select",
+    "pool_blocks",
     "q_block_idx_decode",
     "q_block_idx_prefill",
     "stage1_select",

@@ -183,6 +183,156 @@ def test_uint64_bool_roundtrip():
     assert torch.equal(iv2.uint64_to_bool(words, 130), mask)
 
 
+def _orig_uint64_to_bool(words, last_dim_size):
+    """uint64_to_bool.cuh: out[row, col] = bit col % 64 of word col // 64 of the row."""
+    lead = tuple(words.shape[:-1])
+    rows = words.reshape(-1, words.shape[-1]).tolist() if words.numel() else []
+    out = [[bool((w % (1 << 64)) >> (c % 64) & 1) for c, w in ((c, row[c // 64]) for c in range(last_dim_size))]
+           for row in rows]
+    return torch.tensor(out, dtype=torch.bool).reshape(lead + (last_dim_size,))
+
+
+def _orig_blockmask_to_uint64(mask):
+    """blockmask_to_uint64.cuh: word w of a row ORs bit b for every set column 64 w + b < n."""
+    n = mask.shape[-1]
+    n_words = (n + 63) // 64
+    out = []
+    for row in mask.reshape(-1, n).tolist():
+        words = []
+        for w in range(n_words):
+            word = 0
+            for b in range(64):
+                if 64 * w + b < n and row[64 * w + b]:
+                    word |= 1 << b
+            words.append(word - (1 << 64) if word >= 1 << 63 else word)
+        out.append(words)
+    return torch.tensor(out, dtype=torch.int64).reshape(tuple(mask.shape[:-1]) + (n_words,)), n
+
+
+def _bitmask_checks(device):
+    """The three helpers against the transcriptions: random rows with -1 padding, other negatives, indices
+    past k_blocks (kept up to the last word) and past the last word (dropped), duplicates, bit 63, widths
+    that are not multiples of 64, non-contiguous inputs, int64 and uint64 words."""
+    g = torch.Generator().manual_seed(21)
+    for max_seqlen_k, shape in ((64 * 100, (2, 7, 12)), (64 * 64, (3, 5, 40)), (1, (1, 4, 3)), (64 * 200, (1, 2, 3, 9)),
+                                (64 * 129, (2, 1, 200))):
+        k_blocks = -(-max_seqlen_k // 64)
+        hi = 64 * ((k_blocks + 63) // 64) + 5
+        idx = torch.randint(-3, hi, shape, generator=g, dtype=torch.int32)
+        flat = idx.view(-1, shape[-1])
+        flat[0, :4] = torch.tensor([63, 63, -1, -(2 ** 31)], dtype=torch.int32)[:shape[-1]]
+        want, want_blocks = _orig_topk_to_uint64(idx, max_seqlen_k, 64)
+        got, got_blocks = iv2.topk_to_uint64(idx.to(device), max_seqlen_k, 64)
+        assert got_blocks == want_blocks and got.device.type == torch.device(device).type
+        assert torch.equal(got.cpu(), want)
+        # a non-contiguous index tensor
+        wide = torch.randint(-1, hi, shape[:-1] + (2 * shape[-1],), generator=g, dtype=torch.int32)
+        got, _ = iv2.topk_to_uint64(wide.to(device)[..., ::2], max_seqlen_k, 64)
+        assert torch.equal(got.cpu(), _orig_topk_to_uint64(wide[..., ::2].contiguous(), max_seqlen_k, 64)[0])
+    for n in (1, 63, 64, 65, 130, 257):
+        mask = torch.rand(3, 4, n, generator=g) < 0.4
+        mask[0, 0, min(63, n - 1)] = True
+        want, want_n = _orig_blockmask_to_uint64(mask)
+        got, got_n = iv2.blockmask_to_uint64(mask.to(device))
+        assert got_n == want_n == n and torch.equal(got.cpu(), want)
+        got_t, _ = iv2.blockmask_to_uint64(mask.to(device).transpose(0, 1))           # non-contiguous
+        assert torch.equal(got_t.cpu(), _orig_blockmask_to_uint64(mask.transpose(0, 1).contiguous())[0])
+        words = torch.randint(-(2 ** 63), 2 ** 63 - 1, (2, 3, (n + 63) // 64), generator=g, dtype=torch.int64)
+        for last in (n, max(0, n - 7)):
+            want_b = _orig_uint64_to_bool(words, last)
+            assert torch.equal(iv2.uint64_to_bool(words.to(device), last).cpu(), want_b)
+            if hasattr(torch, "uint64"):
+                assert torch.equal(iv2.uint64_to_bool(words.to(device).view(torch.uint64), last).cpu(), want_b)
+        assert torch.equal(iv2.uint64_to_bool(got, n).cpu(), mask)
+
+
+def test_bitmask_helpers_equal_the_original_kernels():
+    _bitmask_checks("cpu")
+    with pytest.raises(TypeError, match="uint64_array"):
+        iv2.uint64_to_bool(torch.zeros(2, 1, dtype=torch.int32), 10)
+    with pytest.raises(ValueError, match="exceeds"):
+        iv2.uint64_to_bool(torch.zeros(2, 1, dtype=torch.int64), 65)
+    # empty shapes
+    assert iv2.topk_to_uint64(torch.zeros(0, 3, 4, dtype=torch.int32), 640, 64)[0].shape == (0, 3, 1)
+    assert torch.equal(iv2.topk_to_uint64(torch.zeros(2, 3, 0, dtype=torch.int32), 640, 64)[0],
+                       torch.zeros(2, 3, 1, dtype=torch.int64))
+    assert iv2.topk_to_uint64(torch.zeros(2, 3, 4, dtype=torch.int32), 0, 64)[0].shape == (2, 3, 0)
+    assert iv2.blockmask_to_uint64(torch.zeros(2, 0, dtype=torch.bool))[0].shape == (2, 0)
+
+
+class _NoHostRead:
+    """Makes every way of reading a tensor's values on the host raise (CPU tensors stand in for device ones)."""
+    NAMES = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero")
+
+    def __init__(self, monkeypatch):
+        def boom(*a, **k):
+            raise AssertionError("host read")
+        for name in self.NAMES:
+            monkeypatch.setattr(torch.Tensor, name, boom)
+
+
+def test_bitmask_helpers_and_pooling_read_nothing_back(monkeypatch):
+    """No host loop over values, no host read: the helpers run with every host read of a tensor raising;
+    so does the pooling with cache_lens known on the host and the value checks off."""
+    from infllm_cupy import _env
+
+    g = torch.Generator().manual_seed(22)
+    idx = torch.randint(-1, 140, (2, 9, 16), generator=g, dtype=torch.int32)
+    mask = torch.rand(2, 9, 130, generator=g) < 0.5
+    score = torch.randn(2, 30, 8, generator=g).to(torch.bfloat16)
+    cu_q, cu_k = _cu([20, 10]), _cu([8, 3])
+    want_pool = iv2.max_pooling_1d_varlen(score, cu_q, cu_k, torch.tensor([0, 70], dtype=torch.int32), 20, 8, 1, 1)
+    want_one = iv2.max_pooling_1d(score[:, :20], 70, 1, 1)
+    with monkeypatch.context() as m:
+        _NoHostRead(m)
+        words, _ = iv2.topk_to_uint64(idx, 64 * 140, 64)
+        back = iv2.uint64_to_bool(words, 140)
+        packed, _ = iv2.blockmask_to_uint64(mask)
+        unpacked = iv2.uint64_to_bool(packed, 130)
+        with _env.override(validate=False):
+            from infllm_cupy.stage1.pool import pool_blocks
+            pooled = pool_blocks(score, cu_q, cu_k, [0, 70], 20, local_blocks=1)
+            one = iv2.max_pooling_1d(score[:, :20], 70, 1, 1)
+    assert torch.equal(words, _orig_topk_to_uint64(idx, 64 * 140, 64)[0])
+    assert torch.equal(unpacked, mask) and torch.equal(packed, _orig_blockmask_to_uint64(mask)[0])
+    assert back.shape == (2, 9, 140)
+    assert torch.equal(pooled, want_pool) and torch.equal(one, want_one)
+
+
+@pytest.mark.gpu
+def test_bitmask_helpers_equal_the_original_kernels_gpu():
+    _bitmask_checks("cuda")
+
+
+@pytest.mark.gpu
+def test_bitmask_helpers_and_pooling_do_not_synchronize_gpu():
+    """On CUDA tensors, with torch's sync debug mode set to raise: the helpers and the pooling (cache_lens
+    as a list, value checks off) never synchronize with the host."""
+    from infllm_cupy import _env
+    from infllm_cupy.stage1.pool import pool_blocks
+
+    g = torch.Generator().manual_seed(23)
+    idx = torch.randint(-1, 140, (2, 9, 16), generator=g, dtype=torch.int32).cuda()
+    mask = (torch.rand(2, 9, 130, generator=g) < 0.5).cuda()
+    score = torch.randn(2, 30, 8, generator=g).to(torch.bfloat16).cuda()
+    cu_q, cu_k = _cu([20, 10]).cuda(), _cu([8, 3]).cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        words, _ = iv2.topk_to_uint64(idx, 64 * 140, 64)
+        iv2.uint64_to_bool(words, 140)
+        packed, _ = iv2.blockmask_to_uint64(mask)
+        iv2.uint64_to_bool(packed, 130)
+        with _env.override(validate=False):
+            pooled = pool_blocks(score, cu_q, cu_k, [0, 70], 20, local_blocks=1)
+            iv2.max_pooling_1d(score[:, :20], 70, 1, 1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(words.cpu(), _orig_topk_to_uint64(idx.cpu(), 64 * 140, 64)[0])
+    want = _orig_pool(score.cpu(), [0, 20, 30], [0, 8, 11], [0, 70], 20, 1, 1)
+    assert torch.equal(pooled.cpu(), want)
+
+
 # ---------------------------------------------------------------------------------------------
 # pooling
 # ---------------------------------------------------------------------------------------------
