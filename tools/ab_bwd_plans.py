@@ -70,7 +70,7 @@ def main() -> None:
             lm = layout.mask.to("cuda")
             fplan = fwd_plan_for(q, k, T, split_min=None)
             if per_q:
-                from infllm_cupy.patterns.qhead import qhead_bwd_plan
+                from infllm_cupy.stage2.qhead import qhead_bwd_plan
                 fplan = dataclasses.replace(fplan, qhead="head")
                 base = qhead_bwd_plan(torch.cuda.get_device_capability(), D, dt, T, T, k.shape[0])
             else:
