@@ -35,7 +35,7 @@ from .._checks import (
     seqlens_host,
 )
 from .._dtypes import compute_dtype
-from .naive import _CHUNK_ELEMS, _token_layout, q_block_idx_prefill, vis_limit
+from .naive import _CHUNK_ELEMS, q_block_idx_prefill, vis_limit
 
 RANGE_ALIGN = 16   # blocks per 64-key fine tile of the kernels: a range starts on a tile
 

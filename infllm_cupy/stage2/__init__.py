@@ -3,5 +3,12 @@ from .attention import block_sparse_attn_varlen, qhead_block_sparse_attn_varlen,
 from .layout import BlockLayout
 from .naive import naive_block_sparse_attn_varlen, naive_dense_attn_varlen, naive_sparse_attn_varlen
 
-__all__ = ["sparse_attn_varlen", "block_sparse_attn_varlen", "qhead_block_sparse_attn_varlen", "BlockLayout",
-           "naive_dense_attn_varlen", "naive_sparse_attn_varlen", "naive_block_sparse_attn_varlen"]
+__all__ = [
+    "BlockLayout",
+    "block_sparse_attn_varlen",
+    "naive_block_sparse_attn_varlen",
+    "naive_dense_attn_varlen",
+    "naive_sparse_attn_varlen",
+    "qhead_block_sparse_attn_varlen",
+    "sparse_attn_varlen",
+]

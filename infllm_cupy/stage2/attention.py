@@ -20,9 +20,9 @@ from .._checks import (
     check_softmax_scale,
     check_tensor,
 )
+from .._kernel_arg import check_kernel
 from .layout import BlockLayout
 from .naive import naive_block_sparse_attn_varlen, naive_sparse_attn_varlen
-from .._kernel_arg import check_kernel
 from .ops import block_sparse_attn_fwd, sparse_attn_fwd
 from .qhead import _expand_kv, qhead_block_sparse_attn_fwd
 
