@@ -37,8 +37,9 @@ Prefill: one eager forward of the whole prompt into an empty cache (`logits_to_k
 a warm-up prefill, median of --rep (the allocator's cache is kept between them, emptied between rows).
 Decode: greedy steps of one token per sequence with explicit `position_ids` (a device tensor advanced on the
 device, so nothing reads a length back to the host) and argmax on the device; after the warm-up steps,
---new-tokens steps are timed as one CUDA-event span with no host sync in it: decode tok/s = batch x steps /
-span, ms/step = span / steps. `torch syncs/step` counts the synchronizing torch calls of one warm-up step
+--rep spans of --new-tokens steps are timed, each one CUDA-event span with no host sync in it (the Timer
+synchronizes before a span starts); decode tok/s = batch x steps / median span, ms/step = median span / steps.
+Eager rows are bound by host work, whose speed varies between spans, hence the median. `torch syncs/step` counts the synchronizing torch calls of one warm-up step
 (torch.cuda.set_sync_debug_mode; CuPy's own syncs are not seen). An event per step (no host sync) finds
 outliers: a step over 3x the median is named in the note (e.g. a kernel compiled inside the span), and so
 is memory a finished row leaves allocated ("left X GiB allocated": something still holds its tensors).
@@ -129,7 +130,8 @@ def parse_args(argv=None):
     p.add_argument("--compile-warmup-steps", type=int, default=3,
                    help="extra warm-up steps of the compiled rows and ours_graphs (compilation, CUDA-graph "
                         "recording), at least 3. Default: 3")
-    p.add_argument("--rep", type=int, default=None, help="timed prefills (median). Default: 3 (--quick: 1)")
+    p.add_argument("--rep", type=int, default=None, help="timed prefills, and timed decode spans of --new-tokens steps (median of each). "
+                   "Default: 3 (--quick: 1)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the rows (with GPU, versions, commit) to this file")
@@ -299,7 +301,7 @@ class Bench:
         compiled = impl in COMPILED
         extra = a.compile_warmup_steps if (compiled or impl == "ours_graphs") else 0
         warm = a.warmup_steps + extra
-        max_len = T + warm + a.new_tokens + 1
+        max_len = T + warm + a.rep * a.new_tokens + 1
         fwd = self.forward_for(impl)
         model.set_attn_implementation("sdpa" if impl.startswith("sdpa") else ATTN_NAME)
         kw = {self.cache_kw: None, "use_cache": True}
@@ -361,16 +363,25 @@ class Bench:
                 notes.append(f"{breaks} graph breaks")
             if skips:
                 notes.append(f"{skips} cudagraph skips")
-        marks = [torch.cuda.Event(enable_timing=True) for _ in range(a.new_tokens)] if dev.type == "cuda" else []
-        with Timer(dev) as t:
-            for i in range(a.new_tokens):
-                tok, pos = step(tok, pos)
-                if marks:
-                    marks[i].record()               # per-step events (no host sync): outliers only
-        row["decode_ms_per_step"] = t.ms / a.new_tokens
-        row["decode_tok_s"] = B * a.new_tokens / (t.ms / 1e3)
-        if marks:
-            steps = [t.s.elapsed_time(marks[0])] + [x.elapsed_time(y) for x, y in zip(marks, marks[1:])]
+        spans, steps = [], []
+        for _ in range(a.rep):                  # --rep spans of --new-tokens steps each, median span
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(a.new_tokens)] if dev.type == "cuda" else []
+            with Timer(dev) as t:
+                for i in range(a.new_tokens):
+                    tok, pos = step(tok, pos)
+                    if marks:
+                        marks[i].record()           # per-step events (no host sync): outliers only
+            spans.append(t.ms)
+            if marks:
+                steps += [t.s.elapsed_time(marks[0])] + [x.elapsed_time(y) for x, y in zip(marks, marks[1:])]
+        span = statistics.median(spans)
+        row["decode_ms_per_step"] = span / a.new_tokens
+        row["decode_tok_s"] = B * a.new_tokens / (span / 1e3)
+        if len(spans) > 1:
+            row["decode_span_spread"] = max(spans) / min(spans)
+            if row["decode_span_spread"] > 1.15:
+                notes.append(f"decode spans {min(spans) / a.new_tokens:.2f}-{max(spans) / a.new_tokens:.2f} ms/step")
+        if steps:
             med = statistics.median(steps)
             row["step_ms_median"], row["step_ms_max"] = med, max(steps)
             if max(steps) > 3 * med:                 # e.g. a kernel compiled inside the span
