@@ -14,6 +14,15 @@ calling only the original package's public functions as `infllm_cupy.compat.infl
 Decode is HF's path (spec section 8): the one query attends the whole cached K/V through the varlen
 function with the selection of a non-causal stage 1 over the compressed cache.
 
+`route` picks how the selection runs. `"compat"` calls exactly the sequence above, each step a compat
+function (stage 1 materialises the `[H, total_q, n1]` scores, pooling and `torch.topk` follow).
+`"fused"` (the default) reaches the same selection through infllm-cupy's fused paths: the keys are
+compressed by the compression kernel, and `stage1_select` computes scores, pooling and top-k in one
+kernel without the score matrix (same blocks; ties go to the lower block index, where `torch.topk`
+leaves them unspecified). With an `InfLLMv2Cache` the fused route hands the whole attention to the
+backend's attention function, which decodes on the cache's `DecodeCache` (decode kernels, compressed
+keys kept by the cache) and prefills on the cache's compressed keys.
+
 `use_minicpm4_attention(model)` swaps this layer into a Llama-style HF model (LlamaForCausalLM: same
 projection names, so the weights are kept), which then generates with any HF cache. The compressed
 keys are a side table on the HF cache object, keyed by `layer_idx` (the layer is handed the cache;
@@ -24,8 +33,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .._constants import HEAD_DIMS
 from ..compat import infllm_v2
+from ..compress import compress_k
+from ..stage1 import stage1_select
 from .transformers import _CACHE_ATTR as _DECODE_CACHE_ATTR  # an InfLLMv2Cache key view's DecodeCache
+from .transformers import infllm_cupy_attention
+
+ROUTES = ("fused", "compat")
 
 __all__ = ["MiniCPM4SparseAttention", "use_minicpm4_attention"]
 
@@ -52,6 +67,18 @@ def _windows(k: torch.Tensor, lo: int, hi: int, kernel: int, stride: int) -> tor
     return k[:, idx].to(acc).mean(dim=2).to(k.dtype)
 
 
+def _compress(k: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
+    """Every window of `k [B, L, H, D]` -> `[B, n, H, D]`: the compression kernel on CUDA tensors of its shapes,
+    `_windows` otherwise."""
+    B, L, H, D = k.shape
+    n = _n_windows(L, kernel, stride)
+    if not (k.is_cuda and D in HEAD_DIMS and k.dtype in (torch.bfloat16, torch.float16, torch.float32)) or n == 0:
+        return _windows(k, 0, n, kernel, stride)
+    cu = torch.arange(B + 1, dtype=torch.int32, device=k.device) * L
+    ck, _ = compress_k(k.reshape(B * L, H, D), cu, kernel, stride)
+    return ck.view(B, n, H, D)
+
+
 def _n_windows(L: int, kernel: int, stride: int) -> int:
     return 0 if L < kernel else (L - kernel) // stride + 1
 
@@ -72,10 +99,14 @@ class MiniCPM4SparseAttention(nn.Module):
             `kernel_stride`, `init_blocks`, `block_size`, `window_size`, `topk`, `dense_len`; missing keys
             take MiniCPM4's values). `use_nope=True` raises NotImplementedError.
         layer_idx (int): this layer's index in the cache.
+        route (str, keyword-only): "fused" (default) or "compat" (the module docstring says what each runs).
     """
 
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config, layer_idx: int, *, route: str = "fused"):
         super().__init__()
+        if route not in ROUTES:
+            raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+        self.route = route
         from .transformers import config_from_sparse_config
 
         self.config = config
@@ -95,6 +126,11 @@ class MiniCPM4SparseAttention(nn.Module):
         self.block_size, self.init_blocks, self.local_blocks = sc.block_size, sc.init_blocks, sc.local_blocks
         self.topk = sc.topk + sc.local_blocks          # HF: sparse_config["topk"] + window_size // block_size
         self.dense_len = sc.dense_len
+        # the fused stage-1 kernel's tiling (block 64, fine keys 32/16, coarse keys 128/64)
+        self._fusable = (self.block_size, self.kernel_size, self.kernel_stride) == (64, 32, 16)
+
+    def _fused(self) -> bool:
+        return self.route == "fused" and self._fusable
 
     # -------------------------------------------------------------------------------- compressed keys
     def _compressed_keys(self, cache, k: torch.Tensor, q_len: int) -> _Compressed:
@@ -112,8 +148,8 @@ class MiniCPM4SparseAttention(nn.Module):
                 setattr(cache, _SIDE_TABLE, table)
         st = None if table is None else table.get(self.layer_idx)
         if st is None or st.length != Lk - q_len or st.ck1.shape[0] != B:
-            st = _Compressed(_windows(k, 0, _n_windows(Lk, *fine), *fine),
-                             _windows(k, 0, _n_windows(Lk, *coarse), *coarse), Lk)
+            whole = _compress if self._fused() else (lambda x, kr, s: _windows(x, 0, _n_windows(Lk, kr, s), kr, s))
+            st = _Compressed(whole(k, *fine), whole(k, *coarse), Lk)
         else:
             parts = []
             for ck, (kr, s) in ((st.ck1, fine), (st.ck2, coarse)):
@@ -134,6 +170,14 @@ class MiniCPM4SparseAttention(nn.Module):
         steps = torch.arange(B + 1, dtype=torch.int32, device=dev)
         cu_c1, cu_c2 = steps * n1, steps * n2
         with torch.no_grad():
+            if self._fused():    # scores, pooling and top-k in one kernel: the same topk_idx
+                topk_idx = stage1_select(
+                    q, st.ck1.reshape(B * n1, H, D), st.ck2.reshape(B * n2, H, D), cu_q, cu_c1, cu_c2, q_len,
+                    causal=q_len != 1, cache_lens=[kv_len - q_len] * B, softmax_scale=self.scaling,
+                    topk=self.topk - self.local_blocks, local_blocks=self.local_blocks, init_blocks=self.init_blocks)
+                return infllm_v2.infllmv2_attn_varlen_func(q, k, v, cu_q, cu_k, q_len, kv_len,
+                                                           softmax_scale=self.scaling, causal=q_len != 1,
+                                                           topk_idx=topk_idx)
             score = infllm_v2.infllmv2_attn_stage1(
                 q, st.ck1.reshape(B * n1, H, D), st.ck2.reshape(B * n2, H, D), cu_q, cu_c1, cu_c2, q_len, n1,
                 softmax_scale=self.scaling, causal=q_len != 1)
@@ -168,6 +212,10 @@ class MiniCPM4SparseAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
             dc = getattr(k, _DECODE_CACHE_ATTR, None)
+            if dc is not None and self._fused():
+                # an InfLLMv2Cache: the backend's attention function on its DecodeCache and compressed keys
+                out, _ = infllm_cupy_attention(self, q, k, v, None, self.scaling)
+                return self.o_proj(out.reshape(B, q_len, HQ * D)), None
             if dc is not None:               # an InfLLMv2Cache's static views: its first L keys are the cache
                 if dc._host_stale:
                     dc.sync_lengths()
@@ -188,9 +236,9 @@ class MiniCPM4SparseAttention(nn.Module):
         return out, None
 
 
-def use_minicpm4_attention(model: nn.Module) -> nn.Module:
+def use_minicpm4_attention(model: nn.Module, *, route: str = "fused") -> nn.Module:
     """Replace every decoder layer's `self_attn` of a Llama-style HF causal LM (`model.model.layers[i]`)
-    by `MiniCPM4SparseAttention` with the same weights, in place; returns the model.
+    by `MiniCPM4SparseAttention(..., route=route)` with the same weights, in place; returns the model.
 
     Also registers the `infllm_cupy` attention name and selects it, so that the model builds no dense
     attention mask (its mask function gives None, or the padding mask that the layer refuses).
@@ -203,7 +251,7 @@ def use_minicpm4_attention(model: nn.Module) -> nn.Module:
                         f"{type(model).__name__}")
     for i, layer in enumerate(layers):
         old = layer.self_attn
-        new = MiniCPM4SparseAttention(model.config, getattr(old, "layer_idx", i))
+        new = MiniCPM4SparseAttention(model.config, getattr(old, "layer_idx", i), route=route)
         new.load_state_dict(old.state_dict())
         layer.self_attn = new.to(device=old.q_proj.weight.device, dtype=old.q_proj.weight.dtype)
     register()

@@ -9,7 +9,7 @@ from .naive import (
     vis_limit,
 )
 from .pool import pool_blocks
-from .select import stage1_select
+from .select import stage1_scores, stage1_select
 
 __all__ = [
     "naive_pool_blocks",
@@ -19,6 +19,7 @@ __all__ = [
     "pool_blocks",
     "q_block_idx_decode",
     "q_block_idx_prefill",
+    "stage1_scores",
     "stage1_select",
     "vis_limit",
 ]

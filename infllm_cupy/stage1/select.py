@@ -40,7 +40,7 @@ from .._constants import KV_BLOCK
 from .._kernel_arg import check_kernel
 from .._launch import CXX_TYPE, cdiv, empty, launch, ptr, total_memory
 from .._tma import TMAP_DTYPE, rows_map
-from .naive import naive_stage1_select, q_block_idx_prefill
+from .naive import naive_stage1_scores, naive_stage1_select, q_block_idx_prefill
 from .plan import (  # noqa: F401  (the sizing functions re-exported: the launcher's vocabulary)
     MAX_GROUP,
     SCRATCH_BUDGET_FRACTION,
@@ -223,6 +223,37 @@ def stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
                          init_blocks=init_blocks, block_size=block_size, kernel_stride=kernel_stride,
                          coarse_kernel_stride=coarse_kernel_stride, varlen_offset_quirk=varlen_offset_quirk,
                          score_dtype=score_dtype, return_scores=return_scores, kernel=kernel)
+
+
+def stage1_scores(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                  cu_seqlens_c1: torch.Tensor, cu_seqlens_c2: torch.Tensor, max_seqlen_q: int, *,
+                  causal: bool = True, softmax_scale: float | None = None,
+                  score_dtype: torch.dtype | None = torch.bfloat16, backend: str = "auto",
+                  kernel: str = "auto") -> torch.Tensor:
+    r"""The stage-1 score matrix `[H, total_q, max_n1]`: `naive_stage1_scores` on the kernels.
+
+    Same arguments and result as `naive_stage1_scores` (fine-key weights under the coarse-key
+    normaliser, summed over each KV group, rounded to `score_dtype`; zeros past a sequence's own `n1`
+    and in rows with no visible coarse key). On CUDA tensors of the kernels' shapes (bf16 or fp16,
+    D in {64, 128}, G <= 128) the stage-1 kernel runs with `return_scores` and no top-k (its block
+    scores are computed and dropped); other inputs, and `backend="reference"`, run the reference.
+    The fused `stage1_select` never materialises this tensor: it exists for callers whose API returns
+    it (the `infllm_v2` compat layer's `infllmv2_attn_stage1`) and for inspection.
+    """
+    check_backend(backend)
+    check_kernel(kernel)
+    check_flags(causal=causal)
+    G = q.shape[1] // max(ck1.shape[1], 1) if q.dim() == 3 and ck1.dim() == 3 else 0
+    on_kernels = (backend == "kernels" or
+                  (backend == "auto" and q.is_cuda and q.dtype in KERNEL_DTYPES and q.shape[-1] in HEAD_DIMS
+                   and 1 <= G <= MAX_GROUP))
+    if not on_kernels:
+        return naive_stage1_scores(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q,
+                                   causal=causal, softmax_scale=softmax_scale, score_dtype=score_dtype)
+    _, scores, _ = launch_select(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q,
+                                 causal=causal, softmax_scale=softmax_scale, topk=0, local_blocks=0,
+                                 init_blocks=0, score_dtype=score_dtype, return_scores=True, kernel=kernel)
+    return scores
 
 
 def launch_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seqlens_q: torch.Tensor,

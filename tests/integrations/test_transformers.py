@@ -92,13 +92,14 @@ def test_dense_regime_greedy_tokens_equal_eager():
     assert len(set(ref_toks.flatten().tolist())) > 2, "degenerate model: the comparison says little"
 
 
+@pytest.mark.parametrize("route", ["fused", "compat"])
 @pytest.mark.parametrize("kv_heads", [2, 1])
-def test_sparse_prefill_equals_minicpm4_layer_and_differs_from_dense(kv_heads):
+def test_sparse_prefill_equals_minicpm4_layer_and_differs_from_dense(kv_heads, route):
     cfg = small_config(SPARSE)
     cfg.num_key_value_heads = kv_heads
     ids = prompt(2, PROMPT)
     m = model_for(cfg)
-    mc = use_minicpm4_attention(copy.deepcopy(m))
+    mc = use_minicpm4_attention(copy.deepcopy(m), route=route)
     assert all(isinstance(layer.self_attn, MiniCPM4SparseAttention) for layer in mc.model.layers)
     with torch.no_grad():
         ours, theirs = m(ids).logits, mc(ids).logits
@@ -123,19 +124,22 @@ def test_sparse_path_selecting_every_block_equals_eager():
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("route", ["fused", "compat"])
 @pytest.mark.parametrize("n_prompt,dense_len", [(PROMPT, 256), (636, 640)])   # 636: decode crosses dense_len
-def test_sparse_decode_caches_and_minicpm4_layer_agree(n_prompt, dense_len):
+def test_sparse_decode_caches_and_minicpm4_layer_agree(n_prompt, dense_len, route):
     cfg = small_config(dict(SPARSE, dense_len=dense_len))
     ids = prompt(2, n_prompt)
     m = model_for(cfg)
-    mc = use_minicpm4_attention(copy.deepcopy(m))
+    mc = use_minicpm4_attention(copy.deepcopy(m), route=route)
     n = 10
     toks, logits = generate(m, ids, n, hf.InfLLMv2Cache(cfg, max_cache_len=n_prompt + n))
     toks_d, logits_d = generate(m, ids, n)                                  # DynamicCache
     toks_m, logits_m = generate(mc, ids, n)
-    assert torch.equal(toks, toks_m) and torch.equal(toks_d, toks_m)
+    toks_mi, logits_mi = generate(mc, ids, n, hf.InfLLMv2Cache(cfg, max_cache_len=n_prompt + n))
+    assert torch.equal(toks, toks_m) and torch.equal(toks_d, toks_m) and torch.equal(toks, toks_mi)
     torch.testing.assert_close(logits, logits_m, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits_d, logits_m, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits, logits_mi, atol=1e-4, rtol=1e-4)
     m.set_attn_implementation("eager")
     _, logits_e = generate(m, torch.cat([ids, toks], 1)[:, :n_prompt], n)
     assert (logits_e - logits).abs().max() > 1e-2, "decode never left the dense regime"
@@ -337,10 +341,10 @@ def test_gpu_sparse_kernels_within_error_rule_of_reference(n_prompt):
     cfg = small_config(SPARSE)
     ids = prompt(2, n_prompt + 10, device="cuda")
 
-    def run(impl, dtype, minicpm=False, cache=True):
+    def run(impl, dtype, minicpm=None, cache=True):
         m = model_for(cfg, impl, dtype=dtype, device="cuda")
         if minicpm:
-            use_minicpm4_attention(m)
+            use_minicpm4_attention(m, route=minicpm)
         c = hf.InfLLMv2Cache(cfg, max_cache_len=n_prompt + 10) if cache else DynamicCache()
         return step_logits(m, ids, n_prompt, c).float()
 
@@ -348,7 +352,10 @@ def test_gpu_sparse_kernels_within_error_rule_of_reference(n_prompt):
     lowp = run(ref_name, torch.bfloat16)
     _rule("kernels, InfLLMv2Cache", run(hf.ATTN_NAME, torch.bfloat16), ref, lowp)
     _rule("kernels, DynamicCache", run(hf.ATTN_NAME, torch.bfloat16, cache=False), ref, lowp)
-    _rule("MiniCPM4-style layer on the compat API", run(hf.ATTN_NAME, torch.bfloat16, minicpm=True), ref, lowp)
+    for route in ("fused", "compat"):
+        for cache in (True, False):
+            _rule(f"MiniCPM4-style layer, route {route}, {'InfLLMv2Cache' if cache else 'DynamicCache'}",
+                  run(hf.ATTN_NAME, torch.bfloat16, minicpm=route, cache=cache), ref, lowp)
 
 
 @pytest.mark.gpu
