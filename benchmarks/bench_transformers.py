@@ -26,6 +26,11 @@ equal-length random prompts (no padding), contexts --contexts (default 16k,64k).
     ours_compiled         "infllm_cupy" + InfLLMv2Cache, decode through torch.compile(model.forward,
                           mode="reduce-overhead")
     ours_dynamic          (opt-in) "infllm_cupy" + DynamicCache (decode rebuilds a DecodeCache per step and layer)
+    minicpm4              (opt-in) the MiniCPM4-style layer (integrations/minicpm4.py, written against the
+                          `infllm_v2` compat API) in every decoder layer, route "fused", + InfLLMv2Cache, eager
+    minicpm4_compat       (opt-in) the same layer, route "compat": the original's call sequence (stage-1 score
+                          matrix, max_pooling_1d_varlen, torch.topk, varlen attention), each a compat function,
+                          as a MiniCPM4 checkpoint's own modeling code runs it. Both against `ours` (native)
 
 Compiled rows: one torch.compile(model.forward, mode="reduce-overhead") per implementation and process
 (transformers' own default compile config otherwise), CUDA only (on CPU they are skipped with a note).
@@ -52,7 +57,7 @@ SDPA rows all cached keys and values (B x L x H x D x 2 tensors); ours rows in t
 compressed keys stage 1 reads, B x H x (L/16 + L/64) x D; below dense_len the whole cache. `x floor` =
 ms/step / floor ms. `vs anchor` = the fair anchor's ms/step over the row's (> 1: the row decodes faster):
 ours, ours_graphs and sdpa_dynamic against sdpa_static (eager), ours_compiled against sdpa_static_compiled,
-ours_dynamic against sdpa_dynamic; `prefill vs anchor` likewise for prefill.
+ours_dynamic against sdpa_dynamic, the minicpm4 rows against ours; `prefill vs anchor` likewise for prefill.
 
 A row that does not fit (torch.cuda.OutOfMemoryError) frees memory and is recorded as "skipped: out of
 memory" (and the larger configs of that row after it); any other failure is recorded as the row's note
@@ -86,10 +91,12 @@ from benchmarks._harness import (  # noqa: E402
 )
 
 IMPLS = ("sdpa_dynamic", "sdpa_static", "sdpa_static_compiled", "ours", "ours_graphs", "ours_compiled",
-         "ours_dynamic")
-DEFAULT_IMPLS = tuple(i for i in IMPLS if i != "ours_dynamic")
+         "ours_dynamic", "minicpm4", "minicpm4_compat")
+MINICPM4_ROUTE = {"minicpm4": "fused", "minicpm4_compat": "compat"}
+DEFAULT_IMPLS = tuple(i for i in IMPLS if i != "ours_dynamic" and i not in MINICPM4_ROUTE)
 ANCHOR = {"ours": "sdpa_static", "ours_graphs": "sdpa_static", "sdpa_dynamic": "sdpa_static",
-          "ours_compiled": "sdpa_static_compiled", "ours_dynamic": "sdpa_dynamic"}
+          "ours_compiled": "sdpa_static_compiled", "ours_dynamic": "sdpa_dynamic",
+          "minicpm4": "ours", "minicpm4_compat": "ours"}
 COMPILED = ("sdpa_static_compiled", "ours_compiled")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 BLOCK = 64
@@ -280,6 +287,25 @@ class Bench:
         self.cache_position = "cache_position" in params       # older transformers index a StaticCache with it
         self.compiled: dict[str, object] = {}
         self.esz = torch.tensor([], dtype=DTYPES[a.dtype]).element_size()
+        self.native_attn = [layer.self_attn for layer in model.model.layers]
+        self.minicpm4: dict[str, list] = {}
+
+    def use_attention_of(self, impl):
+        """The decoder layers' attention modules for `impl`: the MiniCPM4-style layer of its route (sharing the
+        projections' weights) on the minicpm4 rows, the model's own otherwise."""
+        route = MINICPM4_ROUTE.get(impl)
+        if route is not None and route not in self.minicpm4:
+            from infllm_cupy.integrations.minicpm4 import MiniCPM4SparseAttention
+
+            mods = []
+            for i, old in enumerate(self.native_attn):
+                new = MiniCPM4SparseAttention(self.cfg, getattr(old, "layer_idx", i), route=route)
+                for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                    setattr(new, name, getattr(old, name))
+                mods.append(new)
+            self.minicpm4[route] = mods
+        for layer, mod in zip(self.model.model.layers, self.minicpm4[route] if route else self.native_attn):
+            layer.self_attn = mod
 
     def forward_for(self, impl):
         if impl not in COMPILED:
@@ -303,6 +329,7 @@ class Bench:
         warm = a.warmup_steps + extra
         max_len = T + warm + a.rep * a.new_tokens + 1
         fwd = self.forward_for(impl)
+        self.use_attention_of(impl)
         model.set_attn_implementation("sdpa" if impl.startswith("sdpa") else ATTN_NAME)
         kw = {self.cache_kw: None, "use_cache": True}
         cache = logits = None
