@@ -25,7 +25,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from ..decode import sparse_decode
-from ..stage1.naive import naive_stage1_scores
+from ..stage1.select import stage1_scores
 from ..stage1.pool import pool_blocks
 from ..stage2 import sparse_attn_varlen
 
@@ -54,8 +54,8 @@ _COMPILED_OUT = ("dropout_p", "alibi_slopes", "softcap", "window_size")
 
 def _unsupported(**args) -> None:
     """NotImplementedError for the first argument that asks for a feature we do not implement, saying what
-    the original does with it: ignores it (a feature compiled out, `_COMPILED_OUT`), or implements it
-    (paged K/V in the varlen functions, rotary embedding, cache batch indices, left padding)."""
+    the original does with it: ignores it (a feature compiled out, `_COMPILED_OUT`), or passes it to its
+    kernel (stage 1's `block_table`: paged compressed keys)."""
     for name, (value, default) in args.items():
         if isinstance(default, tuple):
             bad = tuple(value) != default
@@ -67,7 +67,8 @@ def _unsupported(**args) -> None:
             shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
             why = ("the original InfLLM-v2 is built without this feature and ignores the argument, so no result "
                    "of either includes it" if name in _COMPILED_OUT else
-                   "the original implements it (FlashAttention's meaning); infllm-cupy's compat layer does not yet")
+                   "the original passes it to its kernel (FlashAttention's meaning); infllm-cupy's compat layer "
+                   "does not implement it")
             raise NotImplementedError(f"infllm_v2 compat: {name}={shown} is not supported (only {name}={default!r}); "
                                       f"{why}")
 
@@ -218,13 +219,15 @@ def infllmv2_attn_stage1(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_v, max_
         bf16 `[h_kv, total_q, max_seqlen_k]`; entries past a sequence's own key count and rows with no
         visible coarse key are 0. Values are unnormalised (coarse-key LSE) and can exceed 1.
 
-    Runs the PyTorch reference of stage 1 (on the tensors' device): our stage-1 kernel fuses scores,
-    pooling and top-k (`infllm_cupy.stage1_select`) and never materialises this tensor.
+    On CUDA tensors of the kernels' shapes (bf16/fp16, D 64 or 128, G <= 128) the stage-1 kernel writes
+    the scores (`infllm_cupy.stage1.stage1_scores`); other inputs run the PyTorch reference. Code that
+    only pools and ranks these scores gets the same blocks from `infllm_cupy.stage1_select`, which fuses
+    stage 1, the pooling and the top-k in one kernel and never materialises this tensor.
     """
     _unsupported(dropout_p=(dropout_p, 0.0), window_size=(window_size, (-1, -1)), softcap=(softcap, 0.0),
                  alibi_slopes=(alibi_slopes, None), block_table=(block_table, None))
-    scores = naive_stage1_scores(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_v, causal=bool(causal),
-                                 softmax_scale=softmax_scale, score_dtype=torch.bfloat16)
+    scores = stage1_scores(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_v, int(max_seqlen_q), causal=bool(causal),
+                           softmax_scale=softmax_scale, score_dtype=torch.bfloat16)
     width = scores.shape[2]
     if width >= max_seqlen_k:
         scores = scores[:, :, :max_seqlen_k]
@@ -368,20 +371,83 @@ def infllmv2_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     return out, lse, None
 
 
-def _check_batch_idx(cache_batch_idx, B: int, n_rows: int, paged: bool) -> list:
+def _check_batch_idx(cache_batch_idx, B: int, n_rows: int, paged: bool, device) -> list:
     """The cache rows `cache_batch_idx` names, as host ints, checked."""
     if paged:
-        raise ValueError("cache_batch_idx: not with a paged cache (block_table): FlashAttention takes it for "
-                         "contiguous caches only")
+        raise ValueError("cache_batch_idx: not with a paged cache (block_table): the original (FlashAttention's "
+                         "kvcache) refuses the pair as well")
     if (not isinstance(cache_batch_idx, torch.Tensor) or cache_batch_idx.dtype != torch.int32
             or tuple(cache_batch_idx.shape) != (B,)):
         raise ValueError(f"cache_batch_idx must be an int32 tensor [batch={B}], got "
                          f"{getattr(cache_batch_idx, 'dtype', type(cache_batch_idx))} "
                          f"{tuple(getattr(cache_batch_idx, 'shape', ()))}")
+    if cache_batch_idx.device != device:
+        raise ValueError(f"cache_batch_idx must be on {device} (the cache's), got {cache_batch_idx.device}")
     rows = [int(x) for x in cache_batch_idx.tolist()]
     if any(r < 0 or r >= n_rows for r in rows):
         raise ValueError(f"cache_batch_idx: rows must be in [0, {n_rows}) (the cache's batch), got {rows[:16]}")
     return rows
+
+
+def _check_leftpad(cache_leftpad, seqlens, B: int, paged: bool, device) -> list:
+    """The left padding of each sequence's cache row as host ints, checked: int32 `[B]`, contiguous
+    caches only (the original refuses it with a paged cache), `0 <= cache_leftpad[b] <= cache_seqlens[b]`."""
+    if paged:
+        raise ValueError("cache_leftpad: not with a paged cache (block_table): the original refuses the pair "
+                         "(\"We don't support Paged KV and leftpad_k running at the same time yet\")")
+    if (not isinstance(cache_leftpad, torch.Tensor) or cache_leftpad.dtype != torch.int32
+            or tuple(cache_leftpad.shape) != (B,)):
+        raise ValueError(f"cache_leftpad must be an int32 tensor [batch={B}], got "
+                         f"{getattr(cache_leftpad, 'dtype', type(cache_leftpad))} "
+                         f"{tuple(getattr(cache_leftpad, 'shape', ()))}")
+    if cache_leftpad.device != device:
+        raise ValueError(f"cache_leftpad must be on {device} (the cache's), got {cache_leftpad.device}")
+    pads, lens = torch.stack((cache_leftpad.to(seqlens.dtype), seqlens)).tolist()
+    for b, (p, L) in enumerate(zip(pads, lens)):
+        if p < 0 or p > L:
+            raise ValueError(f"cache_leftpad: sequence {b} starts at {p}, outside [0, cache_seqlens = {L}] "
+                             f"(its keys are positions cache_leftpad .. cache_seqlens - 1)")
+    return pads
+
+
+def _check_attention(q, k_cache, v_cache, block_table, B: int) -> None:
+    """What the attention step needs of q, the caches and the table, checked before any write (reads no
+    values): q and the caches of one dtype and device, one head dim, whole KV groups; on CUDA tensors the
+    decode kernel's limits (bf16/fp16, head dim 64 or 128, group size, pages of whole 64-key blocks)."""
+    from ..decode.sparse_decode import MAX_GROUP
+
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache and v_cache must be [.., .., nheads_k, headdim] of one shape, got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must have a contiguous last dimension (as the original asserts)")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name} must be {q.dtype} on {q.device} (q's), got {t.dtype} on {t.device}")
+    _, _, HQ, D = q.shape
+    H = k_cache.shape[2]
+    if k_cache.shape[3] != D:
+        raise ValueError(f"q has head dim {D} but the cache {k_cache.shape[3]}")
+    if H == 0 or HQ % H:
+        raise ValueError(f"q has {HQ} heads, not a multiple of the cache's {H} KV heads")
+    if block_table is not None:
+        if (not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2
+                or block_table.shape[0] != B):
+            raise ValueError(f"block_table must be an int32 tensor [batch={B}, max_pages], got "
+                             f"{getattr(block_table, 'dtype', type(block_table))} "
+                             f"{tuple(getattr(block_table, 'shape', ()))}")
+        if block_table.device != q.device:
+            raise ValueError(f"block_table must be on {q.device} (q's), got {block_table.device}")
+        if k_cache.shape[1] % _BLOCK:
+            raise ValueError(f"k_cache: page_size {k_cache.shape[1]} must be a multiple of {_BLOCK} (a key block "
+                             f"never straddles pages; the original needs a multiple of 256)")
+    if q.is_cuda:
+        if q.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"q: the decode kernel takes bf16 or fp16 on CUDA tensors, got {q.dtype}")
+        if D not in (64, 128):
+            raise ValueError(f"q: the decode kernel takes head dim 64 or 128, got {D}")
+        if HQ // H > MAX_GROUP:
+            raise ValueError(f"q: group size {HQ // H} > {MAX_GROUP} is not supported by the decode kernel")
 
 
 def _check_rotary(cos, sin, q, seqlens, n_new: int) -> None:
@@ -421,10 +487,7 @@ def _check_new_kv(k_cache, v_cache, k, v, seqlens, block_table, rows=None) -> No
     """Everything `_append_new_kv` needs, checked before it writes anything (a failed call leaves the
     caches as they were): shapes, dtype and device against the caches', and every new position inside
     its sequence's cache (paged: on a page of the table, not -1). Reads the lengths and the table on the
-    host, as the writes do."""
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache and v_cache must be [.., .., nheads_k, headdim] of one shape, got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    host."""
     B = seqlens.shape[0]
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[0] != B or t.shape[2:] != k_cache.shape[2:]:
@@ -446,9 +509,6 @@ def _check_new_kv(k_cache, v_cache, k, v, seqlens, block_table, rows=None) -> No
                 raise ValueError(f"cache_seqlens: sequence {b} holds {L} keys; the cache ({page} positions) cannot "
                                  f"take {n} more")
         return
-    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != B:
-        raise ValueError(f"block_table must be int32 [batch={B}, max_pages], got {block_table.dtype} "
-                         f"{tuple(block_table.shape)}")
     table = block_table.cpu()
     for b, L in enumerate(lens):
         if n == 0:
@@ -461,20 +521,29 @@ def _check_new_kv(k_cache, v_cache, k, v, seqlens, block_table, rows=None) -> No
 
 
 def _append_new_kv(k_cache, v_cache, k, v, seqlens, block_table, rows=None):
-    """Write the new keys/values of each sequence at `seqlens[b]` onwards, in place (paged or not; cache
-    row `rows[b]` of a contiguous cache, b without `rows`); the inputs checked by `_check_new_kv`."""
+    """Write the new keys/values of each sequence at `seqlens[b]` onwards, in place, in one indexed write
+    per cache (paged or not; cache row `rows[b]` of a contiguous cache, b without `rows`); the inputs
+    checked by `_check_new_kv`."""
     B, S_new = k.shape[:2]
-    page = k_cache.shape[1]
-    for b in range(B):
-        pos = int(seqlens[b]) + torch.arange(S_new, device=k.device)
-        if block_table is None:
-            r = b if rows is None else rows[b]
-            k_cache[r, pos] = k[b]
-            v_cache[r, pos] = v[b]
-        else:
-            pages = block_table[b].long()[pos // page]
-            k_cache[pages, pos % page] = k[b]
-            v_cache[pages, pos % page] = v[b]
+    dev = k_cache.device
+    pos = seqlens.to(dev, torch.int64)[:, None] + torch.arange(S_new, device=dev)      # [B, S_new]
+    if block_table is None:
+        r = (torch.arange(B, device=dev) if rows is None else torch.tensor(rows, dtype=torch.int64).to(dev))
+        k_cache[r[:, None], pos] = k
+        v_cache[r[:, None], pos] = v
+    else:
+        page = k_cache.shape[1]
+        pages = block_table.to(dev, torch.int64).gather(1, pos // page)
+        k_cache[pages, pos % page] = k
+        v_cache[pages, pos % page] = v
+
+
+def _attention_view(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself when the decode kernel can read it (contiguous, 16-byte aligned), else a dense copy (taken
+    after the new keys are written, so it holds them)."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -488,10 +557,11 @@ def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=N
 
     Args:
         q: `[B, 1, h_q, d]` (one query token per sequence; longer queries raise NotImplementedError).
-        k_cache, v_cache: `[B, S, h_kv, d]`, or `[num_pages, page_size, h_kv, d]` with `block_table`
+        k_cache, v_cache: `[B_cache, S, h_kv, d]`, or `[num_pages, page_size, h_kv, d]` with `block_table`
             int32 `[B, max_pages]` (page_size a multiple of 64 here; the original needs 256).
-        k, v: optional new `[B, S_new, h_kv, d]`, written in place at `cache_seqlens` before attending.
-        cache_seqlens: int or int32 `[B]` (None: the whole cache width).
+        k, v: optional new `[B, S_new, h_kv, d]`, written in place at `cache_seqlens` before attending
+            (they need `cache_seqlens`, as in the original).
+        cache_seqlens: int or int32 `[B]`, where each sequence's keys end (None: the whole cache width).
         topk_idx: int32 `[B, h_kv, 1, K]` block indices local to each sequence (-1 padding); None = dense.
         return_softmax_lse: also return float32 lse `[B, h_q, 1]`.
 
@@ -505,26 +575,47 @@ def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=N
             (2, 3), ...; else GPT-NeoX halves), in fp32 then rounded, before the keys are written.
         cache_batch_idx: int32 `[B]`, the cache row of each sequence (contiguous caches); attention reads
             a gathered copy of those rows.
+        cache_leftpad: int32 `[B]` (contiguous caches): sequence b's keys are cache positions
+            `cache_leftpad[b] .. cache_seqlens[b] - 1` (plus the new keys), so block `j` of `topk_idx` is
+            positions `cache_leftpad[b] + 64 j ..`; the new keys are still written at `cache_seqlens[b]` and
+            rotated there. Attention reads a gathered copy of the shifted rows.
+
+    Every check runs before the new keys are written: a call that raises leaves k_cache and v_cache
+    bit-identical. The checks read `cache_seqlens`, `cache_batch_idx`, `cache_leftpad` and the table on the
+    host when they are needed to place a write or a gather.
     """
-    _unsupported(cache_leftpad=(cache_leftpad, None),
-                 window_size=(window_size, (-1, -1)), softcap=(softcap, 0.0), alibi_slopes=(alibi_slopes, None))
-    if q.dim() != 4:
-        raise ValueError(f"q must be [batch, seqlen, nheads, headdim], got {tuple(q.shape)}")
+    _unsupported(window_size=(window_size, (-1, -1)), softcap=(softcap, 0.0), alibi_slopes=(alibi_slopes, None))
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"q must be [batch, seqlen, nheads, headdim], got {tuple(getattr(q, 'shape', ()))}")
     B, Lq, HQ, D = q.shape
     if Lq != 1:
-        raise NotImplementedError(f"infllm_v2 compat: infllmv2_attn_with_kvcache supports one query token per "
-                                  f"sequence (q seqlen 1), got {Lq}; use infllmv2_attn_varlen_func for prefill")
+        raise NotImplementedError(
+            f"infllm_v2 compat: infllmv2_attn_with_kvcache supports one query token per sequence (q seqlen 1), "
+            f"got {Lq}. The original passes longer queries to FlashAttention's kvcache kernel, but its block mask "
+            f"assumes one query token per sequence (G = 16 rows, 2 KV heads), so only seqlen 1 is defined with "
+            f"topk_idx; use infllmv2_attn_varlen_func for several query tokens")
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
-    H = k_cache.shape[2]
+    if k is not None and cache_seqlens is None:
+        raise ValueError("k and v are written at cache_seqlens: pass cache_seqlens with them (the original "
+                         "requires it too)")
     paged = block_table is not None
+    _check_attention(q, k_cache, v_cache, block_table, B)
+    H = k_cache.shape[2]
     width = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     if cache_seqlens is None:
         seqlens = torch.full((B,), width, dtype=torch.int32, device=q.device)
-    elif isinstance(cache_seqlens, int):
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
-    else:
+    elif isinstance(cache_seqlens, torch.Tensor) and not cache_seqlens.is_floating_point():
+        if cache_seqlens.device != q.device:
+            raise ValueError(f"cache_seqlens must be on {q.device} (q's), got {cache_seqlens.device}")
         seqlens = cache_seqlens.to(torch.int32)
+    else:
+        raise ValueError(f"cache_seqlens must be an int or an int32 tensor [batch={B}], got "
+                         f"{getattr(cache_seqlens, 'dtype', type(cache_seqlens))}")
+    if seqlens.shape != (B,):
+        raise ValueError(f"cache_seqlens must be an int or [batch={B}], got shape {tuple(seqlens.shape)}")
     # every check before the new keys are written: a failed call leaves the caches unchanged
     sel = None
     if topk_idx is not None:
@@ -533,12 +624,17 @@ def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=N
         if topk_idx.dim() != 4 or tuple(topk_idx.shape[:3]) != (B, H, 1):
             raise ValueError(f"topk_idx must be [batch, nheads_k, 1, K] = [{B}, {H}, 1, K], "
                              f"got {tuple(topk_idx.shape)}")
+        if topk_idx.device != q.device:
+            raise ValueError(f"topk_idx must be on {q.device} (q's), got {topk_idx.device}")
         sel = topk_idx[:, :, 0, :].permute(1, 0, 2).contiguous()  # our layout [h_kv, B, K]
-    if seqlens.shape != (B,):
-        raise ValueError(f"cache_seqlens must be an int or [batch={B}], got shape {tuple(seqlens.shape)}")
     rows = None
     if cache_batch_idx is not None:
-        rows = _check_batch_idx(cache_batch_idx, B, k_cache.shape[0], paged)
+        rows = _check_batch_idx(cache_batch_idx, B, k_cache.shape[0], paged, q.device)
+    elif not paged and k_cache.shape[0] != B:
+        raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences, q {B} (or pass cache_batch_idx)")
+    pads = None
+    if cache_leftpad is not None:
+        pads = _check_leftpad(cache_leftpad, seqlens, B, paged, q.device)
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("rotary_cos and rotary_sin must be given together")
     if rotary_cos is not None:
@@ -548,17 +644,29 @@ def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=N
         _check_rotary(rotary_cos, rotary_sin, q, seqlens, k.shape[1] if isinstance(k, torch.Tensor) else 0)
     if k is not None:
         _check_new_kv(k_cache, v_cache, k, v, seqlens, block_table, rows)
+    # ---- checks done: the writes ----
+    if k is not None:
         if rotary_cos is not None:
-            pos = seqlens.long().to(q.device)[:, None]
+            pos = seqlens.long()[:, None]
             q = _rotate(q, rotary_cos, rotary_sin, pos, rotary_interleaved)
             k = _rotate(k, rotary_cos, rotary_sin, pos + torch.arange(k.shape[1], device=q.device), rotary_interleaved)
         _append_new_kv(k_cache, v_cache, k, v, seqlens, block_table, rows)
         seqlens = seqlens + k.shape[1]
-    if rows is not None:
-        idx = torch.tensor(rows, dtype=torch.long, device=k_cache.device)
-        k_cache, v_cache = k_cache.index_select(0, idx), v_cache.index_select(0, idx)
-    cache = (k_cache, v_cache, seqlens) + ((block_table,) if paged else ())
-    res = sparse_decode(q[:, 0], cache, sel, softmax_scale=softmax_scale, return_lse=bool(return_softmax_lse))
+    if rows is not None or pads is not None:
+        # one gather: sequence b reads cache row rows[b] from position pads[b] on
+        S = k_cache.shape[1]
+        r = torch.tensor(rows if rows is not None else list(range(B)), dtype=torch.int64).to(q.device)
+        if pads is not None:
+            start = cache_leftpad.to(torch.int64)
+            p = (start[:, None] + torch.arange(S, device=q.device)).clamp_(max=S - 1)
+            k_cache, v_cache = k_cache[r[:, None], p], v_cache[r[:, None], p]
+            seqlens = seqlens - cache_leftpad
+        else:
+            k_cache, v_cache = k_cache.index_select(0, r), v_cache.index_select(0, r)
+    cache = (_attention_view(k_cache), _attention_view(v_cache), seqlens.to(torch.int32).contiguous())
+    cache = cache + ((block_table.contiguous(),) if paged else ())
+    res = sparse_decode(q[:, 0].contiguous(), cache, sel, softmax_scale=softmax_scale,
+                        return_lse=bool(return_softmax_lse))
     if return_softmax_lse:
         out, lse = res
         return out.unsqueeze(1), lse.unsqueeze(-1)

@@ -45,7 +45,8 @@ def _lengths(cache_lens, batch: int, device: torch.device):
         raise ValueError(f"cache_lens must have one entry per sequence ({batch}), got {len(vals)}")
     if any(x < 0 for x in vals):
         raise ValueError(f"cache_lens must be non-negative, got {vals[:16]}")
-    return torch.as_tensor(vals, dtype=torch.int64, device=device), max(vals, default=0)
+    # a non-blocking copy: the host values are staged at once, and the stream is not synchronized
+    return torch.tensor(vals, dtype=torch.int64).to(device, non_blocking=True), max(vals, default=0)
 
 
 def _read_back(scores, cu_q, cu_k, cache, cache_max, max_seqlen_q):

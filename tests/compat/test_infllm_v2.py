@@ -337,30 +337,50 @@ def test_bitmask_helpers_and_pooling_do_not_synchronize_gpu():
 # pooling
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("local_blocks,init_blocks", [(2, 1), (32, 1), (1, 0)])
-def test_max_pooling_1d_varlen_quirks(local_blocks, init_blocks):
+def _pool_checks(device, local_blocks, init_blocks):
     g = torch.Generator().manual_seed(2)
     lq, n1s, cache = [70, 5, 200], [40, 3, 23], [0, 130, 64]
     cu_q, cu_k = _cu(lq), _cu(n1s)
     width = 48  # > every n1: entries past n1 are garbage the kernel must not read
     score = torch.randn(2, sum(lq), width, generator=g).to(torch.bfloat16)
-    got = iv2.max_pooling_1d_varlen(score, cu_q, cu_k, torch.tensor(cache, dtype=torch.int32), max(lq), width,
+    score[0, 3, :8] = float("-inf")
+    score[1, 80, 5] = float("inf")
+    got = iv2.max_pooling_1d_varlen(score.to(device), cu_q.to(device), cu_k.to(device),
+                                    torch.tensor(cache, dtype=torch.int32, device=device), max(lq), width,
                                     local_blocks, init_blocks)
     want = _orig_pool(score, cu_q.tolist(), cu_k.tolist(), cache, max(lq), local_blocks, init_blocks)
     assert got.dtype == torch.bfloat16 and got.shape == want.shape == (2, sum(lq), math.ceil((200 + 130) / 64))
-    assert torch.equal(got, want)
+    assert got.device.type == torch.device(device).type
+    assert torch.equal(got.cpu(), want)
     assert torch.isneginf(got).any()  # empty windows past n1
     with pytest.raises(ValueError):
-        iv2.max_pooling_1d_varlen(score, cu_q, cu_k, torch.tensor(cache, dtype=torch.int32), max(lq), width - 1,
+        iv2.max_pooling_1d_varlen(score.to(device), cu_q.to(device), cu_k.to(device),
+                                  torch.tensor(cache, dtype=torch.int32, device=device), max(lq), width - 1,
                                   local_blocks, init_blocks)
+    one = torch.randn(2, 9, 30, generator=g).to(torch.float16)
+    got1 = iv2.max_pooling_1d(one.to(device), 300, 3, 1)
+    want1 = _orig_pool(one, [0, 9], [0, 30], [300], 9, 3, 1)
+    assert got1.dtype == torch.float16 and torch.equal(got1.cpu(), want1)
+    # one query token per sequence (decode), cache_lens = L - 1
+    lens = [1, 1, 1]
+    dec = torch.randn(2, 3, 40, generator=g).to(torch.bfloat16)
+    cu1, n1 = _cu(lens), [40, 0, 17]
+    cl = [700, 15, 300]
+    got2 = iv2.max_pooling_1d_varlen(dec.to(device), cu1.to(device), _cu(n1).to(device),
+                                     torch.tensor(cl, dtype=torch.int32, device=device), 1, 40, local_blocks,
+                                     init_blocks)
+    assert torch.equal(got2.cpu(), _orig_pool(dec, cu1.tolist(), _cu(n1).tolist(), cl, 1, local_blocks, init_blocks))
 
 
-def test_max_pooling_1d_single_sequence():
-    g = torch.Generator().manual_seed(3)
-    score = torch.randn(2, 9, 30, generator=g).to(torch.float16)
-    got = iv2.max_pooling_1d(score, 300, 3, 1)
-    want = _orig_pool(score, [0, 9], [0, 30], [300], 9, 3, 1)
-    assert got.dtype == torch.float16 and torch.equal(got, want)
+@pytest.mark.parametrize("local_blocks,init_blocks", [(2, 1), (32, 1), (1, 0)])
+def test_max_pooling_1d_varlen_quirks(local_blocks, init_blocks):
+    _pool_checks("cpu", local_blocks, init_blocks)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("local_blocks,init_blocks", [(2, 1), (32, 1), (1, 0)])
+def test_max_pooling_1d_varlen_quirks_gpu(local_blocks, init_blocks):
+    _pool_checks("cuda", local_blocks, init_blocks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -489,14 +509,15 @@ def _orig_decode(q, k_full, v_full, seqlens, topk):
     return out, lse
 
 
-@pytest.mark.parametrize("paged", [False, True])
-def test_kvcache_decode(paged):
+def _decode_checks(paged, device):
     g = torch.Generator().manual_seed(8)
-    B, S, hk, G, d, page = 3, 320, 2, 16, 32, 64
+    B, S, hk, G, d, page = 3, 320, 2, 16, 64, 64
+    dt = torch.float32 if device == "cpu" else torch.bfloat16
+    tol = dict(rtol=1e-4, atol=1e-5) if device == "cpu" else dict(rtol=2e-2, atol=2e-2)
     seqlens = torch.tensor([300, 65, 128], dtype=torch.int32)
-    q = torch.randn(B, 1, hk * G, d, generator=g)
-    k_full = torch.randn(B, S, hk, d, generator=g)
-    v_full = torch.randn(B, S, hk, d, generator=g)
+    q = torch.randn(B, 1, hk * G, d, generator=g).to(dt)
+    k_full = torch.randn(B, S, hk, d, generator=g).to(dt)
+    v_full = torch.randn(B, S, hk, d, generator=g).to(dt)
     topk = torch.randint(-1, 6, (B, hk, 1, 4), generator=g, dtype=torch.int32)
     topk[:, :, 0, 0] = 0
     topk[2, 1, 0] = -1  # nothing selected
@@ -505,73 +526,138 @@ def test_kvcache_decode(paged):
         n_pages = S // page
         perm = torch.randperm(B * n_pages, generator=g)
         block_table = perm.reshape(B, n_pages).to(torch.int32)
-        k_cache = torch.zeros(B * n_pages, page, hk, d)
-        v_cache = torch.zeros(B * n_pages, page, hk, d)
+        k_cache = torch.zeros(B * n_pages, page, hk, d, dtype=dt)
+        v_cache = torch.zeros(B * n_pages, page, hk, d, dtype=dt)
         for b in range(B):
             for p in range(n_pages):
                 k_cache[block_table[b, p]] = k_full[b, p * page:(p + 1) * page]
                 v_cache[block_table[b, p]] = v_full[b, p * page:(p + 1) * page]
     else:
         k_cache, v_cache = k_full.clone(), v_full.clone()
-    out, lse = iv2.infllmv2_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=block_table,
-                                              return_softmax_lse=True, topk_idx=topk)
+    dev = lambda t: None if t is None else t.to(device)        # noqa: E731
+    kc, vc, bt = dev(k_cache), dev(v_cache), dev(block_table)
+    out, lse = iv2.infllmv2_attn_with_kvcache(dev(q), kc, vc, cache_seqlens=dev(seqlens), block_table=bt,
+                                              return_softmax_lse=True, topk_idx=dev(topk))
     want, want_lse = _orig_decode(q, k_full, v_full, seqlens, topk)
     assert out.shape == (B, 1, hk * G, d) and lse.shape == (B, hk * G, 1)
-    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out.cpu().double(), want, **tol)
+    torch.testing.assert_close(lse.cpu().double(), want_lse, **tol)
     # new k/v are written in place at cache_seqlens and attended (dense here)
-    k_new, v_new = torch.randn(B, 1, hk, d, generator=g), torch.randn(B, 1, hk, d, generator=g)
-    out2 = iv2.infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=seqlens,
-                                          block_table=block_table)
+    k_new, v_new = torch.randn(B, 1, hk, d, generator=g).to(dt), torch.randn(B, 1, hk, d, generator=g).to(dt)
+    out2 = iv2.infllmv2_attn_with_kvcache(dev(q), kc, vc, k=dev(k_new), v=dev(v_new), cache_seqlens=dev(seqlens),
+                                          block_table=bt)
     k_full2, v_full2 = k_full.clone(), v_full.clone()
+    kc = kc.cpu()
     for b in range(B):
         k_full2[b, int(seqlens[b])] = k_new[b, 0]
         v_full2[b, int(seqlens[b])] = v_new[b, 0]
         pos = int(seqlens[b])
-        stored = (k_cache[block_table[b, pos // page], pos % page] if paged else k_cache[b, pos])
+        stored = (kc[block_table[b, pos // page], pos % page] if paged else kc[b, pos])
         assert torch.equal(stored, k_new[b, 0])
     want2, _ = _orig_decode(q, k_full2, v_full2, seqlens + 1, None)
-    torch.testing.assert_close(out2.double(), want2, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out2.cpu().double(), want2, **tol)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_decode(paged):
+    _decode_checks(paged, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_decode_gpu(paged):
+    _decode_checks(paged, "cuda")
+
+
+def _failure_checks(paged, device):
+    """Every failure mode of `infllmv2_attn_with_kvcache` with new k/v: the call raises naming the argument,
+    and every cache tensor (and the block table) stays bit-identical."""
+    g = torch.Generator().manual_seed(9)
+    B, hk, d, page = 2, 2, 64, 64
+    dt = torch.float32 if device == "cpu" else torch.bfloat16
+    q = torch.randn(B, 1, 4 * hk, d, generator=g).to(dt).to(device)
+    if paged:
+        k_cache, v_cache = (torch.randn(5, page, hk, d, generator=g).to(dt).to(device) for _ in range(2))
+        block_table = torch.tensor([[3, 0], [1, -1]], dtype=torch.int32, device=device)  # sequence 1: one page
+    else:
+        k_cache, v_cache = (torch.randn(B, 2 * page, hk, d, generator=g).to(dt).to(device) for _ in range(2))
+        block_table = None
+    k_new, v_new = (torch.randn(B, 1, hk, d, generator=g).to(dt).to(device) for _ in range(2))
+    seqlens = torch.tensor([70, 20], dtype=torch.int32, device=device)
+    good = torch.zeros(B, hk, 1, 3, dtype=torch.int32, device=device)
+    ang = torch.rand(256, 8, generator=g)
+    cos, sin = ang.cos().to(dt).to(device), ang.sin().to(dt).to(device)
+    i32 = dict(dtype=torch.int32, device=device)
+    before = (k_cache.clone(), v_cache.clone(), None if block_table is None else block_table.clone())
+    overflow = "block_table" if paged else "cache_seqlens"
+    bad_calls = [
+        (TypeError, "topk_idx", dict(topk_idx=good.long())),
+        (ValueError, "topk_idx", dict(topk_idx=good[:, :1])),
+        (ValueError, "topk_idx", dict(topk_idx=good[:, :, 0])),
+        (ValueError, "k must be", dict(k=k_new[:, :, :1], v=v_new)),
+        (ValueError, "k must be", dict(k=k_new.double(), v=v_new.double())),
+        (ValueError, "v must be", dict(k=k_new, v=v_new[:, :, :, :16])),
+        (ValueError, "k and v", dict(k=k_new, v=torch.cat([v_new, v_new], 1))),
+        (ValueError, "k and v", dict(v=None)),
+        (ValueError, "cache_seqlens", dict(cache_seqlens=None)),
+        (ValueError, overflow, dict(cache_seqlens=torch.tensor([70, 64 if paged else 128], **i32))),
+        (ValueError, overflow, dict(cache_seqlens=torch.tensor([70, -1], **i32))),
+        (ValueError, overflow, dict(cache_seqlens=128)),
+        (ValueError, "cache_seqlens", dict(cache_seqlens=torch.tensor([1, 2, 3], **i32))),
+        (ValueError, "cache_seqlens", dict(cache_seqlens=seqlens.float())),
+        (ValueError, "k_cache", dict(q=q.double())),
+        (ValueError, "head dim", dict(q=q[..., :32])),
+        (ValueError, "heads", dict(q=q[:, :, :3])),
+        (ValueError, "rotary_cos", dict(rotary_cos=cos[:50], rotary_sin=sin[:50])),
+        (ValueError, "rotary_cos", dict(rotary_cos=cos.double(), rotary_sin=sin.double())),
+        (ValueError, "rotary_cos", dict(rotary_cos=cos[:, :5], rotary_sin=sin[:, :5])),
+        (ValueError, "together", dict(rotary_cos=cos)),
+        (ValueError, "cache_batch_idx", dict(cache_batch_idx=torch.tensor([0, 1], **i32))) if paged else
+        (ValueError, "cache_batch_idx", dict(cache_batch_idx=torch.tensor([0, 2], **i32))),
+        (ValueError, "cache_batch_idx", dict(cache_batch_idx=torch.tensor([0, -1], **i32))),
+        (ValueError, "cache_batch_idx", dict(cache_batch_idx=torch.tensor([0, 1], dtype=torch.int64, device=device))),
+        (ValueError, "cache_leftpad", dict(cache_leftpad=torch.tensor([0, 21], **i32))),
+        (ValueError, "cache_leftpad", dict(cache_leftpad=torch.tensor([-1, 0], **i32))),
+        (ValueError, "cache_leftpad", dict(cache_leftpad=torch.tensor([0, 0], dtype=torch.int64, device=device))),
+        (ValueError, "cache_leftpad", dict(cache_leftpad=torch.tensor([0], **i32))),
+        (NotImplementedError, "softcap", dict(softcap=2.0)),
+        (NotImplementedError, "seqlen", dict(q=torch.cat([q, q], 1))),
+    ]
+    if paged:
+        bad_calls += [
+            (ValueError, "block_table", dict(block_table=block_table.long())),
+            (ValueError, "block_table", dict(block_table=block_table[:1])),
+            (ValueError, "block_table", dict(cache_seqlens=torch.tensor([130, 20], **i32))),  # past the row
+        ]
+    else:
+        bad_calls += [(ValueError, "k_cache", dict(cache_seqlens=torch.tensor([1], **i32), q=q[:1], k=k_new[:1],
+                                                   v=v_new[:1], topk_idx=good[:1]))]
+    for exc, match, kw in bad_calls:
+        args = dict(q=q, k=k_new, v=v_new, cache_seqlens=seqlens, block_table=block_table, topk_idx=good,
+                    rotary_cos=None, rotary_sin=None)
+        args.update(kw)
+        with pytest.raises(exc, match=match):
+            iv2.infllmv2_attn_with_kvcache(k_cache=k_cache, v_cache=v_cache, **args)
+        assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1]), (match, kw)
+        assert block_table is None or torch.equal(block_table, before[2])
+    iv2.infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=seqlens,
+                                   block_table=block_table, topk_idx=good)
+    assert not torch.equal(k_cache, before[0])                  # the good call writes
 
 
 @pytest.mark.parametrize("paged", [False, True])
 def test_kvcache_failed_call_leaves_the_caches_unchanged(paged):
     """Every check of `infllmv2_attn_with_kvcache` runs before the new k/v are written: a bad selection, bad
-    new keys, an overflowing position or a missing page raise naming the argument, and every cache tensor
+    new keys, an overflowing or negative position, a missing page, a bad cache row, left padding past the
+    keys, bad rotary tables, q not matching the cache raise naming the argument, and every cache tensor
     stays bit-identical."""
-    g = torch.Generator().manual_seed(9)
-    B, hk, d, page = 2, 2, 32, 64
-    q = torch.randn(B, 1, 4 * hk, d, generator=g)
-    if paged:
-        k_cache, v_cache = (torch.randn(5, page, hk, d, generator=g) for _ in range(2))
-        block_table = torch.tensor([[3, 0], [1, -1]], dtype=torch.int32)      # sequence 1 has one page
-    else:
-        k_cache, v_cache = (torch.randn(B, 2 * page, hk, d, generator=g) for _ in range(2))
-        block_table = None
-    k_new, v_new = (torch.randn(B, 1, hk, d, generator=g) for _ in range(2))
-    seqlens = torch.tensor([70, 20], dtype=torch.int32)
-    good = torch.zeros(B, hk, 1, 3, dtype=torch.int32)
-    before = (k_cache.clone(), v_cache.clone())
-    bad_calls = [
-        (TypeError, "topk_idx", dict(topk_idx=good.long())),
-        (ValueError, "topk_idx", dict(topk_idx=good[:, :1])),
-        (ValueError, "k must be", dict(k=k_new[:, :, :1], v=v_new)),
-        (ValueError, "k must be", dict(k=k_new.double(), v=v_new.double())),
-        (ValueError, "v must be", dict(k=k_new, v=v_new[:, :, :, :16])),
-        (ValueError, "k and v", dict(k=k_new, v=torch.cat([v_new, v_new], 1))),
-        (ValueError, "block_table" if paged else "cache_seqlens",
-         dict(cache_seqlens=torch.tensor([70, 64 if paged else 128], dtype=torch.int32))),
-        (ValueError, "cache_seqlens", dict(cache_seqlens=torch.tensor([1, 2, 3], dtype=torch.int32))),
-    ]
-    for exc, match, kw in bad_calls:
-        args = dict(k=k_new, v=v_new, cache_seqlens=seqlens, block_table=block_table, topk_idx=good)
-        args.update(kw)
-        with pytest.raises(exc, match=match):
-            iv2.infllmv2_attn_with_kvcache(q, k_cache, v_cache, **args)
-        assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1]), kw
-    iv2.infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=seqlens,
-                                   block_table=block_table, topk_idx=good)
-    assert not torch.equal(k_cache, before[0])                  # the good call writes
+    _failure_checks(paged, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_failed_call_leaves_the_caches_unchanged_gpu(paged):
+    _failure_checks(paged, "cuda")
 
 
 def _rope_by_hand(x, cos, sin, pos, interleaved):
@@ -629,6 +715,76 @@ def test_kvcache_rotary_and_cache_batch_idx(interleaved):
         iv2.infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, rotary_cos=cos[:100],
                                        rotary_sin=sin[:100], cache_seqlens=seqlens,
                                        cache_batch_idx=torch.tensor(rows, dtype=torch.int32))
+
+
+def _leftpad_checks(device, interleaved):
+    """cache_leftpad (with cache_batch_idx, rotary and new keys): sequence b's keys are cache positions
+    cache_leftpad[b] .. cache_seqlens[b] (the new key included), its topk_idx blocks count from
+    cache_leftpad[b], the new key is written and q and the key rotated at the absolute cache_seqlens[b]
+    (FlashAttention's kvcache kernel, which the original runs). Against a by-hand rotation and the
+    transcribed decode on the shifted rows; zero padding equals no padding exactly."""
+    g = torch.Generator().manual_seed(31)
+    B, S, hk, G, d, rd = 3, 256, 2, 4, 64, 32
+    dt = torch.float32 if device == "cpu" else torch.bfloat16
+    tol = dict(rtol=1e-4, atol=1e-5) if device == "cpu" else dict(rtol=2e-2, atol=2e-2)
+    rows = [2, 0, 1]
+    seqlens = torch.tensor([200, 70, 130], dtype=torch.int32)
+    pads = torch.tensor([10, 70, 65], dtype=torch.int32)        # sequence 1 keeps only its new key
+    k_cache = torch.randn(3, S, hk, d, generator=g).to(dt)
+    v_cache = torch.randn(3, S, hk, d, generator=g).to(dt)
+    q = torch.randn(B, 1, hk * G, d, generator=g).to(dt)
+    k_new, v_new = torch.randn(B, 1, hk, d, generator=g).to(dt), torch.randn(B, 1, hk, d, generator=g).to(dt)
+    ang = torch.rand(S, rd // 2, generator=g) * 6.0
+    cos, sin = ang.cos().to(dt), ang.sin().to(dt)
+    topk = torch.randint(-1, 3, (B, hk, 1, 3), generator=g, dtype=torch.int32)
+    topk[:, :, 0, 0] = 0
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    dev = lambda t: t.to(device)                                # noqa: E731
+    kc, vc = dev(k_cache), dev(v_cache)
+    out, lse = iv2.infllmv2_attn_with_kvcache(
+        dev(q), kc, vc, k=dev(k_new), v=dev(v_new), rotary_cos=dev(cos), rotary_sin=dev(sin),
+        cache_seqlens=dev(seqlens), cache_batch_idx=dev(torch.tensor(rows, dtype=torch.int32)),
+        cache_leftpad=dev(pads), rotary_interleaved=interleaved, topk_idx=dev(topk), return_softmax_lse=True)
+    kc, vc = kc.cpu(), vc.cpu()
+    q_rot = torch.zeros(B, 1, hk * G, d, dtype=torch.float64)
+    k_shift = torch.zeros(B, S, hk, d, dtype=torch.float64)
+    v_shift = torch.zeros(B, S, hk, d, dtype=torch.float64)
+    for b in range(B):
+        L, p, r = int(seqlens[b]), int(pads[b]), rows[b]
+        for h in range(hk * G):
+            q_rot[b, 0, h] = _rope_by_hand(q[b, 0, h], cos, sin, L, interleaved)
+        for h in range(hk):
+            want_k = _rope_by_hand(k_new[b, 0, h], cos, sin, L, interleaved)
+            torch.testing.assert_close(kc[r, L, h].double(), want_k, **tol)   # written at the absolute position
+        assert torch.equal(vc[r, L], v_new[b, 0])
+        k_shift[b, :S - p] = kc[r, p:].double()
+        v_shift[b, :S - p] = vc[r, p:].double()
+    # nothing else of the caches changed
+    mask = torch.ones(3, S, dtype=torch.bool)
+    for b in range(B):
+        mask[rows[b], int(seqlens[b])] = False
+    assert torch.equal(kc[mask], before_k[mask]) and torch.equal(vc[mask], before_v[mask])
+    q_in = q_rot.to(dt).double() if device != "cpu" else q_rot
+    want, want_lse = _orig_decode(q_in, k_shift, v_shift, seqlens + 1 - pads, topk)
+    torch.testing.assert_close(out.cpu().double(), want, **tol)
+    torch.testing.assert_close(lse.cpu().double(), want_lse, **tol)
+    # zero padding is no padding
+    kz, vz = dev(before_k.clone()), dev(before_v.clone())
+    a = iv2.infllmv2_attn_with_kvcache(dev(q), kz, vz, cache_seqlens=dev(seqlens), topk_idx=dev(topk),
+                                       cache_leftpad=dev(torch.zeros(B, dtype=torch.int32)))
+    b_ = iv2.infllmv2_attn_with_kvcache(dev(q), kz, vz, cache_seqlens=dev(seqlens), topk_idx=dev(topk))
+    assert torch.equal(a, b_)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_kvcache_leftpad(interleaved):
+    _leftpad_checks("cpu", interleaved)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_kvcache_leftpad_gpu(interleaved):
+    _leftpad_checks("cuda", interleaved)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -693,8 +849,7 @@ def test_varlen_paged_kv_equals_packed(page):
         iv2.infllmv2_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max(lq), max(lk), block_table=bad)
 
 
-@pytest.mark.parametrize("kw", [dict(cache_leftpad=torch.zeros(1, dtype=torch.int32)), dict(softcap=1.0),
-                                dict(alibi_slopes=torch.ones(16)), dict(window_size=(8, 0))])
+@pytest.mark.parametrize("kw", [dict(softcap=1.0), dict(alibi_slopes=torch.ones(16)), dict(window_size=(8, 0))])
 def test_kvcache_unsupported(kw):
     q = torch.randn(1, 1, 16, 32)
     kc = torch.randn(1, 64, 1, 32)
