@@ -90,6 +90,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_nvrtc, append=False)
 
 
+_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+
+
+def share_in_words(n: int, total: int) -> str:
+    """`n` of `total` as the nearest simple fraction in words: "about two in three", "about half", "all"
+    (denominators up to 5; below one in ten "fewer than one in ten", above nine in ten "nearly all")."""
+    if total <= 0 or n <= 0:
+        return "none"
+    if n >= total:
+        return "all"
+    share = n / total
+    if share < 0.1:
+        return "fewer than one in ten"
+    if share > 0.9:
+        return "nearly all"
+    p, q = min(((p, q) for q in range(2, 6) for p in range(1, q)), key=lambda f: (abs(share - f[0] / f[1]), f[1]))
+    return "about half" if 2 * p == q else f"about {_WORDS[p]} in {_WORDS[q]}"
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """One line that says why tests were skipped, and whether everything that ran passed."""
     stats = terminalreporter.stats
@@ -102,9 +121,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return
     n_passed = len(stats.get("passed", []))
     n_bad = len(stats.get("failed", [])) + len(stats.get("error", []))
+    n_all = sum(len(stats.get(k, [])) for k in ("passed", "failed", "error", "skipped", "xfailed", "xpassed"))
     parts = []
     if n_gpu:
-        parts.append(f"{n_gpu} GPU tests skipped: {WHY_NO_GPU} (pytest -m gpu runs them on a CUDA GPU)")
+        are = "is a GPU test" if n_gpu == 1 else "are GPU tests"
+        parts.append(f"{n_gpu} of the {n_all} tests ({share_in_words(n_gpu, n_all)}) {are}, skipped: "
+                     f"{WHY_NO_GPU} (pytest -m gpu runs them on a CUDA GPU)")
     if n_nvrtc:
         parts.append(f'{n_nvrtc} NVRTC compile tests skipped: CuPy/NVRTC not installed (pip install -e ".[gpu,test]" '
                      f"runs them, no GPU needed)")

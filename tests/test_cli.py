@@ -1,8 +1,9 @@
 """The command line (`python -m infllm_cupy`): conventions, the demo's option checks, scripts/demo.sh --help,
-and the install hint when the gpu extra is missing."""
+the install hint when the gpu extra is missing, and the test suite's closing line on a CPU."""
 from __future__ import annotations
 
 import argparse
+import re
 import os
 import subprocess
 import sys
@@ -151,3 +152,30 @@ def test_missing_cupy_names_the_gpu_extra():
     lines = r.stdout.splitlines()
     assert r.returncode == 0 and len(lines) == 2, r
     assert all('pip install "infllm-cupy[gpu]"' in line for line in lines), lines
+
+
+def test_share_in_words():
+    from conftest import share_in_words
+
+    assert share_in_words(1572, 2363) == "about two in three"
+    assert [share_in_words(n, 100) for n in (0, 5, 20, 50, 75, 80, 95, 100)] == [
+        "none", "fewer than one in ten", "about one in five", "about half", "about three in four",
+        "about four in five", "nearly all", "all"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run here: no skip line")
+def test_suite_skip_line_counts_the_gpu_tests(tmp_path):
+    """On a CPU the suite's closing line says how many of the tests that were collected are GPU tests
+    (skipped), as a count and in words, and how many ran; its numbers are pytest's own."""
+    from conftest import share_in_words
+
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_env.py",
+                          "tests/patterns/test_formats.py"],
+                         cwd=REPO, capture_output=True, text=True).stdout
+    line = re.search(r"^(\d+) of the (\d+) tests \((.+?)\) (?:are GPU tests|is a GPU test), skipped: "
+                     r".*; the (\d+) tests that ran passed$", out, re.M)
+    final = re.search(r"^(\d+) passed, (\d+) skipped", out, re.M)
+    assert line and final, out[-2000:]
+    n_gpu, n_all, words, n_ran = int(line[1]), int(line[2]), line[3], int(line[4])
+    assert (n_ran, n_gpu) == (int(final[1]), int(final[2])) and n_all == n_ran + n_gpu, out[-2000:]
+    assert words == share_in_words(n_gpu, n_all) and n_gpu > 0

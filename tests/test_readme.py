@@ -37,6 +37,24 @@ def test_every_python_block_is_run():
     assert len(re.findall(r"```python\n", README)) == 3
 
 
+def test_transformers_block_runs_without_warnings():
+    """The transformers block (run for its results by tests/integrations/test_transformers.py) warns
+    nothing: its cache keyword is the one the installed transformers names (`cache` from 5.24 on,
+    `past_key_values` before; the old name warns on the new versions)."""
+    import warnings
+
+    import pytest
+
+    pytest.importorskip("transformers")
+    section = README.split("## Using with transformers / MiniCPM4", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    ns = {"__name__": "readme_transformers"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exec(compile(block, "README.md (transformers)", "exec"), ns)
+    assert ns["out"].shape == (1, 528)
+
+
 def test_paths_it_names_exist_in_a_clone():
     assert "../" not in README, "README.md points outside the repository"
     named = set(re.findall(r"`((?:[\w.-]+/)*[\w.-]+\.(?:md|py|sh|ipynb|cu|cuh|toml))[`\s]", README))
