@@ -70,6 +70,7 @@ print(f"{'small' if SMOKE else 'full'} size ({why}): T = {T} tokens, HQ {HQ} on 
 
 # %%
 import matplotlib.pyplot as plt
+from mpl_toolkits.axes_grid1 import make_axes_locatable
 
 import infllm_cupy.patterns as P
 from infllm_cupy.pipeline import InfLLMv2Config, infllmv2_attention
@@ -114,14 +115,15 @@ def missing(name, attr):
     return True
 
 
-def draw(ax, mask, title, xlabel="key block (64)"):
-    """One block map: query block down, key block across, dark = attended."""
+def draw(ax, mask, title, q_block=64, unit="block", k_block=64):
+    """One block map: query block down (`q_block` tokens each), key block across (`k_block` tokens each),
+    dark = attended; `unit="tile"` names FlexAttention's tiles instead."""
     # beyond a few hundred blocks a one-block stride column is thinner than a pixel: average, don't drop
     interp = "nearest" if max(mask.shape) <= 256 else "antialiased"
     ax.imshow(mask.float().cpu(), cmap="Greys", vmin=0, vmax=1, interpolation=interp, aspect="auto")
     ax.set_title(title, fontsize=9)
-    ax.set_xlabel(xlabel, fontsize=8)
-    ax.set_ylabel("query block", fontsize=8)
+    ax.set_xlabel(f"key {unit} ({k_block} tokens)", fontsize=8)
+    ax.set_ylabel(f"query {unit} ({q_block} tokens)", fontsize=8)
     ax.tick_params(labelsize=7)
 
 
@@ -193,26 +195,31 @@ if not missing("formats", "to_csr"):
     crow, col = P.to_csr(sliding)
     back_csr = P.from_csr(crow, col, q_block=64, num_kv_blocks=sliding.mask.shape[-1])
     fmt["CSR (vLLM), head-sliding"] = (back_csr.mask[HEADS_SHOWN[1]],
-                                       bool(torch.equal(back_csr.mask, sliding.mask)))
+                                       bool(torch.equal(back_csr.mask, sliding.mask)), back_csr.q_block)
     indptr, indices = P.to_bsr(homo, R=64, C=64)
     back_bsr = P.from_bsr(indptr, indices, R=64, C=64, num_kv_blocks=homo.mask.shape[-1], num_heads=HQ)
-    fmt["BSR (FlashInfer), homogeneous"] = (back_bsr.mask[0], bool(torch.equal(back_bsr.mask, homo.mask)))
+    fmt["BSR (FlashInfer), homogeneous"] = (back_bsr.mask[0], bool(torch.equal(back_bsr.mask, homo.mask)),
+                                            back_bsr.q_block)
     aligned = P.local_stride(HQ, T, block_size=128, local_blocks=max(1, LOCAL // 2), vert_stride=STRIDE,
                              num_kv_heads=H)
     bm = P.to_block_mask(aligned, seq_len_q=T, seq_len_kv=T, BLOCK_SIZE=128, causal=True, num_q_heads=HQ)
     back_bm = P.per_kv_head(P.from_block_mask(bm), G)
-    fmt["BlockMask (Flex), block 128"] = (back_bm.mask[0], bool(torch.equal(back_bm.mask, aligned.mask)))
+    fmt["BlockMask (Flex), block 128"] = (back_bm.mask[0], bool(torch.equal(back_bm.mask, aligned.mask)),
+                                          back_bm.q_block)
     bm64 = P.to_block_mask(sliding, seq_len_q=T, seq_len_kv=T, BLOCK_SIZE=128, causal=True)
-    fmt["BlockMask tiles, head-sliding 64"] = (bm64.to_dense()[0, HEADS_SHOWN[1]], None)
+    fmt["BlockMask tiles, head-sliding 64"] = (bm64.to_dense()[0, HEADS_SHOWN[1]], None, 128)
 fig, axes = plt.subplots(1, 4, figsize=(13, 3.4))
 if fmt:
-    for ax, (name, (m, same)) in zip(axes, fmt.items()):
-        draw(ax, m, f"{name}\n" + ("round trip exact" if same else "ROUND TRIP DIFFERS" if same is False
-                                    else "128x128 tiles FlexAttention visits"),
-             xlabel="key tile (128)" if same is None else "key block (64)")
+    for ax, (name, (m, same, qb_tokens)) in zip(axes, fmt.items()):
+        title = f"{name}\n" + ("round trip exact" if same else "ROUND TRIP DIFFERS" if same is False
+                               else "128x128 tiles FlexAttention visits")
+        if same is None:
+            draw(ax, m, title, q_block=128, unit="tile", k_block=128)
+        else:
+            draw(ax, m, title, q_block=qb_tokens)
         if same is not None:
             print(f"{name}: round trip {'exact' if same else 'DIFFERS'}")
-    assert all(same is not False for _, same in fmt.values())
+    assert all(same is not False for _, same, _ in fmt.values())
 else:
     for ax in axes:
         draw_missing(ax, "formats", NOT_BUILT["formats"])
@@ -226,8 +233,9 @@ fig.savefig(FIG_DIR / "03_formats.png", dpi=110)
 # tiles of a window around it, whole tiles only (the window is shifted inward at the grid's edge).
 # The permutation `perm` orders tokens tile by tile so a tile is a contiguous run of tokens: run the
 # op on `q[perm]`, `k[perm]`, `v[perm]` (non-causal) and put the output back with `inv_perm`. Left:
-# the position of each grid token in the tiled order; right: the block map in that order, and which
-# grid tokens one query tile attends.
+# the position of each grid token in the tiled order; middle: the block map in that order (a query
+# block of 64 or 128 tokens lies within one tile); right: which grid tokens the query block at the
+# grid's centre attends.
 
 # %%
 sta = {}
@@ -247,10 +255,14 @@ for row, name in zip(axes, ("2-D", "3-D")):
     lay, perm, inv, grid, tile, win = sta[name]
     order = inv.view(grid)                           # grid token -> its position in the tiled order
     frame = order if len(grid) == 2 else order[grid[0] // 2]
-    row[0].imshow(frame, cmap="viridis", interpolation="nearest")
+    im = row[0].imshow(frame, cmap="viridis", interpolation="nearest")
     row[0].set_title(f"{name}: tiled position of each token" + ("" if len(grid) == 2 else " (middle frame)"),
                      fontsize=9)
-    draw(row[1], lay.mask[0], f"{name} block map (tiled order), density {density(lay, causal=False)[0]:.3f}")
+    cax = make_axes_locatable(row[0]).append_axes("right", size="5%", pad=0.08)   # a bar as tall as the image
+    fig.colorbar(im, cax=cax).set_label("position in the tiled order", fontsize=8)
+    cax.tick_params(labelsize=7)
+    draw(row[1], lay.mask[0], f"{name} block map (tiled order), density {density(lay, causal=False)[0]:.3f}",
+         q_block=lay.q_block)
     centre = torch.tensor(grid) // 2                 # the query block holding the grid's centre token
     flat = int((centre * torch.tensor([math.prod(grid[a + 1:]) for a in range(len(grid))])).sum())
     qb = int(inv[flat]) // lay.q_block
@@ -258,9 +270,17 @@ for row, name in zip(axes, ("2-D", "3-D")):
     keys[qb * lay.q_block:(qb + 1) * lay.q_block] = 0.5                # the query block itself, grey
     att = keys[inv].view(grid)                       # back to the grid
     att_f = att if len(grid) == 2 else att[int(centre[0])]
-    row[2].imshow(att_f, cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
+    im = row[2].imshow(att_f, cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
     where = "" if len(grid) == 2 else " in its frame"
-    row[2].set_title(f"{name}: grid tokens attended by query block {qb} (grey){where}", fontsize=9)
+    row[2].set_title(f"{name}: grid tokens attended by query block {qb}{where}\n"
+                     f"({lay.q_block} tokens, grey)", fontsize=9)
+    cax = make_axes_locatable(row[2]).append_axes("right", size="5%", pad=0.08)
+    bar = fig.colorbar(im, cax=cax, ticks=[0, 0.5, 1])
+    bar.ax.set_yticklabels(["not attended", "the query\nblock", "attended"], fontsize=7)
+    for ax in (row[0], row[2]):                      # the grid as laid out: height down, width across
+        ax.set_xlabel("width (tokens)", fontsize=8)
+        ax.set_ylabel("height (tokens)", fontsize=8)
+        ax.tick_params(labelsize=7)
 fig.tight_layout()
 fig.savefig(FIG_DIR / "03_sliding_tile.png", dpi=110)
 
@@ -297,7 +317,7 @@ def sparge_layout(cdf):
 
 fig, axes = plt.subplots(1, 2 * H, figsize=(3.3 * 2 * H, 3.5))
 for h in range(H):
-    draw(axes[h], share[h], f"InfLLM-v2 selection, KV head {h}\n(share of the block's tokens)")
+    draw(axes[h], share[h], f"InfLLM-v2 selection, KV head {h}\n(share of the block's tokens)", q_block=64)
     for n in data.needles:
         if n.kv_head == h:
             axes[h].plot(n.key_block, n.query_start // 64, "o", mfc="none", color="tab:red", ms=8)
@@ -307,7 +327,7 @@ if SPARGE:
     for h in range(H):
         hh = h if sp.num_kv_heads == H else h * G      # a KV head, or the first query head of its group
         draw(axes[H + h], sp.mask[hh], f"SpargeAttn cdfthreshd 0.9, {'KV ' if sp.num_kv_heads == H else ''}"
-             f"head {hh}\ndensity {d_sp[hh]:.3f}")
+             f"head {hh}\ndensity {d_sp[hh]:.3f}", q_block=sp.q_block)
 else:
     for h in range(H):
         draw_missing(axes[H + h], f"SpargeAttn, head {h}", NOT_BUILT["sparge"])
