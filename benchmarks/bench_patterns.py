@@ -70,7 +70,7 @@ from infllm_cupy import _env  # noqa: E402
 from infllm_cupy._constants import KV_BLOCK  # noqa: E402
 from infllm_cupy.selections import uniform_cu_seqlens  # noqa: E402
 from infllm_cupy.patterns import qhead_block_sparse_attn_varlen  # noqa: E402
-from infllm_cupy.patterns.qhead import _expanded_bwd, qhead_block_sparse_attn_fwd  # noqa: E402
+from infllm_cupy.stage2.qhead import _expanded_bwd, qhead_block_sparse_attn_fwd  # noqa: E402
 from infllm_cupy.stage2 import BlockLayout, block_sparse_attn_varlen  # noqa: E402
 
 PATTERNS = ("local_stride", "local_stride_sliding", "per_head", "sliding_tile", "sparge")

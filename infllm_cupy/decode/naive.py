@@ -141,7 +141,7 @@ def naive_sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = 
     """
     import math
 
-    from ..stage1.naive import compute_dtype
+    from .._dtypes import compute_dtype
 
     check_flags(return_lse=return_lse, return_attn_weights=return_attn_weights, upcast=upcast)
     k, v, seqlens, bt, width = _cache_tensors(cache)

@@ -7,7 +7,6 @@ This module names them for the pattern zoo.
 from ..stage2.attention import qhead_block_sparse_attn_varlen
 from ..stage2.qhead import (
     PARTIALS_BUDGET_FRACTION,
-    _expanded_bwd,  # noqa: F401 (the expanded backward, benchmarks/bench_patterns.py's baseline)
     qhead_block_sparse_attn_bwd,
     qhead_block_sparse_attn_fwd,
     qhead_bwd_plan,
