@@ -151,9 +151,10 @@ def _check_memory(p: argparse.ArgumentParser, args: argparse.Namespace, device) 
     else:
         have = torch.cuda.mem_get_info(device)[0]
     if need > have:
-        p.error(f"arguments --tokens {T} / --heads {HQ}: the run needs about {need / 2**30:.1f} GiB, more than "
-                f"the {have / 2**30:.1f} GiB of {'host memory' if device.type == 'cpu' else 'free GPU memory'} "
-                f"here; lower --tokens or --heads")
+        p.error(f"arguments --tokens {T} / --heads {HQ}: the run needs about {need / 2**30:.1f} GiB, more "
+                f"than the {have / 2**30:.1f} GiB of "
+                f"{'host memory' if device.type == 'cpu' else 'free GPU memory'} here; "
+                f"lower --tokens or --heads")
 
 
 def check_demo_args(p: argparse.ArgumentParser, args: argparse.Namespace):

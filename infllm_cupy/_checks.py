@@ -7,7 +7,7 @@ host read would break the graph).
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -38,7 +38,8 @@ def check_tensor(name: str, t, *, ndim: int | None = None, dtypes: Sequence[torc
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if dtypes is not None and t.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype {_fmt_dtypes(dtypes)}, got {str(t.dtype).replace('torch.', '')}")
+        raise TypeError(f"{name} must have dtype {_fmt_dtypes(dtypes)}, got "
+                        f"{str(t.dtype).replace('torch.', '')}")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
     if shape is not None:
@@ -57,7 +58,8 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
     dev = items[0][1].device
     for n, t in items[1:]:
         if t.device != dev:
-            raise ValueError(f"{n} is on {t.device} but {items[0][0]} is on {dev}; all inputs must share a device")
+            raise ValueError(f"{n} is on {t.device} but {items[0][0]} is on {dev}; all inputs must share a "
+                             "device")
     return dev
 
 
@@ -86,7 +88,8 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, *, total: int, device: torch.d
     if int(c[0]) != 0:
         raise ValueError(f"{name} must start at 0, got {int(c[0])}")
     if bool((c[1:] < c[:-1]).any()):
-        raise ValueError(f"{name} must be non-decreasing (cumulative sequence lengths), got {c.tolist()[:16]}")
+        raise ValueError(f"{name} must be non-decreasing (cumulative sequence lengths), got "
+                         f"{c.tolist()[:16]}")
     if int(c[-1]) != total:
         raise ValueError(f"{name} must end at the total token count {total}, got {int(c[-1])}")
     longest = int((c[1:] - c[:-1]).max())
@@ -118,7 +121,8 @@ def check_softmax_scale(softmax_scale, head_dim: int) -> float:
     """`softmax_scale` must be None (`1 / sqrt(head_dim)`) or a positive number; returns the float."""
     if softmax_scale is None:
         return head_dim ** -0.5
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
+    if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+            or not softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive float or None, got {softmax_scale!r}")
     return float(softmax_scale)
 
@@ -181,8 +185,10 @@ def check_compress_args(k, cu_seqlens_k, kernel_size, kernel_stride, dtypes=REF_
     """Inputs of key compression (`compress_k`, `naive_compress_k`); `dtypes` narrows for the kernel."""
     check_tensor("k", k, ndim=3, dtypes=dtypes)
     check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total=k.shape[0], device=k.device)
-    if not (isinstance(kernel_size, int) and isinstance(kernel_stride, int)) or kernel_size <= 0 or kernel_stride <= 0:
-        raise ValueError(f"kernel_size and kernel_stride must be positive ints, got {kernel_size!r}, {kernel_stride!r}")
+    if (not (isinstance(kernel_size, int) and isinstance(kernel_stride, int))
+            or kernel_size <= 0 or kernel_stride <= 0):
+        raise ValueError(f"kernel_size and kernel_stride must be positive ints, got {kernel_size!r}, "
+                         f"{kernel_stride!r}")
 
 
 def check_stage1_inputs(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q=None) -> int:

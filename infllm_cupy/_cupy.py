@@ -33,6 +33,6 @@ def has_nvrtc() -> bool:
     """Whether NVRTC compiles can run here (CuPy and the NVRTC wheel installed; no GPU needed)."""
     try:
         import_nvrtc().getVersion()
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure to load NVRTC means no compiles here
         return False
     return True

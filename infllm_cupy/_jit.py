@@ -91,7 +91,8 @@ def include_closure(source: str) -> list[Path]:
                     stack.append(cand)
                     break
             else:
-                raise FileNotFoundError(f'{path.relative_to(root)} includes "{inc}", which is not under {root}')
+                raise FileNotFoundError(f'{path.relative_to(root)} includes "{inc}", which is not under '
+                                        f'{root}')
     return list(seen)
 
 
@@ -120,7 +121,7 @@ def cuda_include_dir() -> str | None:
 
         d = pathfinder.find_nvidia_header_directory("cudart")
         return str(d) if d else None
-    except Exception:  # the wheel layout is not ours to rely on; CuPy may still find the headers
+    except Exception:  # noqa: BLE001 - the wheel layout is not ours to rely on; CuPy may still find the headers
         return None
 
 
@@ -235,8 +236,8 @@ def _cache_class():
             try:
                 super().save(name, cubin, source)
             except OSError as e:
-                _warn(f"kernel cache folder {self._cache_dir} is not writable ({e}); compiled kernels are kept "
-                      f"in this process only (set CUPY_CACHE_DIR to a writable folder)", self._cache_dir)
+                _warn(f"kernel cache folder {self._cache_dir} is not writable ({e}); compiled kernels are "
+                      f"kept in this process only (set CUPY_CACHE_DIR to a writable folder)", self._cache_dir)
 
     return KernelDiskCache
 
@@ -300,8 +301,9 @@ def get_kernel(source: str, name: str, *, sm90a: bool = False):
         try:
             kern = mod.get_function(name)
         except cupy.cuda.compiler.CompileException as e:
+            arch = f"sm_{cap[0]}{cap[1]}{'a' if sm90a else ''}"
             raise KernelCompileError(f"NVRTC could not compile {name} from kernels_cu/{source} "
-                                     f"for sm_{cap[0]}{cap[1]}{'a' if sm90a else ''}:\n{e.get_message()}") from None
+                                     f"for {arch}:\n{e.get_message()}") from None
     _KERNELS[key] = kern
     return kern
 
@@ -362,7 +364,8 @@ def compile_report(source: str, names, arch: str = "sm_90", code: str | None = N
         try:
             nvrtc.compileProgram(prog, opts)
         except nvrtc.NVRTCError:
-            raise KernelCompileError(f"NVRTC could not compile {label}:\n{nvrtc.getProgramLog(prog)}") from None
+            raise KernelCompileError("NVRTC could not compile "
+                                     f"{label}:\n{nvrtc.getProgramLog(prog)}") from None
         log = nvrtc.getProgramLog(prog)
         lowered = {nvrtc.getLoweredName(prog, n): n for n in names}
     finally:

@@ -135,7 +135,8 @@ class _LaunchAttribute(ctypes.Structure):      # CUlaunchAttribute (cuda.h): id,
 
 class _LaunchConfig(ctypes.Structure):         # CUlaunchConfig (cuda.h)
     _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
-                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)),
+                ("num_attrs", ctypes.c_uint)]
 
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6          # CUlaunchAttributeID (cuda.h)
@@ -192,8 +193,8 @@ def pack_arg(a) -> int:
         return int(np.asarray(a).view(np.uint32))
     if isinstance(a, (np.int64, np.float64)):
         return int(np.asarray(a).view(np.uint64))
-    raise TypeError(f"prepared kernel arguments are NumPy scalars (pointers as np.uint64, np.int32, np.int64, "
-                    f"np.float32), got {type(a).__name__}")
+    raise TypeError("prepared kernel arguments are NumPy scalars (pointers as np.uint64, np.int32, "
+                    f"np.int64, np.float32), got {type(a).__name__}")
 
 
 class PreparedLaunch:
@@ -205,7 +206,7 @@ class PreparedLaunch:
     programmatic dependent of the launch before it when `pdl` (sm_90). Errors raise `launch_error`'s
     message, naming the kernel and its arguments."""
 
-    __slots__ = ("kernel", "name", "grid", "block", "shared_mem", "slots", "params", "func")
+    __slots__ = ("block", "func", "grid", "kernel", "name", "params", "shared_mem", "slots")
 
     def __init__(self, kernel, *, name: str, grid, block, shared_mem: int, args):
         self.kernel, self.name = kernel, name

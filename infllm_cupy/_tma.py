@@ -70,7 +70,8 @@ def rows_map(t: torch.Tensor, box_rows: int) -> np.ndarray:
     boxes of `box_rows` rows by 64 elements (128 bytes), 128-byte swizzle, zeros out of bounds.
     Needs a 16-byte aligned address and at least one row."""
     if t.element_size() != 2 or not t.is_contiguous() or t.shape[0] == 0:
-        raise ValueError(f"rows_map needs a contiguous, non-empty 16-bit tensor, got {t.dtype} {tuple(t.shape)}")
+        raise ValueError(f"rows_map needs a contiguous, non-empty 16-bit tensor, got {t.dtype} "
+                         f"{tuple(t.shape)}")
     if t.data_ptr() % 16:
         raise ValueError(f"rows_map needs a 16-byte aligned tensor, got address {t.data_ptr():#x}")
     cols = t.numel() // t.shape[0]
@@ -91,9 +92,10 @@ def heads_map(t: torch.Tensor, box_heads: int) -> np.ndarray:
     bounds: in shared memory, 64 rows of 128 bytes ordered (row of n, head), the layout of a
     64-row tile of flattened (token, head-in-group) rows. Needs `box_heads` to divide 64."""
     if t.element_size() != 2 or not t.is_contiguous() or t.dim() != 3 or t.shape[0] == 0:
-        raise ValueError(f"heads_map needs a contiguous, non-empty 3-d 16-bit tensor, got {t.dtype} {tuple(t.shape)}")
+        raise ValueError(f"heads_map needs a contiguous, non-empty 3-d 16-bit tensor, got {t.dtype} "
+                         f"{tuple(t.shape)}")
     if t.data_ptr() % 16 or t.shape[2] % 64 or 64 % box_heads or box_heads > t.shape[1]:
-        raise ValueError(f"heads_map needs a 16-byte aligned tensor with rows of a multiple of 64 elements and "
-                         f"box_heads dividing 64 (at most {t.shape[1]}), got address {t.data_ptr():#x}, "
+        raise ValueError("heads_map needs a 16-byte aligned tensor with rows of a multiple of 64 elements "
+                         f"and box_heads dividing 64 (at most {t.shape[1]}), got address {t.data_ptr():#x}, "
                          f"shape {tuple(t.shape)}, box_heads {box_heads}")
     return _heads_map(t.data_ptr(), t.shape[0], t.shape[1], t.shape[2], box_heads, 64 // box_heads)

@@ -89,8 +89,8 @@ class InfLLMv2Config:
 
     def __post_init__(self):
         check_int_args(1, kernel_size=self.kernel_size, kernel_stride=self.kernel_stride,
-                       coarse_kernel_size=self.coarse_kernel_size, coarse_kernel_stride=self.coarse_kernel_stride,
-                       block_size=self.block_size)
+                       coarse_kernel_size=self.coarse_kernel_size,
+                       coarse_kernel_stride=self.coarse_kernel_stride, block_size=self.block_size)
         check_int_args(0, topk=self.topk, local_blocks=self.local_blocks, init_blocks=self.init_blocks)
         check_int_args(-1, dense_len=self.dense_len)
         check_flags(exact_stage1=self.exact_stage1, varlen_offset_quirk=self.varlen_offset_quirk)
@@ -159,7 +159,8 @@ def _kernel_compress_k(k, cu_seqlens_k, kernel_size=32, kernel_stride=16):
     return compress_k(k, cu_seqlens_k, kernel_size, kernel_stride, backend="kernels")
 
 
-def _kernel_sparse_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, *, causal=True,
+def _kernel_sparse_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, *,
+                        causal=True,
                         softmax_scale=None, return_lse=False, block_size: int = 64, upcast: bool = True):
     """`sparse_attn_varlen` on its kernel, taking `naive_sparse_attn_varlen`'s keywords.
 
@@ -170,7 +171,8 @@ def _kernel_sparse_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqle
         raise ValueError("upcast=False (the low-precision reference twin) has no kernel; use "
                          "naive_sparse_attn_varlen")
     return sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
-                              causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, backend="kernels")
+                              causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+                              backend="kernels")
 
 
 # Elements of one boolean mask chunk of the SDPA fallback when Lq != Lk (bounds its memory).
@@ -182,7 +184,8 @@ def sdpa_dense_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            max_seqlen_k: int | None = None, *, causal: bool = True,
                            softmax_scale: float | None = None, return_lse: bool = False,
                            upcast: bool = True) -> torch.Tensor:
-    r"""Dense varlen attention through `torch.nn.functional.scaled_dot_product_attention`, one call per sequence.
+    r"""Dense varlen attention through `torch.nn.functional.scaled_dot_product_attention`, one call per
+    sequence.
 
     Same semantics and signature as `naive_dense_attn_varlen` (GQA, causal mask aligned bottom-right:
     row `r` sees keys `j <= r + Lk - Lq`; rows that see no key give 0). Sequences with `Lq == Lk`
@@ -214,7 +217,8 @@ def sdpa_dense_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     """
     check_flags(causal=causal, return_lse=return_lse, upcast=upcast)
     if return_lse:
-        raise ValueError("return_lse=True: torch SDPA does not return the log-sum-exp; use naive_dense_attn_varlen")
+        raise ValueError("return_lse=True: torch SDPA does not return the log-sum-exp; use "
+                         "naive_dense_attn_varlen")
     check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
     lq, lk = seqlens_host(cu_seqlens_q), seqlens_host(cu_seqlens_k)
     if max_seqlen_q is not None:
@@ -298,7 +302,8 @@ def stages_for(q: torch.Tensor, backend: str = "reference") -> dict:
     stages = dict(_REFERENCE_STAGES)
     if not uses_kernels(q, backend):
         return stages
-    stages.update(compress_k=_kernel_compress_k, sparse_attn=_kernel_sparse_attn, dense_attn=sdpa_dense_attn_varlen)
+    stages.update(compress_k=_kernel_compress_k, sparse_attn=_kernel_sparse_attn,
+                  dense_attn=sdpa_dense_attn_varlen)
     stages["stage1_select"] = _stage1_kernel()
     return stages
 
@@ -328,7 +333,8 @@ def select_blocks(stages: dict, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
                                                       cfg.coarse_kernel_stride)
         selected = stages["stage1_select"](
             q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q, causal=causal,
-            cache_lens=cache_lens, softmax_scale=cfg.softmax_scale, topk=cfg.topk, local_blocks=cfg.local_blocks,
+            cache_lens=cache_lens, softmax_scale=cfg.softmax_scale, topk=cfg.topk,
+                                           local_blocks=cfg.local_blocks,
             init_blocks=cfg.init_blocks, block_size=cfg.block_size, kernel_stride=cfg.kernel_stride,
             coarse_kernel_stride=cfg.coarse_kernel_stride, varlen_offset_quirk=cfg.varlen_offset_quirk,
             score_dtype=cfg.score_dtype, return_scores=need_scores)
@@ -343,7 +349,8 @@ def dense_aux(**given) -> dict:
     return {"dense": True, **{k: given.get(k) for k in keys}}
 
 
-def _prefill(stages: dict, q, k, v, cu_seqlens_q, cu_seqlens_k, lq: list[int], lk: list[int], max_seqlen_q: int,
+def _prefill(stages: dict, q, k, v, cu_seqlens_q, cu_seqlens_k, lq: list[int], lk: list[int],
+             max_seqlen_q: int,
              max_seqlen_k: int, cfg: InfLLMv2Config, return_aux: bool, kernel_path: bool, compressed=None):
     """The prefill pipeline over checked inputs, with the given stage implementations; `compressed`
     (`ck1, cu_seqlens_c1, ck2, cu_seqlens_c2` of k, or None) skips the compression."""
@@ -361,7 +368,8 @@ def _prefill(stages: dict, q, k, v, cu_seqlens_q, cu_seqlens_k, lq: list[int], l
         cache_lens = None
     aux = select_blocks(stages, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache_lens, True, cfg,
                         *(compressed or ()), need_scores=return_aux)
-    out = stages["sparse_attn"](q, k, v, cu_seqlens_q, cu_seqlens_k, aux["topk_idx"], max_seqlen_q, max_seqlen_k,
+    out = stages["sparse_attn"](q, k, v, cu_seqlens_q, cu_seqlens_k, aux["topk_idx"], max_seqlen_q,
+                                max_seqlen_k,
                                 causal=True, softmax_scale=cfg.softmax_scale, block_size=cfg.block_size)
     return (out, dict(dense=False, **aux)) if return_aux else out
 
@@ -438,7 +446,8 @@ def infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
 
     Which implementation runs each stage (`stages_for`): for CUDA tensors with `backend` "auto" or
     "kernels", key compression, stage 1 (scores, pooling, top-k in one launch) and stage 2 are the
-    CUDA kernels, and the dense fallback is torch SDPA per sequence. `backend="reference"` runs every stage's reference; CPU tensors always do.
+    CUDA kernels, and the dense fallback is torch SDPA per sequence. `backend="reference"` runs every stage's
+    reference; CPU tensors always do.
 
     Gradients: `q`, `k` and `v` get theirs through stage 2 (the stage-2 backward kernel on the
     kernel path, autograd of the reference otherwise) or through the dense fallback (SDPA's own
@@ -485,11 +494,12 @@ def infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
     lq, lk, max_seqlen_q, max_seqlen_k = _check_prefill_lengths(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                                 max_seqlen_k)
-    return _prefill(stages_for(q, backend), q, k, v, cu_seqlens_q, cu_seqlens_k, lq, lk, max_seqlen_q, max_seqlen_k,
-                    cfg, return_aux, kernel_path=uses_kernels(q, backend))
+    return _prefill(stages_for(q, backend), q, k, v, cu_seqlens_q, cu_seqlens_k, lq, lk, max_seqlen_q,
+                    max_seqlen_k, cfg, return_aux, kernel_path=uses_kernels(q, backend))
 
 
-def infllmv2_attention_host_lengths(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+def infllmv2_attention_host_lengths(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                    cu_seqlens_q: torch.Tensor,
                                     cu_seqlens_k: torch.Tensor, seqlens_q: list[int], seqlens_k: list[int],
                                     config: InfLLMv2Config | None = None, *, backend: str = "auto",
                                     compressed: tuple | None = None) -> torch.Tensor:
@@ -518,20 +528,23 @@ def infllmv2_attention_host_lengths(q: torch.Tensor, k: torch.Tensor, v: torch.T
     for name, lens, total, cu in (("seqlens_q", seqlens_q, q.shape[0], cu_seqlens_q),
                                   ("seqlens_k", seqlens_k, k.shape[0], cu_seqlens_k)):
         if (not isinstance(lens, (list, tuple)) or len(lens) != cu.numel() - 1
-                or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in lens) or sum(lens) != total):
+                or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in lens)
+                or sum(lens) != total):
             raise ValueError(f"{name} must be {cu.numel() - 1} non-negative ints summing to {total}, got "
                              f"{list(lens)[:16] if isinstance(lens, (list, tuple)) else lens!r}")
     if any(a > b for a, b in zip(seqlens_q, seqlens_k)):
-        raise ValueError(f"seqlens_q: every query length must be <= its key length, got {seqlens_q} vs {seqlens_k}")
+        raise ValueError(f"seqlens_q: every query length must be <= its key length, got {seqlens_q} vs "
+                         f"{seqlens_k}")
     if compressed is not None:
         if not isinstance(compressed, (tuple, list)) or len(compressed) != 4:
             raise ValueError("compressed must be (ck1, cu_seqlens_c1, ck2, cu_seqlens_c2) or None")
         for name, t in zip(("ck1", "ck2"), compressed[0::2]):
-            check_tensor(name, t, ndim=3, dtypes=(k.dtype,), shape=(None, k.shape[1], k.shape[2]), device=k.device)
+            check_tensor(name, t, ndim=3, dtypes=(k.dtype,), shape=(None, k.shape[1], k.shape[2]),
+                         device=k.device)
         for name, t in zip(("cu_seqlens_c1", "cu_seqlens_c2"), compressed[1::2]):
             check_tensor(name, t, shape=(cu_seqlens_k.numel(),), dtypes=(torch.int32,), device=k.device)
-    return _prefill(stages_for(q, backend), q, k, v, cu_seqlens_q, cu_seqlens_k, list(seqlens_q), list(seqlens_k),
-                    max(seqlens_q, default=0), max(seqlens_k, default=0), cfg, False,
+    return _prefill(stages_for(q, backend), q, k, v, cu_seqlens_q, cu_seqlens_k, list(seqlens_q),
+                    list(seqlens_k), max(seqlens_q, default=0), max(seqlens_k, default=0), cfg, False,
                     kernel_path=uses_kernels(q, backend), compressed=compressed)
 
 
@@ -571,8 +584,8 @@ class InfLLMv2Attention(torch.nn.Module):
             max_seqlen_q, max_seqlen_k (int, Optional):
                 Default: `None` (computed from the `cu_seqlens`, one host read).
         """
-        return infllmv2_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, self.config,
-                                  backend=self.backend)
+        return infllmv2_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  self.config, backend=self.backend)
 
     def extra_repr(self) -> str:
         return f"backend={self.backend!r}, config={self.config}"

@@ -96,7 +96,8 @@ def per_token(B: int, T: int, H: int, K: int, *, block_size: int = KV_BLOCK, dev
 
 
 def infllm_forced(nb: int, local_blocks: int = 33, device="cpu") -> torch.Tensor:
-    """bool `[NQB, NB]`: InfLLM-v2's forced blocks of query block `qb`: block 0 and `[qb - local_blocks + 1, qb]`."""
+    """bool `[NQB, NB]`: InfLLM-v2's forced blocks of query block `qb`: block 0 and
+    `[qb - local_blocks + 1, qb]`."""
     qb = torch.arange(nb, device=device).unsqueeze(-1)
     j = torch.arange(nb, device=device)
     return (j == 0) | ((j <= qb) & (j > qb - local_blocks))
@@ -235,13 +236,14 @@ def to_flex_block_mask_inputs(topk_idx: torch.Tensor, B: int, T: int, HQ: int, *
     keys = G * int((full.sum(-1) * flex_block * ntok + part.any(-1) * (ntok * (ntok + 1) // 2)).sum())
     num, ind = _ordered(part)
     fnum, find = _ordered(full)
-    rep = (lambda x: x.repeat_interleave(G, dim=1).contiguous())
+    def rep(x):
+        return x.repeat_interleave(G, dim=1).contiguous()
     return FlexBlocks(rep(num), rep(ind), rep(fnum), rep(find), union, keys)
 
 
 def to_nsa_block_indices(topk_idx: torch.Tensor, B: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fla NSA's `parallel_nsa` inputs: `block_indices` int64 `[B, T, H, K]` (same ascending rows, `-1`
     tail; NSA skips negative and future blocks) and `block_counts` int64 `[B, T, H]` (valid prefix length)."""
-    H, total, K = topk_idx.shape
+    H, _total, K = topk_idx.shape
     bi = topk_idx.permute(1, 0, 2).reshape(B, T, H, K)
     return bi.to(torch.int64).contiguous(), (bi >= 0).sum(-1).contiguous()

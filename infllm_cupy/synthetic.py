@@ -155,8 +155,8 @@ def structured_sequence(T: int, HQ: int, H: int, D: int, *, n_needles: int = 4, 
         SyntheticSequence: `q [T, HQ, D]`, `k, v [T, H, D]`, `cu_seqlens`, the needles and the parameters.
     """
     for name, val, lo in (("T", T, 1), ("HQ", HQ, 1), ("H", H, 1), ("D", D, 1), ("n_needles", n_needles, 0),
-                          ("sink_tokens", sink_tokens, 0), ("local_len", local_len, 1), ("topic_len", topic_len, 1),
-                          ("n_topics", n_topics, 1)):
+                          ("sink_tokens", sink_tokens, 0), ("local_len", local_len, 1),
+                          ("topic_len", topic_len, 1), ("n_topics", n_topics, 1)):
         if isinstance(val, bool) or not isinstance(val, int):
             raise TypeError(f"{name} must be an int, got {type(val).__name__}")
         if val < lo:
@@ -199,8 +199,8 @@ def structured_sequence(T: int, HQ: int, H: int, D: int, *, n_needles: int = 4, 
               "per_head_needles": per_head_needles, "sink_tokens": sink_tokens, "sink_logit": sink_logit,
               "local_len": local_len, "local_logit": local_logit, "topic_len": topic_len,
               "topic_logit": topic_logit, "n_topics": n_topics, "seed": seed}
-    return SyntheticSequence(q.reshape(T, HQ, D).to(device, dtype), k.to(device, dtype), v.to(device, dtype), cu,
-                             needles, sink_tokens, local_len, params)
+    return SyntheticSequence(q.reshape(T, HQ, D).to(device, dtype), k.to(device, dtype), v.to(device, dtype),
+                             cu, needles, sink_tokens, local_len, params)
 
 
 def needle_recall(topk_idx: torch.Tensor, needles, *, offset: int = 0) -> list[float]:

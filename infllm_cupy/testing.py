@@ -38,7 +38,8 @@ def assert_close_to_ref(name: str, out: torch.Tensor, ref: torch.Tensor, ref_low
         f"rel L2 {rel_l2_err(out, ref):.2e}")
 
 
-def assert_grads_close_to_ref(out: torch.Tensor, ref: torch.Tensor, ref_lowp: torch.Tensor, inputs, ref_inputs) -> None:
+def assert_grads_close_to_ref(out: torch.Tensor, ref: torch.Tensor, ref_lowp: torch.Tensor, inputs,
+                              ref_inputs) -> None:
     """dq, dk, dv of `out` against the float64 `ref` by FlashAttention's rule (at most 3x the error of
     `ref_lowp`, the same math in low precision), for one random dout. `inputs` are the (q, k, v) that
     `out` and `ref_lowp` were computed from, `ref_inputs` the float64 leaves of `ref`."""
@@ -83,7 +84,8 @@ def random_topk_idx(H: int, lengths_q, lengths_k, K: int, *, block_size: int = 6
             empty = torch.rand(H, Lq, 1, generator=generator) < 1 / 16
             idx = torch.where(empty, torch.full_like(idx, -1), idx)
         rows.append(idx)
-    return torch.cat(rows, dim=1).to(torch.int32).to(device) if rows else torch.zeros(H, 0, K, dtype=torch.int32)
+    return torch.cat(rows, dim=1).to(torch.int32).to(device) if rows else torch.zeros(H, 0, K,
+                                                                                      dtype=torch.int32)
 
 
 def sparse_attn_inputs(lengths_q, lengths_k, HQ: int, H: int, D: int, dtype: torch.dtype, *, K: int = 12,
@@ -107,8 +109,8 @@ def reference_sparse_grads(q, k, v, dout, cu_q, cu_k, topk_idx, max_q, max_k, ca
 
     leaves = [t.detach().double().requires_grad_() if exact else t.detach().clone().requires_grad_()
               for t in (q, k, v)]
-    out, lse = naive_sparse_attn_varlen(*leaves, cu_q, cu_k, topk_idx, max_q, max_k, causal=causal, return_lse=True,
-                                        upcast=exact)
+    out, lse = naive_sparse_attn_varlen(*leaves, cu_q, cu_k, topk_idx, max_q, max_k, causal=causal,
+                                        return_lse=True, upcast=exact)
     return out.detach(), lse, torch.autograd.grad(out, leaves, dout.double() if exact else dout)
 
 
@@ -119,10 +121,12 @@ def _qhead_layout_ref(leaves, cu_q, cu_k, layout, max_q: int, max_k: int, *, exa
 
     G = leaves[0].shape[1] // leaves[1].shape[1]
     return naive_block_sparse_attn_varlen(leaves[0], *(x.repeat_interleave(G, 1) for x in leaves[1:]),
-                                          cu_q, cu_k, layout, max_q, max_k, **({} if exact else {"upcast": False}))
+                                          cu_q, cu_k, layout, max_q, max_k,
+                                          **({} if exact else {"upcast": False}))
 
 
-def assert_qhead_layout_close(out: torch.Tensor, q, k, v, leaves, cu_q, cu_k, layout, max_q: int, max_k: int) -> None:
+def assert_qhead_layout_close(out: torch.Tensor, q, k, v, leaves, cu_q, cu_k, layout, max_q: int,
+                              max_k: int) -> None:
     """`out` (from the `leaves` copies of q, k, v under a per-query-head `layout`) and its gradients
     against the float64 reference with K/V repeated to q's heads (FlashAttention's rule, 2x out and 3x
     gradients), the same reference in q's precision as the baseline."""
@@ -139,8 +143,8 @@ def check_qhead_layout_grads(grads, q, k, v, dout, cu_q, cu_k, layout, max_q: in
     (3x the error of the same math in q's precision)."""
     ref_leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
     low_leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    ref = torch.autograd.grad(_qhead_layout_ref(ref_leaves, cu_q, cu_k, layout, max_q, max_k, exact=True), ref_leaves,
-                              dout.double())
+    ref = torch.autograd.grad(_qhead_layout_ref(ref_leaves, cu_q, cu_k, layout, max_q, max_k, exact=True),
+                              ref_leaves, dout.double())
     low = torch.autograd.grad(_qhead_layout_ref(low_leaves, cu_q, cu_k, layout, max_q, max_k, exact=False),
                               low_leaves, dout)
     for name, g, r, lp, x in zip(("dq", "dk", "dv"), grads, ref, low, (q, k, v)):

@@ -174,8 +174,8 @@ def attention_mass_captured(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torc
     selections = {None: topk_idx} if single else dict(topk_idx)
     H = k.shape[1]
     for name, idx in selections.items():
-        check_tensor("topk_idx" if single else f"topk_idx[{name!r}]", idx, ndim=3, dtypes=(torch.int32, torch.int64),
-                     shape=(H, q.shape[0], None), device=q.device)
+        check_tensor("topk_idx" if single else f"topk_idx[{name!r}]", idx, ndim=3,
+                     dtypes=(torch.int32, torch.int64), shape=(H, q.shape[0], None), device=q.device)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     total, HQ, D = q.shape
@@ -294,8 +294,8 @@ def per_query_block(values: torch.Tensor, cu_seqlens_q: torch.Tensor, *, seq: in
 
 
 @torch.no_grad()
-def topk_sweep(block_scores: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int, topks: Sequence[int],
-               config=None, *, cache_lens=None) -> dict[int, torch.Tensor]:
+def topk_sweep(block_scores: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
+               topks: Sequence[int], config=None, *, cache_lens=None) -> dict[int, torch.Tensor]:
     r"""The selection for each `topk` in `topks`, from one set of stage-1 block scores.
 
     Block scores do not depend on `topk` (only on the forced init and local blocks), so a sweep
@@ -356,7 +356,8 @@ def _head_axes(n: int, width: float = 5.2, height: float = 4.6):
     return fig, list(axes.flat[:n])
 
 
-def plot_selection_maps(topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None = None,
+def plot_selection_maps(topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                        cu_seqlens_k: torch.Tensor | None = None,
                         *, seq: int = 0, heads: Sequence[int] | None = None, needles=None, q_block: int = 64,
                         block_size: int = 64, suptitle: str | None = None):
     """Sparsity maps (`plot_selection`) side by side, one per KV head, with the needles (key block,
@@ -381,9 +382,10 @@ def plot_selection_maps(topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_s
 
 
 def plot_block_score_maps(block_scores: torch.Tensor, cu_seqlens_q: torch.Tensor, *, seq: int = 0,
-                          heads: Sequence[int] | None = None, q_block: int = 64, log: bool = True, needles=None,
-                          suptitle: str | None = None):
-    """Stage-1 block-score heat maps (`plot_block_scores`), one per KV head, needles circled. Returns the Figure."""
+                          heads: Sequence[int] | None = None, q_block: int = 64, log: bool = True,
+                          needles=None, suptitle: str | None = None):
+    """Stage-1 block-score heat maps (`plot_block_scores`), one per KV head, needles circled. Returns the
+    Figure."""
     heads = list(range(block_scores.shape[0])) if heads is None else list(heads)
     fig, axes = _head_axes(len(heads))
     for h, ax in zip(heads, axes):
@@ -428,7 +430,8 @@ def plot_mass_vs_topk(topks: Sequence[int], summaries: Sequence[dict], *, ax=Non
     import matplotlib.pyplot as plt
 
     if len(topks) != len(summaries):
-        raise ValueError(f"topks and summaries must have the same length, got {len(topks)} and {len(summaries)}")
+        raise ValueError(f"topks and summaries must have the same length, got {len(topks)} and "
+                         f"{len(summaries)}")
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 4))
     x = list(topks)

@@ -12,7 +12,8 @@ __all__ = ["install", "SUBMODULES"]
 # The original package's submodules and the public names each defines (its `__init__` re-exports them),
 # so that `from infllm_v2.max_pooling_1d import max_pooling_1d_varlen` and the like keep working.
 SUBMODULES = {
-    "infllmv2_sparse_attention": ("infllmv2_attn_stage1", "infllmv2_attn_varlen_func", "infllmv2_attn_with_kvcache"),
+    "infllmv2_sparse_attention": ("infllmv2_attn_stage1", "infllmv2_attn_varlen_func",
+                                  "infllmv2_attn_with_kvcache"),
     "max_pooling_1d": ("max_pooling_1d", "max_pooling_1d_varlen"),
     "topk_to_uint64": ("topk_to_uint64", "TopkToUint64Converter"),
     "uint64_to_bool": ("uint64_to_bool",),

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Optional, Tuple, Union
 
 import torch
 
 from ..decode import sparse_decode
-from ..stage1.select import stage1_scores
 from ..stage1.pool import pool_blocks
+from ..stage1.select import stage1_scores
 from ..stage2 import sparse_attn_varlen
 
 __all__ = [
@@ -64,13 +63,14 @@ def _unsupported(**args) -> None:
         else:
             bad = value != default
         if bad:
-            shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
-            why = ("the original InfLLM-v2 is built without this feature and ignores the argument, so no result "
-                   "of either includes it" if name in _COMPILED_OUT else
-                   "the original passes it to its kernel (FlashAttention's meaning); infllm-cupy's compat layer "
-                   "does not implement it")
-            raise NotImplementedError(f"infllm_v2 compat: {name}={shown} is not supported (only {name}={default!r}); "
-                                      f"{why}")
+            shown = (f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+                     else repr(value))
+            why = ("the original InfLLM-v2 is built without this feature and ignores the argument, so no "
+                   "result of either includes it" if name in _COMPILED_OUT else
+                   "the original passes it to its kernel (FlashAttention's meaning); infllm-cupy's compat "
+                   "layer does not implement it")
+            raise NotImplementedError(f"infllm_v2 compat: {name}={shown} is not supported (only "
+                                      f"{name}={default!r}); {why}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -117,7 +117,7 @@ def _unpack_bits(words: torch.Tensor) -> torch.Tensor:
 
 
 def topk_to_uint64(topk_idx: torch.Tensor, max_seqlen_k: int, block_size: int,
-                   memory_buffer: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, int]:
+                   memory_buffer: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """Block indices -> one bit per key block, packed into 64-bit words (spec 7.1).
 
     Args:
@@ -162,7 +162,7 @@ class TopkToUint64Converter:
     def __init__(self):
         self.memory_buffer = None
 
-    def convert(self, topk_idx: torch.Tensor, max_seqlen_k: int, block_size: int) -> Tuple[torch.Tensor, int]:
+    def convert(self, topk_idx: torch.Tensor, max_seqlen_k: int, block_size: int) -> tuple[torch.Tensor, int]:
         result, k_blocks = topk_to_uint64(topk_idx, max_seqlen_k, block_size, self.memory_buffer)
         self.memory_buffer = result
         return result, k_blocks
@@ -186,7 +186,7 @@ def uint64_to_bool(uint64_array: torch.Tensor, last_dim_size: int) -> torch.Tens
     return bits[:, :last_dim_size].reshape(lead + (last_dim_size,))
 
 
-def blockmask_to_uint64(blockmask: torch.Tensor) -> Tuple[torch.Tensor, int]:
+def blockmask_to_uint64(blockmask: torch.Tensor) -> tuple[torch.Tensor, int]:
     """bool `[..., n]` -> `(int64 [..., ceil(n / 64)], n)`, the inverse of `uint64_to_bool` (a nonzero
     entry of another dtype counts as set)."""
     n = blockmask.shape[-1]
@@ -226,8 +226,8 @@ def infllmv2_attn_stage1(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_v, max_
     """
     _unsupported(dropout_p=(dropout_p, 0.0), window_size=(window_size, (-1, -1)), softcap=(softcap, 0.0),
                  alibi_slopes=(alibi_slopes, None), block_table=(block_table, None))
-    scores = stage1_scores(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_v, int(max_seqlen_q), causal=bool(causal),
-                           softmax_scale=softmax_scale, score_dtype=torch.bfloat16)
+    scores = stage1_scores(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_v, int(max_seqlen_q),
+                           causal=bool(causal), softmax_scale=softmax_scale, score_dtype=torch.bfloat16)
     width = scores.shape[2]
     if width >= max_seqlen_k:
         scores = scores[:, :, :max_seqlen_k]
@@ -270,14 +270,17 @@ def max_pooling_1d_varlen(input: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_se
     """
     if input.dim() != 3:
         raise ValueError(f"Expected 3D input, got {input.dim()}D")
-    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("cache_lens", cache_lens)):
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                    ("cache_lens", cache_lens)):
         if t.dtype != torch.int32:
             raise TypeError(f"{name} must be int32, got {t.dtype}")
     if input.shape[2] != max_seqlen_k:
         raise ValueError(f"max_k mismatch: {input.shape[2]} vs {max_seqlen_k}")
     if cache_lens.shape[0] != cu_seqlens_q.shape[0] - 1:
-        raise ValueError(f"cache_lens batch size mismatch: {cache_lens.shape[0]} vs {cu_seqlens_q.shape[0] - 1}")
-    return pool_blocks(input, cu_seqlens_q, cu_seqlens_k, cache_lens, int(max_seqlen_q), init_blocks=init_blocks,
+        raise ValueError(f"cache_lens batch size mismatch: {cache_lens.shape[0]} vs "
+                         f"{cu_seqlens_q.shape[0] - 1}")
+    return pool_blocks(input, cu_seqlens_q, cu_seqlens_k, cache_lens, int(max_seqlen_q),
+                       init_blocks=init_blocks,
                        local_blocks=local_blocks, block_size=block_size, kernel_stride=stride)
 
 
@@ -292,9 +295,10 @@ def _gather_pages(k_cache, v_cache, cu_seqlens_k, block_table):
     copies (differentiable: the gradients flow back to the pages). Reads the lengths and the table on the
     host to check that every key has a page."""
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"with block_table, k and v must be [num_pages, page_size, nheads_k, headdim] of one "
-                         f"shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
+        raise ValueError("with block_table, k and v must be [num_pages, page_size, nheads_k, headdim] of "
+                         f"one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if (not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32
+            or block_table.dim() != 2):
         what = getattr(block_table, "dtype", type(block_table))
         raise ValueError(f"block_table must be an int32 [batch, max_pages] tensor, got {what} "
                          f"{tuple(getattr(block_table, 'shape', ()))}")
@@ -309,9 +313,10 @@ def _gather_pages(k_cache, v_cache, cu_seqlens_k, block_table):
         if L <= 0:
             continue
         need = (L + page - 1) // page
-        if need > table.shape[1] or bool(((table[b, :need] < 0) | (table[b, :need] >= k_cache.shape[0])).any()):
-            raise ValueError(f"block_table: sequence {b} has {L} keys but no valid page for some of its first "
-                             f"{need} pages")
+        if need > table.shape[1] or bool(((table[b, :need] < 0)
+                                          | (table[b, :need] >= k_cache.shape[0])).any()):
+            raise ValueError(f"block_table: sequence {b} has {L} keys but no valid page for some of its "
+                             f"first {need} pages")
         t = torch.arange(L)
         rows.append(table[b, t // page])
         slots.append(t % page)
@@ -359,9 +364,12 @@ def infllmv2_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             raise TypeError(f"topk_idx must be int32, got {topk_idx.dtype}")
     else:
         nb = (int(max_seqlen_k) + _BLOCK - 1) // _BLOCK
-        topk_idx = torch.arange(max(nb, 1), dtype=torch.int32, device=q.device).expand(H, T, max(nb, 1)).contiguous()
-    res = sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, int(max_seqlen_q), int(max_seqlen_k),
-                             causal=bool(causal), softmax_scale=softmax_scale, return_lse=bool(return_attn_probs))
+        topk_idx = torch.arange(max(nb, 1), dtype=torch.int32, device=q.device).expand(H, T,
+                                                                                       max(nb,
+                                                                                           1)).contiguous()
+    res = sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, int(max_seqlen_q),
+                             int(max_seqlen_k), causal=bool(causal), softmax_scale=softmax_scale,
+                             return_lse=bool(return_attn_probs))
     if not return_attn_probs:
         return res
     out, lse = res
@@ -374,8 +382,8 @@ def infllmv2_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 def _check_batch_idx(cache_batch_idx, B: int, n_rows: int, paged: bool, device) -> list:
     """The cache rows `cache_batch_idx` names, as host ints, checked."""
     if paged:
-        raise ValueError("cache_batch_idx: not with a paged cache (block_table): the original (FlashAttention's "
-                         "kvcache) refuses the pair as well")
+        raise ValueError("cache_batch_idx: not with a paged cache (block_table): the original "
+                         "(FlashAttention's kvcache) refuses the pair as well")
     if (not isinstance(cache_batch_idx, torch.Tensor) or cache_batch_idx.dtype != torch.int32
             or tuple(cache_batch_idx.shape) != (B,)):
         raise ValueError(f"cache_batch_idx must be an int32 tensor [batch={B}], got "
@@ -385,7 +393,8 @@ def _check_batch_idx(cache_batch_idx, B: int, n_rows: int, paged: bool, device) 
         raise ValueError(f"cache_batch_idx must be on {device} (the cache's), got {cache_batch_idx.device}")
     rows = [int(x) for x in cache_batch_idx.tolist()]
     if any(r < 0 or r >= n_rows for r in rows):
-        raise ValueError(f"cache_batch_idx: rows must be in [0, {n_rows}) (the cache's batch), got {rows[:16]}")
+        raise ValueError(f"cache_batch_idx: rows must be in [0, {n_rows}) (the cache's batch), got "
+                         f"{rows[:16]}")
     return rows
 
 
@@ -420,7 +429,8 @@ def _check_attention(q, k_cache, v_cache, block_table, B: int) -> None:
         raise ValueError(f"k_cache and v_cache must be [.., .., nheads_k, headdim] of one shape, got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("k_cache and v_cache must have a contiguous last dimension (as the original asserts)")
+        raise ValueError("k_cache and v_cache must have a contiguous last dimension (as the original "
+                         "asserts)")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != q.dtype or t.device != q.device:
             raise ValueError(f"{name} must be {q.dtype} on {q.device} (q's), got {t.dtype} on {t.device}")
@@ -431,16 +441,16 @@ def _check_attention(q, k_cache, v_cache, block_table, B: int) -> None:
     if H == 0 or HQ % H:
         raise ValueError(f"q has {HQ} heads, not a multiple of the cache's {H} KV heads")
     if block_table is not None:
-        if (not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2
-                or block_table.shape[0] != B):
+        if (not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32
+                or block_table.dim() != 2 or block_table.shape[0] != B):
             raise ValueError(f"block_table must be an int32 tensor [batch={B}, max_pages], got "
                              f"{getattr(block_table, 'dtype', type(block_table))} "
                              f"{tuple(getattr(block_table, 'shape', ()))}")
         if block_table.device != q.device:
             raise ValueError(f"block_table must be on {q.device} (q's), got {block_table.device}")
         if k_cache.shape[1] % _BLOCK:
-            raise ValueError(f"k_cache: page_size {k_cache.shape[1]} must be a multiple of {_BLOCK} (a key block "
-                             f"never straddles pages; the original needs a multiple of 256)")
+            raise ValueError(f"k_cache: page_size {k_cache.shape[1]} must be a multiple of {_BLOCK} (a key "
+                             f"block never straddles pages; the original needs a multiple of 256)")
     if q.is_cuda:
         if q.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"q: the decode kernel takes bf16 or fp16 on CUDA tensors, got {q.dtype}")
@@ -459,8 +469,8 @@ def _check_rotary(cos, sin, q, seqlens, n_new: int) -> None:
             raise ValueError(f"{name} must be {q.dtype} on {q.device} (q's), got {t.dtype} on {t.device}")
     rd = 2 * cos.shape[1]
     if rd % 16 or rd > q.shape[-1]:
-        raise ValueError(f"rotary_cos: rotary_dim = 2 x {cos.shape[1]} = {rd} must be a multiple of 16 and at "
-                         f"most headdim {q.shape[-1]}")
+        raise ValueError(f"rotary_cos: rotary_dim = 2 x {cos.shape[1]} = {rd} must be a multiple of 16 and "
+                         f"at most headdim {q.shape[-1]}")
     need = int(seqlens.max()) + n_new if seqlens.numel() else 0
     if need > cos.shape[0]:
         raise ValueError(f"rotary_cos: {cos.shape[0]} positions, the new keys reach position {need - 1}")
@@ -490,12 +500,13 @@ def _check_new_kv(k_cache, v_cache, k, v, seqlens, block_table, rows=None) -> No
     host."""
     B = seqlens.shape[0]
     for name, t in (("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[0] != B or t.shape[2:] != k_cache.shape[2:]:
+        if (not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[0] != B
+                or t.shape[2:] != k_cache.shape[2:]):
             raise ValueError(f"{name} must be [batch={B}, seqlen_new, nheads_k={k_cache.shape[2]}, "
                              f"headdim={k_cache.shape[3]}], got {tuple(getattr(t, 'shape', ()))}")
         if t.dtype != k_cache.dtype or t.device != k_cache.device:
-            raise ValueError(f"{name} must be {k_cache.dtype} on {k_cache.device} (the cache's), got {t.dtype} on "
-                             f"{t.device}")
+            raise ValueError(f"{name} must be {k_cache.dtype} on {k_cache.device} (the cache's), got "
+                             f"{t.dtype} on {t.device}")
     if v.shape != k.shape:
         raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     n = k.shape[1]
@@ -506,16 +517,17 @@ def _check_new_kv(k_cache, v_cache, k, v, seqlens, block_table, rows=None) -> No
             raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences, q {B} (or pass cache_batch_idx)")
         for b, L in enumerate(lens):
             if L < 0 or L + n > page:
-                raise ValueError(f"cache_seqlens: sequence {b} holds {L} keys; the cache ({page} positions) cannot "
-                                 f"take {n} more")
+                raise ValueError(f"cache_seqlens: sequence {b} holds {L} keys; the cache ({page} positions) "
+                                 f"cannot take {n} more")
         return
     table = block_table.cpu()
     for b, L in enumerate(lens):
         if n == 0:
             continue
         first, last = L // page, (L + n - 1) // page
-        if L < 0 or last >= table.shape[1] or bool(((table[b, first:last + 1] < 0)
-                                                      | (table[b, first:last + 1] >= k_cache.shape[0])).any()):
+        if (L < 0 or last >= table.shape[1]
+                or bool(((table[b, first:last + 1] < 0)
+                         | (table[b, first:last + 1] >= k_cache.shape[0])).any())):
             raise ValueError(f"block_table: sequence {b} (holding {L} keys) has no valid page for positions "
                              f"{L} .. {L + n - 1} (pages {first} .. {last} of its row)")
 
@@ -547,10 +559,10 @@ def _attention_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
-                               cache_seqlens: Optional[Union[int, torch.Tensor]] = None,
-                               cache_batch_idx: Optional[torch.Tensor] = None,
-                               cache_leftpad: Optional[torch.Tensor] = None,
-                               block_table: Optional[torch.Tensor] = None, softmax_scale=None, causal=False,
+                               cache_seqlens: int | torch.Tensor | None = None,
+                               cache_batch_idx: torch.Tensor | None = None,
+                               cache_leftpad: torch.Tensor | None = None,
+                               block_table: torch.Tensor | None = None, softmax_scale=None, causal=False,
                                window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
                                num_splits=0, return_softmax_lse=False, topk_idx=None):
     """Decode attention over a (paged) KV cache with a block selection (spec 8): `infllm_cupy.sparse_decode`.
@@ -584,16 +596,17 @@ def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=N
     bit-identical. The checks read `cache_seqlens`, `cache_batch_idx`, `cache_leftpad` and the table on the
     host when they are needed to place a write or a gather.
     """
-    _unsupported(window_size=(window_size, (-1, -1)), softcap=(softcap, 0.0), alibi_slopes=(alibi_slopes, None))
+    _unsupported(window_size=(window_size, (-1, -1)), softcap=(softcap, 0.0),
+                 alibi_slopes=(alibi_slopes, None))
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"q must be [batch, seqlen, nheads, headdim], got {tuple(getattr(q, 'shape', ()))}")
-    B, Lq, HQ, D = q.shape
+    B, Lq, _HQ, _D = q.shape
     if Lq != 1:
         raise NotImplementedError(
-            f"infllm_v2 compat: infllmv2_attn_with_kvcache supports one query token per sequence (q seqlen 1), "
-            f"got {Lq}. The original passes longer queries to FlashAttention's kvcache kernel, but its block mask "
-            f"assumes one query token per sequence (G = 16 rows, 2 KV heads), so only seqlen 1 is defined with "
-            f"topk_idx; use infllmv2_attn_varlen_func for several query tokens")
+            "infllm_v2 compat: infllmv2_attn_with_kvcache supports one query token per sequence (q seqlen "
+            f"1), got {Lq}. The original passes longer queries to FlashAttention's kvcache kernel, but its "
+            "block mask assumes one query token per sequence (G = 16 rows, 2 KV heads), so only seqlen 1 is "
+            f"defined with topk_idx; use infllmv2_attn_varlen_func for several query tokens")
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
     if k is not None and cache_seqlens is None:
@@ -620,7 +633,8 @@ def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=N
     sel = None
     if topk_idx is not None:
         if not isinstance(topk_idx, torch.Tensor) or topk_idx.dtype != torch.int32:
-            raise TypeError(f"topk_idx must be an int32 tensor, got {getattr(topk_idx, 'dtype', type(topk_idx))}")
+            raise TypeError("topk_idx must be an int32 tensor, got "
+                            f"{getattr(topk_idx, 'dtype', type(topk_idx))}")
         if topk_idx.dim() != 4 or tuple(topk_idx.shape[:3]) != (B, H, 1):
             raise ValueError(f"topk_idx must be [batch, nheads_k, 1, K] = [{B}, {H}, 1, K], "
                              f"got {tuple(topk_idx.shape)}")
@@ -639,8 +653,8 @@ def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=N
         raise ValueError("rotary_cos and rotary_sin must be given together")
     if rotary_cos is not None:
         if k is None:
-            raise ValueError("rotary_cos/rotary_sin rotate the new keys and q: they need k and v (FlashAttention's "
-                             "rule)")
+            raise ValueError("rotary_cos/rotary_sin rotate the new keys and q: they need k and v "
+                             "(FlashAttention's rule)")
         _check_rotary(rotary_cos, rotary_sin, q, seqlens, k.shape[1] if isinstance(k, torch.Tensor) else 0)
     if k is not None:
         _check_new_kv(k_cache, v_cache, k, v, seqlens, block_table, rows)
@@ -649,7 +663,8 @@ def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=N
         if rotary_cos is not None:
             pos = seqlens.long()[:, None]
             q = _rotate(q, rotary_cos, rotary_sin, pos, rotary_interleaved)
-            k = _rotate(k, rotary_cos, rotary_sin, pos + torch.arange(k.shape[1], device=q.device), rotary_interleaved)
+            k = _rotate(k, rotary_cos, rotary_sin, pos + torch.arange(k.shape[1], device=q.device),
+                        rotary_interleaved)
         _append_new_kv(k_cache, v_cache, k, v, seqlens, block_table, rows)
         seqlens = seqlens + k.shape[1]
     if rows is not None or pads is not None:

@@ -14,7 +14,8 @@ SOURCE = "compress/mean_pool.cu"
 WARPS = 4  # mirrors #define WARPS in the .cu
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-_jit.register_instances(SOURCE, [f"compress_mean_pool<{CXX_TYPE[t]}, {d}>" for t in DTYPES for d in HEAD_DIMS])
+_jit.register_instances(SOURCE,
+                        [f"compress_mean_pool<{CXX_TYPE[t]}, {d}>" for t in DTYPES for d in HEAD_DIMS])
 
 
 def compress_k(k: torch.Tensor, cu_seqlens_k: torch.Tensor, kernel_size: int = 32, kernel_stride: int = 16,
@@ -45,7 +46,7 @@ def compress_k(k: torch.Tensor, cu_seqlens_k: torch.Tensor, kernel_size: int = 3
     check_compress_args(k, cu_seqlens_k, kernel_size, kernel_stride, dtypes=DTYPES)
     if not k.is_cuda:
         raise ValueError(f"k must be a CUDA tensor for backend='kernels', got one on {k.device}")
-    total_k, H, D = k.shape
+    _total_k, H, D = k.shape
     if D not in HEAD_DIMS:
         raise ValueError(f"k has head dim {D}; the compression kernel supports {HEAD_DIMS}")
     k = k.contiguous()

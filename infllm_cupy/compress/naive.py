@@ -46,7 +46,7 @@ def naive_compress_k(k: torch.Tensor, cu_seqlens_k: torch.Tensor, kernel_size: i
     if total_c == 0:
         return k.new_empty((0,) + tuple(k.shape[1:])), cu_c
     seq = torch.repeat_interleave(torch.arange(n.numel(), device=k.device), n)        # [total_c]
-    local = torch.arange(total_c, device=k.device) - cu_c[:-1].long()[seq]           # window index in its sequence
+    local = torch.arange(total_c, device=k.device) - cu_c[:-1].long()[seq]      # window index in its sequence
     first = starts[seq] + local * kernel_stride                                      # [total_c]
     idx = first[:, None] + torch.arange(kernel_size, device=k.device)[None, :]       # [total_c, kernel]
     acc = torch.float64 if k.dtype == torch.float64 else torch.float32

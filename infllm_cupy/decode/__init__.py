@@ -1,9 +1,9 @@
 """Decode: one query token per sequence against its KV cache."""
+from .h2o import H2O
 from .naive import naive_infllmv2_decode
+from .ops import decode_step
 from .sparse_decode import DecodeCache, DecodePlan, naive_sparse_decode, plan_decode, sparse_decode
 from .step import decode_select, infllmv2_decode, infllmv2_prefill_into_cache
-from .ops import decode_step
-from .h2o import H2O
 
 __all__ = [
     "DecodeCache",

@@ -22,7 +22,7 @@ class Program:
     """Prepared launches in order, on one device; `run(**bindings)` re-points the named arguments and
     launches them all on torch's current stream."""
 
-    __slots__ = ("device", "launches", "pdl", "slots", "keep", "sm90")
+    __slots__ = ("device", "keep", "launches", "pdl", "slots", "sm90")
 
     def __init__(self, device: torch.device, launches, pdl, slots, keep):
         self.device, self.launches, self.pdl, self.slots, self.keep = device, launches, pdl, slots, keep
@@ -89,8 +89,8 @@ class Launches:
                             keep.append(a)
                     else:
                         packed.append(a)
-                launches.append(PreparedLaunch(_jit.get_kernel(source, name), name=name, grid=grid, block=block,
-                                               shared_mem=smem, args=packed))
+                launches.append(PreparedLaunch(_jit.get_kernel(source, name), name=name, grid=grid,
+                                               block=block, shared_mem=smem, args=packed))
                 pdl.append(p)
         return Program(self.device, launches, pdl, slots, keep)
 

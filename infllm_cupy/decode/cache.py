@@ -21,6 +21,7 @@ advance the host mirror: call `sync_lengths()` after replays.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -81,7 +82,7 @@ class DecodeCache:
         # the eager fast paths' prepared launches (docs/decode.md, 6): the one-token append, and the
         # decode steps by (q shape, config, outputs) (`step.py`); None / empty until first used
         self._append_program = None
-        self._kernel_appends = None     # whether cache_append.cu takes one-token appends (None: not asked yet)
+        self._kernel_appends = None    # whether cache_append.cu takes one-token appends (None: not asked yet)
         self._step_programs = {}
         self._min_room = None           # min over sequences of capacity - length (None: recount)
         # eager `infllmv2_decode` on CUDA replays a CUDA graph of each prepared step (docs/decode.md, 6)
@@ -90,7 +91,7 @@ class DecodeCache:
     # ---------------------------------------------------------------------------------------- build
     @classmethod
     def contiguous(cls, batch: int, max_len: int, num_heads: int, head_dim: int, *,
-                   dtype=torch.bfloat16, device="cpu") -> "DecodeCache":
+                   dtype=torch.bfloat16, device="cpu") -> DecodeCache:
         """An empty contiguous cache `[batch, max_len, num_heads, head_dim]`."""
         _check_sizes(batch=batch, max_len=max_len, num_heads=num_heads, head_dim=head_dim)
         if dtype not in REF_DTYPES:
@@ -101,14 +102,14 @@ class DecodeCache:
         return cls._with_compressed(k, v, None, None, [max_len] * batch)
 
     @classmethod
-    def paged(cls, num_pages: int, page_size: int, num_heads: int, head_dim: int, block_table: torch.Tensor, *,
-              dtype=torch.bfloat16, device="cpu") -> "DecodeCache":
+    def paged(cls, num_pages: int, page_size: int, num_heads: int, head_dim: int, block_table: torch.Tensor,
+              *, dtype=torch.bfloat16, device="cpu") -> DecodeCache:
         """An empty paged cache `[num_pages, page_size, num_heads, head_dim]` with `block_table`
         int32 `[B, max_pages]` (checked: entries in [0, num_pages) then -1 tail, no page twice)."""
         _check_sizes(num_pages=num_pages, page_size=page_size, num_heads=num_heads, head_dim=head_dim)
         if page_size % KV_BLOCK:
-            raise ValueError(f"page_size must be a multiple of {KV_BLOCK} (a key block never straddles pages), "
-                             f"got {page_size}")
+            raise ValueError(f"page_size must be a multiple of {KV_BLOCK} (a key block never straddles "
+                             f"pages), got {page_size}")
         if dtype not in REF_DTYPES:
             raise TypeError(f"dtype must be one of {REF_DTYPES}, got {dtype}")
         shape = (num_pages, page_size, num_heads, head_dim)
@@ -227,7 +228,8 @@ class DecodeCache:
         for b, L in enumerate(self._host_lens):
             used = -(-L // self.page_size)
             if caps[b] < L or not torch.equal(block_table[b, :used], self.block_table[b, :used]):
-                raise ValueError(f"block_table: sequence {b} holds {L} keys; its first {used} pages must stay")
+                raise ValueError(f"block_table: sequence {b} holds {L} keys; its first {used} pages must "
+                                 "stay")
         self.block_table.copy_(block_table)
         self._capacities = caps
         self._min_room = None
@@ -273,8 +275,8 @@ class DecodeCache:
             v_new = v_new.reshape(B, H, D)
             if torch.compiler.is_compiling():
                 # traced: the op keeps the cache's tensors whole; the host mirror lags from here on
-                torch.ops.infllm_cupy.cache_append(k_new, v_new, self.k, self.v, self.ck1, self.ck2, self.seqlens,
-                                                   self.block_table)
+                torch.ops.infllm_cupy.cache_append(k_new, v_new, self.k, self.v, self.ck1, self.ck2,
+                                                   self.seqlens, self.block_table)
                 self._host_stale = True
                 return
             capturing = _capturing()
@@ -291,7 +293,8 @@ class DecodeCache:
                                                            self.seqlens, self.block_table).program(
                         k_new=k_new, v_new=v_new)
                 self._append_program.run(k_new=k_new, v_new=v_new)
-            elif not capturing and not self._host_stale and not self.is_paged and len(set(self._host_lens)) == 1:
+            elif (not capturing and not self._host_stale and not self.is_paged
+                  and len(set(self._host_lens)) == 1):
                 self._append_one_at(self._host_lens[0], k_new, v_new)
             else:
                 self._append_one(k_new, v_new)
@@ -308,7 +311,8 @@ class DecodeCache:
         self._check_capacity(counts)
         if torch.compiler.is_compiling():
             # traced (a compiled prefill): one op, the lengths known on the host as in eager
-            torch.ops.infllm_cupy.cache_append_chunk(k_new, v_new, self.k, self.v, self.ck1, self.ck2, self.seqlens,
+            torch.ops.infllm_cupy.cache_append_chunk(k_new, v_new, self.k, self.v, self.ck1, self.ck2,
+                                                     self.seqlens,
                                                      self.block_table, list(self._host_lens), counts)
             self._host_lens = [L + n for L, n in zip(self._host_lens, counts)]
             self._min_room = None
@@ -365,7 +369,7 @@ class DecodeCache:
         n_dev = _h2d(torch.tensor(counts, dtype=torch.long), self.device)
         # output_size: the total is known on the host; without it repeat_interleave reads it back (a sync)
         seq = torch.repeat_interleave(torch.arange(B, device=self.device), n_dev, output_size=sum(counts))
-        first = torch.cumsum(n_dev, 0) - n_dev                                                     # chunk offsets
+        first = torch.cumsum(n_dev, 0) - n_dev                                                 # chunk offsets
         local = torch.arange(sum(counts), device=self.device) - first[seq]
         pos = _h2d(torch.tensor(starts, dtype=torch.long), self.device)[seq] + local
         row, slot = self._slots(pos, seq)
@@ -390,7 +394,8 @@ class DecodeCache:
             for b, L in enumerate(self._host_lens):
                 n = n_windows(L, kr, st)
                 if n:
-                    t = torch.arange(n, device=self.device)[:, None] * st + torch.arange(kr, device=self.device)
+                    t = (torch.arange(n, device=self.device)[:, None] * st
+                         + torch.arange(kr, device=self.device))
                     r, s = self._slots(t, torch.full_like(t, b))
                     ck[b, :n] = _window_mean(self.k[r, s])
 
@@ -461,9 +466,9 @@ def _chunk_counts(cu, B: int) -> list[int]:
         c = [int(x) for x in cu.cpu().tolist()]
     else:
         c = [int(x) for x in cu]
-    if len(c) != B + 1 or c[0] != 0 or any(b < a for a, b in zip(c, c[1:])):
+    if len(c) != B + 1 or c[0] != 0 or any(b < a for a, b in itertools.pairwise(c)):
         raise ValueError(f"cu_seqlens_new must be {B + 1} non-decreasing offsets from 0, got {c[:16]}")
-    return [b - a for a, b in zip(c, c[1:])]
+    return [b - a for a, b in itertools.pairwise(c)]
 
 
 def _check_block_table(bt, num_pages: int, page_size: int, device: torch.device) -> list[int]:

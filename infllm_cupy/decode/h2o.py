@@ -111,7 +111,7 @@ class H2O:
 
 def h2o_kept_eager(scores: torch.Tensor, seqlens, budget: int, recent: int) -> list:
     """The H2O rule written out with Python loops (for tests): per (b, h) the sorted kept positions."""
-    B, H, W = scores.shape
+    B, H, _W = scores.shape
     out = []
     for b in range(B):
         L = int(seqlens[b])

@@ -78,7 +78,8 @@ def naive_infllmv2_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     cache_lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1] - 1).to(torch.int32)
     aux = select_blocks(stages, q, k_cache, cu_seqlens_q, cu_seqlens_k, 1, cache_lens, False, cfg,
                         ck1=ck1, cu_seqlens_c1=cu_seqlens_c1, ck2=ck2, cu_seqlens_c2=cu_seqlens_c2)
-    out = stages["sparse_attn"](q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, aux["topk_idx"], 1, max_seqlen_k,
+    out = stages["sparse_attn"](q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, aux["topk_idx"], 1,
+                                max_seqlen_k,
                                 causal=False, softmax_scale=cfg.softmax_scale, block_size=cfg.block_size)
     return (out, dict(dense=False, **aux)) if return_aux else out
 
@@ -100,7 +101,8 @@ def _cache_tensors(cache):
     if bt is not None:
         check_tensor("block_table", bt, ndim=2, dtypes=(torch.int32,))
         if bt.shape[0] != seqlens.shape[0]:
-            raise ValueError(f"block_table has {bt.shape[0]} rows but seqlens has {seqlens.shape[0]} sequences")
+            raise ValueError(f"block_table has {bt.shape[0]} rows but seqlens has {seqlens.shape[0]} "
+                             "sequences")
         return k, v, seqlens, bt, bt.shape[1] * k.shape[1]
     if k.shape[0] != seqlens.shape[0]:
         raise ValueError(f"k_cache holds {k.shape[0]} sequences but seqlens has {seqlens.shape[0]}")
@@ -153,7 +155,8 @@ def naive_sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = 
     if HQ % H:
         raise ValueError(f"q has {HQ} heads, not a multiple of the cache's {H} KV heads")
     if seqlens.shape[0] != B:
-        raise ValueError(f"q has {B} rows (one per sequence) but the cache holds {seqlens.shape[0]} sequences")
+        raise ValueError(f"q has {B} rows (one per sequence) but the cache holds {seqlens.shape[0]} "
+                         "sequences")
     if weights not in ("per_head", "per_kv_head"):
         raise ValueError(f"weights must be 'per_head' or 'per_kv_head', got {weights!r}")
     if topk_idx is not None:

@@ -9,8 +9,8 @@
                                softmax_scale, score_dtype, exact, kernel) -> topk_idx int32 [H, B, K]
 
 `block_table` and `topk_idx` are optional (None: contiguous cache; dense decode). CUDA tensors run the
-kernels (`sparse_decode`, `select_kernel` of `step.py`: the split stage-1 decode kernels), CPU tensors the references
-(`naive_sparse_decode`, `naive_stage1_select`). The fake implementations give the output shapes
+kernels (`sparse_decode`, `select_kernel` of `step.py`: the split stage-1 decode kernels), CPU tensors the
+references (`naive_sparse_decode`, `naive_stage1_select`). The fake implementations give the output shapes
 from the input shapes alone: W is the cache's width (`L_max`, or `max_pages * page_size`) and
 `K = min(topk + local_blocks, cdiv(width, block_size))`, so `decode_select` pads the reference's
 selection (sized on the longest sequence) with `-1` to that static K. The ops take checked inputs:
@@ -99,7 +99,8 @@ def _select_k(width: int, topk: int, local_blocks: int, block_size: int) -> int:
     return min(topk + local_blocks, cdiv(width, block_size))
 
 
-def _select_config(topk, local_blocks, init_blocks, block_size, softmax_scale, score_dtype, exact, dense_len=0):
+def _select_config(topk, local_blocks, init_blocks, block_size, softmax_scale, score_dtype, exact,
+                   dense_len=0):
     return InfLLMv2Config(topk=topk, local_blocks=local_blocks, init_blocks=init_blocks,
                           block_size=block_size, softmax_scale=softmax_scale, score_dtype=score_dtype,
                           exact_stage1=exact, dense_len=dense_len)
@@ -159,8 +160,8 @@ def _shapes(*tensors) -> tuple:
     return tuple((tuple(t.shape), t.dtype, t.device) if t is not None else None for t in tensors)
 
 
-@torch.library.custom_op("infllm_cupy::cache_append", mutates_args=("k_cache", "v_cache", "ck1", "ck2", "seqlens"),
-                         device_types="cuda")
+@torch.library.custom_op("infllm_cupy::cache_append",
+                         mutates_args=("k_cache", "v_cache", "ck1", "ck2", "seqlens"), device_types="cuda")
 def cache_append_op(k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor, ck1: Tensor, ck2: Tensor,
                     seqlens: Tensor, block_table: Tensor | None) -> None:
     """One token per sequence (`k_new`, `v_new [B, H, D]`) into a cache's tensors, as
@@ -200,8 +201,10 @@ def _(k_new, v_new, k_cache, v_cache, ck1, ck2, seqlens, block_table):
 
 @torch.library.custom_op("infllm_cupy::cache_append_chunk",
                          mutates_args=("k_cache", "v_cache", "ck1", "ck2", "seqlens"))
-def cache_append_chunk_op(k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor, ck1: Tensor, ck2: Tensor,
-                          seqlens: Tensor, block_table: Tensor | None, starts: list[int], counts: list[int]) -> None:
+def cache_append_chunk_op(k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor, ck1: Tensor,
+                          ck2: Tensor,
+                          seqlens: Tensor, block_table: Tensor | None, starts: list[int],
+                          counts: list[int]) -> None:
     """A chunk of `counts[b]` tokens per sequence (packed `[sum(counts), H, D]`) into a cache's tensors
     whose sequences hold `starts[b]` keys, as `DecodeCache.append(k_new, v_new, cu_seqlens)` (checked
     there): the keys, values, the windows they complete and the lengths. Any device."""
@@ -220,8 +223,8 @@ def _(k_new, v_new, k_cache, v_cache, ck1, ck2, seqlens, block_table, starts, co
 
 @torch.library.custom_op("infllm_cupy::infllmv2_decode", mutates_args=(), device_types="cuda")
 def infllmv2_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, ck1: Tensor, ck2: Tensor, seqlens: Tensor,
-                       block_table: Tensor | None, topk: int, local_blocks: int, init_blocks: int, dense_len: int,
-                       softmax_scale: float, score_dtype: torch.dtype, exact: bool) -> Tensor:
+                       block_table: Tensor | None, topk: int, local_blocks: int, init_blocks: int,
+                       dense_len: int, softmax_scale: float, score_dtype: torch.dtype, exact: bool) -> Tensor:
     """`out [B, HQ, D]` of one InfLLM-v2 decode step on a cache's tensors, the dense/sparse rule of
     spec section 9 decided on the device from `seqlens` (every sequence shorter than `dense_len`:
     dense), so that a captured graph follows the lengths at every replay. Same function as
@@ -229,22 +232,23 @@ def infllmv2_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, ck1: Tensor,
     beyond rounding)."""
     from .step import step_launches
 
-    cfg = _select_config(topk, local_blocks, init_blocks, KV_BLOCK, softmax_scale, score_dtype, exact, dense_len)
+    cfg = _select_config(topk, local_blocks, init_blocks, KV_BLOCK, softmax_scale, score_dtype, exact,
+                         dense_len)
     q = q.contiguous()
     if q.data_ptr() % 16:
         q = q.clone()
     # built at every call, not kept: under torch.compile's CUDA graphs (where this op runs at warm-up and
     # recording only) a kept program's scratch would stay alive in the graph's pool, which cudagraph
     # trees refuse; eager callers take `infllmv2_decode`'s kept programs instead
-    run, (out, *_) = step_launches(q, k_cache, v_cache, ck1, ck2, seqlens, block_table, _width(k_cache, block_table),
-                                   cfg, dense=None)
+    run, (out, *_) = step_launches(q, k_cache, v_cache, ck1, ck2, seqlens, block_table,
+                                   _width(k_cache, block_table), cfg, dense=None)
     run.run()
     return out
 
 
 @infllmv2_decode_op.register_kernel("cpu")
-def _(q, k_cache, v_cache, ck1, ck2, seqlens, block_table, topk, local_blocks, init_blocks, dense_len, softmax_scale,
-      score_dtype, exact):
+def _(q, k_cache, v_cache, ck1, ck2, seqlens, block_table, topk, local_blocks, init_blocks, dense_len,
+      softmax_scale, score_dtype, exact):
     cache = _cache_tuple(k_cache, v_cache, seqlens, block_table)
     topk_idx = None
     if int(seqlens.max()) >= dense_len:
@@ -254,8 +258,8 @@ def _(q, k_cache, v_cache, ck1, ck2, seqlens, block_table, topk, local_blocks, i
 
 
 @infllmv2_decode_op.register_fake
-def _(q, k_cache, v_cache, ck1, ck2, seqlens, block_table, topk, local_blocks, init_blocks, dense_len, softmax_scale,
-      score_dtype, exact):
+def _(q, k_cache, v_cache, ck1, ck2, seqlens, block_table, topk, local_blocks, init_blocks, dense_len,
+      softmax_scale, score_dtype, exact):
     return q.new_empty(q.shape)
 
 

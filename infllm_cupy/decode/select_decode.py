@@ -33,7 +33,7 @@ MAX_GROUP = 16 * ROW_TILES[-1]
 SCORE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # `kind` of stage1/select_common.cuh
 KEY_TYPE = {0: "unsigned", 1: "unsigned short", 2: "unsigned short"}
 MAX_SMEM = 227 * 1024      # dynamic shared memory of one CTA on sm_90 (sm_80: 163 KB)
-TOPK_SCRATCH_BYTES = 4 * 584   # the CTA top-k's histograms and counts after the row (#define SEL_TOPK_SCRATCH)
+TOPK_SCRATCH_BYTES = 4 * 584  # the CTA top-k's histograms and counts after the row (#define SEL_TOPK_SCRATCH)
 # threads of the top-k kernel (any multiple of 32 up to 512 works): 512 took 5.6 us against 6.7 us for
 # 256 at 2048 blocks (docs/decode.md, 14. Stage 1 for decode: the split kernels)
 TOPK_THREADS = 512
@@ -109,16 +109,18 @@ def plan_select_decode(batch: int, num_kv_heads: int, group: int, n1_max: int, n
 
 def check_select_plan(plan, group: int, n1_max: int, n2_max: int, head_dim: int) -> None:
     """`plan` must fit the group, cover every window and fit a CTA's shared memory."""
-    if not isinstance(plan, SelectDecodePlan) or plan.row_tiles not in ROW_TILES or 16 * plan.row_tiles < group:
-        raise ValueError(f"plan: {plan!r} does not fit G = {group} (row_tiles in {ROW_TILES}, 16 x row_tiles >= G)")
+    if (not isinstance(plan, SelectDecodePlan) or plan.row_tiles not in ROW_TILES
+            or 16 * plan.row_tiles < group):
+        raise ValueError(f"plan: {plan!r} does not fit G = {group} (row_tiles in {ROW_TILES}, 16 x row_tiles "
+                         ">= G)")
     if min(plan.fine_tiles, plan.fine_ranges, plan.coarse_tiles, plan.coarse_ranges) < 1:
         raise ValueError(f"plan: every count must be >= 1, got {plan!r}")
     if TILE * plan.fine_tiles * plan.fine_ranges < n1_max + 4:
         raise ValueError(f"plan: {plan!r} covers {TILE * plan.fine_tiles * plan.fine_ranges} fine keys, the "
                          f"cache holds up to {n1_max} (+ 4 needed)")
     if TILE * plan.coarse_tiles * plan.coarse_ranges < n2_max:
-        raise ValueError(f"plan: {plan!r} covers {TILE * plan.coarse_tiles * plan.coarse_ranges} coarse keys, "
-                         f"the cache holds up to {n2_max}")
+        raise ValueError(f"plan: {plan!r} covers {TILE * plan.coarse_tiles * plan.coarse_ranges} coarse "
+                         f"keys, the cache holds up to {n2_max}")
     if plan.score_smem_bytes(head_dim, True) > MAX_SMEM:
         raise ValueError(f"plan: {plan!r} needs {plan.score_smem_bytes(head_dim, True)} B of shared memory")
 
@@ -142,8 +144,8 @@ def select_width(topk: int, local_blocks: int, out_len: int, dense_len: int = 0)
     return max(K, min(cdiv(max(dense_len - 1, 0), 64), out_len)) if dense_len > 0 else K
 
 
-def select_decode(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, seqlens: torch.Tensor, out_len: int, *,
-                  topk: int, local_blocks: int, init_blocks: int, softmax_scale: float | None,
+def select_decode(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, seqlens: torch.Tensor, out_len: int,
+                  *, topk: int, local_blocks: int, init_blocks: int, softmax_scale: float | None,
                   score_dtype: torch.dtype | None, exact: bool, plan: SelectDecodePlan | None = None,
                   dense_len: int = 0) -> torch.Tensor:
     r"""Stage 1 for decode on CUDA tensors: `topk_idx int32 [H, B, select_width(...)]`.
@@ -170,8 +172,8 @@ def select_decode(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, seqlens
                               plan=plan)
     run = Launches(q.device)
     topk_idx = add_select_decode(run, q, ck1, ck2, seqlens, out_len, topk=topk, local_blocks=local_blocks,
-                                 init_blocks=init_blocks, softmax_scale=softmax_scale, score_dtype=sdt, exact=exact,
-                                 plan=plan, dense_len=dense_len)
+                                 init_blocks=init_blocks, softmax_scale=softmax_scale, score_dtype=sdt,
+                                 exact=exact, plan=plan, dense_len=dense_len)
     run.run()
     return topk_idx
 
@@ -212,7 +214,8 @@ def check_select_inputs(q, ck1, ck2, seqlens, *, score_dtype, exact: bool, dense
 
 def add_select_decode(run: Launches, q, ck1, ck2, seqlens, out_len: int, *, topk: int, local_blocks: int,
                       init_blocks: int, softmax_scale, score_dtype: torch.dtype, exact: bool,
-                      plan: SelectDecodePlan | None = None, dense_len: int = 0, topk_idx=None) -> torch.Tensor:
+                      plan: SelectDecodePlan | None = None, dense_len: int = 0,
+                      topk_idx=None) -> torch.Tensor:
     """Adds `select_decode`'s three launches to `run` on checked inputs (`select_decode` checks them) and
     returns the `topk_idx` they write (allocated here unless given, `[H, B, select_width(...)]`). The
     scratch they use is allocated here and referenced by `run`'s arguments."""
@@ -245,11 +248,13 @@ def add_select_decode(run: Launches, q, ck1, ck2, seqlens, out_len: int, *, topk
     mt, T = plan.row_tiles, CXX_TYPE[q.dtype]
     ck_c = ck1 if exact else ck2
     dl = i32(dense_len)
-    run.add(SOURCE, f"select_decode_coarse<{T}, {D}, {mt}>", (R2, H, B), (128 * mt,), plan.score_smem_bytes(D, False),
+    run.add(SOURCE, f"select_decode_coarse<{T}, {D}, {mt}>", (R2, H, B), (128 * mt,),
+            plan.score_smem_bytes(D, False),
             (q, ck_c, seqlens, i32(N2), i32(H), i32(G), i32(T2), i32(exact), sl2, dl, part))
-    run.add(SOURCE, f"select_decode_fine<{T}, {D}, {mt}>", (R1, H, B), (128 * mt,), plan.score_smem_bytes(D, True),
-            (q, ck1, seqlens, i32(N1), i32(H), i32(G), i32(T1), i32(R2), i32(exact), i32(kind), sl2, dl, part, blk,
-             lead), pdl=PDL)
+    run.add(SOURCE, f"select_decode_fine<{T}, {D}, {mt}>", (R1, H, B), (128 * mt,),
+            plan.score_smem_bytes(D, True),
+            (q, ck1, seqlens, i32(N1), i32(H), i32(G), i32(T1), i32(R2), i32(exact), i32(kind), sl2, dl, part,
+             blk, lead), pdl=PDL)
     run.add(SOURCE, f"select_decode_topk<{KEY_TYPE[kind]}>", (H * B,), (TOPK_THREADS,), topk_smem,
             (blk, lead, seqlens, i32(B), i32(H), i32(T1), i32(R1), i32(out_len), i32(olp), i32(K), i32(kout),
              i32(init_blocks), i32(local_blocks), i32(kind), i32(0), dl, topk_idx), pdl=PDL)
@@ -262,12 +267,13 @@ def _topk_row_smem(out_len: int, kind: int) -> tuple[int, int]:
     olp = cdiv(out_len, 64) * 64
     smem = olp * (4 if kind == 0 else 2) + TOPK_SCRATCH_BYTES
     if smem > MAX_SMEM:
-        raise ValueError(f"the cache's width ({out_len} blocks) needs {smem} B of shared memory for the top-k "
-                         f"row; at most {MAX_SMEM}")
+        raise ValueError(f"the cache's width ({out_len} blocks) needs {smem} B of shared memory for the "
+                         f"top-k row; at most {MAX_SMEM}")
     return olp, smem
 
 
-def select_topk_rows(blk: torch.Tensor, lead: torch.Tensor, seqlens: torch.Tensor, out_len: int, *, fine_tiles: int,
+def select_topk_rows(blk: torch.Tensor, lead: torch.Tensor, seqlens: torch.Tensor, out_len: int, *,
+                     fine_tiles: int,
                      topk: int, local_blocks: int, init_blocks: int, score_dtype: torch.dtype | None,
                      topk_prefix: int = 0, threads: int = TOPK_THREADS) -> torch.Tensor:
     r"""The top-k launch alone (`select_decode_topk`) on block scores as the fine kernel leaves them: a
@@ -313,16 +319,18 @@ def select_topk_rows(blk: torch.Tensor, lead: torch.Tensor, seqlens: torch.Tenso
     i32 = np.int32
     run = Launches(blk.device)
     run.add(SOURCE, f"select_decode_topk<{KEY_TYPE[kind]}>", (H * B,), (threads,), smem,
-            (blk, lead, seqlens, i32(B), i32(H), i32(fine_tiles), i32(R1), i32(out_len), i32(olp), i32(K), i32(K),
-             i32(init_blocks), i32(local_blocks), i32(kind), i32(topk_prefix), i32(0), topk_idx))
+            (blk, lead, seqlens, i32(B), i32(H), i32(fine_tiles), i32(R1), i32(out_len), i32(olp), i32(K),
+             i32(K), i32(init_blocks), i32(local_blocks), i32(kind), i32(topk_prefix), i32(0), topk_idx))
     run.run()
     return topk_idx
 
 
 @torch.no_grad()
 def emulate_select_decode(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, seqlens: torch.Tensor,
-                          out_len: int, plan: SelectDecodePlan, *, topk: int, local_blocks: int, init_blocks: int,
-                          softmax_scale: float | None, score_dtype: torch.dtype | None, exact: bool) -> torch.Tensor:
+                          out_len: int, plan: SelectDecodePlan, *, topk: int, local_blocks: int,
+                          init_blocks: int,
+                          softmax_scale: float | None, score_dtype: torch.dtype | None,
+                          exact: bool) -> torch.Tensor:
     """The split kernels' algorithm in PyTorch (fp32, any device): per-range coarse (max, sum) partials
     merged into each head's normaliser, per-range fine scores with the one key a range's first block
     takes from the previous range, the boundary max in the top-k step. It checks the merge math on
@@ -423,7 +431,7 @@ def emulate_topk_rows(blk: torch.Tensor, lead: torch.Tensor, seqlens: torch.Tens
                 if rn < R1 and rn * nbr * 4 - 1 < n1:
                     row[jb] = torch.maximum(row[jb], lead[b, h, rn])
             row[(j < init_blocks) | ((j <= qb) & (j >= qb - local_blocks))] = float("inf")
-            order = torch.sort(-score_keys(row, sdt), stable=True).indices[:K]    # ties: the lower block first
+            order = torch.sort(-score_keys(row, sdt), stable=True).indices[:K]   # ties: the lower block first
             sel = torch.sort(order).values
             out[h, b] = torch.where(sel > qb, torch.full_like(sel, -1), sel).to(torch.int32)
     return out

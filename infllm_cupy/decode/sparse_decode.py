@@ -10,7 +10,14 @@ import numpy as np
 import torch
 
 from .. import _jit
-from .._checks import KERNEL_DTYPES, check_aligned, check_backend, check_flags, check_softmax_scale, check_tensor
+from .._checks import (
+    KERNEL_DTYPES,
+    check_aligned,
+    check_backend,
+    check_flags,
+    check_softmax_scale,
+    check_tensor,
+)
 from .._constants import HEAD_DIMS, KV_BLOCK  # KV_BLOCK: #define BLK in the .cu
 from .._launch import CXX_TYPE, cdiv, empty
 from ._fast import Launches
@@ -23,7 +30,8 @@ ROW_TILES = (1, 2, 4)  # MT: 16-row tiles of the query group, so G <= 64
 MAX_GROUP = 16 * ROW_TILES[-1]
 WEIGHTS = ("per_head", "per_kv_head")
 PMAX_GROUP = 16        # keys per recorded max of the relative probabilities (a warp's key quarter of a block)
-MAX_SMEM = 227 * 1024  # dynamic shared memory of one CTA on sm_90 (sm_80: 163 KB; the default plans stay far below)
+# dynamic shared memory of one CTA on sm_90 (sm_80: 163 KB; the default plans stay far below)
+MAX_SMEM = 227 * 1024
 
 # Split planning (docs/decode.md, 4. Splits and the merge): at most CTAS_PER_SM CTAs per SM, in one
 # wave (one per SM measured 1.05-1.18x faster than two on the H100 for dense decode and for sparse
@@ -39,7 +47,9 @@ MERGE_MAX_THREADS = 1024
 
 _jit.register_instances(SOURCE, [f"sparse_decode_split<{CXX_TYPE[t]}, {d}, {mt}>"
                                  for t in KERNEL_DTYPES for d in HEAD_DIMS for mt in ROW_TILES])
-_jit.register_instances(SOURCE, [f"sparse_decode_merge<{CXX_TYPE[t]}, {d}>" for t in KERNEL_DTYPES for d in HEAD_DIMS])
+_jit.register_instances(SOURCE,
+                        [f"sparse_decode_merge<{CXX_TYPE[t]}, {d}>" for t in KERNEL_DTYPES
+                         for d in HEAD_DIMS])
 _jit.register_instances(SOURCE, ["sparse_decode_weights"])
 
 
@@ -78,8 +88,8 @@ class DecodePlan:
         stats, warp counts, then (sparse) the split's block list and the first k topk entries."""
         rowb = 2 * head_dim
         mt = self.row_tiles
-        return 16 * mt * rowb + kv_stages(head_dim) * 2 * KV_BLOCK * rowb + 2 * mt * 4 * 16 * 4 + 4 * mt * 4 + \
-            (4 * (self.per_split + k) if sparse else 0)
+        return (16 * mt * rowb + kv_stages(head_dim) * 2 * KV_BLOCK * rowb + 2 * mt * 4 * 16 * 4 + 4 * mt * 4
+                + (4 * (self.per_split + k) if sparse else 0))
 
 
 def default_merge_groups(num_splits: int, head_dim: int) -> int:
@@ -111,8 +121,8 @@ def _sm_count(device_index: int) -> int:
 
 def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, *,
                   softmax_scale: float | None = None, return_lse: bool = False,
-                  return_attn_weights: bool = False, weights: str = "per_head", plan: DecodePlan | None = None,
-                  backend: str = "auto"):
+                  return_attn_weights: bool = False, weights: str = "per_head",
+                  plan: DecodePlan | None = None, backend: str = "auto"):
     r"""Decode attention of one query token per sequence over the selected 64-key blocks of its cache.
 
     Sequence b attends to the positions `t < L_b` whose block `t // 64` is listed in
@@ -155,7 +165,7 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
         return naive_sparse_decode(q, cache, topk_idx, softmax_scale=softmax_scale, return_lse=return_lse,
                                    return_attn_weights=return_attn_weights, weights=weights)
     k, v, seqlens, bt, width = _cache_tensors(cache)
-    B, HQ, D, H, G, K = _check_kernel_inputs(q, k, v, seqlens, bt, topk_idx)
+    B, _HQ, D, H, G, K = _check_kernel_inputs(q, k, v, seqlens, bt, topk_idx)
     check_aligned(q=q, k_cache=k, v_cache=v)       # 16-byte cp.async rows
     scale = check_softmax_scale(softmax_scale, D)
     n_entries = K if topk_idx is not None else cdiv(width, KV_BLOCK)
@@ -175,7 +185,8 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
     return res[0] if len(res) == 1 else tuple(res)
 
 
-def add_sparse_decode(run: Launches, q, k, v, seqlens, bt, width: int, topk_idx, *, scale: float, plan: DecodePlan,
+def add_sparse_decode(run: Launches, q, k, v, seqlens, bt, width: int, topk_idx, *, scale: float,
+                      plan: DecodePlan,
                       return_attn_weights: bool = False, weights: str = "per_head", out=None, lse=None):
     """Adds `sparse_decode`'s launches (split, merge unless one split, weights pass) to `run` on checked
     inputs and a checked plan, and returns `(out, lse, weights or None)` they write (allocated here
@@ -241,7 +252,8 @@ def check_plan(plan, group: int, n_entries: int, head_dim: int, k: int = 0) -> N
     """`plan` must cover the group and every entry (sparse: the K topk entries; dense: the blocks of
     the cache's width), and its shared memory must fit a CTA (the topk row is staged there)."""
     if not isinstance(plan, DecodePlan) or plan.row_tiles not in ROW_TILES or 16 * plan.row_tiles < group:
-        raise ValueError(f"plan: {plan!r} does not fit G = {group} (row_tiles in {ROW_TILES}, 16 x row_tiles >= G)")
+        raise ValueError(f"plan: {plan!r} does not fit G = {group} (row_tiles in {ROW_TILES}, 16 x row_tiles "
+                         ">= G)")
     if plan.num_splits < 1 or plan.per_split < 1 or plan.num_splits * plan.per_split < n_entries:
         raise ValueError(f"plan: {plan!r} covers {plan.num_splits * plan.per_split} entries, fewer than "
                          f"the {n_entries} to read")
@@ -250,8 +262,8 @@ def check_plan(plan, group: int, n_entries: int, head_dim: int, k: int = 0) -> N
     g = plan.merge_groups
     is_int = isinstance(g, int) and not isinstance(g, bool)
     if not is_int or g < 0 or (g & (g - 1)) or (g and not 32 <= g * (head_dim // 4) <= MERGE_MAX_THREADS):
-        raise ValueError(f"plan: merge_groups must be 0 (default) or a power of two with 32 <= merge_groups x "
-                         f"D / 4 <= {MERGE_MAX_THREADS} at D = {head_dim}, got {g!r}")
+        raise ValueError("plan: merge_groups must be 0 (default) or a power of two with 32 <= merge_groups "
+                         f"x D / 4 <= {MERGE_MAX_THREADS} at D = {head_dim}, got {g!r}")
     if plan.split_smem_bytes(head_dim, k > 0, k) > MAX_SMEM:
         raise ValueError(f"topk_idx: K = {k} entries need more shared memory than a CTA has "
                          f"({plan.split_smem_bytes(head_dim, True, k)} > {MAX_SMEM} bytes)")
@@ -265,14 +277,16 @@ def _check_kernel_inputs(q, k, v, seqlens, bt, topk_idx):
     check_tensor("v_cache", v, shape=tuple(k.shape), dtypes=(q.dtype,), device=q.device, contiguous=True)
     H = k.shape[2]
     if D not in HEAD_DIMS or k.shape[3] != D:
-        raise ValueError(f"q has head dim {D} and the cache {k.shape[3]}; the kernel takes equal dims in {HEAD_DIMS}")
+        raise ValueError(f"q has head dim {D} and the cache {k.shape[3]}; the kernel takes equal dims in "
+                         f"{HEAD_DIMS}")
     if HQ % H:
         raise ValueError(f"q has {HQ} heads, not a multiple of the cache's {H} KV heads")
     G = HQ // H
     if G > MAX_GROUP:
         raise ValueError(f"q: group size G = {G} > {MAX_GROUP} is not supported by the kernel")
     if seqlens.dim() == 1 and seqlens.shape[0] != B:
-        raise ValueError(f"q has {B} rows (one per sequence) but the cache holds {seqlens.shape[0]} sequences")
+        raise ValueError(f"q has {B} rows (one per sequence) but the cache holds {seqlens.shape[0]} "
+                         "sequences")
     check_tensor("seqlens", seqlens, shape=(B,), dtypes=(torch.int32,), device=q.device, contiguous=True)
     if bt is not None:
         check_tensor("block_table", bt, ndim=2, dtypes=(torch.int32,), device=q.device, contiguous=True)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_aligned, check_backend, check_flags, check_softmax_scale, check_tensor
-from .._kernel_arg import check_kernel
 from .._constants import KV_BLOCK
-from .._launch import cdiv
+from .._kernel_arg import check_kernel
+from .._launch import cdiv, empty
 from ..pipeline import (
     InfLLMv2Config,
     check_config,
@@ -25,13 +25,19 @@ from ..pipeline import (
     stages_for,
     uses_kernels,
 )
-from .._launch import empty
 from ._fast import Launches
 from .cache import COMPRESSIONS, DecodeCache, _capturing
 from .naive import naive_sparse_decode
 from .select_decode import add_select_decode, check_select_inputs, select_decode
-from .sparse_decode import (WEIGHTS, _check_kernel_inputs, _sm_count, add_sparse_decode, check_plan, plan_decode,
-                            sparse_decode)
+from .sparse_decode import (
+    WEIGHTS,
+    _check_kernel_inputs,
+    _sm_count,
+    add_sparse_decode,
+    check_plan,
+    plan_decode,
+    sparse_decode,
+)
 
 
 def _check_step_inputs(q, cache, config, weights, backend, kernel) -> InfLLMv2Config:
@@ -121,7 +127,8 @@ def select_kernel(q, ck1, ck2, seqlens, out_len: int, cfg: InfLLMv2Config, kerne
     if kernel == "auto":
         return select_decode(q.contiguous(), ck1, ck2, seqlens, out_len, topk=cfg.topk,
                              local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks,
-                             softmax_scale=cfg.softmax_scale, score_dtype=cfg.score_dtype, exact=cfg.exact_stage1)
+                             softmax_scale=cfg.softmax_scale, score_dtype=cfg.score_dtype,
+                             exact=cfg.exact_stage1)
     from ..stage1.select import launch_select
 
     cu_q, k1, cu1, k2, cu2, cache_lens = layout if layout is not None else layout_of(ck1, ck2, seqlens,
@@ -151,8 +158,8 @@ def decode_select(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Config
     check_backend(backend)
     check_kernel(kernel)
     if uses_kernels(q, backend) and kernel == "auto":
-        return select_kernel(q, cache.ck1, cache.ck2, cache.seqlens, cdiv(cache.capacity, cfg.block_size), cfg,
-                             kernel)
+        return select_kernel(q, cache.ck1, cache.ck2, cache.seqlens, cdiv(cache.capacity, cfg.block_size),
+                             cfg, kernel)
     lay = decode_layout(cache, exact=cfg.exact_stage1)
     cu_q, ck1, cu_c1, ck2, cu_c2, cache_lens = lay
     if not uses_kernels(q, backend):
@@ -217,7 +224,8 @@ def infllmv2_decode(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Conf
         fast = _fast_step(q, cache, config, return_attn_weights, weights, return_lse, return_topk_idx)
         if fast is not None:
             return fast
-    check_flags(return_attn_weights=return_attn_weights, return_lse=return_lse, return_topk_idx=return_topk_idx)
+    check_flags(return_attn_weights=return_attn_weights, return_lse=return_lse,
+                return_topk_idx=return_topk_idx)
     cfg = _check_step_inputs(q, cache, config, weights, backend, kernel)
     kern = uses_kernels(q, backend)
     topk_idx = None
@@ -247,7 +255,7 @@ class StepProgram:
     such call on static copies of q and the outputs (the outputs returned are clones): the same
     kernels on the same plan, so the same bits as the launches."""
 
-    __slots__ = ("config", "program", "outs", "graph", "static")
+    __slots__ = ("config", "graph", "outs", "program", "static")
 
     def __init__(self, config, program, outs):
         self.config, self.program, self.outs = config, program, outs
@@ -256,7 +264,8 @@ class StepProgram:
     def run(self, q: torch.Tensor, graphs: bool = False) -> dict:
         if graphs:
             return self._replay(q)
-        fresh = {name: empty(shape, dtype=dtype, device=q.device) for name, (shape, dtype) in self.outs.items()}
+        fresh = {name: empty(shape, dtype=dtype, device=q.device)
+                 for name, (shape, dtype) in self.outs.items()}
         self.program.run(q=q, **fresh)
         return fresh
 
@@ -285,14 +294,15 @@ def _fast_step(q, cache: DecodeCache, config, return_attn_weights, weights, retu
         return None
     if not q.is_contiguous():
         q = q.contiguous()
-    if type(return_attn_weights) is not bool or type(return_lse) is not bool or type(return_topk_idx) is not bool:
+    if (type(return_attn_weights) is not bool or type(return_lse) is not bool
+            or type(return_topk_idx) is not bool):
         return None                                       # the general path names the flag
     if weights not in WEIGHTS or (config is not None and type(config) is not InfLLMv2Config):
         return None
     if q.data_ptr() % 16:
         return None
     if cache._host_stale:
-        dense = None          # the mirror lags (captured or compiled appends): the kernels decide on the device
+        dense = None        # the mirror lags (captured or compiled appends): the kernels decide on the device
     else:
         lens = cache._host_lens
         if lens and min(lens) < 1:
@@ -323,9 +333,11 @@ _FAST_BACKENDS = ("auto", "kernels")
 _MAX_PROGRAMS = 32
 
 
-def _build_step(q, cache, config, return_attn_weights, weights, return_lse, return_topk_idx, *, dense: bool | None):
+def _build_step(q, cache, config, return_attn_weights, weights, return_lse, return_topk_idx, *,
+                dense: bool | None):
     """A `StepProgram` after every check of the general path (raises as it does)."""
-    check_flags(return_attn_weights=return_attn_weights, return_lse=return_lse, return_topk_idx=return_topk_idx)
+    check_flags(return_attn_weights=return_attn_weights, return_lse=return_lse,
+                return_topk_idx=return_topk_idx)
     cfg = _check_step_inputs(q, cache, config, weights, "kernels", "auto")
     if cfg.block_size != KV_BLOCK:
         raise ValueError(f"config: block_size must be {KV_BLOCK} for the kernels, got {cfg.block_size}")
@@ -343,8 +355,8 @@ def _build_step(q, cache, config, return_attn_weights, weights, return_lse, retu
     return StepProgram(config, run.program(q=q, **dyn), outs)
 
 
-def step_launches(q, k, v, ck1, ck2, seqlens, block_table, width: int, cfg: InfLLMv2Config, *, dense: bool | None,
-                  return_attn_weights: bool = False, weights: str = "per_head"):
+def step_launches(q, k, v, ck1, ck2, seqlens, block_table, width: int, cfg: InfLLMv2Config, *,
+                  dense: bool | None, return_attn_weights: bool = False, weights: str = "per_head"):
     """The launches of one decode step (stage 1 unless dense, then `sparse_decode`) after their checks:
     `(Launches, (out, lse, weights or None, topk_idx or None))`. `dense`: the path, or None to decide
     it on the device from the lengths at every run (spec section 9: stage 1's rows then list every block
@@ -357,17 +369,20 @@ def step_launches(q, k, v, ck1, ck2, seqlens, block_table, width: int, cfg: InfL
     topk_idx = None
     if not dense:
         sdt = check_select_inputs(q, ck1, ck2, seqlens, score_dtype=cfg.score_dtype, exact=cfg.exact_stage1)
-        topk_idx = add_select_decode(run, q, ck1, ck2, seqlens, out_len, topk=cfg.topk, local_blocks=cfg.local_blocks,
-                                     init_blocks=cfg.init_blocks, softmax_scale=cfg.softmax_scale, score_dtype=sdt,
-                                     exact=cfg.exact_stage1, dense_len=max(cfg.dense_len, 0) if dense is None else 0)
+        topk_idx = add_select_decode(run, q, ck1, ck2, seqlens, out_len, topk=cfg.topk,
+                                     local_blocks=cfg.local_blocks,
+                                     init_blocks=cfg.init_blocks, softmax_scale=cfg.softmax_scale,
+                                     score_dtype=sdt,
+                                     exact=cfg.exact_stage1,
+                                     dense_len=max(cfg.dense_len, 0) if dense is None else 0)
     _check_kernel_inputs(q, k, v, seqlens, block_table, topk_idx)
     check_aligned(q=q, k_cache=k, v_cache=v)
     scale = check_softmax_scale(cfg.softmax_scale, D)
     n_entries = topk_idx.shape[2] if topk_idx is not None else out_len
     plan = plan_decode(B, H, G, n_entries, _sm_count(q.device.index))
     check_plan(plan, G, n_entries, D, topk_idx.shape[2] if topk_idx is not None else 0)
-    out, lse, w = add_sparse_decode(run, q, k, v, seqlens, block_table, width, topk_idx, scale=scale, plan=plan,
-                                    return_attn_weights=return_attn_weights, weights=weights)
+    out, lse, w = add_sparse_decode(run, q, k, v, seqlens, block_table, width, topk_idx, scale=scale,
+                                    plan=plan, return_attn_weights=return_attn_weights, weights=weights)
     return run, (out, lse, w, topk_idx)
 
 
@@ -412,8 +427,7 @@ def infllmv2_prefill_into_cache(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
         raise ValueError(f"q has {q.shape[0]} tokens but k_new has {k_new.shape[0]}")
     if q.shape[2] != cache.head_dim or q.shape[1] % cache.num_heads:
         raise ValueError(f"q must have shape [total_new, a multiple of {cache.num_heads}, {cache.head_dim}], "
-                         f"got "
-                         f"{tuple(q.shape)}")
+                         f"got {tuple(q.shape)}")
     stages = stages_for(q, backend)
     kern = uses_kernels(q, backend)
     before = cache.lengths()

@@ -15,8 +15,14 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from .._checks import check_backend, check_flags, check_kernel_inputs, check_softmax_scale, check_tensor
-from .._checks import REF_DTYPES
+from .._checks import (
+    REF_DTYPES,
+    check_backend,
+    check_flags,
+    check_kernel_inputs,
+    check_softmax_scale,
+    check_tensor,
+)
 from .._constants import KV_BLOCK
 from .._kernel_arg import check_kernel
 from ..pipeline import InfLLMv2Config, check_config, check_kernel_block_size, stages_for, uses_kernels
@@ -120,8 +126,7 @@ def agree_across_ranks(meta: list[int], error: Exception | None, group=None) -> 
     if diff:
         names = {code: str(dt).replace("torch.", "") for dt, code in _DTYPE_CODE.items()}
         parts = "; ".join(
-            f"{_META_FIELDS[i]}: "
-            f"{[names.get(x, x) for x in vals] if _META_FIELDS[i] == 'dtype' else vals}"
+            f"{_META_FIELDS[i]}: {[names.get(x, x) for x in vals] if _META_FIELDS[i] == 'dtype' else vals}"
             for i, vals in diff
         )
         raise ValueError(

@@ -179,7 +179,7 @@ def _zigzag_plan(lengths: tuple, W: int, r: int, device: str) -> ZigzagPlan:
             cu_q, cu_k, cache, k_end = [0, chunk[0]], [0, ends[0]], [starts[0]], ends[0]
         else:
             cu_q, cu_k, cache, qa, k_end = [0], [0], [], 0, total
-            for b, (L, c, a, e) in enumerate(zip(lengths, chunk, starts, ends)):
+            for b, (_, c, a, e) in enumerate(zip(lengths, chunk, starts, ends)):
                 qa += c
                 cu_q += [qa, qa]
                 cu_k += [seq_starts[b] + e, seq_starts[b + 1]]

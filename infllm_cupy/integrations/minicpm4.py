@@ -60,19 +60,21 @@ def _rope(q, k, cos, sin):
 
 
 def _windows(k: torch.Tensor, lo: int, hi: int, kernel: int, stride: int) -> torch.Tensor:
-    """Means of windows `[i*stride, i*stride + kernel)`, i in [lo, hi), of `k [B, L, H, D]` -> `[B, hi-lo, H, D]`
-    (summed in fp32 and rounded to k's dtype, as `naive_compress_k`)."""
-    idx = torch.arange(lo, hi, device=k.device)[:, None] * stride + torch.arange(kernel, device=k.device)[None, :]
+    """Means of windows `[i*stride, i*stride + kernel)`, i in [lo, hi), of `k [B, L, H, D]` -> `[B, hi-lo, H,
+    D]` (summed in fp32 and rounded to k's dtype, as `naive_compress_k`)."""
+    idx = (torch.arange(lo, hi, device=k.device)[:, None] * stride
+           + torch.arange(kernel, device=k.device)[None, :])
     acc = torch.float64 if k.dtype == torch.float64 else torch.float32
     return k[:, idx].to(acc).mean(dim=2).to(k.dtype)
 
 
 def _compress(k: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
-    """Every window of `k [B, L, H, D]` -> `[B, n, H, D]`: the compression kernel on CUDA tensors of its shapes,
-    `_windows` otherwise."""
+    """Every window of `k [B, L, H, D]` -> `[B, n, H, D]`: the compression kernel on CUDA tensors of its
+    shapes, `_windows` otherwise."""
     B, L, H, D = k.shape
     n = _n_windows(L, kernel, stride)
-    if not (k.is_cuda and D in HEAD_DIMS and k.dtype in (torch.bfloat16, torch.float16, torch.float32)) or n == 0:
+    if not (k.is_cuda and D in HEAD_DIMS and k.dtype in (torch.bfloat16, torch.float16,
+                                                         torch.float32)) or n == 0:
         return _windows(k, 0, n, kernel, stride)
     cu = torch.arange(B + 1, dtype=torch.int32, device=k.device) * L
     ck, _ = compress_k(k.reshape(B * L, H, D), cu, kernel, stride)
@@ -148,7 +150,8 @@ class MiniCPM4SparseAttention(nn.Module):
                 setattr(cache, _SIDE_TABLE, table)
         st = None if table is None else table.get(self.layer_idx)
         if st is None or st.length != Lk - q_len or st.ck1.shape[0] != B:
-            whole = _compress if self._fused() else (lambda x, kr, s: _windows(x, 0, _n_windows(Lk, kr, s), kr, s))
+            whole = _compress if self._fused() else (lambda x, kr,
+                                                     s: _windows(x, 0, _n_windows(Lk, kr, s), kr, s))
             st = _Compressed(whole(k, *fine), whole(k, *coarse), Lk)
         else:
             parts = []
@@ -162,7 +165,8 @@ class MiniCPM4SparseAttention(nn.Module):
 
     # ------------------------------------------------------------------------------------ attention
     def _sparse_attention(self, q, k, v, cu_q, cu_k, B, q_len, kv_len, cache):
-        """Compress, stage 1, pooling, top-k, varlen sparse attention (HF `compressed_attention` and forward)."""
+        """Compress, stage 1, pooling, top-k, varlen sparse attention (HF `compressed_attention` and
+        forward)."""
         dev = q.device
         H, D = self.num_kv_heads, self.head_dim
         st = self._compressed_keys(cache, k.view(B, kv_len, H, D), q_len)
@@ -174,7 +178,8 @@ class MiniCPM4SparseAttention(nn.Module):
                 topk_idx = stage1_select(
                     q, st.ck1.reshape(B * n1, H, D), st.ck2.reshape(B * n2, H, D), cu_q, cu_c1, cu_c2, q_len,
                     causal=q_len != 1, cache_lens=[kv_len - q_len] * B, softmax_scale=self.scaling,
-                    topk=self.topk - self.local_blocks, local_blocks=self.local_blocks, init_blocks=self.init_blocks)
+                    topk=self.topk - self.local_blocks, local_blocks=self.local_blocks,
+                                         init_blocks=self.init_blocks)
                 return infllm_v2.infllmv2_attn_varlen_func(q, k, v, cu_q, cu_k, q_len, kv_len,
                                                            softmax_scale=self.scaling, causal=q_len != 1,
                                                            topk_idx=topk_idx)
@@ -191,7 +196,8 @@ class MiniCPM4SparseAttention(nn.Module):
             q_idx = ((torch.arange(q_len, device=dev) + kv_len - q_len) // self.block_size).repeat(B)
             topk_idx[topk_idx > q_idx[None, :, None]] = -1
             topk_idx = topk_idx.to(torch.int32)
-        return infllm_v2.infllmv2_attn_varlen_func(q, k, v, cu_q, cu_k, q_len, kv_len, softmax_scale=self.scaling,
+        return infllm_v2.infllmv2_attn_varlen_func(q, k, v, cu_q, cu_k, q_len, kv_len,
+                                                   softmax_scale=self.scaling,
                                                    causal=q_len != 1, topk_idx=topk_idx)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
@@ -199,8 +205,9 @@ class MiniCPM4SparseAttention(nn.Module):
         # transformers renamed the decoder layers' `past_key_values` argument to `cache` (5.2x); take either
         cache = cache if cache is not None else past_key_values
         if attention_mask is not None and (attention_mask.dim() != 2 or not bool(attention_mask.all())):
-            raise NotImplementedError("MiniCPM4SparseAttention: attention_mask with padding (or a custom 4-D mask) "
-                                      "is not supported; run sequences of equal length per batch without padding")
+            raise NotImplementedError("MiniCPM4SparseAttention: attention_mask with padding (or a custom 4-D "
+                                      "mask) is not supported; run sequences of equal length per batch "
+                                      "without padding")
         if position_embeddings is None:
             raise ValueError("position_embeddings (cos, sin) are required (the model's rotary embedding)")
         B, q_len, _ = hidden_states.shape
@@ -230,8 +237,8 @@ class MiniCPM4SparseAttention(nn.Module):
         if self.dense_len < 0 or kv_len >= self.dense_len:   # MiniCPM4: dense_len = -1 means always sparse
             out = self._sparse_attention(q, k, v, cu_q, cu_k, B, q_len, kv_len, cache)
         else:
-            out = infllm_v2.infllmv2_attn_varlen_func(q, k, v, cu_q, cu_k, q_len, kv_len, softmax_scale=self.scaling,
-                                                      causal=q_len != 1)
+            out = infllm_v2.infllmv2_attn_varlen_func(q, k, v, cu_q, cu_k, q_len, kv_len,
+                                                      softmax_scale=self.scaling, causal=q_len != 1)
         out = self.o_proj(out.reshape(B, q_len, HQ * D))
         return out, None
 

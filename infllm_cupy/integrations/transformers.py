@@ -26,9 +26,10 @@ and any HF cache still works (more slowly at decode).
 The sparse hyper-parameters come from the model config's `sparse_config` dict, MiniCPM4's format
 (`kernel_size`, `kernel_stride`, `init_blocks`, `block_size`, `window_size`, `topk`, `use_nope`,
 `dense_len`); without one, MiniCPM4's defaults (`InfLLMv2Config()`).
-"""
+"""  # noqa: E501 - verbatim commands, signatures and tables
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -37,7 +38,9 @@ from ..decode import DecodeCache, infllmv2_decode
 from ..decode.cache import COMPRESSIONS, _h2d, n_windows
 from ..pipeline import InfLLMv2Config, infllmv2_attention_host_lengths, uses_kernels
 
-__all__ = ["ATTN_NAME", "InfLLMv2Cache", "InfLLMv2CacheLayer", "config_from_sparse_config",
+# InfLLMv2Cache and InfLLMv2CacheLayer come from the module's __getattr__ (transformers imported on first
+# use).
+__all__ = ["ATTN_NAME", "InfLLMv2Cache", "InfLLMv2CacheLayer", "config_from_sparse_config",  # noqa: F822
            "infllm_cupy_attention", "register"]
 
 ATTN_NAME = "infllm_cupy"
@@ -51,12 +54,14 @@ def _transformers():
     try:
         import transformers
     except ImportError as e:  # pragma: no cover - exercised only without the extra
-        raise ImportError('infllm_cupy.integrations.transformers needs transformers: pip install -e ".[hf]"') from e
+        raise ImportError('infllm_cupy.integrations.transformers needs transformers: pip install -e '
+                          '".[hf]"') from e
     return transformers
 
 
 # ------------------------------------------------------------------------------------------ config
-def config_from_sparse_config(sparse_config: dict | None, *, softmax_scale: float | None = None) -> InfLLMv2Config:
+def config_from_sparse_config(sparse_config: dict | None, *,
+                              softmax_scale: float | None = None) -> InfLLMv2Config:
     """MiniCPM4's `sparse_config` dict (HF config attribute) -> `InfLLMv2Config`.
 
     `window_size // block_size` is `local_blocks`; the coarse compression is 4x the fine one (MiniCPM4's
@@ -66,10 +71,12 @@ def config_from_sparse_config(sparse_config: dict | None, *, softmax_scale: floa
     if sparse_config is None:
         sparse_config = {}
     if not isinstance(sparse_config, dict):
-        raise TypeError(f"sparse_config must be a dict (MiniCPM4's format) or None, got {type(sparse_config).__name__}")
+        raise TypeError("sparse_config must be a dict (MiniCPM4's format) or None, got "
+                        f"{type(sparse_config).__name__}")
     unknown = sorted(set(sparse_config) - set(SPARSE_CONFIG_KEYS))
     if unknown:
-        raise ValueError(f"sparse_config: unknown key(s) {unknown}; expected some of {list(SPARSE_CONFIG_KEYS)}")
+        raise ValueError(f"sparse_config: unknown key(s) {unknown}; expected some of "
+                         f"{list(SPARSE_CONFIG_KEYS)}")
     if sparse_config.get("use_nope", False):
         raise NotImplementedError("sparse_config: use_nope=True (stage 1 on pre-RoPE keys) is not supported; "
                                   "the attention function receives post-RoPE keys only")
@@ -80,10 +87,13 @@ def config_from_sparse_config(sparse_config: dict | None, *, softmax_scale: floa
         raise ValueError(f"sparse_config: window_size ({window}) must be a multiple of block_size ({block})")
     ks = int(sparse_config.get("kernel_size", d.kernel_size))
     st = int(sparse_config.get("kernel_stride", d.kernel_stride))
-    return InfLLMv2Config(kernel_size=ks, kernel_stride=st, coarse_kernel_size=4 * ks, coarse_kernel_stride=4 * st,
+    return InfLLMv2Config(kernel_size=ks, kernel_stride=st, coarse_kernel_size=4 * ks,
+                          coarse_kernel_stride=4 * st,
                           block_size=block, topk=int(sparse_config.get("topk", d.topk)),
-                          local_blocks=window // block, init_blocks=int(sparse_config.get("init_blocks", d.init_blocks)),
-                          dense_len=int(sparse_config.get("dense_len", d.dense_len)), softmax_scale=softmax_scale)
+                          local_blocks=window // block,
+                          init_blocks=int(sparse_config.get("init_blocks", d.init_blocks)),
+                          dense_len=int(sparse_config.get("dense_len", d.dense_len)),
+                          softmax_scale=softmax_scale)
 
 
 def _config_of(module, scaling) -> InfLLMv2Config:
@@ -94,10 +104,8 @@ def _config_of(module, scaling) -> InfLLMv2Config:
     if memo is not None and memo[0] is sc and memo[1] == scaling and memo[2] == sc:   # same dict, unchanged
         return memo[3]
     cfg = config_from_sparse_config(sc, softmax_scale=None if scaling is None else float(scaling))
-    try:
+    with contextlib.suppress(AttributeError):   # a module that refuses attributes: convert every call
         module._infllm_cupy_cfg = (sc, scaling, sc.copy() if isinstance(sc, dict) else sc, cfg)
-    except AttributeError:  # pragma: no cover - a module that refuses attributes: convert every call
-        pass
     return cfg
 
 
@@ -114,8 +122,8 @@ def _check_padding(attention_mask) -> None:
 
 def _check_unsupported(module, attention_mask, dropout, kwargs) -> None:
     if dropout:
-        raise NotImplementedError(f"infllm_cupy attention: dropout={dropout!r} is not supported (eval mode, or "
-                                  f"attention_dropout=0)")
+        raise NotImplementedError(f"infllm_cupy attention: dropout={dropout!r} is not supported (eval mode, "
+                                  f"or attention_dropout=0)")
     for name in ("sliding_window", "softcap", "s_aux"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"infllm_cupy attention: {name}={kwargs[name]!r} is not supported")
@@ -130,9 +138,10 @@ def _check_unsupported(module, attention_mask, dropout, kwargs) -> None:
         _check_padding(attention_mask)
 
 
-def infllm_cupy_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                          *, backend: str = "auto", **kwargs):
+def infllm_cupy_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                          value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, scaling: float | None = None,
+                          dropout: float = 0.0, *, backend: str = "auto", **kwargs):
     """HF attention function: `query [B, HQ, Lq, D]`, `key`/`value [B, H, Lk, D]` (the cache's keys,
     current ones included) -> `([B, Lq, HQ, D], None)`.
 
@@ -148,7 +157,7 @@ def infllm_cupy_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     if query.dim() != 4 or key.dim() != 4 or value.shape != key.shape:
         raise ValueError(f"query must be [B, HQ, Lq, D] and key/value [B, H, Lk, D] of one shape, got "
                          f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
-    B, HQ, Lq, D = query.shape
+    _B, _HQ, Lq, D = query.shape
     decode = Lq == 1 and cache is not None
     # the padding check reads the mask's values: once per prefill, never in a decode step (a batch
     # without padding at prefill has none later; generate appends ones)
@@ -158,25 +167,30 @@ def infllm_cupy_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
         if torch.compiler.is_compiling():
             scale = D ** -0.5 if cfg.softmax_scale is None else float(cfg.softmax_scale)
             out = torch.ops.infllm_cupy.infllmv2_decode(
-                query[:, :, 0], cache.k, cache.v, cache.ck1, cache.ck2, cache.seqlens, cache.block_table, cfg.topk,
-                cfg.local_blocks, cfg.init_blocks, max(cfg.dense_len, 0), scale, cfg.score_dtype, cfg.exact_stage1)
+                query[:, :, 0], cache.k, cache.v, cache.ck1, cache.ck2, cache.seqlens, cache.block_table,
+                                                        cfg.topk,
+                cfg.local_blocks, cfg.init_blocks, max(cfg.dense_len, 0), scale, cfg.score_dtype,
+                                                        cfg.exact_stage1)
         else:
             out = infllmv2_decode(query[:, :, 0].contiguous(), cache, config=cfg, backend=backend)
         return out.unsqueeze(1), None
     ck1 = ck2 = None
     if cache is not None:
-        if cache._host_stale:                       # compiled or captured steps advanced the device lengths only
+        if cache._host_stale:                    # compiled or captured steps advanced the device lengths only
             cache.sync_lengths()
         Lk = cache.max_len()
         key, value = key[:, :, :Lk], value[:, :, :Lk]
         if _cache_compression_matches(cfg):
             ck1, ck2 = cache.ck1, cache.ck2
-    elif attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[-1] != key.shape[2]:
+    elif (attention_mask is not None and attention_mask.dim() == 2
+          and attention_mask.shape[-1] != key.shape[2]):
         raise NotImplementedError(
             f"infllm_cupy attention: the keys span {key.shape[2]} positions but the attention mask "
-            f"{attention_mask.shape[-1]} (a static cache that is not an InfLLMv2Cache, e.g. StaticCache); use InfLLMv2Cache")
+            f"{attention_mask.shape[-1]} (a static cache that is not an InfLLMv2Cache, e.g. StaticCache); "
+            "use InfLLMv2Cache")
     if Lq > key.shape[2]:
-        raise ValueError(f"query has {Lq} tokens but key only {key.shape[2]}: the keys must include the queries' own")
+        raise ValueError(f"query has {Lq} tokens but key only {key.shape[2]}: the keys must include the "
+                         "queries' own")
     if Lq == 1 and cache is None:
         return _decode_on_keys(query, key, value, cfg, backend), None
     grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
@@ -184,8 +198,10 @@ def infllm_cupy_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
         # one opaque op: dynamo traces none of the pipeline's host-driven code (lengths, plans, launches).
         # With gradients (training) the pipeline is traced as before: its stage-2 ops carry the backward.
         return torch.ops.infllm_cupy.infllmv2_prefill(
-            query, key, value, ck1, ck2, attention_mask, cfg.kernel_size, cfg.kernel_stride, cfg.coarse_kernel_size,
-            cfg.coarse_kernel_stride, cfg.block_size, cfg.topk, cfg.local_blocks, cfg.init_blocks, cfg.dense_len,
+            query, key, value, ck1, ck2, attention_mask, cfg.kernel_size, cfg.kernel_stride,
+                                                      cfg.coarse_kernel_size,
+            cfg.coarse_kernel_stride, cfg.block_size, cfg.topk, cfg.local_blocks, cfg.init_blocks,
+                                                      cfg.dense_len,
             cfg.exact_stage1, cfg.varlen_offset_quirk, cfg.softmax_scale, cfg.score_dtype, backend), None
     return prefill_attention(query, key, value, ck1, ck2, cfg, backend), None
 
@@ -195,7 +211,7 @@ def _decode_on_keys(query, key, value, cfg, backend):
     need a DecodeCache; build one from the keys (a copy and a recompression per step and layer). The
     prefill pipeline on one query would run the causal stage 1 of chunked prefill, which can pick other
     blocks."""
-    B, HQ, _, D = query.shape
+    B, _HQ, _, D = query.shape
     H, Lk = key.shape[1], key.shape[2]
     k = key.transpose(1, 2).reshape(B * Lk, H, D)
     v = value.transpose(1, 2).reshape(B * Lk, H, D)
@@ -204,7 +220,8 @@ def _decode_on_keys(query, key, value, cfg, backend):
     return infllmv2_decode(query[:, :, 0].contiguous(), dc, config=cfg, backend=backend).unsqueeze(1)
 
 
-def prefill_attention(query, key, value, ck1, ck2, cfg: InfLLMv2Config, backend: str = "auto") -> torch.Tensor:
+def prefill_attention(query, key, value, ck1, ck2, cfg: InfLLMv2Config,
+                      backend: str = "auto") -> torch.Tensor:
     """The attention function's prefill (`Lq > 1`, every row the same length): `query [B, HQ, Lq, D]`,
     `key`/`value [B, H, Lk, D]` (the cache first, the queries' own keys last) -> `[B, Lq, HQ, D]`.
     `ck1`/`ck2`: an InfLLMv2Cache's compressed keys `[B, N, H, D]` (the first windows of each row valid
@@ -232,7 +249,8 @@ def prefill_attention(query, key, value, ck1, ck2, cfg: InfLLMv2Config, backend:
         for ck, (kr, st) in zip((ck1, ck2), COMPRESSIONS):
             n = n_windows(Lk, kr, st)
             compressed += [ck[:, :n].reshape(B * n, H, D), _h2d(steps * n, query.device)]
-    out = infllmv2_attention_host_lengths(q, k, v, _h2d(steps * Lq, query.device), _h2d(steps * Lk, query.device),
+    out = infllmv2_attention_host_lengths(q, k, v, _h2d(steps * Lq, query.device),
+                                          _h2d(steps * Lk, query.device),
                                           [Lq] * B, [Lk] * B, cfg, backend=backend,
                                           compressed=None if compressed is None else tuple(compressed))
     return out.view(B, Lq, HQ, D)
@@ -240,14 +258,17 @@ def prefill_attention(query, key, value, ck1, ck2, cfg: InfLLMv2Config, backend:
 
 @torch.library.custom_op("infllm_cupy::infllmv2_prefill", mutates_args=())
 def _prefill_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ck1: torch.Tensor | None,
-                ck2: torch.Tensor | None, attention_mask: torch.Tensor | None, kernel_size: int, kernel_stride: int,
-                coarse_kernel_size: int, coarse_kernel_stride: int, block_size: int, topk: int, local_blocks: int, init_blocks: int,
+                ck2: torch.Tensor | None, attention_mask: torch.Tensor | None, kernel_size: int,
+                kernel_stride: int,
+                coarse_kernel_size: int, coarse_kernel_stride: int, block_size: int, topk: int,
+                local_blocks: int, init_blocks: int,
                 dense_len: int, exact_stage1: bool, varlen_offset_quirk: bool, softmax_scale: float | None,
                 score_dtype: torch.dtype, backend: str) -> torch.Tensor:
     """`prefill_attention` as an op (any device: CUDA tensors run the kernels, CPU tensors the references),
     after the padding check on `attention_mask`."""
     _check_padding(attention_mask)
-    cfg = InfLLMv2Config(kernel_size=kernel_size, kernel_stride=kernel_stride, coarse_kernel_size=coarse_kernel_size,
+    cfg = InfLLMv2Config(kernel_size=kernel_size, kernel_stride=kernel_stride,
+                         coarse_kernel_size=coarse_kernel_size,
                          coarse_kernel_stride=coarse_kernel_stride, block_size=block_size, topk=topk,
                          local_blocks=local_blocks, init_blocks=init_blocks, dense_len=dense_len,
                          exact_stage1=exact_stage1, varlen_offset_quirk=varlen_offset_quirk,
@@ -263,7 +284,8 @@ def _(query, key, value, ck1, ck2, attention_mask, *args):
 
 def _cache_compression_matches(cfg: InfLLMv2Config) -> bool:
     """Whether a DecodeCache's compressed keys (fixed kernel/stride pairs) are the config's."""
-    return ((cfg.kernel_size, cfg.kernel_stride), (cfg.coarse_kernel_size, cfg.coarse_kernel_stride)) == COMPRESSIONS
+    return ((cfg.kernel_size, cfg.kernel_stride),
+            (cfg.coarse_kernel_size, cfg.coarse_kernel_stride)) == COMPRESSIONS
 
 
 def register(name: str = ATTN_NAME, *, backend: str = "auto") -> str:
@@ -282,7 +304,8 @@ def register(name: str = ATTN_NAME, *, backend: str = "auto") -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    fn = infllm_cupy_attention if backend == "auto" else functools.partial(infllm_cupy_attention, backend=backend)
+    fn = (infllm_cupy_attention if backend == "auto"
+          else functools.partial(infllm_cupy_attention, backend=backend))
     AttentionInterface.register(name, fn)
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
     return name
@@ -310,7 +333,8 @@ def _make_classes():
         def lazy_initialization(self, key_states, value_states, *args, **kwargs) -> None:
             B, H, _, D = key_states.shape
             self.device = key_states.device
-            c = DecodeCache.contiguous(B, self.max_cache_len, H, D, dtype=key_states.dtype, device=key_states.device)
+            c = DecodeCache.contiguous(B, self.max_cache_len, H, D, dtype=key_states.dtype,
+                                       device=key_states.device)
             c.graphs = self.decode_graphs
             self.decode_cache = c
             self.keys = c.k.transpose(1, 2)
@@ -328,9 +352,9 @@ def _make_classes():
             c = self.decode_cache
             B, H, n, D = key_states.shape
             if (B, H, D) != (c.batch, c.num_heads, c.head_dim) or key_states.dtype != c.dtype:
-                raise ValueError(f"key_states: [B, H, n, D] = {tuple(key_states.shape)} {key_states.dtype} does not "
-                                 f"match this cache's batch {c.batch}, {c.num_heads} heads, head dim {c.head_dim}, "
-                                 f"{c.dtype}")
+                raise ValueError(f"key_states: [B, H, n, D] = {tuple(key_states.shape)} {key_states.dtype} "
+                                 f"does not match this cache's batch {c.batch}, {c.num_heads} heads, head "
+                                 f"dim {c.head_dim}, {c.dtype}")
             k = key_states.transpose(1, 2)
             v = value_states.transpose(1, 2)
             if n == 1:
@@ -348,7 +372,8 @@ def _make_classes():
             L = self.decode_cache.max_len()
             if L + n > self.max_cache_len:
                 raise ValueError(f"max_cache_len: the cache holds {L} tokens and cannot take {n} more "
-                                 f"(max_cache_len = {self.max_cache_len}); build InfLLMv2Cache with a larger one")
+                                 f"(max_cache_len = {self.max_cache_len}); build InfLLMv2Cache with a larger "
+                                 "one")
 
         def get_seq_length(self):
             """Tokens held: a host int while the host mirror is current (eager), else (inside torch.compile,
@@ -375,8 +400,9 @@ def _make_classes():
             c.reset([max(keep, 0)] * c.batch)
 
         def _unsupported(self, *args, **kwargs):
-            raise NotImplementedError("InfLLMv2Cache: reordering, repeating, selecting batch rows and offloading are "
-                                      "not supported (beam search, contrastive search); use greedy or sampling")
+            raise NotImplementedError("InfLLMv2Cache: reordering, repeating, selecting batch rows and "
+                                      "offloading are not supported (beam search, contrastive search); use "
+                                      "greedy or sampling")
 
         reorder_cache = batch_repeat_interleave = batch_select_indices = offload = prefetch = _unsupported
 

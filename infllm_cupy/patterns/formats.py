@@ -27,8 +27,8 @@ _INTS = (torch.int32, torch.int64)
 def _check_multiple_of_64(**sizes) -> None:
     for name, v in sizes.items():
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or v % KV_BLOCK != 0:
-            raise ValueError(f"{name} must be a positive multiple of {KV_BLOCK} (our key blocks have {KV_BLOCK} "
-                             f"keys), got {v!r}")
+            raise ValueError(f"{name} must be a positive multiple of {KV_BLOCK} (our key blocks have "
+                             f"{KV_BLOCK} keys), got {v!r}")
 
 
 def layout_q_block(block: int) -> int:
@@ -55,14 +55,15 @@ def _merge(m: torch.Tensor, dim: int, r: int, name: str) -> torch.Tensor:
     pad = (-n) % r
     if pad:
         last = m.narrow(dim, n - 1, 1)
-        m = torch.cat([m, last.expand(*[pad if d == dim % m.dim() else s for d, s in enumerate(m.shape)])], dim)
+        m = torch.cat([m, last.expand(*[pad if d == dim % m.dim() else s for d, s in enumerate(m.shape)])],
+                      dim)
     shape = list(m.shape)
     d = dim % m.dim()
     g = m.reshape(*shape[:d], shape[d] // r, r, *shape[d + 1:])
     first = g.select(d + 1, 0)
     if not bool((g == first.unsqueeze(d + 1)).all()):
-        raise ValueError(f"the layout is finer than {name}: blocks merged into one {name} block differ, so this "
-                         f"format cannot express it exactly (use a smaller {name})")
+        raise ValueError(f"the layout is finer than {name}: blocks merged into one {name} block differ, so "
+                         f"this format cannot express it exactly (use a smaller {name})")
     return first
 
 
@@ -92,17 +93,17 @@ def to_csr(layout: BlockLayout, *, q_block: int | None = None, kv_block: int = K
     if not isinstance(layout, BlockLayout):
         raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
     if layout.per_sequence:
-        raise ValueError("to_csr takes a layout shared by all sequences ([H, NQB, NKB]); vLLM's CSR has no batch "
-                         "dimension")
+        raise ValueError("to_csr takes a layout shared by all sequences ([H, NQB, NKB]); vLLM's CSR has no "
+                         "batch dimension")
     m = layout_to_coarse(layout, layout.q_block if q_block is None else q_block, kv_block)
-    H, nqb, nkb = m.shape
+    H, nqb, _nkb = m.shape
     counts = m.sum(-1)                                                   # [H, NQB]
     crow = torch.zeros(H, nqb + 1, dtype=torch.int64, device=m.device)
     crow[:, 1:] = counts.cumsum(-1)
     nnz = crow[:, -1]
     width = int(nnz.max()) if H else 0
     col = torch.full((H, width), -1, dtype=torch.int64, device=m.device)
-    h, _, j = m.nonzero(as_tuple=True)                                   # row-major: rows in order, cols ascending
+    h, _, j = m.nonzero(as_tuple=True)                              # row-major: rows in order, cols ascending
     pos = torch.arange(h.numel(), device=m.device) - torch.cat([nnz.new_zeros(1), nnz.cumsum(0)[:-1]])[h]
     col[h, pos] = j
     return crow, col
@@ -120,8 +121,8 @@ def from_csr(crow: torch.Tensor, col: torch.Tensor, *, q_block: int, kv_block: i
     if crow.dim() == 1:
         crow, col = crow[None], col[None]
     if crow.dim() != 2 or col.dim() != 2 or col.shape[0] != crow.shape[0]:
-        raise ValueError(f"crow must be [H, NQB+1] and col [H, nnz_max] (or both 1-D), got {tuple(crow.shape)} "
-                         f"and {tuple(col.shape)}")
+        raise ValueError("crow must be [H, NQB+1] and col [H, nnz_max] (or both 1-D), got "
+                         f"{tuple(crow.shape)} and {tuple(col.shape)}")
     crow, col = crow.long(), col.long()
     H, nqb = crow.shape[0], crow.shape[1] - 1
     if nqb < 0 or bool((crow[:, 0] != 0).any()) or bool((crow[:, 1:] < crow[:, :-1]).any()) \
@@ -147,7 +148,8 @@ def from_csr(crow: torch.Tensor, col: torch.Tensor, *, q_block: int, kv_block: i
 # --------------------------------------------------------------------------------------------------
 # BSR (FlashInfer)
 
-def to_bsr(layout: BlockLayout, *, R: int, C: int, head: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def to_bsr(layout: BlockLayout, *, R: int, C: int, head: int | None = None) -> tuple[torch.Tensor,
+                                                                                     torch.Tensor]:
     """FlashInfer's BSR (`indptr [MB+1]`, `indices [nnz]`, int32, columns ascending) over blocks of
     `R` queries by `C` keys (multiples of 64, ValueError otherwise). FlashInfer's wrapper takes one
     pattern for all heads: the layout's heads must agree unless `head` picks one."""
@@ -295,5 +297,5 @@ def to_block_mask(layout: BlockLayout, *, seq_len_q: int | None = None, seq_len_
             sel = shared[h // G, q_idx // q_block, kv_idx // KV_BLOCK]
         return sel & (kv_idx <= q_idx) if causal else sel
 
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(bq, bk), mask_mod=mask_mod,
-                                    seq_lengths=(lq, lk))
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(bq, bk),
+                                    mask_mod=mask_mod, seq_lengths=(lq, lk))

@@ -89,7 +89,8 @@ def per_kv_head(mask_per_q_head, G: int, *, q_block: int | None = None) -> Block
 
 
 def local_stride(num_heads: int, max_seqlen: int, *, block_size: int = 64, local_blocks: int = 4,
-                 vert_stride: int = 4, homo_head: bool = True, num_kv_heads: int | None = None) -> BlockLayout:
+                 vert_stride: int = 4, homo_head: bool = True,
+                 num_kv_heads: int | None = None) -> BlockLayout:
     """vLLM's local + vertical-stride block-sparse pattern as a `BlockLayout` (docs/patterns.md,
     "Local + vertical stride").
 

@@ -1,4 +1,5 @@
-"""Layouts with one row per query head, without repeating K/V (docs/patterns.md, "Per query head vs per KV head").
+"""Layouts with one row per query head, without repeating K/V (docs/patterns.md, "Per query head vs per KV
+head").
 
 A stage-2 op: the public entry point `qhead_block_sparse_attn_varlen` is in
 `infllm_cupy/stage2/attention.py`, its custom ops and the backward's plan in `infllm_cupy/stage2/qhead.py`.

@@ -34,7 +34,8 @@ def tile_permutation(grid, tile) -> tuple[torch.Tensor, torch.Tensor]:
     tile = _dims("tile", tile, len(grid))
     for g, t, ax in zip(grid, tile, range(len(grid))):
         if g % t:
-            raise ValueError(f"grid={grid} is not divisible by tile={tile} along axis {ax}: STA needs whole tiles")
+            raise ValueError(f"grid={grid} is not divisible by tile={tile} along axis {ax}: STA needs whole "
+                             "tiles")
     n = len(grid)
     idx = torch.arange(math.prod(grid)).reshape(grid)
     # split each axis into (tiles, within-tile), then order all tile axes before all within-tile axes
@@ -79,8 +80,8 @@ def sliding_tile(grid, tile, window, *, num_heads: int = 1) -> tuple[BlockLayout
         raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
     vol = math.prod(tile)
     if vol % KV_BLOCK:
-        raise ValueError(f"tile={tile} has {vol} tokens, not a multiple of {KV_BLOCK}: tiles must map onto whole "
-                         f"{KV_BLOCK}-key blocks")
+        raise ValueError(f"tile={tile} has {vol} tokens, not a multiple of {KV_BLOCK}: tiles must map onto "
+                         f"whole {KV_BLOCK}-key blocks")
     perm, inv = tile_permutation(grid, tile)
     tiles = tuple(g // t for g, t in zip(grid, tile))
     tmask = tile_window_mask(tiles, window)

@@ -31,7 +31,8 @@ def _per_head(name: str, value, hq: int, device) -> torch.Tensor:
         return torch.full((hq,), float(value), device=device, dtype=torch.float64)
     if isinstance(value, torch.Tensor) and value.dim() <= 1 and value.numel() in (1, hq):
         return value.to(device, torch.float64).reshape(-1).expand(hq).contiguous()
-    raise ValueError(f"{name} must be a float or a tensor of 1 or {hq} values (one per query head), got {value!r}")
+    raise ValueError(f"{name} must be a float or a tensor of 1 or {hq} values (one per query head), got "
+                     f"{value!r}")
 
 
 def _check(q, k, cu_seqlens, block_q, block_k, sink_blocks, causal, per_query_head):
@@ -64,14 +65,16 @@ def _block_stats(x: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, nb: int,
     sums = x.new_zeros(B * nb, H, D).index_add_(0, blk, x)
     unit = x / x.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
     usum = x.new_zeros(B * nb, H, D).index_add_(0, blk, unit)
-    cnt = torch.zeros(B * nb, dtype=x.dtype, device=x.device).index_add_(0, blk, torch.ones_like(blk, dtype=x.dtype))
+    cnt = torch.zeros(B * nb, dtype=x.dtype, device=x.device).index_add_(0, blk,
+                                                                         torch.ones_like(blk, dtype=x.dtype))
     c = cnt.clamp_min(1)[:, None]
     mean = sums / c[..., None]
     sim = usum.pow(2).sum(-1) / (c * c)
     return mean.view(B, nb, H, D), sim.view(B, nb, H), cnt.view(B, nb)
 
 
-def predict_sparge(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *, block_q: int = 128,
+def predict_sparge(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *,
+                   block_q: int = 128,
                    block_k: int = KV_BLOCK, simthreshd1=0.1, cdfthreshd=0.9, sink_blocks: int = 0,
                    causal: bool = False, per_query_head: bool = False) -> BlockLayout:
     """SpargeAttn's predicted block mask for self-attention (q and k share `cu_seqlens`).
@@ -112,7 +115,7 @@ def predict_sparge(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor | 
         q_valid = cq > 0                                                     # [B, NQB]
         k_valid = ck > 0                                                     # [B, NKB]
         q_sim = sq > sim1                                                    # [B, NQB, HQ]
-        k_sim = sk[:, :, kv_of] > sim1                                       # [B, NKB, HQ] (head h's threshold)
+        k_sim = sk[:, :, kv_of] > sim1                                     # [B, NKB, HQ] (head h's threshold)
         i = torch.arange(nqb, device=dev)
         j = torch.arange(nkb, device=dev)
         block_causal = (j[None, :] * KV_BLOCK < (i[:, None] + 1) * block_q) if causal \
@@ -128,7 +131,7 @@ def predict_sparge(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor | 
             ks = k_sim[:, :, hs].permute(0, 2, 1)                                    # [B, h, NKB]
             allowed = ks[:, :, None, :] & k_valid[:, None, None, :] & block_causal
             score = score.masked_fill(~allowed, float("-inf"))
-            prob = torch.softmax(score, -1).nan_to_num(0.0)                          # all-masked rows: nothing
+            prob = torch.softmax(score, -1).nan_to_num(0.0)                         # all-masked rows: nothing
             srt = prob.sort(dim=-1, descending=True, stable=True)
             cdf = srt.values.cumsum(-1)
             thr = cdf_t[hs].view(1, -1, 1, 1).expand(B, -1, nqb, 1).contiguous()
@@ -136,7 +139,7 @@ def predict_sparge(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor | 
             keep_sorted = torch.arange(nkb, device=dev) < num
             sel = torch.zeros_like(allowed).scatter_(-1, srt.indices, keep_sorted) & allowed
             sel |= ~ks[:, :, None, :]                                                # non-self-similar keys
-            sel |= ~q_sim[:, :, hs].permute(0, 2, 1)[..., None]                      # non-self-similar queries
+            sel |= ~q_sim[:, :, hs].permute(0, 2, 1)[..., None]                     # non-self-similar queries
             out[:, hs] = sel
         if sink_blocks:
             out[..., :sink_blocks] = True
@@ -148,11 +151,12 @@ def predict_sparge(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor | 
 
 def naive_predict_sparge(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *,
                          block_q: int = 128, block_k: int = KV_BLOCK, simthreshd1=0.1, cdfthreshd=0.9,
-                         sink_blocks: int = 0, causal: bool = False, per_query_head: bool = False) -> BlockLayout:
+                         sink_blocks: int = 0, causal: bool = False,
+                         per_query_head: bool = False) -> BlockLayout:
     """`predict_sparge` as plain loops over sequences, heads and blocks: pairwise cosine matrices,
     one softmax and one running cumulative sum per query block (the reference of the tests)."""
     G, cu = _check(q, k, cu_seqlens, block_q, block_k, sink_blocks, causal, per_query_head)
-    T, HQ, D = q.shape
+    _T, HQ, D = q.shape
     H = k.shape[1]
     B = cu.numel() - 1
     bounds = [(int(cu[b]), int(cu[b + 1])) for b in range(B)]
@@ -176,7 +180,8 @@ def naive_predict_sparge(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Ten
             kblocks = [stats(kc[s + j * 64:s + min(L, (j + 1) * 64), kvh]) for j in range(nk)]
             for i in range(nq):
                 pool_q, simq = stats(qc[s + i * block_q:s + min(L, (i + 1) * block_q), h])
-                cand = [j for j in range(nk) if kblocks[j][1] > sim1[h] and (not causal or j * 64 < (i + 1) * block_q)]
+                cand = [j for j in range(nk) if kblocks[j][1] > sim1[h]
+                        and (not causal or j * 64 < (i + 1) * block_q)]
                 keep = set()
                 if cand:
                     scores = torch.stack([pool_q @ kblocks[j][0] * D ** -0.5 for j in cand])

@@ -13,8 +13,8 @@ from .._checks import (
     INT_DTYPES,
     REF_DTYPES,
     check_cu_seqlens,
-    check_flags,
     check_cu_seqlens_any,
+    check_flags,
     check_int_args,
     check_lengths_arg,
     check_max_seqlen,
@@ -102,7 +102,8 @@ def _stage1_rows(q, k1, k2, r, n1, n2, Lq, s1_stride, s2_stride, causal, scale):
 
 @torch.no_grad()
 def naive_stage1_scores(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                        cu_seqlens_c1: torch.Tensor, cu_seqlens_c2: torch.Tensor, max_seqlen_q: int | None = None,
+                        cu_seqlens_c1: torch.Tensor, cu_seqlens_c2: torch.Tensor,
+                        max_seqlen_q: int | None = None,
                         *, causal: bool = True, softmax_scale: float | None = None,
                         score_dtype: torch.dtype | None = torch.bfloat16, kernel_stride: int = 16,
                         coarse_kernel_stride: int = 64) -> torch.Tensor:
@@ -165,7 +166,8 @@ def naive_stage1_scores(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, c
             rows = slice(cu_q[b] + start, cu_q[b] + end)
             qc = q[rows].to(cdt).reshape(end - start, H, G, D)
             r = torch.arange(start, end, device=q.device)
-            out[:, rows, :n1] = _stage1_rows(qc, k1, k2, r, n1, n2, Lq, kernel_stride, s2_stride, causal, scale)
+            out[:, rows, :n1] = _stage1_rows(qc, k1, k2, r, n1, n2, Lq, kernel_stride, s2_stride, causal,
+                                             scale)
     return out if score_dtype is None else out.to(score_dtype)
 
 
@@ -237,7 +239,8 @@ def naive_pool_blocks(scores: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqle
     rows_per_chunk = max(1, _CHUNK_ELEMS // (H * max(padded_len, W)))
     for start in range(0, T, rows_per_chunk):
         rows = slice(start, min(T, start + rows_per_chunk))
-        # Fine keys past the sequence's own n1 do not exist: they must not win a max (the tensor holds 0 there).
+        # Fine keys past the sequence's own n1 do not exist: they must not win a max (the tensor holds 0
+        # there).
         s = scores[:, rows].masked_fill(i[None, :] >= n1_tok[rows, None], float("-inf"))
         s = torch.nn.functional.pad(s, (1, max(0, padded_len - 1 - W)), value=float("-inf"))[..., :padded_len]
         pooled = s.unfold(-1, w + 1, w).amax(dim=-1)                                 # [H, rows, out_len]
@@ -375,8 +378,8 @@ def naive_stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, c
                                  causal=causal, softmax_scale=softmax_scale, score_dtype=score_dtype,
                                  kernel_stride=kernel_stride, coarse_kernel_stride=coarse_kernel_stride)
     block_scores = naive_pool_blocks(scores, cu_seqlens_q, cu_seqlens_c1, cache_lens, max_seqlen_q,
-                                     init_blocks=init_blocks, local_blocks=local_blocks, block_size=block_size,
-                                     kernel_stride=kernel_stride)
+                                     init_blocks=init_blocks, local_blocks=local_blocks,
+                                     block_size=block_size, kernel_stride=kernel_stride)
     q_blocks = q_block_idx_prefill(cu_seqlens_q, max_seqlen_q, block_size=block_size,
                                    varlen_offset_quirk=varlen_offset_quirk, cache_lens=cache_lens)
     topk_idx = naive_select_topk(block_scores, q_blocks, topk=topk, local_blocks=local_blocks)

@@ -100,8 +100,8 @@ class Stage1Plan:
                              f"got {self.warps!r}")
         if not isinstance(self.topk_prefix, int) or self.topk_prefix < 0:
             raise ValueError(f"Stage1Plan.topk_prefix must be an int >= 0, got {self.topk_prefix!r}")
-        if (isinstance(self.range_blocks, bool) or not isinstance(self.range_blocks, int) or self.range_blocks < 0
-                or self.range_blocks % 64):
+        if (isinstance(self.range_blocks, bool) or not isinstance(self.range_blocks, int)
+                or self.range_blocks < 0 or self.range_blocks % 64):
             raise ValueError(f"Stage1Plan.range_blocks must be 0 or a positive multiple of 64, got "
                              f"{self.range_blocks!r}")
 
@@ -177,8 +177,8 @@ def stage1_plan(capability, G: int, D: int, dtype: torch.dtype, score_dtype: tor
     sm90a = wants_sm90a(kernel, capability, "stage 1")
     if sm90a and lgp > SM90_MAX_LGP:
         if kernel == SM90A:
-            raise ValueError(f"kernel='sm90a' needs G <= {1 << SM90_MAX_LGP} for stage 1 (a token's rows on one "
-                             f"or two warps), got G = {G}")
+            raise ValueError(f"kernel='sm90a' needs G <= {1 << SM90_MAX_LGP} for stage 1 (a token's rows on "
+                             f"one or two warps), got G = {G}")
         sm90a = False
     olp = -(-out_len // 64) * 64
     key_bytes = 4 if score_dtype == torch.float32 else 2

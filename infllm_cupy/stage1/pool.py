@@ -38,7 +38,8 @@ def _lengths(cache_lens, batch: int, device: torch.device):
     if isinstance(cache_lens, torch.Tensor):
         check_tensor("cache_lens", cache_lens, ndim=1, dtypes=(torch.int32, torch.int64))
         if cache_lens.numel() != batch:
-            raise ValueError(f"cache_lens must have one entry per sequence ({batch}), got {cache_lens.numel()}")
+            raise ValueError(f"cache_lens must have one entry per sequence ({batch}), got "
+                             f"{cache_lens.numel()}")
         return cache_lens.to(device=device, dtype=torch.int64), None
     vals = [int(x) for x in cache_lens]
     if len(vals) != batch:
@@ -161,6 +162,6 @@ def pool_blocks(scores: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_c1:
             buf[..., 1:1 + Wc] = scores[h0:h1, t0:t1, :Wc]
             buf[..., 1 + Wc:] = ninf
             buf.masked_fill_(missing, ninf)
-            pooled = buf.unfold(-1, w + 1, w).amax(dim=-1)                             # [heads, tokens, out_len]
+            pooled = buf.unfold(-1, w + 1, w).amax(dim=-1)                          # [heads, tokens, out_len]
             out[h0:h1, t0:t1] = pooled.masked_fill_(forced, pinf)
     return out

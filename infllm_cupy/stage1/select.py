@@ -35,8 +35,7 @@ from .._checks import (
     check_stage1_inputs,
     seqlens_host,
 )
-from .._constants import HEAD_DIMS
-from .._constants import KV_BLOCK
+from .._constants import HEAD_DIMS, KV_BLOCK
 from .._kernel_arg import check_kernel
 from .._launch import CXX_TYPE, cdiv, empty, launch, ptr, total_memory
 from .._tma import TMAP_DTYPE, rows_map
@@ -67,16 +66,18 @@ def kernel_name(dtype: torch.dtype, score_dtype: torch.dtype, D: int, sm90a: boo
                 ranged: bool = False) -> str:
     """The instance's name expression; `ranged`: the kernel's range-pass instance (RANGED = true)."""
     key = "unsigned" if score_dtype == torch.float32 else "unsigned short"
-    return f"stage1_select{'_sm90' if sm90a else ''}<{CXX_TYPE[dtype]}, {key}, {D}, {'true' if ranged else 'false'}>"
+    return (f"stage1_select{'_sm90' if sm90a else ''}<{CXX_TYPE[dtype]}, {key}, {D}, "
+            f"{'true' if ranged else 'false'}>")
 
 
 # Every instance the launcher can request: 2 input dtypes x (16-bit, 32-bit scores) x 2 head dims
 # (the group shape and bf16 / fp16 scores are run-time arguments), for each of the two kernels, and
 # each kernel's range-pass instance.
 for _sm90a, _src in ((False, SOURCE), (True, SOURCE_SM90)):
-    _jit.register_instances(_src, list(dict.fromkeys(kernel_name(dt, st, d, _sm90a, rg) for rg in (False, True)
-                                                     for dt in KERNEL_DTYPES for st in SCORE_DTYPES
-                                                     for d in HEAD_DIMS)), sm90a=_sm90a)
+    _jit.register_instances(_src, list(dict.fromkeys(kernel_name(dt, st, d, _sm90a, rg)
+                                                     for rg in (False, True) for dt in KERNEL_DTYPES
+                                                     for st in SCORE_DTYPES for d in HEAD_DIMS)),
+                            sm90a=_sm90a)
 
 _IDX_BITS = 31                     # merge key: (block key << 31) | (2^31 - 1 - block), one int64
 _MERGE_ELEMS = 1 << 25             # elements of one merge chunk of the torch merge (bounds its temporaries)
@@ -219,7 +220,8 @@ def stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
             coarse_kernel_stride=coarse_kernel_stride, varlen_offset_quirk=varlen_offset_quirk,
             score_dtype=score_dtype, return_scores=return_scores)
     return launch_select(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q, causal=causal,
-                         cache_lens=cache_lens, softmax_scale=softmax_scale, topk=topk, local_blocks=local_blocks,
+                         cache_lens=cache_lens, softmax_scale=softmax_scale, topk=topk,
+                         local_blocks=local_blocks,
                          init_blocks=init_blocks, block_size=block_size, kernel_stride=kernel_stride,
                          coarse_kernel_stride=coarse_kernel_stride, varlen_offset_quirk=varlen_offset_quirk,
                          score_dtype=score_dtype, return_scores=return_scores, kernel=kernel)
@@ -294,9 +296,10 @@ def launch_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
     total_q, HQ, D = q.shape
     H = ck1.shape[1]
     out_len = cdiv(max_seqlen_q + max_cache, KV_BLOCK)
-    smem_max, smem_sm = _smem_limits(q.device)
+    smem_max, _smem_sm = _smem_limits(q.device)
     if plan is None:
-        plan = device_stage1_plan(q.device, G, D, q.dtype, sdt, out_len, rows=ck1.shape[1] * q.shape[0], kernel=kernel)
+        plan = device_stage1_plan(q.device, G, D, q.dtype, sdt, out_len, rows=ck1.shape[1] * q.shape[0],
+                                  kernel=kernel)
     K = min(topk + local_blocks, out_len)
     max_n1 = max(seqlens_host(cu_seqlens_c1), default=0) if return_scores else 0
     ranged = plan.range_blocks > 0 and not return_scores and 0 < K <= plan.range_blocks
@@ -315,7 +318,8 @@ def launch_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
     sm90a = plan.kernel == SM90A
     tok = plan.tokens_per_cta(G)
     if tok == 0 or (sm90a and lgp > SM90_MAX_LGP):
-        raise ValueError(f"the plan's {plan.kernel} CTA of {plan.warps} warps cannot hold a token's G = {G} rows")
+        raise ValueError(f"the plan's {plan.kernel} CTA of {plan.warps} warps cannot hold a token's G = {G} "
+                         "rows")
     n_tiles = cdiv(max_seqlen_q, tok)
     if n_tiles * B * H >= 2**31:
         raise ValueError(f"too many CTAs ({n_tiles} token tiles x {B} sequences x {H} heads)")
@@ -335,7 +339,8 @@ def launch_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
     cache_dev = cache.to(torch.int32).contiguous() if cache_lens is not None else None
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
     null = np.uint64(0)
-    opt = lambda t: ptr(t) if t is not None else null
+    def opt(t):
+        return ptr(t) if t is not None else null
 
     def args(olp_arg):
         return (ptr(q), ptr(ck1), ptr(ck2), ptr(cu_seqlens_q), ptr(cu_seqlens_c1), ptr(cu_seqlens_c2),
@@ -371,8 +376,8 @@ def launch_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
     for i, (j_lo, j_hi) in enumerate(ranges):
         bias_mode = 0 if row_bias is None else (1 if i == 0 else 2)
         launch(kernel_fn, name=name, grid=(n_tiles * B * H,), block=(32 * plan.warps,), shared_mem=shared,
-               args=(*args(64 + W), np.int32(j_lo), np.int32(j_hi), ptr(cand_key), ptr(cand_idx), opt(row_bias),
-                     np.int32(bias_mode), *maps))
+               args=(*args(64 + W), np.int32(j_lo), np.int32(j_hi), ptr(cand_key), ptr(cand_idx),
+                     opt(row_bias), np.int32(bias_mode), *maps))
         run = _merge_into(run, cand_key, cand_idx, K)
     del cand_key, cand_idx, row_bias
     q_blocks = q_block_idx_prefill(cu_seqlens_q, max_seqlen_q, varlen_offset_quirk=varlen_offset_quirk,
@@ -402,7 +407,8 @@ def _key_map(ck: torch.Tensor) -> np.ndarray:
     return rows_map(ck.view(ck.shape[0], -1), KV_BLOCK)
 
 
-def _merge_into(run: torch.Tensor | None, cand_key: torch.Tensor, cand_idx: torch.Tensor, K: int) -> torch.Tensor:
+def _merge_into(run: torch.Tensor | None, cand_key: torch.Tensor, cand_idx: torch.Tensor,
+                K: int) -> torch.Tensor:
     """The top-K of the union of the running candidates and one range's, as int64 merge keys
     `(block key << 31) | (2^31 - 1 - block)`: larger is better, ties to the lower block (the block
     keys are the kernels' order-preserving score keys, zero-extended from 16 or 32 bits). `run`
@@ -425,7 +431,8 @@ def _merge_into_kernel(run: torch.Tensor | None, cand_key: torch.Tensor, cand_id
                          f"{tuple(cand_key.shape)} and {tuple(cand_idx.shape)}")
     if cand_key.dtype != torch.int32 or cand_idx.dtype != torch.int32:
         raise TypeError(f"cand_key and cand_idx must be int32, got {cand_key.dtype} and {cand_idx.dtype}")
-    if run is not None and (run.shape != cand_key.shape or run.dtype != torch.int64 or not run.is_contiguous()):
+    if run is not None and (run.shape != cand_key.shape or run.dtype != torch.int64
+                            or not run.is_contiguous()):
         raise ValueError(f"run must be a contiguous int64 tensor of shape {tuple(cand_key.shape)}, got "
                          f"{run.dtype} {tuple(run.shape)}")
     out = empty(tuple(cand_key.shape), dtype=torch.int64, device=cand_key.device) if run is None else run
@@ -443,7 +450,8 @@ def _merge_into_torch(run: torch.Tensor | None, cand_key: torch.Tensor, cand_idx
                       K: int) -> torch.Tensor:
     """`_merge_into` in torch ops (the reference of the merge kernel, and the path past
     `MERGE_MAX_K`): `torch.topk` over the union, chunked over tokens; rows unsorted."""
-    new = ((cand_key.to(torch.int64) & 0xFFFFFFFF) << _IDX_BITS) | ((1 << _IDX_BITS) - 1 - cand_idx.to(torch.int64))
+    new = (((cand_key.to(torch.int64) & 0xFFFFFFFF) << _IDX_BITS)
+           | ((1 << _IDX_BITS) - 1 - cand_idx.to(torch.int64)))
     if run is None:
         return new
     H, T, _ = run.shape

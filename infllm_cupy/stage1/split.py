@@ -105,7 +105,8 @@ def row_stats(q, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, *, causal: boo
 
 
 @torch.no_grad()
-def range_block_scores(q, ck1, cu_seqlens_q, cu_seqlens_c1, stats, j0: int, j1: int, cache_lens, max_seqlen_q: int,
+def range_block_scores(q, ck1, cu_seqlens_q, cu_seqlens_c1, stats, j0: int, j1: int, cache_lens,
+                       max_seqlen_q: int,
                        *, causal: bool = True, softmax_scale: float | None = None, init_blocks: int = 1,
                        local_blocks: int = 32, score_dtype: torch.dtype | None = torch.bfloat16,
                        kernel_stride: int = 16, block_size: int = 64) -> torch.Tensor:
@@ -157,7 +158,7 @@ def range_block_scores(q, ck1, cu_seqlens_q, cu_seqlens_c1, stats, j0: int, j1: 
             # padded axis of keys [w j0 - 1, w j1) (keys outside [0, n1) are -inf)
             if nr > 0:
                 lo_pad = g0 - (w * j0 - 1)                 # 1 when the range starts at key 0 (no key -1)
-                s = torch.nn.functional.pad(sc, (lo_pad, w * j1 - g1), value=float("-inf"))   # [H, C, w W + 1]
+                s = torch.nn.functional.pad(sc, (lo_pad, w * j1 - g1), value=float("-inf"))  # [H, C, w W + 1]
             else:                                          # the sequence has no key in the range
                 s = sc.new_full((H, C, w * W + 1), float("-inf"))
             pooled = s.unfold(-1, w + 1, w).amax(dim=-1)                               # [H, C, W]
@@ -185,7 +186,8 @@ def range_candidates(block_scores: torch.Tensor, j0: int, K: int) -> tuple[torch
     return torch.gather(block_scores, -1, order), torch.gather(idx, -1, order)
 
 
-def merge_candidates(a: tuple[torch.Tensor, torch.Tensor] | None, b: tuple[torch.Tensor, torch.Tensor], K: int):
+def merge_candidates(a: tuple[torch.Tensor, torch.Tensor] | None, b: tuple[torch.Tensor, torch.Tensor],
+                     K: int):
     """Top-K of the union of two candidate sets `(scores [H, T, ka], idx [H, T, ka])`, ties to the
     lower block index; `a` None is the empty set."""
     if a is None:
@@ -206,9 +208,11 @@ def finish_candidates(idx: torch.Tensor, q_block_idx: torch.Tensor) -> torch.Ten
 @torch.no_grad()
 def split_stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seqlens_q: torch.Tensor,
                         cu_seqlens_c1: torch.Tensor, cu_seqlens_c2: torch.Tensor, max_seqlen_q: int, *,
-                        range_blocks: int, causal: bool = True, cache_lens=None, softmax_scale: float | None = None,
+                        range_blocks: int, causal: bool = True, cache_lens=None,
+                        softmax_scale: float | None = None,
                         topk: int = 64, local_blocks: int = 32, init_blocks: int = 1, block_size: int = 64,
-                        kernel_stride: int = 16, coarse_kernel_stride: int = 64, varlen_offset_quirk: bool = False,
+                        kernel_stride: int = 16, coarse_kernel_stride: int = 64,
+                        varlen_offset_quirk: bool = False,
                         score_dtype: torch.dtype | None = torch.bfloat16) -> torch.Tensor:
     r"""`naive_stage1_select`'s `topk_idx`, computed range by range (module docstring): row
     statistics, then per range of `range_blocks` blocks (a multiple of 16) the range's block scores
@@ -226,10 +230,11 @@ def split_stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, c
     lq = seqlens_host(cu_seqlens_q)
     check_max_seqlen("max_seqlen_q", max_seqlen_q, lq)
     check_int_args(0, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks)
-    check_int_args(1, block_size=block_size, kernel_stride=kernel_stride, coarse_kernel_stride=coarse_kernel_stride)
+    check_int_args(1, block_size=block_size, kernel_stride=kernel_stride,
+                   coarse_kernel_stride=coarse_kernel_stride)
     if block_size != 4 * kernel_stride:
-        raise ValueError(f"block_size must be 4 * kernel_stride for the split path (the kernels' pooling), got "
-                         f"{block_size} and {kernel_stride}")
+        raise ValueError("block_size must be 4 * kernel_stride for the split path (the kernels' pooling), "
+                         f"got {block_size} and {kernel_stride}")
     B = len(lq)
     cache = check_lengths_arg("cache_lens", cache_lens, B, q.device)
     out_len = -(-(max_seqlen_q + (int(cache.max()) if B else 0)) // block_size)
@@ -245,8 +250,8 @@ def split_stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, c
     for j0, j1 in ranges:
         bs = range_block_scores(q, ck1, cu_seqlens_q, cu_seqlens_c1, stats, j0, j1, cache, max_seqlen_q,
                                 causal=causal, softmax_scale=softmax_scale, init_blocks=init_blocks,
-                                local_blocks=local_blocks, score_dtype=score_dtype, kernel_stride=kernel_stride,
-                                block_size=block_size)
+                                local_blocks=local_blocks, score_dtype=score_dtype,
+                                kernel_stride=kernel_stride, block_size=block_size)
         run = merge_candidates(run, range_candidates(bs, j0, K), K)
     q_blocks = q_block_idx_prefill(cu_seqlens_q, max_seqlen_q, block_size=block_size,
                                    varlen_offset_quirk=varlen_offset_quirk, cache_lens=cache)

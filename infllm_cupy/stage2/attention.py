@@ -39,13 +39,15 @@ def _check_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     INFLLM_CUPY_VALIDATE=0, see `validate_values`)."""
     check_max_seqlen("max_seqlen_q", max_seqlen_q, [])
     check_max_seqlen("max_seqlen_k", max_seqlen_k, [])
-    check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                      max_seqlen_k=max_seqlen_k)
     if backend == "kernels" or q.is_cuda:
         check_kernel_inputs(q, k, v)
 
 
 def sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                       cu_seqlens_k: torch.Tensor, topk_idx: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                       cu_seqlens_k: torch.Tensor, topk_idx: torch.Tensor, max_seqlen_q: int,
+                       max_seqlen_k: int,
                        *, causal: bool = True, softmax_scale: float | None = None, return_lse: bool = False,
                        backend: str = "auto", kernel: str = "auto"):
     r"""Attention of each query token over the 64-key blocks its KV head selected (InfLLM-v2 stage 2).
@@ -101,7 +103,8 @@ def sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     check_kernel(kernel)
     check_flags(causal=causal, return_lse=return_lse)
     if not _use_op(backend, q):
-        return naive_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
+        return naive_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q,
+                                        max_seqlen_k,
                                         causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
     _check_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend)
     H = k.shape[1]
@@ -113,9 +116,10 @@ def sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
 
 
 def block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                             cu_seqlens_k: torch.Tensor, layout: BlockLayout, max_seqlen_q: int, max_seqlen_k: int,
-                             *, causal: bool = True, softmax_scale: float | None = None, return_lse: bool = False,
-                             backend: str = "auto", kernel: str = "auto"):
+                             cu_seqlens_k: torch.Tensor, layout: BlockLayout, max_seqlen_q: int,
+                             max_seqlen_k: int,
+                             *, causal: bool = True, softmax_scale: float | None = None,
+                             return_lse: bool = False, backend: str = "auto", kernel: str = "auto"):
     r"""Sparse attention under a query-block layout (one selection per query block and KV head).
 
     Same semantics as `sparse_attn_varlen` with every token of query block `i` selecting the
@@ -141,23 +145,29 @@ def block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     hq = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 3 else None
     if hq is not None and layout.num_kv_heads == hq != k.shape[1]:
         # one row per query head
-        return qhead_block_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, layout, max_seqlen_q, max_seqlen_k,
-                                              causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
-                                              backend=backend, kernel=kernel)
+        return qhead_block_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, layout, max_seqlen_q,
+                                              max_seqlen_k,
+                                              causal=causal, softmax_scale=softmax_scale,
+                                              return_lse=return_lse, backend=backend, kernel=kernel)
     layout.check_against(k.shape[1], B, max_seqlen_q, num_q_heads=hq)
     if not _use_op(backend, q):
-        return naive_block_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, layout, max_seqlen_q, max_seqlen_k,
-                                              causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
+        return naive_block_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, layout, max_seqlen_q,
+                                              max_seqlen_k,
+                                              causal=causal, softmax_scale=softmax_scale,
+                                              return_lse=return_lse)
     _check_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend)
-    out, lse = block_sparse_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, layout.mask.to(q.device), layout.q_block,
-                                     max_seqlen_q, max_seqlen_k, bool(causal), check_softmax_scale(softmax_scale, q.shape[2]),
-                                     kernel)
+    out, lse = block_sparse_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, layout.mask.to(q.device),
+                                     layout.q_block,
+                                     max_seqlen_q, max_seqlen_k, bool(causal),
+                                     check_softmax_scale(softmax_scale, q.shape[2]), kernel)
     return (out, lse) if return_lse else out
 
 
-def qhead_block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+def qhead_block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   cu_seqlens_q: torch.Tensor,
                                    cu_seqlens_k: torch.Tensor, layout: BlockLayout, max_seqlen_q: int,
-                                   max_seqlen_k: int, *, causal: bool = True, softmax_scale: float | None = None,
+                                   max_seqlen_k: int, *, causal: bool = True,
+                                   softmax_scale: float | None = None,
                                    return_lse: bool = False, backend: str = "auto", kernel: str = "auto"):
     r"""`block_sparse_attn_varlen` under a layout with one row per query head.
 
@@ -189,15 +199,16 @@ def qhead_block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Te
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
     HQ, H = q.shape[1], k.shape[1]
     if H == 0 or HQ % H:
-        raise ValueError(f"q has {HQ} heads and k has {H}: the query head count must be a positive multiple of "
-                         f"the key/value head count")
+        raise ValueError(f"q has {HQ} heads and k has {H}: the query head count must be a positive multiple "
+                         f"of the key/value head count")
     if layout.num_kv_heads != HQ:
-        raise ValueError(f"layout has {layout.num_kv_heads} heads but q has {HQ}: a per-query-head layout has one "
-                         f"row per query head (a per-KV-head one goes to block_sparse_attn_varlen)")
+        raise ValueError(f"layout has {layout.num_kv_heads} heads but q has {HQ}: a per-query-head layout "
+                         f"has one row per query head (a per-KV-head one goes to block_sparse_attn_varlen)")
     if backend == "reference" or (backend == "auto" and not q.is_cuda):
         G = HQ // H
         ke, ve = _expand_kv(k, v, G)
-        return block_sparse_attn_varlen(q, ke, ve, cu_seqlens_q, cu_seqlens_k, layout, max_seqlen_q, max_seqlen_k,
+        return block_sparse_attn_varlen(q, ke, ve, cu_seqlens_q, cu_seqlens_k, layout, max_seqlen_q,
+                                        max_seqlen_k,
                                         causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
                                         backend=backend, kernel=kernel)
     layout.check_against(HQ, cu_seqlens_q.numel() - 1, max_seqlen_q)

@@ -39,12 +39,13 @@ class BlockLayout:
     def __post_init__(self):
         check_tensor("mask", self.mask, dtypes=(torch.bool,))
         if self.mask.dim() not in (3, 4):
-            raise ValueError(f"mask must be [H, NQB, NKB] or [B, H, NQB, NKB], got shape {tuple(self.mask.shape)}")
+            raise ValueError("mask must be [H, NQB, NKB] or [B, H, NQB, NKB], got shape "
+                             f"{tuple(self.mask.shape)}")
         if isinstance(self.q_block, bool) or not isinstance(self.q_block, int) or self.q_block <= 0:
             raise ValueError(f"q_block must be a positive int, got {self.q_block!r}")
 
     @classmethod
-    def from_dense(cls, mask: torch.Tensor, q_block: int = 64, kv_block: int = 64) -> "BlockLayout":
+    def from_dense(cls, mask: torch.Tensor, q_block: int = 64, kv_block: int = 64) -> BlockLayout:
         """From a boolean block mask whose key blocks have `kv_block` keys (a multiple of 64)."""
         check_tensor("mask", mask, dtypes=(torch.bool,))
         if kv_block % KV_BLOCK != 0 or kv_block <= 0:
@@ -76,8 +77,8 @@ class BlockLayout:
         if self.num_kv_heads != H:
             alt = (f" or q's {num_q_heads} query heads (one row per query head)"
                    if num_q_heads is not None and num_q_heads != H else "")
-            raise ValueError(f"layout has {self.num_kv_heads} KV heads but k has {H}: a layout has one row per "
-                             f"KV head{alt}")
+            raise ValueError(f"layout has {self.num_kv_heads} KV heads but k has {H}: a layout has one row "
+                             f"per KV head{alt}")
         if self.per_sequence and self.mask.shape[0] != batch:
             raise ValueError(f"layout has {self.mask.shape[0]} sequences but cu_seqlens_q has {batch}")
         need = -(-max_seqlen_q // self.q_block)

@@ -99,7 +99,8 @@ def _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, upcast, need_lse
             lses.append(torch.full((HQ, C), float("inf"), dtype=torch.float32, device=q.device))
             continue
         allow = _allow(allow_fn, b, qrows, start, end, N, Lq, Lk, causal, q.device)
-        o, lse = _masked_attention(q[qrows].reshape(C, H, G, D), k[keys], v[keys], allow, scale, upcast, need_lse)
+        o, lse = _masked_attention(q[qrows].reshape(C, H, G, D), k[keys], v[keys], allow, scale, upcast,
+                                   need_lse)
         outs.append(o.reshape(C, HQ, D))
         if need_lse:
             lses.append(lse.reshape(HQ, C).float())
@@ -171,9 +172,11 @@ def naive_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return (out, lse) if return_lse else out
 
 
-def naive_block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+def naive_block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   cu_seqlens_q: torch.Tensor,
                                    cu_seqlens_k: torch.Tensor, layout: BlockLayout, max_seqlen_q: int,
-                                   max_seqlen_k: int, *, causal: bool = True, softmax_scale: float | None = None,
+                                   max_seqlen_k: int, *, causal: bool = True,
+                                   softmax_scale: float | None = None,
                                    return_lse: bool = False, upcast: bool = True):
     r"""Reference of `block_sparse_attn_varlen`: attention under a query-block layout.
 
@@ -192,13 +195,15 @@ def naive_block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if not isinstance(layout, BlockLayout):
         raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
     layout.check_against(k.shape[1], cu_seqlens_q.numel() - 1, max_seqlen_q)
-    return naive_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, layout.to_topk_idx(cu_seqlens_q).to(q.device),
+    return naive_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                    layout.to_topk_idx(cu_seqlens_q).to(q.device),
                                     max_seqlen_q, max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
                                     return_lse=return_lse, upcast=upcast)
 
 
 def naive_sparse_attn_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                 cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, topk_idx: torch.Tensor,
+                                 cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                                 topk_idx: torch.Tensor,
                                  max_seqlen_q: int, max_seqlen_k: int, causal: bool = True,
                                  softmax_scale: float | None = None, *, block_size: int = 64):
     r"""Gradients of `naive_sparse_attn_varlen` (upcast) for the output gradient `dout`, written out.
@@ -285,7 +290,8 @@ def _attend_bwd(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, allow_
 def naive_dense_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             cu_seqlens_k: torch.Tensor, max_seqlen_q: int | None = None,
                             max_seqlen_k: int | None = None, *, causal: bool = True,
-                            softmax_scale: float | None = None, return_lse: bool = False, upcast: bool = True):
+                            softmax_scale: float | None = None, return_lse: bool = False,
+                            upcast: bool = True):
     r"""Dense varlen attention with GQA, causal mask aligned bottom-right (`j <= r + Lk - Lq`).
 
     Args:

@@ -33,7 +33,7 @@ inputs that are alive anyway). The backward rebuilds the bitmask rows from them 
 rows cost `H * total_q * n_words * 4` bytes (64 MB at 128k tokens, H = 2) held from forward to
 backward, the rebuild one pass over `topk_idx` (not measured separately; small next to the
 backward's own launches). The CPU backward recomputes from q, k, v and ignores out and lse.
-"""
+"""  # noqa: E501 - verbatim commands, signatures and tables
 import torch
 
 from .layout import BlockLayout
@@ -85,8 +85,10 @@ def _contig(*ts):
 # ------------------------------------------------------------------------------ reference (CPU) parts
 
 
-def _ref_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal, softmax_scale):
-    out, lse = naive_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
+def _ref_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal,
+             softmax_scale):
+    out, lse = naive_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q,
+                                        max_seqlen_k,
                                         causal=causal, softmax_scale=softmax_scale, return_lse=True)
     return out.contiguous(), lse.contiguous()
 
@@ -97,7 +99,8 @@ def _ref_bwd(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, 
     # cannot run here: an op's implementation runs below the autograd dispatch key, where
     # torch.enable_grad() records nothing (and functorch's vjp trips opcheck's schema mode).
     return tuple(g.contiguous() for g in naive_sparse_attn_varlen_bwd(
-        dout, q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal, softmax_scale))
+        dout, q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal,
+                                                                      softmax_scale))
 
 
 def _fake_fwd(q, k):
@@ -111,8 +114,8 @@ def _fake_bwd(q, k, v):
 # ------------------------------------------------------------------------------------- token level
 
 
-def token_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-              plan: FwdPlan):
+def token_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal,
+              softmax_scale, plan: FwdPlan):
     """The token-level forward on CUDA tensors under `plan` (the op's body below the plan choice)."""
     q, k, v, cu_seqlens_q, cu_seqlens_k = _contig(q, k, v, cu_seqlens_q, cu_seqlens_k)
     rows = _token_rows(topk_idx, cu_seqlens_q, cu_seqlens_k, q.shape[0], max_seqlen_k)
@@ -120,11 +123,11 @@ def token_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_s
                       max_seqlen_k=max_seqlen_k)
 
 
-def token_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal,
-              softmax_scale, plan: BwdPlan):
+def token_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
+              causal, softmax_scale, plan: BwdPlan):
     """The token-level backward on CUDA tensors under `plan`."""
-    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = _contig(dout.to(q.dtype), q, k, v, out, lse, cu_seqlens_q,
-                                                                  cu_seqlens_k)
+    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = _contig(dout.to(q.dtype), q, k, v, out, lse,
+                                                                  cu_seqlens_q, cu_seqlens_k)
     rows = _token_rows(topk_idx, cu_seqlens_q, cu_seqlens_k, q.shape[0], max_seqlen_k)
     return stage2_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *rows, max_seqlen_q, max_seqlen_k,
                       causal, softmax_scale, plan)
@@ -132,8 +135,8 @@ def token_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, topk_idx, max
 
 @torch.library.custom_op("infllm_cupy::sparse_attn_fwd", mutates_args=(), device_types="cuda")
 def sparse_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-                    topk_idx: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
-                    kernel: str) -> tuple[Tensor, Tensor]:
+                    topk_idx: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                    softmax_scale: float, kernel: str) -> tuple[Tensor, Tensor]:
     """`(out [total_q, HQ, D], lse float32 [HQ, total_q])` of token-level sparse attention."""
     # key-range passes for CTAs whose tokens picked over 2 K different blocks (per-token picks)
     plan = fwd_plan_for(q, k, max_seqlen_k, split_min=2 * topk_idx.shape[2], kernel=kernel)
@@ -142,24 +145,27 @@ def sparse_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_se
 
 
 @sparse_attn_fwd.register_kernel("cpu")
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal, softmax_scale, kernel):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+      kernel):
     return _ref_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal,
                     softmax_scale)
 
 
 @sparse_attn_fwd.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal, softmax_scale, kernel):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+      kernel):
     return _fake_fwd(q, k)
 
 
 @torch.library.custom_op("infllm_cupy::sparse_attn_bwd", mutates_args=(), device_types="cuda")
-def sparse_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
-                    cu_seqlens_k: Tensor, topk_idx: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                    softmax_scale: float, kernel: str) -> tuple[Tensor, Tensor, Tensor]:
+def sparse_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                    cu_seqlens_q: Tensor,
+                    cu_seqlens_k: Tensor, topk_idx: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                    causal: bool, softmax_scale: float, kernel: str) -> tuple[Tensor, Tensor, Tensor]:
     """`(dq, dk, dv)` of `sparse_attn_fwd` (q's, k's and v's shapes and dtype)."""
     plan = bwd_plan_for(q, k, max_seqlen_q, max_seqlen_k, kernel)
-    return token_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
-                     causal, softmax_scale, plan)
+    return token_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q,
+                     max_seqlen_k, causal, softmax_scale, plan)
 
 
 @sparse_attn_bwd.register_kernel("cpu")
@@ -213,8 +219,8 @@ def layout_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_se
 def layout_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q,
                max_seqlen_k, causal, softmax_scale, plan: BwdPlan):
     """The layout backward on CUDA tensors under `plan`."""
-    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = _contig(dout.to(q.dtype), q, k, v, out, lse, cu_seqlens_q,
-                                                                  cu_seqlens_k)
+    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = _contig(dout.to(q.dtype), q, k, v, out, lse,
+                                                                  cu_seqlens_q, cu_seqlens_k)
     rows = _layout_rows(layout_mask, q_block, cu_seqlens_q.numel() - 1, max_seqlen_k, q.device)
     return stage2_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *rows, max_seqlen_q, max_seqlen_k,
                       causal, softmax_scale, plan)
@@ -222,13 +228,13 @@ def layout_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, layout_mask,
 
 @torch.library.custom_op("infllm_cupy::block_sparse_attn_fwd", mutates_args=(), device_types="cuda")
 def block_sparse_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-                          layout_mask: Tensor, q_block: int, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                          softmax_scale: float, kernel: str) -> tuple[Tensor, Tensor]:
+                          layout_mask: Tensor, q_block: int, max_seqlen_q: int, max_seqlen_k: int,
+                          causal: bool, softmax_scale: float, kernel: str) -> tuple[Tensor, Tensor]:
     """`(out, lse)` under the query-block layout `BlockLayout(layout_mask, q_block)` (mask on q's device)."""
     # one key-range pass: a layout's rows are shared by a query block, so CTAs' unions stay small
     plan = fwd_plan_for(q, k, max_seqlen_k, split_min=None, kernel=kernel)
-    return layout_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal,
-                      softmax_scale, plan)
+    return layout_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k,
+                      causal, softmax_scale, plan)
 
 
 def _layout_topk_idx(layout_mask, q_block, cu_seqlens_q):
@@ -236,15 +242,15 @@ def _layout_topk_idx(layout_mask, q_block, cu_seqlens_q):
 
 
 @block_sparse_attn_fwd.register_kernel("cpu")
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-      kernel):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal,
+      softmax_scale, kernel):
     return _ref_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, _layout_topk_idx(layout_mask, q_block, cu_seqlens_q),
                     max_seqlen_q, max_seqlen_k, causal, softmax_scale)
 
 
 @block_sparse_attn_fwd.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-      kernel):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal,
+      softmax_scale, kernel):
     return _fake_fwd(q, k)
 
 
@@ -260,15 +266,16 @@ def block_sparse_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
 
 
 @block_sparse_attn_bwd.register_kernel("cpu")
-def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal,
-      softmax_scale, kernel):
-    return _ref_bwd(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, _layout_topk_idx(layout_mask, q_block, cu_seqlens_q),
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k,
+      causal, softmax_scale, kernel):
+    return _ref_bwd(dout, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                    _layout_topk_idx(layout_mask, q_block, cu_seqlens_q),
                     max_seqlen_q, max_seqlen_k, causal, softmax_scale)
 
 
 @block_sparse_attn_bwd.register_fake
-def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal,
-      softmax_scale, kernel):
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k,
+      causal, softmax_scale, kernel):
     return _fake_bwd(q, k, v)
 
 
@@ -281,7 +288,8 @@ def _block_sparse_backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_q, cu_k, layout_mask = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = block_sparse_attn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, layout_mask, ctx.q_block, *ctx.args)
+    dq, dk, dv = block_sparse_attn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, layout_mask, ctx.q_block,
+                                       *ctx.args)
     return (dq, dk, dv) + _n_none(9)
 
 

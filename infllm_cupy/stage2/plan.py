@@ -21,7 +21,6 @@ from .._constants import KV_BLOCK  # keys per KV block (kernels_cu: BLOCK_N)
 from .._kernel_arg import SM80, SM90A, wants_sm90a
 from .._launch import CXX_TYPE, cdiv
 
-
 # --------------------------------------------------------------------------------------------
 # Forward (docs/stage2_fwd.md)
 # --------------------------------------------------------------------------------------------
@@ -54,7 +53,8 @@ class FwdTiles:
 
     def __post_init__(self):
         if self.warps not in (4, 8) or self.m_tiles not in (1, 2) or self.sub_keys not in (32, 64):
-            raise ValueError(f"FwdTiles needs warps in (4, 8), m_tiles in (1, 2), sub_keys in (32, 64); got {self}")
+            raise ValueError("FwdTiles needs warps in (4, 8), m_tiles in (1, 2), sub_keys in (32, 64); got "
+                             f"{self}")
 
     @property
     def rows(self) -> int:
@@ -115,8 +115,10 @@ class FwdPlan:
             raise ValueError(f"FwdPlan.step must be one of {tuple(FWD_STEPS)}, got {self.step!r}")
         if self.stages not in SM90_STAGES:
             raise ValueError(f"FwdPlan.stages must be one of {SM90_STAGES}, got {self.stages!r}")
-        if not isinstance(self.kv_passes, int) or self.kv_passes < 1 or (self.kernel == SM80 and self.kv_passes != 1):
-            raise ValueError(f"FwdPlan.kv_passes must be an int >= 1 (1 for the SM80 kernel), got {self.kv_passes!r}")
+        if (not isinstance(self.kv_passes, int) or self.kv_passes < 1
+                or (self.kernel == SM80 and self.kv_passes != 1)):
+            raise ValueError("FwdPlan.kv_passes must be an int >= 1 (1 for the SM80 kernel), got "
+                             f"{self.kv_passes!r}")
         if not isinstance(self.split_min, int) or self.split_min < 0:
             raise ValueError(f"FwdPlan.split_min must be an int >= 0, got {self.split_min!r}")
         if self.qhead not in QHEAD_MODES:
@@ -300,17 +302,17 @@ class BwdPlan:
             raise ValueError(f"BwdPlan.qhead must be one of {tuple(QHEAD_MODES)}, got {self.qhead!r}")
         if self.qhead != "off" and self.kernel == SM90A and self.dkdv != "tiles":
             # one query head per row: G = 1, where only fixed tiles exist
-            raise ValueError(f"BwdPlan.qhead={self.qhead!r} runs fixed tiles (G = 1 in the row space): dkdv must "
-                             f"be 'tiles', got {self.dkdv!r}")
+            raise ValueError(f"BwdPlan.qhead={self.qhead!r} runs fixed tiles (G = 1 in the row space): dkdv "
+                             f"must be 'tiles', got {self.dkdv!r}")
         if type(self.dkdv_group) is not bool:
             raise ValueError(f"BwdPlan.dkdv_group must be a bool, got {self.dkdv_group!r}")
         if self.dkdv_group and (self.kernel != SM90A or self.qhead != "head" or self.block0_parts != 1):
-            raise ValueError(f"BwdPlan.dkdv_group walks a group's per-query-head rows in one sm_90a dk/dv CTA: it "
-                             f"needs kernel 'sm90a', qhead 'head' and block0_parts 1; got {self}")
+            raise ValueError("BwdPlan.dkdv_group walks a group's per-query-head rows in one sm_90a dk/dv "
+                             f"CTA: it needs kernel 'sm90a', qhead 'head' and block0_parts 1; got {self}")
         if self.qhead != "off" and self.tiles != DEFAULT_BWD_TILES:
             # only the default tile shape has per-query-head SM80 instances (compile time of the CPU suite)
-            raise ValueError(f"BwdPlan.qhead={self.qhead!r} needs the default SM80 tiles {DEFAULT_BWD_TILES}, "
-                             f"got {self.tiles}")
+            raise ValueError(f"BwdPlan.qhead={self.qhead!r} needs the default SM80 tiles "
+                             f"{DEFAULT_BWD_TILES}, got {self.tiles}")
 
 
 def sm80_dkdv_flushes(max_seqlen_q: int, G: int, flush: int) -> bool:
@@ -351,7 +353,8 @@ def bwd_plan(capability, G: int, D: int, dtype: torch.dtype, max_seqlen_q: int, 
     passes = dkdv_passes(max_seqlen_q, G, D, itemsize)
     # the ring dq holds its mask-word unions next to its ring: past about 5.9M keys at D = 128 its
     # shallowest ring no longer fits, the SM80 dq's tiles do (docs/stage2_bwd.md, "Limits")
-    ring_fits = sm90_smem_bytes(D, SM90_STAGES[-1], n_mask_words(max_seqlen_k), itemsize, dq=True) <= SMEM_PER_BLOCK
+    ring_fits = sm90_smem_bytes(D, SM90_STAGES[-1], n_mask_words(max_seqlen_k), itemsize,
+                                dq=True) <= SMEM_PER_BLOCK
     return BwdPlan(SM90A, DEFAULT_BWD_TILES,
                    dq=SM90A if total_k < 2**31 - KV_BLOCK and ring_fits else SM80, dq_step="auto",
                    dq_stages=sm90_stages(D, n_mask_words(max_seqlen_k), itemsize, dq=True),

@@ -49,7 +49,8 @@ def qhead_bwd_plan(capability, D: int, dtype: torch.dtype, max_seqlen_q: int, ma
     one query head per row) with `qhead="head"`; on sm_90a, `dkdv_group` (block 0 then in one part)
     where the per-query-head dk/dv partials would take more than `partials_budget` bytes (None:
     never): 2 x total_k x HQ x D elements in q's dtype, and as many fp32 sums with query-range passes."""
-    plan = dataclasses.replace(bwd_plan(capability, 1, D, dtype, max_seqlen_q, max_seqlen_k, total_k, kernel=kernel),
+    plan = dataclasses.replace(bwd_plan(capability, 1, D, dtype, max_seqlen_q, max_seqlen_k, total_k,
+                                        kernel=kernel),
                                qhead="head")
     partials = 2 * total_k * HQ * D * (dtype.itemsize + (4 if plan.dkdv_passes > 1 else 0))
     if plan.kernel == "sm90a" and partials_budget is not None and partials > partials_budget:
@@ -64,23 +65,24 @@ def qhead_block_sparse_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: T
     """`(out, lse)` under `BlockLayout(layout_mask, q_block)` with one row per query head (mask on q's
     device)."""
     plan = dataclasses.replace(fwd_plan_for(q, k, max_seqlen_k, split_min=None, kernel=kernel), qhead="head")
-    return layout_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal,
-                      softmax_scale, plan)
+    return layout_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k,
+                      causal, softmax_scale, plan)
 
 
 @qhead_block_sparse_attn_fwd.register_kernel("cpu")
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-      kernel):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal,
+      softmax_scale, kernel):
     ke, ve = _expand_kv(k, v, q.shape[1] // k.shape[1])
-    out, lse = naive_block_sparse_attn_varlen(q, ke, ve, cu_seqlens_q, cu_seqlens_k, BlockLayout(layout_mask, q_block),
-                                              max_seqlen_q, max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
-                                              return_lse=True)
+    out, lse = naive_block_sparse_attn_varlen(q, ke, ve, cu_seqlens_q, cu_seqlens_k,
+                                              BlockLayout(layout_mask, q_block),
+                                              max_seqlen_q, max_seqlen_k, causal=causal,
+                                              softmax_scale=softmax_scale, return_lse=True)
     return out.contiguous(), lse.contiguous()
 
 
 @qhead_block_sparse_attn_fwd.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-      kernel):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal,
+      softmax_scale, kernel):
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
@@ -111,15 +113,15 @@ def _expanded_bwd(dout, q, k, v, out, lse, cu_q, cu_k, layout_mask, q_block, *ar
 
 
 @qhead_block_sparse_attn_bwd.register_kernel("cpu")
-def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal,
-      softmax_scale, kernel):
-    return _expanded_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q,
-                         max_seqlen_k, causal, softmax_scale, kernel)
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k,
+      causal, softmax_scale, kernel):
+    return _expanded_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block,
+                         max_seqlen_q, max_seqlen_k, causal, softmax_scale, kernel)
 
 
 @qhead_block_sparse_attn_bwd.register_fake
-def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal,
-      softmax_scale, kernel):
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k,
+      causal, softmax_scale, kernel):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -136,7 +138,8 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_q, cu_k, layout_mask = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = qhead_block_sparse_attn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, layout_mask, ctx.q_block, *ctx.args)
+    dq, dk, dv = qhead_block_sparse_attn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, layout_mask, ctx.q_block,
+                                             *ctx.args)
     return (dq, dk, dv) + (None,) * 9
 
 

@@ -17,8 +17,10 @@ import torch
 
 from .. import _jit
 from .._checks import KERNEL_DTYPES, check_aligned
-from .._constants import HEAD_DIMS
-from .._constants import KV_BLOCK  # keys per KV block (kernels_cu: BLOCK_N)
+from .._constants import (
+    HEAD_DIMS,
+    KV_BLOCK,  # keys per KV block (kernels_cu: BLOCK_N)
+)
 from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
 from .._tma import TMAP_DTYPE, heads_map, rows_map
 from .plan import (  # noqa: F401  (BwdTiles ... re-exported: the launcher's vocabulary)
@@ -36,10 +38,11 @@ from .plan import (  # noqa: F401  (BwdTiles ... re-exported: the launcher's voc
     BwdPlan,
     BwdTiles,
     bwd_plan,
+    qhead_instance,
     sm80_dkdv_flushes,
     sm90_smem_bytes,
-    qhead_instance,
 )
+
 RING_SOURCE = "stage2/sparse_bwd_dq_sm90.cu"   # the dq kernel on the forward's K/V ring
 
 BWD_SOURCE = "stage2/sparse_bwd.cu"
@@ -56,11 +59,14 @@ for _dt in KERNEL_DTYPES:
             _jit.register_instances(BWD_SOURCE, [_t.dkdv_name(_dt, _d, f) for f in (False, True)],
                                     strict=_t.dkdv_cols != 64)
 _jit.register_instances(BWD_SOURCE, ["stage2_bwd_tiles"])
-_jit.register_instances(RING_SOURCE, [f"stage2_bwd_dq_ring_sm90<{CXX_TYPE[dt]}, {d}, {ns}>" for dt in KERNEL_DTYPES
+_jit.register_instances(RING_SOURCE,
+                        [f"stage2_bwd_dq_ring_sm90<{CXX_TYPE[dt]}, {d}, {ns}>" for dt in KERNEL_DTYPES
                                       for d in HEAD_DIMS for ns in SM90_STAGES], sm90a=True)
-_jit.register_instances(SM90_SOURCE, [f"stage2_bwd_dkdv_sm90<{CXX_TYPE[dt]}, {d}, {g}>" for dt in KERNEL_DTYPES
+_jit.register_instances(SM90_SOURCE,
+                        [f"stage2_bwd_dkdv_sm90<{CXX_TYPE[dt]}, {d}, {g}>" for dt in KERNEL_DTYPES
                                      for d in HEAD_DIMS for g in ("false", "true")]
-                         + [f"stage2_bwd_dkdv_parts<{CXX_TYPE[dt]}, {d}>" for dt in KERNEL_DTYPES for d in HEAD_DIMS],
+                         + [f"stage2_bwd_dkdv_parts<{CXX_TYPE[dt]}, {d}>" for dt in KERNEL_DTYPES
+                            for d in HEAD_DIMS],
                          sm90a=True)
 
 
@@ -69,11 +75,14 @@ _jit.register_instances(SM90_SOURCE, [f"stage2_bwd_dkdv_sm90<{CXX_TYPE[dt]}, {d}
 for _dt in KERNEL_DTYPES:
     for _d in HEAD_DIMS:
         _jit.register_instances(BWD_SOURCE, [qhead_instance(DEFAULT_BWD_TILES.dq_name(_dt, _d), "head")]
-                                + [qhead_instance(DEFAULT_BWD_TILES.dkdv_name(_dt, _d, f), "head") for f in (False, True)])
+                                + [qhead_instance(DEFAULT_BWD_TILES.dkdv_name(_dt, _d, f),
+                                                  "head") for f in (False, True)])
         _jit.register_instances(RING_SOURCE,
-                                [qhead_instance(f"stage2_bwd_dq_ring_sm90<{CXX_TYPE[_dt]}, {_d}, {ns}>", "head")
+                                [qhead_instance(f"stage2_bwd_dq_ring_sm90<{CXX_TYPE[_dt]}, {_d}, {ns}>",
+                                                "head")
                                  for ns in SM90_STAGES], sm90a=True)
-        _jit.register_instances(SM90_SOURCE, [qhead_instance(f"stage2_bwd_dkdv_sm90<{CXX_TYPE[_dt]}, {_d}, false>", "head",
+        _jit.register_instances(SM90_SOURCE,
+                                [qhead_instance(f"stage2_bwd_dkdv_sm90<{CXX_TYPE[_dt]}, {_d}, false>", "head",
                                                              group=grp) for grp in (False, True)],
                                 sm90a=True)
 
@@ -111,17 +120,18 @@ def check_bwd_limits(plan: BwdPlan, *, B: int, H: int, G: int, D: int, itemsize:
     32-bit math, each named (docs/stage2_bwd.md, "Limits"). `H`, `G`: the row space's (HQ, 1 with
     per-query-head rows). `smem`: the device's shared memory per block (opt-in)."""
     if max_seqlen_q * G >= 2**31:
-        raise ValueError(f"max_seqlen_q * G must be < 2**31 for the backward kernels (32-bit row indices within "
-                         f"a sequence), got {max_seqlen_q} * {G}")
+        raise ValueError("max_seqlen_q * G must be < 2**31 for the backward kernels (32-bit row indices "
+                         f"within a sequence), got {max_seqlen_q} * {G}")
     if B > GRID_YZ_MAX or H > GRID_YZ_MAX:
-        raise ValueError(f"the backward launches put (KV head, sequence) in grid.y / grid.z (<= {GRID_YZ_MAX}): "
-                         f"got {H} heads, {B} sequences")
+        raise ValueError("the backward launches put (KV head, sequence) in grid.y / grid.z (<= "
+                         f"{GRID_YZ_MAX}): got {H} heads, {B} sequences")
     words_max = dq_smem_limit_words(D, plan, itemsize, smem)
     if n_words > words_max:
         raise ValueError(
             f"max_seqlen_k too long for the backward's dq: its CTA keeps the union of its mask rows "
-            f"({n_words} uint32 words, one per 32 key blocks) in shared memory, and the {plan.dq} dq at D = {D} "
-            f"holds at most {words_max} words ({words_max * 32 * KV_BLOCK} keys) in {smem} B; got max_seqlen_k = "
+            f"({n_words} uint32 words, one per 32 key blocks) in shared memory, and the {plan.dq} dq at D = "
+            f"{D} holds at most {words_max} words ({words_max * 32 * KV_BLOCK} keys) in {smem} B; got "
+            "max_seqlen_k = "
             f"{max_seqlen_k}" + ("; the SM80 dq (BwdPlan.dq='sm80') holds more" if plan.dq == SM90A else ""))
     n_kb = cdiv(max_seqlen_k, KV_BLOCK)
     if plan.kernel == SM90A and H * B * (plan.block0_parts + n_kb - 1) > GRID_X_MAX:
@@ -132,13 +142,14 @@ def check_bwd_limits(plan: BwdPlan, *, B: int, H: int, G: int, D: int, itemsize:
     max_groups = cdiv(cdiv(max_seqlen_q * G, tile_rows), 32)
     if cdiv(max_groups * n_words, TILE_WARPS) > GRID_X_MAX or cdiv(total_q * HQ, 8) > GRID_X_MAX:
         raise ValueError(f"the transposed index's grid (one warp per 32 query tiles x mask word) or delta's "
-                         f"(one warp per query row) exceeds {GRID_X_MAX} CTAs: {max_groups} x {n_words} words, "
-                         f"{total_q} x {HQ} rows")
+                         f"(one warp per query row) exceeds {GRID_X_MAX} CTAs: {max_groups} x {n_words} "
+                         f"words, {total_q} x {HQ} rows")
 
 
 def _device_smem(dev: torch.device) -> int:
     """The device's shared memory per block (opt-in), SMEM_PER_BLOCK where torch does not say."""
-    return int(getattr(torch.cuda.get_device_properties(dev), "shared_memory_per_block_optin", 0) or SMEM_PER_BLOCK)
+    return int(getattr(torch.cuda.get_device_properties(dev), "shared_memory_per_block_optin",
+                       0) or SMEM_PER_BLOCK)
 
 
 def dq_smem_bytes(D: int, tiles: BwdTiles, n_words: int, itemsize: int = 2) -> int:
@@ -183,11 +194,11 @@ def _check_plan(plan: BwdPlan, G: int, total_k: int) -> None:
         raise ValueError(f"BwdPlan.dkdv={plan.dkdv!r} gathers tokens, which needs {GATHER_G[0]} <= G <= "
                          f"{GATHER_G[1]}; got G = {G} (use 'tiles')")
     if plan.kernel == SM90A and plan.dkdv_tma and 64 % G:
-        raise ValueError(f"BwdPlan.dkdv_tma loads fixed tiles by TMA boxes of 64 / G tokens: G must divide 64, "
-                         f"got G = {G}")
+        raise ValueError("BwdPlan.dkdv_tma loads fixed tiles by TMA boxes of 64 / G tokens: G must divide "
+                         f"64, got G = {G}")
     if plan.dq == SM90A and total_k >= 2**31 - KV_BLOCK:
-        raise ValueError(f"the sm_90a dq reads K/V by TMA (int32 rows): total_k must be < 2**31 - {KV_BLOCK}, "
-                         f"got {total_k}; bwd_plan picks the SM80 dq there")
+        raise ValueError("the sm_90a dq reads K/V by TMA (int32 rows): total_k must be < 2**31 - "
+                         f"{KV_BLOCK}, got {total_k}; bwd_plan picks the SM80 dq there")
 
 
 def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -221,7 +232,8 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     n_words = masks.shape[-1]
     dev = q.device
     check_bwd_limits(plan, B=B, H=H, G=G, D=D, itemsize=q.element_size(), total_q=total_q, HQ=HQ,
-                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, n_words=n_words, smem=_device_smem(dev))
+                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, n_words=n_words,
+                     smem=_device_smem(dev))
     dout, out, lse = dout.contiguous(), out.contiguous(), lse.contiguous()
     dq = empty((total_q, HQ, D), dtype=q.dtype, device=dev)
     dk = empty((total_k, H_out, D), dtype=k.dtype, device=dev)
@@ -259,17 +271,19 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     common = (ptr(q), ptr(k), ptr(v), ptr(dout), ptr(lse), ptr(delta), ptr(masks), ptr(mask_base),
               ptr(cu_seqlens_q), ptr(cu_seqlens_k))
     dq_scalars = (ptr(dq), np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words),
-                  np.int64(mask_h_stride), np.int32(mask_q_block), scale_log2, np.float32(softmax_scale), causal_i)
+                  np.int64(mask_h_stride), np.int32(mask_q_block), scale_log2, np.float32(softmax_scale),
+                  causal_i)
     qh_tail = (np.int32(kv_group),)     # read only by the QH = 2 instances
     if plan.dq == SM90A:
         # dq on the forward's warp-specialised K/V ring (TMA producer, two consumer warpgroups)
         ns = plan.dq_stages
-        dq_name, dq_rows, dq_threads = qhead_instance(f"stage2_bwd_dq_ring_sm90<{T}, {D}, {ns}>", plan.qhead), \
+        dq_name, dq_rows, dq_threads = qhead_instance(f"stage2_bwd_dq_ring_sm90<{T}, {D}, {ns}>",
+                                                      plan.qhead), \
             64 * SM90_CONSUMERS, 128 * (SM90_CONSUMERS + 1)
         dq_kernel = _jit.get_kernel(RING_SOURCE, dq_name, sm90a=True)
         dq_smem = sm90_smem_bytes(D, ns, n_words, itemsize, dq=True)
-        dq_args = (ptr(q), ptr(dout), rows_map(k, KV_BLOCK), rows_map(v, KV_BLOCK), ptr(lse), ptr(delta), ptr(masks),
-                   ptr(mask_base), ptr(cu_seqlens_q), ptr(cu_seqlens_k)) + dq_scalars \
+        dq_args = (ptr(q), ptr(dout), rows_map(k, KV_BLOCK), rows_map(v, KV_BLOCK), ptr(lse), ptr(delta),
+                   ptr(masks), ptr(mask_base), ptr(cu_seqlens_q), ptr(cu_seqlens_k)) + dq_scalars \
             + (np.int32(DQ_STEPS[plan.dq_step]),) + qh_tail
     else:
         dq_name, dq_rows, dq_threads = qhead_instance(plan.tiles.dq_name(q.dtype, D), plan.qhead), \
@@ -285,10 +299,11 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         else:
             runs = [(True, by_tokens, None)] if gather else [(False, by_tiles, None)]
         null = np.uint64(0)
-        kv_launches = [(qhead_instance(f"stage2_bwd_dkdv_sm90<{T}, {D}, {'true' if g else 'false'}>", plan.qhead,
-                                       group=plan.dkdv_group), True,
+        kv_launches = [(qhead_instance(f"stage2_bwd_dkdv_sm90<{T}, {D}, {'true' if g else 'false'}>",
+                                       plan.qhead, group=plan.dkdv_group), True,
                         (ptr(own[0]), ptr(own[1]), np.int64(own[2]))
-                        + ((ptr(other[0]), ptr(other[1]), np.int64(other[2])) if other else (null, null, np.int64(0))),
+                        + ((ptr(other[0]), ptr(other[1]), np.int64(other[2])) if other else (null, null,
+                                                                                             np.int64(0))),
                         g)
                        for g, own, other in runs]
     else:
@@ -311,15 +326,16 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     chunk = cdiv(max_seqlen_q, passes)
     dk32 = torch.zeros((total_k, H_out, D), dtype=torch.float32, device=dev) if passes > 1 else None
     dv32 = torch.zeros((total_k, H_out, D), dtype=torch.float32, device=dev) if passes > 1 else None
-    part0 = torch.empty(H * B * split0 * 2 * KV_BLOCK * D if split0 > 1 else 0, dtype=torch.float32, device=dev)
+    part0 = torch.empty(H * B * split0 * 2 * KV_BLOCK * D if split0 > 1 else 0, dtype=torch.float32,
+                        device=dev)
 
     # fixed tiles of 64 / G tokens x G heads come by TMA (boxes of heads_map) where G divides 64
     dkdv_tma = sm90a and plan.dkdv_tma
     no_map = np.zeros(1, dtype=TMAP_DTYPE)
     tmaps = (heads_map(q, G), heads_map(dout, G)) if dkdv_tma else (no_map, no_map)
     pdl = plan.pdl
-    tail = (np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words), np.int64(mask_h_stride),
-            np.int32(mask_q_block), scale_log2, np.float32(softmax_scale), causal_i)
+    tail = (np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words),
+            np.int64(mask_h_stride), np.int32(mask_q_block), scale_log2, np.float32(softmax_scale), causal_i)
 
     def launch_dkdv(kv_name: str, sm90a: bool, index_args: tuple, gather: bool) -> None:
         if sm90a:
@@ -327,20 +343,23 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
             # head) slowest for fixed tiles, key block slowest for gathered tokens (docs/stage2_bwd.md,
             # 9. CTA order)
             kernel = _jit.get_kernel(SM90_SOURCE, kv_name, sm90a=True)
-            args = common + index_args + (ptr(dk), ptr(dv), ptr(part0), np.int32(B), np.int32(n_kb), np.int32(split0),
-                                          np.int32(not gather)) \
+            args = common + index_args + (ptr(dk), ptr(dv), ptr(part0), np.int32(B), np.int32(n_kb),
+                                          np.int32(split0), np.int32(not gather)) \
                 + tmaps + (np.int32(dkdv_tma),) + tail
             for p in range(passes):         # the query-range passes of the launch contract, in order
                 pass_args = ((ptr(dk32), ptr(dv32), np.int32(p * chunk), np.int32((p + 1) * chunk),
                               np.int32(p == passes - 1)) if passes > 1
-                             else (np.uint64(0), np.uint64(0), np.int32(0), np.int32(max_seqlen_q), np.int32(1)))
-                launch(kernel, name=kv_name, grid=(H_out * B * (split0 + n_kb - 1),), block=(128,), shared_mem=kv_smem,
+                             else (np.uint64(0), np.uint64(0), np.int32(0), np.int32(max_seqlen_q),
+                                   np.int32(1)))
+                launch(kernel, name=kv_name, grid=(H_out * B * (split0 + n_kb - 1),), block=(128,),
+                       shared_mem=kv_smem,
                        args=args + pass_args + (np.int32(pdl and passes > 1),) + qh_tail, pdl=pdl and p > 0)
         else:
             kernel = _jit.get_kernel(BWD_SOURCE, kv_name)
             for kb0, nz in dkdv_z_chunks(n_kb):     # grid.z <= 65535: key blocks in chunks, in order
                 launch(kernel, name=kv_name, grid=(H, B, nz), block=(128,), shared_mem=kv_smem,
-                       args=common + index_args + (ptr(dk), ptr(dv)) + tail + flush_args + qh_tail + (np.int32(kb0),))
+                       args=common + index_args + (ptr(dk),
+                                                   ptr(dv)) + tail + flush_args + qh_tail + (np.int32(kb0),))
 
     if len(kv_launches) == 2:
         # the two halves of dkdv="auto" run side by side: one after the other, the first one's

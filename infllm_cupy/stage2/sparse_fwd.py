@@ -12,26 +12,28 @@ import torch
 
 from .. import _jit
 from .._checks import KERNEL_DTYPES, check_aligned, validate_values
-from .._constants import HEAD_DIMS
-from .._constants import KV_BLOCK  # keys per KV block (kernels_cu: BLOCK_N)
+from .._constants import (
+    HEAD_DIMS,
+    KV_BLOCK,  # keys per KV block (kernels_cu: BLOCK_N)
+)
 from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
 from .._tma import rows_map
 from .plan import (  # noqa: F401  (FwdTiles ... re-exported: the launcher's vocabulary)
     ALL_TILES,
     DEFAULT_TILES,
     FWD_STEPS,
+    QHEAD_MODES,
     SM80,
     SM90_CONSUMERS,
     SM90_STAGES,
     SM90A,
-    QHEAD_MODES,
     FwdPlan,
     FwdTiles,
     fwd_plan,
     n_mask_words,
+    qhead_instance,
     sm90_fits_keys,
     sm90_smem_bytes,
-    qhead_instance,
 )
 
 FWD_SOURCE = "stage2/sparse_fwd.cu"
@@ -53,7 +55,8 @@ _jit.register_instances(SM90_SOURCE, [f"stage2_fwd_sm90<{CXX_TYPE[dt]}, {d}, {ns
 _jit.register_instances(FWD_SOURCE, [qhead_instance(DEFAULT_TILES.name(dt, d), "head")
                                      for dt in KERNEL_DTYPES for d in HEAD_DIMS], strict=False)
 _jit.register_instances(SM90_SOURCE, [qhead_instance(f"stage2_fwd_sm90<{CXX_TYPE[dt]}, {d}, {ns}>", "head")
-                                      for dt in KERNEL_DTYPES for d in HEAD_DIMS for ns in SM90_STAGES], sm90a=True)
+                                      for dt in KERNEL_DTYPES for d in HEAD_DIMS for ns in SM90_STAGES],
+                        sm90a=True)
 _jit.register_instances(MASK_SOURCE, ["token_block_masks"])
 
 
@@ -114,7 +117,8 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
         name = qhead_instance(tiles.name(q.dtype, D), plan.qhead)
         launch(_jit.get_kernel(FWD_SOURCE, name), name=name,
                grid=(cdiv(max_seqlen_q * G, tiles.rows) * kv_group, H // kv_group, B),
-               block=(32 * tiles.warps,), shared_mem=(tiles.rows * D + 4 * KV_BLOCK * D) * itemsize + 4 * n_words,
+               block=(32 * tiles.warps,),
+               shared_mem=(tiles.rows * D + 4 * KV_BLOCK * D) * itemsize + 4 * n_words,
                args=(ptr(q), ptr(k), ptr(v)) + head + (ptr(out), ptr(lse)) + tail + qh_tail)
         return out, lse
     name = qhead_instance(f"stage2_fwd_sm90<{CXX_TYPE[q.dtype]}, {D}, {plan.stages}>", plan.qhead)
@@ -137,13 +141,14 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
         launch(kernel, name=name, grid=(grid[0] - x_off,) + grid[1:], block=(128 * (SM90_CONSUMERS + 1),),
                shared_mem=smem, args=(ptr(q),) + maps + head + (ptr(out), ptr(lse)) + tail
                + (np.int32(FWD_STEPS[plan.step]), np.int32(p * per), np.int32(blk_hi),
-                  ptr(split) if split is not None else np.uint64(0), np.int32(plan.split_min), np.int32(x_off))
+                  ptr(split) if split is not None else np.uint64(0), np.int32(plan.split_min),
+                  np.int32(x_off))
                + qh_tail)
-        if p == 0 and passes > 1 and validate_values() and not torch.cuda.is_current_stream_capturing():
-            # Where host reads are allowed anyway (the cu_seqlens checks), one more tells whether
-            # any CTA split: if none did (block-shared selections), the later passes are not
-            # launched. Their CTAs would only read their flag and leave, yet at 128k x 2 launching
-            # them cost 2% of the forward (docs/stage2_fwd.md, 6. Key-range passes).
-            if not bool(split.any()):
-                break
+        # Where host reads are allowed anyway (the cu_seqlens checks), one more tells whether
+        # any CTA split: if none did (block-shared selections), the later passes are not
+        # launched. Their CTAs would only read their flag and leave, yet at 128k x 2 launching
+        # them cost 2% of the forward (docs/stage2_fwd.md, 6. Key-range passes).
+        if (p == 0 and passes > 1 and validate_values() and not torch.cuda.is_current_stream_capturing()
+                and not bool(split.any())):
+            break
     return out, lse
