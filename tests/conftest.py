@@ -19,7 +19,7 @@ def _why_no_gpu() -> str | None:
 
         if cupy.cuda.runtime.getDeviceCount() > 0:
             return None
-    except Exception:
+    except Exception:  # noqa: BLE001 - a broken CuPy or driver is reported as no GPU
         pass
     return "CuPy sees no CUDA GPU"
 
@@ -55,8 +55,10 @@ GPU_SKIP = "needs a CUDA GPU and CuPy"
 NVRTC_SKIP = "needs NVRTC and the CUDA headers (the gpu extra; no GPU)"
 # tests/test_jit.py's tests that compile with NVRTC (on CPU, without a GPU): skipped where the gpu
 # extra is not installed; a test marked `nvrtc` anywhere is treated the same way
-NVRTC_TESTS = {"test_every_kernel_compiles_without_a_gpu", "test_compile_error_names_the_kernel_and_shows_the_log",
-               "test_installed_wheel_finds_and_compiles_its_kernels", "test_wgmma_rates_tool_compiles_without_a_gpu"}
+NVRTC_TESTS = {"test_every_kernel_compiles_without_a_gpu",
+               "test_compile_error_names_the_kernel_and_shows_the_log",
+               "test_installed_wheel_finds_and_compiles_its_kernels",
+               "test_wgmma_rates_tool_compiles_without_a_gpu"}
 
 # Stage-2 kernel cases, forward and backward: (lengths_q, lengths_k, HQ, H, D). Ragged batches,
 # lengths not multiples of 64, one-token sequences, G from 1 to 32 (a non-power of two among them),
@@ -105,7 +107,8 @@ def share_in_words(n: int, total: int) -> str:
         return "fewer than one in ten"
     if share > 0.9:
         return "nearly all"
-    p, q = min(((p, q) for q in range(2, 6) for p in range(1, q)), key=lambda f: (abs(share - f[0] / f[1]), f[1]))
+    p, q = min(((p, q) for q in range(2, 6) for p in range(1, q)),
+               key=lambda f: (abs(share - f[0] / f[1]), f[1]))
     return "about half" if 2 * p == q else f"about {_WORDS[p]} in {_WORDS[q]}"
 
 
@@ -128,13 +131,15 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         parts.append(f"{n_gpu} of the {n_all} tests ({share_in_words(n_gpu, n_all)}) {are}, skipped: "
                      f"{WHY_NO_GPU} (pytest -m gpu runs them on a CUDA GPU)")
     if n_nvrtc:
-        parts.append(f'{n_nvrtc} NVRTC compile tests skipped: CuPy/NVRTC not installed (pip install -e ".[gpu,test]" '
+        parts.append(f'{n_nvrtc} NVRTC compile tests skipped: CuPy/NVRTC not installed (pip install -e '
+                     '".[gpu,test]" '
                      f"runs them, no GPU needed)")
     if n_other:
         parts.append(f"{n_other} skipped for other reasons (pytest -rs lists them)")
     verdict = (f"the {n_passed} tests that ran passed" if not n_bad and exitstatus == 0
                else f"{n_bad} failed or errored, see above")
-    terminalreporter.write_line("; ".join(parts) + "; " + verdict, bold=True, green=not n_bad, red=bool(n_bad))
+    terminalreporter.write_line("; ".join(parts) + "; " + verdict, bold=True, green=not n_bad,
+                                red=bool(n_bad))
 
 
 @pytest.fixture(autouse=True)

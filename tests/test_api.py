@@ -66,8 +66,8 @@ def test_block_layout_reference_rejects_bad_layouts():
 # a value meant for another parameter (`naive_dense_attn_varlen(q, k, v, cu, cu, 724, 724)`) would be
 # taken as one of these.
 FLAGS = {"causal", "softmax_scale", "return_lse", "return_scores", "return_aux", "return_attn_weights",
-         "backend", "kernel", "score_dtype", "topk", "local_blocks", "init_blocks", "upcast", "weights", "plan",
-         "varlen_offset_quirk", "exact_stage1", "dense_len", "cache_lens", "dtype", "device"}
+         "backend", "kernel", "score_dtype", "topk", "local_blocks", "init_blocks", "upcast", "weights",
+         "plan", "varlen_offset_quirk", "exact_stage1", "dense_len", "cache_lens", "dtype", "device"}
 PUBLIC_MODULES = ["infllm_cupy", "infllm_cupy.compress", "infllm_cupy.stage1", "infllm_cupy.stage2",
                   "infllm_cupy.decode", "infllm_cupy.patterns"]
 
@@ -195,7 +195,8 @@ def _bool_cases():
         ("return_attn_weights", lambda x: infllm_cupy.infllmv2_decode(q1, cache, return_attn_weights=x)),
         ("return_topk_idx", lambda x: infllm_cupy.infllmv2_decode(q1, cache, return_topk_idx=x)),
         ("return_aux", lambda x: infllm_cupy.infllmv2_prefill_into_cache(
-            q1, torch.randn(1, 2, 64), torch.randn(1, 2, 64), cache, cu_seqlens_from_lengths([1]), return_aux=x)),
+            q1, torch.randn(1, 2, 64), torch.randn(1, 2, 64), cache, cu_seqlens_from_lengths([1]),
+                                                                         return_aux=x)),
     ]
 
 
@@ -230,7 +231,7 @@ def test_decode_names_what_the_user_passed():
         naive_infllmv2_decode(torch.randn(2, 4, 64), k, k, cu_k, ck1=ck[:1], cu_seqlens_c1=cuc[:2].clone(),
                               ck2=ck, cu_seqlens_c2=cuc)
     cache = (torch.randn(2, 64, 2, 64), torch.randn(2, 64, 2, 64), torch.tensor([5, 9]))
-    with pytest.raises(ValueError, match="q has 3 rows .* the cache holds 2 sequences"):
+    with pytest.raises(ValueError, match=r"q has 3 rows .* the cache holds 2 sequences"):
         naive_sparse_decode(torch.randn(3, 4, 64), cache)
 
 

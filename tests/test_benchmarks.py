@@ -30,8 +30,8 @@ def json_rows(path: Path) -> list[dict]:
 @pytest.mark.slow
 def test_bench_stage2_runs_on_cpu(tmp_path):
     out = tmp_path / "stage2.json"
-    r = run_script("bench_stage2.py", "--device", "cpu", "--configs", "256x1", "--K", "4", "--hq", "4", "--h", "1",
-                   "--d", "32", "--warmup", "0", "--rep", "1", "--skip-check", "--budget-s", "0",
+    r = run_script("bench_stage2.py", "--device", "cpu", "--configs", "256x1", "--K", "4", "--hq", "4", "--h",
+                   "1", "--d", "32", "--warmup", "0", "--rep", "1", "--skip-check", "--budget-s", "0",
                    "--impls", ",".join(STAGE2_IMPLS), "--json", str(out))
     rows = json_rows(out)
     assert {row["impl"] for row in rows} == set(STAGE2_IMPLS)
@@ -55,18 +55,22 @@ def test_bench_pipeline_and_stage1_help_and_cpu_run(script, tmp_path):
     rows = json_rows(out)
     assert {row["impl"] for row in rows} == set(impls.split(","))
     assert {row["config"] for row in rows} == {"B2-T300-HQ4-H2-D64"}     # --max-configs 1: the first only
-    assert all(row["ms"] is not None and row["ms"] > 0 for row in rows), [(row["impl"], row["note"]) for row in rows]
+    assert all(row["ms"] is not None and row["ms"] > 0 for row in rows), [(row["impl"],
+                                                                           row["note"]) for row in rows]
 
 
-DECODE_IMPLS = ("ours_sparse", "ours_step", "ours_dense", "ours_sparse_kvh", "ours_step_kvh", "ours_dense_kvh",
-                "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "flex", "eager_grouped", "eager_hf", "flashinfer")
+DECODE_IMPLS = ("ours_sparse", "ours_step", "ours_dense", "ours_sparse_kvh", "ours_step_kvh",
+                "ours_dense_kvh",
+                "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "flex", "eager_grouped",
+                "eager_hf", "flashinfer")
 
 
 def test_bench_decode_runs_on_cpu(tmp_path):
     out = tmp_path / "decode.json"
-    r = run_script("bench_decode.py", "--device", "cpu", "--configs", "2x1k", "--hq", "4", "--h", "2", "--d", "64",
-                   "--topk", "4", "--local-blocks", "2", "--warmup", "0", "--rep", "1", "--budget-s", "0", "--check",
-                   "--json", str(out))
+    r = run_script("bench_decode.py", "--device", "cpu", "--configs", "2x1k", "--hq", "4", "--h", "2", "--d",
+                   "64",
+                   "--topk", "4", "--local-blocks", "2", "--warmup", "0", "--rep", "1", "--budget-s", "0",
+                   "--check", "--json", str(out))
     payload = json.loads(out.read_text())
     rows = json_rows(out)
     assert {row["impl"] for row in rows} == {"copy", *DECODE_IMPLS}
@@ -78,8 +82,8 @@ def test_bench_decode_runs_on_cpu(tmp_path):
         [(i, w) for i in ("ours_sparse", "ours_step", "ours_dense") for w in (False, True)]
         + [(i + "_kvh", True) for i in ("ours_sparse", "ours_step", "ours_dense")])
     assert all(row["us"] > 0 and row["bytes"] > 0 and row["gbps"] > 0 for row in ours)
-    # bytes: sparse reads K = 6 blocks of 64 keys x 2 KV heads x D 64 x (K, V) x 2 bytes per sequence, + q and out;
-    # dense reads all 1024 keys; weights add fp32 [B, HQ, L]
+    # bytes: sparse reads K = 6 blocks of 64 keys x 2 KV heads x D 64 x (K, V) x 2 bytes per sequence, + q and
+    # out; dense reads all 1024 keys; weights add fp32 [B, HQ, L]
     qo = 2 * 2 * 4 * 64 * 2
     by = {(row["impl"], row["weights"]): row["bytes"] for row in ours}
     assert by[("ours_sparse", False)] == 2 * 2 * 2 * 6 * 64 * 64 * 2 + qo
@@ -90,9 +94,10 @@ def test_bench_decode_runs_on_cpu(tmp_path):
     assert by[("ours_step", False)] > by[("ours_sparse", False)]             # + the compressed keys
     flashinfer = next(row for row in rows if row["impl"] == "flashinfer")
     assert flashinfer["us"] is not None or flashinfer["note"].startswith("not run")
-    assert all(row["note"] for row in rows if row["us"] is None)             # failures are recorded, not raised
+    assert all(row["note"] for row in rows if row["us"] is None)           # failures are recorded, not raised
     goals = {g["goal"] for g in payload["goals"]}
-    assert "ours_dense with weights / without (eager)" in goals and "ours dense / fastest dense anchor (eager)" in goals
+    assert "ours_dense with weights / without (eager)" in goals
+    assert "ours dense / fastest dense anchor (eager)" in goals
     assert "ours_dense with weights / without, per KV head (eager)" in goals
     assert payload["check"] and all(" ok " in c for c in payload["check"]), payload["check"]
     assert "### Goals (decode kernels)" in r.stdout and "| config | impl |" in r.stdout

@@ -3,8 +3,8 @@ the install hint when the gpu extra is missing, and the test suite's closing lin
 from __future__ import annotations
 
 import argparse
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +40,8 @@ def test_demo_help_shows_every_option_with_help_and_default(capsys):
     parser = build_parser(has_gpu=False)
     demo = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["demo"]
     options = [a for a in demo._actions if a.option_strings and a.dest != "help"]
-    assert {a.option_strings[0] for a in options} >= {"--tokens", "--device", "--heads", "--kv-heads", "--head-dim",
+    assert {a.option_strings[0] for a in options} >= {"--tokens", "--device", "--heads", "--kv-heads",
+                                                      "--head-dim",
                                                      "--needles", "--topk", "--local-blocks", "--png"}
     for a in options:
         assert a.help and len(a.help) > 10, f"{a.option_strings[0]} has no help"
@@ -123,7 +124,8 @@ def test_demo_no_png(tmp_path):
 
 
 def test_demo_sh_help_does_not_install(tmp_path):
-    """scripts/demo.sh --help prints the demo's help without running pip (a shim records every python call)."""
+    """scripts/demo.sh --help prints the demo's help without running pip (a shim records every python
+    call)."""
     shim = tmp_path / "bin"
     shim.mkdir()
     log = tmp_path / "calls.log"
@@ -142,11 +144,8 @@ def test_missing_cupy_names_the_gpu_extra():
     ModuleNotFoundError (run in a child whose `import cupy` fails)."""
     probe = ("import sys; sys.modules['cupy'] = None; sys.modules['cupy_backends'] = None\n"
              "from infllm_cupy._cupy import import_cupy, import_nvrtc, has_nvrtc\n"
-             "assert not has_nvrtc()\n"
-             "for f in (import_cupy, import_nvrtc):\n"
-             "    try:\n"
-             "        f()\n"
-             "    except ImportError as e:\n"
+             "assert not has_nvrtc()\nfor f in (import_cupy, import_nvrtc):\n"
+             "    try:\n        f()\n    except ImportError as e:\n"
              "        print(e)\n")
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=120)
     lines = r.stdout.splitlines()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 import subprocess
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -34,7 +34,7 @@ def _files(*dirs: str, suffixes=CODE_SUFFIXES) -> list[str]:
     return sorted({f for f in out if Path(f).suffix in suffixes and (ROOT / f).is_file()})
 
 
-@lru_cache(maxsize=None)
+@cache
 def _sections(doc: str) -> list[tuple[int | None, str]]:
     """`(number or None, title)` of each `## ` heading of `doc`."""
     out = []
@@ -134,10 +134,12 @@ def test_doc_cites_name_existing_docs_and_sections():
 
 @pytest.mark.parametrize("text,want", [
     (', 6. Key-range passes): one pass', [("num", (6, "Key-range passes"))]),
-    (' ("The decode step", "Chunked prefill").', [("title", "The decode step"), ("title", "Chunked prefill")]),
+    (' ("The decode step", "Chunked prefill").',
+     [("title", "The decode step"), ("title", "Chunked prefill")]),
     (' (3. The sm_90a kernel, 4. Top-K on a prefix, 5. Memory plan).',
      [("num", (3, "The sm_90a kernel")), ("num", (4, "Top-K on a prefix")), ("num", (5, "Memory plan"))]),
-    (', 7. Fixed tiles vs gathered tokens (auto)) is', [("num", (7, "Fixed tiles vs gathered tokens (auto)"))]),
+    (', 7. Fixed tiles vs gathered tokens (auto)) is',
+     [("num", (7, "Fixed tiles vs gathered tokens (auto)"))]),
     ('` §6, `docs/stage2_fwd.md`', [("sec", 6)]),
     (', section 3) and', [("sec", 3)]),
     (', "CTA order").', [("title", "CTA order")]),
@@ -187,15 +189,16 @@ def test_paths_named_in_docs_exist(doc):
 
 def test_path_pattern_finds_the_docs_paths():
     found = sum(len(_PATH.findall(line)) for d in DESIGN_DOCS for line in (ROOT / d).read_text().splitlines())
-    assert found > 100, f"only {found} repository paths found in {DESIGN_DOCS}: is the pattern still matching?"
+    assert found > 100, \
+        f"only {found} repository paths found in {DESIGN_DOCS}: is the pattern still matching?"
     assert _PATH.findall("see `kernels_cu/stage2/sparse_fwd.cu` and infllm_cupy/stage2/plan.py.") == \
         ["kernels_cu/stage2/sparse_fwd.cu", "infllm_cupy/stage2/plan.py"]
 
 
 # ---------------------------------------------------------------------------- 3. chronological cites
 
-_CHRONO = re.compile(r"NOTES\.md|\b(first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|"
-                     r"twelfth) session|\b(forward|backward) v\d+\b", re.I)
+_CHRONO = re.compile(r"NOTES\.md|\b(first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|"
+                     r"eleventh|twelfth) session|\b(forward|backward) v\d+\b", re.I)
 
 
 def test_no_comment_cites_the_chronological_log():
@@ -206,7 +209,8 @@ def test_no_comment_cites_the_chronological_log():
         for i, line in enumerate((ROOT / f).read_text(errors="replace").splitlines()):
             m = _CHRONO.search(line)
             if m:
-                problems.append(f"{f}:{i + 1}: cites {m.group(0)!r} (state the reason or cite a docs/ section)")
+                problems.append(f"{f}:{i + 1}: cites {m.group(0)!r} (state the reason or cite a docs/ "
+                                "section)")
     assert not problems, "\n".join(problems)
 
 
@@ -242,7 +246,8 @@ def test_docs_and_code_narrate_no_history_and_point_nowhere_outside():
 
 def test_history_patterns_match_what_they_should():
     for s in ("issue #38", "Issue #26's goals", "a1ebb00's session", "#22's bar", "see /work/shared/x.md",
-              "../shared/spec", "on one lent H100", "The first attempt ran out of memory", "We tried L2 hints"):
+              "../shared/spec", "on one lent H100", "The first attempt ran out of memory",
+              "We tried L2 hints"):
         assert _HISTORY.search(s) or _OUTSIDE.search(s), s
     for s in ("issue slots 60% busy", "InfLLM-v2", "/usr/local/cuda/bin", "docs/perf_log.md", "a/b/tmp/x",
               "silently", "the first attempt_count", "a lent_ variable"):

@@ -13,7 +13,8 @@ def test_variables_are_read_at_each_use(monkeypatch):
     monkeypatch.setenv(_env.POISON, "1")
     monkeypatch.setenv(_env.LINEINFO, "1")
     monkeypatch.setenv(_env.KERNELS_DIR, "/somewhere")
-    assert (_env.kernels_dir(), _env.validate(), _env.poison(), _env.lineinfo()) == ("/somewhere", False, True, True)
+    assert (_env.kernels_dir(), _env.validate(), _env.poison(), _env.lineinfo()) == ("/somewhere", False,
+                                                                                     True, True)
     assert not _checks.validate_values()
 
 
@@ -47,6 +48,5 @@ def test_kernels_dir_override(tmp_path):
 
 def test_override_takes_bools_only():
     for bad in ("0", 0, None):
-        with pytest.raises(TypeError, match="validate must be a bool"):
-            with _env.override(validate=bad):
-                pass
+        with pytest.raises(TypeError, match="validate must be a bool"), _env.override(validate=bad):
+            pass

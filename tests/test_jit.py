@@ -12,7 +12,8 @@ import infllm_cupy  # noqa: F401  (imports every launcher, so the registry is co
 from infllm_cupy import _jit
 
 REPO = Path(__file__).resolve().parents[1]
-ALL_SOURCES = sorted(p.relative_to(REPO / "kernels_cu").as_posix() for p in (REPO / "kernels_cu").rglob("*.cu"))
+ALL_SOURCES = sorted(p.relative_to(REPO / "kernels_cu").as_posix()
+                     for p in (REPO / "kernels_cu").rglob("*.cu"))
 
 
 @pytest.fixture
@@ -32,7 +33,8 @@ def test_kernels_dir_is_the_checkout():
 
 
 def test_include_closure_follows_headers():
-    closure = {p.relative_to(_jit.kernels_dir()).as_posix() for p in _jit.include_closure("compress/mean_pool.cu")}
+    closure = {p.relative_to(_jit.kernels_dir()).as_posix()
+               for p in _jit.include_closure("compress/mean_pool.cu")}
     assert closure == {"compress/mean_pool.cu", "common/types.cuh"}
 
 
@@ -49,7 +51,7 @@ def test_fingerprint_changes_with_an_included_header(kernels_copy):
 
 def test_missing_header_is_reported(kernels_copy):
     (kernels_copy / "compress" / "broken.cu").write_text('#include "common/nope.cuh"\n')
-    with pytest.raises(FileNotFoundError, match="nope.cuh"):
+    with pytest.raises(FileNotFoundError, match=r"nope\.cuh"):
         _jit.source_fingerprint("compress/broken.cu")
 
 
@@ -88,11 +90,13 @@ def test_installed_wheel_finds_and_compiles_its_kernels(tmp_path):
     """Build a wheel from a copy of the checkout, install it elsewhere, and compile from there
     with no CUDA toolkit on the PATH."""
     src = tmp_path / "src"
-    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__",
+    shutil.copytree(REPO, src,
+                    ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__",
                                                              ".whl", "notebooks", "benchmarks"))
     wheels = tmp_path / "wheels"
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(src)], check=True)
+    subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(src)],
+                   check=True)
     (whl,) = wheels.glob("infllm_cupy-*.whl")
     site = tmp_path / "site"
     subprocess.run(pip + ["install", "--no-deps", "--target", str(site), str(whl)], check=True)
@@ -235,7 +239,8 @@ def test_install_kernel_cache_replaces_only_cupys_default():
         assert type(ours).__name__ == "KernelDiskCache" and ours.cache_dir == saved._cache_dir
         assert _jit.install_kernel_cache() is ours                     # once
         mine = cupy_cache.KernelCacheBackend.__new__(type("UserBackend", (cupy_cache.KernelCacheBackend,),
-                                                          {"load": lambda s, n: None, "save": lambda *a: None}))
+                                                          {"load": lambda s, n: None,
+                                                           "save": lambda *a: None}))
         compiler._set_kernel_cache_backend(mine)
         assert _jit.install_kernel_cache() is mine                     # a user's backend is left alone
     finally:
@@ -246,7 +251,8 @@ def test_install_kernel_cache_replaces_only_cupys_default():
 def test_two_processes_compiling_one_kernel_at_once():
     code = ("from infllm_cupy import _jit; r = _jit.compile_report('compress/mean_pool.cu', "
             "['compress_mean_pool<float, 64>'], 'sm_80'); print(r.kernels[0].registers)")
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
              for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs

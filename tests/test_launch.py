@@ -16,11 +16,13 @@ def test_launch_structs_match_cuda_h():
     assert ctypes.sizeof(_launch._LaunchConfig) == 56
     assert (_launch._LaunchConfig.stream.offset, _launch._LaunchConfig.attrs.offset,
             _launch._LaunchConfig.num_attrs.offset) == (32, 40, 48)
-    attr = _launch._LaunchAttribute(id=_launch._PROGRAMMATIC_STREAM_SERIALIZATION, value=(1).to_bytes(4, "little"))
+    attr = _launch._LaunchAttribute(id=_launch._PROGRAMMATIC_STREAM_SERIALIZATION,
+                                    value=(1).to_bytes(4, "little"))
     assert bytes(attr)[:12] == b"\x06\x00\x00\x00\x00\x00\x00\x00\x01\x00\x00\x00"
     # a c_char array initialised from bytes stops at the first NUL: a value with NULs inside (a
     # cluster's x, y, z) would lose its later bytes, so the launch copies values with memmove
-    assert bytes(_launch._LaunchAttribute(id=4, value=b"\x08\x00\x00\x00\x01"))[8:13] == b"\x08\x00\x00\x00\x00"
+    assert bytes(_launch._LaunchAttribute(id=4,
+                                          value=b"\x08\x00\x00\x00\x01"))[8:13] == b"\x08\x00\x00\x00\x00"
 
 
 def test_programmatic_launch_sets_the_attribute_bytes():
@@ -57,7 +59,8 @@ def test_launch_error_names_kernel_grid_and_argument_shapes():
     q = torch.zeros(7, 4, 64, dtype=torch.bfloat16)
     _launch._remember(0x7000, q)
     err = _launch.launch_error("stage2_fwd<__nv_bfloat16, 64>", (3, 2), (128,), 49152,
-                               (np.uint64(0x7000), np.uint64(0x9990), np.uint64(0), np.int32(7), np.float32(0.125),
+                               (np.uint64(0x7000), np.uint64(0x9990), np.uint64(0), np.int32(7),
+                                np.float32(0.125),
                                 np.zeros(128, np.uint8)), RuntimeError("CUDA_ERROR_INVALID_VALUE"))
     msg = str(err)
     assert "stage2_fwd<__nv_bfloat16, 64>" in msg and "CUDA_ERROR_INVALID_VALUE" in msg
@@ -97,6 +100,7 @@ def test_a_real_failed_launch_names_the_kernel_and_shapes():
     out = torch.empty(5, 2, 64, device="cuda", dtype=torch.bfloat16)
     kern = _jit.get_kernel(mean_pool.SOURCE, "compress_mean_pool<__nv_bfloat16, 64>")
     # 4096 threads per block: every GPU refuses the launch itself
-    with pytest.raises(RuntimeError, match=r"(?s)compress_mean_pool.*block=\(4096,\).*bfloat16\[100, 2, 64\]"):
+    with pytest.raises(RuntimeError,
+                       match=r"(?s)compress_mean_pool.*block=\(4096,\).*bfloat16\[100, 2, 64\]"):
         _launch.launch(kern, name="compress_mean_pool", grid=(1,), block=(4096,),
                        args=(_launch.ptr(k), _launch.ptr(out), np.int32(5)))

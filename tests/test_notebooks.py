@@ -79,11 +79,13 @@ def test_paired_ipynb_is_stripped_twin(path):
     rel = ipynb.relative_to(ROOT).as_posix()
     blob = subprocess.run(["git", "-C", str(ROOT), "show", f"HEAD:{rel}"], capture_output=True, text=True)
     if blob.returncode != 0:
-        pytest.skip(f"{rel} is not committed in a git checkout here: the outputs check reads the committed file")
+        pytest.skip(f"{rel} is not committed in a git checkout here: the outputs check reads the committed "
+                    "file")
     committed = nbformat.reads(blob.stdout, as_version=4)
     for c in committed.cells:
         if c.cell_type == "code":
-            assert c.outputs == [] and c.execution_count is None, f"{rel} was committed with outputs: strip them"
+            assert c.outputs == [] and c.execution_count is None, \
+                f"{rel} was committed with outputs: strip them"
 
 
 # ------------------------------------------------------------------------------ synthetic sequences
@@ -97,7 +99,8 @@ def test_structured_sequence_shapes_needles_and_seed():
     assert torch.equal(a.k, b.k.to(torch.bfloat16))               # data do not depend on dtype or device
     assert [n.kv_head for n in a.needles] == [0, 1, 0, 1]
     assert all(1 <= n.key_block < 1024 // 64 // 4 + 1 and n.query_start >= 512 for n in a.needles)
-    assert a.needles[0].query_blocks == (a.needles[0].query_start // 64, (a.needles[0].query_start + 63) // 64)
+    assert a.needles[0].query_blocks == (a.needles[0].query_start // 64,
+                                         (a.needles[0].query_start + 63) // 64)
     # the sink: every query's logit to key 0 is far above its mean logit
     logits = torch.einsum("thd,jhd->thj", a.q.float().view(1024, 2, 4, 32).mean(2), a.k.float()) / 32 ** 0.5
     assert (logits[:, :, 0] - logits.mean(-1)).mean() > 4
@@ -186,8 +189,8 @@ def test_sweep_summaries_and_plots(tmp_path):
 
     data = structured_sequence(1024, 4, 2, 32, local_len=64, topic_len=128, dtype=torch.float32)
     cfg = InfLLMv2Config(topk=2, local_blocks=2, dense_len=0)
-    _, aux = naive_infllmv2_attention(data.q, data.k, data.v, data.cu_seqlens, data.cu_seqlens, 1024, 1024, cfg,
-                                      return_aux=True)
+    _, aux = naive_infllmv2_attention(data.q, data.k, data.v, data.cu_seqlens, data.cu_seqlens, 1024, 1024,
+                                      cfg, return_aux=True)
     sweep = topk_sweep(aux["block_scores"], data.cu_seqlens, 1024, [2, 4, 8], cfg)
     assert torch.equal(sweep[2], aux["topk_idx"]) and sweep[8].shape[-1] == 10
     # topk = init_blocks + 1 = 2 keeps exactly the forced blocks: block 0 and the 3 ending at the query's
@@ -231,7 +234,8 @@ def test_notebook_picks_its_size(notebook, nb_smoke, smoke, why, tmp_path):
     nb = jupytext.read(NOTEBOOK_DIR / f"{notebook}.py")
     setup = next(c.source for c in nb.cells if c.cell_type == "code")     # the first cell: sizes only
     env = {k: v for k, v in os.environ.items() if k != "NB_SMOKE"}
-    env.update(CUDA_VISIBLE_DEVICES="", NB_FIG_DIR=str(tmp_path), **({"NB_SMOKE": nb_smoke} if nb_smoke else {}))
+    env.update(CUDA_VISIBLE_DEVICES="", NB_FIG_DIR=str(tmp_path),
+               **({"NB_SMOKE": nb_smoke} if nb_smoke else {}))
     out = subprocess.run([sys.executable, "-c", setup + "\nprint('SMOKE', SMOKE, T)"], env=env, cwd=tmp_path,
                          capture_output=True, text=True, check=True).stdout
     assert f"SMOKE {smoke} {2048 if smoke else 32768}" in out, out

@@ -2,6 +2,7 @@
 into the package), so a new subpackage missing from that list would install as an ImportError for users of
 a non-editable install while every test here, which runs from the source tree, still passes."""
 import pathlib
+
 import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -141,7 +141,8 @@ def test_gradients_flow_through_stage2_only():
     assert not aux["scores"].requires_grad and not aux["ck1"].requires_grad
     do = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), do)
-    want = torch.autograd.grad(naive_sparse_attn_varlen(q, k, v, cu, cu, aux["topk_idx"], 700, 700), (q, k, v), do)
+    want = torch.autograd.grad(naive_sparse_attn_varlen(q, k, v, cu, cu, aux["topk_idx"], 700, 700),
+                               (q, k, v), do)
     for g, w in zip(grads, want):
         assert bool(torch.isfinite(g).all()) and g.abs().sum() > 0
         torch.testing.assert_close(g, w)
@@ -335,13 +336,15 @@ def test_kernels_match_reference_on_cuda(lengths, HQ, H, D, dtype):
     cfg = InfLLMv2Config(topk=4, local_blocks=2, dense_len=0, score_dtype=torch.float32)
     with torch.no_grad():
         out, aux = infllmv2_attention(q, k, v, cu, cu, L, L, cfg, backend="kernels", return_aux=True)
-        ref_out, ref_aux = infllmv2_attention(q, k, v, cu, cu, L, L, cfg, backend="reference", return_aux=True)
+        ref_out, ref_aux = infllmv2_attention(q, k, v, cu, cu, L, L, cfg, backend="reference",
+                                              return_aux=True)
         idx = ref_aux["topk_idx"]
         ref64 = naive_sparse_attn_varlen(q.double(), k.double(), v.double(), cu, cu, idx, L, L)
         lowp = naive_sparse_attn_varlen(q, k, v, cu, cu, idx, L, L, upcast=False)
     assert torch.equal(aux["ck1"], ref_aux["ck1"]) and torch.equal(aux["ck2"], ref_aux["ck2"])
     assert torch.equal(aux["topk_idx"], idx)
-    assert (idx >= 0).sum(-1).max() < -(-L // 64), "the selection must be sparse for the test to mean anything"
+    assert (idx >= 0).sum(-1).max() < -(-L // 64), \
+        "the selection must be sparse for the test to mean anything"
     assert_close_to_ref("out (kernels)", out, ref64, lowp)
     assert_close_to_ref("out (reference)", ref_out, ref64, lowp)
 
@@ -410,9 +413,11 @@ def test_kernel_path_grads_and_other_block_sizes_on_cuda():
     assert dq.shape == q.shape and bool(torch.isfinite(dq).all())
     with torch.no_grad():
         with pytest.raises(ValueError, match=r"config\.block_size"):
-            infllmv2_attention(q, k, v, cu, config=InfLLMv2Config(block_size=128, dense_len=0), backend="auto")
+            infllmv2_attention(q, k, v, cu, config=InfLLMv2Config(block_size=128, dense_len=0),
+                               backend="auto")
         # the reference path takes any block size
-        infllmv2_attention(q, k, v, cu, config=InfLLMv2Config(block_size=128, dense_len=0), backend="reference")
+        infllmv2_attention(q, k, v, cu, config=InfLLMv2Config(block_size=128, dense_len=0),
+                           backend="reference")
     out = InfLLMv2Attention(SPARSE, backend="reference")(q, k, v, cu)
     assert out.requires_grad
     with torch.no_grad():

@@ -58,7 +58,7 @@ def test_transformers_block_runs_without_warnings():
 def test_paths_it_names_exist_in_a_clone():
     assert "../" not in README, "README.md points outside the repository"
     named = set(re.findall(r"`((?:[\w.-]+/)*[\w.-]+\.(?:md|py|sh|ipynb|cu|cuh|toml))[`\s]", README))
-    named |= {p for p in re.findall(r"`((?:[\w.-]+/)+)`", README)}             # folders
+    named |= set(re.findall(r"`((?:[\w.-]+/)+)`", README))             # folders
     missing = []
     for p in sorted(named):
         if (REPO / p).exists():

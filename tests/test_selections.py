@@ -21,7 +21,8 @@ BS = 64
 
 
 def check_contract(idx: torch.Tensor, B: int, T: int, K: int):
-    """ascending, -1 only as a tail, block 0 and diagonal present, nothing future, all K slots used when possible."""
+    """ascending, -1 only as a tail, block 0 and diagonal present, nothing future, all K slots used when
+    possible."""
     H = idx.shape[0]
     assert idx.dtype == torch.int32 and idx.shape == (H, B * T, K)
     qb = ((torch.arange(B * T) % T) // BS).view(1, -1, 1)
@@ -160,7 +161,8 @@ def test_flex_inputs_build_a_block_mask():
     idx = per_token(B, T, H, K, seed=8)
     fb = to_flex_block_mask_inputs(idx, B, T, HQ)
     bm = BlockMask.from_kv_blocks(fb.kv_num_blocks, fb.kv_indices, fb.full_kv_num_blocks, fb.full_kv_indices,
-                                  BLOCK_SIZE=(128, 128), mask_mod=lambda b, h, q, kv: q >= kv, seq_lengths=(T, T))
+                                  BLOCK_SIZE=(128, 128), mask_mod=lambda b, h, q, kv: q >= kv,
+                                  seq_lengths=(T, T))
     assert torch.equal(bm.to_dense().bool(), fb.union.repeat_interleave(HQ // H, dim=1))
 
 

@@ -61,7 +61,8 @@ def test_scored_picks_are_topk_minus_the_forced():
 
 @pytest.mark.parametrize("topk, init_blocks", [(0, 1), (1, 1), (2, 2), (3, 3), (0, 0)])
 def test_config_refuses_a_topk_that_drops_forced_blocks(topk, init_blocks):
-    with pytest.raises(ValueError, match=rf"topk must be at least init_blocks \+ 1 = {init_blocks + 1}, got {topk}"):
+    with pytest.raises(ValueError,
+                       match=rf"topk must be at least init_blocks \+ 1 = {init_blocks + 1}, got {topk}"):
         InfLLMv2Config(topk=topk, init_blocks=init_blocks)
 
 

@@ -49,7 +49,8 @@ def _orig_topk_to_uint64(topk_idx, max_seqlen_k, block_size):
     return torch.tensor(out, dtype=torch.int64).reshape(tuple(topk_idx.shape[:-1]) + (n_words,)), k_blocks
 
 
-def _orig_pool(score, cu_q, cu_k1, cache_lens, max_seqlen_q, local_blocks, init_blocks, block_size=64, stride=16):
+def _orig_pool(score, cu_q, cu_k1, cache_lens, max_seqlen_q, local_blocks, init_blocks, block_size=64,
+               stride=16):
     """max_pooling_1d.cuh varlen kernel (spec 5), one element at a time."""
     w = block_size // stride
     out_len = (max_seqlen_q + max(cache_lens) + block_size - 1) // block_size
@@ -81,7 +82,8 @@ def _orig_compress(k, lengths, kernel, stride):
 
 
 def _orig_stage1(q, k1, k2, lq, n1s, n2s, causal, width):
-    """flash_fwd_kernel.h stage 1 (spec 4.2-4.3): coarse-key max/sum, fine-key probabilities, sum of 16 heads."""
+    """flash_fwd_kernel.h stage 1 (spec 4.2-4.3): coarse-key max/sum, fine-key probabilities, sum of 16
+    heads."""
     T, hq, d = q.shape
     hk = k1.shape[1]
     G = hq // hk
@@ -187,7 +189,8 @@ def _orig_uint64_to_bool(words, last_dim_size):
     """uint64_to_bool.cuh: out[row, col] = bit col % 64 of word col // 64 of the row."""
     lead = tuple(words.shape[:-1])
     rows = words.reshape(-1, words.shape[-1]).tolist() if words.numel() else []
-    out = [[bool((w % (1 << 64)) >> (c % 64) & 1) for c, w in ((c, row[c // 64]) for c in range(last_dim_size))]
+    out = [[bool((w % (1 << 64)) >> (c % 64) & 1)
+            for c, w in ((c, row[c // 64]) for c in range(last_dim_size))]
            for row in rows]
     return torch.tensor(out, dtype=torch.bool).reshape(lead + (last_dim_size,))
 
@@ -214,8 +217,8 @@ def _bitmask_checks(device):
     past k_blocks (kept up to the last word) and past the last word (dropped), duplicates, bit 63, widths
     that are not multiples of 64, non-contiguous inputs, int64 and uint64 words."""
     g = torch.Generator().manual_seed(21)
-    for max_seqlen_k, shape in ((64 * 100, (2, 7, 12)), (64 * 64, (3, 5, 40)), (1, (1, 4, 3)), (64 * 200, (1, 2, 3, 9)),
-                                (64 * 129, (2, 1, 200))):
+    for max_seqlen_k, shape in ((64 * 100, (2, 7, 12)), (64 * 64, (3, 5, 40)), (1, (1, 4, 3)),
+                                (64 * 200, (1, 2, 3, 9)), (64 * 129, (2, 1, 200))):
         k_blocks = -(-max_seqlen_k // 64)
         hi = 64 * ((k_blocks + 63) // 64) + 5
         idx = torch.randint(-3, hi, shape, generator=g, dtype=torch.int32)
@@ -242,7 +245,8 @@ def _bitmask_checks(device):
             want_b = _orig_uint64_to_bool(words, last)
             assert torch.equal(iv2.uint64_to_bool(words.to(device), last).cpu(), want_b)
             if hasattr(torch, "uint64"):
-                assert torch.equal(iv2.uint64_to_bool(words.to(device).view(torch.uint64), last).cpu(), want_b)
+                assert torch.equal(iv2.uint64_to_bool(words.to(device).view(torch.uint64), last).cpu(),
+                                   want_b)
         assert torch.equal(iv2.uint64_to_bool(got, n).cpu(), mask)
 
 
@@ -261,7 +265,8 @@ def test_bitmask_helpers_equal_the_original_kernels():
 
 
 class _NoHostRead:
-    """Makes every way of reading a tensor's values on the host raise (CPU tensors stand in for device ones)."""
+    """Makes every way of reading a tensor's values on the host raise (CPU tensors stand in for device
+    ones)."""
     NAMES = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero")
 
     def __init__(self, monkeypatch):
@@ -281,7 +286,8 @@ def test_bitmask_helpers_and_pooling_read_nothing_back(monkeypatch):
     mask = torch.rand(2, 9, 130, generator=g) < 0.5
     score = torch.randn(2, 30, 8, generator=g).to(torch.bfloat16)
     cu_q, cu_k = _cu([20, 10]), _cu([8, 3])
-    want_pool = iv2.max_pooling_1d_varlen(score, cu_q, cu_k, torch.tensor([0, 70], dtype=torch.int32), 20, 8, 1, 1)
+    want_pool = iv2.max_pooling_1d_varlen(score, cu_q, cu_k, torch.tensor([0, 70], dtype=torch.int32), 20, 8,
+                                          1, 1)
     want_one = iv2.max_pooling_1d(score[:, :20], 70, 1, 1)
     with monkeypatch.context() as m:
         _NoHostRead(m)
@@ -349,7 +355,8 @@ def _pool_checks(device, local_blocks, init_blocks):
                                     torch.tensor(cache, dtype=torch.int32, device=device), max(lq), width,
                                     local_blocks, init_blocks)
     want = _orig_pool(score, cu_q.tolist(), cu_k.tolist(), cache, max(lq), local_blocks, init_blocks)
-    assert got.dtype == torch.bfloat16 and got.shape == want.shape == (2, sum(lq), math.ceil((200 + 130) / 64))
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape == (2, sum(lq),
+                                                                       math.ceil((200 + 130) / 64))
     assert got.device.type == torch.device(device).type
     assert torch.equal(got.cpu(), want)
     assert torch.isneginf(got).any()  # empty windows past n1
@@ -369,7 +376,8 @@ def _pool_checks(device, local_blocks, init_blocks):
     got2 = iv2.max_pooling_1d_varlen(dec.to(device), cu1.to(device), _cu(n1).to(device),
                                      torch.tensor(cl, dtype=torch.int32, device=device), 1, 40, local_blocks,
                                      init_blocks)
-    assert torch.equal(got2.cpu(), _orig_pool(dec, cu1.tolist(), _cu(n1).tolist(), cl, 1, local_blocks, init_blocks))
+    assert torch.equal(got2.cpu(),
+                       _orig_pool(dec, cu1.tolist(), _cu(n1).tolist(), cl, 1, local_blocks, init_blocks))
 
 
 @pytest.mark.parametrize("local_blocks,init_blocks", [(2, 1), (32, 1), (1, 0)])
@@ -389,7 +397,8 @@ def test_max_pooling_1d_varlen_quirks_gpu(local_blocks, init_blocks):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_stage1_layout_and_quirks(causal):
-    # 300: plain; 335: L % 16 == 15 (quirk A); 383: L % 16 == 15 and L % 64 == 63 (quirk B); 100: no coarse key
+    # 300: plain; 335: L % 16 == 15 (quirk A); 383: L % 16 == 15 and L % 64 == 63 (quirk B); 100: no coarse
+    # key
     g = torch.Generator().manual_seed(4)
     lengths, hk, G, d = [300, 335, 383, 100], 2, 16, 32
     q = torch.randn(sum(lengths), hk * G, d, generator=g).to(torch.bfloat16)
@@ -408,9 +417,11 @@ def test_stage1_layout_and_quirks(causal):
     assert (got[:, cu_q[3]:cu_q[4]] == 0).all()  # no coarse key -> zero rows
     # a wider max_seqlen_k pads with zeros (the original's buffer is zero-initialised)
     wide = iv2.infllmv2_attn_stage1(q, k1, k2, cu_q, cu1, cu2, max(lengths), max_n1 + 5, causal=causal)
-    assert wide.shape[2] == max_n1 + 5 and torch.equal(wide[:, :, :max_n1], got) and (wide[:, :, max_n1:] == 0).all()
+    assert wide.shape[2] == max_n1 + 5 and torch.equal(wide[:, :, :max_n1],
+                                                       got) and (wide[:, :, max_n1:] == 0).all()
     # the HF modeling file feeds this layout straight into the varlen pooling
-    pooled = iv2.max_pooling_1d_varlen(got, cu_q, cu1, torch.zeros(4, dtype=torch.int32), max(lengths), max_n1, 32, 1)
+    pooled = iv2.max_pooling_1d_varlen(got, cu_q, cu1, torch.zeros(4, dtype=torch.int32), max(lengths),
+                                       max_n1, 32, 1)
     want_pooled = _orig_pool(want, cu_q.tolist(), cu1.tolist(), [0] * 4, max(lengths), 32, 1)
     assert pooled.shape == want_pooled.shape == (hk, sum(lengths), math.ceil(383 / 64))
     torch.testing.assert_close(pooled.float(), want_pooled.float(), rtol=2 ** -7, atol=1e-3)
@@ -442,7 +453,8 @@ def test_varlen_with_topk_idx(G):
     q = torch.randn(sum(lq), hk * G, d, generator=g, dtype=torch.float64).float()
     k = torch.randn(sum(lk), hk, d, generator=g).float()
     v = torch.randn(sum(lk), hk, d, generator=g).float()
-    topk = torch.randint(-1, 6, (hk, sum(lq), 5), generator=g, dtype=torch.int32)  # incl. -1, future, >= own count
+    # incl. -1, future, >= own count
+    topk = torch.randint(-1, 6, (hk, sum(lq), 5), generator=g, dtype=torch.int32)
     topk[:, :, 0] = 0
     topk[0, 3] = torch.tensor([2, 2, 1, -1, 9], dtype=torch.int32)  # duplicates
     topk[1, 5] = -1  # nothing selected: out 0, lse +inf
@@ -459,7 +471,8 @@ def test_varlen_with_topk_idx(G):
     torch.testing.assert_close(lse.double(), mapped, rtol=1e-4, atol=1e-5)
     # without return_attn_probs: the tensor alone; differentiable in q, k, v
     qg = q.clone().requires_grad_()
-    o = iv2.infllmv2_attn_varlen_func(qg, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=True, topk_idx=topk)
+    o = iv2.infllmv2_attn_varlen_func(qg, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=True,
+                                      topk_idx=topk)
     o.sum().backward()
     assert qg.grad is not None and torch.isfinite(qg.grad).all()
 
@@ -544,8 +557,8 @@ def _decode_checks(paged, device):
     torch.testing.assert_close(lse.cpu().double(), want_lse, **tol)
     # new k/v are written in place at cache_seqlens and attended (dense here)
     k_new, v_new = torch.randn(B, 1, hk, d, generator=g).to(dt), torch.randn(B, 1, hk, d, generator=g).to(dt)
-    out2 = iv2.infllmv2_attn_with_kvcache(dev(q), kc, vc, k=dev(k_new), v=dev(v_new), cache_seqlens=dev(seqlens),
-                                          block_table=bt)
+    out2 = iv2.infllmv2_attn_with_kvcache(dev(q), kc, vc, k=dev(k_new), v=dev(v_new),
+                                          cache_seqlens=dev(seqlens), block_table=bt)
     k_full2, v_full2 = k_full.clone(), v_full.clone()
     kc = kc.cpu()
     for b in range(B):
@@ -578,7 +591,8 @@ def _failure_checks(paged, device):
     q = torch.randn(B, 1, 4 * hk, d, generator=g).to(dt).to(device)
     if paged:
         k_cache, v_cache = (torch.randn(5, page, hk, d, generator=g).to(dt).to(device) for _ in range(2))
-        block_table = torch.tensor([[3, 0], [1, -1]], dtype=torch.int32, device=device)  # sequence 1: one page
+        # sequence 1: one page
+        block_table = torch.tensor([[3, 0], [1, -1]], dtype=torch.int32, device=device)
     else:
         k_cache, v_cache = (torch.randn(B, 2 * page, hk, d, generator=g).to(dt).to(device) for _ in range(2))
         block_table = None
@@ -615,10 +629,12 @@ def _failure_checks(paged, device):
         (ValueError, "cache_batch_idx", dict(cache_batch_idx=torch.tensor([0, 1], **i32))) if paged else
         (ValueError, "cache_batch_idx", dict(cache_batch_idx=torch.tensor([0, 2], **i32))),
         (ValueError, "cache_batch_idx", dict(cache_batch_idx=torch.tensor([0, -1], **i32))),
-        (ValueError, "cache_batch_idx", dict(cache_batch_idx=torch.tensor([0, 1], dtype=torch.int64, device=device))),
+        (ValueError, "cache_batch_idx",
+         dict(cache_batch_idx=torch.tensor([0, 1], dtype=torch.int64, device=device))),
         (ValueError, "cache_leftpad", dict(cache_leftpad=torch.tensor([0, 21], **i32))),
         (ValueError, "cache_leftpad", dict(cache_leftpad=torch.tensor([-1, 0], **i32))),
-        (ValueError, "cache_leftpad", dict(cache_leftpad=torch.tensor([0, 0], dtype=torch.int64, device=device))),
+        (ValueError, "cache_leftpad",
+         dict(cache_leftpad=torch.tensor([0, 0], dtype=torch.int64, device=device))),
         (ValueError, "cache_leftpad", dict(cache_leftpad=torch.tensor([0], **i32))),
         (NotImplementedError, "softcap", dict(softcap=2.0)),
         (NotImplementedError, "seqlen", dict(q=torch.cat([q, q], 1))),
@@ -630,7 +646,8 @@ def _failure_checks(paged, device):
             (ValueError, "block_table", dict(cache_seqlens=torch.tensor([130, 20], **i32))),  # past the row
         ]
     else:
-        bad_calls += [(ValueError, "k_cache", dict(cache_seqlens=torch.tensor([1], **i32), q=q[:1], k=k_new[:1],
+        bad_calls += [(ValueError, "k_cache",
+                       dict(cache_seqlens=torch.tensor([1], **i32), q=q[:1], k=k_new[:1],
                                                    v=v_new[:1], topk_idx=good[:1]))]
     for exc, match, kw in bad_calls:
         args = dict(q=q, k=k_new, v=v_new, cache_seqlens=seqlens, block_table=block_table, topk_idx=good,
@@ -688,8 +705,10 @@ def test_kvcache_rotary_and_cache_batch_idx(interleaved):
     ang = torch.rand(256, rd // 2, generator=g) * 6.0
     cos, sin = ang.cos(), ang.sin()
     topk = torch.randint(-1, 3, (B, hk, 1, 2), generator=g, dtype=torch.int32)
-    out = iv2.infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, rotary_cos=cos, rotary_sin=sin,
-                                         cache_seqlens=seqlens, cache_batch_idx=torch.tensor(rows, dtype=torch.int32),
+    out = iv2.infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, rotary_cos=cos,
+                                         rotary_sin=sin,
+                                         cache_seqlens=seqlens,
+                                         cache_batch_idx=torch.tensor(rows, dtype=torch.int32),
                                          rotary_interleaved=interleaved, topk_idx=topk)
     q_rot = torch.zeros(B, 1, hk * G, d, dtype=torch.float64)
     k_full, v_full = before[rows].double(), v_cache[rows].double()
@@ -706,7 +725,8 @@ def test_kvcache_rotary_and_cache_batch_idx(interleaved):
     want, _ = _orig_decode(q_rot, k_full, v_full, seqlens + 1, topk)
     torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="need k and v"):
-        iv2.infllmv2_attn_with_kvcache(q, k_cache, v_cache, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens,
+        iv2.infllmv2_attn_with_kvcache(q, k_cache, v_cache, rotary_cos=cos, rotary_sin=sin,
+                                       cache_seqlens=seqlens,
                                        cache_batch_idx=torch.tensor(rows, dtype=torch.int32))
     with pytest.raises(ValueError, match="cache_batch_idx"):
         iv2.infllmv2_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
@@ -755,7 +775,8 @@ def _leftpad_checks(device, interleaved):
             q_rot[b, 0, h] = _rope_by_hand(q[b, 0, h], cos, sin, L, interleaved)
         for h in range(hk):
             want_k = _rope_by_hand(k_new[b, 0, h], cos, sin, L, interleaved)
-            torch.testing.assert_close(kc[r, L, h].double(), want_k, **tol)   # written at the absolute position
+            # written at the absolute position
+            torch.testing.assert_close(kc[r, L, h].double(), want_k, **tol)
         assert torch.equal(vc[r, L], v_new[b, 0])
         k_shift[b, :S - p] = kc[r, p:].double()
         v_shift[b, :S - p] = vc[r, p:].double()
@@ -799,7 +820,8 @@ def _small():
 
 
 @pytest.mark.parametrize("kw", [dict(dropout_p=0.1), dict(alibi_slopes=torch.ones(16)), dict(softcap=5.0),
-                                dict(window_size=(32, 0)), dict(block_table=torch.zeros(1, 1, dtype=torch.int32))])
+                                dict(window_size=(32, 0)),
+                                dict(block_table=torch.zeros(1, 1, dtype=torch.int32))])
 def test_varlen_and_stage1_unsupported(kw):
     q, k, cu = _small()
     name = next(iter(kw))
@@ -849,7 +871,8 @@ def test_varlen_paged_kv_equals_packed(page):
         iv2.infllmv2_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max(lq), max(lk), block_table=bad)
 
 
-@pytest.mark.parametrize("kw", [dict(softcap=1.0), dict(alibi_slopes=torch.ones(16)), dict(window_size=(8, 0))])
+@pytest.mark.parametrize("kw",
+                         [dict(softcap=1.0), dict(alibi_slopes=torch.ones(16)), dict(window_size=(8, 0))])
 def test_kvcache_unsupported(kw):
     q = torch.randn(1, 1, 16, 32)
     kc = torch.randn(1, 64, 1, 32)
@@ -888,8 +911,8 @@ def test_install_is_opt_in(monkeypatch):
         mod = importlib.import_module(f"infllm_v2.{name}")
         for n in names:
             assert getattr(mod, n) is getattr(iv2, n), (name, n)
-    from infllm_v2.max_pooling_1d import max_pooling_1d_varlen as mp      # noqa: F401
-    from infllm_v2.topk_to_uint64 import TopkToUint64Converter            # noqa: F401
-    from infllm_v2.infllmv2_sparse_attention import infllmv2_attn_with_kvcache   # noqa: F401
+    from infllm_v2.infllmv2_sparse_attention import infllmv2_attn_with_kvcache  # noqa: F401
+    from infllm_v2.max_pooling_1d import max_pooling_1d_varlen as mp
+    from infllm_v2.topk_to_uint64 import TopkToUint64Converter  # noqa: F401
 
     assert mp is iv2.max_pooling_1d_varlen

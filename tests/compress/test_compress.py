@@ -40,7 +40,8 @@ def test_compress_reference_against_loop(lengths, window):
     ck, cu_c = naive_compress_k(k, make_cu(lengths), kernel, stride)
     want = loop_compress(k, lengths, kernel, stride)
     assert torch.allclose(ck, want, atol=1e-12)
-    assert cu_c.tolist() == [0] + torch.tensor([n_chunks(L, kernel, stride) for L in lengths]).cumsum(0).tolist()
+    assert cu_c.tolist() == [0] + torch.tensor([n_chunks(L, kernel,
+                                                         stride) for L in lengths]).cumsum(0).tolist()
     assert cu_c.dtype == torch.int32
 
 

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from infllm_cupy import _env
+from infllm_cupy.compress.naive import n_chunks, naive_compress_k
 from infllm_cupy.decode import DecodeCache, naive_infllmv2_decode, naive_sparse_decode
 from infllm_cupy.decode.ops import decode_select_op, decode_step, sparse_decode_op, sparse_decode_weights_op
 from infllm_cupy.decode.step import decode_layout, decode_select, infllmv2_decode, infllmv2_prefill_into_cache
 from infllm_cupy.pipeline import InfLLMv2Config, naive_infllmv2_attention
-from infllm_cupy.testing import assert_close_to_ref, cu_seqlens_from_lengths, random_decode_cache
-from infllm_cupy.compress.naive import n_chunks, naive_compress_k
 from infllm_cupy.stage2.naive import naive_dense_attn_varlen
+from infllm_cupy.testing import assert_close_to_ref, cu_seqlens_from_lengths, random_decode_cache
 
 # A small budget so that selection drops blocks (K = 4 + 2 = 6 blocks of 64); fp32 scores so that
 # no two blocks tie in top-k (ties may be broken differently by torch.topk and the kernel).
@@ -35,8 +35,8 @@ def same_selection(a, b, block_scores=None, tol=1e-3):
     assert a.shape[:2] == b.shape[:2]
     for h in range(a.shape[0]):
         for s in range(a.shape[1]):
-            x = set(i for i in a[h, s].tolist() if i >= 0)
-            y = set(i for i in b[h, s].tolist() if i >= 0)
+            x = {i for i in a[h, s].tolist() if i >= 0}
+            y = {i for i in b[h, s].tolist() if i >= 0}
             if x == y:
                 continue
             where = f"row (h={h}, b={s})"
@@ -100,7 +100,7 @@ def test_weights_of_the_step():
     lengths, H, HQ, D = [300, 1000], 2, 8, 32
     cache = random_decode_cache(lengths, H, D, torch.float32, page_size=64)
     q = torch.randn(2, HQ, D)
-    out, w, idx = infllmv2_decode(q, cache, config=CFG, return_attn_weights=True, return_topk_idx=True)
+    _out, w, idx = infllmv2_decode(q, cache, config=CFG, return_attn_weights=True, return_topk_idx=True)
     _, wr = naive_sparse_decode(q, cache, idx, return_attn_weights=True)
     assert torch.equal(w, wr) and w.shape == (2, HQ, cache.capacity)
     torch.testing.assert_close(w.sum(-1), torch.ones(2, HQ), atol=1e-5, rtol=0)
@@ -205,7 +205,7 @@ def test_bad_input_names_the_argument():
 
 def test_decode_select_op_pads_to_the_static_k():
     # the op sizes K on the cache's width (a static shape); the reference on the longest sequence
-    cache = random_decode_cache([200, 130], 2, 32, torch.float32, spare=700)             # width 900: 15 blocks
+    cache = random_decode_cache([200, 130], 2, 32, torch.float32, spare=700)            # width 900: 15 blocks
     q = torch.randn(2, 4, 32)
     ref = decode_select(q, cache, config=dataclasses.replace(CFG, topk=12))     # K = min(14, 4) = 4
     got = decode_select_op(q, cache.ck1, cache.ck2, cache.seqlens, cache.capacity, 12, 2, 1, 64, 32 ** -0.5,
@@ -294,7 +294,7 @@ def test_kernel_step_matches_reference(case):
     q = torch.randn(len(lengths), HQ, D, generator=torch.Generator().manual_seed(1)).to("cuda", dtype)
     out, lse, w, idx = infllmv2_decode(q, cache, config=CFG, return_lse=True, return_attn_weights=True,
                                        return_topk_idx=True)
-    cpu = random_decode_cache(lengths, H, D, dtype, page_size=page_size)                 # same draws on the CPU
+    cpu = random_decode_cache(lengths, H, D, dtype, page_size=page_size)               # same draws on the CPU
     _, ref_idx, aux = oracle(q.cpu(), cpu, CFG, aux=True)
     same_selection(idx.cpu(), ref_idx, aux["block_scores"])
     assert idx.shape[2] == min(CFG.topk + CFG.local_blocks, -(-cache.capacity // 64))
@@ -334,11 +334,13 @@ def test_kernel_step_weights_per_kv_head(case, dense):
     as64 = (cache.k.double(), cache.v.double(), cache.seqlens, cache.block_table)
     as64 = as64 if page_size else as64[:3]
     ref_w = naive_sparse_decode(q.double(), as64, idx, return_attn_weights=True, weights="per_kv_head")[1]
-    lowp_w = naive_sparse_decode(q, cache, idx, return_attn_weights=True, weights="per_kv_head", upcast=False)[1]
+    lowp_w = naive_sparse_decode(q, cache, idx, return_attn_weights=True, weights="per_kv_head",
+                                 upcast=False)[1]
     assert_close_to_ref("weights per KV head", wk, ref_w.float(), lowp_w, atol_floor=1e-6)
     assert bool((wk[ref_w == 0] == 0).all()), "weights must be exactly 0 where nothing is selected"
     torch.testing.assert_close(wk.sum(-1), torch.full((B, H), float(G), device="cuda"), atol=G * 1e-4, rtol=0)
-    _, _, wk_op = decode_step(q, cache, config=cfg, dense=dense, return_attn_weights=True, weights="per_kv_head")
+    _, _, wk_op = decode_step(q, cache, config=cfg, dense=dense, return_attn_weights=True,
+                              weights="per_kv_head")
     assert torch.equal(wk_op, wk)
 
 
@@ -381,8 +383,8 @@ def test_whole_step_replays_bit_identically_in_a_cuda_graph(page_size, weights):
 
     def step(cache):
         cache.append(kn, vn)
-        return infllmv2_decode(q, cache, config=CFG, return_lse=True, return_attn_weights=True, weights=weights,
-                               return_topk_idx=True)
+        return infllmv2_decode(q, cache, config=CFG, return_lse=True, return_attn_weights=True,
+                               weights=weights, return_topk_idx=True)
 
     with _env.override(validate=False):
         s = torch.cuda.Stream()
@@ -461,7 +463,8 @@ def test_device_decided_step_in_a_graph_follows_the_lengths():
     def step(cache):
         cache.append(kn, vn)
         return torch.ops.infllm_cupy.infllmv2_decode(q, cache.k, cache.v, cache.ck1, cache.ck2, cache.seqlens,
-                                                     cache.block_table, cfg.topk, cfg.local_blocks, cfg.init_blocks,
+                                                     cache.block_table, cfg.topk, cfg.local_blocks,
+                                                     cfg.init_blocks,
                                                      cfg.dense_len, scale, cfg.score_dtype, cfg.exact_stage1)
 
     warm = random_decode_cache(lengths, H, D, dtype, page_size=64, device="cuda")
@@ -470,7 +473,7 @@ def test_device_decided_step_in_a_graph_follows_the_lengths():
     with torch.cuda.graph(graph):
         out_g = step(graphed)
     paths = set()
-    for i in range(20):                              # the longest: 441 -> 460, dense_len 450
+    for _i in range(20):                              # the longest: 441 -> 460, dense_len 450
         for t in (kn, vn, q):
             t.copy_(torch.randn(t.shape, generator=g).to(dtype))
         graph.replay()
@@ -510,7 +513,8 @@ def test_eager_step_program_rechecks_what_changes():
         infllmv2_decode(odd, cache, config=CFG)
     with pytest.raises(TypeError, match="return_lse"):
         infllmv2_decode(q, cache, config=CFG, return_lse=1)
-    assert torch.equal(infllmv2_decode(q.transpose(0, 1).contiguous().transpose(0, 1), cache, config=CFG), keep)
+    assert torch.equal(infllmv2_decode(q.transpose(0, 1).contiguous().transpose(0, 1), cache, config=CFG),
+                       keep)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -585,7 +589,8 @@ def test_dense_decode_is_attention_over_the_whole_cache():
 def test_one_token_cache_on_the_sparse_path():
     lengths = [1, 200]
     q, k, v = make_qkv(lengths)
-    out, aux = naive_infllmv2_decode(q[last_rows(lengths)], k, v, make_cu(lengths), config=SPARSE, return_aux=True)
+    out, aux = naive_infllmv2_decode(q[last_rows(lengths)], k, v, make_cu(lengths), config=SPARSE,
+                                     return_aux=True)
     assert aux["topk_idx"][:, 0].tolist() == [[0, -1, -1, -1], [0, -1, -1, -1]]
     torch.testing.assert_close(out[0], v[0].repeat_interleave(2, 0))
 
@@ -598,7 +603,8 @@ def test_precomputed_compressed_cache_is_used():
     ck1, cu1 = naive_compress_k(k, cu, 32, 16)
     ck2, cu2 = naive_compress_k(k, cu, 128, 64)
     ref = naive_infllmv2_decode(qd, k, v, cu, config=SPARSE)
-    out = naive_infllmv2_decode(qd, k, v, cu, config=SPARSE, ck1=ck1, cu_seqlens_c1=cu1, ck2=ck2, cu_seqlens_c2=cu2)
+    out = naive_infllmv2_decode(qd, k, v, cu, config=SPARSE, ck1=ck1, cu_seqlens_c1=cu1, ck2=ck2,
+                                cu_seqlens_c2=cu2)
     assert torch.equal(out, ref)
     # a different (wrong) compressed cache changes the result, so the given one is really used
     wrong, aux = naive_infllmv2_decode(qd, k, v, cu, config=SPARSE, ck1=-ck1, cu_seqlens_c1=cu1, ck2=ck2,

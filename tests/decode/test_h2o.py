@@ -50,7 +50,7 @@ def test_h2o_matches_eager_attention_in_a_decode_loop(sparse):
                                                                                     dtype=torch.float64)
         q = torch.randn(B, HQ, D, generator=g, dtype=torch.float64)
         cache.append(k, v)
-        out, w, idx = infllmv2_decode(q, cache, config=cfg, return_attn_weights=True, weights="per_kv_head",
+        _out, w, idx = infllmv2_decode(q, cache, config=cfg, return_attn_weights=True, weights="per_kv_head",
                                       return_topk_idx=True)
         h2o.update(w)
         allow = selected_positions(idx, cache.capacity) if sparse else None

@@ -25,13 +25,15 @@ from infllm_cupy.pipeline import InfLLMv2Config
 from infllm_cupy.stage1.naive import naive_stage1_select
 from infllm_cupy.testing import random_decode_cache
 
-sd = importlib.import_module("infllm_cupy.decode.select_decode")   # the module (the package exports a function)
+# the module (the package exports a function)
+sd = importlib.import_module("infllm_cupy.decode.select_decode")
 
 # fp32 scores: no two blocks tie, so every implementation must pick the same blocks
 CFG = InfLLMv2Config(topk=6, local_blocks=2, dense_len=0, score_dtype=torch.float32)
 
 
-build_cache = functools.partial(random_decode_cache, spare_pages=1)   # the page draws these tests were written on
+# the page draws these tests were written on
+build_cache = functools.partial(random_decode_cache, spare_pages=1)
 
 
 def reference(q, ck1, ck2, seqlens, width, cfg):
@@ -60,7 +62,8 @@ def assert_same_blocks(got, ref, block_scores, tol):
             sx, sy = {i for i in x if i >= 0}, {i for i in y if i >= 0}
             assert len(sx) == len(sy) and sx != sy, f"row (h={h}, b={b}): {x} != {y}"
             sc = [float(block_scores[h, b, i]) for i in sorted(sx ^ sy)]
-            assert max(sc) - min(sc) <= tol * max(abs(v) for v in sc), f"row (h={h}, b={b}): {sorted(sx ^ sy)} {sc}"
+            assert max(sc) - min(sc) <= tol * max(abs(v)
+                                                  for v in sc), f"row (h={h}, b={b}): {sorted(sx ^ sy)} {sc}"
 
 
 # ------------------------------------------------------------------------------------------- CPU
@@ -71,11 +74,12 @@ def test_select_plan_splits_long_caches_over_the_gpu():
         assert p.row_tiles == 1
         assert 64 * p.fine_tiles * p.fine_ranges >= 8191 + 4 and 64 * p.coarse_tiles * p.coarse_ranges >= 2047
         fine_ctas = B * 2 * p.fine_ranges
-        assert fine_ctas >= min(2 * 132, B * 2 * 129) * 0.9, (B, p)       # about two CTAs per SM, or one tile each
+        assert fine_ctas >= min(2 * 132, B * 2 * 129) * 0.9, (B, p)  # about two CTAs per SM, or one tile each
         assert p.fine_ranges == -(-129 // p.fine_tiles)                       # no empty trailing range
     assert plan_select_decode(1, 2, 16, 8191, 2047, 132).fine_tiles == 1
     assert plan_select_decode(8, 2, 16, 8191, 2047, 132) == plan_select_decode(8, 2, 16, 8191, 2047, 132)
-    assert [plan_select_decode(1, 1, g, 10, 2, 1).row_tiles for g in (1, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 4, 4]
+    assert [plan_select_decode(1, 1, g, 10, 2, 1).row_tiles for g in (1, 16, 17, 32, 33, 64)] == [1, 1, 2, 2,
+                                                                                                  4, 4]
     tiny = plan_select_decode(3, 1, 4, 0, 0, 132)
     assert tiny.fine_tiles == tiny.fine_ranges == tiny.coarse_tiles == tiny.coarse_ranges == 1
     huge = plan_select_decode(512, 8, 16, 1 << 20, 1 << 18, 132)
@@ -107,7 +111,8 @@ def test_select_plan_table_in_the_docs_lists_its_fields():
     from pathlib import Path
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "decode.md").read_text()
-    table = doc[doc.index("| `SelectDecodePlan` field |"):].split("\n\n")[0].splitlines()[2:]   # past the header
+    # past the header
+    table = doc[doc.index("| `SelectDecodePlan` field |"):].split("\n\n")[0].splitlines()[2:]
     named = {n for row in table for n in re.findall(r"`(\w+)`", row.split("|")[1])}
     assert table and named == {f.name for f in dataclasses.fields(SelectDecodePlan)}
 
@@ -160,7 +165,7 @@ def test_split_merge_takes_the_boundary_key_from_the_next_range():
     got = emulate_select_decode(q, cache.ck1, cache.ck2, cache.seqlens, -(-cache.capacity // 64), plan,
                                 topk=cfg.topk, local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks,
                                 softmax_scale=None, score_dtype=cfg.score_dtype, exact=False)
-    ref, bs = reference(q, cache.ck1, cache.ck2, cache.seqlens, cache.capacity, cfg)
+    ref, _bs = reference(q, cache.ck1, cache.ck2, cache.seqlens, cache.capacity, cfg)
     for h in range(H):
         assert {31, 32, 47, 48} <= set(ref[h, 0].tolist()) and {15, 16, 31, 32} <= set(ref[h, 1].tolist())
     assert torch.equal(got, ref)
@@ -186,7 +191,8 @@ def test_select_decode_checks_name_the_argument():
     ck1 = torch.zeros(2, 10, 2, 64, dtype=torch.bfloat16)
     ck2 = torch.zeros(2, 3, 2, 64, dtype=torch.bfloat16)
     L = torch.tensor([100, 90], dtype=torch.int32)
-    kw = dict(topk=4, local_blocks=2, init_blocks=1, softmax_scale=None, score_dtype=torch.bfloat16, exact=False)
+    kw = dict(topk=4, local_blocks=2, init_blocks=1, softmax_scale=None, score_dtype=torch.bfloat16,
+              exact=False)
     with pytest.raises((TypeError, ValueError), match="q"):
         select_decode(q.float(), ck1, ck2, L, 4, **kw)
     with pytest.raises(ValueError, match="ck1"):
@@ -296,13 +302,15 @@ def test_cta_topk_source_on_host_threads(tmp_path):
     (tmp_path / "sel_topk_extract.cu").write_text(sw.group(0) + m.group(0))
     exe = tmp_path / "harness"
     harness = Path(__file__).with_name("topk_host_harness.cpp")
-    build = subprocess.run([cxx, "-std=c++20", "-O1", "-pthread", f"-I{tmp_path}", str(harness), "-o", str(exe)],
+    build = subprocess.run([cxx, "-std=c++20", "-O1", "-pthread", f"-I{tmp_path}", str(harness), "-o",
+                            str(exe)],
                            capture_output=True, text=True, timeout=300)
     if build.returncode and "barrier" in build.stderr and "No such file" in build.stderr:
         pytest.skip("the host C++ library has no <barrier> (C++20)")
     assert build.returncode == 0, build.stderr[-3000:]
     run = subprocess.run([str(exe), "3", "40"], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0 and "40 cases, 0 mismatches" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
+    assert run.returncode == 0 and "40 cases, 0 mismatches" in run.stdout, \
+        run.stdout[-3000:] + run.stderr[-2000:]
 
 def test_select_topk_rows_checks_name_the_argument():
     blk, lead = torch.zeros(2, 1, 32), torch.zeros(2, 1, 2)
@@ -418,8 +426,8 @@ def test_split_select_kernel_boundary_keys(short_ranges):
     got = select_decode(q, cache.ck1, cache.ck2, cache.seqlens, -(-cache.capacity // 64), topk=cfg.topk,
                         local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks, softmax_scale=None,
                         score_dtype=cfg.score_dtype, exact=False, plan=plan)
-    ref, bs = reference(q, cache.ck1, cache.ck2, cache.seqlens, cache.capacity, cfg)
-    edge = {t // 4 * r + d for r in (1, 2, 3) for d in (-1, 0)}         # the blocks on both sides of each edge
+    ref, _bs = reference(q, cache.ck1, cache.ck2, cache.seqlens, cache.capacity, cfg)
+    edge = {t // 4 * r + d for r in (1, 2, 3) for d in (-1, 0)}        # the blocks on both sides of each edge
     assert all(edge <= set(ref[h, b].tolist()) for h in range(H) for b in range(2))
     assert torch.equal(got.cpu(), ref)
 
@@ -465,7 +473,8 @@ def test_bench_select_topk_script_starts():
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_select_topk.py"
-    r = subprocess.run([sys.executable, str(script), "--inner", "0"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, str(script), "--inner", "0"], capture_output=True, text=True,
+                       timeout=120)
     if not torch.cuda.is_available():
         assert r.returncode == 0 and "needs a CUDA GPU" in r.stdout, r.stderr
     else:

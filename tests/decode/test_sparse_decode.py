@@ -67,7 +67,8 @@ def test_reference_equals_the_stage2_references(page_size):
     torch.testing.assert_close(dense, naive_dense_attn_varlen(q, k, v, cu_q, cu, causal=False))
     idx = selection(H, lengths, 5)
     out, lse = naive_sparse_decode(q, cache, idx, return_lse=True)
-    ref, ref_lse = naive_sparse_attn_varlen(q, k, v, cu_q, cu, idx, 1, max(lengths), causal=False, return_lse=True)
+    ref, ref_lse = naive_sparse_attn_varlen(q, k, v, cu_q, cu, idx, 1, max(lengths), causal=False,
+                                            return_lse=True)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(lse, ref_lse.T.float())
 
@@ -134,7 +135,7 @@ def test_plan_is_a_pure_function_of_shapes():
     assert p.row_tiles == 1 and p.num_splits * p.per_split >= 96 and (p.num_splits - 1) * p.per_split < 96
     assert plan_decode(1, 2, 17, 96, 132).row_tiles == 2 and plan_decode(1, 2, 64, 96, 132).row_tiles == 4
     assert plan_decode(64, 8, 4, 96, 132).num_splits == 1                       # enough CTAs already
-    assert plan_decode(1, 2, 16, cdiv_(131072, 64), 132).num_splits == 64      # dense 128k at batch 1: an SM each
+    assert plan_decode(1, 2, 16, cdiv_(131072, 64), 132).num_splits == 64  # dense 128k at batch 1: an SM each
     with pytest.raises(ValueError, match="G"):
         plan_decode(1, 1, 65, 10, 132)
 
@@ -181,7 +182,8 @@ def test_plan_merge_groups():
     check_plan(DecodePlan(1, 8, 12, merge_groups=2), 16, 96, 64, 96)
     for plan, D in [(DecodePlan(1, 8, 12, merge_groups=3), 128), (DecodePlan(1, 8, 12, merge_groups=64), 128),
                     (DecodePlan(1, 8, 12, merge_groups=1), 64), (DecodePlan(1, 8, 12, merge_groups=-2), 128),
-                    (DecodePlan(1, 8, 12, merge_groups=True), 128), (DecodePlan(1, 8, 12, merge_groups=2.0), 128)]:
+                    (DecodePlan(1, 8, 12, merge_groups=True), 128),
+                    (DecodePlan(1, 8, 12, merge_groups=2.0), 128)]:
         with pytest.raises(ValueError, match="merge_groups"):
             check_plan(plan, 16, 96, D, 96)
     with pytest.raises(ValueError, match="pdl"):
@@ -244,8 +246,9 @@ GPU_CASES = [
     ([130, 4000], 48, 1, 64, torch.bfloat16, 256, 30),
     ([5000], 12, 4, 128, torch.bfloat16, 64, 0),
 ]
-GPU_IDS = [f"L{'-'.join(map(str, c[0]))}_HQ{c[1]}_H{c[2]}_D{c[3]}_{str(c[4])[6:]}_{'pg' + str(c[5]) if c[5] else 'contig'}"
-           f"_{'K' + str(c[6]) if c[6] else 'dense'}" for c in GPU_CASES]
+GPU_IDS = [f"L{'-'.join(map(str, c[0]))}_HQ{c[1]}_H{c[2]}_D{c[3]}_{str(c[4])[6:]}"
+           f"_{'pg' + str(c[5]) if c[5] else 'contig'}_{'K' + str(c[6]) if c[6] else 'dense'}"
+           for c in GPU_CASES]
 
 
 @pytest.mark.gpu
@@ -258,8 +261,8 @@ def test_kernel_matches_reference(case):
     if idx is not None and len(lengths) > 1:
         idx[:, 1, :] = -1                                                 # a sequence with nothing selected
     out, lse, w = sparse_decode(q, cache, idx, return_lse=True, return_attn_weights=True)
-    ref, ref_lse, ref_w = naive_sparse_decode(q.double(), as_tuple(cache, torch.float64), idx, return_lse=True,
-                                              return_attn_weights=True)
+    ref, ref_lse, ref_w = naive_sparse_decode(q.double(), as_tuple(cache, torch.float64), idx,
+                                              return_lse=True, return_attn_weights=True)
     lowp, lowp_lse, lowp_w = naive_sparse_decode(q, cache, idx, return_lse=True, return_attn_weights=True,
                                                  upcast=False)
     assert_close_to_ref("out", out, ref, lowp)
@@ -282,7 +285,8 @@ def test_kernel_refuses_misaligned_views():
     lengths, H, D = [300, 65], 2, 128
     cache = make_cache(lengths, H, D, torch.bfloat16, device="cuda")
     q = torch.randn(2, 8, D, device="cuda", dtype=torch.bfloat16)
-    odd = lambda t: torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape).copy_(t)
+    def odd(t):
+        return torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape).copy_(t)
     with pytest.raises(ValueError, match="q must start at a 16-byte aligned address"):
         sparse_decode(odd(q), cache)
     with pytest.raises(ValueError, match="k_cache must start at a 16-byte aligned address"):
@@ -314,15 +318,16 @@ def test_kernel_plan_variants(page_size, D):
     # merge order; 1 to 41 splits (up to 41 per merge thread with one group); both logit store paths
     # (W % 4 == 0 or not); page sizes whose blocks per page are a power of two (64) or not (192)
     lengths, HQ, H, dtype = [1000, 333, 64, 2500], 32, 2, torch.bfloat16
-    cache = make_cache(lengths, H, D, dtype, page_size=page_size, device="cuda", spare=70 if page_size else 71)
+    cache = make_cache(lengths, H, D, dtype, page_size=page_size, device="cuda",
+                       spare=70 if page_size else 71)
     q = torch.randn(len(lengths), HQ, D, generator=torch.Generator().manual_seed(5)).to("cuda", dtype)
     idx = selection(H, lengths, 24, device="cuda")
     width = cache.capacity
     assert (width % 4 == 0) == (page_size is not None)
     for sel in (idx, None):
         n = 24 if sel is not None else cdiv_(width, 64)
-        ref, ref_lse, ref_w = naive_sparse_decode(q.double(), as_tuple(cache, torch.float64), sel, return_lse=True,
-                                                  return_attn_weights=True)
+        ref, ref_lse, ref_w = naive_sparse_decode(q.double(), as_tuple(cache, torch.float64), sel,
+                                                  return_lse=True, return_attn_weights=True)
         lowp, lowp_lse, lowp_w = naive_sparse_decode(q, cache, sel, return_lse=True, return_attn_weights=True,
                                                      upcast=False)
         for S in (1, 5, n):
@@ -388,7 +393,8 @@ def test_weights_precision_on_peaked_rows(page_size, sparse):
     q = torch.randn(len(lengths), HQ, D, generator=torch.Generator().manual_seed(7)).to("cuda", dtype)
     idx = selection(H, lengths, 20, device="cuda") if sparse else None
     for scale in (D ** -0.5, 0.25, 1.0):
-        out, lse, w = sparse_decode(q, cache, idx, softmax_scale=scale, return_lse=True, return_attn_weights=True)
+        out, lse, w = sparse_decode(q, cache, idx, softmax_scale=scale, return_lse=True,
+                                    return_attn_weights=True)
         ref, ref_w = naive_sparse_decode(q.double(), as_tuple(cache, torch.float64), idx, softmax_scale=scale,
                                          return_attn_weights=True)
         lowp, lowp_w = naive_sparse_decode(q, cache, idx, softmax_scale=scale, return_attn_weights=True,
@@ -404,7 +410,8 @@ def test_weights_precision_on_peaked_rows(page_size, sparse):
         if scale == 1.0:   # the rows are peaked: many selected positions round to 0 or subnormal fp16
             tiny = (ref_w > 0) & (ref_w < 2.0 ** -14)
             assert int(tiny.sum()) > 1000
-        wk = sparse_decode(q, cache, idx, softmax_scale=scale, return_attn_weights=True, weights="per_kv_head")[1]
+        wk = sparse_decode(q, cache, idx, softmax_scale=scale, return_attn_weights=True,
+                           weights="per_kv_head")[1]
         torch.testing.assert_close(wk, w.view(len(lengths), H, HQ // H, -1).sum(2), atol=1e-5, rtol=0)
 
 
@@ -418,7 +425,8 @@ def test_empty_sequence_and_raw_tuple_cache():
     for idx in (None, torch.tensor([[[0, 1], [1, 0]]], dtype=torch.int32, device="cuda")):
         out, lse, w = sparse_decode(q, (k, v, seqlens), idx, return_lse=True, return_attn_weights=True)
         assert (out[0] == 0).all() and torch.isinf(lse[0]).all() and (w[0] == 0).all()
-        ref, ref_lse = naive_sparse_decode(q.double(), (k.double(), v.double(), seqlens), idx, return_lse=True)
+        ref, _ref_lse = naive_sparse_decode(q.double(), (k.double(), v.double(), seqlens), idx,
+                                            return_lse=True)
         lowp = naive_sparse_decode(q, (k, v, seqlens), idx, upcast=False)
         assert_close_to_ref("out", out, ref, lowp)
         torch.testing.assert_close(w[1].sum(-1), torch.ones(4, device="cuda"), atol=1e-4, rtol=0)

@@ -27,12 +27,16 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from infllm_cupy import BlockLayout, InfLLMv2Config, infllmv2_attention  # noqa: E402
-from infllm_cupy import naive_sparse_attn_varlen  # noqa: E402
-from infllm_cupy.distributed import cp_infllmv2_attention, zigzag_shard, zigzag_unshard  # noqa: E402
-from infllm_cupy.distributed.cp import topk_lower_index_ties  # noqa: E402
-from infllm_cupy.stage1.naive import q_block_idx_prefill  # noqa: E402
-from infllm_cupy.testing import cu_seqlens_from_lengths, max_abs_err, reference_sparse_grads  # noqa: E402
+from infllm_cupy import (
+    BlockLayout,
+    InfLLMv2Config,
+    infllmv2_attention,
+    naive_sparse_attn_varlen,
+)
+from infllm_cupy.distributed import cp_infllmv2_attention, zigzag_shard, zigzag_unshard
+from infllm_cupy.distributed.cp import topk_lower_index_ties
+from infllm_cupy.stage1.naive import q_block_idx_prefill
+from infllm_cupy.testing import cu_seqlens_from_lengths, max_abs_err, reference_sparse_grads
 
 
 def _inputs(lengths, HQ, H, D, dtype, device, seed):
@@ -359,7 +363,7 @@ def _selection_mismatches(q, k, cu, cfg, sel, lengths) -> int:
         sels = _select(plan, zigzag_shard(q, cu), k, cfg, stages_for(q, "auto"))
     bad = 0
     for slot, s_cp in zip(plan.slots, sels):
-        rows = plan.local_rows[slot.rows] if isinstance(slot.rows, slice) else plan.local_rows[slot.rows]
+        rows = plan.local_rows[slot.rows]
         for a, b in ((sel[:, rows], s_cp),):
             nb = max(int(a.max()), int(b.max())) + 1
             ma = torch.zeros(*a.shape[:2], nb + 1, dtype=torch.bool, device=a.device)
@@ -437,7 +441,7 @@ def _worker(rank, world, suite, out, port):
     for case in SUITES[suite]:
         try:
             results[case.__name__] = case(world)
-        except Exception as e:  # recorded, the test reports it
+        except Exception as e:  # noqa: BLE001 - recorded, the test reports it
             results[case.__name__] = {
                 "error": f"{type(e).__name__}: {e}",
                 "tb": traceback.format_exc()[-2000:],

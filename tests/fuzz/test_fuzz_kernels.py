@@ -73,7 +73,8 @@ def _check_out_lse(out, lse, ref, ref_lse, lowp):
        window=st.sampled_from([(32, 16), (128, 64)]), seed=st.integers(0, 2**16))
 def test_fuzz_compress_kernel(lk, H, D, dtype, window, seed):
     kernel, stride = window
-    F.reproducer("compress_k", lk=lk, H=H, D=D, dtype=dtype, kernel_size=kernel, kernel_stride=stride, seed=seed)
+    F.reproducer("compress_k", lk=lk, H=H, D=D, dtype=dtype, kernel_size=kernel, kernel_stride=stride,
+                 seed=seed)
     k = torch.randn(sum(lk), H, D, generator=F.gen(seed)).to("cuda", dtype)
     cu = cu_seqlens_from_lengths(lk, "cuda")
     ck, cu_c = compress_k(k, cu, kernel, stride, backend="kernels")
@@ -92,29 +93,32 @@ def _stage1_checks():
     here = str(Path(__file__).resolve().parents[1] / "stage1")
     if here not in sys.path:
         sys.path.insert(0, here)
-    import test_stage1_select as s1   # the module pytest imports under this same name
+    import test_stage1_select as s1  # the module pytest imports under this same name
 
     return s1
 
 
-@given(lq=F.lengths(900, max_batch=4, min_total=1), hh=st.sampled_from([(1, 1), (2, 1), (3, 1), (4, 2), (8, 1),
+@given(lq=F.lengths(900, max_batch=4, min_total=1),
+       hh=st.sampled_from([(1, 1), (2, 1), (3, 1), (4, 2), (8, 1),
                                                                          (16, 2), (12, 1), (32, 2), (64, 1)]),
        D=HEAD_DIMS, dtype=DTYPES, topk=st.integers(1, 8), local=st.integers(0, 4), init=st.integers(0, 2),
-       score_dtype=st.sampled_from([torch.bfloat16, torch.float32]), kernel=KERNELS, seed=st.integers(0, 2**16))
+       score_dtype=st.sampled_from([torch.bfloat16, torch.float32]), kernel=KERNELS,
+       seed=st.integers(0, 2**16))
 def test_fuzz_stage1_kernel(lq, hh, D, dtype, topk, local, init, score_dtype, kernel, seed):
     HQ, H = hh
     F.reproducer("stage1_select", lq=lq, HQ=HQ, H=H, D=D, dtype=dtype, topk=topk, local_blocks=local,
                  init_blocks=init, score_dtype=score_dtype, kernel=kernel, seed=seed)
     s1 = _stage1_checks()
     inputs = s1.make_inputs(lq, HQ, H, D, dtype, seed=seed)
-    s1.run_and_check(*inputs, max(lq), score_dtype=score_dtype, topk=topk, local_blocks=local, init_blocks=init,
-                     kernel=_kernel(kernel))
+    s1.run_and_check(*inputs, max(lq), score_dtype=score_dtype, topk=topk, local_blocks=local,
+                     init_blocks=init, kernel=_kernel(kernel))
 
 
 # --------------------------------------------------------------------------------------------
 # stage 2 forward and backward, token level
 # --------------------------------------------------------------------------------------------
-STAGE2 = dict(lq=F.lengths(400, max_batch=4, min_total=1), extra=st.lists(st.integers(0, 200), min_size=4, max_size=4),
+STAGE2 = dict(lq=F.lengths(400, max_batch=4, min_total=1),
+              extra=st.lists(st.integers(0, 200), min_size=4, max_size=4),
               hh=F.heads, D=HEAD_DIMS, dtype=DTYPES, K=st.integers(1, 16), causal=st.booleans(),
               mix=st.sampled_from(["valid", "junk", "empty", "all_neg"]), kernel=KERNELS,
               seed=st.integers(0, 2**16))
@@ -128,9 +132,9 @@ def _stage2_inputs(lq, extra, hh, D, dtype, K, mix, seed):
     return lk, q, k, v, do, cu_q, cu_k, idx
 
 
-@given(**{**STAGE2, "lq": F.lengths(400, max_batch=4)})   # the forward also takes batches with no query at all
+@given(**{**STAGE2, "lq": F.lengths(400, max_batch=4)})  # the forward also takes batches with no query at all
 def test_fuzz_stage2_forward_kernel(lq, extra, hh, D, dtype, K, causal, mix, kernel, seed):
-    lk, q, k, v, do, cu_q, cu_k, idx = _stage2_inputs(lq, extra, hh, D, dtype, K, mix, seed)
+    lk, q, k, v, _do, cu_q, cu_k, idx = _stage2_inputs(lq, extra, hh, D, dtype, K, mix, seed)
     F.reproducer("sparse_attn_varlen", lq=lq, lk=lk, HQ=hh[0], H=hh[1], D=D, dtype=dtype, K=K, causal=causal,
                  mix=mix, kernel=kernel, seed=seed)
     mq, mk = max(lq), max(lk)
@@ -158,7 +162,8 @@ def test_fuzz_stage2_backward_kernel(lq, extra, hh, D, dtype, K, causal, mix, ke
 # --------------------------------------------------------------------------------------------
 # layouts (BlockLayout): forward and backward
 # --------------------------------------------------------------------------------------------
-@given(lq=F.lengths(400, max_batch=4), hh=F.heads, D=HEAD_DIMS, dtype=DTYPES, q_block=st.sampled_from([64, 128]),
+@given(lq=F.lengths(400, max_batch=4), hh=F.heads, D=HEAD_DIMS, dtype=DTYPES,
+       q_block=st.sampled_from([64, 128]),
        per_sequence=st.booleans(), causal=st.booleans(), density=st.sampled_from([0.0, 0.2, 0.6, 1.0]),
        kernel=KERNELS, seed=st.integers(0, 2**16))
 def test_fuzz_block_layout_kernel(lq, hh, D, dtype, q_block, per_sequence, causal, density, kernel, seed):
@@ -177,7 +182,8 @@ def test_fuzz_block_layout_kernel(lq, hh, D, dtype, q_block, per_sequence, causa
     ref, ref_lse = naive_block_sparse_attn_varlen(*refl, cu_q, cu_k, layout, max(lq), max(lq), causal=causal,
                                                   return_lse=True)
     lowl = [t.clone().requires_grad_() for t in (q, k, v)]
-    lowp = naive_block_sparse_attn_varlen(*lowl, cu_q, cu_k, layout, max(lq), max(lq), causal=causal, upcast=False)
+    lowp = naive_block_sparse_attn_varlen(*lowl, cu_q, cu_k, layout, max(lq), max(lq), causal=causal,
+                                          upcast=False)
     _check_out_lse(out.detach(), lse, ref.detach(), ref_lse, lowp.detach())
     if out.numel():
         grads = torch.autograd.grad(out, leaves, do)
@@ -219,7 +225,8 @@ def _as_tuple(cache, f=lambda t: t):
     return base + ((cache.block_table,) if cache.is_paged else ())
 
 
-@given(lens=st.lists(st.one_of(st.sampled_from([0, 1, 63, 64, 65]), st.integers(0, 900)), min_size=1, max_size=5),
+@given(lens=st.lists(st.one_of(st.sampled_from([0, 1, 63, 64, 65]), st.integers(0, 900)), min_size=1,
+                     max_size=5),
        hh=st.sampled_from([(1, 1), (2, 1), (4, 2), (6, 2), (8, 1), (16, 2), (32, 1), (64, 1)]), D=HEAD_DIMS,
        dtype=DTYPES, page_size=st.sampled_from([None, 64, 128, 256]), chunks=st.integers(1, 3),
        K=st.integers(0, 12), mix=st.sampled_from(["valid", "junk", "empty"]), seed=st.integers(0, 2**16))
@@ -243,7 +250,8 @@ def test_fuzz_decode_and_cache_kernel(lens, hh, D, dtype, page_size, chunks, K, 
     out, lse, w = sparse_decode(q, cache, idx, return_lse=True, return_attn_weights=True)
     ref, ref_lse, ref_w = naive_sparse_decode(q.double(), _as_tuple(cache, lambda t: t.double()), idx,
                                               return_lse=True, return_attn_weights=True)
-    lowp, _, lowp_w = naive_sparse_decode(q, cache, idx, return_lse=True, return_attn_weights=True, upcast=False)
+    lowp, _, lowp_w = naive_sparse_decode(q, cache, idx, return_lse=True, return_attn_weights=True,
+                                          upcast=False)
     _check_out_lse(out, lse.T, ref, ref_lse.T, lowp)
     assert_close_to_ref("weights", w, ref_w, lowp_w, atol_floor=1e-6)
     assert bool((w[ref_w == 0] == 0).all()), "weights must be exactly 0 where nothing is selected"
@@ -260,7 +268,7 @@ def test_fuzz_patterns_kernel(lq, H, G, D, dtype, block, local, stride, seed):
                  vert_stride=stride, seed=seed)
     HQ = H * G
     layout = local_stride(H, max(lq) + 1, block_size=block, local_blocks=local, vert_stride=stride)
-    q, k, v, do, cu_q, cu_k = F.qkv(lq, lq, HQ, H, D, dtype, seed, "cuda")
+    q, k, v, _do, cu_q, cu_k = F.qkv(lq, lq, HQ, H, D, dtype, seed, "cuda")
     mq = max(lq)
     out = block_sparse_attn_varlen(q, k, v, cu_q, cu_k, layout, mq, mq, backend="kernels")
     ref = naive_block_sparse_attn_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, layout, mq, mq)

@@ -51,11 +51,13 @@ def _lse_close(lse, want):
 def test_fuzz_stage2_reference_equals_oracle(lq, extra, hh, D, K, causal, mix, seed):
     lk = [L + e * (i % 2) for i, (L, e) in enumerate(zip(lq, extra))]   # keys >= queries in half
     HQ, H = hh
-    F.reproducer("stage2_reference_case", lq=lq, lk=lk, HQ=HQ, H=H, D=D, K=K, causal=causal, mix=mix, seed=seed)
+    F.reproducer("stage2_reference_case", lq=lq, lk=lk, HQ=HQ, H=H, D=D, K=K, causal=causal, mix=mix,
+                 seed=seed)
     q, k, v, do, cu_q, cu_k = F.qkv(lq, lk, HQ, H, D, torch.float64, seed)
     idx = F.hostile_topk(H, lq, lk, K, seed + 1, mix=mix)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = naive_sparse_attn_varlen(*leaves, cu_q, cu_k, idx, max(lq), max(lk), causal=causal, return_lse=True)
+    out, lse = naive_sparse_attn_varlen(*leaves, cu_q, cu_k, idx, max(lq), max(lk), causal=causal,
+                                        return_lse=True)
     cq = cu_q.tolist()
     oleaves = [t.clone().requires_grad_() for t in (q, k, v)]
     want, want_lse = F.dense_masked_attention(
@@ -88,7 +90,8 @@ def test_fuzz_layout_reference_equals_oracle(lq, hh, q_block, per_sequence, caus
                                               return_lse=True)
     oleaves = [t.clone().requires_grad_() for t in (q, k, v)]
     want, want_lse = F.dense_masked_attention(*oleaves, cu_q, cu_k,
-                                              lambda b, Lq, Lk: F.layout_allow(mask, q_block, b, Lq, Lk, causal))
+                                              lambda b, Lq,
+                                              Lk: F.layout_allow(mask, q_block, b, Lq, Lk, causal))
     _close("out", out, want)
     _lse_close(lse, want_lse)
     if out.numel():
@@ -123,7 +126,8 @@ def test_fuzz_local_stride_pattern_equals_its_rule_and_round_trips(H, L, local, 
        dtype=st.sampled_from([torch.float32, torch.float64]), seed=st.integers(0, 2**16))
 def test_fuzz_compress_reference_equals_oracle(lk, H, window, dtype, seed):
     kernel, stride = window
-    F.reproducer("naive_compress_k", lk=lk, H=H, kernel_size=kernel, kernel_stride=stride, dtype=dtype, seed=seed)
+    F.reproducer("naive_compress_k", lk=lk, H=H, kernel_size=kernel, kernel_stride=stride, dtype=dtype,
+                 seed=seed)
     k = torch.randn(sum(lk), H, 8, generator=F.gen(seed)).to(dtype)
     ck, cu_c = naive_compress_k(k, cu_seqlens_from_lengths(lk), kernel, stride)
     want, counts, o = [], [], 0
@@ -147,7 +151,8 @@ def test_fuzz_compress_reference_equals_oracle(lk, H, window, dtype, seed):
        init=st.integers(0, 2), seed=st.integers(0, 2**16))
 def test_fuzz_stage1_reference_selects_the_top_blocks(lq, hh, topk, local, init, seed):
     HQ, H = hh
-    F.reproducer("naive_stage1_select", lq=lq, HQ=HQ, H=H, topk=topk, local_blocks=local, init_blocks=init, seed=seed)
+    F.reproducer("naive_stage1_select", lq=lq, HQ=HQ, H=H, topk=topk, local_blocks=local, init_blocks=init,
+                 seed=seed)
     g = F.gen(seed)
     q = torch.randn(sum(lq), HQ, 16, generator=g)
     k = 4 * torch.randn(sum(lq), H, 16, generator=g)

@@ -15,11 +15,11 @@ import torch
 from infllm_cupy import (
     BlockLayout,
     DecodeCache,
+    InfLLMv2Config,
     block_sparse_attn_varlen,
     compress_k,
     infllmv2_attention,
     infllmv2_decode,
-    InfLLMv2Config,
     local_stride,
     pattern_decode,
     sparse_attn_varlen,
@@ -115,7 +115,7 @@ def test_a_nan_key_reaches_exactly_the_rows_that_attend_it(dev, kernel):
     j, h = r.start + 70, 1                                         # key 70 of sequence 0, block 1, KV head 1
     k2 = k.clone()
     k2[j, h, 0] = float("nan")
-    out, lse, _ = _run(q, k2, v, cu, idx, kernel)
+    out, _lse, _ = _run(q, k2, v, cu, idx, kernel)
     G = HQ // H
     pos = torch.arange(LENS[0])
     attends = ((idx[h, r].long().cpu() == 1).any(-1) & (pos >= 70))             # [L0]
@@ -182,7 +182,8 @@ def test_zero_length_sequences_work_in_every_op(dev, kernel, lens):
     pat = local_stride(H, m + 2, local_blocks=1, vert_stride=2)
     out3 = block_sparse_attn_varlen(q, k, v, cu, cu, pat, m, m, kernel=kernel)
     assert out3.shape == q.shape
-    pipe = infllmv2_attention(q, k, v, cu, cu, m, m, config=InfLLMv2Config(topk=2, local_blocks=1, dense_len=64))
+    pipe = infllmv2_attention(q, k, v, cu, cu, m, m,
+                              config=InfLLMv2Config(topk=2, local_blocks=1, dense_len=64))
     assert pipe.shape == q.shape and bool(torch.isfinite(pipe).all())
     # decode: a cache holding these sequences (a 0-token chunk appends nothing), sparse_decode over it
     cache = DecodeCache.contiguous(B, m + 2, H, D, dtype=dt, device=dev)

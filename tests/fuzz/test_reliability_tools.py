@@ -17,8 +17,8 @@ def _run(*args, timeout=300):
 
 
 def test_big_run_checks_pass_on_the_references_at_small_sizes():
-    rc, out, err = _run("tools/big_run.py", "--tokens", "700", "--heads", "4", "--kv-heads", "2", "--topk", "4",
-                        "--rows", "6", "--device", "cpu", "--cache-pages", "8", "--page-size", "64",
+    rc, out, err = _run("tools/big_run.py", "--tokens", "700", "--heads", "4", "--kv-heads", "2", "--topk",
+                        "4", "--rows", "6", "--device", "cpu", "--cache-pages", "8", "--page-size", "64",
                         "--append-chunk", "100", "--chunk", "300", "--kernels", "auto")
     assert rc == 0, out + err
     lines = [json.loads(x) for x in out.splitlines()]
@@ -31,8 +31,10 @@ def test_big_run_checks_pass_on_the_references_at_small_sizes():
 
 def test_big_run_fails_loudly_on_a_wrong_tolerance():
     # a tolerance no bf16 result meets: every error check must fail and the exit status say so
-    rc, out, err = _run("tools/big_run.py", "--tokens", "300", "--heads", "2", "--kv-heads", "1", "--topk", "3",
-                        "--rows", "2", "--device", "cpu", "--skip", "decode", "--kernels", "auto", "--tol", "1e-12")
+    rc, out, err = _run("tools/big_run.py", "--tokens", "300", "--heads", "2", "--kv-heads", "1", "--topk",
+                        "3",
+                        "--rows", "2", "--device", "cpu", "--skip", "decode", "--kernels", "auto", "--tol",
+                        "1e-12")
     assert rc == 1, out + err
     assert json.loads(out.splitlines()[-1])["verdict"] == "FAIL"
 
@@ -40,8 +42,8 @@ def test_big_run_fails_loudly_on_a_wrong_tolerance():
 def test_sanitize_driver_runs_every_family_on_the_references():
     rc, out, err = _run("tools/sanitize.py", "--driver", "--device", "cpu")
     assert rc == 0, out + err
-    for what in ("compress", "stage1", "stage2 fwd+bwd", "block layout", "decode cache append", "sparse_decode",
-                 "infllmv2_decode", "local_stride", "pattern_decode"):
+    for what in ("compress", "stage1", "stage2 fwd+bwd", "block layout", "decode cache append",
+                 "sparse_decode", "infllmv2_decode", "local_stride", "pattern_decode"):
         assert f"driver: {what}" in out, what
     assert out.rstrip().endswith("driver: done")
 
@@ -50,7 +52,8 @@ def test_sanitize_lists_our_kernels():
     rc, out, err = _run("tools/sanitize.py", "--list")
     assert rc == 0, err
     names = out.split("our kernels:")[1].split(", ")
-    for n in ("compress_mean_pool", "stage1_select", "stage2_fwd_sm90", "stage2_bwd_dkdv_sm90", "sparse_decode_split"):
+    for n in ("compress_mean_pool", "stage1_select", "stage2_fwd_sm90", "stage2_bwd_dkdv_sm90",
+              "sparse_decode_split"):
         assert n in [x.strip() for x in names], n
 
 
@@ -70,7 +73,7 @@ CANNED = textwrap.dedent("""\
     ========= Program hit cudaErrorInvalidValue (error 1) due to "invalid argument" on CUDA API call to cudaFoo.
     =========     Saved host backtrace up to driver entry point at error
     ========= ERROR SUMMARY: 4 errors
-    """)
+    """)  # noqa: E501 - compute-sanitizer output, verbatim
 
 
 def test_sanitize_report_parser_on_a_canned_log(tmp_path):
@@ -79,7 +82,8 @@ def test_sanitize_report_parser_on_a_canned_log(tmp_path):
     log.write_text(CANNED)
     code = ("import runpy, sys, json; m = runpy.run_path('tools/sanitize.py');"
             f"s, o, x = m['parse_findings'](open({str(log)!r}).read(), m['our_kernel_names']());"
-            "print(json.dumps([s, sorted([k[1], n] for k, n in o.items()), sorted([k[1], n] for k, n in x.items())]))")
+            "print(json.dumps([s, sorted([k[1], n] for k, n in o.items()), sorted([k[1], n] for k, n in "
+            "x.items())]))")
     rc, out, err = _run("-c", code)
     assert rc == 0, err
     summary, ours, others = json.loads(out)
@@ -93,7 +97,8 @@ _FAKE_SANITIZER = """#!{python}
 import subprocess, sys
 args = sys.argv[1:]
 tool = args[args.index("--tool") + 1]
-cmd = args[next(i for i, a in enumerate(args) if a.endswith("python") or "python3" in a or a == sys.executable):]
+cmd = args[next(i for i, a in enumerate(args)
+                if a.endswith("python") or "python3" in a or a == sys.executable):]
 p = subprocess.run(cmd + ["--device", "cpu"], capture_output=True, text=True)
 print("========= COMPUTE-SANITIZER")
 print(p.stdout, end="")
@@ -116,18 +121,21 @@ def _fake_sanitizer(tmp_path, report):
 
 
 def test_sanitize_end_to_end_with_a_stand_in_sanitizer(tmp_path):
-    exe = _fake_sanitizer(tmp_path, {"racecheck": ("Error: Race reported between Write access", "stage2_fwd_sm90"),
-                                     "initcheck": ("Uninitialized __global__ memory read of size 4 bytes",
-                                                   "vectorized_elementwise_kernel")})
+    exe = _fake_sanitizer(tmp_path,
+                          {"racecheck": ("Error: Race reported between Write access", "stage2_fwd_sm90"),
+                           "initcheck": ("Uninitialized __global__ memory read of size 4 bytes",
+                                         "vectorized_elementwise_kernel")})
     rc, out, err = _run("tools/sanitize.py", "--sanitizer", exe, "--no-warmup", "--families", "compress",
                         "--tools", "memcheck,racecheck,initcheck", "--log-dir", str(tmp_path / "logs"))
     assert rc == 1, out + err
     lines = {ln.split(":")[0]: ln for ln in out.splitlines() if ln.split(":")[0] in
              ("memcheck", "racecheck", "initcheck")}
-    assert "PASS: 0 findings in our kernels, 0 in others" in lines["memcheck"] and "completed" in lines["memcheck"]
+    assert "PASS: 0 findings in our kernels, 0 in others" in lines["memcheck"]
+    assert "completed" in lines["memcheck"]
     assert "FAIL: 1 findings in our kernels" in lines["racecheck"]
     assert "    ours      1 x stage2_fwd_sm90: Error: Race reported between Write access" in out
-    assert "PASS: 0 findings in our kernels, 1 in others" in lines["initcheck"]   # torch's kernels do not fail it
+    # torch's kernels do not fail it
+    assert "PASS: 0 findings in our kernels, 1 in others" in lines["initcheck"]
     assert out.rstrip().endswith("sanitize: FAIL")
     assert "filter: True" in (tmp_path / "logs" / "racecheck.log").read_text()
     assert "filter: False" in (tmp_path / "logs" / "memcheck.log").read_text()

@@ -1,4 +1,5 @@
-"""tools/profile_transformers.py on CPU at a tiny size: both phases run and print a table per implementation."""
+"""tools/profile_transformers.py on CPU at a tiny size: both phases run and print a table per
+implementation."""
 from __future__ import annotations
 
 import importlib.util
@@ -15,7 +16,8 @@ TINY = ["--device", "cpu", "--dtype", "float32", "--context", "320", "--layers",
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("profile_transformers", ROOT / "tools" / "profile_transformers.py")
+    spec = importlib.util.spec_from_file_location("profile_transformers",
+                                                  ROOT / "tools" / "profile_transformers.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -1,5 +1,5 @@
-"""The transformers backend (`attn_implementation="infllm_cupy"`, `InfLLMv2Cache`) and the MiniCPM4-style layer
-on the compat API, in small Llama models built in code (random weights, nothing downloaded).
+"""The transformers backend (`attn_implementation="infllm_cupy"`, `InfLLMv2Cache`) and the MiniCPM4-style
+layer on the compat API, in small Llama models built in code (random weights, nothing downloaded).
 
 CPU tests run the references in fp32: the dense regime gives eager attention's greedy tokens; in the sparse
 regime the backend (our pipeline ops) and the MiniCPM4-style layer (the `infllm_v2` API, as MiniCPM4's HF
@@ -40,8 +40,8 @@ def _quiet():
 def small_config(sparse_config=None, **kw) -> LlamaConfig:
     """The issue's config: 2 layers, hidden 256, HQ 16, H 2 (head dim 64, a kernel size)."""
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=16, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
-                      initializer_range=0.1, **kw)
+                      num_attention_heads=16, num_key_value_heads=2, head_dim=64,
+                      max_position_embeddings=4096, initializer_range=0.1, **kw)
     if sparse_config is not None:
         cfg.sparse_config = dict(sparse_config)
     return cfg
@@ -154,7 +154,7 @@ def test_cache_keeps_keys_and_compressed_keys():
     assert cache.get_seq_length() == 306               # the last generated token is never fed back
     for layer, dc in zip(cache.layers, cache.decode_caches()):
         assert isinstance(dc, DecodeCache) and dc.lengths() == [306, 306]
-        k, v, cu = dc.packed()
+        k, _v, cu = dc.packed()
         assert layer.keys.shape == (2, 2, 320, 64)     # static: the whole storage, as StaticLayer's
         assert torch.equal(layer.keys[:, :, :306].transpose(1, 2).reshape(-1, 2, 64), k)
         ck1, _ = naive_compress_k(k, cu, 32, 16)
@@ -187,7 +187,7 @@ def test_prefill_reuses_cache_compressed_keys_and_reads_no_lengths(monkeypatch):
         ours = m(ids, past_key_values=hf.InfLLMv2Cache(cfg, max_cache_len=PROMPT), use_cache=True).logits
         assert calls == [], "the pipeline compressed keys the InfLLMv2Cache had compressed already"
         dyn = m(ids, past_key_values=DynamicCache(), use_cache=True).logits
-    assert calls == [(32, 16), (128, 64)] * cfg.num_hidden_layers         # DynamicCache: the pipeline compresses
+    assert calls == [(32, 16), (128, 64)] * cfg.num_hidden_layers      # DynamicCache: the pipeline compresses
     assert torch.equal(ours, dyn)
 
 
@@ -218,14 +218,16 @@ def test_host_lengths_entry_equals_infllmv2_attention():
     with pytest.raises(ValueError, match="compressed"):
         infllmv2_attention_host_lengths(q, k, v, cu_q, cu_k, lq, lk, cfg, compressed=(ck1, cu1))
     with pytest.raises(ValueError, match="ck2"):
-        infllmv2_attention_host_lengths(q, k, v, cu_q, cu_k, lq, lk, cfg, compressed=(ck1, cu1, ck2[:, :1], cu2))
+        infllmv2_attention_host_lengths(q, k, v, cu_q, cu_k, lq, lk, cfg,
+                                        compressed=(ck1, cu1, ck2[:, :1], cu2))
 
 
 @pytest.mark.parametrize("B,L0", [(1, 0), (3, 200)])
 def test_decode_cache_eager_one_token_append_equals_vectorized(B, L0):
     """InfLLMv2Cache's decode step appends one token: the eager path of a contiguous cache with equal host
     lengths (slices, a window mean only when one completes) writes what the capturable vectorized path
-    writes, bit for bit, across ck1 and ck2 window boundaries; a stale host mirror takes the vectorized path."""
+    writes, bit for bit, across ck1 and ck2 window boundaries; a stale host mirror takes the vectorized
+    path."""
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     H, D, n = 2, 16, 140
     caches = [DecodeCache.contiguous(B, L0 + n, H, D, dtype=torch.bfloat16) for _ in range(2)]
@@ -252,8 +254,10 @@ def test_decode_cache_eager_one_token_append_equals_vectorized(B, L0):
 
 
 def test_sparse_config_maps_minicpm4_keys():
-    cfg = hf.config_from_sparse_config({"kernel_size": 32, "kernel_stride": 16, "init_blocks": 1, "block_size": 64,
-                                        "window_size": 2048, "topk": 64, "use_nope": False, "dense_len": 8192},
+    cfg = hf.config_from_sparse_config({"kernel_size": 32, "kernel_stride": 16, "init_blocks": 1,
+                                        "block_size": 64,
+                                        "window_size": 2048, "topk": 64, "use_nope": False,
+                                        "dense_len": 8192},
                                        softmax_scale=0.125)
     assert (cfg.topk, cfg.local_blocks, cfg.init_blocks, cfg.dense_len) == (64, 32, 1, 8192)
     assert (cfg.coarse_kernel_size, cfg.coarse_kernel_stride, cfg.softmax_scale) == (128, 64, 0.125)
@@ -318,7 +322,8 @@ def _rule(name, out, ref, lowp, mult=2.0):
     odd flipped token; the L2 error is not."""
     assert torch.isfinite(out).all(), f"{name}: non-finite logits"
     err, base = rel_l2_err(out, ref), rel_l2_err(lowp, ref)
-    assert err <= mult * base + 1e-5, f"{name}: rel L2 {err:.3e} > {mult} x {base:.3e} (low-precision reference)"
+    assert err <= mult * base + 1e-5, \
+        f"{name}: rel L2 {err:.3e} > {mult} x {base:.3e} (low-precision reference)"
 
 
 @pytest.mark.gpu
@@ -362,7 +367,8 @@ def test_gpu_sparse_kernels_within_error_rule_of_reference(n_prompt):
 def test_gpu_generate_runs_kernels_at_head_dim_128():
     """MiniCPM4's head shape (G = 16, D = 128) generates through the kernels; tokens are valid ids."""
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=32, num_key_value_heads=2, head_dim=128, max_position_embeddings=4096)
+                      num_attention_heads=32, num_key_value_heads=2, head_dim=128,
+                      max_position_embeddings=4096)
     cfg.sparse_config = dict(SPARSE)
     m = model_for(cfg, dtype=torch.bfloat16, device="cuda")
     ids = prompt(1, 1000, device="cuda")
@@ -418,10 +424,12 @@ def test_compiled_prefill_is_one_op_and_equals_eager_on_cpu():
         ref = m(ids, past_key_values=eager_cache, use_cache=True).logits
         torch._dynamo.reset()
         cache = hf.InfLLMv2Cache(cfg, max_cache_len=320)
-        ex = torch._dynamo.explain(m.forward)(input_ids=ids, past_key_values=hf.InfLLMv2Cache(cfg, max_cache_len=320),
+        ex = torch._dynamo.explain(m.forward)(input_ids=ids,
+                                              past_key_values=hf.InfLLMv2Cache(cfg, max_cache_len=320),
                                               use_cache=True)
         assert ex.graph_break_count == 0, [str(r) for r in ex.break_reasons]
-        got = torch.compile(m.forward, backend="aot_eager")(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        got = torch.compile(m.forward, backend="aot_eager")(input_ids=ids, past_key_values=cache,
+                                                            use_cache=True).logits
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     for a, b in zip(cache.decode_caches(), eager_cache.decode_caches()):
         assert a.lengths() == b.lengths() == [300, 300]
@@ -431,8 +439,9 @@ def test_compiled_prefill_is_one_op_and_equals_eager_on_cpu():
     mask[0, :3] = 0
     torch._dynamo.reset()
     with torch.no_grad(), pytest.raises(Exception, match="attention_mask"):
+        cache = hf.InfLLMv2Cache(cfg, max_cache_len=320)
         torch.compile(m.forward, backend="aot_eager")(input_ids=ids, attention_mask=mask, use_cache=True,
-                                                      past_key_values=hf.InfLLMv2Cache(cfg, max_cache_len=320))
+                                                      past_key_values=cache)
 
 
 @pytest.mark.gpu
@@ -473,7 +482,8 @@ def test_gpu_decode_graphs_equal_eager():
     m = model_for(cfg, dtype=torch.bfloat16, device="cuda")
     ids = prompt(2, 300, device="cuda")
     toks_e, logits_e = _greedy(m, ids, 30, hf.InfLLMv2Cache(cfg, max_cache_len=400), m.forward)
-    toks_g, logits_g = _greedy(m, ids, 30, hf.InfLLMv2Cache(cfg, max_cache_len=400, decode_graphs=True), m.forward)
+    toks_g, logits_g = _greedy(m, ids, 30, hf.InfLLMv2Cache(cfg, max_cache_len=400, decode_graphs=True),
+                               m.forward)
     assert torch.equal(toks_g, toks_e) and torch.equal(logits_g, logits_e)
 
 

@@ -5,10 +5,18 @@ import pytest
 import torch
 
 from infllm_cupy import BlockLayout, naive_block_sparse_attn_varlen
-from infllm_cupy.patterns import from_block_mask, from_bsr, from_csr, local_stride, to_block_mask, to_bsr, to_csr
+from infllm_cupy.patterns import (
+    from_block_mask,
+    from_bsr,
+    from_csr,
+    local_stride,
+    to_block_mask,
+    to_bsr,
+    to_csr,
+)
 from infllm_cupy.testing import cu_seqlens_from_lengths
 
-from test_local_stride import vllm_token_mask  # noqa: E402  (same folder, pytest rootdir-relative import)
+from test_local_stride import vllm_token_mask
 
 
 def rand_layout(H, nqb, nkb, q_block=64, seed=0, p=0.4, batch=None):
@@ -85,7 +93,7 @@ def test_csr_rejects():
         to_csr(layout, kv_block=128)
     with pytest.raises(ValueError, match="finer than q_block"):
         to_csr(layout, q_block=128)
-    with pytest.raises(ValueError, match="per-sequence|shared by all sequences"):
+    with pytest.raises(ValueError, match=r"per-sequence|shared by all sequences"):
         to_csr(rand_layout(2, 4, 6, batch=2))
     crow = torch.tensor([[0, 2, 1]])
     with pytest.raises(ValueError, match="never decrease"):
@@ -156,7 +164,8 @@ def layout_token_mask_b(layout, lq, lk, causal):
 
 
 @pytest.mark.parametrize("qb,bs,causal,batch", [(64, (64, 64), False, None), (128, (128, 64), True, None),
-                                                (64, 128, True, None), (128, 128, False, 2), (64, (128, 64), True, 2)])
+                                                (64, 128, True, None), (128, 128, False, 2),
+                                                (64, (128, 64), True, 2)])
 def test_block_mask_is_exact(qb, bs, causal, batch):
     layout = rand_layout(2, 5, 9, qb, seed=qb, p=0.5, batch=batch)
     lq, lk = 5 * qb - 17, 9 * 64 - 5
@@ -171,7 +180,8 @@ def test_block_mask_is_exact(qb, bs, causal, batch):
     for a, b, n in ((bm.kv_indices, ref.kv_indices, bm.kv_num_blocks),
                     (bm.full_kv_indices, ref.full_kv_indices, bm.full_kv_num_blocks)):
         listed = torch.arange(a.shape[-1]) < n[..., None]
-        assert torch.equal(torch.where(listed, a, -1).sort(-1).values, torch.where(listed, b, -1).sort(-1).values)
+        assert torch.equal(torch.where(listed, a, -1).sort(-1).values,
+                           torch.where(listed, b, -1).sort(-1).values)
 
 
 @pytest.mark.parametrize("qb,bs,batch", [(64, (64, 64), None), (128, (128, 64), None), (128, (128, 64), 3),
@@ -251,7 +261,8 @@ def test_compiled_flex_attention_on_cuda_with_our_block_mask():
     k, v = (torch.randn(L, H, D, generator=g, dtype=torch.float64) for _ in range(2))
     cu = cu_seqlens_from_lengths([L])
     ref = naive_block_sparse_attn_varlen(q, k, v, cu, cu, layout, L, L, causal=True)
-    lowp = naive_block_sparse_attn_varlen(*(x.bfloat16() for x in (q, k, v)), cu, cu, layout, L, L, causal=True)
+    lowp = naive_block_sparse_attn_varlen(*(x.bfloat16() for x in (q, k, v)), cu, cu, layout, L, L,
+                                          causal=True)
     cuda_layout = BlockLayout(layout.mask.cuda(), layout.q_block)
     bm = to_block_mask(cuda_layout, seq_len_q=L, seq_len_kv=L, causal=True, num_q_heads=H * G)
     qc, kc, vc = (x.cuda().bfloat16().transpose(0, 1)[None] for x in (q, k, v))

@@ -91,7 +91,8 @@ def test_per_kv_head_collapses_only_agreeing_groups():
     out = per_kv_head(agree, 2)
     assert isinstance(out, BlockLayout) and torch.equal(out.mask, base) and out.q_block == 64
     assert per_kv_head(BlockLayout(agree, 128), 2).q_block == 128
-    assert torch.equal(per_kv_head(agree[None].expand(2, -1, -1, -1), 2).mask, base[None].expand(2, -1, -1, -1))
+    assert torch.equal(per_kv_head(agree[None].expand(2, -1, -1, -1), 2).mask,
+                       base[None].expand(2, -1, -1, -1))
     differ = agree.clone()
     differ[5, 0, 0] = ~differ[5, 0, 0]
     assert per_kv_head(differ, 2) is None

@@ -6,7 +6,7 @@ import torch
 
 from infllm_cupy.decode import DecodeCache, naive_sparse_decode
 from infllm_cupy.patterns.decode import pattern_decode, pattern_topk_idx
-from infllm_cupy.patterns.modules import LocalStrideSparseAttention, SparseAttention
+from infllm_cupy.patterns.modules import LocalStrideSparseAttention
 from infllm_cupy.stage2.attention import block_sparse_attn_varlen
 from infllm_cupy.stage2.layout import BlockLayout
 from infllm_cupy.testing import assert_close_to_ref, cu_seqlens_from_lengths
@@ -78,7 +78,6 @@ def test_module_prefill_then_steps_across_block_boundaries(homo_head):
     at 128, 192, ...)."""
     G, lengths, steps = 2, [126, 63, 190], 4
     attn = LocalStrideSparseAttention(H * G, 320, 64, 2, 3, homo_head=homo_head)
-    B = len(lengths)
     full = [L + steps for L in lengths]
     q = rand((sum(full), H * G, D), torch.float64, 3)
     k, v = rand((sum(full), H, D), torch.float64, 4), rand((sum(full), H, D), torch.float64, 5)

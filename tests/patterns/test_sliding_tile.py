@@ -37,7 +37,7 @@ def test_permutation_round_trip_and_contiguous_tiles(grid, tile):
     assert torch.equal(x[perm][inv], x) and torch.equal(x[inv][perm], x)
     vol = torch.tensor(tile).prod().item()
     coords = torch.stack(torch.meshgrid(*[torch.arange(g) for g in grid], indexing="ij"), -1).reshape(N, -1)
-    tile_of = (coords[perm] // torch.tensor(tile))             # tiled order: each run of vol tokens is one tile
+    tile_of = (coords[perm] // torch.tensor(tile))           # tiled order: each run of vol tokens is one tile
     for s in range(0, N, vol):
         assert (tile_of[s:s + vol] == tile_of[s]).all()
 
@@ -51,7 +51,7 @@ def test_permutation_round_trip_and_contiguous_tiles(grid, tile):
     ((6, 8, 8), (2, 4, 8), (5, 3, 1)),    # window wider than the tile grid along t: all tiles
 ])
 def test_layout_equals_brute_force_sta(grid, tile, window):
-    layout, perm, inv = sliding_tile(grid, tile, window, num_heads=2)
+    layout, _perm, inv = sliding_tile(grid, tile, window, num_heads=2)
     N = torch.tensor(grid).prod().item()
     vol = torch.tensor(tile).prod().item()
     assert layout.q_block == (128 if vol % 128 == 0 else 64)

@@ -36,10 +36,11 @@ def test_vectorised_matches_naive(lens, HQ, H, bq, s1, cdf, sink, causal, per_qu
               per_query_head=per_query_head)
     ours, ref = predict_sparge(q, k, cu, **kw), naive_predict_sparge(q, k, cu, **kw)
     assert ours.q_block == ref.q_block == bq
-    assert ours.mask.shape == (len(lens), HQ if per_query_head else H, -(-max(lens) // bq), -(-max(lens) // 64))
+    assert ours.mask.shape == (len(lens), HQ if per_query_head else H, -(-max(lens) // bq),
+                               -(-max(lens) // 64))
     assert torch.equal(ours.mask, ref.mask)
     density = ours.mask.float().mean().item()
-    assert 0.0 < density < 1.0, density                  # the thresholds really select something and drop something
+    assert 0.0 < density < 1.0, density            # the thresholds really select something and drop something
 
 
 def test_union_over_the_group_is_the_kv_head_layout():
@@ -105,7 +106,8 @@ def test_per_head_thresholds():
     a = predict_sparge(q, k, cdfthreshd=0.3, simthreshd1=0.2, per_query_head=True)
     b = predict_sparge(q, k, cdfthreshd=0.95, simthreshd1=0.2, per_query_head=True)
     assert torch.equal(per.mask[0], a.mask[0]) and torch.equal(per.mask[1], b.mask[1])
-    assert torch.equal(per.mask, naive_predict_sparge(q, k, cdfthreshd=torch.tensor([0.3, 0.95]), simthreshd1=0.2,
+    assert torch.equal(per.mask,
+                       naive_predict_sparge(q, k, cdfthreshd=torch.tensor([0.3, 0.95]), simthreshd1=0.2,
                                                       per_query_head=True).mask)
 
 

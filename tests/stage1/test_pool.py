@@ -74,7 +74,8 @@ def _check(case, dtype, device, *, specials, cache_as="tensor", width_extra=5, s
     got = pool_blocks(s, cu_q, cu_k, cl, max(lq), **kw)
     _same(got, want)
     # a longer max_seqlen_q widens the output the same way
-    _same(pool_blocks(s, cu_q, cu_k, cl, max(lq) + 70, **kw), naive_pool_blocks(s, cu_q, cu_k, cl, max(lq) + 70, **kw))
+    _same(pool_blocks(s, cu_q, cu_k, cl, max(lq) + 70, **kw),
+          naive_pool_blocks(s, cu_q, cu_k, cl, max(lq) + 70, **kw))
     return got
 
 

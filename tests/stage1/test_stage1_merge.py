@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_stage1_split import default_plan, gpu_inputs  # (same folder, pytest rootdir-relative import)
 
 from infllm_cupy.stage1 import select as sel
+
+from test_stage1_split import default_plan, gpu_inputs  # (same folder, pytest rootdir-relative import)
 
 IDX_BITS = 31
 
@@ -53,7 +54,8 @@ def range_passes(H, T, K, passes, *, key_bits, pattern, seed, device="cpu", spar
             keys = torch.randint(0, kmax + 1, (H, T, K), generator=g)
         elif pattern == "ties":
             levels = torch.tensor([0.0, 0.5, float("inf")])
-            keys = score_keys(levels[torch.randint(0, 3, (H, T, K), generator=g)], key_bits).to(torch.int64) & kmax
+            keys = score_keys(levels[torch.randint(0, 3, (H, T, K), generator=g)],
+                              key_bits).to(torch.int64) & kmax
         elif pattern == "padding":
             vals = torch.rand(H, T, K, generator=g).div(64).round(decimals=3)     # some ties
             vals = torch.where(blocks < rows_vis, vals, torch.tensor(float("-inf")))
@@ -69,7 +71,8 @@ def range_passes(H, T, K, passes, *, key_bits, pattern, seed, device="cpu", spar
 
 def brute_merge(run_keys: torch.Tensor | None, cand_key, cand_idx, K):
     """The top-K merge keys of the union by a full descending sort (the definition)."""
-    new = ((cand_key.to(torch.int64) & 0xFFFFFFFF) << IDX_BITS) | ((1 << IDX_BITS) - 1 - cand_idx.to(torch.int64))
+    new = (((cand_key.to(torch.int64) & 0xFFFFFFFF) << IDX_BITS)
+           | ((1 << IDX_BITS) - 1 - cand_idx.to(torch.int64)))
     both = new if run_keys is None else torch.cat([run_keys, new], dim=-1)
     return both.sort(dim=-1, descending=True).values[..., :K]
 
@@ -158,13 +161,14 @@ def test_merge_instances_cover_every_k_up_to_the_bound():
 def test_bench_stage1_merge_script_starts():
     """The merge micro-benchmark starts: a malformed case is an argument error; without a GPU it says so."""
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_stage1_merge.py"
-    r = subprocess.run([sys.executable, str(script), "--cases", "1k:0"], capture_output=True, text=True, timeout=120,
-                       check=False)
+    r = subprocess.run([sys.executable, str(script), "--cases", "1k:0"], capture_output=True, text=True,
+                       timeout=120, check=False)
     if not torch.cuda.is_available():
         assert r.returncode == 0 and "needs a CUDA GPU" in r.stdout, r.stdout + r.stderr
     else:
         assert r.returncode == 2 and "the merge kernel's bound" in r.stderr, r.stderr
-    bad = subprocess.run([sys.executable, str(script), "--cases", "1k"], capture_output=True, text=True, timeout=120,
+    bad = subprocess.run([sys.executable, str(script), "--cases", "1k"], capture_output=True, text=True,
+                         timeout=120,
                        check=False)
     assert bad.returncode == 2 and "--cases must be" in bad.stderr, bad.stderr
 
@@ -195,7 +199,8 @@ def test_merge_kernel_equals_torch_merge(pattern, key_bits, K):
 def test_merge_kernel_dispatch_and_in_place():
     """`_merge_into` takes the kernel up to MERGE_KERNEL_UP_TO_K, merging in place into the running list."""
     K = 96
-    (ck0, ci0), (ck1, ci1) = range_passes(3, 1001, K, 2, key_bits=16, pattern="padding", seed=3, device="cuda")
+    (ck0, ci0), (ck1, ci1) = range_passes(3, 1001, K, 2, key_bits=16, pattern="padding", seed=3,
+                                          device="cuda")
     run = sel._merge_into(None, ck0, ci0, K)
     assert torch.equal(run, brute_merge(None, ck0.cpu(), ci0.cpu(), K).cuda())     # sorted, first pass
     again = sel._merge_into(run, ck1, ci1, K)
@@ -234,7 +239,8 @@ def _selections(inputs, L, range_blocks, kernel, monkeypatch, **kw):
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("score_dtype", [torch.bfloat16, None], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("topk,local_blocks,range_blocks", [(8, 4, 64), (64, 32, 128), (200, 40, 256)])
-def test_range_selection_with_the_merge_kernel_equals_one_launch(score_dtype, topk, local_blocks, range_blocks,
+def test_range_selection_with_the_merge_kernel_equals_one_launch(score_dtype, topk, local_blocks,
+                                                                 range_blocks,
                                                                   kernel, monkeypatch):
     lengths = [40000, 1023, 383, 1, 64]
     inputs = gpu_inputs(lengths, 32, 2, 64, seed=21)

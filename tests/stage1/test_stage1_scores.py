@@ -1,6 +1,6 @@
-"""`stage1_scores`: the `[H, total_q, max_n1]` score matrix from the stage-1 kernel (`return_scores`, no top-k)
-against `naive_stage1_scores` in fp32 (FlashAttention's error rule, the bf16/fp16 reference as the baseline; the
-launcher's outputs are NaN-poisoned under the test suite, so an unwritten element fails),
+"""`stage1_scores`: the `[H, total_q, max_n1]` score matrix from the stage-1 kernel (`return_scores`, no
+top-k) against `naive_stage1_scores` in fp32 (FlashAttention's error rule, the bf16/fp16 reference as the
+baseline; the launcher's outputs are NaN-poisoned under the test suite, so an unwritten element fails),
 and the compat layer's `infllmv2_attn_stage1`, which returns it in the original's layout."""
 from __future__ import annotations
 

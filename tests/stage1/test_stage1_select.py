@@ -42,7 +42,6 @@ from infllm_cupy.testing import cu_seqlens_from_lengths
 
 from conftest import HOPPER
 
-
 # ================================================================================================
 # the reference (CPU)
 # ================================================================================================
@@ -256,7 +255,8 @@ def test_topk_contract_on_pipeline_scores(topk, local_blocks):
     idx, scores, bs = naive_stage1_select(q, ck1, ck2, cu, cu1, cu2, max(lengths), topk=topk,
                                           local_blocks=local_blocks, return_scores=True)
     out_len = math.ceil(1000 / 64)
-    assert bs.shape == (2, sum(lengths), out_len) and scores.shape == (2, sum(lengths), n_chunks(1000, 32, 16))
+    assert bs.shape == (2, sum(lengths), out_len) and scores.shape == (2, sum(lengths),
+                                                                       n_chunks(1000, 32, 16))
     check_topk_contract(idx, q_block_idx_prefill(cu, 1000), out_len, min(topk + local_blocks, out_len),
                         local_blocks=local_blocks)
     if topk == 3:
@@ -280,8 +280,8 @@ def test_topk_keeps_forced_blocks_when_budget_covers_them():
     scores = torch.randn(H, T, out_len)
     q_blocks = torch.tensor([0, 40, 199], dtype=torch.int32)
     # a 3-token sequence has no fine key: its only block is the forced init block
-    bs = naive_pool_blocks(torch.zeros(H, T, 0), cu_seqlens_from_lengths([T]), cu_seqlens_from_lengths([0]), None,
-                           T)
+    bs = naive_pool_blocks(torch.zeros(H, T, 0), cu_seqlens_from_lengths([T]), cu_seqlens_from_lengths([0]),
+                           None, T)
     assert bs.shape == (1, 3, 1) and bool(torch.isposinf(bs).all())
     forced = scores.clone()
     for t, qb in enumerate(q_blocks.tolist()):
@@ -295,7 +295,8 @@ def test_q_block_idx():
     cu = cu_seqlens_from_lengths([100, 200])
     plain = q_block_idx_prefill(cu, 200)
     quirk = q_block_idx_prefill(cu, 200, varlen_offset_quirk=True)
-    assert plain.dtype == torch.int32 and plain.tolist() == [r // 64 for r in range(100)] + [r // 64 for r in range(200)]
+    assert plain.dtype == torch.int32
+    assert plain.tolist() == [r // 64 for r in range(100)] + [r // 64 for r in range(200)]
     assert quirk.tolist() == [(r + 100) // 64 for r in range(100)] + [r // 64 for r in range(200)]
     chunked = q_block_idx_prefill(cu, 200, cache_lens=[64, 1])
     assert chunked.tolist() == [(r + 64) // 64 for r in range(100)] + [(r + 1) // 64 for r in range(200)]
@@ -328,7 +329,8 @@ BAD_STAGE1 = [
 ]
 
 
-@pytest.mark.parametrize("name,exc,corrupt", BAD_STAGE1, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD_STAGE1)])
+@pytest.mark.parametrize("name,exc,corrupt", BAD_STAGE1,
+                         ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD_STAGE1)])
 def test_stage1_scores_rejects_bad_inputs(name, exc, corrupt):
     args = _stage1_args()
     args[name] = corrupt(args)
@@ -377,8 +379,8 @@ def default_plan(inputs, max_seqlen_q, kernel="auto", score_dtype=torch.bfloat16
     q, ck1 = inputs[0], inputs[1]
     limits = sel._smem_limits(q.device)
     sdt = torch.float32 if score_dtype is None else score_dtype
-    return stage1_plan(torch.cuda.get_device_capability(q.device), q.shape[1] // ck1.shape[1], q.shape[2], q.dtype,
-                       sdt, -(-(max_seqlen_q + cache) // 64), *limits, kernel)
+    return stage1_plan(torch.cuda.get_device_capability(q.device), q.shape[1] // ck1.shape[1], q.shape[2],
+                       q.dtype, sdt, -(-(max_seqlen_q + cache) // 64), *limits, kernel)
 
 # one unit in the last place, relative, of each score dtype (and fp32 math in a different order)
 RTOL = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 1e-4}
@@ -506,9 +508,10 @@ def run_and_check(q, ck1, ck2, cu_q, cu1, cu2, max_seqlen_q, *, score_dtype=torc
              else torch.as_tensor(cache_lens).cpu())
     out_len = ref_bs.shape[-1]
     K = min(topk + local_blocks, out_len)
-    q_blocks = q_block_idx_prefill(cu_q.cpu(), max_seqlen_q, block_size=64, varlen_offset_quirk=varlen_offset_quirk,
-                                   cache_lens=cache)
-    off_bq = q_block_idx_prefill(cu_q.cpu(), max_seqlen_q, block_size=64, varlen_offset_quirk=False, cache_lens=cache)
+    q_blocks = q_block_idx_prefill(cu_q.cpu(), max_seqlen_q, block_size=64,
+                                   varlen_offset_quirk=varlen_offset_quirk, cache_lens=cache)
+    off_bq = q_block_idx_prefill(cu_q.cpu(), max_seqlen_q, block_size=64, varlen_offset_quirk=False,
+                                 cache_lens=cache)
     q_blocks, off_bq = q_blocks.to(idx.device), off_bq.to(idx.device)
     assert idx.shape == ref_idx.shape
     # (1) our own top-K of our own block scores, exactly
@@ -690,9 +693,10 @@ def test_topk_whole_row_rerun(prefix, topk, local_blocks, kernel):
     plan = dataclasses.replace(default_plan(inputs, max(lengths), kernel), topk_prefix=prefix)
     assert torch.equal(auto, launch_select(*inputs, max(lengths), plan=plan, **kw))
     for score_dtype in (torch.bfloat16, torch.float32):
-        plan = dataclasses.replace(default_plan(inputs, max(lengths), kernel, score_dtype), topk_prefix=prefix)
-        idx, _, bs = launch_select(*inputs, max(lengths), return_scores=True, score_dtype=score_dtype, plan=plan,
-                                   **kw)
+        plan = dataclasses.replace(default_plan(inputs, max(lengths), kernel, score_dtype),
+                                   topk_prefix=prefix)
+        idx, _, bs = launch_select(*inputs, max(lengths), return_scores=True, score_dtype=score_dtype,
+                                   plan=plan, **kw)
         q_blocks = q_block_idx_prefill(inputs[3].cpu(), max(lengths)).to(idx.device)
         assert torch.equal(idx, own_topk(bs, q_blocks, idx.shape[-1]))
 

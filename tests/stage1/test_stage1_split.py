@@ -12,6 +12,8 @@ import torch
 from infllm_cupy.compress.naive import naive_compress_k
 from infllm_cupy.stage1 import select as sel
 from infllm_cupy.stage1.naive import naive_stage1_select, q_block_idx_prefill
+from infllm_cupy.stage1.plan import Stage1Plan, range_blocks_for, scratch_bytes, stage1_plan
+from infllm_cupy.stage1.select import launch_select, stage1_select
 from infllm_cupy.stage1.split import (
     block_ranges,
     finish_candidates,
@@ -19,8 +21,6 @@ from infllm_cupy.stage1.split import (
     range_candidates,
     split_stage1_select,
 )
-from infllm_cupy.stage1.plan import Stage1Plan, range_blocks_for, scratch_bytes, stage1_plan
-from infllm_cupy.stage1.select import launch_select, stage1_select
 from infllm_cupy.testing import cu_seqlens_from_lengths
 
 
@@ -52,8 +52,8 @@ def check_split(inputs, max_seqlen_q, range_blocks_list, **kw):
     returns how many rows had ties at their K-th score (so a test can require some)."""
     idx, _, bs = naive_stage1_select(*inputs, max_seqlen_q, return_scores=True, **kw)
     cache = kw.get("cache_lens")
-    qb = q_block_idx_prefill(inputs[3], max_seqlen_q, varlen_offset_quirk=kw.get("varlen_offset_quirk", False),
-                             cache_lens=cache)
+    qb = q_block_idx_prefill(inputs[3], max_seqlen_q,
+                             varlen_offset_quirk=kw.get("varlen_offset_quirk", False), cache_lens=cache)
     K = idx.shape[-1]
     want = own_topk(bs, qb, K)
     for rb in range_blocks_list:
@@ -153,7 +153,7 @@ H100 = (227 * 1024, 228 * 1024)   # (opt-in per-block, per-SM) dynamic shared me
 
 
 def test_range_plan_on_h100_shapes():
-    bf16, fp32 = torch.bfloat16, torch.float32
+    bf16 = torch.bfloat16
     # README head config (G = 16, D = 128): 128k tokens (2048 blocks) fit two CTAs per SM: one launch;
     # 512k tokens (8192 blocks) fit one CTA's rows, but ranges of 2816 blocks at two CTAs per SM were
     # faster (docs/stage1.md §9), with the rows in shared memory kept for inspection calls
@@ -187,20 +187,22 @@ def test_range_plan_on_h100_shapes():
 
 
 def gpu_inputs(lengths, HQ, H, D, *, seed, ties=False, exact=False, lengths_k=None, dtype=torch.bfloat16):
-    q, ck1, ck2, cu, cu1, cu2 = make_inputs(lengths, HQ, H, D, seed=seed, ties=ties, exact=exact, lengths_k=lengths_k)
+    q, ck1, ck2, cu, cu1, cu2 = make_inputs(lengths, HQ, H, D, seed=seed, ties=ties, exact=exact,
+                                            lengths_k=lengths_k)
     return tuple(t.to("cuda") for t in (q.to(dtype), ck1.to(dtype), ck2.to(dtype), cu, cu1, cu2))
 
 
 def default_plan(inputs, max_seqlen_q, kernel="auto", score_dtype=torch.bfloat16, cache=0):
     q, ck1 = inputs[0], inputs[1]
     sdt = torch.float32 if score_dtype is None else score_dtype
-    return stage1_plan(torch.cuda.get_device_capability(q.device), q.shape[1] // ck1.shape[1], q.shape[2], q.dtype,
-                       sdt, -(-(max_seqlen_q + cache) // 64), *sel._smem_limits(q.device), kernel)
+    return stage1_plan(torch.cuda.get_device_capability(q.device), q.shape[1] // ck1.shape[1], q.shape[2],
+                       q.dtype, sdt, -(-(max_seqlen_q + cache) // 64), *sel._smem_limits(q.device), kernel)
 
 
 def check_ranges(inputs, max_seqlen_q, range_blocks, kernel, *, score_dtype=torch.bfloat16, cache=0, **kw):
     """Range passes (`range_blocks`) against the one-launch selection of the same kernel: identical."""
-    one = stage1_select(*inputs, max_seqlen_q, backend="kernels", kernel=kernel, score_dtype=score_dtype, **kw)
+    one = stage1_select(*inputs, max_seqlen_q, backend="kernels", kernel=kernel, score_dtype=score_dtype,
+                        **kw)
     base = dataclasses.replace(default_plan(inputs, max_seqlen_q, kernel, score_dtype, cache), range_blocks=0,
                                block_keys_in_smem=True)
     plan = dataclasses.replace(base, range_blocks=range_blocks)
@@ -242,7 +244,8 @@ def test_range_passes_tie_heavy_quirk_chunked_decode_exact(kernel):
     check_ranges(gpu_inputs([L, 900], 16, 2, 64, seed=12, ties=True), L, 64, kernel, topk=8, local_blocks=2)
     check_ranges(gpu_inputs([L, 900], 16, 2, 64, seed=13), L, 64, kernel, topk=8, local_blocks=2,
                  varlen_offset_quirk=True, init_blocks=3)
-    check_ranges(gpu_inputs([3000, 1500], 16, 2, 64, seed=14, exact=True), 3000, 64, kernel, topk=8, local_blocks=2)
+    check_ranges(gpu_inputs([3000, 1500], 16, 2, 64, seed=14, exact=True), 3000, 64, kernel, topk=8,
+                 local_blocks=2)
     lq, lk = [700, 300], [9000, 5000]
     inputs = gpu_inputs(lq, 16, 2, 64, seed=15, lengths_k=lk)
     cache = torch.tensor([8300, 4700], dtype=torch.int32, device="cuda")
@@ -268,7 +271,8 @@ def test_planned_ranges_match_the_scratch_and_use_less_memory(kernel):
             plan.kernel, plan.warps, 1, 64, 2, 4, *sel._smem_limits(inputs[0].device)))
     assert plan.range_blocks >= 64
     kw = {"topk": 8, "local_blocks": 4, "score_dtype": None}
-    scratch = launch_select(*inputs, L, plan=dataclasses.replace(plan, range_blocks=0, block_keys_in_smem=False), **kw)
+    scratch = launch_select(*inputs, L,
+                            plan=dataclasses.replace(plan, range_blocks=0, block_keys_in_smem=False), **kw)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -279,7 +283,7 @@ def test_planned_ranges_match_the_scratch_and_use_less_memory(kernel):
     scratch_size = L * (-(-L // 4096) * 64) * 4          # [H = 1, total_q, olp] fp32 keys
     assert extra < scratch_size / 4, (extra, scratch_size)
     # inspection outputs are not written by range passes: the launcher falls back to one launch
-    idx, sc, bs = launch_select(*inputs, L, plan=plan, return_scores=True, **kw)
+    idx, _sc, bs = launch_select(*inputs, L, plan=plan, return_scores=True, **kw)
     assert torch.equal(idx, scratch) and not torch.isnan(bs).any()
 
 

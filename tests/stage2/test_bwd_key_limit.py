@@ -13,7 +13,6 @@ outputs are NaN-poisoned, conftest, so an unwritten row fails). ~11 GB of GPU me
 """
 import pytest
 import torch
-from conftest import HOPPER
 
 from infllm_cupy._constants import KV_BLOCK
 from infllm_cupy.stage2 import sparse_bwd as sb
@@ -29,6 +28,8 @@ from infllm_cupy.stage2.sparse_bwd import (
 from infllm_cupy.stage2.sparse_fwd import token_block_masks
 from infllm_cupy.testing import assert_close_to_ref, cu_seqlens_from_lengths, reference_sparse_grads
 
+from conftest import HOPPER
+
 GPU = pytest.mark.gpu
 OLD_MAX_KEYS = 65535 * KV_BLOCK   # the launcher's blanket limit before the z-chunks
 
@@ -40,7 +41,7 @@ OLD_MAX_KEYS = 65535 * KV_BLOCK   # the launcher's blanket limit before the z-ch
 
 def test_z_chunks_cover_every_key_block_once_in_order():
     assert dkdv_z_chunks(1) == [(0, 1)]
-    assert dkdv_z_chunks(65535) == [(0, 65535)]                 # up to 4,194,240 keys: the one launch of before
+    assert dkdv_z_chunks(65535) == [(0, 65535)]               # up to 4,194,240 keys: the one launch of before
     assert dkdv_z_chunks(65536) == [(0, 65535), (65535, 1)]
     assert dkdv_z_chunks(67188) == [(0, 65535), (65535, 1653)]  # the GPU test's 4.3M keys
     assert dkdv_z_chunks(0) == []
@@ -86,7 +87,8 @@ def test_limit_errors_name_the_limit():
     _limits(sm80)                                        # past the old blanket limit: fine
     _limits(sm80, max_seqlen_k=bwd_max_keys(128), n_words=n_mask_words(bwd_max_keys(128)))
     over = bwd_max_keys(128) + 1
-    with pytest.raises(ValueError, match=r"max_seqlen_k too long for the backward's dq.*sm80 dq at D = 128 holds at "
+    with pytest.raises(ValueError,
+                       match=r"max_seqlen_k too long for the backward's dq.*sm80 dq at D = 128 holds at "
                                          r"most 33536 words"):
         _limits(sm80, max_seqlen_k=over, n_words=n_mask_words(over))
     ring = BwdPlan(SM90A, dq=SM90A, dq_stages=4)
@@ -110,7 +112,8 @@ HQ, H, D = 32, 2, 128
 N_KB = -(-LK[0] // KV_BLOCK)                             # 67,188
 # blocks the long sequence's queries pick from: 0, both sides of 65535, and the last four (the
 # causal diagonal cuts the last one; four keep the cut where the reference's compacted keys put it)
-POOL = sorted({0, 1, 777, 32768, 65533, 65534, 65535, 65536, 65537, 66000, 67000} | set(range(N_KB - 4, N_KB)))
+POOL = sorted({0, 1, 777, 32768, 65533, 65534, 65535, 65536, 65537, 66000,
+               67000} | set(range(N_KB - 4, N_KB)))
 PICKS = 7    # per (KV head, token): block 0, PICKS random pool blocks and one -1
 
 
@@ -119,7 +122,7 @@ def _selection(gen, dev):
     and the key rows (global) of the compacted keys."""
     n1 = -(-LK[1] // KV_BLOCK)
     rows, rows_c = [], []
-    for b, (lq, pool) in enumerate(((LQ[0], POOL), (LQ[1], list(range(n1))))):
+    for lq, pool in ((LQ[0], POOL), (LQ[1], list(range(n1)))):
         pool_t = torch.tensor(pool)
         pick = pool_t[torch.randint(len(pool), (H, lq, PICKS), generator=gen)]
         full = torch.cat([torch.zeros(H, lq, 1, dtype=torch.long), pick, torch.full((H, lq, 1), -1)], -1)
@@ -152,14 +155,15 @@ def long_case():
     lk_c = [int((keys < LK[0]).sum()), LK[1]]
     cu_kc = cu_seqlens_from_lengths(lk_c, dev)
     k_c, v_c = k[keys].contiguous(), v[keys].contiguous()
-    ref_out, ref_lse, ref = reference_sparse_grads(q, k_c, v_c, do, cu_q, cu_kc, idx_c, max(LQ), max(lk_c), True,
-                                                   exact=True)
-    _, _, lowp = reference_sparse_grads(q, k_c, v_c, do, cu_q, cu_kc, idx_c, max(LQ), max(lk_c), True, exact=False)
+    ref_out, ref_lse, ref = reference_sparse_grads(q, k_c, v_c, do, cu_q, cu_kc, idx_c, max(LQ), max(lk_c),
+                                                   True, exact=True)
+    _, _, lowp = reference_sparse_grads(q, k_c, v_c, do, cu_q, cu_kc, idx_c, max(LQ), max(lk_c), True,
+                                        exact=False)
     masks = token_block_masks(idx, cu_q, cu_k, n_mask_words(max(LK)))
     out = ref_out.to(dt)                      # the backward's inputs from the float64 forward
     lse = ref_lse.float().contiguous()
-    yield {"q": q, "k": k, "v": v, "do": do, "cu_q": cu_q, "cu_k": cu_k, "masks": masks, "out": out, "lse": lse,
-           "keys": keys, "ref": ref, "lowp": lowp}
+    yield {"q": q, "k": k, "v": v, "do": do, "cu_q": cu_q, "cu_k": cu_k, "masks": masks, "out": out,
+           "lse": lse, "keys": keys, "ref": ref, "lowp": lowp}
 
 
 def _plan(kernel):
@@ -184,7 +188,8 @@ def test_backward_past_65535_key_blocks(long_case, kernel, monkeypatch):
         return real(kern, name=name, grid=grid, **kw)
 
     monkeypatch.setattr(sb, "launch", spy)
-    dq, dk, dv = stage2_bwd(c["do"], c["q"], c["k"], c["v"], c["out"], c["lse"], c["cu_q"], c["cu_k"], c["masks"],
+    dq, dk, dv = stage2_bwd(c["do"], c["q"], c["k"], c["v"], c["out"], c["lse"], c["cu_q"], c["cu_k"],
+                            c["masks"],
                             c["cu_q"], c["q"].shape[0], 1, max(LQ), max(LK), True, D ** -0.5, plan)
     torch.cuda.synchronize()
     monkeypatch.setattr(sb, "launch", real)

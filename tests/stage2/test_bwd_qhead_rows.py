@@ -15,7 +15,6 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import HOPPER
 
 from infllm_cupy import _jit
 from infllm_cupy.patterns import qhead_block_sparse_attn_varlen
@@ -24,6 +23,8 @@ from infllm_cupy.stage2.attention import block_sparse_attn_varlen
 from infllm_cupy.stage2.layout import BlockLayout
 from infllm_cupy.stage2.plan import DEFAULT_BWD_TILES, BwdPlan, BwdTiles, bwd_plan
 from infllm_cupy.testing import assert_qhead_layout_close, check_qhead_layout_grads, cu_seqlens_from_lengths
+
+from conftest import HOPPER
 
 NEEDS_HOPPER = pytest.mark.skipif(not HOPPER, reason="sm_90a kernels need capability 9.0")
 
@@ -46,9 +47,9 @@ def test_bwd_plan_qhead_field():
     assert BwdPlan("sm90a").qhead == "off"
     assert BwdPlan("sm90a", qhead="head").qhead == "head"
     assert BwdPlan("sm80", qhead="head").tiles == DEFAULT_BWD_TILES
-    with pytest.raises(ValueError, match="BwdPlan.qhead must be one of"):
+    with pytest.raises(ValueError, match=r"BwdPlan\.qhead must be one of"):
         BwdPlan("sm90a", qhead="group")
-    with pytest.raises(ValueError, match="BwdPlan.qhead must be one of"):
+    with pytest.raises(ValueError, match=r"BwdPlan\.qhead must be one of"):
         BwdPlan("sm90a", qhead=True)
     with pytest.raises(ValueError, match="default SM80 tiles"):
         BwdPlan("sm80", BwdTiles(8, 16), qhead="head")
@@ -59,7 +60,7 @@ def test_bwd_plan_qhead_field():
 def test_bwd_plan_dkdv_group_field():
     assert BwdPlan("sm90a").dkdv_group is False
     assert BwdPlan("sm90a", qhead="head", dkdv_group=True).dkdv_group is True
-    with pytest.raises(ValueError, match="BwdPlan.dkdv_group must be a bool"):
+    with pytest.raises(ValueError, match=r"BwdPlan\.dkdv_group must be a bool"):
         BwdPlan("sm90a", qhead="head", dkdv_group=1)
     for bad in (dict(qhead="off"), dict(qhead="head", block0_parts=2), dict(kernel="sm80", qhead="head")):
         kw = {"kernel": "sm90a", **bad}
@@ -88,9 +89,11 @@ def test_qhead_bwd_plan_groups_dkdv_past_the_partials_budget():
     total_k, HQ, D = 2 * 40000, 32, 128
     partials = 2 * total_k * HQ * D * 2
     below = qhead_bwd_plan((9, 0), D, torch.bfloat16, 40000, 40000, total_k, HQ=HQ, partials_budget=partials)
-    above = qhead_bwd_plan((9, 0), D, torch.bfloat16, 40000, 40000, total_k, HQ=HQ, partials_budget=partials - 1)
+    above = qhead_bwd_plan((9, 0), D, torch.bfloat16, 40000, 40000, total_k, HQ=HQ,
+                           partials_budget=partials - 1)
     assert not below.dkdv_group and above == dataclasses.replace(below, dkdv_group=True, block0_parts=1)
-    assert not qhead_bwd_plan((8, 0), D, torch.bfloat16, 40000, 40000, total_k, HQ=HQ, partials_budget=0).dkdv_group
+    assert not qhead_bwd_plan((8, 0), D, torch.bfloat16, 40000, 40000, total_k, HQ=HQ,
+                              partials_budget=0).dkdv_group
     assert not qhead_bwd_plan((9, 0), D, torch.bfloat16, 40000, 40000, total_k, HQ=HQ).dkdv_group
     # with query-range passes the per-query-head fp32 sums count too (2 x 4 bytes more per element)
     long = qhead_bwd_plan((9, 0), D, torch.bfloat16, 131072, 131072, 2 * 131072, HQ=HQ,
@@ -136,7 +139,8 @@ def test_public_op_routes_per_query_head_layouts():
                           torch.autograd.grad(ref, ref_leaves, dout)):
         assert torch.equal(g, r), name
     # the reference backend routes too
-    out_r = block_sparse_attn_varlen(*(x.detach() for x in leaves), cu, cu, lay, 150, 150, backend="reference")
+    out_r = block_sparse_attn_varlen(*(x.detach() for x in leaves), cu, cu, lay, 150, 150,
+                                     backend="reference")
     torch.testing.assert_close(out_r, out.detach(), atol=1e-12, rtol=1e-12)
 
 
@@ -151,8 +155,8 @@ def test_qhead_bwd_custom_op_opcheck():
     cu = cu_seqlens_from_lengths([60, 40])
     mask = qhead_mask((HQ, 1, 1), seed=24)
     out, lse = qhead_block_sparse_attn_fwd(q, k, v, cu, cu, mask, 64, 60, 60, True, 0.25, "auto")
-    res = torch.library.opcheck(qhead_block_sparse_attn_bwd, (dout, q, k, v, out, lse, cu, cu, mask, 64, 60, 60,
-                                                             True, 0.25, "auto"))
+    res = torch.library.opcheck(qhead_block_sparse_attn_bwd,
+                                (dout, q, k, v, out, lse, cu, cu, mask, 64, 60, 60, True, 0.25, "auto"))
     assert set(res.values()) in ({"SUCCESS"}, {"SUCCESS", "SKIP"}), res
 
 
@@ -179,18 +183,21 @@ def test_qhead_bwd_instances_compile_without_more_spills(D):
         qh, twin = res[base[:-1] + ", 2>"], res[base]
         assert qh.spill_stores == 0 and qh.spill_loads == 0, str(qh)
         assert qh.registers <= twin.registers + 8, (str(qh), str(twin))
-    for base in (DEFAULT_BWD_TILES.dq_name(torch.bfloat16, D), DEFAULT_BWD_TILES.dkdv_name(torch.bfloat16, D)):
+    for base in (DEFAULT_BWD_TILES.dq_name(torch.bfloat16, D),
+                 DEFAULT_BWD_TILES.dkdv_name(torch.bfloat16, D)):
         rep = _jit.compile_report("stage2/sparse_bwd.cu", [base, base[:-1] + ", 2>"], "sm_80")
         res = {k.name: k for k in rep.kernels}
         qh, twin = res[base[:-1] + ", 2>"], res[base]
-        assert qh.spill_stores <= twin.spill_stores and qh.spill_loads <= twin.spill_loads, (str(qh), str(twin))
+        assert qh.spill_stores <= twin.spill_stores and qh.spill_loads <= twin.spill_loads, (str(qh),
+                                                                                             str(twin))
 
 
 @pytest.mark.nvrtc
 def test_dkdv_group_instances_compile_without_spills():
     """The QH = 3 dk/dv instances (a group's query heads per CTA, BwdPlan.dkdv_group): no spills, no
     serialised wgmma (at D = 128 without the in-warpgroup pipelining, which left no registers)."""
-    names = [f"stage2_bwd_dkdv_sm90<{t}, {d}, false, 3>" for t in ("__nv_bfloat16", "__half") for d in (64, 128)]
+    names = [f"stage2_bwd_dkdv_sm90<{t}, {d}, false, 3>" for t in ("__nv_bfloat16", "__half") for d in (64,
+                                                                                                        128)]
     rep = _jit.compile_report("stage2/sparse_bwd_sm90.cu", names, "sm_90a")
     assert "C7511" not in rep.log, rep.log
     assert {k.name for k in rep.kernels} == set(names)
@@ -212,7 +219,8 @@ def gpu_inputs(lengths, HQ, H, D, dtype, seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("D,dtype", [(64, torch.float16), (128, torch.bfloat16)], ids=["d64-fp16", "d128-bf16"])
+@pytest.mark.parametrize("D,dtype", [(64, torch.float16), (128, torch.bfloat16)],
+                         ids=["d64-fp16", "d128-bf16"])
 @pytest.mark.parametrize("G", [1, 2, 4, 8, 16, 32])
 def test_qhead_bwd_matches_reference(G, D, dtype, kernel):
     """The public entry's gradients (per-query-head forward and backward kernels, no K/V repeat) on
@@ -231,8 +239,8 @@ def test_qhead_bwd_matches_reference(G, D, dtype, kernel):
 def _variant_plans(variant, q, k, max_seqlen):
     """(per-query-head plan, expanded plan): the same plan but for qhead."""
     kernel = "sm80" if variant.startswith("sm80") else "sm90a"
-    base = bwd_plan(torch.cuda.get_device_capability(), 1, q.shape[2], q.dtype, max_seqlen, max_seqlen, k.shape[0],
-                    kernel=kernel)
+    base = bwd_plan(torch.cuda.get_device_capability(), 1, q.shape[2], q.dtype, max_seqlen, max_seqlen,
+                    k.shape[0], kernel=kernel)
     extra = {"sm80": {}, "sm80_flush": {"dkdv_flush": 3}, "sm90a": {},
              "sm90a_passes": {"dkdv_passes": 3, "block0_parts": 1},
              "sm90a_parts": {"dkdv_passes": 1, "block0_parts": 4}, "sm90a_dq_split": {"dq_step": "split"},
@@ -242,7 +250,8 @@ def _variant_plans(variant, q, k, max_seqlen):
 
 
 VARIANTS = ["sm80", "sm80_flush"] + [pytest.param(v, marks=NEEDS_HOPPER) for v in
-                                     ("sm90a", "sm90a_passes", "sm90a_parts", "sm90a_dq_split", "sm90a_nopdl")]
+                                     ("sm90a", "sm90a_passes", "sm90a_parts", "sm90a_dq_split",
+                                      "sm90a_nopdl")]
 
 
 @pytest.mark.gpu
@@ -266,7 +275,8 @@ def test_qhead_bwd_bit_identical_to_expanded(variant, G):
     got = ops.layout_bwd(dout, q, k, v, out, lse, cu, cu, mask, 64, 900, 900, True, D ** -0.5, plan_qh)
     again = ops.layout_bwd(dout, q, k, v, out, lse, cu, cu, mask, 64, 900, 900, True, D ** -0.5, plan_qh)
     ke, ve = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
-    dq, dke, dve = ops.layout_bwd(dout, q, ke, ve, out, lse, cu, cu, mask, 64, 900, 900, True, D ** -0.5, plan_x)
+    dq, dke, dve = ops.layout_bwd(dout, q, ke, ve, out, lse, cu, cu, mask, 64, 900, 900, True, D ** -0.5,
+                                  plan_x)
     want = (dq, dke.view(-1, H, G, D).sum(2, dtype=torch.float32).to(k.dtype),
             dve.view(-1, H, G, D).sum(2, dtype=torch.float32).to(v.dtype))
     for name, a, b, w in zip(("dq", "dk", "dv"), got, again, want):
@@ -299,7 +309,8 @@ def test_public_op_routes_per_query_head_layouts_on_gpu(kernel):
 @pytest.mark.gpu
 @NEEDS_HOPPER
 @pytest.mark.parametrize("variant", ["one_pass", "passes", "passes_nopdl"])
-@pytest.mark.parametrize("G,D,dtype", [(1, 128, torch.bfloat16), (4, 64, torch.float16), (16, 128, torch.bfloat16),
+@pytest.mark.parametrize("G,D,dtype",
+                         [(1, 128, torch.bfloat16), (4, 64, torch.float16), (16, 128, torch.bfloat16),
                                        (32, 128, torch.float16)], ids=["g1-d128-bf16", "g4-d64-fp16",
                                                                         "g16-d128-bf16", "g32-d128-fp16"])
 def test_dkdv_group_matches_reference(G, D, dtype, variant):

@@ -63,7 +63,8 @@ def test_flush_rows_only_where_a_cta_can_pass_the_interval():
 
 def test_both_dkdv_instances_are_registered():
     """Every SM80 tile shape has the instance without flushes (the code that ran before) and the
-    flushing one, both held to no spills except the 64-column tuning shape (tests/test_jit.py compiles them)."""
+    flushing one, both held to no spills except the 64-column tuning shape (tests/test_jit.py compiles
+    them)."""
     sets = [ks for ks in _jit.registered() if ks.source == sb.BWD_SOURCE]
     for t in ALL_BWD_TILES:
         for dt in (torch.bfloat16, torch.float16):
@@ -104,7 +105,8 @@ def sm80_grads(q, k, v, do, cu_q, cu_k, idx, mq, mk, plan, monkeypatch, causal=T
     scale = q.shape[-1] ** -0.5
     masks = token_block_masks(idx, cu_q, cu_k, n_mask_words(mk))
     out, lse = stage2_fwd(q, k, v, cu_q, cu_k, masks, cu_q, q.shape[0], 1, mq, causal, scale, FwdPlan("sm80"))
-    grads = stage2_bwd(do, q, k, v, out, lse, cu_q, cu_k, masks, cu_q, q.shape[0], 1, mq, mk, causal, scale, plan)
+    grads = stage2_bwd(do, q, k, v, out, lse, cu_q, cu_k, masks, cu_q, q.shape[0], 1, mq, mk, causal, scale,
+                       plan)
     monkeypatch.setattr(sb, "launch", real)
     return grads, names
 
@@ -166,7 +168,8 @@ def test_default_plan_at_test_sizes_runs_without_flushes(monkeypatch):
     allocated = []
     real_empty = sb.empty
     monkeypatch.setattr(sb, "empty", lambda shape, *, dtype, device: (allocated.append(dtype),
-                                                                       real_empty(shape, dtype=dtype, device=device))[1])
+                                                                       real_empty(shape, dtype=dtype,
+                                                                                  device=device))[1])
     grads, names = sm80_grads(q, k, v, do, cu_q, cu_k, idx, 700, 700, SM80_PLAN, monkeypatch)
     assert names == [SM80_PLAN.tiles.dkdv_name(torch.bfloat16, 64, False)]
     assert torch.float32 not in allocated

@@ -15,7 +15,6 @@ import math
 
 import pytest
 import torch
-from conftest import HOPPER
 
 from infllm_cupy import _jit
 from infllm_cupy.patterns import SparseAttention, qhead_block_sparse_attn_varlen
@@ -30,6 +29,8 @@ from infllm_cupy.testing import (
     assert_qhead_layout_close,
     cu_seqlens_from_lengths,
 )
+
+from conftest import HOPPER
 
 NEEDS_HOPPER = pytest.mark.skipif(not HOPPER, reason="sm_90a kernel needs capability 9.0")
 
@@ -63,11 +64,11 @@ def dense_qhead_attn(q, k, v, lengths, mask, q_block, causal, scale):
         kk, vv = ks.repeat_interleave(G, 1), vs.repeat_interleave(G, 1)
         s = torch.einsum("thd,chd->htc", qs, kk) * scale
         s = s.masked_fill(~allowed, -math.inf)
-        l = torch.logsumexp(s, -1)                                          # [HQ, L]
-        p = torch.where(allowed, torch.exp(s - l[..., None].clamp(max=1e300)), torch.zeros(()))
+        lg = torch.logsumexp(s, -1)                                         # [HQ, L]
+        p = torch.where(allowed, torch.exp(s - lg[..., None].clamp(max=1e300)), torch.zeros(()))
         p = torch.nan_to_num(p)
         out[s0:s0 + L] = torch.einsum("htc,chd->thd", p, vv)
-        lse[:, s0:s0 + L] = torch.where(torch.isinf(l), math.inf, l)
+        lse[:, s0:s0 + L] = torch.where(torch.isinf(lg), math.inf, lg)
         s0 += L
     return out, lse
 
@@ -103,7 +104,8 @@ def test_qhead_op_equals_kv_layout_when_groups_agree():
     q, k, v = torch.randn(T, HQ, D), torch.randn(T, H, D), torch.randn(T, H, D)
     cu = cu_seqlens_from_lengths(lengths)
     kv = qhead_mask((H, 4, 4), seed=4)
-    a = qhead_block_sparse_attn_varlen(q, k, v, cu, cu, BlockLayout(kv.repeat_interleave(HQ // H, 0)), 200, 200)
+    a = qhead_block_sparse_attn_varlen(q, k, v, cu, cu, BlockLayout(kv.repeat_interleave(HQ // H, 0)), 200,
+                                       200)
     b = block_sparse_attn_varlen(q, k, v, cu, cu, BlockLayout(kv), 200, 200)
     torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
@@ -160,26 +162,27 @@ def test_qhead_argument_errors():
     with pytest.raises(TypeError, match="layout must be a BlockLayout"):
         qhead_block_sparse_attn_varlen(q, k, k, cu, cu, torch.ones(4, 1, 1, dtype=torch.bool), 64, 64)
     with pytest.raises(ValueError, match="layout has 2 heads but q has 4"):
-        qhead_block_sparse_attn_varlen(q, k, k, cu, cu, BlockLayout(torch.ones(2, 1, 1, dtype=torch.bool)), 64, 64)
+        qhead_block_sparse_attn_varlen(q, k, k, cu, cu, BlockLayout(torch.ones(2, 1, 1, dtype=torch.bool)),
+                                       64, 64)
     with pytest.raises(ValueError, match="multiple of the key/value head count"):
         qhead_block_sparse_attn_varlen(torch.randn(64, 3, 16), k, k, cu, cu,
                                        BlockLayout(torch.ones(3, 1, 1, dtype=torch.bool)), 64, 64)
     with pytest.raises(TypeError, match="causal must be a bool"):
-        qhead_block_sparse_attn_varlen(q, k, k, cu, cu, BlockLayout(torch.ones(4, 1, 1, dtype=torch.bool)), 64, 64,
-                                       causal=1)
+        qhead_block_sparse_attn_varlen(q, k, k, cu, cu, BlockLayout(torch.ones(4, 1, 1, dtype=torch.bool)),
+                                       64, 64, causal=1)
     with pytest.raises(ValueError, match="backend"):
-        qhead_block_sparse_attn_varlen(q, k, k, cu, cu, BlockLayout(torch.ones(4, 1, 1, dtype=torch.bool)), 64, 64,
-                                       backend="fast")
+        qhead_block_sparse_attn_varlen(q, k, k, cu, cu, BlockLayout(torch.ones(4, 1, 1, dtype=torch.bool)),
+                                       64, 64, backend="fast")
 
 
 def test_fwd_plan_qhead_field():
     assert FwdPlan("sm90a").qhead == "off"
     assert FwdPlan("sm90a", qhead="head").qhead == "head"
     assert FwdPlan("sm80", qhead="head").tiles == DEFAULT_TILES
-    with pytest.raises(ValueError, match="FwdPlan.qhead must be one of"):
+    with pytest.raises(ValueError, match=r"FwdPlan\.qhead must be one of"):
         FwdPlan("sm90a", qhead=True)
-    with pytest.raises(ValueError, match="FwdPlan.qhead must be one of"):
-        FwdPlan("sm90a", qhead="group")       # the union walk, removed (docs/stage2_fwd.md, 9. Tried and not kept)
+    with pytest.raises(ValueError, match=r"FwdPlan\.qhead must be one of"):
+        FwdPlan("sm90a", qhead="group")  # the union walk, removed (docs/stage2_fwd.md, 9. Tried and not kept)
     with pytest.raises(ValueError, match="default SM80 tiles"):
         FwdPlan("sm80", FwdTiles(8, 1, 64), qhead="head")
     with pytest.raises(ValueError, match="needs kv_passes=1"):
@@ -203,14 +206,16 @@ def test_qhead_instances_compile_without_more_spills(D):
     rep = _jit.compile_report("stage2/sparse_fwd.cu", [base, base[:-1] + ", 2>"], "sm_80")
     res = {k.name: k for k in rep.kernels}
     qh, twin = res[base[:-1] + ", 2>"], res[base]
-    assert qh.spill_stores <= twin.spill_stores + 8 and qh.spill_loads <= twin.spill_loads + 8, (str(qh), str(twin))
+    assert qh.spill_stores <= twin.spill_stores + 8 and qh.spill_loads <= twin.spill_loads + 8, (str(qh),
+                                                                                                 str(twin))
 
 
 # ------------------------------------------------------------------------------------------------ GPU
 
 # "sm90a": the plan's per-CTA step choice; the others force one step shape in every CTA; "sm80": the
 # SM80 kernel (default tiles)
-VARIANTS = [pytest.param(v, marks=NEEDS_HOPPER) for v in ("sm90a", "sm90a_pair", "sm90a_single", "sm90a_split")] \
+VARIANTS = [pytest.param(v, marks=NEEDS_HOPPER) for v in ("sm90a", "sm90a_pair", "sm90a_single",
+                                                          "sm90a_split")] \
     + ["sm80"]
 STEP = {"sm90a": "auto", "sm90a_pair": "pair", "sm90a_single": "single", "sm90a_split": "split"}
 

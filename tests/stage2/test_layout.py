@@ -21,7 +21,8 @@ def test_to_topk_idx_is_ascending_with_tail_padding():
     cu = cu_seqlens_from_lengths([3, 2])
     idx = BlockLayout(mask, q_block=1).to_topk_idx(cu)
     assert idx.shape == (1, 5, 4) and idx.dtype == torch.int32
-    assert idx[0].tolist() == [[0, 2, -1, -1], [-1, -1, -1, -1], [0, 1, 2, 3], [0, 2, -1, -1], [-1, -1, -1, -1]]
+    assert idx[0].tolist() == [[0, 2, -1, -1], [-1, -1, -1, -1], [0, 1, 2, 3], [0, 2, -1, -1],
+                               [-1, -1, -1, -1]]
 
 
 def test_packed_bits():

@@ -13,7 +13,6 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import HOPPER, STAGE2_CASES, STAGE2_IDS
 
 from infllm_cupy.pipeline import InfLLMv2Attention, InfLLMv2Config
 from infllm_cupy.stage2 import naive as s2
@@ -44,6 +43,8 @@ from infllm_cupy.testing import (
     rel_l2_err,
     sparse_attn_inputs,
 )
+
+from conftest import HOPPER, STAGE2_CASES, STAGE2_IDS
 
 GPU = pytest.mark.gpu
 NEEDS_HOPPER = pytest.mark.skipif(not HOPPER, reason="sm_90a kernels need capability 9.0")
@@ -77,7 +78,7 @@ def test_bwd_plan():
     for cap, kernel in (((8, 0), "auto"), ((9, 0), "sm80"), ((8, 6), "sm80"), ((12, 0), "auto")):
         assert bwd_plan(cap, 16, 128, bf16, 1000, 1000, 2000, kernel=kernel) == sm80
     assert bwd_plan((9, 0), 16, 128, bf16, 1000, 1000, 2000, kernel="sm90a").kernel == "sm90a"
-    with pytest.raises(ValueError, match="kernel='sm90a' needs a device of compute capability 9.0"):
+    with pytest.raises(ValueError, match=r"kernel='sm90a' needs a device of compute capability 9\.0"):
         bwd_plan((8, 0), 16, 128, bf16, 1000, 1000, 2000, kernel="sm90a")
     for bad in ("sm90a_auto", "sm90a_gather", "4,32", None):
         with pytest.raises(ValueError, match="kernel must be one of"):
@@ -158,7 +159,8 @@ def test_opcheck_token_level():
     torch.library.opcheck(ops.sparse_attn_fwd, args)
     out, lse = ops.sparse_attn_fwd(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
     dout = torch.randn_like(out)
-    torch.library.opcheck(ops.sparse_attn_bwd, (dout, q.detach(), k.detach(), v.detach(), out, lse, cu, cu, idx,
+    torch.library.opcheck(ops.sparse_attn_bwd,
+                          (dout, q.detach(), k.detach(), v.detach(), out, lse, cu, cu, idx,
                                                 131, 131, True, 0.3, "auto"))
 
 
@@ -169,7 +171,8 @@ def test_opcheck_block_layout():
     torch.library.opcheck(ops.block_sparse_attn_fwd, args)
     out, lse = ops.block_sparse_attn_fwd(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
     dout = torch.randn_like(out)
-    torch.library.opcheck(ops.block_sparse_attn_bwd, (dout, q.detach(), k.detach(), v.detach(), out, lse, cu, cu,
+    torch.library.opcheck(ops.block_sparse_attn_bwd,
+                          (dout, q.detach(), k.detach(), v.detach(), out, lse, cu, cu,
                                                       layout.mask, 64, 131, 131, True, 0.3, "sm80"))
 
 
@@ -214,7 +217,8 @@ def test_backward_op_gets_the_kernel_argument(kernel, monkeypatch):
     seen.clear()
     monkeypatch.setattr(ops, "block_sparse_attn_bwd", lambda *a: (seen.append(a[-1]), real_block(*a))[1])
     layout = make_layout(len(LQ), 3, 3)
-    torch.autograd.grad(block_sparse_attn_varlen(q, k, v, cu, cu, layout, 131, 131, kernel=kernel).sum(), (q, k, v))
+    torch.autograd.grad(block_sparse_attn_varlen(q, k, v, cu, cu, layout, 131, 131, kernel=kernel).sum(),
+                        (q, k, v))
     assert seen == [kernel]
 
 
@@ -299,7 +303,7 @@ def test_cpu_auto_is_the_reference(dtype):
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
     for backend in ("auto", "reference"):
         assert torch.equal(sparse_attn_varlen(q, k, v, cu, cu, idx, 131, 131, backend=backend), ref)
-    with pytest.raises((ValueError, TypeError), match="CUDA tensor|q must have dtype"):
+    with pytest.raises((ValueError, TypeError), match=r"CUDA tensor|q must have dtype"):
         sparse_attn_varlen(q, k, v, cu, cu, idx, 131, 131, backend="kernels")
     with pytest.raises(ValueError, match="cu_seqlens_q must"):       # value checks run in eager mode
         sparse_attn_varlen(q, k, v, cu.flip(0), cu, idx, 131, 131)
@@ -385,8 +389,8 @@ def test_pipeline_module_backward_on_cpu():
 # "sm90a_gather": gathered tokens; "sm90a_auto": both, split per key block by tile fill (the plan's
 # default); "sm90a_split": fixed tiles, dq on a ring per warpgroup. Where G is outside 8..64 the
 # gathering instances cannot run and the variant falls back to fixed tiles, as the plan does.
-SM90_VARIANTS = {"sm90a": ("tiles", "single"), "sm90a_gather": ("gather", "auto"), "sm90a_auto": ("auto", "auto"),
-                 "sm90a_split": ("tiles", "split")}
+SM90_VARIANTS = {"sm90a": ("tiles", "single"), "sm90a_gather": ("gather", "auto"),
+                 "sm90a_auto": ("auto", "auto"), "sm90a_split": ("tiles", "split")}
 SM90 = pytest.param("sm90a", marks=NEEDS_HOPPER)
 SM90_GATHER = pytest.param("sm90a_gather", marks=NEEDS_HOPPER)
 SM90_AUTO = pytest.param("sm90a_auto", marks=NEEDS_HOPPER)
@@ -407,15 +411,17 @@ def bwd_plan_of(variant, q, k, mq, mk, **fields) -> BwdPlan:
     dkdv, dq_step = SM90_VARIANTS[variant]
     if not GATHER_G[0] <= q.shape[1] // k.shape[1] <= GATHER_G[1]:
         dkdv = "tiles"
-    return dataclasses.replace(ops.bwd_plan_for(q, k, mq, mk, kernel="sm90a"), dkdv=dkdv, dq_step=dq_step, **fields)
+    return dataclasses.replace(ops.bwd_plan_for(q, k, mq, mk, kernel="sm90a"), dkdv=dkdv, dq_step=dq_step,
+                               **fields)
 
 
 def run_kernels(q, k, v, do, cu_q, cu_k, masks, base, h_stride, q_block, mq, mk, causal, variant, **fields):
     """dq, dk, dv of the SM80 forward's out and lse, by the backward launcher under `variant`'s plan."""
     scale = q.shape[-1] ** -0.5
-    out, lse = stage2_fwd(q, k, v, cu_q, cu_k, masks, base, h_stride, q_block, mq, causal, scale, FwdPlan("sm80"))
-    return stage2_bwd(do, q, k, v, out, lse, cu_q, cu_k, masks, base, h_stride, q_block, mq, mk, causal, scale,
-                      bwd_plan_of(variant, q, k, mq, mk, **fields))
+    out, lse = stage2_fwd(q, k, v, cu_q, cu_k, masks, base, h_stride, q_block, mq, causal, scale,
+                          FwdPlan("sm80"))
+    return stage2_bwd(do, q, k, v, out, lse, cu_q, cu_k, masks, base, h_stride, q_block, mq, mk, causal,
+                      scale, bwd_plan_of(variant, q, k, mq, mk, **fields))
 
 
 def token_masks(idx, cu_q, cu_k, mk):
@@ -562,7 +568,8 @@ OP_CASES = [
     ([1000, 1], [1000, 1], 32, 1, 128),                               # G = 32
     ([100, 37, 5, 1], [700, 37, 64, 130], 16, 2, 64),                 # chunked prefill (Lq < Lk), G = 8
 ]
-OP_IDS = [f"Lq{'-'.join(map(str, c[0]))}_Lk{'-'.join(map(str, c[1]))}_HQ{c[2]}_H{c[3]}_D{c[4]}" for c in OP_CASES]
+OP_IDS = [f"Lq{'-'.join(map(str, c[0]))}_Lk{'-'.join(map(str, c[1]))}_HQ{c[2]}_H{c[3]}_D{c[4]}"
+          for c in OP_CASES]
 
 
 def op_grads(fn, q, k, v, do, *args, **kw):
@@ -613,11 +620,13 @@ def test_non_causal_grads(dtype):
 
 
 TILES = [None, FwdTiles(8, 1, 64), FwdTiles(4, 2, 32),
-         pytest.param("sm90a", marks=pytest.mark.skipif(not HOPPER, reason="sm_90a kernel needs capability 9.0"))]
+         pytest.param("sm90a",
+                      marks=pytest.mark.skipif(not HOPPER, reason="sm_90a kernel needs capability 9.0"))]
 
 
 @GPU
-@pytest.mark.parametrize("tiles", TILES, ids=lambda t: "default" if t is None else str(t) if isinstance(t, str)
+@pytest.mark.parametrize("tiles", TILES,
+                         ids=lambda t: "default" if t is None else str(t) if isinstance(t, str)
                          else f"w{t.warps}m{t.m_tiles}k{t.sub_keys}")
 def test_backward_after_every_forward_kernel(tiles):
     # the backward reads the forward's out and lse, whichever forward kernel wrote them: the public
@@ -625,8 +634,8 @@ def test_backward_after_every_forward_kernel(tiles):
     lq = [700, 129, 1]
     q, k, v, do, cu_q, cu_k, idx = sparse_attn_inputs(lq, lq, 16, 2, 128, torch.bfloat16, empty_rows=True)
     if not isinstance(tiles, FwdTiles):
-        out, _, grads = op_grads(sparse_attn_varlen, q, k, v, do, cu_q, cu_k, idx, 700, 700, backend="kernels",
-                                 kernel=tiles or "auto")
+        out, _, grads = op_grads(sparse_attn_varlen, q, k, v, do, cu_q, cu_k, idx, 700, 700,
+                                 backend="kernels", kernel=tiles or "auto")
     else:
         scale = 128 ** -0.5
         out, lse = ops.token_fwd(q, k, v, cu_q, cu_k, idx, 700, 700, True, scale, FwdPlan("sm80", tiles))

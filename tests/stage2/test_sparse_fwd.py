@@ -9,17 +9,16 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from infllm_cupy import _env
+from infllm_cupy.stage2 import naive as s2
 from infllm_cupy.stage2 import ops
 from infllm_cupy.stage2.attention import block_sparse_attn_varlen, sparse_attn_varlen
 from infllm_cupy.stage2.layout import BlockLayout
-from infllm_cupy.stage2.naive import naive_sparse_attn_varlen
+from infllm_cupy.stage2.naive import naive_dense_attn_varlen, naive_sparse_attn_varlen
 from infllm_cupy.stage2.plan import FwdPlan, FwdTiles, fwd_plan, kv_passes_for
 from infllm_cupy.testing import assert_close_to_ref, cu_seqlens_from_lengths, random_topk_idx
-import torch.nn.functional as F
-from infllm_cupy.stage2 import naive as s2
-from infllm_cupy.stage2.naive import naive_dense_attn_varlen
 
 from conftest import HOPPER, STAGE2_CASES, STAGE2_IDS
 
@@ -32,7 +31,8 @@ def make_inputs(lengths_q, lengths_k, HQ, H, D, dtype, K=12, seed=0, **sel):
     k = torch.randn(sum(lengths_k), H, D, generator=g).to("cuda", dtype)
     v = torch.randn(sum(lengths_k), H, D, generator=g).to("cuda", dtype)
     idx = random_topk_idx(H, lengths_q, lengths_k, K, generator=g, **sel).cuda()
-    return q, k, v, cu_seqlens_from_lengths(lengths_q, "cuda"), cu_seqlens_from_lengths(lengths_k, "cuda"), idx
+    return (q, k, v, cu_seqlens_from_lengths(lengths_q, "cuda"), cu_seqlens_from_lengths(lengths_k, "cuda"),
+            idx)
 
 
 def check_against_reference(out, lse, q, k, v, cu_q, cu_k, idx, mq, mk, causal):
@@ -52,7 +52,8 @@ def check_against_reference(out, lse, q, k, v, cu_q, cu_k, idx, mq, mk, causal):
 
 NEEDS_HOPPER = pytest.mark.skipif(not HOPPER, reason="sm_90a kernel needs capability 9.0")
 # the sm_90a kernel with its per-CTA step choice, and with each step shape forced in every CTA
-SM90_VARIANTS = [pytest.param(t, marks=NEEDS_HOPPER) for t in ("sm90a_pair", "sm90a_single", "sm90a_split", "sm90a")]
+SM90_VARIANTS = [pytest.param(t, marks=NEEDS_HOPPER) for t in ("sm90a_pair", "sm90a_single", "sm90a_split",
+                                                               "sm90a")]
 TILES = [FwdTiles(8, 1, 64), FwdTiles(4, 1, 64), FwdTiles(4, 1, 32), FwdTiles(4, 2, 32), FwdTiles(8, 2, 64),
          *SM90_VARIANTS]
 
@@ -151,7 +152,8 @@ def test_key_range_passes_one_cu_seqlens(selection, split_min, validate):
 def test_key_range_passes_non_causal(dtype):
     lq, lk = [1, 5, 90], [300, 64, 1000]
     q, k, v, cu_q, cu_k, idx = make_inputs(lq, lk, 16, 2, 128, dtype)
-    out, lse = run_fwd(q, k, v, cu_q, cu_k, idx, max(lq), max(lk), "sm90a", causal=False, kv_passes=3, split_min=0)
+    out, lse = run_fwd(q, k, v, cu_q, cu_k, idx, max(lq), max(lk), "sm90a", causal=False, kv_passes=3,
+                       split_min=0)
     check_against_reference(out, lse, q, k, v, cu_q, cu_k, idx, max(lq), max(lk), False)
 
 
@@ -172,9 +174,11 @@ def test_fwd_plan():
     assert fwd_plan((9, 0), 128, bf16, 1 << 20, 1 << 20, split_min=128).stages == 4   # long mask rows
     assert fwd_plan((9, 0), 64, torch.float16, 1 << 20, 1 << 20).stages == 6
     for cap, kernel in (((8, 0), "auto"), ((8, 9), "sm80"), ((9, 0), "sm80"), ((10, 0), "auto")):
-        assert fwd_plan(cap, 128, bf16, 4096, 4096, split_min=128, kernel=kernel) == FwdPlan("sm80", FwdTiles(4, 2, 64))
+        assert fwd_plan(cap, 128, bf16, 4096, 4096, split_min=128, kernel=kernel) == FwdPlan("sm80",
+                                                                                             FwdTiles(4, 2,
+                                                                                                      64))
     assert fwd_plan((9, 0), 128, bf16, 0, 0, kernel="sm90a").kernel == "sm80"   # no keys: no tensor map
-    with pytest.raises(ValueError, match="kernel='sm90a' needs a device of compute capability 9.0"):
+    with pytest.raises(ValueError, match=r"kernel='sm90a' needs a device of compute capability 9\.0"):
         fwd_plan((8, 0), 128, bf16, 4096, 4096, kernel="sm90a")
     for bad in ("sm90", "SM80", "", None, "sm90a_pair"):
         with pytest.raises(ValueError, match="kernel must be one of"):
@@ -189,7 +193,7 @@ def test_fwd_plan_fields_are_checked():
                 dict(kernel="sm90a", split_min=-1)):
         with pytest.raises(ValueError, match="FwdPlan"):
             FwdPlan(**bad)
-    with pytest.raises(TypeError, match="FwdPlan.tiles"):
+    with pytest.raises(TypeError, match=r"FwdPlan\.tiles"):
         FwdPlan("sm80", (4, 2, 64))
 
 
@@ -290,8 +294,8 @@ def test_block_layout_equals_token_level(q_block, per_sequence, tiles):
         out, lse = block_sparse_attn_varlen(q, k, v, cu_q, cu_k, layout, 1000, 1000, return_lse=True,
                                             backend="kernels", kernel="sm90a")
     else:
-        out, lse = ops.layout_fwd(q, k, v, cu_q, cu_k, layout.mask.cuda(), q_block, 1000, 1000, True, D ** -0.5,
-                                  plan_of(tiles, q, k, 1000, None))
+        out, lse = ops.layout_fwd(q, k, v, cu_q, cu_k, layout.mask.cuda(), q_block, 1000, 1000, True,
+                                  D ** -0.5, plan_of(tiles, q, k, 1000, None))
     idx = layout.to_topk_idx(cu_q.cpu()).cuda()
     check_against_reference(out, lse, q, k, v, cu_q, cu_k, idx, 1000, 1000, True)
     tok, _ = run_fwd(q, k, v, cu_q, cu_k, idx, 1000, 1000, tiles)
@@ -364,8 +368,8 @@ def test_sparse_attn_bad_inputs_raise_before_launch(bad, match):
     for name, f in bad.items():
         args[name] = f(args[name])
     with pytest.raises((ValueError, TypeError), match=match):
-        sparse_attn_varlen(args["q"], args["k"], args["v"], args["cu_q"], cu_k, args["idx"], args["mq"], args["mk"],
-                           backend="kernels")
+        sparse_attn_varlen(args["q"], args["k"], args["v"], args["cu_q"], cu_k, args["idx"], args["mq"],
+                           args["mk"], backend="kernels")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -444,7 +448,8 @@ def sdpa_varlen(q, k, v, lq, lk, causal=True):
         mask = None
         if causal:
             mask = torch.arange(Lk)[None, :] <= torch.arange(Lq)[:, None] + Lk - Lq
-        outs.append(F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=True).transpose(0, 1))
+        outs.append(F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=True).transpose(0,
+                                                                                                          1))
         qs, ks = qs + Lq, ks + Lk
     return torch.cat(outs)
 
@@ -519,7 +524,7 @@ def test_empty_rows_give_zero_and_inf_lse():
     idx = all_blocks(2, 170, 2)
     idx[0, 5] = -1                                                    # kv head 0 of token 5 selects nothing
     idx[:, 150] = torch.tensor([5, -3], dtype=torch.int32)            # out of range for a 70-token sequence
-    idx[:, 120] = torch.tensor([1, 1], dtype=torch.int32)             # row 20 of seq 1 is in block 0: future only
+    idx[:, 120] = torch.tensor([1, 1], dtype=torch.int32)         # row 20 of seq 1 is in block 0: future only
     out, lse = naive_sparse_attn_varlen(q, k, v, cu, cu, idx, 100, 100, return_lse=True)
     empty = [(0, 5), (1, 5), (0, 150), (1, 150), (2, 150), (3, 150), (0, 120), (1, 120), (2, 120), (3, 120)]
     for hq, t in empty:
@@ -541,7 +546,8 @@ def test_bottom_right_alignment_q_shorter_and_longer_than_k():
     assert bool((out[72:72 + 20] == 0).all()) and bool(torch.isinf(lse[:, 72:72 + 20]).all())
     sparse = random_selection(lq, lk, 2, 2, 64)
     out = naive_sparse_attn_varlen(q, k, v, cuq, cuk, sparse, 64, 300)
-    torch.testing.assert_close(out.double(), mask_reference(q, k, v, lq, lk, sparse, 64)[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), mask_reference(q, k, v, lq, lk, sparse, 64)[0], atol=1e-5,
+                               rtol=1e-5)
 
 
 def test_non_causal_uses_every_selected_block():
@@ -559,7 +565,8 @@ def test_query_chunking_does_not_change_output(monkeypatch):
     idx = random_selection(LENGTHS, LENGTHS, 2, 2, 64)
     ref = naive_sparse_attn_varlen(q, k, v, cu, cu, idx, 200, 200)
     monkeypatch.setattr(s2, "_CHUNK_ELEMS", 1)                        # 16-row chunks
-    torch.testing.assert_close(naive_sparse_attn_varlen(q, k, v, cu, cu, idx, 200, 200), ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(naive_sparse_attn_varlen(q, k, v, cu, cu, idx, 200, 200), ref, atol=1e-6,
+                               rtol=1e-6)
 
 
 def test_gradcheck_float64():
