@@ -38,16 +38,19 @@ README_CONFIGS = "32kx8,64kx4,128kx2"   # InfLLM-v2's README benchmark: always 2
 def add_run_args(p: argparse.ArgumentParser, *, target_ms: float, min_rep: int, max_rep: int) -> None:
     """The arguments every benchmark script shares: configs, output, shapes, repetitions, device."""
     p.add_argument("--configs", default=None,
-                   help=f"comma-separated TxB (k = 1024). Default: {README_CONFIGS} (--quick: 8kx2; on CPU 512x2)")
+                   help=f"comma-separated TxB (k = 1024). Default: {README_CONFIGS} (--quick: 8kx2; on CPU "
+                        "512x2)")
     p.add_argument("--json", default=None, help="write all rows (with GPU, versions, commit) to this file")
     p.add_argument("--quick", action="store_true", help="smoke run: one small config, few repetitions")
     p.add_argument("--hq", type=int, default=32)
     p.add_argument("--h", type=int, default=2)
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing (compiles kernels). Default: 1")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed runs before timing (compiles kernels). Default: 1")
     p.add_argument("--rep", type=int, default=None, help="timed runs; default: adaptive (--target-ms)")
-    p.add_argument("--target-ms", type=float, default=target_ms, help="adaptive reps: about this much timed work")
+    p.add_argument("--target-ms", type=float, default=target_ms,
+                   help="adaptive reps: about this much timed work")
     p.add_argument("--min-rep", type=int, default=min_rep)
     p.add_argument("--max-rep", type=int, default=max_rep)
     p.add_argument("--budget-s", type=float, default=540.0,
@@ -72,8 +75,10 @@ def env_line(env: dict[str, str], t_start: float, extra: str = "") -> str:
             f"{extra + '; ' if extra else ''}wall {time.perf_counter() - t_start:.0f} s")
 
 
-def bench_gpu_time(fn: Callable[[], Any], *, warmup: int = 1, rep: int | None = None, target_ms: float = 800.0,
-                   min_rep: int = 3, max_rep: int = 30, device: str | torch.device | None = None) -> list[float]:
+def bench_gpu_time(fn: Callable[[], Any], *, warmup: int = 1, rep: int | None = None,
+                   target_ms: float = 800.0,
+                   min_rep: int = 3, max_rep: int = 30,
+                   device: str | torch.device | None = None) -> list[float]:
     r"""Per-iteration milliseconds of `fn()`.
 
     Args:
@@ -215,7 +220,8 @@ def _git_commit() -> str:
 
 def env_stamp() -> dict[str, str]:
     """GPU, library versions and commit: stamped on every JSON row and printed above the table."""
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor() or 'none'})"
+    gpu = (torch.cuda.get_device_name() if torch.cuda.is_available()
+           else f"cpu ({platform.processor() or 'none'})")
     try:
         import infllm_cupy
         ours = getattr(infllm_cupy, "__version__", None) or _version("infllm-cupy", "infllm_cupy")
@@ -269,7 +275,8 @@ def format_table(records: Sequence[dict[str, Any]], columns: Sequence[str], *, m
     numeric = [all(isinstance(r.get(c), (int, float)) or r.get(c) is None for r in records) for c in columns]
 
     def line(vals: Sequence[str]) -> str:
-        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(vals, widths, numeric)).rstrip()
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(vals, widths,
+                                                                                numeric)).rstrip()
 
     out = [line(columns), line(["-" * w for w in widths])]
     out += [line(row) for row in cells]

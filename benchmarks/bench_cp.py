@@ -26,9 +26,9 @@ over multiples of 2W x 64 tokens within `--search-budget-s` (and `--search-max`)
 first reserves, on every rank, the peak its measured rows predict (+5%, a fit of `b L + c L^2` per
 rank: the stage-2 bitmask rows grow as L^2; at 256k and 512k the measured peak is the backward's dq
 assembly, linear, which bounds every later phase since the backward splits long slots into query
-pieces, docs/context_parallel.md §9, so time the rows there and not past 1M) plus the stage-1 kernel's global scratch counted as if
-always taken (`stage1_scratch_gib`, an upper bound), and runs only if all ranks could: the W-GPU
-result is therefore a lower bound where the guard, not a probe, stopped it. Every probe step ends
+pieces, docs/context_parallel.md §9, so time the rows there and not past 1M) plus the stage-1 kernel's global
+scratch counted as if always taken (`stage1_scratch_gib`, an upper bound), and runs only if all ranks could:
+the W-GPU result is therefore a lower bound where the guard, not a probe, stopped it. Every probe step ends
 on every rank with the same collectives: a rank catches its own failure (OOM or other), frees its
 memory, issues with zeros the layer's collectives it skipped, and then the ranks agree on one
 verdict (all_reduce MIN); the bounds, the next length and the time budget are agreed values, so no
@@ -59,18 +59,17 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._harness import bench_gpu_time, env_line, env_stamp, format_table  # noqa: E402
-from infllm_cupy import InfLLMv2Config, infllmv2_attention  # noqa: E402
-from infllm_cupy.distributed import (  # noqa: E402
+from benchmarks._harness import bench_gpu_time, env_line, env_stamp, format_table
+from infllm_cupy import InfLLMv2Config, infllmv2_attention
+from infllm_cupy.distributed import (
     all_gather_rows,
     cp_infllmv2_attention,
     reduce_scatter_rows,
     zigzag_plan,
 )
-
-from infllm_cupy.stage2.plan import SM90_STAGES, SMEM_PER_BLOCK, sm90_smem_bytes  # noqa: E402
-from infllm_cupy.stage2.sparse_bwd import bwd_max_keys  # noqa: E402
-from infllm_cupy.stage2.sparse_fwd import MASK_WARPS  # noqa: E402
+from infllm_cupy.stage2.plan import SM90_STAGES, SMEM_PER_BLOCK, sm90_smem_bytes
+from infllm_cupy.stage2.sparse_bwd import bwd_max_keys
+from infllm_cupy.stage2.sparse_fwd import MASK_WARPS
 
 
 def key_cap(d: int) -> int:
@@ -288,7 +287,7 @@ def single_rows(c: Ctx, L: int) -> dict:
         fwdbwd()
         c.sync()
         res["peak_gib"] = c.peak()
-    except Exception as e:  # noqa: BLE001 - OOM and friends are a result here
+    except Exception as e:  # OOM and friends are a result here
         if not is_oom(e):
             raise
         res = {"oom": True, "note": f"OOM: {str(e).splitlines()[0][:120]}"}
@@ -595,7 +594,7 @@ def probe_cp(c: Ctx, L: int, points) -> tuple[int, str]:
             raise injected_oom("guard")
         if pred is not None:
             t = torch.empty(int(pred * 1.05 * GiB), dtype=torch.uint8, device=c.dev)
-            t = None
+            del t
     except Exception as e:  # noqa: BLE001
         guard = "guard" if pred is None else f"guard: predicted {pred:.1f} GiB + 5% did not fit"
         level, why = failure_level(e), f"{describe(e)} ({guard})"
@@ -710,9 +709,8 @@ def main(argv=None):
                 all_ok = all(x["ok"] for x in checks)
                 c.log(
                     f"check L={L}, {n} ranks: {total} sampled query blocks, out and dq within "
-                    f"FlashAttention's "
-                    f"rule: {'PASSED' if all_ok and total else 'FAILED'} (worst err / bf16 err: out "
-                    f"{max(x['err_over_bf16_out'] for x in checks):.2f}, dq "
+                    f"FlashAttention's rule: {'PASSED' if all_ok and total else 'FAILED'} (worst err / bf16 "
+                    f"err: out {max(x['err_over_bf16_out'] for x in checks):.2f}, dq "
                     f"{max(x['err_over_bf16_dq'] for x in checks):.2f})"
                 )
                 rows[-1]["check"] = checks

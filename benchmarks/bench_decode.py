@@ -47,7 +47,7 @@ The kernel goals are printed as a second table, with the measured value, the tar
 the eager-call goals (eager ours_step faster than eager sdpa_cudnn, and at most 60 host us per eager
 ours_step, at 1x128k, 8x32k, 8x128k and 64x32k) as a third, with a `goals:` summary line.
 Failures are recorded as notes, never raised.
-"""
+"""  # noqa: E501 - verbatim commands, signatures and tables
 from __future__ import annotations
 
 import argparse
@@ -66,15 +66,25 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._harness import (  # noqa: E402
-    bench_gpu_time, capture_graph, csv_choices, device_copy, env_line, env_stamp, free_gpu_memory, markdown_table,
-    setup_flex, summarize, write_json,
+    bench_gpu_time,
+    capture_graph,
+    csv_choices,
+    device_copy,
+    env_line,
+    env_stamp,
+    free_gpu_memory,
+    markdown_table,
+    setup_flex,
+    summarize,
+    write_json,
 )
 
-OURS = ("ours_sparse", "ours_step", "ours_dense", "ours_sparse_kvh", "ours_step_kvh", "ours_dense_kvh", "ours_select",
-        "ours_select_s1")
+OURS = ("ours_sparse", "ours_step", "ours_dense", "ours_sparse_kvh", "ours_step_kvh", "ours_dense_kvh",
+        "ours_select", "ours_select_s1")
 NO_WEIGHTS = ("ours_select", "ours_select_s1")
 # weights summed per KV head [B, H, L]: timed with weights only; the row without is the plain impl's
-PER_KV_HEAD = {"ours_sparse_kvh": "ours_sparse", "ours_step_kvh": "ours_step", "ours_dense_kvh": "ours_dense"}   # stage 1 alone: no attention, no weights; opt-in rows
+# stage 1 alone: no attention, no weights; opt-in rows
+PER_KV_HEAD = {"ours_sparse_kvh": "ours_sparse", "ours_step_kvh": "ours_step", "ours_dense_kvh": "ours_dense"}
 SDPA = ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math")
 ANCHORS = (*SDPA, "flex", "eager_grouped", "eager_hf", "flashinfer")
 IMPLS = (*OURS, *ANCHORS)
@@ -130,7 +140,8 @@ def random_cache(B: int, L: int, H: int, D: int, dtype, dev, g):
 
     k = torch.randn(B, L, H, D, generator=g, device=dev, dtype=dtype)
     v = torch.randn(B, L, H, D, generator=g, device=dev, dtype=dtype)
-    ck = [torch.randn(B, n_windows(L, kr, st), H, D, generator=g, device=dev, dtype=dtype) for kr, st in COMPRESSIONS]
+    ck = [torch.randn(B, n_windows(L, kr, st), H, D, generator=g, device=dev,
+                      dtype=dtype) for kr, st in COMPRESSIONS]
     seqlens = torch.full((B,), L, dtype=torch.int32, device=dev)
     return DecodeCache(k, v, seqlens, None, None, ck[0], ck[1], [L] * B, [L] * B)
 
@@ -172,11 +183,13 @@ class Runner:
                 if row.mode == "graph":
                     per = a.graph_calls
                     run = capture_graph(fn, calls=per).replay
-                times = [t / per for t in bench_gpu_time(run, warmup=a.warmup, rep=a.rep, target_ms=a.target_ms,
-                                                         min_rep=a.min_rep, max_rep=a.max_rep, device=self.dev)]
+                times = [t / per for t in bench_gpu_time(run, warmup=a.warmup, rep=a.rep,
+                                                         target_ms=a.target_ms,
+                                                         min_rep=a.min_rep, max_rep=a.max_rep,
+                                                         device=self.dev)]
                 st = summarize(times)
-                row.us, row.us_p20, row.us_p80, row.reps = st["ms"] * 1e3, st["ms_p20"] * 1e3, st["ms_p80"] * 1e3, \
-                    len(times)
+                row.us, row.us_p20, row.us_p80, row.reps = (st["ms"] * 1e3, st["ms_p20"] * 1e3,
+                                                            st["ms_p80"] * 1e3, len(times))
                 row.gbps = nbytes / (row.us * 1e3) if nbytes and row.us else None
                 if row.mode == "eager" and (row.impl.startswith("ours") or row.impl in SDPA) and a.host_calls:
                     row.host_us = host_time(fn, a.host_calls, a.host_chunk, self.dev) * 1e6
@@ -247,7 +260,8 @@ def load_flashinfer():
                       else f"not run: import flashinfer failed ({_short(e)})")
 
 
-def bench_config(r: Runner, B: int, L: int, flex, BlockMask, ours, flashinfer, fi_note: str, check: list) -> None:
+def bench_config(r: Runner, B: int, L: int, flex, BlockMask, ours, flashinfer, fi_note: str,
+                 check: list) -> None:
     a, dev = r.a, r.dev
     HQ, H, D = a.hq, a.h, a.d
     G = HQ // H
@@ -322,7 +336,8 @@ def bench_config(r: Runner, B: int, L: int, flex, BlockMask, ours, flashinfer, f
                 return flex(q4, kt, vt, block_mask=bm, enable_gqa=True)
         except Exception as e:  # noqa: BLE001
             note = f"setup: {_short(e)}"
-        r.time(Row("flex", cfg, False, "eager", note=note if fn else ""), fn, kv_sel + qo, skip="" if fn else note)
+        r.time(Row("flex", cfg, False, "eager", note=note if fn else ""), fn, kv_sel + qo,
+               skip="" if fn else note)
         fn = bm = full_idx = None
 
     if "eager_grouped" in a.impls:
@@ -382,11 +397,13 @@ def bench_config(r: Runner, B: int, L: int, flex, BlockMask, ours, flashinfer, f
         "ours_dense": (lambda w: lambda: sparse_decode(q, cache, None, return_attn_weights=w), kv_all + qo),
         "ours_sparse_kvh": (lambda w: lambda: sparse_decode(q, cache, topk_idx, return_attn_weights=True,
                                                             weights="per_kv_head"), kv_sel + qo),
-        "ours_step_kvh": (lambda w: lambda: infllmv2_decode(q, cache, config=step_cfg, return_attn_weights=True,
+        "ours_step_kvh": (lambda w: lambda: infllmv2_decode(q, cache, config=step_cfg,
+                                                            return_attn_weights=True,
                                                             weights="per_kv_head"), kv_sel + ck_bytes + qo),
         "ours_dense_kvh": (lambda w: lambda: sparse_decode(q, cache, None, return_attn_weights=True,
                                                            weights="per_kv_head"), kv_all + qo),
-        "ours_select": (lambda w: lambda: decode_select(q, cache, config=step_cfg), ck_bytes + B * HQ * D * esz),
+        "ours_select": (lambda w: lambda: decode_select(q, cache, config=step_cfg),
+                        ck_bytes + B * HQ * D * esz),
         "ours_select_s1": (lambda w: lambda: decode_select(q, cache, config=step_cfg, kernel=s1_kernel),
                            ck_bytes + B * HQ * D * esz),
     }
@@ -402,8 +419,8 @@ def bench_config(r: Runner, B: int, L: int, flex, BlockMask, ours, flashinfer, f
             continue
         for w in opts:
             for mode in modes:
-                r.time(Row(impl, cfg, w, mode), make(w) if sparse_decode else None, nbytes + (wbytes if w else 0),
-                       skip="" if sparse_decode else r.ours_err)
+                r.time(Row(impl, cfg, w, mode), make(w) if sparse_decode else None,
+                       nbytes + (wbytes if w else 0), skip="" if sparse_decode else r.ours_err)
     if a.splits and sparse_decode is not None and dev.type == "cuda":
         # the split-count sweep of docs/decode.md section 4 (graph replays, no weights)
         from infllm_cupy.decode.sparse_decode import DecodePlan, plan_decode
@@ -413,7 +430,7 @@ def bench_config(r: Runner, B: int, L: int, flex, BlockMask, ours, flashinfer, f
             plan = DecodePlan(mt, -(-K // per), per)
             r.time(Row(f"ours_sparse_s{plan.num_splits}", cfg, False, "graph"),
                    lambda plan=plan: sparse_decode(q, cache, topk_idx, plan=plan), kv_sel + qo)
-    del cache, q, topk_idx
+    cache = q = topk_idx = None
     free_gpu_memory(dev)
 
 
@@ -426,7 +443,8 @@ def run_check(cfg: str, q, cache, topk_idx, sparse_decode) -> str:
         one = (cache.k[:1], cache.v[:1], cache.seqlens[:1])
         with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
             ref = torch.nn.functional.scaled_dot_product_attention(
-                q[:1, :, None].float(), k.transpose(1, 2).float(), v.transpose(1, 2).float(), enable_gqa=True)[:, :, 0]
+                q[:1, :, None].float(), k.transpose(1, 2).float(), v.transpose(1, 2).float(),
+                                                                   enable_gqa=True)[:, :, 0]
         dense = sparse_decode(q[:1].contiguous(), one).float()
         sel = topk_idx[:, :1].contiguous()
         sp = sparse_decode(q[:1].contiguous(), one, sel).float()
@@ -468,7 +486,8 @@ def goals(rows: list[Row], copy: Row | None) -> list[dict]:
     for cfg in cfgs:
         B = int(cfg.split("x")[0])
         for mode in ("eager", "graph"):
-            # graph rows of ours compare with the fastest dense anchor eager or replayed, eager rows with eager
+            # graph rows of ours compare with the fastest dense anchor eager or replayed, eager rows with
+            # eager
             fd = fastest_dense(rows, cfg, graph=mode == "graph")
             tag = f" ({mode})"
             sp = find(rows, "ours_sparse", cfg, mode=mode)
@@ -478,7 +497,8 @@ def goals(rows: list[Row], copy: Row | None) -> list[dict]:
             st = find(rows, "ours_step", cfg, mode=mode)
             if st and fd:
                 add("fastest dense anchor / whole sparse step" + tag, cfg, fd.us / st.us,
-                    2.0 if B == 1 else 5.0, ">=", f"{fd.impl} ({fd.mode}) {fd.us:.1f} us / step {st.us:.1f} us")
+                    2.0 if B == 1 else 5.0, ">=",
+                    f"{fd.impl} ({fd.mode}) {fd.us:.1f} us / step {st.us:.1f} us")
             dn = find(rows, "ours_dense", cfg, mode=mode)
             if dn and fd:
                 add("ours dense / fastest dense anchor" + tag, cfg, dn.us / fd.us, 1.1, "<=",
@@ -497,8 +517,8 @@ def goals(rows: list[Row], copy: Row | None) -> list[dict]:
                         f"{on.us:.1f} / {off.us:.1f} us")
             dw = find(rows, "ours_dense", cfg, True, mode)
             if dw and fd:
-                add("fastest dense anchor (no weights) / ours dense with weights" + tag, cfg, fd.us / dw.us, 0.8,
-                    ">=", f"{fd.impl} ({fd.mode}) {fd.us:.1f} us / {dw.us:.1f} us")
+                add("fastest dense anchor (no weights) / ours dense with weights" + tag, cfg, fd.us / dw.us,
+                    0.8, ">=", f"{fd.impl} ({fd.mode}) {fd.us:.1f} us / {dw.us:.1f} us")
             dk = find(rows, "ours_dense_kvh", cfg, True, mode)
             if dk and fd:
                 add("fastest dense anchor (no weights) / ours dense with weights, per KV head" + tag, cfg,
@@ -506,8 +526,8 @@ def goals(rows: list[Row], copy: Row | None) -> list[dict]:
             for impl, target in (("eager_grouped", 2.5), ("eager_hf", 10.0)):
                 e = find(rows, impl, cfg, True, mode) or find(rows, impl, cfg, True)
                 if dw and e:
-                    add(f"{impl} with weights / ours dense with weights" + tag, cfg, e.us / dw.us, target, ">=",
-                        f"{e.us:.1f} ({e.mode}) / {dw.us:.1f} us")
+                    add(f"{impl} with weights / ours dense with weights" + tag, cfg, e.us / dw.us, target,
+                        ">=", f"{e.us:.1f} ({e.mode}) / {dw.us:.1f} us")
     return out
 
 
@@ -524,12 +544,14 @@ def goals_38(rows: list[Row]) -> tuple[list[dict], str]:
     for cfg in cfgs:
         st, cu = find(rows, "ours_step", cfg), find(rows, "sdpa_cudnn", cfg)
         if st and cu:
-            out.append({"goal": "sdpa_cudnn / ours_step, eager", "config": cfg, "value": round(cu.us / st.us, 3),
+            out.append({"goal": "sdpa_cudnn / ours_step, eager", "config": cfg,
+                        "value": round(cu.us / st.us, 3),
                         "target": "> 1", "met": "yes" if st.us < cu.us else "no",
                         "detail": f"sdpa_cudnn {cu.us:.1f} us / ours_step {st.us:.1f} us"})
         if st and st.host_us is not None:
             out.append({"goal": "host us per eager ours_step", "config": cfg, "value": round(st.host_us, 1),
-                        "target": f"<= {HOST_US_TARGET:g}", "met": "yes" if st.host_us <= HOST_US_TARGET else "no",
+                        "target": f"<= {HOST_US_TARGET:g}",
+                        "met": "yes" if st.host_us <= HOST_US_TARGET else "no",
                         "detail": f"{st.host_us:.1f} us host, {st.us:.1f} us per call (CUDA events)"})
     parts = []
     for goal in ("sdpa_cudnn / ours_step, eager", "host us per eager ours_step"):
@@ -546,7 +568,8 @@ def goals_38(rows: list[Row]) -> tuple[list[dict], str]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--configs", default=None, help=f"comma-separated BATCHxCONTEXT. Default: {DEFAULT_CONFIGS} "
+    p.add_argument("--configs", default=None,
+                   help=f"comma-separated BATCHxCONTEXT. Default: {DEFAULT_CONFIGS} "
                                                    "(on CPU: 1x1k,2x1k)")
     p.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
                    help=f"subset of {','.join(IMPLS)}. Default: all but {','.join(NO_WEIGHTS)}")
@@ -554,23 +577,28 @@ def parse_args(argv=None):
     p.add_argument("--hq", type=int, default=32)
     p.add_argument("--h", type=int, default=2)
     p.add_argument("--d", type=int, default=128)
-    p.add_argument("--topk", type=int, default=64, help="K = topk + local_blocks selected blocks (MiniCPM4: 64)")
+    p.add_argument("--topk", type=int, default=64,
+                   help="K = topk + local_blocks selected blocks (MiniCPM4: 64)")
     p.add_argument("--local-blocks", type=int, default=32, help="MiniCPM4: 32 (K = 96)")
-    p.add_argument("--no-weights", dest="weights", action="store_false", help="skip the return_attn_weights rows")
+    p.add_argument("--no-weights", dest="weights", action="store_false",
+                   help="skip the return_attn_weights rows")
     p.add_argument("--graph-batches", default="1,8,64",
-                   help="batches also timed as CUDA-graph replays (ours, SDPA, grouped eager). Default: 1,8,64")
+                   help="batches also timed as CUDA-graph replays (ours, SDPA, grouped eager). Default: "
+                        "1,8,64")
     p.add_argument("--graph-calls", type=int, default=1,
-                   help="calls per captured graph; times are per call (default 1: each replay's launch included)")
+                   help="calls per captured graph; times are per call (default 1: each replay's launch "
+                        "included)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rep", type=int, default=None, help="timed runs; default adaptive (--target-ms)")
     p.add_argument("--target-ms", type=float, default=25.0)
     p.add_argument("--min-rep", type=int, default=10)
     p.add_argument("--max-rep", type=int, default=200)
     p.add_argument("--host-calls", type=int, default=None,
-                   help="calls timed on the host (time.perf_counter, no synchronize) for `host us`, eager rows of "
-                        "ours and SDPA; 0: no host column. Default: 200 (on CPU: 4)")
+                   help="calls timed on the host (time.perf_counter, no synchronize) for `host us`, eager "
+                        "rows of ours and SDPA; 0: no host column. Default: 200 (on CPU: 4)")
     p.add_argument("--host-chunk", type=int, default=25,
-                   help="host-timed calls between synchronizes (keeps the GPU queue from filling). Default: 25")
+                   help="host-timed calls between synchronizes (keeps the GPU queue from filling). Default: "
+                        "25")
     p.add_argument("--budget-s", type=float, default=140.0,
                    help="after this many seconds skip the remaining rows (0: no limit). Default: 140")
     p.add_argument("--check", action="store_true",
@@ -611,7 +639,8 @@ def main(argv=None) -> list[Row]:
     r = Runner(a, dev)
     sparse_decode, infllmv2_decode, r.ours_err = load_ours()
     flashinfer, fi_note = load_flashinfer() if "flashinfer" in a.impls else (None, "not requested")
-    print(f"ours: {'ok' if sparse_decode else r.ours_err}; flashinfer: {'ok' if flashinfer else fi_note}", flush=True)
+    print(f"ours: {'ok' if sparse_decode else r.ours_err}; flashinfer: {'ok' if flashinfer else fi_note}",
+          flush=True)
     flex, BlockMask = setup_flex(dev, compile_=not a.no_compile, backward=False)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -624,7 +653,8 @@ def main(argv=None) -> list[Row]:
     with validate:
         for B, L in tqdm(a.configs, unit="config", disable=None):
             try:
-                bench_config(r, B, L, flex, BlockMask, (sparse_decode, infllmv2_decode), flashinfer, fi_note, check)
+                bench_config(r, B, L, flex, BlockMask, (sparse_decode, infllmv2_decode), flashinfer, fi_note,
+                             check)
             except Exception as e:  # noqa: BLE001 - e.g. OOM building the cache: record it, go on
                 r.rows.append(Row("config", config_id(B, L), note=f"config failed: {_short(e)}"))
                 tqdm.write(f"config {config_id(B, L)} failed: {_short(e)}")
@@ -643,7 +673,8 @@ def main(argv=None) -> list[Row]:
           f"{a.graph_calls} call(s) per captured graph\n")
     print(markdown_table(recs, cols))
     print("\n### Goals (decode kernels)\n")
-    print(markdown_table(gl, ["goal", "config", "value", "target", "met", "detail"]) if gl else "(no goal computable)")
+    print(markdown_table(gl, ["goal", "config", "value", "target", "met", "detail"])
+          if gl else "(no goal computable)")
     print("\n### Goals (eager calls)\n")
     print(markdown_table(gl38, ["goal", "config", "value", "target", "met", "detail"]) if gl38
           else "(no goal computable)")

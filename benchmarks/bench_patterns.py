@@ -62,16 +62,29 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._harness import (  # noqa: E402
-    add_run_args, bench_gpu_time, csv_choices, env_line, env_stamp, flops_attn, free_gpu_memory,
-    markdown_table, MODES, print_table, Row, setup_flex, summarize, tflops, write_json,
+    MODES,
+    Row,
+    add_run_args,
+    bench_gpu_time,
+    csv_choices,
+    env_line,
+    env_stamp,
+    flops_attn,
+    free_gpu_memory,
+    markdown_table,
+    print_table,
+    setup_flex,
+    summarize,
+    tflops,
+    write_json,
 )
 from benchmarks.bench_stage2 import _short, make_fn, parse_config, shape_id  # noqa: E402
 from infllm_cupy import _env  # noqa: E402
 from infllm_cupy._constants import KV_BLOCK  # noqa: E402
-from infllm_cupy.selections import uniform_cu_seqlens  # noqa: E402
 from infllm_cupy.patterns import qhead_block_sparse_attn_varlen  # noqa: E402
-from infllm_cupy.stage2.qhead import _expanded_bwd, qhead_block_sparse_attn_fwd  # noqa: E402
+from infllm_cupy.selections import uniform_cu_seqlens  # noqa: E402
 from infllm_cupy.stage2 import BlockLayout, block_sparse_attn_varlen  # noqa: E402
+from infllm_cupy.stage2.qhead import _expanded_bwd, qhead_block_sparse_attn_fwd  # noqa: E402
 
 PATTERNS = ("local_stride", "local_stride_sliding", "per_head", "sliding_tile", "sparge")
 IMPLS = ("ours", "ours_xbwd", "ours_rep", "flex", "dense")
@@ -280,7 +293,8 @@ def flex_block_mask(p: Pattern, T: int, HQ: int, BlockMask):
     aligned = bool((partial & below).sum() == 0)       # partial tiles only on the diagonal (or none)
     lut = fine.repeat_interleave(G, dim=0).contiguous()                     # [HQ, 2 nt, 2 nt]
     mask_mod = _lookup_mod(lut, p.causal)
-    rep = (lambda x: x.repeat_interleave(G, dim=0)[None].contiguous())
+    def rep(x):
+        return x.repeat_interleave(G, dim=0)[None].contiguous()
     num, ind = _ordered(partial)
     fnum, find = _ordered(full)
     bm = BlockMask.from_kv_blocks(rep(num), rep(ind), rep(fnum), rep(find), BLOCK_SIZE=FLEX_TILE,
@@ -421,7 +435,9 @@ def bench_config(r: Runner, T: int, B: int, phase: str, flex, BlockMask, cache: 
                             note="KV repeated per query head (G=1)"), fn_rep, (q, k, v), keys, skip=skip)
             fn_rep = None
         if phase == "ours" and "ours_xbwd" in a.impls and p.per_q_head and dev.type == "cuda":
-            def fn_xbwd(q_, k_, v_, mask=p.layout.mask.to(dev), q_block=p.layout.q_block, causal=p.causal):
+            mask_dev = p.layout.mask.to(dev)
+
+            def fn_xbwd(q_, k_, v_, mask=mask_dev, q_block=p.layout.q_block, causal=p.causal):
                 return _QheadExpandedBwd.apply(q_, k_, v_, cu, mask, q_block, T, causal)
             for mode in a.modes:
                 if mode != "fwd":       # the forward is ours'
@@ -471,7 +487,8 @@ def flex_token_mask(bm, mask_mod, T: int, HQ: int) -> torch.Tensor:
     nt = -(-T // FLEX_TILE)
     full = _tiles(bm.full_kv_num_blocks, bm.full_kv_indices, nt)
     part = _tiles(bm.kv_num_blocks, bm.kv_indices, nt)
-    up = (lambda t: t.repeat_interleave(FLEX_TILE, 1).repeat_interleave(FLEX_TILE, 2)[:, :T, :T])
+    def up(t):
+        return t.repeat_interleave(FLEX_TILE, 1).repeat_interleave(FLEX_TILE, 2)[:, :T, :T]
     dev = bm.kv_indices.device
     h = torch.arange(HQ, device=dev).view(-1, 1, 1)
     qi, ki = torch.arange(T, device=dev).view(1, -1, 1), torch.arange(T, device=dev).view(1, 1, -1)

@@ -32,7 +32,7 @@ TFLOP/s are effective (keys each query attends: the selection's for stage2/pipel
 Flex, causal dense for SDPA); `selection` has none. Ratios: anchor ms / pipeline ms (> 1: ours faster).
 The stage-1 reference takes about 0.8 s per 32k-token sequence on an H100 (T^2 growth): use
 `--configs` / `--max-configs` to keep one command within its time limit.
-"""
+"""  # noqa: E501 - verbatim commands, signatures and tables
 from __future__ import annotations
 
 import argparse
@@ -86,7 +86,8 @@ def make_inputs(B: int, T: int, HQ: int, H: int, D: int, device, seed: int = 0, 
     return q, k, v, uniform_cu_seqlens(B, T, device)
 
 
-def make_structured_inputs(B: int, T: int, HQ: int, H: int, D: int, device, seed: int = 0, dtype=torch.bfloat16):
+def make_structured_inputs(B: int, T: int, HQ: int, H: int, D: int, device, seed: int = 0,
+                           dtype=torch.bfloat16):
     """`make_inputs`' layout from `structured_sequence` (README-head defaults: sink, local context,
     topics, needles), sequence b drawn with seed `seed + b` on the CPU and moved one at a time."""
     from infllm_cupy.synthetic import structured_sequence
@@ -118,8 +119,8 @@ def estimate_peak_bytes(B: int, T: int, HQ: int, H: int, D: int, K: int, device:
     stage2 = total * HQ * D * el
     sdpa = inputs + total * HQ * D * el
     peak = inputs + topk_bytes + max(sel, stage2 + ck_bytes, sdpa)
-    return {"inputs": inputs, "selection": sel, "scratch": scratch, "stage2": stage2, "sdpa": sdpa, "peak": peak,
-            "topk_idx": topk_bytes, "compressed_keys": ck_bytes}
+    return {"inputs": inputs, "selection": sel, "scratch": scratch, "stage2": stage2, "sdpa": sdpa,
+            "peak": peak, "topk_idx": topk_bytes, "compressed_keys": ck_bytes}
 
 
 def memory_skip_reason(B: int, T: int, HQ: int, H: int, D: int, K: int, device: torch.device) -> str:
@@ -202,7 +203,8 @@ class Runner:
         return self.args.budget_s > 0 and time.perf_counter() - self.t_start > self.args.budget_s
 
     def time(self, row: Row, fn: Callable[[], object] | None, keys: float | None, n_q_rows: int, D: int,
-             skip: str = "", memory: dict | None = None, keep: Callable[[object], object] | None = None) -> Row:
+             skip: str = "", memory: dict | None = None,
+             keep: Callable[[object], object] | None = None) -> Row:
         """Time `fn` into `row`. With `memory`, the first warm-up run also records its extra GPU memory
         as `memory[f"{row.impl}_GiB"]`, and `keep(result)` of that run is stored in `self.kept`."""
         a = self.args
@@ -225,8 +227,8 @@ class Runner:
                     self.kept = keep(out) if keep else None
                     del out
                     warmup = max(0, warmup - 1)
-                times = bench_gpu_time(run, warmup=warmup, rep=a.rep, target_ms=a.target_ms, min_rep=a.min_rep,
-                                       max_rep=a.max_rep, device=self.device)
+                times = bench_gpu_time(run, warmup=warmup, rep=a.rep, target_ms=a.target_ms,
+                                       min_rep=a.min_rep, max_rep=a.max_rep, device=self.device)
                 st = summarize(times)
                 row.ms, row.ms_p20, row.ms_p80, row.reps = st["ms"], st["ms_p20"], st["ms_p80"], len(times)
                 row.tflops = tflops(row.flop, row.ms)
@@ -257,7 +259,8 @@ class Runner:
                     print(f"config {T}x{B} failed: {_short(e)}", flush=True)
                 self.free()     # the config's inputs went out of scope with bench_config
                 if a.json:
-                    write_json(self.rows, a.json, env, extra={"check": check, "memory": memory, "argv": sys.argv[1:]})
+                    write_json(self.rows, a.json, env,
+                               extra={"check": check, "memory": memory, "argv": sys.argv[1:]})
         return memory
 
     def report(self, title: str, heading: str, recs: list[dict], cols: list[str], env: dict, check: str,
@@ -270,7 +273,8 @@ class Runner:
         print(f"\n{check}")
         print(env_line(env, self.t_start), flush=True)
         if self.args.json:
-            write_json(self.rows, self.args.json, env, extra={"check": check, "memory": memory, "summary": recs,
+            write_json(self.rows, self.args.json, env,
+                       extra={"check": check, "memory": memory, "summary": recs,
                                                               "argv": sys.argv[1:]})
         return self.rows
 
@@ -301,11 +305,13 @@ def sdpa_cudnn_fn(q, k, v, B: int, T: int) -> tuple[Callable[[], object], str]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     qt, kt, vt = (x.view(B, T, x.shape[1], x.shape[2]).transpose(1, 2).contiguous() for x in (q, k, v))
-    backends = [SDPBackend.CUDNN_ATTENTION] if q.is_cuda else [SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION]
+    backends = [SDPBackend.CUDNN_ATTENTION] if q.is_cuda else [SDPBackend.MATH,
+                                                               SDPBackend.EFFICIENT_ATTENTION]
 
     def call(kk, vv, gqa):
         with sdpa_kernel(backends), torch.no_grad():
-            return torch.nn.functional.scaled_dot_product_attention(qt, kk, vv, is_causal=True, enable_gqa=gqa)
+            return torch.nn.functional.scaled_dot_product_attention(qt, kk, vv, is_causal=True,
+                                                                    enable_gqa=gqa)
 
     try:
         call(kt, vt, True)
@@ -339,7 +345,8 @@ def config_setup(r: Runner, T: int, B: int, inputs: str = "random") -> tuple:
     return cfg_id, cfg, K, q, k, v, cu, stages_for(q, a.backend), cache_lens, B * T * a.hq
 
 
-def bench_config(r: Runner, T: int, B: int, flex, BlockMask, flex_note: str = "", inputs: str = "random") -> dict:
+def bench_config(r: Runner, T: int, B: int, flex, BlockMask, flex_note: str = "",
+                 inputs: str = "random") -> dict:
     """Time every requested row on one `(T, B)` and input kind; returns the memory record of the config
     (a config that cannot fit gets one row per requested impl, each with the reason)."""
     from infllm_cupy.pipeline import infllmv2_attention, select_blocks
@@ -389,8 +396,8 @@ def bench_config(r: Runner, T: int, B: int, flex, BlockMask, flex_note: str = ""
             (fn, note), skip = sdpa_cudnn_fn(q, k, v, B, T), ""
         except Exception as e:  # noqa: BLE001
             fn, note, skip = None, "", f"setup: {_short(e)}"
-        r.time(Row("sdpa_cudnn", cfg_id, "-", None, "fwd", note=note), fn, causal_dense_keys(B, T, HQ), n_q_rows, D,
-               skip)
+        r.time(Row("sdpa_cudnn", cfg_id, "-", None, "fwd", note=note), fn, causal_dense_keys(B, T, HQ),
+               n_q_rows, D, skip)
         fn = None
         r.free()
     if "flex_union" in a.impls:
@@ -427,11 +434,13 @@ def summary(rows: list[Row], memory: list[dict]) -> list[dict]:
     return out
 
 
-# The selection and pipeline goals (H100, README head config, K = 96): (T, B, inputs or None for every kind, column,
-# "min" / "max", target, label). The selection goals were stated on the pipeline's own selection.
+# The selection and pipeline goals (H100, README head config, K = 96): (T, B, inputs or None for every kind,
+# column, "min" / "max", target, label). The selection goals were stated on the pipeline's own selection.
 GOALS = (
-    (32768, 8, "structured", "sdpa_cudnn/pipeline", "min", 2.0, "whole pipeline vs dense cuDNN SDPA, 32k x 8"),
-    (131072, 2, "structured", "sdpa_cudnn/pipeline", "min", 5.0, "whole pipeline vs dense cuDNN SDPA, 128k x 2"),
+    (32768, 8, "structured", "sdpa_cudnn/pipeline", "min", 2.0,
+     "whole pipeline vs dense cuDNN SDPA, 32k x 8"),
+    (131072, 2, "structured", "sdpa_cudnn/pipeline", "min", 5.0,
+     "whole pipeline vs dense cuDNN SDPA, 128k x 2"),
     (131072, 2, None, "selection/stage2", "max", 0.20, "selection / stage 2, 128k x 2"),
     (32768, 8, None, "selection/stage2", "max", 0.10, "selection / stage 2, 32k x 8"),
     (524288, 1, None, "selection/stage2", "max", 0.35, "selection / stage 2, 512k x 1"),
@@ -466,7 +475,8 @@ def add_common_args(p: argparse.ArgumentParser, impls: tuple[str, ...]) -> None:
     p.add_argument("--backend", default="auto", choices=("auto", "kernels", "reference"),
                    help="stage implementations (infllm_cupy.pipeline.stages_for). Default: auto")
     p.add_argument("--topk", type=int, default=64,
-                   help="blocks picked by score (MiniCPM4: 64); K = topk + local_blocks, forced blocks included")
+                   help="blocks picked by score (MiniCPM4: 64); K = topk + local_blocks, forced blocks "
+                        "included")
     p.add_argument("--local-blocks", type=int, default=32, help="local window in blocks (MiniCPM4: 32)")
     p.add_argument("--impls", default=",".join(impls), help=f"subset of {','.join(impls)}")
     p.add_argument("--skip-check", action="store_true", help="skip the check against the reference pipeline")
@@ -498,12 +508,14 @@ def parse_args(argv=None):
                         f"Default: random")
     p.add_argument("--stage1-range-blocks", type=int, default=0,
                    help="force stage 1's key-range split with ranges of this many blocks (a multiple of 64) "
-                        "wherever K fits one (docs/stage1.md, 9. Long context: key ranges); 0: the plan's choice")
+                        "wherever K fits one (docs/stage1.md, 9. Long context: key ranges); 0: the plan's "
+                        "choice")
     a = p.parse_args(argv)
     if a.stage1_range_blocks < 0 or a.stage1_range_blocks % 64:
         p.error(f"--stage1-range-blocks must be 0 or a positive multiple of 64, got {a.stage1_range_blocks}")
     if a.configs:       # "1Mx1": M = 1024k
-        a.configs = re.sub(r"(\d+(?:\.\d+)?)[mM]x", lambda m: f"{round(float(m.group(1)) * 1024)}kx", a.configs)
+        a.configs = re.sub(r"(\d+(?:\.\d+)?)[mM]x", lambda m: f"{round(float(m.group(1)) * 1024)}kx",
+                           a.configs)
     a = finish_args(p, a, IMPLS)
     a.inputs = csv_choices(p, "--inputs", a.inputs, INPUTS)
     if not a.inputs:
@@ -547,7 +559,8 @@ def main(argv=None) -> list[Row]:
     probe = torch.empty(0, device=dev)
     for name, impl in stage_names(stages_for(probe, a.backend)).items():
         print(f"stage {name:14s} {impl}")
-    check = "check skipped (--skip-check)" if a.skip_check else check_against_reference(dev, a.backend, a.hq, a.h,
+    check = "check skipped (--skip-check)" if a.skip_check else check_against_reference(dev, a.backend, a.hq,
+                                                                                        a.h,
                                                                                           a.d)
     print(check, flush=True)
     flex, BlockMask, flex_note = (load_flex(dev, not a.no_compile) if "flex_union" in a.impls
@@ -562,9 +575,9 @@ def main(argv=None) -> list[Row]:
             "selection_share", "sel_mem_GiB", "pipe_mem_GiB"]
     recs = summary(r.rows, memory)
     rows = r.report("All rows (ms = median; TFLOP/s effective on attended keys; keys_per_q per query head)",
-                    "Per config: ms of each row, selection ms / stage-2 ms, anchor ms / pipeline ms (> 1: ours "
-                    "faster), selection share of the pipeline, extra GPU memory (GiB)", recs, cols, env, check,
-                    memory)
+                    "Per config: ms of each row, selection ms / stage-2 ms, anchor ms / pipeline ms (> 1: "
+                    "ours faster), selection share of the pipeline, extra GPU memory (GiB)", recs, cols, env,
+                    check, memory)
     gl = goal_verdicts(recs)
     print("\n### Goals (selection and pipeline; H100, README head config, K = 96)")
     print(format_table(gl, ["goal", "value", "target", "met"], max_width=80) if gl

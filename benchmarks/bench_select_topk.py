@@ -40,7 +40,10 @@ def _short(e: BaseException) -> str:
 def bench_config(a, B: int, L: int) -> list[dict]:
     """The rows of one config (dicts: impl, config, score, us, us_p20, us_p80, same, note)."""
     from infllm_cupy.decode.select_decode import (
-        emulate_topk_rows, plan_select_decode, select_decode, select_topk_rows,
+        emulate_topk_rows,
+        plan_select_decode,
+        select_decode,
+        select_topk_rows,
     )
 
     dev, sdt = torch.device("cuda"), SCORES[a.score]
@@ -60,12 +63,13 @@ def bench_config(a, B: int, L: int) -> list[dict]:
     blk = torch.exp2(torch.randn(B, H, nb, generator=g, device=dev) * 4 - 12).to(sdt).float()
     lead = torch.exp2(torch.randn(B, H, plan.fine_ranges, generator=g, device=dev) * 4 - 12).to(sdt).float()
     kw = dict(topk=a.topk, local_blocks=a.local_blocks, init_blocks=1, score_dtype=sdt)
-    calls = {"topk": lambda: select_topk_rows(blk, lead, cache.seqlens, out_len, fine_tiles=plan.fine_tiles, **kw)}
+    calls = {"topk": lambda: select_topk_rows(blk, lead, cache.seqlens, out_len, fine_tiles=plan.fine_tiles,
+                                              **kw)}
     for n in a.topk_threads:
         calls[f"topk_t{n}"] = lambda n=n: select_topk_rows(
             blk, lead, cache.seqlens, out_len, fine_tiles=plan.fine_tiles, threads=n, **kw)
-    calls["select"] = lambda: select_decode(q, cache.ck1, cache.ck2, cache.seqlens, out_len, softmax_scale=None,
-                                            exact=False, plan=plan, **kw)
+    calls["select"] = lambda: select_decode(q, cache.ck1, cache.ck2, cache.seqlens, out_len,
+                                            softmax_scale=None, exact=False, plan=plan, **kw)
     print(f"\n== {cfg_id}: out_len {out_len}, K {min(a.topk + a.local_blocks, out_len)}, {plan}", flush=True)
     recs, results = [], {}
     want = emulate_topk_rows(blk, lead, cache.seqlens, out_len, fine_tiles=plan.fine_tiles, **kw)
@@ -75,8 +79,8 @@ def bench_config(a, B: int, L: int) -> list[dict]:
         try:
             results[impl] = calls[impl]()
             torch.cuda.synchronize()
-            times = bench_gpu_time(capture_graph(calls[impl], a.inner).replay, warmup=3, rep=a.rep, target_ms=300,
-                                   min_rep=10, max_rep=100, device=dev)
+            times = bench_gpu_time(capture_graph(calls[impl], a.inner).replay, warmup=3, rep=a.rep,
+                                   target_ms=300, min_rep=10, max_rep=100, device=dev)
             st = summarize(times)
             rec["us"] = st["ms"] * 1e3 / a.inner
             rec["us_p20"], rec["us_p80"] = st["ms_p20"] * 1e3 / a.inner, st["ms_p80"] * 1e3 / a.inner

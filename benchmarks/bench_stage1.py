@@ -42,7 +42,8 @@ from benchmarks.bench_pipeline import (  # noqa: E402
 )
 from benchmarks.bench_stage2 import _short  # noqa: E402
 
-IMPLS = ("compress_fine", "compress_coarse", "stage1_select", "scores", "pool", "topk", "selection", "sdpa_cudnn")
+IMPLS = ("compress_fine", "compress_coarse", "stage1_select", "scores", "pool", "topk", "selection",
+         "sdpa_cudnn")
 STEPS = ("scores", "pool", "topk")
 
 
@@ -63,14 +64,18 @@ def bench_config(r: Runner, T: int, B: int) -> dict:
     mem = {"config": cfg_id}
     with torch.no_grad():
         (ck1, cu1), (ck2, cu2) = (stages["compress_k"](k, cu, cfg.kernel_size, cfg.kernel_stride),
-                                  stages["compress_k"](k, cu, cfg.coarse_kernel_size, cfg.coarse_kernel_stride))
-    stage1_kw = {"causal": True, "cache_lens": cache_lens, "softmax_scale": cfg.softmax_scale, "topk": cfg.topk,
-                 "local_blocks": cfg.local_blocks, "init_blocks": cfg.init_blocks, "block_size": cfg.block_size,
+                                  stages["compress_k"](k, cu, cfg.coarse_kernel_size,
+                                                       cfg.coarse_kernel_stride))
+    stage1_kw = {"causal": True, "cache_lens": cache_lens, "softmax_scale": cfg.softmax_scale,
+                 "topk": cfg.topk,
+                 "local_blocks": cfg.local_blocks, "init_blocks": cfg.init_blocks,
+                 "block_size": cfg.block_size,
                  "kernel_stride": cfg.kernel_stride, "coarse_kernel_stride": cfg.coarse_kernel_stride,
                  "varlen_offset_quirk": cfg.varlen_offset_quirk, "score_dtype": cfg.score_dtype}
     fns = {
         "compress_fine": lambda: stages["compress_k"](k, cu, cfg.kernel_size, cfg.kernel_stride),
-        "compress_coarse": lambda: stages["compress_k"](k, cu, cfg.coarse_kernel_size, cfg.coarse_kernel_stride),
+        "compress_coarse": lambda: stages["compress_k"](k, cu, cfg.coarse_kernel_size,
+                                                        cfg.coarse_kernel_stride),
         "stage1_select": lambda: stages["stage1_select"](q, ck1, ck2, cu, cu1, cu2, T, return_scores=False,
                                                          **stage1_kw),
         "selection": lambda: select_blocks(stages, q, k, cu, cu, T, cache_lens, True, cfg, need_scores=False),
@@ -79,7 +84,8 @@ def bench_config(r: Runner, T: int, B: int) -> dict:
     scores = block_scores = q_blocks = None
     if stages["stage1_select"] is naive_stage1_select and any(s in a.impls for s in STEPS):
         with torch.no_grad():
-            scores = naive_stage1_scores(q, ck1, ck2, cu, cu1, cu2, T, causal=True, softmax_scale=cfg.softmax_scale,
+            scores = naive_stage1_scores(q, ck1, ck2, cu, cu1, cu2, T, causal=True,
+                                         softmax_scale=cfg.softmax_scale,
                                          score_dtype=cfg.score_dtype, kernel_stride=cfg.kernel_stride,
                                          coarse_kernel_stride=cfg.coarse_kernel_stride)
             block_scores = naive_pool_blocks(scores, cu, cu1, cache_lens, T, init_blocks=cfg.init_blocks,
@@ -88,13 +94,15 @@ def bench_config(r: Runner, T: int, B: int) -> dict:
             q_blocks = q_block_idx_prefill(cu, T, block_size=cfg.block_size,
                                            varlen_offset_quirk=cfg.varlen_offset_quirk, cache_lens=cache_lens)
         fns["scores"] = lambda: naive_stage1_scores(q, ck1, ck2, cu, cu1, cu2, T, causal=True,
-                                                    softmax_scale=cfg.softmax_scale, score_dtype=cfg.score_dtype,
+                                                    softmax_scale=cfg.softmax_scale,
+                                                    score_dtype=cfg.score_dtype,
                                                     kernel_stride=cfg.kernel_stride,
                                                     coarse_kernel_stride=cfg.coarse_kernel_stride)
         fns["pool"] = lambda: naive_pool_blocks(scores, cu, cu1, cache_lens, T, init_blocks=cfg.init_blocks,
                                                 local_blocks=cfg.local_blocks, block_size=cfg.block_size,
                                                 kernel_stride=cfg.kernel_stride)
-        fns["topk"] = lambda: naive_select_topk(block_scores, q_blocks, topk=cfg.topk, local_blocks=cfg.local_blocks)
+        fns["topk"] = lambda: naive_select_topk(block_scores, q_blocks, topk=cfg.topk,
+                                                local_blocks=cfg.local_blocks)
     for impl in IMPLS[:-1]:
         if impl not in a.impls:
             continue
@@ -106,8 +114,8 @@ def bench_config(r: Runner, T: int, B: int) -> dict:
             (fn, note), skip = sdpa_cudnn_fn(q, k, v, B, T), ""
         except Exception as e:  # noqa: BLE001
             fn, note, skip = None, "", f"setup: {_short(e)}"
-        r.time(Row("sdpa_cudnn", cfg_id, "-", None, "fwd", note=note), fn, causal_dense_keys(B, T, HQ), n_q_rows, D,
-               skip)
+        r.time(Row("sdpa_cudnn", cfg_id, "-", None, "fwd", note=note), fn, causal_dense_keys(B, T, HQ),
+               n_q_rows, D, skip)
     return mem
 
 
@@ -141,7 +149,8 @@ def main(argv=None) -> list[Row]:
 
     for name, impl in stage_names(stages_for(torch.empty(0, device=dev), a.backend)).items():
         print(f"stage {name:14s} {impl}")
-    check = "check skipped (--skip-check)" if a.skip_check else check_against_reference(dev, a.backend, a.hq, a.h,
+    check = "check skipped (--skip-check)" if a.skip_check else check_against_reference(dev, a.backend, a.hq,
+                                                                                        a.h,
                                                                                           a.d)
     print(check, flush=True)
     r = Runner(a, dev)
@@ -150,7 +159,8 @@ def main(argv=None) -> list[Row]:
     mem_cols = [f"{i}_GiB" for i in IMPLS if any(f"{i}_GiB" in rec for rec in recs)]
     cols = ["config", *[f"{i}_ms" for i in IMPLS], "selection/sdpa", *mem_cols]
     return r.report("All rows (ms = median)",
-                    "Per config: ms of each step, selection ms / dense SDPA ms, extra GPU memory of each step (GiB)",
+                    "Per config: ms of each step, selection ms / dense SDPA ms, extra GPU memory of each "
+                    "step (GiB)",
                     recs, cols, env, check, memory)
 
 

@@ -1,6 +1,6 @@
 r"""Stage 1's key-range merge alone (docs/stage1.md, 9. Long context: key ranges; its paragraph "The
-merge kernel"): the kernel `merge_range_candidates` against the torch merge (`torch.topk` over the union) that it
-replaces, per range pass, and whether their running top-K are identical. GPU only.
+merge kernel"): the kernel `merge_range_candidates` against the torch merge (`torch.topk` over the union) that
+it replaces, per range pass, and whether their running top-K are identical. GPU only.
 
     python benchmarks/bench_stage1_merge.py                         # the default cases below
     python benchmarks/bench_stage1_merge.py --cases 1m:96 --key-bits 32
@@ -82,7 +82,8 @@ def main(argv=None):
     from infllm_cupy.stage1 import select as sel
 
     if any(not 1 <= K <= sel.MERGE_MAX_K or T < 1 for T, K in cases):
-        p.error(f"--cases: T >= 1 and K in [1, {sel.MERGE_MAX_K}] (the merge kernel's bound), got {a.cases!r}")
+        p.error(f"--cases: T >= 1 and K in [1, {sel.MERGE_MAX_K}] (the merge kernel's bound), got "
+                f"{a.cases!r}")
     dev = torch.device("cuda")
     env, t_start = env_stamp(), time.perf_counter()
     recs = []

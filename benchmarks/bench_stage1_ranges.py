@@ -52,9 +52,11 @@ def inputs(T: int, G: int, D: int, device, seed: int = 0):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cases", default="512k:16,1m:16,256k:1", help="comma-separated T:G. Default: %(default)s")
+    p.add_argument("--cases", default="512k:16,1m:16,256k:1",
+                   help="comma-separated T:G. Default: %(default)s")
     p.add_argument("--ranges", default="0,2816,1024",
-                   help="forced range widths in blocks (multiples of 64; 0 = one launch). Default: %(default)s")
+                   help="forced range widths in blocks (multiples of 64; 0 = one launch). Default: "
+                        "%(default)s")
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--topk", type=int, default=64)
     p.add_argument("--local-blocks", type=int, default=32)
@@ -85,19 +87,21 @@ def main(argv=None):
         print(f"\n== {case}: T = {T}, G = {G}, out_len = {out_len}; the plan: {base}", flush=True)
         ref = None
         for name, plan in [("plan", base)] + [(f"ranges={r}", dataclasses.replace(
-                base, range_blocks=r, block_keys_in_smem=base.block_keys_in_smem and r == 0)) for r in ranges]:
+                base, range_blocks=r, block_keys_in_smem=base.block_keys_in_smem and r == 0))
+                                              for r in ranges]:
             rec = {"case": case, "variant": name, "range_blocks": plan.range_blocks}
             need = scratch_bytes(plan, 2, T, out_len, 2, K=K, HQ=2 * G)
             free = torch.cuda.mem_get_info()[0]
             if need > 0.9 * free:
-                rec["note"] = f"skipped: needs {need / 2**30:.1f} GiB beyond the inputs, {free / 2**30:.1f} GiB free"
+                rec["note"] = (f"skipped: needs {need / 2**30:.1f} GiB beyond the inputs, "
+                               f"{free / 2**30:.1f} GiB free")
                 recs.append(rec)
                 print(f"  {name}: {rec['note']}", flush=True)
                 continue
             try:
                 def run():
-                    return sel.launch_select(q, ck1, ck2, cu, cu1, cu2, T, topk=a.topk, local_blocks=a.local_blocks,
-                                             plan=plan)
+                    return sel.launch_select(q, ck1, ck2, cu, cu1, cu2, T, topk=a.topk,
+                                             local_blocks=a.local_blocks, plan=plan)
                 torch.cuda.synchronize()
                 mem0 = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
@@ -116,7 +120,7 @@ def main(argv=None):
             recs.append(rec)
             print(f"  {name}: {rec}", flush=True)
             torch.cuda.empty_cache()
-        del q, ck1, ck2, ref
+        q = ck1 = ck2 = ref = None
         torch.cuda.empty_cache()
     print()
     print(format_table(recs, ["case", "variant", "range_blocks", "ms", "extra_GiB", "identical", "note"],

@@ -37,15 +37,37 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._harness import (  # noqa: E402
-    add_run_args, bench_gpu_time, causal_dense_keys, csv_choices, env_line, env_stamp, flops_attn,
-    format_table, free_gpu_memory, MODES, print_table, README_CONFIGS, Row, setup_flex, summarize, tflops,
+    MODES,
+    README_CONFIGS,
+    Row,
+    add_run_args,
+    bench_gpu_time,
+    causal_dense_keys,
+    csv_choices,
+    env_line,
+    env_stamp,
+    flops_attn,
+    format_table,
+    free_gpu_memory,
+    print_table,
+    setup_flex,
+    summarize,
+    tflops,
     write_json,
 )
 from infllm_cupy import _env  # noqa: E402
 from infllm_cupy._constants import KV_BLOCK  # noqa: E402
 from infllm_cupy.selections import (  # noqa: E402
-    SELECTION_NAMES, attended_keys, block_shared, infllm_like, make_selection, per_token, split_blocks,
-    to_flex_block_mask_inputs, to_nsa_block_indices, uniform_cu_seqlens,
+    SELECTION_NAMES,
+    attended_keys,
+    block_shared,
+    infllm_like,
+    make_selection,
+    per_token,
+    split_blocks,
+    to_flex_block_mask_inputs,
+    to_nsa_block_indices,
+    uniform_cu_seqlens,
 )
 
 IMPLS = ("ours", "sdpa_cudnn", "sdpa_flash", "flex_same", "flex_union", "nsa")
@@ -185,7 +207,8 @@ def run_check(ours, args, device) -> str:
     for name, K, gen in cases:
         try:
             topk = gen(K)
-            call = (lambda f, *x, **kw: f(*x, cu, cu, topk, T, T, causal=True, **kw))
+            def call(f, *x, **kw):
+                return f(*x, cu, cu, topk, T, T, causal=True, **kw)
             out = call(ours, q, k, v, **args.ours_kwargs)
             try:
                 ref = call(naive, q.float(), k.float(), v.float()).float()
@@ -233,7 +256,8 @@ def bench_config(r: Runner, T: int, B: int, impls: list[str], ours, nsa, flex, B
 
         def sdpa(q_, k_, v_, backend=backend, gqa=True):
             with sdpa_kernel([backend]):
-                return torch.nn.functional.scaled_dot_product_attention(q_, k_, v_, is_causal=True, enable_gqa=gqa)
+                return torch.nn.functional.scaled_dot_product_attention(q_, k_, v_, is_causal=True,
+                                                                        enable_gqa=gqa)
 
         for mode in a.modes:
             row = r.time(Row(impl, cfg, "-", None, mode), sdpa, (qt, kt, vt), dense_keys)
@@ -246,7 +270,8 @@ def bench_config(r: Runner, T: int, B: int, impls: list[str], ours, nsa, flex, B
                 del kr, vr
 
     def flex_fn(fb):
-        bm = BlockMask.from_kv_blocks(fb.kv_num_blocks, fb.kv_indices, fb.full_kv_num_blocks, fb.full_kv_indices,
+        bm = BlockMask.from_kv_blocks(fb.kv_num_blocks, fb.kv_indices, fb.full_kv_num_blocks,
+                                      fb.full_kv_indices,
                                       BLOCK_SIZE=(128, 128), mask_mod=causal_mask, seq_lengths=(T, T))
         return lambda q_, k_, v_: flex(q_, k_, v_, block_mask=bm, enable_gqa=True)
 
@@ -290,13 +315,15 @@ def bench_config(r: Runner, T: int, B: int, impls: list[str], ours, nsa, flex, B
                     bi, bc = to_nsa_block_indices(topk, B, T)
 
                     def fn(q_, k_, v_, bi=bi, bc=bc):
-                        return nsa(q_, k_, v_, block_indices=bi, block_counts=bc, block_size=KV_BLOCK, window_size=0)
+                        return nsa(q_, k_, v_, block_indices=bi, block_counts=bc, block_size=KV_BLOCK,
+                                   window_size=0)
                 for mode in a.modes:
-                    r.time(Row("nsa", cfg, label, K, mode), fn, (q4, k4, v4), keys, skip="" if nsa else r.nsa_err)
+                    r.time(Row("nsa", cfg, label, K, mode), fn, (q4, k4, v4), keys,
+                           skip="" if nsa else r.nsa_err)
                 fn = bi = bc = None
             del topk
             r.free()
-    del q, k, v, q4, k4, v4, qt, kt, vt
+    q = k = v = q4 = k4 = v4 = qt = kt = vt = None
     r.free()
 
 
@@ -355,16 +382,21 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     add_run_args(p, target_ms=600.0, min_rep=3, max_rep=20)
-    p.add_argument("--K", default="64,96", help="selected 64-key blocks per query, comma-separated. Default: 64,96")
+    p.add_argument("--K", default="64,96",
+                   help="selected 64-key blocks per query, comma-separated. Default: 64,96")
     p.add_argument("--selections", default="a,b,c", help="a (block-shared), b (per-token), c (InfLLM-like)")
-    p.add_argument("--modes", default="fwd", help=f"comma-separated subset of {','.join(MODES)}. Default: fwd")
+    p.add_argument("--modes", default="fwd",
+                   help=f"comma-separated subset of {','.join(MODES)}. Default: fwd")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"subset of {','.join(IMPLS)}")
-    p.add_argument("--skip-check", action="store_true", help="skip ours-vs-reference check on a reduced shape")
+    p.add_argument("--skip-check", action="store_true",
+                   help="skip ours-vs-reference check on a reduced shape")
     p.add_argument("--ours-kwargs", default="{}", type=json.loads,
-                   help='extra keyword arguments for our op, as JSON, e.g. \'{"kernel": "sm80"}\' (the SM80 kernels '
+                   help='extra keyword arguments for our op, as JSON, e.g. \'{"kernel": "sm80"}\' (the SM80 '
+                        'kernels '
                         'on an H100)')
     p.add_argument("--validate", action="store_true",
-                   help="keep our launcher's value checks (a host sync per call) while timing; the check runs them")
+                   help="keep our launcher's value checks (a host sync per call) while timing; the check "
+                        "runs them")
     a = p.parse_args(argv)
     dev = torch.device(a.device)
     if a.configs is None:
@@ -422,7 +454,8 @@ def main(argv=None) -> list[Row]:
     peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
     add_ratios(r.rows)
     r.rows = sort_rows(r.rows)
-    print_table(r.rows, title="All rows (ms = median; TFLOP/s effective on attended keys; keys_per_q per query head)")
+    print_table(r.rows,
+                title="All rows (ms = median; TFLOP/s effective on attended keys; keys_per_q per query head)")
     for field, title in (("ms", "ms per implementation (median)"),
                          ("ratio", "anchor ms / ours ms (> 1: ours faster)")):
         recs, cols = pivot(r.rows, field)

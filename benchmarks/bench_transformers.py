@@ -1,5 +1,5 @@
-r"""A MiniCPM4-style model in transformers: prefill and decode tokens/s of our backend against SDPA as users run it,
-eager against eager and compiled against compiled, with each row's byte floor, in one process.
+r"""A MiniCPM4-style model in transformers: prefill and decode tokens/s of our backend against SDPA as users
+run it, eager against eager and compiled against compiled, with each row's byte floor, in one process.
 
     python benchmarks/bench_transformers.py --json benchmarks/results/transformers.json   # 1,8 x 16k,64k: 3.5 min, H200
     python benchmarks/bench_transformers.py --batches 1,8 --contexts 16k,64k --rep 1 --new-tokens 32 \
@@ -44,10 +44,11 @@ Decode: greedy steps of one token per sequence with explicit `position_ids` (a d
 device, so nothing reads a length back to the host) and argmax on the device; after the warm-up steps,
 --rep spans of --new-tokens steps are timed, each one CUDA-event span with no host sync in it (the Timer
 synchronizes before a span starts); decode tok/s = batch x steps / median span, ms/step = median span / steps.
-Eager rows are bound by host work, whose speed varies between spans, hence the median. `torch syncs/step` counts the synchronizing torch calls of one warm-up step
-(torch.cuda.set_sync_debug_mode; CuPy's own syncs are not seen). An event per step (no host sync) finds
-outliers: a step over 3x the median is named in the note (e.g. a kernel compiled inside the span), and so
-is memory a finished row leaves allocated ("left X GiB allocated": something still holds its tensors).
+Eager rows are bound by host work, whose speed varies between spans, hence the median. `torch syncs/step`
+counts the synchronizing torch calls of one warm-up step (torch.cuda.set_sync_debug_mode; CuPy's own syncs are
+not seen). An event per step (no host sync) finds outliers: a step over 3x the median is named in the note
+(e.g. a kernel compiled inside the span), and so is memory a finished row leaves allocated ("left X GiB
+allocated": something still holds its tensors).
 
 Byte floor of one decode step = (weight bytes + K/V bytes the step must read) / the device copy bandwidth
 (a large device-to-device copy measured in the same run, bytes read + written). Weight bytes: every
@@ -66,12 +67,13 @@ memory" (and the larger configs of that row after it); any other failure is reco
 the graph pool that make every later compiled row fail.
 Our ops' input checks that read device values are off (`_env.override(validate=False)`, as in the other
 benchmarks; `--validate` keeps them). One progress line per row as it finishes; the table at the end.
-"""
+"""  # noqa: E501 - verbatim commands, signatures and tables
 from __future__ import annotations
 
 import argparse
 import contextlib
 import inspect
+import itertools
 import json
 import statistics
 import sys
@@ -87,7 +89,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._harness import (  # noqa: E402
-    bench_gpu_time, csv_choices, device_copy, env_line, env_stamp, format_table, free_gpu_memory,
+    bench_gpu_time,
+    csv_choices,
+    device_copy,
+    env_line,
+    env_stamp,
+    format_table,
+    free_gpu_memory,
 )
 
 IMPLS = ("sdpa_dynamic", "sdpa_static", "sdpa_static_compiled", "ours", "ours_graphs", "ours_compiled",
@@ -114,7 +122,8 @@ def context_id(T: int) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--contexts", default=None, help="comma-separated prompt lengths (k = 1024). Default: 16k,64k "
+    p.add_argument("--contexts", default=None,
+                   help="comma-separated prompt lengths (k = 1024). Default: 16k,64k "
                    "(--quick: 12k)")
     p.add_argument("--batches", default=None, help="comma-separated batch sizes (equal-length prompts). "
                    "Default: 1,8 (--quick: 1)")
@@ -131,13 +140,17 @@ def parse_args(argv=None):
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--dense-len", type=int, default=8192)
     p.add_argument("--topk", type=int, default=64)
-    p.add_argument("--window", type=int, default=2048, help="sparse_config window_size (local_blocks = window / 64)")
-    p.add_argument("--new-tokens", type=int, default=None, help="timed decode steps. Default: 64 (--quick: 8)")
-    p.add_argument("--warmup-steps", type=int, default=3, help="untimed decode steps before the span. Default: 3")
+    p.add_argument("--window", type=int, default=2048,
+                   help="sparse_config window_size (local_blocks = window / 64)")
+    p.add_argument("--new-tokens", type=int, default=None,
+                   help="timed decode steps. Default: 64 (--quick: 8)")
+    p.add_argument("--warmup-steps", type=int, default=3,
+                   help="untimed decode steps before the span. Default: 3")
     p.add_argument("--compile-warmup-steps", type=int, default=3,
                    help="extra warm-up steps of the compiled rows and ours_graphs (compilation, CUDA-graph "
                         "recording), at least 3. Default: 3")
-    p.add_argument("--rep", type=int, default=None, help="timed prefills, and timed decode spans of --new-tokens steps (median of each). "
+    p.add_argument("--rep", type=int, default=None,
+                   help="timed prefills, and timed decode spans of --new-tokens steps (median of each). "
                    "Default: 3 (--quick: 1)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--seed", type=int, default=0)
@@ -177,12 +190,12 @@ def build_model(a, dev):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
-                      num_hidden_layers=a.layers, num_attention_heads=a.hq, num_key_value_heads=a.h, head_dim=a.d,
-                      max_position_embeddings=max(a.contexts) + a.new_tokens + a.warmup_steps
+                      num_hidden_layers=a.layers, num_attention_heads=a.hq, num_key_value_heads=a.h,
+                      head_dim=a.d, max_position_embeddings=max(a.contexts) + a.new_tokens + a.warmup_steps
                       + a.compile_warmup_steps + 64,
                       initializer_range=0.02)
-    cfg.sparse_config = dict(kernel_size=32, kernel_stride=16, init_blocks=1, block_size=BLOCK, window_size=a.window,
-                             topk=a.topk, use_nope=False, dense_len=a.dense_len)
+    cfg.sparse_config = dict(kernel_size=32, kernel_stride=16, init_blocks=1, block_size=BLOCK,
+                             window_size=a.window, topk=a.topk, use_nope=False, dense_len=a.dense_len)
     torch.manual_seed(a.seed)
     old = torch.get_default_dtype()
     torch.set_default_dtype(DTYPES[a.dtype])        # build the weights in the run's dtype, on the device
@@ -284,15 +297,15 @@ class Bench:
         params = inspect.signature(model.forward).parameters
         # transformers 5.2x renames past_key_values to cache (the old name warns)
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.cache_position = "cache_position" in params       # older transformers index a StaticCache with it
+        self.cache_position = "cache_position" in params      # older transformers index a StaticCache with it
         self.compiled: dict[str, object] = {}
         self.esz = torch.tensor([], dtype=DTYPES[a.dtype]).element_size()
         self.native_attn = [layer.self_attn for layer in model.model.layers]
         self.minicpm4: dict[str, list] = {}
 
     def use_attention_of(self, impl):
-        """The decoder layers' attention modules for `impl`: the MiniCPM4-style layer of its route (sharing the
-        projections' weights) on the minicpm4 rows, the model's own otherwise."""
+        """The decoder layers' attention modules for `impl`: the MiniCPM4-style layer of its route (sharing
+        the projections' weights) on the minicpm4 rows, the model's own otherwise."""
         route = MINICPM4_ROUTE.get(impl)
         if route is not None and route not in self.minicpm4:
             from infllm_cupy.integrations.minicpm4 import MiniCPM4SparseAttention
@@ -392,7 +405,8 @@ class Bench:
                 notes.append(f"{skips} cudagraph skips")
         spans, steps = [], []
         for _ in range(a.rep):                  # --rep spans of --new-tokens steps each, median span
-            marks = [torch.cuda.Event(enable_timing=True) for _ in range(a.new_tokens)] if dev.type == "cuda" else []
+            marks = [torch.cuda.Event(enable_timing=True)
+                     for _ in range(a.new_tokens)] if dev.type == "cuda" else []
             with Timer(dev) as t:
                 for i in range(a.new_tokens):
                     tok, pos = step(tok, pos)
@@ -400,14 +414,16 @@ class Bench:
                         marks[i].record()           # per-step events (no host sync): outliers only
             spans.append(t.ms)
             if marks:
-                steps += [t.s.elapsed_time(marks[0])] + [x.elapsed_time(y) for x, y in zip(marks, marks[1:])]
+                steps += [t.s.elapsed_time(marks[0])] + [x.elapsed_time(y)
+                                                         for x, y in itertools.pairwise(marks)]
         span = statistics.median(spans)
         row["decode_ms_per_step"] = span / a.new_tokens
         row["decode_tok_s"] = B * a.new_tokens / (span / 1e3)
         if len(spans) > 1:
             row["decode_span_spread"] = max(spans) / min(spans)
             if row["decode_span_spread"] > 1.15:
-                notes.append(f"decode spans {min(spans) / a.new_tokens:.2f}-{max(spans) / a.new_tokens:.2f} ms/step")
+                notes.append(f"decode spans {min(spans) / a.new_tokens:.2f}-{max(spans) / a.new_tokens:.2f} "
+                             "ms/step")
         if steps:
             med = statistics.median(steps)
             row["step_ms_median"], row["step_ms_max"] = med, max(steps)
@@ -447,8 +463,8 @@ def add_ratios(rows: list[dict]) -> list[dict]:
 
 COLUMNS = {"impl": "impl", "batch": "batch", "context": "context", "prefill_ms": "prefill ms",
            "decode_tok_s": "decode tok/s", "decode_ms_per_step": "ms/step", "floor_ms": "floor ms",
-           "x_floor": "x floor", "anchor": "anchor", "vs_anchor": "vs anchor", "prefill_vs_anchor": "prefill vs anchor",
-           "syncs_per_step": "torch syncs/step", "note": "note"}
+           "x_floor": "x floor", "anchor": "anchor", "vs_anchor": "vs anchor",
+           "prefill_vs_anchor": "prefill vs anchor", "syncs_per_step": "torch syncs/step", "note": "note"}
 
 
 def table(rows: list[dict]) -> str:
@@ -476,8 +492,8 @@ def main(argv=None) -> list[dict]:
     model, cfg = build_model(a, dev)
     bench = Bench(a, dev, model, cfg)
     wbytes = weight_bytes(model)
-    print(f"copy bandwidth {gbps:.0f} GB/s (read + written); weights a decode step reads {wbytes / 1e9:.3g} GB; "
-          f"model forward keyword {bench.cache_kw!r}", flush=True)
+    print(f"copy bandwidth {gbps:.0f} GB/s (read + written); weights a decode step reads {wbytes / 1e9:.3g} "
+          f"GB; model forward keyword {bench.cache_kw!r}", flush=True)
     rows: list[dict] = []
     oom: dict[str, list[tuple[int, int]]] = {}
     from infllm_cupy import _env
@@ -495,7 +511,8 @@ def main(argv=None) -> list[dict]:
                 small = [(b, t) for b, t in oom.get(impl, []) if b <= B and t <= T]
                 try:
                     if small:
-                        raise Skip(f"skipped: out of memory ({small[0][0]}x{context_id(small[0][1])} did not fit)")
+                        raise Skip(f"skipped: out of memory ({small[0][0]}x{context_id(small[0][1])} did not "
+                                   "fit)")
                     bench.run_row(impl, B, T, ids, row)
                 except Skip as e:
                     row["note"] = str(e)
@@ -537,9 +554,10 @@ def main(argv=None) -> list[dict]:
     for r in rows:
         if r.get("decode_ms_per_step") and r["batch"] * r["context"] >= largest.get(r["impl"], (0, 0, 0))[0]:
             largest[r["impl"]] = (r["batch"] * r["context"], r["batch"], r["context"])
-    print(f"\n### transformers LlamaForCausalLM, {a.layers} layers, hidden {a.hidden}, HQ {a.hq} / H {a.h} / D {a.d}, "
-          f"{a.dtype}, {a.new_tokens} timed decode steps; sparse_config topk {a.topk}, window {a.window}, "
-          f"dense_len {a.dense_len}; copy bandwidth {gbps:.0f} GB/s, weights {wbytes / 1e9:.3g} GB\n")
+    print(f"\n### transformers LlamaForCausalLM, {a.layers} layers, hidden {a.hidden}, HQ {a.hq} / H {a.h} / "
+          f"D {a.d}, {a.dtype}, {a.new_tokens} timed decode steps; sparse_config topk {a.topk}, window "
+          f"{a.window}, dense_len {a.dense_len}; copy bandwidth {gbps:.0f} GB/s, weights {wbytes / 1e9:.3g} "
+          "GB\n")
     print(table(rows))
     print("\nvs anchor: the fair anchor's ms/step over the row's (> 1: faster than the anchor); "
           "x floor: ms/step over the byte floor")
@@ -563,8 +581,9 @@ def progress(row: dict, elapsed: float) -> str:
     if row.get("decode_ms_per_step") is None:
         return f"{head}: {row.get('note', '')}"
     return (f"{head}: prefill {f('prefill_ms', '.1f')} ms, decode {f('decode_tok_s', '.1f')} tok/s, "
-            f"{f('decode_ms_per_step', '.2f')} ms/step ({f('x_floor', '.1f')} x floor {f('floor_ms', '.2f')} ms), "
-            f"torch syncs/step {f('syncs_per_step', 'd')}" + (f"; {row['note']}" if row.get("note") else ""))
+            f"{f('decode_ms_per_step', '.2f')} ms/step ({f('x_floor', '.1f')} x floor {f('floor_ms', '.2f')} "
+            f"ms), torch syncs/step {f('syncs_per_step', 'd')}"
+            + (f"; {row['note']}" if row.get("note") else ""))
 
 
 

@@ -20,8 +20,8 @@
 # stage 1 from mean-compressed keys: block 0 and the `local_blocks + 1` blocks ending at the query are
 # forced and count inside K, and the other `topk - 2` are the best-scoring blocks (MiniCPM4: topk 64,
 # local_blocks 32, K = 96 = 1 + 33 forced + 62 by score; `docs/semantics.md`). This notebook runs
-# the whole pipeline (`infllm_cupy.pipeline.infllmv2_attention`) on a synthetic sequence with known structure (an
-# attention sink, local context, recurring topics and far "needle" keys that later queries look for)
+# the whole pipeline (`infllm_cupy.pipeline.infllmv2_attention`) on a synthetic sequence with known structure
+# (an attention sink, local context, recurring topics and far "needle" keys that later queries look for)
 # and asks:
 #
 # 1. which blocks each query block selects, per KV head (sparsity maps), and whether the needles are found;

@@ -200,7 +200,8 @@ for h in range(H):
 freq = sel.float().mean(0)
 fig, axes = plt.subplots(H, 1, figsize=(11, 2.6 * H), squeeze=False, sharex=True)
 for h, ax in enumerate(axes[:, 0]):
-    ax.bar(range(nb), freq[h], width=1.0, color="tab:blue", alpha=0.5, label="InfLLM-v2: share of steps selecting")
+    ax.bar(range(nb), freq[h], width=1.0, color="tab:blue", alpha=0.5,
+           label="InfLLM-v2: share of steps selecting")
     ax.step(range(nb), kept_blocks[h], where="mid", color="tab:orange", label="H2O: share of positions kept")
     for n in needles:
         if n.kv_head == h:
@@ -247,5 +248,5 @@ for h in range(H):
     for n in runs:
         msk[n.query_start - START:n.query_start - START + 64] = True
     print(f"KV head {h}: mass captured, mean over steps: InfLLM-v2 {mass_sel[:, h].mean():.3f}, "
-          f"H2O {mass_h2o[:, h].mean():.3f}; during its needle's queries: InfLLM-v2 {mass_sel[msk, h].mean():.3f}, "
-          f"H2O {mass_h2o[msk, h].mean():.3f}")
+          f"H2O {mass_h2o[:, h].mean():.3f}; during its needle's queries: InfLLM-v2 "
+          f"{mass_sel[msk, h].mean():.3f}, H2O {mass_h2o[msk, h].mean():.3f}")

@@ -1,4 +1,5 @@
-"""Kernel variants by name for the development tools: each name is a stage-2 plan (infllm_cupy/stage2/plan.py).
+"""Kernel variants by name for the development tools: each name is a stage-2 plan
+(infllm_cupy/stage2/plan.py).
 
 Forward (`fwd_plan_named`):
     auto, sm80, sm90a       the plan `kernel=` gives (what the op runs)

@@ -10,7 +10,7 @@ tools/_plans.py (ints, 0/1 for bools, strings). Prints, per variant, whether dq,
 plan's bit for bit and otherwise their largest difference relative to the base's largest magnitude.
 Times: the whole backward (`stage2_bwd`), CUDA events, median after warm-up, variants interleaved per
 round. Development tool.
-"""
+"""  # noqa: E501 - verbatim commands, signatures and tables
 from __future__ import annotations
 
 import argparse
@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 from infllm_cupy.selections import make_selection, uniform_cu_seqlens  # noqa: E402
 from infllm_cupy.stage2 import ops  # noqa: E402
 from infllm_cupy.stage2.ops import bwd_plan_for, fwd_plan_for  # noqa: E402
+
 from _plans import with_fields  # noqa: E402
 
 
@@ -78,7 +79,8 @@ def main() -> None:
             out, lse = ops.layout_fwd(q, k, v, cu, cu, lm, layout.q_block, T, T, causal, scale, fplan)
 
             def bwd(plan):
-                return ops.layout_bwd(dout, q, k, v, out, lse, cu, cu, lm, layout.q_block, T, T, causal, scale, plan)
+                return ops.layout_bwd(dout, q, k, v, out, lse, cu, cu, lm, layout.q_block, T, T, causal,
+                                      scale, plan)
         torch.cuda.synchronize()
         print(f"  {case}: inputs and forward ready", flush=True)
         plans = {}
@@ -96,7 +98,8 @@ def main() -> None:
             rel = [float((x.float() - y.float()).abs().max() / y.float().abs().max().clamp_min(1e-30))
                    for x, y in zip(got, ref)]
             print(f"  {case} {name}: " + ", ".join(f"{n} {'same bits' if e else f'rel {r:.2e}'}"
-                                                   for n, e, r in zip(("dq", "dk", "dv"), same, rel)), flush=True)
+                                                   for n, e, r in zip(("dq", "dk", "dv"), same, rel)),
+                  flush=True)
             del got
         times = {n: [] for n in plans}
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
@@ -113,7 +116,7 @@ def main() -> None:
         print(f"{case} (base plan: dkdv={base.dkdv}, passes={base.dkdv_passes}, qhead={base.qhead}): "
               + ", ".join(f"{n} {statistics.median(t):.2f} ms ({t0 / statistics.median(t):.3f}x)"
                           for n, t in times.items()), flush=True)
-        del q, k, v, dout, out, lse, ref
+        q = k = v = dout = out = lse = ref = None
         torch.cuda.empty_cache()
 
 

@@ -43,19 +43,21 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._harness import capture_graph  # noqa: E402
-from benchmarks.bench_decode import random_selection  # noqa: E402
-from infllm_cupy import _env  # noqa: E402
-from infllm_cupy._launch import CXX_TYPE, cdiv, ptr  # noqa: E402
-from infllm_cupy.decode._fast import Launches  # noqa: E402
+from benchmarks._harness import capture_graph
+from benchmarks.bench_decode import random_selection
+from infllm_cupy import _env
+from infllm_cupy._launch import CXX_TYPE, cdiv, ptr
+from infllm_cupy.decode._fast import Launches
 
-SD = importlib.import_module("infllm_cupy.decode.sparse_decode")   # the package exports a function of that name
+# the package exports a function of that name
+SD = importlib.import_module("infllm_cupy.decode.sparse_decode")
 
 SIZES = {"1x128k": (1, 131072), "8x32k": (8, 32768), "8x128k": (8, 131072), "16x32k": (16, 32768),
          "64x32k": (64, 32768)}
 WEIGHT_MODES = {"": None, "_w": "per_head", "_wk": "per_kv_head"}
 CONFIGS = {f"{size}_{mode}{w}": (B, L, mode == "sparse", wm)     # name: (B, L, sparse, weights mode or None)
-           for size, (B, L) in SIZES.items() for mode in ("sparse", "dense") for w, wm in WEIGHT_MODES.items()}
+           for size, (B, L) in SIZES.items() for mode in ("sparse",
+                                                          "dense") for w, wm in WEIGHT_MODES.items()}
 DEFAULT_CONFIGS = ["8x32k_sparse", "8x32k_sparse_w", "8x32k_dense", "8x32k_dense_w", "1x128k_sparse"]
 DEFAULT_VARIANTS = ["default", "mg2:merge_groups=2",
                     "mg8:merge_groups=8", "mg32:merge_groups=32", "pdl0:pdl=0"]
@@ -93,7 +95,8 @@ def old_call(tree: str, q, cache, topk, plan, weights, scale: float):
     w_out = logits = None
     if weights:
         w_out = torch.empty((B, HQ if weights == "per_head" else H, width), dtype=torch.float32, device=dev)
-        logits = w_out if weights == "per_head" else torch.empty((B, HQ, width), dtype=torch.float32, device=dev)
+        logits = w_out if weights == "per_head" else torch.empty((B, HQ, width), dtype=torch.float32,
+                                                                 device=dev)
     null = np.uint64(0)
     run = Launches(dev)
     run.add(SD.SOURCE, f"sparse_decode_split<{CXX_TYPE[q.dtype]}, {D}, {plan.row_tiles}>", (S, H, B),
@@ -185,24 +188,27 @@ def run_config(name: str, a, variants) -> bool:
 
             def fn(plan=plan, tree=tree):
                 with _env.override(kernels_dir=tree):
-                    return SD.sparse_decode(q, cache, topk, return_lse=True, return_attn_weights=weights is not None,
+                    return SD.sparse_decode(q, cache, topk, return_lse=True,
+                                            return_attn_weights=weights is not None,
                                             weights=weights or "per_head", plan=plan)
             desc = f"kernels of {tree}, S {plan.num_splits} x {plan.per_split}"
         elif label == "old":
-            fn = (lambda plan=dataclasses.replace(base_plan, **fields):
-                  old_call(a.old_tree, q, cache, topk, plan, weights, scale))
+            def fn(plan=dataclasses.replace(base_plan, **fields)):  # noqa: B008 - bound per variant
+                return old_call(a.old_tree, q, cache, topk, plan, weights, scale)
             desc = f"old kernels ({a.old_tree}), {base_plan.num_splits} splits"
         else:
             plan = dataclasses.replace(base_plan, **fields)
             if "num_splits" not in fields and "per_split" in fields:
                 plan = dataclasses.replace(plan, num_splits=cdiv(n_entries, plan.per_split))
-            fn = (lambda plan=plan: SD.sparse_decode(q, cache, topk, return_lse=True,
-                                                     return_attn_weights=weights is not None,
-                                                     weights=weights or "per_head", plan=plan))
+            def fn(plan=plan):
+                return SD.sparse_decode(q, cache, topk, return_lse=True,
+                                        return_attn_weights=weights is not None,
+                                        weights=weights or "per_head", plan=plan)
             desc = (f"S {plan.num_splits} x {plan.per_split}, merge "
                     f"{plan.merge_threads(D)} threads, pdl {plan.pdl}")
         calls.append((label, fn, desc))
-    print(f"\n{name}: B {B} L {L} {'K ' + str(n_entries) if sparse else 'dense'}{' + weights ' + weights if weights else ''}, "
+    print(f"\n{name}: B {B} L {L} "
+          f"{'K ' + str(n_entries) if sparse else 'dense'}{' + weights ' + weights if weights else ''}, "
           f"{kv_bytes / 1e6:.1f} MB of K/V", flush=True)
     ok = True
     base = None
@@ -227,7 +233,8 @@ def run_config(name: str, a, variants) -> bool:
             e1.record()
             times[label].append((e0, e1))
     torch.cuda.synchronize()
-    med = {lb: statistics.median(e0.elapsed_time(e1) * 1e3 / a.calls for e0, e1 in ev) for lb, ev in times.items()}
+    med = {lb: statistics.median(e0.elapsed_time(e1) * 1e3 / a.calls for e0, e1 in ev)
+           for lb, ev in times.items()}
     first = med[graphs[0][0]]
     for label, _ in graphs:
         print(f"  {label:10s} {med[label]:9.2f} us  {first / med[label]:.3f}x of {graphs[0][0]}  "
@@ -242,12 +249,16 @@ def run_config(name: str, a, variants) -> bool:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS), help="BxL_MODE[_w|_wk]")
+    p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS),
+                   help="BxL_MODE[_w|_wk]")
     p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
-    p.add_argument("--old-tree", default=None, help="a kernels_cu/ folder of commit b3c8198 (git archive): adds variant `old`")
+    p.add_argument("--old-tree", default=None,
+                   help="a kernels_cu/ folder of commit b3c8198 (git archive): adds variant `old`")
     p.add_argument("--tree", action="append", default=[], metavar="LABEL=DIR",
-                   help="variant LABEL: the kernels of DIR (a kernels_cu/ folder) with this checkout's launch")
-    p.add_argument("--kernel-times", action="store_true", help="per-kernel eager device times (PyTorch profiler)")
+                   help="variant LABEL: the kernels of DIR (a kernels_cu/ folder) with this checkout's "
+                        "launch")
+    p.add_argument("--kernel-times", action="store_true",
+                   help="per-kernel eager device times (PyTorch profiler)")
     p.add_argument("--topk", type=int, default=64)
     p.add_argument("--local-blocks", type=int, default=32)
     p.add_argument("--calls", type=int, default=20, help="calls per graph replay")
@@ -269,7 +280,8 @@ def main(argv=None) -> int:
             raise SystemExit(f"--tree {spec!r}: no decode/sparse_decode.cu under {tree}")
         a.trees[label] = tree
     variants[1 if a.old_tree else 0:1 if a.old_tree else 0] = [(label, {}) for label in a.trees]
-    ok = all([run_config(c, a, variants) for c in a.configs])
+    results = [run_config(c, a, variants) for c in a.configs]   # every config runs, failed or not
+    ok = all(results)
     print("\nall outputs agree" if ok else "\nSOME OUTPUTS DIFFER (FAIL above)")
     return 0 if ok else 1
 

@@ -49,13 +49,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _plans import bwd_plan_named, fwd_plan_named  # noqa: E402
+from benchmarks._harness import flops_attn
+from infllm_cupy import _env, _jit
+from infllm_cupy.selections import SELECTIONS, attended_keys, make_selection, uniform_cu_seqlens
+from infllm_cupy.stage2 import plan as _plan
+from infllm_cupy.stage2 import sparse_bwd, sparse_fwd
 
-from benchmarks._harness import flops_attn  # noqa: E402
-from infllm_cupy import _env, _jit  # noqa: E402
-from infllm_cupy.selections import SELECTIONS, attended_keys, make_selection, uniform_cu_seqlens  # noqa: E402
-from infllm_cupy.stage2 import plan as _plan  # noqa: E402
-from infllm_cupy.stage2 import sparse_bwd, sparse_fwd  # noqa: E402
+from _plans import bwd_plan_named, fwd_plan_named
 
 
 class Package:
@@ -158,13 +158,15 @@ def make_work(a, pkg: Package, fwd_name: str, bwd_name, q, k, v, do, cu, masks, 
     if pkg.old:
         tiles = pkg.fwd.as_tiles(tuple(int(x) for x in fwd_name.split(",")) if "," in fwd_name else fwd_name)
         params = inspect.signature(pkg.fwd.stage2_fwd).parameters
-        extra = {name: value for name, value in (("split_min", 2 * a.K), ("max_seqlen_k", T)) if name in params}
+        extra = {name: value for name, value in (("split_min", 2 * a.K),
+                                                 ("max_seqlen_k", T)) if name in params}
         bwd_tiles = None
         if bwd_name is not None:
             bwd_tiles = tuple(int(x) for x in bwd_name.split(",")) if "," in bwd_name else bwd_name
 
         def work():
-            out, lse = pkg.fwd.stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale, tiles, **extra)
+            out, lse = pkg.fwd.stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale, tiles,
+                                          **extra)
             if a.mode == "fwdbwd":
                 pkg.bwd.stage2_bwd(do, q, k, v, out, lse, cu, cu, masks, cu, q.shape[0], 1, T, T, True, scale,
                                    bwd_tiles)
@@ -181,7 +183,8 @@ def make_work(a, pkg: Package, fwd_name: str, bwd_name, q, k, v, do, cu, masks, 
         out, lse = pkg.fwd.stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale, fplan,
                                       max_seqlen_k=T)
         if a.mode == "fwdbwd":
-            pkg.bwd.stage2_bwd(do, q, k, v, out, lse, cu, cu, masks, cu, q.shape[0], 1, T, T, True, scale, bplan)
+            pkg.bwd.stage2_bwd(do, q, k, v, out, lse, cu, cu, masks, cu, q.shape[0], 1, T, T, True, scale,
+                               bplan)
     return work
 
 
@@ -214,20 +217,23 @@ def main(argv=None) -> None:
     a = parse_args(argv)
     HQ, H, D = 32, 2, 128
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, do = (torch.randn(a.B * a.T, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    q, do = (torch.randn(a.B * a.T, HQ, D, device="cuda", dtype=torch.bfloat16,
+                         generator=g) for _ in range(2))
     k, v = (torch.randn(a.B * a.T, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     cu = uniform_cu_seqlens(a.B, a.T, "cuda")
     scale = D ** -0.5
     variants = [parse_variant(spec, i) for i, spec in enumerate(a.variants)]
     for label, tree, fwd_name, bwd_name, pkg, env in variants:
         print(f"{label}: tree {tree}, {'old API (tiles)' if pkg.old else 'plans'}, fwd {fwd_name}"
-              + (f", bwd {bwd_name or 'default'}" if a.mode == "fwdbwd" else "") + (f", env {env}" if env else ""))
+              + (f", bwd {bwd_name or 'default'}" if a.mode == "fwdbwd" else "")
+              + (f", env {env}" if env else ""))
     print(f"{a.mode}: {'selection':10s} " + " ".join(f"{lb + ' ms':>14s} {'TF/s':>5s}" for lb, *_ in variants)
           + "   " + " ".join(f"{lb}/{variants[0][0]}" for lb, *_ in variants[1:]), flush=True)
     kernels = {label: {} for label, *_ in variants}
     for sel in a.selections:
         topk = make_selection(sel, a.B, a.T, H, a.K, device="cuda", seed=0)
-        flop = flops_attn(float(attended_keys(topk, cu).sum()) * (HQ // H), D, "fwd") * (3.5 if a.mode == "fwdbwd"
+        flop = flops_attn(float(attended_keys(topk, cu).sum()) * (HQ // H), D,
+                          "fwd") * (3.5 if a.mode == "fwdbwd"
                                                                                         else 1)
         masks = sparse_fwd.token_block_masks(topk, cu, cu, sparse_fwd.n_mask_words(a.T))
         calls = []

@@ -26,11 +26,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._harness import bench_gpu_time, flops_attn
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _plans import bwd_plan_named, fwd_plan_named  # noqa: E402
 
-from infllm_cupy import _env, _jit  # noqa: E402
-from infllm_cupy.selections import attended_keys, make_selection, uniform_cu_seqlens  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from infllm_cupy import _env, _jit
+from infllm_cupy.selections import attended_keys, make_selection, uniform_cu_seqlens
+
+from _plans import bwd_plan_named, fwd_plan_named
 
 OPTION_SETS = {
     "base": ("-std=c++17",),
@@ -66,7 +67,8 @@ def median_ms(fn) -> float:
     return statistics.median(bench_gpu_time(fn))
 
 
-def stage2_rows(T: int, B: int, K: int, bwd_kernels=(), fwd_kernels=(None,), skip_fwdbwd=False) -> list[tuple[str, object, float]]:
+def stage2_rows(T: int, B: int, K: int, bwd_kernels=(), fwd_kernels=(None,),
+                skip_fwdbwd=False) -> list[tuple[str, object, float]]:
     from infllm_cupy.stage2.sparse_bwd import stage2_bwd
     from infllm_cupy.stage2.sparse_fwd import n_mask_words, stage2_fwd, token_block_masks
 
@@ -101,7 +103,8 @@ def stage2_rows(T: int, B: int, K: int, bwd_kernels=(), fwd_kernels=(None,), ski
 
             def bwd(masks=masks, fwd=fwd, bplan=bplan):
                 out, lse = fwd()   # the forward is part of the timed work: same for every set
-                return stage2_bwd(do, q, k, v, out, lse, cu, cu, masks, cu, q.shape[0], 1, T, T, True, scale, bplan)
+                return stage2_bwd(do, q, k, v, out, lse, cu, cu, masks, cu, q.shape[0], 1, T, T, True, scale,
+                                  bplan)
 
             rows.append((f"fwd+bwd {sel} {T // 1024}k x {B} K{K} {kernel or ''}", bwd, 3.5 * flop))
     return rows
@@ -122,7 +125,8 @@ def stage1_rows(T: int, H: int = 2) -> list[tuple[str, object, float]]:
     flop = 2.0 * D * T * HQ * (ck1.shape[0] + ck2.shape[0]) / 2
 
     def run():
-        return stage1_select(q, ck1, ck2, cu, cu1, cu2, T, topk=64, local_blocks=32, kernel=STAGE1_KERNEL["kernel"])
+        return stage1_select(q, ck1, ck2, cu, cu1, cu2, T, topk=64, local_blocks=32,
+                             kernel=STAGE1_KERNEL["kernel"])
 
     return [(f"stage1 {T // 1024}k x 1 K96 G{HQ // H}", run, flop)]
 
@@ -138,13 +142,17 @@ def main() -> None:
     p.add_argument("--skip-stage2", action="store_true")
     p.add_argument("--H1", type=int, nargs="+", default=[2], help="KV heads of the stage-1 rows (HQ = 32)")
     p.add_argument("--K2", type=int, default=64)
-    p.add_argument("--bwd", nargs="*", default=[], help="also time these backward plans (tools/_plans.py names, "
+    p.add_argument("--bwd", nargs="*", default=[],
+                   help="also time these backward plans (tools/_plans.py names, "
                    "e.g. sm90a_gather 4,32)")
-    p.add_argument("--fwd", nargs="*", default=[], help="forward plans to time (default: the automatic choice), "
+    p.add_argument("--fwd", nargs="*", default=[],
+                   help="forward plans to time (default: the automatic choice), "
                    "e.g. sm90a_single sm90a_pair sm90a 4,2,64")
     p.add_argument("--skip-fwdbwd", action="store_true", help="time only the forward rows of stage 2")
     a = p.parse_args()
-    rows = ([] if a.skip_stage2 else stage2_rows(a.T2, a.B2, a.K2, a.bwd, a.fwd or [None], a.skip_fwdbwd)) + [r for T in a.T1 for H in a.H1 for r in stage1_rows(T, H)]
+    rows = ([] if a.skip_stage2 else stage2_rows(a.T2, a.B2, a.K2, a.bwd, a.fwd or [None],
+                                                 a.skip_fwdbwd)) + [r for T in a.T1 for H in a.H1
+                                                                    for r in stage1_rows(T, H)]
     results: dict[tuple[str, str], list[float]] = {}
     for rnd in range(a.rounds):
         order = a.sets if rnd % 2 == 0 else list(reversed(a.sets))

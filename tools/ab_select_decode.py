@@ -9,8 +9,8 @@ Each tree (`label=DIR`, the first is the baseline) is made current with `_env.ov
 (the launcher is this checkout's, so the trees must share its launch contract). Per config
 (`--configs`, BATCHxCONTEXT, README head config: HQ 32, H 2, D 128, bf16, K = 64 + 32, full caches)
 and plan variant (`default`: `plan_select_decode`'s plan; `short`: one-tile fine and coarse ranges, the
-most range boundaries), every tree's `topk_idx` is compared with the baseline's (`same bits` or FAIL), then each
-tree's call is captured `--inner` times in one graph, and each repetition replays every tree's graph
+most range boundaries), every tree's `topk_idx` is compared with the baseline's (`same bits` or FAIL), then
+each tree's call is captured `--inner` times in one graph, and each repetition replays every tree's graph
 once in rotated order (clock drift falls on all alike); the median per call and the ratio to the
 baseline are printed. Exit status 1 when a selection differs.
 """
@@ -29,7 +29,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks._harness import capture_graph  # noqa: E402
 from benchmarks.bench_decode import parse_config, random_cache  # noqa: E402
-
 from infllm_cupy import _env  # noqa: E402
 
 VARIANTS = ("default", "short")
@@ -104,7 +103,7 @@ def main(argv=None) -> int:
             for label, _, same in graphs:
                 us = statistics.median(times[label])
                 print(f"{cfg:8} {var:8} {label:10} {us:9.2f} us  x{us / b0:.3f}  {same}", flush=True)
-        del cache, q
+        cache = q = None
         torch.cuda.empty_cache()
     print(f"{time.perf_counter() - t0:.0f} s" + ("; SELECTIONS DIFFER" if failed else ""))
     return 1 if failed else 0

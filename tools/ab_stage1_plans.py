@@ -20,11 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _plans import with_fields  # noqa: E402
-from ab_stage1_trees import median_ms, parse_case, readme_inputs, summary  # noqa: E402
-
-from infllm_cupy import _jit  # noqa: E402
-from infllm_cupy.stage1.select import (  # noqa: E402
+from infllm_cupy import _jit
+from infllm_cupy.stage1.select import (
     KV_BLOCK,
     SM90A,
     SOURCE,
@@ -33,6 +30,9 @@ from infllm_cupy.stage1.select import (  # noqa: E402
     kernel_name,
     launch_select,
 )
+
+from _plans import with_fields
+from ab_stage1_trees import median_ms, parse_case, readme_inputs, summary
 
 
 def main(argv=None) -> int:

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from infllm_cupy import _env, _jit  # noqa: E402
-from infllm_cupy.compress import compress_k  # noqa: E402
-from infllm_cupy.selections import uniform_cu_seqlens  # noqa: E402
-from infllm_cupy.stage1.select import stage1_select  # noqa: E402
+from infllm_cupy import _env, _jit
+from infllm_cupy.compress import compress_k
+from infllm_cupy.selections import uniform_cu_seqlens
+from infllm_cupy.stage1.select import stage1_select
 
 
 def parse_case(text: str) -> tuple[int, int]:
@@ -72,7 +72,8 @@ def main(argv=None) -> int:
     p.add_argument("--cases", default="32kx8,128kx1,128kx2")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--rep", type=int, default=5)
-    p.add_argument("--scores", action="store_true", help="also compare scores and block scores (return_scores)")
+    p.add_argument("--scores", action="store_true",
+                   help="also compare scores and block scores (return_scores)")
     a = p.parse_args(argv)
     trees = [t.split("=", 1) for t in a.trees]
     bad = 0
@@ -81,7 +82,8 @@ def main(argv=None) -> int:
         q, ck1, ck2, cu, cu1, cu2 = readme_inputs(T, B)
 
         def call():
-            return stage1_select(q, ck1, ck2, cu, cu1, cu2, T, topk=64, local_blocks=32, return_scores=a.scores)
+            return stage1_select(q, ck1, ck2, cu, cu1, cu2, T, topk=64, local_blocks=32,
+                                 return_scores=a.scores)
 
         times: dict[str, list[float]] = {label: [] for label, _ in trees}
         ref = None

@@ -39,8 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from infllm_cupy import DecodeCache, sparse_attn_varlen, sparse_decode  # noqa: E402
-from infllm_cupy.selections import block_shared, uniform_cu_seqlens  # noqa: E402
+from infllm_cupy import DecodeCache, sparse_attn_varlen, sparse_decode
+from infllm_cupy.selections import block_shared, uniform_cu_seqlens
 
 FAILURES: list[str] = []
 
@@ -95,7 +95,7 @@ def attention_rows(q, k, v, idx, dout, out, rows, scale, G):
 def key_grads(q, k, v, idx, dout, out, lse, keys, scale, G, chunk):
     """fp32 dk, dv of key rows `keys` (all in one 64-key block), summed over every query that
     attends them (its selection lists the block, and t >= key), with the kernel's lse."""
-    T, HQ, D = q.shape
+    _T, _HQ, D = q.shape
     H = k.shape[1]
     blk = int(keys[0]) // 64
     dk = torch.zeros(len(keys), H, D, device=q.device)
@@ -141,7 +141,8 @@ def stage2(args, kernel: str, dev: torch.device) -> None:
     q, k, v, out = q.detach(), k.detach(), v.detach(), out.detach()
     tag = f"stage2[{kernel}] T={T} HQ={HQ} H={H} D={D} K={K} q elements={q.numel()}"
     print(json.dumps({"run": tag, "seconds": round(elapsed, 2),
-                      "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev.type == "cuda" else None}),
+                      "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30,
+                                        1) if dev.type == "cuda" else None}),
           flush=True)
     for name, x in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
         n_nan = int(torch.isnan(x).sum())
@@ -156,7 +157,8 @@ def stage2(args, kernel: str, dev: torch.device) -> None:
     report(f"{tag}: out rows", (out[rows].float() - ref_out).abs().max().item(), ref_out.abs().max().item(),
            args.tol, rows=len(rows), past_2_31=int((rows * HQ * D >= 2**31).sum()))
     report(f"{tag}: lse rows", (lse[:, rows][fin] - ref_lse[fin]).abs().max().item(), 0.0, 1e-3)
-    report(f"{tag}: dq rows", (dq[rows].float() - ref_dq).abs().max().item(), ref_dq.abs().max().item(), args.tol)
+    report(f"{tag}: dq rows", (dq[rows].float() - ref_dq).abs().max().item(), ref_dq.abs().max().item(),
+           args.tol)
     nb = -(-T // 64)
     for blk in sorted({0, nb // 2, nb - 1}):
         lo, hi = blk * 64, min(T, blk * 64 + 64)
@@ -174,10 +176,7 @@ def decode(args, dev: torch.device) -> None:
     dt = torch.bfloat16
     # k and v pages, plus the compressed keys the cache keeps (1/16 and 1/64 of k)
     per_page = ps * H * D * dt.itemsize * (2 + 1 / 16 + 1 / 64)
-    if args.cache_pages:
-        pages = args.cache_pages
-    else:
-        pages = int(args.cache_fraction * torch.cuda.mem_get_info(dev)[0] / per_page)
+    pages = args.cache_pages or int(args.cache_fraction * torch.cuda.mem_get_info(dev)[0] / per_page)
     pages -= pages % B
     per = pages // B
     g = torch.Generator().manual_seed(args.seed + 2)
@@ -204,7 +203,8 @@ def decode(args, dev: torch.device) -> None:
     sel = []
     for L in lens:
         nb = -(-L // 64)
-        sel.append(torch.cat([torch.tensor([0, nb - 1, nb // 2]), torch.randint(0, nb, (K - 3,), generator=g)]))
+        sel.append(torch.cat([torch.tensor([0, nb - 1, nb // 2]),
+                              torch.randint(0, nb, (K - 3,), generator=g)]))
     idx = torch.stack(sel, 0)[None].expand(H, B, K).contiguous().to(torch.int32).to(dev)
     out, lse = sparse_decode(q, cache, idx, return_lse=True)
     if dev.type == "cuda":
@@ -237,8 +237,8 @@ def decode(args, dev: torch.device) -> None:
                 continue
             pos = torch.arange((n - 1) * st, (n - 1) * st + kr, device=dev)
             want = cache.k[table[b][pos // ps].long(), pos % ps].float().mean(0)
-            report(f"{tag}: {name} last window of sequence {b}", (ck[b, n - 1].float() - want).abs().max().item(),
-                   want.abs().max().item(), args.tol)
+            report(f"{tag}: {name} last window of sequence {b}",
+                   (ck[b, n - 1].float() - want).abs().max().item(), want.abs().max().item(), args.tol)
     report(f"{tag}: out", err, ref_max, args.tol)
     report(f"{tag}: lse", err_lse, 0.0, 1e-3)
 
@@ -252,12 +252,14 @@ def main() -> int:
     p.add_argument("--head-dim", type=int, default=128, choices=[64, 128])
     p.add_argument("--topk", type=int, default=96)
     p.add_argument("--kernels", default="auto,sm80", help="comma-separated stage-2 kernel arguments to run")
-    p.add_argument("--rows", type=int, default=200, help="random query rows checked (plus fixed and last rows)")
+    p.add_argument("--rows", type=int, default=200,
+                   help="random query rows checked (plus fixed and last rows)")
     p.add_argument("--chunk", type=int, default=1 << 16, help="queries per step of the dk/dv reference")
     p.add_argument("--page-size", type=int, default=256)
     p.add_argument("--batch", type=int, default=4, help="decode sequences")
     p.add_argument("--cache-pages", type=int, default=0, help="decode cache pages (0: the largest that fits)")
-    p.add_argument("--cache-fraction", type=float, default=0.75, help="share of free GPU memory for the cache")
+    p.add_argument("--cache-fraction", type=float, default=0.75,
+                   help="share of free GPU memory for the cache")
     p.add_argument("--append-chunk", type=int, default=1 << 21, help="tokens per cache.append while filling")
     p.add_argument("--skip", default="", help="comma-separated parts to skip: stage2, decode")
     p.add_argument("--tol", type=float, default=2e-2)

@@ -36,7 +36,8 @@ def sample_while(fn, seconds: float, sync=torch.cuda.synchronize) -> tuple[float
     """Run `fn` back to back for `seconds` under nvidia-smi sampling; (ms per call, samples)."""
     fn()
     sync()
-    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-lms", "100"],
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-lms",
+                            "100"],
                            stdout=subprocess.PIPE, text=True)
     t0, n = time.perf_counter(), 0
     while time.perf_counter() - t0 < seconds:
@@ -58,8 +59,10 @@ def report(name: str, ms: float, rows: list[list[str]]) -> None:
     pw = statistics.median(float(r[1]) for r in rows)
     temp = max(float(r[2]) for r in rows)
     reasons = sorted({r[3] for r in rows})
-    print(f"{name:<16} {ms:8.2f} ms/iter  SM clock median {clk:6.0f} MHz (min {min(float(r[0]) for r in rows):.0f})"
-          f"  power {pw:5.0f} W  max temp {temp:.0f} C  throttle {reasons}  ({len(rows)} samples)", flush=True)
+    print(f"{name:<16} {ms:8.2f} ms/iter  SM clock median {clk:6.0f} MHz (min "
+          f"{min(float(r[0]) for r in rows):.0f})  power {pw:5.0f} W  max temp {temp:.0f} C  throttle "
+          f"{reasons}  ({len(rows)} samples)",
+          flush=True)
 
 
 def main() -> None:
@@ -98,7 +101,8 @@ def main() -> None:
         flex = torch.compile(flex_attention, dynamic=False)
         sel = split_blocks(block_shared(B, T, H, a.K // 2, block_size=128, device="cuda", seed=a.K), 2)
         fb = to_flex_block_mask_inputs(sel, B, T, HQ)
-        bm = BlockMask.from_kv_blocks(fb.kv_num_blocks, fb.kv_indices, fb.full_kv_num_blocks, fb.full_kv_indices,
+        bm = BlockMask.from_kv_blocks(fb.kv_num_blocks, fb.kv_indices, fb.full_kv_num_blocks,
+                                      fb.full_kv_indices,
                                       BLOCK_SIZE=(128, 128), mask_mod=lambda b, h, qi, ki: qi >= ki,
                                       seq_lengths=(T, T))
         qt, kt, vt = (x.detach().view(B, T, x.shape[1], D).transpose(1, 2).contiguous().requires_grad_()
@@ -109,7 +113,7 @@ def main() -> None:
             torch.autograd.grad(flex(qt, kt, vt, block_mask=bm, enable_gqa=True), (qt, kt, vt), dot)
 
         work["flex fwd+bwd"] = flex_fb
-    for rnd in range(2):
+    for _rnd in range(2):
         for name, fn in work.items():
             report(name, *sample_while(fn, a.seconds))
 

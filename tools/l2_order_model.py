@@ -30,7 +30,8 @@ def tile_lists(T: int, B: int, seed: int = 0) -> dict:
         for b in range(B):
             lists = [[] for _ in range(nb)]
             for qb in range(nb):
-                picks = range(qb + 1) if qb < K else [0, qb, *rng.choice(np.arange(1, qb), K - 2, replace=False)]
+                picks = range(qb + 1) if qb < K else [0, qb,
+                                                      *rng.choice(np.arange(1, qb), K - 2, replace=False)]
                 for j in picks:
                     lists[j].append(qb)
             out.update({(h, b, j): sorted(lists[j]) for j in range(nb)})
@@ -121,8 +122,8 @@ def main() -> None:
     lists = tile_lists(a.T, a.B)
     hit, end, ideal = simulate(lists, cta_order(a.order, a.B, a.T // 64, a.heavy), a.walk, a.split0, a.cap,
                                a.passes, a.T // 64)
-    print(f"T={a.T} B={a.B} order={a.order} heavy={a.heavy} walk={a.walk} split0={a.split0} passes={a.passes}: "
-          f"L2 hit rate {hit:.3f}, "
+    print(f"T={a.T} B={a.B} order={a.order} heavy={a.heavy} walk={a.walk} split0={a.split0} "
+          f"passes={a.passes}: L2 hit rate {hit:.3f}, "
           f"makespan {end} steps (ideal {ideal:.0f})")
 
 

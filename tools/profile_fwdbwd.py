@@ -70,9 +70,8 @@ def split_times(q, k, v, do, cu, topk, T, rep) -> None:
     """Median ms of the forward (no_grad / with grad), the retained backward and fwd+bwd."""
     import statistics
 
-    from infllm_cupy import _env
-
     from benchmarks._harness import bench_gpu_time
+    from infllm_cupy import _env
 
     def fwd_nograd():
         with torch.no_grad():
@@ -93,7 +92,7 @@ def split_times(q, k, v, do, cu, topk, T, rep) -> None:
     res = {}
     for validate in ("1", "0"):
         with _env.override(validate=validate == "1"):
-            for rnd in range(2):                       # two interleaved rounds
+            for _rnd in range(2):                       # two interleaved rounds
                 for name, fn in fns.items():
                     ms = statistics.median(bench_gpu_time(fn, warmup=1, rep=rep))
                     res.setdefault((name, validate), []).append(ms)

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from infllm_cupy.selections import uniform_cu_seqlens
 from infllm_cupy.compress import compress_k
+from infllm_cupy.selections import uniform_cu_seqlens
 from infllm_cupy.stage1.select import stage1_select
 
 

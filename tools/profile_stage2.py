@@ -17,10 +17,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _plans import fwd_plan_named  # noqa: E402
+from infllm_cupy.selections import block_shared, infllm_like, per_token, uniform_cu_seqlens
+from infllm_cupy.stage2 import ops
 
-from infllm_cupy.selections import block_shared, infllm_like, per_token, uniform_cu_seqlens  # noqa: E402
-from infllm_cupy.stage2 import ops  # noqa: E402
+from _plans import fwd_plan_named
 
 SELECTIONS = {"a": block_shared, "b": per_token, "c": infllm_like}
 
@@ -28,8 +28,8 @@ SELECTIONS = {"a": block_shared, "b": per_token, "c": infllm_like}
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--fwd", nargs="+", default=["sm90a"],
-                   help="forward variants (tools/_plans.py): sm90a, sm80, sm90a_pair, sm90a_single, sm90a_split, "
-                        "W,M,K (SM80 tiles); +FIELD=VALUE sets a plan field")
+                   help="forward variants (tools/_plans.py): sm90a, sm80, sm90a_pair, sm90a_single, "
+                        "sm90a_split, W,M,K (SM80 tiles); +FIELD=VALUE sets a plan field")
     p.add_argument("--T", type=int, default=8192)
     p.add_argument("--B", type=int, default=2)
     p.add_argument("--K", type=int, default=64)

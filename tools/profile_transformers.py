@@ -24,7 +24,7 @@ Printed per implementation (under 40 lines):
   * host syncs torch reports (`set_sync_debug_mode`), by the Python line that caused them
     (torch-issued syncs only: a CuPy-side sync shows in the runtime-call counts instead).
 On CPU the tables show CPU ops by self CPU time instead, and the sync counts are skipped.
-"""
+"""  # noqa: E501 - verbatim commands, signatures and tables
 from __future__ import annotations
 
 import argparse
@@ -57,7 +57,8 @@ RUNTIME_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSyn
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)      # "--h" (KV heads) is bench_transformers', not --help
     p.add_argument("--context", default="16k", help="prompt length (k = 1024). Default: 16k")
     p.add_argument("--impls", default="sdpa_static,ours", help=f"comma-separated, of {bt.IMPLS}. Default: "
@@ -70,8 +71,8 @@ def parse_args(argv=None):
     if a.steps < 1 or a.top < 1:
         p.error("--steps and --top must be >= 1")
     # everything else is bench_transformers' (model shape, dtype, device, --validate)
-    m = bt.parse_args(["--contexts", a.context, "--impls", a.impls, "--new-tokens", str(a.steps), "--rep", "1",
-                       *rest])
+    m = bt.parse_args(["--contexts", a.context, "--impls", a.impls, "--new-tokens", str(a.steps), "--rep",
+                       "1", *rest])
     return a, m
 
 
@@ -206,7 +207,8 @@ def report(a, r, on_cuda, n_tokens) -> list[str]:
         lines.append("by group (ms): " + ", ".join(f"{g} {ms:.2f}" for g, ms in groups.most_common()))
     lines.append(f"{'calls':>6} {'ms':>9} {'share':>6}  {what}")
     for name, calls, us in r["kernels"][:a.top]:
-        lines.append(f"{calls:>6} {us / 1e3:>9.3f} {100 * us / 1e3 / max(total, 1e-9):>5.1f}%  {_short(name)}")
+        lines.append(f"{calls:>6} {us / 1e3:>9.3f} {100 * us / 1e3 / max(total, 1e-9):>5.1f}%  "
+                     f"{_short(name)}")
     if on_cuda:
         rt = r["runtime"]
         lines.append("runtime calls (count, host ms): " + (", ".join(
@@ -232,7 +234,8 @@ def main(argv=None) -> list[dict]:
     ids = torch.randint(0, m.vocab, (1, T), generator=torch.Generator().manual_seed(m.seed + 1)).to(dev)
     print(f"### profile_transformers: {a.phase} at context {T}, {m.layers} layers, hidden {m.hidden}, "
           f"HQ {m.hq} / H {m.h} / D {m.d}, {m.dtype}, batch 1, topk {m.topk}, window {m.window}, "
-          f"dense_len {m.dense_len}, device {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}, "
+          f"dense_len {m.dense_len}, device "
+          f"{torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}, "
           f"torch {torch.__version__}")
     results = []
     with warnings.catch_warnings(), _env.override(validate=m.validate):
@@ -240,7 +243,8 @@ def main(argv=None) -> list[dict]:
         for impl in m.impls:
             r = profile_impl(a, m, model, cfg, impl, ids, dev)
             results.append(r)
-            print("\n".join(report(a, r, dev.type == "cuda", T if a.phase == "prefill" else a.steps)), flush=True)
+            print("\n".join(report(a, r, dev.type == "cuda", T if a.phase == "prefill" else a.steps)),
+                  flush=True)
             print()
     if len(results) > 1:
         base = results[0]

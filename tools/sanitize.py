@@ -137,7 +137,8 @@ def drive(families: list[str], dev: str = "cuda") -> None:
         cache = ic.DecodeCache.paged(B * 3 + 1, 128, H, D, table, dtype=bf, device=dev)
         first = [200, 0, 65]
         step("decode cache append (chunk, then one token)",
-             lambda: (cache.append(rnd(sum(first), H, D), rnd(sum(first), H, D), cu_seqlens_from_lengths(first, dev)),
+             lambda: (cache.append(rnd(sum(first), H, D), rnd(sum(first), H, D),
+                                   cu_seqlens_from_lengths(first, dev)),
                       cache.append(rnd(B, H, D), rnd(B, H, D))))
         q = rnd(B, HQ, D)
         idx = random_topk_idx(H, [1] * B, cache.lengths(), 4, generator=g).to(dev)
@@ -153,7 +154,8 @@ def drive(families: list[str], dev: str = "cuda") -> None:
         q, k, v = rnd(T, HQ, D), rnd(T, H, D), rnd(T, H, D)
         lay = ic.local_stride(H, max(lens) + 1, block_size=64, local_blocks=1, vert_stride=2)
         step("local_stride through the stage-2 kernels",
-             lambda: fwd_bwd(ic.block_sparse_attn_varlen, q, k, v, cu, cu, lay, max(lens), max(lens), kernel="auto"))
+             lambda: fwd_bwd(ic.block_sparse_attn_varlen, q, k, v, cu, cu, lay, max(lens), max(lens),
+                             kernel="auto"))
         from infllm_cupy.patterns import qhead_block_sparse_attn_varlen
         lay_q = ic.local_stride(HQ, max(lens) + 1, block_size=64, local_blocks=1, vert_stride=2,
                                 homo_head=False)
@@ -179,8 +181,10 @@ def our_kernel_names() -> list[str]:
     return sorted(n for n in names if n)
 
 
-_SKIP_HEADS = ("COMPUTE-SANITIZER", "ERROR SUMMARY", "RACECHECK SUMMARY", "LEAK SUMMARY", "Target application",
-               "Saved host backtrace", "Program hit", "Warning:", "WARNING:", "Note:", "Host Frame", "Device Frame")
+_SKIP_HEADS = ("COMPUTE-SANITIZER", "ERROR SUMMARY", "RACECHECK SUMMARY", "LEAK SUMMARY",
+               "Target application",
+               "Saved host backtrace", "Program hit", "Warning:", "WARNING:", "Note:", "Host Frame",
+               "Device Frame")
 _NAME_RE = re.compile(r"([A-Za-z_]\w*)\s*[<(]")
 
 
@@ -234,7 +238,8 @@ def _sanitize(cmd: list[str], timeout: int) -> tuple[str, int | None]:
 
 
 def run_tool(tool: str, exe: str, families: list[str], ours: list[str], log_dir: Path, timeout: int) -> dict:
-    base = [exe, "--tool", tool, "--error-exitcode", "99", "--report-api-errors", "no", "--print-limit", "200"]
+    base = [exe, "--tool", tool, "--error-exitcode", "99", "--report-api-errors", "no", "--print-limit",
+            "200"]
     extra = []
     if tool == "racecheck":
         extra = ["--racecheck-report", "hazard", "--kernel-regex", "kns=" + "|".join(ours)]
@@ -313,7 +318,8 @@ def main() -> int:
         failed |= not ok
         print(f"{tool}: {'PASS' if ok else 'FAIL'}: {n_ours} findings in our kernels, {n_other} in others, "
               f"sanitizer error summary {r['summary']}, exit {r['rc']}, {r['seconds']:.0f} s, "
-              f"workload {'completed' if r['completed'] else 'DID NOT COMPLETE'} (log {log_dir / (tool + '.log')})",
+              f"workload {'completed' if r['completed'] else 'DID NOT COMPLETE'} (log "
+              f"{log_dir / (tool + '.log')})",
               flush=True)
         for (msg, kern), n in sorted(r["ours"].items()):
             print(f"    ours   {n:4d} x {kern}: {msg}")

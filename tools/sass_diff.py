@@ -7,9 +7,9 @@ the tool prints per instance the ptxas resources (registers, spill bytes, stack 
 shared memory) of both, the SASS instruction counts, and whether the SASS is identical
 (addresses, encodings, label names and the return-address constants of calls ignored: "yes"),
 differs only in order and register assignment (the same multiset of instructions with register
-numbers masked, NOP padding left out: "sched"), or differs ("NO -a/+b": a masked instructions only the old code has, b only the
-new). Needs no GPU; SASS needs nvdisasm (the nvidia-cuda-nvdisasm wheel, or CUDA's bin/ on PATH);
-without it only the resources are compared.
+numbers masked, NOP padding left out: "sched"), or differs ("NO -a/+b": a masked instructions only the old
+code has, b only the new). Needs no GPU; SASS needs nvdisasm (the nvidia-cuda-nvdisasm wheel, or CUDA's bin/
+on PATH); without it only the resources are compared.
 
     git archive <commit> kernels_cu | tar -x -C /tmp/old      # the tree before
     python tools/sass_diff.py /tmp/old/kernels_cu kernels_cu [--source stage2/] [--arch sm_80] [-j 2]
@@ -35,9 +35,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))   # after PYTHONPATH: a registry may come from elsewhere
-import infllm_cupy  # noqa: E402,F401  (imports every launcher, so the registry is complete)
-from infllm_cupy import _jit  # noqa: E402
+# after PYTHONPATH: a registry may come from elsewhere
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+import infllm_cupy  # noqa: F401  (imports every launcher, so the registry is complete)
+from infllm_cupy import _jit
 
 
 def nvdisasm_path() -> str | None:
@@ -86,7 +87,8 @@ def compile_cubin(tree: Path, source: str, names, arch: str):
         try:
             nvrtc.compileProgram(prog, opts)
         except nvrtc.NVRTCError:
-            raise _jit.KernelCompileError(f"{tree}/{source} for {arch}:\n{nvrtc.getProgramLog(prog)}") from None
+            raise _jit.KernelCompileError(f"{tree}/{source} for "
+                                          f"{arch}:\n{nvrtc.getProgramLog(prog)}") from None
         log = nvrtc.getProgramLog(prog)
         lowered = {nvrtc.getLoweredName(prog, n): n for n in names}
         cubin = _get_cubin(prog)
@@ -218,8 +220,8 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", default="sm_80", help="architecture of the non-sm90a sets (default sm_80)")
     ap.add_argument("-j", type=int, default=os.cpu_count() or 1, help="parallel compiles")
     ap.add_argument("--rename", nargs=2, action="append", default=[], metavar=("REGEX", "REPL"),
-                    help="the old tree's name of an instance: re.sub(REGEX, REPL, name) (repeatable, in order), "
-                         "for a kernel renamed or re-templated by the change")
+                    help="the old tree's name of an instance: re.sub(REGEX, REPL, name) (repeatable, in "
+                         "order), for a kernel renamed or re-templated by the change")
     ap.add_argument("--skip", action="append", default=[], metavar="REGEX",
                     help="leave out instances whose name matches (repeatable): kernels the change added")
     args = ap.parse_args(argv)
@@ -246,7 +248,8 @@ def main(argv=None) -> int:
         for f in futs:
             rows += f.result()
     bad = 0
-    print(f"{'instance':52} {'arch':7} {'regs':>9} {'spill st/ld':>15} {'stack':>9} {'smem':>11} {'SASS insns':>13} same")
+    print(f"{'instance':52} {'arch':7} {'regs':>9} {'spill st/ld':>15} {'stack':>9} {'smem':>11} "
+          f"{'SASS insns':>13} same")
     for r in rows:
         o, n = r["old"], r["new"]
         res_same = (o.registers, o.spill_stores, o.spill_loads, o.stack_frame, o.shared_static) == \
@@ -257,7 +260,8 @@ def main(argv=None) -> int:
         tag = (r["same"] or "n/a") if res_same else "NO (resources)"
         print(f"{r['name']:52} {r['arch']:7} {o.registers:>4}->{n.registers:<4} "
               f"{o.spill_stores:>3}/{o.spill_loads:<3}->{n.spill_stores:>3}/{n.spill_loads:<3} "
-              f"{o.stack_frame:>4}->{n.stack_frame:<4} {o.shared_static:>5}->{n.shared_static:<5} {sass:>13} {tag}")
+              f"{o.stack_frame:>4}->{n.stack_frame:<4} {o.shared_static:>5}->{n.shared_static:<5} {sass:>13} "
+              f"{tag}")
     sched = sum(r["same"] == "sched" for r in rows)
     print(f"{len(rows) - bad} of {len(rows)} instances identical" + ("" if nvdisasm else " (resources only)")
           + (f"; {sched} differ in scheduling and register assignment only (the same instructions, registers"

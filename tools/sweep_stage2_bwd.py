@@ -20,14 +20,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._harness import bench_gpu_time, flops_attn  # noqa: E402
-from infllm_cupy.selections import SELECTIONS, attended_keys, make_selection, uniform_cu_seqlens  # noqa: E402
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _plans import bwd_plan_named, fwd_plan_named  # noqa: E402
+from benchmarks._harness import bench_gpu_time, flops_attn
+from infllm_cupy.selections import SELECTIONS, attended_keys, make_selection, uniform_cu_seqlens
 
-from infllm_cupy.stage2.plan import ALL_BWD_TILES, DEFAULT_BWD_TILES  # noqa: E402
-from infllm_cupy.stage2.sparse_bwd import stage2_bwd  # noqa: E402
-from infllm_cupy.stage2.sparse_fwd import n_mask_words, stage2_fwd, token_block_masks  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from infllm_cupy.stage2.plan import ALL_BWD_TILES, DEFAULT_BWD_TILES
+from infllm_cupy.stage2.sparse_bwd import stage2_bwd
+from infllm_cupy.stage2.sparse_fwd import n_mask_words, stage2_fwd, token_block_masks
+
+from _plans import bwd_plan_named, fwd_plan_named
 
 
 def main() -> None:
@@ -37,7 +38,9 @@ def main() -> None:
     p.add_argument("--K", type=int, default=64)
     p.add_argument("--D", type=int, default=128)
     p.add_argument("--sel", nargs="+", default=["a", "b", "c"], choices=sorted(SELECTIONS))
-    p.add_argument("--tiles", default="all", help="'all' (SM80 shapes and the sm90a kernels) or 'default' (SM80 default and the sm90a kernels)")
+    p.add_argument("--tiles", default="all",
+                   help="'all' (SM80 shapes and the sm90a kernels) or 'default' (SM80 default and the sm90a "
+                        "kernels)")
     p.add_argument("--profile", action="store_true")
     a = p.parse_args()
     HQ, H, D, T, B = 32, 2, a.D, a.T, a.B
@@ -49,7 +52,8 @@ def main() -> None:
     cu = uniform_cu_seqlens(B, T, "cuda")
     scale = D ** -0.5
     hopper = torch.cuda.get_device_capability() == (9, 0)
-    names = [f"{t.dq_warps},{t.dkdv_cols}" for t in (ALL_BWD_TILES if a.tiles == "all" else [DEFAULT_BWD_TILES])]
+    names = [f"{t.dq_warps},{t.dkdv_cols}"
+             for t in (ALL_BWD_TILES if a.tiles == "all" else [DEFAULT_BWD_TILES])]
     names += ["sm90a_tiles", "sm90a_gather", "sm90a"] if hopper else []
     print(f"T={T} B={B} HQ={HQ} H={H} D={D} K={a.K} {torch.cuda.get_device_name()}")
     for sel in a.sel:
@@ -59,8 +63,8 @@ def main() -> None:
         ft = fwd_plan_named("auto", q, k, T, 2 * a.K)
         out, lse = stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale, ft, max_seqlen_k=T)
         fwd = statistics.median(bench_gpu_time(
-            lambda masks=masks, ft=ft: stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale, ft,
-                                                  max_seqlen_k=T)))
+            lambda masks=masks, ft=ft: stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale,
+                                                  ft, max_seqlen_k=T)))
         print(f"sel {sel}: fwd {fwd:.2f} ms {flops_attn(keys, D, 'fwd') / fwd / 1e9:.0f} TFLOP/s")
 
         def bwd(t, out=out, lse=lse, masks=masks):

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from infllm_cupy.compress.naive import naive_compress_k  # noqa: E402
-from infllm_cupy.stage1.naive import naive_stage1_select  # noqa: E402
-from infllm_cupy.synthetic import structured_sequence  # noqa: E402
+from infllm_cupy.compress.naive import naive_compress_k
+from infllm_cupy.stage1.naive import naive_stage1_select
+from infllm_cupy.synthetic import structured_sequence
 
 BLOCK = 64
 
@@ -59,7 +59,8 @@ def main(argv=None) -> None:
     p.add_argument("--G", type=int, default=16, help="query heads per KV head")
     p.add_argument("--D", type=int, default=128)
     p.add_argument("--topk", type=int, default=64, help="sparse_config topk (the local window comes on top)")
-    p.add_argument("--window", type=int, default=2048, help="sparse_config window_size (local blocks = window / 64)")
+    p.add_argument("--window", type=int, default=2048,
+                   help="sparse_config window_size (local blocks = window / 64)")
     p.add_argument("--inputs", default="random,structured")
     p.add_argument("--tile-tokens", default="1,2,4,8", help="tokens per tile (G = 16: 4 per 64-row tile)")
     p.add_argument("--seed", type=int, default=0)

@@ -59,7 +59,8 @@ def main() -> None:
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     out = cp.empty(sms * 2 * 128, dtype=cp.float32)
     n_chunks = 512                       # 16 MB of Q/dO tiles: L2-resident
-    src = (cp.random.standard_normal(n_chunks * 2 * 64 * 128, dtype=cp.float32) * 0.5).astype(cp.float16).view(cp.uint8)
+    src = (cp.random.standard_normal(n_chunks * 2 * 64 * 128,
+                                     dtype=cp.float32) * 0.5).astype(cp.float16).view(cp.uint8)
     print(f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, {sms} SMs, iters {a.iters}")
     for per_sm, smem in ((1, 160 * 1024), (2, 100 * 1024)):
         for m in modes:
@@ -79,7 +80,7 @@ def main() -> None:
             tf = flop * a.iters * grid / (ms * 1e-3) / 1e12
             print(f"  {per_sm} CTA/SM  mode {m} {LABEL[m]:<24} {ms:8.3f} ms  {tf:6.0f} TFLOP/s", flush=True)
             if a.sustain > 0 and per_sm == 2:
-                from clock_probe import report, sample_while   # tools/clock_probe.py (this script's folder)
+                from clock_probe import report, sample_while  # tools/clock_probe.py (this script's folder)
 
                 def run(k=k, grid=grid, smem=smem):
                     k((grid,), (128,), (out, src, cp.int32(n_chunks), cp.int32(a.iters)), shared_mem=smem)
