@@ -37,6 +37,7 @@ from .._constants import HEAD_DIMS
 from ..compat import infllm_v2
 from ..compress import compress_k
 from ..stage1 import stage1_select
+from ..stage1.plan import MAX_GROUP
 from .transformers import _CACHE_ATTR as _DECODE_CACHE_ATTR  # an InfLLMv2Cache key view's DecodeCache
 from .transformers import infllm_cupy_attention
 
@@ -131,8 +132,13 @@ class MiniCPM4SparseAttention(nn.Module):
         # the fused stage-1 kernel's tiling (block 64, fine keys 32/16, coarse keys 128/64)
         self._fusable = (self.block_size, self.kernel_size, self.kernel_stride) == (64, 32, 16)
 
-    def _fused(self) -> bool:
-        return self.route == "fused" and self._fusable
+    def _fused(self, x: torch.Tensor) -> bool:
+        """Whether the fused route runs for activations like `x`: on CUDA the kernels' dtypes, head dims and
+        groups only (elsewhere the references, any shape)."""
+        if self.route != "fused" or not self._fusable:
+            return False
+        return not x.is_cuda or (x.dtype in (torch.bfloat16, torch.float16) and self.head_dim in HEAD_DIMS
+                                 and self.num_heads // self.num_kv_heads <= MAX_GROUP)
 
     # -------------------------------------------------------------------------------- compressed keys
     def _compressed_keys(self, cache, k: torch.Tensor, q_len: int) -> _Compressed:
@@ -150,7 +156,7 @@ class MiniCPM4SparseAttention(nn.Module):
                 setattr(cache, _SIDE_TABLE, table)
         st = None if table is None else table.get(self.layer_idx)
         if st is None or st.length != Lk - q_len or st.ck1.shape[0] != B:
-            whole = _compress if self._fused() else (lambda x, kr,
+            whole = _compress if self._fused(k) else (lambda x, kr,
                                                      s: _windows(x, 0, _n_windows(Lk, kr, s), kr, s))
             st = _Compressed(whole(k, *fine), whole(k, *coarse), Lk)
         else:
@@ -174,7 +180,7 @@ class MiniCPM4SparseAttention(nn.Module):
         steps = torch.arange(B + 1, dtype=torch.int32, device=dev)
         cu_c1, cu_c2 = steps * n1, steps * n2
         with torch.no_grad():
-            if self._fused():    # scores, pooling and top-k in one kernel: the same topk_idx
+            if self._fused(q):    # scores, pooling and top-k in one kernel: the same topk_idx
                 topk_idx = stage1_select(
                     q, st.ck1.reshape(B * n1, H, D), st.ck2.reshape(B * n2, H, D), cu_q, cu_c1, cu_c2, q_len,
                     causal=q_len != 1, cache_lens=[kv_len - q_len] * B, softmax_scale=self.scaling,
@@ -219,7 +225,7 @@ class MiniCPM4SparseAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
             dc = getattr(k, _DECODE_CACHE_ATTR, None)
-            if dc is not None and self._fused():
+            if dc is not None and self._fused(q):
                 # an InfLLMv2Cache: the backend's attention function on its DecodeCache and compressed keys
                 out, _ = infllm_cupy_attention(self, q, k, v, None, self.scaling)
                 return self.o_proj(out.reshape(B, q_len, HQ * D)), None

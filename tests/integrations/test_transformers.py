@@ -364,6 +364,21 @@ def test_gpu_sparse_kernels_within_error_rule_of_reference(n_prompt):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cache", [False, True])
+def test_gpu_minicpm4_fused_route_off_the_kernels_dtypes_runs_the_references(cache):
+    """fp32 on CUDA: the kernels take bf16/fp16 only, so the fused route falls back to the compat route (whose
+    functions run their references there) instead of raising; both give the same logits."""
+    cfg = small_config(SPARSE)
+    ids = prompt(1, PROMPT, device="cuda")
+    m = model_for(cfg, device="cuda")
+    fused = use_minicpm4_attention(copy.deepcopy(m), route="fused")
+    compat = use_minicpm4_attention(copy.deepcopy(m), route="compat")
+    kw = (lambda: {"past_key_values": hf.InfLLMv2Cache(cfg, max_cache_len=PROMPT)}) if cache else dict
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids, **kw()).logits, compat(ids, **kw()).logits, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
 def test_gpu_generate_runs_kernels_at_head_dim_128():
     """MiniCPM4's head shape (G = 16, D = 128) generates through the kernels; tokens are valid ids."""
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=512, num_hidden_layers=2,
