@@ -1,4 +1,6 @@
-"""The one timer, FLOP convention, table and JSON format shared by every script in `benchmarks/`.
+"""The one timer, FLOP convention, table and JSON format shared by every script in `benchmarks/`,
+and all other code the scripts share (arguments, timing a row, configs, decode inputs): scripts import
+only this module of `benchmarks/`, and tools import nothing else from it (tests/test_script_imports.py).
 
 Timing: CUDA events recorded on torch's current stream (the stream our launchers and every anchor
 use), after warm-up runs, one event pair per iteration; scripts report the median. Without CUDA
@@ -35,6 +37,23 @@ MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 README_CONFIGS = "32kx8,64kx4,128kx2"   # InfLLM-v2's README benchmark: always 262,144 query tokens
 
 
+def add_head_args(p: argparse.ArgumentParser) -> None:
+    """`--hq`, `--h`, `--d`: query heads, key/value heads and head dim (InfLLM-v2's 32, 2, 128)."""
+    p.add_argument("--hq", type=int, default=32)
+    p.add_argument("--h", type=int, default=2)
+    p.add_argument("--d", type=int, default=128)
+
+
+def add_shape_args(p: argparse.ArgumentParser, *, T: int, B: int, K: int = 64, D: int | None = None) -> None:
+    """A development tool's one shape: `--T` tokens per sequence, `--B` sequences, `--K` blocks per
+    query token and, where `D` is given, `--D` the head dim."""
+    p.add_argument("--T", type=int, default=T)
+    p.add_argument("--B", type=int, default=B)
+    p.add_argument("--K", type=int, default=K)
+    if D is not None:
+        p.add_argument("--D", type=int, default=D)
+
+
 def add_run_args(p: argparse.ArgumentParser, *, target_ms: float, min_rep: int, max_rep: int) -> None:
     """The arguments every benchmark script shares: configs, output, shapes, repetitions, device."""
     p.add_argument("--configs", default=None,
@@ -42,9 +61,7 @@ def add_run_args(p: argparse.ArgumentParser, *, target_ms: float, min_rep: int, 
                         "512x2)")
     p.add_argument("--json", default=None, help="write all rows (with GPU, versions, commit) to this file")
     p.add_argument("--quick", action="store_true", help="smoke run: one small config, few repetitions")
-    p.add_argument("--hq", type=int, default=32)
-    p.add_argument("--h", type=int, default=2)
-    p.add_argument("--d", type=int, default=128)
+    add_head_args(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=1,
                    help="untimed runs before timing (compiles kernels). Default: 1")
@@ -59,6 +76,16 @@ def add_run_args(p: argparse.ArgumentParser, *, target_ms: float, min_rep: int, 
     p.add_argument("--no-compile", action="store_true", help="run FlexAttention eagerly (always on CPU)")
 
 
+def check_run_args(p: argparse.ArgumentParser, a: argparse.Namespace, *, quick_target_ms: float,
+                   quick_max_rep: int) -> None:
+    """After parsing `add_run_args`' arguments: `--hq` a multiple of `--h`, and `--quick` caps the
+    repetitions (`target_ms`, `max_rep`) at these values."""
+    if a.hq % a.h:
+        p.error("--hq must be a multiple of --h")
+    if a.quick:
+        a.target_ms, a.max_rep = min(a.target_ms, quick_target_ms), min(a.max_rep, quick_max_rep)
+
+
 def csv_choices(p: argparse.ArgumentParser, name: str, text: str, allowed: Sequence[str]) -> list[str]:
     """The comma-separated option `name` as a list; an entry not in `allowed` is an argparse error."""
     vals = [x for x in text.split(",") if x]
@@ -66,6 +93,11 @@ def csv_choices(p: argparse.ArgumentParser, name: str, text: str, allowed: Seque
     if bad:
         p.error(f"{name}: unknown {bad}; choose from {list(allowed)}")
     return vals
+
+
+def print_env(env: dict[str, str]) -> None:
+    """A run's opening line: the `env_stamp` (plus what a script added to it)."""
+    print("env: " + ", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
 
 
 def env_line(env: dict[str, str], t_start: float, extra: str = "") -> str:
@@ -192,6 +224,34 @@ def tflops(flop: float | None, ms: float | None) -> float | None:
     return None if not flop or not ms else flop / (ms * 1e-3) / 1e12
 
 
+def skip_reason(skip: str, fn: Callable | None, over_budget: bool, budget_s: float) -> str:
+    """Why a row is not timed, "" when it is: `skip` as given, no function to time, or the time
+    budget (`--budget-s`) spent."""
+    if skip or fn is None:
+        return skip or "unavailable"
+    if over_budget:
+        return f"skipped: --budget-s {budget_s:g} s exceeded"
+    return ""
+
+
+def timed_runs(fn: Callable[[], Any], a: argparse.Namespace, device: torch.device, *,
+               warmup: int | None = None) -> list[float]:
+    """`bench_gpu_time(fn)` with the repetitions `add_run_args` parsed into `a` (`warmup`: instead of
+    `a.warmup`)."""
+    return bench_gpu_time(fn, warmup=a.warmup if warmup is None else warmup, rep=a.rep, target_ms=a.target_ms,
+                          min_rep=a.min_rep, max_rep=a.max_rep, device=device)
+
+
+def time_row(row: Row, fn: Callable[[], Any], a: argparse.Namespace, device: torch.device, *,
+             warmup: int | None = None) -> None:
+    """Time `fn` (`timed_runs`) into `row`: median and 20th/80th percentiles (ms), repetitions, and
+    TFLOP/s from `row.flop`."""
+    times = timed_runs(fn, a, device, warmup=warmup)
+    st = summarize(times)
+    row.ms, row.ms_p20, row.ms_p80, row.reps = st["ms"], st["ms_p20"], st["ms_p80"], len(times)
+    row.tflops = tflops(row.flop, row.ms)
+
+
 def _version(*dists: str) -> str:
     for d in dists:
         try:
@@ -216,6 +276,88 @@ def _git_commit() -> str:
     except (OSError, subprocess.SubprocessError):
         pass
     return "unknown"
+
+
+def parse_config(s: str) -> tuple[int, int]:
+    """'32kx8' -> (T=32768, B=8); 'k' means 1024, plain numbers are tokens ('1000x2')."""
+    t, b = s.lower().split("x")
+    T = int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
+    return T, int(b)
+
+
+def shape_id(B: int, T: int, HQ: int, H: int, D: int) -> str:
+    t = f"{T // 1024}K" if T % 1024 == 0 else str(T)
+    return f"B{B}-T{t}-HQ{HQ}-H{H}-D{D}"
+
+
+def short_error(e: BaseException, n: int = 300) -> str:
+    """The exception's type and first line, at most `n` characters (a row's note)."""
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0] if msg else ''}"[:n]
+
+
+def causal_mask(b, h, q_idx, kv_idx):
+    """FlexAttention's causal `mask_mod`."""
+    return q_idx >= kv_idx
+
+
+def make_fn(forward: Callable, inputs: tuple[torch.Tensor, ...], mode: str) -> Callable[[], object]:
+    """The closure to time: forward under no_grad, backward of a retained graph, or both."""
+    if mode == "fwd":
+        def run():
+            with torch.no_grad():
+                return forward(*inputs)
+        return run
+    leaves = tuple(x.detach().requires_grad_() for x in inputs)
+    do = torch.randn_like(inputs[0])             # every implementation returns a q-shaped output
+    if mode == "bwd":
+        out = forward(*leaves)
+        if not out.requires_grad:
+            raise RuntimeError("output has no grad_fn (no autograd support)")
+        return lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)
+    if mode == "fwdbwd":
+        return lambda: torch.autograd.grad(forward(*leaves), leaves, do)
+    raise ValueError(mode)
+
+
+def parse_decode_config(s: str) -> tuple[int, int]:
+    """A decode config: '8x128k' -> (B=8, L=131072): BATCHxCONTEXT, k = 1024."""
+    b, t = s.lower().split("x")
+    L = int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
+    return int(b), L
+
+
+def n_windows(L: int, kernel: int, stride: int) -> int:
+    return 0 if L < kernel else (L - kernel) // stride + 1
+
+
+def random_cache(B: int, L: int, H: int, D: int, dtype, dev, g):
+    """A full contiguous DecodeCache (every sequence holds L keys) with random K/V and compressed keys,
+    built directly (no append, no compression pass: the timings do not depend on the values)."""
+    from infllm_cupy.decode.cache import COMPRESSIONS, DecodeCache
+
+    k = torch.randn(B, L, H, D, generator=g, device=dev, dtype=dtype)
+    v = torch.randn(B, L, H, D, generator=g, device=dev, dtype=dtype)
+    ck = [torch.randn(B, n_windows(L, kr, st), H, D, generator=g, device=dev,
+                      dtype=dtype) for kr, st in COMPRESSIONS]
+    seqlens = torch.full((B,), L, dtype=torch.int32, device=dev)
+    return DecodeCache(k, v, seqlens, None, None, ck[0], ck[1], [L] * B, [L] * B)
+
+
+def random_selection(B: int, H: int, L: int, topk: int, local_blocks: int, dev, g) -> torch.Tensor:
+    """int32 `[H, B, K]`, K = min(topk + local_blocks, blocks): InfLLM-v2's shape of a selection (block 0,
+    the local_blocks + 1 blocks ending at the last one, random distinct others), distinct and valid."""
+    from infllm_cupy._constants import KV_BLOCK
+
+    nb = -(-L // KV_BLOCK)
+    K = min(topk + local_blocks, nb)
+    local = min(local_blocks + 1, nb - 1)
+    n_rand = K - 1 - local
+    mid = nb - 1 - local                                     # candidates 1 .. mid
+    parts = [torch.zeros(H * B, 1, dtype=torch.long, device=dev),
+             torch.rand(H * B, mid, generator=g, device=dev).argsort(-1)[:, :n_rand] + 1,
+             torch.arange(nb - local, nb, device=dev).expand(H * B, local)]
+    return torch.cat(parts, 1).sort(-1).values.to(torch.int32).view(H, B, K).contiguous()
 
 
 def env_stamp() -> dict[str, str]:

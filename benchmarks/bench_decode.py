@@ -65,19 +65,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._harness import (  # noqa: E402
-    bench_gpu_time,
-    capture_graph,
-    csv_choices,
-    device_copy,
-    env_line,
-    env_stamp,
-    free_gpu_memory,
-    markdown_table,
-    setup_flex,
-    summarize,
-    write_json,
-)
+from benchmarks import _harness as harness  # noqa: E402
 
 OURS = ("ours_sparse", "ours_step", "ours_dense", "ours_sparse_kvh", "ours_step_kvh", "ours_dense_kvh",
         "ours_select", "ours_select_s1")
@@ -117,47 +105,8 @@ def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg[0] if msg else ''}"[:200]
 
 
-def parse_config(s: str) -> tuple[int, int]:
-    """'8x128k' -> (B=8, L=131072): BATCHxCONTEXT, k = 1024."""
-    b, t = s.lower().split("x")
-    L = int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
-    return int(b), L
-
-
 def config_id(B: int, L: int) -> str:
     return f"{B}x{L // 1024}k" if L % 1024 == 0 else f"{B}x{L}"
-
-
-def n_windows(L: int, kernel: int, stride: int) -> int:
-    return 0 if L < kernel else (L - kernel) // stride + 1
-
-
-# ------------------------------------------------------------------------------------------- inputs
-def random_cache(B: int, L: int, H: int, D: int, dtype, dev, g):
-    """A full contiguous DecodeCache (every sequence holds L keys) with random K/V and compressed keys,
-    built directly (no append, no compression pass: the timings do not depend on the values)."""
-    from infllm_cupy.decode.cache import COMPRESSIONS, DecodeCache
-
-    k = torch.randn(B, L, H, D, generator=g, device=dev, dtype=dtype)
-    v = torch.randn(B, L, H, D, generator=g, device=dev, dtype=dtype)
-    ck = [torch.randn(B, n_windows(L, kr, st), H, D, generator=g, device=dev,
-                      dtype=dtype) for kr, st in COMPRESSIONS]
-    seqlens = torch.full((B,), L, dtype=torch.int32, device=dev)
-    return DecodeCache(k, v, seqlens, None, None, ck[0], ck[1], [L] * B, [L] * B)
-
-
-def random_selection(B: int, H: int, L: int, topk: int, local_blocks: int, dev, g) -> torch.Tensor:
-    """int32 `[H, B, K]`, K = min(topk + local_blocks, blocks): InfLLM-v2's shape of a selection (block 0,
-    the local_blocks + 1 blocks ending at the last one, random distinct others), distinct and valid."""
-    nb = -(-L // BLOCK)
-    K = min(topk + local_blocks, nb)
-    local = min(local_blocks + 1, nb - 1)
-    n_rand = K - 1 - local
-    mid = nb - 1 - local                                     # candidates 1 .. mid
-    parts = [torch.zeros(H * B, 1, dtype=torch.long, device=dev),
-             torch.rand(H * B, mid, generator=g, device=dev).argsort(-1)[:, :n_rand] + 1,
-             torch.arange(nb - local, nb, device=dev).expand(H * B, local)]
-    return torch.cat(parts, 1).sort(-1).values.to(torch.int32).view(H, B, K).contiguous()
 
 
 # ------------------------------------------------------------------------------------------ runner
@@ -173,21 +122,17 @@ class Runner:
     def time(self, row: Row, fn: Callable | None, nbytes: int | None, *, skip: str = "") -> Row:
         a = self.a
         row.bytes = nbytes
-        if skip or fn is None:
-            row.note = skip or "unavailable"
-        elif self.over_budget():
-            row.note = f"skipped: --budget-s {a.budget_s:g} s exceeded"
+        why = harness.skip_reason(skip, fn, self.over_budget(), a.budget_s)
+        if why:
+            row.note = why
         else:
             try:
                 run, per = fn, 1
                 if row.mode == "graph":
                     per = a.graph_calls
-                    run = capture_graph(fn, calls=per).replay
-                times = [t / per for t in bench_gpu_time(run, warmup=a.warmup, rep=a.rep,
-                                                         target_ms=a.target_ms,
-                                                         min_rep=a.min_rep, max_rep=a.max_rep,
-                                                         device=self.dev)]
-                st = summarize(times)
+                    run = harness.capture_graph(fn, calls=per).replay
+                times = [t / per for t in harness.timed_runs(run, a, self.dev)]
+                st = harness.summarize(times)
                 row.us, row.us_p20, row.us_p80, row.reps = (st["ms"] * 1e3, st["ms_p20"] * 1e3,
                                                             st["ms_p80"] * 1e3, len(times))
                 row.gbps = nbytes / (row.us * 1e3) if nbytes and row.us else None
@@ -200,7 +145,7 @@ class Runner:
                         torch.cuda.synchronize()
             finally:
                 run = None
-                free_gpu_memory(self.dev)
+                harness.free_gpu_memory(self.dev)
         self.rows.append(row)
         tqdm.write(f"  {row.impl:<14} {row.config:<8} w={int(row.weights)} {row.mode:<5} "
                    f"us={'-' if row.us is None else f'{row.us:.1f}'} "
@@ -232,7 +177,7 @@ def host_time(fn: Callable, calls: int, chunk: int, dev: torch.device) -> float:
 
 def copy_bandwidth(r: Runner) -> Row:
     """Device-to-device copy of a large buffer; GB/s on the bytes read + written."""
-    fn, nbytes = device_copy(r.dev)
+    fn, nbytes = harness.device_copy(r.dev)
     row = r.time(Row("copy", "-"), fn, nbytes)
     del fn                                       # the buffers go with it
     return row
@@ -278,9 +223,9 @@ def bench_config(r: Runner, B: int, L: int, flex, BlockMask, ours, flashinfer, f
         return
     tqdm.write(f"== {cfg}: B={B} L={L} HQ={HQ} H={H} D={D}")
     g = torch.Generator(device=dev).manual_seed(a.seed)
-    cache = random_cache(B, L, H, D, dt, dev, g)
+    cache = harness.random_cache(B, L, H, D, dt, dev, g)
     q = torch.randn(B, HQ, D, generator=g, device=dev, dtype=dt)
-    topk_idx = random_selection(B, H, L, a.topk, a.local_blocks, dev, g)
+    topk_idx = harness.random_selection(B, H, L, a.topk, a.local_blocks, dev, g)
     K = topk_idx.shape[2]
     scale = D ** -0.5
     qo = 2 * B * HQ * D * esz                                          # q read + out written
@@ -380,7 +325,7 @@ def bench_config(r: Runner, B: int, L: int, flex, BlockMask, ours, flashinfer, f
                 note = f"setup: {_short(e)}"
         r.time(Row("flashinfer", cfg, False, "eager"), fn, kv_all + qo, skip=note)
     kt = vt = None
-    free_gpu_memory(dev)
+    harness.free_gpu_memory(dev)
 
     # ---- ours
     sparse_decode, infllmv2_decode = ours
@@ -431,7 +376,7 @@ def bench_config(r: Runner, B: int, L: int, flex, BlockMask, ours, flashinfer, f
             r.time(Row(f"ours_sparse_s{plan.num_splits}", cfg, False, "graph"),
                    lambda plan=plan: sparse_decode(q, cache, topk_idx, plan=plan), kv_sel + qo)
     cache = q = topk_idx = None
-    free_gpu_memory(dev)
+    harness.free_gpu_memory(dev)
 
 
 def run_check(cfg: str, q, cache, topk_idx, sparse_decode) -> str:
@@ -614,10 +559,10 @@ def parse_args(argv=None):
     if a.configs is None:
         a.configs = DEFAULT_CONFIGS if dev.type == "cuda" else "1x1k,2x1k"
     try:
-        a.configs = [parse_config(c) for c in a.configs.split(",") if c]
+        a.configs = [harness.parse_decode_config(c) for c in a.configs.split(",") if c]
     except ValueError:
         p.error(f"--configs: expected BATCHxCONTEXT entries like 8x128k, got {a.configs!r}")
-    a.impls = csv_choices(p, "--impls", a.impls, IMPLS)
+    a.impls = harness.csv_choices(p, "--impls", a.impls, IMPLS)
     a.graph_batches = {int(x) for x in a.graph_batches.split(",") if x}
     if a.host_calls is None:
         a.host_calls = 200 if dev.type == "cuda" else 4
@@ -634,14 +579,14 @@ def parse_args(argv=None):
 def main(argv=None) -> list[Row]:
     a = parse_args(argv)
     dev = torch.device(a.device)
-    env = env_stamp()
-    print("env: " + ", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
+    env = harness.env_stamp()
+    harness.print_env(env)
     r = Runner(a, dev)
     sparse_decode, infllmv2_decode, r.ours_err = load_ours()
     flashinfer, fi_note = load_flashinfer() if "flashinfer" in a.impls else (None, "not requested")
     print(f"ours: {'ok' if sparse_decode else r.ours_err}; flashinfer: {'ok' if flashinfer else fi_note}",
           flush=True)
-    flex, BlockMask = setup_flex(dev, compile_=not a.no_compile, backward=False)
+    flex, BlockMask = harness.setup_flex(dev, compile_=not a.no_compile, backward=False)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     validate = contextlib.nullcontext()
@@ -658,9 +603,9 @@ def main(argv=None) -> list[Row]:
             except Exception as e:  # noqa: BLE001 - e.g. OOM building the cache: record it, go on
                 r.rows.append(Row("config", config_id(B, L), note=f"config failed: {_short(e)}"))
                 tqdm.write(f"config {config_id(B, L)} failed: {_short(e)}")
-                free_gpu_memory(dev)
+                harness.free_gpu_memory(dev)
             if a.json:
-                write_json(r.rows, a.json, env, extra={"argv": sys.argv[1:], "check": check})
+                harness.write_json(r.rows, a.json, env, extra={"argv": sys.argv[1:], "check": check})
     gl = goals(r.rows, copy if copy.us else None)
     gl38, line38 = goals_38(r.rows)
     peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
@@ -671,22 +616,22 @@ def main(argv=None) -> list[Row]:
     print(f"\n### Decode, microseconds per step (median), HQ {a.hq} / H {a.h} / D {a.d}, bf16, "
           f"K = {a.topk + a.local_blocks} blocks; copy bandwidth {copy.gbps or float('nan'):.0f} GB/s; "
           f"{a.graph_calls} call(s) per captured graph\n")
-    print(markdown_table(recs, cols))
+    print(harness.markdown_table(recs, cols))
     print("\n### Goals (decode kernels)\n")
-    print(markdown_table(gl, ["goal", "config", "value", "target", "met", "detail"])
+    print(harness.markdown_table(gl, ["goal", "config", "value", "target", "met", "detail"])
           if gl else "(no goal computable)")
     print("\n### Goals (eager calls)\n")
-    print(markdown_table(gl38, ["goal", "config", "value", "target", "met", "detail"]) if gl38
+    print(harness.markdown_table(gl38, ["goal", "config", "value", "target", "met", "detail"]) if gl38
           else "(no goal computable)")
     print("\ngoals: " + line38)
     for c in check:
         print(c)
-    print(env_line(env, r.t0, f"peak GPU memory {peak:.1f} GiB"), flush=True)
+    print(harness.env_line(env, r.t0, f"peak GPU memory {peak:.1f} GiB"), flush=True)
     if a.json:
-        write_json(r.rows, a.json, env, extra={"argv": sys.argv[1:], "check": check, "goals": gl,
-                                               "goals_38": gl38, "goals_38_summary": line38,
-                                               "copy_gbps": copy.gbps, "peak_gib": peak,
-                                               "median_of": "CUDA events per step"})
+        harness.write_json(r.rows, a.json, env, extra={"argv": sys.argv[1:], "check": check, "goals": gl,
+                                                       "goals_38": gl38, "goals_38_summary": line38,
+                                                       "copy_gbps": copy.gbps, "peak_gib": peak,
+                                                       "median_of": "CUDA events per step"})
     return r.rows
 
 

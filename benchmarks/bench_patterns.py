@@ -61,24 +61,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._harness import (  # noqa: E402
-    MODES,
-    Row,
-    add_run_args,
-    bench_gpu_time,
-    csv_choices,
-    env_line,
-    env_stamp,
-    flops_attn,
-    free_gpu_memory,
-    markdown_table,
-    print_table,
-    setup_flex,
-    summarize,
-    tflops,
-    write_json,
-)
-from benchmarks.bench_stage2 import _short, make_fn, parse_config, shape_id  # noqa: E402
+from benchmarks import _harness as harness  # noqa: E402
 from infllm_cupy import _env  # noqa: E402
 from infllm_cupy._constants import KV_BLOCK  # noqa: E402
 from infllm_cupy.patterns import qhead_block_sparse_attn_varlen  # noqa: E402
@@ -94,7 +77,7 @@ GOAL_FLEX, GOAL_DENSITY = 1.2, 1.3
 
 
 @dataclasses.dataclass
-class PRow(Row):
+class PRow(harness.Row):
     """A harness row plus the pattern's density (attended keys / dense keys) and the peak GPU memory
     allocated while the row was timed (GiB, inputs included)."""
     density: float | None = None
@@ -169,7 +152,7 @@ def build_pattern(name: str, T: int, HQ: int, H: int, device: torch.device, seed
     try:
         import infllm_cupy.patterns as P
     except Exception as e:  # noqa: BLE001 - the package may be mid-edit: the other rows still run
-        return Pattern(name, None, note=f"{NOT_BUILT}: infllm_cupy.patterns ({_short(e)})")
+        return Pattern(name, None, note=f"{NOT_BUILT}: infllm_cupy.patterns ({harness.short_error(e)})")
     if name in ("local_stride", "local_stride_sliding"):
         if not hasattr(P, "local_stride"):
             return Pattern(name, None, note=f"{NOT_BUILT}: infllm_cupy.patterns.local_stride")
@@ -240,10 +223,6 @@ def dense_keys(T: int, B: int, HQ: int, causal: bool) -> int:
 
 
 # --------------------------------------------------------------------------------------------- BlockMask
-
-
-def causal_mask(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
 
 
 def _lookup_mod(lut: torch.Tensor, causal: bool):
@@ -321,29 +300,24 @@ class Runner:
         a = self.args
         if keys is not None:
             row.keys_per_q = keys / self.n_q_rows
-            row.flop = flops_attn(keys, a.d, row.mode)
-        if skip or forward is None:
-            row.note = skip or "unavailable"
-        elif self.over_budget(row.impl):
-            row.note = f"skipped: --budget-s {a.budget_s:g} s exceeded"
+            row.flop = harness.flops_attn(keys, a.d, row.mode)
+        why = harness.skip_reason(skip, forward, self.over_budget(row.impl), a.budget_s)
+        if why:
+            row.note = why
         else:
             fn = None
             try:
-                fn = make_fn(forward, inputs, row.mode) if row.impl != "predict" else forward
+                fn = harness.make_fn(forward, inputs, row.mode) if row.impl != "predict" else forward
                 if self.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(self.device)
-                times = bench_gpu_time(fn, warmup=a.warmup, rep=a.rep, target_ms=a.target_ms,
-                                       min_rep=a.min_rep, max_rep=a.max_rep, device=self.device)
+                harness.time_row(row, fn, a, self.device)
                 if self.device.type == "cuda":
                     row.peak_gib = torch.cuda.max_memory_allocated(self.device) / 2**30
-                st = summarize(times)
-                row.ms, row.ms_p20, row.ms_p80, row.reps = st["ms"], st["ms_p20"], st["ms_p80"], len(times)
-                row.tflops = tflops(row.flop, row.ms)
             except Exception as e:  # noqa: BLE001 - one failing row must not kill the table
-                row.note = (row.note + "; " if row.note else "") + _short(e)
+                row.note = (row.note + "; " if row.note else "") + harness.short_error(e)
             finally:
                 del fn
-                free_gpu_memory(self.device)
+                harness.free_gpu_memory(self.device)
         self.rows.append(row)
         tqdm.write(f"  {row.impl:<7} {row.config} {row.selection:<20} {row.mode:<6} "
                    f"ms={row.ms if row.ms is None else round(row.ms, 3)} "
@@ -368,7 +342,7 @@ def bench_config(r: Runner, T: int, B: int, phase: str, flex, BlockMask, cache: 
     a, dev = r.args, r.device
     HQ, H, D = a.hq, a.h, a.d
     G = HQ // H
-    cfg = shape_id(B, T, HQ, H, D)
+    cfg = harness.shape_id(B, T, HQ, H, D)
     r.n_q_rows = B * T * HQ
     g = torch.Generator(device=dev).manual_seed(a.seed)
     q = torch.randn(B * T, HQ, D, generator=g, device=dev, dtype=torch.bfloat16)
@@ -389,7 +363,7 @@ def bench_config(r: Runner, T: int, B: int, phase: str, flex, BlockMask, cache: 
                     p.layout = BlockLayout(p.layout.mask.to(dev), p.layout.q_block)
                 cache[key] = p
             except Exception as e:  # noqa: BLE001 - a broken constructor is a row note, not a crash
-                cache[key] = Pattern(name, None, note=f"build failed: {_short(e)}")
+                cache[key] = Pattern(name, None, note=f"build failed: {harness.short_error(e)}")
         pats.append(cache[key])
 
     if phase == "anchors" and "dense" in a.impls:
@@ -420,7 +394,7 @@ def bench_config(r: Runner, T: int, B: int, phase: str, flex, BlockMask, cache: 
                     def fn(q_, k_, v_, bm=bm):
                         return flex(q_, k_, v_, block_mask=bm, enable_gqa=True)
                 except Exception as e:  # noqa: BLE001
-                    skip = f"BlockMask: {_short(e)}"
+                    skip = f"BlockMask: {harness.short_error(e)}"
             for mode in a.modes:
                 r.time(PRow("flex", cfg, p.name, None, mode, density=dens, note=note), fn, bhtd, keys,
                        skip=skip)
@@ -467,7 +441,7 @@ def bench_config(r: Runner, T: int, B: int, phase: str, flex, BlockMask, cache: 
                            p.predict, (), None)
             fn = None
     del q, k, v, bhtd
-    free_gpu_memory(dev)
+    harness.free_gpu_memory(dev)
 
 
 def _tiles(num: torch.Tensor, ind: torch.Tensor, nt: int) -> torch.Tensor:
@@ -524,7 +498,7 @@ def run_check(a, dev, BlockMask) -> str:
             verdicts.append(f"{name}: {'ok' if ok else 'FAIL'} ({bad} pairs differ of {want.numel()})")
         except Exception as e:  # noqa: BLE001
             ok = False
-            verdicts.append(f"{name}: ERROR {_short(e)}")
+            verdicts.append(f"{name}: ERROR {harness.short_error(e)}")
         ok_all &= ok
     return f"check (T={T}) " + ("PASSED: " if ok_all else "FAILED: ") + "; ".join(verdicts)
 
@@ -575,13 +549,14 @@ PATTERN_CAUSAL: dict[tuple[str, str], bool] = {}
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    add_run_args(p, target_ms=300.0, min_rep=3, max_rep=10)
+    harness.add_run_args(p, target_ms=300.0, min_rep=3, max_rep=10)
     p.set_defaults(budget_s=240.0)
     for act in p._actions:   # the shared help names the stage benchmarks' default configs
         if act.dest == "configs":
             act.help = "comma-separated TxB (k = 1024). Default: 32kx8,128kx2 (--quick: 8kx2; on CPU 2048x1)"
     p.add_argument("--patterns", default=",".join(PATTERNS), help=f"subset of {','.join(PATTERNS)}")
-    p.add_argument("--modes", default="fwd,fwdbwd", help=f"subset of {','.join(MODES)}. Default: fwd,fwdbwd")
+    p.add_argument("--modes", default="fwd,fwdbwd", help=f"subset of {','.join(harness.MODES)}. "
+                                                                "Default: fwd,fwdbwd")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"subset of {','.join(IMPLS)}")
     p.add_argument("--skip-check", action="store_true",
                    help="skip the check that each BlockMask selects exactly the pattern's (query, key) pairs")
@@ -594,28 +569,26 @@ def parse_args(argv=None):
         a.configs = ("8kx2" if a.quick else "32kx8,128kx2") if dev.type == "cuda" else "2048x1"
         if dev.type != "cuda" and a.hq == 32 and a.h == 2 and a.d == 128:
             a.hq, a.h, a.d = 4, 2, 32          # CPU smoke: the references are slow; the shapes stay GQA
-    a.configs = [parse_config(c) for c in a.configs.split(",") if c]
-    a.patterns = csv_choices(p, "--patterns", a.patterns, PATTERNS)
-    a.modes = csv_choices(p, "--modes", a.modes, MODES)
-    a.impls = csv_choices(p, "--impls", a.impls, IMPLS)
+    a.configs = [harness.parse_config(c) for c in a.configs.split(",") if c]
+    a.patterns = harness.csv_choices(p, "--patterns", a.patterns, PATTERNS)
+    a.modes = harness.csv_choices(p, "--modes", a.modes, harness.MODES)
+    a.impls = harness.csv_choices(p, "--impls", a.impls, IMPLS)
     a.sta_window = tuple(int(x) for x in a.sta_window.split(","))
-    if a.hq % a.h:
-        p.error("--hq must be a multiple of --h")
-    if a.quick:
-        a.target_ms, a.max_rep = min(a.target_ms, 100.0), min(a.max_rep, 5)
+    harness.check_run_args(p, a, quick_target_ms=100.0, quick_max_rep=5)
     return a
 
 
 def main(argv=None) -> list[PRow]:
     a = parse_args(argv)
     dev = torch.device(a.device)
-    env = env_stamp()
-    print("env: " + ", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
+    env = harness.env_stamp()
+    harness.print_env(env)
     print(f"configs {a.configs}, patterns {a.patterns}, modes {a.modes}, HQ {a.hq} H {a.h} D {a.d}, "
           f"budget {a.budget_s:g} s", flush=True)
     r = Runner(a, dev)
 
-    flex, BlockMask = setup_flex(dev, compile_=not a.no_compile, backward=any(m != "fwd" for m in a.modes))
+    flex, BlockMask = harness.setup_flex(dev, compile_=not a.no_compile,
+                                         backward=any(m != "fwd" for m in a.modes))
 
     check = "check skipped (--skip-check)" if a.skip_check else run_check(a, dev, BlockMask)
     print(check, flush=True)
@@ -631,34 +604,36 @@ def main(argv=None) -> list[PRow]:
                 with ctx:
                     bench_config(r, T, B, phase, flex, BlockMask, cache)
             except Exception as e:  # noqa: BLE001 - e.g. OOM building inputs: record it, go on
-                r.rows.append(PRow(phase, shape_id(B, T, a.hq, a.h, a.d), note=f"config failed: {_short(e)}"))
-                tqdm.write(f"config {T}x{B} ({phase}) failed: {_short(e)}")
-                free_gpu_memory(dev)
+                r.rows.append(PRow(phase, harness.shape_id(B, T, a.hq, a.h, a.d),
+                                   note=f"config failed: {harness.short_error(e)}"))
+                tqdm.write(f"config {T}x{B} ({phase}) failed: {harness.short_error(e)}")
+                harness.free_gpu_memory(dev)
             if a.json:
-                write_json(r.rows, a.json, env, extra={"check": check, "argv": sys.argv[1:]})
+                harness.write_json(r.rows, a.json, env, extra={"check": check, "argv": sys.argv[1:]})
     for (name, T), p in cache.items():
         for B in {b for t, b in a.configs if t == T}:
-            PATTERN_CAUSAL[(shape_id(B, T, a.hq, a.h, a.d), name)] = p.causal
+            PATTERN_CAUSAL[(harness.shape_id(B, T, a.hq, a.h, a.d), name)] = p.causal
 
     peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
     order = {i: n for n, i in enumerate(("dense", "flex", "ours_rep", "ours_xbwd", "ours", "predict"))}
-    cfg_order = {shape_id(B, T, a.hq, a.h, a.d): n for n, (T, B) in enumerate(a.configs)}
+    cfg_order = {harness.shape_id(B, T, a.hq, a.h, a.d): n for n, (T, B) in enumerate(a.configs)}
     r.rows.sort(key=lambda x: (cfg_order.get(x.config, 99), x.selection, order.get(x.impl, 9),
-                               MODES.index(x.mode) if x.mode in MODES else 9))
+                               harness.MODES.index(x.mode) if x.mode in harness.MODES else 9))
     goals = goal_table(r.rows, on_gpu=dev.type == "cuda")
-    print_table(r.rows, ("impl", "config", "selection", "mode", "density", "ms", "tflops", "keys_per_q",
-                         "peak_gib", "reps", "note"),
-                title="All rows (selection = pattern; ms = median; TFLOP/s effective on attended keys)")
+    harness.print_table(r.rows, ("impl", "config", "selection", "mode", "density", "ms", "tflops",
+                                 "keys_per_q", "peak_gib", "reps", "note"),
+                        title="All rows (selection = pattern; ms = median; TFLOP/s effective on attended "
+                              "keys)")
     cols = ["config", "pattern", "mode", "density", "ours_ms", "ours_TFLOP/s", "flex_ms", "dense_ms",
             "flex/ours", "ours/(dens*dense)", "rep/ours", "xbwd/ours", "ours_GiB", "xbwd_GiB", "goals"]
     print(f"\n### Patterns against FlexAttention and dense cuDNN (goals: flex/ours >= {GOAL_FLEX}, "
           f"ours/(density x dense) <= {GOAL_DENSITY})\n")
-    print(markdown_table(goals, cols) if goals else "(no ours rows)", flush=True)
+    print(harness.markdown_table(goals, cols) if goals else "(no ours rows)", flush=True)
     print(f"\n{check}")
-    print(env_line(env, r.t_start, f"peak GPU memory {peak:.1f} GiB"), flush=True)
+    print(harness.env_line(env, r.t_start, f"peak GPU memory {peak:.1f} GiB"), flush=True)
     if a.json:
-        write_json(r.rows, a.json, env, extra={"check": check, "argv": sys.argv[1:], "peak_gib": peak,
-                                            "goals": goals})
+        harness.write_json(r.rows, a.json, env, extra={"check": check, "argv": sys.argv[1:], "peak_gib": peak,
+                                                       "goals": goals})
     return r.rows
 
 

@@ -51,24 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._harness import (  # noqa: E402
-    README_CONFIGS,
-    Row,
-    add_run_args,
-    bench_gpu_time,
-    causal_dense_keys,
-    csv_choices,
-    env_line,
-    env_stamp,
-    flops_attn,
-    format_table,
-    free_gpu_memory,
-    print_table,
-    summarize,
-    tflops,
-    write_json,
-)
-from benchmarks.bench_stage2 import _short, causal_mask, parse_config, shape_id  # noqa: E402
+from benchmarks import _harness as harness  # noqa: E402
 from infllm_cupy import _env  # noqa: E402
 from infllm_cupy.selections import attended_keys, to_flex_block_mask_inputs, uniform_cu_seqlens  # noqa: E402
 
@@ -188,7 +171,7 @@ def check_against_reference(device: torch.device, backend: str, HQ: int, H: int,
         return (f"check {'PASSED' if ok else 'FAILED'}: topk_idx {'identical' if same else 'DIFFERENT'}, "
                 f"max|out - ref64| = {err:.2e} (bf16 reference {base:.2e})")
     except Exception as e:  # noqa: BLE001 - the verdict is reported, the timings still run
-        return f"check FAILED: {_short(e)}"
+        return f"check FAILED: {harness.short_error(e)}"
 
 
 class Runner:
@@ -196,26 +179,25 @@ class Runner:
 
     def __init__(self, args, device: torch.device):
         self.args, self.device = args, device
-        self.rows: list[Row] = []
+        self.rows: list[harness.Row] = []
         self.t_start = time.perf_counter()
 
     def over_budget(self) -> bool:
         return self.args.budget_s > 0 and time.perf_counter() - self.t_start > self.args.budget_s
 
-    def time(self, row: Row, fn: Callable[[], object] | None, keys: float | None, n_q_rows: int, D: int,
-             skip: str = "", memory: dict | None = None,
-             keep: Callable[[object], object] | None = None) -> Row:
+    def time(self, row: harness.Row, fn: Callable[[], object] | None, keys: float | None, n_q_rows: int,
+             D: int, skip: str = "", memory: dict | None = None,
+             keep: Callable[[object], object] | None = None) -> harness.Row:
         """Time `fn` into `row`. With `memory`, the first warm-up run also records its extra GPU memory
         as `memory[f"{row.impl}_GiB"]`, and `keep(result)` of that run is stored in `self.kept`."""
         a = self.args
         self.kept = None
         if keys is not None:
             row.keys_per_q = keys / n_q_rows
-            row.flop = flops_attn(keys, D, row.mode)
-        if skip or fn is None:
-            row.note = skip or "unavailable"
-        elif self.over_budget():
-            row.note = f"skipped: --budget-s {a.budget_s:g} s exceeded"
+            row.flop = harness.flops_attn(keys, D, row.mode)
+        why = harness.skip_reason(skip, fn, self.over_budget(), a.budget_s)
+        if why:
+            row.note = why
         else:
             try:
                 def run():
@@ -227,13 +209,9 @@ class Runner:
                     self.kept = keep(out) if keep else None
                     del out
                     warmup = max(0, warmup - 1)
-                times = bench_gpu_time(run, warmup=warmup, rep=a.rep, target_ms=a.target_ms,
-                                       min_rep=a.min_rep, max_rep=a.max_rep, device=self.device)
-                st = summarize(times)
-                row.ms, row.ms_p20, row.ms_p80, row.reps = st["ms"], st["ms_p20"], st["ms_p80"], len(times)
-                row.tflops = tflops(row.flop, row.ms)
+                harness.time_row(row, run, a, self.device, warmup=warmup)
             except Exception as e:  # noqa: BLE001 - one row failing must not kill the table
-                row.note = (row.note + "; " if row.note else "") + _short(e)
+                row.note = (row.note + "; " if row.note else "") + harness.short_error(e)
             finally:
                 self.free()
         self.rows.append(row)
@@ -242,7 +220,7 @@ class Runner:
         return row
 
     def free(self):
-        free_gpu_memory(self.device)
+        harness.free_gpu_memory(self.device)
 
     def run_configs(self, bench_config: Callable[[int, int], dict], env: dict, check: str) -> list[dict]:
         """`bench_config(T, B)` for every `--configs` entry (a failing config becomes a row with a note),
@@ -254,27 +232,27 @@ class Runner:
                 try:
                     memory.append(bench_config(*cfg))
                 except Exception as e:  # noqa: BLE001 - e.g. OOM building inputs: record it, go on
-                    self.rows.append(Row("config", shape_id(B, T, a.hq, a.h, a.d),
-                                         note=f"config failed: {_short(e)}"))
-                    print(f"config {T}x{B} failed: {_short(e)}", flush=True)
+                    self.rows.append(harness.Row("config", harness.shape_id(B, T, a.hq, a.h, a.d),
+                                                 note=f"config failed: {harness.short_error(e)}"))
+                    print(f"config {T}x{B} failed: {harness.short_error(e)}", flush=True)
                 self.free()     # the config's inputs went out of scope with bench_config
                 if a.json:
-                    write_json(self.rows, a.json, env,
-                               extra={"check": check, "memory": memory, "argv": sys.argv[1:]})
+                    harness.write_json(self.rows, a.json, env,
+                                       extra={"check": check, "memory": memory, "argv": sys.argv[1:]})
         return memory
 
     def report(self, title: str, heading: str, recs: list[dict], cols: list[str], env: dict, check: str,
-               memory: list[dict]) -> list[Row]:
+               memory: list[dict]) -> list[harness.Row]:
         """Print every row, then the per-config summary `recs` in `cols` (read from the tail), the check
         and the env line; write the final JSON. Returns the rows."""
-        print_table(self.rows, title=title)
+        harness.print_table(self.rows, title=title)
         print(f"\n{heading}")
-        print(format_table(recs, cols) if recs else "(no configs ran)")
+        print(harness.format_table(recs, cols) if recs else "(no configs ran)")
         print(f"\n{check}")
-        print(env_line(env, self.t_start), flush=True)
+        print(harness.env_line(env, self.t_start), flush=True)
         if self.args.json:
-            write_json(self.rows, self.args.json, env,
-                       extra={"check": check, "memory": memory, "summary": recs,
+            harness.write_json(self.rows, self.args.json, env,
+                               extra={"check": check, "memory": memory, "summary": recs,
                                                               "argv": sys.argv[1:]})
         return self.rows
 
@@ -284,7 +262,7 @@ def load_flex(device: torch.device, compile_: bool):
     try:
         from torch.nn.attention.flex_attention import BlockMask, flex_attention
     except Exception as e:  # noqa: BLE001
-        return None, None, f"flex_attention not importable: {_short(e)}"
+        return None, None, f"flex_attention not importable: {harness.short_error(e)}"
     if device.type == "cuda" and compile_:
         return torch.compile(flex_attention, dynamic=False), BlockMask, ""
     return flex_attention, BlockMask, ""
@@ -294,7 +272,7 @@ def flex_union_fn(flex, BlockMask, topk_idx, q, k, v, B: int, T: int, HQ: int):
     """`(fn, keys)`: FlexAttention over the 128x128 tiles covering `topk_idx` on `[B, heads, T, D]` copies."""
     fb = to_flex_block_mask_inputs(topk_idx, B, T, HQ)
     bm = BlockMask.from_kv_blocks(fb.kv_num_blocks, fb.kv_indices, fb.full_kv_num_blocks, fb.full_kv_indices,
-                                  BLOCK_SIZE=(128, 128), mask_mod=causal_mask, seq_lengths=(T, T))
+                                  BLOCK_SIZE=(128, 128), mask_mod=harness.causal_mask, seq_lengths=(T, T))
     qt, kt, vt = (x.view(B, T, x.shape[1], x.shape[2]).transpose(1, 2).contiguous() for x in (q, k, v))
     return (lambda: flex(qt, kt, vt, block_mask=bm, enable_gqa=True)), fb.keys
 
@@ -319,12 +297,12 @@ def sdpa_cudnn_fn(q, k, v, B: int, T: int) -> tuple[Callable[[], object], str]:
     except RuntimeError as e:
         G = q.shape[1] // k.shape[1]
         kr, vr = (x.repeat_interleave(G, dim=1) for x in (kt, vt))
-        return (lambda: call(kr, vr, False)), f"KV repeated to HQ heads ({_short(e)[:80]})"
+        return (lambda: call(kr, vr, False)), f"KV repeated to HQ heads ({harness.short_error(e)[:80]})"
 
 
 def config_id(B: int, T: int, HQ: int, H: int, D: int, inputs: str = "random") -> str:
     """The rows' config id: the shape, with `-structured` for the structured inputs."""
-    return shape_id(B, T, HQ, H, D) + ("" if inputs == "random" else f"-{inputs}")
+    return harness.shape_id(B, T, HQ, H, D) + ("" if inputs == "random" else f"-{inputs}")
 
 
 def config_setup(r: Runner, T: int, B: int, inputs: str = "random") -> tuple:
@@ -358,7 +336,7 @@ def bench_config(r: Runner, T: int, B: int, flex, BlockMask, flex_note: str = ""
         cfg_id = config_id(B, T, HQ, H, D, inputs)
         print(f"\n== {cfg_id}: {skip}", flush=True)
         for impl in a.impls:
-            r.rows.append(Row(impl, cfg_id, "-", a.topk + a.local_blocks, "fwd", note=skip))
+            r.rows.append(harness.Row(impl, cfg_id, "-", a.topk + a.local_blocks, "fwd", note=skip))
         return {"config": cfg_id, "inputs": inputs, "T": T, "B": B, "skipped": skip}
     cfg_id, cfg, K, q, k, v, cu, stages, cache_lens, n_q_rows = config_setup(r, T, B, inputs)
     if r.device.type == "cuda":     # which stage-1 launch runs: one, or key-range passes (docs/stage1.md, 9.)
@@ -375,7 +353,7 @@ def bench_config(r: Runner, T: int, B: int, flex, BlockMask, flex_note: str = ""
     mem = {"config": cfg_id, "inputs": inputs, "T": T, "B": B, "topk_idx_GiB": H * B * T * K * 4 / 2**30}
     topk_idx = None
     if "selection" in a.impls:
-        r.time(Row("selection", cfg_id, "-", K, "fwd"), selection, None, n_q_rows, D, memory=mem,
+        r.time(harness.Row("selection", cfg_id, "-", K, "fwd"), selection, None, n_q_rows, D, memory=mem,
                keep=lambda aux: aux["topk_idx"])
         topk_idx = r.kept
     if topk_idx is None:     # not requested, or it failed: the other rows still need the selection
@@ -388,16 +366,16 @@ def bench_config(r: Runner, T: int, B: int, flex, BlockMask, flex_note: str = ""
         return stages["sparse_attn"](q, k, v, cu, cu, topk_idx, T, T, causal=True, block_size=cfg.block_size)
 
     if "stage2" in a.impls:
-        r.time(Row("stage2", cfg_id, "-", K, "fwd"), stage2, keys, n_q_rows, D)
+        r.time(harness.Row("stage2", cfg_id, "-", K, "fwd"), stage2, keys, n_q_rows, D)
     if "pipeline" in a.impls:
-        r.time(Row("pipeline", cfg_id, "-", K, "fwd"), pipeline, keys, n_q_rows, D, memory=mem)
+        r.time(harness.Row("pipeline", cfg_id, "-", K, "fwd"), pipeline, keys, n_q_rows, D, memory=mem)
     if "sdpa_cudnn" in a.impls:
         try:
             (fn, note), skip = sdpa_cudnn_fn(q, k, v, B, T), ""
         except Exception as e:  # noqa: BLE001
-            fn, note, skip = None, "", f"setup: {_short(e)}"
-        r.time(Row("sdpa_cudnn", cfg_id, "-", None, "fwd", note=note), fn, causal_dense_keys(B, T, HQ),
-               n_q_rows, D, skip)
+            fn, note, skip = None, "", f"setup: {harness.short_error(e)}"
+        r.time(harness.Row("sdpa_cudnn", cfg_id, "-", None, "fwd", note=note), fn,
+               harness.causal_dense_keys(B, T, HQ), n_q_rows, D, skip)
         fn = None
         r.free()
     if "flex_union" in a.impls:
@@ -406,12 +384,12 @@ def bench_config(r: Runner, T: int, B: int, flex, BlockMask, flex_note: str = ""
             try:
                 fn, fkeys = flex_union_fn(flex, BlockMask, topk_idx, q, k, v, B, T, HQ)
             except Exception as e:  # noqa: BLE001
-                skip = f"setup: {_short(e)}"
-        r.time(Row("flex_union", cfg_id, "-", K, "fwd"), fn, fkeys, n_q_rows, D, skip)
+                skip = f"setup: {harness.short_error(e)}"
+        r.time(harness.Row("flex_union", cfg_id, "-", K, "fwd"), fn, fkeys, n_q_rows, D, skip)
     return mem
 
 
-def summary(rows: list[Row], memory: list[dict]) -> list[dict]:
+def summary(rows: list[harness.Row], memory: list[dict]) -> list[dict]:
     """One line per config: ms of every row, selection / stage 2, anchor ms / pipeline ms, the
     selection's share of the pipeline and memory."""
     by = {(x.config, x.impl): x for x in rows}
@@ -470,7 +448,7 @@ def goal_verdicts(recs: list[dict]) -> list[dict]:
 
 
 def add_common_args(p: argparse.ArgumentParser, impls: tuple[str, ...]) -> None:
-    add_run_args(p, target_ms=1000.0, min_rep=2, max_rep=10)
+    harness.add_run_args(p, target_ms=1000.0, min_rep=2, max_rep=10)
     p.add_argument("--max-configs", type=int, default=0, help="run only the first N configs (0: all)")
     p.add_argument("--backend", default="auto", choices=("auto", "kernels", "reference"),
                    help="stage implementations (infllm_cupy.pipeline.stages_for). Default: auto")
@@ -487,15 +465,12 @@ def add_common_args(p: argparse.ArgumentParser, impls: tuple[str, ...]) -> None:
 def finish_args(p: argparse.ArgumentParser, a, impls: tuple[str, ...]):
     dev = torch.device(a.device)
     if a.configs is None:
-        a.configs = ("8kx2" if dev.type == "cuda" else "512x2") if a.quick else README_CONFIGS
-    a.configs = [parse_config(c) for c in a.configs.split(",") if c]
+        a.configs = ("8kx2" if dev.type == "cuda" else "512x2") if a.quick else harness.README_CONFIGS
+    a.configs = [harness.parse_config(c) for c in a.configs.split(",") if c]
     if a.max_configs > 0:
         a.configs = a.configs[:a.max_configs]
-    a.impls = csv_choices(p, "--impls", a.impls, impls)
-    if a.hq % a.h:
-        p.error("--hq must be a multiple of --h")
-    if a.quick:
-        a.target_ms, a.max_rep = min(a.target_ms, 300.0), min(a.max_rep, 5)
+    a.impls = harness.csv_choices(p, "--impls", a.impls, impls)
+    harness.check_run_args(p, a, quick_target_ms=300.0, quick_max_rep=5)
     return a
 
 
@@ -517,7 +492,7 @@ def parse_args(argv=None):
         a.configs = re.sub(r"(\d+(?:\.\d+)?)[mM]x", lambda m: f"{round(float(m.group(1)) * 1024)}kx",
                            a.configs)
     a = finish_args(p, a, IMPLS)
-    a.inputs = csv_choices(p, "--inputs", a.inputs, INPUTS)
+    a.inputs = harness.csv_choices(p, "--inputs", a.inputs, INPUTS)
     if not a.inputs:
         p.error("--inputs must name at least one of " + ",".join(INPUTS))
     a.configs = [(T, B, inputs) for T, B in a.configs for inputs in a.inputs]
@@ -549,11 +524,11 @@ def no_validation(keep: bool):
     return contextlib.nullcontext() if keep else _env.override(validate=False)
 
 
-def main(argv=None) -> list[Row]:
+def main(argv=None) -> list[harness.Row]:
     a = parse_args(argv)
     dev = torch.device(a.device)
-    env = env_stamp()
-    print("env: " + ", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
+    env = harness.env_stamp()
+    harness.print_env(env)
     from infllm_cupy.pipeline import stage_names, stages_for
 
     probe = torch.empty(0, device=dev)
@@ -580,11 +555,11 @@ def main(argv=None) -> list[Row]:
                     check, memory)
     gl = goal_verdicts(recs)
     print("\n### Goals (selection and pipeline; H100, README head config, K = 96)")
-    print(format_table(gl, ["goal", "value", "target", "met"], max_width=80) if gl
+    print(harness.format_table(gl, ["goal", "value", "target", "met"], max_width=80) if gl
           else "(no config of a goal ran: 32kx8, 128kx2, 512kx1)")
     if a.json:
-        write_json(rows, a.json, env, extra={"check": check, "memory": memory, "summary": recs, "goals": gl,
-                                             "argv": sys.argv[1:]})
+        harness.write_json(rows, a.json, env, extra={"check": check, "memory": memory, "summary": recs,
+                                                     "goals": gl, "argv": sys.argv[1:]})
     return rows
 
 

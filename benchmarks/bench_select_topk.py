@@ -27,8 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._harness import bench_gpu_time, capture_graph, env_line, env_stamp, format_table, summarize  # noqa: E402
-from benchmarks.bench_decode import parse_config, random_cache  # noqa: E402
+from benchmarks import _harness as harness  # noqa: E402
 
 SCORES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -50,7 +49,7 @@ def bench_config(a, B: int, L: int) -> list[dict]:
     cfg_id = f"{B}x{L // 1024}k" if L % 1024 == 0 else f"{B}x{L}"
     g = torch.Generator(device=dev).manual_seed(0)
     try:
-        cache = random_cache(B, L, a.h, a.d, torch.bfloat16, dev, g)
+        cache = harness.random_cache(B, L, a.h, a.d, torch.bfloat16, dev, g)
         q = torch.randn(B, a.hq, a.d, generator=g, device=dev, dtype=torch.bfloat16)
     except torch.OutOfMemoryError as e:
         return [{"impl": "-", "config": cfg_id, "note": f"inputs: {_short(e)}"}]
@@ -79,9 +78,9 @@ def bench_config(a, B: int, L: int) -> list[dict]:
         try:
             results[impl] = calls[impl]()
             torch.cuda.synchronize()
-            times = bench_gpu_time(capture_graph(calls[impl], a.inner).replay, warmup=3, rep=a.rep,
-                                   target_ms=300, min_rep=10, max_rep=100, device=dev)
-            st = summarize(times)
+            times = harness.bench_gpu_time(harness.capture_graph(calls[impl], a.inner).replay, warmup=3,
+                                           rep=a.rep, target_ms=300, min_rep=10, max_rep=100, device=dev)
+            st = harness.summarize(times)
             rec["us"] = st["ms"] * 1e3 / a.inner
             rec["us_p20"], rec["us_p80"] = st["ms_p20"] * 1e3 / a.inner, st["ms_p80"] * 1e3 / a.inner
         except Exception as e:  # noqa: BLE001 - one row failing must not end the table
@@ -116,18 +115,18 @@ def main(argv=None):
         p.error("--inner must be >= 1 and --hq a multiple of --h")
     a.topk_threads = [int(x) for x in a.topk_threads.split(",") if x]
     try:
-        configs = [parse_config(c) for c in a.configs.split(",") if c]
+        configs = [harness.parse_decode_config(c) for c in a.configs.split(",") if c]
     except ValueError:
         p.error(f"--configs: expected BATCHxCONTEXT entries like 8x128k, got {a.configs!r}")
-    env, t_start = env_stamp(), time.perf_counter()
+    env, t_start = harness.env_stamp(), time.perf_counter()
     recs = []
     for B, L in configs:
         recs += bench_config(a, B, L)
         torch.cuda.empty_cache()
     print()
     cols = ["impl", "config", "score", "us", "us_p20", "us_p80", "same", "note"]
-    print(format_table(recs, cols, max_width=100))
-    print(env_line(env, t_start))
+    print(harness.format_table(recs, cols, max_width=100))
+    print(harness.env_line(env, t_start))
     if a.json:
         import json
 

@@ -31,23 +31,15 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._harness import Row, causal_dense_keys, env_stamp  # noqa: E402
-from benchmarks.bench_pipeline import (  # noqa: E402
-    Runner,
-    add_common_args,
-    check_against_reference,
-    config_setup,
-    finish_args,
-    sdpa_cudnn_fn,
-)
-from benchmarks.bench_stage2 import _short  # noqa: E402
+from benchmarks import bench_pipeline as bp  # noqa: E402
+from benchmarks._harness import Row, causal_dense_keys, env_stamp, print_env, short_error  # noqa: E402
 
 IMPLS = ("compress_fine", "compress_coarse", "stage1_select", "scores", "pool", "topk", "selection",
          "sdpa_cudnn")
 STEPS = ("scores", "pool", "topk")
 
 
-def bench_config(r: Runner, T: int, B: int) -> dict:
+def bench_config(r: bp.Runner, T: int, B: int) -> dict:
     """Time every requested row on one `(T, B)`; returns the memory record of the config."""
     from infllm_cupy.pipeline import select_blocks
     from infllm_cupy.stage1.naive import (
@@ -60,7 +52,7 @@ def bench_config(r: Runner, T: int, B: int) -> dict:
 
     a = r.args
     HQ, D = a.hq, a.d
-    cfg_id, cfg, K, q, k, v, cu, stages, cache_lens, n_q_rows = config_setup(r, T, B)
+    cfg_id, cfg, K, q, k, v, cu, stages, cache_lens, n_q_rows = bp.config_setup(r, T, B)
     mem = {"config": cfg_id}
     with torch.no_grad():
         (ck1, cu1), (ck2, cu2) = (stages["compress_k"](k, cu, cfg.kernel_size, cfg.kernel_stride),
@@ -111,9 +103,9 @@ def bench_config(r: Runner, T: int, B: int) -> dict:
         r.time(Row(impl, cfg_id, "-", K, "fwd"), fn, None, n_q_rows, D, skip, memory=mem)
     if "sdpa_cudnn" in a.impls:
         try:
-            (fn, note), skip = sdpa_cudnn_fn(q, k, v, B, T), ""
+            (fn, note), skip = bp.sdpa_cudnn_fn(q, k, v, B, T), ""
         except Exception as e:  # noqa: BLE001
-            fn, note, skip = None, "", f"setup: {_short(e)}"
+            fn, note, skip = None, "", f"setup: {short_error(e)}"
         r.time(Row("sdpa_cudnn", cfg_id, "-", None, "fwd", note=note), fn, causal_dense_keys(B, T, HQ),
                n_q_rows, D, skip)
     return mem
@@ -136,24 +128,23 @@ def summary(rows: list[Row], memory: list[dict]) -> list[dict]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    add_common_args(p, IMPLS)
-    return finish_args(p, p.parse_args(argv), IMPLS)
+    bp.add_common_args(p, IMPLS)
+    return bp.finish_args(p, p.parse_args(argv), IMPLS)
 
 
 def main(argv=None) -> list[Row]:
     a = parse_args(argv)
     dev = torch.device(a.device)
     env = env_stamp()
-    print("env: " + ", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
+    print_env(env)
     from infllm_cupy.pipeline import stage_names, stages_for
 
     for name, impl in stage_names(stages_for(torch.empty(0, device=dev), a.backend)).items():
         print(f"stage {name:14s} {impl}")
-    check = "check skipped (--skip-check)" if a.skip_check else check_against_reference(dev, a.backend, a.hq,
-                                                                                        a.h,
-                                                                                          a.d)
+    check = ("check skipped (--skip-check)" if a.skip_check
+             else bp.check_against_reference(dev, a.backend, a.hq, a.h, a.d))
     print(check, flush=True)
-    r = Runner(a, dev)
+    r = bp.Runner(a, dev)
     memory = r.run_configs(lambda T, B: bench_config(r, T, B), env, check)
     recs = summary(r.rows, memory)
     mem_cols = [f"{i}_GiB" for i in IMPLS if any(f"{i}_GiB" in rec for rec in recs)]

@@ -25,14 +25,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._harness import bench_gpu_time, env_line, env_stamp, format_table, summarize  # noqa: E402
-from benchmarks.bench_stage2 import _short, parse_config  # noqa: E402
+from benchmarks import _harness as harness  # noqa: E402
 
 
 def parse_case(s: str) -> tuple[int, int]:
     t, g = s.split(":")
     t = t.lower()
-    T = round(float(t[:-1]) * 2**20) if t.endswith("m") else parse_config(f"{t}x1")[0]
+    T = round(float(t[:-1]) * 2**20) if t.endswith("m") else harness.parse_config(f"{t}x1")[0]
     return T, int(g)
 
 
@@ -72,7 +71,7 @@ def main(argv=None):
     from infllm_cupy.stage1.plan import scratch_bytes
 
     dev = torch.device("cuda")
-    env, t_start = env_stamp(), time.perf_counter()
+    env, t_start = harness.env_stamp(), time.perf_counter()
     recs = []
     for case in a.cases.split(","):
         T, G = parse_case(case)
@@ -81,7 +80,7 @@ def main(argv=None):
         try:
             q, ck1, ck2, cu, cu1, cu2 = inputs(T, G, a.d, dev)
         except torch.OutOfMemoryError as e:
-            recs.append({"case": case, "variant": "-", "note": f"inputs: {_short(e)}"})
+            recs.append({"case": case, "variant": "-", "note": f"inputs: {harness.short_error(e)}"})
             continue
         base = sel.device_stage1_plan(dev, G, a.d, torch.bfloat16, torch.bfloat16, out_len, rows=2 * T)
         print(f"\n== {case}: T = {T}, G = {G}, out_len = {out_len}; the plan: {base}", flush=True)
@@ -113,19 +112,19 @@ def main(argv=None):
                 else:
                     rec["identical"] = bool(torch.equal(out, ref))
                 del out
-                st = summarize(bench_gpu_time(run, warmup=0, rep=a.rep, device=dev))
+                st = harness.summarize(harness.bench_gpu_time(run, warmup=0, rep=a.rep, device=dev))
                 rec["ms"] = st["ms"]
             except Exception as e:  # noqa: BLE001 - one variant failing must not end the table
-                rec["note"] = _short(e)
+                rec["note"] = harness.short_error(e)
             recs.append(rec)
             print(f"  {name}: {rec}", flush=True)
             torch.cuda.empty_cache()
         q = ck1 = ck2 = ref = None
         torch.cuda.empty_cache()
     print()
-    print(format_table(recs, ["case", "variant", "range_blocks", "ms", "extra_GiB", "identical", "note"],
-                       max_width=100))
-    print(env_line(env, t_start))
+    print(harness.format_table(recs, ["case", "variant", "range_blocks", "ms", "extra_GiB", "identical",
+                                      "note"], max_width=100))
+    print(harness.env_line(env, t_start))
     return recs
 
 

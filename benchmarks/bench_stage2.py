@@ -36,25 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._harness import (  # noqa: E402
-    MODES,
-    README_CONFIGS,
-    Row,
-    add_run_args,
-    bench_gpu_time,
-    causal_dense_keys,
-    csv_choices,
-    env_line,
-    env_stamp,
-    flops_attn,
-    format_table,
-    free_gpu_memory,
-    print_table,
-    setup_flex,
-    summarize,
-    tflops,
-    write_json,
-)
+from benchmarks import _harness as harness  # noqa: E402
 from infllm_cupy import _env  # noqa: E402
 from infllm_cupy._constants import KV_BLOCK  # noqa: E402
 from infllm_cupy.selections import (  # noqa: E402
@@ -74,23 +56,6 @@ IMPLS = ("ours", "sdpa_cudnn", "sdpa_flash", "flex_same", "flex_union", "nsa")
 ANCHORS = IMPLS[1:]
 
 
-def parse_config(s: str) -> tuple[int, int]:
-    """'32kx8' -> (T=32768, B=8); 'k' means 1024, plain numbers are tokens ('1000x2')."""
-    t, b = s.lower().split("x")
-    T = int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
-    return T, int(b)
-
-
-def shape_id(B: int, T: int, HQ: int, H: int, D: int) -> str:
-    t = f"{T // 1024}K" if T % 1024 == 0 else str(T)
-    return f"B{B}-T{t}-HQ{HQ}-H{H}-D{D}"
-
-
-def _short(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]
-
-
 def load_ours():
     try:
         try:
@@ -99,7 +64,7 @@ def load_ours():
             from infllm_cupy.stage2.attention import sparse_attn_varlen
         return sparse_attn_varlen, ""
     except Exception as e:  # noqa: BLE001 - not written yet, or broken: the anchors still run
-        return None, f"not importable: {_short(e)}"
+        return None, f"not importable: {harness.short_error(e)}"
 
 
 def load_nsa():
@@ -109,36 +74,13 @@ def load_nsa():
             from fla.ops.nsa import parallel_nsa
         return parallel_nsa, ""
     except Exception as e:  # noqa: BLE001 - optional dependency
-        return None, f"fla not importable: {_short(e)}"
-
-
-def causal_mask(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
-
-
-def make_fn(forward: Callable, inputs: tuple[torch.Tensor, ...], mode: str) -> Callable[[], object]:
-    """The closure to time: forward under no_grad, backward of a retained graph, or both."""
-    if mode == "fwd":
-        def run():
-            with torch.no_grad():
-                return forward(*inputs)
-        return run
-    leaves = tuple(x.detach().requires_grad_() for x in inputs)
-    do = torch.randn_like(inputs[0])             # every implementation returns a q-shaped output
-    if mode == "bwd":
-        out = forward(*leaves)
-        if not out.requires_grad:
-            raise RuntimeError("output has no grad_fn (no autograd support)")
-        return lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)
-    if mode == "fwdbwd":
-        return lambda: torch.autograd.grad(forward(*leaves), leaves, do)
-    raise ValueError(mode)
+        return None, f"fla not importable: {harness.short_error(e)}"
 
 
 class Runner:
     def __init__(self, args, device: torch.device):
         self.args, self.device = args, device
-        self.rows: list[Row] = []
+        self.rows: list[harness.Row] = []
         self.t_start = time.perf_counter()
         self.check_failed = False
 
@@ -147,30 +89,25 @@ class Runner:
         limit = self.args.budget_s * (1.0 if impl == "ours" else 0.8)
         return self.args.budget_s > 0 and time.perf_counter() - self.t_start > limit
 
-    def time(self, row: Row, forward: Callable | None, inputs, keys: float | None, *, skip: str = "",
-             fail_prefix: str = "") -> Row:
+    def time(self, row: harness.Row, forward: Callable | None, inputs, keys: float | None, *, skip: str = "",
+             fail_prefix: str = "") -> harness.Row:
         """Time one row; any failure (or `skip`) is recorded in `row.note` and the run goes on."""
         a = self.args
         if keys is not None:
             row.keys_per_q = keys / self.n_q_rows
-            row.flop = flops_attn(keys, self.D, row.mode)
-        if skip or forward is None:
-            row.note = skip or "unavailable"
-        elif self.over_budget(row.impl):
-            row.note = f"skipped: --budget-s {a.budget_s:g} s exceeded"
+            row.flop = harness.flops_attn(keys, self.D, row.mode)
+        why = harness.skip_reason(skip, forward, self.over_budget(row.impl), a.budget_s)
+        if why:
+            row.note = why
         else:
             fn = None
             try:
-                fn = make_fn(forward, inputs, row.mode)
-                times = bench_gpu_time(fn, warmup=a.warmup, rep=a.rep, target_ms=a.target_ms,
-                                       min_rep=a.min_rep, max_rep=a.max_rep, device=self.device)
-                st = summarize(times)
-                row.ms, row.ms_p20, row.ms_p80, row.reps = st["ms"], st["ms_p20"], st["ms_p80"], len(times)
-                row.tflops = tflops(row.flop, row.ms)
+                fn = harness.make_fn(forward, inputs, row.mode)
+                harness.time_row(row, fn, a, self.device)
             except Exception as e:  # noqa: BLE001 - one anchor failing must not kill the table
                 no_autograd = isinstance(e, NotImplementedError) or "grad" in str(e).lower()
                 row.note = ((row.note + "; " if row.note else "") + (fail_prefix if no_autograd else "")
-                            + _short(e))
+                            + harness.short_error(e))
             finally:
                 del fn
                 self.free()
@@ -181,7 +118,7 @@ class Runner:
         return row
 
     def free(self):
-        free_gpu_memory(self.device)
+        harness.free_gpu_memory(self.device)
 
 
 def run_check(ours, args, device) -> str:
@@ -191,7 +128,7 @@ def run_check(ours, args, device) -> str:
     try:
         from infllm_cupy.stage2.naive import naive_sparse_attn_varlen as naive
     except Exception as e:  # noqa: BLE001
-        return f"check skipped: reference not importable ({_short(e)})"
+        return f"check skipped: reference not importable ({harness.short_error(e)})"
     from infllm_cupy.testing import max_abs_err
     B, T, HQ, H, D = 2, 1024, args.hq, args.h, args.d
     g = torch.Generator(device=device).manual_seed(1234)
@@ -223,7 +160,7 @@ def run_check(ours, args, device) -> str:
             verdicts.append(f"{name}/K{K}: {'ok' if ok else 'FAIL'} err={err:.2e} (ref lowp {base:.2e})")
         except Exception as e:  # noqa: BLE001
             ok = False
-            verdicts.append(f"{name}/K{K}: ERROR {_short(e)}")
+            verdicts.append(f"{name}/K{K}: ERROR {harness.short_error(e)}")
         ok_all &= ok
     return ("check PASSED: " if ok_all else "check FAILED: ") + "; ".join(verdicts)
 
@@ -233,7 +170,7 @@ def bench_config(r: Runner, T: int, B: int, impls: list[str], ours, nsa, flex, B
     a, dev = r.args, r.device
     HQ, H, D = a.hq, a.h, a.d
     G = HQ // H
-    cfg = shape_id(B, T, HQ, H, D)
+    cfg = harness.shape_id(B, T, HQ, H, D)
     r.D, r.n_q_rows = D, B * T * HQ
     print(f"\n== {cfg}: {','.join(impls)}", flush=True)
     g = torch.Generator(device=dev).manual_seed(a.seed)
@@ -247,7 +184,7 @@ def bench_config(r: Runner, T: int, B: int, impls: list[str], ours, nsa, flex, B
     qt, kt, vt = ((x.transpose(1, 2).contiguous() for x in (q4, k4, v4)) if need_bhtd else (None,) * 3)
 
     # dense SDPA, once per config
-    dense_keys = causal_dense_keys(B, T, HQ)
+    dense_keys = harness.causal_dense_keys(B, T, HQ)
     for impl in ("sdpa_cudnn", "sdpa_flash"):
         if impl not in impls:
             continue
@@ -260,19 +197,19 @@ def bench_config(r: Runner, T: int, B: int, impls: list[str], ours, nsa, flex, B
                                                                         enable_gqa=gqa)
 
         for mode in a.modes:
-            row = r.time(Row(impl, cfg, "-", None, mode), sdpa, (qt, kt, vt), dense_keys)
+            row = r.time(harness.Row(impl, cfg, "-", None, mode), sdpa, (qt, kt, vt), dense_keys)
             if row.ms is None and dev.type == "cuda" and not row.note.startswith("skipped"):
                 # GQA refused by this backend: time it on K/V repeated to HQ heads instead
                 r.rows.pop()
                 kr, vr = (x.repeat_interleave(G, dim=1) for x in (kt, vt))
-                r.time(Row(impl, cfg, "-", None, mode, note=f"KV repeated ({row.note[:80]})"),
+                r.time(harness.Row(impl, cfg, "-", None, mode, note=f"KV repeated ({row.note[:80]})"),
                        lambda q_, k_, v_: sdpa(q_, k_, v_, gqa=False), (qt, kr, vr), dense_keys)
                 del kr, vr
 
     def flex_fn(fb):
         bm = BlockMask.from_kv_blocks(fb.kv_num_blocks, fb.kv_indices, fb.full_kv_num_blocks,
                                       fb.full_kv_indices,
-                                      BLOCK_SIZE=(128, 128), mask_mod=causal_mask, seq_lengths=(T, T))
+                                      BLOCK_SIZE=(128, 128), mask_mod=harness.causal_mask, seq_lengths=(T, T))
         return lambda q_, k_, v_: flex(q_, k_, v_, block_mask=bm, enable_gqa=True)
 
     def time_flex(impl, label, K, sel):
@@ -282,9 +219,9 @@ def bench_config(r: Runner, T: int, B: int, impls: list[str], ours, nsa, flex, B
             keys, fn = fb.keys, flex_fn(fb)
             del fb
         except Exception as e:  # noqa: BLE001
-            note = f"setup: {_short(e)}"
+            note = f"setup: {harness.short_error(e)}"
         for mode in a.modes:
-            r.time(Row(impl, cfg, label, K, mode), fn, (qt, kt, vt), keys, skip=note)
+            r.time(harness.Row(impl, cfg, label, K, mode), fn, (qt, kt, vt), keys, skip=note)
         del fn
         r.free()
 
@@ -304,7 +241,8 @@ def bench_config(r: Runner, T: int, B: int, impls: list[str], ours, nsa, flex, B
                 def ours_fwd(q_, k_, v_, topk=topk):
                     return ours(q_, k_, v_, cu, cu, topk, T, T, causal=True, **a.ours_kwargs)
                 for mode in a.modes:
-                    r.time(Row("ours", cfg, label, K, mode, note="CHECK FAILED" if r.check_failed else ""),
+                    r.time(harness.Row("ours", cfg, label, K, mode,
+                                       note="CHECK FAILED" if r.check_failed else ""),
                            ours_fwd if ours else None, (q, k, v), keys, skip="" if ours else r.ours_err,
                            fail_prefix="" if mode == "fwd" else "skipped, no backward yet: ")
             if "flex_union" in impls:
@@ -318,7 +256,7 @@ def bench_config(r: Runner, T: int, B: int, impls: list[str], ours, nsa, flex, B
                         return nsa(q_, k_, v_, block_indices=bi, block_counts=bc, block_size=KV_BLOCK,
                                    window_size=0)
                 for mode in a.modes:
-                    r.time(Row("nsa", cfg, label, K, mode), fn, (q4, k4, v4), keys,
+                    r.time(harness.Row("nsa", cfg, label, K, mode), fn, (q4, k4, v4), keys,
                            skip="" if nsa else r.nsa_err)
                 fn = bi = bc = None
             del topk
@@ -330,18 +268,18 @@ def bench_config(r: Runner, T: int, B: int, impls: list[str], ours, nsa, flex, B
 IMPL_ORDER = {i: n for n, i in enumerate(IMPLS)}
 
 
-def sort_rows(rows: list[Row]) -> list[Row]:
+def sort_rows(rows: list[harness.Row]) -> list[harness.Row]:
     """Config order as run, then K, selection, implementation, mode."""
     cfg_order = {}
     for x in rows:
         cfg_order.setdefault(x.config, len(cfg_order))
     return sorted(rows, key=lambda x: (cfg_order[x.config], x.K or 0, x.selection, IMPL_ORDER.get(x.impl, 99),
-                                       MODES.index(x.mode) if x.mode in MODES else 9))
+                                       harness.MODES.index(x.mode) if x.mode in harness.MODES else 9))
 
 
-def add_ratios(rows: list[Row]) -> None:
+def add_ratios(rows: list[harness.Row]) -> None:
     """ours.ratios[anchor] = anchor ms / ours ms, matched on what the anchor depends on."""
-    def key(row: Row, impl: str):
+    def key(row: harness.Row, impl: str):
         if impl.startswith("sdpa"):
             return (impl, row.config, row.mode)
         if impl == "flex_same":
@@ -354,7 +292,7 @@ def add_ratios(rows: list[Row]) -> None:
             x.ratios = {i: index[key(x, i)].ms / x.ms for i in ANCHORS if key(x, i) in index}
 
 
-def pivot(rows: list[Row], field: str) -> tuple[list[dict], list[str]]:
+def pivot(rows: list[harness.Row], field: str) -> tuple[list[dict], list[str]]:
     """One line per (config, selection, K, mode) of the ours rows: ms per implementation, or ratios."""
     add_ratios(rows)
     out = []
@@ -381,12 +319,12 @@ def pivot(rows: list[Row], field: str) -> tuple[list[dict], list[str]]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    add_run_args(p, target_ms=600.0, min_rep=3, max_rep=20)
+    harness.add_run_args(p, target_ms=600.0, min_rep=3, max_rep=20)
     p.add_argument("--K", default="64,96",
                    help="selected 64-key blocks per query, comma-separated. Default: 64,96")
     p.add_argument("--selections", default="a,b,c", help="a (block-shared), b (per-token), c (InfLLM-like)")
     p.add_argument("--modes", default="fwd",
-                   help=f"comma-separated subset of {','.join(MODES)}. Default: fwd")
+                   help=f"comma-separated subset of {','.join(harness.MODES)}. Default: fwd")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"subset of {','.join(IMPLS)}")
     p.add_argument("--skip-check", action="store_true",
                    help="skip ours-vs-reference check on a reduced shape")
@@ -400,30 +338,28 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     dev = torch.device(a.device)
     if a.configs is None:
-        a.configs = ("8kx2" if dev.type == "cuda" else "512x2") if a.quick else README_CONFIGS
-    a.configs = [parse_config(c) for c in a.configs.split(",") if c]
+        a.configs = ("8kx2" if dev.type == "cuda" else "512x2") if a.quick else harness.README_CONFIGS
+    a.configs = [harness.parse_config(c) for c in a.configs.split(",") if c]
     a.K = [int(x) for x in a.K.split(",") if x]
-    a.selections = csv_choices(p, "--selections", a.selections, SELECTION_NAMES)
-    a.modes = csv_choices(p, "--modes", a.modes, MODES)
-    a.impls = csv_choices(p, "--impls", a.impls, IMPLS)
-    if a.hq % a.h:
-        p.error("--hq must be a multiple of --h")
-    if a.quick:
-        a.target_ms, a.max_rep = min(a.target_ms, 200.0), min(a.max_rep, 10)
+    a.selections = harness.csv_choices(p, "--selections", a.selections, SELECTION_NAMES)
+    a.modes = harness.csv_choices(p, "--modes", a.modes, harness.MODES)
+    a.impls = harness.csv_choices(p, "--impls", a.impls, IMPLS)
+    harness.check_run_args(p, a, quick_target_ms=200.0, quick_max_rep=10)
     return a
 
 
-def main(argv=None) -> list[Row]:
+def main(argv=None) -> list[harness.Row]:
     a = parse_args(argv)
     dev = torch.device(a.device)
-    env = env_stamp()
-    print("env: " + ", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
+    env = harness.env_stamp()
+    harness.print_env(env)
     r = Runner(a, dev)
     ours, r.ours_err = load_ours()
     nsa, r.nsa_err = (load_nsa() if "nsa" in a.impls else (None, "not requested"))
     print(f"ours: {'ok' if ours else r.ours_err}; nsa: {'ok' if nsa else r.nsa_err}", flush=True)
 
-    flex, BlockMask = setup_flex(dev, compile_=not a.no_compile, backward=any(m != "fwd" for m in a.modes))
+    flex, BlockMask = harness.setup_flex(dev, compile_=not a.no_compile,
+                                         backward=any(m != "fwd" for m in a.modes))
 
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -444,27 +380,30 @@ def main(argv=None) -> list[Row]:
             try:
                 bench_config(r, T, B, impls, ours, nsa, flex, BlockMask)
             except Exception as e:  # noqa: BLE001 - e.g. OOM building inputs: record it, go on
-                r.rows.append(Row(phase, shape_id(B, T, a.hq, a.h, a.d), note=f"config failed: {_short(e)}"))
-                print(f"config {T}x{B} ({phase}) failed: {_short(e)}", flush=True)
+                r.rows.append(harness.Row(phase, harness.shape_id(B, T, a.hq, a.h, a.d),
+                                          note=f"config failed: {harness.short_error(e)}"))
+                print(f"config {T}x{B} ({phase}) failed: {harness.short_error(e)}", flush=True)
                 r.free()
             if a.json:
-                write_json(sort_rows(r.rows), a.json, env, extra={"check": check, "argv": sys.argv[1:]})
+                harness.write_json(sort_rows(r.rows), a.json, env,
+                                   extra={"check": check, "argv": sys.argv[1:]})
 
     stack.close()   # validation back on: leave the process as we found it (main() may run in-process)
     peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
     add_ratios(r.rows)
     r.rows = sort_rows(r.rows)
-    print_table(r.rows,
-                title="All rows (ms = median; TFLOP/s effective on attended keys; keys_per_q per query head)")
+    harness.print_table(
+        r.rows, title="All rows (ms = median; TFLOP/s effective on attended keys; keys_per_q per query head)")
     for field, title in (("ms", "ms per implementation (median)"),
                          ("ratio", "anchor ms / ours ms (> 1: ours faster)")):
         recs, cols = pivot(r.rows, field)
         print(f"\n{title}")
-        print(format_table(recs, cols) if recs else "(no ours rows)")
+        print(harness.format_table(recs, cols) if recs else "(no ours rows)")
     print(f"\n{check}")
-    print(env_line(env, r.t_start, f"peak GPU memory {peak:.1f} GiB"), flush=True)
+    print(harness.env_line(env, r.t_start, f"peak GPU memory {peak:.1f} GiB"), flush=True)
     if a.json:
-        write_json(r.rows, a.json, env, extra={"check": check, "argv": sys.argv[1:], "peak_gib": peak})
+        harness.write_json(r.rows, a.json, env,
+                           extra={"check": check, "argv": sys.argv[1:], "peak_gib": peak})
     return r.rows
 
 

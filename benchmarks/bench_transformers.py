@@ -88,15 +88,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._harness import (  # noqa: E402
-    bench_gpu_time,
-    csv_choices,
-    device_copy,
-    env_line,
-    env_stamp,
-    format_table,
-    free_gpu_memory,
-)
+from benchmarks import _harness as harness  # noqa: E402
 
 IMPLS = ("sdpa_dynamic", "sdpa_static", "sdpa_static_compiled", "ours", "ours_graphs", "ours_compiled",
          "ours_dynamic", "minicpm4", "minicpm4_compat")
@@ -135,9 +127,7 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int, default=None, help="hidden size. Default: 4096 (--quick: 1024)")
     p.add_argument("--intermediate", type=int, default=None, help="MLP size. Default: 16384 (--quick: 2048)")
     p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--hq", type=int, default=32)
-    p.add_argument("--h", type=int, default=2)
-    p.add_argument("--d", type=int, default=128)
+    harness.add_head_args(p)
     p.add_argument("--dense-len", type=int, default=8192)
     p.add_argument("--topk", type=int, default=64)
     p.add_argument("--window", type=int, default=2048,
@@ -166,7 +156,7 @@ def parse_args(argv=None):
         a.batches = [int(x) for x in (a.batches or ("1" if q else "1,8")).split(",") if x]
     except ValueError as e:
         p.error(f"--contexts / --batches: {e}")
-    a.impls = csv_choices(p, "--impls", a.impls, IMPLS)
+    a.impls = harness.csv_choices(p, "--impls", a.impls, IMPLS)
     a.layers = a.layers or (2 if q else 4)
     a.hidden = a.hidden or (1024 if q else 4096)
     a.intermediate = a.intermediate or (2048 if q else 16384)
@@ -469,25 +459,25 @@ COLUMNS = {"impl": "impl", "batch": "batch", "context": "context", "prefill_ms":
 
 def table(rows: list[dict]) -> str:
     recs = [{COLUMNS[k]: (context_id(r[k]) if k == "context" else r.get(k)) for k in COLUMNS} for r in rows]
-    return format_table(recs, list(COLUMNS.values()), max_width=90)
+    return harness.format_table(recs, list(COLUMNS.values()), max_width=90)
 
 
 def main(argv=None) -> list[dict]:
     a = parse_args(argv)
     dev = torch.device(a.device)
     t0 = time.perf_counter()
-    env = env_stamp()
+    env = harness.env_stamp()
     import transformers
 
     from infllm_cupy.integrations.transformers import register
 
     env["transformers"] = transformers.__version__
-    print("env: " + ", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
+    harness.print_env(env)
     register()
-    fn, nbytes = device_copy(dev)
-    copy_ms = statistics.median(bench_gpu_time(fn, warmup=3, rep=20, device=dev))
+    fn, nbytes = harness.device_copy(dev)
+    copy_ms = statistics.median(harness.bench_gpu_time(fn, warmup=3, rep=20, device=dev))
     del fn
-    free_gpu_memory(dev)
+    harness.free_gpu_memory(dev)
     gbps = nbytes / (copy_ms * 1e6)
     model, cfg = build_model(a, dev)
     bench = Bench(a, dev, model, cfg)
@@ -538,7 +528,7 @@ def main(argv=None) -> list[dict]:
                             from torch._inductor.cudagraph_trees import reset_cudagraph_trees
                             reset_cudagraph_trees()
                         bench.compiled.clear()
-                free_gpu_memory(dev)
+                harness.free_gpu_memory(dev)
                 finish_floor(row, wbytes, kv_floor_bytes(a, impl, B, T, bench.esz), gbps)
                 if dev.type == "cuda":
                     row["mem_after_gib"] = torch.cuda.memory_allocated() / 2**30
@@ -563,7 +553,7 @@ def main(argv=None) -> list[dict]:
           "x floor: ms/step over the byte floor")
     print("largest batch x context that ran: " + (", ".join(
         f"{i} {b}x{context_id(t)}" for i, (_, b, t) in largest.items()) or "none"))
-    print(env_line(env, t0), flush=True)
+    print(harness.env_line(env, t0), flush=True)
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps({

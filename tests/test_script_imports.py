@@ -15,17 +15,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 KNOWN = {
-    ("benchmarks/bench_patterns.py", "benchmarks.bench_stage2"),
-    ("benchmarks/bench_pipeline.py", "benchmarks.bench_stage2"),
-    ("benchmarks/bench_select_topk.py", "benchmarks.bench_decode"),
     ("benchmarks/bench_stage1.py", "benchmarks.bench_pipeline"),
-    ("benchmarks/bench_stage1.py", "benchmarks.bench_stage2"),
-    ("benchmarks/bench_stage1_ranges.py", "benchmarks.bench_stage2"),
     ("tools/ab_bwd_plans.py", "bench_patterns"),
-    ("tools/ab_decode.py", "benchmarks.bench_decode"),
-    ("tools/ab_select_decode.py", "benchmarks.bench_decode"),
     ("tools/cp_memory.py", "benchmarks.bench_cp"),
-    ("tools/profile_decode.py", "benchmarks.bench_decode"),
     ("tools/profile_transformers.py", "benchmarks.bench_transformers"),
 }
 

@@ -43,8 +43,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._harness import capture_graph
-from benchmarks.bench_decode import random_selection
+from benchmarks._harness import capture_graph, random_selection
 from infllm_cupy import _env
 from infllm_cupy._launch import CXX_TYPE, cdiv, ptr
 from infllm_cupy.decode._fast import Launches

@@ -27,8 +27,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks._harness import capture_graph  # noqa: E402
-from benchmarks.bench_decode import parse_config, random_cache  # noqa: E402
+from benchmarks._harness import capture_graph, parse_decode_config, random_cache  # noqa: E402
 from infllm_cupy import _env  # noqa: E402
 
 VARIANTS = ("default", "short")
@@ -63,7 +62,7 @@ def main(argv=None) -> int:
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     print(f"{torch.cuda.get_device_name(dev)}; trees " + ", ".join(f"{lb}={d}" for lb, d in trees))
     for cfg in a.configs.split(","):
-        B, L = parse_config(cfg)
+        B, L = parse_decode_config(cfg)
         g = torch.Generator(device=dev).manual_seed(0)
         cache = random_cache(B, L, H, D, torch.bfloat16, dev, g)
         q = torch.randn(B, HQ, D, generator=g, device=dev, dtype=torch.bfloat16)

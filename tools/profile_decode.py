@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_decode import parse_config, random_cache, random_selection  # noqa: E402
+from benchmarks._harness import parse_decode_config, random_cache, random_selection  # noqa: E402
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
     from infllm_cupy.decode.step import infllmv2_decode
     from infllm_cupy.pipeline import InfLLMv2Config
 
-    B, L = parse_config(a.config)
+    B, L = parse_decode_config(a.config)
     HQ, H, D, dev = 32, 2, 128, torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     cache = random_cache(B, L, H, D, torch.bfloat16, dev, g)
