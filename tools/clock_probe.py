@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._harness import add_shape_args
 from infllm_cupy.selections import (
     block_shared,
     make_selection,
@@ -67,9 +68,7 @@ def report(name: str, ms: float, rows: list[list[str]]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--T", type=int, default=32768)
-    p.add_argument("--B", type=int, default=8)
-    p.add_argument("--K", type=int, default=64)
+    add_shape_args(p, T=32768, B=8)
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--no-flex", action="store_true")
     a = p.parse_args()

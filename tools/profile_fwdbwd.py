@@ -20,16 +20,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._harness import add_shape_args
 from infllm_cupy.selections import SELECTIONS, make_selection, uniform_cu_seqlens
 from infllm_cupy.stage2 import sparse_attn_varlen
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--T", type=int, default=32768)
-    p.add_argument("--B", type=int, default=2)
-    p.add_argument("--K", type=int, default=64)
-    p.add_argument("--D", type=int, default=128)
+    add_shape_args(p, T=32768, B=2, D=128)
     p.add_argument("--sel", nargs="+", default=["a", "b", "c"], choices=sorted(SELECTIONS))
     p.add_argument("--split", action="store_true", help="time fwd, fwd with grad, bwd and fwd+bwd apart")
     p.add_argument("--rep", type=int, default=10)

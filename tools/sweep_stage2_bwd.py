@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._harness import bench_gpu_time, flops_attn
+from benchmarks._harness import add_shape_args, bench_gpu_time, flops_attn
 from infllm_cupy.selections import SELECTIONS, attended_keys, make_selection, uniform_cu_seqlens
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -33,10 +33,7 @@ from _plans import bwd_plan_named, fwd_plan_named
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--T", type=int, default=8192)
-    p.add_argument("--B", type=int, default=2)
-    p.add_argument("--K", type=int, default=64)
-    p.add_argument("--D", type=int, default=128)
+    add_shape_args(p, T=8192, B=2, D=128)
     p.add_argument("--sel", nargs="+", default=["a", "b", "c"], choices=sorted(SELECTIONS))
     p.add_argument("--tiles", default="all",
                    help="'all' (SM80 shapes and the sm90a kernels) or 'default' (SM80 default and the sm90a "
