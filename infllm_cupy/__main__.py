@@ -36,16 +36,6 @@ def _timed(fn, device):
     return out, (time.perf_counter() - t0) * 1e3
 
 
-def _positive_int(text: str) -> int:
-    try:
-        val = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if val < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {val}")
-    return val
-
-
 def _int_at_least(low: int):
     """An argparse type: an int >= `low` (the bound the option's help states)."""
     def parse(text: str) -> int:
@@ -59,14 +49,8 @@ def _int_at_least(low: int):
     return parse
 
 
-def _nonnegative_int(text: str) -> int:
-    try:
-        val = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if val < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {val}")
-    return val
+_positive_int = _int_at_least(1)
+_nonnegative_int = _int_at_least(0)
 
 
 def add_demo_arguments(p: argparse.ArgumentParser, has_gpu: bool) -> None:

@@ -402,6 +402,18 @@ def plot_block_score_maps(block_scores: torch.Tensor, cu_seqlens_q: torch.Tensor
     return fig
 
 
+def _share_axes(ax, xlabel: str, ylabel: str, title: str):
+    """Labels, a 0..1 y axis, grid, legend and title on a line plot of shares; returns `ax`."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title)
+    ax.figure.tight_layout()
+    return ax
+
+
 def plot_mass_by_query_block(curves: Mapping[str, torch.Tensor], *, q_block: int = 64, ax=None,
                              title: str | None = None):
     """Captured attention mass against the query block, one line per entry of `curves`
@@ -413,14 +425,8 @@ def plot_mass_by_query_block(curves: Mapping[str, torch.Tensor], *, q_block: int
     for label, y in curves.items():
         y = torch.as_tensor(y).float().cpu()
         ax.plot(range(y.numel()), y.numpy(), label=label, lw=1.4)
-    ax.set_xlabel(f"query block i ({q_block} tokens)")
-    ax.set_ylabel("dense attention mass in the selected blocks")
-    ax.set_ylim(0, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title(title or "attention mass captured along the sequence")
-    ax.figure.tight_layout()
-    return ax
+    return _share_axes(ax, f"query block i ({q_block} tokens)", "dense attention mass in the selected blocks",
+                       title or "attention mass captured along the sequence")
 
 
 def plot_mass_vs_topk(topks: Sequence[int], summaries: Sequence[dict], *, ax=None, title: str | None = None):
@@ -445,14 +451,9 @@ def plot_mass_vs_topk(topks: Sequence[int], summaries: Sequence[dict], *, ax=Non
     if positive and min(x) >= 0:
         ax.set_xscale("symlog", linthresh=min(positive))
     ax.set_xticks(x, [str(t) for t in x])
-    ax.set_xlabel("topk (K = topk + local_blocks blocks per token, the forced ones included)")
-    ax.set_ylabel("share")
-    ax.set_ylim(0, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title(title or "dense attention mass captured vs top-k budget")
-    ax.figure.tight_layout()
-    return ax
+    return _share_axes(ax, "topk (K = topk + local_blocks blocks per token, the forced ones included)",
+                       "share",
+                       title or "dense attention mass captured vs top-k budget")
 
 
 def plot_mass_per_head(summary: dict, *, ax=None, title: str | None = None):

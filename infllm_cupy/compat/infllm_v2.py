@@ -379,18 +379,21 @@ def infllmv2_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     return out, lse, None
 
 
+def _check_batch_vector(name: str, t, B: int, device) -> None:
+    """`t` (the argument `name`) is an int32 tensor `[B]` on `device` (the cache's)."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (B,):
+        raise ValueError(f"{name} must be an int32 tensor [batch={B}], got "
+                         f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} (the cache's), got {t.device}")
+
+
 def _check_batch_idx(cache_batch_idx, B: int, n_rows: int, paged: bool, device) -> list:
     """The cache rows `cache_batch_idx` names, as host ints, checked."""
     if paged:
         raise ValueError("cache_batch_idx: not with a paged cache (block_table): the original "
                          "(FlashAttention's kvcache) refuses the pair as well")
-    if (not isinstance(cache_batch_idx, torch.Tensor) or cache_batch_idx.dtype != torch.int32
-            or tuple(cache_batch_idx.shape) != (B,)):
-        raise ValueError(f"cache_batch_idx must be an int32 tensor [batch={B}], got "
-                         f"{getattr(cache_batch_idx, 'dtype', type(cache_batch_idx))} "
-                         f"{tuple(getattr(cache_batch_idx, 'shape', ()))}")
-    if cache_batch_idx.device != device:
-        raise ValueError(f"cache_batch_idx must be on {device} (the cache's), got {cache_batch_idx.device}")
+    _check_batch_vector("cache_batch_idx", cache_batch_idx, B, device)
     rows = [int(x) for x in cache_batch_idx.tolist()]
     if any(r < 0 or r >= n_rows for r in rows):
         raise ValueError(f"cache_batch_idx: rows must be in [0, {n_rows}) (the cache's batch), got "
@@ -404,13 +407,7 @@ def _check_leftpad(cache_leftpad, seqlens, B: int, paged: bool, device) -> list:
     if paged:
         raise ValueError("cache_leftpad: not with a paged cache (block_table): the original refuses the pair "
                          "(\"We don't support Paged KV and leftpad_k running at the same time yet\")")
-    if (not isinstance(cache_leftpad, torch.Tensor) or cache_leftpad.dtype != torch.int32
-            or tuple(cache_leftpad.shape) != (B,)):
-        raise ValueError(f"cache_leftpad must be an int32 tensor [batch={B}], got "
-                         f"{getattr(cache_leftpad, 'dtype', type(cache_leftpad))} "
-                         f"{tuple(getattr(cache_leftpad, 'shape', ()))}")
-    if cache_leftpad.device != device:
-        raise ValueError(f"cache_leftpad must be on {device} (the cache's), got {cache_leftpad.device}")
+    _check_batch_vector("cache_leftpad", cache_leftpad, B, device)
     pads, lens = torch.stack((cache_leftpad.to(seqlens.dtype), seqlens)).tolist()
     for b, (p, L) in enumerate(zip(pads, lens)):
         if p < 0 or p > L:

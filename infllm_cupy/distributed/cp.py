@@ -234,17 +234,7 @@ def _s2_fwd(q, k, v, slot, sel, scale, kernel, use_ops):
             from ..stage2.ops import block_sparse_attn_fwd
 
             return block_sparse_attn_fwd(
-                q,
-                k,
-                v,
-                slot.cu_q,
-                slot.cu_k,
-                sel.mask,
-                sel.q_block,
-                slot.max_q,
-                slot.max_k,
-                True,
-                scale,
+                q, k, v, slot.cu_q, slot.cu_k, sel.mask, sel.q_block, slot.max_q, slot.max_k, True, scale,
                 kernel,
             )
         sel = sel.to_topk_idx(slot.cu_q)
@@ -275,21 +265,8 @@ def _s2_bwd(dout, q, k, v, out, lse, slot, sel, scale, kernel, use_ops):
             from ..stage2.ops import block_sparse_attn_bwd
 
             return block_sparse_attn_bwd(
-                dout,
-                q,
-                k,
-                v,
-                out,
-                lse,
-                slot.cu_q,
-                slot.cu_k,
-                sel.mask,
-                sel.q_block,
-                slot.max_q,
-                slot.max_k,
-                True,
-                scale,
-                kernel,
+                dout, q, k, v, out, lse, slot.cu_q, slot.cu_k, sel.mask, sel.q_block, slot.max_q, slot.max_k,
+                True, scale, kernel,
             )
         sel = sel.to_topk_idx(slot.cu_q)
     if use_ops:
