@@ -258,13 +258,15 @@ def stage1_scores(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
     return scores
 
 
-def launch_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                  cu_seqlens_c1: torch.Tensor, cu_seqlens_c2: torch.Tensor, max_seqlen_q: int, *,
-                  causal: bool = True, cache_lens=None, softmax_scale: float | None = None, topk: int = 64,
-                  local_blocks: int = 32, init_blocks: int = 1, block_size: int = 64, kernel_stride: int = 16,
-                  coarse_kernel_stride: int = 64, varlen_offset_quirk: bool = False,
-                  score_dtype: torch.dtype | None = torch.bfloat16, return_scores: bool = False,
-                  kernel: str = "auto", plan: Stage1Plan | None = None):
+def launch_select(
+    q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, cu_seqlens_c1: torch.Tensor, cu_seqlens_c2: torch.Tensor,
+    max_seqlen_q: int, *, causal: bool = True, cache_lens=None, softmax_scale: float | None = None,
+    topk: int = 64, local_blocks: int = 32, init_blocks: int = 1,
+    block_size: int = 64, kernel_stride: int = 16, coarse_kernel_stride: int = 64,
+    varlen_offset_quirk: bool = False, score_dtype: torch.dtype | None = torch.bfloat16,
+    return_scores: bool = False, kernel: str = "auto", plan: Stage1Plan | None = None,
+):
     """`stage1_select` on the kernels: every check, then one launch as `plan` says (None: the
     `stage1_plan` of these shapes for `kernel`). Same arguments and outputs as `stage1_select`."""
     check_kernel(kernel)

@@ -26,14 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import (
-    check_flags,
-    check_int_args,
-    check_lengths_arg,
-    check_max_seqlen,
-    check_stage1_inputs,
-    seqlens_host,
-)
+from .. import _checks
+from .._checks import check_int_args, check_lengths_arg, check_max_seqlen, seqlens_host
 from .._dtypes import compute_dtype
 from .naive import _CHUNK_ELEMS, q_block_idx_prefill, vis_limit
 
@@ -224,8 +218,8 @@ def split_stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, c
     Returns:
         topk_idx (torch.Tensor): int32 `[H, total_q, K]`.
     """
-    check_flags(causal=causal, varlen_offset_quirk=varlen_offset_quirk)
-    G = check_stage1_inputs(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2)
+    _checks.check_flags(causal=causal, varlen_offset_quirk=varlen_offset_quirk)
+    G = _checks.check_stage1_inputs(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2)
     del G
     lq = seqlens_host(cu_seqlens_q)
     check_max_seqlen("max_seqlen_q", max_seqlen_q, lq)

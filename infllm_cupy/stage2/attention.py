@@ -163,12 +163,11 @@ def block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return (out, lse) if return_lse else out
 
 
-def qhead_block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                   cu_seqlens_q: torch.Tensor,
-                                   cu_seqlens_k: torch.Tensor, layout: BlockLayout, max_seqlen_q: int,
-                                   max_seqlen_k: int, *, causal: bool = True,
-                                   softmax_scale: float | None = None,
-                                   return_lse: bool = False, backend: str = "auto", kernel: str = "auto"):
+def qhead_block_sparse_attn_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    layout: BlockLayout, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = True,
+    softmax_scale: float | None = None, return_lse: bool = False, backend: str = "auto", kernel: str = "auto",
+):
     r"""`block_sparse_attn_varlen` under a layout with one row per query head.
 
     Query head `hq` of token t in query block i attends the 64-key blocks j with

@@ -25,14 +25,12 @@ from infllm_cupy.stage1.naive import (
     naive_select_topk,
     naive_stage1_scores,
     naive_stage1_select,
-    q_block_idx_decode,
     q_block_idx_prefill,
     vis_limit,
 )
 from infllm_cupy.stage1.plan import (
     Stage1Plan,
     choose_tiles,
-    lgp_of,
     smem_bytes,
     smem_bytes_sm90,
     stage1_plan,
@@ -300,7 +298,7 @@ def test_q_block_idx():
     assert quirk.tolist() == [(r + 100) // 64 for r in range(100)] + [r // 64 for r in range(200)]
     chunked = q_block_idx_prefill(cu, 200, cache_lens=[64, 1])
     assert chunked.tolist() == [(r + 64) // 64 for r in range(100)] + [(r + 1) // 64 for r in range(200)]
-    assert q_block_idx_decode(torch.tensor([0, 63, 64, 4095])).tolist() == [0, 0, 1, 63]
+    assert s1.q_block_idx_decode(torch.tensor([0, 63, 64, 4095])).tolist() == [0, 0, 1, 63]
 
 
 def test_stage1_select_is_the_chain():
@@ -923,7 +921,7 @@ def test_every_instance_is_registered():
                     assert sel.kernel_name(dt, st, d, sm90a) in names
                     assert sel.kernel_name(dt, st, d, sm90a, ranged=True) in names
         assert len(names) == 16
-    assert [lgp_of(G) for G in (1, 2, 3, 4, 5, 16, 17, 24, 32, 33, 64, 65, 128)] == \
+    assert [sel.lgp_of(G) for G in (1, 2, 3, 4, 5, 16, 17, 24, 32, 33, 64, 65, 128)] == \
         [0, 1, 2, 2, 3, 4, 5, 5, 5, 6, 6, 7, 7]
 
 
