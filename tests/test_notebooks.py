@@ -8,21 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from infllm_cupy import viz
 from infllm_cupy.pipeline import InfLLMv2Config, naive_infllmv2_attention
 from infllm_cupy.synthetic import Needle, needle_recall, structured_sequence, synthetic_sequence
 from infllm_cupy.testing import cu_seqlens_from_lengths
-from infllm_cupy.viz import (
-    CapturedMass,
-    attention_mass_captured,
-    per_query_block,
-    plot_block_score_maps,
-    plot_mass_by_query_block,
-    plot_mass_per_head,
-    plot_mass_vs_topk,
-    plot_selection_maps,
-    summarize_mass,
-    topk_sweep,
-)
+from infllm_cupy.viz import CapturedMass, attention_mass_captured, per_query_block, summarize_mass, topk_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
@@ -207,16 +197,16 @@ def test_sweep_summaries_and_plots(tmp_path):
     assert sums[1]["mass_per_head"].shape == (4,) and sums[1]["mass_per_kv_head"].shape == (2,)
     per_block = per_query_block(cm[2].mass, data.cu_seqlens)
     assert per_block.shape == (4, 16) and torch.allclose(per_block[:, :3], torch.ones(4, 3))
-    figs = [plot_selection_maps(aux["topk_idx"], data.cu_seqlens, needles=data.needles),
-            plot_block_score_maps(aux["block_scores"], data.cu_seqlens, needles=data.needles),
-            plot_mass_by_query_block({"topk 2": per_block.mean(0)}).figure,
-            plot_mass_vs_topk([2, 4, 8], sums).figure, plot_mass_per_head(sums[1]).figure]
+    figs = [viz.plot_selection_maps(aux["topk_idx"], data.cu_seqlens, needles=data.needles),
+            viz.plot_block_score_maps(aux["block_scores"], data.cu_seqlens, needles=data.needles),
+            viz.plot_mass_by_query_block({"topk 2": per_block.mean(0)}).figure,
+            viz.plot_mass_vs_topk([2, 4, 8], sums).figure, viz.plot_mass_per_head(sums[1]).figure]
     for i, f in enumerate(figs):
         f.savefig(tmp_path / f"{i}.png", dpi=40)
         plt.close(f)
     assert len(list(tmp_path.glob("*.png"))) == 5
     with pytest.raises(ValueError, match=r"\btopks\b"):
-        plot_mass_vs_topk([2, 4], sums)
+        viz.plot_mass_vs_topk([2, 4], sums)
 
 
 # ------------------------------------------------------------------------------------ size choice
