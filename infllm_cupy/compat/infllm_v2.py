@@ -229,11 +229,12 @@ def infllmv2_attn_stage1(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_v, max_
     scores = stage1_scores(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_v, int(max_seqlen_q),
                            causal=bool(causal), softmax_scale=softmax_scale, score_dtype=torch.bfloat16)
     width = scores.shape[2]
-    if width >= max_seqlen_k:
-        scores = scores[:, :, :max_seqlen_k]
-    else:  # the original's buffer is zero-initialised up to a multiple of 128 >= max_seqlen_k
+    if width > max_seqlen_k:
+        scores = scores[:, :, :max_seqlen_k].contiguous()
+    elif width < max_seqlen_k:  # the original's buffer is zero-initialised up to a multiple of 128
         scores = torch.nn.functional.pad(scores, (0, max_seqlen_k - width))
-    return torch.nan_to_num(scores, nan=0.0, posinf=float("inf"), neginf=float("-inf")).contiguous()
+    # in place: `scores` is this call's own tensor (no second [H, total_q, n1] copy)
+    return scores.nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf"))
 
 
 def max_pooling_1d(input: torch.Tensor, cache_len: int, local_blocks: int, init_blocks: int,

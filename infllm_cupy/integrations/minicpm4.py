@@ -69,13 +69,13 @@ def _windows(k: torch.Tensor, lo: int, hi: int, kernel: int, stride: int) -> tor
     return k[:, idx].to(acc).mean(dim=2).to(k.dtype)
 
 
-def _compress(k: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
-    """Every window of `k [B, L, H, D]` -> `[B, n, H, D]`: the compression kernel on CUDA tensors of its
-    shapes, `_windows` otherwise."""
+def _compress(k: torch.Tensor, kernel: int, stride: int, *, kernels: bool) -> torch.Tensor:
+    """Every window of `k [B, L, H, D]` -> `[B, n, H, D]`: with `kernels`, the compression kernel on CUDA
+    tensors of its shapes; `_windows` otherwise."""
     B, L, H, D = k.shape
     n = _n_windows(L, kernel, stride)
-    if not (k.is_cuda and D in HEAD_DIMS and k.dtype in (torch.bfloat16, torch.float16,
-                                                         torch.float32)) or n == 0:
+    if not (kernels and k.is_cuda and D in HEAD_DIMS and n > 0
+            and k.dtype in (torch.bfloat16, torch.float16, torch.float32)):
         return _windows(k, 0, n, kernel, stride)
     cu = torch.arange(B + 1, dtype=torch.int32, device=k.device) * L
     ck, _ = compress_k(k.reshape(B * L, H, D), cu, kernel, stride)
@@ -156,9 +156,8 @@ class MiniCPM4SparseAttention(nn.Module):
                 setattr(cache, _SIDE_TABLE, table)
         st = None if table is None else table.get(self.layer_idx)
         if st is None or st.length != Lk - q_len or st.ck1.shape[0] != B:
-            whole = _compress if self._fused(k) else (lambda x, kr,
-                                                     s: _windows(x, 0, _n_windows(Lk, kr, s), kr, s))
-            st = _Compressed(whole(k, *fine), whole(k, *coarse), Lk)
+            kernels = self._fused(k)
+            st = _Compressed(_compress(k, *fine, kernels=kernels), _compress(k, *coarse, kernels=kernels), Lk)
         else:
             parts = []
             for ck, (kr, s) in ((st.ck1, fine), (st.ck2, coarse)):
