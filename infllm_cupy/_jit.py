@@ -106,11 +106,26 @@ def source_fingerprint(source: str) -> str:
     return h.hexdigest()[:20]
 
 
+# Compile-time checks appended to a source: the static_asserts of its kernels' parameter structs and
+# shared constants (`_params`), so a layout that differs between the launcher and the kernel fails
+# the compile.
+_CHECKS: dict[str, list[str]] = {}
+
+
+def register_checks(source: str, text: str) -> None:
+    """Append `text` (static_asserts) to `source` whenever it is compiled."""
+    checks = _CHECKS.setdefault(source, [])
+    if text not in checks:
+        checks.append(text)
+
+
 def _code(source: str) -> str:
     # The fingerprint line makes CuPy's disk-cache key change with any included header;
     # `#line` makes NVRTC report errors against the real file name.
     text = (kernels_dir() / source).read_text()
-    return f'// infllm_cupy fingerprint {source_fingerprint(source)}\n#line 1 "{source}"\n{text}'
+    checks = "\n".join(_CHECKS.get(source, ()))
+    tail = f'\n#line 1 "{source} (checks of infllm_cupy/_params.py)"\n{checks}\n' if checks else ""
+    return f'// infllm_cupy fingerprint {source_fingerprint(source)}\n#line 1 "{source}"\n{text}{tail}'
 
 
 @functools.cache

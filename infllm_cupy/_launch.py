@@ -56,15 +56,23 @@ def ptr(t: torch.Tensor) -> np.uint64:
     return np.uint64(address)
 
 
+def describe_pointer(address: int) -> str:
+    """A pointer argument in words: the tensor it came from (`bfloat16[1000, 32, 128]@0x...`, when `ptr`
+    made it), else its address."""
+    if not address:
+        return "nullptr"
+    known = _PTR_SHAPES.get(int(address))
+    what = f"{str(known[0]).replace('torch.', '')}{list(known[1])}" if known else "pointer"
+    return f"{what}@{int(address):#x}"
+
+
 def describe_args(args) -> str:
     """The kernel arguments in words: pointers as the tensors they came from (`bfloat16[1000, 32,
     128]`, when `ptr` made them), scalars as `int32 5`, tensor maps by their size."""
     out = []
     for i, a in enumerate(args):
         if isinstance(a, np.uint64):
-            known = _PTR_SHAPES.get(int(a))
-            what = f"{str(known[0]).replace('torch.', '')}{list(known[1])}" if known else "pointer"
-            out.append(f"arg{i}={what}@{int(a):#x}" if int(a) else f"arg{i}=nullptr")
+            out.append(f"arg{i}={describe_pointer(int(a))}")
         elif isinstance(a, np.generic):
             out.append(f"arg{i}={a.dtype} {a.item()!r}")
         elif isinstance(a, np.ndarray):
@@ -75,17 +83,11 @@ def describe_args(args) -> str:
 
 
 def launch_error(name: str, grid, block, shared_mem: int, args, err: BaseException) -> RuntimeError:
-    """The exception a failed launch raises: the kernel, its launch shape and its arguments' shapes."""
+    """The exception a failed launch raises: the kernel, its launch shape and its arguments' shapes
+    (`args`: the arguments, or their description)."""
+    described = args if isinstance(args, str) else describe_args(args)
     return RuntimeError(f"launch of kernel {name} failed: {err}\n  grid={tuple(grid)}, block={tuple(block)}, "
-                        f"dynamic shared memory={shared_mem} B\n  arguments: {describe_args(args)}")
-
-
-def current_stream():
-    """CuPy view of torch's current stream on the current device."""
-    from ._cupy import import_cupy
-
-    cupy = import_cupy()
-    return cupy.cuda.Stream.from_external(torch.cuda.current_stream())
+                        f"dynamic shared memory={shared_mem} B\n  arguments: {described}")
 
 
 def empty(shape, *, dtype: torch.dtype, device) -> torch.Tensor:
@@ -98,31 +100,21 @@ def empty(shape, *, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def launch(kernel, *, name: str, grid, block, args, shared_mem: int = 0, pdl: bool = False) -> None:
-    """Launch `kernel` on torch's current stream, with the kernel's name in any error.
+def launch(kernel, *, name: str, grid, block, params=None, args=(), shared_mem: int = 0,
+           pdl: bool = False) -> None:
+    """Launch `kernel` on torch's current stream, with the kernel's name and arguments in any error.
 
-    `pdl`: launch as a programmatic dependent of the previous kernel in the stream (sm_90: it may
-    start before that one ends; the kernel orders itself with griddepcontrol). CuPy has no launch
-    with attributes, so this goes to the driver's cuLaunchKernelEx through ctypes."""
-    from ._cupy import import_cupy
-
-    cupy = import_cupy()
-
+    `params`: the kernel's parameter struct (`_params.KernelParams.pack`); `args`: plain arguments
+    (NumPy scalars, tensor maps) for the few kernels outside the package's families (tools). `pdl`:
+    launch as a programmatic dependent of the previous kernel in the stream (sm_90: it may start
+    before that one ends; the kernel orders itself with griddepcontrol)."""
     grid = tuple(int(g) for g in grid)
     if any(g <= 0 for g in grid):
         return  # nothing to do: an empty grid is not a launch error
-    block = tuple(int(b) for b in block)
-    try:
-        if shared_mem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared_mem:
-            kernel.max_dynamic_shared_size_bytes = shared_mem
-        with torch.cuda.device(torch.cuda.current_device()):
-            stream = current_stream()
-            if pdl:
-                _launch_programmatic(kernel, grid, block, args, shared_mem, stream.ptr)
-            else:
-                kernel(grid, block, args, shared_mem=shared_mem, stream=stream)
-    except (cupy.cuda.driver.CUDADriverError, cupy.cuda.runtime.CUDARuntimeError, _DriverError) as e:
-        raise launch_error(name, grid, block, shared_mem, args, e) from e
+    index = torch.cuda.current_device()
+    prepared = PreparedLaunch(kernel, name=name, grid=grid, block=block, shared_mem=shared_mem,
+                              args=(params,) if params is not None else args)
+    prepared.launch(raw_stream(index), pdl)
 
 
 class _DriverError(RuntimeError):
@@ -156,36 +148,30 @@ def _driver():
     return lib
 
 
-def _launch_programmatic(kernel, grid, block, args, shared_mem: int, stream: int) -> None:
-    # every argument by address, as cuLaunchKernelEx takes them: NumPy scalars as 0-d arrays of
-    # their own type (the kernels' int32 / int64 / float / pointer parameters), tensor maps as
-    # their 128 bytes
-    bufs = []
-    for a in args:
-        if isinstance(a, np.ndarray):
-            bufs.append(np.ascontiguousarray(a))
-        elif isinstance(a, np.generic):
-            bufs.append(np.array(a))
-        else:
-            raise TypeError(f"kernel arguments are NumPy scalars or arrays, got {type(a).__name__}")
-    params = (ctypes.c_void_p * len(bufs))(*[b.ctypes.data for b in bufs])
-    grid3, block3 = (*grid, 1, 1)[:3], (*block, 1, 1)[:3]
-    res = _launch_ex(ctypes.c_void_p(kernel.kernel.ptr), grid3, block3, shared_mem, stream, params)
-    if res != 0:
-        raise _DriverError(f"cuLaunchKernelEx: error {res} ({_error_string(res)})")
-
-
 # ------------------------------------------------------------------------------ prepared launches
-# The eager decode step is a handful of tiny kernels (docs/decode.md, 6. CUDA graphs and host
-# synchronisation), so what one launch costs on the host decides its speed. CuPy's kernel call
-# converts every argument on every call; a `PreparedLaunch` packs the arguments once into 8-byte
-# slots (the driver reads sizeof(parameter) bytes from each slot's address, so an int32 or a float
-# sits in the low 4 bytes of its slot) and later calls change only the slots that differ (the
-# pointers of per-call tensors) before one cuLaunchKernel through ctypes.
+# Every launch goes through one path: the arguments are packed once into host buffers (a kernel's
+# parameter struct from `_params`, or 8-byte slots for plain scalars), and each launch is one
+# cuLaunchKernel (cuLaunchKernelEx for programmatic dependent launches) through ctypes, reading them
+# by address. The eager decode step is a handful of tiny kernels (docs/decode.md, 6. CUDA graphs and
+# host synchronisation), so what one launch costs on the host decides its speed: a `Program` packs a
+# step's launches once and later calls rewrite only the pointers of per-call tensors.
+
+
+_NULL = np.uint64(0)
+
+
+class Packed:
+    """A kernel's parameter struct packed for a launch (`_params.KernelParams.pack`): its bytes as
+    64-bit words, and its declaration (field offsets, and how to describe it in an error)."""
+
+    __slots__ = ("decl", "words")
+
+    def __init__(self, words: np.ndarray, decl):
+        self.words, self.decl = words, decl
 
 
 def pack_arg(a) -> int:
-    """A kernel argument's 8-byte slot value: pointers and 64-bit ints as they are, 32-bit ints and
+    """A plain kernel argument's 8-byte slot value: pointers and 64-bit ints as they are, 32-bit ints and
     floats as their bits in the low 4 bytes."""
     if isinstance(a, np.uint64):
         return int(a)
@@ -193,36 +179,53 @@ def pack_arg(a) -> int:
         return int(np.asarray(a).view(np.uint32))
     if isinstance(a, (np.int64, np.float64)):
         return int(np.asarray(a).view(np.uint64))
-    raise TypeError("prepared kernel arguments are NumPy scalars (pointers as np.uint64, np.int32, "
-                    f"np.int64, np.float32), got {type(a).__name__}")
+    raise TypeError("kernel arguments are parameter structs or NumPy scalars (pointers as np.uint64, "
+                    f"np.int32, np.int64, np.float32), got {type(a).__name__}")
+
+
+def _buffer(a) -> np.ndarray:
+    """The host buffer (64-bit words) the driver reads argument `a` from."""
+    if isinstance(a, Packed):
+        return a.words.copy()
+    if isinstance(a, np.ndarray):         # a tensor map passed by value
+        raw = np.ascontiguousarray(a).view(np.uint8).ravel()
+        out = np.zeros(-(-raw.size // 8), dtype=np.uint64)
+        out.view(np.uint8)[:raw.size] = raw
+        return out
+    return np.array([pack_arg(a)], dtype=np.uint64)
 
 
 class PreparedLaunch:
-    """One kernel launch whose arguments are packed once (`args`: NumPy scalars, as `launch` takes).
+    """One kernel launch whose arguments are packed once (`args`: `Packed` parameter structs, tensor
+    maps, or NumPy scalars).
 
-    `slots[i]` holds argument i (a pointer's address, or a packed value; a `Program` rewrites the
-    pointers of per-call tensors there); `launch(stream)` launches on the raw stream handle `stream`
-    (`torch.cuda.current_stream().cuda_stream`), as a
-    programmatic dependent of the launch before it when `pdl` (sm_90). Errors raise `launch_error`'s
-    message, naming the kernel and its arguments."""
+    `bufs[i]` holds argument i as 64-bit words (a `Program` rewrites the pointers of per-call tensors
+    there); `launch(stream)` launches on the raw stream handle `stream`
+    (`torch.cuda.current_stream().cuda_stream`), as a programmatic dependent of the launch before it
+    when `pdl` (sm_90). Errors raise `launch_error`'s message, naming the kernel and its arguments."""
 
-    __slots__ = ("block", "func", "grid", "kernel", "name", "params", "shared_mem", "slots")
+    __slots__ = ("args", "block", "bufs", "func", "grid", "kernel", "name", "params", "shared_mem")
 
     def __init__(self, kernel, *, name: str, grid, block, shared_mem: int, args):
-        self.kernel, self.name = kernel, name
+        self.kernel, self.name, self.args = kernel, name, tuple(args)
         self.grid = tuple(int(g) for g in (*grid, 1, 1)[:3])
         self.block = tuple(int(b) for b in (*block, 1, 1)[:3])
         self.shared_mem = int(shared_mem)
         if self.shared_mem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < self.shared_mem:
             kernel.max_dynamic_shared_size_bytes = self.shared_mem
-        self.slots = np.array([pack_arg(a) for a in args], dtype=np.uint64)
-        base = self.slots.ctypes.data
-        self.params = (ctypes.c_void_p * max(1, len(args)))(*[base + 8 * i for i in range(len(args))])
+        self.bufs = [_buffer(a) for a in self.args]
+        self.params = (ctypes.c_void_p * max(1, len(self.bufs)))(*[b.ctypes.data for b in self.bufs])
         self.func = ctypes.c_void_p(kernel.kernel.ptr)
 
-    def args(self) -> list:
-        """The arguments as `describe_args` reads them (every slot as a pointer-sized value)."""
-        return [np.uint64(int(s)) for s in self.slots]
+    def describe(self) -> str:
+        """The arguments in words, as they are packed now."""
+        parts = []
+        for a, b in zip(self.args, self.bufs):
+            if isinstance(a, Packed):
+                parts.append(a.decl.describe(b))
+            else:
+                parts.append(describe_args([a if isinstance(a, np.ndarray) else np.uint64(int(b[0]))]))
+        return ", ".join(parts)
 
     def launch(self, stream: int, pdl: bool = False) -> None:
         lib = _driver()
@@ -233,8 +236,108 @@ class PreparedLaunch:
             res = lib.cuLaunchKernel(self.func, g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem, stream,
                                      self.params, None)
         if res:
-            raise launch_error(self.name, self.grid, self.block, self.shared_mem, self.args(), _DriverError(
-                f"cuLaunchKernel: error {res} ({_error_string(res)})"))
+            err = _DriverError(f"{'cuLaunchKernelEx' if pdl else 'cuLaunchKernel'}: error {res} "
+                               f"({_error_string(res)})")
+            raise launch_error(self.name, self.grid, self.block, self.shared_mem, self.describe(), err)
+
+
+class Program:
+    """Prepared launches in order, on one device; `run(**bindings)` re-points the named tensors'
+    pointer fields and launches them all on torch's current stream."""
+
+    __slots__ = ("device", "keep", "launches", "pdl", "slots", "sm90")
+
+    def __init__(self, device: torch.device, launches, pdl, slots, keep):
+        self.device, self.launches, self.pdl, self.slots, self.keep = device, launches, pdl, slots, keep
+        self.sm90 = torch.cuda.get_device_capability(device)[0] >= 9
+
+    def run(self, **bindings: torch.Tensor) -> None:
+        for name, t in bindings.items():
+            addr = t.data_ptr()
+            for words, i in self.slots[name]:
+                words[i] = addr
+        index = self.device.index
+        if torch.cuda.current_device() != index:
+            with torch.cuda.device(index):
+                return self._launch(index)
+        self._launch(index)
+
+    def _launch(self, index: int) -> None:
+        stream = raw_stream(index)
+        # programmatic dependent launches only while a graph is captured on sm_90: eagerly their driver
+        # call costs more host time than it saves on the GPU (docs/decode.md, 8)
+        pdl_ok = self.sm90 and torch.cuda.is_current_stream_capturing()
+        for launch, pdl in zip(self.launches, self.pdl):
+            launch.launch(stream, pdl and pdl_ok)
+
+
+class Launches:
+    """Collects launches; `run()` launches them in order on torch's current stream of `device`,
+    `program(...)` prepares them for replays. Each launch takes a parameter struct (`params`, a
+    `_params.KernelParams`, and its field `values`: tensors, contiguous on `device`, None for a
+    null pointer, or numbers)."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.items = []
+
+    def add(self, source: str, name: str, grid, block, shared_mem: int, params, values=None, *,
+            pdl: bool = False) -> None:
+        """`params`: the kernel's `KernelParams` and `values` its fields by name; or `params` a tuple of
+        plain arguments in order (tensors, None, NumPy scalars) and no `values`.
+
+        `pdl`: launch as a programmatic dependent of the launch before it while a CUDA graph is being
+        captured on sm_90 (a replay then overlaps the two); eagerly, and below sm_90, a plain launch
+        (the driver call with launch attributes costs more host time than it saves on the GPU when
+        the host is the bottleneck). The kernel must wait (griddepcontrol.wait) before reading that
+        launch's output."""
+        if values is None:
+            params, values = None, tuple(params)
+        else:
+            values = dict(values)
+        self.items.append((source, name, tuple(int(g) for g in grid), tuple(int(b) for b in block),
+                           int(shared_mem), params, values, pdl))
+
+    def program(self, **dynamic: torch.Tensor) -> Program:
+        """The launches prepared; each field that is one of the `dynamic` tensors (by identity) is
+        re-pointed by `Program.run(name=...)`. An empty grid launches nothing."""
+        from . import _jit
+
+        launches, pdl, keep = [], [], []
+        slots = {name: [] for name in dynamic}
+        with torch.cuda.device(self.device):
+            for source, name, grid, block, smem, params, values, p in self.items:
+                if not all(g > 0 for g in grid):
+                    continue
+                # a parameter struct (fields by name), or plain arguments in order (tools' kernels)
+                fields = values.items() if params is not None else enumerate(values)
+                rebind = []
+                for field, v in fields:
+                    if isinstance(v, torch.Tensor):
+                        for dn, dt in dynamic.items():
+                            if v is dt:
+                                rebind.append((dn, field))
+                                break
+                        else:
+                            keep.append(v)
+                if params is not None:
+                    args = (params.pack(**values),)
+                else:
+                    args = tuple(_NULL if a is None else ptr(a) if isinstance(a, torch.Tensor) else a
+                                 for a in values)
+                launch = PreparedLaunch(_jit.get_kernel(source, name), name=name, grid=grid, block=block,
+                                        shared_mem=smem, args=args)
+                for dn, field in rebind:
+                    if params is not None:
+                        slots[dn].append((launch.bufs[0], params.offsets[field] // 8))
+                    else:
+                        slots[dn].append((launch.bufs[field], 0))
+                launches.append(launch)
+                pdl.append(p)
+        return Program(self.device, launches, pdl, slots, keep)
+
+    def run(self) -> None:
+        self.program().run()
 
 
 def raw_stream(device_index: int) -> int:

@@ -1,5 +1,5 @@
-"""The ctypes side of programmatic dependent launches (`_launch.launch(..., pdl=True)`), on the CPU:
-the structs must have cuda.h's layout, or cuLaunchKernelEx would read garbage."""
+"""The ctypes side of launches (`_launch.launch`, `PreparedLaunch`), on the CPU: the driver's structs must
+have cuda.h's layout and every argument must reach the driver by address with its C layout."""
 import ctypes
 
 import numpy as np
@@ -25,7 +25,13 @@ def test_launch_structs_match_cuda_h():
                                           value=b"\x08\x00\x00\x00\x01"))[8:13] == b"\x08\x00\x00\x00\x00"
 
 
-def test_programmatic_launch_sets_the_attribute_bytes():
+class _Kernel:
+    """A stand-in for a loaded kernel: what PreparedLaunch reads of CuPy's RawKernel."""
+    max_dynamic_shared_size_bytes = 0
+    kernel = type("F", (), {"ptr": 0})()
+
+
+def test_programmatic_launch_sets_the_attribute_bytes(monkeypatch):
     seen = {}
 
     class FakeDriver:
@@ -33,20 +39,47 @@ def test_programmatic_launch_sets_the_attribute_bytes():
             c = cfg._obj                     # ctypes.byref(config)
             seen["attrs"] = [(c.attrs[i].id, bytes(c.attrs[i])[8:16]) for i in range(c.num_attrs)]
             return 0
-    kern = type("K", (), {"kernel": type("F", (), {"ptr": 0})()})()
-    orig = _launch._driver
-    _launch._driver = lambda: FakeDriver()
-    try:
-        _launch._launch_programmatic(kern, (8, 2), (128,), (np.int32(1),), 0, 0)
-    finally:
-        _launch._driver = orig
+    monkeypatch.setattr(_launch, "_driver", lambda: FakeDriver())
+    _launch.PreparedLaunch(_Kernel(), name="k", grid=(8, 2), block=(128,), shared_mem=0,
+                           args=(np.int32(1),)).launch(0, pdl=True)
     assert seen["attrs"] == [(6, b"\x01" + b"\x00" * 7)]
 
 
-def test_programmatic_launch_rejects_python_scalars():
+def test_launch_rejects_python_scalars():
     # a Python int has no fixed C type: it must fail before anything reaches the driver
-    with pytest.raises(TypeError, match="NumPy scalars or arrays, got int"):
-        _launch._launch_programmatic(None, (1,), (32,), (np.int32(1), 3), 0, 0)
+    with pytest.raises(TypeError, match=r"NumPy scalars .*got int"):
+        _launch.PreparedLaunch(_Kernel(), name="k", grid=(1,), block=(32,), shared_mem=0,
+                               args=(np.int32(1), 3))
+
+
+def test_prepared_launch_hands_the_driver_each_argument_by_address(monkeypatch):
+    # cuLaunchKernel reads sizeof(parameter) bytes from each address: a parameter struct as its packed
+    # bytes, a plain scalar in the low bytes of its slot
+    from infllm_cupy._params import KernelParams
+
+    decl = KernelParams("tests/no_source.cu", "TestParams", """
+        ptr a
+        i32 n
+        f32 x
+        i64 m
+    """)
+    seen = {}
+
+    class FakeDriver:
+        def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+            struct_bytes = ctypes.string_at(params[0], decl.size)
+            seen["struct"] = struct_bytes
+            seen["scalar"] = ctypes.string_at(params[1], 4)
+            seen["launch"] = (gx, gy, gz, bx, by, bz, smem, stream)
+            return 0
+    monkeypatch.setattr(_launch, "_driver", lambda: FakeDriver())
+    packed = decl.pack(a=0x1234, n=-3, x=0.5, m=2**40)
+    _launch.PreparedLaunch(_Kernel(), name="k", grid=(4, 2), block=(64,), shared_mem=100,
+                           args=(packed, np.int32(7))).launch(99)
+    import struct
+    assert seen["struct"] == struct.pack("<Qifq", 0x1234, -3, 0.5, 2**40)
+    assert seen["scalar"] == struct.pack("<i", 7)
+    assert seen["launch"] == (4, 2, 1, 64, 1, 1, 100, 99)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -70,23 +103,29 @@ def test_launch_error_names_kernel_grid_and_argument_shapes():
 
 
 def test_failed_launch_raises_with_the_description(monkeypatch):
-    # the driver's refusal, mocked (no GPU here): launch() turns it into the described RuntimeError
-    import contextlib
+    # the driver's refusal, mocked (no GPU here): launch() turns it into the described RuntimeError,
+    # with the parameter struct's fields by name
+    import torch
 
-    pytest.importorskip("cupy")
+    from infllm_cupy.compress.mean_pool import MEAN_POOL_PARAMS
 
-    class Refusing:
-        max_dynamic_shared_size_bytes = 0
-
-        def __call__(self, *a, **k):
-            raise _launch._DriverError("cuLaunchKernel: error 1 (invalid argument)")
-
+    class FakeDriver:
+        def cuLaunchKernel(self, *a):
+            return 1
+    monkeypatch.setattr(_launch, "_driver", lambda: FakeDriver())
+    monkeypatch.setattr(_launch, "_error_string", lambda res: "invalid argument")
+    monkeypatch.setattr(_launch, "raw_stream", lambda index: 0)
     monkeypatch.setattr(_launch.torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(_launch.torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(_launch, "current_stream", lambda: None)
-    with pytest.raises(RuntimeError, match=r"(?s)launch of kernel compress_mean_pool failed: cuLaunchKernel.*"
-                                           r"grid=\(4,\), block=\(64,\).*arg0=int32 3"):
-        _launch.launch(Refusing(), name="compress_mean_pool", grid=(4,), block=(64,), args=(np.int32(3),))
+    k = torch.zeros(7, 4, 64, dtype=torch.bfloat16)
+    _launch._remember(0x7000, k)
+    params = MEAN_POOL_PARAMS.pack(k=0x7000, cu_seqlens_k=0x9990, cu_seqlens_c=None, out=0x8000, batch=1,
+                                   total_c=3, H=4, kernel_size=32, kernel_stride=16)
+    with pytest.raises(RuntimeError, match=r"(?s)launch of kernel compress_mean_pool failed: cuLaunchKernel: "
+                                           r"error 1 \(invalid argument\).*grid=\(4, 1, 1\), "
+                                           r"block=\(64, 1, 1\).*"
+                                           r"k=bfloat16\[7, 4, 64\]@0x7000, cu_seqlens_k=pointer@0x9990, "
+                                           r"cu_seqlens_c=nullptr, .*batch=1, total_c=3"):
+        _launch.launch(_Kernel(), name="compress_mean_pool", grid=(4,), block=(64,), params=params)
 
 
 @pytest.mark.gpu
@@ -103,4 +142,6 @@ def test_a_real_failed_launch_names_the_kernel_and_shapes():
     with pytest.raises(RuntimeError,
                        match=r"(?s)compress_mean_pool.*block=\(4096,\).*bfloat16\[100, 2, 64\]"):
         _launch.launch(kern, name="compress_mean_pool", grid=(1,), block=(4096,),
-                       args=(_launch.ptr(k), _launch.ptr(out), np.int32(5)))
+                       params=mean_pool.MEAN_POOL_PARAMS.pack(
+                           k=k, cu_seqlens_k=None, cu_seqlens_c=None, out=out, batch=1, total_c=5, H=2,
+                           kernel_size=32, kernel_stride=16))

@@ -24,8 +24,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._harness import bench_gpu_time
-from infllm_cupy._launch import current_stream
 from infllm_cupy.selections import make_selection, uniform_cu_seqlens
+
+
+def current_stream():
+    """CuPy's view of torch's current stream (this tool launches its probe kernels through CuPy)."""
+    return cupy.cuda.Stream.from_external(torch.cuda.current_stream())
 
 SOURCE = r"""
 // K/V rows: [total_k, H, D] 16-bit elements; a 64-key block of head h is 64 rows of D * 2 bytes.

@@ -1,18 +1,23 @@
 """Launcher of kernels_cu/compress/mean_pool.cu: key compression on the GPU."""
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from .. import _jit
 from .._checks import check_aligned, check_backend, check_compress_args
 from .._constants import HEAD_DIMS
-from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
+from .._launch import CXX_TYPE, cdiv, empty, launch
+from .._params import KernelParams, constants
 from .naive import compressed_cu_seqlens, naive_compress_k
 
 SOURCE = "compress/mean_pool.cu"
-WARPS = 4  # mirrors #define WARPS in the .cu
+WARPS = 4  # warps per CTA, one per (compressed key, head)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+constants(SOURCE, WARPS=WARPS)
+MEAN_POOL_PARAMS = KernelParams(SOURCE, "CompressMeanPoolParams<float>", """
+    ptr k, cu_seqlens_k, cu_seqlens_c, out
+    i32 batch, total_c, H, kernel_size, kernel_stride
+""")
 
 _jit.register_instances(SOURCE,
                         [f"compress_mean_pool<{CXX_TYPE[t]}, {d}>" for t in DTYPES for d in HEAD_DIMS])
@@ -59,7 +64,7 @@ def compress_k(k: torch.Tensor, cu_seqlens_k: torch.Tensor, kernel_size: int = 3
     name = f"compress_mean_pool<{CXX_TYPE[k.dtype]}, {D}>"
     launch(_jit.get_kernel(SOURCE, name), name=name,
            grid=(cdiv(total_c * H, WARPS),), block=(32 * WARPS,),
-           args=(ptr(k), ptr(cu_seqlens_k), ptr(cu_c), ptr(out),
-                 np.int32(cu_seqlens_k.numel() - 1), np.int32(total_c), np.int32(H),
-                 np.int32(kernel_size), np.int32(kernel_stride)))
+           params=MEAN_POOL_PARAMS.pack(k=k, cu_seqlens_k=cu_seqlens_k, cu_seqlens_c=cu_c, out=out,
+                                        batch=cu_seqlens_k.numel() - 1, total_c=total_c, H=H,
+                                        kernel_size=kernel_size, kernel_stride=kernel_stride))
     return out, cu_c
