@@ -372,7 +372,7 @@ def check_blocks(c: Ctx, L: int, q, k, v, do, cu) -> dict:
     """Out and dq of sampled 64-token query blocks this rank owns against the float64 stage-2 reference
     over the same blocks' selection (FlashAttention's rule). Every rank samples the same global blocks."""
     from infllm_cupy.distributed.cp import topk_lower_index_ties
-    from infllm_cupy.pipeline import select_blocks, stages_for
+    from infllm_cupy.pipeline import select_blocks, uses_kernels
     from infllm_cupy.stage1.naive import q_block_idx_prefill
     from infllm_cupy.testing import max_abs_err, reference_sparse_grads
 
@@ -387,7 +387,7 @@ def check_blocks(c: Ctx, L: int, q, k, v, do, cu) -> dict:
     mine = [b for b in blocks if b * 64 in local_of]
     worst = {"out": 0.0, "dq": 0.0}
     ok = True
-    stages = stages_for(q, c.backend)
+    kernels = uses_kernels(q, c.backend)
     for b in mine:
         a0, i0 = b * 64, local_of[b * 64]
         rows = slice(i0, i0 + 64)
@@ -397,7 +397,8 @@ def check_blocks(c: Ctx, L: int, q, k, v, do, cu) -> dict:
         cu_k = torch.tensor([0, e], dtype=torch.int32, device=c.dev)
         cache = torch.tensor([a0], dtype=torch.int32, device=c.dev)
         reference = c.backend == "reference"
-        aux = select_blocks(stages, qb, kf[:e], cu_q, cu_k, 64, cache, True, c.cfg, need_scores=reference)
+        aux = select_blocks(qb, kf[:e], cu_q, cu_k, 64, cache, True, c.cfg, kernels=kernels,
+                            need_scores=reference)
         sel = aux["topk_idx"]
         if reference:  # the layer's reference path breaks ties to the lower block index, as the kernels
             sel = topk_lower_index_ties(

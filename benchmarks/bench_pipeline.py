@@ -15,7 +15,7 @@ A config whose estimated peak GPU memory (inputs, the stage-1 plan's global scra
 SDPA copies; `estimate_peak_bytes`) exceeds the free memory is skipped with the reason printed.
 
 Rows (impl), all forward under `no_grad`, on the same seeded bf16 inputs:
-    selection   compression + stage 1 + top-k: `pipeline.select_blocks` with the stages `stages_for`
+    selection   compression + stage 1 + top-k: `pipeline.select_blocks` on the `--backend`'s stages
                 picks for `--backend` (CUDA: the compression and stage-1 kernels), only `topk_idx`
                 returned (as the pipeline runs it without `return_aux`)
     stage2      stage 2 alone (`stages_for(...)["sparse_attn"]`) on the pipeline's own `topk_idx`
@@ -327,7 +327,7 @@ def bench_config(r: Runner, T: int, B: int, flex, BlockMask, flex_note: str = ""
                  inputs: str = "random") -> dict:
     """Time every requested row on one `(T, B)` and input kind; returns the memory record of the config
     (a config that cannot fit gets one row per requested impl, each with the reason)."""
-    from infllm_cupy.pipeline import infllmv2_attention, select_blocks
+    from infllm_cupy.pipeline import infllmv2_attention, select_blocks, uses_kernels
 
     a = r.args
     HQ, H, D = a.hq, a.h, a.d
@@ -345,7 +345,8 @@ def bench_config(r: Runner, T: int, B: int, flex, BlockMask, flex_note: str = ""
         print(f"  stage-1 plan: {plan}", flush=True)
 
     def selection():
-        return select_blocks(stages, q, k, cu, cu, T, cache_lens, True, cfg, need_scores=False)
+        return select_blocks(q, k, cu, cu, T, cache_lens, True, cfg, kernels=uses_kernels(q, a.backend),
+                             need_scores=False)
 
     def pipeline():
         return infllmv2_attention(q, k, v, cu, cu, T, T, cfg, backend=a.backend)

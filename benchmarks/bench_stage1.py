@@ -41,7 +41,7 @@ STEPS = ("scores", "pool", "topk")
 
 def bench_config(r: bp.Runner, T: int, B: int) -> dict:
     """Time every requested row on one `(T, B)`; returns the memory record of the config."""
-    from infllm_cupy.pipeline import select_blocks
+    from infllm_cupy.pipeline import select_blocks, uses_kernels
     from infllm_cupy.stage1.naive import (
         naive_pool_blocks,
         naive_select_topk,
@@ -70,7 +70,8 @@ def bench_config(r: bp.Runner, T: int, B: int) -> dict:
                                                         cfg.coarse_kernel_stride),
         "stage1_select": lambda: stages["stage1_select"](q, ck1, ck2, cu, cu1, cu2, T, return_scores=False,
                                                          **stage1_kw),
-        "selection": lambda: select_blocks(stages, q, k, cu, cu, T, cache_lens, True, cfg, need_scores=False),
+        "selection": lambda: select_blocks(q, k, cu, cu, T, cache_lens, True, cfg,
+                                           kernels=uses_kernels(q, a.backend), need_scores=False),
     }
     # The reference's three steps, on inputs made once by the step before.
     scores = block_scores = q_blocks = None

@@ -8,6 +8,8 @@ host read would break the graph).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from itertools import accumulate, pairwise
 
 import torch
 
@@ -77,30 +79,84 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, *, total: int, device: torch.d
     """`cu` must be int32 [B+1], start at 0, never decrease and end at `total`; with `max_seqlen`,
     no sequence may be longer than it (checked on the same host copy). With `batch`, it must have
     that many sequences, as the argument `batch_name` (what the user passed) has."""
+    check_cu_tensor(name, cu, device=device, batch=batch, batch_name=batch_name)
+    if validate_values():
+        check_cu_values(name, cu_seqlens_host(cu)[0], total=total, max_seqlen=max_seqlen, max_name=max_name)
+
+
+def check_cu_tensor(name: str, cu: torch.Tensor, *, device: torch.device | None = None,
+                    batch: int | None = None, batch_name: str = "cu_seqlens_q") -> None:
+    """The checks of `check_cu_seqlens` that read no values: int32 `[B+1]`, `B >= 1`, `batch` sequences."""
     check_tensor(name, cu, ndim=1, dtypes=(torch.int32,), device=device)
     if cu.numel() < 2:
         raise ValueError(f"{name} must have at least 2 entries ([0, len0, ...]), got {cu.numel()}")
     if batch is not None and cu.numel() != batch + 1:
         raise ValueError(f"{name} has {cu.numel() - 1} sequences but {batch_name} has {batch}")
-    if not validate_values():
-        return
-    c = cu.detach().to("cpu", torch.int64)
-    if int(c[0]) != 0:
-        raise ValueError(f"{name} must start at 0, got {int(c[0])}")
-    if bool((c[1:] < c[:-1]).any()):
-        raise ValueError(f"{name} must be non-decreasing (cumulative sequence lengths), got "
-                         f"{c.tolist()[:16]}")
-    if int(c[-1]) != total:
-        raise ValueError(f"{name} must end at the total token count {total}, got {int(c[-1])}")
-    longest = int((c[1:] - c[:-1]).max())
+
+
+def check_cu_values(name: str, c: Sequence[int], *, total: int, max_seqlen: int | None = None,
+                    max_name: str = "max_seqlen") -> None:
+    """The checks of `check_cu_seqlens` on the values, given on the host (`cu_seqlens_host`)."""
+    if c[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {c[0]}")
+    if any(b < a for a, b in pairwise(c)):
+        raise ValueError(f"{name} must be non-decreasing (cumulative sequence lengths), got {list(c)[:16]}")
+    if c[-1] != total:
+        raise ValueError(f"{name} must end at the total token count {total}, got {c[-1]}")
+    longest = max(b - a for a, b in pairwise(c))
     if max_seqlen is not None and max_seqlen < longest:
         raise ValueError(f"{max_name} must be >= the longest sequence ({longest}), got {max_seqlen}")
 
 
+def cu_seqlens_host(*cus: torch.Tensor) -> list[list[int]]:
+    """The values of 1-D integer tensors (`cu_seqlens`) as Python ints, all in one device-to-host copy
+    (one tensor given twice is read once). The checks read `cu_seqlens` through here only."""
+    unique = list({id(c): c for c in cus}.values())
+    flat = unique[0].detach() if len(unique) == 1 else torch.cat([c.detach() for c in unique])
+    values = flat.to("cpu", torch.int64).tolist()
+    by_id, at = {}, 0
+    for c in unique:
+        by_id[id(c)] = values[at:at + c.numel()]
+        at += c.numel()
+    return [by_id[id(c)] for c in cus]
+
+
 def seqlens_host(cu: torch.Tensor) -> list[int]:
     """Per-sequence lengths as Python ints (one small device-to-host copy)."""
-    c = cu.detach().to("cpu", torch.int64)
-    return (c[1:] - c[:-1]).tolist()
+    return [b - a for a, b in pairwise(cu_seqlens_host(cu)[0])]
+
+
+@dataclass(frozen=True)
+class HostSeqlens:
+    """The `cu_seqlens` of one call as Python ints, read once by the public entry that checked the
+    call's inputs (`read`), or built from lengths its caller knows (`from_lengths`).
+
+    A launcher given one (`host_seqlens=`) trusts its inputs: it checks none of them again and reads
+    no `cu_seqlens` back from the device. `q`, `k`: the offsets of `cu_seqlens_q` and `cu_seqlens_k`;
+    `c1`, `c2`: those of the compressed keys (`cu_seqlens_c1`, `cu_seqlens_c2`) once stage 1 is near.
+    """
+    q: tuple[int, ...]
+    k: tuple[int, ...]
+    c1: tuple[int, ...] | None = None
+    c2: tuple[int, ...] | None = None
+
+    @classmethod
+    def read(cls, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> HostSeqlens:
+        """Both offsets in one device-to-host copy (one read when they are one tensor)."""
+        q, k = cu_seqlens_host(cu_seqlens_q, cu_seqlens_k)
+        return cls(tuple(q), tuple(k))
+
+    @classmethod
+    def from_lengths(cls, seqlens_q: Sequence[int], seqlens_k: Sequence[int]) -> HostSeqlens:
+        return cls((0, *accumulate(seqlens_q)), (0, *accumulate(seqlens_k)))
+
+    @property
+    def lq(self) -> list[int]:
+        return [b - a for a, b in pairwise(self.q)]
+
+    @property
+    def lk(self) -> list[int]:
+        return [b - a for a, b in pairwise(self.k)]
 
 
 def check_bool(name: str, value) -> bool:
@@ -152,11 +208,16 @@ def check_lengths_arg(name: str, value, batch: int, device: torch.device) -> tor
     """
     if value is None:
         return torch.zeros(batch, dtype=torch.int64, device=device)
-    if isinstance(value, torch.Tensor):
-        check_tensor(name, value, ndim=1, dtypes=INT_DTYPES)
-        out = value.to(device=device, dtype=torch.int64)
-    else:
-        out = torch.as_tensor(list(value), dtype=torch.int64, device=device)
+    if not isinstance(value, torch.Tensor):
+        # ints are checked on the host, before their copy: no read back from the device
+        out = torch.as_tensor(list(value), dtype=torch.int64)
+        if out.numel() != batch:
+            raise ValueError(f"{name} must have one entry per sequence ({batch}), got {out.numel()}")
+        if validate_values() and bool((out < 0).any()):
+            raise ValueError(f"{name} must be non-negative, got {out.tolist()[:16]}")
+        return out.to(device)
+    check_tensor(name, value, ndim=1, dtypes=INT_DTYPES)
+    out = value.to(device=device, dtype=torch.int64)
     if out.numel() != batch:
         raise ValueError(f"{name} must have one entry per sequence ({batch}), got {out.numel()}")
     if validate_values() and bool((out < 0).any()):
@@ -203,17 +264,39 @@ def check_stage1_inputs(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2,
     if ck2.shape[1:] != ck1.shape[1:]:
         raise ValueError(f"ck2 must have shape [total_c2, H, D] = [*, {ck1.shape[1]}, {ck1.shape[2]}], "
                          f"got {tuple(ck2.shape)}")
-    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total=q.shape[0], device=q.device, max_seqlen=max_seqlen_q,
-                     max_name="max_seqlen_q")
+    check_cu_tensor("cu_seqlens_q", cu_seqlens_q, device=q.device)
     B = cu_seqlens_q.numel() - 1
-    check_cu_seqlens("cu_seqlens_c1", cu_seqlens_c1, total=ck1.shape[0], device=q.device, batch=B)
-    check_cu_seqlens("cu_seqlens_c2", cu_seqlens_c2, total=ck2.shape[0], device=q.device, batch=B)
+    check_cu_tensor("cu_seqlens_c1", cu_seqlens_c1, device=q.device, batch=B)
+    check_cu_tensor("cu_seqlens_c2", cu_seqlens_c2, device=q.device, batch=B)
+    if validate_values():           # the three offsets in one host copy
+        cu_q, cu_c1, cu_c2 = cu_seqlens_host(cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2)
+        check_cu_values("cu_seqlens_q", cu_q, total=q.shape[0], max_seqlen=max_seqlen_q,
+                        max_name="max_seqlen_q")
+        check_cu_values("cu_seqlens_c1", cu_c1, total=ck1.shape[0])
+        check_cu_values("cu_seqlens_c2", cu_c2, total=ck2.shape[0])
     return G
 
 
 def check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, *, k_name="k", v_name="v", max_seqlen_q=None,
                       max_seqlen_k=None) -> int:
     """Inputs of attention over packed varlen q, k, v (stage 2, dense, decode); returns the group size G."""
+    G = check_attn_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k, k_name=k_name, v_name=v_name)
+    if validate_values():
+        check_attn_values(HostSeqlens.read(cu_seqlens_q, cu_seqlens_k), q, k, max_seqlen_q=max_seqlen_q,
+                          max_seqlen_k=max_seqlen_k)
+    return G
+
+
+def check_attn_values(host: HostSeqlens, q, k, *, max_seqlen_q=None, max_seqlen_k=None) -> None:
+    """The checks of `check_attn_inputs` on the offsets' values, given on the host."""
+    check_cu_values("cu_seqlens_q", host.q, total=q.shape[0], max_seqlen=max_seqlen_q,
+                    max_name="max_seqlen_q")
+    check_cu_values("cu_seqlens_k", host.k, total=k.shape[0], max_seqlen=max_seqlen_k,
+                    max_name="max_seqlen_k")
+
+
+def check_attn_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k, *, k_name="k", v_name="v") -> int:
+    """The checks of `check_attn_inputs` that read no values (shapes, dtypes, devices); returns G."""
     check_tensor("q", q, ndim=3, dtypes=REF_DTYPES)
     check_tensor(k_name, k, ndim=3, dtypes=(q.dtype,))
     check_tensor(v_name, v, ndim=3, dtypes=(q.dtype,))
@@ -223,10 +306,8 @@ def check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, *, k_name="k", v_name
         raise ValueError(f"{k_name} head dim {k.shape[2]} differs from q head dim {q.shape[2]}")
     if v.shape != k.shape:
         raise ValueError(f"{v_name} must have the shape of {k_name} {tuple(k.shape)}, got {tuple(v.shape)}")
-    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total=q.shape[0], device=q.device, max_seqlen=max_seqlen_q,
-                     max_name="max_seqlen_q")
-    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total=k.shape[0], device=q.device,
-                     batch=cu_seqlens_q.numel() - 1, max_seqlen=max_seqlen_k, max_name="max_seqlen_k")
+    check_cu_tensor("cu_seqlens_q", cu_seqlens_q, device=q.device)
+    check_cu_tensor("cu_seqlens_k", cu_seqlens_k, device=q.device, batch=cu_seqlens_q.numel() - 1)
     return G
 
 

@@ -299,9 +299,9 @@ def test_module_forward_backward_through_reference():
 def test_sdpa_dense_fallback_matches_reference(causal, monkeypatch):
     # ragged, chunked prefill (Lq < Lk), a query longer than its keys (causal: leading rows empty -> 0),
     # an empty query; a tiny mask budget so that the Lq != Lk path runs several chunks
-    from infllm_cupy import pipeline
+    from infllm_cupy import sparse_core
 
-    monkeypatch.setattr(pipeline, "_SDPA_MASK_ELEMS", 1000)
+    monkeypatch.setattr(sparse_core, "_SDPA_MASK_ELEMS", 1000)
     lq, lk = [130, 64, 70, 0, 5], [300, 64, 50, 7, 0]
     q, k, v = (x.requires_grad_() for x in make_qkv(lq, lk, HQ=6, H=2, D=16))
     cuq, cuk = cu_seqlens_from_lengths(lq), cu_seqlens_from_lengths(lk)

@@ -4,11 +4,11 @@ from __future__ import annotations
 import torch
 
 from .. import _jit
-from .._checks import check_aligned, check_backend, check_compress_args
+from .._checks import HostSeqlens, check_aligned, check_backend, check_compress_args
 from .._constants import HEAD_DIMS
 from .._launch import CXX_TYPE, cdiv, empty, launch
 from .._params import KernelParams, constants
-from .naive import compressed_cu_seqlens, naive_compress_k
+from .naive import compressed_cu_seqlens, n_chunks, naive_compress_k
 
 SOURCE = "compress/mean_pool.cu"
 WARPS = 4  # warps per CTA, one per (compressed key, head)
@@ -24,7 +24,8 @@ _jit.register_instances(SOURCE,
 
 
 def compress_k(k: torch.Tensor, cu_seqlens_k: torch.Tensor, kernel_size: int = 32, kernel_stride: int = 16,
-               *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+               *, backend: str = "auto", host_seqlens: HostSeqlens | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Mean of the keys over every complete window of each sequence (InfLLM-v2 key compression).
 
     Args:
@@ -36,6 +37,10 @@ def compress_k(k: torch.Tensor, cu_seqlens_k: torch.Tensor, kernel_size: int = 3
             Window length and step: 32/16 (fine keys) or 128/64 (coarse keys). Default: 32, 16.
         backend (str, Optional):
             "auto" (kernel for CUDA tensors, reference for CPU), "kernels" or "reference".
+        host_seqlens (HostSeqlens, Optional):
+            `cu_seqlens_k` on the host (`host_seqlens.k`) from a caller that checked every input (the
+            pipeline): the kernel path then skips its input checks and reads nothing back. Ignored by
+            the reference. Default: `None`.
 
     Returns:
         ck (torch.Tensor): `[total_c, H, D]`, k's dtype; window `i` of sequence `b` is the fp32 mean of
@@ -43,12 +48,13 @@ def compress_k(k: torch.Tensor, cu_seqlens_k: torch.Tensor, kernel_size: int = 3
             shorter than `kernel_size` contributes none.
         cu_seqlens_c (torch.Tensor): int32 `[B+1]`.
 
-    Sizing the output reads `cu_seqlens_c[-1]` back to the host (one sync).
+    Sizing the output reads `cu_seqlens_c[-1]` back to the host (one sync), unless `host_seqlens` gives it.
     """
     check_backend(backend)
     if backend == "reference" or (backend == "auto" and not k.is_cuda):
         return naive_compress_k(k, cu_seqlens_k, kernel_size, kernel_stride)
-    check_compress_args(k, cu_seqlens_k, kernel_size, kernel_stride, dtypes=DTYPES)
+    if host_seqlens is None:
+        check_compress_args(k, cu_seqlens_k, kernel_size, kernel_stride, dtypes=DTYPES)
     if not k.is_cuda:
         raise ValueError(f"k must be a CUDA tensor for backend='kernels', got one on {k.device}")
     _total_k, H, D = k.shape
@@ -57,7 +63,8 @@ def compress_k(k: torch.Tensor, cu_seqlens_k: torch.Tensor, kernel_size: int = 3
     k = k.contiguous()
     check_aligned(k=k)                     # rows read in 4- or 8-byte vectors
     cu_c = compressed_cu_seqlens(cu_seqlens_k, kernel_size, kernel_stride)
-    total_c = int(cu_c[-1])
+    total_c = (int(cu_c[-1]) if host_seqlens is None
+               else sum(n_chunks(L, kernel_size, kernel_stride) for L in host_seqlens.lk))
     out = empty((total_c, H, D), dtype=k.dtype, device=k.device)
     if total_c == 0:
         return out, cu_c

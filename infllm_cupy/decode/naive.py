@@ -13,7 +13,15 @@ from .._checks import (
     check_tensor,
     seqlens_host,
 )
-from ..pipeline import InfLLMv2Config, check_config, dense_aux, select_blocks, stages_for
+from ..sparse_core import (
+    InfLLMv2Config,
+    check_config,
+    dense_aux,
+    run_dense_attn,
+    run_sparse_attn,
+    select_blocks,
+    uses_dense,
+)
 
 
 def naive_infllmv2_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -69,18 +77,17 @@ def naive_infllmv2_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if any(L < 1 for L in lk):
         raise ValueError(f"cu_seqlens_k: every cache must hold at least the current token, got lengths {lk}")
     max_seqlen_k = max(lk, default=0)
-    stages = stages_for(q)
-    if max_seqlen_k < cfg.dense_len:
-        out = stages["dense_attn"](q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, causal=False,
-                                   softmax_scale=cfg.softmax_scale)
+    # every stage's reference (kernels=False), as in the prefill reference
+    if uses_dense(cfg, max_seqlen_k):
+        out = run_dense_attn(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, cfg, causal=False,
+                             kernels=False)
         aux = dense_aux(ck1=ck1, ck2=ck2, cu_seqlens_c1=cu_seqlens_c1, cu_seqlens_c2=cu_seqlens_c2)
         return (out, aux) if return_aux else out
     cache_lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1] - 1).to(torch.int32)
-    aux = select_blocks(stages, q, k_cache, cu_seqlens_q, cu_seqlens_k, 1, cache_lens, False, cfg,
-                        ck1=ck1, cu_seqlens_c1=cu_seqlens_c1, ck2=ck2, cu_seqlens_c2=cu_seqlens_c2)
-    out = stages["sparse_attn"](q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, aux["topk_idx"], 1,
-                                max_seqlen_k,
-                                causal=False, softmax_scale=cfg.softmax_scale, block_size=cfg.block_size)
+    aux = select_blocks(q, k_cache, cu_seqlens_q, cu_seqlens_k, 1, cache_lens, False, cfg, ck1=ck1,
+                        cu_seqlens_c1=cu_seqlens_c1, ck2=ck2, cu_seqlens_c2=cu_seqlens_c2, kernels=False)
+    out = run_sparse_attn(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, aux["topk_idx"], 1, max_seqlen_k,
+                          cfg, causal=False, kernels=False)
     return (out, dict(dense=False, **aux)) if return_aux else out
 
 
@@ -141,10 +148,6 @@ def naive_sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = 
     Returns:
         out `[B, HQ, D]` in q's dtype, then lse and weights if asked for.
     """
-    import math
-
-    from .._dtypes import compute_dtype
-
     check_flags(return_lse=return_lse, return_attn_weights=return_attn_weights, upcast=upcast)
     k, v, seqlens, bt, width = _cache_tensors(cache)
     check_tensor("q", q, ndim=3, dtypes=(k.dtype,), device=k.device)
@@ -163,8 +166,23 @@ def naive_sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = 
         check_tensor("topk_idx", topk_idx, ndim=3, dtypes=INT_DTYPES, device=k.device)
         if tuple(topk_idx.shape[:2]) != (H, B):
             raise ValueError(f"topk_idx must have shape (H={H}, B={B}, K), got {tuple(topk_idx.shape)}")
-    G = HQ // H
     scale = check_softmax_scale(softmax_scale, D)
+    return _sparse_decode_checked(q, k, v, seqlens, bt, width, topk_idx, scale=scale, block_size=block_size,
+                                  return_lse=return_lse, return_attn_weights=return_attn_weights,
+                                  weights=weights, upcast=upcast)
+
+
+def _sparse_decode_checked(q, k, v, seqlens, bt, width: int, topk_idx, *, scale: float, block_size: int,
+                           return_lse: bool, return_attn_weights: bool, weights: str, upcast: bool = True):
+    """`naive_sparse_decode` on checked inputs (the cache as `_cache_tensors` gives it, `scale` a float):
+    the decode step's reference path, which checked them at its own entry."""
+    import math
+
+    from .._dtypes import compute_dtype
+
+    B, HQ, D = q.shape
+    H = k.shape[2]
+    G = HQ // H
     sdt = compute_dtype(q.dtype)
     mdt = sdt if upcast else q.dtype
     lens = [int(x) for x in seqlens.cpu().tolist()]

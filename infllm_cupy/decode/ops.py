@@ -9,23 +9,26 @@
                                softmax_scale, score_dtype, exact, kernel) -> topk_idx int32 [H, B, K]
 
 `block_table` and `topk_idx` are optional (None: contiguous cache; dense decode). CUDA tensors run the
-kernels (`sparse_decode`, `select_kernel` of `step.py`: the split stage-1 decode kernels), CPU tensors the
-references (`naive_sparse_decode`, `naive_stage1_select`). The fake implementations give the output shapes
-from the input shapes alone: W is the cache's width (`L_max`, or `max_pages * page_size`) and
+kernels (`sparse_decode`; `_select` of `step.py`: the split stage-1 decode kernels), CPU tensors the
+references (`naive_sparse_decode`, `naive_stage1_select`). `kernel` is the kernel generation as in every
+op ("auto" | "sm80"; the decode kernels have no sm_90a form). The fake implementations give the output
+shapes from the input shapes alone: W is the cache's width (`L_max`, or `max_pages * page_size`) and
 `K = min(topk + local_blocks, cdiv(width, block_size))`, so `decode_select` pads the reference's
-selection (sized on the longest sequence) with `-1` to that static K. The ops take checked inputs:
-`decode_step` (below) and the public functions check them. No gradients: decode is inference.
+selection (sized on the longest sequence) with `-1` to that static K. Each op checks its own tensors
+(under torch.compile the ops are the only Python that runs per call). No gradients: decode is inference.
 
-`decode_step(q, cache, ...)` is `infllmv2_decode` through these ops; `DecodeCache.append` (one token
-per sequence) traces too, so `append + decode_step` is one compiled region.
+`decode_step(q, cache, ...)` is `infllmv2_decode` through these ops: the same argument checks, dense/sparse
+rule and stage-1 implementation (`step.py`); `DecodeCache.append` (one token per sequence) traces too, so
+`append + decode_step` is one compiled region.
 """
 from __future__ import annotations
 
 import torch
 
+from .._checks import REF_DTYPES, check_bool, check_flags, check_tensor
 from .._constants import KV_BLOCK
 from .._launch import cdiv
-from ..pipeline import InfLLMv2Config
+from ..sparse_core import InfLLMv2Config, uses_dense
 from .cache import DecodeCache
 from .naive import naive_sparse_decode
 from .sparse_decode import sparse_decode as _sparse_decode
@@ -112,25 +115,32 @@ def decode_select_op(q: Tensor, ck1: Tensor, ck2: Tensor, seqlens: Tensor, width
                      score_dtype: torch.dtype, exact: bool, kernel: str) -> Tensor:
     """Stage 1 for decode over the cache's compressed keys `ck1 [B, N1, H, D]`, `ck2 [B, N2, H, D]`:
     `topk_idx int32 [H, B, K]`, `K = min(topk + local_blocks, cdiv(width, block_size))`."""
-    from .step import select_kernel
+    from .step import _select, check_stage1
 
+    check_stage1("decode", kernel)
     cfg = _select_config(topk, local_blocks, init_blocks, block_size, softmax_scale, score_dtype, exact)
-    return select_kernel(q, ck1, ck2, seqlens, cdiv(width, block_size), cfg, kernel)
+    return _select(q, ck1, ck2, seqlens, width, cfg, kern=True, kernel=kernel)
 
 
 @decode_select_op.register_kernel("cpu")
 def _(q, ck1, ck2, seqlens, width, topk, local_blocks, init_blocks, block_size, softmax_scale, score_dtype,
       exact, kernel):
-    from ..stage1.naive import naive_stage1_select
-    from .step import layout_of
+    from .step import check_stage1
 
-    cu_q, k1, cu1, k2, cu2, cache_lens = layout_of(ck1, ck2, seqlens, exact)
-    idx = naive_stage1_select(q, k1, k2, cu_q, cu1, cu2, 1, causal=False, cache_lens=cache_lens,
-                              softmax_scale=softmax_scale, topk=topk, local_blocks=local_blocks,
-                              init_blocks=init_blocks, block_size=block_size, score_dtype=score_dtype)
-    K = _select_k(width, topk, local_blocks, block_size)
-    pad = K - idx.shape[2]              # the reference sizes K on the longest sequence: -1 slots after it
-    return torch.nn.functional.pad(idx, (0, pad), value=-1) if pad > 0 else idx
+    check_stage1("decode", kernel)
+    cfg = _select_config(topk, local_blocks, init_blocks, block_size, softmax_scale, score_dtype, exact)
+    return _reference_select(q, ck1, ck2, seqlens, width, cfg)
+
+
+def _reference_select(q, ck1, ck2, seqlens, width: int, cfg: InfLLMv2Config) -> Tensor:
+    """The CPU kernels' stage 1: the op's tensors checked once, then the reference (`_select`), its K
+    (the longest sequence's) padded with -1 to the static K."""
+    from .select_decode import check_compressed_keys
+    from .step import _select
+
+    check_tensor("q", q, ndim=3, dtypes=REF_DTYPES)
+    check_compressed_keys(q, ck1, ck2, seqlens, exact=cfg.exact_stage1, contiguous=False)
+    return _select(q, ck1, ck2, seqlens, width, cfg, kern=False)
 
 
 @decode_select_op.register_fake
@@ -250,10 +260,11 @@ def infllmv2_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, ck1: Tensor,
 def _(q, k_cache, v_cache, ck1, ck2, seqlens, block_table, topk, local_blocks, init_blocks, dense_len,
       softmax_scale, score_dtype, exact):
     cache = _cache_tuple(k_cache, v_cache, seqlens, block_table)
+    cfg = _select_config(topk, local_blocks, init_blocks, KV_BLOCK, softmax_scale, score_dtype, exact,
+                         dense_len)
     topk_idx = None
-    if int(seqlens.max()) >= dense_len:
-        topk_idx = decode_select_op(q, ck1, ck2, seqlens, _width(k_cache, block_table), topk, local_blocks,
-                                    init_blocks, KV_BLOCK, softmax_scale, score_dtype, exact, "auto")
+    if not uses_dense(cfg, int(seqlens.max())):
+        topk_idx = _reference_select(q, ck1, ck2, seqlens, _width(k_cache, block_table), cfg)
     return naive_sparse_decode(q, cache, topk_idx, softmax_scale=softmax_scale, block_size=KV_BLOCK)
 
 
@@ -269,16 +280,20 @@ def decode_step(q: Tensor, cache: DecodeCache, *, config: InfLLMv2Config | None 
                 kernel: str = "auto"):
     r"""`infllmv2_decode` through the custom ops: `(out, lse)` or `(out, lse, weights)`.
 
-    Same semantics as `infllmv2_decode` (with its checks), but every tensor operation is an op that
-    torch.compile keeps whole (`fullgraph=True`). `dense`: the path, or None for the rule of spec
-    section 9 on `cache.max_len()` (a host int: inside a compiled region, pass it from outside to
-    avoid a guard on the lengths). The selection's K is always sized on the cache's width.
+    Same semantics as `infllmv2_decode` (its checks, `is_dense`, stage 1 on the split decode kernels:
+    `kernel` "auto" or "sm80"), but every tensor operation is an op that torch.compile keeps whole
+    (`fullgraph=True`). `dense`: the path, or None for the rule of spec section 9 on `cache.max_len()`
+    (a host int: inside a compiled region, pass it from outside to avoid a guard on the lengths). The
+    selection's K is always sized on the cache's width.
     """
-    from .step import _check_step_inputs
+    from .step import _check_step_inputs, is_dense
 
-    cfg = _check_step_inputs(q, cache, config, weights, "auto", kernel)
+    check_flags(return_attn_weights=return_attn_weights)
+    if dense is not None:
+        check_bool("dense", dense)
+    cfg, _ = _check_step_inputs(q, cache, config, weights, "auto", kernel)
     if dense is None:
-        dense = cache.max_len() < cfg.dense_len
+        dense = is_dense(cache, cfg)
     scale = q.shape[2] ** -0.5 if cfg.softmax_scale is None else float(cfg.softmax_scale)
     topk_idx = None
     if not dense:

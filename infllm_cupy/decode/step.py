@@ -7,27 +7,28 @@ dense/sparse rule (spec section 9: dense while the longest cache, the current to
 shorter than `dense_len`), the same stage 1 (non-causal over the complete compressed windows,
 `cache_lens = L - 1`, spec section 4.4), the same top-k with forced init and local blocks, then
 attention over the selected blocks. CPU tensors run the references, CUDA tensors the kernels
-(`stage1` select kernel, `sparse_decode`).
+(the split stage-1 decode kernels, `sparse_decode`). `decode_select` and the ops' `decode_step` share
+this module's checks, dense/sparse rule and stage 1 (docs/decode.md, "The decode step").
 """
 from __future__ import annotations
 
 import torch
 
-from .._checks import check_aligned, check_backend, check_flags, check_softmax_scale, check_tensor
-from .._constants import KV_BLOCK
-from .._kernel_arg import check_kernel
-from .._launch import cdiv, empty
-from ..pipeline import (
-    InfLLMv2Config,
-    check_config,
-    check_kernel_path,
-    select_blocks,
-    stages_for,
-    uses_kernels,
+from .._checks import (
+    HostSeqlens,
+    check_aligned,
+    check_backend,
+    check_flags,
+    check_softmax_scale,
+    check_tensor,
 )
+from .._constants import KV_BLOCK
+from .._kernel_arg import KERNELS, SM90A, check_kernel
+from .._launch import cdiv, empty
+from ..sparse_core import InfLLMv2Config, check_config, prefill, uses_dense, uses_kernels
 from ._fast import Launches
 from .cache import COMPRESSIONS, DecodeCache, _capturing
-from .naive import naive_sparse_decode
+from .naive import _sparse_decode_checked
 from .select_decode import add_select_decode, check_select_inputs, select_decode
 from .sparse_decode import (
     WEIGHTS,
@@ -36,17 +37,34 @@ from .sparse_decode import (
     add_sparse_decode,
     check_plan,
     plan_decode,
-    sparse_decode,
 )
 
+STAGE1 = ("decode", "prefill")   # the `stage1=` argument: which stage-1 kernel runs on CUDA tensors
 
-def _check_step_inputs(q, cache, config, weights, backend, kernel) -> InfLLMv2Config:
-    """Arguments of `infllmv2_decode`; raises naming the argument. Reads no device values."""
+
+def check_stage1(stage1, kernel) -> None:
+    """`stage1` must be one of `STAGE1` and `kernel` (the kernel generation, as in every op:
+    `_kernel_arg`) one that exists for it. The decode kernels (stage 1 for decode, `sparse_decode`)
+    are mma.sync kernels with no sm_90a form, so "sm90a" needs `stage1="prefill"` (the prefill
+    stage-1 kernel, which has one)."""
+    check_kernel(kernel)
+    if not isinstance(stage1, str) or stage1 not in STAGE1:
+        hint = (" (the kernel generation is `kernel=`; stage1='prefill' runs the prefill stage-1 kernel)"
+                if isinstance(stage1, str) and stage1 in KERNELS else "")
+        raise ValueError(f"stage1 must be one of {STAGE1}, got {stage1!r}{hint}")
+    if kernel == SM90A and stage1 == "decode":
+        raise ValueError("kernel='sm90a': the decode kernels (stage 1 for decode, sparse_decode) have no "
+                         "sm_90a form (their mma.sync kernels run on every GPU from capability 8.0, the "
+                         "H100 included); pass kernel='auto' or 'sm80', or stage1='prefill' for stage 1 "
+                         "on the prefill stage-1 kernel's sm_90a form")
+
+
+def _check_select_args(q, cache, config, backend, kernel, stage1) -> tuple[InfLLMv2Config, bool]:
+    """Arguments of `decode_select` (and of the step): raises naming the argument; reads no device
+    values. Returns the config and whether the kernels run (`uses_kernels`)."""
     cfg = check_config(config)
     check_backend(backend)
-    check_kernel(kernel)
-    if weights not in WEIGHTS:
-        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    check_stage1(stage1, kernel)
     if not isinstance(cache, DecodeCache):
         raise TypeError(f"cache must be a DecodeCache (the step reads its compressed keys), got "
                         f"{type(cache).__name__}")
@@ -59,11 +77,22 @@ def _check_step_inputs(q, cache, config, weights, backend, kernel) -> InfLLMv2Co
     if HQ % cache.num_heads:
         raise ValueError(f"q has {HQ} heads, not a multiple of the cache's {cache.num_heads} KV heads")
     _check_compression(cfg)
+    return cfg, backend != "reference" and q.is_cuda
+
+
+def _check_step_inputs(q, cache, config, weights, backend, kernel,
+                       stage1="decode") -> tuple[InfLLMv2Config, bool]:
+    """Arguments of `infllmv2_decode` and `decode_step`, checked once per call (what runs below takes
+    them as checked); raises naming the argument. Reads no device values. Returns the config and
+    whether the kernels run."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    cfg, kern = _check_select_args(q, cache, config, backend, kernel, stage1)
     lens = cache.lengths()          # host mirror, no device read (not advanced by graph replays)
     if lens and min(lens) < 1 and not _capturing():
         raise ValueError(f"cache: every sequence must hold at least the current token (append it before the "
                          f"step), got lengths {lens[:16]}")
-    return cfg
+    return cfg, kern
 
 
 def _check_compression(cfg: InfLLMv2Config) -> None:
@@ -115,34 +144,56 @@ def layout_of(ck1: torch.Tensor, ck2: torch.Tensor, seqlens: torch.Tensor, exact
     return (out[0], out[1], out[2], out[3], out[4], cache_lens)
 
 
-def select_kernel(q, ck1, ck2, seqlens, out_len: int, cfg: InfLLMv2Config, kernel: str, layout=None):
-    """Stage 1 for decode on CUDA tensors, `[H, B, K]` with the static `K = min(topk + local_blocks,
-    out_len)`. `kernel="auto"`: the split decode kernels (`select_decode`, docs/decode.md "Stage 1 for
-    decode: the split kernels"), no host read, capturable. "sm80" / "sm90a": the prefill stage-1 kernel
-    of that name through `launch_select` over `layout_of`'s view, one CTA per (sequence, KV head), kept
-    as a second implementation to compare against; it sizes its output on `max(cache_lens)` (a host
-    read, so not capturable) and is padded here with `-1` to the static K (the same selection)."""
-    if cfg.block_size != KV_BLOCK:
-        raise ValueError(f"config: block_size must be {KV_BLOCK} for the kernels, got {cfg.block_size}")
-    if kernel == "auto":
-        return select_decode(q.contiguous(), ck1, ck2, seqlens, out_len, topk=cfg.topk,
-                             local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks,
-                             softmax_scale=cfg.softmax_scale, score_dtype=cfg.score_dtype,
-                             exact=cfg.exact_stage1)
-    from ..stage1.select import launch_select
+def _select(q, ck1, ck2, seqlens, width: int, cfg: InfLLMv2Config, *, kern: bool, stage1: str = "decode",
+            kernel: str = "auto", static_k: bool = True) -> torch.Tensor:
+    """Stage 1 for decode over the cache's compressed keys (`ck1 [B, N1, H, D]`, `ck2 [B, N2, H, D]`,
+    `seqlens int32 [B]`, `width` its positions per sequence), `topk_idx int32 [H, B, K]`, on arguments
+    checked by the caller (`check_stage1` among them): the one implementation of `decode_select`, the
+    step's selection and the `decode_select` op.
 
-    cu_q, k1, cu1, k2, cu2, cache_lens = layout if layout is not None else layout_of(ck1, ck2, seqlens,
-                                                                                      cfg.exact_stage1)
-    idx = launch_select(q.contiguous(), k1, k2, cu_q, cu1, cu2, 1, causal=False, cache_lens=cache_lens,
-                        softmax_scale=cfg.softmax_scale, topk=cfg.topk, local_blocks=cfg.local_blocks,
-                        init_blocks=cfg.init_blocks, block_size=cfg.block_size, score_dtype=cfg.score_dtype,
-                        kernel=kernel)
-    K = min(cfg.topk + cfg.local_blocks, out_len)
+    `kern` (CUDA tensors): `stage1="decode"` runs the split decode kernels (`select_decode`, docs/decode.md
+    "Stage 1 for decode: the split kernels"), no host read, capturable; `stage1="prefill"` the prefill
+    stage-1 kernel of generation `kernel` through `launch_select` over `layout_of`'s view, one CTA per
+    (sequence, KV head), kept as a second implementation to compare against (it sizes its output on
+    `max(cache_lens)`, a host read, so not capturable). Both launchers check the tensors for their
+    kernels. K is static, `min(topk + local_blocks, cdiv(width, 64))`, padded with -1 (the same
+    selection).
+
+    Otherwise the reference (`naive_stage1_select` over `layout_of`'s view, without its checks: the
+    caller checked q against the keys, and the view is built here), K sized on the longest sequence as
+    `naive_infllmv2_decode`, or padded with -1 to the static K with `static_k`.
+    """
+    K = min(cfg.topk + cfg.local_blocks, cdiv(width, cfg.block_size))
+    if kern:
+        if cfg.block_size != KV_BLOCK:
+            raise ValueError(f"config: block_size must be {KV_BLOCK} for the kernels, got {cfg.block_size}")
+        if stage1 == "decode":
+            return select_decode(q.contiguous(), ck1, ck2, seqlens, cdiv(width, KV_BLOCK), topk=cfg.topk,
+                                 local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks,
+                                 softmax_scale=cfg.softmax_scale, score_dtype=cfg.score_dtype,
+                                 exact=cfg.exact_stage1)
+    cu_q, k1, cu1, k2, cu2, cache_lens = layout_of(ck1, ck2, seqlens, cfg.exact_stage1)
+    kw = dict(causal=False, cache_lens=cache_lens, softmax_scale=cfg.softmax_scale, topk=cfg.topk,
+              local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks, block_size=cfg.block_size)
+    if kern:
+        from ..stage1.select import launch_select
+
+        idx = launch_select(q.contiguous(), k1, k2, cu_q, cu1, cu2, 1, score_dtype=cfg.score_dtype,
+                            kernel=kernel, **kw)
+    else:
+        from ..stage1.naive import select_checked
+
+        # the layout's query lengths, known without reading cu_q back: 1, 0, 1, 0, ...
+        idx = select_checked(q, k1, k2, cu_q, cu1, cu2, [1, 0] * seqlens.shape[0], 1,
+                             kernel_stride=cfg.kernel_stride, coarse_kernel_stride=cfg.coarse_kernel_stride,
+                             varlen_offset_quirk=cfg.varlen_offset_quirk, score_dtype=cfg.score_dtype, **kw)
+        if not static_k:
+            return idx
     return torch.nn.functional.pad(idx, (0, K - idx.shape[2]), value=-1) if idx.shape[2] < K else idx
 
 
 def decode_select(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Config | None = None,
-                  backend: str = "auto", kernel: str = "auto") -> torch.Tensor:
+                  backend: str = "auto", kernel: str = "auto", stage1: str = "decode") -> torch.Tensor:
     r"""Stage 1 for decode: `topk_idx int32 [H, B, K]` of one query per sequence over its cache.
 
     Non-causal scores over the complete compressed windows of each sequence's cache (the cache's
@@ -151,33 +202,20 @@ def decode_select(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Config
     `backend="reference"`) run `naive_stage1_select`, with `K = min(topk + local_blocks,
     cdiv(max L, 64))` as `naive_infllmv2_decode`; the kernels size K on the cache's width
     (`cdiv(capacity, 64)`) so that shapes stay the same from step to step (extra slots are `-1`).
-    `kernel`: "auto" runs the split decode kernels (`select_decode`), "sm80" / "sm90a" the prefill
-    stage-1 kernel (`select_kernel`).
+    `kernel`: the kernel generation, "auto" | "sm80" | "sm90a" as in every op; the decode kernels
+    have only the sm80 form. `stage1` (keyword): "decode" runs the split decode kernels
+    (`select_decode`), "prefill" the prefill stage-1 kernel (one CTA per (sequence, KV head); the
+    same selection, for comparison).
     """
-    cfg = check_config(config)
-    check_backend(backend)
-    check_kernel(kernel)
-    if uses_kernels(q, backend) and kernel == "auto":
-        return select_kernel(q, cache.ck1, cache.ck2, cache.seqlens, cdiv(cache.capacity, cfg.block_size),
-                             cfg, kernel)
-    lay = decode_layout(cache, exact=cfg.exact_stage1)
-    cu_q, ck1, cu_c1, ck2, cu_c2, cache_lens = lay
-    if not uses_kernels(q, backend):
-        from ..stage1.naive import naive_stage1_select
-
-        return naive_stage1_select(
-            q, ck1, ck2, cu_q, cu_c1, cu_c2, 1, causal=False, cache_lens=cache_lens,
-            softmax_scale=cfg.softmax_scale, topk=cfg.topk, local_blocks=cfg.local_blocks,
-            init_blocks=cfg.init_blocks, block_size=cfg.block_size, kernel_stride=cfg.kernel_stride,
-            coarse_kernel_stride=cfg.coarse_kernel_stride, varlen_offset_quirk=cfg.varlen_offset_quirk,
-            score_dtype=cfg.score_dtype)
-    return select_kernel(q, cache.ck1, cache.ck2, cache.seqlens, cdiv(cache.capacity, cfg.block_size), cfg,
-                         kernel, lay)
+    cfg, kern = _check_select_args(q, cache, config, backend, kernel, stage1)
+    return _select(q, cache.ck1, cache.ck2, cache.seqlens, cache.capacity, cfg, kern=kern, stage1=stage1,
+                   kernel=kernel, static_k=kern)
 
 
 def infllmv2_decode(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Config | None = None,
                     return_attn_weights: bool = False, weights: str = "per_head", return_lse: bool = False,
-                    return_topk_idx: bool = False, backend: str = "auto", kernel: str = "auto"):
+                    return_topk_idx: bool = False, backend: str = "auto", kernel: str = "auto",
+                    stage1: str = "decode"):
     r"""One InfLLM-v2 decode step: the current token's query against its sequence's cache.
 
     The new token's key and value must already be in the cache (`cache.append(k, v)`; HF's decode
@@ -202,9 +240,12 @@ def infllmv2_decode(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Conf
             dense path).
         backend (str, Optional): "auto" (kernels for CUDA tensors, references for CPU), "kernels"
             or "reference".
-        kernel (str, Optional): stage 1 on CUDA tensors: "auto" runs the split decode kernels
-            (`select_decode`); "sm80" or "sm90a" the prefill stage-1 kernel of that name with one CTA
-            per (sequence, KV head) (slower at long contexts; the same selection).
+        kernel (str, Optional): the kernel generation, "auto" | "sm80" | "sm90a" as in every op
+            (`_kernel_arg`). The decode kernels have only the sm80 form (mma.sync, any GPU from
+            capability 8.0): "auto" and "sm80" run them; "sm90a" needs `stage1="prefill"`.
+        stage1 (str, Optional): stage 1 on CUDA tensors: "decode" (default) runs the split decode
+            kernels (`select_decode`); "prefill" the prefill stage-1 kernel (generation `kernel`), one
+            CTA per (sequence, KV head): slower at long contexts, the same selection, not capturable.
 
     Returns:
         out `[B, HQ, D]` in q's dtype, then lse, weights and topk_idx as asked, in that order.
@@ -216,29 +257,57 @@ def infllmv2_decode(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Conf
     captured on (the op `infllm_cupy::infllmv2_decode` decides on the device instead). The reference
     path reads lengths on the host.
 
-    Eager calls on a CUDA cache (`kernel="auto"`) reuse prepared launches kept on the cache, one set per
-    (q shape, config, outputs, path), after the first call's full checks (docs/decode.md, 6); with
+    Eager calls on a CUDA cache (`stage1="decode"`) reuse prepared launches kept on the cache, one set
+    per (q shape, config, outputs, path), after the first call's full checks (docs/decode.md, 6); with
     `cache.graphs` they replay a CUDA graph of them.
+
+    Checks: the arguments once, here (`_check_step_inputs`); on CUDA tensors the kernels' own
+    requirements once more (`step_launches`); what runs below takes them as checked.
     """
-    if kernel == "auto" and backend in _FAST_BACKENDS and isinstance(cache, DecodeCache) and cache.k.is_cuda:
+    if (kernel in _FAST_KERNELS and stage1 == "decode" and backend in _FAST_BACKENDS
+            and isinstance(cache, DecodeCache) and cache.k.is_cuda):
         fast = _fast_step(q, cache, config, return_attn_weights, weights, return_lse, return_topk_idx)
         if fast is not None:
             return fast
     check_flags(return_attn_weights=return_attn_weights, return_lse=return_lse,
                 return_topk_idx=return_topk_idx)
-    cfg = _check_step_inputs(q, cache, config, weights, backend, kernel)
-    kern = uses_kernels(q, backend)
-    topk_idx = None
-    if cache.max_len() >= cfg.dense_len:
-        topk_idx = decode_select(q, cache, config=cfg, backend=backend, kernel=kernel)
+    cfg, kern = _check_step_inputs(q, cache, config, weights, backend, kernel, stage1)
+    dense = is_dense(cache, cfg)
+    keys = (cache.ck1, cache.ck2, cache.seqlens, cache.capacity, cfg)      # what stage 1 reads
     if kern:
-        res = sparse_decode(q, cache, topk_idx, softmax_scale=cfg.softmax_scale, return_lse=return_lse,
-                            return_attn_weights=return_attn_weights, weights=weights, backend="kernels")
+        # q as the prepared path takes it (a contiguous copy where it is not); stage 1 among the step's
+        # launches unless it runs on the prefill kernel
+        q = q.contiguous()
+        topk_idx = None
+        if not dense and stage1 != "decode":
+            topk_idx = _select(q, *keys, kern=True, stage1=stage1, kernel=kernel)
+        run, (out, lse, w, topk_idx) = step_launches(
+            q, cache.k, cache.v, cache.ck1, cache.ck2, cache.seqlens, cache.block_table, cache.capacity, cfg,
+            dense=dense, topk_idx=topk_idx, return_attn_weights=return_attn_weights, weights=weights)
+        run.run()
     else:
-        res = naive_sparse_decode(q, cache, topk_idx, softmax_scale=cfg.softmax_scale,
-                                  block_size=cfg.block_size, return_lse=return_lse,
-                                  return_attn_weights=return_attn_weights, weights=weights)
-    res = list(res) if isinstance(res, tuple) else [res]
+        topk_idx = None if dense else _select(q, *keys, kern=False, static_k=False)
+        res = _sparse_decode_checked(q, cache.k, cache.v, cache.seqlens, cache.block_table, cache.capacity,
+                                     topk_idx, scale=check_softmax_scale(cfg.softmax_scale, q.shape[2]),
+                                     block_size=cfg.block_size, return_lse=True,
+                                     return_attn_weights=return_attn_weights, weights=weights)
+        out, lse, w = res if return_attn_weights else (*res, None)
+    return _results(out, lse, w, topk_idx, return_lse, return_attn_weights, return_topk_idx)
+
+
+def is_dense(cache: DecodeCache, cfg: InfLLMv2Config) -> bool:
+    """The dense/sparse rule of spec section 9 (`uses_dense`) on the cache's host mirror: the longest
+    cache, the current token included (HF's `kv_seq_len`)."""
+    return uses_dense(cfg, cache.max_len())
+
+
+def _results(out, lse, w, topk_idx, return_lse: bool, return_attn_weights: bool, return_topk_idx: bool):
+    """out, then lse, weights and topk_idx as asked, in that order (one tensor alone)."""
+    res = [out]
+    if return_lse:
+        res.append(lse)
+    if return_attn_weights:
+        res.append(w)
     if return_topk_idx:
         res.append(topk_idx)
     return res[0] if len(res) == 1 else tuple(res)
@@ -330,6 +399,7 @@ def _fast_step(q, cache: DecodeCache, config, return_attn_weights, weights, retu
 
 _DEFAULT_DENSE = InfLLMv2Config().dense_len
 _FAST_BACKENDS = ("auto", "kernels")
+_FAST_KERNELS = ("auto", "sm80")     # `kernel=` values that run the decode kernels
 _MAX_PROGRAMS = 32
 
 
@@ -338,9 +408,7 @@ def _build_step(q, cache, config, return_attn_weights, weights, return_lse, retu
     """A `StepProgram` after every check of the general path (raises as it does)."""
     check_flags(return_attn_weights=return_attn_weights, return_lse=return_lse,
                 return_topk_idx=return_topk_idx)
-    cfg = _check_step_inputs(q, cache, config, weights, "kernels", "auto")
-    if cfg.block_size != KV_BLOCK:
-        raise ValueError(f"config: block_size must be {KV_BLOCK} for the kernels, got {cfg.block_size}")
+    cfg, _ = _check_step_inputs(q, cache, config, weights, "kernels", "auto")
     run, res = step_launches(q, cache.k, cache.v, cache.ck1, cache.ck2, cache.seqlens, cache.block_table,
                              cache.capacity, cfg, dense=dense, return_attn_weights=return_attn_weights,
                              weights=weights)
@@ -356,28 +424,33 @@ def _build_step(q, cache, config, return_attn_weights, weights, return_lse, retu
 
 
 def step_launches(q, k, v, ck1, ck2, seqlens, block_table, width: int, cfg: InfLLMv2Config, *,
-                  dense: bool | None, return_attn_weights: bool = False, weights: str = "per_head"):
+                  dense: bool | None, return_attn_weights: bool = False, weights: str = "per_head",
+                  topk_idx: torch.Tensor | None = None):
     """The launches of one decode step (stage 1 unless dense, then `sparse_decode`) after their checks:
     `(Launches, (out, lse, weights or None, topk_idx or None))`. `dense`: the path, or None to decide
     it on the device from the lengths at every run (spec section 9: stage 1's rows then list every block
-    while the longest sequence is shorter than `cfg.dense_len`; what a captured or compiled step runs)."""
-    B, HQ, D = q.shape
-    H = k.shape[2]
-    G = HQ // H
+    while the longest sequence is shorter than `cfg.dense_len`; what a captured or compiled step runs).
+    `topk_idx`: a selection made elsewhere (the prefill stage-1 kernel), attended instead of stage 1's.
+
+    The kernels' requirements are checked here once for the whole step (q by `sparse_decode`'s checks,
+    the compressed keys against it by `select_decode`'s); the step's arguments were checked by its caller
+    (`infllmv2_decode`, the op)."""
+    if cfg.block_size != KV_BLOCK:
+        raise ValueError(f"config: block_size must be {KV_BLOCK} for the kernels, got {cfg.block_size}")
+    B, _HQ, D, H, G, _K = _check_kernel_inputs(q, k, v, seqlens, block_table, topk_idx)
+    check_aligned(q=q, k_cache=k, v_cache=v)
+    scale = check_softmax_scale(cfg.softmax_scale, D)
     out_len = cdiv(width, KV_BLOCK)
     run = Launches(q.device)
-    topk_idx = None
-    if not dense:
-        sdt = check_select_inputs(q, ck1, ck2, seqlens, score_dtype=cfg.score_dtype, exact=cfg.exact_stage1)
+    if not dense and topk_idx is None:
+        sdt = check_select_inputs(q, ck1, ck2, seqlens, score_dtype=cfg.score_dtype, exact=cfg.exact_stage1,
+                                  q_checked=True)
         topk_idx = add_select_decode(run, q, ck1, ck2, seqlens, out_len, topk=cfg.topk,
                                      local_blocks=cfg.local_blocks,
                                      init_blocks=cfg.init_blocks, softmax_scale=cfg.softmax_scale,
                                      score_dtype=sdt,
                                      exact=cfg.exact_stage1,
                                      dense_len=max(cfg.dense_len, 0) if dense is None else 0)
-    _check_kernel_inputs(q, k, v, seqlens, block_table, topk_idx)
-    check_aligned(q=q, k_cache=k, v_cache=v)
-    scale = check_softmax_scale(cfg.softmax_scale, D)
     n_entries = topk_idx.shape[2] if topk_idx is not None else out_len
     plan = plan_decode(B, H, G, n_entries, _sm_count(q.device.index))
     check_plan(plan, G, n_entries, D, topk_idx.shape[2] if topk_idx is not None else 0)
@@ -413,8 +486,6 @@ def infllmv2_prefill_into_cache(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
         sequence's keys, `cache.packed()`) and reads the lengths on the host: a prefill step, not a
         captured one.
     """
-    from ..pipeline import dense_aux
-
     check_flags(return_aux=return_aux)
     cfg = check_config(config)
     check_backend(backend)
@@ -428,28 +499,19 @@ def infllmv2_prefill_into_cache(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     if q.shape[2] != cache.head_dim or q.shape[1] % cache.num_heads:
         raise ValueError(f"q must have shape [total_new, a multiple of {cache.num_heads}, {cache.head_dim}], "
                          f"got {tuple(q.shape)}")
-    stages = stages_for(q, backend)
-    kern = uses_kernels(q, backend)
     before = cache.lengths()
     cache.append(k_new, v_new, cu_seqlens_new)          # checks everything before writing
     after = cache.lengths()
     n_new = [a - b for a, b in zip(after, before)]
-    dev = cache.device
-    cu_q = _cu(n_new, dev)
     k, v, cu_k = cache.packed()
-    max_q, max_k = max(n_new, default=0), max(after, default=0)
-    if max_k < cfg.dense_len:
-        out = stages["dense_attn"](q, k, v, cu_q, cu_k, causal=True, softmax_scale=cfg.softmax_scale)
-        return (out, dense_aux()) if return_aux else out
-    if kern:
-        check_kernel_path(cfg, q, k, v)
-    ck1, cu1, ck2, cu2 = cache.packed_compressed()
-    cache_lens = torch.tensor(before, dtype=torch.int32, device=dev)
-    aux = select_blocks(stages, q, k, cu_q, cu_k, max_q, cache_lens, True, cfg, ck1=ck1, cu_seqlens_c1=cu1,
-                        ck2=ck2, cu_seqlens_c2=cu2, need_scores=return_aux)
-    out = stages["sparse_attn"](q, k, v, cu_q, cu_k, aux["topk_idx"], max_q, max_k, causal=True,
-                                softmax_scale=cfg.softmax_scale, block_size=cfg.block_size)
-    return (out, dict(dense=False, **aux)) if return_aux else out
+    max_k = max(after, default=0)
+    # the lengths are the cache's host mirror: the prefill body reads no cu_seqlens back, and takes the
+    # cache's compressed keys instead of compressing k again
+    host = HostSeqlens.from_lengths(n_new, after)
+    compressed = None if uses_dense(cfg, max_k) else cache.packed_compressed()
+    return prefill(q, k, v, _cu(n_new, cache.device), cu_k, max(n_new, default=0), max_k, cfg,
+                   kernels=uses_kernels(q, backend), host_seqlens=host, return_aux=return_aux,
+                   compressed=compressed)
 
 
 def _cu(lengths, device) -> torch.Tensor:

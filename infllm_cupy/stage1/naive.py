@@ -140,15 +140,33 @@ def naive_stage1_scores(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, c
     Returns:
         scores (torch.Tensor): `[H, total_q, max_n1]` in `score_dtype`.
     """
-    G = check_stage1_inputs(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2)
+    lq = _check_scores_args(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q, causal,
+                            kernel_stride, coarse_kernel_stride)
+    return _scores_checked(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, lq, causal=causal,
+                           softmax_scale=softmax_scale, score_dtype=score_dtype, kernel_stride=kernel_stride,
+                           coarse_kernel_stride=coarse_kernel_stride)
+
+
+def _check_scores_args(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q, causal,
+                       kernel_stride, coarse_kernel_stride) -> list[int]:
+    """`naive_stage1_scores`' checks; returns the query lengths (host ints)."""
+    check_stage1_inputs(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2)
     check_flags(causal=causal)
     check_int_args(1, kernel_stride=kernel_stride, coarse_kernel_stride=coarse_kernel_stride)
     lq = seqlens_host(cu_seqlens_q)
-    n1s, n2s = seqlens_host(cu_seqlens_c1), seqlens_host(cu_seqlens_c2)
     if max_seqlen_q is not None:
         check_max_seqlen("max_seqlen_q", max_seqlen_q, lq)
+    return lq
+
+
+def _scores_checked(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, lq: list[int], *,
+                    causal: bool, softmax_scale, score_dtype, kernel_stride: int,
+                    coarse_kernel_stride: int) -> torch.Tensor:
+    """`naive_stage1_scores` on checked inputs, `lq` the query lengths on the host."""
+    n1s, n2s = seqlens_host(cu_seqlens_c1), seqlens_host(cu_seqlens_c2)
     T, HQ, D = q.shape
     H = ck1.shape[1]
+    G = HQ // H
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
     cdt = compute_dtype(q.dtype)
     out = torch.zeros(H, T, max(n1s, default=0), dtype=cdt, device=q.device)
@@ -279,6 +297,14 @@ def q_block_idx_prefill(cu_seqlens_q: torch.Tensor, max_seqlen_q: int, *, block_
     lq = seqlens_host(cu_seqlens_q)
     check_max_seqlen("max_seqlen_q", max_seqlen_q, lq)
     cache = check_lengths_arg("cache_lens", cache_lens, len(lq), cu_seqlens_q.device)
+    return q_block_idx_checked(cu_seqlens_q, lq, cache, max_seqlen_q, block_size=block_size,
+                               varlen_offset_quirk=varlen_offset_quirk)
+
+
+def q_block_idx_checked(cu_seqlens_q: torch.Tensor, lq: list[int], cache: torch.Tensor, max_seqlen_q: int, *,
+                        block_size: int = 64, varlen_offset_quirk: bool = False) -> torch.Tensor:
+    """`q_block_idx_prefill` on checked inputs: `lq` the query lengths on the host, `cache` int64 `[B]`
+    on `cu_seqlens_q`'s device. Reads nothing back from the device."""
     seq, r = _token_layout(cu_seqlens_q, lq)
     pos = r + cache[seq]
     if varlen_offset_quirk:
@@ -373,10 +399,27 @@ def naive_stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, c
         topk_idx (torch.Tensor): int32 `[H, total_q, K]`; with `return_scores`, the tuple
         `(topk_idx, scores [H, total_q, max_n1], block_scores [H, total_q, out_len])`.
     """
-    check_flags(causal=causal, varlen_offset_quirk=varlen_offset_quirk, return_scores=return_scores)
-    scores = naive_stage1_scores(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q,
-                                 causal=causal, softmax_scale=softmax_scale, score_dtype=score_dtype,
-                                 kernel_stride=kernel_stride, coarse_kernel_stride=coarse_kernel_stride)
+    check_flags(varlen_offset_quirk=varlen_offset_quirk, return_scores=return_scores)
+    lq = _check_scores_args(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q, causal,
+                            kernel_stride, coarse_kernel_stride)
+    return select_checked(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, lq, max_seqlen_q,
+                          causal=causal, cache_lens=cache_lens, softmax_scale=softmax_scale, topk=topk,
+                          local_blocks=local_blocks, init_blocks=init_blocks, block_size=block_size,
+                          kernel_stride=kernel_stride, coarse_kernel_stride=coarse_kernel_stride,
+                          varlen_offset_quirk=varlen_offset_quirk, score_dtype=score_dtype,
+                          return_scores=return_scores)
+
+
+def select_checked(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, lq: list[int], max_seqlen_q: int,
+                   *, causal: bool, cache_lens, softmax_scale, topk: int, local_blocks: int, init_blocks: int,
+                   block_size: int, kernel_stride: int, coarse_kernel_stride: int, varlen_offset_quirk: bool,
+                   score_dtype, return_scores: bool = False):
+    """`naive_stage1_select` on inputs its caller checked (q, the keys and their offsets against each
+    other; `lq` the query lengths on the host): the decode step checks its own arguments once and
+    passes a layout it built. Pooling and top-k still check the intermediates they take."""
+    scores = _scores_checked(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, lq, causal=causal,
+                             softmax_scale=softmax_scale, score_dtype=score_dtype,
+                             kernel_stride=kernel_stride, coarse_kernel_stride=coarse_kernel_stride)
     block_scores = naive_pool_blocks(scores, cu_seqlens_q, cu_seqlens_c1, cache_lens, max_seqlen_q,
                                      init_blocks=init_blocks, local_blocks=local_blocks,
                                      block_size=block_size, kernel_stride=kernel_stride)

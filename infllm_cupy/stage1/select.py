@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 
 import numpy as np
@@ -26,6 +27,7 @@ import torch
 from .. import _jit
 from .._checks import (
     KERNEL_DTYPES,
+    HostSeqlens,
     check_aligned,
     check_backend,
     check_flags,
@@ -37,14 +39,17 @@ from .._checks import (
 )
 from .._constants import HEAD_DIMS, KV_BLOCK
 from .._kernel_arg import check_kernel
-from .._launch import CXX_TYPE, cdiv, empty, launch, ptr, total_memory
+from .._launch import CXX_TYPE, cdiv, empty, launch, total_memory
+from .._params import KernelParams, constants
 from .._tma import TMAP_DTYPE, rows_map
-from .naive import naive_stage1_scores, naive_stage1_select, q_block_idx_prefill
+from .naive import naive_stage1_scores, naive_stage1_select, q_block_idx_checked
 from .plan import (  # noqa: F401  (the sizing functions re-exported: the launcher's vocabulary)
     MAX_GROUP,
     SCRATCH_BUDGET_FRACTION,
     SM90_MAX_LGP,
     SM90A,
+    STAGE_STRIDE,
+    TILE,
     Stage1Plan,
     choose_tiles,
     lgp_of,
@@ -60,6 +65,24 @@ KERNEL_STRIDE, COARSE_STRIDE = 16, 64   # what the kernel is built for (and KV_B
 
 
 SCORE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # kernels_cu: `kind`
+
+# Stage1SelectParams (kernels_cu/stage1/select_common.cuh); the sm_90a kernel's struct adds its two
+# tensor maps. One declaration per source: the layout checks are appended to each.
+_SELECT_FIELDS = """
+    ptr q, ck1, ck2, cu_q, cu_c1, cu_c2, cache_lens, topk_idx, scores, block_scores, bs_scratch
+    i32 total_q, HQ, H, G, lgp, B, n_tiles, max_seqlen_q, out_len, olp, K, max_n1, init_blocks, local_blocks
+    i32 quirk, causal, kind, s1, s2c
+    f32 sl2
+    i32 topk_prefix, j_lo, j_hi
+    ptr cand_key, cand_idx, row_bias
+    i32 bias_mode
+"""
+SELECT_PARAMS = KernelParams(SOURCE, "Stage1SelectParams<__half, unsigned short>", _SELECT_FIELDS)
+SELECT_SM90_PARAMS = KernelParams(SOURCE_SM90, "Stage1SelectSm90Params<__half, unsigned short>",
+                                  _SELECT_FIELDS + "tmap tm1, tm2")
+# the plan's tile and staging-row sizes (stage1/plan.py), checked against both kernels
+for _src in (SOURCE, SOURCE_SM90):
+    constants(_src, S1_TILE=TILE, S1_ST=STAGE_STRIDE)
 
 
 def kernel_name(dtype: torch.dtype, score_dtype: torch.dtype, D: int, sm90a: bool = False,
@@ -86,13 +109,19 @@ _FINAL_ELEMS = 1 << 22             # elements of one chunk of the final conversi
 # The range passes' merge kernel (docs/stage1.md, 9. Long context: key ranges; its paragraph "The merge
 # kernel"): one instance per candidates-per-lane count NI (K <= 32 NI); past MERGE_MAX_K the torch merge runs.
 MERGE_SOURCE = "stage1/merge_cand.cu"
-MERGE_WARPS = 4                    # mirrors #define MERGE_WARPS in merge_cand.cu
+MERGE_WARPS = 4                    # warps per CTA, one per row
 MERGE_ITEMS = (1, 2, 3, 4, 6, 8, 16, 32)
 MERGE_MAX_K = 32 * MERGE_ITEMS[-1]
 # the kernel's candidates compare with each other (K^2 per row): measured on the H100 it merges 8x
 # faster than torch at K = 96, 5.6x at 256, but 0.41x at 1024, so `_merge_into` takes it up to here
 MERGE_KERNEL_UP_TO_K = 256
 _jit.register_instances(MERGE_SOURCE, [f"merge_range_candidates<{n}>" for n in MERGE_ITEMS])
+constants(MERGE_SOURCE, MERGE_WARPS=MERGE_WARPS)
+MERGE_PARAMS = KernelParams(MERGE_SOURCE, "MergeRangeCandidatesParams", """
+    ptr cand_key, cand_idx, run
+    i64 rows
+    i32 K, has_run
+""")
 
 
 def _smem_limits(device: torch.device) -> tuple[int, int]:
@@ -157,7 +186,7 @@ def stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
                   local_blocks: int = 32, init_blocks: int = 1, block_size: int = 64, kernel_stride: int = 16,
                   coarse_kernel_stride: int = 64, varlen_offset_quirk: bool = False,
                   score_dtype: torch.dtype | None = torch.bfloat16, return_scores: bool = False,
-                  backend: str = "auto", kernel: str = "auto"):
+                  backend: str = "auto", kernel: str = "auto", host_seqlens: HostSeqlens | None = None):
     r"""InfLLM-v2 stage 1 end to end: compressed-key scores, block pooling, top-k (spec 4-6).
 
     Same signature and outputs as `naive_stage1_select`. For query row `r` of a sequence, KV head `h`
@@ -204,6 +233,10 @@ def stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
             G <= 32, the SM80 kernel otherwise), "sm80" or "sm90a" (ValueError on another
             capability or G > 32). Its tile shape is the plan's (stage1/plan.py). Ignored by the
             reference. Default: "auto".
+        host_seqlens (HostSeqlens, Optional):
+            `cu_seqlens_q` and `cu_seqlens_c1` on the host (`host_seqlens.q`, `.c1`) from a caller that
+            checked every input (the pipeline): the kernel path then skips its input checks and reads
+            no offsets back. Ignored by the reference. Default: `None`.
 
     Returns:
         topk_idx (torch.Tensor): int32 `[H, total_q, K]`; with `return_scores`, the tuple
@@ -224,7 +257,8 @@ def stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
                          local_blocks=local_blocks,
                          init_blocks=init_blocks, block_size=block_size, kernel_stride=kernel_stride,
                          coarse_kernel_stride=coarse_kernel_stride, varlen_offset_quirk=varlen_offset_quirk,
-                         score_dtype=score_dtype, return_scores=return_scores, kernel=kernel)
+                         score_dtype=score_dtype, return_scores=return_scores, kernel=kernel,
+                         host_seqlens=host_seqlens)
 
 
 def stage1_scores(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -266,13 +300,17 @@ def launch_select(
     block_size: int = 64, kernel_stride: int = 16, coarse_kernel_stride: int = 64,
     varlen_offset_quirk: bool = False, score_dtype: torch.dtype | None = torch.bfloat16,
     return_scores: bool = False, kernel: str = "auto", plan: Stage1Plan | None = None,
+    host_seqlens: HostSeqlens | None = None,
 ):
     """`stage1_select` on the kernels: every check, then one launch as `plan` says (None: the
     `stage1_plan` of these shapes for `kernel`). Same arguments and outputs as `stage1_select`."""
     check_kernel(kernel)
     # ---- checks, all before any launch
-    check_max_seqlen("max_seqlen_q", max_seqlen_q, [])    # its bound rides on the cu_seqlens_q check
-    G = check_stage1_inputs(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q)
+    if host_seqlens is None:
+        check_max_seqlen("max_seqlen_q", max_seqlen_q, [])    # its bound rides on the cu_seqlens_q check
+        G = check_stage1_inputs(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q)
+    else:
+        G = q.shape[1] // ck1.shape[1]                         # checked by the caller
     _kernel_checks(q, score_dtype, block_size, kernel_stride, coarse_kernel_stride, softmax_scale)
     if G > MAX_GROUP:
         raise ValueError(f"q has {q.shape[1]} heads for {ck1.shape[1]} KV heads (G = {G}); the stage-1 "
@@ -303,7 +341,12 @@ def launch_select(
         plan = device_stage1_plan(q.device, G, D, q.dtype, sdt, out_len, rows=ck1.shape[1] * q.shape[0],
                                   kernel=kernel)
     K = min(topk + local_blocks, out_len)
-    max_n1 = max(seqlens_host(cu_seqlens_c1), default=0) if return_scores else 0
+    if not return_scores:
+        max_n1 = 0
+    elif host_seqlens is None:
+        max_n1 = max(seqlens_host(cu_seqlens_c1), default=0)
+    else:
+        max_n1 = max((b - a for a, b in itertools.pairwise(host_seqlens.c1)), default=0)
     ranged = plan.range_blocks > 0 and not return_scores and 0 < K <= plan.range_blocks
     # range passes allocate their output after their candidate buffers are freed (peak memory)
     topk_idx = None if ranged else empty((H, total_q, K), dtype=torch.int32, device=q.device)
@@ -340,28 +383,24 @@ def launch_select(
     check_aligned(q=q, ck1=ck1, ck2=ck2)   # 16-byte rows: cp.async (both kernels), TMA (sm_90a)
     cache_dev = cache.to(torch.int32).contiguous() if cache_lens is not None else None
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
-    null = np.uint64(0)
-    def opt(t):
-        return ptr(t) if t is not None else null
-
-    def args(olp_arg):
-        return (ptr(q), ptr(ck1), ptr(ck2), ptr(cu_seqlens_q), ptr(cu_seqlens_c1), ptr(cu_seqlens_c2),
-                opt(cache_dev), opt(topk_idx), opt(scores), opt(block_scores), opt(scratch),
-                np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(lgp), np.int32(B),
-                np.int32(n_tiles), np.int32(max_seqlen_q), np.int32(out_len), np.int32(olp_arg), np.int32(K),
-                np.int32(max_n1), np.int32(init_blocks), np.int32(local_blocks),
-                np.int32(1 if varlen_offset_quirk else 0), np.int32(1 if causal else 0),
-                np.int32(SCORE_KIND[sdt]), np.int32(KERNEL_STRIDE), np.int32(COARSE_STRIDE),
-                np.float32(scale * 1.4426950408889634), np.int32(plan.topk_prefix))
+    # the full launch's fields; a range pass replaces olp and the range fields
+    fields = dict(q=q, ck1=ck1, ck2=ck2, cu_q=cu_seqlens_q, cu_c1=cu_seqlens_c1, cu_c2=cu_seqlens_c2,
+                  cache_lens=cache_dev, topk_idx=topk_idx, scores=scores, block_scores=block_scores,
+                  bs_scratch=scratch, total_q=total_q, HQ=HQ, H=H, G=G, lgp=lgp, B=B, n_tiles=n_tiles,
+                  max_seqlen_q=max_seqlen_q, out_len=out_len, olp=olp, K=K, max_n1=max_n1,
+                  init_blocks=init_blocks, local_blocks=local_blocks, quirk=1 if varlen_offset_quirk else 0,
+                  causal=1 if causal else 0, kind=SCORE_KIND[sdt], s1=KERNEL_STRIDE, s2c=COARSE_STRIDE,
+                  sl2=scale * 1.4426950408889634, topk_prefix=plan.topk_prefix,
+                  j_lo=0, j_hi=out_len, cand_key=None, cand_idx=None, row_bias=None, bias_mode=0)
 
     name = kernel_name(q.dtype, sdt, D, sm90a, ranged)
     kernel_fn = _jit.get_kernel(SOURCE_SM90, name, sm90a=True) if sm90a else _jit.get_kernel(SOURCE, name)
-    # the sm_90a kernel reads its key tiles by TMA (docs/stage1.md, 3.): a map per compressed-key tensor
-    maps = (_key_map(ck1), _key_map(ck2)) if sm90a else ()
+    decl = SELECT_SM90_PARAMS if sm90a else SELECT_PARAMS
+    if sm90a:   # the key tiles come by TMA (docs/stage1.md, 3.): a map per compressed-key tensor
+        fields.update(tm1=_key_map(ck1), tm2=_key_map(ck2))
     if not ranged:
         launch(kernel_fn, name=name, grid=(n_tiles * B * H,), block=(32 * plan.warps,), shared_mem=shared,
-               args=(*args(olp), np.int32(0), np.int32(out_len), null, null, null, np.int32(0),   # no range
-                     *maps))
+               params=decl.pack(**fields))
         return (topk_idx, scores, block_scores) if return_scores else topk_idx
 
     # ---- range passes (docs/stage1.md, 9. Long context: key ranges): the first keeps each row's
@@ -378,12 +417,13 @@ def launch_select(
     for i, (j_lo, j_hi) in enumerate(ranges):
         bias_mode = 0 if row_bias is None else (1 if i == 0 else 2)
         launch(kernel_fn, name=name, grid=(n_tiles * B * H,), block=(32 * plan.warps,), shared_mem=shared,
-               args=(*args(64 + W), np.int32(j_lo), np.int32(j_hi), ptr(cand_key), ptr(cand_idx),
-                     opt(row_bias), np.int32(bias_mode), *maps))
+               params=decl.pack(**fields | dict(olp=64 + W, j_lo=j_lo, j_hi=j_hi, cand_key=cand_key,
+                                                cand_idx=cand_idx, row_bias=row_bias, bias_mode=bias_mode)))
         run = _merge_into(run, cand_key, cand_idx, K)
     del cand_key, cand_idx, row_bias
-    q_blocks = q_block_idx_prefill(cu_seqlens_q, max_seqlen_q, varlen_offset_quirk=varlen_offset_quirk,
-                                   cache_lens=cache)
+    lq = seqlens_host(cu_seqlens_q) if host_seqlens is None else host_seqlens.lq
+    q_blocks = q_block_idx_checked(cu_seqlens_q, lq, cache, max_seqlen_q,
+                                   varlen_offset_quirk=varlen_offset_quirk)
     return _run_to_topk(run, q_blocks)
 
 
@@ -443,8 +483,8 @@ def _merge_into_kernel(run: torch.Tensor | None, cand_key: torch.Tensor, cand_id
     name = f"merge_range_candidates<{ni}>"
     launch(_jit.get_kernel(MERGE_SOURCE, name), name=name, grid=(cdiv(rows, MERGE_WARPS),),
            block=(32 * MERGE_WARPS,), shared_mem=MERGE_WARPS * 2 * K * 8,
-           args=(ptr(cand_key), ptr(cand_idx), ptr(out), np.int64(rows), np.int32(K),
-                 np.int32(0 if run is None else 1)))
+           params=MERGE_PARAMS.pack(cand_key=cand_key, cand_idx=cand_idx, run=out, rows=rows, K=K,
+                                    has_run=0 if run is None else 1))
     return out
 
 

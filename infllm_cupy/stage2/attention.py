@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import (
+    HostSeqlens,
     check_attn_inputs,
     check_backend,
     check_flags,
@@ -49,7 +50,7 @@ def sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
                        cu_seqlens_k: torch.Tensor, topk_idx: torch.Tensor, max_seqlen_q: int,
                        max_seqlen_k: int,
                        *, causal: bool = True, softmax_scale: float | None = None, return_lse: bool = False,
-                       backend: str = "auto", kernel: str = "auto"):
+                       backend: str = "auto", kernel: str = "auto", host_seqlens: HostSeqlens | None = None):
     r"""Attention of each query token over the 64-key blocks its KV head selected (InfLLM-v2 stage 2).
 
     Query `t` (row `r` of sequence `b`), head `hq`, attends keys `c` of its sequence with
@@ -96,6 +97,10 @@ def sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
             on an H100) or "sm90a" (ValueError on any other capability). The finer choices (step
             shapes, key-range passes, tiles) are the plan's (stage2/plan.py). Ignored by the
             reference. Default: "auto".
+        host_seqlens (HostSeqlens, Optional):
+            Given by a caller that checked every input against the kernels (the pipeline): the op
+            path then skips its checks, and with them their host copy of the `cu_seqlens`. Ignored
+            by the reference. Default: `None`.
 
     Returns:
         out (torch.Tensor): `[total_q, HQ, D]` in q's dtype; and `lse` with `return_lse`.
@@ -106,10 +111,10 @@ def sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
         return naive_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q,
                                         max_seqlen_k,
                                         causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
-    _check_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend)
-    H = k.shape[1]
-    check_tensor("topk_idx", topk_idx, ndim=3, dtypes=(torch.int32,), shape=(H, q.shape[0], None),
-                 device=q.device)
+    if host_seqlens is None:
+        _check_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend)
+        check_tensor("topk_idx", topk_idx, ndim=3, dtypes=(torch.int32,),
+                     shape=(k.shape[1], q.shape[0], None), device=q.device)
     out, lse = sparse_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
                                bool(causal), check_softmax_scale(softmax_scale, q.shape[2]), kernel)
     return (out, lse) if return_lse else out

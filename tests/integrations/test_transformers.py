@@ -169,20 +169,20 @@ def test_prefill_reuses_cache_compressed_keys_and_reads_no_lengths(monkeypatch):
     """Prefill into an InfLLMv2Cache: the pipeline takes the keys the cache compressed at `update` instead of
     compressing them again, and reads no cu_seqlens back to the host (the integration knows the lengths);
     the logits equal, bit for bit, those of a DynamicCache (where the pipeline compresses)."""
-    from infllm_cupy import pipeline
+    from infllm_cupy import pipeline, sparse_core
 
     cfg = small_config(SPARSE)
     ids = prompt(2, PROMPT)
     m = model_for(cfg)
     calls = []
-    compress = pipeline._REFERENCE_STAGES["compress_k"]
-    monkeypatch.setitem(pipeline._REFERENCE_STAGES, "compress_k",
+    compress = sparse_core.naive_compress_k
+    monkeypatch.setattr(sparse_core, "naive_compress_k",
                         lambda *a, **kw: calls.append(a[2:4]) or compress(*a, **kw))
 
-    def no_host_read(cu):
+    def no_host_read(*args, **kwargs):
         raise AssertionError("the integration's prefill read cu_seqlens back to the host")
 
-    monkeypatch.setattr(pipeline, "seqlens_host", no_host_read)
+    monkeypatch.setattr(pipeline, "check_prefill_inputs", no_host_read)      # the lengths' read
     with torch.no_grad():
         ours = m(ids, past_key_values=hf.InfLLMv2Cache(cfg, max_cache_len=PROMPT), use_cache=True).logits
         assert calls == [], "the pipeline compressed keys the InfLLMv2Cache had compressed already"
