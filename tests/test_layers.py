@@ -61,6 +61,15 @@ PLANTED = {
     "the pipeline imports decode": (
         "pipeline.py", "from .decode import naive",
         "infllm_cupy.pipeline is not allowed to import infllm_cupy.decode"),
+    "decode imports the pipeline": (
+        "decode/step.py", "from .. import pipeline",
+        "infllm_cupy.decode is not allowed to import infllm_cupy.pipeline"),
+    "the core imports the pipeline": (
+        "sparse_core.py", "from . import pipeline",
+        "infllm_cupy.sparse_core is not allowed to import infllm_cupy.pipeline"),
+    "a stage imports the core": (
+        "stage2/attention.py", "from .. import sparse_core",
+        "infllm_cupy.stage2 is not allowed to import infllm_cupy.sparse_core"),
     "the loader knows a stage": (
         "_jit.py", "from .stage2 import plan",
         "infllm_cupy._jit is not allowed to import infllm_cupy.stage2"),
@@ -128,8 +137,9 @@ def test_importing_the_package_imports_no_gpu_plotting_or_model_stack():
 
 def test_the_moved_names_are_still_where_they_were():
     """The per-query-head op lives in stage 2 and is still named by the pattern zoo; the dtype rules live in
-    `_dtypes` and are still named by `_checks` and the stage-1 reference."""
-    from infllm_cupy import _checks, _dtypes, patterns, stage2
+    `_dtypes` and are still named by `_checks` and the stage-1 reference; the config, checks, stage choice
+    and dense fallback live in `sparse_core` and are still named by the pipeline."""
+    from infllm_cupy import _checks, _dtypes, patterns, pipeline, sparse_core, stage2
     from infllm_cupy.patterns import qhead as patterns_qhead
     from infllm_cupy.stage1 import naive as stage1_naive
     from infllm_cupy.stage2 import attention, qhead
@@ -142,3 +152,7 @@ def test_the_moved_names_are_still_where_they_were():
     assert stage1_naive.compute_dtype is _dtypes.compute_dtype
     for name in ("REF_DTYPES", "KERNEL_DTYPES", "INT_DTYPES"):
         assert getattr(_checks, name) is getattr(_dtypes, name), name
+    for name in ("InfLLMv2Config", "check_config", "check_topk_keeps_forced_blocks", "uses_kernels",
+                 "check_kernel_block_size", "check_kernel_path", "sdpa_dense_attn_varlen", "stages_for",
+                 "stage_names", "select_blocks", "dense_aux", "_kernel_sparse_attn", "_REFERENCE_STAGES"):
+        assert getattr(pipeline, name) is getattr(sparse_core, name), name

@@ -315,6 +315,111 @@ def test_sdpa_dense_fallback_matches_reference(causal, monkeypatch):
         sdpa_dense_attn_varlen(q, k, v, cuq, cuk, return_lse=True)
 
 
+# ------------------------------------------------------ one check and one host read per call, CPU
+
+
+class _HostWork:
+    """Counters of a prefill call's host reads of cu_seqlens (`_checks.cu_seqlens_host`, which every
+    check and `HostSeqlens.read` go through) and of its checks of q (`_checks.check_tensor("q")`), on
+    the kernel path with its stage kernels replaced by fakes: each runs its reference uncounted and
+    records the `host_seqlens` it got, as the kernels would use them. The path is taken on CPU tensors
+    (`uses_kernels` forced in `modules`, the kernels' dtype and device check skipped)."""
+
+    def __init__(self, monkeypatch, *modules):
+        from infllm_cupy import _checks, sparse_core
+        from infllm_cupy.stage1.naive import naive_stage1_select
+
+        self.reads = self.q_checks = 0
+        self.stages: list[tuple[str, object]] = []      # (stage, host_seqlens) in call order
+        self._counting = True
+        read, check_tensor = _checks.cu_seqlens_host, _checks.check_tensor
+
+        def counted_read(*cus):
+            self.reads += self._counting
+            return read(*cus)
+
+        def counted_check(name, *args, **kwargs):
+            self.q_checks += self._counting and name == "q"
+            return check_tensor(name, *args, **kwargs)
+
+        def fake(stage, reference):
+            def kernel(*args, backend, host_seqlens, **kwargs):
+                assert backend == "kernels"
+                self.stages.append((stage, host_seqlens))
+                self._counting = False
+                try:
+                    return reference(*args, **kwargs)
+                finally:
+                    self._counting = True
+            return kernel
+
+        monkeypatch.setattr(_checks, "cu_seqlens_host", counted_read)
+        monkeypatch.setattr(_checks, "check_tensor", counted_check)
+        monkeypatch.setattr(sparse_core, "compress_k", fake("compress_k", naive_compress_k))
+        monkeypatch.setattr(sparse_core, "stage1_select", fake("stage1_select", naive_stage1_select))
+        monkeypatch.setattr(sparse_core, "sparse_attn_varlen", fake("sparse_attn", naive_sparse_attn_varlen))
+        monkeypatch.setattr(sparse_core, "check_kernel_inputs", lambda q, k, v: None)
+        for module in modules:
+            monkeypatch.setattr(module, "uses_kernels", lambda q, backend="auto": True)
+
+
+@pytest.mark.parametrize("same_cu", [True, False], ids=["plain", "chunked"])
+def test_kernel_path_checks_and_reads_cu_seqlens_once_per_call(same_cu, monkeypatch):
+    """`infllmv2_attention` on the kernel path: q checked once, both cu_seqlens read to the host in one
+    copy, at the entry; every stage gets that copy (the compressed keys' offsets for stage 1) and
+    neither checks nor reads again. Same output as the reference pipeline."""
+    from infllm_cupy import pipeline
+    from infllm_cupy._checks import HostSeqlens
+
+    lq, lk = ([700, 130], [700, 130]) if same_cu else ([300, 130], [700, 257])
+    q, k, v = make_qkv(lq, lk)
+    cuq, cuk = cu_seqlens_from_lengths(lq), cu_seqlens_from_lengths(lk)
+    cuq = cuk if same_cu else cuq
+    want = naive_infllmv2_attention(q, k, v, cuq, cuk, max(lq), max(lk), SPARSE)
+    work = _HostWork(monkeypatch, pipeline)
+    out = infllmv2_attention(q, k, v, cuq, cuk, config=SPARSE)
+    assert (work.reads, work.q_checks) == (1, 1)
+    assert [stage for stage, _ in work.stages] == ["compress_k", "compress_k", "stage1_select", "sparse_attn"]
+    host = work.stages[0][1]
+    assert isinstance(host, HostSeqlens) and (host.q, host.k) == (tuple(cuq.tolist()), tuple(cuk.tolist()))
+    c1 = work.stages[2][1].c1
+    assert c1 == tuple(naive_compress_k(k, cuk, SPARSE.kernel_size, SPARSE.kernel_stride)[1].tolist())
+    assert all(h is not None for _, h in work.stages)
+    assert torch.equal(out, want)
+    # the dense fallback (SDPA) takes the same copy: still one read and one check of q
+    work.reads = work.q_checks = 0
+    dense = InfLLMv2Config(dense_len=10**6)
+    out = infllmv2_attention(q, k, v, cuq, cuk, config=dense)
+    assert (work.reads, work.q_checks) == (1, 1)
+    torch.testing.assert_close(out, naive_infllmv2_attention(q, k, v, cuq, cuk, max(lq), max(lk), dense),
+                               atol=2e-5, rtol=2e-5)
+    # bad input is still named at the entry
+    with pytest.raises(ValueError, match=r"cu_seqlens_k must end at the total token count"):
+        infllmv2_attention(q, k[:-1], v[:-1], cuq, cuk, config=SPARSE)
+
+
+def test_prefill_into_cache_reads_no_cu_seqlens(monkeypatch):
+    """The decode package's chunked prefill into a DecodeCache runs the same prefill body with the
+    cache's host lengths and compressed keys: no cu_seqlens read back, no compression, each stage
+    given the host copy; the output equals `naive_infllmv2_attention` on the packed cache."""
+    from infllm_cupy.decode import DecodeCache, infllmv2_prefill_into_cache
+    from infllm_cupy.decode import step as decode_step
+
+    cfg = InfLLMv2Config(topk=3, local_blocks=2, dense_len=0, score_dtype=torch.float32)
+    cache = DecodeCache.contiguous(2, 1024, 2, 32, dtype=torch.float32)
+    for seed, lengths in enumerate(([400, 130], [200, 0])):
+        q, k, v = make_qkv(lengths, HQ=4, H=2, D=32, seed=seed)
+        work = _HostWork(monkeypatch, decode_step)
+        out = infllmv2_prefill_into_cache(q, k, v, cache, [0, lengths[0], sum(lengths)], config=cfg)
+        assert work.reads == 0
+        assert [stage for stage, _ in work.stages] == ["stage1_select", "sparse_attn"]
+        monkeypatch.undo()
+        kc, vc, cu_k = cache.packed()
+        want = naive_infllmv2_attention(q, kc, vc, cu_seqlens_from_lengths(lengths), cu_k, max(lengths),
+                                        max(cache.lengths()), cfg)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 GPU_SHAPES = [  # (lengths, HQ, H, D)
@@ -422,3 +527,35 @@ def test_kernel_path_grads_and_other_block_sizes_on_cuda():
     assert out.requires_grad
     with torch.no_grad():
         assert InfLLMv2Attention(SPARSE)(q, k, v, cu).shape == q.shape
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dense_len", [0, 10**6], ids=["sparse", "dense"])
+def test_kernel_path_copies_to_the_host_once_per_call(dense_len, monkeypatch):
+    """One kernel-path prefill copies device memory to the host once: both cu_seqlens, read at the entry
+    (`_checks.cu_seqlens_host`), counted there and as torch's synchronizing operations (a plain prefill
+    short enough for one stage-2 pass: no other sync on the path)."""
+    import warnings
+
+    from infllm_cupy import _checks
+
+    lengths = [1000, 300]
+    q, k, v = tie_free_qkv(lengths, 8, 2, 128, torch.bfloat16, "cuda")
+    cu = cu_seqlens_from_lengths(lengths, "cuda")
+    cfg = InfLLMv2Config(topk=3, local_blocks=2, dense_len=dense_len)
+    with torch.no_grad():
+        infllmv2_attention(q, k, v, cu, config=cfg)          # first call: kernels compiled and loaded
+        torch.cuda.synchronize()
+        reads = []
+        read = _checks.cu_seqlens_host
+        monkeypatch.setattr(_checks, "cu_seqlens_host", lambda *cus: reads.append(len(cus)) or read(*cus))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                infllmv2_attention(q, k, v, cu, config=cfg)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(reads) == 1
+    assert len(syncs) == 1, syncs
