@@ -132,6 +132,9 @@ def infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     Raises:
         ValueError: bad inputs (naming the argument), a `backend` outside `BACKENDS`, or what the
             kernel path cannot do (`config.block_size != 64`, dtype, head dim), before any launch.
+
+    Host synchronisation: one device-to-host copy per call, of both `cu_seqlens` at once, by the
+    checks here; the stages below take that copy and read nothing back.
     """
     cfg = check_config(config)
     check_backend(backend)
