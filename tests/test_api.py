@@ -66,8 +66,9 @@ def test_block_layout_reference_rejects_bad_layouts():
 # a value meant for another parameter (`naive_dense_attn_varlen(q, k, v, cu, cu, 724, 724)`) would be
 # taken as one of these.
 FLAGS = {"causal", "softmax_scale", "return_lse", "return_scores", "return_aux", "return_attn_weights",
-         "backend", "kernel", "score_dtype", "topk", "local_blocks", "init_blocks", "upcast", "weights",
-         "plan", "varlen_offset_quirk", "exact_stage1", "dense_len", "cache_lens", "dtype", "device"}
+         "backend", "kernel", "stage1", "score_dtype", "topk", "local_blocks", "init_blocks", "upcast",
+         "weights", "plan", "varlen_offset_quirk", "exact_stage1", "dense_len", "cache_lens", "dtype",
+         "device"}
 PUBLIC_MODULES = ["infllm_cupy", "infllm_cupy.compress", "infllm_cupy.stage1", "infllm_cupy.stage2",
                   "infllm_cupy.decode", "infllm_cupy.patterns"]
 

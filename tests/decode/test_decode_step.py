@@ -1,14 +1,18 @@
 """The whole decode step (infllmv2_decode), chunked prefill into the cache, and the custom ops under
 torch.compile: against the references naive_infllmv2_decode / naive_infllmv2_attention (CPU), the
 kernels against the float64 reference by FlashAttention's rule (GPU)."""
+import collections
 import dataclasses
+import inspect
+import sys
 
 import pytest
 import torch
 
-from infllm_cupy import _env
+import infllm_cupy.stage1.naive  # noqa: F401  (loaded before its `_checks` names are counted)
+from infllm_cupy import _checks, _env
 from infllm_cupy.compress.naive import n_chunks, naive_compress_k
-from infllm_cupy.decode import DecodeCache, naive_infllmv2_decode, naive_sparse_decode
+from infllm_cupy.decode import DecodeCache, naive_infllmv2_decode, naive_sparse_decode, sparse_decode
 from infllm_cupy.decode.ops import decode_select_op, decode_step, sparse_decode_op, sparse_decode_weights_op
 from infllm_cupy.decode.step import decode_layout, decode_select, infllmv2_decode, infllmv2_prefill_into_cache
 from infllm_cupy.pipeline import InfLLMv2Config, naive_infllmv2_attention
@@ -188,19 +192,92 @@ def test_bad_input_names_the_argument():
         (dict(weights="per_query"), "weights"),
         (dict(backend="cuda"), "backend"),
         (dict(kernel="sm70"), "kernel"),
+        # `kernel` is the generation, as in every op: the decode kernels have no sm_90a form
+        (dict(kernel="sm90a"), "sm90a.*stage1='prefill'"),
+        (dict(stage1="sm80"), "stage1 must be one of .*the kernel generation is `kernel=`"),
+        (dict(stage1="split"), "stage1"),
         (dict(config=dataclasses.replace(CFG, kernel_size=64, kernel_stride=32, block_size=64)), "config"),
         (dict(config="minicpm"), "config"),
         (dict(cache=(cache.k, cache.v, cache.seqlens)), "cache"),
+        (dict(return_lse=1), "return_lse"),
+        (dict(dense="yes"), "dense"),
     ]
+    # every entry point of the step checks the arguments it takes, with the same messages
+    entries = {infllmv2_decode: {"weights", "backend", "kernel", "stage1", "return_lse"},
+               decode_select: {"backend", "kernel", "stage1"},
+               decode_step: {"weights", "kernel", "dense"}}
     for change, match in cases:
         a = dict(q=q, cache=cache)
         a.update(change)
         q_, c_ = a.pop("q"), a.pop("cache")
-        with pytest.raises((ValueError, TypeError), match=match):
-            infllmv2_decode(q_, c_, **{"config": CFG, **a})
+        for entry, takes in entries.items():
+            if set(a) - {"config"} <= takes:
+                with pytest.raises((ValueError, TypeError), match=match):
+                    entry(q_, c_, **{"config": CFG, **a})
     empty = DecodeCache.contiguous(2, 64, 2, 32, dtype=torch.float32)
-    with pytest.raises(ValueError, match="cache: every sequence must hold"):
-        infllmv2_decode(q, empty, config=CFG)
+    for entry in (infllmv2_decode, decode_step):
+        with pytest.raises(ValueError, match="cache: every sequence must hold"):
+            entry(q, empty, config=CFG)
+    # the prefill stage-1 switch and either generation of the decode kernels: the same step (the
+    # reference on CPU tensors)
+    ref = infllmv2_decode(q, cache, config=CFG, return_topk_idx=True)
+    for kw in (dict(kernel="sm80"), dict(stage1="prefill"), dict(stage1="prefill", kernel="sm90a")):
+        for a, b in zip(infllmv2_decode(q, cache, config=CFG, return_topk_idx=True, **kw), ref):
+            assert torch.equal(a, b), kw
+
+
+def count_checks(monkeypatch, q):
+    """Counts the calls of every `_checks` function, under each name a module of the package holds it by
+    (so calls between the checks count too): `(calls, calls_with_q)`, Counters by function name, the
+    second of the calls that were given `q` itself."""
+    calls, with_q = collections.Counter(), collections.Counter()
+    originals = {f: name for name, f in vars(_checks).items()
+                 if inspect.isfunction(f) and f.__module__ == _checks.__name__}
+
+    def counted(name, f):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            if any(a is q for a in (*args, *kwargs.values())):
+                with_q[name] += 1
+            return f(*args, **kwargs)
+        return call
+
+    wrapped = {f: counted(name, f) for f, name in originals.items()}
+    for module in [m for name, m in sys.modules.items() if name.startswith("infllm_cupy")]:
+        for attr, value in list(vars(module).items()):
+            if inspect.isfunction(value) and value in wrapped:
+                monkeypatch.setattr(module, attr, wrapped[value])
+    return calls, with_q
+
+
+def test_each_decode_entry_point_checks_q_once(monkeypatch):
+    # the public entry points check their arguments once; what runs below them takes them as checked
+    # (on CUDA tensors the kernels' own requirements are checked once more, in step_launches)
+    cache = random_decode_cache([100, 700], 2, 32, torch.float32, page_size=64)
+    q = torch.randn(2, 4, 32)
+    calls, with_q = count_checks(monkeypatch, q)
+    dense = dataclasses.replace(CFG, dense_len=10**6)
+    once = {
+        "infllmv2_decode, sparse": lambda: infllmv2_decode(q, cache, config=CFG, return_lse=True,
+                                                           return_attn_weights=True, return_topk_idx=True),
+        "infllmv2_decode, dense": lambda: infllmv2_decode(q, cache, config=dense, return_lse=True),
+        "infllmv2_decode, prefill stage 1": lambda: infllmv2_decode(q, cache, config=CFG, stage1="prefill"),
+        "decode_select": lambda: decode_select(q, cache, config=CFG),
+        "sparse_decode": lambda: sparse_decode(q, cache, return_lse=True),
+        "naive_sparse_decode": lambda: naive_sparse_decode(q, cache),
+    }
+    for what, call in once.items():
+        calls.clear()
+        with_q.clear()
+        call()
+        assert with_q == {"check_tensor": 1}, (what, dict(with_q))
+        assert calls["check_backend"] <= 1 and calls["check_softmax_scale"] <= 1, (what, dict(calls))
+    # the step through the custom ops: its own check, then each op checks its tensors (the op's kernel is
+    # all that runs per call under torch.compile): selection and attention, or attention alone
+    for cfg, ops in ((CFG, 2), (dense, 1)):
+        with_q.clear()
+        decode_step(q, cache, config=cfg)
+        assert with_q == {"check_tensor": 1 + ops}, dict(with_q)
 
 
 def test_decode_select_op_pads_to_the_static_k():
@@ -308,6 +385,41 @@ def test_kernel_step_matches_reference(case):
     assert_close_to_ref("lse", lse, ref_lse.float(), lowp_lse, atol_floor=1e-5)
     assert_close_to_ref("weights", w, ref_w.float(), lowp_w, atol_floor=1e-6)
     torch.testing.assert_close(w.sum(-1), torch.ones_like(lse), atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES[:3], ids=GPU_IDS[:3])
+def test_kernel_step_generation_and_prefill_stage1(case):
+    # kernel="sm80" is the default's kernels (the decode kernels' one generation, through the prepared
+    # launches); stage1="prefill" selects on the prefill stage-1 kernel, the same rows bit for bit (fp32
+    # scores, G <= 32), so the same step through the general path
+    lengths, HQ, H, D, dtype, page_size = case
+    cache = random_decode_cache(lengths, H, D, dtype, page_size=page_size, device="cuda")
+    q = torch.randn(len(lengths), HQ, D, generator=torch.Generator().manual_seed(6)).to("cuda", dtype)
+    ref = infllmv2_decode(q, cache, config=CFG, return_lse=True, return_topk_idx=True)
+    for kw in (dict(kernel="sm80"), dict(stage1="prefill", kernel="sm80")):
+        got = infllmv2_decode(q, cache, config=CFG, return_lse=True, return_topk_idx=True, **kw)
+        for a, b in zip(got, ref):
+            assert torch.equal(a, b), kw
+    assert len(cache._step_programs) == 1             # "auto" and "sm80" share the prepared program
+    with pytest.raises(ValueError, match="sm90a"):
+        infllmv2_decode(q, cache, config=CFG, kernel="sm90a")
+
+
+@pytest.mark.gpu
+def test_eager_step_checks_nothing_after_the_first_call(monkeypatch):
+    # the prepared path: the first call of a program checks everything once (the arguments, then the
+    # kernels' requirements: q's dtype and layout, its alignment); later calls run no `_checks` function
+    lengths, HQ, H, D, dtype = [700, 90], 16, 2, 64, torch.float16
+    cache = random_decode_cache(lengths, H, D, dtype, device="cuda")
+    q = torch.randn(2, HQ, D, device="cuda", dtype=dtype)
+    calls, with_q = count_checks(monkeypatch, q)
+    infllmv2_decode(q, cache, config=CFG, return_lse=True)
+    assert with_q == {"check_tensor": 2, "check_aligned": 1}, dict(with_q)
+    calls.clear()
+    for _ in range(3):
+        infllmv2_decode(torch.randn_like(q), cache, config=CFG, return_lse=True)
+    assert not calls, dict(calls)
 
 
 @pytest.mark.gpu

@@ -362,7 +362,7 @@ def test_split_select_kernel_matches_reference_and_prefill_kernel(case):
         assert_same_blocks(got.cpu(), ref, bs, tol)
         if cfg.score_dtype == torch.float32 and HQ // H <= 32:
             # the prefill stage-1 kernel (one CTA per sequence and head): the same rows, bit for bit
-            assert torch.equal(got, decode_select(q, cache, config=cfg, kernel="sm80"))
+            assert torch.equal(got, decode_select(q, cache, config=cfg, stage1="prefill", kernel="sm80"))
         N1 = cache.ck1.shape[1]
         n2 = N1 if exact else cache.ck2.shape[1]
         mt = next(t for t in (1, 2, 4) if HQ // H <= 16 * t)
