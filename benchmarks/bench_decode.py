@@ -17,8 +17,9 @@ Implementations (rows; `weights` = with `return_attn_weights=True`, fp32 per que
                     `[B, H, L]` (what H2O accumulates); rows with weights only (their time without
                     weights is the plain row's)
     ours_select     (opt-in) decode_select alone (stage 1 + top-k): the split decode kernels (select_decode)
-    ours_select_s1  (opt-in) decode_select through the prefill stage-1 kernel (kernel="sm90a" on H100, else
-                    "sm80"): one CTA per (sequence, KV head), for comparison
+    ours_select_s1  (opt-in) decode_select through the prefill stage-1 kernel (stage1="prefill"; kernel="auto":
+                    its sm_90a form on H100 where G <= 32, else sm80): one CTA per (sequence, KV head), for
+                    comparison
     sdpa_cudnn, sdpa_flash, sdpa_efficient, sdpa_math
                     torch SDPA dense decode, q `[B, HQ, 1, D]`, K/V `[B, H, L, D]`, enable_gqa
     flex            FlexAttention (compiled) with a BlockMask of the same selection as ours_sparse
@@ -349,11 +350,10 @@ def bench_config(r: Runner, B: int, L: int, flex, BlockMask, ours, flashinfer, f
                                                            weights="per_kv_head"), kv_all + qo),
         "ours_select": (lambda w: lambda: decode_select(q, cache, config=step_cfg),
                         ck_bytes + B * HQ * D * esz),
-        "ours_select_s1": (lambda w: lambda: decode_select(q, cache, config=step_cfg, kernel=s1_kernel),
+        "ours_select_s1": (lambda w: lambda: decode_select(q, cache, config=step_cfg, stage1="prefill"),
                            ck_bytes + B * HQ * D * esz),
     }
     from infllm_cupy.decode.step import decode_select
-    s1_kernel = "sm90a" if dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0) else "sm80"
     for impl in OURS:
         if impl not in a.impls:
             continue

@@ -1,4 +1,5 @@
-"""The public `kernel=` argument of the ops, shared by the stage-1 and stage-2 plans.
+"""The public `kernel=` argument of the ops, shared by the stage-1 and stage-2 plans and the decode ops
+(whose kernels have only the sm80 form: `decode/step.py`, `check_stage1`).
 
     "auto"   the fastest kernel the device runs (sm_90a on capability 9.0 where it applies)
     "sm80"   the mma.sync kernels (any GPU from capability 8.0, the H100 included)
