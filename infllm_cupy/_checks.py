@@ -148,6 +148,7 @@ class HostSeqlens:
 
     @classmethod
     def from_lengths(cls, seqlens_q: Sequence[int], seqlens_k: Sequence[int]) -> HostSeqlens:
+        """The offsets of per-sequence lengths known on the host (no device read)."""
         return cls((0, *accumulate(seqlens_q)), (0, *accumulate(seqlens_k)))
 
     @property

@@ -20,7 +20,7 @@ from ._checks import (
     check_max_seqlen,
     check_tensor,
 )
-from .sparse_core import (  # noqa: F401  (re-exported: the pipeline's names before sparse_core.py)
+from .sparse_core import (  # noqa: F401  (re-exported: users, tests and benchmarks import them from here)
     _REFERENCE_STAGES,
     _SDPA_MASK_ELEMS,
     InfLLMv2Config,
@@ -98,10 +98,10 @@ def infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
         keys   0 1 2 3 4 5
         mask   1 1 0 0 1 1
 
-    Which implementation runs each stage (`stages_for`): for CUDA tensors with `backend` "auto" or
-    "kernels", key compression, stage 1 (scores, pooling, top-k in one launch) and stage 2 are the
-    CUDA kernels, and the dense fallback is torch SDPA per sequence. `backend="reference"` runs every stage's
-    reference; CPU tensors always do.
+    Which implementation runs each stage (`uses_kernels`; the `run_*` stages of sparse_core.py): for
+    CUDA tensors with `backend` "auto" or "kernels", key compression, stage 1 (scores, pooling, top-k
+    in one launch) and stage 2 are the CUDA kernels, and the dense fallback is torch SDPA per
+    sequence. `backend="reference"` runs every stage's reference; CPU tensors always do.
 
     Gradients: `q`, `k` and `v` get theirs through stage 2 (the stage-2 backward kernel on the
     kernel path, autograd of the reference otherwise) or through the dense fallback (SDPA's own

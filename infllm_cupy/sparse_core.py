@@ -373,8 +373,12 @@ def select_blocks(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache_lens, ca
     (a stage-1 kernel can then skip writing them).
     """
     check_flags(kernels=kernels, need_scores=need_scores)
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__} (the stages are chosen by "
+                        f"kernels=, not passed in)")
     host1 = None
-    if host_seqlens is not None:
+    if host_seqlens is not None and kernels:
+        # the compressed keys' offsets on the host, for the stage-1 kernel (the references read theirs)
         c1 = _compressed_offsets(host_seqlens.k, cfg.kernel_size, cfg.kernel_stride)
         c2 = c1 if cfg.exact_stage1 else _compressed_offsets(host_seqlens.k, cfg.coarse_kernel_size,
                                                              cfg.coarse_kernel_stride)
