@@ -20,8 +20,8 @@ from .._kernel_arg import SM80, SM90A, wants_sm90a
 SM90_MAX_LGP = 5         # the sm_90a kernel: a token's rows fit in one or two warps' 16 (G <= 32)
 SM90_THREADS = 256
 MAX_GROUP = 128          # G <= 128: a token's rows fit in one CTA (4 warps x 32 rows)
-TILE = 64                # compressed keys per tile (kernels_cu: S1_TILE)
-STAGE_STRIDE = 68        # floats per staging row (kernels_cu: S1_ST)
+TILE = 64                # compressed keys per tile (S1_TILE; select.py checks it against the kernels)
+STAGE_STRIDE = 68        # floats per staging row (S1_ST, checked likewise)
 ROWS_PER_WARP = 32
 # docs/stage1.md, 9. Long context: key ranges (the plan's choice, measured on the H100)
 RANGE_MIN_TWO_PER_SM = 2048   # a split at two CTAs per SM pays only with ranges this wide (fewer merges)

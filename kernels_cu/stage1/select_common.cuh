@@ -11,6 +11,41 @@
 #define S1_FULL 0xffffffffu
 #define S1_BIG 0x7fffffff
 
+// The parameters of stage1_select (select.cu; select_sm90.cu's Stage1SelectSm90Params adds its two
+// tensor maps). Shapes and meanings: the launch contract in select.cu's header. infllm_cupy/stage1/
+// select.py declares the fields (SELECT_PARAMS); the loader checks the layout at compile time.
+template <typename T, typename KT>
+struct Stage1SelectParams {
+    const T* q;                 // [total_q, HQ, D]
+    const T* ck1;               // [total_c1, H, D] fine compressed keys
+    const T* ck2;               // [total_c2, H, D] coarse compressed keys (ck1 in exact mode)
+    const int* cu_q;            // [B + 1]
+    const int* cu_c1;           // [B + 1]
+    const int* cu_c2;           // [B + 1]
+    const int* cache_lens;      // [B] or null (zeros)
+    int* topk_idx;              // [H, total_q, K]; unused by a range pass
+    KT* scores;                 // [H, total_q, max_n1] or null (inspection)
+    KT* block_scores;           // [H, total_q, out_len] or null (inspection)
+    KT* bs_scratch;             // [H, total_q, olp] block-score keys in global memory, or null (shared memory)
+    int total_q, HQ, H, G;      // query rows, query heads, KV heads, G = HQ / H
+    int lgp;                    // log2 of GP, the smallest power of two >= G
+    int B, n_tiles;             // sequences; token tiles per sequence (grid = n_tiles * B * H)
+    int max_seqlen_q;
+    int out_len, olp;           // key blocks; block-key row length (range pass: 64 + range width)
+    int K, max_n1;              // top-K width; scores row length (0 without scores)
+    int init_blocks, local_blocks;
+    int quirk, causal;          // 0 / 1: varlen_offset_quirk, the causal mask
+    int kind;                   // score dtype: 0 float32, 1 bf16, 2 fp16
+    int s1, s2c;                // fine and coarse compression strides (16, 64)
+    float sl2;                  // softmax_scale * log2(e)
+    int topk_prefix;            // 0, or a test hook forcing the top-K's whole-row rerun
+    int j_lo, j_hi;             // range pass: blocks [j_lo, j_hi) (a full launch ignores j_lo .. bias_mode)
+    unsigned* cand_key;         // range pass: [H, total_q, K] 32-bit block keys
+    int* cand_idx;              // range pass: [H, total_q, K] block indices
+    float* row_bias;            // range passes: [total_q, HQ] coarse-pass bias per row, or null
+    int bias_mode;              // 0 none, 1 store row_bias, 2 load it and skip the coarse pass
+};
+
 // ------------------------------------------------------------------------------------------------
 // Score dtype: scores are kept as the bit pattern of the score dtype (kind 0 = float32, 1 = bf16,
 // 2 = fp16; KT = unsigned for float32, unsigned short for the 16-bit ones), and compared through
