@@ -24,7 +24,7 @@ from .._launch import CXX_TYPE, cdiv
 # --------------------------------------------------------------------------------------------
 # Forward (docs/stage2_fwd.md)
 # --------------------------------------------------------------------------------------------
-SM90_CONSUMERS = 2      # mirrors NC in kernels_cu/stage2/ring_sm90.cuh
+SM90_CONSUMERS = 2      # consumer warpgroups of the ring CTA (NC; sparse_fwd.py checks it at compile time)
 SM90_STAGES = (6, 4)    # K/V ring depths compiled (template NS), deepest first: the deepest that fits
 SMEM_PER_BLOCK = 227 * 1024   # the H100's (and H200's) dynamic shared memory limit per block
 # Key-range passes of the sm_90a forward (docs/stage2_fwd.md, 6. Key-range passes): one pass per

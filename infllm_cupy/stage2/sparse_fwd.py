@@ -7,7 +7,6 @@ caller's `FwdPlan` (plan.py).
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from .. import _jit
@@ -16,7 +15,8 @@ from .._constants import (
     HEAD_DIMS,
     KV_BLOCK,  # keys per KV block (kernels_cu: BLOCK_N)
 )
-from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
+from .._launch import CXX_TYPE, cdiv, empty, launch
+from .._params import KernelParams, constants
 from .._tma import rows_map
 from .plan import (  # noqa: F401  (FwdTiles ... re-exported: the launcher's vocabulary)
     ALL_TILES,
@@ -39,7 +39,36 @@ from .plan import (  # noqa: F401  (FwdTiles ... re-exported: the launcher's voc
 FWD_SOURCE = "stage2/sparse_fwd.cu"
 SM90_SOURCE = "stage2/sparse_fwd_sm90.cu"
 MASK_SOURCE = "stage2/block_masks.cu"
-MASK_WARPS = 8          # mirrors #define WARPS in block_masks.cu
+MASK_WARPS = 8          # warps per CTA of token_block_masks, one per (token, KV head)
+constants(MASK_SOURCE, WARPS=MASK_WARPS)
+constants(FWD_SOURCE, BLOCK_N=KV_BLOCK)
+constants(SM90_SOURCE, BLOCK_N=KV_BLOCK, NC=SM90_CONSUMERS)
+MASK_PARAMS = KernelParams(MASK_SOURCE, "TokenBlockMasksParams", """
+    ptr topk_idx, cu_seqlens_q, cu_seqlens_k, masks
+    i32 batch, total_q, K, n_words, block_size
+""")
+# the fields both forward structs share: after their q and K/V, before the sm_90a kernel's pass fields
+_FWD_FIELDS = """
+    ptr masks, mask_base, cu_seqlens_q, cu_seqlens_k, out, lse
+    i32 total_q, HQ, H, G, n_words
+    i64 mask_h_stride
+    i32 mask_q_block
+    f32 scale_log2
+    i32 causal
+""".strip()
+FWD_PARAMS = KernelParams(FWD_SOURCE, "Stage2FwdParams<float>", f"""
+    ptr q, k, v
+    {_FWD_FIELDS}
+    i32 kv_group
+""")
+SM90_PARAMS = KernelParams(SM90_SOURCE, "Stage2FwdSm90Params<float>", f"""
+    ptr q
+    tmap tmap_k, tmap_v
+    {_FWD_FIELDS}
+    i32 step_mode, blk_lo, blk_hi
+    ptr cta_split
+    i32 split_min, x_off, kv_group
+""")
 
 
 # MT = 2 spills a little under the 255-register cap (D = 128: 116 B; D = 64: 8 B), yet measures
@@ -73,9 +102,9 @@ def token_block_masks(topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seq
     launch(_jit.get_kernel(MASK_SOURCE, "token_block_masks"), name="token_block_masks",
            grid=(cdiv(total_q, MASK_WARPS), H), block=(32 * MASK_WARPS,),
            shared_mem=MASK_WARPS * n_words * 4,
-           args=(ptr(topk_idx), ptr(cu_seqlens_q), ptr(cu_seqlens_k), ptr(masks),
-                 np.int32(cu_seqlens_q.numel() - 1), np.int32(total_q), np.int32(K), np.int32(n_words),
-                 np.int32(KV_BLOCK)))
+           params=MASK_PARAMS.pack(topk_idx=topk_idx, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                   masks=masks, batch=cu_seqlens_q.numel() - 1, total_q=total_q, K=K,
+                                   n_words=n_words, block_size=KV_BLOCK))
     return masks
 
 
@@ -106,11 +135,10 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
     n_words = masks.shape[-1]
     out = empty((total_q, HQ, D), dtype=q.dtype, device=q.device)
     lse = empty((HQ, total_q), dtype=torch.float32, device=q.device)
-    head = (ptr(masks), ptr(mask_base), ptr(cu_seqlens_q), ptr(cu_seqlens_k))
-    tail = (np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words),
-            np.int64(mask_h_stride), np.int32(mask_q_block), np.float32(softmax_scale * 1.4426950408889634),
-            np.int32(1 if causal else 0))
-    qh_tail = (np.int32(kv_group),)
+    common = dict(masks=masks, mask_base=mask_base, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                  out=out, lse=lse, total_q=total_q, HQ=HQ, H=H, G=G, n_words=n_words,
+                  mask_h_stride=mask_h_stride, mask_q_block=mask_q_block,
+                  scale_log2=softmax_scale * 1.4426950408889634, causal=1 if causal else 0, kv_group=kv_group)
     itemsize = q.element_size()
     if plan.kernel == SM80:
         tiles = plan.tiles
@@ -119,12 +147,13 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
                grid=(cdiv(max_seqlen_q * G, tiles.rows) * kv_group, H // kv_group, B),
                block=(32 * tiles.warps,),
                shared_mem=(tiles.rows * D + 4 * KV_BLOCK * D) * itemsize + 4 * n_words,
-               args=(ptr(q), ptr(k), ptr(v)) + head + (ptr(out), ptr(lse)) + tail + qh_tail)
+               params=FWD_PARAMS.pack(q=q, k=k, v=v, **common))
         return out, lse
     name = qhead_instance(f"stage2_fwd_sm90<{CXX_TYPE[q.dtype]}, {D}, {plan.stages}>", plan.qhead)
     kernel = _jit.get_kernel(SM90_SOURCE, name, sm90a=True)
     smem = sm90_smem_bytes(D, plan.stages, n_words, itemsize)
-    maps = (rows_map(k, KV_BLOCK), rows_map(v, KV_BLOCK))
+    sm90 = dict(common, q=q, tmap_k=rows_map(k, KV_BLOCK), tmap_v=rows_map(v, KV_BLOCK),
+                step_mode=FWD_STEPS[plan.step], split_min=plan.split_min)
     n_kb = cdiv(max_seqlen_k, KV_BLOCK) if max_seqlen_k is not None else 32 * n_words
     per = cdiv(n_kb, max(1, min(plan.kv_passes, n_kb)))
     passes = cdiv(n_kb, per) if n_kb > 0 else 1
@@ -139,11 +168,8 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
         blk_hi = (p + 1) * per if p < passes - 1 else 1 << 30
         x_off = max(0, (p * per * KV_BLOCK * G) // (64 * SM90_CONSUMERS) - 1) if same_lengths else 0
         launch(kernel, name=name, grid=(grid[0] - x_off,) + grid[1:], block=(128 * (SM90_CONSUMERS + 1),),
-               shared_mem=smem, args=(ptr(q),) + maps + head + (ptr(out), ptr(lse)) + tail
-               + (np.int32(FWD_STEPS[plan.step]), np.int32(p * per), np.int32(blk_hi),
-                  ptr(split) if split is not None else np.uint64(0), np.int32(plan.split_min),
-                  np.int32(x_off))
-               + qh_tail)
+               shared_mem=smem, params=SM90_PARAMS.pack(**sm90, blk_lo=p * per, blk_hi=blk_hi,
+                                                        cta_split=split, x_off=x_off))
         # Where host reads are allowed anyway (the cu_seqlens checks), one more tells whether
         # any CTA split: if none did (block-shared selections), the later passes are not
         # launched. Their CTAs would only read their flag and leave, yet at 128k x 2 launching

@@ -1,7 +1,9 @@
 // stage2/block_masks.cu: per-token KV-block bitmasks from InfLLM-v2's topk_idx.
 //
-// Launch contract (mirrored by token_block_masks in infllm_cupy/stage2/sparse_fwd.py):
-//   kernel   token_block_masks                (indices only: no template parameters)
+// Launch contract (mirrored by token_block_masks in infllm_cupy/stage2/sparse_fwd.py, whose
+// MASK_PARAMS declares TokenBlockMasksParams field by field; the loader checks the layout at
+// compile time):
+//   kernel   token_block_masks(TokenBlockMasksParams)   (indices only: no template parameters)
 //   grid     (cdiv(total_q, WARPS), H, 1)     block (32 * WARPS)   dyn smem = WARPS * n_words * 4
 //   topk_idx [H, total_q, K] int32, contiguous  cu_seqlens_q/k int32 [B+1]
 //   masks    [H, total_q, n_words] uint32: bit j of row (h, t) is set iff j appears in
@@ -12,10 +14,23 @@
 
 #define WARPS 8
 
+struct TokenBlockMasksParams {
+    const int* topk_idx;          // [H, total_q, K]
+    const int* cu_seqlens_q;      // [batch + 1]
+    const int* cu_seqlens_k;      // [batch + 1]
+    unsigned* masks;              // [H, total_q, n_words]
+    int batch, total_q, K;        // sequences, query tokens, indices per row
+    int n_words;                  // mask words per row
+    int block_size;               // keys per block (64)
+};
+
 __global__ void __launch_bounds__(32 * WARPS)
-token_block_masks(const int* __restrict__ topk_idx, const int* __restrict__ cu_seqlens_q,
-                  const int* __restrict__ cu_seqlens_k, unsigned* __restrict__ masks,
-                  int batch, int total_q, int K, int n_words, int block_size) {
+token_block_masks(const __grid_constant__ TokenBlockMasksParams p) {
+    const int* __restrict__ topk_idx = p.topk_idx;
+    const int* __restrict__ cu_seqlens_q = p.cu_seqlens_q;
+    const int* __restrict__ cu_seqlens_k = p.cu_seqlens_k;
+    unsigned* __restrict__ masks = p.masks;
+    const int total_q = p.total_q, K = p.K, n_words = p.n_words, block_size = p.block_size;
     extern __shared__ unsigned rows[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int t = blockIdx.x * WARPS + warp;
@@ -24,7 +39,7 @@ token_block_masks(const int* __restrict__ topk_idx, const int* __restrict__ cu_s
     unsigned* row = rows + warp * n_words;
     for (int w = lane; w < n_words; w += 32) row[w] = 0u;
     __syncwarp();
-    const int b = find_sequence(cu_seqlens_q, batch, t);
+    const int b = find_sequence(cu_seqlens_q, p.batch, t);
     const int Lk = cu_seqlens_k[b + 1] - cu_seqlens_k[b];
     const int nb = min((Lk + block_size - 1) / block_size, n_words * 32);
     const int* idx = topk_idx + ((int64)h * total_q + t) * K;

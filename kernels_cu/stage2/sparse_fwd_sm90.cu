@@ -1,8 +1,11 @@
 // stage2/sparse_fwd_sm90.cu: token-level block-sparse attention forward, Hopper (sm_90a) path.
 //
-// Launch contract (mirrored by infllm_cupy/stage2/sparse_fwd.py; arguments as stage2_fwd in
-// sparse_fwd.cu, same semantics and outputs, except that K and V come as TMA tensor maps):
-//   kernel   stage2_fwd_sm90<T, D, NS, QH>  T in {__half, __nv_bfloat16}, D in {64, 128}, NS in {4, 6} K/V ring
+// Launch contract (mirrored by infllm_cupy/stage2/sparse_fwd.py, whose SM90_PARAMS declares
+// Stage2FwdSm90Params field by field; the loader checks the layout at compile time. Arguments as
+// stage2_fwd's in sparse_fwd.cu, same semantics and outputs, except that K and V come as TMA tensor
+// maps, and the step shape and key-range pass fields below):
+//   kernel   stage2_fwd_sm90<T, D, NS, QH>(Stage2FwdSm90Params<T>)
+//            T in {__half, __nv_bfloat16}, D in {64, 128}, NS in {4, 6} K/V ring
 //            stages (6 where the shared memory holds them: faster on block-shared selections, see
 //            docs/stage2_fwd.md, "sm_90a kernel: warp specialisation and the K/V ring"); capability 9.0;
 //            QH in {0, 2} (default 0): per-query-head mask rows and kv_group, as stage2_fwd's
@@ -34,16 +37,35 @@
 //            warpgroup NC produces; setmaxnreg moves registers from the producer to the consumers.
 #include "stage2/ring_sm90.cuh"
 
+template <typename T>
+struct Stage2FwdSm90Params {
+    const T* q;                   // [total_q, HQ, D]
+    TmaMap tmap_k, tmap_v;        // K, V [total_k, H, D] as [total_k, H * D] (rows_map)
+    const unsigned* masks;        // [..., n_words] bitmask rows over 64-key blocks (stage2_fwd's)
+    const int* mask_base;         // [B]: first mask row of each sequence
+    const int* cu_seqlens_q;      // [B + 1]
+    const int* cu_seqlens_k;      // [B + 1]
+    T* out;                       // [total_q, HQ, D]
+    float* lse;                   // [HQ, total_q], natural log
+    int total_q, HQ, H, G;        // query tokens; query heads; heads of the row space and queries per head
+    int n_words;                  // mask words per row
+    long long mask_h_stride;      // mask rows between heads
+    int mask_q_block;             // query tokens per mask row
+    float scale_log2;             // softmax scale * log2(e)
+    int causal;                   // 1: bottom-right causal
+    int step_mode;                // step shapes (above)
+    int blk_lo, blk_hi;           // this pass's 64-key blocks [blk_lo, blk_hi)
+    int* cta_split;               // [B][H][row CTAs] pass flags, or null: one pass
+    int split_min;                // pass 0: a CTA splits when its union exceeds this many blocks
+    int x_off;                    // first row CTA of this launch
+    int kv_group;                 // QH = 2: query heads per K/V head
+};
+
 template <typename T, int D, int NS, int QH = 0>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
-stage2_fwd_sm90(const T* __restrict__ q, const __grid_constant__ TmaMap tmap_k, const __grid_constant__ TmaMap tmap_v,
-                const unsigned* __restrict__ masks, const int* __restrict__ mask_base,
-                const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
-                T* __restrict__ out, float* __restrict__ lse,
-                int total_q, int HQ, int H, int G, int n_words, long long mask_h_stride, int mask_q_block,
-                float scale_log2, int causal, int step_mode, int blk_lo, int blk_hi, int* __restrict__ cta_split,
-                int split_min, int x_off, int kv_group) {
-    ring_cta_sm90<T, D, NS, false, QH>(q, nullptr, tmap_k, tmap_v, masks, mask_base, cu_seqlens_q, cu_seqlens_k, out, lse,
-                                   nullptr, total_q, HQ, H, G, n_words, mask_h_stride, mask_q_block, scale_log2, 1.f,
-                                   causal, step_mode, blk_lo, blk_hi, cta_split, split_min, x_off, kv_group);
+stage2_fwd_sm90(const __grid_constant__ Stage2FwdSm90Params<T> p) {
+    ring_cta_sm90<T, D, NS, false, QH>(p.q, nullptr, p.tmap_k, p.tmap_v, p.masks, p.mask_base, p.cu_seqlens_q,
+                                       p.cu_seqlens_k, p.out, p.lse, nullptr, p.total_q, p.HQ, p.H, p.G, p.n_words,
+                                       p.mask_h_stride, p.mask_q_block, p.scale_log2, 1.f, p.causal, p.step_mode,
+                                       p.blk_lo, p.blk_hi, p.cta_split, p.split_min, p.x_off, p.kv_group);
 }

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from infllm_cupy import _env
+from infllm_cupy import _env, _jit
 from infllm_cupy.stage2 import naive as s2
-from infllm_cupy.stage2 import ops
+from infllm_cupy.stage2 import ops, sparse_fwd
 from infllm_cupy.stage2.attention import block_sparse_attn_varlen, sparse_attn_varlen
 from infllm_cupy.stage2.layout import BlockLayout
 from infllm_cupy.stage2.naive import naive_dense_attn_varlen, naive_sparse_attn_varlen
@@ -183,6 +183,16 @@ def test_fwd_plan():
     for bad in ("sm90", "SM80", "", None, "sm90a_pair"):
         with pytest.raises(ValueError, match="kernel must be one of"):
             fwd_plan((9, 0), 128, bf16, 4096, 4096, kernel=bad)
+
+
+def test_parameter_structs_are_checked_in_their_compiles():
+    """The forward kernels' parameter structs and the constants the launcher shares with them are
+    static_asserts of the sources NVRTC compiles (tests/test_jit.py compiles them on the CPU)."""
+    for params in (sparse_fwd.FWD_PARAMS, sparse_fwd.SM90_PARAMS, sparse_fwd.MASK_PARAMS):
+        assert params.checks() in _jit._code(params.source)
+    assert "static_assert((NC) == 2" in _jit._code(sparse_fwd.SM90_SOURCE)
+    assert "static_assert((WARPS) == 8" in _jit._code(sparse_fwd.MASK_SOURCE)
+    assert sparse_fwd.SM90_PARAMS.offsets["tmap_k"] % 64 == 0    # the TmaMap alignment
 
 
 def test_fwd_plan_fields_are_checked():
