@@ -24,6 +24,9 @@ Rows (impl), all forward under `no_grad`, on the same seeded bf16 inputs:
     flex_union  FlexAttention (compiled) with a 128x128 BlockMask over the union of the pipeline's
                 `topk_idx` per 128-token query tile (infllm_cupy/selections.py): the least an exact
                 FlexAttention version of the same selection computes
+    selection_exact, selection_packed, pipeline_exact, pipeline_packed (not in the default list)
+                `selection` / `pipeline` with the stage-1 plan's group sum forced to the exact float32
+                path or to f16 pairs (`Stage1Plan.packed`, sm_90a kernel; docs/stage1.md)
 Summary: per config and input mode, the ms of every row, `selection/stage2` (selection ms / stage-2 ms) and
 anchor ms / pipeline ms; then the verdicts of the selection goals (`goal_verdicts`).
 Memory: the selection's and the pipeline's extra GPU memory, `torch.cuda.max_memory_allocated()`
@@ -55,7 +58,11 @@ from benchmarks import _harness as harness  # noqa: E402
 from infllm_cupy import _env  # noqa: E402
 from infllm_cupy.selections import attended_keys, to_flex_block_mask_inputs, uniform_cu_seqlens  # noqa: E402
 
-IMPLS = ("selection", "stage2", "pipeline", "sdpa_cudnn", "flex_union")
+IMPLS = ("selection", "stage2", "pipeline", "sdpa_cudnn", "flex_union", "selection_exact", "selection_packed",
+         "pipeline_exact", "pipeline_packed")
+DEFAULT_IMPLS = IMPLS[:5]
+# rows with the stage-1 group sum forced (Stage1Plan.packed, sm_90a kernel) whatever the plan's default
+ARITH = {"selection_exact": False, "selection_packed": True, "pipeline_exact": False, "pipeline_packed": True}
 ANCHORS = ("sdpa_cudnn", "flex_union")
 INPUTS = ("random", "structured")
 
@@ -370,6 +377,12 @@ def bench_config(r: Runner, T: int, B: int, flex, BlockMask, flex_note: str = ""
         r.time(harness.Row("stage2", cfg_id, "-", K, "fwd"), stage2, keys, n_q_rows, D)
     if "pipeline" in a.impls:
         r.time(harness.Row("pipeline", cfg_id, "-", K, "fwd"), pipeline, keys, n_q_rows, D, memory=mem)
+    for impl, packed in ARITH.items():
+        if impl in a.impls:
+            fn = selection if impl.startswith("selection") else pipeline
+            with forced_stage1(packed=packed):
+                r.time(harness.Row(impl, cfg_id, "-", K, "fwd"), fn, None if fn is selection else keys,
+                       n_q_rows, D)
     if "sdpa_cudnn" in a.impls:
         try:
             (fn, note), skip = sdpa_cudnn_fn(q, k, v, B, T), ""
@@ -402,6 +415,11 @@ def summary(rows: list[harness.Row], memory: list[dict]) -> list[dict]:
         rec = {"config": c, "inputs": m.get("inputs", "random"), "T": m.get("T"), "B": m.get("B"),
                **{f"{i}_ms": ms[i] for i in IMPLS}}
         rec["selection/stage2"] = ms["selection"] / ms["stage2"] if ms["selection"] and ms["stage2"] else None
+        for arith in ("exact", "packed"):
+            sel_ms, pipe_ms = ms[f"selection_{arith}"], ms[f"pipeline_{arith}"]
+            rec[f"selection_{arith}/stage2"] = sel_ms / ms["stage2"] if sel_ms and ms["stage2"] else None
+            rec[f"sdpa_cudnn/pipeline_{arith}"] = (ms["sdpa_cudnn"] / pipe_ms if ms["sdpa_cudnn"] and pipe_ms
+                                                   else None)
         for i in ANCHORS:
             rec[f"{i}/pipeline"] = ms[i] / pipe if ms[i] and pipe else None
             if (c, "pipeline") in by and ms[i] and pipe:
@@ -479,6 +497,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     add_common_args(p, IMPLS)
+    p.set_defaults(impls=",".join(DEFAULT_IMPLS))
     p.add_argument("--inputs", default="random",
                    help=f"comma-separated input kinds, each config runs once per kind: {','.join(INPUTS)}. "
                         f"Default: random")
@@ -498,6 +517,25 @@ def parse_args(argv=None):
         p.error("--inputs must name at least one of " + ",".join(INPUTS))
     a.configs = [(T, B, inputs) for T, B in a.configs for inputs in a.inputs]
     return a
+
+
+@contextlib.contextmanager
+def forced_stage1(**fields):
+    """While active, every sm_90a stage-1 plan of the kernels has `fields` (e.g. `packed=True`)."""
+    import dataclasses
+
+    from infllm_cupy.stage1 import select as sel
+
+    real = sel.stage1_plan
+
+    def plan(*args, **kw):
+        p = real(*args, **kw)
+        return dataclasses.replace(p, **fields) if p.kernel == "sm90a" else p
+    sel.stage1_plan = plan
+    try:
+        yield
+    finally:
+        sel.stage1_plan = real
 
 
 @contextlib.contextmanager
@@ -547,7 +585,11 @@ def main(argv=None) -> list[harness.Row]:
             print(f"stage 1: key ranges of {a.stage1_range_blocks} blocks forced (--stage1-range-blocks)")
         memory = r.run_configs(lambda T, B, inputs: bench_config(r, T, B, flex, BlockMask, flex_note, inputs),
                                env, check)
-    cols = ["config", *[f"{i}_ms" for i in IMPLS], "selection/stage2", *[f"{i}/pipeline" for i in ANCHORS],
+    ran = {x.impl for x in r.rows}
+    arith = [c for x in ("exact", "packed") if f"selection_{x}" in ran or f"pipeline_{x}" in ran
+             for c in (f"selection_{x}/stage2", f"sdpa_cudnn/pipeline_{x}")]
+    cols = ["config", *[f"{i}_ms" for i in IMPLS if i in ran], "selection/stage2", *arith,
+            *[f"{i}/pipeline" for i in ANCHORS],
             "selection_share", "sel_mem_GiB", "pipe_mem_GiB"]
     recs = summary(r.rows, memory)
     rows = r.report("All rows (ms = median; TFLOP/s effective on attended keys; keys_per_q per query head)",

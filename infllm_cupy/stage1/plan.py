@@ -83,13 +83,17 @@ class Stage1Plan:
     a positive multiple of 64 splits the key blocks into ranges of that many blocks, one range pass
     each, with an exact merge of the candidates (block keys in shared memory, rows of
     `64 + range_blocks` keys; the launcher uses the global scratch instead when K > range_blocks or
-    `return_scores` is asked for).
+    `return_scores` is asked for). packed: the sm_90a kernel sums each token's probabilities over
+    its heads on f16 pairs (16-bit score dtypes, tokens of 3 or more rows; docs/stage1.md,
+    "Packed group sum"), within about one bf16 step of the exact float32 sum; False keeps the exact
+    path, the one the tests hold to the reference.
     """
     kernel: str
     warps: int
     block_keys_in_smem: bool = True
     topk_prefix: int = 0
     range_blocks: int = 0
+    packed: bool = False
 
     def __post_init__(self):
         if self.kernel not in (SM80, SM90A):
@@ -100,6 +104,9 @@ class Stage1Plan:
                              f"got {self.warps!r}")
         if not isinstance(self.topk_prefix, int) or self.topk_prefix < 0:
             raise ValueError(f"Stage1Plan.topk_prefix must be an int >= 0, got {self.topk_prefix!r}")
+        if not isinstance(self.packed, bool) or (self.packed and self.kernel != SM90A):
+            raise ValueError(f"Stage1Plan.packed must be a bool, True only for the sm90a kernel; got "
+                             f"{self.packed!r} for {self.kernel}")
         if (isinstance(self.range_blocks, bool) or not isinstance(self.range_blocks, int)
                 or self.range_blocks < 0 or self.range_blocks % 64):
             raise ValueError(f"Stage1Plan.range_blocks must be 0 or a positive multiple of 64, got "

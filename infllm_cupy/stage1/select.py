@@ -86,11 +86,12 @@ for _src in (SOURCE, SOURCE_SM90):
 
 
 def kernel_name(dtype: torch.dtype, score_dtype: torch.dtype, D: int, sm90a: bool = False,
-                ranged: bool = False) -> str:
-    """The instance's name expression; `ranged`: the kernel's range-pass instance (RANGED = true)."""
+                ranged: bool = False, packed: bool = False) -> str:
+    """The instance's name expression; `ranged`: the kernel's range-pass instance (RANGED = true);
+    `packed`: the sm_90a kernel's packed group sum (PACKED = true, 16-bit scores only)."""
     key = "unsigned" if score_dtype == torch.float32 else "unsigned short"
     return (f"stage1_select{'_sm90' if sm90a else ''}<{CXX_TYPE[dtype]}, {key}, {D}, "
-            f"{'true' if ranged else 'false'}>")
+            f"{'true' if ranged else 'false'}{', true' if packed else ''}>")
 
 
 # Every instance the launcher can request: 2 input dtypes x (16-bit, 32-bit scores) x 2 head dims
@@ -101,6 +102,10 @@ for _sm90a, _src in ((False, SOURCE), (True, SOURCE_SM90)):
                                                      for rg in (False, True) for dt in KERNEL_DTYPES
                                                      for st in SCORE_DTYPES for d in HEAD_DIMS)),
                             sm90a=_sm90a)
+# the packed group sum of the sm_90a kernel, for 16-bit scores (Stage1Plan.packed)
+_jit.register_instances(SOURCE_SM90, [kernel_name(dt, torch.bfloat16, d, True, rg, True)
+                                      for rg in (False, True) for dt in KERNEL_DTYPES for d in HEAD_DIMS],
+                        sm90a=True)
 
 _IDX_BITS = 31                     # merge key: (block key << 31) | (2^31 - 1 - block), one int64
 _MERGE_ELEMS = 1 << 25             # elements of one merge chunk of the torch merge (bounds its temporaries)
@@ -393,7 +398,7 @@ def launch_select(
                   sl2=scale * 1.4426950408889634, topk_prefix=plan.topk_prefix,
                   j_lo=0, j_hi=out_len, cand_key=None, cand_idx=None, row_bias=None, bias_mode=0)
 
-    name = kernel_name(q.dtype, sdt, D, sm90a, ranged)
+    name = kernel_name(q.dtype, sdt, D, sm90a, ranged, packed=plan.packed and sdt != torch.float32)
     kernel_fn = _jit.get_kernel(SOURCE_SM90, name, sm90a=True) if sm90a else _jit.get_kernel(SOURCE, name)
     decl = SELECT_SM90_PARAMS if sm90a else SELECT_PARAMS
     if sm90a:   # the key tiles come by TMA (docs/stage1.md, 3.): a map per compressed-key tensor

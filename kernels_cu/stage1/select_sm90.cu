@@ -5,8 +5,10 @@
 // Launch contract (mirrored by infllm_cupy/stage1/select.py, whose SELECT_SM90_PARAMS declares
 // Stage1SelectSm90Params (below: Stage1SelectParams and tm1, tm2) field by field; the loader checks the
 // layout at compile time):
-//   kernel   stage1_select_sm90<T, KT, D, RANGED>(Stage1SelectSm90Params<T, KT>)   (as stage1_select);
-//            capability 9.0, G <= 32
+//   kernel   stage1_select_sm90<T, KT, D, RANGED, PACKED>(Stage1SelectSm90Params<T, KT>)   (as stage1_select);
+//            capability 9.0, G <= 32. PACKED (16-bit scores, Stage1Plan.packed): the group sum of
+//            tokens of 3 to 32 rows on f16 pairs (stage1/packed.cuh), within about one bf16 step of
+//            the float32 sum; tokens of 1 or 2 rows take the float32 path either way
 //   grid     (n_tiles * B * H)   n_tiles = cdiv(max_seqlen_q, TOK), TOK = 128 / GP; CTA order as stage1_select
 //   block    256 (two warpgroups: 128 rows = TOK tokens x GP rows; lgp <= 5)
 //   dyn smem 1024 (alignment) + 2 * 64 * D * sizeof(T) (Q, two 64-row tiles) + 2 * 64 * D * sizeof(T)
@@ -34,6 +36,7 @@
 #include "common/mma_sm80.cuh"
 #include "common/wgmma_sm90.cuh"
 #include "stage1/select_common.cuh"
+#include "stage1/packed.cuh"
 
 // Stage1SelectParams and the tensor maps of the key tiles (the launch contract above).
 template <typename T, typename KT>
@@ -43,7 +46,7 @@ struct Stage1SelectSm90Params : Stage1SelectParams<T, KT> {
 
 // The full selection (RANGED = false: the range fields replaced by constants, so that the compiler
 // drops the range code) or a range pass (docs/stage1.md, 9. Long context: key ranges).
-template <typename T, typename KT, int D, bool RANGED>
+template <typename T, typename KT, int D, bool RANGED, bool PACKED = false>
 __global__ void __launch_bounds__(256, 2)
 stage1_select_sm90(const __grid_constant__ Stage1SelectSm90Params<T, KT> p) {
     const T* __restrict__ q = p.q;
@@ -238,7 +241,18 @@ stage1_select_sm90(const __grid_constant__ Stage1SelectSm90Params<T, KT> p) {
 #pragma unroll
                     for (int rr = 0; rr < 2; ++rr) bias[rr] = m_run[rr];
                 }
-                if (live) {
+                if (live && PACKED && lgp >= 2) {
+                    // the group sum on f16 pairs (stage1/packed.cuh): probabilities scaled by 2^pk
+                    const float pk = pk_shift(lgp), inv = exp2f(-pk);
+                    const float bsh[2] = {bias[0] - pk, bias[1] - pk};
+                    fine_probs<MT>(s, lim1, bsh, kb, c, sl2);
+                    switch (lgp) {   // CTA-uniform
+                        case 2: stage_tokens_pk<KT, 2>(s, sT, lane, tfirst, kb, w.n1, kind, inv); break;
+                        case 3: stage_tokens_pk<KT, 3>(s, sT, lane, tfirst, kb, w.n1, kind, inv); break;
+                        case 4: pool_cols(warp_rows_sum_pk(s, lane, inv), kb); break;
+                        default: *reinterpret_cast<float2*>(sP + warp * 64 + 2 * lane) = warp_rows_sum_pk(s, lane, inv);
+                    }
+                } else if (live) {
                     fine_probs<MT>(s, lim1, bias, kb, c, sl2);
                     switch (lgp) {   // CTA-uniform
                         case 0: stage_tokens<KT, 0, MT>(s, sT, nullptr, warp, lane, tfirst, 1, kb, w.n1, kind); break;
