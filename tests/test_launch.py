@@ -140,7 +140,7 @@ def test_a_real_failed_launch_names_the_kernel_and_shapes():
     kern = _jit.get_kernel(mean_pool.SOURCE, "compress_mean_pool<__nv_bfloat16, 64>")
     # 4096 threads per block: every GPU refuses the launch itself
     with pytest.raises(RuntimeError,
-                       match=r"(?s)compress_mean_pool.*block=\(4096,\).*bfloat16\[100, 2, 64\]"):
+                       match=r"(?s)compress_mean_pool.*block=\(4096, 1, 1\).*k=bfloat16\[100, 2, 64\]"):
         _launch.launch(kern, name="compress_mean_pool", grid=(1,), block=(4096,),
                        params=mean_pool.MEAN_POOL_PARAMS.pack(
                            k=k, cu_seqlens_k=None, cu_seqlens_c=None, out=out, batch=1, total_c=5, H=2,
