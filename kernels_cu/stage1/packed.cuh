@@ -7,10 +7,12 @@
 // 2c and 2c + 1 of one row in one register), and the reduce-scatter moves, selects and adds both
 // columns with one shuffle, two LOP3 and one HADD2: half the instructions of that step.
 //
-// Range: the probabilities are scaled by 2^PK_SHIFT(lgp) through the exp's bias (exact: a power of
-// two), so that a token's sum over at most 16 rows stays below 2^15 (f16's largest finite value is
-// 65504) and probabilities down to 2^-14 / 2^PK_SHIFT stay normal f16 numbers (6e-8 at G = 16); the
-// sums are scaled back in float32 before the score dtype's rounding. Precision: f16 keeps 11
+// Range: the probabilities are scaled by 2^pk_shift(lgp) through the exp's bias (exact: a power of
+// two), so that probabilities down to 2^-14 / 2^pk_shift stay normal f16 numbers; the sums are scaled
+// back in float32 before the score dtype's rounding. A fine key's probability is normalised by the
+// coarse keys' log-sum-exp, so it can exceed 1 (a 32-key window scores above every 128-key mean):
+// where a sum leaves f16's range (65504) in some lane, the warp redoes the tile's sum in float32
+// from the probabilities it still holds, so no input overflows the packed path. Precision: f16 keeps 11
 // significant bits against the bf16 score's 8, and a sum of 16 rows rounds at most 4 times (the
 // row pair in float32, then 3 packed levels), so the packed scores lie within about one bf16 step
 // of the exact ones; ties and near-ties may order differently, which the tests allow (tie rule).
@@ -18,8 +20,10 @@
 #include "common/types.cuh"
 #include "stage1/select_common.cuh"
 
-// log2 of the scale: a token's rows summed in one packed register are at most 2^min(lgp, 4)
-__device__ __forceinline__ float pk_shift(int lgp) { return (float)(15 - min(lgp, 4)); }
+// log2 of the scale: a sum of 2^L rows (L = min(lgp, 4)) scaled by 2^(11 - L) stays below 65504 while
+// the rows' mean probability is below 32 (above 1 only where fine keys beat the coarse maximum;
+// beyond, the float32 fallback); probabilities stay normal f16 numbers down to 2^-(25 - L)
+__device__ __forceinline__ float pk_shift(int lgp) { return (float)(11 - min(lgp, 4)); }
 
 __device__ __forceinline__ unsigned pk_pack(float lo, float hi) {
     unsigned d;
@@ -54,39 +58,63 @@ __device__ __forceinline__ void reduce_scatter_pk(unsigned (&v)[8], int lane) {
     }
 }
 
+// True when neither half of v is inf or NaN (a sum past f16's range: the caller redoes the tile in
+// float32).
+__device__ __forceinline__ bool pk_finite(unsigned v) {
+    return (v & 0x7c00u) != 0x7c00u && (v & 0x7c000000u) != 0x7c000000u;
+}
+
 // warp_rows_sum on pairs: the sum over the warp's 16 rows of columns 2 lane and 2 lane + 1, scaled
-// back by inv_scale.
-__device__ __forceinline__ float2 warp_rows_sum_pk(float (&s)[1][8][4], int lane, float inv_scale) {
+// back by inv_scale. False (and `out` unset) when a sum left f16's range in some lane of the warp.
+__device__ __forceinline__ bool warp_rows_sum_pk(float (&s)[1][8][4], int lane, float inv_scale, float2& out) {
     unsigned v[8];
 #pragma unroll
     for (int n = 0; n < 8; ++n) v[n] = pk_pack(s[0][n][0] + s[0][n][2], s[0][n][1] + s[0][n][3]);
     reduce_scatter_pk<3>(v, lane);
-    return pk_unpack(v[0], inv_scale);
+    if (!__all_sync(S1_FULL, pk_finite(v[0]))) return false;
+    out = pk_unpack(v[0], inv_scale);
+    return true;
 }
 
 // stage_tokens (select_common.cuh) for one m-tile per warp and tokens of 4 or 8 rows (LG 2 or 3), on
-// pairs; sT as there.
+// pairs; sT as there. False (nothing written) when a sum left f16's range in some lane of the warp.
 template <typename KT, int LG>
-__device__ __forceinline__ void stage_tokens_pk(float (&s)[1][8][4], float* __restrict__ sT, int lane, int tfirst,
+__device__ __forceinline__ bool stage_tokens_pk(float (&s)[1][8][4], float* __restrict__ sT, int lane, int tfirst,
                                                 int kb, int n1, int kind, float inv_scale) {
     static_assert(LG == 2 || LG == 3, "pairs pay from tokens of 4 rows on");
     const int g = lane >> 2, c = lane & 3;
     constexpr int NN = 8 >> LG;                          // n-tiles kept per lane
     const int n0 = (g & ((1 << LG) - 1)) * NN;
+    unsigned v[2][8];
+    bool fin = true;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-        unsigned v[8];
 #pragma unroll
-        for (int n = 0; n < 8; ++n) v[n] = pk_pack(s[0][n][2 * hf], s[0][n][2 * hf + 1]);
-        reduce_scatter_pk<LG>(v, lane);
+        for (int n = 0; n < 8; ++n) v[hf][n] = pk_pack(s[0][n][2 * hf], s[0][n][2 * hf + 1]);
+        reduce_scatter_pk<LG>(v[hf], lane);
+#pragma unroll
+        for (int i = 0; i < NN; ++i) fin &= pk_finite(v[hf][i]);
+    }
+    if (!__all_sync(S1_FULL, fin)) return false;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
         const int tw = tfirst + hf * (8 >> LG) + (g >> LG);
 #pragma unroll
         for (int i = 0; i < NN; ++i) {
             const int col = 8 * (n0 + i) + 2 * c;
-            const float2 x = pk_unpack(v[i], inv_scale);
+            const float2 x = pk_unpack(v[hf][i], inv_scale);
             const float a = kb + col < n1 ? round_score<KT>(x.x, kind) : -INFLLM_INF;
             const float b = kb + col + 1 < n1 ? round_score<KT>(x.y, kind) : -INFLLM_INF;
             *reinterpret_cast<float2*>(sT + tw * S1_ST + 4 + col) = make_float2(a, b);
         }
     }
+    return true;
+}
+
+// The float32 fallback's input: the tile's probabilities scaled back to the exact path's.
+__device__ __forceinline__ void pk_unscale(float (&s)[1][8][4], float inv_scale) {
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[0][n][e] *= inv_scale;
 }

@@ -246,11 +246,28 @@ stage1_select_sm90(const __grid_constant__ Stage1SelectSm90Params<T, KT> p) {
                     const float pk = pk_shift(lgp), inv = exp2f(-pk);
                     const float bsh[2] = {bias[0] - pk, bias[1] - pk};
                     fine_probs<MT>(s, lim1, bsh, kb, c, sl2);
+                    // a sum past f16's range in the warp: the tile's sum again in float32
+                    float2 sum;
                     switch (lgp) {   // CTA-uniform
-                        case 2: stage_tokens_pk<KT, 2>(s, sT, lane, tfirst, kb, w.n1, kind, inv); break;
-                        case 3: stage_tokens_pk<KT, 3>(s, sT, lane, tfirst, kb, w.n1, kind, inv); break;
-                        case 4: pool_cols(warp_rows_sum_pk(s, lane, inv), kb); break;
-                        default: *reinterpret_cast<float2*>(sP + warp * 64 + 2 * lane) = warp_rows_sum_pk(s, lane, inv);
+                        case 2:
+                            if (!stage_tokens_pk<KT, 2>(s, sT, lane, tfirst, kb, w.n1, kind, inv)) {
+                                pk_unscale(s, inv);
+                                stage_tokens<KT, 2, MT>(s, sT, nullptr, warp, lane, tfirst, 1, kb, w.n1, kind);
+                            }
+                            break;
+                        case 3:
+                            if (!stage_tokens_pk<KT, 3>(s, sT, lane, tfirst, kb, w.n1, kind, inv)) {
+                                pk_unscale(s, inv);
+                                stage_tokens<KT, 3, MT>(s, sT, nullptr, warp, lane, tfirst, 1, kb, w.n1, kind);
+                            }
+                            break;
+                        case 4:
+                            if (!warp_rows_sum_pk(s, lane, inv, sum)) { pk_unscale(s, inv); sum = warp_rows_sum(s, lane); }
+                            pool_cols(sum, kb);
+                            break;
+                        default:
+                            if (!warp_rows_sum_pk(s, lane, inv, sum)) { pk_unscale(s, inv); sum = warp_rows_sum(s, lane); }
+                            *reinterpret_cast<float2*>(sP + warp * 64 + 2 * lane) = sum;
                     }
                 } else if (live) {
                     fine_probs<MT>(s, lim1, bias, kb, c, sl2);
