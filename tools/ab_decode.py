@@ -13,9 +13,11 @@ plan itself): the default list times the merge at a few group counts and without
 dependent launch.
 With `--old-tree DIR`, variant `old` launches that tree's kernels with the launch of commit b3c8198
 (the split kernel stores fp32 logits, in place in the per-head weights or in an fp32 scratch for
-the per-KV-head sum) on the same plan's splits. With `--tree LABEL=DIR` (repeatable), variant LABEL
-launches the kernels of DIR (a kernels_cu/ folder whose kernel signatures match this checkout's:
-an earlier commit's, or a candidate) with this checkout's launch and the default plan.
+the per-KV-head sum) on the same plan's splits, its positional parameters compiled without this
+checkout's layout checks. With `--tree LABEL=DIR` (repeatable), variant LABEL launches the kernels of
+DIR (a kernels_cu/ folder whose kernels take the parameter structs that decode/sparse_decode.py
+declares, SPLIT_PARAMS, MERGE_PARAMS and WEIGHTS_PARAMS: the layout checks fail the compile of any
+other) with this checkout's launch and the default plan.
 With `--kernel-times`, each variant also runs `--calls` eager calls (no PDL: it applies under
 capture only) under the PyTorch profiler and prints its kernels' mean device time per call (split,
 merge, weights pass), so that a change in the sum can be placed.
@@ -32,6 +34,7 @@ logits by design: docs/decode.md, 5. Attention weights).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import math
@@ -44,9 +47,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._harness import capture_graph, random_selection
-from infllm_cupy import _env
-from infllm_cupy._launch import CXX_TYPE, cdiv, ptr
-from infllm_cupy.decode._fast import Launches
+from infllm_cupy import _env, _jit
+from infllm_cupy._launch import CXX_TYPE, Launches, cdiv, ptr
 
 # the package exports a function of that name
 SD = importlib.import_module("infllm_cupy.decode.sparse_decode")
@@ -112,10 +114,22 @@ def old_call(tree: str, q, cache, topk, plan, weights, scale: float):
                 (ptr(logits), ptr(lse2), ptr(seqlens), ptr(topk) if topk is not None else null, np.int32(K),
                  np.int32(B), np.int32(H), np.int32(G), np.int32(width), np.int32(weights == "per_kv_head"),
                  ptr(w_out)), pdl=plan.pdl)
-    with _env.override(kernels_dir=tree):
+    with positional_tree(tree):
         run.run()
     return (out, lse, w_out) if weights else (out, lse)
 
+
+@contextlib.contextmanager
+def positional_tree(tree: str):
+    """Compiles from `tree` without the layout checks of this checkout's parameter structs: the kernels
+    of commit b3c8198 take positional parameters, and the checks name structs that tree lacks."""
+    checks = _jit._CHECKS.pop(SD.SOURCE, None)
+    try:
+        with _env.override(kernels_dir=tree):
+            yield
+    finally:
+        if checks is not None:
+            _jit._CHECKS[SD.SOURCE] = checks
 
 
 def kernel_times(fn, calls: int) -> dict[str, float]:

@@ -8,16 +8,20 @@ torch path: they run once per prompt.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from .. import _jit
-from .._launch import CXX_TYPE
-from ._fast import Launches
+from .._launch import CXX_TYPE, Launches
+from .._params import KernelParams, constants
 
 SOURCE = "decode/cache_append.cu"
-THREADS = 128            # #define CA_THREADS
+THREADS = 128            # threads per CTA, one CTA per sequence
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+constants(SOURCE, CA_THREADS=THREADS)
+APPEND_PARAMS = KernelParams(SOURCE, "CacheAppendParams<float>", """
+    ptr k_new, v_new, k, v, ck1, ck2, seqlens, block_table
+    i32 max_pages, page_size, L_max, capacity, row, N1, N2
+""")
 
 _jit.register_instances(SOURCE, [f"cache_append_one<{CXX_TYPE[t]}>" for t in DTYPES])
 
@@ -33,13 +37,13 @@ def append_launches(k_new, v_new, k, v, ck1, ck2, seqlens, block_table) -> Launc
     `[B, H, D]` contiguous and 16-byte aligned; the cache's tensors as `DecodeCache` holds them."""
     B = seqlens.shape[0]
     paged = block_table is not None
-    i32 = np.int32
     max_pages = block_table.shape[1] if paged else 0
     page_size = k.shape[1] if paged else 0
     L_max = 0 if paged else k.shape[1]
     capacity = max_pages * page_size if paged else L_max
     run = Launches(k.device)
-    run.add(SOURCE, f"cache_append_one<{CXX_TYPE[k.dtype]}>", (B,), (THREADS,), 0,
-            (k_new, v_new, k, v, ck1, ck2, seqlens, block_table, i32(max_pages), i32(page_size), i32(L_max),
-             i32(capacity), i32(k.shape[2] * k.shape[3]), i32(ck1.shape[1]), i32(ck2.shape[1])))
+    run.add(SOURCE, f"cache_append_one<{CXX_TYPE[k.dtype]}>", (B,), (THREADS,), 0, APPEND_PARAMS,
+            dict(k_new=k_new, v_new=v_new, k=k, v=v, ck1=ck1, ck2=ck2, seqlens=seqlens,
+                 block_table=block_table, max_pages=max_pages, page_size=page_size, L_max=L_max,
+                 capacity=capacity, row=k.shape[2] * k.shape[3], N1=ck1.shape[1], N2=ck2.shape[1]))
     return run

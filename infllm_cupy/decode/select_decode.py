@@ -16,24 +16,23 @@ import dataclasses
 import functools
 import math
 
-import numpy as np
 import torch
 
 from .. import _jit
 from .._checks import KERNEL_DTYPES, check_aligned, check_tensor
 from .._constants import HEAD_DIMS
-from .._launch import CXX_TYPE, cdiv, empty
-from ._fast import Launches
+from .._launch import CXX_TYPE, Launches, cdiv, empty
+from .._params import KernelParams, constants
 
 SOURCE = "decode/select_decode.cu"
-TILE = 64                  # compressed keys per tile (#define SEL_TILE)
-NSTAGE = 3                 # ck tiles in the cp.async ring (#define SEL_NST)
+TILE = 64                  # compressed keys per tile
+NSTAGE = 3                 # ck tiles in the cp.async ring
 ROW_TILES = (1, 2, 4)      # MT: 16-row mma tiles of the query group, G <= 64
 MAX_GROUP = 16 * ROW_TILES[-1]
 SCORE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # `kind` of stage1/select_common.cuh
 KEY_TYPE = {0: "unsigned", 1: "unsigned short", 2: "unsigned short"}
 MAX_SMEM = 227 * 1024      # dynamic shared memory of one CTA on sm_90 (sm_80: 163 KB)
-TOPK_SCRATCH_BYTES = 4 * 584  # the CTA top-k's histograms and counts after the row (#define SEL_TOPK_SCRATCH)
+TOPK_SCRATCH_BYTES = 4 * 584  # the CTA top-k's histograms and counts after the row
 # threads of the top-k kernel (any multiple of 32 up to 512 works): 512 took 5.6 us against 6.7 us for
 # 256 at 2048 blocks (docs/decode.md, 14. Stage 1 for decode: the split kernels)
 TOPK_THREADS = 512
@@ -46,6 +45,27 @@ MAX_TILES = 64
 # The fine and top-k launches as programmatic dependents of the launch before them (sm_90): the fine
 # kernel's Q and ck1 loads overlap the coarse kernel, and two launch gaps of a graph replay shrink.
 PDL = True
+
+constants(SOURCE, SEL_TILE=TILE, SEL_NST=NSTAGE, SEL_TOPK_SCRATCH=TOPK_SCRATCH_BYTES // 4)
+COARSE_PARAMS = KernelParams(SOURCE, "SelectDecodeCoarseParams<float>", """
+    ptr q, ck2, seqlens
+    i32 N2, H, G, T2, exact
+    f32 sl2
+    i32 dense_len
+    ptr part
+""")
+FINE_PARAMS = KernelParams(SOURCE, "SelectDecodeFineParams<float>", """
+    ptr q, ck1, seqlens
+    i32 N1, H, G, T1, R2, exact, kind
+    f32 sl2
+    i32 dense_len
+    ptr part, blk, lead
+""")
+TOPK_PARAMS = KernelParams(SOURCE, "SelectDecodeTopkParams", """
+    ptr blk, lead, seqlens
+    i32 B, H, T1, R1, out_len, olp, K, kout, init_blocks, local_blocks, kind, topk_prefix, dense_len
+    ptr topk_idx
+""")
 
 _jit.register_instances(SOURCE, [f"select_decode_{k}<{CXX_TYPE[t]}, {d}, {mt}>" for k in ("coarse", "fine")
                                  for t in KERNEL_DTYPES for d in HEAD_DIMS for mt in ROW_TILES])
@@ -72,11 +92,15 @@ class SelectDecodePlan:
     coarse_ranges: int
 
     def score_smem_bytes(self, head_dim: int, fine: bool) -> int:
-        """Dynamic shared memory of a score kernel (SelSmem in the .cu; the fine kernel adds its range's
-        64 T1 fp32 scores)."""
+        """Dynamic shared memory of a score kernel (SelSmem<D, MT>::BYTES in the .cu, checked at compile
+        time; the fine kernel adds its range's 64 T1 fp32 scores)."""
         rowb, mt = 2 * head_dim, self.row_tiles
         base = 16 * mt * rowb + NSTAGE * TILE * rowb + 2 * 4 * mt * 16 * 4 + 16 * mt * 4
         return base + (4 * TILE * self.fine_tiles if fine else 0)
+
+
+constants(SOURCE, **{f"SelSmem<{d}, {mt}>::BYTES": SelectDecodePlan(mt, 1, 1, 1, 1).score_smem_bytes(d, False)
+                     for d in HEAD_DIMS for mt in ROW_TILES})
 
 
 def _ranges(n_keys: int, want: int) -> tuple[int, int]:
@@ -179,37 +203,51 @@ def select_decode(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, seqlens
 
 
 def check_select_inputs(q, ck1, ck2, seqlens, *, score_dtype, exact: bool, dense_len: int = 0,
-                        plan: SelectDecodePlan | None = None) -> torch.dtype:
+                        plan: SelectDecodePlan | None = None, q_checked: bool = False) -> torch.dtype:
     """`select_decode`'s checks (shapes, dtypes, devices, alignment, the plan); raises naming the argument.
-    Returns the score dtype (fp32 for None)."""
-    check_tensor("q", q, ndim=3, dtypes=KERNEL_DTYPES, contiguous=True)
-    B, HQ, D = q.shape
-    check_tensor("ck1", ck1, ndim=4, dtypes=(q.dtype,), device=q.device, contiguous=True)
+    Returns the score dtype (fp32 for None). `q_checked`: the caller checked q for the decode kernels
+    already (the decode step, through `sparse_decode`'s checks: dtype, contiguity, alignment, head dim,
+    device), so only the other arguments are checked, against it."""
+    if not q_checked:
+        check_tensor("q", q, ndim=3, dtypes=KERNEL_DTYPES, contiguous=True)
+    _B, HQ, D = q.shape
+    check_compressed_keys(q, ck1, ck2, seqlens, exact=exact, contiguous=True)
     H = ck1.shape[2]
-    if ck1.shape[0] != B or ck1.shape[3] != D:
-        raise ValueError(f"ck1 must have shape [B={B}, N1, H, D={D}], got {tuple(ck1.shape)}")
-    if not exact:
-        check_tensor("ck2", ck2, ndim=4, dtypes=(q.dtype,), device=q.device, contiguous=True)
-        if ck2.shape[0] != B or ck2.shape[2:] != ck1.shape[2:]:
-            raise ValueError(f"ck2 must have shape [B={B}, N2, H={H}, D={D}], got {tuple(ck2.shape)}")
-    check_tensor("seqlens", seqlens, shape=(B,), dtypes=(torch.int32,), device=q.device, contiguous=True)
-    check_aligned(q=q, ck1=ck1, **({} if exact else {"ck2": ck2}))   # 16-byte cp.async rows
-    if D not in HEAD_DIMS:
+    # 16-byte cp.async rows
+    check_aligned(**({} if q_checked else {"q": q}), ck1=ck1, **({} if exact else {"ck2": ck2}))
+    if not q_checked and D not in HEAD_DIMS:
         raise ValueError(f"q: head dim {D} is not one of the kernel's {HEAD_DIMS}")
-    if HQ % H:
-        raise ValueError(f"q has {HQ} heads, not a multiple of ck1's {H} KV heads")
     sdt = torch.float32 if score_dtype is None else score_dtype
     if sdt not in SCORE_KIND:
         raise ValueError(f"score_dtype must be one of {tuple(SCORE_KIND)} or None, got {score_dtype!r}")
     if isinstance(dense_len, bool) or not isinstance(dense_len, int) or dense_len < 0:
         raise ValueError(f"dense_len must be an int >= 0, got {dense_len!r}")
-    if not q.is_cuda:
+    if not q_checked and not q.is_cuda:
         raise ValueError(f"q must be a CUDA tensor, got one on {q.device}")
     N1 = ck1.shape[1]
     N2 = N1 if exact else ck2.shape[1]
     if plan is not None:
         check_select_plan(plan, HQ // H, N1, N2, D)
     return sdt
+
+
+def check_compressed_keys(q, ck1, ck2, seqlens, *, exact: bool, contiguous: bool) -> None:
+    """The compressed keys `ck1 [B, N1, H, D]`, `ck2 [B, N2, H, D]` (unused with `exact`) and the lengths
+    `seqlens int32 [B]` against a checked q `[B, HQ, D]`: its dtype and device, B, D, HQ a multiple of
+    H. `contiguous` for the kernels; the reference takes any strides. Raises naming the argument."""
+    B, HQ, D = q.shape
+    check_tensor("ck1", ck1, ndim=4, dtypes=(q.dtype,), device=q.device, contiguous=contiguous)
+    H = ck1.shape[2]
+    if ck1.shape[0] != B or ck1.shape[3] != D:
+        raise ValueError(f"ck1 must have shape [B={B}, N1, H, D={D}], got {tuple(ck1.shape)}")
+    if not exact:
+        check_tensor("ck2", ck2, ndim=4, dtypes=(q.dtype,), device=q.device, contiguous=contiguous)
+        if ck2.shape[0] != B or ck2.shape[2:] != ck1.shape[2:]:
+            raise ValueError(f"ck2 must have shape [B={B}, N2, H={H}, D={D}], got {tuple(ck2.shape)}")
+    check_tensor("seqlens", seqlens, shape=(B,), dtypes=(torch.int32,), device=q.device,
+                 contiguous=contiguous)
+    if HQ % H:
+        raise ValueError(f"q has {HQ} heads, not a multiple of ck1's {H} KV heads")
 
 
 def add_select_decode(run: Launches, q, ck1, ck2, seqlens, out_len: int, *, topk: int, local_blocks: int,
@@ -236,7 +274,7 @@ def add_select_decode(run: Launches, q, ck1, ck2, seqlens, out_len: int, *, topk
     kind = SCORE_KIND[score_dtype]
     olp, topk_smem = _topk_row_smem(out_len, kind)
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
-    sl2 = np.float32(scale * math.log2(math.e))
+    sl2 = scale * math.log2(math.e)
     T1, R1, T2, R2 = plan.fine_tiles, plan.fine_ranges, plan.coarse_tiles, plan.coarse_ranges
     # one scratch allocation (fewer allocator calls on the eager path): part float2 [B, H, R2, G] first
     # (8-byte aligned), then blk [B, H, 16 T1 R1] and lead [B, H, R1]
@@ -244,20 +282,20 @@ def add_select_decode(run: Launches, q, ck1, ck2, seqlens, out_len: int, *, topk
     scratch = torch.empty(n_part + n_blk + n_lead, dtype=torch.float32, device=dev)
     part, blk = scratch[:n_part], scratch[n_part:n_part + n_blk]
     lead = scratch[n_part + n_blk:]
-    i32 = np.int32
     mt, T = plan.row_tiles, CXX_TYPE[q.dtype]
-    ck_c = ck1 if exact else ck2
-    dl = i32(dense_len)
     run.add(SOURCE, f"select_decode_coarse<{T}, {D}, {mt}>", (R2, H, B), (128 * mt,),
-            plan.score_smem_bytes(D, False),
-            (q, ck_c, seqlens, i32(N2), i32(H), i32(G), i32(T2), i32(exact), sl2, dl, part))
+            plan.score_smem_bytes(D, False), COARSE_PARAMS,
+            dict(q=q, ck2=ck1 if exact else ck2, seqlens=seqlens, N2=N2, H=H, G=G, T2=T2, exact=int(exact),
+                 sl2=sl2, dense_len=dense_len, part=part))
     run.add(SOURCE, f"select_decode_fine<{T}, {D}, {mt}>", (R1, H, B), (128 * mt,),
-            plan.score_smem_bytes(D, True),
-            (q, ck1, seqlens, i32(N1), i32(H), i32(G), i32(T1), i32(R2), i32(exact), i32(kind), sl2, dl, part,
-             blk, lead), pdl=PDL)
+            plan.score_smem_bytes(D, True), FINE_PARAMS,
+            dict(q=q, ck1=ck1, seqlens=seqlens, N1=N1, H=H, G=G, T1=T1, R2=R2, exact=int(exact), kind=kind,
+                 sl2=sl2, dense_len=dense_len, part=part, blk=blk, lead=lead), pdl=PDL)
     run.add(SOURCE, f"select_decode_topk<{KEY_TYPE[kind]}>", (H * B,), (TOPK_THREADS,), topk_smem,
-            (blk, lead, seqlens, i32(B), i32(H), i32(T1), i32(R1), i32(out_len), i32(olp), i32(K), i32(kout),
-             i32(init_blocks), i32(local_blocks), i32(kind), i32(0), dl, topk_idx), pdl=PDL)
+            TOPK_PARAMS,
+            dict(blk=blk, lead=lead, seqlens=seqlens, B=B, H=H, T1=T1, R1=R1, out_len=out_len, olp=olp, K=K,
+                 kout=kout, init_blocks=init_blocks, local_blocks=local_blocks, kind=kind, topk_prefix=0,
+                 dense_len=dense_len, topk_idx=topk_idx), pdl=PDL)
     return topk_idx
 
 
@@ -316,11 +354,11 @@ def select_topk_rows(blk: torch.Tensor, lead: torch.Tensor, seqlens: torch.Tenso
     topk_idx = empty((H, B, K), dtype=torch.int32, device=blk.device)
     if B == 0 or H == 0 or K <= 0:
         return topk_idx
-    i32 = np.int32
     run = Launches(blk.device)
-    run.add(SOURCE, f"select_decode_topk<{KEY_TYPE[kind]}>", (H * B,), (threads,), smem,
-            (blk, lead, seqlens, i32(B), i32(H), i32(fine_tiles), i32(R1), i32(out_len), i32(olp), i32(K),
-             i32(K), i32(init_blocks), i32(local_blocks), i32(kind), i32(topk_prefix), i32(0), topk_idx))
+    run.add(SOURCE, f"select_decode_topk<{KEY_TYPE[kind]}>", (H * B,), (threads,), smem, TOPK_PARAMS,
+            dict(blk=blk, lead=lead, seqlens=seqlens, B=B, H=H, T1=fine_tiles, R1=R1, out_len=out_len,
+                 olp=olp, K=K, kout=K, init_blocks=init_blocks, local_blocks=local_blocks, kind=kind,
+                 topk_prefix=topk_prefix, dense_len=0, topk_idx=topk_idx))
     run.run()
     return topk_idx
 

@@ -6,7 +6,6 @@ import dataclasses
 import functools
 import math
 
-import numpy as np
 import torch
 
 from .. import _jit
@@ -18,14 +17,14 @@ from .._checks import (
     check_softmax_scale,
     check_tensor,
 )
-from .._constants import HEAD_DIMS, KV_BLOCK  # KV_BLOCK: #define BLK in the .cu
-from .._launch import CXX_TYPE, cdiv, empty
-from ._fast import Launches
+from .._constants import HEAD_DIMS, KV_BLOCK
+from .._launch import CXX_TYPE, Launches, cdiv, empty
+from .._params import KernelParams, constants
 from .cache import DecodeCache  # noqa: F401  (re-exported by the package)
 from .naive import _cache_tensors, naive_sparse_decode
 
 SOURCE = "decode/sparse_decode.cu"
-WCHUNK = 1024          # positions per CTA of the weights pass (#define WCHUNK)
+WCHUNK = 1024          # positions per CTA of the weights pass
 ROW_TILES = (1, 2, 4)  # MT: 16-row tiles of the query group, so G <= 64
 MAX_GROUP = 16 * ROW_TILES[-1]
 WEIGHTS = ("per_head", "per_kv_head")
@@ -45,6 +44,28 @@ MAX_SPLITS = 256
 MERGE_SPLITS_PER_GROUP = 4
 MERGE_MAX_THREADS = 1024
 
+constants(SOURCE, BLK=KV_BLOCK, WCHUNK=WCHUNK)
+SPLIT_PARAMS = KernelParams(SOURCE, "SparseDecodeSplitParams<float>", """
+    ptr q, k, v, seqlens, block_table
+    i32 max_pages, page_size, seq_rows
+    ptr topk
+    i32 K, B, H, G, per_split
+    f32 scale_log2
+    ptr o_part, lse_part, prel, pmax
+    i32 W
+    ptr out, lse_out, lse2_out
+""")
+MERGE_PARAMS = KernelParams(SOURCE, "SparseDecodeMergeParams<float>", """
+    ptr o_part, lse_part
+    i32 S
+    ptr out, lse_out, lse2_out
+""")
+WEIGHTS_PARAMS = KernelParams(SOURCE, "SparseDecodeWeightsParams", """
+    ptr prel, pmax, lse2, seqlens, topk
+    i32 K, B, H, G, W, per_kv_head
+    ptr out
+""")
+
 _jit.register_instances(SOURCE, [f"sparse_decode_split<{CXX_TYPE[t]}, {d}, {mt}>"
                                  for t in KERNEL_DTYPES for d in HEAD_DIMS for mt in ROW_TILES])
 _jit.register_instances(SOURCE,
@@ -54,7 +75,7 @@ _jit.register_instances(SOURCE, ["sparse_decode_weights"])
 
 
 def kv_stages(head_dim: int) -> int:
-    """K/V blocks in shared memory per CTA (KVLayout::NSTAGE in the .cu)."""
+    """K/V blocks in shared memory per CTA (KVLayout<D>::NSTAGE in the .cu, checked at compile time)."""
     return 2
 
 
@@ -84,12 +105,18 @@ class DecodePlan:
         return groups * (head_dim // 4)
 
     def split_smem_bytes(self, head_dim: int, sparse: bool, k: int = 0) -> int:
-        """Dynamic shared memory of the split kernel (SplitSmem in the .cu): Q, two K/V stages, row
-        stats, warp counts, then (sparse) the split's block list and the first k topk entries."""
+        """Dynamic shared memory of the split kernel (SplitSmem<D, MT> in the .cu, whose LIST offset is
+        checked at compile time): Q, two K/V stages, row stats, warp counts, then (sparse) the split's
+        block list and the first k topk entries."""
         rowb = 2 * head_dim
         mt = self.row_tiles
         return (16 * mt * rowb + kv_stages(head_dim) * 2 * KV_BLOCK * rowb + 2 * mt * 4 * 16 * 4 + 4 * mt * 4
                 + (4 * (self.per_split + k) if sparse else 0))
+
+
+constants(SOURCE, **{f"KVLayout<{d}>::NSTAGE": kv_stages(d) for d in HEAD_DIMS},
+          **{f"SplitSmem<{d}, {mt}>::LIST": DecodePlan(mt, 1, 1).split_smem_bytes(d, False)
+             for d in HEAD_DIMS for mt in ROW_TILES})
 
 
 def default_merge_groups(num_splits: int, head_dim: int) -> int:
@@ -219,23 +246,26 @@ def add_sparse_decode(run: Launches, q, k, v, seqlens, bt, width: int, topk_idx,
     if return_attn_weights:
         w_out = empty((B, HQ if weights == "per_head" else H, width), dtype=torch.float32, device=dev)
     paged = bt is not None
-    i32 = np.int32
     run.add(SOURCE, f"sparse_decode_split<{CXX_TYPE[q.dtype]}, {D}, {plan.row_tiles}>", (S, H, B),
-            (128 * plan.row_tiles,), plan.split_smem_bytes(D, sparse, K),
-            (q, k, v, seqlens, bt, i32(bt.shape[1] if paged else 0), i32(k.shape[1] if paged else 0),
-             i32(0 if paged else k.shape[1]), topk_idx, i32(K), i32(B), i32(H), i32(G), i32(plan.per_split),
-             np.float32(scale * math.log2(math.e)), o_part if not direct else None,
-             lse_part if not direct else None, prel if return_attn_weights else None,
-             pmax if return_attn_weights else None, i32(width),
-             *((out, lse, lse2) if direct else (None, None, None))))
+            (128 * plan.row_tiles,), plan.split_smem_bytes(D, sparse, K), SPLIT_PARAMS,
+            dict(q=q, k=k, v=v, seqlens=seqlens, block_table=bt, max_pages=bt.shape[1] if paged else 0,
+                 page_size=k.shape[1] if paged else 0, seq_rows=0 if paged else k.shape[1], topk=topk_idx,
+                 K=K, B=B, H=H, G=G, per_split=plan.per_split, scale_log2=scale * math.log2(math.e),
+                 o_part=None if direct else o_part, lse_part=None if direct else lse_part,
+                 prel=prel if return_attn_weights else None, pmax=pmax if return_attn_weights else None,
+                 W=width, out=out if direct else None, lse_out=lse if direct else None,
+                 lse2_out=lse2 if direct else None))
     if not direct:
         nt = plan.merge_threads(D)
         run.add(SOURCE, f"sparse_decode_merge<{CXX_TYPE[q.dtype]}, {D}>", (B * HQ,), (nt,), 16 * nt,
-                (o_part, lse_part, i32(S), out, lse, lse2), pdl=plan.pdl)
+                MERGE_PARAMS,
+                dict(o_part=o_part, lse_part=lse_part, S=S, out=out, lse_out=lse, lse2_out=lse2),
+                pdl=plan.pdl)
     if return_attn_weights:
         run.add(SOURCE, "sparse_decode_weights", (cdiv(width, WCHUNK), H, B), (WCHUNK // 4,), 0,
-                (prel, pmax, lse2, seqlens, topk_idx, i32(K), i32(B), i32(H), i32(G), i32(width),
-                 i32(weights == "per_kv_head"), w_out), pdl=plan.pdl)
+                WEIGHTS_PARAMS,
+                dict(prel=prel, pmax=pmax, lse2=lse2, seqlens=seqlens, topk=topk_idx, K=K, B=B, H=H, G=G,
+                     W=width, per_kv_head=int(weights == "per_kv_head"), out=w_out), pdl=plan.pdl)
     return out, lse, w_out
 
 

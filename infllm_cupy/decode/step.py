@@ -24,9 +24,8 @@ from .._checks import (
 )
 from .._constants import KV_BLOCK
 from .._kernel_arg import KERNELS, SM90A, check_kernel
-from .._launch import cdiv, empty
+from .._launch import Launches, cdiv, empty
 from ..sparse_core import InfLLMv2Config, check_config, prefill, uses_dense, uses_kernels
-from ._fast import Launches
 from .cache import COMPRESSIONS, DecodeCache, _capturing
 from .naive import _sparse_decode_checked
 from .select_decode import add_select_decode, check_select_inputs, select_decode

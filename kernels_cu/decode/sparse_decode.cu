@@ -2,9 +2,12 @@
 // the selected 64-key blocks of its KV cache (or over every block), with optional attention weights.
 // Design: docs/decode.md.
 //
-// Launch contract (mirrored by infllm_cupy/decode/sparse_decode.py):
+// Launch contract (mirrored by infllm_cupy/decode/sparse_decode.py, whose SPLIT_PARAMS, MERGE_PARAMS and
+// WEIGHTS_PARAMS declare each kernel's parameter struct field by field; the loader checks the layouts at
+// compile time). Every kernel takes its struct by value:
 //
-// sparse_decode_split<T, D, MT>     T in {__half, __nv_bfloat16}, D in {64, 128}, MT in {1, 2, 4}
+// sparse_decode_split<T, D, MT>(SparseDecodeSplitParams<T>)   T in {__half, __nv_bfloat16}, D in {64, 128},
+//                                                              MT in {1, 2, 4}
 //   grid   (S, H, B)    S = num_splits; one CTA per (split, KV head, sequence) computes all G query
 //                       heads of the KV head (G <= 16 * MT rows, padded with zero rows to 16 * MT)
 //   block  (128 * MT)   4 * MT warps: warp w takes rows 16 * (w / 4) .. +15 of the group and keys
@@ -29,14 +32,14 @@
 //   pmax    float [B, H, cdiv(W, 16), GP], GP = G rounded up to 4: that m, per (16-key group read, row
 //           g < GP; rows >= G hold the zero rows' m): a group's 4 heads are one 16-byte load
 //
-// sparse_decode_merge<T, D>
+// sparse_decode_merge<T, D>(SparseDecodeMergeParams<T>)
 //   grid (B * HQ)  block (P * D / 4) for a power of two P, 32 .. 1024 threads (DecodePlan.merge_threads)
 //   dynamic shared memory 16 * blockDim bytes (the groups' float4 sums)
 //   may be launched as a programmatic dependent of the split kernel (it waits before reading)
 //   out [B, HQ, D] T = sum_s 2^(lse_s - lse) o_s;  lse_out float [B, HQ] natural log (+inf when
 //   no split saw a key, then out = 0);  lse2_out float [B * HQ] the same in log2 (weights pass)
 //
-// sparse_decode_weights
+// sparse_decode_weights(SparseDecodeWeightsParams)
 //   grid (cdiv(W, WCHUNK), H, B)  block (WCHUNK / 4 = 256)  static shared memory; may be launched as a
 //   programmatic dependent of the merge (it waits before reading)
 //   out [B, HQ, W] (per_kv_head = 0) or [B, H, W] (per_kv_head = 1) float: prel * 2^(pmax - lse2) at
@@ -106,16 +109,50 @@ struct EpilogueSmem {
     static constexpr int ROWL = NBUF * BUF;                            // float [16 MT]: 1 / row sum
 };
 
+template <typename T>
+struct SparseDecodeSplitParams {
+    const T* q;                   // [B, HQ, D]
+    const T* k;                   // [B, L_max, H, D], or [num_pages, page_size, H, D] (paged)
+    const T* v;                   // as k
+    const int* seqlens;           // [B]
+    const int* block_table;       // [B, max_pages] (paged), or nullptr (contiguous)
+    int max_pages, page_size;     // the table's width and the page size (paged)
+    int seq_rows;                 // L_max (contiguous)
+    const int* topk;              // [H, B, K] block indices, or nullptr (dense: every block)
+    int K, B, H, G;               // topk entries per row, sequences, KV heads, query heads per KV head
+    int per_split;                // topk entries (dense: blocks) per split
+    float scale_log2;             // softmax_scale * log2(e)
+    float* o_part;                // [B, HQ, S, D], or nullptr when out is given
+    float* lse_part;              // [B, HQ, S], or nullptr when out is given
+    __half* prel;                 // [B, HQ, W], or nullptr (no weights)
+    float* pmax;                  // [B, H, cdiv(W, 16), GP], or nullptr (no weights)
+    int W;                        // the cache's width (prel's rows)
+    T* out;                       // [B, HQ, D] (S = 1: the merge's outputs), or nullptr
+    float* lse_out;               // [B, HQ] natural log, with out
+    float* lse2_out;              // [B * HQ] log2, with out
+};
+
 // At most 128 registers per thread (4 / MT CTAs of 128 MT threads per SM): enough for the fp32 output
 // tile of D = 128, and without the bound ptxas picked 80 at D = 64 on sm_80 and spilled.
 template <typename T, int D, int MT>
 __global__ void __launch_bounds__(128 * MT, 4 / MT)
-sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                    const int* __restrict__ seqlens, const int* __restrict__ block_table, int max_pages,
-                    int page_size, int seq_rows, const int* __restrict__ topk, int K, int B, int H, int G,
-                    int per_split, float scale_log2, float* __restrict__ o_part, float* __restrict__ lse_part,
-                    __half* __restrict__ prel, float* __restrict__ pmax, int W, T* __restrict__ out,
-                    float* __restrict__ lse_out, float* __restrict__ lse2_out) {
+sparse_decode_split(const __grid_constant__ SparseDecodeSplitParams<T> p) {
+    const T* __restrict__ q = p.q;
+    const T* __restrict__ k = p.k;
+    const T* __restrict__ v = p.v;
+    const int* __restrict__ seqlens = p.seqlens;
+    const int* __restrict__ block_table = p.block_table;
+    const int* __restrict__ topk = p.topk;
+    float* __restrict__ o_part = p.o_part;
+    float* __restrict__ lse_part = p.lse_part;
+    __half* __restrict__ prel = p.prel;
+    float* __restrict__ pmax = p.pmax;
+    T* __restrict__ out = p.out;
+    float* __restrict__ lse_out = p.lse_out;
+    float* __restrict__ lse2_out = p.lse2_out;
+    const int max_pages = p.max_pages, page_size = p.page_size, seq_rows = p.seq_rows;
+    const int K = p.K, B = p.B, H = p.H, G = p.G, per_split = p.per_split, W = p.W;
+    const float scale_log2 = p.scale_log2;
     constexpr int NT = 128 * MT, NW = 4 * MT, ROWB = KVLayout<D>::ROWB, CH = D / 8;
     typedef SplitSmem<D, MT> SM;
     extern __shared__ __align__(128) unsigned char smem[];
@@ -449,10 +486,25 @@ sparse_decode_split(const T* __restrict__ q, const T* __restrict__ k, const T* _
 // pass with a running max (its loads of lse_s and o_s do not wait for a row-wide max: one round trip
 // to the L2, docs/decode.md, 4. Splits and the merge), 16-byte loads of 4 output dims per thread;
 // then a tree over the groups in shared memory, each step rescaling both sides to the larger max.
+template <typename T>
+struct SparseDecodeMergeParams {
+    const float* o_part;          // [B, HQ, S, D] the splits' normalised outputs
+    const float* lse_part;        // [B, HQ, S] their log2-sum-exp
+    int S;                        // splits
+    T* out;                       // [B, HQ, D]
+    float* lse_out;               // [B, HQ] natural log
+    float* lse2_out;              // [B * HQ] log2
+};
+
 template <typename T, int D>
 __global__ void __launch_bounds__(1024)
-sparse_decode_merge(const float* __restrict__ o_part, const float* __restrict__ lse_part, int S,
-                    T* __restrict__ out, float* __restrict__ lse_out, float* __restrict__ lse2_out) {
+sparse_decode_merge(const __grid_constant__ SparseDecodeMergeParams<T> p) {
+    const float* __restrict__ o_part = p.o_part;
+    const float* __restrict__ lse_part = p.lse_part;
+    T* __restrict__ out = p.out;
+    float* __restrict__ lse_out = p.lse_out;
+    float* __restrict__ lse2_out = p.lse2_out;
+    const int S = p.S;
     constexpr int DV = D / 4;
     constexpr int MAXP = 1024 / DV;
     extern __shared__ float4 merge_smem[];        // [P][DV] group sums (the launch's 16 * blockDim bytes)
@@ -517,13 +569,30 @@ sparse_decode_merge(const float* __restrict__ o_part, const float* __restrict__ 
     }
 }
 
+struct SparseDecodeWeightsParams {
+    const __half* prel;           // [B, HQ, W] the split kernel's relative probabilities
+    const float* pmax;            // [B, H, cdiv(W, 16), GP] their maxima
+    const float* lse2;            // [B * HQ] log2-sum-exp (the merge's lse2_out)
+    const int* seqlens;           // [B]
+    const int* topk;              // [H, B, K], or nullptr (dense)
+    int K, B, H, G;               // topk entries per row, sequences, KV heads, query heads per KV head
+    int W;                        // the cache's width
+    int per_kv_head;              // 0: per query head; 1: summed over the group
+    float* out;                   // [B, HQ, W] (per_kv_head = 0) or [B, H, W]
+};
+
 // At most 40 registers (6 CTAs per SM; ptxas takes 40 unbounded too): the bound only keeps an edit
 // from silently losing residency. Registers were not the per-KV-head regression of 4827195 (48
 // registers bounded to 40 ran as slow); the pass's shape is in docs/decode.md, 5. Attention weights.
 __global__ void __launch_bounds__(256, 6)
-sparse_decode_weights(const __half* __restrict__ prel, const float* __restrict__ pmax, const float* __restrict__ lse2,
-                      const int* __restrict__ seqlens, const int* __restrict__ topk, int K, int B, int H, int G, int W,
-                      int per_kv_head, float* __restrict__ out) {
+sparse_decode_weights(const __grid_constant__ SparseDecodeWeightsParams p) {
+    const __half* __restrict__ prel = p.prel;
+    const float* __restrict__ pmax = p.pmax;
+    const float* __restrict__ lse2 = p.lse2;
+    const int* __restrict__ seqlens = p.seqlens;
+    const int* __restrict__ topk = p.topk;
+    float* __restrict__ out = p.out;
+    const int K = p.K, B = p.B, H = p.H, G = p.G, W = p.W, per_kv_head = p.per_kv_head;
     __shared__ int sel[WCHUNK / BLK];
     __shared__ float lse_s[64];
     const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
@@ -544,13 +613,13 @@ sparse_decode_weights(const __half* __restrict__ prel, const float* __restrict__
     }
     // WCHUNK = 4 * blockDim.x: each thread takes 4 consecutive positions of one 16-key group (one pmax),
     // as one 8-byte load and one 16-byte store per head when the rows are aligned (W % 4 == 0)
-    const int p = p0 + 4 * tid;
-    if (p >= W) return;
+    const int pos = p0 + 4 * tid;
+    if (pos >= W) return;
     const bool vec = (W & 3) == 0;
     const int64 row0 = (int64)b * HQ + (int64)h * G;                // the group's first query-head row
-    float* dst = out + (per_kv_head ? (int64)b * H + h : row0) * W + p;
+    float* dst = out + (per_kv_head ? (int64)b * H + h : row0) * W + pos;
     const int n_out = per_kv_head ? 1 : G;                          // output rows of this thread
-    if (!(sel[(p - p0) / BLK] != 0 && p < L)) {
+    if (!(sel[(pos - p0) / BLK] != 0 && pos < L)) {
         // nothing read here (most positions of a sparse row): zeros, without the heads' loop (the
         // same bits: every x was 0 there)
         for (int g = 0; g < n_out; ++g, dst += W) {
@@ -559,14 +628,14 @@ sparse_decode_weights(const __half* __restrict__ prel, const float* __restrict__
             } else {
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
-                    if (p + e < W) dst[e] = 0.f;
+                    if (pos + e < W) dst[e] = 0.f;
             }
         }
         return;
     }
-    const __half* src = prel + row0 * W + p;
+    const __half* src = prel + row0 * W + pos;
     // the 16-key group's maxes of the G heads (padded to GP), 4 heads per 16-byte load
-    const float* msrc = pmax + (((int64)b * H + h) * NG + (p >> 4)) * ((G + 3) & ~3);
+    const float* msrc = pmax + (((int64)b * H + h) * NG + (pos >> 4)) * ((G + 3) & ~3);
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     // head g's 4 weights: summed (per KV head) or stored. The products are __fmul_rn: a product that
     // the compiler contracted into the sum (an FFMA) would change the per-KV-head bits
@@ -579,10 +648,10 @@ sparse_decode_weights(const __half* __restrict__ prel, const float* __restrict__
             const float x[4] = {x0, x1, x2, x3};
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                if (p + e < W) dst[(int64)g * W + e] = x[e];
+                if (pos + e < W) dst[(int64)g * W + e] = x[e];
         }
     };
-    if (vec && p + 3 < L) {
+    if (vec && pos + 3 < L) {
         // heads four at a time, every load issued before the arithmetic: one load per thread in
         // flight is too little to cover the memory latency
         const __half* sp = src;                         // head g0's row, 4 W further per pass
@@ -610,7 +679,7 @@ sparse_decode_weights(const __half* __restrict__ prel, const float* __restrict__
             float x[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                x[e] = p + e < L && p + e < W ? __fmul_rn(__half2float(src[(int64)g * W + e]), f) : 0.f;
+                x[e] = pos + e < L && pos + e < W ? __fmul_rn(__half2float(src[(int64)g * W + e]), f) : 0.f;
             emit(g, x[0], x[1], x[2], x[3]);
         }
     }
@@ -620,7 +689,7 @@ sparse_decode_weights(const __half* __restrict__ prel, const float* __restrict__
         } else {
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                if (p + e < W) dst[e] = acc[e];
+                if (pos + e < W) dst[e] = acc[e];
         }
     }
 }
