@@ -1,10 +1,11 @@
 """Kernel variants by name for the development tools: each name is a stage-2 plan
 (infllm_cupy/stage2/plan.py).
 
-Forward (`fwd_plan_named`):
+Forward (`fwd_variant_named`: a plan and the launcher keywords that go with it):
     auto, sm80, sm90a       the plan `kernel=` gives (what the op runs)
     sm90a_pair, sm90a_single, sm90a_split
-                            the sm_90a kernel with that step shape forced in every CTA
+                            the sm_90a plan, with that step shape forced in every CTA through the
+                            launcher's `_force_steps` hook (the shape is each CTA's choice, no plan field)
     W,M,K                   the SM80 kernel with FwdTiles(warps W, m_tiles M, sub_keys K)
 Backward (`bwd_plan_named`):
     auto, sm80, sm90a       the plan `kernel=` gives (sm90a: both dk/dv instances where G allows)
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-FWD_STEPS = {"sm90a_pair": "pair", "sm90a_single": "single", "sm90a_split": "split"}
+FWD_STEPS = {"sm90a_pair": "pair", "sm90a_single": "single", "sm90a_split": "split"}   # `_force_steps`
 BWD_VARIANTS = {"sm90a_tiles": ("tiles", "single"), "sm90a_gather": ("gather", "auto"),
                 "sm90a_split": ("tiles", "split")}
 
@@ -65,10 +66,15 @@ def _replace(plan, fields: dict):
     return dataclasses.replace(plan, **typed)
 
 
-def fwd_plan_named(name: str, q, k, max_seqlen_k: int, split_min: int | None, plan_mod=None):
-    """The forward plan called `name` (see the module docstring) for these tensors."""
+def fwd_variant_named(name: str, q, k, max_seqlen_k: int, split_min: int | None,
+                      plan_mod=None) -> tuple[object, dict]:
+    """The forward variant called `name` (see the module docstring) for these tensors: its plan and
+    the keywords the forward launchers (`stage2_fwd`, `ops.token_fwd`, `ops.layout_fwd`) take with it,
+    `{"_force_steps": shape}` for a forced step shape, else none. (The plan module of an older tree,
+    whose FwdPlan still has a `step` field, gets the shape there.)"""
     pm = _plan_mod(plan_mod)
     base, fields = _split(name)
+    launch = {}
     if "," in base:
         plan = pm.FwdPlan("sm80", pm.FwdTiles(*(int(x) for x in base.split(","))))
     else:
@@ -76,8 +82,11 @@ def fwd_plan_named(name: str, q, k, max_seqlen_k: int, split_min: int | None, pl
         plan = pm.fwd_plan(_capability(q), q.shape[2], q.dtype, max_seqlen_k, k.shape[0], split_min=split_min,
                            kernel=kernel)
         if base in FWD_STEPS:
-            plan = dataclasses.replace(plan, step=FWD_STEPS[base])
-    return _replace(plan, fields)
+            if "step" in {f.name for f in dataclasses.fields(plan)}:
+                plan = dataclasses.replace(plan, step=FWD_STEPS[base])
+            else:
+                launch = {"_force_steps": FWD_STEPS[base]}
+    return _replace(plan, fields), launch
 
 
 def bwd_plan_named(name: str, q, k, max_seqlen_q: int, max_seqlen_k: int, plan_mod=None):

@@ -55,7 +55,7 @@ from infllm_cupy.selections import SELECTIONS, attended_keys, make_selection, un
 from infllm_cupy.stage2 import plan as _plan
 from infllm_cupy.stage2 import sparse_bwd, sparse_fwd
 
-from _plans import bwd_plan_named, fwd_plan_named
+from _plans import bwd_plan_named, fwd_variant_named
 
 
 class Package:
@@ -172,16 +172,17 @@ def make_work(a, pkg: Package, fwd_name: str, bwd_name, q, k, v, do, cu, masks, 
                                    bwd_tiles)
         return work
 
-    fplan = fwd_plan_named(fwd_name, q, k, T, 2 * a.K, pkg.plan)
+    fplan, flaunch = fwd_variant_named(fwd_name, q, k, T, 2 * a.K, pkg.plan)
     if bwd_name is None:
         base = fwd_name.split("+")[0]
         bwd_name = base if base in ("auto", "sm80", "sm90a") else "auto"
     bplan = bwd_plan_named(bwd_name, q, k, T, T, pkg.plan)
-    print(f"  plans: fwd {fplan}" + (f"\n         bwd {bplan}" if a.mode == "fwdbwd" else ""), flush=True)
+    print(f"  plans: fwd {fplan}" + (f" {flaunch}" if flaunch else "")
+          + (f"\n         bwd {bplan}" if a.mode == "fwdbwd" else ""), flush=True)
 
     def work():
         out, lse = pkg.fwd.stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale, fplan,
-                                      max_seqlen_k=T)
+                                      max_seqlen_k=T, **flaunch)
         if a.mode == "fwdbwd":
             pkg.bwd.stage2_bwd(do, q, k, v, out, lse, cu, cu, masks, cu, q.shape[0], 1, T, T, True, scale,
                                bplan)

@@ -2,6 +2,7 @@
 
     python tools/ab_nvrtc_options.py --sets base ftz --rounds 2
     python tools/ab_nvrtc_options.py --sets old=/tmp/old/kernels_cu new=kernels_cu
+    python tools/ab_nvrtc_options.py --sets base nopingpong --skip-fwdbwd --T1   # forward rows only
 
 A set is a named option set, or `label=DIR[,kernel=KERNEL]`: the kernels_cu/ tree at DIR
 (`_env.override(kernels_dir=DIR)`) with the default options, and optionally the public `kernel=`
@@ -31,12 +32,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from infllm_cupy import _env, _jit
 from infllm_cupy.selections import attended_keys, make_selection, uniform_cu_seqlens
 
-from _plans import bwd_plan_named, fwd_plan_named
+from _plans import bwd_plan_named, fwd_variant_named
 
 OPTION_SETS = {
     "base": ("-std=c++17",),
     "ftz": ("-std=c++17", "-ftz=true"),
     "fast": ("-std=c++17", "-ftz=true", "-prec-div=false", "-prec-sqrt=false"),
+    # the sm_90a forward without its warpgroup ping-pong (FWD_PINGPONG in kernels_cu/stage2/ring_sm90.cuh;
+    # docs/stage2_fwd.md, 4.): an A/B-only build the package never compiles
+    "nopingpong": ("-std=c++17", "-DFWD_PINGPONG=0"),
 }
 
 
@@ -86,14 +90,14 @@ def stage2_rows(T: int, B: int, K: int, bwd_kernels=(), fwd_kernels=(None,),
 
         # forward plans without key-range passes (split_min None), as the rows have always been timed
         for fk in fwd_kernels:
-            fplan = fwd_plan_named(fk or "auto", q, k, T, None)
+            fplan, flaunch = fwd_variant_named(fk or "auto", q, k, T, None)
 
-            def fwd_k(masks=masks, fplan=fplan):
-                return stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale, fplan)
+            def fwd_k(masks=masks, fplan=fplan, flaunch=flaunch):
+                return stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale, fplan, **flaunch)
 
             rows.append((f"fwd {sel} {T // 1024}k x {B} K{K} {fk or ''}", fwd_k, flop))
 
-        default_fwd = fwd_plan_named("auto", q, k, T, None)
+        default_fwd, _ = fwd_variant_named("auto", q, k, T, None)
 
         def fwd(masks=masks):
             return stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale, default_fwd)

@@ -5,7 +5,7 @@
 
 Variants are the forward names of tools/_plans.py (sm90a, sm80, sm90a_pair, sm90a_single,
 sm90a_split, W,M,K, each with optional +FIELD=VALUE plan fields), run through the token-level
-launcher (`ops.token_fwd`) with that plan.
+launcher (`ops.token_fwd`) with that plan (and, for a forced step shape, its `_force_steps`).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from infllm_cupy.selections import block_shared, infllm_like, per_token, uniform_cu_seqlens
 from infllm_cupy.stage2 import ops
 
-from _plans import fwd_plan_named
+from _plans import fwd_variant_named
 
 SELECTIONS = {"a": block_shared, "b": per_token, "c": infllm_like}
 
@@ -43,8 +43,8 @@ def main() -> None:
     topk = SELECTIONS[a.sel](a.B, a.T, H, a.K, device="cuda", seed=0)
     with torch.no_grad():
         for name in a.fwd:
-            plan = fwd_plan_named(name, q, k, a.T, 2 * a.K)
-            ops.token_fwd(q, k, v, cu, cu, topk, a.T, a.T, True, D ** -0.5, plan)
+            plan, launch = fwd_variant_named(name, q, k, a.T, 2 * a.K)
+            ops.token_fwd(q, k, v, cu, cu, topk, a.T, a.T, True, D ** -0.5, plan, **launch)
     torch.cuda.synchronize()
 
 

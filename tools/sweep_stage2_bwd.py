@@ -28,7 +28,7 @@ from infllm_cupy.stage2.plan import ALL_BWD_TILES, DEFAULT_BWD_TILES
 from infllm_cupy.stage2.sparse_bwd import stage2_bwd
 from infllm_cupy.stage2.sparse_fwd import n_mask_words, stage2_fwd, token_block_masks
 
-from _plans import bwd_plan_named, fwd_plan_named
+from _plans import bwd_plan_named, fwd_variant_named
 
 
 def main() -> None:
@@ -57,7 +57,7 @@ def main() -> None:
         topk = make_selection(sel, B, T, H, a.K, device="cuda", seed=0)
         keys = float(attended_keys(topk, cu).sum()) * (HQ // H)
         masks = token_block_masks(topk, cu, cu, n_mask_words(T))
-        ft = fwd_plan_named("auto", q, k, T, 2 * a.K)
+        ft, _ = fwd_variant_named("auto", q, k, T, 2 * a.K)
         out, lse = stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale, ft, max_seqlen_k=T)
         fwd = statistics.median(bench_gpu_time(
             lambda masks=masks, ft=ft: stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale,

@@ -25,7 +25,8 @@ argument). `softmax_scale` is already resolved (a float); `kernel` is the public
 "sm80" or "sm90a"), which the forward op and, through the autograd formula, the backward op turn
 into their plans (`fwd_plan`, `bwd_plan`) for the device and shapes at hand. Below the ops, the
 launcher-level functions `token_fwd`, `token_bwd`, `layout_fwd` and `layout_bwd` take a plan: the
-tests reach variants no `kernel` value names (forced step shapes, pass counts, tile shapes) there.
+tests reach variants no `kernel` value names (pass counts, tile shapes, and through the forward's
+`_force_steps` hook forced step shapes) there.
 
 Saved state: q, k, v, out, lse and the selection itself (`topk_idx` or the layout mask, both op
 inputs that are alive anyway). The backward rebuilds the bitmask rows from them (one small launch,
@@ -115,12 +116,13 @@ def _fake_bwd(q, k, v):
 
 
 def token_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal,
-              softmax_scale, plan: FwdPlan):
-    """The token-level forward on CUDA tensors under `plan` (the op's body below the plan choice)."""
+              softmax_scale, plan: FwdPlan, *, _force_steps: str | None = None):
+    """The token-level forward on CUDA tensors under `plan` (the op's body below the plan choice).
+    `_force_steps`: `stage2_fwd`'s test and A/B hook."""
     q, k, v, cu_seqlens_q, cu_seqlens_k = _contig(q, k, v, cu_seqlens_q, cu_seqlens_k)
     rows = _token_rows(topk_idx, cu_seqlens_q, cu_seqlens_k, q.shape[0], max_seqlen_k)
     return stage2_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *rows, max_seqlen_q, causal, softmax_scale, plan,
-                      max_seqlen_k=max_seqlen_k)
+                      max_seqlen_k=max_seqlen_k, _force_steps=_force_steps)
 
 
 def token_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
@@ -208,12 +210,13 @@ sparse_attn_fwd.register_autograd(_sparse_backward, setup_context=_setup_context
 
 
 def layout_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal,
-               softmax_scale, plan: FwdPlan):
-    """The layout forward on CUDA tensors under `plan` (mask on q's device)."""
+               softmax_scale, plan: FwdPlan, *, _force_steps: str | None = None):
+    """The layout forward on CUDA tensors under `plan` (mask on q's device). `_force_steps`:
+    `stage2_fwd`'s test and A/B hook."""
     q, k, v, cu_seqlens_q, cu_seqlens_k = _contig(q, k, v, cu_seqlens_q, cu_seqlens_k)
     rows = _layout_rows(layout_mask, q_block, cu_seqlens_q.numel() - 1, max_seqlen_k, q.device)
     return stage2_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *rows, max_seqlen_q, causal, softmax_scale, plan,
-                      max_seqlen_k=max_seqlen_k)
+                      max_seqlen_k=max_seqlen_k, _force_steps=_force_steps)
 
 
 def layout_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q,

@@ -4,8 +4,10 @@
 capability (as FlashAttention-3 keeps its tile and split heuristics in code); the ops call them
 with the public `kernel=` argument ("auto", "sm80", "sm90a"), and the launchers `stage2_fwd` and
 `stage2_bwd` do exactly what the plan says. A test reaches a variant the heuristics never pick (a
-forced step shape, a pass count, an SM80 tile shape) by building a plan itself, usually
-`dataclasses.replace(fwd_plan(...), field=value)`, and calling the launcher level with it.
+pass count, an SM80 tile shape) by building a plan itself, usually
+`dataclasses.replace(fwd_plan(...), field=value)`, and calling the launcher level with it. A plan
+holds only what shapes choose: what the kernel decides per CTA (the sm_90a forward's step shapes)
+is no field, and tests and A/B tools force it through the launcher's `_force_steps` hook.
 
 Why each default is what it is: docs/stage2_fwd.md (forward) and docs/stage2_bwd.md (backward),
 sections named at each constant below.
@@ -33,11 +35,6 @@ SMEM_PER_BLOCK = 227 * 1024   # the H100's (and H200's) dynamic shared memory li
 # tuning of another kernel that happens to have the same values today.
 PASS_KV_BYTES = 32 << 20
 MAX_KV_PASSES = 8
-# Step shapes of the sm_90a forward (docs/stage2_fwd.md, 5. 64- and 128-key steps, split rings):
-# the kernel's `step_mode`. "auto" (the plan's choice) takes 128-key steps in the CTAs where they
-# waste nothing and a ring per warpgroup where the warpgroups share few blocks; the others force
-# one shape in every CTA, for tests and A/B runs.
-FWD_STEPS = {"single": 0, "auto": 1, "pair": 2, "split": 3}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,17 +87,17 @@ def qhead_instance(name: str, qhead: str, *, group: bool = False) -> str:
 class FwdPlan:
     """What `stage2_fwd` launches.
 
-    kernel: "sm80" (`tiles` gives its shape) or "sm90a" (the warp-specialised ring kernel).
-    sm_90a only: `step` (a key of FWD_STEPS), `stages` (K/V ring depth, one of SM90_STAGES; it must
-    fit the shared memory with the mask rows), `kv_passes` (key-range passes; 1: none) and
-    `split_min` (a CTA splits over the passes only where its union of blocks exceeds this many).
+    kernel: "sm80" (`tiles` gives its shape) or "sm90a" (the warp-specialised ring kernel, whose
+    CTAs each choose their step shape: docs/stage2_fwd.md, 5. 64- and 128-key steps, split rings).
+    sm_90a only: `stages` (K/V ring depth, one of SM90_STAGES; it must fit the shared memory with
+    the mask rows), `kv_passes` (key-range passes; 1: none) and `split_min` (a CTA splits over the
+    passes only where its union of blocks exceeds this many).
     `qhead`: how mask rows per query head (a layout with HQ heads) run, a key of QHEAD_MODES
     (docs/stage2_fwd.md, "Per-query-head mask rows"): "off" (rows per KV head) or "head" (one query
     head per CTA, K/V heads shared through the L2); "head": SM80 only with the default tiles.
     """
     kernel: str
     tiles: FwdTiles = DEFAULT_TILES
-    step: str = "auto"
     stages: int = SM90_STAGES[0]
     kv_passes: int = 1
     split_min: int = 0
@@ -111,8 +108,6 @@ class FwdPlan:
             raise ValueError(f"FwdPlan.kernel must be 'sm80' or 'sm90a', got {self.kernel!r}")
         if not isinstance(self.tiles, FwdTiles):
             raise TypeError(f"FwdPlan.tiles must be a FwdTiles, got {self.tiles!r}")
-        if self.step not in FWD_STEPS:
-            raise ValueError(f"FwdPlan.step must be one of {tuple(FWD_STEPS)}, got {self.step!r}")
         if self.stages not in SM90_STAGES:
             raise ValueError(f"FwdPlan.stages must be one of {SM90_STAGES}, got {self.stages!r}")
         if (not isinstance(self.kv_passes, int) or self.kv_passes < 1
@@ -181,7 +176,7 @@ def fwd_plan(capability, D: int, dtype: torch.dtype, max_seqlen_k: int, total_k:
         return FwdPlan(SM80, DEFAULT_TILES)
     itemsize = dtype.itemsize
     passes = 1 if split_min is None else kv_passes_for(cdiv(max_seqlen_k, KV_BLOCK) * KV_BLOCK, D, itemsize)
-    return FwdPlan(SM90A, step="auto", stages=sm90_stages(D, n_mask_words(max_seqlen_k), itemsize),
+    return FwdPlan(SM90A, stages=sm90_stages(D, n_mask_words(max_seqlen_k), itemsize),
                    kv_passes=passes, split_min=split_min or 0)
 
 

@@ -21,7 +21,6 @@ from .._tma import rows_map
 from .plan import (  # noqa: F401  (FwdTiles ... re-exported: the launcher's vocabulary)
     ALL_TILES,
     DEFAULT_TILES,
-    FWD_STEPS,
     QHEAD_MODES,
     SM80,
     SM90_CONSUMERS,
@@ -69,6 +68,14 @@ SM90_PARAMS = KernelParams(SM90_SOURCE, "Stage2FwdSm90Params<float>", f"""
     ptr cta_split
     i32 split_min, x_off, kv_group
 """)
+# The sm_90a kernel's step_mode (RingSteps in kernels_cu/stage2/ring_sm90.cuh; docs/stage2_fwd.md,
+# 5. 64- and 128-key steps, split rings). Every plan runs STEPS_AUTO: each CTA chooses its step shape
+# after its setup, so the shape is no plan field. The forced shapes are paths STEPS_AUTO takes per
+# CTA, forced in every CTA for tests and A/B runs only (`stage2_fwd(..., _force_steps=...)`).
+STEPS_AUTO = 1
+FORCED_STEPS = {"single": 0, "pair": 2, "split": 3}
+constants(SM90_SOURCE, STEPS_AUTO=STEPS_AUTO, STEPS_SINGLE=FORCED_STEPS["single"],
+          STEPS_PAIR=FORCED_STEPS["pair"], STEPS_SPLIT=FORCED_STEPS["split"])
 
 
 # MT = 2 spills a little under the 255-register cap (D = 128: 116 B; D = 64: 8 B), yet measures
@@ -108,16 +115,31 @@ def token_block_masks(topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seq
     return masks
 
 
+def _step_mode(plan: FwdPlan, force_steps: str | None) -> int:
+    """The sm_90a kernel's step_mode: STEPS_AUTO, or the shape `force_steps` names."""
+    if force_steps is None:
+        return STEPS_AUTO
+    if force_steps not in FORCED_STEPS or plan.kernel != SM90A:
+        raise ValueError(f"_force_steps forces one of {tuple(FORCED_STEPS)} on the sm_90a kernel, got "
+                         f"{force_steps!r} with a {plan.kernel!r} plan")
+    return FORCED_STEPS[force_steps]
+
+
 def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                cu_seqlens_k: torch.Tensor, masks: torch.Tensor, mask_base: torch.Tensor, mask_h_stride: int,
                mask_q_block: int, max_seqlen_q: int, causal: bool, softmax_scale: float, plan: FwdPlan,
-               max_seqlen_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               max_seqlen_k: int | None = None, *,
+               _force_steps: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on checked, contiguous inputs, as `plan` says. Returns
     `out [total_q, HQ, D]` and `lse [HQ, total_q]` float32. `masks` is `[..., n_words]` int32; see the
     .cu header for the rows; with `plan.qhead="head"` they are per query head
     (`mask_h_stride` rows between query heads, a layout with HQ heads). An sm_90a plan runs in
     `plan.kv_passes` key-range passes over `cdiv(max_seqlen_k, 64)` blocks (default: what the mask
-    rows cover), in which the CTAs whose union of blocks exceeds `plan.split_min` split."""
+    rows cover), in which the CTAs whose union of blocks exceeds `plan.split_min` split.
+
+    `_force_steps`: a test and A/B hook, not a kernel choice (no plan or op sets it): one step shape
+    of the sm_90a kernel, a key of FORCED_STEPS, in every CTA instead of each CTA's own choice."""
+    step_mode = _step_mode(plan, _force_steps)
     check_aligned(q=q, k=k, v=v)
     if plan.kernel == SM90A and not sm90_fits_keys(k.shape[0]):
         raise ValueError(f"an sm_90a FwdPlan needs 0 < total_k < 2**31 - {KV_BLOCK} (TMA tensor maps), got "
@@ -153,7 +175,7 @@ def stage2_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
     kernel = _jit.get_kernel(SM90_SOURCE, name, sm90a=True)
     smem = sm90_smem_bytes(D, plan.stages, n_words, itemsize)
     sm90 = dict(common, q=q, tmap_k=rows_map(k, KV_BLOCK), tmap_v=rows_map(v, KV_BLOCK),
-                step_mode=FWD_STEPS[plan.step], split_min=plan.split_min)
+                step_mode=step_mode, split_min=plan.split_min)
     n_kb = cdiv(max_seqlen_k, KV_BLOCK) if max_seqlen_k is not None else 32 * n_words
     per = cdiv(n_kb, max(1, min(plan.kv_passes, n_kb)))
     passes = cdiv(n_kb, per) if n_kb > 0 else 1

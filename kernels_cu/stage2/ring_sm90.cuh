@@ -49,7 +49,7 @@
 //                 product and one softmax step: half the O rescales, row maxima and waits per key,
 //                 and wgmma at N = 128. A block the warpgroup did not select is masked: computed
 //                 for nothing. Measured, 128-key steps are 6-10% faster where no block is wasted
-//                 and already slower at the ~10% waste of InfLLM-like selections, so step_mode 1
+//                 and already slower at the ~10% waste of InfLLM-like selections, so STEPS_AUTO
 //                 takes them only where the waste is zero (block-shared selections and query-block
 //                 layouts, whose tokens of a CTA share one selection; docs/stage2_fwd.md, "64- and
 //                 128-key steps, split rings").
@@ -69,9 +69,18 @@
 #define REG_PRODUCER 56
 static_assert(NC * REG_CONSUMER + REG_PRODUCER <= (NC + 1) * ((65536 / (128 * (NC + 1))) & ~7),
               "setmaxnreg budget exceeds the registers the CTA launches with");
+// The forward's ping-pong (ring_steps128). The package compiles it in; 0 compiles it out, for
+// A/B runs only: tools/ab_nvrtc_options.py's option set "nopingpong" passes -DFWD_PINGPONG=0.
 #ifndef FWD_PINGPONG
-#define FWD_PINGPONG 1   // 0 compiles the ping-pong out (A/B runs)
+#define FWD_PINGPONG 1
 #endif
+// step_mode: how the CTAs choose their step shape. STEPS_AUTO, what the launchers run, chooses per
+// CTA after the setup (forward: 128-key steps where they waste nothing, else split rings where the
+// warpgroups share under a quarter of the union, else 64-key steps on one ring; dq: the same
+// without 128-key steps). The others force one shape in every CTA, for tests and A/B runs:
+// STEPS_SINGLE 64-key steps on one ring, STEPS_PAIR 128-key steps (forward only), STEPS_SPLIT
+// 64-key steps on split rings.
+enum RingSteps { STEPS_SINGLE = 0, STEPS_AUTO = 1, STEPS_PAIR = 2, STEPS_SPLIT = 3 };
 
 // Mask and online softmax of a finished S over NB blocks (64 * NB columns; columns 64b.. belong to
 // block b), in place: S becomes P. lim[b][r]: last visible key of this thread's row r in block b's
@@ -806,15 +815,16 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
             __syncthreads();
         }
     }
-    const bool pair = !DQ && (step_mode == 2 || (step_mode == 1 && all_same));   // dq: 64-key steps only
+    // dq: 64-key steps only
+    const bool pair = !DQ && (step_mode == STEPS_PAIR || (step_mode == STEPS_AUTO && all_same));
     // Split rings, in CTAs of 64-key steps whose warpgroups need few common blocks (per-token
     // picks at long context): each warpgroup gets its own NS / 2 stages, filled along its own
     // union, so that neither holds stages the other one waits for; a block both need is loaded
-    // twice. step_mode 3 splits every such CTA (tests), 1 those where under a quarter of the
+    // twice. STEPS_SPLIT splits every such CTA (tests), STEPS_AUTO those where under a quarter of the
     // union is common. Every warp counts the same shared words, so all agree.
     constexpr int NH = NS / 2;
     bool split = false;
-    if (NC == 2 && !pair && (step_mode == 1 || step_mode == 3)) {
+    if (NC == 2 && !pair && (step_mode == STEPS_AUTO || step_mode == STEPS_SPLIT)) {
         int both = 0, any = 0;
         for (int w = lane; w < n_words; w += 32) {
             both += __popc(sUw[w] & sUw[n_words + w]);
@@ -822,7 +832,7 @@ ring_cta_sm90(const T* __restrict__ q, const T* __restrict__ dout, const TmaMap&
         }
         both = __reduce_add_sync(0xffffffffu, both);
         any = __reduce_add_sync(0xffffffffu, any);
-        split = step_mode == 3 || 4 * both < any;
+        split = step_mode == STEPS_SPLIT || 4 * both < any;
     }
     // ring position -> stage, and the parity of that stage's fills up to it (constant divisors)
     auto stage_of = [&](int g, int it) { return split ? g * NH + it % NH : it % NS; };

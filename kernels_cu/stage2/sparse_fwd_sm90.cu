@@ -15,11 +15,11 @@
 //            + (NC + 1) * n_words union words (fwd_smem_bytes in the launcher)
 //   tmap_k, tmap_v  K and V [total_k, H, D] viewed as [total_k, H * D], boxes of 64 rows x 64
 //               elements, 128-byte swizzle, zero fill (infllm_cupy/_tma.py, rows_map)
-//   step_mode   0: 64-key steps everywhere, one ring; 1: 128-key steps in the CTAs where every
-//               consumer warpgroup needs every block of the CTA union, split rings (one per
-//               warpgroup) in the CTAs whose warpgroups share under a quarter of it, else 64-key
-//               steps on one ring; 2: 128-key steps everywhere; 3: 64-key steps on split rings
-//               everywhere (2 and 3: tests)
+//   step_mode   a RingSteps value (ring_sm90.cuh). The launcher passes STEPS_AUTO: 128-key steps in
+//               the CTAs where every consumer warpgroup needs every block of the CTA union, split
+//               rings (one per warpgroup) in the CTAs whose warpgroups share under a quarter of it,
+//               else 64-key steps on one ring. STEPS_SINGLE, STEPS_PAIR and STEPS_SPLIT force one of
+//               these shapes in every CTA (the launcher's _force_steps: tests and A/B runs)
 //   blk_lo, blk_hi, cta_split, split_min, x_off  key-range passes. One launch: 0, 2^30, null, -, 0. P passes
 //               over 64-key block ranges [blk_lo, blk_hi), launched in order on one stream with
 //               cta_split an int per CTA ([B][H][gridDim.x]): pass 0 (blk_lo = 0) counts each CTA's
@@ -53,7 +53,7 @@ struct Stage2FwdSm90Params {
     int mask_q_block;             // query tokens per mask row
     float scale_log2;             // softmax scale * log2(e)
     int causal;                   // 1: bottom-right causal
-    int step_mode;                // step shapes (above)
+    int step_mode;                // RingSteps: STEPS_AUTO, or one step shape forced (above)
     int blk_lo, blk_hi;           // this pass's 64-key blocks [blk_lo, blk_hi)
     int* cta_split;               // [B][H][row CTAs] pass flags, or null: one pass
     int split_min;                // pass 0: a CTA splits when its union exceeds this many blocks

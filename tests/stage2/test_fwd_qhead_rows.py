@@ -217,14 +217,15 @@ def test_qhead_instances_compile_without_more_spills(D):
 VARIANTS = [pytest.param(v, marks=NEEDS_HOPPER) for v in ("sm90a", "sm90a_pair", "sm90a_single",
                                                           "sm90a_split")] \
     + ["sm80"]
-STEP = {"sm90a": "auto", "sm90a_pair": "pair", "sm90a_single": "single", "sm90a_split": "split"}
+# the launchers' `_force_steps` per variant (None: each CTA chooses)
+STEP = {"sm90a": None, "sm90a_pair": "pair", "sm90a_single": "single", "sm90a_split": "split", "sm80": None}
 
 
 def qhead_plan(variant, q, k, max_seqlen_k):
     if variant == "sm80":
         return FwdPlan("sm80", qhead="head")
     plan = ops.fwd_plan_for(q, k, max_seqlen_k, None, kernel="sm90a")
-    return dataclasses.replace(plan, step=STEP[variant], qhead="head")
+    return dataclasses.replace(plan, qhead="head")
 
 
 def gpu_inputs(lengths, HQ, H, D, dtype, seed):
@@ -278,7 +279,7 @@ def test_qhead_kernel_variants(variant, G, D, dtype, q_block, causal):
     q, k, v, cu = gpu_inputs(lengths, HQ, H, D, dtype, seed=7)
     mask = qhead_mask((HQ, -(-1000 // q_block), -(-1000 // 64)), seed=8)
     out, lse = ops.layout_fwd(q, k, v, cu, cu, mask.cuda(), q_block, 1000, 1000, causal, D ** -0.5,
-                              qhead_plan(variant, q, k, 1000))
+                              qhead_plan(variant, q, k, 1000), _force_steps=STEP[variant])
     check_qhead_out(out, lse, q, k, v, cu, mask, q_block, 1000, causal)
 
 
@@ -293,10 +294,11 @@ def test_qhead_kernel_equals_expanded_kernel(variant, G):
     q, k, v, cu = gpu_inputs(lengths, HQ, H, D, torch.bfloat16, seed=9)
     plan = qhead_plan(variant, q, k, 900)
     per_q = qhead_mask((HQ, -(-900 // 64), -(-900 // 64)), seed=10).cuda()    # heads differ inside groups
-    out, lse = ops.layout_fwd(q, k, v, cu, cu, per_q, 64, 900, 900, True, D ** -0.5, plan)
+    out, lse = ops.layout_fwd(q, k, v, cu, cu, per_q, 64, 900, 900, True, D ** -0.5, plan,
+                              _force_steps=STEP[variant])
     ke, ve = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
     ref, ref_lse = ops.layout_fwd(q, ke, ve, cu, cu, per_q, 64, 900, 900, True, D ** -0.5,
-                                  dataclasses.replace(plan, qhead="off"))
+                                  dataclasses.replace(plan, qhead="off"), _force_steps=STEP[variant])
     assert torch.equal(out, ref)
     assert torch.equal(lse, ref_lse)
 

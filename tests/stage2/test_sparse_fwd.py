@@ -1,9 +1,9 @@
 """Stage-2 forward: the kernels against the PyTorch reference (FlashAttention's error rule), and the
 forward plan (`fwd_plan`, CPU).
 
-Variants the plan never picks by itself (SM80 tile shapes, forced sm_90a step shapes, key-range
-passes) run at the launcher level (`ops.token_fwd` / `ops.layout_fwd` with a plan); "sm90a" goes
-through the public op with `kernel="sm90a"`.
+Variants the plan never picks by itself (SM80 tile shapes, key-range passes) run at the launcher
+level (`ops.token_fwd` / `ops.layout_fwd` with a plan), and forced sm_90a step shapes there through
+the launcher's `_force_steps` hook; "sm90a" goes through the public op with `kernel="sm90a"`.
 """
 import dataclasses
 
@@ -62,19 +62,25 @@ def tiles_id(t):
     return t if isinstance(t, str) else f"w{t.warps}m{t.m_tiles}k{t.sub_keys}"
 
 
-SM90_STEP = {"sm90a": "auto", "sm90a_pair": "pair", "sm90a_single": "single", "sm90a_split": "split"}
+# the step shape each sm_90a variant forces in every CTA (`stage2_fwd`'s `_force_steps`); "sm90a": none,
+# each CTA chooses, as every plan runs
+SM90_STEP = {"sm90a": None, "sm90a_pair": "pair", "sm90a_single": "single", "sm90a_split": "split"}
 
 
 def plan_of(variant, q, k, max_seqlen_k, default_split_min, **fields):
     """The forward plan of a test variant: a FwdTiles (the SM80 kernel with that shape) or an sm_90a
-    step shape ("sm90a": the plan's own per-CTA choice), built with the op's `default_split_min` and
-    then `fields` replaced (a forced `split_min` among them)."""
+    variant (the sm_90a plan), built with the op's `default_split_min` and then `fields` replaced (a
+    forced `split_min` among them). The step shape a variant forces is `forced_steps(variant)`."""
     if isinstance(variant, FwdTiles):
         plan = FwdPlan("sm80", variant)
     else:
-        plan = dataclasses.replace(ops.fwd_plan_for(q, k, max_seqlen_k, default_split_min, kernel="sm90a"),
-                                   step=SM90_STEP[variant])
+        plan = ops.fwd_plan_for(q, k, max_seqlen_k, default_split_min, kernel="sm90a")
     return dataclasses.replace(plan, **fields)
+
+
+def forced_steps(variant):
+    """The launchers' `_force_steps` of a test variant (None: the kernel's per-CTA choice)."""
+    return None if isinstance(variant, FwdTiles) else SM90_STEP[variant]
 
 
 def run_fwd(q, k, v, cu_q, cu_k, idx, mq, mk, variant, causal=True, **fields):
@@ -84,7 +90,8 @@ def run_fwd(q, k, v, cu_q, cu_k, idx, mq, mk, variant, causal=True, **fields):
         return sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, mq, mk, causal=causal, return_lse=True,
                                   backend="kernels", kernel="sm90a")
     plan = plan_of(variant, q, k, mk, 2 * idx.shape[2], **fields)
-    return ops.token_fwd(q, k, v, cu_q, cu_k, idx, mq, mk, causal, q.shape[-1] ** -0.5, plan)
+    return ops.token_fwd(q, k, v, cu_q, cu_k, idx, mq, mk, causal, q.shape[-1] ** -0.5, plan,
+                         _force_steps=forced_steps(variant))
 
 
 @pytest.mark.gpu
@@ -168,7 +175,7 @@ def test_fwd_plan():
     op at long contexts, the deepest ring that fits the mask rows), SM80 elsewhere or without keys."""
     bf16 = torch.bfloat16
     assert fwd_plan((9, 0), 128, bf16, 32768, 65536, split_min=128) == FwdPlan(
-        "sm90a", step="auto", stages=6, kv_passes=1, split_min=128)
+        "sm90a", stages=6, kv_passes=1, split_min=128)
     assert fwd_plan((9, 0), 128, bf16, 131072, 262144, split_min=128).kv_passes == 2
     assert fwd_plan((9, 0), 128, bf16, 131072, 262144).kv_passes == 1          # layouts: one pass
     assert fwd_plan((9, 0), 128, bf16, 1 << 20, 1 << 20, split_min=128).stages == 4   # long mask rows
@@ -195,16 +202,39 @@ def test_parameter_structs_are_checked_in_their_compiles():
     assert sparse_fwd.SM90_PARAMS.offsets["tmap_k"] % 64 == 0    # the TmaMap alignment
 
 
+@pytest.mark.nvrtc
+def test_the_ab_build_without_the_ping_pong_compiles():
+    """FWD_PINGPONG = 0 (tools/ab_nvrtc_options.py's "nopingpong" set) is an A/B build the package
+    never compiles: one instance of it here keeps it compiling, with no spills."""
+    name = "stage2_fwd_sm90<__nv_bfloat16, 128, 6>"
+    code = "#define FWD_PINGPONG 0\n" + _jit._code(sparse_fwd.SM90_SOURCE)
+    (k,) = _jit.compile_report(sparse_fwd.SM90_SOURCE, [name], "sm_90a", code=code).kernels
+    assert k.name == name and k.spill_stores == 0 and k.spill_loads == 0, str(k)
+
+
 def test_fwd_plan_fields_are_checked():
     with pytest.raises(ValueError, match="FwdTiles needs"):
         FwdTiles(3, 1, 64)
-    for bad in (dict(kernel="sm70"), dict(kernel="sm90a", step="triple"), dict(kernel="sm90a", stages=5),
+    for bad in (dict(kernel="sm70"), dict(kernel="sm90a", stages=5),
                 dict(kernel="sm90a", kv_passes=0), dict(kernel="sm80", kv_passes=2),
                 dict(kernel="sm90a", split_min=-1)):
         with pytest.raises(ValueError, match="FwdPlan"):
             FwdPlan(**bad)
     with pytest.raises(TypeError, match=r"FwdPlan\.tiles"):
         FwdPlan("sm80", (4, 2, 64))
+
+
+def test_forced_step_shapes_are_a_launcher_hook_not_a_plan_field():
+    """The sm_90a step shape is each CTA's choice (STEPS_AUTO, what every plan runs); a test or A/B
+    run forces one through `_force_steps`, on the sm_90a kernel only."""
+    assert "step" not in {f.name for f in dataclasses.fields(FwdPlan)}
+    sm90a, sm80 = FwdPlan("sm90a"), FwdPlan("sm80")
+    assert sparse_fwd._step_mode(sm90a, None) == sparse_fwd._step_mode(sm80, None) == sparse_fwd.STEPS_AUTO
+    assert {name: sparse_fwd._step_mode(sm90a, name) for name in ("single", "pair", "split")} == \
+        sparse_fwd.FORCED_STEPS
+    for plan, bad in ((sm90a, "auto"), (sm90a, "triple"), (sm80, "pair")):
+        with pytest.raises(ValueError, match="_force_steps forces one of"):
+            sparse_fwd._step_mode(plan, bad)
 
 
 @pytest.mark.gpu
@@ -305,7 +335,8 @@ def test_block_layout_equals_token_level(q_block, per_sequence, tiles):
                                             backend="kernels", kernel="sm90a")
     else:
         out, lse = ops.layout_fwd(q, k, v, cu_q, cu_k, layout.mask.cuda(), q_block, 1000, 1000, True,
-                                  D ** -0.5, plan_of(tiles, q, k, 1000, None))
+                                  D ** -0.5, plan_of(tiles, q, k, 1000, None),
+                                  _force_steps=forced_steps(tiles))
     idx = layout.to_topk_idx(cu_q.cpu()).cuda()
     check_against_reference(out, lse, q, k, v, cu_q, cu_k, idx, 1000, 1000, True)
     tok, _ = run_fwd(q, k, v, cu_q, cu_k, idx, 1000, 1000, tiles)
