@@ -920,7 +920,10 @@ def test_every_instance_is_registered():
                 for d in (64, 128):
                     assert sel.kernel_name(dt, st, d, sm90a) in names
                     assert sel.kernel_name(dt, st, d, sm90a, ranged=True) in names
-        assert len(names) == 16
+                    if sm90a and st != torch.float32:     # the packed group sum, 16-bit scores only
+                        assert sel.kernel_name(dt, st, d, sm90a, packed=True) in names
+                        assert sel.kernel_name(dt, st, d, sm90a, ranged=True, packed=True) in names
+        assert len(names) == (24 if sm90a else 16)
     assert [sel.lgp_of(G) for G in (1, 2, 3, 4, 5, 16, 17, 24, 32, 33, 64, 65, 128)] == \
         [0, 1, 2, 2, 3, 4, 5, 5, 5, 6, 6, 7, 7]
 
