@@ -21,7 +21,8 @@ from .._constants import (
     HEAD_DIMS,
     KV_BLOCK,  # keys per KV block (kernels_cu: BLOCK_N)
 )
-from .._launch import CXX_TYPE, cdiv, empty, launch, ptr
+from .._launch import CXX_TYPE, cdiv, empty, launch
+from .._params import KernelParams, constants
 from .._tma import TMAP_DTYPE, heads_map, rows_map
 from .plan import (  # noqa: F401  (BwdTiles ... re-exported: the launcher's vocabulary)
     ALL_BWD_TILES,
@@ -47,7 +48,74 @@ RING_SOURCE = "stage2/sparse_bwd_dq_sm90.cu"   # the dq kernel on the forward's 
 
 BWD_SOURCE = "stage2/sparse_bwd.cu"
 SM90_SOURCE = "stage2/sparse_bwd_sm90.cu"
-TILE_WARPS = 8          # warps per CTA of stage2_bwd_delta / stage2_bwd_tiles
+TILE_WARPS = 8          # warps per CTA of stage2_bwd_delta / stage2_bwd_tiles, one row / item each
+constants(BWD_SOURCE, BLOCK_N=KV_BLOCK, QT=QT, TILE_WARPS=TILE_WARPS)
+# the gathering dk/dv's tiles hold 64 / G tokens, at most GATHER_MAX: G from 64 / GATHER_MAX
+constants(SM90_SOURCE, BLOCK_N=KV_BLOCK, QT=QT, GATHER_MAX=64 // GATHER_G[0])
+constants(RING_SOURCE, BLOCK_N=KV_BLOCK, NC=SM90_CONSUMERS)
+
+# The kernels' parameter structs (the .cu files' Stage2Bwd*Params), field by field in their order.
+# Fields the dq and dk/dv structs share: the inputs, and the row space and softmax scalars.
+_INPUTS = "ptr q, k, v, dout, lse, delta, masks, mask_base, cu_seqlens_q, cu_seqlens_k"
+_ROWS = """
+    i32 total_q, HQ, H, G, n_words
+    i64 mask_h_stride
+    i32 mask_q_block
+    f32 scale_log2, scale
+    i32 causal
+""".strip()
+DELTA_PARAMS = KernelParams(BWD_SOURCE, "Stage2BwdDeltaParams<float>", """
+    ptr dout, out, delta
+    i32 total_q, HQ
+""")
+TILES_PARAMS = KernelParams(BWD_SOURCE, "Stage2BwdTilesParams", """
+    ptr masks, mask_base, cu_seqlens_q, cu_seqlens_k, ut_off, ut
+    i64 ut_h_stride
+    i32 G, n_words
+    i64 mask_h_stride
+    i32 mask_q_block, causal, tile_rows
+""")
+DQ_PARAMS = KernelParams(BWD_SOURCE, "Stage2BwdDqParams<float>", f"""
+    {_INPUTS}
+    ptr dq
+    {_ROWS}
+    i32 kv_group
+""")
+DKDV_PARAMS = KernelParams(BWD_SOURCE, "Stage2BwdDkdvParams<float>", f"""
+    {_INPUTS}
+    ptr ut_off, ut
+    i64 ut_h_stride
+    ptr dk, dv
+    {_ROWS}
+    ptr dk32, dv32
+    i32 flush, kv_group, kb0
+""")
+DKDV_SM90_PARAMS = KernelParams(SM90_SOURCE, "Stage2BwdDkdvSm90Params<float>", f"""
+    {_INPUTS}
+    ptr ut_off, ut
+    i64 ut_h_stride
+    ptr vt_off, vt
+    i64 vt_h_stride
+    ptr dk, dv, part0
+    i32 n_seq, n_kb, split0, order
+    tmap tmap_q, tmap_do
+    i32 use_tma
+    {_ROWS}
+    ptr dk32, dv32
+    i32 q_lo, q_hi, last_pass, pdl, kv_group
+""")
+DKDV_PARTS_PARAMS = KernelParams(SM90_SOURCE, "Stage2BwdDkdvPartsParams<float>", """
+    ptr part0, cu_seqlens_k, dk, dv
+    i32 H, split0
+    f32 scale
+""")
+DQ_RING_PARAMS = KernelParams(RING_SOURCE, "Stage2BwdDqRingParams<float>", f"""
+    ptr q, dout
+    tmap tmap_k, tmap_v
+    ptr lse, delta, masks, mask_base, cu_seqlens_q, cu_seqlens_k, dq
+    {_ROWS}
+    i32 step_mode, kv_group
+""")
 
 # dk/dv with 64-column sub-steps sits at the 255-register cap at D = 128 (16 B of spills on sm_90):
 # a tuning variant, compiled by the CPU check but allowed to spill; every other instance may not.
@@ -242,12 +310,12 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         return dq.zero_(), torch.zeros_like(k), torch.zeros_like(v)
     T = CXX_TYPE[q.dtype]
     itemsize = q.element_size()
-    scale_log2 = np.float32(softmax_scale * 1.4426950408889634)
 
     delta = torch.empty((HQ, total_q), dtype=torch.float32, device=dev)
     name = f"stage2_bwd_delta<{T}, {D}>"
-    launch(_jit.get_kernel(BWD_SOURCE, name), name=name, grid=(cdiv(total_q * HQ, 8),), block=(256,),
-           args=(ptr(dout), ptr(out), ptr(delta), np.int32(total_q), np.int32(HQ)))
+    launch(_jit.get_kernel(BWD_SOURCE, name), name=name, grid=(cdiv(total_q * HQ, TILE_WARPS),),
+           block=(32 * TILE_WARPS,),
+           params=DELTA_PARAMS.pack(dout=dout, out=out, delta=delta, total_q=total_q, HQ=HQ))
 
     sm90a = plan.kernel == SM90A
     gather, split = sm90a and plan.dkdv == "gather", sm90a and plan.dkdv == "auto"
@@ -259,21 +327,21 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         max_groups = cdiv(cdiv(max_seqlen_q * G, tile_rows), 32)
         launch(_jit.get_kernel(BWD_SOURCE, "stage2_bwd_tiles"), name="stage2_bwd_tiles",
                grid=(cdiv(max_groups * n_words, TILE_WARPS), H, B), block=(32 * TILE_WARPS,),
-               args=(ptr(masks), ptr(mask_base), ptr(cu_seqlens_q), ptr(cu_seqlens_k), ptr(ut_off), ptr(ut),
-                     np.int64(per_head), np.int32(G), np.int32(n_words), np.int64(mask_h_stride),
-                     np.int32(mask_q_block), np.int32(1 if causal else 0), np.int32(tile_rows)))
+               params=TILES_PARAMS.pack(masks=masks, mask_base=mask_base, cu_seqlens_q=cu_seqlens_q,
+                                        cu_seqlens_k=cu_seqlens_k, ut_off=ut_off, ut=ut, ut_h_stride=per_head,
+                                        G=G, n_words=n_words, mask_h_stride=mask_h_stride,
+                                        mask_q_block=mask_q_block, causal=int(causal), tile_rows=tile_rows))
         return ut_off, ut, per_head
 
     by_tiles = None if gather else build_index(QT)
     by_tokens = build_index(G) if gather or split else None
 
-    causal_i = np.int32(1 if causal else 0)
-    common = (ptr(q), ptr(k), ptr(v), ptr(dout), ptr(lse), ptr(delta), ptr(masks), ptr(mask_base),
-              ptr(cu_seqlens_q), ptr(cu_seqlens_k))
-    dq_scalars = (ptr(dq), np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words),
-                  np.int64(mask_h_stride), np.int32(mask_q_block), scale_log2, np.float32(softmax_scale),
-                  causal_i)
-    qh_tail = (np.int32(kv_group),)     # read only by the QH = 2 instances
+    # the fields the dq and dk/dv structs share (kv_group: read only by the QH = 2, 3 instances)
+    inputs = dict(q=q, k=k, v=v, dout=dout, lse=lse, delta=delta, masks=masks, mask_base=mask_base,
+                  cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    rows = dict(total_q=total_q, HQ=HQ, H=H, G=G, n_words=n_words, mask_h_stride=mask_h_stride,
+                mask_q_block=mask_q_block, scale_log2=softmax_scale * 1.4426950408889634, scale=softmax_scale,
+                causal=int(causal), kv_group=kv_group)
     if plan.dq == SM90A:
         # dq on the forward's warp-specialised K/V ring (TMA producer, two consumer warpgroups)
         ns = plan.dq_stages
@@ -282,15 +350,17 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
             64 * SM90_CONSUMERS, 128 * (SM90_CONSUMERS + 1)
         dq_kernel = _jit.get_kernel(RING_SOURCE, dq_name, sm90a=True)
         dq_smem = sm90_smem_bytes(D, ns, n_words, itemsize, dq=True)
-        dq_args = (ptr(q), ptr(dout), rows_map(k, KV_BLOCK), rows_map(v, KV_BLOCK), ptr(lse), ptr(delta),
-                   ptr(masks), ptr(mask_base), ptr(cu_seqlens_q), ptr(cu_seqlens_k)) + dq_scalars \
-            + (np.int32(DQ_STEPS[plan.dq_step]),) + qh_tail
+        # K and V come as tensor maps
+        ring_inputs = {n: x for n, x in inputs.items() if n not in ("k", "v")}
+        dq_params = DQ_RING_PARAMS.pack(**ring_inputs, tmap_k=rows_map(k, KV_BLOCK),
+                                        tmap_v=rows_map(v, KV_BLOCK), dq=dq, **rows,
+                                        step_mode=DQ_STEPS[plan.dq_step])
     else:
         dq_name, dq_rows, dq_threads = qhead_instance(plan.tiles.dq_name(q.dtype, D), plan.qhead), \
             16 * plan.tiles.dq_warps, 32 * plan.tiles.dq_warps
         dq_kernel = _jit.get_kernel(BWD_SOURCE, dq_name)
         dq_smem = dq_smem_bytes(D, plan.tiles, n_words, itemsize)
-        dq_args = common + dq_scalars + qh_tail
+        dq_params = DQ_PARAMS.pack(**inputs, dq=dq, **rows)
     if sm90a:
         kv_smem = dkdv_sm90_smem_bytes(D, itemsize)
         # (gather mode, own index, the other mode's index or None): dkdv="auto" runs both instances
@@ -298,12 +368,11 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
             runs = [(False, by_tiles, by_tokens), (True, by_tokens, by_tiles)]
         else:
             runs = [(True, by_tokens, None)] if gather else [(False, by_tiles, None)]
-        null = np.uint64(0)
         kv_launches = [(qhead_instance(f"stage2_bwd_dkdv_sm90<{T}, {D}, {'true' if g else 'false'}>",
                                        plan.qhead, group=plan.dkdv_group), True,
-                        (ptr(own[0]), ptr(own[1]), np.int64(own[2]))
-                        + ((ptr(other[0]), ptr(other[1]), np.int64(other[2])) if other else (null, null,
-                                                                                             np.int64(0))),
+                        dict(ut_off=own[0], ut=own[1], ut_h_stride=own[2],
+                             vt_off=other[0] if other else None, vt=other[1] if other else None,
+                             vt_h_stride=other[2] if other else 0),
                         g)
                        for g, own, other in runs]
     else:
@@ -312,14 +381,14 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         # 12. SM80 path): fp32 rows each CTA stores before it reads them, so no zero fill
         flush = sm80_dkdv_flushes(max_seqlen_q, G, plan.dkdv_flush)
         flush_rows = tuple(empty((total_k, H, D), dtype=torch.float32, device=dev) for _ in range(2 * flush))
-        flush_args = ((ptr(flush_rows[0]), ptr(flush_rows[1]), np.int32(plan.dkdv_flush)) if flush
-                      else (np.uint64(0), np.uint64(0), np.int32(0)))
+        flush_fields = (dict(dk32=flush_rows[0], dv32=flush_rows[1], flush=plan.dkdv_flush) if flush
+                        else dict(dk32=None, dv32=None, flush=0))
         kv_launches = [(qhead_instance(plan.tiles.dkdv_name(q.dtype, D, flush), plan.qhead), False,
-                        (ptr(by_tiles[0]), ptr(by_tiles[1]), np.int64(by_tiles[2])), False)]
+                        dict(ut_off=by_tiles[0], ut=by_tiles[1], ut_h_stride=by_tiles[2]), False)]
     # QH = 2: (row tile, head of the group) in x, heads fastest, KV head in y (the forward's grid)
     launch(dq_kernel, name=dq_name, grid=(cdiv(max_seqlen_q * G, dq_rows) * kv_group, H // kv_group, B),
            block=(dq_threads,),
-           shared_mem=dq_smem, args=dq_args)
+           shared_mem=dq_smem, params=dq_params)
     n_kb = cdiv(max_seqlen_k, KV_BLOCK)
     passes = max(1, min(plan.dkdv_passes, max_seqlen_q)) if sm90a else 1   # a pass has at least one token
     split0 = plan.block0_parts if sm90a else 1
@@ -332,34 +401,32 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     # fixed tiles of 64 / G tokens x G heads come by TMA (boxes of heads_map) where G divides 64
     dkdv_tma = sm90a and plan.dkdv_tma
     no_map = np.zeros(1, dtype=TMAP_DTYPE)
-    tmaps = (heads_map(q, G), heads_map(dout, G)) if dkdv_tma else (no_map, no_map)
+    tmaps = (dict(tmap_q=heads_map(q, G), tmap_do=heads_map(dout, G)) if dkdv_tma
+             else dict(tmap_q=no_map, tmap_do=no_map))
     pdl = plan.pdl
-    tail = (np.int32(total_q), np.int32(HQ), np.int32(H), np.int32(G), np.int32(n_words),
-            np.int64(mask_h_stride), np.int32(mask_q_block), scale_log2, np.float32(softmax_scale), causal_i)
 
-    def launch_dkdv(kv_name: str, sm90a: bool, index_args: tuple, gather: bool) -> None:
+    def launch_dkdv(kv_name: str, sm90a: bool, index_fields: dict, gather: bool) -> None:
         if sm90a:
             # block 0's parts and the CTA order of the launch contract (sparse_bwd_sm90.cu): (sequence,
             # head) slowest for fixed tiles, key block slowest for gathered tokens (docs/stage2_bwd.md,
             # 9. CTA order)
             kernel = _jit.get_kernel(SM90_SOURCE, kv_name, sm90a=True)
-            args = common + index_args + (ptr(dk), ptr(dv), ptr(part0), np.int32(B), np.int32(n_kb),
-                                          np.int32(split0), np.int32(not gather)) \
-                + tmaps + (np.int32(dkdv_tma),) + tail
+            fields = dict(inputs, **index_fields, dk=dk, dv=dv, part0=part0, n_seq=B, n_kb=n_kb,
+                          split0=split0, order=int(not gather), **tmaps, use_tma=int(dkdv_tma), **rows,
+                          pdl=int(pdl and passes > 1))
             for p in range(passes):         # the query-range passes of the launch contract, in order
-                pass_args = ((ptr(dk32), ptr(dv32), np.int32(p * chunk), np.int32((p + 1) * chunk),
-                              np.int32(p == passes - 1)) if passes > 1
-                             else (np.uint64(0), np.uint64(0), np.int32(0), np.int32(max_seqlen_q),
-                                   np.int32(1)))
+                pass_fields = (dict(dk32=dk32, dv32=dv32, q_lo=p * chunk, q_hi=(p + 1) * chunk,
+                                    last_pass=int(p == passes - 1)) if passes > 1
+                               else dict(dk32=None, dv32=None, q_lo=0, q_hi=max_seqlen_q, last_pass=1))
                 launch(kernel, name=kv_name, grid=(H_out * B * (split0 + n_kb - 1),), block=(128,),
-                       shared_mem=kv_smem,
-                       args=args + pass_args + (np.int32(pdl and passes > 1),) + qh_tail, pdl=pdl and p > 0)
+                       shared_mem=kv_smem, params=DKDV_SM90_PARAMS.pack(**fields, **pass_fields),
+                       pdl=pdl and p > 0)
         else:
             kernel = _jit.get_kernel(BWD_SOURCE, kv_name)
+            fields = dict(inputs, **index_fields, dk=dk, dv=dv, **rows, **flush_fields)
             for kb0, nz in dkdv_z_chunks(n_kb):     # grid.z <= 65535: key blocks in chunks, in order
                 launch(kernel, name=kv_name, grid=(H, B, nz), block=(128,), shared_mem=kv_smem,
-                       args=common + index_args + (ptr(dk),
-                                                   ptr(dv)) + tail + flush_args + qh_tail + (np.int32(kb0),))
+                       params=DKDV_PARAMS.pack(**fields, kb0=kb0))
 
     if len(kv_launches) == 2:
         # the two halves of dkdv="auto" run side by side: one after the other, the first one's
@@ -378,8 +445,8 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if split0 > 1:
         name = f"stage2_bwd_dkdv_parts<{T}, {D}>"
         launch(_jit.get_kernel(SM90_SOURCE, name, sm90a=True), name=name, grid=(H * B,), block=(256,),
-               args=(ptr(part0), ptr(cu_seqlens_k), ptr(dk), ptr(dv), np.int32(H), np.int32(split0),
-                     np.float32(softmax_scale)))
+               params=DKDV_PARTS_PARAMS.pack(part0=part0, cu_seqlens_k=cu_seqlens_k, dk=dk, dv=dv, H=H,
+                                             split0=split0, scale=softmax_scale))
     if kv_group > 1 and not plan.dkdv_group:
         # the per-query-head partials summed over each group in fp32, as the expanded path (K/V
         # repeated to HQ heads) sums its dK, dV: the same numbers

@@ -74,9 +74,9 @@ __device__ __forceinline__ void dq_row_state(int64 row0, int64 rows_total, int t
         rk[r] = causal ? t + shift : Lk - 1;
         mrow[r] = mrows + (int64)(t / mask_q_block) * n_words;
         const int64 li = ((int64)h * G + g) * total_q + qs + t;
-        const float l = row_ok[r] ? lse[li] : 0.f;
+        const float l = row_ok[r] ? __ldg(lse + li) : 0.f;
         lse2[r] = l == INFLLM_INF ? 0.f : l * 1.4426950408889634f;
-        dlt[r] = row_ok[r] ? delta[li] : 0.f;
+        dlt[r] = row_ok[r] ? __ldg(delta + li) : 0.f;
     }
 }
 

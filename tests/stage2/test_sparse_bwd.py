@@ -14,6 +14,7 @@ import dataclasses
 import pytest
 import torch
 
+from infllm_cupy import _jit
 from infllm_cupy.pipeline import InfLLMv2Attention, InfLLMv2Config
 from infllm_cupy.stage2 import naive as s2
 from infllm_cupy.stage2 import ops
@@ -119,6 +120,24 @@ def test_tile_index_offsets_fit_the_allocation(tile_rows):
             want.append(want[-1] + w * nkb)
         assert ut_off.tolist() == want
         assert want[-1] <= per_head
+
+
+def test_backward_parameter_structs_are_checked_in_their_sources():
+    """Every backward kernel takes one parameter struct, declared in the launcher: each declaration's
+    static_asserts (and the constants the launcher shares with the kernels) go into its source's
+    compile (tests/test_jit.py compiles them), and a field missing from a launch is refused by name."""
+    decls = (sb.DELTA_PARAMS, sb.TILES_PARAMS, sb.DQ_PARAMS, sb.DKDV_PARAMS, sb.DKDV_SM90_PARAMS,
+             sb.DKDV_PARTS_PARAMS, sb.DQ_RING_PARAMS)
+    for decl in decls:
+        assert decl.checks() in _jit._code(decl.source), decl.c_type
+    assert {d.source for d in decls} == {sb.BWD_SOURCE, sb.SM90_SOURCE, sb.RING_SOURCE}
+    for source in (sb.BWD_SOURCE, sb.SM90_SOURCE):
+        assert f"static_assert((QT) == {QT}" in _jit._code(source)
+    assert "static_assert((NC) == 2" in _jit._code(sb.RING_SOURCE)
+    fields = {n: None if sb.DKDV_PARTS_PARAMS.kinds[n] == "ptr" else 1 for n in sb.DKDV_PARTS_PARAMS.names}
+    del fields["split0"]
+    with pytest.raises(TypeError, match=r"missing fields \['split0'\]"):
+        sb.DKDV_PARTS_PARAMS.pack(**fields)
 
 
 # ================================================================================================
