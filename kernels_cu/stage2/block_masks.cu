@@ -43,8 +43,9 @@ token_block_masks(const __grid_constant__ TokenBlockMasksParams p) {
     const int Lk = cu_seqlens_k[b + 1] - cu_seqlens_k[b];
     const int nb = min((Lk + block_size - 1) / block_size, n_words * 32);
     const int* idx = topk_idx + ((int64)h * total_q + t) * K;
+    // read-only loads: __restrict__ on a pointer taken from the parameter struct does not yield them
     for (int i = lane; i < K; i += 32) {
-        const int j = idx[i];
+        const int j = __ldg(idx + i);
         if (j >= 0 && j < nb) atomicOr(&row[j >> 5], 1u << (j & 31));
     }
     __syncwarp();
