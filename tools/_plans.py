@@ -7,15 +7,16 @@ Forward (`fwd_variant_named`: a plan and the launcher keywords that go with it):
                             the sm_90a plan, with that step shape forced in every CTA through the
                             launcher's `_force_steps` hook (the shape is each CTA's choice, no plan field)
     W,M,K                   the SM80 kernel with FwdTiles(warps W, m_tiles M, sub_keys K)
-Backward (`bwd_plan_named`):
+Backward (`bwd_variant_named`: a plan and the launcher keywords that go with it):
     auto, sm80, sm90a       the plan `kernel=` gives (sm90a: both dk/dv instances where G allows)
     sm90a_tiles, sm90a_gather
                             the sm_90a dk/dv with one instance only (fixed tiles: dq on one shared
                             ring; gathered tokens: dq's per-CTA ring choice)
     sm90a_split             fixed tiles, dq on a ring per warpgroup in every CTA
     DQ,COLS                 the SM80 kernels with BwdTiles(dq_warps DQ, dkdv_cols COLS)
-Either may end in `+FIELD=VALUE...` (e.g. `sm90a+kv_passes=3+split_min=0`, `sm90a+dkdv_passes=16`,
-`sm90a+pdl=0`): those plan fields replaced (ints, or 0/1 for bools).
+Either may end in `+FIELD=VALUE...` (e.g. `sm90a+kv_passes=3+split_min=0`, `sm90a+dkdv_passes=16`):
+those plan fields replaced (ints, or 0/1 for bools). A backward name's `+pdl=0` is no plan field: the
+sm_90a dk/dv's query-range passes launched one after the other, through `stage2_bwd`'s `_pdl` hook.
 
 `plan_mod` is the plan module to build from (this package's by default; the A/B tool passes that of
 another tree's package).
@@ -89,10 +90,16 @@ def fwd_variant_named(name: str, q, k, max_seqlen_k: int, split_min: int | None,
     return _replace(plan, fields), launch
 
 
-def bwd_plan_named(name: str, q, k, max_seqlen_q: int, max_seqlen_k: int, plan_mod=None):
-    """The backward plan called `name` (see the module docstring) for these tensors."""
+def bwd_variant_named(name: str, q, k, max_seqlen_q: int, max_seqlen_k: int,
+                      plan_mod=None) -> tuple[object, dict]:
+    """The backward variant called `name` (see the module docstring) for these tensors: its plan and
+    the keywords `stage2_bwd` takes with it, `{"_pdl": False}` for `+pdl=0`, else none. (The plan
+    module of an older tree, whose BwdPlan still has a `pdl` field, gets it there.)"""
     pm = _plan_mod(plan_mod)
     base, fields = _split(name)
+    launch = {}
+    if "pdl" in fields and "pdl" not in {f.name for f in dataclasses.fields(pm.BwdPlan)}:
+        launch["_pdl"] = bool(int(fields.pop("pdl")))
     if "," in base:
         plan = pm.BwdPlan("sm80", pm.BwdTiles(*(int(x) for x in base.split(","))), dq="sm80")
     else:
@@ -105,4 +112,4 @@ def bwd_plan_named(name: str, q, k, max_seqlen_q: int, max_seqlen_k: int, plan_m
             if dkdv == "gather" and not pm.GATHER_G[0] <= G <= pm.GATHER_G[1]:
                 raise ValueError(f"{base} needs {pm.GATHER_G[0]} <= G <= {pm.GATHER_G[1]}, got G = {G}")
             plan = dataclasses.replace(plan, dkdv=dkdv, dq_step=dq_step)
-    return _replace(plan, fields)
+    return _replace(plan, fields), launch

@@ -15,7 +15,8 @@ A variant is `label=DIR:KERNEL[/BWD][@PKG][%NAME=VALUE...]`:
   uses), by the names of tools/_plans.py: auto, sm80, sm90a, sm90a_pair, sm90a_single,
   sm90a_split, W,M,K (SM80 tiles) for the forward; auto, sm80, sm90a, sm90a_tiles, sm90a_gather,
   sm90a_split, DQ,COLS for the backward; each with optional `+FIELD=VALUE` plan fields
-  (e.g. `sm90a+kv_passes=2`, `sm90a/sm90a+dkdv_passes=16+pdl=0`).
+  (e.g. `sm90a+kv_passes=2`, `sm90a/sm90a+dkdv_passes=16`), and on the backward `+pdl=0`: the dk/dv
+  passes launched one after the other (`stage2_bwd`'s `_pdl` hook, no plan field).
 - @PKG: launch through the `infllm_cupy/` package folder PKG instead of this one (an older or
   newer tree whose kernels take other arguments). A package whose launchers still take `tiles`
   (before the plans, e.g. bc9961f) is called the old way: KERNEL is its `tiles` text ("sm90a",
@@ -55,7 +56,7 @@ from infllm_cupy.selections import SELECTIONS, attended_keys, make_selection, un
 from infllm_cupy.stage2 import plan as _plan
 from infllm_cupy.stage2 import sparse_bwd, sparse_fwd
 
-from _plans import bwd_plan_named, fwd_variant_named
+from _plans import bwd_variant_named, fwd_variant_named
 
 
 class Package:
@@ -176,16 +177,17 @@ def make_work(a, pkg: Package, fwd_name: str, bwd_name, q, k, v, do, cu, masks, 
     if bwd_name is None:
         base = fwd_name.split("+")[0]
         bwd_name = base if base in ("auto", "sm80", "sm90a") else "auto"
-    bplan = bwd_plan_named(bwd_name, q, k, T, T, pkg.plan)
+    bplan, blaunch = bwd_variant_named(bwd_name, q, k, T, T, pkg.plan)
     print(f"  plans: fwd {fplan}" + (f" {flaunch}" if flaunch else "")
-          + (f"\n         bwd {bplan}" if a.mode == "fwdbwd" else ""), flush=True)
+          + (f"\n         bwd {bplan}" + (f" {blaunch}" if blaunch else "") if a.mode == "fwdbwd" else ""),
+          flush=True)
 
     def work():
         out, lse = pkg.fwd.stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale, fplan,
                                       max_seqlen_k=T, **flaunch)
         if a.mode == "fwdbwd":
             pkg.bwd.stage2_bwd(do, q, k, v, out, lse, cu, cu, masks, cu, q.shape[0], 1, T, T, True, scale,
-                               bplan)
+                               bplan, **blaunch)
     return work
 
 

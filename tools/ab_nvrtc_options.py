@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from infllm_cupy import _env, _jit
 from infllm_cupy.selections import attended_keys, make_selection, uniform_cu_seqlens
 
-from _plans import bwd_plan_named, fwd_variant_named
+from _plans import bwd_variant_named, fwd_variant_named
 
 OPTION_SETS = {
     "base": ("-std=c++17",),
@@ -103,12 +103,12 @@ def stage2_rows(T: int, B: int, K: int, bwd_kernels=(), fwd_kernels=(None,),
             return stage2_fwd(q, k, v, cu, cu, masks, cu, q.shape[0], 1, T, True, scale, default_fwd)
 
         for kernel in [] if skip_fwdbwd else [None, *bwd_kernels]:
-            bplan = bwd_plan_named(kernel or "auto", q, k, T, T)
+            bplan, blaunch = bwd_variant_named(kernel or "auto", q, k, T, T)
 
-            def bwd(masks=masks, fwd=fwd, bplan=bplan):
+            def bwd(masks=masks, fwd=fwd, bplan=bplan, blaunch=blaunch):
                 out, lse = fwd()   # the forward is part of the timed work: same for every set
                 return stage2_bwd(do, q, k, v, out, lse, cu, cu, masks, cu, q.shape[0], 1, T, T, True, scale,
-                                  bplan)
+                                  bplan, **blaunch)
 
             rows.append((f"fwd+bwd {sel} {T // 1024}k x {B} K{K} {kernel or ''}", bwd, 3.5 * flop))
     return rows

@@ -28,7 +28,7 @@ from infllm_cupy.stage2.plan import ALL_BWD_TILES, DEFAULT_BWD_TILES
 from infllm_cupy.stage2.sparse_bwd import stage2_bwd
 from infllm_cupy.stage2.sparse_fwd import n_mask_words, stage2_fwd, token_block_masks
 
-from _plans import bwd_plan_named, fwd_variant_named
+from _plans import bwd_variant_named, fwd_variant_named
 
 
 def main() -> None:
@@ -64,10 +64,12 @@ def main() -> None:
                                                   ft, max_seqlen_k=T)))
         print(f"sel {sel}: fwd {fwd:.2f} ms {flops_attn(keys, D, 'fwd') / fwd / 1e9:.0f} TFLOP/s")
 
-        def bwd(t, out=out, lse=lse, masks=masks):
-            return stage2_bwd(do, q, k, v, out, lse, cu, cu, masks, cu, q.shape[0], 1, T, T, True, scale, t)
+        def bwd(variant, out=out, lse=lse, masks=masks):
+            plan, launch = variant
+            return stage2_bwd(do, q, k, v, out, lse, cu, cu, masks, cu, q.shape[0], 1, T, T, True, scale,
+                              plan, **launch)
 
-        plans = {name: bwd_plan_named(name, q, k, T, T) for name in names}
+        plans = {name: bwd_variant_named(name, q, k, T, T) for name in names}
         for label, plan in plans.items():
             ms = statistics.median(bench_gpu_time(lambda plan=plan: bwd(plan)))
             print(f"  bwd {label}: {ms:.2f} ms "

@@ -242,9 +242,9 @@ class BwdPlan:
     or "sm90a" (the forward's K/V ring, with `dq_step`, a key of DQ_STEPS, and ring depth
     `dq_stages`). sm_90a dk/dv only: `dkdv` (one of DKDV_INSTANCES; "gather" and "auto" need
     8 <= G <= 64), `dkdv_tma` (fixed tiles by TMA, needs 64 % G == 0; else cp.async),
-    `dkdv_passes` (query-range passes; 1: none), `block0_parts` (CTAs sharing block 0; only
-    without passes) and `pdl` (passes after the first as programmatic dependent launches; False
-    launches them one after the other, which the tests compare against).
+    `dkdv_passes` (query-range passes; 1: none) and `block0_parts` (CTAs sharing block 0; only
+    without passes). Passes after the first launch as programmatic dependents whatever the shapes
+    (the launcher's test and A/B hook `_pdl=False` launches them one after the other).
     SM80 dk/dv only: `dkdv_flush` (query tiles a CTA sums in registers before it adds them to fp32
     rows in global memory; those rows are allocated only where a sequence has more tiles, see
     `sm80_dkdv_flushes`).
@@ -266,7 +266,6 @@ class BwdPlan:
     dkdv_tma: bool = True
     dkdv_passes: int = 1
     block0_parts: int = 1
-    pdl: bool = True
     dkdv_flush: int = DKDV_FLUSH_TILES
     qhead: str = "off"
     dkdv_group: bool = False
@@ -354,5 +353,4 @@ def bwd_plan(capability, G: int, D: int, dtype: torch.dtype, max_seqlen_q: int, 
                    dq=SM90A if total_k < 2**31 - KV_BLOCK and ring_fits else SM80, dq_step="auto",
                    dq_stages=sm90_stages(D, n_mask_words(max_seqlen_k), itemsize, dq=True),
                    dkdv="auto" if GATHER_G[0] <= G <= GATHER_G[1] else "tiles", dkdv_tma=64 % G == 0,
-                   dkdv_passes=passes, block0_parts=dkdv_block0_parts(max_seqlen_q, G) if passes == 1 else 1,
-                   pdl=True)
+                   dkdv_passes=passes, block0_parts=dkdv_block0_parts(max_seqlen_q, G) if passes == 1 else 1)

@@ -272,7 +272,7 @@ def _check_plan(plan: BwdPlan, G: int, total_k: int) -> None:
 def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, masks: torch.Tensor,
                mask_base: torch.Tensor, mask_h_stride: int, mask_q_block: int, max_seqlen_q: int,
-               max_seqlen_k: int, causal: bool, softmax_scale: float, plan: BwdPlan
+               max_seqlen_k: int, causal: bool, softmax_scale: float, plan: BwdPlan, *, _pdl: bool = True
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of `stage2_fwd` (same mask arguments) on checked, contiguous CUDA inputs, as
     `plan` says.
@@ -282,6 +282,10 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     is bit-identical from run to run. With `plan.qhead="head"` the mask rows are per query head (a
     layout with HQ heads, `mask_h_stride` rows between query heads; docs/stage2_bwd.md,
     "Per-query-head mask rows").
+
+    The sm_90a dk/dv's query-range passes after the first launch as programmatic dependents of the
+    one before. `_pdl`: a test and A/B hook, not a kernel choice (no plan or op sets it): False
+    launches them one after the other, which the tests compare the dependent launches against.
     """
     check_aligned(dout=dout, q=q, k=k, v=v, out=out)
     total_q, HQ, D = q.shape
@@ -403,7 +407,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     no_map = np.zeros(1, dtype=TMAP_DTYPE)
     tmaps = (dict(tmap_q=heads_map(q, G), tmap_do=heads_map(dout, G)) if dkdv_tma
              else dict(tmap_q=no_map, tmap_do=no_map))
-    pdl = plan.pdl
+    pdl = _pdl and passes > 1           # programmatic dependent launches: passes after the first
 
     def launch_dkdv(kv_name: str, sm90a: bool, index_fields: dict, gather: bool) -> None:
         if sm90a:
@@ -413,7 +417,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
             kernel = _jit.get_kernel(SM90_SOURCE, kv_name, sm90a=True)
             fields = dict(inputs, **index_fields, dk=dk, dv=dv, part0=part0, n_seq=B, n_kb=n_kb,
                           split0=split0, order=int(not gather), **tmaps, use_tma=int(dkdv_tma), **rows,
-                          pdl=int(pdl and passes > 1))
+                          pdl=int(pdl))
             for p in range(passes):         # the query-range passes of the launch contract, in order
                 pass_fields = (dict(dk32=dk32, dv32=dv32, q_lo=p * chunk, q_hi=(p + 1) * chunk,
                                     last_pass=int(p == passes - 1)) if passes > 1

@@ -237,16 +237,17 @@ def test_qhead_bwd_matches_reference(G, D, dtype, kernel):
 
 
 def _variant_plans(variant, q, k, max_seqlen):
-    """(per-query-head plan, expanded plan): the same plan but for qhead."""
+    """(per-query-head plan, expanded plan, the launchers' keywords): the same plan but for qhead, and
+    for "sm90a_nopdl" the dk/dv passes launched one after the other (`stage2_bwd`'s `_pdl` hook)."""
     kernel = "sm80" if variant.startswith("sm80") else "sm90a"
     base = bwd_plan(torch.cuda.get_device_capability(), 1, q.shape[2], q.dtype, max_seqlen, max_seqlen,
                     k.shape[0], kernel=kernel)
     extra = {"sm80": {}, "sm80_flush": {"dkdv_flush": 3}, "sm90a": {},
              "sm90a_passes": {"dkdv_passes": 3, "block0_parts": 1},
              "sm90a_parts": {"dkdv_passes": 1, "block0_parts": 4}, "sm90a_dq_split": {"dq_step": "split"},
-             "sm90a_nopdl": {"dkdv_passes": 2, "block0_parts": 1, "pdl": False}}[variant]
+             "sm90a_nopdl": {"dkdv_passes": 2, "block0_parts": 1}}[variant]
     base = dataclasses.replace(base, **extra)
-    return dataclasses.replace(base, qhead="head"), base
+    return dataclasses.replace(base, qhead="head"), base, {"_pdl": False} if variant == "sm90a_nopdl" else {}
 
 
 VARIANTS = ["sm80", "sm80_flush"] + [pytest.param(v, marks=NEEDS_HOPPER) for v in
@@ -271,12 +272,14 @@ def test_qhead_bwd_bit_identical_to_expanded(variant, G):
     fwd = dataclasses.replace(ops.fwd_plan_for(q, k, 900, None, kernel="sm80" if variant.startswith("sm80")
                                                else "sm90a"), qhead="head")
     out, lse = ops.layout_fwd(q, k, v, cu, cu, mask, 64, 900, 900, True, D ** -0.5, fwd)
-    plan_qh, plan_x = _variant_plans(variant, q, k, 900)
-    got = ops.layout_bwd(dout, q, k, v, out, lse, cu, cu, mask, 64, 900, 900, True, D ** -0.5, plan_qh)
-    again = ops.layout_bwd(dout, q, k, v, out, lse, cu, cu, mask, 64, 900, 900, True, D ** -0.5, plan_qh)
+    plan_qh, plan_x, launch = _variant_plans(variant, q, k, 900)
+    got = ops.layout_bwd(dout, q, k, v, out, lse, cu, cu, mask, 64, 900, 900, True, D ** -0.5, plan_qh,
+                         **launch)
+    again = ops.layout_bwd(dout, q, k, v, out, lse, cu, cu, mask, 64, 900, 900, True, D ** -0.5, plan_qh,
+                           **launch)
     ke, ve = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
     dq, dke, dve = ops.layout_bwd(dout, q, ke, ve, out, lse, cu, cu, mask, 64, 900, 900, True, D ** -0.5,
-                                  plan_x)
+                                  plan_x, **launch)
     want = (dq, dke.view(-1, H, G, D).sum(2, dtype=torch.float32).to(k.dtype),
             dve.view(-1, H, G, D).sum(2, dtype=torch.float32).to(v.dtype))
     for name, a, b, w in zip(("dq", "dk", "dv"), got, again, want):
@@ -330,11 +333,15 @@ def test_dkdv_group_matches_reference(G, D, dtype, variant):
     base = dataclasses.replace(bwd_plan(torch.cuda.get_device_capability(), 1, D, dtype, 900, 900, k.shape[0],
                                         kernel="sm90a"), qhead="head", block0_parts=1)
     base = dataclasses.replace(base, **{"one_pass": {"dkdv_passes": 1}, "passes": {"dkdv_passes": 3},
-                                        "passes_nopdl": {"dkdv_passes": 2, "pdl": False}}[variant])
+                                        "passes_nopdl": {"dkdv_passes": 2}}[variant])
+    pdl = variant != "passes_nopdl"     # False: the passes launched one after the other (`_pdl` hook)
     group = dataclasses.replace(base, dkdv_group=True)
-    got = ops.layout_bwd(dout, q, k, v, out, lse, cu, cu, mask, 64, 900, 900, True, D ** -0.5, group)
-    again = ops.layout_bwd(dout, q, k, v, out, lse, cu, cu, mask, 64, 900, 900, True, D ** -0.5, group)
-    partials = ops.layout_bwd(dout, q, k, v, out, lse, cu, cu, mask, 64, 900, 900, True, D ** -0.5, base)
+    got = ops.layout_bwd(dout, q, k, v, out, lse, cu, cu, mask, 64, 900, 900, True, D ** -0.5, group,
+                         _pdl=pdl)
+    again = ops.layout_bwd(dout, q, k, v, out, lse, cu, cu, mask, 64, 900, 900, True, D ** -0.5, group,
+                           _pdl=pdl)
+    partials = ops.layout_bwd(dout, q, k, v, out, lse, cu, cu, mask, 64, 900, 900, True, D ** -0.5, base,
+                              _pdl=pdl)
     for name, a, b in zip(("dq", "dk", "dv"), got, again):
         assert torch.equal(a, b), f"{name}: not deterministic"
     check_qhead_layout_grads([x.cpu() for x in got], *(x.cpu() for x in (q, k, v, dout)), cu.cpu(), cu.cpu(),

@@ -65,7 +65,7 @@ def test_bwd_plan():
     # README shape at 32k: G = 16, D = 128: 8 passes, no parts
     assert bwd_plan((9, 0), 16, 128, bf16, 32768, 32768, 65536) == BwdPlan(
         "sm90a", DEFAULT_BWD_TILES, dq="sm90a", dq_step="auto", dq_stages=4, dkdv="auto", dkdv_tma=True,
-        dkdv_passes=8, block0_parts=1, pdl=True)
+        dkdv_passes=8, block0_parts=1)
     short = bwd_plan((9, 0), 16, 64, bf16, 8192, 8192, 16384)        # one pass: block 0 in 2 parts
     assert (short.dkdv_passes, short.block0_parts, short.dq_stages) == (1, 2, 6)
     g12 = bwd_plan((9, 0), 12, 128, bf16, 1000, 1000, 2000)
@@ -603,14 +603,15 @@ def check(out, grads, q, k, v, do, cu_q, cu_k, idx, mq, mk, causal):
     return check_sparse_grads(grads, q, k, v, do, cu_q, cu_k, idx, mq, mk, causal, out=out)
 
 
-def launcher_grads(q, k, v, do, cu_q, cu_k, idx, mq, mk, causal=True, **bwd_fields):
+def launcher_grads(q, k, v, do, cu_q, cu_k, idx, mq, mk, causal=True, pdl=True, **bwd_fields):
     """(out, (dq, dk, dv)): the default forward plan, then the token-level backward launcher
-    (`ops.token_bwd`) under the default backward plan with `bwd_fields` replaced."""
+    (`ops.token_bwd`) under the default backward plan with `bwd_fields` replaced; `pdl=False`: the
+    dk/dv passes launched one after the other (the launcher's `_pdl` hook)."""
     scale = q.shape[-1] ** -0.5
     out, lse = ops.token_fwd(q, k, v, cu_q, cu_k, idx, mq, mk, causal, scale,
                              ops.fwd_plan_for(q, k, mk, 2 * idx.shape[2]))
     plan = dataclasses.replace(ops.bwd_plan_for(q, k, mq, mk), **bwd_fields)
-    return out, ops.token_bwd(do, q, k, v, out, lse, cu_q, cu_k, idx, mq, mk, causal, scale, plan)
+    return out, ops.token_bwd(do, q, k, v, out, lse, cu_q, cu_k, idx, mq, mk, causal, scale, plan, _pdl=pdl)
 
 
 # ------------------------------------------------------------------------------------- token level
@@ -737,9 +738,9 @@ def check_twice(case, dtype, **bwd_fields):
 @pytest.mark.parametrize("passes", [2, 8])
 @pytest.mark.parametrize("case", OP_CASES, ids=OP_IDS)
 def test_query_range_passes_as_programmatic_dependents(case, passes):
-    """The plan's PDL (`pdl=True`): passes after the first start while the one before drains and
+    """PDL (the launcher's default): passes after the first start while the one before drains and
     order their dk32 / dv32 sums with griddepcontrol: the same bits as passes launched one after the
-    other (`pdl=False`; twice, so a race would have two chances to show)."""
+    other (the `_pdl=False` hook; twice, so a race would have two chances to show)."""
     lq, lk, HQ, H, D = case
     q, k, v, do, cu_q, cu_k, idx = sparse_attn_inputs(lq, lk, HQ, H, D, torch.bfloat16, empty_rows=True)
     mq, mk = max(lq), max(lk)
