@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._harness import capture_graph
 from infllm_cupy.compress import compress_k
 from infllm_cupy.selections import uniform_cu_seqlens
 
@@ -111,16 +112,7 @@ def decode_case(pkgs: dict, B: int, L: int, rep: int, calls: int) -> tuple[dict,
             return idx, m["decode.sparse_decode"].sparse_decode(q, (kc, vc, seqlens), idx)
         outs[name] = step()                       # compiles, and the output to compare
         torch.cuda.synchronize()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                step()
-        graphs[name] = graph
+        graphs[name] = capture_graph(step, calls, warmup=1)
     first = next(iter(outs.values()))
     same = all(torch.equal(o[0], first[0]) and torch.equal(o[1], first[1]) for o in outs.values())
     ms = timed({name: gr.replay for name, gr in graphs.items()}, rep)
