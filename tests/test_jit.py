@@ -64,7 +64,10 @@ def test_every_source_is_registered():
 @pytest.mark.parametrize("source", ALL_SOURCES)
 def test_every_kernel_compiles_without_a_gpu(source, arch):
     # sm_90a sets compile for sm_90a whatever `arch` says: once, in the sm_90 case
-    for ks in (k for k in _jit.registered() if k.source == source and (not k.sm90a or arch == "sm_90")):
+    sets = [k for k in _jit.registered() if k.source == source and (not k.sm90a or arch == "sm_90")]
+    if not sets:
+        pytest.skip(f"{source} holds sm_90a kernels only, compiled in the sm_90 case")
+    for ks in sets:
         report = _jit.compile_report(ks.source, ks.names, "sm_90a" if ks.sm90a else arch)
         assert sorted(k.name for k in report.kernels) == sorted(ks.names), report.log
         for k in report.kernels:
