@@ -97,10 +97,6 @@ class KernelParams:
         words.view(np.uint8)[:self.size] = np.frombuffer(raw, dtype=np.uint8)
         return Packed(words, self)
 
-    def field_of(self, offset: int) -> str | None:
-        """The field at byte `offset` (for error messages)."""
-        return next((n for n, o in self.offsets.items() if o == offset), None)
-
     def checks(self) -> str:
         """`static_assert`s of every field's offset and size and of the struct's size."""
         t = self.c_type
