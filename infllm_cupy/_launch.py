@@ -214,7 +214,16 @@ class PreparedLaunch:
         if self.shared_mem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < self.shared_mem:
             kernel.max_dynamic_shared_size_bytes = self.shared_mem
         self.bufs = [_buffer(a) for a in self.args]
-        self.params = (ctypes.c_void_p * max(1, len(self.bufs)))(*[b.ctypes.data for b in self.bufs])
+        # the driver reads each kernel argument from its own address: a parameter struct's fields are
+        # the kernel's arguments in order (kernels_cu/common/params.cuh), each at its offset in the struct
+        addresses = []
+        for a, b in zip(self.args, self.bufs):
+            base = b.ctypes.data
+            if isinstance(a, Packed):
+                addresses += [base + off for off in a.decl.field_offsets]
+            else:
+                addresses.append(base)
+        self.params = (ctypes.c_void_p * max(1, len(addresses)))(*addresses)
         self.func = ctypes.c_void_p(kernel.kernel.ptr)
 
     def describe(self) -> str:

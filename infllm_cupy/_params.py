@@ -43,7 +43,7 @@ class KernelParams:
     name it (one instance of a template: the layout does not depend on the element type, every
     pointer being 8 bytes); `fields` lists `kind name, name, ...` lines in the struct's order."""
 
-    __slots__ = ("_pack", "c_type", "kinds", "names", "offsets", "size", "source", "words")
+    __slots__ = ("_pack", "c_type", "field_offsets", "kinds", "names", "offsets", "size", "source", "words")
 
     def __init__(self, source: str, c_type: str, fields: str):
         self.source, self.c_type = source, c_type
@@ -68,6 +68,7 @@ class KernelParams:
         tail = -at % align
         fmt += f"{tail}x" * (tail > 0)
         self.names, self.kinds, self.offsets, self.size = tuple(names), kinds, offsets, at + tail
+        self.field_offsets = tuple(offsets[n] for n in names)
         self._pack = struct.Struct(fmt)
         assert self._pack.size == self.size
         self.words = -(-self.size // 8)

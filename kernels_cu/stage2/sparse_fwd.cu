@@ -2,7 +2,7 @@
 //
 // Launch contract (mirrored by infllm_cupy/stage2/sparse_fwd.py, whose FWD_PARAMS declares
 // Stage2FwdParams field by field; the loader checks the layout at compile time):
-//   kernel   stage2_fwd<T, D, WARPS, MT, KN, QH>(Stage2FwdParams<T>)
+//   kernel   stage2_fwd<T, D, WARPS, MT, KN, QH>(the fields of Stage2FwdParams<T>)
 //            T in {__half, __nv_bfloat16}, D in {64, 128}, WARPS in
 //            {4, 8}, MT in {1, 2} m-tiles of 16 rows per warp (a CTA owns M = 16 * MT * WARPS rows),
 //            KN in {32, 64} keys per softmax sub-step, QH in {0, 2} (default 0): per-query-head
@@ -33,50 +33,38 @@
 // block shared by all tokens costs what it costs in FlashAttention-2.
 #include "common/types.cuh"
 #include "common/mma_sm80.cuh"
+#include "common/params.cuh"
 #include "stage2/cta_common.cuh"
 #include "stage2/seq_common.cuh"
 
 #define BLOCK_N 64
 
 // The arguments (the masks rows and QH = 2's kv_group: the launch contract above).
+#define STAGE2_FWD_PARAMS(F, M) \
+    F(const T* __restrict__, q)                 /* [total_q, HQ, D] */ \
+    F(const T* __restrict__, k)                 /* [total_k, H, D] (QH = 2: H / kv_group heads) */ \
+    F(const T* __restrict__, v)                 /* [total_k, H, D] */ \
+    F(const unsigned* __restrict__, masks)      /* [..., n_words] bitmask rows over 64-key blocks */ \
+    F(const int* __restrict__, mask_base)       /* [B]: first mask row of each sequence */ \
+    F(const int* __restrict__, cu_seqlens_q)    /* [B + 1] */ \
+    F(const int* __restrict__, cu_seqlens_k)    /* [B + 1] */ \
+    F(T* __restrict__, out)                     /* [total_q, HQ, D] */ \
+    F(float* __restrict__, lse)                 /* [HQ, total_q], natural log */ \
+    F(int, total_q) F(int, HQ) F(int, H) F(int, G) /* query tokens; query heads; heads of the row space, queries per head */ \
+    F(int, n_words)                             /* mask words per row */ \
+    F(long long, mask_h_stride)                 /* mask rows between heads */ \
+    F(int, mask_q_block)                        /* query tokens per mask row */ \
+    F(float, scale_log2)                        /* softmax scale * log2(e) */ \
+    F(int, causal)                              /* 1: bottom-right causal */ \
+    F(int, kv_group)                            /* QH = 2: query heads per K/V head */
 template <typename T>
-struct Stage2FwdParams {
-    const T* q;                   // [total_q, HQ, D]
-    const T* k;                   // [total_k, H, D] (QH = 2: H / kv_group heads)
-    const T* v;                   // [total_k, H, D]
-    const unsigned* masks;        // [..., n_words] bitmask rows over 64-key blocks
-    const int* mask_base;         // [B]: first mask row of each sequence
-    const int* cu_seqlens_q;      // [B + 1]
-    const int* cu_seqlens_k;      // [B + 1]
-    T* out;                       // [total_q, HQ, D]
-    float* lse;                   // [HQ, total_q], natural log
-    int total_q, HQ, H, G;        // query tokens; query heads; heads of the row space and queries per head
-    int n_words;                  // mask words per row
-    long long mask_h_stride;      // mask rows between heads
-    int mask_q_block;             // query tokens per mask row
-    float scale_log2;             // softmax scale * log2(e)
-    int causal;                   // 1: bottom-right causal
-    int kv_group;                 // QH = 2: query heads per K/V head
-};
+struct Stage2FwdParams { PARAM_FIELDS(STAGE2_FWD_PARAMS) };
 
 // Registers: MT = 1 at 8 warps would spill under a 128-register cap, so 8-warp CTAs run one per SM
 // with the full register file; 4-warp CTAs run two per SM (255 registers each).
 template <typename T, int D, int WARPS, int MT, int KN, int QH = 0>
 __global__ void __launch_bounds__(32 * WARPS, WARPS == 4 ? 2 : 1)
-stage2_fwd(const __grid_constant__ Stage2FwdParams<T> p) {
-    const T* __restrict__ q = p.q;
-    const T* __restrict__ k = p.k;
-    const T* __restrict__ v = p.v;
-    const unsigned* __restrict__ masks = p.masks;
-    const int* __restrict__ mask_base = p.mask_base;
-    const int* __restrict__ cu_seqlens_q = p.cu_seqlens_q;
-    const int* __restrict__ cu_seqlens_k = p.cu_seqlens_k;
-    T* __restrict__ out = p.out;
-    float* __restrict__ lse = p.lse;
-    const int total_q = p.total_q, HQ = p.HQ, H = p.H, G = p.G, n_words = p.n_words;
-    const long long mask_h_stride = p.mask_h_stride;
-    const int mask_q_block = p.mask_q_block, causal = p.causal, kv_group = p.kv_group;
-    const float scale_log2 = p.scale_log2;
+stage2_fwd(PARAM_ARGS(STAGE2_FWD_PARAMS)) {
     constexpr int THREADS = 32 * WARPS;
     constexpr int WROWS = 16 * MT;              // rows per warp
     constexpr int M = WROWS * WARPS;            // rows per CTA
