@@ -32,3 +32,12 @@
 #define PARAM_FIELDS(LIST) LIST(PARAM_MEMBER_, PARAM_MEMBER_TMAP_)
 // The kernel's argument list: LIST's fields, comma-separated (a type may not contain a comma).
 #define PARAM_ARGS(LIST) PARAM_DROP_FIRST_(LIST(PARAM_ARG_, PARAM_ARG_TMAP_))
+
+// TRANSITIONAL (removed when no kernel reads a __grid_constant__ struct): a field of a parameter
+// struct as one scalar load.
+template <typename X>
+__device__ __forceinline__ X param_field(const X& field) {
+    const X x = field;
+    asm volatile("");
+    return x;
+}
