@@ -26,7 +26,8 @@ from __future__ import annotations
 import dataclasses
 
 FWD_STEPS = {"sm90a_pair": "pair", "sm90a_single": "single", "sm90a_split": "split"}   # `_force_steps`
-BWD_VARIANTS = {"sm90a_tiles": ("tiles", "single"), "sm90a_gather": ("gather", "auto"),
+# (dk/dv instance, dq step shape forced through `_force_dq_steps`, None: each CTA's choice)
+BWD_VARIANTS = {"sm90a_tiles": ("tiles", "single"), "sm90a_gather": ("gather", None),
                 "sm90a_split": ("tiles", "split")}
 
 
@@ -93,8 +94,9 @@ def fwd_variant_named(name: str, q, k, max_seqlen_k: int, split_min: int | None,
 def bwd_variant_named(name: str, q, k, max_seqlen_q: int, max_seqlen_k: int,
                       plan_mod=None) -> tuple[object, dict]:
     """The backward variant called `name` (see the module docstring) for these tensors: its plan and
-    the keywords `stage2_bwd` takes with it, `{"_pdl": False}` for `+pdl=0`, else none. (The plan
-    module of an older tree, whose BwdPlan still has a `pdl` field, gets it there.)"""
+    the keywords `stage2_bwd` takes with it: `{"_pdl": False}` for `+pdl=0`, `_force_dq_steps` for the
+    variants that force the dq's step shape. (The plan module of an older tree, whose BwdPlan still
+    has `pdl` or `dq_step` fields, gets them there.)"""
     pm = _plan_mod(plan_mod)
     base, fields = _split(name)
     launch = {}
@@ -111,5 +113,9 @@ def bwd_variant_named(name: str, q, k, max_seqlen_q: int, max_seqlen_k: int,
             dkdv, dq_step = BWD_VARIANTS[base]
             if dkdv == "gather" and not pm.GATHER_G[0] <= G <= pm.GATHER_G[1]:
                 raise ValueError(f"{base} needs {pm.GATHER_G[0]} <= G <= {pm.GATHER_G[1]}, got G = {G}")
-            plan = dataclasses.replace(plan, dkdv=dkdv, dq_step=dq_step)
+            plan = dataclasses.replace(plan, dkdv=dkdv)
+            if "dq_step" in {f.name for f in dataclasses.fields(plan)}:
+                plan = dataclasses.replace(plan, dq_step=dq_step or "auto")
+            elif dq_step is not None:
+                launch["_force_dq_steps"] = dq_step
     return _replace(plan, fields), launch

@@ -26,7 +26,7 @@ argument). `softmax_scale` is already resolved (a float); `kernel` is the public
 into their plans (`fwd_plan`, `bwd_plan`) for the device and shapes at hand. Below the ops, the
 launcher-level functions `token_fwd`, `token_bwd`, `layout_fwd` and `layout_bwd` take a plan: the
 tests reach variants no `kernel` value names (pass counts, tile shapes, and through the forward's
-`_force_steps` and the backward's `_pdl` hooks forced step shapes and plain launches of the dk/dv
+`_force_steps` and the backward's `_pdl` and `_force_dq_steps` hooks forced step shapes and plain launches of the dk/dv
 passes) there.
 
 Saved state: q, k, v, out, lse and the selection itself (`topk_idx` or the layout mask, both op
@@ -127,14 +127,15 @@ def token_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_s
 
 
 def token_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
-              causal, softmax_scale, plan: BwdPlan, *, _pdl: bool = True):
-    """The token-level backward on CUDA tensors under `plan`. `_pdl`: `stage2_bwd`'s test and A/B
-    hook."""
+              causal, softmax_scale, plan: BwdPlan, *, _pdl: bool = True, _force_dq_steps: str | None = None):
+    """The token-level backward on CUDA tensors under `plan`. `_pdl`, `_force_dq_steps`: `stage2_bwd`'s
+    test and A/B hooks."""
     dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = _contig(dout.to(q.dtype), q, k, v, out, lse,
                                                                   cu_seqlens_q, cu_seqlens_k)
     rows = _token_rows(topk_idx, cu_seqlens_q, cu_seqlens_k, q.shape[0], max_seqlen_k)
     return stage2_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *rows, max_seqlen_q, max_seqlen_k,
-                      causal, softmax_scale, plan, _pdl=_pdl)
+                      causal, softmax_scale, plan, _pdl=_pdl,
+                      _force_dq_steps=_force_dq_steps)
 
 
 @torch.library.custom_op("infllm_cupy::sparse_attn_fwd", mutates_args=(), device_types="cuda")
@@ -222,13 +223,16 @@ def layout_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_se
 
 
 def layout_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q,
-               max_seqlen_k, causal, softmax_scale, plan: BwdPlan, *, _pdl: bool = True):
-    """The layout backward on CUDA tensors under `plan`. `_pdl`: `stage2_bwd`'s test and A/B hook."""
+               max_seqlen_k, causal, softmax_scale, plan: BwdPlan, *, _pdl: bool = True,
+               _force_dq_steps: str | None = None):
+    """The layout backward on CUDA tensors under `plan`. `_pdl`, `_force_dq_steps`: `stage2_bwd`'s test
+    and A/B hooks."""
     dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = _contig(dout.to(q.dtype), q, k, v, out, lse,
                                                                   cu_seqlens_q, cu_seqlens_k)
     rows = _layout_rows(layout_mask, q_block, cu_seqlens_q.numel() - 1, max_seqlen_k, q.device)
     return stage2_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *rows, max_seqlen_q, max_seqlen_k,
-                      causal, softmax_scale, plan, _pdl=_pdl)
+                      causal, softmax_scale, plan, _pdl=_pdl,
+                      _force_dq_steps=_force_dq_steps)
 
 
 @torch.library.custom_op("infllm_cupy::block_sparse_attn_fwd", mutates_args=(), device_types="cuda")

@@ -200,9 +200,6 @@ DKDV_MAX_PASSES = 8
 # sm_90a query-range pass sums at 1M tokens (which met the error rule there). Up to 32k tokens at
 # G = 16 no CTA has more, so nothing is allocated and the kernel is the one without flushes.
 DKDV_FLUSH_TILES = 8192
-# dq ring step shapes (the kernel's `step_mode`; dq has 64-key steps only): one ring shared by the
-# warpgroups, the per-CTA choice between shared and per-warpgroup rings, or split rings everywhere
-DQ_STEPS = {"single": 0, "auto": 1, "split": 3}
 # sm_90a dk/dv instances: fixed 64-row query tiles, gathered tokens, or both, each key block done by
 # the one its tile fill favours
 DKDV_INSTANCES = ("tiles", "gather", "auto")
@@ -239,8 +236,9 @@ class BwdPlan:
     """What `stage2_bwd` launches.
 
     kernel: the dk/dv kernel, "sm80" (`tiles.dkdv_cols`) or "sm90a". dq: "sm80" (`tiles.dq_warps`)
-    or "sm90a" (the forward's K/V ring, with `dq_step`, a key of DQ_STEPS, and ring depth
-    `dq_stages`). sm_90a dk/dv only: `dkdv` (one of DKDV_INSTANCES; "gather" and "auto" need
+    or "sm90a" (the forward's K/V ring of depth `dq_stages`; each CTA picks its step shape, which
+    the launcher's test and A/B hook `_force_dq_steps` forces instead). sm_90a dk/dv only: `dkdv`
+    (one of DKDV_INSTANCES; "gather" and "auto" need
     8 <= G <= 64), `dkdv_tma` (fixed tiles by TMA, needs 64 % G == 0; else cp.async),
     `dkdv_passes` (query-range passes; 1: none) and `block0_parts` (CTAs sharing block 0; only
     without passes). Passes after the first launch as programmatic dependents whatever the shapes
@@ -260,7 +258,6 @@ class BwdPlan:
     kernel: str
     tiles: BwdTiles = DEFAULT_BWD_TILES
     dq: str = SM80
-    dq_step: str = "auto"
     dq_stages: int = SM90_STAGES[0]
     dkdv: str = "tiles"
     dkdv_tma: bool = True
@@ -278,8 +275,6 @@ class BwdPlan:
             raise TypeError(f"BwdPlan.tiles must be a BwdTiles, got {self.tiles!r}")
         if self.kernel == SM80 and (self.dq != SM80 or self.dkdv_passes != 1 or self.block0_parts != 1):
             raise ValueError(f"an SM80 BwdPlan has the SM80 dq, one pass and no block-0 parts, got {self}")
-        if self.dq_step not in DQ_STEPS:
-            raise ValueError(f"BwdPlan.dq_step must be one of {tuple(DQ_STEPS)}, got {self.dq_step!r}")
         if self.dq_stages not in SM90_STAGES:
             raise ValueError(f"BwdPlan.dq_stages must be one of {SM90_STAGES}, got {self.dq_stages!r}")
         if self.dkdv not in DKDV_INSTANCES:
@@ -350,7 +345,7 @@ def bwd_plan(capability, G: int, D: int, dtype: torch.dtype, max_seqlen_q: int, 
     ring_fits = sm90_smem_bytes(D, SM90_STAGES[-1], n_mask_words(max_seqlen_k), itemsize,
                                 dq=True) <= SMEM_PER_BLOCK
     return BwdPlan(SM90A, DEFAULT_BWD_TILES,
-                   dq=SM90A if total_k < 2**31 - KV_BLOCK and ring_fits else SM80, dq_step="auto",
+                   dq=SM90A if total_k < 2**31 - KV_BLOCK and ring_fits else SM80,
                    dq_stages=sm90_stages(D, n_mask_words(max_seqlen_k), itemsize, dq=True),
                    dkdv="auto" if GATHER_G[0] <= G <= GATHER_G[1] else "tiles", dkdv_tma=64 % G == 0,
                    dkdv_passes=passes, block0_parts=dkdv_block0_parts(max_seqlen_q, G) if passes == 1 else 1)

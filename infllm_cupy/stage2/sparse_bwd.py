@@ -27,7 +27,6 @@ from .._tma import TMAP_DTYPE, heads_map, rows_map
 from .plan import (  # noqa: F401  (BwdTiles ... re-exported: the launcher's vocabulary)
     ALL_BWD_TILES,
     DEFAULT_BWD_TILES,
-    DQ_STEPS,
     GATHER_G,
     QHEAD_MODES,
     QT,
@@ -53,6 +52,13 @@ constants(BWD_SOURCE, BLOCK_N=KV_BLOCK, QT=QT, TILE_WARPS=TILE_WARPS)
 # the gathering dk/dv's tiles hold 64 / G tokens, at most GATHER_MAX: G from 64 / GATHER_MAX
 constants(SM90_SOURCE, BLOCK_N=KV_BLOCK, QT=QT, GATHER_MAX=64 // GATHER_G[0])
 constants(RING_SOURCE, BLOCK_N=KV_BLOCK, NC=SM90_CONSUMERS)
+# The sm_90a dq's step_mode (RingSteps in kernels_cu/stage2/ring_sm90.cuh; 64-key steps only): every
+# plan runs DQ_STEPS_AUTO, each CTA choosing between one ring the warpgroups share and one ring each.
+# The forced shapes are those paths in every CTA, for tests and A/B runs (`_force_dq_steps`).
+DQ_STEPS_AUTO = 1
+FORCED_DQ_STEPS = {"single": 0, "split": 3}
+constants(RING_SOURCE, STEPS_AUTO=DQ_STEPS_AUTO, STEPS_SINGLE=FORCED_DQ_STEPS["single"],
+          STEPS_SPLIT=FORCED_DQ_STEPS["split"])
 
 # The kernels' parameter structs (the .cu files' Stage2Bwd*Params), field by field in their order.
 # Fields the dq and dk/dv structs share: the inputs, and the row space and softmax scalars.
@@ -269,11 +275,20 @@ def _check_plan(plan: BwdPlan, G: int, total_k: int) -> None:
                          f"{KV_BLOCK}, got {total_k}; bwd_plan picks the SM80 dq there")
 
 
+def _dq_step_mode(force: str | None) -> int:
+    """The sm_90a dq's step_mode: DQ_STEPS_AUTO, or the shape `force` names."""
+    if force is None:
+        return DQ_STEPS_AUTO
+    if force not in FORCED_DQ_STEPS:
+        raise ValueError(f"_force_dq_steps forces one of {tuple(FORCED_DQ_STEPS)}, got {force!r}")
+    return FORCED_DQ_STEPS[force]
+
+
 def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, masks: torch.Tensor,
                mask_base: torch.Tensor, mask_h_stride: int, mask_q_block: int, max_seqlen_q: int,
-               max_seqlen_k: int, causal: bool, softmax_scale: float, plan: BwdPlan, *, _pdl: bool = True
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               max_seqlen_k: int, causal: bool, softmax_scale: float, plan: BwdPlan, *, _pdl: bool = True,
+               _force_dq_steps: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of `stage2_fwd` (same mask arguments) on checked, contiguous CUDA inputs, as
     `plan` says.
 
@@ -286,6 +301,8 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     The sm_90a dk/dv's query-range passes after the first launch as programmatic dependents of the
     one before. `_pdl`: a test and A/B hook, not a kernel choice (no plan or op sets it): False
     launches them one after the other, which the tests compare the dependent launches against.
+    `_force_dq_steps`: the other test and A/B hook, a key of FORCED_DQ_STEPS: the sm_90a dq's step
+    shape in every CTA instead of each CTA's own choice.
     """
     check_aligned(dout=dout, q=q, k=k, v=v, out=out)
     total_q, HQ, D = q.shape
@@ -358,7 +375,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         ring_inputs = {n: x for n, x in inputs.items() if n not in ("k", "v")}
         dq_params = DQ_RING_PARAMS.pack(**ring_inputs, tmap_k=rows_map(k, KV_BLOCK),
                                         tmap_v=rows_map(v, KV_BLOCK), dq=dq, **rows,
-                                        step_mode=DQ_STEPS[plan.dq_step])
+                                        step_mode=_dq_step_mode(_force_dq_steps))
     else:
         dq_name, dq_rows, dq_threads = qhead_instance(plan.tiles.dq_name(q.dtype, D), plan.qhead), \
             16 * plan.tiles.dq_warps, 32 * plan.tiles.dq_warps

@@ -237,17 +237,19 @@ def test_qhead_bwd_matches_reference(G, D, dtype, kernel):
 
 
 def _variant_plans(variant, q, k, max_seqlen):
-    """(per-query-head plan, expanded plan, the launchers' keywords): the same plan but for qhead, and
-    for "sm90a_nopdl" the dk/dv passes launched one after the other (`stage2_bwd`'s `_pdl` hook)."""
+    """(per-query-head plan, expanded plan, the launchers' keywords): the same plan but for qhead; for
+    "sm90a_nopdl" the dk/dv passes launched one after the other (`stage2_bwd`'s `_pdl` hook), for
+    "sm90a_dq_split" split dq rings in every CTA (its `_force_dq_steps` hook)."""
     kernel = "sm80" if variant.startswith("sm80") else "sm90a"
     base = bwd_plan(torch.cuda.get_device_capability(), 1, q.shape[2], q.dtype, max_seqlen, max_seqlen,
                     k.shape[0], kernel=kernel)
     extra = {"sm80": {}, "sm80_flush": {"dkdv_flush": 3}, "sm90a": {},
              "sm90a_passes": {"dkdv_passes": 3, "block0_parts": 1},
-             "sm90a_parts": {"dkdv_passes": 1, "block0_parts": 4}, "sm90a_dq_split": {"dq_step": "split"},
+             "sm90a_parts": {"dkdv_passes": 1, "block0_parts": 4}, "sm90a_dq_split": {},
              "sm90a_nopdl": {"dkdv_passes": 2, "block0_parts": 1}}[variant]
     base = dataclasses.replace(base, **extra)
-    return dataclasses.replace(base, qhead="head"), base, {"_pdl": False} if variant == "sm90a_nopdl" else {}
+    launch = {"sm90a_nopdl": {"_pdl": False}, "sm90a_dq_split": {"_force_dq_steps": "split"}}.get(variant, {})
+    return dataclasses.replace(base, qhead="head"), base, launch
 
 
 VARIANTS = ["sm80", "sm80_flush"] + [pytest.param(v, marks=NEEDS_HOPPER) for v in

@@ -64,7 +64,7 @@ def test_bwd_plan():
     bf16 = torch.bfloat16
     # README shape at 32k: G = 16, D = 128: 8 passes, no parts
     assert bwd_plan((9, 0), 16, 128, bf16, 32768, 32768, 65536) == BwdPlan(
-        "sm90a", DEFAULT_BWD_TILES, dq="sm90a", dq_step="auto", dq_stages=4, dkdv="auto", dkdv_tma=True,
+        "sm90a", DEFAULT_BWD_TILES, dq="sm90a", dq_stages=4, dkdv="auto", dkdv_tma=True,
         dkdv_passes=8, block0_parts=1)
     short = bwd_plan((9, 0), 16, 64, bf16, 8192, 8192, 16384)        # one pass: block 0 in 2 parts
     assert (short.dkdv_passes, short.block0_parts, short.dq_stages) == (1, 2, 6)
@@ -90,7 +90,7 @@ def test_bwd_plan_fields_are_checked():
     with pytest.raises(ValueError, match="dq_warps"):
         BwdTiles(5, 32)
     for bad in (dict(kernel="sm90a_auto"), dict(kernel="sm90a", dq="sm70"), dict(kernel="sm80", dq="sm90a"),
-                dict(kernel="sm80", dkdv_passes=2), dict(kernel="sm90a", dq_step="pair"),
+                dict(kernel="sm80", dkdv_passes=2),
                 dict(kernel="sm90a", dkdv="both"), dict(kernel="sm90a", dkdv_passes=0),
                 dict(kernel="sm90a", dkdv_passes=2, block0_parts=2), dict(kernel="sm90a", block0_parts=33),
                 dict(kernel="sm90a", dq_stages=5)):
@@ -404,12 +404,22 @@ def test_pipeline_module_backward_on_cpu():
 # ================================================================================================
 # GPU: the kernels at the launcher level (stage2_bwd), every plan variant on every case
 # ================================================================================================
-# sm_90a variants: (dk/dv instance, dq ring step). "sm90a": fixed tiles, dq on one shared K/V ring;
+# sm_90a variants: (dk/dv instance, dq ring step forced through `_force_dq_steps`, None: each CTA's
+# choice). "sm90a": fixed tiles, dq on one shared K/V ring;
 # "sm90a_gather": gathered tokens; "sm90a_auto": both, split per key block by tile fill (the plan's
 # default); "sm90a_split": fixed tiles, dq on a ring per warpgroup. Where G is outside 8..64 the
 # gathering instances cannot run and the variant falls back to fixed tiles, as the plan does.
-SM90_VARIANTS = {"sm90a": ("tiles", "single"), "sm90a_gather": ("gather", "auto"),
-                 "sm90a_auto": ("auto", "auto"), "sm90a_split": ("tiles", "split")}
+SM90_VARIANTS = {"sm90a": ("tiles", "single"), "sm90a_gather": ("gather", None),
+                 "sm90a_auto": ("auto", None), "sm90a_split": ("tiles", "split")}
+def test_forced_dq_steps_are_checked():
+    """The dq's step shape is each CTA's choice; the test hook forces only the shapes the dq has."""
+    assert sb._dq_step_mode(None) == sb.DQ_STEPS_AUTO
+    assert sb._dq_step_mode("split") == sb.FORCED_DQ_STEPS["split"]
+    for bad in ("pair", "auto", 1):
+        with pytest.raises(ValueError, match="_force_dq_steps forces one of"):
+            sb._dq_step_mode(bad)
+
+
 SM90 = pytest.param("sm90a", marks=NEEDS_HOPPER)
 SM90_GATHER = pytest.param("sm90a_gather", marks=NEEDS_HOPPER)
 SM90_AUTO = pytest.param("sm90a_auto", marks=NEEDS_HOPPER)
@@ -422,16 +432,16 @@ def kernels_id(t):
     return t if isinstance(t, str) else f"dq{t.dq_warps}_cols{t.dkdv_cols}"
 
 
-def bwd_plan_of(variant, q, k, mq, mk, **fields) -> BwdPlan:
+def bwd_plan_of(variant, q, k, mq, mk, **fields) -> tuple[BwdPlan, dict]:
     """The backward plan of a test variant (a BwdTiles: the SM80 kernels with that shape; else a key
-    of SM90_VARIANTS), with `fields` replaced."""
+    of SM90_VARIANTS), with `fields` replaced, and the keywords `stage2_bwd` takes with it."""
     if isinstance(variant, BwdTiles):
-        return dataclasses.replace(BwdPlan("sm80", variant, dq="sm80"), **fields)
+        return dataclasses.replace(BwdPlan("sm80", variant, dq="sm80"), **fields), {}
     dkdv, dq_step = SM90_VARIANTS[variant]
     if not GATHER_G[0] <= q.shape[1] // k.shape[1] <= GATHER_G[1]:
         dkdv = "tiles"
-    return dataclasses.replace(ops.bwd_plan_for(q, k, mq, mk, kernel="sm90a"), dkdv=dkdv, dq_step=dq_step,
-                               **fields)
+    plan = dataclasses.replace(ops.bwd_plan_for(q, k, mq, mk, kernel="sm90a"), dkdv=dkdv, **fields)
+    return plan, {"_force_dq_steps": dq_step}
 
 
 def run_kernels(q, k, v, do, cu_q, cu_k, masks, base, h_stride, q_block, mq, mk, causal, variant, **fields):
@@ -439,8 +449,9 @@ def run_kernels(q, k, v, do, cu_q, cu_k, masks, base, h_stride, q_block, mq, mk,
     scale = q.shape[-1] ** -0.5
     out, lse = stage2_fwd(q, k, v, cu_q, cu_k, masks, base, h_stride, q_block, mq, causal, scale,
                           FwdPlan("sm80"))
+    plan, hooks = bwd_plan_of(variant, q, k, mq, mk, **fields)
     return stage2_bwd(do, q, k, v, out, lse, cu_q, cu_k, masks, base, h_stride, q_block, mq, mk, causal,
-                      scale, bwd_plan_of(variant, q, k, mq, mk, **fields))
+                      scale, plan, **hooks)
 
 
 def token_masks(idx, cu_q, cu_k, mk):
