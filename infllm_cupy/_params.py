@@ -1,8 +1,11 @@
 """Kernel parameters by name: one C struct per kernel, declared once in Python and checked against the
 CUDA source when NVRTC compiles it.
 
-Every kernel takes a single argument, its parameter struct (as FlashAttention-3's `Flash_fwd_params`),
-passed by value as a `__grid_constant__` parameter. The launcher fills it by name:
+A kernel's fields are one list macro in its `.cu` file (kernels_cu/common/params.cuh) that makes both a
+struct, the layout declared here, and the kernel's argument list: the same fields in the same order. The
+launcher fills the struct by name, and a launch hands the driver each field's bytes as one argument
+(`_launch.PreparedLaunch`; real arguments rather than one `__grid_constant__` struct, because NVVM
+optimises `__restrict__` arguments in ways it does not optimise a struct's fields):
 
     MEAN_POOL = KernelParams("compress/mean_pool.cu", "CompressMeanPoolParams<float>", '''
         ptr k, cu_seqlens_k, cu_seqlens_c, out

@@ -17,7 +17,7 @@
 // __grid_constant__ struct, because NVVM treats a __restrict__ pointer argument as not aliased
 // (read-only loads through the non-coherent path) and versions loops on scalar arguments, neither of
 // which it does for a struct's fields: those cost the forward and the decode step 1-2%
-// (docs/ARCHITECTURE.md, "Kernel parameters").
+// (ARCHITECTURE.md, 3. Shared infrastructure).
 #pragma once
 
 #define PARAM_MEMBER_(type, name) type name;
@@ -32,12 +32,3 @@
 #define PARAM_FIELDS(LIST) LIST(PARAM_MEMBER_, PARAM_MEMBER_TMAP_)
 // The kernel's argument list: LIST's fields, comma-separated (a type may not contain a comma).
 #define PARAM_ARGS(LIST) PARAM_DROP_FIRST_(LIST(PARAM_ARG_, PARAM_ARG_TMAP_))
-
-// TRANSITIONAL (removed when no kernel reads a __grid_constant__ struct): a field of a parameter
-// struct as one scalar load.
-template <typename X>
-__device__ __forceinline__ X param_field(const X& field) {
-    const X x = field;
-    asm volatile("");
-    return x;
-}
