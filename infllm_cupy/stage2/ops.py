@@ -127,15 +127,12 @@ def token_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_s
 
 
 def token_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
-              causal, softmax_scale, plan: BwdPlan, *, _pdl: bool = True, _force_dq_steps: str | None = None):
-    """The token-level backward on CUDA tensors under `plan`. `_pdl`, `_force_dq_steps`: `stage2_bwd`'s
-    test and A/B hooks."""
-    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = _contig(dout.to(q.dtype), q, k, v, out, lse,
-                                                                  cu_seqlens_q, cu_seqlens_k)
-    rows = _token_rows(topk_idx, cu_seqlens_q, cu_seqlens_k, q.shape[0], max_seqlen_k)
-    return stage2_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *rows, max_seqlen_q, max_seqlen_k,
-                      causal, softmax_scale, plan, _pdl=_pdl,
-                      _force_dq_steps=_force_dq_steps)
+              causal, softmax_scale, plan: BwdPlan, **hooks):
+    """The token-level backward on CUDA tensors under `plan`. `hooks`: `stage2_bwd`'s test and A/B
+    keywords (`_pdl`, `_force_dq_steps`)."""
+    tensors = _contig(dout.to(q.dtype), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    rows = _token_rows(topk_idx, *tensors[6:], q.shape[0], max_seqlen_k)
+    return stage2_bwd(*tensors, *rows, max_seqlen_q, max_seqlen_k, causal, softmax_scale, plan, **hooks)
 
 
 @torch.library.custom_op("infllm_cupy::sparse_attn_fwd", mutates_args=(), device_types="cuda")
@@ -223,16 +220,12 @@ def layout_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_se
 
 
 def layout_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q,
-               max_seqlen_k, causal, softmax_scale, plan: BwdPlan, *, _pdl: bool = True,
-               _force_dq_steps: str | None = None):
-    """The layout backward on CUDA tensors under `plan`. `_pdl`, `_force_dq_steps`: `stage2_bwd`'s test
-    and A/B hooks."""
-    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = _contig(dout.to(q.dtype), q, k, v, out, lse,
-                                                                  cu_seqlens_q, cu_seqlens_k)
+               max_seqlen_k, causal, softmax_scale, plan: BwdPlan, **hooks):
+    """The layout backward on CUDA tensors under `plan`. `hooks`: `stage2_bwd`'s test and A/B keywords
+    (`_pdl`, `_force_dq_steps`)."""
+    tensors = _contig(dout.to(q.dtype), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
     rows = _layout_rows(layout_mask, q_block, cu_seqlens_q.numel() - 1, max_seqlen_k, q.device)
-    return stage2_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *rows, max_seqlen_q, max_seqlen_k,
-                      causal, softmax_scale, plan, _pdl=_pdl,
-                      _force_dq_steps=_force_dq_steps)
+    return stage2_bwd(*tensors, *rows, max_seqlen_q, max_seqlen_k, causal, softmax_scale, plan, **hooks)
 
 
 @torch.library.custom_op("infllm_cupy::block_sparse_attn_fwd", mutates_args=(), device_types="cuda")
