@@ -25,9 +25,9 @@ argument). `softmax_scale` is already resolved (a float); `kernel` is the public
 "sm80" or "sm90a"), which the forward op and, through the autograd formula, the backward op turn
 into their plans (`fwd_plan`, `bwd_plan`) for the device and shapes at hand. Below the ops, the
 launcher-level functions `token_fwd`, `token_bwd`, `layout_fwd` and `layout_bwd` take a plan: the
-tests reach variants no `kernel` value names (pass counts, tile shapes, and through the forward's
-`_force_steps` and the backward's `_pdl` and `_force_dq_steps` hooks forced step shapes and plain launches of the dk/dv
-passes) there.
+tests reach variants no `kernel` value names there: pass counts, tile shapes, and through the
+forward's `_force_steps` and the backward's `_force_dq_steps` and `_pdl` hooks forced step shapes and
+plain launches of the dk/dv passes.
 
 Saved state: q, k, v, out, lse and the selection itself (`topk_idx` or the layout mask, both op
 inputs that are alive anyway). The backward rebuilds the bitmask rows from them (one small launch,
