@@ -109,9 +109,11 @@ def test_a_cuda_struct_that_differs_fails_the_compile(own_checks, tmp_path, monk
     shutil.copytree(REPO / "kernels_cu", dst)
     src = dst / SOURCE
     text = src.read_text()
-    swapped = text.replace("    const int* cu_seqlens_k;      // [batch + 1]\n    const int* cu_seqlens_c;",
-                           "    const int* cu_seqlens_c;\n    const int* cu_seqlens_k;      // [batch + 1]")
-    assert swapped != text, "the struct's lines moved: update the planted swap"
+    # two entries of the field list swapped: the struct and the kernel's arguments both follow it
+    k_entry, c_entry = "F(const int* __restrict__, cu_seqlens_k)", "F(const int* __restrict__, cu_seqlens_c)"
+    swapped = text.replace(f"{k_entry}    /* [batch + 1] */ \\\n    {c_entry}",
+                           f"{c_entry}    /* [batch + 1] */ \\\n    {k_entry}")
+    assert swapped != text, "the field list's lines moved: update the planted swap"
     src.write_text(swapped)
     monkeypatch.setenv(_jit.KERNELS_DIR_ENV, str(dst))
     _jit.clear_cache()

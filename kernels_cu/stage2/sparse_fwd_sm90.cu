@@ -4,7 +4,7 @@
 // Stage2FwdSm90Params field by field; the loader checks the layout at compile time. Arguments as
 // stage2_fwd's in sparse_fwd.cu, same semantics and outputs, except that K and V come as TMA tensor
 // maps, and the step shape and key-range pass fields below):
-//   kernel   stage2_fwd_sm90<T, D, NS, QH>(Stage2FwdSm90Params<T>)
+//   kernel   stage2_fwd_sm90<T, D, NS, QH>(the fields of Stage2FwdSm90Params<T>)
 //            T in {__half, __nv_bfloat16}, D in {64, 128}, NS in {4, 6} K/V ring
 //            stages (6 where the shared memory holds them: faster on block-shared selections, see
 //            docs/stage2_fwd.md, "sm_90a kernel: warp specialisation and the K/V ring"); capability 9.0;
@@ -35,37 +35,37 @@
 //               "Key-range passes").
 //   block    (the CTA body, its roles and the design: ring_sm90.cuh) warpgroups 0 .. NC - 1 consume,
 //            warpgroup NC produces; setmaxnreg moves registers from the producer to the consumers.
+#include "common/params.cuh"
 #include "stage2/ring_sm90.cuh"
 
+#define STAGE2_FWD_SM90_PARAMS(F, M) \
+    F(const T* __restrict__, q)                 /* [total_q, HQ, D] */ \
+    M(tmap_k) M(tmap_v)                         /* K, V [total_k, H, D] as [total_k, H * D] (rows_map) */ \
+    F(const unsigned* __restrict__, masks)      /* [..., n_words] bitmask rows over 64-key blocks (stage2_fwd's) */ \
+    F(const int* __restrict__, mask_base)       /* [B]: first mask row of each sequence */ \
+    F(const int* __restrict__, cu_seqlens_q)    /* [B + 1] */ \
+    F(const int* __restrict__, cu_seqlens_k)    /* [B + 1] */ \
+    F(T* __restrict__, out)                     /* [total_q, HQ, D] */ \
+    F(float* __restrict__, lse)                 /* [HQ, total_q], natural log */ \
+    F(int, total_q) F(int, HQ) F(int, H) F(int, G) /* query tokens; query heads; heads of the row space, queries per head */ \
+    F(int, n_words)                             /* mask words per row */ \
+    F(long long, mask_h_stride)                 /* mask rows between heads */ \
+    F(int, mask_q_block)                        /* query tokens per mask row */ \
+    F(float, scale_log2)                        /* softmax scale * log2(e) */ \
+    F(int, causal)                              /* 1: bottom-right causal */ \
+    F(int, step_mode)                           /* RingSteps: STEPS_AUTO, or one step shape forced (above) */ \
+    F(int, blk_lo) F(int, blk_hi)               /* this pass's 64-key blocks [blk_lo, blk_hi) */ \
+    F(int* __restrict__, cta_split)             /* [B][H][row CTAs] pass flags, or null: one pass */ \
+    F(int, split_min)                           /* pass 0: a CTA splits when its union exceeds this many blocks */ \
+    F(int, x_off)                               /* first row CTA of this launch */ \
+    F(int, kv_group)                            /* QH = 2: query heads per K/V head */
 template <typename T>
-struct Stage2FwdSm90Params {
-    const T* q;                   // [total_q, HQ, D]
-    TmaMap tmap_k, tmap_v;        // K, V [total_k, H, D] as [total_k, H * D] (rows_map)
-    const unsigned* masks;        // [..., n_words] bitmask rows over 64-key blocks (stage2_fwd's)
-    const int* mask_base;         // [B]: first mask row of each sequence
-    const int* cu_seqlens_q;      // [B + 1]
-    const int* cu_seqlens_k;      // [B + 1]
-    T* out;                       // [total_q, HQ, D]
-    float* lse;                   // [HQ, total_q], natural log
-    int total_q, HQ, H, G;        // query tokens; query heads; heads of the row space and queries per head
-    int n_words;                  // mask words per row
-    long long mask_h_stride;      // mask rows between heads
-    int mask_q_block;             // query tokens per mask row
-    float scale_log2;             // softmax scale * log2(e)
-    int causal;                   // 1: bottom-right causal
-    int step_mode;                // RingSteps: STEPS_AUTO, or one step shape forced (above)
-    int blk_lo, blk_hi;           // this pass's 64-key blocks [blk_lo, blk_hi)
-    int* cta_split;               // [B][H][row CTAs] pass flags, or null: one pass
-    int split_min;                // pass 0: a CTA splits when its union exceeds this many blocks
-    int x_off;                    // first row CTA of this launch
-    int kv_group;                 // QH = 2: query heads per K/V head
-};
+struct Stage2FwdSm90Params { PARAM_FIELDS(STAGE2_FWD_SM90_PARAMS) };
 
 template <typename T, int D, int NS, int QH = 0>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
-stage2_fwd_sm90(const __grid_constant__ Stage2FwdSm90Params<T> p) {
-    ring_cta_sm90<T, D, NS, false, QH>(p.q, nullptr, p.tmap_k, p.tmap_v, p.masks, p.mask_base, p.cu_seqlens_q,
-                                       p.cu_seqlens_k, p.out, p.lse, nullptr, p.total_q, p.HQ, p.H, p.G, p.n_words,
-                                       p.mask_h_stride, p.mask_q_block, p.scale_log2, 1.f, p.causal, p.step_mode,
-                                       p.blk_lo, p.blk_hi, p.cta_split, p.split_min, p.x_off, p.kv_group);
+stage2_fwd_sm90(PARAM_ARGS(STAGE2_FWD_SM90_PARAMS)) {
+    ring_cta_sm90<T, D, NS, false, QH>(q, nullptr, tmap_k, tmap_v, masks, mask_base, cu_seqlens_q, cu_seqlens_k, out, lse,
+                                       nullptr, total_q, HQ, H, G, n_words, mask_h_stride, mask_q_block, scale_log2, 1.f,
+                                       causal, step_mode, blk_lo, blk_hi, cta_split, split_min, x_off, kv_group);
 }
