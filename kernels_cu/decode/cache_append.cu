@@ -5,7 +5,7 @@
 //
 // Launch contract (mirrored by infllm_cupy/decode/cache_append.py, whose APPEND_PARAMS declares
 // CacheAppendParams field by field; the loader checks the layout at compile time):
-//   kernel  cache_append_one<T>(CacheAppendParams<T>)    T in {__half, __nv_bfloat16, float}
+//   kernel  cache_append_one<T>(the fields of CacheAppendParams<T>)    T in {__half, __nv_bfloat16, float}
 //   grid    (B, 1, 1)    block (CA_THREADS, 1, 1)    no shared memory
 //   k_new, v_new  [B, H, D] T, contiguous; row = H * D elements, a multiple of 8 / sizeof(T) x 2
 //   k, v          contiguous [B, L_max, H, D] T (block_table nullptr, row_stride_b = L_max), or paged
@@ -21,6 +21,7 @@
 // then reads its own elements of the window's rows (its own write among them, so no barrier is
 // needed before the means; k is not __restrict__ for that reason); one barrier before seqlens[b] changes, after every thread has read it.
 #include "common/types.cuh"
+#include "common/params.cuh"
 
 #define CA_THREADS 128
 
@@ -57,45 +58,35 @@ __device__ __forceinline__ void ca_window(const T* k, T* __restrict__ ck, const 
     }
 }
 
+// The arguments (the launch contract above; k and v are not __restrict__: see above).
+#define CACHE_APPEND_PARAMS(F, M) \
+    F(const T* __restrict__, k_new)             /* [B, H, D] the new keys */ \
+    F(const T* __restrict__, v_new)             /* [B, H, D] the new values */ \
+    F(T*, k)                                    /* [B, L_max, H, D], or [num_pages, page_size, H, D] (paged) */ \
+    F(T*, v)                                    /* as k */ \
+    F(T* __restrict__, ck1)                     /* [B, N1, H, D] 32/16 windows */ \
+    F(T* __restrict__, ck2)                     /* [B, N2, H, D] 128/64 windows */ \
+    F(int* __restrict__, seqlens)               /* [B] read, then advanced by one */ \
+    F(const int* __restrict__, block_table)     /* [B, max_pages] (paged), or nullptr (contiguous) */ \
+    F(int, max_pages) F(int, page_size)         /* 0, 0 when contiguous */ \
+    F(int, L_max)                               /* the contiguous cache's rows per sequence (0 when paged) */ \
+    F(int, capacity)                            /* positions a sequence can address */ \
+    F(int, row)                                 /* H * D elements of one position */ \
+    F(int, N1) F(int, N2)                       /* windows per sequence of ck1, ck2 */
 template <typename T>
-struct CacheAppendParams {
-    const T* k_new;               // [B, H, D] the new keys
-    const T* v_new;               // [B, H, D] the new values
-    T* k;                         // [B, L_max, H, D], or [num_pages, page_size, H, D] (paged)
-    T* v;                         // as k
-    T* ck1;                       // [B, N1, H, D] 32/16 windows
-    T* ck2;                       // [B, N2, H, D] 128/64 windows
-    int* seqlens;                 // [B] read, then advanced by one
-    const int* block_table;       // [B, max_pages] (paged), or nullptr (contiguous)
-    int max_pages, page_size;     // 0, 0 when contiguous
-    int L_max;                    // the contiguous cache's rows per sequence (0 when paged)
-    int capacity;                 // positions a sequence can address
-    int row;                      // H * D elements of one position
-    int N1, N2;                   // windows per sequence of ck1, ck2
-};
+struct CacheAppendParams { PARAM_FIELDS(CACHE_APPEND_PARAMS) };
 
-// By value without __grid_constant__ (nothing takes its address): through a __grid_constant__ struct the
-// compiler ignores the __restrict__ of the pointers bound below, loses the read-only loads of k_new,
-// v_new and the page table, and spills on sm_80.
 template <typename T>
 __global__ void __launch_bounds__(CA_THREADS)
-cache_append_one(const CacheAppendParams<T> p) {
-    const T* __restrict__ k_new = p.k_new;
-    const T* __restrict__ v_new = p.v_new;
-    T* k = p.k;
-    T* v = p.v;
-    T* __restrict__ ck1 = p.ck1;
-    T* __restrict__ ck2 = p.ck2;
-    int* __restrict__ seqlens = p.seqlens;
-    const int* __restrict__ bt = p.block_table;
-    const int max_pages = p.max_pages, page_size = p.page_size, L_max = p.L_max, row = p.row;
+cache_append_one(PARAM_ARGS(CACHE_APPEND_PARAMS)) {
     constexpr int VEC = 16 / sizeof(T);
     const int b = blockIdx.x;
     const int pos = seqlens[b];
-    const bool room = pos < p.capacity && (bt == nullptr || bt[(int64)b * max_pages + pos / page_size] >= 0);
+    const bool room =
+        pos < capacity && (block_table == nullptr || block_table[(int64)b * max_pages + pos / page_size] >= 0);
     if (!room) return;                                   // the whole CTA: the same position
-    T* kd = const_cast<T*>(ca_row<T>(k, bt, b, pos, max_pages, page_size, L_max, row));
-    T* vd = const_cast<T*>(ca_row<T>(v, bt, b, pos, max_pages, page_size, L_max, row));
+    T* kd = const_cast<T*>(ca_row<T>(k, block_table, b, pos, max_pages, page_size, L_max, row));
+    T* vd = const_cast<T*>(ca_row<T>(v, block_table, b, pos, max_pages, page_size, L_max, row));
     for (int e = VEC * threadIdx.x; e < row; e += VEC * CA_THREADS) {
         Vec<T, VEC> x;
         x.load(k_new + (int64)b * row + e);
@@ -103,8 +94,8 @@ cache_append_one(const CacheAppendParams<T> p) {
         x.load(v_new + (int64)b * row + e);
         x.store(vd + e);
     }
-    ca_window<T, VEC>(k, ck1, bt, b, pos, 32, 16, p.N1, max_pages, page_size, L_max, row);
-    ca_window<T, VEC>(k, ck2, bt, b, pos, 128, 64, p.N2, max_pages, page_size, L_max, row);
+    ca_window<T, VEC>(k, ck1, block_table, b, pos, 32, 16, N1, max_pages, page_size, L_max, row);
+    ca_window<T, VEC>(k, ck2, block_table, b, pos, 128, 64, N2, max_pages, page_size, L_max, row);
     __syncthreads();                                     // every thread has read seqlens[b]
     if (threadIdx.x == 0) seqlens[b] = pos + 1;
 }

@@ -12,26 +12,26 @@
 //
 // Launch contract (mirrored by infllm_cupy/decode/select_decode.py, whose COARSE_PARAMS, FINE_PARAMS and
 // TOPK_PARAMS declare each kernel's parameter struct field by field; the loader checks the layouts at
-// compile time). Every kernel takes its struct by value:
+// compile time). Every kernel takes the fields of its struct as its arguments:
 //
 // ck1 [B, N1, H, D] T, ck2 [B, N2, H, D] T (sequence b's valid windows first in its row), q [B, HQ, D] T,
 // seqlens int32 [B]. Every kernel reads n1/n2 from seqlens (n = L < ks ? 0 : (L - ks) / st + 1).
 //
-// select_decode_coarse<T, D, MT>(SelectDecodeCoarseParams<T>)   T in {__half, __nv_bfloat16}, D in {64, 128},
-//                                                                MT in {1, 2, 4}
+// select_decode_coarse<T, D, MT>(the fields of SelectDecodeCoarseParams<T>)   T in {__half, __nv_bfloat16},
+//                                                                              D in {64, 128}, MT in {1, 2, 4}
 //   grid (R2, H, B)  block (128 MT)  dynamic smem SelSmem<D, MT>::BYTES
 //   CTA r takes coarse keys [64 T2 r, 64 T2 (r + 1)); writes part float2 [B, H, R2, G] = (max, sum)
 //   of 2^(sl2 q_g.ck2_j) over its valid keys in the log2 domain ((-inf, 0) when it has none)
 //   (exact: pass ck1 as ck2, N2 = N1, exact = 1)
-// select_decode_fine<T, D, MT>(SelectDecodeFineParams<T>)
+// select_decode_fine<T, D, MT>(the fields of SelectDecodeFineParams<T>)
 //   grid (R1, H, B)  block (128 MT)  dynamic smem SelSmem<D, MT>::BYTES + 4 * 64 T1
 //   CTA r takes fine keys [64 T1 r - 1, 64 T1 (r + 1) - 1) (one key to the left of its blocks), merges
 //   the R2 coarse partials into bias_g, and writes blocks [16 T1 r, 16 T1 (r + 1)) of
 //   blk float [B, H, 16 T1 R1] (rounded score values; the last block of the range lacks its key
 //   64 T1 (r + 1) - 1) and lead float [B, H, R1] = the score of its first key (-inf for r = 0).
 //   CTAs whose first key is >= n1 exit without writing (the top-k kernel does not read them).
-// select_decode_topk<KT>(SelectDecodeTopkParams)   KT = unsigned (score kind 0, fp32) or unsigned short
-//                                                   (bf16, fp16)
+// select_decode_topk<KT>(the fields of SelectDecodeTopkParams)   KT = unsigned (score kind 0, fp32) or
+//                                                                 unsigned short (bf16, fp16)
 //   grid (H * B)  block (a multiple of 32, at most 512; 512 from the launcher)
 //   dynamic smem olp * sizeof(KT) + 4 * SEL_TOPK_SCRATCH, olp = out_len rounded up to 64
 //   completes each row (block j of range r's last slot: max with lead[r + 1]; blocks past the last
@@ -56,6 +56,7 @@
 // (max, sum) pair per head and range), and the one fine key a block shares with the previous range.
 #include "common/types.cuh"
 #include "common/mma_sm80.cuh"
+#include "common/params.cuh"
 #include "common/pdl.cuh"
 #include "stage1/select_common.cuh"
 
@@ -186,37 +187,31 @@ __device__ __forceinline__ void sel_score_tiles(u32 q_s, u32 ck_s, const T* __re
     cp_async_wait<0>();
 }
 
+#define SELECT_DECODE_COARSE_PARAMS(F, M) \
+    F(const T* __restrict__, q)                 /* [B, HQ, D] */ \
+    F(const T* __restrict__, ck2)               /* [B, N2, H, D] coarse windows (exact: ck1) */ \
+    F(const int* __restrict__, seqlens)         /* [B] */ \
+    F(int, N2) F(int, H) F(int, G)              /* ck2's windows per sequence, KV heads, query heads per KV head */ \
+    F(int, T2)                                  /* 64-key tiles per CTA */ \
+    F(int, exact)                               /* 1: ck2 holds the fine windows (32/16) */ \
+    F(float, sl2)                               /* softmax_scale * log2(e) */ \
+    F(int, dense_len)                           /* 0, or the length below which a step is dense */ \
+    F(float2* __restrict__, part)               /* [B, H, R2, G] (max, sum) per range */
 template <typename T>
-struct SelectDecodeCoarseParams {
-    const T* q;                   // [B, HQ, D]
-    const T* ck2;                 // [B, N2, H, D] coarse windows (exact: ck1)
-    const int* seqlens;           // [B]
-    int N2, H, G;                 // ck2's windows per sequence, KV heads, query heads per KV head
-    int T2;                       // 64-key tiles per CTA
-    int exact;                    // 1: ck2 holds the fine windows (32/16)
-    float sl2;                    // softmax_scale * log2(e)
-    int dense_len;                // 0, or the length below which a step is dense
-    float2* part;                 // [B, H, R2, G] (max, sum) per range
-};
+struct SelectDecodeCoarseParams { PARAM_FIELDS(SELECT_DECODE_COARSE_PARAMS) };
 
 template <typename T, int D, int MT>
 __global__ void __launch_bounds__(128 * MT)
-select_decode_coarse(const __grid_constant__ SelectDecodeCoarseParams<T> p) {
-    const T* __restrict__ q = p.q;
-    const T* __restrict__ ck2 = p.ck2;
-    const int* __restrict__ seqlens = p.seqlens;
-    float2* __restrict__ part = p.part;
-    const int N2 = p.N2, H = p.H, G = p.G, T2 = p.T2;
-    const float sl2 = p.sl2;
+select_decode_coarse(PARAM_ARGS(SELECT_DECODE_COARSE_PARAMS)) {
     typedef SelSmem<D, MT> SM;
     extern __shared__ __align__(128) unsigned char smem[];
     const int r2 = blockIdx.x, h = blockIdx.y, b = blockIdx.z, R2 = gridDim.x;
     pdl_launch_dependents();                               // the fine kernel may start its prologue now
-    if (sel_dense_step(seqlens, gridDim.z, p.dense_len)) return;   // no selection on a dense step
+    if (sel_dense_step(seqlens, gridDim.z, dense_len)) return;     // no selection on a dense step
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, mt = warp >> 2, kw = warp & 3;
     const int g4 = lane >> 2, c4 = lane & 3;
     const int L = seqlens[b];
-    const int n2 = p.exact ? sel_windows(L, SEL_FINE_KS, SEL_FINE_ST) : sel_windows(L, SEL_COARSE_KS, SEL_COARSE_ST);
+    const int n2 = exact ? sel_windows(L, SEL_FINE_KS, SEL_FINE_ST) : sel_windows(L, SEL_COARSE_KS, SEL_COARSE_ST);
     const int k0 = r2 * T2 * SEL_TILE;
     const int nt = max(0, min(T2, (n2 - k0 + SEL_TILE - 1) / SEL_TILE));
     const u32 s_base = smem_u32(smem), q_s = s_base + SM::Q, ck_s = s_base + SM::CK;
@@ -267,38 +262,30 @@ select_decode_coarse(const __grid_constant__ SelectDecodeCoarseParams<T> p) {
     }
 }
 
+#define SELECT_DECODE_FINE_PARAMS(F, M) \
+    F(const T* __restrict__, q)                 /* [B, HQ, D] */ \
+    F(const T* __restrict__, ck1)               /* [B, N1, H, D] fine windows */ \
+    F(const int* __restrict__, seqlens)         /* [B] */ \
+    F(int, N1) F(int, H) F(int, G)              /* ck1's windows per sequence, KV heads, query heads per KV head */ \
+    F(int, T1)                                  /* 64-key tiles per CTA */ \
+    F(int, R2)                                  /* coarse ranges (part's) */ \
+    F(int, exact)                               /* 1: the coarse partials are over ck1 */ \
+    F(int, kind)                                /* score dtype: 0 float32, 1 bf16, 2 fp16 */ \
+    F(float, sl2)                               /* softmax_scale * log2(e) */ \
+    F(int, dense_len)                           /* 0, or the length below which a step is dense */ \
+    F(const float2* __restrict__, part)         /* [B, H, R2, G] the coarse kernel's (max, sum) */ \
+    F(float* __restrict__, blk)                 /* [B, H, 16 T1 R1] block scores */ \
+    F(float* __restrict__, lead)                /* [B, H, R1] each range's first key's score */
 template <typename T>
-struct SelectDecodeFineParams {
-    const T* q;                   // [B, HQ, D]
-    const T* ck1;                 // [B, N1, H, D] fine windows
-    const int* seqlens;           // [B]
-    int N1, H, G;                 // ck1's windows per sequence, KV heads, query heads per KV head
-    int T1;                       // 64-key tiles per CTA
-    int R2;                       // coarse ranges (part's)
-    int exact;                    // 1: the coarse partials are over ck1
-    int kind;                     // score dtype: 0 float32, 1 bf16, 2 fp16
-    float sl2;                    // softmax_scale * log2(e)
-    int dense_len;                // 0, or the length below which a step is dense
-    const float2* part;           // [B, H, R2, G] the coarse kernel's (max, sum)
-    float* blk;                   // [B, H, 16 T1 R1] block scores
-    float* lead;                  // [B, H, R1] each range's first key's score
-};
+struct SelectDecodeFineParams { PARAM_FIELDS(SELECT_DECODE_FINE_PARAMS) };
 
 template <typename T, int D, int MT>
 __global__ void __launch_bounds__(128 * MT, 1)
-select_decode_fine(const __grid_constant__ SelectDecodeFineParams<T> p) {
-    const T* __restrict__ q = p.q;
-    const T* __restrict__ ck1 = p.ck1;
-    const int* __restrict__ seqlens = p.seqlens;
-    const float2* __restrict__ part = p.part;
-    float* __restrict__ blk = p.blk;
-    float* __restrict__ lead = p.lead;
-    const int N1 = p.N1, H = p.H, G = p.G, T1 = p.T1, R2 = p.R2, exact = p.exact, kind = p.kind;
-    const float sl2 = p.sl2;
+select_decode_fine(PARAM_ARGS(SELECT_DECODE_FINE_PARAMS)) {
     typedef SelSmem<D, MT> SM;
     extern __shared__ __align__(128) unsigned char smem[];
     const int r1 = blockIdx.x, h = blockIdx.y, b = blockIdx.z, R1 = gridDim.x;
-    if (sel_dense_step(seqlens, gridDim.z, p.dense_len)) {   // no selection on a dense step
+    if (sel_dense_step(seqlens, gridDim.z, dense_len)) {     // no selection on a dense step
         pdl_wait();
         return;
     }
@@ -325,8 +312,6 @@ select_decode_fine(const __grid_constant__ SelectDecodeFineParams<T> p) {
     pdl_wait();                                  // the coarse partials are complete from here
     {
         constexpr int NW = 4 * MT;
-        // the partials through the read-only path (__ldg): nothing tells the compiler that part, a pointer
-        // from the parameter struct, is read-only here, and plain loads cost registers
         const float2* pb = part + ((int64)b * H + h) * R2 * G;
         float M[4], Z[4];
 #pragma unroll
@@ -337,7 +322,7 @@ select_decode_fine(const __grid_constant__ SelectDecodeFineParams<T> p) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int g = warp + NW * i;
-                x[i] = g < G && r < R2 && n2 > 0 ? __ldg(pb + (int64)r * G + g) : make_float2(-INFLLM_INF, 0.f);
+                x[i] = g < G && r < R2 && n2 > 0 ? pb[(int64)r * G + g] : make_float2(-INFLLM_INF, 0.f);
             }
 #pragma unroll
             for (int i = 0; i < 4; ++i) sel_merge_pair(M[i], Z[i], x[i].x, x[i].y);
@@ -401,6 +386,24 @@ select_decode_fine(const __grid_constant__ SelectDecodeFineParams<T> p) {
     if (tid == 0) lead[row * R1 + r1] = sc[0];
     pdl_launch_dependents();
 }
+
+// The top-k kernel's fields (select_decode_topk, after the CTA top-k below; here, so that the host
+// test of that code, tests/decode/test_select_decode.py, compiles it without params.cuh).
+#define SELECT_DECODE_TOPK_PARAMS(F, M) \
+    F(const float* __restrict__, blk)           /* [B, H, 16 T1 R1] the fine kernel's block scores */ \
+    F(const float* __restrict__, lead)          /* [B, H, R1] its ranges' first key scores */ \
+    F(const int* __restrict__, seqlens)         /* [B] */ \
+    F(int, B) F(int, H)                         /* sequences, KV heads */ \
+    F(int, T1) F(int, R1)                       /* the fine kernel's tiles per range and ranges */ \
+    F(int, out_len)                             /* blocks per row */ \
+    F(int, olp)                                 /* out_len rounded up to 64 (the row in shared memory) */ \
+    F(int, K) F(int, kout)                      /* blocks selected; topk_idx's row length (>= K, padded with -1) */ \
+    F(int, init_blocks) F(int, local_blocks) \
+    F(int, kind)                                /* score dtype: 0 float32, 1 bf16, 2 fp16 */ \
+    F(int, topk_prefix)                         /* 0, or a test hook forcing the whole-row rerun */ \
+    F(int, dense_len)                           /* 0, or the length below which a step is dense */ \
+    F(int* __restrict__, topk_idx)              /* [H, B, kout] */
+struct SelectDecodeTopkParams { PARAM_FIELDS(SELECT_DECODE_TOPK_PARAMS) };
 
 // ------------------------------------------------------------------------------------------------
 // The CTA-wide top-K of one block-key row (docs/decode.md, "Stage 1 for decode: the split kernels",
@@ -592,30 +595,9 @@ __device__ __forceinline__ void sel_topk_row(KT* rowk, int* scratch, const float
     sel_compact<KT>(rowk, n, T, need, qb, wv, tid, nthreads, out);
 }
 
-struct SelectDecodeTopkParams {
-    const float* blk;             // [B, H, 16 T1 R1] the fine kernel's block scores
-    const float* lead;            // [B, H, R1] its ranges' first key scores
-    const int* seqlens;           // [B]
-    int B, H, T1, R1;             // sequences, KV heads, the fine kernel's tiles per range and ranges
-    int out_len, olp;             // blocks per row; out_len rounded up to 64 (the row in shared memory)
-    int K, kout;                  // blocks selected; topk_idx's row length (>= K, padded with -1)
-    int init_blocks, local_blocks;
-    int kind;                     // score dtype: 0 float32, 1 bf16, 2 fp16
-    int topk_prefix;              // 0, or a test hook forcing the whole-row rerun
-    int dense_len;                // 0, or the length below which a step is dense
-    int* topk_idx;                // [H, B, kout]
-};
-
 template <typename KT>
 __global__ void __launch_bounds__(512)
-select_decode_topk(const __grid_constant__ SelectDecodeTopkParams p) {
-    const float* __restrict__ blk = p.blk;
-    const float* __restrict__ lead = p.lead;
-    const int* __restrict__ seqlens = p.seqlens;
-    int* __restrict__ topk_idx = p.topk_idx;
-    const int B = p.B, H = p.H, T1 = p.T1, R1 = p.R1, out_len = p.out_len, olp = p.olp, K = p.K, kout = p.kout;
-    const int init_blocks = p.init_blocks, local_blocks = p.local_blocks, kind = p.kind;
-    const int topk_prefix = p.topk_prefix, dense_len = p.dense_len;
+select_decode_topk(PARAM_ARGS(SELECT_DECODE_TOPK_PARAMS)) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int h = blockIdx.x / B, b = blockIdx.x % B;
     if (sel_dense_step(seqlens, B, dense_len)) {      // every block up to the query's: dense attention

@@ -4,10 +4,10 @@
 //
 // Launch contract (mirrored by infllm_cupy/decode/sparse_decode.py, whose SPLIT_PARAMS, MERGE_PARAMS and
 // WEIGHTS_PARAMS declare each kernel's parameter struct field by field; the loader checks the layouts at
-// compile time). Every kernel takes its struct by value:
+// compile time). Every kernel takes the fields of its struct as its arguments:
 //
-// sparse_decode_split<T, D, MT>(SparseDecodeSplitParams<T>)   T in {__half, __nv_bfloat16}, D in {64, 128},
-//                                                              MT in {1, 2, 4}
+// sparse_decode_split<T, D, MT>(the fields of SparseDecodeSplitParams<T>)   T in {__half, __nv_bfloat16},
+//                                                                            D in {64, 128}, MT in {1, 2, 4}
 //   grid   (S, H, B)    S = num_splits; one CTA per (split, KV head, sequence) computes all G query
 //                       heads of the KV head (G <= 16 * MT rows, padded with zero rows to 16 * MT)
 //   block  (128 * MT)   4 * MT warps: warp w takes rows 16 * (w / 4) .. +15 of the group and keys
@@ -32,14 +32,14 @@
 //   pmax    float [B, H, cdiv(W, 16), GP], GP = G rounded up to 4: that m, per (16-key group read, row
 //           g < GP; rows >= G hold the zero rows' m): a group's 4 heads are one 16-byte load
 //
-// sparse_decode_merge<T, D>(SparseDecodeMergeParams<T>)
+// sparse_decode_merge<T, D>(the fields of SparseDecodeMergeParams<T>)
 //   grid (B * HQ)  block (P * D / 4) for a power of two P, 32 .. 1024 threads (DecodePlan.merge_threads)
 //   dynamic shared memory 16 * blockDim bytes (the groups' float4 sums)
 //   may be launched as a programmatic dependent of the split kernel (it waits before reading)
 //   out [B, HQ, D] T = sum_s 2^(lse_s - lse) o_s;  lse_out float [B, HQ] natural log (+inf when
 //   no split saw a key, then out = 0);  lse2_out float [B * HQ] the same in log2 (weights pass)
 //
-// sparse_decode_weights(SparseDecodeWeightsParams)
+// sparse_decode_weights(the fields of SparseDecodeWeightsParams)
 //   grid (cdiv(W, WCHUNK), H, B)  block (WCHUNK / 4 = 256)  static shared memory; may be launched as a
 //   programmatic dependent of the merge (it waits before reading)
 //   out [B, HQ, W] (per_kv_head = 0) or [B, H, W] (per_kv_head = 1) float: prel * 2^(pmax - lse2) at
@@ -51,6 +51,7 @@
 // splits over the block list put enough CTAs on the machine at batch 1.
 #include "common/types.cuh"
 #include "common/mma_sm80.cuh"
+#include "common/params.cuh"
 #include "common/pdl.cuh"
 
 #define BLK 64          // keys per selection block
@@ -109,50 +110,41 @@ struct EpilogueSmem {
     static constexpr int ROWL = NBUF * BUF;                            // float [16 MT]: 1 / row sum
 };
 
+// Fields more than one kernel has, in the same order: the topk rows and the shape they index, and the
+// merge's outputs (which the split writes itself when S = 1).
+#define SPARSE_DECODE_TOPK_FIELDS(F) \
+    F(const int* __restrict__, topk)            /* [H, B, K] block indices, or nullptr (dense: every block) */ \
+    F(int, K) F(int, B) F(int, H) F(int, G)     /* topk entries per row, sequences, KV heads, query heads per KV head */
+#define SPARSE_DECODE_MERGED_FIELDS(F) \
+    F(T* __restrict__, out)                     /* [B, HQ, D] */ \
+    F(float* __restrict__, lse_out)             /* [B, HQ] natural log */ \
+    F(float* __restrict__, lse2_out)            /* [B * HQ] log2 */
+
+#define SPARSE_DECODE_SPLIT_PARAMS(F, M) \
+    F(const T* __restrict__, q)                 /* [B, HQ, D] */ \
+    F(const T* __restrict__, k)                 /* [B, L_max, H, D], or [num_pages, page_size, H, D] (paged) */ \
+    F(const T* __restrict__, v)                 /* as k */ \
+    F(const int* __restrict__, seqlens)         /* [B] */ \
+    F(const int* __restrict__, block_table)     /* [B, max_pages] (paged), or nullptr (contiguous) */ \
+    F(int, max_pages) F(int, page_size)         /* the table's width and the page size (paged) */ \
+    F(int, seq_rows)                            /* L_max (contiguous) */ \
+    SPARSE_DECODE_TOPK_FIELDS(F) \
+    F(int, per_split)                           /* topk entries (dense: blocks) per split */ \
+    F(float, scale_log2)                        /* softmax_scale * log2(e) */ \
+    F(float* __restrict__, o_part)              /* [B, HQ, S, D], or nullptr when out is given */ \
+    F(float* __restrict__, lse_part)            /* [B, HQ, S], or nullptr when out is given */ \
+    F(__half* __restrict__, prel)               /* [B, HQ, W], or nullptr (no weights) */ \
+    F(float* __restrict__, pmax)                /* [B, H, cdiv(W, 16), GP], or nullptr (no weights) */ \
+    F(int, W)                                   /* the cache's width (prel's rows) */ \
+    SPARSE_DECODE_MERGED_FIELDS(F)              /* S = 1: written here instead of o_part, lse_part; or nullptr */
 template <typename T>
-struct SparseDecodeSplitParams {
-    const T* q;                   // [B, HQ, D]
-    const T* k;                   // [B, L_max, H, D], or [num_pages, page_size, H, D] (paged)
-    const T* v;                   // as k
-    const int* seqlens;           // [B]
-    const int* block_table;       // [B, max_pages] (paged), or nullptr (contiguous)
-    int max_pages, page_size;     // the table's width and the page size (paged)
-    int seq_rows;                 // L_max (contiguous)
-    const int* topk;              // [H, B, K] block indices, or nullptr (dense: every block)
-    int K, B, H, G;               // topk entries per row, sequences, KV heads, query heads per KV head
-    int per_split;                // topk entries (dense: blocks) per split
-    float scale_log2;             // softmax_scale * log2(e)
-    float* o_part;                // [B, HQ, S, D], or nullptr when out is given
-    float* lse_part;              // [B, HQ, S], or nullptr when out is given
-    __half* prel;                 // [B, HQ, W], or nullptr (no weights)
-    float* pmax;                  // [B, H, cdiv(W, 16), GP], or nullptr (no weights)
-    int W;                        // the cache's width (prel's rows)
-    T* out;                       // [B, HQ, D] (S = 1: the merge's outputs), or nullptr
-    float* lse_out;               // [B, HQ] natural log, with out
-    float* lse2_out;              // [B * HQ] log2, with out
-};
+struct SparseDecodeSplitParams { PARAM_FIELDS(SPARSE_DECODE_SPLIT_PARAMS) };
 
 // At most 128 registers per thread (4 / MT CTAs of 128 MT threads per SM): enough for the fp32 output
 // tile of D = 128, and without the bound ptxas picked 80 at D = 64 on sm_80 and spilled.
 template <typename T, int D, int MT>
 __global__ void __launch_bounds__(128 * MT, 4 / MT)
-sparse_decode_split(const __grid_constant__ SparseDecodeSplitParams<T> p) {
-    const T* __restrict__ q = p.q;
-    const T* __restrict__ k = p.k;
-    const T* __restrict__ v = p.v;
-    const int* __restrict__ seqlens = p.seqlens;
-    const int* __restrict__ block_table = p.block_table;
-    const int* __restrict__ topk = p.topk;
-    float* __restrict__ o_part = p.o_part;
-    float* __restrict__ lse_part = p.lse_part;
-    __half* __restrict__ prel = p.prel;
-    float* __restrict__ pmax = p.pmax;
-    T* __restrict__ out = p.out;
-    float* __restrict__ lse_out = p.lse_out;
-    float* __restrict__ lse2_out = p.lse2_out;
-    const int max_pages = p.max_pages, page_size = p.page_size, seq_rows = p.seq_rows;
-    const int K = p.K, B = p.B, H = p.H, G = p.G, per_split = p.per_split, W = p.W;
-    const float scale_log2 = p.scale_log2;
+sparse_decode_split(PARAM_ARGS(SPARSE_DECODE_SPLIT_PARAMS)) {
     constexpr int NT = 128 * MT, NW = 4 * MT, ROWB = KVLayout<D>::ROWB, CH = D / 8;
     typedef SplitSmem<D, MT> SM;
     extern __shared__ __align__(128) unsigned char smem[];
@@ -486,25 +478,17 @@ sparse_decode_split(const __grid_constant__ SparseDecodeSplitParams<T> p) {
 // pass with a running max (its loads of lse_s and o_s do not wait for a row-wide max: one round trip
 // to the L2, docs/decode.md, 4. Splits and the merge), 16-byte loads of 4 output dims per thread;
 // then a tree over the groups in shared memory, each step rescaling both sides to the larger max.
+#define SPARSE_DECODE_MERGE_PARAMS(F, M) \
+    F(const float* __restrict__, o_part)        /* [B, HQ, S, D] the splits' normalised outputs */ \
+    F(const float* __restrict__, lse_part)      /* [B, HQ, S] their log2-sum-exp */ \
+    F(int, S)                                   /* splits */ \
+    SPARSE_DECODE_MERGED_FIELDS(F)
 template <typename T>
-struct SparseDecodeMergeParams {
-    const float* o_part;          // [B, HQ, S, D] the splits' normalised outputs
-    const float* lse_part;        // [B, HQ, S] their log2-sum-exp
-    int S;                        // splits
-    T* out;                       // [B, HQ, D]
-    float* lse_out;               // [B, HQ] natural log
-    float* lse2_out;              // [B * HQ] log2
-};
+struct SparseDecodeMergeParams { PARAM_FIELDS(SPARSE_DECODE_MERGE_PARAMS) };
 
 template <typename T, int D>
 __global__ void __launch_bounds__(1024)
-sparse_decode_merge(const __grid_constant__ SparseDecodeMergeParams<T> p) {
-    const float* __restrict__ o_part = p.o_part;
-    const float* __restrict__ lse_part = p.lse_part;
-    T* __restrict__ out = p.out;
-    float* __restrict__ lse_out = p.lse_out;
-    float* __restrict__ lse2_out = p.lse2_out;
-    const int S = p.S;
+sparse_decode_merge(PARAM_ARGS(SPARSE_DECODE_MERGE_PARAMS)) {
     constexpr int DV = D / 4;
     constexpr int MAXP = 1024 / DV;
     extern __shared__ float4 merge_smem[];        // [P][DV] group sums (the launch's 16 * blockDim bytes)
@@ -569,30 +553,22 @@ sparse_decode_merge(const __grid_constant__ SparseDecodeMergeParams<T> p) {
     }
 }
 
-struct SparseDecodeWeightsParams {
-    const __half* prel;           // [B, HQ, W] the split kernel's relative probabilities
-    const float* pmax;            // [B, H, cdiv(W, 16), GP] their maxima
-    const float* lse2;            // [B * HQ] log2-sum-exp (the merge's lse2_out)
-    const int* seqlens;           // [B]
-    const int* topk;              // [H, B, K], or nullptr (dense)
-    int K, B, H, G;               // topk entries per row, sequences, KV heads, query heads per KV head
-    int W;                        // the cache's width
-    int per_kv_head;              // 0: per query head; 1: summed over the group
-    float* out;                   // [B, HQ, W] (per_kv_head = 0) or [B, H, W]
-};
+#define SPARSE_DECODE_WEIGHTS_PARAMS(F, M) \
+    F(const __half* __restrict__, prel)         /* [B, HQ, W] the split kernel's relative probabilities */ \
+    F(const float* __restrict__, pmax)          /* [B, H, cdiv(W, 16), GP] their maxima */ \
+    F(const float* __restrict__, lse2)          /* [B * HQ] log2-sum-exp (the merge's lse2_out) */ \
+    F(const int* __restrict__, seqlens)         /* [B] */ \
+    SPARSE_DECODE_TOPK_FIELDS(F) \
+    F(int, W)                                   /* the cache's width */ \
+    F(int, per_kv_head)                         /* 0: per query head; 1: summed over the group */ \
+    F(float* __restrict__, out)                 /* [B, HQ, W] (per_kv_head = 0) or [B, H, W] */
+struct SparseDecodeWeightsParams { PARAM_FIELDS(SPARSE_DECODE_WEIGHTS_PARAMS) };
 
 // At most 40 registers (6 CTAs per SM; ptxas takes 40 unbounded too): the bound only keeps an edit
 // from silently losing residency. Registers were not the per-KV-head regression of 4827195 (48
 // registers bounded to 40 ran as slow); the pass's shape is in docs/decode.md, 5. Attention weights.
 __global__ void __launch_bounds__(256, 6)
-sparse_decode_weights(const __grid_constant__ SparseDecodeWeightsParams p) {
-    const __half* __restrict__ prel = p.prel;
-    const float* __restrict__ pmax = p.pmax;
-    const float* __restrict__ lse2 = p.lse2;
-    const int* __restrict__ seqlens = p.seqlens;
-    const int* __restrict__ topk = p.topk;
-    float* __restrict__ out = p.out;
-    const int K = p.K, B = p.B, H = p.H, G = p.G, W = p.W, per_kv_head = p.per_kv_head;
+sparse_decode_weights(PARAM_ARGS(SPARSE_DECODE_WEIGHTS_PARAMS)) {
     __shared__ int sel[WCHUNK / BLK];
     __shared__ float lse_s[64];
     const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
