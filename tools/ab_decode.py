@@ -15,9 +15,10 @@ With `--old-tree DIR`, variant `old` launches that tree's kernels with the launc
 (the split kernel stores fp32 logits, in place in the per-head weights or in an fp32 scratch for
 the per-KV-head sum) on the same plan's splits, its positional parameters compiled without this
 checkout's layout checks. With `--tree LABEL=DIR` (repeatable), variant LABEL launches the kernels of
-DIR (a kernels_cu/ folder whose kernels take the parameter structs that decode/sparse_decode.py
-declares, SPLIT_PARAMS, MERGE_PARAMS and WEIGHTS_PARAMS: the layout checks fail the compile of any
-other) with this checkout's launch and the default plan.
+DIR (a kernels_cu/ folder whose kernels take the fields that decode/sparse_decode.py declares,
+SPLIT_PARAMS, MERGE_PARAMS and WEIGHTS_PARAMS, as arguments or as one struct: a launch hands the
+driver each field's address, and a kernel of one struct argument reads all of it from the first; the
+layout checks fail the compile of any other) with this checkout's launch and the default plan.
 With `--kernel-times`, each variant also runs `--calls` eager calls (no PDL: it applies under
 capture only) under the PyTorch profiler and prints its kernels' mean device time per call (split,
 merge, weights pass), so that a change in the sum can be placed.

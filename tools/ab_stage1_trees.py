@@ -8,9 +8,9 @@ round, each tree in rotated order: forget the compiled kernels, point `_jit` at 
 `stage1_select` once (its `topk_idx`, and with `--scores` its scores and block scores, are compared with
 the first tree's: exit status 1 if any differ), then time it (CUDA events, median of `--rep` after a
 warm-up). Prints each tree's median over rounds and its ratio to the first tree's. Every tree is
-launched by this checkout's launcher, so it must take the parameter structs that `stage1/select.py`
-declares (`Stage1SelectParams`, `Stage1SelectSm90Params`): the layout checks fail the compile of a tree
-whose kernels take other parameters.
+launched by this checkout's launcher, so it must take the fields that `stage1/select.py` declares
+(`Stage1SelectParams`, `Stage1SelectSm90Params`), as arguments or as one struct: the layout checks fail
+the compile of a tree whose kernels take other parameters.
 """
 from __future__ import annotations
 
