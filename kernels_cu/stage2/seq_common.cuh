@@ -6,6 +6,22 @@
 #pragma once
 #include "common/types.cuh"
 
+// The fields both forward kernels take after q and K/V (stage2_fwd, stage2_fwd_sm90: a field list of
+// common/params.cuh; the launchers' _FWD_FIELDS): mask rows, sequences, outputs, shapes, scale.
+#define STAGE2_FWD_ROW_FIELDS(F, M) \
+    F(const unsigned* __restrict__, masks)      /* [..., n_words] bitmask rows over 64-key blocks */ \
+    F(const int* __restrict__, mask_base)       /* [B]: first mask row of each sequence */ \
+    F(const int* __restrict__, cu_seqlens_q)    /* [B + 1] */ \
+    F(const int* __restrict__, cu_seqlens_k)    /* [B + 1] */ \
+    F(T* __restrict__, out)                     /* [total_q, HQ, D] */ \
+    F(float* __restrict__, lse)                 /* [HQ, total_q], natural log */ \
+    F(int, total_q) F(int, HQ) F(int, H) F(int, G) /* query tokens; query heads; heads of the row space, queries per head */ \
+    F(int, n_words)                             /* mask words per row */ \
+    F(long long, mask_h_stride)                 /* mask rows between heads */ \
+    F(int, mask_q_block)                        /* query tokens per mask row */ \
+    F(float, scale_log2)                        /* softmax scale * log2(e) */ \
+    F(int, causal)                              /* 1: bottom-right causal */
+
 struct S2Seq {
     int qs, Lq;          // the sequence's first query token in q / out (packed), its query count
     int ks, Lk;          // the same for k / v

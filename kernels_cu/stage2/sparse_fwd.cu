@@ -44,18 +44,7 @@
     F(const T* __restrict__, q)                 /* [total_q, HQ, D] */ \
     F(const T* __restrict__, k)                 /* [total_k, H, D] (QH = 2: H / kv_group heads) */ \
     F(const T* __restrict__, v)                 /* [total_k, H, D] */ \
-    F(const unsigned* __restrict__, masks)      /* [..., n_words] bitmask rows over 64-key blocks */ \
-    F(const int* __restrict__, mask_base)       /* [B]: first mask row of each sequence */ \
-    F(const int* __restrict__, cu_seqlens_q)    /* [B + 1] */ \
-    F(const int* __restrict__, cu_seqlens_k)    /* [B + 1] */ \
-    F(T* __restrict__, out)                     /* [total_q, HQ, D] */ \
-    F(float* __restrict__, lse)                 /* [HQ, total_q], natural log */ \
-    F(int, total_q) F(int, HQ) F(int, H) F(int, G) /* query tokens; query heads; heads of the row space, queries per head */ \
-    F(int, n_words)                             /* mask words per row */ \
-    F(long long, mask_h_stride)                 /* mask rows between heads */ \
-    F(int, mask_q_block)                        /* query tokens per mask row */ \
-    F(float, scale_log2)                        /* softmax scale * log2(e) */ \
-    F(int, causal)                              /* 1: bottom-right causal */ \
+    STAGE2_FWD_ROW_FIELDS(F, M) \
     F(int, kv_group)                            /* QH = 2: query heads per K/V head */
 template <typename T>
 struct Stage2FwdParams { PARAM_FIELDS(STAGE2_FWD_PARAMS) };

@@ -41,18 +41,7 @@
 #define STAGE2_FWD_SM90_PARAMS(F, M) \
     F(const T* __restrict__, q)                 /* [total_q, HQ, D] */ \
     M(tmap_k) M(tmap_v)                         /* K, V [total_k, H, D] as [total_k, H * D] (rows_map) */ \
-    F(const unsigned* __restrict__, masks)      /* [..., n_words] bitmask rows over 64-key blocks (stage2_fwd's) */ \
-    F(const int* __restrict__, mask_base)       /* [B]: first mask row of each sequence */ \
-    F(const int* __restrict__, cu_seqlens_q)    /* [B + 1] */ \
-    F(const int* __restrict__, cu_seqlens_k)    /* [B + 1] */ \
-    F(T* __restrict__, out)                     /* [total_q, HQ, D] */ \
-    F(float* __restrict__, lse)                 /* [HQ, total_q], natural log */ \
-    F(int, total_q) F(int, HQ) F(int, H) F(int, G) /* query tokens; query heads; heads of the row space, queries per head */ \
-    F(int, n_words)                             /* mask words per row */ \
-    F(long long, mask_h_stride)                 /* mask rows between heads */ \
-    F(int, mask_q_block)                        /* query tokens per mask row */ \
-    F(float, scale_log2)                        /* softmax scale * log2(e) */ \
-    F(int, causal)                              /* 1: bottom-right causal */ \
+    STAGE2_FWD_ROW_FIELDS(F, M) \
     F(int, step_mode)                           /* RingSteps: STEPS_AUTO, or one step shape forced (above) */ \
     F(int, blk_lo) F(int, blk_hi)               /* this pass's 64-key blocks [blk_lo, blk_hi) */ \
     F(int* __restrict__, cta_split)             /* [B][H][row CTAs] pass flags, or null: one pass */ \
