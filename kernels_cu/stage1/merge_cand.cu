@@ -3,7 +3,8 @@
 //
 // Launch contract (mirrored by _merge_into_kernel in infllm_cupy/stage1/select.py, whose MERGE_PARAMS
 // declares MergeRangeCandidatesParams field by field; the loader checks the layout at compile time):
-//   kernel   merge_range_candidates<NI>(MergeRangeCandidatesParams)   NI: candidates per lane, K <= 32 * NI
+//   kernel   merge_range_candidates<NI>(the fields of MergeRangeCandidatesParams)   NI: candidates per
+//            lane, K <= 32 * NI
 //   grid     (cdiv(rows, MERGE_WARPS), 1, 1)   block (32 * MERGE_WARPS)   dyn smem = MERGE_WARPS * 2 * K * 8
 //   cand_key [rows, K] uint32 (int32 storage): the range kernel's order-preserving block keys,
 //            zero-extended from 16 or 32 bits;  cand_idx [rows, K] int32: their global block indices
@@ -25,6 +26,7 @@
 // position = rank, so the list stays sorted. Work per row: K^2 / 32 compares per lane (the count),
 // plus 2 NI binary searches; memory: 24 K bytes read and written.
 #include "common/types.cuh"
+#include "common/params.cuh"
 
 #define MERGE_WARPS 4
 
@@ -41,23 +43,18 @@ __device__ __forceinline__ int count_above(const int64* a, int n, int64 v, bool 
     return lo;
 }
 
-struct MergeRangeCandidatesParams {
-    const unsigned* cand_key;   // [rows, K] order-preserving block keys
-    const int* cand_idx;        // [rows, K] their global block indices
-    int64* run;                 // [rows, K] merge keys, sorted descending, in place
-    int64 rows;                 // H x total_q
-    int K;
-    int has_run;                // 0: the first pass (run is output only)
-};
+#define MERGE_RANGE_CANDIDATES_PARAMS(F, M) \
+    F(const unsigned* __restrict__, cand_key)   /* [rows, K] order-preserving block keys */ \
+    F(const int* __restrict__, cand_idx)        /* [rows, K] their global block indices */ \
+    F(int64*, run)                              /* [rows, K] merge keys, sorted descending, in place */ \
+    F(int64, rows)                              /* H x total_q */ \
+    F(int, K) \
+    F(int, has_run)                             /* 0: the first pass (run is output only) */
+struct MergeRangeCandidatesParams { PARAM_FIELDS(MERGE_RANGE_CANDIDATES_PARAMS) };
 
 template <int NI>
 __global__ void __launch_bounds__(32 * MERGE_WARPS)
-merge_range_candidates(const __grid_constant__ MergeRangeCandidatesParams p) {
-    const unsigned* __restrict__ cand_key = p.cand_key;
-    const int* __restrict__ cand_idx = p.cand_idx;
-    int64* run = p.run;
-    const int64 rows = p.rows;
-    const int K = p.K, has_run = p.has_run;
+merge_range_candidates(PARAM_ARGS(MERGE_RANGE_CANDIDATES_PARAMS)) {
     extern __shared__ int64 merge_smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int64 row = (int64)blockIdx.x * MERGE_WARPS + warp;

@@ -5,8 +5,8 @@
 //
 // Launch contract (mirrored by infllm_cupy/stage1/select.py, whose SELECT_PARAMS declares
 // Stage1SelectParams (select_common.cuh) field by field; the loader checks the layout at compile time):
-//   kernel   stage1_select<T, KT, D, RANGED>(Stage1SelectParams<T, KT>)   RANGED: a range pass (below),
-//              else the full selection
+//   kernel   stage1_select<T, KT, D, RANGED>(the fields of Stage1SelectParams<T, KT>)   RANGED: a range
+//              pass (below), else the full selection
 //              T  in {__half, __nv_bfloat16}: q, ck1, ck2
 //              KT = unsigned short for bf16/fp16 scores, unsigned for float32 scores: the score dtype's
 //                 bit pattern; `kind` (0 float32, 1 bf16, 2 fp16) picks the rounding. Fine scores are
@@ -63,28 +63,9 @@
 
 #include "stage1/select_common.cuh"
 
-// The full selection (RANGED = false: the range fields replaced by constants, so that the compiler
-// drops the range code) or a range pass (docs/stage1.md, 9. Long context: key ranges).
-template <typename T, typename KT, int D, bool RANGED>
-__global__ void __launch_bounds__(128, 2)
-stage1_select(const __grid_constant__ Stage1SelectParams<T, KT> p) {
-    const T* __restrict__ q = p.q;
-    const T* __restrict__ ck1 = p.ck1;
-    const T* __restrict__ ck2 = p.ck2;
-    int* __restrict__ topk_idx = p.topk_idx;
-    KT* __restrict__ scores = p.scores;
-    KT* __restrict__ block_scores = p.block_scores;
-    KT* __restrict__ bs_scratch = p.bs_scratch;
-    const int total_q = p.total_q, HQ = p.HQ, H = p.H, G = p.G, lgp = p.lgp;
-    const int out_len = p.out_len, olp = p.olp, K = p.K, max_n1 = p.max_n1;
-    const int init_blocks = p.init_blocks, local_blocks = p.local_blocks;
-    const int causal = p.causal, kind = p.kind, s1 = p.s1;
-    const float sl2 = p.sl2;
-    const int j_lo = RANGED ? p.j_lo : 0, j_hi = RANGED ? p.j_hi : out_len;
-    unsigned* __restrict__ cand_key = RANGED ? p.cand_key : nullptr;
-    int* __restrict__ cand_idx = RANGED ? p.cand_idx : nullptr;
-    float* __restrict__ row_bias = RANGED ? p.row_bias : nullptr;
-    const int bias_mode = RANGED ? p.bias_mode : 0;
+// The kernel's body (S1_BODY_CALL_ARGS): the full selection (the range fields constants) or a range pass.
+template <typename T, typename KT, int D>
+__device__ __forceinline__ void stage1_select_body(S1_BODY_ARGS(STAGE1_SELECT_PARAMS)) {
     typedef KT key_t;
     constexpr int CH = D / 8;                 // 16-byte chunks per row
     constexpr int ROWB = CH * 16;             // bytes per tile row
@@ -98,7 +79,7 @@ stage1_select(const __grid_constant__ Stage1SelectParams<T, KT> p) {
     const int TOK = (32 * nwarps) >> lgp;     // tokens per CTA
     const int nwt = GP > 32 ? GP >> 5 : 1;    // warps per token
     S1Cta w;
-    if (!s1_cta(w, TOK, H, p.B, p.n_tiles, p.cu_q, p.cu_c1, p.cu_c2, p.cache_lens, s1, p.s2c, causal)) return;
+    if (!s1_cta(w, TOK, H, B, n_tiles, cu_q, cu_c1, cu_c2, cache_lens, s1, s2c, causal)) return;
     const bool ranged = cand_idx != nullptr;
     // a range pass runs the fine tiles [ft_lo, ft_lo + nf) (w.nf stays the CTA's visible tiles);
     // ft_lo = S1_FT_LO is re-derived from the parameter j_lo (0 in a full launch) where it is used
@@ -284,6 +265,14 @@ stage1_select(const __grid_constant__ Stage1SelectParams<T, KT> p) {
 
     // ---- per token: finish the block-key row (forced, uncomputed tail, padding), then top-K
     s1_finish_all<KT>(w, warp, nwarps, lane, sT, sB, bs_scratch, score_row0, olp, out_len, init_blocks, local_blocks, K,
-                      max_n1, p.quirk, p.max_seqlen_q, scores, block_scores, topk_idx, p.topk_prefix, kind);
+                      max_n1, quirk, max_seqlen_q, scores, block_scores, topk_idx, topk_prefix, kind);
 }
 #undef S1_FT_LO
+
+// The full selection (RANGED = false: the range fields replaced by constants, so that the compiler
+// drops the range code) or a range pass (docs/stage1.md, 9. Long context: key ranges).
+template <typename T, typename KT, int D, bool RANGED>
+__global__ void __launch_bounds__(128, 2)
+stage1_select(PARAM_ARGS(STAGE1_SELECT_PARAMS)) {
+    stage1_select_body<T, KT, D>(S1_BODY_CALL_ARGS(RANGED));
+}

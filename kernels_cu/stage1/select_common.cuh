@@ -5,46 +5,66 @@
 // g = lane / 4, c = lane % 4; a thread's rows rr = 2 mt + half.
 #pragma once
 #include "common/types.cuh"
+#include "common/params.cuh"
 
 #define S1_TILE 64         // compressed keys per tile
 #define S1_ST 68           // staging row: [3] = carry (previous tile's column 63), [4 + c] = column c
 #define S1_FULL 0xffffffffu
 #define S1_BIG 0x7fffffff
 
-// The parameters of stage1_select (select.cu; select_sm90.cu's Stage1SelectSm90Params adds its two
+// The parameters of stage1_select (select.cu; select_sm90.cu's STAGE1_SELECT_SM90_PARAMS adds its two
 // tensor maps). Shapes and meanings: the launch contract in select.cu's header. infllm_cupy/stage1/
 // select.py declares the fields (SELECT_PARAMS); the loader checks the layout at compile time.
+#define STAGE1_SELECT_PARAMS(F, M) STAGE1_SELECT_FIELDS(F, M) STAGE1_RANGE_FIELDS(F, M)
+#define STAGE1_SELECT_FIELDS(F, M) \
+    F(const T* __restrict__, q)             /* [total_q, HQ, D] */ \
+    F(const T* __restrict__, ck1)           /* [total_c1, H, D] fine compressed keys */ \
+    F(const T* __restrict__, ck2)           /* [total_c2, H, D] coarse compressed keys (ck1 in exact mode) */ \
+    F(const int* __restrict__, cu_q)        /* [B + 1] */ \
+    F(const int* __restrict__, cu_c1)       /* [B + 1] */ \
+    F(const int* __restrict__, cu_c2)       /* [B + 1] */ \
+    F(const int* __restrict__, cache_lens)  /* [B] or null (zeros) */ \
+    F(int* __restrict__, topk_idx)          /* [H, total_q, K]; unused by a range pass */ \
+    F(KT* __restrict__, scores)             /* [H, total_q, max_n1] or null (inspection) */ \
+    F(KT* __restrict__, block_scores)       /* [H, total_q, out_len] or null (inspection) */ \
+    F(KT* __restrict__, bs_scratch)         /* [H, total_q, olp] block-score keys in global memory, or null \
+                                               (shared memory) */ \
+    F(int, total_q) F(int, HQ) F(int, H) F(int, G) /* query rows, query heads, KV heads, G = HQ / H */ \
+    F(int, lgp)                             /* log2 of GP, the smallest power of two >= G */ \
+    F(int, B) F(int, n_tiles)               /* sequences; token tiles per sequence (grid = n_tiles * B * H) */ \
+    F(int, max_seqlen_q) \
+    F(int, out_len) F(int, olp)             /* key blocks; block-key row length (range pass: 64 + range width) */ \
+    F(int, K) F(int, max_n1)                /* top-K width; scores row length (0 without scores) */ \
+    F(int, init_blocks) F(int, local_blocks) \
+    F(int, quirk) F(int, causal)            /* 0 / 1: varlen_offset_quirk, the causal mask */ \
+    F(int, kind)                            /* score dtype: 0 float32, 1 bf16, 2 fp16 */ \
+    F(int, s1) F(int, s2c)                  /* fine and coarse compression strides (16, 64) */ \
+    F(float, sl2)                           /* softmax_scale * log2(e) */ \
+    F(int, topk_prefix)                     /* 0, or a test hook forcing the top-K's whole-row rerun */
+// the range fields, which a full launch ignores (S1_BODY_CALL_ARGS)
+#define STAGE1_RANGE_FIELDS(F, M) \
+    F(int, j_lo) F(int, j_hi)               /* range pass: blocks [j_lo, j_hi) */ \
+    F(unsigned* __restrict__, cand_key)     /* range pass: [H, total_q, K] 32-bit block keys */ \
+    F(int* __restrict__, cand_idx)          /* range pass: [H, total_q, K] block indices */ \
+    F(float* __restrict__, row_bias)        /* range passes: [total_q, HQ] coarse-pass bias per row, or null */ \
+    F(int, bias_mode)                       /* 0 none, 1 store row_bias, 2 load it and skip the coarse pass */
 template <typename T, typename KT>
-struct Stage1SelectParams {
-    const T* q;                 // [total_q, HQ, D]
-    const T* ck1;               // [total_c1, H, D] fine compressed keys
-    const T* ck2;               // [total_c2, H, D] coarse compressed keys (ck1 in exact mode)
-    const int* cu_q;            // [B + 1]
-    const int* cu_c1;           // [B + 1]
-    const int* cu_c2;           // [B + 1]
-    const int* cache_lens;      // [B] or null (zeros)
-    int* topk_idx;              // [H, total_q, K]; unused by a range pass
-    KT* scores;                 // [H, total_q, max_n1] or null (inspection)
-    KT* block_scores;           // [H, total_q, out_len] or null (inspection)
-    KT* bs_scratch;             // [H, total_q, olp] block-score keys in global memory, or null (shared memory)
-    int total_q, HQ, H, G;      // query rows, query heads, KV heads, G = HQ / H
-    int lgp;                    // log2 of GP, the smallest power of two >= G
-    int B, n_tiles;             // sequences; token tiles per sequence (grid = n_tiles * B * H)
-    int max_seqlen_q;
-    int out_len, olp;           // key blocks; block-key row length (range pass: 64 + range width)
-    int K, max_n1;              // top-K width; scores row length (0 without scores)
-    int init_blocks, local_blocks;
-    int quirk, causal;          // 0 / 1: varlen_offset_quirk, the causal mask
-    int kind;                   // score dtype: 0 float32, 1 bf16, 2 fp16
-    int s1, s2c;                // fine and coarse compression strides (16, 64)
-    float sl2;                  // softmax_scale * log2(e)
-    int topk_prefix;            // 0, or a test hook forcing the top-K's whole-row rerun
-    int j_lo, j_hi;             // range pass: blocks [j_lo, j_hi) (a full launch ignores j_lo .. bias_mode)
-    unsigned* cand_key;         // range pass: [H, total_q, K] 32-bit block keys
-    int* cand_idx;              // range pass: [H, total_q, K] block indices
-    float* row_bias;            // range passes: [total_q, HQ] coarse-pass bias per row, or null
-    int bias_mode;              // 0 none, 1 store row_bias, 2 load it and skip the coarse pass
-};
+struct Stage1SelectParams { PARAM_FIELDS(STAGE1_SELECT_PARAMS) };
+
+// Each kernel calls its body, a __forceinline__ function whose arguments are the kernel's fields
+// (S1_BODY_ARGS(LIST); a tensor map by reference), with constants in place of the range fields in a
+// full launch (S1_BODY_CALL_ARGS(RANGED), RANGED = false), so that the compiler drops the range code.
+// The body is a function of its own, not the kernel with the constants assigned at its top: the call
+// compiles to ad22a34's code (NVVM optimises a callee before it inlines it), the assignment to other
+// code (e.g. 8280 instead of 8256 instructions for <bf16, unsigned, 64, false> on sm_90).
+#define S1_BODY_TMAP_(name) , const TmaMap& name
+#define S1_BODY_ARGS(LIST) PARAM_DROP_FIRST_(LIST(PARAM_ARG_, S1_BODY_TMAP_))
+#define S1_NAME_(type, name) , name
+#define S1_TMAP_NAME_(name) , name
+#define S1_BODY_CALL_ARGS(RANGED) \
+    PARAM_DROP_FIRST_(STAGE1_SELECT_FIELDS(S1_NAME_, S1_TMAP_NAME_)), \
+    (RANGED) ? j_lo : 0, (RANGED) ? j_hi : out_len, (RANGED) ? cand_key : nullptr, \
+    (RANGED) ? cand_idx : nullptr, (RANGED) ? row_bias : nullptr, (RANGED) ? bias_mode : 0
 
 // ------------------------------------------------------------------------------------------------
 // Score dtype: scores are kept as the bit pattern of the score dtype (kind 0 = float32, 1 = bf16,

@@ -3,12 +3,12 @@
 // the work differs.
 //
 // Launch contract (mirrored by infllm_cupy/stage1/select.py, whose SELECT_SM90_PARAMS declares
-// Stage1SelectSm90Params (below: Stage1SelectParams and tm1, tm2) field by field; the loader checks the
-// layout at compile time):
-//   kernel   stage1_select_sm90<T, KT, D, RANGED, PACKED>(Stage1SelectSm90Params<T, KT>)   (as stage1_select);
-//            capability 9.0, G <= 32. PACKED (16-bit scores, Stage1Plan.packed): the group sum of
-//            tokens of 3 to 32 rows on f16 pairs (stage1/packed.cuh), within about one bf16 step of
-//            the float32 sum; tokens of 1 or 2 rows take the float32 path either way
+// Stage1SelectSm90Params (below: Stage1SelectParams's fields and tm1, tm2) field by field; the loader
+// checks the layout at compile time):
+//   kernel   stage1_select_sm90<T, KT, D, RANGED, PACKED>(the fields of Stage1SelectSm90Params<T, KT>)
+//            (as stage1_select); capability 9.0, G <= 32. PACKED (16-bit scores, Stage1Plan.packed):
+//            the group sum of tokens of 3 to 32 rows on f16 pairs (stage1/packed.cuh), within about
+//            one bf16 step of the float32 sum; tokens of 1 or 2 rows take the float32 path either way
 //   grid     (n_tiles * B * H)   n_tiles = cdiv(max_seqlen_q, TOK), TOK = 128 / GP; CTA order as stage1_select
 //   block    256 (two warpgroups: 128 rows = TOK tokens x GP rows; lgp <= 5)
 //   dyn smem 1024 (alignment) + 2 * 64 * D * sizeof(T) (Q, two 64-row tiles) + 2 * 64 * D * sizeof(T)
@@ -38,34 +38,16 @@
 #include "stage1/select_common.cuh"
 #include "stage1/packed.cuh"
 
-// Stage1SelectParams and the tensor maps of the key tiles (the launch contract above).
+// Stage1SelectParams's fields and the tensor maps of the key tiles (the launch contract above).
+#define STAGE1_SELECT_SM90_PARAMS(F, M) \
+    STAGE1_SELECT_PARAMS(F, M) \
+    M(tm1) M(tm2)                           /* over ck1, ck2 viewed as [rows, H * D] */
 template <typename T, typename KT>
-struct Stage1SelectSm90Params : Stage1SelectParams<T, KT> {
-    TmaMap tm1, tm2;            // over ck1, ck2 viewed as [rows, H * D]
-};
+struct Stage1SelectSm90Params { PARAM_FIELDS(STAGE1_SELECT_SM90_PARAMS) };
 
-// The full selection (RANGED = false: the range fields replaced by constants, so that the compiler
-// drops the range code) or a range pass (docs/stage1.md, 9. Long context: key ranges).
-template <typename T, typename KT, int D, bool RANGED, bool PACKED = false>
-__global__ void __launch_bounds__(256, 2)
-stage1_select_sm90(const __grid_constant__ Stage1SelectSm90Params<T, KT> p) {
-    const T* __restrict__ q = p.q;
-    int* __restrict__ topk_idx = p.topk_idx;
-    KT* __restrict__ scores = p.scores;
-    KT* __restrict__ block_scores = p.block_scores;
-    KT* __restrict__ bs_scratch = p.bs_scratch;
-    const int total_q = p.total_q, HQ = p.HQ, H = p.H, G = p.G, lgp = p.lgp;
-    const int out_len = p.out_len, olp = p.olp, K = p.K, max_n1 = p.max_n1;
-    const int init_blocks = p.init_blocks, local_blocks = p.local_blocks;
-    const int causal = p.causal, kind = p.kind, s1 = p.s1;
-    const float sl2 = p.sl2;
-    const int j_lo = RANGED ? p.j_lo : 0, j_hi = RANGED ? p.j_hi : out_len;
-    unsigned* __restrict__ cand_key = RANGED ? p.cand_key : nullptr;
-    int* __restrict__ cand_idx = RANGED ? p.cand_idx : nullptr;
-    float* __restrict__ row_bias = RANGED ? p.row_bias : nullptr;
-    const int bias_mode = RANGED ? p.bias_mode : 0;
-    const TmaMap& tm1 = p.tm1;
-    const TmaMap& tm2 = p.tm2;
+// The kernel's body (S1_BODY_CALL_ARGS): the full selection (the range fields constants) or a range pass.
+template <typename T, typename KT, int D, bool PACKED>
+__device__ __forceinline__ void stage1_select_sm90_body(S1_BODY_ARGS(STAGE1_SELECT_SM90_PARAMS)) {
     typedef KT key_t;
     constexpr int CH = D / 8;                 // 16-byte chunks per row
     constexpr int MT = 1;                     // m-tiles per warp (16 rows)
@@ -81,7 +63,7 @@ stage1_select_sm90(const __grid_constant__ Stage1SelectSm90Params<T, KT> p) {
     const int GP = 1 << lgp;
     const int TOK = 128 >> lgp;               // tokens per CTA
     S1Cta w;
-    if (!s1_cta(w, TOK, H, p.B, p.n_tiles, p.cu_q, p.cu_c1, p.cu_c2, p.cache_lens, s1, p.s2c, causal)) return;
+    if (!s1_cta(w, TOK, H, B, n_tiles, cu_q, cu_c1, cu_c2, cache_lens, s1, s2c, causal)) return;
     const bool ranged = cand_idx != nullptr;
     // a range pass runs the fine tiles [ft_lo, ft_lo + nf) (w.nf stays the CTA's visible tiles);
     // ft_lo = S1_FT_LO is re-derived from the parameter j_lo (0 in a full launch) where it is used
@@ -309,6 +291,14 @@ stage1_select_sm90(const __grid_constant__ Stage1SelectSm90Params<T, KT> p) {
     }
     // ---- per token: finish the block-key row (forced, uncomputed tail, padding), then top-K
     s1_finish_all<KT>(w, warp, NTHREADS / 32, lane, sT, sB, bs_scratch, score_row0, olp, out_len, init_blocks, local_blocks, K,
-                      max_n1, p.quirk, p.max_seqlen_q, scores, block_scores, topk_idx, p.topk_prefix, kind);
+                      max_n1, quirk, max_seqlen_q, scores, block_scores, topk_idx, topk_prefix, kind);
 }
 #undef S1_FT_LO
+
+// The full selection (RANGED = false: the range fields replaced by constants, so that the compiler
+// drops the range code) or a range pass (docs/stage1.md, 9. Long context: key ranges).
+template <typename T, typename KT, int D, bool RANGED, bool PACKED = false>
+__global__ void __launch_bounds__(256, 2)
+stage1_select_sm90(PARAM_ARGS(STAGE1_SELECT_SM90_PARAMS)) {
+    stage1_select_sm90_body<T, KT, D, PACKED>(S1_BODY_CALL_ARGS(RANGED), tm1, tm2);
+}
