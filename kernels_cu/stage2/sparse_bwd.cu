@@ -2,20 +2,20 @@
 //
 // Launch contract (mirrored by infllm_cupy/stage2/sparse_bwd.py, whose DELTA_PARAMS, TILES_PARAMS,
 // DQ_PARAMS and DKDV_PARAMS declare the parameter structs below field by field; the loader checks the
-// layouts at compile time). Each kernel takes its struct by value as its one argument. Inputs are
+// layouts at compile time). Each kernel takes the fields of its struct as its arguments. Inputs are
 // those of stage2_fwd (sparse_fwd.cu: q, k, v, the bitmask rows `masks` with mask_base /
 // mask_h_stride / mask_q_block, cu_seqlens_q/k, causal) plus dout [total_q, HQ, D] and the forward's
 // lse [HQ, total_q] (natural log).
-//   stage2_bwd_delta<T, D>(Stage2BwdDeltaParams<T>)   grid (cdiv(total_q * HQ, TILE_WARPS)), block 32 * TILE_WARPS
+//   stage2_bwd_delta<T, D>(the fields of Stage2BwdDeltaParams<T>)   grid (cdiv(total_q * HQ, TILE_WARPS)), block 32 * TILE_WARPS
 //       delta [HQ, total_q] f32 = rowsum(dout * out)
-//   stage2_bwd_tiles(Stage2BwdTilesParams)   grid (cdiv(max_groups * n_words, TILE_WARPS), H, B), block 32 * TILE_WARPS
+//   stage2_bwd_tiles(the fields of Stage2BwdTilesParams)   grid (cdiv(max_groups * n_words, TILE_WARPS), H, B), block 32 * TILE_WARPS
 //       ut: for each (h, b, key block j) a bitmask over the sequence's query tiles of `tile_rows`
 //       flattened (token, head-in-group) rows (64: the tiles of stage2_bwd_dkdv; G: one token per
 //       bit, the gathered tiles of stage2_bwd_dkdv_sm90); bit i is set iff some token of tile i
 //       selected j and may see it (causal). Row j of (h, b) starts at
 //       h * ut_h_stride + ut_off[b] + j * words_b, words_b = cdiv(cdiv(Lq_b * G, tile_rows), 32).
 //       Built by bit-transposing 32x32 blocks in registers: no atomics, no sort, no host sync.
-//   stage2_bwd_dq<T, D, WARPS, QH>(Stage2BwdDqParams<T>)   grid (cdiv(max_seqlen_q * G, 16 * WARPS), H, B), block 32 * WARPS
+//   stage2_bwd_dq<T, D, WARPS, QH>(the fields of Stage2BwdDqParams<T>)   grid (cdiv(max_seqlen_q * G, 16 * WARPS), H, B), block 32 * WARPS
 //       dyn smem (2 * 16 * WARPS * D + 4 * 64 * D) * sizeof(T) + 4 * n_words
 //       dq [total_q, HQ, D] T. The forward's loop (the union of the CTA's tokens' blocks) with
 //       dS = P * (dP - delta) and dq += dS K in place of the online softmax.
@@ -23,7 +23,7 @@
 //       QH = 2 (sparse_fwd.cu): H = HQ, G = 1, query head h reads K/V head h / kv_group of k, v's
 //       H / kv_group heads; grid (cdiv(max_seqlen_q, 16 * WARPS) * kv_group, H / kv_group, B), block x
 //       = tile * kv_group + head in group (docs/stage2_bwd.md, "Per-query-head mask rows").
-//   stage2_bwd_dkdv<T, D, KN, false, QH>(Stage2BwdDkdvParams<T>) grid (H, B, nz), block 128, in z-chunks:
+//   stage2_bwd_dkdv<T, D, KN, false, QH>(the fields of Stage2BwdDkdvParams<T>) grid (H, B, nz), block 128, in z-chunks:
 //       the launch with field kb0 runs key blocks kb0 .. kb0 + nz - 1 (nz <= 65535, CUDA's grid.z limit);
 //       the launcher covers cdiv(max_seqlen_k, 64) blocks with chunks of 65535 in order
 //       dyn smem (2 * 64 * D + 4 * 64 * D) * sizeof(T) + 2 * 3 * 64 * 4
@@ -83,21 +83,17 @@ __device__ __forceinline__ void two_products(float (&x)[NCOL / 8][4], float (&y)
 
 // ---------------------------------------------------------------------------------------------
 // delta = rowsum(dout * out) in fp32, one warp per (token, query head) row.
+#define STAGE2_BWD_DELTA_PARAMS(F, M) \
+    F(const T* __restrict__, dout)              /* [total_q, HQ, D] */ \
+    F(const T* __restrict__, out)               /* [total_q, HQ, D], the forward's output */ \
+    F(float* __restrict__, delta)               /* [HQ, total_q] */ \
+    F(int, total_q) F(int, HQ)
 template <typename T>
-struct Stage2BwdDeltaParams {
-    const T* dout;                // [total_q, HQ, D]
-    const T* out;                 // [total_q, HQ, D], the forward's output
-    float* delta;                 // [HQ, total_q]
-    int total_q, HQ;
-};
+struct Stage2BwdDeltaParams { PARAM_FIELDS(STAGE2_BWD_DELTA_PARAMS) };
 
 template <typename T, int D>
 __global__ void __launch_bounds__(32 * TILE_WARPS)
-stage2_bwd_delta(const __grid_constant__ Stage2BwdDeltaParams<T> p) {
-    const T* __restrict__ dout = param_field(p.dout);
-    const T* __restrict__ out = param_field(p.out);
-    float* __restrict__ delta = param_field(p.delta);
-    const int total_q = param_field(p.total_q), HQ = param_field(p.HQ);
+stage2_bwd_delta(PARAM_ARGS(STAGE2_BWD_DELTA_PARAMS)) {
     constexpr int E = D / 32;
     const int64 row = (int64)blockIdx.x * TILE_WARPS + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
@@ -120,32 +116,23 @@ stage2_bwd_delta(const __grid_constant__ Stage2BwdDeltaParams<T> p) {
 // Transposed selection: one warp per (32-tile group, mask word) of one (h, b). Lane i ORs the mask
 // words of tile i's tokens (clipped to blocks the tile may see), then 32 ballots turn the 32x32 bit
 // block around: lane k keeps the ballot of bit k, the tile bits of key block 32 w + k.
-struct Stage2BwdTilesParams {
-    const unsigned* masks;        // bitmask rows (stage2_fwd's layout, sparse_fwd.cu)
-    const int* mask_base;         // [B] first mask row of each sequence
-    const int* cu_seqlens_q;      // [B + 1]
-    const int* cu_seqlens_k;      // [B + 1]
-    const long long* ut_off;      // [B + 1] each sequence's first index word, per head
-    unsigned* ut;                 // [H * ut_h_stride] the transposed index (out)
-    long long ut_h_stride;        // index words per head
-    int G, n_words;               // query heads per KV head, mask words per row
-    long long mask_h_stride;      // mask rows between heads
-    int mask_q_block;             // tokens per mask row
-    int causal;
-    int tile_rows;                // flattened rows per bit: 64 (fixed tiles) or G (tokens)
-};
+#define STAGE2_BWD_TILES_PARAMS(F, M) \
+    F(const unsigned* __restrict__, masks)      /* bitmask rows (stage2_fwd's layout, sparse_fwd.cu) */ \
+    F(const int* __restrict__, mask_base)       /* [B] first mask row of each sequence */ \
+    F(const int* __restrict__, cu_seqlens_q)    /* [B + 1] */ \
+    F(const int* __restrict__, cu_seqlens_k)    /* [B + 1] */ \
+    F(const long long* __restrict__, ut_off)    /* [B + 1] each sequence's first index word, per head */ \
+    F(unsigned* __restrict__, ut)               /* [H * ut_h_stride] the transposed index (out) */ \
+    F(long long, ut_h_stride)                   /* index words per head */ \
+    F(int, G) F(int, n_words)                   /* query heads per KV head, mask words per row */ \
+    F(long long, mask_h_stride)                 /* mask rows between heads */ \
+    F(int, mask_q_block)                        /* tokens per mask row */ \
+    F(int, causal) \
+    F(int, tile_rows)                           /* flattened rows per bit: 64 (fixed tiles) or G (tokens) */
+struct Stage2BwdTilesParams { PARAM_FIELDS(STAGE2_BWD_TILES_PARAMS) };
 
 __global__ void __launch_bounds__(32 * TILE_WARPS)
-stage2_bwd_tiles(const __grid_constant__ Stage2BwdTilesParams p) {
-    const unsigned* __restrict__ masks = param_field(p.masks);
-    const int* __restrict__ mask_base = param_field(p.mask_base);
-    const int* __restrict__ cu_seqlens_q = param_field(p.cu_seqlens_q);
-    const int* __restrict__ cu_seqlens_k = param_field(p.cu_seqlens_k);
-    const long long* __restrict__ ut_off = param_field(p.ut_off);
-    unsigned* __restrict__ ut = param_field(p.ut);
-    const long long ut_h_stride = param_field(p.ut_h_stride), mask_h_stride = param_field(p.mask_h_stride);
-    const int G = param_field(p.G), n_words = param_field(p.n_words), mask_q_block = param_field(p.mask_q_block);
-    const int causal = param_field(p.causal), tile_rows = param_field(p.tile_rows);
+stage2_bwd_tiles(PARAM_ARGS(STAGE2_BWD_TILES_PARAMS)) {
     const int lane = threadIdx.x & 31;
     const int64 item = (int64)blockIdx.x * TILE_WARPS + (threadIdx.x >> 5);
     const int h = blockIdx.y, b = blockIdx.z;
@@ -175,55 +162,38 @@ stage2_bwd_tiles(const __grid_constant__ Stage2BwdTilesParams p) {
         if (lane == k) mine = r;
     }
     const int j = 32 * w + lane;
-    if (j < nb) ut[(int64)h * ut_h_stride + __ldg(ut_off + b) + (int64)j * groups + tg] = mine;
+    if (j < nb) ut[(int64)h * ut_h_stride + ut_off[b] + (int64)j * groups + tg] = mine;
 }
 
 // ---------------------------------------------------------------------------------------------
 // dq: CTA = M = 16 * WARPS consecutive flattened rows of one sequence and KV head, one m-tile per
 // warp; walks the union of its tokens' blocks like the forward and recomputes P from the lse.
 // 8-warp CTAs run one per SM with the full register file (a 128-register cap spills at D = 128).
+#define STAGE2_BWD_DQ_PARAMS(F, M) \
+    F(const T* __restrict__, q)                 /* [total_q, HQ, D] */ \
+    F(const T* __restrict__, k)                 /* [total_k, H, D] (QH 2: H / kv_group heads) */ \
+    F(const T* __restrict__, v)                 /* as k */ \
+    F(const T* __restrict__, dout)              /* [total_q, HQ, D] */ \
+    F(const float* __restrict__, lse)           /* [HQ, total_q], the forward's (natural log) */ \
+    F(const float* __restrict__, delta)         /* [HQ, total_q] (stage2_bwd_delta) */ \
+    F(const unsigned* __restrict__, masks)      /* bitmask rows (stage2_fwd's layout, sparse_fwd.cu) */ \
+    F(const int* __restrict__, mask_base)       /* [B] first mask row of each sequence */ \
+    F(const int* __restrict__, cu_seqlens_q)    /* [B + 1] */ \
+    F(const int* __restrict__, cu_seqlens_k)    /* [B + 1] */ \
+    F(T* __restrict__, dq)                      /* [total_q, HQ, D] (out) */ \
+    F(int, total_q) F(int, HQ) F(int, H) F(int, G) /* H, G: of the row space (QH 2: HQ, 1) */ \
+    F(int, n_words)                             /* mask words per row */ \
+    F(long long, mask_h_stride)                 /* mask rows between heads */ \
+    F(int, mask_q_block)                        /* tokens per mask row */ \
+    F(float, scale_log2) F(float, scale)        /* softmax scale times log2(e), softmax scale */ \
+    F(int, causal) \
+    F(int, kv_group)                            /* QH 2: query heads per K/V head (read only there) */
 template <typename T>
-struct Stage2BwdDqParams {
-    const T* q;                   // [total_q, HQ, D]
-    const T* k;                   // [total_k, H, D] (QH 2: H / kv_group heads)
-    const T* v;                   // as k
-    const T* dout;                // [total_q, HQ, D]
-    const float* lse;             // [HQ, total_q], the forward's (natural log)
-    const float* delta;           // [HQ, total_q] (stage2_bwd_delta)
-    const unsigned* masks;        // bitmask rows (stage2_fwd's layout, sparse_fwd.cu)
-    const int* mask_base;         // [B] first mask row of each sequence
-    const int* cu_seqlens_q;      // [B + 1]
-    const int* cu_seqlens_k;      // [B + 1]
-    T* dq;                        // [total_q, HQ, D] (out)
-    int total_q, HQ, H, G;        // H, G: of the row space (QH 2: HQ, 1)
-    int n_words;                  // mask words per row
-    long long mask_h_stride;      // mask rows between heads
-    int mask_q_block;             // tokens per mask row
-    float scale_log2, scale;      // softmax scale times log2(e), softmax scale
-    int causal;
-    int kv_group;                 // QH 2: query heads per K/V head (read only there)
-};
+struct Stage2BwdDqParams { PARAM_FIELDS(STAGE2_BWD_DQ_PARAMS) };
 
 template <typename T, int D, int WARPS, int QH = 0>
 __global__ void __launch_bounds__(32 * WARPS, WARPS == 4 ? 2 : 1)
-stage2_bwd_dq(const __grid_constant__ Stage2BwdDqParams<T> p) {
-    const T* __restrict__ q = param_field(p.q);
-    const T* __restrict__ k = param_field(p.k);
-    const T* __restrict__ v = param_field(p.v);
-    const T* __restrict__ dout = param_field(p.dout);
-    const float* __restrict__ lse = param_field(p.lse);
-    const float* __restrict__ delta = param_field(p.delta);
-    const unsigned* __restrict__ masks = param_field(p.masks);
-    const int* __restrict__ mask_base = param_field(p.mask_base);
-    const int* __restrict__ cu_seqlens_q = param_field(p.cu_seqlens_q);
-    const int* __restrict__ cu_seqlens_k = param_field(p.cu_seqlens_k);
-    T* __restrict__ dq = param_field(p.dq);
-    const int total_q = param_field(p.total_q), HQ = param_field(p.HQ), H = param_field(p.H), G = param_field(p.G);
-    const int n_words = param_field(p.n_words);
-    const long long mask_h_stride = param_field(p.mask_h_stride);
-    const int mask_q_block = param_field(p.mask_q_block);
-    const float scale_log2 = param_field(p.scale_log2), scale = param_field(p.scale);
-    const int causal = param_field(p.causal), kv_group = param_field(p.kv_group);
+stage2_bwd_dq(PARAM_ARGS(STAGE2_BWD_DQ_PARAMS)) {
     constexpr int THREADS = 32 * WARPS;
     constexpr int M = 16 * WARPS;
     constexpr int CH = D / 8;
@@ -356,63 +326,39 @@ stage2_bwd_dq(const __grid_constant__ Stage2BwdDqParams<T> p) {
 // dk, dv: CTA = one 64-key block j of one (h, b); warp w owns keys 16 w .. 16 w + 15 and computes
 // the transposed products S^T = K Q^T and dP^T = V dO^T over a tile's 64 query rows, KN at a
 // time, so that P^T and dS^T are already A operands of dV += P^T dO and dK += dS^T Q.
+#define STAGE2_BWD_DKDV_PARAMS(F, M) \
+    F(const T* __restrict__, q)                 /* [total_q, HQ, D] */ \
+    F(const T* __restrict__, k)                 /* [total_k, H, D] (QH 2: H / kv_group heads) */ \
+    F(const T* __restrict__, v)                 /* as k */ \
+    F(const T* __restrict__, dout)              /* [total_q, HQ, D] */ \
+    F(const float* __restrict__, lse)           /* [HQ, total_q], the forward's (natural log) */ \
+    F(const float* __restrict__, delta)         /* [HQ, total_q] (stage2_bwd_delta) */ \
+    F(const unsigned* __restrict__, masks)      /* bitmask rows (stage2_fwd's layout, sparse_fwd.cu) */ \
+    F(const int* __restrict__, mask_base)       /* [B] first mask row of each sequence */ \
+    F(const int* __restrict__, cu_seqlens_q)    /* [B + 1] */ \
+    F(const int* __restrict__, cu_seqlens_k)    /* [B + 1] */ \
+    F(const long long* __restrict__, ut_off)    /* [B + 1] the transposed index (stage2_bwd_tiles, tile_rows 64) */ \
+    F(const unsigned* __restrict__, ut) \
+    F(long long, ut_h_stride)                   /* index words per head */ \
+    F(T* __restrict__, dk)                      /* [total_k, H, D] (out; QH 2: per query head) */ \
+    F(T* __restrict__, dv)                      /* as dk */ \
+    F(int, total_q) F(int, HQ) F(int, H) F(int, G) /* H, G: of the row space (QH 2: HQ, 1) */ \
+    F(int, n_words)                             /* mask words per row */ \
+    F(long long, mask_h_stride)                 /* mask rows between heads */ \
+    F(int, mask_q_block)                        /* tokens per mask row */ \
+    F(float, scale_log2) F(float, scale)        /* softmax scale times log2(e), softmax scale */ \
+    F(int, causal) \
+    F(float* __restrict__, dk32)                /* FLUSH: [total_k, H, D] fp32 flushed sums (else unused) */ \
+    F(float* __restrict__, dv32)                /* as dk32 */ \
+    F(int, flush)                               /* FLUSH: query tiles summed in registers between flushes */ \
+    F(int, kv_group)                            /* QH 2: query heads per K/V head (read only there) */ \
+    F(int, kb0)                                 /* first key block of this launch's z-chunk */
 template <typename T>
-struct Stage2BwdDkdvParams {
-    const T* q;                   // [total_q, HQ, D]
-    const T* k;                   // [total_k, H, D] (QH 2: H / kv_group heads)
-    const T* v;                   // as k
-    const T* dout;                // [total_q, HQ, D]
-    const float* lse;             // [HQ, total_q], the forward's (natural log)
-    const float* delta;           // [HQ, total_q] (stage2_bwd_delta)
-    const unsigned* masks;        // bitmask rows (stage2_fwd's layout, sparse_fwd.cu)
-    const int* mask_base;         // [B] first mask row of each sequence
-    const int* cu_seqlens_q;      // [B + 1]
-    const int* cu_seqlens_k;      // [B + 1]
-    const long long* ut_off;      // [B + 1] the transposed index (stage2_bwd_tiles, tile_rows 64)
-    const unsigned* ut;
-    long long ut_h_stride;        // index words per head
-    T* dk;                        // [total_k, H, D] (out; QH 2: per query head)
-    T* dv;                        // as dk
-    int total_q, HQ, H, G;        // H, G: of the row space (QH 2: HQ, 1)
-    int n_words;                  // mask words per row
-    long long mask_h_stride;      // mask rows between heads
-    int mask_q_block;             // tokens per mask row
-    float scale_log2, scale;      // softmax scale times log2(e), softmax scale
-    int causal;
-    float* dk32;                  // FLUSH: [total_k, H, D] fp32 flushed sums (else unused)
-    float* dv32;                  // as dk32
-    int flush;                    // FLUSH: query tiles summed in registers between flushes
-    int kv_group;                 // QH 2: query heads per K/V head (read only there)
-    int kb0;                      // first key block of this launch's z-chunk
-};
+struct Stage2BwdDkdvParams { PARAM_FIELDS(STAGE2_BWD_DKDV_PARAMS) };
 
 template <typename T, int D, int KN, bool FLUSH, int QH = 0>
 __global__ void __launch_bounds__(128, 2)
-stage2_bwd_dkdv(const __grid_constant__ Stage2BwdDkdvParams<T> p) {
-    const T* __restrict__ q = param_field(p.q);
-    const T* __restrict__ k = param_field(p.k);
-    const T* __restrict__ v = param_field(p.v);
-    const T* __restrict__ dout = param_field(p.dout);
-    const float* __restrict__ lse = param_field(p.lse);
-    const float* __restrict__ delta = param_field(p.delta);
-    const unsigned* __restrict__ masks = param_field(p.masks);
-    const int* __restrict__ mask_base = param_field(p.mask_base);
-    const int* __restrict__ cu_seqlens_q = param_field(p.cu_seqlens_q);
-    const int* __restrict__ cu_seqlens_k = param_field(p.cu_seqlens_k);
-    const long long* __restrict__ ut_off = param_field(p.ut_off);
-    const unsigned* __restrict__ ut = param_field(p.ut);
-    const long long ut_h_stride = param_field(p.ut_h_stride);
-    T* __restrict__ dk = param_field(p.dk);
-    T* __restrict__ dv = param_field(p.dv);
-    const int total_q = param_field(p.total_q), HQ = param_field(p.HQ), H = param_field(p.H), G = param_field(p.G);
-    const int n_words = param_field(p.n_words);
-    const long long mask_h_stride = param_field(p.mask_h_stride);
-    const int mask_q_block = param_field(p.mask_q_block);
-    const float scale_log2 = param_field(p.scale_log2), scale = param_field(p.scale);
-    const int causal = param_field(p.causal);
-    float* __restrict__ dk32 = param_field(p.dk32);
-    float* __restrict__ dv32 = param_field(p.dv32);
-    const int flush = param_field(p.flush), kv_group = param_field(p.kv_group), kb0 = param_field(p.kb0);
+stage2_bwd_dkdv(PARAM_ARGS(STAGE2_BWD_DKDV_PARAMS)) {
     constexpr int THREADS = 128;
     constexpr int CH = D / 8;
     constexpr float LOG2E = 1.4426950408889634f;
@@ -437,7 +383,7 @@ stage2_bwd_dkdv(const __grid_constant__ Stage2BwdDkdvParams<T> p) {
     s2_seq_rows(sq, G);
     const int tiles = (int)((sq.rows_total + QT - 1) / QT);
     const int groups = (tiles + 31) >> 5;
-    const unsigned* urow = ut + (int64)h * ut_h_stride + __ldg(ut_off + b) + (int64)j * groups;
+    const unsigned* urow = ut + (int64)h * ut_h_stride + ut_off[b] + (int64)j * groups;
     const unsigned* mrows = seq_mask_rows(masks, mask_base, b, h, mask_h_stride, n_words);
     const int kbase = j * BLOCK_N;
 
@@ -485,8 +431,8 @@ stage2_bwd_dkdv(const __grid_constant__ Stage2BwdDkdvParams<T> p) {
                 if (s && rk >= kbase) {
                     lim = rk;
                     const int64 li = ((int64)h * G + g) * total_q + sq.qs + t;
-                    l2 = __ldg(lse + li) * LOG2E;
-                    dl = __ldg(delta + li);
+                    l2 = lse[li] * LOG2E;
+                    dl = delta[li];
                 }
             }
             sLim[stage * QT + tid] = lim;

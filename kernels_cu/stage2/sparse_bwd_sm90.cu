@@ -2,11 +2,11 @@
 //
 // Launch contract (mirrored by infllm_cupy/stage2/sparse_bwd.py, whose DKDV_SM90_PARAMS and
 // DKDV_PARTS_PARAMS declare the parameter structs below field by field; the loader checks the layouts
-// at compile time). Each kernel takes its struct by value as its one argument. Fields, semantics and
+// at compile time). Each kernel takes the fields of its struct as its arguments. Fields, semantics and
 // outputs are those of stage2_bwd_dkdv in sparse_bwd.cu (delta and the transposed tile index come
 // from that file's two small kernels); capability 9.0 only. The sm_90a dq kernel runs on the
 // forward's K/V ring: stage2_bwd_dq_ring_sm90 in sparse_bwd_dq_sm90.cu (the ring: ring_sm90.cuh).
-//   stage2_bwd_dkdv_sm90<T, D, GATHER, QH>(Stage2BwdDkdvSm90Params<T>)   grid (H B split0 + H B (n_kb - 1))   block 128
+//   stage2_bwd_dkdv_sm90<T, D, GATHER, QH>(the fields of Stage2BwdDkdvSm90Params<T>)   grid (H B split0 + H B (n_kb - 1))   block 128
 //       n_kb = cdiv(max_seqlen_k, 64). CTA order: first the split0 parts of block 0 of every
 //       (sequence, head) (every token selects block 0: alone it would be the longest CTA), then
 //       order = 1: one (sequence, head) after another, key blocks 1, 2, ... within it (CTAs in
@@ -50,7 +50,7 @@
 //       QH = 2 (default 0), field kv_group: per-query-head mask rows, as stage2_bwd_dkdv's
 //       QH = 2 (sparse_bwd.cu): H = HQ, G = 1, K and V read at head h / kv_group, dk, dv (and dk32,
 //       dv32, part0) per query head; the launcher sums dk, dv over each group in fp32.
-//   stage2_bwd_dkdv_parts<T, D>(Stage2BwdDkdvPartsParams<T>)   grid (H B)   block 256: block 0's dk,
+//   stage2_bwd_dkdv_parts<T, D>(the fields of Stage2BwdDkdvPartsParams<T>)   grid (H B)   block 256: block 0's dk,
 //       dv from the parts.
 //
 // One warpgroup per CTA, every product on wgmma with 128-byte-swizzled shared-memory tiles (the
@@ -276,81 +276,50 @@ __device__ __forceinline__ void dkdv_epilogue(float (&adk)[D / 2], float (&adv)[
     }
 }
 
+#define STAGE2_BWD_DKDV_SM90_PARAMS(F, M) \
+    F(const T* __restrict__, q)                 /* [total_q, HQ, D] */ \
+    F(const T* __restrict__, k)                 /* [total_k, H, D] (QH 2, 3: H / kv_group heads) */ \
+    F(const T* __restrict__, v)                 /* as k */ \
+    F(const T* __restrict__, dout)              /* [total_q, HQ, D] */ \
+    F(const float* __restrict__, lse)           /* [HQ, total_q], the forward's (natural log) */ \
+    F(const float* __restrict__, delta)         /* [HQ, total_q] (stage2_bwd_delta) */ \
+    F(const unsigned* __restrict__, masks)      /* bitmask rows (stage2_fwd's layout, sparse_fwd.cu) */ \
+    F(const int* __restrict__, mask_base)       /* [B] first mask row of each sequence */ \
+    F(const int* __restrict__, cu_seqlens_q)    /* [B + 1] */ \
+    F(const int* __restrict__, cu_seqlens_k)    /* [B + 1] */ \
+    F(const long long* __restrict__, ut_off)    /* [B + 1] this instance's transposed index (stage2_bwd_tiles) */ \
+    F(const unsigned* __restrict__, ut) \
+    F(long long, ut_h_stride)                   /* index words per head */ \
+    F(const long long* __restrict__, vt_off)    /* the other mode's index ("sm90a_auto"), or null */ \
+    F(const unsigned* __restrict__, vt) \
+    F(long long, vt_h_stride) \
+    F(T* __restrict__, dk)                      /* [total_k, H, D] (out; QH 2: per query head, QH 3: per KV head) */ \
+    F(T* __restrict__, dv)                      /* as dk */ \
+    F(float* __restrict__, part0)               /* split0 > 1: [H B][split0][2][64][D] block 0's part sums */ \
+    F(int, n_seq) F(int, n_kb)                  /* sequences, cdiv(max_seqlen_k, 64) */ \
+    F(int, split0)                              /* CTAs of block 0 per (sequence, head) */ \
+    F(int, order)                               /* CTA order: 1 (sequence, head) slowest, 0 key block slowest */ \
+    M(tmap_q)                                   /* use_tma: q [total_q, HQ, D] in boxes of 64 / G tokens x G heads */ \
+    M(tmap_do)                                  /* the same over dout */ \
+    F(int, use_tma) \
+    F(int, total_q) F(int, HQ) F(int, H) F(int, G) /* H, G: of the row space (QH 2, 3: HQ, 1) */ \
+    F(int, n_words)                             /* mask words per row */ \
+    F(long long, mask_h_stride)                 /* mask rows between heads */ \
+    F(int, mask_q_block)                        /* tokens per mask row */ \
+    F(float, scale_log2) F(float, scale)        /* softmax scale times log2(e), softmax scale */ \
+    F(int, causal) \
+    F(float* __restrict__, dk32)                /* query-range passes: [total_k, H, D] fp32 sums, else null */ \
+    F(float* __restrict__, dv32)                /* as dk32 */ \
+    F(int, q_lo) F(int, q_hi)                   /* this pass's tokens of each sequence */ \
+    F(int, last_pass)                           /* 1: this pass writes dk, dv */ \
+    F(int, pdl)                                 /* 1: passes launched as programmatic dependents (griddepcontrol) */ \
+    F(int, kv_group)                            /* QH 2, 3: query heads per K/V head (read only there) */
 template <typename T>
-struct Stage2BwdDkdvSm90Params {
-    const T* q;                   // [total_q, HQ, D]
-    const T* k;                   // [total_k, H, D] (QH 2, 3: H / kv_group heads)
-    const T* v;                   // as k
-    const T* dout;                // [total_q, HQ, D]
-    const float* lse;             // [HQ, total_q], the forward's (natural log)
-    const float* delta;           // [HQ, total_q] (stage2_bwd_delta)
-    const unsigned* masks;        // bitmask rows (stage2_fwd's layout, sparse_fwd.cu)
-    const int* mask_base;         // [B] first mask row of each sequence
-    const int* cu_seqlens_q;      // [B + 1]
-    const int* cu_seqlens_k;      // [B + 1]
-    const long long* ut_off;      // [B + 1] this instance's transposed index (stage2_bwd_tiles)
-    const unsigned* ut;
-    long long ut_h_stride;        // index words per head
-    const long long* vt_off;      // the other mode's index ("sm90a_auto"), or null
-    const unsigned* vt;
-    long long vt_h_stride;
-    T* dk;                        // [total_k, H, D] (out; QH 2: per query head, QH 3: per KV head)
-    T* dv;                        // as dk
-    float* part0;                 // split0 > 1: [H B][split0][2][64][D] block 0's part sums
-    int n_seq, n_kb;              // sequences, cdiv(max_seqlen_k, 64)
-    int split0;                   // CTAs of block 0 per (sequence, head)
-    int order;                    // CTA order: 1 (sequence, head) slowest, 0 key block slowest
-    TmaMap tmap_q;                // use_tma: q [total_q, HQ, D] in boxes of 64 / G tokens x G heads
-    TmaMap tmap_do;               // the same over dout
-    int use_tma;
-    int total_q, HQ, H, G;        // H, G: of the row space (QH 2, 3: HQ, 1)
-    int n_words;                  // mask words per row
-    long long mask_h_stride;      // mask rows between heads
-    int mask_q_block;             // tokens per mask row
-    float scale_log2, scale;      // softmax scale times log2(e), softmax scale
-    int causal;
-    float* dk32;                  // query-range passes: [total_k, H, D] fp32 sums, else null
-    float* dv32;                  // as dk32
-    int q_lo, q_hi;               // this pass's tokens of each sequence
-    int last_pass;                // 1: this pass writes dk, dv
-    int pdl;                      // 1: passes launched as programmatic dependents (griddepcontrol)
-    int kv_group;                 // QH 2, 3: query heads per K/V head (read only there)
-};
+struct Stage2BwdDkdvSm90Params { PARAM_FIELDS(STAGE2_BWD_DKDV_SM90_PARAMS) };
 
 template <typename T, int D, bool GATHER, int QH = 0>
 __global__ void __launch_bounds__(128, 2)
-stage2_bwd_dkdv_sm90(const __grid_constant__ Stage2BwdDkdvSm90Params<T> p) {
-    const T* __restrict__ q = param_field(p.q);
-    const T* __restrict__ k = param_field(p.k);
-    const T* __restrict__ v = param_field(p.v);
-    const T* __restrict__ dout = param_field(p.dout);
-    const float* __restrict__ lse = param_field(p.lse);
-    const float* __restrict__ delta = param_field(p.delta);
-    const unsigned* __restrict__ masks = param_field(p.masks);
-    const int* __restrict__ mask_base = param_field(p.mask_base);
-    const int* __restrict__ cu_seqlens_q = param_field(p.cu_seqlens_q);
-    const int* __restrict__ cu_seqlens_k = param_field(p.cu_seqlens_k);
-    const long long* __restrict__ ut_off = param_field(p.ut_off);
-    const unsigned* __restrict__ ut = param_field(p.ut);
-    const long long ut_h_stride = param_field(p.ut_h_stride);
-    const long long* __restrict__ vt_off = param_field(p.vt_off);
-    const unsigned* __restrict__ vt = param_field(p.vt);
-    const long long vt_h_stride = param_field(p.vt_h_stride);
-    T* __restrict__ dk = param_field(p.dk);
-    T* __restrict__ dv = param_field(p.dv);
-    float* __restrict__ part0 = param_field(p.part0);
-    const int n_seq = param_field(p.n_seq), n_kb = param_field(p.n_kb), split0 = param_field(p.split0);
-    const int order = param_field(p.order), use_tma = param_field(p.use_tma);
-    const int total_q = param_field(p.total_q), HQ = param_field(p.HQ), H = param_field(p.H), G = param_field(p.G);
-    const int n_words = param_field(p.n_words);
-    const long long mask_h_stride = param_field(p.mask_h_stride);
-    const int mask_q_block = param_field(p.mask_q_block);
-    const float scale_log2 = param_field(p.scale_log2), scale = param_field(p.scale);
-    const int causal = param_field(p.causal);
-    float* __restrict__ dk32 = param_field(p.dk32);
-    float* __restrict__ dv32 = param_field(p.dv32);
-    const int q_lo = param_field(p.q_lo), q_hi = param_field(p.q_hi), last_pass = param_field(p.last_pass);
-    const int pdl = param_field(p.pdl), kv_group = param_field(p.kv_group);
+stage2_bwd_dkdv_sm90(PARAM_ARGS(STAGE2_BWD_DKDV_SM90_PARAMS)) {
     constexpr int CH = D / 8;
     constexpr u32 TILE = 64 * D * sizeof(T);
     constexpr u32 HALF = 64 * 128;
@@ -395,7 +364,7 @@ stage2_bwd_dkdv_sm90(const __grid_constant__ Stage2BwdDkdvSm90Params<T> p) {
     // bits of one index row: tokens (GATHER) or 64-row tiles
     const int units = GATHER ? sq.Lq : (int)((sq.rows_total + QT - 1) / QT);
     const int groups = (units + 31) >> 5;
-    const unsigned* urow = ut + (int64)h * ut_h_stride + __ldg(ut_off + b) + (int64)j * groups;
+    const unsigned* urow = ut + (int64)h * ut_h_stride + ut_off[b] + (int64)j * groups;
     const unsigned* mrows = seq_mask_rows(masks, mask_base, b, h, mask_h_stride, n_words);
     const int kbase = j * BLOCK_N;
     const int tpt = GATHER ? min(64 / G, GATHER_MAX) : 0;   // tokens per gathered tile
@@ -408,7 +377,7 @@ stage2_bwd_dkdv_sm90(const __grid_constant__ Stage2BwdDkdvSm90Params<T> p) {
     if (vt != nullptr) {
         const int units_v = GATHER ? (int)((sq.rows_total + QT - 1) / QT) : sq.Lq;
         const int groups_v = (units_v + 31) >> 5;
-        const unsigned* vrow = vt + (int64)h * vt_h_stride + __ldg(vt_off + b) + (int64)j * groups_v;
+        const unsigned* vrow = vt + (int64)h * vt_h_stride + vt_off[b] + (int64)j * groups_v;
         int own = 0, other = 0;
         for (int w = tid; w < groups; w += 128) own += __popc(__ldg(urow + w));
         for (int w = tid; w < groups_v; w += 128) other += __popc(__ldg(vrow + w));
@@ -586,8 +555,8 @@ stage2_bwd_dkdv_sm90(const __grid_constant__ Stage2BwdDkdvSm90Params<T> p) {
                 mbar_arrive_expect_tx(bar, 2 * TILE);
 #pragma unroll
                 for (int half = 0; half < D / 64; ++half) {
-                    tma_load_3d(dq_ + half * HALF, p.tmap_q, half * 64, h * G, sq.qs + t0, bar);
-                    tma_load_3d(do_ + half * HALF, p.tmap_do, half * 64, h * G, sq.qs + t0, bar);
+                    tma_load_3d(dq_ + half * HALF, tmap_q, half * 64, h * G, sq.qs + t0, bar);
+                    tma_load_3d(do_ + half * HALF, tmap_do, half * 64, h * G, sq.qs + t0, bar);
                 }
             }
             return true;
@@ -694,33 +663,27 @@ stage2_bwd_dkdv_sm90(const __grid_constant__ Stage2BwdDkdvSm90Params<T> p) {
 
 // dk, dv of block 0 from the split0 parts' fp32 sums (see the launch contract), added in part
 // order so the result is the same bits on every run.   grid (H B)   block 256
+#define STAGE2_BWD_DKDV_PARTS_PARAMS(F, M) \
+    F(const float* __restrict__, part0)         /* [H B][split0][2][64][D] (stage2_bwd_dkdv_sm90) */ \
+    F(const int* __restrict__, cu_seqlens_k)    /* [B + 1] */ \
+    F(T* __restrict__, dk)                      /* [total_k, H, D] (out: block 0's rows) */ \
+    F(T* __restrict__, dv)                      /* as dk */ \
+    F(int, H) F(int, split0) \
+    F(float, scale)                             /* softmax scale (dk's) */
 template <typename T>
-struct Stage2BwdDkdvPartsParams {
-    const float* part0;           // [H B][split0][2][64][D] (stage2_bwd_dkdv_sm90)
-    const int* cu_seqlens_k;      // [B + 1]
-    T* dk;                        // [total_k, H, D] (out: block 0's rows)
-    T* dv;                        // as dk
-    int H, split0;
-    float scale;                  // softmax scale (dk's)
-};
+struct Stage2BwdDkdvPartsParams { PARAM_FIELDS(STAGE2_BWD_DKDV_PARTS_PARAMS) };
 
 template <typename T, int D>
 __global__ void __launch_bounds__(256)
-stage2_bwd_dkdv_parts(const __grid_constant__ Stage2BwdDkdvPartsParams<T> p) {
-    const float* __restrict__ part0 = param_field(p.part0);
-    const int* __restrict__ cu_seqlens_k = param_field(p.cu_seqlens_k);
-    T* __restrict__ dk = param_field(p.dk);
-    T* __restrict__ dv = param_field(p.dv);
-    const int H = param_field(p.H), split0 = param_field(p.split0);
-    const float scale = param_field(p.scale);
+stage2_bwd_dkdv_parts(PARAM_ARGS(STAGE2_BWD_DKDV_PARTS_PARAMS)) {
     const int hb = blockIdx.x, b = hb / H, h = hb - b * H;
-    const int ks = __ldg(cu_seqlens_k + b), Lk = min(__ldg(cu_seqlens_k + b + 1) - ks, 64);
+    const int ks = cu_seqlens_k[b], Lk = min(cu_seqlens_k[b + 1] - ks, 64);
     const float* pk = part0 + (int64)hb * split0 * 2 * 64 * D;
     for (int i = threadIdx.x; i < Lk * D; i += blockDim.x) {
         float sk = 0.f, sv = 0.f;
         for (int part = 0; part < split0; ++part) {
-            sk += __ldg(pk + (int64)part * 2 * 64 * D + i);
-            sv += __ldg(pk + (int64)part * 2 * 64 * D + 64 * D + i);
+            sk += pk[(int64)part * 2 * 64 * D + i];
+            sv += pk[(int64)part * 2 * 64 * D + 64 * D + i];
         }
         const int64 o = ((int64)(ks + i / D) * H + h) * D + i % D;
         dk[o] = from_float<T>(sk * scale);
