@@ -89,6 +89,25 @@ __device__ __forceinline__ void ldsm_offsets(int lane, int row0, int rowb, u32 (
     }
 }
 
+// S = Q K^T of one 16-row x 16-key tile over D, from swizzled shared-memory tiles at q_s and kt
+// (offsets from ldsm_offsets): s[t][e] is row g + 8 (e / 2), key 8 t + 2 c + e % 2 (g = lane / 4,
+// c = lane % 4). Q fragments are read from shared memory at every k step: holding them in registers
+// (D / 4 per thread) would cost the decode kernels the occupancy that keeps their loads in flight.
+template <typename T, int D>
+__device__ __forceinline__ void qk_tile_16x16(float (&s)[2][4], u32 q_s, u32 kt, const u32 (&a_off)[4],
+                                              const u32 (&b_off)[4]) {
+#pragma unroll
+    for (int t = 0; t < 2; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+        u32 qf[4], bk[4];
+        ldmatrix_x4(qf, q_s + a_off[ks & 3] + (ks >> 2) * 128);
+        ldmatrix_x4(bk, kt + b_off[ks & 3] + (ks >> 2) * 128);
+        mma_16816<T>(s[0], qf, bk[0], bk[1]);
+        mma_16816<T>(s[1], qf, bk[2], bk[3]);
+    }
+}
+
 // The A fragment of a 16x16 operand from two 16x8 accumulator tiles (columns 0-7 and 8-15): the
 // C layout of mma.m16n8k16 is its A layout, so P or dS feeds the next product from registers.
 template <typename T>

@@ -132,22 +132,6 @@ __device__ __forceinline__ void sel_load_tile(u32 dst, const T* __restrict__ ck,
     }
 }
 
-// S = Q K^T of one tile for this warp: rows 16 mt + g + 8 (e / 2), keys 16 kw + 8 t + 2 c + e % 2.
-template <typename T, int D>
-__device__ __forceinline__ void sel_tile_scores(float (&s)[2][4], u32 q_s, u32 kt, const u32 (&a_off)[4],
-                                                const u32 (&b_off)[4]) {
-#pragma unroll
-    for (int t = 0; t < 2; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-        u32 qf[4], bk[4];
-        ldmatrix_x4(qf, q_s + a_off[ks & 3] + (ks >> 2) * 128);
-        ldmatrix_x4(bk, kt + b_off[ks & 3] + (ks >> 2) * 128);
-        mma_16816<T>(s[0], qf, bk[0], bk[1]);
-        mma_16816<T>(s[1], qf, bk[2], bk[3]);
-    }
-}
-
 // The score kernels' pipeline (docs/decode.md, 14. Stage 1 for decode: the split kernels): Q and the
 // first SEL_NST - 1 tiles of ck keys [k0, k0 + 64 nt) into the ring, one cp.async group a tile (Q in
 // the first); sel_score_tiles runs the loop.
@@ -164,7 +148,7 @@ __device__ __forceinline__ void sel_ring_start(u32 q_s, u32 ck_s, const T* __res
 }
 
 // The tiles i < nt that sel_ring_start began: tile i + SEL_NST - 1 is copied while tile i is scored,
-// and this warp's S of tile i (sel_tile_scores: rows 16 mt + ..., keys 16 kw + ...) goes to use(i, s).
+// and this warp's S of tile i (qk_tile_16x16: rows 16 mt + ..., keys 16 kw + ...) goes to use(i, s).
 // `use` must pass a CTA barrier after its last read of the ring: the next copy overwrites tile i's stage.
 template <typename T, int D, int MT, typename Use>
 __device__ __forceinline__ void sel_score_tiles(u32 q_s, u32 ck_s, const T* __restrict__ ck, int b, int h, int H,
@@ -181,7 +165,7 @@ __device__ __forceinline__ void sel_score_tiles(u32 q_s, u32 ck_s, const T* __re
         cp_async_wait<SEL_NST - 1>();
         __syncthreads();
         float s[2][4];
-        sel_tile_scores<T, D>(s, q_s, ck_s + (i % SEL_NST) * SM::TILE + 16 * kw * SM::ROWB, a_off, b_off);
+        qk_tile_16x16<T, D>(s, q_s, ck_s + (i % SEL_NST) * SM::TILE + 16 * kw * SM::ROWB, a_off, b_off);
         use(i, s);
     }
     cp_async_wait<0>();

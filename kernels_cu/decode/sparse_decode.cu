@@ -289,17 +289,8 @@ sparse_decode_split(PARAM_ARGS(SPARSE_DECODE_SPLIT_PARAMS)) {
         const u32 kt = kv_s + (i % NS) * KVLayout<D>::STAGE + 16 * kw * ROWB;
         const u32 vt = kt + KVLayout<D>::TILE;
 
-        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) {
-            // Q fragments come from shared memory at every k step: holding them in registers
-            // (D/4 per thread) would cost the occupancy that keeps enough K/V loads in flight
-            u32 qf[4], bk[4];
-            ldmatrix_x4(qf, q_s + a_off[ks & 3] + (ks >> 2) * 128);
-            ldmatrix_x4(bk, kt + b_off[ks & 3] + (ks >> 2) * 128);
-            mma_16816<T>(s[0], qf, bk[0], bk[1]);
-            mma_16816<T>(s[1], qf, bk[2], bk[3]);
-        }
+        float s[2][4];
+        qk_tile_16x16<T, D>(s, q_s, kt, a_off, b_off);
 #pragma unroll
         for (int t = 0; t < 2; ++t)
 #pragma unroll
