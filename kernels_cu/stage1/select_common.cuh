@@ -594,10 +594,19 @@ __device__ __forceinline__ void select_row_cand(key_t* row, int wr, int jpre, in
     select_keys<key_t, true>(row, wr, jpre, K, j_lo, lane, out_idx, out_key);
 }
 
-// The fine tiles [ft_lo, ft_lo + nf) that a range pass computes, from the CTA's visible tiles nf_all.
-__device__ __forceinline__ void s1_range_tiles(int nf_all, int j_lo, int j_hi, int& ft_lo, int& nf) {
-    ft_lo = max(0, j_lo / 16 - 1);
-    nf = max(0, min(nf_all, (j_hi + 15) / 16) - ft_lo);
+// The number of fine tiles a CTA computes: the w.nf its tokens see, or in a range pass (`ranged`)
+// those of [ft_lo, ft_lo + nf) that reach [j_lo, j_hi), ft_lo = max(0, j_lo / 16 - 1) (S1_FT_LO,
+// re-derived from j_lo where it is used; w.nf stays the CTA's visible tiles). A range pass drops the
+// coarse tiles (w.nc = 0) where it loads the row bias (bias_mode 2), or has no fine tile and no bias
+// to store.
+__device__ __forceinline__ int s1_pass_fine_tiles(S1Cta& w, bool ranged, int j_lo, int j_hi, int bias_mode) {
+    int nf = w.nf;
+    if (ranged) {
+        const int ft_lo = max(0, j_lo / 16 - 1);
+        nf = max(0, min(w.nf, (j_hi + 15) / 16) - ft_lo);
+        if (bias_mode == 2 || (nf == 0 && bias_mode != 1)) w.nc = 0;
+    }
+    return nf;
 }
 
 // A range pass after the tile loop: warp `warp` of `nwarps` completes each of its tokens' range row

@@ -65,14 +65,7 @@ __device__ __forceinline__ void stage1_select_sm90_body(S1_BODY_ARGS(STAGE1_SELE
     S1Cta w;
     if (!s1_cta(w, TOK, H, B, n_tiles, cu_q, cu_c1, cu_c2, cache_lens, s1, s2c, causal)) return;
     const bool ranged = cand_idx != nullptr;
-    // a range pass runs the fine tiles [ft_lo, ft_lo + nf) (w.nf stays the CTA's visible tiles);
-    // ft_lo = S1_FT_LO is re-derived from the parameter j_lo (0 in a full launch) where it is used
-    int nf = w.nf;
-    if (ranged) {
-        int ft_lo;
-        s1_range_tiles(w.nf, j_lo, j_hi, ft_lo, nf);
-        if (bias_mode == 2 || (nf == 0 && bias_mode != 1)) w.nc = 0;
-    }
+    const int nf = s1_pass_fine_tiles(w, ranged, j_lo, j_hi, bias_mode);   // fine tiles from S1_FT_LO
 #define S1_FT_LO max(0, j_lo / 16 - 1)
     const int NT = w.nc + nf;
 
