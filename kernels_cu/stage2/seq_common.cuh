@@ -22,6 +22,25 @@
     F(float, scale_log2)                        /* softmax scale * log2(e) */ \
     F(int, causal)                              /* 1: bottom-right causal */
 
+// The fields every dq and dk/dv kernel of the backward takes (sparse_bwd.cu, sparse_bwd_sm90.cu,
+// sparse_bwd_dq_sm90.cu; the launcher's `inputs` and `rows`): after q, K/V and dout, the forward's
+// lse, delta and the mask rows and sequences ...
+#define STAGE2_BWD_INPUT_FIELDS(F, M) \
+    F(const float* __restrict__, lse)           /* [HQ, total_q], the forward's (natural log) */ \
+    F(const float* __restrict__, delta)         /* [HQ, total_q] (stage2_bwd_delta) */ \
+    F(const unsigned* __restrict__, masks)      /* bitmask rows (stage2_fwd's layout, sparse_fwd.cu) */ \
+    F(const int* __restrict__, mask_base)       /* [B] first mask row of each sequence */ \
+    F(const int* __restrict__, cu_seqlens_q)    /* [B + 1] */ \
+    F(const int* __restrict__, cu_seqlens_k)    /* [B + 1] */
+// ... and, after the outputs, the shapes and the scale
+#define STAGE2_BWD_ROW_FIELDS(F, M) \
+    F(int, total_q) F(int, HQ) F(int, H) F(int, G) /* H, G: of the row space (QH 2, 3: HQ, 1) */ \
+    F(int, n_words)                             /* mask words per row */ \
+    F(long long, mask_h_stride)                 /* mask rows between heads */ \
+    F(int, mask_q_block)                        /* tokens per mask row */ \
+    F(float, scale_log2) F(float, scale)        /* softmax scale times log2(e), softmax scale */ \
+    F(int, causal)
+
 struct S2Seq {
     int qs, Lq;          // the sequence's first query token in q / out (packed), its query count
     int ks, Lk;          // the same for k / v

@@ -174,19 +174,9 @@ stage2_bwd_tiles(PARAM_ARGS(STAGE2_BWD_TILES_PARAMS)) {
     F(const T* __restrict__, k)                 /* [total_k, H, D] (QH 2: H / kv_group heads) */ \
     F(const T* __restrict__, v)                 /* as k */ \
     F(const T* __restrict__, dout)              /* [total_q, HQ, D] */ \
-    F(const float* __restrict__, lse)           /* [HQ, total_q], the forward's (natural log) */ \
-    F(const float* __restrict__, delta)         /* [HQ, total_q] (stage2_bwd_delta) */ \
-    F(const unsigned* __restrict__, masks)      /* bitmask rows (stage2_fwd's layout, sparse_fwd.cu) */ \
-    F(const int* __restrict__, mask_base)       /* [B] first mask row of each sequence */ \
-    F(const int* __restrict__, cu_seqlens_q)    /* [B + 1] */ \
-    F(const int* __restrict__, cu_seqlens_k)    /* [B + 1] */ \
+    STAGE2_BWD_INPUT_FIELDS(F, M) \
     F(T* __restrict__, dq)                      /* [total_q, HQ, D] (out) */ \
-    F(int, total_q) F(int, HQ) F(int, H) F(int, G) /* H, G: of the row space (QH 2: HQ, 1) */ \
-    F(int, n_words)                             /* mask words per row */ \
-    F(long long, mask_h_stride)                 /* mask rows between heads */ \
-    F(int, mask_q_block)                        /* tokens per mask row */ \
-    F(float, scale_log2) F(float, scale)        /* softmax scale times log2(e), softmax scale */ \
-    F(int, causal) \
+    STAGE2_BWD_ROW_FIELDS(F, M) \
     F(int, kv_group)                            /* QH 2: query heads per K/V head (read only there) */
 template <typename T>
 struct Stage2BwdDqParams { PARAM_FIELDS(STAGE2_BWD_DQ_PARAMS) };
@@ -331,23 +321,13 @@ stage2_bwd_dq(PARAM_ARGS(STAGE2_BWD_DQ_PARAMS)) {
     F(const T* __restrict__, k)                 /* [total_k, H, D] (QH 2: H / kv_group heads) */ \
     F(const T* __restrict__, v)                 /* as k */ \
     F(const T* __restrict__, dout)              /* [total_q, HQ, D] */ \
-    F(const float* __restrict__, lse)           /* [HQ, total_q], the forward's (natural log) */ \
-    F(const float* __restrict__, delta)         /* [HQ, total_q] (stage2_bwd_delta) */ \
-    F(const unsigned* __restrict__, masks)      /* bitmask rows (stage2_fwd's layout, sparse_fwd.cu) */ \
-    F(const int* __restrict__, mask_base)       /* [B] first mask row of each sequence */ \
-    F(const int* __restrict__, cu_seqlens_q)    /* [B + 1] */ \
-    F(const int* __restrict__, cu_seqlens_k)    /* [B + 1] */ \
+    STAGE2_BWD_INPUT_FIELDS(F, M) \
     F(const long long* __restrict__, ut_off)    /* [B + 1] the transposed index (stage2_bwd_tiles, tile_rows 64) */ \
     F(const unsigned* __restrict__, ut) \
     F(long long, ut_h_stride)                   /* index words per head */ \
     F(T* __restrict__, dk)                      /* [total_k, H, D] (out; QH 2: per query head) */ \
     F(T* __restrict__, dv)                      /* as dk */ \
-    F(int, total_q) F(int, HQ) F(int, H) F(int, G) /* H, G: of the row space (QH 2: HQ, 1) */ \
-    F(int, n_words)                             /* mask words per row */ \
-    F(long long, mask_h_stride)                 /* mask rows between heads */ \
-    F(int, mask_q_block)                        /* tokens per mask row */ \
-    F(float, scale_log2) F(float, scale)        /* softmax scale times log2(e), softmax scale */ \
-    F(int, causal) \
+    STAGE2_BWD_ROW_FIELDS(F, M) \
     F(float* __restrict__, dk32)                /* FLUSH: [total_k, H, D] fp32 flushed sums (else unused) */ \
     F(float* __restrict__, dv32)                /* as dk32 */ \
     F(int, flush)                               /* FLUSH: query tiles summed in registers between flushes */ \

@@ -29,19 +29,9 @@
     F(const T* __restrict__, dout)              /* [total_q, HQ, D] */ \
     M(tmap_k)                                   /* k [total_k, H, D] in 64-row boxes (_tma.rows_map; QH 2: H / kv_group heads) */ \
     M(tmap_v)                                   /* the same over v */ \
-    F(const float* __restrict__, lse)           /* [HQ, total_q], the forward's (natural log) */ \
-    F(const float* __restrict__, delta)         /* [HQ, total_q] (stage2_bwd_delta) */ \
-    F(const unsigned* __restrict__, masks)      /* bitmask rows (stage2_fwd's layout, sparse_fwd.cu) */ \
-    F(const int* __restrict__, mask_base)       /* [B] first mask row of each sequence */ \
-    F(const int* __restrict__, cu_seqlens_q)    /* [B + 1] */ \
-    F(const int* __restrict__, cu_seqlens_k)    /* [B + 1] */ \
+    STAGE2_BWD_INPUT_FIELDS(F, M) \
     F(T* __restrict__, dq)                      /* [total_q, HQ, D] (out) */ \
-    F(int, total_q) F(int, HQ) F(int, H) F(int, G) /* H, G: of the row space (QH 2: HQ, 1) */ \
-    F(int, n_words)                             /* mask words per row */ \
-    F(long long, mask_h_stride)                 /* mask rows between heads */ \
-    F(int, mask_q_block)                        /* tokens per mask row */ \
-    F(float, scale_log2) F(float, scale)        /* softmax scale times log2(e), softmax scale */ \
-    F(int, causal) \
+    STAGE2_BWD_ROW_FIELDS(F, M) \
     F(int, step_mode)                           /* 0 one ring, 1 split rings where the warpgroups share few blocks, 3 split */ \
     F(int, kv_group)                            /* QH 2: query heads per K/V head (read only there) */
 template <typename T>

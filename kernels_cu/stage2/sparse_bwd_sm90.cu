@@ -281,12 +281,7 @@ __device__ __forceinline__ void dkdv_epilogue(float (&adk)[D / 2], float (&adv)[
     F(const T* __restrict__, k)                 /* [total_k, H, D] (QH 2, 3: H / kv_group heads) */ \
     F(const T* __restrict__, v)                 /* as k */ \
     F(const T* __restrict__, dout)              /* [total_q, HQ, D] */ \
-    F(const float* __restrict__, lse)           /* [HQ, total_q], the forward's (natural log) */ \
-    F(const float* __restrict__, delta)         /* [HQ, total_q] (stage2_bwd_delta) */ \
-    F(const unsigned* __restrict__, masks)      /* bitmask rows (stage2_fwd's layout, sparse_fwd.cu) */ \
-    F(const int* __restrict__, mask_base)       /* [B] first mask row of each sequence */ \
-    F(const int* __restrict__, cu_seqlens_q)    /* [B + 1] */ \
-    F(const int* __restrict__, cu_seqlens_k)    /* [B + 1] */ \
+    STAGE2_BWD_INPUT_FIELDS(F, M) \
     F(const long long* __restrict__, ut_off)    /* [B + 1] this instance's transposed index (stage2_bwd_tiles) */ \
     F(const unsigned* __restrict__, ut) \
     F(long long, ut_h_stride)                   /* index words per head */ \
@@ -302,12 +297,7 @@ __device__ __forceinline__ void dkdv_epilogue(float (&adk)[D / 2], float (&adv)[
     M(tmap_q)                                   /* use_tma: q [total_q, HQ, D] in boxes of 64 / G tokens x G heads */ \
     M(tmap_do)                                  /* the same over dout */ \
     F(int, use_tma) \
-    F(int, total_q) F(int, HQ) F(int, H) F(int, G) /* H, G: of the row space (QH 2, 3: HQ, 1) */ \
-    F(int, n_words)                             /* mask words per row */ \
-    F(long long, mask_h_stride)                 /* mask rows between heads */ \
-    F(int, mask_q_block)                        /* tokens per mask row */ \
-    F(float, scale_log2) F(float, scale)        /* softmax scale times log2(e), softmax scale */ \
-    F(int, causal) \
+    STAGE2_BWD_ROW_FIELDS(F, M) \
     F(float* __restrict__, dk32)                /* query-range passes: [total_k, H, D] fp32 sums, else null */ \
     F(float* __restrict__, dv32)                /* as dk32 */ \
     F(int, q_lo) F(int, q_hi)                   /* this pass's tokens of each sequence */ \
