@@ -176,12 +176,15 @@ def check_flags(**flags) -> None:
 
 def check_softmax_scale(softmax_scale, head_dim: int) -> float:
     """`softmax_scale` must be None (`1 / sqrt(head_dim)`) or a positive number; returns the float."""
-    if softmax_scale is None:
-        return head_dim ** -0.5
-    if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
-            or not softmax_scale > 0):
+    number = isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)
+    if softmax_scale is not None and not (number and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive float or None, got {softmax_scale!r}")
-    return float(softmax_scale)
+    return softmax_scale_of(softmax_scale, head_dim)
+
+
+def softmax_scale_of(softmax_scale: float | None, head_dim: int) -> float:
+    """The scale a checked `softmax_scale` stands for: itself as a float, or `1 / sqrt(head_dim)` for None."""
+    return head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
 
 
 def check_backend(backend) -> str:

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import check_cu_seqlens, check_same_device, check_tensor, seqlens_host
+from ._checks import check_cu_seqlens, check_same_device, check_tensor, seqlens_host, softmax_scale_of
 
 
 def selection_density(topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *,
@@ -180,7 +180,7 @@ def attention_mass_captured(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torc
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     total, HQ, D = q.shape
     G = HQ // H
-    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = softmax_scale_of(softmax_scale, D)
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     lq, lk = seqlens_host(cu_seqlens_q), seqlens_host(cu_seqlens_k)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import REF_DTYPES, check_bool, check_flags, check_tensor
+from .._checks import REF_DTYPES, check_bool, check_flags, check_tensor, softmax_scale_of
 from .._constants import KV_BLOCK
 from .._launch import cdiv
 from ..sparse_core import InfLLMv2Config, uses_dense
@@ -294,7 +294,7 @@ def decode_step(q: Tensor, cache: DecodeCache, *, config: InfLLMv2Config | None 
     cfg, _ = _check_step_inputs(q, cache, config, weights, "auto", kernel)
     if dense is None:
         dense = is_dense(cache, cfg)
-    scale = q.shape[2] ** -0.5 if cfg.softmax_scale is None else float(cfg.softmax_scale)
+    scale = softmax_scale_of(cfg.softmax_scale, q.shape[2])
     topk_idx = None
     if not dense:
         topk_idx = decode_select_op(q, cache.ck1, cache.ck2, cache.seqlens, cache.capacity, cfg.topk,

@@ -19,7 +19,7 @@ import math
 import torch
 
 from .. import _jit
-from .._checks import KERNEL_DTYPES, check_aligned, check_tensor
+from .._checks import KERNEL_DTYPES, check_aligned, check_tensor, softmax_scale_of
 from .._constants import HEAD_DIMS
 from .._launch import CXX_TYPE, Launches, cdiv, empty
 from .._params import KernelParams, constants
@@ -273,7 +273,7 @@ def add_select_decode(run: Launches, q, ck1, ck2, seqlens, out_len: int, *, topk
         return topk_idx
     kind = SCORE_KIND[score_dtype]
     olp, topk_smem = _topk_row_smem(out_len, kind)
-    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = softmax_scale_of(softmax_scale, D)
     sl2 = scale * math.log2(math.e)
     T1, R1, T2, R2 = plan.fine_tiles, plan.fine_ranges, plan.coarse_tiles, plan.coarse_ranges
     # one scratch allocation (fewer allocator calls on the eager path): part float2 [B, H, R2, G] first
@@ -377,7 +377,7 @@ def emulate_select_decode(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor,
     B, HQ, D = q.shape
     H = ck1.shape[2]
     G = HQ // H
-    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = softmax_scale_of(softmax_scale, D)
     sl2 = scale * math.log2(math.e)
     sdt = torch.float32 if score_dtype is None else score_dtype
     T1, R1, T2, R2 = plan.fine_tiles, plan.fine_ranges, plan.coarse_tiles, plan.coarse_ranges

@@ -34,6 +34,7 @@ import functools
 
 import torch
 
+from .._checks import softmax_scale_of
 from ..decode import DecodeCache, infllmv2_decode
 from ..decode.cache import COMPRESSIONS, _h2d, n_windows
 from ..pipeline import InfLLMv2Config, infllmv2_attention_host_lengths, uses_kernels
@@ -165,7 +166,7 @@ def infllm_cupy_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     cfg = _config_of(module, scaling)
     if decode:
         if torch.compiler.is_compiling():
-            scale = D ** -0.5 if cfg.softmax_scale is None else float(cfg.softmax_scale)
+            scale = softmax_scale_of(cfg.softmax_scale, D)
             out = torch.ops.infllm_cupy.infllmv2_decode(
                 query[:, :, 0], cache.k, cache.v, cache.ck1, cache.ck2, cache.seqlens, cache.block_table,
                                                         cfg.topk,

@@ -21,6 +21,7 @@ from .._checks import (
     check_stage1_inputs,
     check_tensor,
     seqlens_host,
+    softmax_scale_of,
 )
 from .._dtypes import compute_dtype
 
@@ -167,7 +168,7 @@ def _scores_checked(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, lq:
     T, HQ, D = q.shape
     H = ck1.shape[1]
     G = HQ // H
-    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = softmax_scale_of(softmax_scale, D)
     cdt = compute_dtype(q.dtype)
     out = torch.zeros(H, T, max(n1s, default=0), dtype=cdt, device=q.device)
     cu_q, cu1, cu2 = (c.tolist() for c in (cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2))

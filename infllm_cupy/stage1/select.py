@@ -36,6 +36,7 @@ from .._checks import (
     check_max_seqlen,
     check_stage1_inputs,
     seqlens_host,
+    softmax_scale_of,
 )
 from .._constants import HEAD_DIMS, KV_BLOCK
 from .._kernel_arg import check_kernel
@@ -387,7 +388,7 @@ def launch_select(
     q, ck1, ck2 = (t.contiguous() for t in (q, ck1, ck2))
     check_aligned(q=q, ck1=ck1, ck2=ck2)   # 16-byte rows: cp.async (both kernels), TMA (sm_90a)
     cache_dev = cache.to(torch.int32).contiguous() if cache_lens is not None else None
-    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = softmax_scale_of(softmax_scale, D)
     # the full launch's fields; a range pass replaces olp and the range fields
     fields = dict(q=q, ck1=ck1, ck2=ck2, cu_q=cu_seqlens_q, cu_c1=cu_seqlens_c1, cu_c2=cu_seqlens_c2,
                   cache_lens=cache_dev, topk_idx=topk_idx, scores=scores, block_scores=block_scores,

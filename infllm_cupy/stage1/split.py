@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from .. import _checks
-from .._checks import check_int_args, check_lengths_arg, check_max_seqlen, seqlens_host
+from .._checks import check_int_args, check_lengths_arg, check_max_seqlen, seqlens_host, softmax_scale_of
 from .._dtypes import compute_dtype
 from .naive import _CHUNK_ELEMS, q_block_idx_prefill, vis_limit
 
@@ -63,7 +63,7 @@ def row_stats(q, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, *, causal: boo
     T, HQ, D = q.shape
     H = ck2.shape[1]
     G = HQ // H
-    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = softmax_scale_of(softmax_scale, D)
     cdt = compute_dtype(q.dtype)
     lq = seqlens_host(cu_seqlens_q)
     n1s, n2s = seqlens_host(cu_seqlens_c1), seqlens_host(cu_seqlens_c2)
@@ -111,7 +111,7 @@ def range_block_scores(q, ck1, cu_seqlens_q, cu_seqlens_c1, stats, j0: int, j1: 
     H = ck1.shape[1]
     G = HQ // H
     w = block_size // kernel_stride
-    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = softmax_scale_of(softmax_scale, D)
     cdt = compute_dtype(q.dtype)
     sdt = cdt if score_dtype is None else score_dtype
     m_all, z_all, has_all = stats

@@ -16,6 +16,7 @@ from .._checks import (
     check_softmax_scale,
     check_tensor,
     seqlens_host,
+    softmax_scale_of,
 )
 from .._dtypes import compute_dtype
 from .layout import BlockLayout
@@ -233,7 +234,7 @@ def naive_sparse_attn_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.T
     lq, lk = seqlens_host(cu_seqlens_q), seqlens_host(cu_seqlens_k)
     check_max_seqlen("max_seqlen_q", max_seqlen_q, lq)
     check_max_seqlen("max_seqlen_k", max_seqlen_k, lk)
-    scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = softmax_scale_of(softmax_scale, q.shape[2])
     return _attend_bwd(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale,
                        _topk_allow_fn(topk_idx, lk, block_size))
 
