@@ -35,7 +35,7 @@ def test_kernels_dir_is_the_checkout():
 def test_include_closure_follows_headers():
     closure = {p.relative_to(_jit.kernels_dir()).as_posix()
                for p in _jit.include_closure("compress/mean_pool.cu")}
-    assert closure == {"compress/mean_pool.cu", "common/types.cuh"}
+    assert closure == {"compress/mean_pool.cu", "common/types.cuh", "common/params.cuh"}
 
 
 def test_fingerprint_changes_with_an_included_header(kernels_copy):

@@ -53,8 +53,11 @@ def test_launch_rejects_python_scalars():
 
 
 def test_prepared_launch_hands_the_driver_each_argument_by_address(monkeypatch):
-    # cuLaunchKernel reads sizeof(parameter) bytes from each address: a parameter struct as its packed
-    # bytes, a plain scalar in the low bytes of its slot
+    # cuLaunchKernel reads sizeof(parameter) bytes from each address: each field of a parameter struct
+    # is one kernel argument (kernels_cu/common/params.cuh) at its own address inside the packed
+    # struct, and a plain scalar sits in the low bytes of its own slot
+    import struct
+
     from infllm_cupy._params import KernelParams
 
     decl = KernelParams("tests/no_source.cu", "TestParams", """
@@ -67,16 +70,18 @@ def test_prepared_launch_hands_the_driver_each_argument_by_address(monkeypatch):
 
     class FakeDriver:
         def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
-            struct_bytes = ctypes.string_at(params[0], decl.size)
-            seen["struct"] = struct_bytes
-            seen["scalar"] = ctypes.string_at(params[1], 4)
+            seen["fields"] = [ctypes.string_at(params[i], size) for i, size in enumerate((8, 4, 4, 8))]
+            seen["struct"] = ctypes.string_at(params[0], decl.size)   # the fields in the struct's layout
+            seen["scalar"] = ctypes.string_at(params[4], 4)
             seen["launch"] = (gx, gy, gz, bx, by, bz, smem, stream)
             return 0
     monkeypatch.setattr(_launch, "_driver", lambda: FakeDriver())
     packed = decl.pack(a=0x1234, n=-3, x=0.5, m=2**40)
     _launch.PreparedLaunch(_Kernel(), name="k", grid=(4, 2), block=(64,), shared_mem=100,
                            args=(packed, np.int32(7))).launch(99)
-    import struct
+    assert decl.field_offsets == (0, 8, 12, 16)
+    assert seen["fields"] == [struct.pack("<Q", 0x1234), struct.pack("<i", -3), struct.pack("<f", 0.5),
+                              struct.pack("<q", 2**40)]
     assert seen["struct"] == struct.pack("<Qifq", 0x1234, -3, 0.5, 2**40)
     assert seen["scalar"] == struct.pack("<i", 7)
     assert seen["launch"] == (4, 2, 1, 64, 1, 1, 100, 99)
