@@ -32,3 +32,11 @@
 #define PARAM_FIELDS(LIST) LIST(PARAM_MEMBER_, PARAM_MEMBER_TMAP_)
 // The kernel's argument list: LIST's fields, comma-separated (a type may not contain a comma).
 #define PARAM_ARGS(LIST) PARAM_DROP_FIRST_(LIST(PARAM_ARG_, PARAM_ARG_TMAP_))
+
+// For a __forceinline__ body a kernel calls with its fields: the same parameter list with the tensor
+// maps by reference (they stay where the launch put them), and the names to forward in the call.
+#define PARAM_REF_TMAP_(name) , const TmaMap& name
+#define PARAM_NAME_(type, name) , name
+#define PARAM_TMAP_NAME_(name) , name
+#define PARAM_REF_ARGS(LIST) PARAM_DROP_FIRST_(LIST(PARAM_ARG_, PARAM_REF_TMAP_))
+#define PARAM_NAMES(LIST) PARAM_DROP_FIRST_(LIST(PARAM_NAME_, PARAM_TMAP_NAME_))

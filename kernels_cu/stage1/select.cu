@@ -65,7 +65,7 @@
 
 // The kernel's body (S1_BODY_CALL_ARGS): the full selection (the range fields constants) or a range pass.
 template <typename T, typename KT, int D>
-__device__ __forceinline__ void stage1_select_body(S1_BODY_ARGS(STAGE1_SELECT_PARAMS)) {
+__device__ __forceinline__ void stage1_select_body(PARAM_REF_ARGS(STAGE1_SELECT_PARAMS)) {
     typedef KT key_t;
     constexpr int CH = D / 8;                 // 16-byte chunks per row
     constexpr int ROWB = CH * 16;             // bytes per tile row

@@ -51,18 +51,14 @@
 template <typename T, typename KT>
 struct Stage1SelectParams { PARAM_FIELDS(STAGE1_SELECT_PARAMS) };
 
-// Each kernel calls its body, a __forceinline__ function whose arguments are the kernel's fields
-// (S1_BODY_ARGS(LIST); a tensor map by reference), with constants in place of the range fields in a
-// full launch (S1_BODY_CALL_ARGS(RANGED), RANGED = false), so that the compiler drops the range code.
-// The body is a function of its own, not the kernel with the constants assigned at its top: the call
-// compiles to ad22a34's code (NVVM optimises a callee before it inlines it), the assignment to other
-// code (e.g. 8280 instead of 8256 instructions for <bf16, unsigned, 64, false> on sm_90).
-#define S1_BODY_TMAP_(name) , const TmaMap& name
-#define S1_BODY_ARGS(LIST) PARAM_DROP_FIRST_(LIST(PARAM_ARG_, S1_BODY_TMAP_))
-#define S1_NAME_(type, name) , name
-#define S1_TMAP_NAME_(name) , name
+// Each kernel calls its body, a __forceinline__ function whose parameters are the kernel's fields
+// (PARAM_REF_ARGS), with constants in place of the range fields in a full launch
+// (S1_BODY_CALL_ARGS(RANGED), RANGED = false), so that the compiler drops the range code. The body is
+// a function of its own, not the kernel with the constants assigned at its top: NVVM optimises the
+// callee with the constants before it inlines it, and the assignment compiles to more code (8280
+// instead of 8256 instructions for <bf16, unsigned, 64, false> on sm_90).
 #define S1_BODY_CALL_ARGS(RANGED) \
-    PARAM_DROP_FIRST_(STAGE1_SELECT_FIELDS(S1_NAME_, S1_TMAP_NAME_)), \
+    PARAM_NAMES(STAGE1_SELECT_FIELDS), \
     (RANGED) ? j_lo : 0, (RANGED) ? j_hi : out_len, (RANGED) ? cand_key : nullptr, \
     (RANGED) ? cand_idx : nullptr, (RANGED) ? row_bias : nullptr, (RANGED) ? bias_mode : 0
 

@@ -47,7 +47,7 @@ struct Stage1SelectSm90Params { PARAM_FIELDS(STAGE1_SELECT_SM90_PARAMS) };
 
 // The kernel's body (S1_BODY_CALL_ARGS): the full selection (the range fields constants) or a range pass.
 template <typename T, typename KT, int D, bool PACKED>
-__device__ __forceinline__ void stage1_select_sm90_body(S1_BODY_ARGS(STAGE1_SELECT_SM90_PARAMS)) {
+__device__ __forceinline__ void stage1_select_sm90_body(PARAM_REF_ARGS(STAGE1_SELECT_SM90_PARAMS)) {
     typedef KT key_t;
     constexpr int CH = D / 8;                 // 16-byte chunks per row
     constexpr int MT = 1;                     // m-tiles per warp (16 rows)

@@ -23,8 +23,8 @@
     F(int, causal)                              /* 1: bottom-right causal */
 
 // The fields every dq and dk/dv kernel of the backward takes (sparse_bwd.cu, sparse_bwd_sm90.cu,
-// sparse_bwd_dq_sm90.cu; the launcher's `inputs` and `rows`): after q, K/V and dout, the forward's
-// lse, delta and the mask rows and sequences ...
+// sparse_bwd_dq_sm90.cu; the launcher's `inputs` and `rows`). After q, K/V and dout: the forward's
+// lse, delta, the mask rows and the sequences.
 #define STAGE2_BWD_INPUT_FIELDS(F, M) \
     F(const float* __restrict__, lse)           /* [HQ, total_q], the forward's (natural log) */ \
     F(const float* __restrict__, delta)         /* [HQ, total_q] (stage2_bwd_delta) */ \
@@ -32,7 +32,14 @@
     F(const int* __restrict__, mask_base)       /* [B] first mask row of each sequence */ \
     F(const int* __restrict__, cu_seqlens_q)    /* [B + 1] */ \
     F(const int* __restrict__, cu_seqlens_k)    /* [B + 1] */
-// ... and, after the outputs, the shapes and the scale
+// q, K/V and dout as pointers, then the fields above (the kernels that do not read K/V by TMA).
+#define STAGE2_BWD_QKV_FIELDS(F, M) \
+    F(const T* __restrict__, q)                 /* [total_q, HQ, D] */ \
+    F(const T* __restrict__, k)                 /* [total_k, H, D] (QH 2, 3: H / kv_group heads) */ \
+    F(const T* __restrict__, v)                 /* as k */ \
+    F(const T* __restrict__, dout)              /* [total_q, HQ, D] */ \
+    STAGE2_BWD_INPUT_FIELDS(F, M)
+// After the outputs: the shapes, the scale and the causal flag.
 #define STAGE2_BWD_ROW_FIELDS(F, M) \
     F(int, total_q) F(int, HQ) F(int, H) F(int, G) /* H, G: of the row space (QH 2, 3: HQ, 1) */ \
     F(int, n_words)                             /* mask words per row */ \

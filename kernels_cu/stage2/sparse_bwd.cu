@@ -170,11 +170,7 @@ stage2_bwd_tiles(PARAM_ARGS(STAGE2_BWD_TILES_PARAMS)) {
 // warp; walks the union of its tokens' blocks like the forward and recomputes P from the lse.
 // 8-warp CTAs run one per SM with the full register file (a 128-register cap spills at D = 128).
 #define STAGE2_BWD_DQ_PARAMS(F, M) \
-    F(const T* __restrict__, q)                 /* [total_q, HQ, D] */ \
-    F(const T* __restrict__, k)                 /* [total_k, H, D] (QH 2: H / kv_group heads) */ \
-    F(const T* __restrict__, v)                 /* as k */ \
-    F(const T* __restrict__, dout)              /* [total_q, HQ, D] */ \
-    STAGE2_BWD_INPUT_FIELDS(F, M) \
+    STAGE2_BWD_QKV_FIELDS(F, M) \
     F(T* __restrict__, dq)                      /* [total_q, HQ, D] (out) */ \
     STAGE2_BWD_ROW_FIELDS(F, M) \
     F(int, kv_group)                            /* QH 2: query heads per K/V head (read only there) */
@@ -317,11 +313,7 @@ stage2_bwd_dq(PARAM_ARGS(STAGE2_BWD_DQ_PARAMS)) {
 // the transposed products S^T = K Q^T and dP^T = V dO^T over a tile's 64 query rows, KN at a
 // time, so that P^T and dS^T are already A operands of dV += P^T dO and dK += dS^T Q.
 #define STAGE2_BWD_DKDV_PARAMS(F, M) \
-    F(const T* __restrict__, q)                 /* [total_q, HQ, D] */ \
-    F(const T* __restrict__, k)                 /* [total_k, H, D] (QH 2: H / kv_group heads) */ \
-    F(const T* __restrict__, v)                 /* as k */ \
-    F(const T* __restrict__, dout)              /* [total_q, HQ, D] */ \
-    STAGE2_BWD_INPUT_FIELDS(F, M) \
+    STAGE2_BWD_QKV_FIELDS(F, M) \
     F(const long long* __restrict__, ut_off)    /* [B + 1] the transposed index (stage2_bwd_tiles, tile_rows 64) */ \
     F(const unsigned* __restrict__, ut) \
     F(long long, ut_h_stride)                   /* index words per head */ \

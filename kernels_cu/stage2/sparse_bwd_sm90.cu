@@ -277,11 +277,7 @@ __device__ __forceinline__ void dkdv_epilogue(float (&adk)[D / 2], float (&adv)[
 }
 
 #define STAGE2_BWD_DKDV_SM90_PARAMS(F, M) \
-    F(const T* __restrict__, q)                 /* [total_q, HQ, D] */ \
-    F(const T* __restrict__, k)                 /* [total_k, H, D] (QH 2, 3: H / kv_group heads) */ \
-    F(const T* __restrict__, v)                 /* as k */ \
-    F(const T* __restrict__, dout)              /* [total_q, HQ, D] */ \
-    STAGE2_BWD_INPUT_FIELDS(F, M) \
+    STAGE2_BWD_QKV_FIELDS(F, M) \
     F(const long long* __restrict__, ut_off)    /* [B + 1] this instance's transposed index (stage2_bwd_tiles) */ \
     F(const unsigned* __restrict__, ut) \
     F(long long, ut_h_stride)                   /* index words per head */ \
