@@ -46,7 +46,8 @@ class KernelParams:
     name it (one instance of a template: the layout does not depend on the element type, every
     pointer being 8 bytes); `fields` lists `kind name, name, ...` lines in the struct's order."""
 
-    __slots__ = ("_pack", "c_type", "field_offsets", "kinds", "names", "offsets", "size", "source", "words")
+    __slots__ = ("_name_set", "_pack", "c_type", "field_offsets", "kinds", "names", "offsets",
+                 "offsets_array", "size", "source", "words")
 
     def __init__(self, source: str, c_type: str, fields: str):
         self.source, self.c_type = source, c_type
@@ -72,6 +73,8 @@ class KernelParams:
         fmt += f"{tail}x" * (tail > 0)
         self.names, self.kinds, self.offsets, self.size = tuple(names), kinds, offsets, at + tail
         self.field_offsets = tuple(offsets[n] for n in names)
+        self._name_set = frozenset(names)
+        self.offsets_array = np.array(self.field_offsets, dtype=np.uint64)   # plus a buffer's address
         self._pack = struct.Struct(fmt)
         assert self._pack.size == self.size
         self.words = -(-self.size // 8)
@@ -80,7 +83,7 @@ class KernelParams:
     def pack(self, **values) -> Packed:
         """The struct packed for `_launch.launch(params=...)`, every field given by name (pointers as
         tensors, None or int addresses; tensor maps as `_tma` arrays)."""
-        if len(values) != len(self.names) or values.keys() != set(self.names):
+        if values.keys() != self._name_set:
             missing = [n for n in self.names if n not in values]
             unknown = [n for n in values if n not in self.kinds]
             raise TypeError(f"{self.c_type}: missing fields {missing}, unknown fields {unknown}")
@@ -92,13 +95,12 @@ class KernelParams:
             elif kind == "tmap":
                 v = np.ascontiguousarray(v).tobytes()
             ordered.append(v)
+        words = np.zeros(self.words, dtype=np.uint64)
         try:
-            raw = self._pack.pack(*ordered)
+            self._pack.pack_into(words, 0, *ordered)     # straight into the launch's buffer
         except struct.error as e:
             raise TypeError(f"{self.c_type}: a field does not fit its kind ({e}); fields "
                             f"{dict(zip(self.names, ordered))}") from None
-        words = np.zeros(self.words, dtype=np.uint64)
-        words.view(np.uint8)[:self.size] = np.frombuffer(raw, dtype=np.uint8)
         return Packed(words, self)
 
     def checks(self) -> str:
