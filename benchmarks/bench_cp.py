@@ -371,9 +371,7 @@ def _selected_keys(k: torch.Tensor, v: torch.Tensor, sel: torch.Tensor):
 def check_blocks(c: Ctx, L: int, q, k, v, do, cu) -> dict:
     """Out and dq of sampled 64-token query blocks this rank owns against the float64 stage-2 reference
     over the same blocks' selection (FlashAttention's rule). Every rank samples the same global blocks."""
-    from infllm_cupy.distributed.cp import topk_lower_index_ties
     from infllm_cupy.pipeline import select_blocks, uses_kernels
-    from infllm_cupy.stage1.naive import q_block_idx_prefill
     from infllm_cupy.testing import max_abs_err, reference_sparse_grads
 
     q_l, k_l, v_l = (t.detach().requires_grad_() for t in (q, k, v))
@@ -396,16 +394,7 @@ def check_blocks(c: Ctx, L: int, q, k, v, do, cu) -> dict:
         cu_q = torch.tensor([0, 64], dtype=torch.int32, device=c.dev)
         cu_k = torch.tensor([0, e], dtype=torch.int32, device=c.dev)
         cache = torch.tensor([a0], dtype=torch.int32, device=c.dev)
-        reference = c.backend == "reference"
-        aux = select_blocks(qb, kf[:e], cu_q, cu_k, 64, cache, True, c.cfg, kernels=kernels,
-                            need_scores=reference)
-        sel = aux["topk_idx"]
-        if reference:  # the layer's reference path breaks ties to the lower block index, as the kernels
-            sel = topk_lower_index_ties(
-                aux["block_scores"],
-                q_block_idx_prefill(cu_q, 64, cache_lens=cache),
-                c.cfg.topk + c.cfg.local_blocks,
-            )
+        sel = select_blocks(qb, kf[:e], cu_q, cu_k, 64, cache, True, c.cfg, kernels=kernels)["topk_idx"]
         kc, vc, sel_c = _selected_keys(kf[:e], vf[:e], sel)
         ec = kc.shape[0]
         cu_kc = torch.tensor([0, ec], dtype=torch.int32, device=c.dev)

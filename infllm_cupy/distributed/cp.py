@@ -26,7 +26,6 @@ from .._checks import (
 from .._constants import KV_BLOCK
 from .._kernel_arg import check_kernel
 from ..pipeline import InfLLMv2Config, check_config, check_kernel_block_size, stages_for, uses_kernels
-from ..stage1.naive import naive_stage1_select, q_block_idx_prefill
 from ..stage2.layout import BlockLayout
 from ..stage2.naive import naive_sparse_attn_varlen, naive_sparse_attn_varlen_bwd
 from .zigzag import (
@@ -181,7 +180,6 @@ def _select(plan: ZigzagPlan, q, k_full, cfg: InfLLMv2Config, stages) -> list:
     for slot in plan.slots:
         cu_c1, end1 = plan.slot_compressed_cu(slot, cfg.kernel_size, cfg.kernel_stride)
         cu_c2, end2 = plan.slot_compressed_cu(slot, *c2)
-        reference = stages["stage1_select"] is naive_stage1_select
         sel = stages["stage1_select"](
             take_rows(q, slot.rows).contiguous(),
             ck1[:end1],
@@ -201,28 +199,9 @@ def _select(plan: ZigzagPlan, q, k_full, cfg: InfLLMv2Config, stages) -> list:
             coarse_kernel_stride=cfg.coarse_kernel_stride,
             varlen_offset_quirk=False,
             score_dtype=cfg.score_dtype,
-            return_scores=reference,
         )
-        if reference:
-            q_blocks = q_block_idx_prefill(
-                slot.cu_q, slot.max_q, block_size=cfg.block_size, cache_lens=slot.cache_lens
-            )
-            sel = topk_lower_index_ties(sel[2], q_blocks, cfg.topk + cfg.local_blocks)
         sels.append(sel)
     return sels
-
-
-def topk_lower_index_ties(block_scores: torch.Tensor, q_block_idx: torch.Tensor, K: int) -> torch.Tensor:
-    """`naive_select_topk` with ties to the lower block index, the stage-1 kernel's rule.
-
-    Ties are structural in InfLLM-v2's pooling (adjacent blocks share a fine key, docs/semantics.md),
-    and `torch.topk` breaks them by the row's width and layout, which differ between a chunk's
-    call and the whole sequence's; the lower-index rule makes the reference path of context
-    parallelism select exactly what the single-process pipeline under the same rule selects."""
-    K = min(K, block_scores.shape[2])
-    order = torch.sort(block_scores, dim=-1, descending=True, stable=True).indices[..., :K]
-    idx = order.sort(dim=-1).values
-    return idx.masked_fill(idx > q_block_idx.long()[None, :, None], -1).to(torch.int32)
 
 
 # ---------------------------------------------------------------------------------------- stage 2
@@ -575,7 +554,7 @@ def cp_infllmv2_attention(
                 f"total / world size = {sum(lengths)} / {W} = {sum(lengths) // W} rows"
             )
         if layout is not None:
-            layout.check_against(k.shape[1], len(lengths), max(lengths))
+            layout.check_against(k.shape[1], len(lengths), max(lengths), max(lengths))
         if grad_reduce_dtype is not None and grad_reduce_dtype not in REF_DTYPES:
             raise ValueError(f"grad_reduce_dtype must be a float dtype or None, got {grad_reduce_dtype!r}")
         kernel_path = uses_kernels(q, backend)

@@ -15,13 +15,13 @@ Decode is HF's path (spec section 8): the one query attends the whole cached K/V
 function with the selection of a non-causal stage 1 over the compressed cache.
 
 `route` picks how the selection runs. `"compat"` calls exactly the sequence above, each step a compat
-function (stage 1 materialises the `[H, total_q, n1]` scores, pooling and `torch.topk` follow).
-`"fused"` (the default) reaches the same selection through infllm-cupy's fused paths: the keys are
-compressed by the compression kernel, and `stage1_select` computes scores, pooling and top-k in one
-kernel without the score matrix (same blocks; ties go to the lower block index, where `torch.topk`
-leaves them unspecified). With an `InfLLMv2Cache` the fused route hands the whole attention to the
-backend's attention function, which decodes on the cache's `DecodeCache` (decode kernels, compressed
-keys kept by the cache) and prefills on the cache's compressed keys.
+function (stage 1 materialises the `[H, total_q, n1]` scores, pooling and top-k follow; the top-k
+breaks ties to the lower block index, the package's one rule, where MiniCPM4's `torch.topk` leaves them
+unspecified). `"fused"` (the default) reaches the same selection through infllm-cupy's fused paths: the
+keys are compressed by the compression kernel, and `stage1_select` computes scores, pooling and top-k in
+one kernel without the score matrix (same blocks). With an `InfLLMv2Cache` the fused route hands the
+whole attention to the backend's attention function, which decodes on the cache's `DecodeCache`
+(decode kernels, compressed keys kept by the cache) and prefills on the cache's compressed keys.
 
 `use_minicpm4_attention(model)` swaps this layer into a Llama-style HF model (LlamaForCausalLM: same
 projection names, so the weights are kept), which then generates with any HF cache. The compressed
@@ -37,6 +37,7 @@ from .._constants import HEAD_DIMS
 from ..compat import infllm_v2
 from ..compress import compress_k
 from ..stage1 import stage1_select
+from ..stage1.naive import naive_select_topk
 from ..stage1.plan import MAX_GROUP
 from .transformers import _CACHE_ATTR as _DECODE_CACHE_ATTR  # an InfLLMv2Cache key view's DecodeCache
 from .transformers import infllm_cupy_attention
@@ -195,12 +196,10 @@ class MiniCPM4SparseAttention(nn.Module):
             block_score = infllm_v2.max_pooling_1d_varlen(
                 score, cu_q, cu_c1, cache_lens, q_len, n1, local_blocks=self.local_blocks,
                 init_blocks=self.init_blocks, block_size=self.block_size, stride=self.kernel_stride)
-            K = min(self.topk, block_score.shape[-1])
-            topk_idx = block_score.topk(K, dim=-1).indices.sort(-1).values
-            # a query's own block is the last it may select (spec section 6: strict '>')
+            # K = topk + window_size // block_size best blocks; a query's own block is the last it may
+            # select (spec section 6: strict '>')
             q_idx = ((torch.arange(q_len, device=dev) + kv_len - q_len) // self.block_size).repeat(B)
-            topk_idx[topk_idx > q_idx[None, :, None]] = -1
-            topk_idx = topk_idx.to(torch.int32)
+            topk_idx = naive_select_topk(block_score, q_idx, topk=self.topk, local_blocks=0)
         return infllm_v2.infllmv2_attn_varlen_func(q, k, v, cu_q, cu_k, q_len, kv_len,
                                                    softmax_scale=self.scaling,
                                                    causal=q_len != 1, topk_idx=topk_idx)

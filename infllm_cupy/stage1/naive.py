@@ -18,6 +18,7 @@ from .._checks import (
     check_int_args,
     check_lengths_arg,
     check_max_seqlen,
+    check_score_dtype,
     check_stage1_inputs,
     check_tensor,
     seqlens_host,
@@ -142,17 +143,18 @@ def naive_stage1_scores(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, c
         scores (torch.Tensor): `[H, total_q, max_n1]` in `score_dtype`.
     """
     lq = _check_scores_args(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q, causal,
-                            kernel_stride, coarse_kernel_stride)
+                            kernel_stride, coarse_kernel_stride, score_dtype)
     return _scores_checked(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, lq, causal=causal,
                            softmax_scale=softmax_scale, score_dtype=score_dtype, kernel_stride=kernel_stride,
                            coarse_kernel_stride=coarse_kernel_stride)
 
 
 def _check_scores_args(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q, causal,
-                       kernel_stride, coarse_kernel_stride) -> list[int]:
+                       kernel_stride, coarse_kernel_stride, score_dtype) -> list[int]:
     """`naive_stage1_scores`' checks; returns the query lengths (host ints)."""
     check_stage1_inputs(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2)
     check_flags(causal=causal)
+    check_score_dtype(score_dtype)
     check_int_args(1, kernel_stride=kernel_stride, coarse_kernel_stride=coarse_kernel_stride)
     lq = seqlens_host(cu_seqlens_q)
     if max_seqlen_q is not None:
@@ -338,9 +340,9 @@ def naive_select_topk(block_scores: torch.Tensor, q_block_idx: torch.Tensor, *, 
                       local_blocks: int = 32) -> torch.Tensor:
     r"""Pick the `K = min(topk + local_blocks, out_len)` best blocks per (KV head, token) (spec 6).
 
-    `torch.topk`, indices sorted ascending, then every index `> q_block_idx[t]` (a future block)
-    becomes `-1`. The ascending sort puts those at the end, so `-1` is tail padding only. Ties are
-    broken however `torch.topk` breaks them.
+    The K highest scores with ties to the lower block index (the stage-1 and decode kernels' rule,
+    docs/semantics.md), indices sorted ascending, then every index `> q_block_idx[t]` (a future
+    block) becomes `-1`. The ascending sort puts those at the end, so `-1` is tail padding only.
 
     Args:
         block_scores (torch.Tensor):
@@ -358,7 +360,9 @@ def naive_select_topk(block_scores: torch.Tensor, q_block_idx: torch.Tensor, *, 
                  device=block_scores.device)
     check_int_args(0, topk=topk, local_blocks=local_blocks)
     K = min(topk + local_blocks, block_scores.shape[2])
-    idx = block_scores.topk(K, dim=-1).indices.sort(dim=-1).values
+    # a stable descending sort keeps equal scores in index order: ties go to the lower block
+    # (`torch.topk` leaves them unspecified, and its choice changes with the row's width)
+    idx = block_scores.sort(dim=-1, descending=True, stable=True).indices[..., :K].sort(dim=-1).values
     idx = idx.masked_fill(idx > q_block_idx.long()[None, :, None], -1)
     return idx.to(torch.int32)
 
@@ -402,7 +406,7 @@ def naive_stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, c
     """
     check_flags(varlen_offset_quirk=varlen_offset_quirk, return_scores=return_scores)
     lq = _check_scores_args(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q, causal,
-                            kernel_stride, coarse_kernel_stride)
+                            kernel_stride, coarse_kernel_stride, score_dtype)
     return select_checked(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, lq, max_seqlen_q,
                           causal=causal, cache_lens=cache_lens, softmax_scale=softmax_scale, topk=topk,
                           local_blocks=local_blocks, init_blocks=init_blocks, block_size=block_size,

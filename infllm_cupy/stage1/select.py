@@ -201,8 +201,8 @@ def stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
     (pass 2), max-pooled to 64-token blocks over fine keys `[4j-1, 4j+4)` with the init and
     `local_blocks + 1` local blocks forced to `+inf`, and the `K = min(topk + local_blocks, out_len)`
     best blocks, ascending, with blocks after the query's own block replaced by a `-1` tail.
-    Ties in the block scores go to the lower block index (the reference's `torch.topk` leaves them
-    unspecified). The kernel path never materialises the `[H, total_q, n1]` scores.
+    Ties in the block scores go to the lower block index, as in the reference. The kernel path never
+    materialises the `[H, total_q, n1]` scores.
 
     Args:
         q (torch.Tensor):

@@ -31,23 +31,20 @@ from infllm_cupy import (
     BlockLayout,
     InfLLMv2Config,
     infllmv2_attention,
-    naive_sparse_attn_varlen,
 )
 from infllm_cupy.distributed import cp_infllmv2_attention, zigzag_shard, zigzag_unshard
-from infllm_cupy.distributed.cp import topk_lower_index_ties
-from infllm_cupy.stage1.naive import q_block_idx_prefill
 from infllm_cupy.testing import cu_seqlens_from_lengths, max_abs_err, reference_sparse_grads
 
 
-def _inputs(lengths, HQ, H, D, dtype, device, seed):
+def _inputs(lengths, HQ, H, D, dtype, device, seed, structured=True):
     g = torch.Generator().manual_seed(seed)
     T = sum(lengths)
     q, do = (torch.randn(T, HQ, D, generator=g).to(device, dtype) for _ in range(2))
     k, v = (torch.randn(T, H, D, generator=g).to(device, dtype) for _ in range(2))
-    # keys with structure (a shared direction per 64-block), so stage 1's scores are far from ties
-    k = k + 2.0 * torch.randn(T // 64, 1, H, D, generator=g).expand(T // 64, 64, H, D).reshape(T, H, D).to(
-        device, dtype
-    )
+    if structured:
+        # keys with structure (a shared direction per 64-block), so stage 1's scores are far from ties
+        k = k + 2.0 * torch.randn(T // 64, 1, H, D, generator=g).expand(T // 64, 64, H, D).reshape(
+            T, H, D).to(device, dtype)
     return q, k, v, do, cu_seqlens_from_lengths(lengths, device)
 
 
@@ -57,15 +54,6 @@ def _single(q, k, v, do, cu, cfg, backend, layout=None):
     if layout is None:
         out, aux = infllmv2_attention(*leaves, cu, config=cfg, backend=backend, return_aux=True)
         sel = aux["topk_idx"]
-        if backend == "reference" and not aux["dense"]:
-            # ties to the lower block index, as the kernels and the context-parallel reference path
-            L = int((cu[1:] - cu[:-1]).max())
-            sel = topk_lower_index_ties(
-                aux["block_scores"], q_block_idx_prefill(cu, L), cfg.topk + cfg.local_blocks
-            )
-            out = naive_sparse_attn_varlen(
-                *leaves, cu, cu, sel, L, L, causal=True, softmax_scale=cfg.softmax_scale
-            )
     else:
         from infllm_cupy import block_sparse_attn_varlen
 
@@ -92,9 +80,9 @@ def _errs(out, grads, ref_out, ref_grads, cu):
     } | {"nan": bool(any(torch.isnan(t).any() for t in (out,) + tuple(grads)))}
 
 
-def _ref_case(lengths, HQ, H, D, cfg=None, layout=None, seed=0, **kw):
+def _ref_case(lengths, HQ, H, D, cfg=None, layout=None, seed=0, structured=True, **kw):
     """CPU, float64 references: the context-parallel shards against the single-process pipeline."""
-    q, k, v, do, cu = _inputs(lengths, HQ, H, D, torch.float64, "cpu", seed)
+    q, k, v, do, cu = _inputs(lengths, HQ, H, D, torch.float64, "cpu", seed, structured)
     # rank 0 computes the single-process result once and sends it (ranks share CI's few cores)
     ref = (
         list(_single(q, k, v, do, cu, cfg, "reference", layout)[:2]) if dist.get_rank() == 0 else [None, None]
@@ -125,6 +113,14 @@ def case_token_b1(W):
 def case_token_varlen_gqa(W):
     g = 2 * W * 64
     return _ref_case([g, 3 * g, 2 * g], 6, 2, 16, InfLLMv2Config(**CFG_SMALL), seed=1)
+
+
+def case_token_plain_random_ties(W):
+    # unit-normal keys and bf16 block scores (the default): many tied scores, which the single-process
+    # pipeline and every context-parallel slot must break the same way (to the lower block index)
+    g = 2 * W * 64
+    cfg = InfLLMv2Config(**(CFG_SMALL | dict(topk=6, score_dtype=torch.bfloat16)))
+    return _ref_case([4 * g, 2 * g], 8, 2, 16, cfg, seed=5, structured=False)
 
 
 def case_token_exact_stage1(W):
@@ -298,6 +294,7 @@ def case_bad_length_every_rank(W):
 CPU_CASES = [
     case_token_b1,
     case_token_varlen_gqa,
+    case_token_plain_random_ties,
     case_token_exact_stage1,
     case_token_fp32_reduce,
     case_layout_shared,

@@ -55,6 +55,7 @@ EXACT = 1e-12
     [
         "case_token_b1",
         "case_token_varlen_gqa",
+        "case_token_plain_random_ties",
         "case_token_exact_stage1",
         "case_layout_shared",
         "case_layout_per_sequence_q128",

@@ -1,9 +1,10 @@
 """Stage 1 (scores, pooling, top-k): the PyTorch reference against brute force and slow loops
 (CPU), then the kernel (all three in one launch) against the reference.
 
-The kernel's selections are compared modulo ties (FlashInfer's contract for top-k): the reference's
-`torch.topk` breaks ties arbitrarily and our scores may differ from its by one rounding of the score
-dtype. So each result is checked three ways: (1) our indices are exactly our own top-K of our own
+The reference and the kernels break ties between equal block scores the same way (to the lower block
+index), so on planted ties (every score equal) they select the same blocks exactly. Elsewhere our
+scores may differ from the reference's by one rounding of the score dtype, which can reorder
+near-ties, so each result is checked three ways: (1) our indices are exactly our own top-K of our own
 block scores (K largest, ties to the lower index, ascending, -1 tail); (2) our scores and block
 scores equal the reference's within one unit in the last place of the score dtype; (3) against the
 reference's own block scores, every block we selected scores >= every causal block we left out, up
@@ -823,6 +824,46 @@ def test_own_topk_tie_rule():
     assert own_topk(bs, torch.tensor([6]), 3).tolist() == [[[1, 2, 3]]]
     assert own_topk(bs, torch.tensor([1]), 4).tolist() == [[[1, -1, -1, -1]]]
     assert own_topk(bs, torch.tensor([6]), 6).tolist() == [[[0, 1, 2, 3, 4, 5]]]
+
+
+@pytest.mark.parametrize("width", [7, 64, 300])
+def test_reference_topk_breaks_ties_to_the_lower_block(width):
+    # planted ties: every score one of three values, forced blocks +inf, nothing after the query's block
+    g = torch.Generator().manual_seed(width)
+    bs = torch.randint(0, 3, (2, 40, width), generator=g).float()
+    bs[..., 0] = float("inf")
+    q_blocks = torch.randint(0, width, (40,), generator=g, dtype=torch.int32)
+    for K in (1, 3, 5, width):
+        got = naive_select_topk(bs, q_blocks, topk=K, local_blocks=0)
+        assert torch.equal(got, own_topk(bs, q_blocks, K)), K
+    # written out for one row: the highest score wins, ties by index
+    row = torch.tensor([[[2.0, 5.0, 2.0, 5.0, 2.0, 5.0]]])
+    assert naive_select_topk(row, torch.tensor([5]), topk=4, local_blocks=0).tolist() == [[[0, 1, 3, 5]]]
+    assert naive_select_topk(row, torch.tensor([5]), topk=2, local_blocks=0).tolist() == [[[1, 3]]]
+
+
+def test_reference_selection_on_all_equal_scores_takes_the_lowest_blocks():
+    # q = 0: every visible fine key scores the same, so every block that is not forced ties; the
+    # reference takes the lowest blocks (the kernels' rule), whatever the row's width
+    q, ck1, ck2, cu_q, cu1, cu2 = make_inputs([1000, 700], 8, 2, 64, torch.float32, device="cpu")
+    q = torch.zeros_like(q)
+    idx = naive_stage1_select(q, ck1, ck2, cu_q, cu1, cu2, 1000, topk=4, local_blocks=1)
+    # last token of sequence 0 (block 15): K = 5, forced 0, 14 and 15, then the two lowest others
+    assert idx[:, 999].tolist() == [[0, 1, 2, 14, 15]] * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("score_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_kernel_equals_reference_on_planted_ties(score_dtype, kernel):
+    # q = 0: every block that is not forced ties with every other; the kernels and the reference
+    # must pick the same (lowest) blocks, row for row
+    inputs = make_inputs([1000, 333, 64], 32, 2, 128, torch.bfloat16)
+    q = torch.zeros_like(inputs[0])
+    args = (q, *inputs[1:], 1000)
+    kw = dict(topk=6, local_blocks=2, score_dtype=score_dtype)
+    got = stage1_select(*args, kernel=kernel, **kw)
+    want = naive_stage1_select(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in args), **kw)
+    assert torch.equal(got.cpu(), want)
 
 
 @pytest.mark.parametrize("kw, exc, match", [
