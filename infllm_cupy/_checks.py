@@ -7,6 +7,7 @@ host read would break the graph).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, pairwise
@@ -177,14 +178,34 @@ def check_flags(**flags) -> None:
 def check_softmax_scale(softmax_scale, head_dim: int) -> float:
     """`softmax_scale` must be None (`1 / sqrt(head_dim)`) or a positive number; returns the float."""
     number = isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)
-    if softmax_scale is not None and not (number and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a positive float or None, got {softmax_scale!r}")
+    if softmax_scale is not None and not (number and math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite float or None, got {softmax_scale!r}")
     return softmax_scale_of(softmax_scale, head_dim)
 
 
 def softmax_scale_of(softmax_scale: float | None, head_dim: int) -> float:
     """The scale a checked `softmax_scale` stands for: itself as a float, or `1 / sqrt(head_dim)` for None."""
-    return head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if softmax_scale is not None:
+        return float(softmax_scale)
+    if head_dim < 1:
+        raise ValueError(f"the head dim must be at least 1 for the default softmax scale 1 / sqrt(D), got "
+                         f"{head_dim}")
+    return head_dim ** -0.5
+
+
+def check_head_dim(name: str, shape: Sequence[int]) -> int:
+    """The last dim of `name`'s `shape` (its head dim) must be at least 1 (a softmax scale `1 / sqrt(D)`
+    needs it); returns it."""
+    if shape[-1] < 1:
+        raise ValueError(f"{name} has head dim {shape[-1]} (shape {tuple(shape)}); it must be at least 1")
+    return shape[-1]
+
+
+def check_score_dtype(score_dtype) -> None:
+    """Stage 1's `score_dtype`: None (the compute dtype) or a float dtype the references take."""
+    if score_dtype is not None and score_dtype not in REF_DTYPES:
+        raise ValueError(f"score_dtype must be None or one of {_fmt_dtypes(REF_DTYPES)} (the dtype of the "
+                         f"stage-1 scores, on which top-k runs), got {score_dtype!r}")
 
 
 def check_backend(backend) -> str:
@@ -250,10 +271,17 @@ def check_compress_args(k, cu_seqlens_k, kernel_size, kernel_stride, dtypes=REF_
     """Inputs of key compression (`compress_k`, `naive_compress_k`); `dtypes` narrows for the kernel."""
     check_tensor("k", k, ndim=3, dtypes=dtypes)
     check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total=k.shape[0], device=k.device)
-    if (not (isinstance(kernel_size, int) and isinstance(kernel_stride, int))
-            or kernel_size <= 0 or kernel_stride <= 0):
-        raise ValueError(f"kernel_size and kernel_stride must be positive ints, got {kernel_size!r}, "
-                         f"{kernel_stride!r}")
+    check_int_args(1, kernel_size=kernel_size, kernel_stride=kernel_stride)
+    check_window_covers_stride("kernel_size", kernel_size, "kernel_stride", kernel_stride)
+
+
+def check_window_covers_stride(size_name: str, size: int, stride_name: str, stride: int) -> None:
+    """A compression window must be at least its stride: a shorter one leaves the keys between two
+    windows out of every compressed key."""
+    if size < stride:
+        raise ValueError(f"{size_name} ({size}) must be >= {stride_name} ({stride}): windows shorter than "
+                         f"their stride leave {stride - size} of every {stride} keys out of every "
+                         f"compressed key")
 
 
 def check_stage1_inputs(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q=None) -> int:
@@ -263,6 +291,7 @@ def check_stage1_inputs(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2,
     check_tensor("ck2", ck2, ndim=3, dtypes=(q.dtype,))
     check_same_device(q=q, ck1=ck1, ck2=ck2)
     G = check_heads(q.shape[1], ck1.shape[1], q_name="q", k_name="ck1")
+    check_head_dim("q", q.shape)
     if ck1.shape[2] != q.shape[2]:          # before ck2 is compared with ck1: name the tensor that differs
         raise ValueError(f"ck1 head dim {ck1.shape[2]} differs from q head dim {q.shape[2]}")
     if ck2.shape[1:] != ck1.shape[1:]:
@@ -306,6 +335,7 @@ def check_attn_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k, *, k_name="k", v_nam
     check_tensor(v_name, v, ndim=3, dtypes=(q.dtype,))
     check_same_device(q=q, **{k_name: k, v_name: v})
     G = check_heads(q.shape[1], k.shape[1], k_name=k_name)
+    check_head_dim("q", q.shape)
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"{k_name} head dim {k.shape[2]} differs from q head dim {q.shape[2]}")
     if v.shape != k.shape:

@@ -26,7 +26,9 @@ from ._checks import (
     check_int_args,
     check_kernel_inputs,
     check_max_seqlen,
+    check_score_dtype,
     check_softmax_scale,
+    check_window_covers_stride,
     validate_values,
 )
 from ._constants import KV_BLOCK
@@ -104,13 +106,22 @@ class InfLLMv2Config:
         check_int_args(-1, dense_len=self.dense_len)
         check_flags(exact_stage1=self.exact_stage1, varlen_offset_quirk=self.varlen_offset_quirk)
         check_topk_keeps_forced_blocks(self.topk, self.init_blocks)
+        check_window_covers_stride("kernel_size", self.kernel_size, "kernel_stride", self.kernel_stride)
+        check_window_covers_stride("coarse_kernel_size", self.coarse_kernel_size, "coarse_kernel_stride",
+                                   self.coarse_kernel_stride)
         if self.block_size % self.kernel_stride:
             raise ValueError(f"block_size ({self.block_size}) must be a multiple of kernel_stride "
-                             f"({self.kernel_stride})")
-        if self.softmax_scale is not None and not self.softmax_scale > 0:
-            raise ValueError(f"softmax_scale must be positive or None, got {self.softmax_scale!r}")
-        if self.score_dtype not in REF_DTYPES:
-            raise ValueError(f"score_dtype must be a float dtype, got {self.score_dtype!r}")
+                             f"({self.kernel_stride}): block pooling takes block_size // kernel_stride fine "
+                             f"keys per block")
+        s2, bs = self.coarse_kernel_stride, self.block_size
+        if bs % s2 and s2 % bs:
+            raise ValueError(f"coarse_kernel_stride ({s2}) must divide block_size ({bs}) or be a multiple of "
+                             f"it, so that the coarse windows line up with the key blocks (MiniCPM4: 64 "
+                             f"with 64-key blocks)")
+        check_softmax_scale(self.softmax_scale, 1)
+        if self.score_dtype is None:
+            raise ValueError(f"score_dtype must be one of {tuple(REF_DTYPES)}, got None")
+        check_score_dtype(self.score_dtype)
 
 
 def check_topk_keeps_forced_blocks(topk: int, init_blocks: int, name: str = "topk") -> None:

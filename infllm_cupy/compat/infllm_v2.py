@@ -23,6 +23,7 @@ import sys
 
 import torch
 
+from .._checks import check_int_args, validate_values
 from ..decode import sparse_decode
 from ..stage1.pool import pool_blocks
 from ..stage1.select import stage1_scores
@@ -135,6 +136,8 @@ def topk_to_uint64(topk_idx: torch.Tensor, max_seqlen_k: int, block_size: int,
         raise TypeError(f"topk_idx must be int32, got {topk_idx.dtype}")
     if topk_idx.dim() not in (3, 4):
         raise ValueError(f"topk_idx must be 3-D or 4-D, got shape {tuple(topk_idx.shape)}")
+    check_int_args(0, max_seqlen_k=max_seqlen_k)
+    check_int_args(1, block_size=block_size)
     k_blocks = (max_seqlen_k + block_size - 1) // block_size
     n_words = (k_blocks + 63) // 64
     lead = tuple(topk_idx.shape[:-1])
@@ -627,6 +630,12 @@ def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=N
                          f"{getattr(cache_seqlens, 'dtype', type(cache_seqlens))}")
     if seqlens.shape != (B,):
         raise ValueError(f"cache_seqlens must be an int or [batch={B}], got shape {tuple(seqlens.shape)}")
+    if isinstance(cache_seqlens, int) or (cache_seqlens is not None and validate_values()):
+        lens = [cache_seqlens] if isinstance(cache_seqlens, int) else seqlens.tolist()
+        bad = [b for b, L in enumerate(lens) if not 0 <= L <= width]
+        if bad:
+            raise ValueError(f"cache_seqlens must be in [0, {width}] (the keys each sequence holds, at most "
+                             f"the cache's {width} positions), got {lens[bad[0]]} for sequence {bad[0]}")
     # every check before the new keys are written: a failed call leaves the caches unchanged
     sel = None
     if topk_idx is not None:

@@ -237,9 +237,15 @@ class DecodeCache:
     def reset(self, seqlens=None) -> None:
         """Forget the contents (all lengths 0), or truncate to `seqlens` (ints, each <= the current
         length; the compressed keys of the kept prefix are unchanged, those past it unused)."""
-        new = [0] * self.batch if seqlens is None else [int(x) for x in seqlens]
+        if seqlens is None:
+            new = [0] * self.batch
+        else:
+            new = seqlens.tolist() if isinstance(seqlens, torch.Tensor) else list(seqlens)
+            if any(isinstance(n, bool) or not isinstance(n, int) for n in new):
+                raise TypeError(f"seqlens must be ints (one length per sequence), got {new[:8]}")
         if len(new) != self.batch or any(n < 0 or n > L for n, L in zip(new, self._host_lens)):
-            raise ValueError(f"seqlens must have {self.batch} entries in [0, current length], got {new}")
+            raise ValueError(f"seqlens must have {self.batch} entries, each in [0, its current length "
+                             f"{self._host_lens[:8]}], got {new[:8]}")
         self.seqlens.copy_(torch.tensor(new, dtype=torch.int32))
         self._host_lens = new
         self._host_stale = False

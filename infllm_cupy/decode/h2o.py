@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_tensor
+from .._checks import check_tensor, validate_values
 
 
 class H2O:
@@ -52,12 +52,18 @@ class H2O:
         query head, summed here over each group of `HQ / H` heads: the same scores to fp32 rounding)."""
         B, H, W = self.scores.shape
         check_tensor("weights", weights, ndim=3, device=self.scores.device)
+        if not weights.dtype.is_floating_point:
+            raise TypeError(f"weights must be a float tensor (attention weights), got {weights.dtype}")
         if weights.shape[0] != B or weights.shape[2] != W or weights.shape[1] % H:
             raise ValueError(f"weights must have shape [B={B}, H={H} or a multiple, W={W}], got "
                              f"{tuple(weights.shape)}")
         w = weights.float()
         if w.shape[1] != H:
             w = w.view(B, H, w.shape[1] // H, W).sum(2)
+        # one host read: a NaN or a negative weight would stay in the scores for good
+        if validate_values() and not bool(((w >= 0) & (w < float("inf"))).all()):
+            raise ValueError("weights must be finite and >= 0 (attention weights), got a NaN, an infinity or "
+                             "a negative value; the scores are unchanged")
         self.scores += w
 
     def kept(self, seqlens) -> torch.Tensor:
@@ -65,9 +71,11 @@ class H2O:
 
         Sequence b of `L_b` positions keeps all of them when `L_b <= budget`; otherwise the
         `recent` last ones and the `budget - recent` highest scores among the others (ties to the
-        lower position). Static shapes, no host read."""
+        lower position). Static shapes; `seqlens` (B lengths in `[0, W]`) is read on the host to check
+        it, as every value check (`_checks.validate_values`: not under torch.compile nor with
+        `INFLLM_CUPY_VALIDATE=0`)."""
         B, H, W = self.scores.shape
-        L = torch.as_tensor(seqlens, device=self.scores.device).long().view(B, 1, 1)
+        L = self._lengths(seqlens).view(B, 1, 1)
         t = torch.arange(W, device=self.scores.device).view(1, 1, W)
         valid = t < L
         recent = valid & (t >= L - self.recent)
@@ -82,6 +90,25 @@ class H2O:
         pos = torch.where(take, order, torch.full_like(order, W))
         pos = torch.sort(pos, dim=-1).values
         return torch.where(pos < W, pos, torch.full_like(pos, -1))
+
+    def _lengths(self, seqlens) -> torch.Tensor:
+        """`seqlens` as int64 `[B]` on the scores' device: B integers (ints or an integer tensor), each
+        in `[0, W]` (checked on the host when the values are checked, `_checks.validate_values`)."""
+        B, _H, W = self.scores.shape
+        if isinstance(seqlens, torch.Tensor):
+            if seqlens.dtype.is_floating_point or seqlens.dtype == torch.bool:
+                raise TypeError(f"seqlens must hold integers, got a {seqlens.dtype} tensor")
+            L = seqlens.reshape(-1)
+        else:
+            vals = list(seqlens)
+            if any(isinstance(x, bool) or not isinstance(x, int) for x in vals):
+                raise TypeError(f"seqlens must be ints, got {vals[:8]}")
+            L = torch.tensor(vals, dtype=torch.int64)
+        if L.numel() != B:
+            raise ValueError(f"seqlens must have one length per sequence ({B}), got {L.numel()}")
+        if validate_values() and not bool(((L >= 0) & (L <= W)).all()):
+            raise ValueError(f"seqlens must be in [0, {W}] (the scores' width), got {L.tolist()[:8]}")
+        return L.to(self.scores.device, torch.int64)
 
     def evict(self, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens):
         """Compact a contiguous cache `[B, W, H, D]` to the kept positions, each KV head its own:

@@ -9,6 +9,7 @@ from .._checks import (
     check_attn_inputs,
     check_cu_seqlens,
     check_flags,
+    check_head_dim,
     check_softmax_scale,
     check_tensor,
     seqlens_host,
@@ -57,6 +58,7 @@ def naive_infllmv2_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     cfg = check_config(config)
     check_flags(return_aux=return_aux)
     check_tensor("q", q, ndim=3, dtypes=REF_DTYPES)
+    check_head_dim("q", q.shape)
     # The user passes no cu_seqlens_q (one query row per sequence; built below), so the batch is
     # checked here, naming what they passed, before the generic checks see the built tensor.
     check_tensor("cu_seqlens_k", cu_seqlens_k, ndim=1, dtypes=(torch.int32,), device=q.device)
@@ -151,6 +153,7 @@ def naive_sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = 
     check_flags(return_lse=return_lse, return_attn_weights=return_attn_weights, upcast=upcast)
     k, v, seqlens, bt, width = _cache_tensors(cache)
     check_tensor("q", q, ndim=3, dtypes=(k.dtype,), device=k.device)
+    check_head_dim("q", q.shape)
     B, HQ, D = q.shape
     H = k.shape[2]
     if k.shape[3] != D:

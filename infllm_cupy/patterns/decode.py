@@ -13,7 +13,7 @@ import weakref
 
 import torch
 
-from .._checks import check_backend, check_flags, check_tensor, validate_values
+from .._checks import check_backend, check_flags, check_head_dim, check_tensor, validate_values
 from ..decode.cache import DecodeCache
 from ..decode.naive import _cache_tensors
 from ..decode.sparse_decode import sparse_decode
@@ -132,6 +132,7 @@ def pattern_decode(q: torch.Tensor, cache, layout, *, softmax_scale: float | Non
     check_flags(return_lse=return_lse)
     k, _, seqlens, _, _ = _cache_tensors(cache)
     check_tensor("q", q, ndim=3, dtypes=(k.dtype,), device=k.device)
+    check_head_dim("q", q.shape)
     H = k.shape[2]
     HQ = q.shape[1]
     if HQ % H:

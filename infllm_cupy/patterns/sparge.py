@@ -14,7 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_cu_seqlens_any, check_flags, check_heads, check_int_args, check_tensor
+from .._checks import (
+    check_cu_seqlens_any,
+    check_flags,
+    check_head_dim,
+    check_heads,
+    check_int_args,
+    check_tensor,
+)
 from .._constants import KV_BLOCK
 from ..stage2.layout import BlockLayout
 
@@ -23,20 +30,34 @@ from ..stage2.layout import BlockLayout
 _CHUNK_ELEMS = 1 << 27
 
 
+# The range of each threshold: a cosine similarity, a share of the pooled attention.
+_THRESHOLD_RANGES = {"simthreshd1": (-1.0, 1.0, "a mean cosine similarity"),
+                     "cdfthreshd": (0.0, 1.0, "a share of the pooled attention")}
+
+
 def _per_head(name: str, value, hq: int, device) -> torch.Tensor:
-    """A float or a 1-D tensor of one value per query head -> float tensor [HQ] (SpargeAttn takes both)."""
+    """A float or a 1-D tensor of one value per query head -> float tensor [HQ] (SpargeAttn takes both),
+    each value inside the threshold's range (ValueError naming `name` otherwise; a tensor is read on the
+    host for that, HQ values)."""
     if isinstance(value, bool):
         raise TypeError(f"{name} must be a float or a tensor of one value per query head, got bool")
     if isinstance(value, (int, float)):
-        return torch.full((hq,), float(value), device=device, dtype=torch.float64)
-    if isinstance(value, torch.Tensor) and value.dim() <= 1 and value.numel() in (1, hq):
-        return value.to(device, torch.float64).reshape(-1).expand(hq).contiguous()
-    raise ValueError(f"{name} must be a float or a tensor of 1 or {hq} values (one per query head), got "
-                     f"{value!r}")
+        out = torch.full((hq,), float(value), dtype=torch.float64)
+    elif isinstance(value, torch.Tensor) and value.dim() <= 1 and value.numel() in (1, hq):
+        out = value.detach().to("cpu", torch.float64).reshape(-1).expand(hq).contiguous()
+    else:
+        raise ValueError(f"{name} must be a float or a tensor of 1 or {hq} values (one per query head), got "
+                         f"{value!r}")
+    lo, hi, what = _THRESHOLD_RANGES[name]
+    bad = ~((out >= lo) & (out <= hi))                       # NaN fails both comparisons
+    if bool(bad.any()):
+        raise ValueError(f"{name} must be in [{lo:g}, {hi:g}] ({what}), got {out[bad][0].item()!r}")
+    return out.to(device)
 
 
 def _check(q, k, cu_seqlens, block_q, block_k, sink_blocks, causal, per_query_head):
     check_tensor("q", q, ndim=3)
+    check_head_dim("q", q.shape)
     check_tensor("k", k, ndim=3, shape=(q.shape[0], None, q.shape[2]))
     if not q.dtype.is_floating_point or not k.dtype.is_floating_point:
         raise TypeError("q and k must be floating point")
@@ -98,19 +119,19 @@ def predict_sparge(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor | 
     G, cu = _check(q, k, cu_seqlens, block_q, block_k, sink_blocks, causal, per_query_head)
     dev = q.device
     T, HQ, D = q.shape
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    sim1 = _per_head("simthreshd1", simthreshd1, HQ, dev).to(cdt)
+    cdf_t = _per_head("cdfthreshd", cdfthreshd, HQ, dev).to(cdt)
     H = k.shape[1]
     B = cu.numel() - 1
     lens = (cu[1:] - cu[:-1]).long()
     max_len = int(lens.max()) if B else 0
     nqb, nkb = -(-max_len // block_q), -(-max_len // KV_BLOCK)
-    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     seq = torch.repeat_interleave(torch.arange(B, device=dev), lens, output_size=T)
     pos = torch.arange(T, device=dev) - cu[:-1].long()[seq]
     with torch.no_grad():
         pq, sq, cq = _block_stats(q.detach().to(cdt), seq, pos, nqb, block_q, B)
         pk, sk, ck = _block_stats(k.detach().to(cdt), seq, pos, nkb, KV_BLOCK, B)
-        sim1 = _per_head("simthreshd1", simthreshd1, HQ, dev).to(cdt)
-        cdf_t = _per_head("cdfthreshd", cdfthreshd, HQ, dev).to(cdt)
         kv_of = torch.arange(HQ, device=dev) // G
         q_valid = cq > 0                                                     # [B, NQB]
         k_valid = ck > 0                                                     # [B, NKB]

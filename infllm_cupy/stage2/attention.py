@@ -154,7 +154,7 @@ def block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                                               max_seqlen_k,
                                               causal=causal, softmax_scale=softmax_scale,
                                               return_lse=return_lse, backend=backend, kernel=kernel)
-    layout.check_against(k.shape[1], B, max_seqlen_q, num_q_heads=hq)
+    layout.check_against(k.shape[1], B, max_seqlen_q, max_seqlen_k, num_q_heads=hq)
     if not _use_op(backend, q):
         return naive_block_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, layout, max_seqlen_q,
                                               max_seqlen_k,
@@ -215,7 +215,7 @@ def qhead_block_sparse_attn_varlen(
                                         max_seqlen_k,
                                         causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
                                         backend=backend, kernel=kernel)
-    layout.check_against(HQ, cu_seqlens_q.numel() - 1, max_seqlen_q)
+    layout.check_against(HQ, cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k)
     _check_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend)
     out, lse = qhead_block_sparse_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, layout.mask.to(q.device),
                                            layout.q_block, max_seqlen_q, max_seqlen_k, bool(causal),

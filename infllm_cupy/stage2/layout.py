@@ -71,9 +71,12 @@ class BlockLayout:
     def num_kv_heads(self) -> int:
         return self.mask.shape[-3]
 
-    def check_against(self, H: int, batch: int, max_seqlen_q: int, num_q_heads: int | None = None) -> None:
-        """Raise unless the layout covers `H` KV heads, `batch` sequences and `max_seqlen_q` queries
-        (`num_q_heads`: q's heads, named in the message where a layout per query head would also do)."""
+    def check_against(self, H: int, batch: int, max_seqlen_q: int, max_seqlen_k: int,
+                      num_q_heads: int | None = None) -> None:
+        """Raise unless the layout covers `H` KV heads, `batch` sequences, `max_seqlen_q` queries and
+        `max_seqlen_k` keys (`num_q_heads`: q's heads, named in the message where a layout per query
+        head would also do). A layout with fewer key-block columns than the keys have blocks is
+        refused rather than read as "the missing blocks are not selected"."""
         if self.num_kv_heads != H:
             alt = (f" or q's {num_q_heads} query heads (one row per query head)"
                    if num_q_heads is not None and num_q_heads != H else "")
@@ -85,6 +88,11 @@ class BlockLayout:
         if self.mask.shape[-2] < need:
             raise ValueError(f"layout has {self.mask.shape[-2]} query blocks of {self.q_block}; "
                              f"max_seqlen_q={max_seqlen_q} needs {need}")
+        # max_seqlen_k's own type and value checks come later, from the op's checks
+        need = -(-max_seqlen_k // KV_BLOCK) if isinstance(max_seqlen_k, (int, torch.SymInt)) else 0
+        if self.mask.shape[-1] < need:
+            raise ValueError(f"layout has {self.mask.shape[-1]} key-block columns of {KV_BLOCK} keys; "
+                             f"max_seqlen_k={max_seqlen_k} needs {need} (one column per key block)")
 
     def to_topk_idx(self, cu_seqlens_q: torch.Tensor) -> torch.Tensor:
         """InfLLM-v2's token-level form: int32 `[H, total_q, K]`, ascending, -1 tail padding."""

@@ -195,7 +195,7 @@ def naive_block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     """
     if not isinstance(layout, BlockLayout):
         raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
-    layout.check_against(k.shape[1], cu_seqlens_q.numel() - 1, max_seqlen_q)
+    layout.check_against(k.shape[1], cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k)
     return naive_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                     layout.to_topk_idx(cu_seqlens_q).to(q.device),
                                     max_seqlen_q, max_seqlen_k, causal=causal, softmax_scale=softmax_scale,

@@ -57,7 +57,8 @@ def test_compress_cu_seqlens():
     (dict(cu=torch.tensor([0, 6, 4, 10], dtype=torch.int32)), "cu_seqlens_k must be non-decreasing"),
     (dict(cu=torch.tensor([1, 10], dtype=torch.int32)), "cu_seqlens_k must start at 0"),
     (dict(cu=torch.tensor([0, 9], dtype=torch.int32)), "cu_seqlens_k must end at the total token count 10"),
-    (dict(kernel=0), "kernel_size and kernel_stride must be positive"),
+    (dict(kernel=0), "kernel_size must be >= 1, got 0"),
+    (dict(kernel=1), r"kernel_size \(1\) must be >= kernel_stride \(2\)"),
 ])
 def test_compress_rejects_bad_inputs_naming_the_argument(bad, match):
     k = bad.get("k", torch.randn(10, 2, 64))
