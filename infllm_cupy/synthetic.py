@@ -71,25 +71,33 @@ def needle_positions(T: int, n_needles: int) -> list[tuple[int, int]]:
     return out
 
 
-def synthetic_sequence(T: int, HQ: int, H: int, D: int, n_needles: int, dtype, device, seed: int = 0):
-    """The demo's sequence: unit-normal q, k, v plus `n_needles` strong needles shared by all heads.
+def synthetic_sequence(T: int, HQ: int, H: int, D: int, n_needles: int, dtype, device, seed: int = 0, *,
+                       needle_logit: float = 8.0):
+    """The demo's sequence: unit-normal q, k, v; every 64-key block along a direction of its own; and
+    `n_needles` later runs of 64 queries (every head) that look for one early block each.
 
-    Each needle is a 64-key block along its own direction and a later run of 64 query tokens (every
-    head) along the same direction. See `structured_sequence` for a sink, local context and topics.
+    Each key block gets a random direction of the keys' own norm, so that mean pooling leaves every
+    compressed key with about the same norm and no block stands out on its own: a query that looks for
+    nothing picks among them by chance. A needle's query run carries its key block's direction, worth
+    `needle_logit` logits (`q . k / sqrt(D)`) against those keys. `needle_logit=0` is the control: the
+    same keys (needle blocks included), no query that looks for them.
 
     Returns:
         q `[T, HQ, D]`, k, v `[T, H, D]` (`dtype` on `device`) and the list of
         `(needle key block, query start)` pairs.
     """
+    if not math.isfinite(needle_logit) or needle_logit < 0:
+        raise ValueError(f"needle_logit must be a finite number >= 0, got {needle_logit!r}")
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(T, HQ, D, generator=g)
     k = torch.randn(T, H, D, generator=g)
     v = torch.randn(T, H, D, generator=g)
+    nb = -(-T // KV_BLOCK)
+    block_dirs = _unit_dirs(nb, D, g)                                       # [NB, D], norm sqrt(D)
+    k += block_dirs.repeat_interleave(KV_BLOCK, 0)[:T, None, :]
     needles = needle_positions(T, n_needles)
     for kb, qs in needles:
-        u = _unit_dirs(1, D, g)[0]
-        k[kb * KV_BLOCK:(kb + 1) * KV_BLOCK] += 1.5 * u
-        q[qs:qs + KV_BLOCK] += 4.0 * u
+        q[qs:qs + KV_BLOCK] += needle_logit / math.sqrt(D) * block_dirs[kb]
     return q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), needles
 
 
@@ -227,4 +235,56 @@ def needle_recall(topk_idx: torch.Tensor, needles, *, offset: int = 0) -> list[f
         if h is not None:
             sel = sel[h:h + 1]
         out.append((sel == kb).any(-1).float().mean().item() if sel.numel() else float("nan"))
+    return out
+
+
+class NeedleRetrieval(NamedTuple):
+    """How much more often a needle's own queries select its key block than the queries that do not look
+    for it (see `needle_retrieval`)."""
+    recall: float        # share of (query of its run, KV head) pairs that select the needle's block
+    base_rate: float     # the same share over the other queries that could select it by score
+    lift: float          # recall - base_rate: 1 for perfect retrieval, about 0 for none
+
+
+def needle_retrieval(topk_idx: torch.Tensor, needles, *, local_blocks: int, init_blocks: int = 1,
+                     offset: int = 0, seqlen: int | None = None) -> list[NeedleRetrieval]:
+    r"""Retrieval of each needle measured against a control: the needle's own queries against the other
+    queries of the sequence.
+
+    `recall` is `needle_recall`'s share. `base_rate` is the same share over every other query token
+    (same KV heads) for which the needle's block is a choice by score: a later token whose forced blocks
+    (the `init_blocks` first, the local window of `local_blocks + 1` blocks) do not include it. A block
+    that every query picks (one that stands out under mean pooling, or a budget that holds nearly every
+    block) has a high base rate and no lift, however high its recall.
+
+    Args:
+        topk_idx (torch.Tensor):
+            int32 `[H, total_q, K]`.
+        needles (list[Needle] or list[tuple[int, int]]):
+            `(key_block, query_start[, kv_head])`; a missing or None `kv_head` means every KV head.
+        local_blocks, init_blocks (int):
+            The selection's forced blocks (`InfLLMv2Config`).
+        offset (int, Optional):
+            Index of the sequence's first token in the packed `topk_idx`. Default: 0.
+        seqlen (int, Optional):
+            Tokens of the sequence. Default: `None` (from `offset` to the end of `topk_idx`).
+
+    Returns:
+        list[NeedleRetrieval]: one per needle; NaN where a share has no query to count.
+    """
+    check_tensor("topk_idx", topk_idx, ndim=3, dtypes=(torch.int32, torch.int64))
+    L = topk_idx.shape[1] - offset if seqlen is None else seqlen
+    pos = torch.arange(L, device=topk_idx.device)
+    out = []
+    for n in needles:
+        kb, qs = n[0], n[1]
+        h = n[2] if len(n) > 2 else None
+        sel = topk_idx[:, offset:offset + L] if h is None else topk_idx[h:h + 1, offset:offset + L]
+        hit = (sel == kb).any(-1).float()                                   # [H or 1, L]
+        own = (pos >= qs) & (pos < qs + KV_BLOCK)
+        by_score = (kb >= init_blocks) & (pos // KV_BLOCK > kb + local_blocks)
+        others = by_score & ~own
+        recall = hit[:, own].mean().item() if bool(own.any()) else float("nan")
+        base = hit[:, others].mean().item() if bool(others.any()) else float("nan")
+        out.append(NeedleRetrieval(recall, base, recall - base))
     return out

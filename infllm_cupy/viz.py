@@ -12,7 +12,14 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import check_cu_seqlens, check_same_device, check_tensor, seqlens_host, softmax_scale_of
+from ._checks import (
+    check_cu_seqlens,
+    check_head_dim,
+    check_same_device,
+    check_tensor,
+    seqlens_host,
+    softmax_scale_of,
+)
 
 
 def selection_density(topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *,
@@ -42,22 +49,42 @@ def selection_density(topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seq
     return counts / tokens[:, None]
 
 
+_FUTURE_RGBA = (0.86, 0.86, 0.86, 1.0)      # the non-causal area: its own colour, not "not selected"
+
+
 def plot_selection(topk_idx, cu_seqlens_q, cu_seqlens_k, *, seq: int = 0, head: int = 0, q_block: int = 64,
                    block_size: int = 64, ax=None, title: str | None = None):
     """Sparsity map: query block i (y) against key block j (x), shaded by the fraction of i's tokens
-    that selected j. Returns the matplotlib Axes."""
+    that selected j; key blocks that no token of the query block may attend (the future, bottom-right
+    causal) in light grey, named in the legend. Returns the matplotlib Axes."""
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     dens = selection_density(topk_idx, cu_seqlens_q, cu_seqlens_k, seq=seq, head=head, q_block=q_block,
                              block_size=block_size)
+    cq, ck = seqlens_host(cu_seqlens_q), seqlens_host(cu_seqlens_k)
+    nqb, nkb = dens.shape
+    last = torch.clamp((torch.arange(nqb) + 1) * q_block, max=cq[seq]) - 1 + ck[seq] - cq[seq]
+    future = torch.arange(nkb)[None, :] * block_size > last[:, None]              # [NQB, NKB]
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 5.5))
     im = ax.imshow(dens.numpy(), cmap="viridis", vmin=0, vmax=1, interpolation="nearest", aspect="auto")
+    grey = torch.zeros(nqb, nkb, 4)
+    grey[future] = torch.tensor(_FUTURE_RGBA)
+    ax.imshow(grey.numpy(), interpolation="nearest", aspect="auto")
     ax.set_xlabel(f"key block j ({block_size} keys)")
     ax.set_ylabel(f"query block i ({q_block} tokens)")
     ax.set_title(title or f"selected blocks, sequence {seq}, KV head {head}")
-    ax.figure.colorbar(im, ax=ax, label="fraction of the block's tokens selecting j")
+    ax.figure.colorbar(im, ax=ax, label="fraction of the block's tokens selecting j (0: not selected)")
+    _legend(ax, [Patch(facecolor=_FUTURE_RGBA, edgecolor="0.5", label="future (not causal)")])
     return ax
+
+
+def _legend(ax, handles):
+    """A legend of `handles` added to the entries `ax` already shows."""
+    old = ax.get_legend()
+    keep = list(old.legend_handles) if old is not None else []
+    ax.legend(handles=keep + list(handles), loc="upper right", fontsize=8)
 
 
 def plot_block_scores(block_scores: torch.Tensor, cu_seqlens_q: torch.Tensor, *, seq: int = 0, head: int = 0,
@@ -160,6 +187,7 @@ def attention_mass_captured(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torc
     """
     cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
     check_tensor("q", q, ndim=3, dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64))
+    check_head_dim("q", q.shape)
     check_tensor("k", k, ndim=3, dtypes=(q.dtype,))
     check_same_device(q=q, k=k)
     if q.shape[1] % k.shape[1] or k.shape[2] != q.shape[2]:
@@ -372,9 +400,9 @@ def plot_selection_maps(topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor,
         pts = _needle_marks(needles, h)
         if pts:
             xs, ys = zip(*pts)
-            ax.scatter(xs, [y * 64 // q_block for y in ys], s=90, facecolors="none", edgecolors="red",
-                       linewidths=1.5, label="needle")
-            ax.legend(loc="upper right", fontsize=8)
+            marks = ax.scatter(xs, [y * 64 // q_block for y in ys], s=90, facecolors="none", edgecolors="red",
+                               linewidths=1.5, label="needle (key block, its queries)")
+            _legend(ax, [marks])
     if suptitle:
         fig.suptitle(suptitle)
     fig.tight_layout()

@@ -232,12 +232,13 @@ fig, axes = plt.subplots(1, H, figsize=(6 * H, 3.5), squeeze=False, sharey=True)
 for h, ax in enumerate(axes[0]):
     ax.plot(mass_sel[:, h], label="InfLLM-v2 selection", lw=1)
     ax.plot(mass_h2o[:, h], label="H2O kept (upper bound)", lw=1)
-    for n in needles:
-        if n.kv_head == h:
-            ax.axvspan(n.query_start - START, n.query_start - START + 63, color="tab:red", alpha=0.1)
+    spans = [n for n in needles if n.kv_head == h]
+    for i, n in enumerate(spans):
+        ax.axvspan(n.query_start - START, n.query_start - START + 63, color="tab:red", alpha=0.1,
+                   label="steps whose query looks for a needle" if i == 0 else None)
     ax.set(title=f"KV head {h}", xlabel="decode step", ylim=(0, 1.02))
+    ax.legend(fontsize=8)
 axes[0, 0].set_ylabel("dense attention mass captured")
-axes[0, 0].legend(fontsize=8)
 fig.tight_layout()
 fig.savefig(FIG_DIR / "02_mass_captured.png", dpi=110)
 

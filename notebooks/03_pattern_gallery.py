@@ -363,7 +363,7 @@ curves = {}
 with torch.no_grad():
     topks = sorted({2, TOPK // 2, TOPK, 2 * TOPK, 4 * TOPK})
     sweep = topk_sweep(aux["block_scores"], cu, T, topks, cfg)
-    cm = attention_mass_captured(q, k, cu, sweep)
+    cm = attention_mass_captured(q, k, cu, sweep, progress=False)
     sums = [summarize_mass(cm[t], cu, from_position=T // 2) for t in topks]
     curves["InfLLM-v2 (top-k sweep)"] = ([s["key_fraction"] for s in sums], [s["mass"] for s in sums])
     k_rep = k.repeat_interleave(G, dim=1)
@@ -371,11 +371,12 @@ with torch.no_grad():
               "per-head": per_head_layout}
     for name, lay in static.items():
         idx, heads = as_topk(lay)
-        s = summarize_mass(attention_mass_captured(q, k_rep if heads == HQ else k, cu, idx), cu,
-                           from_position=T // 2)
+        cm = attention_mass_captured(q, k_rep if heads == HQ else k, cu, idx, progress=False)
+        s = summarize_mass(cm, cu, from_position=T // 2)
         curves[name] = ([s["key_fraction"]], [s["mass"]])
     if SPARGE:   # the sweep's masks are per KV head (union over the group): one pass for all of them
-        cm = attention_mass_captured(q, k, cu, {c: as_topk(sparge_layout(c))[0] for c in CDFS})
+        cm = attention_mass_captured(q, k, cu, {c: as_topk(sparge_layout(c))[0] for c in CDFS},
+                                     progress=False)
         sums = [summarize_mass(cm[c], cu, from_position=T // 2) for c in CDFS]
         curves["SpargeAttn (cdfthreshd sweep)"] = ([s["key_fraction"] for s in sums],
                                                    [s["mass"] for s in sums])

@@ -16,8 +16,10 @@ import infllm_cupy
 from infllm_cupy.__main__ import build_parser, main
 
 REPO = Path(__file__).resolve().parents[1]
-# small enough to run in about a second on a CPU
-SMALL = ["--tokens", "1024", "--heads", "4", "--kv-heads", "2", "--head-dim", "32"]
+# small enough to run in about a second on a CPU, with a budget (K = 6 of 32 blocks) that leaves the
+# selection a choice, so that retrieval can show
+SMALL = ["--tokens", "2048", "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--topk", "4",
+         "--local-blocks", "2"]
 
 
 def run_cli(*args, cwd=None, env=None):
@@ -109,13 +111,52 @@ def test_demo_runs_on_cpu_and_writes_the_png(tmp_path):
     r = run_cli("demo", *SMALL, "--device", "cpu", "--png", str(png), cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     # the header states the budget as the config defines it: forced blocks inside K
-    assert ("K = topk 8 + local_blocks 4 = 12 blocks of 64 keys per token: 1 init + 5 local (the query's own "
-            "block and the 4 before it) forced, 6 by score") in r.stdout, r.stdout
+    assert ("K = topk 4 + local_blocks 2 = 6 blocks of 64 keys per token: 1 init + 3 local (the query's own "
+            "block and the 2 before it) forced, 2 by score") in r.stdout, r.stdout
     assert "stage timings (ms, one run of each reference):" in r.stdout, r.stdout
-    assert r.stdout.count("selected by 100% of (token, head) pairs") == 4, r.stdout
+    lifts = [float(x) for x in re.findall(r"lift ([+-]\d\.\d\d)", r.stdout)]
+    assert len(lifts) == 4 and min(lifts) >= 0.5, r.stdout
+    assert "retrieved: every needle's lift is" in r.stdout, r.stdout
     assert png.stat().st_size > 1000
     # output is not a terminal: no progress bar in either stream
     assert "stage/s" not in r.stderr and "it/s" not in r.stderr and "\r" not in r.stdout + r.stderr, r.stderr
+
+
+def _demo_retrieval(device, *extra, cwd):
+    r = run_cli("demo", *SMALL, "--device", device, "--no-png", *extra, cwd=cwd)
+    lifts = [float(x) for x in re.findall(r"lift ([+-]\d\.\d\d)", r.stdout)]
+    return r, lifts
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_demo_fails_its_control_and_passes_the_real_sequence(tmp_path, device):
+    # the same keys, the needle blocks included; only the queries that look for them differ
+    real, real_lifts = _demo_retrieval(device, cwd=tmp_path)
+    ctrl, ctrl_lifts = _demo_retrieval(device, "--control", cwd=tmp_path)
+    assert real.returncode == 0 and len(real_lifts) == 4 and min(real_lifts) >= 0.5, real.stdout + real.stderr
+    assert ctrl.returncode == 1, ctrl.stdout + ctrl.stderr
+    assert len(ctrl_lifts) == 4 and max(ctrl_lifts) < 0.2, ctrl.stdout
+    assert "control: the needle keys are planted, the queries that look for them are not" in ctrl.stdout
+    assert "no retrieval: the needle(s) in key block(s)" in ctrl.stderr, ctrl.stderr
+    assert "(--control: expected)" in ctrl.stderr, ctrl.stderr
+    assert "Traceback" not in ctrl.stderr and "retrieved" not in ctrl.stdout
+
+
+def test_demo_without_room_to_choose_fails_with_a_hint(tmp_path):
+    # K = 12 slots of 16 blocks: every query picks nearly every block, so no lift can show
+    r = run_cli("demo", "--tokens", "1024", "--heads", "4", "--head-dim", "32", "--topk", "8",
+                "--local-blocks", "4", "--no-png", cwd=tmp_path)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "no retrieval" in r.stderr and "lower --topk or raise --tokens" in r.stderr, r.stderr
+
+
+def test_installed_script_names_itself(tmp_path):
+    script = Path(sys.executable).with_name("infllm-cupy")
+    if not script.exists():
+        pytest.skip("the infllm-cupy script is not installed next to this Python")
+    r = subprocess.run([str(script), "demo", "--help"], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith("usage: infllm-cupy demo"), r.stdout[:200]
 
 
 def test_demo_no_png(tmp_path):

@@ -10,7 +10,13 @@ import torch
 
 from infllm_cupy import viz
 from infllm_cupy.pipeline import InfLLMv2Config, naive_infllmv2_attention
-from infllm_cupy.synthetic import Needle, needle_recall, structured_sequence, synthetic_sequence
+from infllm_cupy.synthetic import (
+    Needle,
+    needle_recall,
+    needle_retrieval,
+    structured_sequence,
+    synthetic_sequence,
+)
 from infllm_cupy.testing import cu_seqlens_from_lengths
 from infllm_cupy.viz import CapturedMass, attention_mass_captured, per_query_block, summarize_mass, topk_sweep
 
@@ -48,6 +54,11 @@ def test_notebook_runs_in_smoke_mode(path, tmp_path, monkeypatch):
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if o.get("output_type") == "error"]
     assert not errors
+    # no progress bar in a saved notebook: a widget or text bar is stored as its last frame ("0% 0/4")
+    texts = [str(o.get("text", "")) + str(o.get("data", {}).get("text/plain", ""))
+             for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    bars = [t for t in texts if "%|" in t or "HBox" in t or "it/s]" in t]
+    assert not bars, f"{path.name} saves progress bars: {bars[:2]}"
     written = sorted(p.name for p in tmp_path.glob("*.png"))
     assert written, f"{path.name} wrote no figure"
     missing = set(FIGURES.get(path.stem, [])) - set(written)
@@ -110,6 +121,39 @@ def test_synthetic_sequence_is_the_demo_one():
     # queries of the run point along the keys of their block
     align = torch.einsum("hd,jhd->j", q[qs + 5, :2], k[:, :]) / 64
     assert int(align.argmax()) // 64 == kb
+
+
+def test_synthetic_sequence_control_keeps_the_keys_and_drops_the_needle_queries():
+    real = synthetic_sequence(2048, 4, 2, 64, 3, torch.float32, "cpu", seed=1)
+    ctrl = synthetic_sequence(2048, 4, 2, 64, 3, torch.float32, "cpu", seed=1, needle_logit=0.0)
+    assert torch.equal(real[1], ctrl[1]) and torch.equal(real[2], ctrl[2]) and real[3] == ctrl[3]
+    qs = real[3][0][1]
+    run = slice(qs, qs + 64)
+    assert not torch.equal(real[0][run], ctrl[0][run])
+    mask = torch.ones(2048, dtype=torch.bool)
+    for _, s in real[3]:
+        mask[s:s + 64] = False
+    assert torch.equal(real[0][mask], ctrl[0][mask])          # only the needle queries differ
+    # every key block carries a direction of the same norm: no compressed key stands out on its own
+    block_means = real[1].view(32, 64, 2, 64).mean(1).norm(dim=-1)
+    assert float(block_means.max() / block_means.min()) < 1.5
+    with pytest.raises(ValueError, match="needle_logit"):
+        synthetic_sequence(2048, 4, 2, 64, 3, torch.float32, "cpu", needle_logit=float("nan"))
+
+
+def test_needle_retrieval_is_recall_against_the_other_queries():
+    T = 1024
+    idx = torch.full((2, T, 3), -1, dtype=torch.int32)
+    idx[:, 600:664, 0] = 2                      # the needle's queries: all select block 2
+    idx[0, 900:1000, 1] = 2                     # 100 other tokens of head 0 select it by score too
+    idx[:, 150:256, 2] = 2                      # tokens whose local window forces block 2: not counted
+    r = needle_retrieval(idx, [(2, 600)], local_blocks=1)[0]
+    # the others: tokens of query blocks > 3 (block 2 not forced), less the run: 768 - 64 per head
+    assert r.recall == 1.0 and r.base_rate == pytest.approx(100 / (2 * 704)) and r.lift == 1.0 - r.base_rate
+    assert needle_retrieval(idx, [Needle(2, 600, 1)], local_blocks=1)[0].base_rate == 0.0
+    # a block every query picks has recall 1 and no lift
+    idx[:, :, 0] = 2
+    assert needle_retrieval(idx, [(2, 600)], local_blocks=1)[0].lift == 0.0
 
 
 def test_needle_recall():

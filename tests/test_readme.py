@@ -24,8 +24,8 @@ def test_quickstart_runs():
     # the budget the quickstart's comment states
     cfg = ns["InfLLMv2Config"](topk=16, local_blocks=4, dense_len=0)
     assert "K = topk + local_blocks = 20" in blocks[0] and cfg.topk + cfg.local_blocks == 20
-    # the decode block continues the quickstart's names
-    assert "DecodeCache" in blocks[1]
+    # the decode block continues the quickstart's names, and says so in its first line
+    assert "DecodeCache" in blocks[1] and blocks[1].startswith("# continues the Quickstart block above")
     exec(compile(blocks[1], "README.md (decode)", "exec"), ns)
     assert ns["o"].shape == (1, HQ, D) and torch.isfinite(ns["o"].float()).all()
     assert ns["cache"].lengths() == [T + 4]
