@@ -334,7 +334,8 @@ def n_windows(L: int, kernel: int, stride: int) -> int:
 def random_cache(B: int, L: int, H: int, D: int, dtype, dev, g):
     """A full contiguous DecodeCache (every sequence holds L keys) with random K/V and compressed keys,
     built directly (no append, no compression pass: the timings do not depend on the values)."""
-    from infllm_cupy.decode.cache import COMPRESSIONS, DecodeCache
+    from infllm_cupy._rules import COMPRESSIONS
+    from infllm_cupy.decode.cache import DecodeCache
 
     k = torch.randn(B, L, H, D, generator=g, device=dev, dtype=dtype)
     v = torch.randn(B, L, H, D, generator=g, device=dev, dtype=dtype)
@@ -347,7 +348,7 @@ def random_cache(B: int, L: int, H: int, D: int, dtype, dev, g):
 def random_selection(B: int, H: int, L: int, topk: int, local_blocks: int, dev, g) -> torch.Tensor:
     """int32 `[H, B, K]`, K = min(topk + local_blocks, blocks): InfLLM-v2's shape of a selection (block 0,
     the local_blocks + 1 blocks ending at the last one, random distinct others), distinct and valid."""
-    from infllm_cupy._constants import KV_BLOCK
+    from infllm_cupy._rules import KV_BLOCK
 
     nb = -(-L // KV_BLOCK)
     K = min(topk + local_blocks, nb)

@@ -371,7 +371,8 @@ def _selected_keys(k: torch.Tensor, v: torch.Tensor, sel: torch.Tensor):
 def check_blocks(c: Ctx, L: int, q, k, v, do, cu) -> dict:
     """Out and dq of sampled 64-token query blocks this rank owns against the float64 stage-2 reference
     over the same blocks' selection (FlashAttention's rule). Every rank samples the same global blocks."""
-    from infllm_cupy.pipeline import select_blocks, uses_kernels
+    from infllm_cupy._rules import runs_kernels
+    from infllm_cupy.prefill import select_blocks
     from infllm_cupy.testing import max_abs_err, reference_sparse_grads
 
     q_l, k_l, v_l = (t.detach().requires_grad_() for t in (q, k, v))
@@ -385,7 +386,7 @@ def check_blocks(c: Ctx, L: int, q, k, v, do, cu) -> dict:
     mine = [b for b in blocks if b * 64 in local_of]
     worst = {"out": 0.0, "dq": 0.0}
     ok = True
-    kernels = uses_kernels(q, c.backend)
+    kernels = runs_kernels(q, c.backend)
     for b in mine:
         a0, i0 = b * 64, local_of[b * 64]
         rows = slice(i0, i0 + 64)

@@ -333,7 +333,7 @@ def bench_config(r: Runner, B: int, L: int, flex, BlockMask, ours, flashinfer, f
     if any(i in a.impls for i in OURS) and a.check and sparse_decode is not None:
         check.append(run_check(cfg, q, cache, topk_idx, sparse_decode))
         tqdm.write("  " + check[-1])
-    from infllm_cupy.pipeline import InfLLMv2Config
+    from infllm_cupy.config import InfLLMv2Config
     step_cfg = InfLLMv2Config(topk=a.topk, local_blocks=a.local_blocks, dense_len=0)
     calls = {
         "ours_sparse": (lambda w: lambda: sparse_decode(q, cache, topk_idx, return_attn_weights=w),

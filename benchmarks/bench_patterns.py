@@ -63,7 +63,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import _harness as harness  # noqa: E402
 from infllm_cupy import _env  # noqa: E402
-from infllm_cupy._constants import KV_BLOCK  # noqa: E402
+from infllm_cupy._rules import KV_BLOCK  # noqa: E402
 from infllm_cupy.patterns import qhead_block_sparse_attn_varlen  # noqa: E402
 from infllm_cupy.selections import uniform_cu_seqlens  # noqa: E402
 from infllm_cupy.stage2 import BlockLayout, block_sparse_attn_varlen  # noqa: E402

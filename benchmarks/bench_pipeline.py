@@ -157,7 +157,8 @@ def check_against_reference(device: torch.device, backend: str, HQ: int, H: int,
     """The pipeline on `backend` against the reference pipeline on a reduced ragged shape: identical
     `topk_idx` (fp32 scores, tie-free keys) and output error at most 2x that of the reference done in
     bf16 (FlashAttention's rule) against the float64 reference. Returns a one-line verdict."""
-    from infllm_cupy.pipeline import InfLLMv2Config, infllmv2_attention, naive_infllmv2_attention
+    from infllm_cupy.config import InfLLMv2Config
+    from infllm_cupy.pipeline import infllmv2_attention, naive_infllmv2_attention
     from infllm_cupy.stage2.naive import naive_sparse_attn_varlen
     from infllm_cupy.testing import max_abs_err
 
@@ -316,7 +317,8 @@ def config_setup(r: Runner, T: int, B: int, inputs: str = "random") -> tuple:
     """What every row of one `(T, B)` shares: `(cfg_id, cfg, K, q, k, v, cu, stages, cache_lens,
     n_q_rows)` with the MiniCPM4 config at `--topk` / `--local-blocks` and seeded inputs of the
     given kind (`random` or `structured`)."""
-    from infllm_cupy.pipeline import InfLLMv2Config, stages_for
+    from infllm_cupy.config import InfLLMv2Config
+    from infllm_cupy.prefill import stages_for
 
     a = r.args
     cfg_id = config_id(B, T, a.hq, a.h, a.d, inputs)
@@ -334,7 +336,9 @@ def bench_config(r: Runner, T: int, B: int, flex, BlockMask, flex_note: str = ""
                  inputs: str = "random") -> dict:
     """Time every requested row on one `(T, B)` and input kind; returns the memory record of the config
     (a config that cannot fit gets one row per requested impl, each with the reason)."""
-    from infllm_cupy.pipeline import infllmv2_attention, select_blocks, uses_kernels
+    from infllm_cupy._rules import runs_kernels
+    from infllm_cupy.pipeline import infllmv2_attention
+    from infllm_cupy.prefill import select_blocks
 
     a = r.args
     HQ, H, D = a.hq, a.h, a.d
@@ -352,7 +356,7 @@ def bench_config(r: Runner, T: int, B: int, flex, BlockMask, flex_note: str = ""
         print(f"  stage-1 plan: {plan}", flush=True)
 
     def selection():
-        return select_blocks(q, k, cu, cu, T, cache_lens, True, cfg, kernels=uses_kernels(q, a.backend),
+        return select_blocks(q, k, cu, cu, T, cache_lens, True, cfg, kernels=runs_kernels(q, a.backend),
                              need_scores=False)
 
     def pipeline():
@@ -568,7 +572,7 @@ def main(argv=None) -> list[harness.Row]:
     dev = torch.device(a.device)
     env = harness.env_stamp()
     harness.print_env(env)
-    from infllm_cupy.pipeline import stage_names, stages_for
+    from infllm_cupy.prefill import stage_names, stages_for
 
     probe = torch.empty(0, device=dev)
     for name, impl in stage_names(stages_for(probe, a.backend)).items():

@@ -41,7 +41,8 @@ STEPS = ("scores", "pool", "topk")
 
 def bench_config(r: bp.Runner, T: int, B: int) -> dict:
     """Time every requested row on one `(T, B)`; returns the memory record of the config."""
-    from infllm_cupy.pipeline import select_blocks, uses_kernels
+    from infllm_cupy._rules import runs_kernels
+    from infllm_cupy.prefill import select_blocks
     from infllm_cupy.stage1.naive import (
         naive_pool_blocks,
         naive_select_topk,
@@ -71,7 +72,7 @@ def bench_config(r: bp.Runner, T: int, B: int) -> dict:
         "stage1_select": lambda: stages["stage1_select"](q, ck1, ck2, cu, cu1, cu2, T, return_scores=False,
                                                          **stage1_kw),
         "selection": lambda: select_blocks(q, k, cu, cu, T, cache_lens, True, cfg,
-                                           kernels=uses_kernels(q, a.backend), need_scores=False),
+                                           kernels=runs_kernels(q, a.backend), need_scores=False),
     }
     # The reference's three steps, on inputs made once by the step before.
     scores = block_scores = q_blocks = None
@@ -138,7 +139,7 @@ def main(argv=None) -> list[Row]:
     dev = torch.device(a.device)
     env = env_stamp()
     print_env(env)
-    from infllm_cupy.pipeline import stage_names, stages_for
+    from infllm_cupy.prefill import stage_names, stages_for
 
     for name, impl in stage_names(stages_for(torch.empty(0, device=dev), a.backend)).items():
         print(f"stage {name:14s} {impl}")

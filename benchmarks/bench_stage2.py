@@ -38,7 +38,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import _harness as harness  # noqa: E402
 from infllm_cupy import _env  # noqa: E402
-from infllm_cupy._constants import KV_BLOCK  # noqa: E402
+from infllm_cupy._rules import KV_BLOCK  # noqa: E402
 from infllm_cupy.selections import (  # noqa: E402
     SELECTION_NAMES,
     attended_keys,

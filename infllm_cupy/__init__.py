@@ -7,6 +7,7 @@ is exported next to its reference, `naive_<op>` (same signature).
 __version__ = "0.1.0"
 
 from .compress import compress_k, naive_compress_k
+from .config import InfLLMv2Config
 from .decode import (
     H2O,
     DecodeCache,
@@ -32,7 +33,7 @@ from .patterns import (
     to_bsr,
     to_csr,
 )
-from .pipeline import InfLLMv2Attention, InfLLMv2Config, infllmv2_attention, naive_infllmv2_attention
+from .pipeline import InfLLMv2Attention, infllmv2_attention, naive_infllmv2_attention
 from .stage1 import naive_stage1_select, stage1_select
 from .stage2 import (
     BlockLayout,

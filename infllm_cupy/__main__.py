@@ -180,7 +180,7 @@ def run_demo(args: argparse.Namespace, device) -> int:
     from tqdm import tqdm
 
     from . import compress_k
-    from .pipeline import InfLLMv2Config
+    from .config import InfLLMv2Config
     from .stage1 import stage1_select
     from .stage2.attention import sparse_attn_varlen
     from .synthetic import needle_retrieval, synthetic_sequence

@@ -15,8 +15,8 @@ from itertools import accumulate, pairwise
 import torch
 
 from . import _env
-from ._constants import BACKENDS, HEAD_DIMS
 from ._dtypes import INT_DTYPES, KERNEL_DTYPES, REF_DTYPES
+from ._rules import HEAD_DIMS, softmax_scale_of
 
 
 def validate_values() -> bool:
@@ -183,16 +183,6 @@ def check_softmax_scale(softmax_scale, head_dim: int) -> float:
     return softmax_scale_of(softmax_scale, head_dim)
 
 
-def softmax_scale_of(softmax_scale: float | None, head_dim: int) -> float:
-    """The scale a checked `softmax_scale` stands for: itself as a float, or `1 / sqrt(head_dim)` for None."""
-    if softmax_scale is not None:
-        return float(softmax_scale)
-    if head_dim < 1:
-        raise ValueError(f"the head dim must be at least 1 for the default softmax scale 1 / sqrt(D), got "
-                         f"{head_dim}")
-    return head_dim ** -0.5
-
-
 def check_head_dim(name: str, shape: Sequence[int]) -> int:
     """The last dim of `name`'s `shape` (its head dim) must be at least 1 (a softmax scale `1 / sqrt(D)`
     needs it); returns it."""
@@ -206,13 +196,6 @@ def check_score_dtype(score_dtype) -> None:
     if score_dtype is not None and score_dtype not in REF_DTYPES:
         raise ValueError(f"score_dtype must be None or one of {_fmt_dtypes(REF_DTYPES)} (the dtype of the "
                          f"stage-1 scores, on which top-k runs), got {score_dtype!r}")
-
-
-def check_backend(backend) -> str:
-    """`backend` must be one of `BACKENDS`; returns it."""
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return backend
 
 
 def check_max_seqlen(name: str, value, lengths: Sequence[int]) -> int:

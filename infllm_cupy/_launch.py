@@ -18,10 +18,6 @@ from . import _env
 CXX_TYPE = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16", torch.float32: "float"}
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def total_memory(device: torch.device) -> int:
     """Bytes of memory of CUDA `device` (the memory budgets of the plans are shares of it)."""
     return _total_memory_of(device.index if device.index is not None else torch.cuda.current_device())

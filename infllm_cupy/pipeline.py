@@ -3,42 +3,18 @@
 `naive_infllmv2_attention`, the reference of the whole pipeline.
 
 Each entry checks its inputs once and reads both `cu_seqlens` to the host once, then runs the
-prefill body of `sparse_core.py` (compression, stage 1 and top-k under `no_grad`, stage 2; dense
-attention below `dense_len`), which holds the configuration, the checks and the stage choice that
-decode shares. Its names are re-exported here, where users and tests import them.
+prefill body of `prefill.py` (compression, stage 1 and top-k under `no_grad`, stage 2; dense
+attention below `dense_len`). The configuration is `config.py`'s.
 """
 from __future__ import annotations
 
 import torch
 
-from ._checks import (
-    REF_DTYPES,
-    HostSeqlens,
-    check_attn_inputs,
-    check_backend,
-    check_flags,
-    check_max_seqlen,
-    check_tensor,
-)
-from .sparse_core import (  # noqa: F401  (re-exported: users, tests and benchmarks import them from here)
-    _REFERENCE_STAGES,
-    _SDPA_MASK_ELEMS,
-    InfLLMv2Config,
-    _kernel_compress_k,
-    _kernel_sparse_attn,
-    check_config,
-    check_kernel_block_size,
-    check_kernel_path,
-    check_prefill_inputs,
-    check_topk_keeps_forced_blocks,
-    dense_aux,
-    prefill,
-    sdpa_dense_attn_varlen,
-    select_blocks,
-    stage_names,
-    stages_for,
-    uses_kernels,
-)
+from ._checks import HostSeqlens, check_attn_inputs, check_flags, check_max_seqlen, check_tensor
+from ._dtypes import REF_DTYPES
+from ._rules import check_backend, runs_kernels
+from .config import InfLLMv2Config, check_config
+from .prefill import check_prefill_inputs, prefill
 
 
 def naive_infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -98,10 +74,11 @@ def infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
         keys   0 1 2 3 4 5
         mask   1 1 0 0 1 1
 
-    Which implementation runs each stage (`uses_kernels`; the `run_*` stages of sparse_core.py): for
+    Which implementation runs each stage (`runs_kernels`; the `run_*` stages of prefill.py): for
     CUDA tensors with `backend` "auto" or "kernels", key compression, stage 1 (scores, pooling, top-k
     in one launch) and stage 2 are the CUDA kernels, and the dense fallback is torch SDPA per
-    sequence. `backend="reference"` runs every stage's reference; CPU tensors always do.
+    sequence. `backend="reference"` runs every stage's reference, as CPU tensors do under "auto";
+    `backend="kernels"` refuses CPU tensors (ValueError naming q), as every entry point does.
 
     Gradients: `q`, `k` and `v` get theirs through stage 2 (the stage-2 backward kernel on the
     kernel path, autograd of the reference otherwise) or through the dense fallback (SDPA's own
@@ -152,7 +129,7 @@ def infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     host, max_seqlen_q, max_seqlen_k = check_prefill_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                             max_seqlen_k)
     return prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cfg,
-                   kernels=uses_kernels(q, backend), host_seqlens=host, return_aux=return_aux)
+                   kernels=runs_kernels(q, backend), host_seqlens=host, return_aux=return_aux)
 
 
 def infllmv2_attention_host_lengths(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -203,7 +180,7 @@ def infllmv2_attention_host_lengths(q: torch.Tensor, k: torch.Tensor, v: torch.T
     # the offsets on the host from the given lengths: nothing below reads cu_seqlens back
     host = HostSeqlens.from_lengths(seqlens_q, seqlens_k)
     return prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max(seqlens_q, default=0), max(seqlens_k, default=0),
-                   cfg, kernels=uses_kernels(q, backend), host_seqlens=host, compressed=compressed)
+                   cfg, kernels=runs_kernels(q, backend), host_seqlens=host, compressed=compressed)
 
 
 class InfLLMv2Attention(torch.nn.Module):

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._constants import KV_BLOCK
+from ._rules import KV_BLOCK
 
 _BIG = 1 << 30
 _CHUNK_ELEMS = 1 << 25

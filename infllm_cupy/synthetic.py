@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from ._checks import check_tensor
-from ._constants import KV_BLOCK
+from ._rules import KV_BLOCK
 
 # Share of the sink component put on the queries; the keys carry the rest, so that the direction
 # adds little noise to the logits of the other keys.

@@ -12,14 +12,8 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import (
-    check_cu_seqlens,
-    check_head_dim,
-    check_same_device,
-    check_tensor,
-    seqlens_host,
-    softmax_scale_of,
-)
+from ._checks import check_cu_seqlens, check_head_dim, check_same_device, check_tensor, seqlens_host
+from ._rules import KV_BLOCK, softmax_scale_of
 
 
 def selection_density(topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *,
@@ -349,7 +343,7 @@ def topk_sweep(block_scores: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqle
     Returns:
         dict[int, torch.Tensor]: topk -> `topk_idx` int32 `[H, total_q, K]`.
     """
-    from .pipeline import check_config, check_topk_keeps_forced_blocks
+    from .config import check_config, check_topk_keeps_forced_blocks
     from .stage1.naive import naive_select_topk, q_block_idx_prefill
 
     cfg = check_config(config)
@@ -368,7 +362,7 @@ def _needle_marks(needles, head: int):
     for n in needles or ():
         h = n[2] if len(n) > 2 else None
         if h is None or h == head:
-            first, last = n[1] // 64, (n[1] + 63) // 64
+            first, last = n[1] // KV_BLOCK, (n[1] + KV_BLOCK - 1) // KV_BLOCK
             pts += [(n[0], first), (n[0], last)]
     return pts
 
@@ -400,8 +394,8 @@ def plot_selection_maps(topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor,
         pts = _needle_marks(needles, h)
         if pts:
             xs, ys = zip(*pts)
-            marks = ax.scatter(xs, [y * 64 // q_block for y in ys], s=90, facecolors="none", edgecolors="red",
-                               linewidths=1.5, label="needle (key block, its queries)")
+            marks = ax.scatter(xs, [y * KV_BLOCK // q_block for y in ys], s=90, facecolors="none",
+                               edgecolors="red", linewidths=1.5, label="needle (key block, its queries)")
             _legend(ax, [marks])
     if suptitle:
         fig.suptitle(suptitle)
@@ -422,7 +416,7 @@ def plot_block_score_maps(block_scores: torch.Tensor, cu_seqlens_q: torch.Tensor
         pts = _needle_marks(needles, h)
         if pts:
             xs, ys = zip(*pts)
-            ax.scatter(xs, [y * 64 // q_block for y in ys], s=90, facecolors="none", edgecolors="cyan",
+            ax.scatter(xs, [y * KV_BLOCK // q_block for y in ys], s=90, facecolors="none", edgecolors="cyan",
                        linewidths=1.5)
     if suptitle:
         fig.suptitle(suptitle)

@@ -69,7 +69,9 @@ print(f"{'small' if SMOKE else 'full'} size ({why}): T = {T} tokens, topk = {TOP
       f"local_blocks = {LOCAL_BLOCKS}, on {DEVICE}{hint}")
 
 # %%
-from infllm_cupy.pipeline import InfLLMv2Config, infllmv2_attention, stage_names, stages_for
+from infllm_cupy.config import InfLLMv2Config
+from infllm_cupy.pipeline import infllmv2_attention
+from infllm_cupy.prefill import stage_names, stages_for
 from infllm_cupy.synthetic import needle_retrieval, structured_sequence
 from infllm_cupy.testing import rel_l2_err
 from infllm_cupy.viz import (

@@ -69,8 +69,8 @@ print(f"{'small' if SMOKE else 'full'} size ({why}): T = {T} tokens, {STEPS} dec
 # %%
 import matplotlib.pyplot as plt
 
+from infllm_cupy.config import InfLLMv2Config
 from infllm_cupy.decode import H2O, DecodeCache, infllmv2_decode, naive_infllmv2_decode, sparse_decode
-from infllm_cupy.pipeline import InfLLMv2Config
 from infllm_cupy.synthetic import structured_sequence
 
 # %% [markdown]

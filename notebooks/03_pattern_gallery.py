@@ -73,7 +73,8 @@ import matplotlib.pyplot as plt
 from mpl_toolkits.axes_grid1 import make_axes_locatable
 
 import infllm_cupy.patterns as P
-from infllm_cupy.pipeline import InfLLMv2Config, infllmv2_attention
+from infllm_cupy.config import InfLLMv2Config
+from infllm_cupy.pipeline import infllmv2_attention
 from infllm_cupy.stage2 import BlockLayout, block_sparse_attn_varlen
 from infllm_cupy.synthetic import structured_sequence
 from infllm_cupy.viz import attention_mass_captured, summarize_mass, topk_sweep

@@ -161,7 +161,7 @@ def _bool_cases():
         sparse_decode,
         stage1_select,
     )
-    from infllm_cupy.pipeline import sdpa_dense_attn_varlen
+    from infllm_cupy.prefill import sdpa_dense_attn_varlen
     from infllm_cupy.stage1 import naive_stage1_scores, q_block_idx_prefill
 
     q, k, v, cu = _dense_inputs()

@@ -60,6 +60,7 @@ def test_every_source_is_registered():
     assert set(ALL_SOURCES) <= registered, f"kernels nobody launches: {set(ALL_SOURCES) - registered}"
 
 
+@pytest.mark.slow            # about 5 minutes on 2 CPUs: `./scripts/test.sh --all` (CI) runs it
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("source", ALL_SOURCES)
 def test_every_kernel_compiles_without_a_gpu(source, arch):

@@ -7,6 +7,7 @@ on PYTHONPATH, so import-linter reads it and not the installed tree.
 """
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import shutil
@@ -65,11 +66,11 @@ PLANTED = {
         "decode/step.py", "from .. import pipeline",
         "infllm_cupy.decode is not allowed to import infllm_cupy.pipeline"),
     "the core imports the pipeline": (
-        "sparse_core.py", "from . import pipeline",
-        "infllm_cupy.sparse_core is not allowed to import infllm_cupy.pipeline"),
+        "prefill.py", "from . import pipeline",
+        "infllm_cupy.prefill is not allowed to import infllm_cupy.pipeline"),
     "a stage imports the core": (
-        "stage2/attention.py", "from .. import sparse_core",
-        "infllm_cupy.stage2 is not allowed to import infllm_cupy.sparse_core"),
+        "stage2/attention.py", "from .. import prefill",
+        "infllm_cupy.stage2 is not allowed to import infllm_cupy.prefill"),
     "the loader knows a stage": (
         "_jit.py", "from .stage2 import plan",
         "infllm_cupy._jit is not allowed to import infllm_cupy.stage2"),
@@ -135,24 +136,66 @@ def test_importing_the_package_imports_no_gpu_plotting_or_model_stack():
     assert res.stdout.strip() == "", f"imported at package import time: {res.stdout.strip()}"
 
 
-def test_the_moved_names_are_still_where_they_were():
-    """The per-query-head op lives in stage 2 and is still named by the pattern zoo; the dtype rules live in
-    `_dtypes` and are still named by `_checks` and the stage-1 reference; the config, checks, stage choice
-    and dense fallback live in `sparse_core` and are still named by the pipeline."""
-    from infllm_cupy import _checks, _dtypes, patterns, pipeline, sparse_core, stage2
-    from infllm_cupy.patterns import qhead as patterns_qhead
-    from infllm_cupy.stage1 import naive as stage1_naive
-    from infllm_cupy.stage2 import attention, qhead
+def _package_modules():
+    """`{dotted name: (path, is a package __init__)}` of every module of the package."""
+    out = {}
+    for path in (ROOT / "infllm_cupy").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        init = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if init else parts)] = (path, init)
+    return out
 
-    assert patterns.qhead_block_sparse_attn_varlen is stage2.qhead_block_sparse_attn_varlen \
-        is attention.qhead_block_sparse_attn_varlen
-    for name in ("qhead_block_sparse_attn_fwd", "qhead_block_sparse_attn_bwd", "qhead_bwd_plan",
-                 "PARTIALS_BUDGET_FRACTION"):
-        assert getattr(patterns_qhead, name) is getattr(qhead, name), name
-    assert stage1_naive.compute_dtype is _dtypes.compute_dtype
-    for name in ("REF_DTYPES", "KERNEL_DTYPES", "INT_DTYPES"):
-        assert getattr(_checks, name) is getattr(_dtypes, name), name
-    for name in ("InfLLMv2Config", "check_config", "check_topk_keeps_forced_blocks", "uses_kernels",
-                 "check_kernel_block_size", "check_kernel_path", "sdpa_dense_attn_varlen", "stages_for",
-                 "stage_names", "select_blocks", "dense_aux", "_kernel_sparse_attn", "_REFERENCE_STAGES"):
-        assert getattr(pipeline, name) is getattr(sparse_core, name), name
+
+def _defined_names(tree: ast.Module) -> set[str]:
+    """Names a module defines at its top level (functions, classes, assignments), not ones it imports;
+    `"*"` for a module with a module-level `__getattr__` (attributes made on first use)."""
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add("*" if node.name == "__getattr__" else node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                names |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return names
+
+
+def _facade_imports(modules, root=ROOT) -> list[tuple[str, int, str, str]]:
+    """`(importer, line, source, name)` of every `from M import name` whose M is a module of the package
+    (not a package: a package's `__init__` is its public surface) that does not define `name` itself:
+    in the package (relative or absolute imports) and in tests/, benchmarks/, tools/ and notebooks/."""
+    defined = {m: _defined_names(ast.parse(p.read_text())) for m, (p, _) in modules.items()}
+    files = [(name, path, init) for name, (path, init) in modules.items()]
+    files += [(None, p, False) for d in ("tests", "benchmarks", "tools", "notebooks")
+              for p in (root / d).rglob("*.py")]
+    bad = []
+    for name, path, init in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or (node.level and name is None):
+                continue
+            source = node.module or ""
+            if node.level:
+                base = (name if init else name.rsplit(".", 1)[0]).split(".")
+                source = ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else []))
+            if source in modules and not modules[source][1] and "*" not in defined[source]:
+                bad += [(name or str(path.relative_to(root)), node.lineno, source, a.name) for a in node.names
+                        if a.name not in defined[source] and f"{source}.{a.name}" not in modules]
+    return bad
+
+
+def test_every_name_is_imported_from_the_module_that_defines_it():
+    """No facades: a name is imported from the module that defines it, never through a module that only
+    imported it (a package's `__init__`, its public surface, may gather names)."""
+    bad = _facade_imports(_package_modules())
+    assert not bad, "\n".join(f"{i}:{line} imports {n} from {s}, which does not define it"
+                               for i, line, s, n in bad)
+
+
+def test_the_facade_rule_catches_a_re_export(tmp_path):
+    """The rule above fails on a planted re-export: a module importing a name through another module."""
+    shutil.copytree(ROOT / "infllm_cupy", tmp_path / "infllm_cupy")
+    pipeline = tmp_path / "infllm_cupy" / "pipeline.py"
+    pipeline.write_text(pipeline.read_text() + "\nfrom .prefill import KV_BLOCK  # planted\n")
+    modules = {m: (tmp_path / p.relative_to(ROOT), i) for m, (p, i) in _package_modules().items()}
+    bad = [(i, s, n) for i, _, s, n in _facade_imports(modules, tmp_path)]
+    assert ("infllm_cupy.pipeline", "infllm_cupy.prefill", "KV_BLOCK") in bad

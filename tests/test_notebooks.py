@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from infllm_cupy import viz
-from infllm_cupy.pipeline import InfLLMv2Config, naive_infllmv2_attention
+from infllm_cupy.config import InfLLMv2Config
+from infllm_cupy.pipeline import naive_infllmv2_attention
 from infllm_cupy.synthetic import (
     Needle,
     needle_recall,

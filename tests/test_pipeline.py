@@ -11,16 +11,14 @@ import time
 import pytest
 import torch
 
-from infllm_cupy._constants import BACKENDS
-from infllm_cupy.compress.naive import n_chunks, naive_compress_k
-from infllm_cupy.pipeline import (
-    InfLLMv2Attention,
-    InfLLMv2Config,
+from infllm_cupy._rules import n_windows
+from infllm_cupy.compress.naive import naive_compress_k
+from infllm_cupy.config import InfLLMv2Config
+from infllm_cupy.pipeline import InfLLMv2Attention, infllmv2_attention, naive_infllmv2_attention
+from infllm_cupy.prefill import (
     _kernel_sparse_attn,
     check_kernel_block_size,
     check_kernel_path,
-    infllmv2_attention,
-    naive_infllmv2_attention,
     sdpa_dense_attn_varlen,
     stage_names,
     stages_for,
@@ -87,7 +85,7 @@ def test_sparse_path_intermediates():
     assert torch.equal(aux["ck1"], ck1) and torch.equal(aux["ck2"], ck2)
     assert torch.equal(aux["cu_seqlens_c1"], cu1) and torch.equal(aux["cu_seqlens_c2"], cu2)
     T = sum(lengths)
-    assert aux["scores"].shape == (2, T, n_chunks(1000, 32, 16)) and aux["scores"].dtype == torch.bfloat16
+    assert aux["scores"].shape == (2, T, n_windows(1000, 32, 16)) and aux["scores"].dtype == torch.bfloat16
     assert aux["block_scores"].shape == (2, T, math.ceil(1000 / 64))
     idx = aux["topk_idx"]
     assert idx.shape == (2, T, 5) and idx.dtype == torch.int32
@@ -111,7 +109,7 @@ def test_exact_stage1_uses_fine_keys_as_coarse_keys():
     _, aux = naive_infllmv2_attention(q, k, v, cu, cu, L, L, cfg, return_aux=True)
     assert aux["ck2"] is aux["ck1"]
     # exact mode: each visible row is the sum over G = 2 heads of a softmax over the visible fine keys
-    n1 = n_chunks(L, 32, 16)
+    n1 = n_windows(L, 32, 16)
     rows = torch.tensor([vis_limit(r, 16, n1, L) for r in range(L)]) > 0
     torch.testing.assert_close(aux["scores"].sum(-1)[:, rows], torch.full((2, int(rows.sum())), 2.0))
     assert bool((aux["scores"][:, ~rows] == 0).all())
@@ -183,10 +181,10 @@ def test_reference_pipeline_timing_4096_tokens_bf16():
 # ------------------------------------------------------------------------------------ dispatch, CPU
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ["auto", "reference"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cpu_equals_naive_pipeline(backend, dtype):
-    # CPU tensors run the references whatever the backend: bit-identical to the reference pipeline
+    # CPU tensors run the references under "auto" and "reference": bit-identical to the reference pipeline
     lengths = [1000, 200, 31]
     q, k, v = make_qkv(lengths, dtype=dtype)
     cu = cu_seqlens_from_lengths(lengths)
@@ -218,15 +216,67 @@ def test_cu_seqlens_k_and_max_seqlens_default_from_cu_seqlens_q():
     assert torch.equal(infllmv2_attention(q, k, v, cu, None, 700, None, SPARSE), want)
 
 
-def test_stages_for_cpu_is_always_the_reference():
+def test_stages_for_cpu_is_the_reference():
     q = torch.zeros(1, 1, 8)
     ref = stages_for(q)
     assert set(ref) == {"compress_k", "stage1_select", "sparse_attn", "dense_attn"}
-    for backend in BACKENDS:
+    for backend in ("auto", "reference"):
         assert stages_for(q, backend) == ref
     names = stage_names(ref)
     assert names["sparse_attn"].endswith("naive_sparse_attn_varlen")
     assert names["stage1_select"].endswith("naive_stage1_select")
+
+
+CPU_KERNELS = "q must be a CUDA tensor for backend='kernels' (there are no CPU kernels)"
+
+
+def test_backend_kernels_on_cpu_tensors_raises_the_same_error_on_every_entry_point():
+    """The backend rule (`_rules.runs_kernels`): `backend="kernels"` on CPU tensors is one ValueError,
+    named after the tensor, from every entry point (no silent reference run)."""
+    from infllm_cupy import (
+        BlockLayout,
+        DecodeCache,
+        InfLLMv2Attention,
+        block_sparse_attn_varlen,
+        compress_k,
+        infllmv2_decode,
+        sparse_attn_varlen,
+        sparse_decode,
+        stage1_select,
+    )
+    from infllm_cupy.decode import decode_select, infllmv2_prefill_into_cache
+
+    lengths = [300]
+    q, k, v = make_qkv(lengths, dtype=torch.bfloat16)
+    cu = cu_seqlens_from_lengths(lengths)
+    ck1, cu1 = compress_k(k, cu, 32, 16)
+    ck2, cu2 = compress_k(k, cu, 128, 64)
+    idx = torch.zeros(k.shape[1], 300, 1, dtype=torch.int32)
+    layout = BlockLayout(torch.ones(k.shape[1], 5, 5, dtype=torch.bool))
+    cache = DecodeCache.contiguous(1, 512, k.shape[1], k.shape[2], dtype=torch.bfloat16)
+    cache.append(k, v, [0, 300])
+    q1 = q[:1]
+    calls = {
+        "infllmv2_attention": lambda: infllmv2_attention(q, k, v, cu, config=SPARSE, backend="kernels"),
+        "InfLLMv2Attention": lambda: InfLLMv2Attention(SPARSE, backend="kernels")(q, k, v, cu),
+        "stage1_select": lambda: stage1_select(q, ck1, ck2, cu, cu1, cu2, 300, backend="kernels"),
+        "sparse_attn_varlen": lambda: sparse_attn_varlen(q, k, v, cu, cu, idx, 300, 300, backend="kernels"),
+        "block_sparse_attn_varlen": lambda: block_sparse_attn_varlen(q, k, v, cu, cu, layout, 300, 300,
+                                                                     backend="kernels"),
+        "infllmv2_decode": lambda: infllmv2_decode(q1, cache, config=SPARSE, backend="kernels"),
+        "decode_select": lambda: decode_select(q1, cache, config=SPARSE, backend="kernels"),
+        "sparse_decode": lambda: sparse_decode(q1, cache, backend="kernels"),
+        "infllmv2_prefill_into_cache": lambda: infllmv2_prefill_into_cache(
+            q[:10], k[:10], v[:10], cache, [0, 10], config=SPARSE, backend="kernels"),
+    }
+    before = cache.lengths()
+    for name, call in calls.items():
+        with pytest.raises(ValueError) as e:
+            call()
+        assert CPU_KERNELS in str(e.value), (name, str(e.value))
+    with pytest.raises(ValueError, match=r"k must be a CUDA tensor for backend='kernels'"):
+        compress_k(k, cu, 32, 16, backend="kernels")
+    assert cache.lengths() == before
 
 
 def test_rejects_bad_backend_and_config():
@@ -299,9 +349,9 @@ def test_module_forward_backward_through_reference():
 def test_sdpa_dense_fallback_matches_reference(causal, monkeypatch):
     # ragged, chunked prefill (Lq < Lk), a query longer than its keys (causal: leading rows empty -> 0),
     # an empty query; a tiny mask budget so that the Lq != Lk path runs several chunks
-    from infllm_cupy import sparse_core
+    from infllm_cupy import prefill as prefill_module
 
-    monkeypatch.setattr(sparse_core, "_SDPA_MASK_ELEMS", 1000)
+    monkeypatch.setattr(prefill_module, "_SDPA_MASK_ELEMS", 1000)
     lq, lk = [130, 64, 70, 0, 5], [300, 64, 50, 7, 0]
     q, k, v = (x.requires_grad_() for x in make_qkv(lq, lk, HQ=6, H=2, D=16))
     cuq, cuk = cu_seqlens_from_lengths(lq), cu_seqlens_from_lengths(lk)
@@ -323,10 +373,11 @@ class _HostWork:
     check and `HostSeqlens.read` go through) and of its checks of q (`_checks.check_tensor("q")`), on
     the kernel path with its stage kernels replaced by fakes: each runs its reference uncounted and
     records the `host_seqlens` it got, as the kernels would use them. The path is taken on CPU tensors
-    (`uses_kernels` forced in `modules`, the kernels' dtype and device check skipped)."""
+    (`runs_kernels` forced in `modules`, the kernels' dtype and device check skipped)."""
 
     def __init__(self, monkeypatch, *modules):
-        from infllm_cupy import _checks, sparse_core
+        from infllm_cupy import _checks
+        from infllm_cupy import prefill as prefill_module
         from infllm_cupy.stage1.naive import naive_stage1_select
 
         self.reads = self.q_checks = 0
@@ -355,12 +406,13 @@ class _HostWork:
 
         monkeypatch.setattr(_checks, "cu_seqlens_host", counted_read)
         monkeypatch.setattr(_checks, "check_tensor", counted_check)
-        monkeypatch.setattr(sparse_core, "compress_k", fake("compress_k", naive_compress_k))
-        monkeypatch.setattr(sparse_core, "stage1_select", fake("stage1_select", naive_stage1_select))
-        monkeypatch.setattr(sparse_core, "sparse_attn_varlen", fake("sparse_attn", naive_sparse_attn_varlen))
-        monkeypatch.setattr(sparse_core, "check_kernel_inputs", lambda q, k, v: None)
+        monkeypatch.setattr(prefill_module, "compress_k", fake("compress_k", naive_compress_k))
+        monkeypatch.setattr(prefill_module, "stage1_select", fake("stage1_select", naive_stage1_select))
+        monkeypatch.setattr(prefill_module, "sparse_attn_varlen",
+                            fake("sparse_attn", naive_sparse_attn_varlen))
+        monkeypatch.setattr(prefill_module, "check_kernel_inputs", lambda q, k, v: None)
         for module in modules:
-            monkeypatch.setattr(module, "uses_kernels", lambda q, backend="auto": True)
+            monkeypatch.setattr(module, "runs_kernels", lambda q, backend="auto": True)
 
 
 @pytest.mark.parametrize("same_cu", [True, False], ids=["plain", "chunked"])

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from infllm_cupy.compress.naive import naive_compress_k
-from infllm_cupy.pipeline import InfLLMv2Config, naive_infllmv2_attention
+from infllm_cupy.config import InfLLMv2Config
+from infllm_cupy.pipeline import naive_infllmv2_attention
 from infllm_cupy.stage1.naive import naive_stage1_select
 
 

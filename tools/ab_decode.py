@@ -49,7 +49,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._harness import capture_graph, random_selection
 from infllm_cupy import _env, _jit
-from infllm_cupy._launch import CXX_TYPE, Launches, cdiv, ptr
+from infllm_cupy._launch import CXX_TYPE, Launches, ptr
+from infllm_cupy._rules import cdiv
 
 # the package exports a function of that name
 SD = importlib.import_module("infllm_cupy.decode.sparse_decode")

@@ -73,8 +73,9 @@ def median_ms(fn) -> float:
 
 def stage2_rows(T: int, B: int, K: int, bwd_kernels=(), fwd_kernels=(None,),
                 skip_fwdbwd=False) -> list[tuple[str, object, float]]:
+    from infllm_cupy.stage2.plan import n_mask_words
     from infllm_cupy.stage2.sparse_bwd import stage2_bwd
-    from infllm_cupy.stage2.sparse_fwd import n_mask_words, stage2_fwd, token_block_masks
+    from infllm_cupy.stage2.sparse_fwd import stage2_fwd, token_block_masks
 
     HQ, H, D = 32, 2, 128
     g = torch.Generator(device="cuda").manual_seed(0)

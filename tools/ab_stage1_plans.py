@@ -21,15 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from infllm_cupy import _jit
-from infllm_cupy.stage1.select import (
-    KV_BLOCK,
-    SM90A,
-    SOURCE,
-    SOURCE_SM90,
-    device_stage1_plan,
-    kernel_name,
-    launch_select,
-)
+from infllm_cupy._kernel_arg import SM90A
+from infllm_cupy._rules import KV_BLOCK
+from infllm_cupy.stage1.select import SOURCE, SOURCE_SM90, device_stage1_plan, kernel_name, launch_select
 
 from _plans import with_fields
 from ab_stage1_trees import median_ms, parse_case, readme_inputs, summary

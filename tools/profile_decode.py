@@ -32,9 +32,9 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=64)
     p.add_argument("--local-blocks", type=int, default=32)
     a = p.parse_args()
+    from infllm_cupy.config import InfLLMv2Config
     from infllm_cupy.decode.sparse_decode import sparse_decode
     from infllm_cupy.decode.step import infllmv2_decode
-    from infllm_cupy.pipeline import InfLLMv2Config
 
     B, L = parse_decode_config(a.config)
     HQ, H, D, dev = 32, 2, 128, torch.device("cuda")

@@ -24,9 +24,9 @@ from benchmarks._harness import add_shape_args, bench_gpu_time, flops_attn
 from infllm_cupy.selections import SELECTIONS, attended_keys, make_selection, uniform_cu_seqlens
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from infllm_cupy.stage2.plan import ALL_BWD_TILES, DEFAULT_BWD_TILES
+from infllm_cupy.stage2.plan import ALL_BWD_TILES, DEFAULT_BWD_TILES, n_mask_words
 from infllm_cupy.stage2.sparse_bwd import stage2_bwd
-from infllm_cupy.stage2.sparse_fwd import n_mask_words, stage2_fwd, token_block_masks
+from infllm_cupy.stage2.sparse_fwd import stage2_fwd, token_block_masks
 
 from _plans import bwd_variant_named, fwd_variant_named
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 import torch
 
 from .. import _jit
-from .._checks import HostSeqlens, check_aligned, check_backend, check_compress_args
-from .._constants import HEAD_DIMS
-from .._launch import CXX_TYPE, cdiv, empty, launch
+from .._checks import HostSeqlens, check_aligned, check_compress_args
+from .._launch import CXX_TYPE, empty, launch
 from .._params import KernelParams, constants
-from .naive import compressed_cu_seqlens, n_chunks, naive_compress_k
+from .._rules import HEAD_DIMS, cdiv, n_windows, runs_kernels
+from .naive import compressed_cu_seqlens, naive_compress_k
 
 SOURCE = "compress/mean_pool.cu"
 WARPS = 4  # warps per CTA, one per (compressed key, head)
@@ -50,8 +50,7 @@ def compress_k(k: torch.Tensor, cu_seqlens_k: torch.Tensor, kernel_size: int = 3
 
     Sizing the output reads `cu_seqlens_c[-1]` back to the host (one sync), unless `host_seqlens` gives it.
     """
-    check_backend(backend)
-    if backend == "reference" or (backend == "auto" and not k.is_cuda):
+    if not runs_kernels(k, backend, "k"):
         return naive_compress_k(k, cu_seqlens_k, kernel_size, kernel_stride)
     if host_seqlens is None:
         check_compress_args(k, cu_seqlens_k, kernel_size, kernel_stride, dtypes=DTYPES)
@@ -64,7 +63,7 @@ def compress_k(k: torch.Tensor, cu_seqlens_k: torch.Tensor, kernel_size: int = 3
     check_aligned(k=k)                     # rows read in 4- or 8-byte vectors
     cu_c = compressed_cu_seqlens(cu_seqlens_k, kernel_size, kernel_stride)
     total_c = (int(cu_c[-1]) if host_seqlens is None
-               else sum(n_chunks(L, kernel_size, kernel_stride) for L in host_seqlens.lk))
+               else sum(n_windows(L, kernel_size, kernel_stride) for L in host_seqlens.lk))
     out = empty((total_c, H, D), dtype=k.dtype, device=k.device)
     if total_c == 0:
         return out, cu_c

@@ -4,19 +4,13 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_compress_args
-
-
-def n_chunks(L: int, kernel_size: int, kernel_stride: int) -> int:
-    """Number of complete windows `[i*stride, i*stride + kernel)` inside a length-L sequence."""
-    return 0 if L < kernel_size else (L - kernel_size) // kernel_stride + 1
+from .._rules import n_windows_of
 
 
 def compressed_cu_seqlens(cu_seqlens_k: torch.Tensor, kernel_size: int, kernel_stride: int) -> torch.Tensor:
     """`cu_seqlens` of the compressed keys, computed on `cu_seqlens_k`'s device (no host sync)."""
-    lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
-    n = torch.where(lens < kernel_size, torch.zeros_like(lens),
-                    torch.div(lens - kernel_size, kernel_stride, rounding_mode="floor") + 1)
-    cu = torch.zeros(lens.numel() + 1, dtype=torch.int32, device=cu_seqlens_k.device)
+    n = n_windows_of(cu_seqlens_k[1:] - cu_seqlens_k[:-1], kernel_size, kernel_stride)
+    cu = torch.zeros(n.numel() + 1, dtype=torch.int32, device=cu_seqlens_k.device)
     cu[1:] = torch.cumsum(n, 0).to(torch.int32)
     return cu
 

@@ -1,8 +1,9 @@
 """Decode: one query token per sequence against its KV cache."""
+from .cache import DecodeCache
 from .h2o import H2O
-from .naive import naive_infllmv2_decode
+from .naive import naive_infllmv2_decode, naive_sparse_decode
 from .ops import decode_step
-from .sparse_decode import DecodeCache, DecodePlan, naive_sparse_decode, plan_decode, sparse_decode
+from .sparse_decode import DecodePlan, plan_decode, sparse_decode
 from .step import decode_select, infllmv2_decode, infllmv2_prefill_into_cache
 
 __all__ = [

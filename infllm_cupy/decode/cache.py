@@ -9,7 +9,7 @@ Layouts (docs/decode.md, "Cache"):
               64-key block of the sparse selection never straddles two pages.
 Compressed keys (spec section 3): `ck1 [B, N1, H, D]` (kernel 32, stride 16) and `ck2 [B, N2, H, D]`
 (kernel 128, stride 64), per sequence, window i of sequence b at `ck[b, i]`; sequence b holds
-`n_chunks(L_b, kernel, stride)` valid windows. They follow the keys at every append (the incremental
+`n_windows(L_b, kernel, stride)` valid windows. They follow the keys at every append (the incremental
 form of spec section 3: a window is written once, when its last key arrives), so the first crossing
 of `dense_len` (spec section 9, HF's "is_prefilling" branch) needs no catch-up compression: the
 compressed cache is always what recompressing the whole cache would give.
@@ -26,16 +26,10 @@ import math
 
 import torch
 
-from .._checks import INT_DTYPES, REF_DTYPES, check_tensor
-from .._constants import KV_BLOCK  # key block of the sparse selection (spec section 5)
+from .._checks import check_tensor
+from .._dtypes import INT_DTYPES, REF_DTYPES
+from .._rules import COMPRESSIONS, KV_BLOCK, n_windows, n_windows_of
 from .cache_append import append_launches, kernel_appends
-
-COMPRESSIONS = ((32, 16), (128, 64))   # (kernel, stride) of ck1 and ck2 (spec section 3)
-
-
-def n_windows(L: int, kernel: int, stride: int) -> int:
-    """Complete compression windows `[i*stride, i*stride + kernel)` inside L keys."""
-    return 0 if L < kernel else (L - kernel) // stride + 1
 
 
 def _window_mean(x: torch.Tensor) -> torch.Tensor:
@@ -173,12 +167,8 @@ class DecodeCache:
 
     def compressed_lens(self) -> tuple[torch.Tensor, torch.Tensor]:
         """int32 `[B]` valid windows per sequence of ck1 and ck2 (on the device, no sync)."""
-        out = []
-        for kr, st in COMPRESSIONS:
-            L = self.seqlens.long()
-            n = torch.where(L < kr, torch.zeros_like(L), torch.div(L - kr, st, rounding_mode="floor") + 1)
-            out.append(n.to(torch.int32))
-        return out[0], out[1]
+        n1, n2 = (n_windows_of(self.seqlens, kr, st).to(torch.int32) for kr, st in COMPRESSIONS)
+        return n1, n2
 
     def sync_lengths(self) -> list[int]:
         """Refresh the host mirror from the device lengths (one device-to-host copy), e.g. after

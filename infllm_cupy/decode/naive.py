@@ -4,8 +4,6 @@ from __future__ import annotations
 import torch
 
 from .._checks import (
-    INT_DTYPES,
-    REF_DTYPES,
     check_attn_inputs,
     check_cu_seqlens,
     check_flags,
@@ -14,15 +12,10 @@ from .._checks import (
     check_tensor,
     seqlens_host,
 )
-from ..sparse_core import (
-    InfLLMv2Config,
-    check_config,
-    dense_aux,
-    run_dense_attn,
-    run_sparse_attn,
-    select_blocks,
-    uses_dense,
-)
+from .._dtypes import INT_DTYPES, REF_DTYPES
+from .._rules import uses_dense
+from ..config import InfLLMv2Config, check_config
+from ..prefill import dense_aux, run_dense_attn, run_sparse_attn, select_blocks
 
 
 def naive_infllmv2_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -80,7 +73,7 @@ def naive_infllmv2_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         raise ValueError(f"cu_seqlens_k: every cache must hold at least the current token, got lengths {lk}")
     max_seqlen_k = max(lk, default=0)
     # every stage's reference (kernels=False), as in the prefill reference
-    if uses_dense(cfg, max_seqlen_k):
+    if uses_dense(cfg.dense_len, max_seqlen_k):
         out = run_dense_attn(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, cfg, causal=False,
                              kernels=False)
         aux = dense_aux(ck1=ck1, ck2=ck2, cu_seqlens_c1=cu_seqlens_c1, cu_seqlens_c2=cu_seqlens_c2)

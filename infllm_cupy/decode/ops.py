@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import REF_DTYPES, check_bool, check_flags, check_tensor, softmax_scale_of
-from .._constants import KV_BLOCK
-from .._launch import cdiv
-from ..sparse_core import InfLLMv2Config, uses_dense
+from .._checks import check_bool, check_flags, check_tensor
+from .._dtypes import REF_DTYPES
+from .._rules import KV_BLOCK, cdiv, selection_slots, softmax_scale_of, uses_dense
+from ..config import InfLLMv2Config
 from .cache import DecodeCache
 from .naive import naive_sparse_decode
 from .sparse_decode import sparse_decode as _sparse_decode
@@ -98,10 +98,6 @@ def _(q, k_cache, v_cache, seqlens, block_table, topk_idx, softmax_scale, block_
 
 
 # ------------------------------------------------------------------------------------- selection
-def _select_k(width: int, topk: int, local_blocks: int, block_size: int) -> int:
-    return min(topk + local_blocks, cdiv(width, block_size))
-
-
 def _select_config(topk, local_blocks, init_blocks, block_size, softmax_scale, score_dtype, exact,
                    dense_len=0):
     return InfLLMv2Config(topk=topk, local_blocks=local_blocks, init_blocks=init_blocks,
@@ -146,8 +142,8 @@ def _reference_select(q, ck1, ck2, seqlens, width: int, cfg: InfLLMv2Config) -> 
 @decode_select_op.register_fake
 def _(q, ck1, ck2, seqlens, width, topk, local_blocks, init_blocks, block_size, softmax_scale, score_dtype,
       exact, kernel):
-    return q.new_empty((ck1.shape[2], q.shape[0], _select_k(width, topk, local_blocks, block_size)),
-                       dtype=torch.int32)
+    K = selection_slots(topk, local_blocks, cdiv(width, block_size))
+    return q.new_empty((ck1.shape[2], q.shape[0], K), dtype=torch.int32)
 
 
 # ---------------------------------------------------------------------------- cache and whole step
@@ -263,7 +259,7 @@ def _(q, k_cache, v_cache, ck1, ck2, seqlens, block_table, topk, local_blocks, i
     cfg = _select_config(topk, local_blocks, init_blocks, KV_BLOCK, softmax_scale, score_dtype, exact,
                          dense_len)
     topk_idx = None
-    if not uses_dense(cfg, int(seqlens.max())):
+    if not uses_dense(cfg.dense_len, int(seqlens.max())):
         topk_idx = _reference_select(q, ck1, ck2, seqlens, _width(k_cache, block_table), cfg)
     return naive_sparse_decode(q, cache, topk_idx, softmax_scale=softmax_scale, block_size=KV_BLOCK)
 

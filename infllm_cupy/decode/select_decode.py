@@ -19,10 +19,11 @@ import math
 import torch
 
 from .. import _jit
-from .._checks import KERNEL_DTYPES, check_aligned, check_tensor, softmax_scale_of
-from .._constants import HEAD_DIMS
-from .._launch import CXX_TYPE, Launches, cdiv, empty
+from .._checks import check_aligned, check_tensor
+from .._dtypes import KERNEL_DTYPES
+from .._launch import CXX_TYPE, Launches, empty
 from .._params import KernelParams, constants
+from .._rules import COMPRESSIONS, HEAD_DIMS, KV_BLOCK, cdiv, n_windows, selection_slots, softmax_scale_of
 
 SOURCE = "decode/select_decode.cu"
 TILE = 64                  # compressed keys per tile
@@ -164,8 +165,8 @@ def _plan_for(B: int, H: int, G: int, N1: int, N2: int, D: int, device_index: in
 def select_width(topk: int, local_blocks: int, out_len: int, dense_len: int = 0) -> int:
     """Slots of a `select_decode` row: `K = min(topk + local_blocks, out_len)`, widened with
     `dense_len > 0` to hold a dense step's blocks (`cdiv(dense_len - 1, 64)`, at most `out_len`)."""
-    K = min(topk + local_blocks, out_len)
-    return max(K, min(cdiv(max(dense_len - 1, 0), 64), out_len)) if dense_len > 0 else K
+    K = selection_slots(topk, local_blocks, out_len)
+    return max(K, min(cdiv(max(dense_len - 1, 0), KV_BLOCK), out_len)) if dense_len > 0 else K
 
 
 def select_decode(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, seqlens: torch.Tensor, out_len: int,
@@ -264,7 +265,7 @@ def add_select_decode(run: Launches, q, ck1, ck2, seqlens, out_len: int, *, topk
     N2 = N1 if exact else ck2.shape[1]
     if plan is None:
         plan = _plan_for(B, H, G, N1, N2, D, q.device.index)
-    K = min(topk + local_blocks, out_len)
+    K = selection_slots(topk, local_blocks, out_len)
     kout = select_width(topk, local_blocks, out_len, dense_len)
     dev = q.device
     if topk_idx is None:
@@ -350,7 +351,7 @@ def select_topk_rows(blk: torch.Tensor, lead: torch.Tensor, seqlens: torch.Tenso
         raise ValueError(f"blk must be a CUDA tensor, got one on {blk.device}")
     kind = SCORE_KIND[sdt]
     olp, smem = _topk_row_smem(out_len, kind)
-    K = min(topk + local_blocks, out_len)
+    K = selection_slots(topk, local_blocks, out_len)
     topk_idx = empty((H, B, K), dtype=torch.int32, device=blk.device)
     if B == 0 or H == 0 or K <= 0:
         return topk_idx
@@ -387,8 +388,8 @@ def emulate_select_decode(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor,
     lead_all = torch.full((B, H, R1), ninf)
     for b in range(B):
         L = int(seqlens[b])
-        n1 = 0 if L < 32 else (L - 32) // 16 + 1
-        n2 = n1 if exact else (0 if L < 128 else (L - 128) // 64 + 1)
+        n1 = n_windows(L, *COMPRESSIONS[0])
+        n2 = n1 if exact else n_windows(L, *COMPRESSIONS[1])
         ckc = ck1 if exact else ck2
         for h in range(H):
             qg = q[b, h * G:(h + 1) * G].float()                                   # [G, D]
@@ -452,14 +453,14 @@ def emulate_topk_rows(blk: torch.Tensor, lead: torch.Tensor, seqlens: torch.Tens
     nbr = 16 * fine_tiles
     R1 = nb // nbr
     sdt = torch.float32 if score_dtype is None else score_dtype
-    K = min(topk + local_blocks, out_len)
+    K = selection_slots(topk, local_blocks, out_len)
     out = torch.full((H, B, max(K, 0)), -1, dtype=torch.int32)
     j = torch.arange(out_len)
     for b in range(B):
         L = int(seqlens[b])
-        n1 = 0 if L < 32 else (L - 32) // 16 + 1
+        n1 = n_windows(L, *COMPRESSIONS[0])
         nbv = n1 // 4 + 1 if n1 > 0 else 0
-        qb = max(L - 1, 0) // 64
+        qb = max(L - 1, 0) // KV_BLOCK
         nv = min(out_len, nbv)
         for h in range(H):
             row = torch.full((out_len,), float("-inf"))

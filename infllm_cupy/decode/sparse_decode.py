@@ -9,18 +9,11 @@ import math
 import torch
 
 from .. import _jit
-from .._checks import (
-    KERNEL_DTYPES,
-    check_aligned,
-    check_backend,
-    check_flags,
-    check_softmax_scale,
-    check_tensor,
-)
-from .._constants import HEAD_DIMS, KV_BLOCK
-from .._launch import CXX_TYPE, Launches, cdiv, empty
+from .._checks import check_aligned, check_flags, check_softmax_scale, check_tensor
+from .._dtypes import KERNEL_DTYPES
+from .._launch import CXX_TYPE, Launches, empty
 from .._params import KernelParams, constants
-from .cache import DecodeCache  # noqa: F401  (re-exported by the package)
+from .._rules import HEAD_DIMS, KV_BLOCK, cdiv, check_backend, runs_kernels
 from .naive import _cache_tensors, naive_sparse_decode
 
 SOURCE = "decode/sparse_decode.cu"
@@ -188,7 +181,7 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
     check_flags(return_lse=return_lse, return_attn_weights=return_attn_weights)
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
-    if backend == "reference" or (backend == "auto" and not q.is_cuda):
+    if not runs_kernels(q, backend):
         return naive_sparse_decode(q, cache, topk_idx, softmax_scale=softmax_scale, return_lse=return_lse,
                                    return_attn_weights=return_attn_weights, weights=weights)
     k, v, seqlens, bt, width = _cache_tensors(cache)

@@ -14,19 +14,22 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import (
-    HostSeqlens,
-    check_aligned,
-    check_backend,
-    check_flags,
-    check_softmax_scale,
-    check_tensor,
-)
-from .._constants import KV_BLOCK
+from .._checks import HostSeqlens, check_aligned, check_flags, check_softmax_scale, check_tensor
 from .._kernel_arg import KERNELS, SM90A, check_kernel
-from .._launch import Launches, cdiv, empty
-from ..sparse_core import InfLLMv2Config, check_config, prefill, uses_dense, uses_kernels
-from .cache import COMPRESSIONS, DecodeCache, _capturing
+from .._launch import Launches, empty
+from .._rules import (
+    COMPRESSIONS,
+    KV_BLOCK,
+    cdiv,
+    check_backend,
+    n_windows_of,
+    runs_kernels,
+    selection_slots,
+    uses_dense,
+)
+from ..config import InfLLMv2Config, check_config
+from ..prefill import prefill
+from .cache import DecodeCache, _capturing
 from .naive import _sparse_decode_checked
 from .select_decode import add_select_decode, check_select_inputs, select_decode
 from .sparse_decode import (
@@ -60,7 +63,7 @@ def check_stage1(stage1, kernel) -> None:
 
 def _check_select_args(q, cache, config, backend, kernel, stage1) -> tuple[InfLLMv2Config, bool]:
     """Arguments of `decode_select` (and of the step): raises naming the argument; reads no device
-    values. Returns the config and whether the kernels run (`uses_kernels`)."""
+    values. Returns the config and whether the kernels run (`runs_kernels`)."""
     cfg = check_config(config)
     check_backend(backend)
     check_stage1(stage1, kernel)
@@ -76,7 +79,7 @@ def _check_select_args(q, cache, config, backend, kernel, stage1) -> tuple[InfLL
     if HQ % cache.num_heads:
         raise ValueError(f"q has {HQ} heads, not a multiple of the cache's {cache.num_heads} KV heads")
     _check_compression(cfg)
-    return cfg, backend != "reference" and q.is_cuda
+    return cfg, runs_kernels(q, backend)
 
 
 def _check_step_inputs(q, cache, config, weights, backend, kernel,
@@ -130,7 +133,7 @@ def layout_of(ck1: torch.Tensor, ck2: torch.Tensor, seqlens: torch.Tensor, exact
     out = [cu_q]
     L = seqlens.long()
     for ck, (kr, st) in ((ck1, COMPRESSIONS[0]), (ck2, COMPRESSIONS[1])):
-        n = torch.where(L < kr, torch.zeros_like(L), torch.div(L - kr, st, rounding_mode="floor") + 1)
+        n = n_windows_of(L, kr, st)
         N = ck.shape[1]
         cu = torch.empty(2 * B + 1, dtype=torch.int32, device=dev)
         cu[0::2] = (torch.arange(B + 1, device=dev) * N).to(torch.int32)        # row starts
@@ -162,7 +165,7 @@ def _select(q, ck1, ck2, seqlens, width: int, cfg: InfLLMv2Config, *, kern: bool
     caller checked q against the keys, and the view is built here), K sized on the longest sequence as
     `naive_infllmv2_decode`, or padded with -1 to the static K with `static_k`.
     """
-    K = min(cfg.topk + cfg.local_blocks, cdiv(width, cfg.block_size))
+    K = selection_slots(cfg.topk, cfg.local_blocks, cdiv(width, cfg.block_size))
     if kern:
         if cfg.block_size != KV_BLOCK:
             raise ValueError(f"config: block_size must be {KV_BLOCK} for the kernels, got {cfg.block_size}")
@@ -297,7 +300,7 @@ def infllmv2_decode(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Conf
 def is_dense(cache: DecodeCache, cfg: InfLLMv2Config) -> bool:
     """The dense/sparse rule of spec section 9 (`uses_dense`) on the cache's host mirror: the longest
     cache, the current token included (HF's `kv_seq_len`)."""
-    return uses_dense(cfg, cache.max_len())
+    return uses_dense(cfg.dense_len, cache.max_len())
 
 
 def _results(out, lse, w, topk_idx, return_lse: bool, return_attn_weights: bool, return_topk_idx: bool):
@@ -498,6 +501,7 @@ def infllmv2_prefill_into_cache(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     if q.shape[2] != cache.head_dim or q.shape[1] % cache.num_heads:
         raise ValueError(f"q must have shape [total_new, a multiple of {cache.num_heads}, {cache.head_dim}], "
                          f"got {tuple(q.shape)}")
+    kernels = runs_kernels(q, backend)                 # before the append: a refused call writes nothing
     before = cache.lengths()
     cache.append(k_new, v_new, cu_seqlens_new)          # checks everything before writing
     after = cache.lengths()
@@ -507,9 +511,9 @@ def infllmv2_prefill_into_cache(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     # the lengths are the cache's host mirror: the prefill body reads no cu_seqlens back, and takes the
     # cache's compressed keys instead of compressing k again
     host = HostSeqlens.from_lengths(n_new, after)
-    compressed = None if uses_dense(cfg, max_k) else cache.packed_compressed()
+    compressed = None if uses_dense(cfg.dense_len, max_k) else cache.packed_compressed()
     return prefill(q, k, v, _cu(n_new, cache.device), cu_k, max(n_new, default=0), max_k, cfg,
-                   kernels=uses_kernels(q, backend), host_seqlens=host, return_aux=return_aux,
+                   kernels=kernels, host_seqlens=host, return_aux=return_aux,
                    compressed=compressed)
 
 

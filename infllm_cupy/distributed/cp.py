@@ -15,17 +15,12 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from .._checks import (
-    REF_DTYPES,
-    check_backend,
-    check_flags,
-    check_kernel_inputs,
-    check_softmax_scale,
-    check_tensor,
-)
-from .._constants import KV_BLOCK
+from .._checks import check_flags, check_kernel_inputs, check_softmax_scale, check_tensor
+from .._dtypes import REF_DTYPES
 from .._kernel_arg import check_kernel
-from ..pipeline import InfLLMv2Config, check_config, check_kernel_block_size, stages_for, uses_kernels
+from .._rules import KV_BLOCK, check_backend, runs_kernels
+from ..config import InfLLMv2Config, check_config
+from ..prefill import check_kernel_block_size, stages_for
 from ..stage2.layout import BlockLayout
 from ..stage2.naive import naive_sparse_attn_varlen, naive_sparse_attn_varlen_bwd
 from .zigzag import (
@@ -557,7 +552,7 @@ def cp_infllmv2_attention(
             layout.check_against(k.shape[1], len(lengths), max(lengths), max(lengths))
         if grad_reduce_dtype is not None and grad_reduce_dtype not in REF_DTYPES:
             raise ValueError(f"grad_reduce_dtype must be a float dtype or None, got {grad_reduce_dtype!r}")
-        kernel_path = uses_kernels(q, backend)
+        kernel_path = runs_kernels(q, backend)
         if kernel_path:
             check_kernel_block_size(cfg.block_size)
             check_kernel_inputs(q, k, v)

@@ -21,7 +21,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .._constants import KV_BLOCK
+from .._rules import KV_BLOCK, n_windows
 
 # torch 2.13 renamed the tensor forms of the two collectives (the old names warn); 2.11 has only those.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -112,18 +112,14 @@ class ZigzagPlan:
         sequence holds the windows that end by `e_b` (a prefix of its sequence's windows), a filler
         the rest of the sequence's."""
         if len(self.lengths) == 1:
-            n_e = _n_windows(slot.ends[0], kernel_size, kernel_stride)
+            n_e = n_windows(slot.ends[0], kernel_size, kernel_stride)
             return torch.tensor([0, n_e], dtype=torch.int32, device=self.device), n_e
         cu, acc = [0], 0
         for L, e in zip(self.lengths, slot.ends):
-            n_e, n_L = _n_windows(e, kernel_size, kernel_stride), _n_windows(L, kernel_size, kernel_stride)
+            n_e, n_L = n_windows(e, kernel_size, kernel_stride), n_windows(L, kernel_size, kernel_stride)
             cu += [acc + n_e, acc + n_L]
             acc += n_L
         return torch.tensor(cu, dtype=torch.int32, device=self.device), acc
-
-
-def _n_windows(L: int, kernel_size: int, kernel_stride: int) -> int:
-    return 0 if L < kernel_size else (L - kernel_size) // kernel_stride + 1
 
 
 def zigzag_plan(lengths, world_size: int, rank: int, device) -> ZigzagPlan:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._constants import HEAD_DIMS
+from .._rules import HEAD_DIMS, n_windows
 from ..compat import infllm_v2
 from ..compress import compress_k
 from ..stage1 import stage1_select
@@ -74,17 +74,13 @@ def _compress(k: torch.Tensor, kernel: int, stride: int, *, kernels: bool) -> to
     """Every window of `k [B, L, H, D]` -> `[B, n, H, D]`: with `kernels`, the compression kernel on CUDA
     tensors of its shapes; `_windows` otherwise."""
     B, L, H, D = k.shape
-    n = _n_windows(L, kernel, stride)
+    n = n_windows(L, kernel, stride)
     if not (kernels and k.is_cuda and D in HEAD_DIMS and n > 0
             and k.dtype in (torch.bfloat16, torch.float16, torch.float32)):
         return _windows(k, 0, n, kernel, stride)
     cu = torch.arange(B + 1, dtype=torch.int32, device=k.device) * L
     ck, _ = compress_k(k.reshape(B * L, H, D), cu, kernel, stride)
     return ck.view(B, n, H, D)
-
-
-def _n_windows(L: int, kernel: int, stride: int) -> int:
-    return 0 if L < kernel else (L - kernel) // stride + 1
 
 
 class _Compressed:
@@ -162,7 +158,7 @@ class MiniCPM4SparseAttention(nn.Module):
         else:
             parts = []
             for ck, (kr, s) in ((st.ck1, fine), (st.ck2, coarse)):
-                lo, hi = ck.shape[1], _n_windows(Lk, kr, s)
+                lo, hi = ck.shape[1], n_windows(Lk, kr, s)
                 parts.append(torch.cat([ck, _windows(k, lo, hi, kr, s)], dim=1) if hi > lo else ck)
             st = _Compressed(parts[0], parts[1], Lk)
         if table is not None:

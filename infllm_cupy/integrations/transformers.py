@@ -34,10 +34,11 @@ import functools
 
 import torch
 
-from .._checks import softmax_scale_of
+from .._rules import COMPRESSIONS, check_backend, n_windows, runs_kernels, softmax_scale_of
+from ..config import InfLLMv2Config
 from ..decode import DecodeCache, infllmv2_decode
-from ..decode.cache import COMPRESSIONS, _h2d, n_windows
-from ..pipeline import InfLLMv2Config, infllmv2_attention_host_lengths, uses_kernels
+from ..decode.cache import _h2d
+from ..pipeline import infllmv2_attention_host_lengths
 
 # InfLLMv2Cache and InfLLMv2CacheLayer come from the module's __getattr__ (transformers imported on first
 # use).
@@ -230,7 +231,7 @@ def prefill_attention(query, key, value, ck1, ck2, cfg: InfLLMv2Config,
     torch.compile."""
     B, HQ, Lq, D = query.shape
     H, Lk = key.shape[1], key.shape[2]
-    if Lq == Lk and Lk < cfg.dense_len and uses_kernels(query, backend):
+    if Lq == Lk and Lk < cfg.dense_len and runs_kernels(query, backend):
         # The pipeline's dense branch on the kernel path is torch SDPA per sequence (causal, GQA); rows
         # of equal length make it one SDPA call on HF's own layout: no packing, no host reads.
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True,
@@ -296,8 +297,6 @@ def register(name: str = ATTN_NAME, *, backend: str = "auto") -> str:
     After this, `attn_implementation=name` (from_pretrained, the config, `set_attn_implementation`) runs
     InfLLM-v2. `backend` ("auto", "kernels", "reference") is passed to our ops. Idempotent; returns `name`.
     """
-    from ..pipeline import check_backend
-
     check_backend(backend)
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty str, got {name!r}")

@@ -14,11 +14,11 @@ that `block_sparse_attn_varlen` runs (docs/patterns.md).
   CUDA forward and backward (the kernels' per-query-head mask rows); a stage-2 op
   (`infllm_cupy/stage2/attention.py`), named here for the zoo.
 """
+from ..stage2.attention import qhead_block_sparse_attn_varlen
 from .decode import pattern_decode, pattern_topk_idx
 from .formats import from_block_mask, from_bsr, from_csr, to_block_mask, to_bsr, to_csr
 from .local_stride import head_sliding_step, local_stride, local_stride_block_mask, per_kv_head
 from .modules import LocalStrideSparseAttention, SparseAttention, dkernel_local_stride_mask
-from .qhead import qhead_block_sparse_attn_varlen
 from .sliding_tile import sliding_tile, tile_permutation, tile_window_mask
 from .sparge import naive_predict_sparge, predict_sparge
 

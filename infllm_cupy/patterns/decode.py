@@ -13,7 +13,8 @@ import weakref
 
 import torch
 
-from .._checks import check_backend, check_flags, check_head_dim, check_tensor, validate_values
+from .._checks import check_flags, check_head_dim, check_tensor, validate_values
+from .._rules import check_backend
 from ..decode.cache import DecodeCache
 from ..decode.naive import _cache_tensors
 from ..decode.sparse_decode import sparse_decode

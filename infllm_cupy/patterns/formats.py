@@ -18,7 +18,7 @@ import math
 import torch
 
 from .._checks import check_bool, check_int_args, check_tensor
-from .._constants import KV_BLOCK
+from .._rules import KV_BLOCK
 from ..stage2.layout import BlockLayout
 
 _INTS = (torch.int32, torch.int64)

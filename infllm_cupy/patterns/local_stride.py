@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_bool, check_int_args
-from .._constants import KV_BLOCK
+from .._rules import KV_BLOCK
 from ..stage2.layout import BlockLayout
 
 

@@ -13,16 +13,9 @@ import math
 
 import torch
 
-from .._checks import (
-    check_backend,
-    check_bool,
-    check_cu_seqlens,
-    check_int_args,
-    check_tensor,
-    seqlens_host,
-)
-from .._constants import KV_BLOCK
+from .._checks import check_bool, check_cu_seqlens, check_int_args, check_tensor, seqlens_host
 from .._kernel_arg import check_kernel
+from .._rules import KV_BLOCK, check_backend
 from ..stage2.attention import block_sparse_attn_varlen, qhead_block_sparse_attn_varlen
 from ..stage2.layout import BlockLayout
 from .local_stride import expand_blocks, per_kv_head

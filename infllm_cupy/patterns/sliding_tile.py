@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from .._constants import KV_BLOCK
+from .._rules import KV_BLOCK
 from ..stage2.layout import BlockLayout
 
 

@@ -22,7 +22,7 @@ from .._checks import (
     check_int_args,
     check_tensor,
 )
-from .._constants import KV_BLOCK
+from .._rules import KV_BLOCK
 from ..stage2.layout import BlockLayout
 
 # Elements of one [B, heads, NQB, NKB] score chunk: bounds the working set of the sort (the scores,
@@ -198,11 +198,11 @@ def naive_predict_sparge(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Ten
         nq, nk = -(-L // block_q), -(-L // KV_BLOCK)
         for h in range(HQ):
             kvh = h // G
-            kblocks = [stats(kc[s + j * 64:s + min(L, (j + 1) * 64), kvh]) for j in range(nk)]
+            kblocks = [stats(kc[s + j * KV_BLOCK:s + min(L, (j + 1) * KV_BLOCK), kvh]) for j in range(nk)]
             for i in range(nq):
                 pool_q, simq = stats(qc[s + i * block_q:s + min(L, (i + 1) * block_q), h])
                 cand = [j for j in range(nk) if kblocks[j][1] > sim1[h]
-                        and (not causal or j * 64 < (i + 1) * block_q)]
+                        and (not causal or j * KV_BLOCK < (i + 1) * block_q)]
                 keep = set()
                 if cand:
                     scores = torch.stack([pool_q @ kblocks[j][0] * D ** -0.5 for j in cand])
@@ -218,7 +218,7 @@ def naive_predict_sparge(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Ten
                     keep = {cand[t] for t in order[:max(n, 1)]}
                 for j in range(nk):
                     kept = j in keep or kblocks[j][1] <= sim1[h] or simq <= sim1[h] or j < sink_blocks
-                    out[b, h, i, j] = kept and (not causal or j * 64 < (i + 1) * block_q)
+                    out[b, h, i, j] = kept and (not causal or j * KV_BLOCK < (i + 1) * block_q)
     if not per_query_head:
         out = out.view(B, H, G, nqb, nkb).any(2)
     out = out.to(q.device)

@@ -10,8 +10,6 @@ from __future__ import annotations
 import torch
 
 from .._checks import (
-    INT_DTYPES,
-    REF_DTYPES,
     check_cu_seqlens,
     check_cu_seqlens_any,
     check_flags,
@@ -22,9 +20,9 @@ from .._checks import (
     check_stage1_inputs,
     check_tensor,
     seqlens_host,
-    softmax_scale_of,
 )
-from .._dtypes import compute_dtype
+from .._dtypes import INT_DTYPES, REF_DTYPES, compute_dtype
+from .._rules import selection_slots, softmax_scale_of
 
 # Elements of one fp32 score chunk `[HQ, chunk, n]`; bounds memory to a few tens of MB.
 _CHUNK_ELEMS = 1 << 23
@@ -359,7 +357,7 @@ def naive_select_topk(block_scores: torch.Tensor, q_block_idx: torch.Tensor, *, 
     check_tensor("q_block_idx", q_block_idx, dtypes=INT_DTYPES, shape=(block_scores.shape[1],),
                  device=block_scores.device)
     check_int_args(0, topk=topk, local_blocks=local_blocks)
-    K = min(topk + local_blocks, block_scores.shape[2])
+    K = selection_slots(topk, local_blocks, block_scores.shape[2])
     # a stable descending sort keeps equal scores in index order: ties go to the lower block
     # (`torch.topk` leaves them unspecified, and its choice changes with the row's width)
     idx = block_scores.sort(dim=-1, descending=True, stable=True).indices[..., :K].sort(dim=-1).values

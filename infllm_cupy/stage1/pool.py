@@ -19,12 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import (
-    REF_DTYPES,
-    check_int_args,
-    check_tensor,
-    validate_values,
-)
+from .._checks import check_int_args, check_tensor, validate_values
+from .._dtypes import REF_DTYPES
 
 # Elements of one slice of the padded score buffer (`[heads, tokens, w * out_len + 1]`): 64 Mi elements,
 # 128 MiB in bf16; a 32k-token, 2-head MiniCPM4 prefill runs in 2-3 slices.

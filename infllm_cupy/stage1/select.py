@@ -26,43 +26,46 @@ import torch
 
 from .. import _jit
 from .._checks import (
-    KERNEL_DTYPES,
     HostSeqlens,
     check_aligned,
-    check_backend,
     check_flags,
     check_int_args,
     check_lengths_arg,
     check_max_seqlen,
     check_stage1_inputs,
     seqlens_host,
+)
+from .._dtypes import KERNEL_DTYPES
+from .._kernel_arg import SM90A, check_kernel
+from .._launch import CXX_TYPE, empty, launch, total_memory
+from .._params import KernelParams, constants
+from .._rules import (
+    COMPRESSIONS,
+    HEAD_DIMS,
+    KV_BLOCK,
+    cdiv,
+    check_backend,
+    runs_kernels,
+    selection_slots,
     softmax_scale_of,
 )
-from .._constants import HEAD_DIMS, KV_BLOCK
-from .._kernel_arg import check_kernel
-from .._launch import CXX_TYPE, cdiv, empty, launch, total_memory
-from .._params import KernelParams, constants
 from .._tma import TMAP_DTYPE, rows_map
 from .naive import naive_stage1_scores, naive_stage1_select, q_block_idx_checked
-from .plan import (  # noqa: F401  (the sizing functions re-exported: the launcher's vocabulary)
+from .plan import (
     MAX_GROUP,
     SCRATCH_BUDGET_FRACTION,
     SM90_MAX_LGP,
-    SM90A,
     STAGE_STRIDE,
     TILE,
     Stage1Plan,
-    choose_tiles,
     lgp_of,
-    smem_bytes,
-    smem_bytes_sm90,
     stage1_plan,
 )
 
 SOURCE = "stage1/select.cu"
 SOURCE_SM90 = "stage1/select_sm90.cu"
 SCORE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-KERNEL_STRIDE, COARSE_STRIDE = 16, 64   # what the kernel is built for (and KV_BLOCK, imported)
+KERNEL_STRIDE, COARSE_STRIDE = (stride for _, stride in COMPRESSIONS)   # the strides the kernel is built for
 
 
 SCORE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # kernels_cu: `kind`
@@ -251,7 +254,7 @@ def stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
     check_backend(backend)
     check_kernel(kernel)
     check_flags(causal=causal, varlen_offset_quirk=varlen_offset_quirk, return_scores=return_scores)
-    if backend == "reference" or (backend == "auto" and not q.is_cuda):
+    if not runs_kernels(q, backend):
         return naive_stage1_select(
             q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q, causal=causal,
             cache_lens=cache_lens, softmax_scale=softmax_scale, topk=topk, local_blocks=local_blocks,
@@ -346,7 +349,7 @@ def launch_select(
     if plan is None:
         plan = device_stage1_plan(q.device, G, D, q.dtype, sdt, out_len, rows=ck1.shape[1] * q.shape[0],
                                   kernel=kernel)
-    K = min(topk + local_blocks, out_len)
+    K = selection_slots(topk, local_blocks, out_len)
     if not return_scores:
         max_n1 = 0
     elif host_seqlens is None:

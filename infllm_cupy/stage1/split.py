@@ -27,8 +27,9 @@ from __future__ import annotations
 import torch
 
 from .. import _checks
-from .._checks import check_int_args, check_lengths_arg, check_max_seqlen, seqlens_host, softmax_scale_of
+from .._checks import check_int_args, check_lengths_arg, check_max_seqlen, seqlens_host
 from .._dtypes import compute_dtype
+from .._rules import selection_slots, softmax_scale_of
 from .naive import _CHUNK_ELEMS, q_block_idx_prefill, vis_limit
 
 RANGE_ALIGN = 16   # blocks per 64-key fine tile of the kernels: a range starts on a tile
@@ -232,7 +233,7 @@ def split_stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, c
     B = len(lq)
     cache = check_lengths_arg("cache_lens", cache_lens, B, q.device)
     out_len = -(-(max_seqlen_q + (int(cache.max()) if B else 0)) // block_size)
-    K = min(topk + local_blocks, out_len)
+    K = selection_slots(topk, local_blocks, out_len)
     T, H = q.shape[0], ck1.shape[1]
     ranges = block_ranges(out_len, range_blocks)
     if K == 0 or T == 0 or H == 0:

@@ -14,7 +14,6 @@ import torch
 from .._checks import (
     HostSeqlens,
     check_attn_inputs,
-    check_backend,
     check_flags,
     check_kernel_inputs,
     check_max_seqlen,
@@ -22,6 +21,7 @@ from .._checks import (
     check_tensor,
 )
 from .._kernel_arg import check_kernel
+from .._rules import check_backend, runs_kernels
 from .layout import BlockLayout
 from .naive import naive_block_sparse_attn_varlen, naive_sparse_attn_varlen
 from .ops import block_sparse_attn_fwd, sparse_attn_fwd
@@ -29,9 +29,12 @@ from .qhead import _expand_kv, qhead_block_sparse_attn_fwd
 
 
 def _use_op(backend: str, q: torch.Tensor) -> bool:
-    """Whether the call goes through the custom op (everything but `backend="reference"`); raises on
-    an unknown backend, and, for "kernels" or CUDA tensors, on what the kernels cannot do."""
-    return check_backend(backend) != "reference"
+    """Whether the call goes through the custom op: everything but `backend="reference"`. The op runs the
+    kernels on CUDA tensors and the reference on CPU tensors (its CPU kernel, so that a CPU caller also
+    compiles with `fullgraph=True`), which is the backend rule (`runs_kernels`, whose error a CPU tensor
+    under backend="kernels" gets)."""
+    runs_kernels(q, backend)
+    return backend != "reference"
 
 
 def _check_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend):
@@ -208,7 +211,7 @@ def qhead_block_sparse_attn_varlen(
     if layout.num_kv_heads != HQ:
         raise ValueError(f"layout has {layout.num_kv_heads} heads but q has {HQ}: a per-query-head layout "
                          f"has one row per query head (a per-KV-head one goes to block_sparse_attn_varlen)")
-    if backend == "reference" or (backend == "auto" and not q.is_cuda):
+    if not runs_kernels(q, backend):
         G = HQ // H
         ke, ve = _expand_kv(k, v, G)
         return block_sparse_attn_varlen(q, ke, ve, cu_seqlens_q, cu_seqlens_k, layout, max_seqlen_q,

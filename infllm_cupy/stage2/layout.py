@@ -11,7 +11,7 @@ import dataclasses
 import torch
 
 from .._checks import check_tensor
-from .._constants import KV_BLOCK
+from .._rules import KV_BLOCK
 
 
 @dataclasses.dataclass(frozen=True)

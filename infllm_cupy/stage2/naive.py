@@ -16,9 +16,9 @@ from .._checks import (
     check_softmax_scale,
     check_tensor,
     seqlens_host,
-    softmax_scale_of,
 )
 from .._dtypes import compute_dtype
+from .._rules import softmax_scale_of
 from .layout import BlockLayout
 
 # Elements of one fp32 score tile `[H, G, chunk, keys]`: 16M (64 MB), enough to keep BLAS busy.

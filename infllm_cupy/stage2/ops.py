@@ -40,9 +40,9 @@ import torch
 
 from .layout import BlockLayout
 from .naive import naive_sparse_attn_varlen, naive_sparse_attn_varlen_bwd
-from .plan import BwdPlan, FwdPlan, bwd_plan, fwd_plan
+from .plan import BwdPlan, FwdPlan, bwd_plan, fwd_plan, n_mask_words
 from .sparse_bwd import stage2_bwd
-from .sparse_fwd import n_mask_words, stage2_fwd, token_block_masks
+from .sparse_fwd import stage2_fwd, token_block_masks
 
 Tensor = torch.Tensor
 

@@ -19,9 +19,12 @@ import functools
 
 import torch
 
-from .._constants import KV_BLOCK  # keys per KV block (kernels_cu: BLOCK_N)
 from .._kernel_arg import SM80, SM90A, wants_sm90a
-from .._launch import CXX_TYPE, cdiv
+from .._launch import CXX_TYPE
+from .._rules import (
+    KV_BLOCK,  # keys per KV block (kernels_cu: BLOCK_N)
+    cdiv,
+)
 
 # --------------------------------------------------------------------------------------------
 # Forward (docs/stage2_fwd.md)

@@ -16,28 +16,27 @@ import numpy as np
 import torch
 
 from .. import _jit
-from .._checks import KERNEL_DTYPES, check_aligned
-from .._constants import (
+from .._checks import check_aligned
+from .._dtypes import KERNEL_DTYPES
+from .._kernel_arg import SM80, SM90A
+from .._launch import CXX_TYPE, empty, launch
+from .._params import KernelParams, constants
+from .._rules import (
     HEAD_DIMS,
     KV_BLOCK,  # keys per KV block (kernels_cu: BLOCK_N)
+    cdiv,
 )
-from .._launch import CXX_TYPE, cdiv, empty, launch
-from .._params import KernelParams, constants
 from .._tma import TMAP_DTYPE, heads_map, rows_map
-from .plan import (  # noqa: F401  (BwdTiles ... re-exported: the launcher's vocabulary)
+from .plan import (
     ALL_BWD_TILES,
     DEFAULT_BWD_TILES,
     GATHER_G,
-    QHEAD_MODES,
     QT,
-    SM80,
     SM90_CONSUMERS,
     SM90_STAGES,
-    SM90A,
     SMEM_PER_BLOCK,
     BwdPlan,
     BwdTiles,
-    bwd_plan,
     qhead_instance,
     sm80_dkdv_flushes,
     sm90_smem_bytes,

@@ -10,26 +10,23 @@ from __future__ import annotations
 import torch
 
 from .. import _jit
-from .._checks import KERNEL_DTYPES, check_aligned, validate_values
-from .._constants import (
+from .._checks import check_aligned, validate_values
+from .._dtypes import KERNEL_DTYPES
+from .._kernel_arg import SM80, SM90A
+from .._launch import CXX_TYPE, empty, launch
+from .._params import KernelParams, constants
+from .._rules import (
     HEAD_DIMS,
     KV_BLOCK,  # keys per KV block (kernels_cu: BLOCK_N)
+    cdiv,
 )
-from .._launch import CXX_TYPE, cdiv, empty, launch
-from .._params import KernelParams, constants
 from .._tma import rows_map
-from .plan import (  # noqa: F401  (FwdTiles ... re-exported: the launcher's vocabulary)
+from .plan import (
     ALL_TILES,
     DEFAULT_TILES,
-    QHEAD_MODES,
-    SM80,
     SM90_CONSUMERS,
     SM90_STAGES,
-    SM90A,
     FwdPlan,
-    FwdTiles,
-    fwd_plan,
-    n_mask_words,
     qhead_instance,
     sm90_fits_keys,
     sm90_smem_bytes,

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from infllm_cupy.compress import compress_k, compressed_cu_seqlens, n_chunks, naive_compress_k
+from infllm_cupy._rules import n_windows
+from infllm_cupy.compress import compress_k, compressed_cu_seqlens, naive_compress_k
 from infllm_cupy.testing import assert_close_to_ref
 
 WINDOWS = [(32, 16), (128, 64)]
@@ -19,17 +20,17 @@ def make_cu(lengths, device="cpu"):
 def loop_compress(k, lengths, kernel, stride):
     rows, start = [], 0
     for L in lengths:
-        for i in range(n_chunks(L, kernel, stride)):
+        for i in range(n_windows(L, kernel, stride)):
             rows.append(k[start + i * stride: start + i * stride + kernel].double().mean(0))
         start += L
     return torch.stack(rows) if rows else k.new_zeros((0,) + k.shape[1:]).double()
 
 
-def test_compress_n_chunks_matches_definition():
+def test_compress_n_windows_matches_definition():
     for L in range(0, 400):
         for kernel, stride in WINDOWS:
             want = sum(1 for s in range(0, L, stride) if s + kernel <= L)
-            assert n_chunks(L, kernel, stride) == want, (L, kernel, stride)
+            assert n_windows(L, kernel, stride) == want, (L, kernel, stride)
 
 
 @pytest.mark.parametrize("lengths", LENGTHS, ids=lambda x: "L" + "-".join(map(str, x)))
@@ -40,7 +41,7 @@ def test_compress_reference_against_loop(lengths, window):
     ck, cu_c = naive_compress_k(k, make_cu(lengths), kernel, stride)
     want = loop_compress(k, lengths, kernel, stride)
     assert torch.allclose(ck, want, atol=1e-12)
-    assert cu_c.tolist() == [0] + torch.tensor([n_chunks(L, kernel,
+    assert cu_c.tolist() == [0] + torch.tensor([n_windows(L, kernel,
                                                          stride) for L in lengths]).cumsum(0).tolist()
     assert cu_c.dtype == torch.int32
 

@@ -3,9 +3,9 @@ from scratch, paged against contiguous, and errors that leave the cache unchange
 import pytest
 import torch
 
+from infllm_cupy._rules import COMPRESSIONS, n_windows
 from infllm_cupy.compress import compress_k, naive_compress_k
 from infllm_cupy.decode import DecodeCache
-from infllm_cupy.decode.cache import COMPRESSIONS, n_windows
 from infllm_cupy.testing import cu_seqlens_from_lengths
 
 

@@ -11,11 +11,13 @@ import torch
 
 import infllm_cupy.stage1.naive  # noqa: F401  (loaded before its `_checks` names are counted)
 from infllm_cupy import _checks, _env
-from infllm_cupy.compress.naive import n_chunks, naive_compress_k
+from infllm_cupy._rules import n_windows
+from infllm_cupy.compress.naive import naive_compress_k
+from infllm_cupy.config import InfLLMv2Config
 from infllm_cupy.decode import DecodeCache, naive_infllmv2_decode, naive_sparse_decode, sparse_decode
 from infllm_cupy.decode.ops import decode_select_op, decode_step, sparse_decode_op, sparse_decode_weights_op
 from infllm_cupy.decode.step import decode_layout, decode_select, infllmv2_decode, infllmv2_prefill_into_cache
-from infllm_cupy.pipeline import InfLLMv2Config, naive_infllmv2_attention
+from infllm_cupy.pipeline import naive_infllmv2_attention
 from infllm_cupy.stage2.naive import naive_dense_attn_varlen
 from infllm_cupy.testing import assert_close_to_ref, cu_seqlens_from_lengths, random_decode_cache
 
@@ -698,7 +700,7 @@ def test_decode_differs_from_prefill_under_quirk_a():
     cu = make_cu([L])
     _, pre_aux = naive_infllmv2_attention(q, k, v, cu, cu, L, L, SPARSE, return_aux=True)
     _, dec_aux = naive_infllmv2_decode(q[-1:], k, v, cu, config=SPARSE, return_aux=True)
-    n1 = n_chunks(L, 32, 16)
+    n1 = n_windows(L, 32, 16)
     assert pre_aux["scores"][:, -1, n1 - 1].eq(0).all() and dec_aux["scores"][:, 0, n1 - 1].gt(0).all()
 
 

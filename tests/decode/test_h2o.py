@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from infllm_cupy.config import InfLLMv2Config
 from infllm_cupy.decode import H2O, DecodeCache, infllmv2_decode, sparse_decode
 from infllm_cupy.decode.h2o import h2o_kept_eager
-from infllm_cupy.pipeline import InfLLMv2Config
 from infllm_cupy.testing import cu_seqlens_from_lengths
 
 

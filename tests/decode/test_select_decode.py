@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from infllm_cupy import _env
+from infllm_cupy.config import InfLLMv2Config
 from infllm_cupy.decode.select_decode import (
     SelectDecodePlan,
     check_select_plan,
@@ -21,7 +22,6 @@ from infllm_cupy.decode.select_decode import (
     select_topk_rows,
 )
 from infllm_cupy.decode.step import decode_select, layout_of
-from infllm_cupy.pipeline import InfLLMv2Config
 from infllm_cupy.stage1.naive import naive_stage1_select
 from infllm_cupy.testing import random_decode_cache
 

@@ -353,7 +353,7 @@ def _selection_mismatches(q, k, cu, cfg, sel, lengths) -> int:
     context-parallel stage 1 on its chunks (`cp._select`) against the whole sequence's, for diagnosis."""
     from infllm_cupy.distributed.cp import _select
     from infllm_cupy.distributed.zigzag import zigzag_plan
-    from infllm_cupy.pipeline import stages_for
+    from infllm_cupy.prefill import stages_for
 
     plan = zigzag_plan(lengths, dist.get_world_size(), dist.get_rank(), q.device)
     with torch.no_grad():

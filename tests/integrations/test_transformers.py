@@ -169,14 +169,15 @@ def test_prefill_reuses_cache_compressed_keys_and_reads_no_lengths(monkeypatch):
     """Prefill into an InfLLMv2Cache: the pipeline takes the keys the cache compressed at `update` instead of
     compressing them again, and reads no cu_seqlens back to the host (the integration knows the lengths);
     the logits equal, bit for bit, those of a DynamicCache (where the pipeline compresses)."""
-    from infllm_cupy import pipeline, sparse_core
+    from infllm_cupy import pipeline
+    from infllm_cupy import prefill as prefill_module
 
     cfg = small_config(SPARSE)
     ids = prompt(2, PROMPT)
     m = model_for(cfg)
     calls = []
-    compress = sparse_core.naive_compress_k
-    monkeypatch.setattr(sparse_core, "naive_compress_k",
+    compress = prefill_module.naive_compress_k
+    monkeypatch.setattr(prefill_module, "naive_compress_k",
                         lambda *a, **kw: calls.append(a[2:4]) or compress(*a, **kw))
 
     def no_host_read(*args, **kwargs):

@@ -18,7 +18,8 @@ import math
 import pytest
 import torch
 
-from infllm_cupy.compress.naive import n_chunks, naive_compress_k
+from infllm_cupy._rules import n_windows
+from infllm_cupy.compress.naive import naive_compress_k
 from infllm_cupy.stage1 import naive as s1
 from infllm_cupy.stage1 import select as sel
 from infllm_cupy.stage1.naive import (
@@ -116,7 +117,7 @@ def test_vis_limit_is_window_rule_except_quirks():
         diff = vis_limit(r, s, n, L) - brute
         assert set(diff.unique().tolist()) <= {0, -1}
         bad = sorted(set(L[diff != 0].tolist()))
-        want = [x for x in range(1, 1201) if x % s == s - 1 and n_chunks(x, 2 * s, s) >= 1]
+        want = [x for x in range(1, 1201) if x % s == s - 1 and n_windows(x, 2 * s, s) >= 1]
         assert bad == want
         # under the quirk every query that sees a key in the window rule sees exactly one fewer
         quirk = (L % s == s - 1) & (brute > 0)
@@ -126,7 +127,7 @@ def test_vis_limit_is_window_rule_except_quirks():
 def test_vis_limit_int_and_tensor_agree():
     for L in (1, 15, 47, 200, 335, 383, 1000):
         for s in (16, 64):
-            n = n_chunks(L, 2 * s, s)
+            n = n_windows(L, 2 * s, s)
             got = vis_limit(torch.arange(L), s, n, L)
             assert got.tolist() == [vis_limit(r, s, n, L) for r in range(L)]
             assert vis_limit(L - 1, s, n, L, causal=False) == n
@@ -143,7 +144,7 @@ def test_exact_mode_is_softmax_over_fine_keys(HQ, H):
     want = torch.zeros_like(got)
     t = c = 0
     for L in lengths:
-        n1 = n_chunks(L, 32, 16)
+        n1 = n_windows(L, 32, 16)
         for r in range(L):
             lim = vis_limit(r, 16, n1, L)
             if lim:
@@ -165,8 +166,8 @@ REF_CASES = [([335], (16, 1)), ([383], (4, 2)), ([100], (2, 2)), ([300], (16, 1)
 def test_lse_mode_matches_slow_loop(lengths, heads):
     HQ, H = heads
     q, ck1, ck2, cu, cu1, cu2 = make_ref_inputs(lengths, HQ, H)
-    n1s = [n_chunks(L, 32, 16) for L in lengths]
-    n2s = [n_chunks(L, 128, 64) for L in lengths]
+    n1s = [n_windows(L, 32, 16) for L in lengths]
+    n2s = [n_windows(L, 128, 64) for L in lengths]
     want = loop_stage1(q, ck1, ck2, lengths, n1s, n2s)
     got = naive_stage1_scores(q, ck1, ck2, cu, cu1, cu2, max(lengths), score_dtype=None)
     assert got.shape == (H, sum(lengths), max(n1s)) and got.dtype == torch.float32
@@ -179,12 +180,12 @@ def test_lse_mode_matches_slow_loop(lengths, heads):
 def test_quirk_rows_by_hand():
     # L = 335: L % 16 == 15, so no query sees the last fine key (quirk A)
     q, ck1, ck2, cu, cu1, cu2 = make_ref_inputs([335], 2, 1)
-    n1 = n_chunks(335, 32, 16)
+    n1 = n_windows(335, 32, 16)
     sc = naive_stage1_scores(q, ck1, ck2, cu, cu1, cu2, score_dtype=None)
     assert bool((sc[:, :, n1 - 1] == 0).all()) and bool((sc[:, -1, n1 - 2] > 0).all())
     q, ck1, ck2, cu, cu1, cu2 = make_ref_inputs([336], 2, 1)
     sc = naive_stage1_scores(q, ck1, ck2, cu, cu1, cu2, score_dtype=None)
-    assert bool((sc[:, -1, n_chunks(336, 32, 16) - 1] > 0).all())
+    assert bool((sc[:, -1, n_windows(336, 32, 16) - 1] > 0).all())
     # L = 383: L % 64 == 63, the first coarse key appears only at r = 191 instead of 127 (quirk B)
     q, ck1, ck2, cu, cu1, cu2 = make_ref_inputs([383], 2, 1)
     sc = naive_stage1_scores(q, ck1, ck2, cu, cu1, cu2, score_dtype=None)
@@ -207,7 +208,7 @@ def test_rows_without_coarse_key_are_zero_and_padding_is_zero():
     one = torch.arange(4, dtype=torch.int32)
     dec = naive_stage1_scores(dq, ck1, ck2, one, cu1, cu2, causal=False, score_dtype=None)
     assert bool((dec[:, :2] == 0).all())
-    assert bool((dec[:, 2, :n_chunks(500, 32, 16)] > 0).all())
+    assert bool((dec[:, 2, :n_windows(500, 32, 16)] > 0).all())
 
 
 def test_query_chunking_does_not_change_scores(monkeypatch):
@@ -255,7 +256,7 @@ def test_topk_contract_on_pipeline_scores(topk, local_blocks):
                                           local_blocks=local_blocks, return_scores=True)
     out_len = math.ceil(1000 / 64)
     assert bs.shape == (2, sum(lengths), out_len) and scores.shape == (2, sum(lengths),
-                                                                       n_chunks(1000, 32, 16))
+                                                                       n_windows(1000, 32, 16))
     check_topk_contract(idx, q_block_idx_prefill(cu, 1000), out_len, min(topk + local_blocks, out_len),
                         local_blocks=local_blocks)
     if topk == 3:
@@ -872,22 +873,33 @@ def test_kernel_equals_reference_on_planted_ties(score_dtype, kernel):
     ({"coarse_kernel_stride": 128}, ValueError, "coarse_kernel_stride"),
     ({"score_dtype": torch.float64}, ValueError, "score_dtype"),
     ({"softmax_scale": 0.0}, ValueError, "softmax_scale"),
-    ({"backend": "cuda"}, ValueError, "backend"),
     ({}, ValueError, "q must be a CUDA tensor"),
 ])
-def test_kernel_backend_checks_on_cpu(kw, exc, match):
+def test_kernel_launcher_checks_on_cpu(kw, exc, match):
+    # the launcher checks what its kernel cannot do before it asks for a CUDA tensor
     inputs = make_inputs([300], 4, 2, 64, torch.bfloat16, device="cpu")
     with pytest.raises(exc, match=match):
-        stage1_select(*inputs, 300, **{"backend": "kernels", **kw})
+        launch_select(*inputs, 300, **kw)
 
 
-def test_kernel_backend_rejects_fp32_and_odd_head_dims_on_cpu():
+@pytest.mark.parametrize("kw, match", [
+    ({"backend": "cuda"}, "backend must be one of"),
+    ({"backend": "kernels"}, r"q must be a CUDA tensor for backend='kernels' \(there are no CPU kernels\)"),
+    ({"backend": "kernels", "block_size": 128}, "q must be a CUDA tensor for backend='kernels'"),
+])
+def test_backend_rule_on_cpu(kw, match):
+    inputs = make_inputs([300], 4, 2, 64, torch.bfloat16, device="cpu")
+    with pytest.raises(ValueError, match=match):
+        stage1_select(*inputs, 300, **kw)
+
+
+def test_kernel_launcher_rejects_fp32_and_odd_head_dims_on_cpu():
     with pytest.raises(TypeError, match="q must have dtype"):
-        stage1_select(*make_inputs([100], 4, 2, 64, torch.float32, device="cpu"), 100, backend="kernels")
+        launch_select(*make_inputs([100], 4, 2, 64, torch.float32, device="cpu"), 100)
     with pytest.raises(ValueError, match="head dim 32"):
-        stage1_select(*make_inputs([100], 4, 2, 32, torch.bfloat16, device="cpu"), 100, backend="kernels")
+        launch_select(*make_inputs([100], 4, 2, 32, torch.bfloat16, device="cpu"), 100)
     with pytest.raises(ValueError, match="G = 256"):
-        stage1_select(*make_inputs([100], 256, 1, 64, torch.bfloat16, device="cpu"), 100, backend="kernels")
+        launch_select(*make_inputs([100], 256, 1, 64, torch.bfloat16, device="cpu"), 100)
 
 
 def test_launch_planning():

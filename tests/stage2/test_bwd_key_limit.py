@@ -14,9 +14,10 @@ outputs are NaN-poisoned, conftest, so an unwritten row fails). ~11 GB of GPU me
 import pytest
 import torch
 
-from infllm_cupy._constants import KV_BLOCK
+from infllm_cupy._kernel_arg import SM80, SM90A
+from infllm_cupy._rules import KV_BLOCK
 from infllm_cupy.stage2 import sparse_bwd as sb
-from infllm_cupy.stage2.plan import SM80, SM90A, SMEM_PER_BLOCK, BwdPlan, BwdTiles, bwd_plan, n_mask_words
+from infllm_cupy.stage2.plan import SMEM_PER_BLOCK, BwdPlan, BwdTiles, bwd_plan, n_mask_words
 from infllm_cupy.stage2.sparse_bwd import (
     GRID_YZ_MAX,
     bwd_max_keys,

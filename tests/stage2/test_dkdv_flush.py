@@ -23,10 +23,11 @@ from infllm_cupy.stage2.plan import (
     BwdTiles,
     FwdPlan,
     bwd_plan,
+    n_mask_words,
     sm80_dkdv_flushes,
 )
 from infllm_cupy.stage2.sparse_bwd import stage2_bwd
-from infllm_cupy.stage2.sparse_fwd import n_mask_words, stage2_fwd, token_block_masks
+from infllm_cupy.stage2.sparse_fwd import stage2_fwd, token_block_masks
 from infllm_cupy.testing import check_sparse_grads, sparse_attn_inputs
 
 GPU = pytest.mark.gpu

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from infllm_cupy import _jit
-from infllm_cupy.pipeline import InfLLMv2Attention, InfLLMv2Config
+from infllm_cupy.config import InfLLMv2Config
+from infllm_cupy.pipeline import InfLLMv2Attention
 from infllm_cupy.stage2 import naive as s2
 from infllm_cupy.stage2 import ops
 from infllm_cupy.stage2 import sparse_bwd as sb
@@ -34,9 +35,10 @@ from infllm_cupy.stage2.plan import (
     bwd_plan,
     dkdv_block0_parts,
     dkdv_passes,
+    n_mask_words,
 )
 from infllm_cupy.stage2.sparse_bwd import stage2_bwd, tile_index
-from infllm_cupy.stage2.sparse_fwd import n_mask_words, stage2_fwd, token_block_masks
+from infllm_cupy.stage2.sparse_fwd import stage2_fwd, token_block_masks
 from infllm_cupy.testing import (
     check_sparse_grads,
     cu_seqlens_from_lengths,

@@ -1,167 +1,42 @@
-"""The InfLLM-v2 core under the prefill API (`pipeline.py`) and decode (`decode/`): the configuration,
-the checks of a prefill call, the choice of each stage's implementation, and the prefill body that
-chains the stages (spec section 9): key compression, stage 1 (scores, block pooling, top-k) under
-`no_grad`, then stage 2 over the selected blocks; dense attention below `dense_len`.
+"""The InfLLM-v2 prefill body under the public prefill API (`pipeline.py`), chunked prefill into a
+decode cache (`decode/step.py`) and context parallelism: the checks of a prefill call, the choice of
+each stage's implementation, and the body that chains the stages (spec section 9): key compression,
+stage 1 (scores, block pooling, top-k) under `no_grad`, then stage 2 over the selected blocks; dense
+attention (torch SDPA on the kernel path) below `dense_len`.
 
 Each stage is one function that calls the kernel or the reference by an `if` on `kernels`
-(`run_compress`, `run_stage1`, `run_sparse_attn`, `run_dense_attn`). A call is checked once, at its
-public entry: `check_prefill_inputs` reads both `cu_seqlens` to the host in one copy, and the stages
-below get that copy (`HostSeqlens`, keyword `host_seqlens`), so they neither check again nor read back.
+(`run_compress`, `run_stage1`, `run_sparse_attn`, `run_dense_attn`), with the config's fields as named
+arguments. A call is checked once, at its public entry: `check_prefill_inputs` reads both `cu_seqlens`
+to the host in one copy, and the stages below get that copy (`HostSeqlens`, keyword `host_seqlens`), so
+they neither check again nor read back.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from dataclasses import dataclass
 
 import torch
 
 from ._checks import (
-    REF_DTYPES,
     HostSeqlens,
     check_attn_tensors,
     check_attn_values,
-    check_backend,
     check_flags,
-    check_int_args,
     check_kernel_inputs,
     check_max_seqlen,
-    check_score_dtype,
     check_softmax_scale,
-    check_window_covers_stride,
     validate_values,
 )
-from ._constants import KV_BLOCK
+from ._rules import KV_BLOCK, n_windows, runs_kernels, uses_dense
 from .compress.mean_pool import compress_k
-from .compress.naive import n_chunks, naive_compress_k
+from .compress.naive import naive_compress_k
+from .config import InfLLMv2Config
 from .stage1.naive import naive_stage1_select
 from .stage1.select import stage1_select
 from .stage2.attention import sparse_attn_varlen
 from .stage2.naive import naive_dense_attn_varlen, naive_sparse_attn_varlen
 
-# ---------------------------------------------------------------------------------------- the config
-
-
-@dataclass(frozen=True, kw_only=True)
-class InfLLMv2Config:
-    r"""Hyper-parameters of InfLLM-v2 (MiniCPM4 / 4.1 defaults).
-
-    What `topk` means (MiniCPM4's definition, docs/semantics.md): every query token gets
-    `K = topk + local_blocks` block slots (`topk_idx` is `[H, total_q, K]`, at most the number of
-    blocks). The forced blocks take their slots inside K: the `init_blocks` leading blocks and the
-    `local_blocks + 1` blocks ending at the query's own block (the local window counts the query's
-    block too). The `topk - init_blocks - 1` slots left go to the best-scoring other blocks.
-    MiniCPM4: `topk = 64`, `local_blocks = 32`, so K = 96 = 1 init + 33 local + 62 by score.
-    `topk < init_blocks + 1` cannot hold every forced block (stage 1 would drop some of them, leaving
-    holes in the local window) and raises ValueError.
-
-    Args:
-        kernel_size, kernel_stride (int):
-            Fine key compression (stage-1 scores). Default: 32, 16.
-        coarse_kernel_size, coarse_kernel_stride (int):
-            Coarse compression (stage-1 normaliser). Default: 128, 64.
-        block_size (int):
-            Key block of stage 2. Default: 64.
-        topk (int):
-            Selection budget: `K = topk + local_blocks` slots, forced blocks included (see above);
-            at least `init_blocks + 1`. Default: 64.
-        local_blocks (int):
-            `window_size // block_size`; the local window is `local_blocks + 1` blocks, the query's
-            own block and the `local_blocks` before it. Default: 32.
-        init_blocks (int):
-            Leading blocks always selected. Default: 1.
-        dense_len (int):
-            Dense attention when the longest key sequence is shorter; 0 or -1 means always sparse.
-            Default: 8192.
-        exact_stage1 (bool):
-            Normalise stage 1 over the fine keys themselves (coarse keys = `ck1`, exact softmax)
-            instead of the coarse-key approximation. Default: `False`.
-        varlen_offset_quirk (bool):
-            HF's `max_seqlen_q - L_b` offset of the query block in ragged prefill batches. Default: `False`.
-        softmax_scale (float, Optional):
-            Default: `None` (`1 / sqrt(D)`).
-        score_dtype (torch.dtype):
-            dtype of stage-1 scores and block scores, on which top-k runs. Default: `torch.bfloat16`
-            (as the original; fp32 gives tie-free comparisons in tests).
-    """
-    kernel_size: int = 32
-    kernel_stride: int = 16
-    coarse_kernel_size: int = 128
-    coarse_kernel_stride: int = 64
-    block_size: int = 64
-    topk: int = 64
-    local_blocks: int = 32
-    init_blocks: int = 1
-    dense_len: int = 8192
-    exact_stage1: bool = False
-    varlen_offset_quirk: bool = False
-    softmax_scale: float | None = None
-    score_dtype: torch.dtype = torch.bfloat16
-
-    def __post_init__(self):
-        check_int_args(1, kernel_size=self.kernel_size, kernel_stride=self.kernel_stride,
-                       coarse_kernel_size=self.coarse_kernel_size,
-                       coarse_kernel_stride=self.coarse_kernel_stride, block_size=self.block_size)
-        check_int_args(0, topk=self.topk, local_blocks=self.local_blocks, init_blocks=self.init_blocks)
-        check_int_args(-1, dense_len=self.dense_len)
-        check_flags(exact_stage1=self.exact_stage1, varlen_offset_quirk=self.varlen_offset_quirk)
-        check_topk_keeps_forced_blocks(self.topk, self.init_blocks)
-        check_window_covers_stride("kernel_size", self.kernel_size, "kernel_stride", self.kernel_stride)
-        check_window_covers_stride("coarse_kernel_size", self.coarse_kernel_size, "coarse_kernel_stride",
-                                   self.coarse_kernel_stride)
-        if self.block_size % self.kernel_stride:
-            raise ValueError(f"block_size ({self.block_size}) must be a multiple of kernel_stride "
-                             f"({self.kernel_stride}): block pooling takes block_size // kernel_stride fine "
-                             f"keys per block")
-        s2, bs = self.coarse_kernel_stride, self.block_size
-        if bs % s2 and s2 % bs:
-            raise ValueError(f"coarse_kernel_stride ({s2}) must divide block_size ({bs}) or be a multiple of "
-                             f"it, so that the coarse windows line up with the key blocks (MiniCPM4: 64 "
-                             f"with 64-key blocks)")
-        check_softmax_scale(self.softmax_scale, 1)
-        if self.score_dtype is None:
-            raise ValueError(f"score_dtype must be one of {tuple(REF_DTYPES)}, got None")
-        check_score_dtype(self.score_dtype)
-
-
-def check_topk_keeps_forced_blocks(topk: int, init_blocks: int, name: str = "topk") -> None:
-    """Raise ValueError unless `K = topk + local_blocks` slots hold every forced block.
-
-    A query far enough from the start has `init_blocks + local_blocks + 1` forced blocks (the init
-    blocks and a local window that does not overlap them), so `topk >= init_blocks + 1` exactly.
-    The original (HF MiniCPM) does not check this; there, too, a smaller `topk` lets `torch.topk`
-    drop forced blocks among the tied `+inf` scores, which contradicts their being forced, so we
-    refuse the configuration rather than reproduce the holes.
-    """
-    if topk < init_blocks + 1:
-        raise ValueError(f"{name} must be at least init_blocks + 1 = {init_blocks + 1}, got {topk}: "
-                         f"K = {name} + local_blocks slots must hold the {init_blocks} init block(s) and the "
-                         f"local_blocks + 1 local blocks (the forced blocks count inside K, as in MiniCPM4); "
-                         f"{name} = {init_blocks + 1} keeps only the forced blocks")
-
-
-def check_config(config) -> InfLLMv2Config:
-    if config is None:
-        return InfLLMv2Config()
-    if not isinstance(config, InfLLMv2Config):
-        raise TypeError(f"config must be an InfLLMv2Config or None, got {type(config).__name__}")
-    return config
-
-
-def uses_dense(cfg: InfLLMv2Config, max_seqlen_k: int) -> bool:
-    """Spec section 9: dense attention while the longest key sequence is shorter than `dense_len`."""
-    return max_seqlen_k < cfg.dense_len
-
-
 # ------------------------------------------------------------------------------ checks at the entry
-
-
-def uses_kernels(q: torch.Tensor, backend: str = "auto") -> bool:
-    """Whether the stages run their kernels: CUDA tensors under "auto" or "kernels".
-
-    CPU tensors always run the references (there are no CPU kernels), whatever `backend` says.
-    """
-    return check_backend(backend) != "reference" and q.is_cuda
 
 
 def check_kernel_block_size(block_size) -> None:
@@ -304,7 +179,7 @@ def sdpa_dense_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 
 # -------------------------------------------------------------- the stages: kernel or reference
 
-# With `kernels` (`uses_kernels`: CUDA tensors, backend not "reference") each stage runs its kernel
+# With `kernels` (`runs_kernels`: CUDA tensors, backend not "reference") each stage runs its kernel
 # and takes `host_seqlens` from the checked entry; otherwise its reference, which checks and reads
 # its own inputs (runs on CPU and CUDA tensors alike).
 
@@ -324,15 +199,21 @@ def run_stage1(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seql
     """Stage 1 (scores, block pooling, top-k): the fused kernel `stage1_select` or
     `naive_stage1_select`, with the config's selection parameters. Returns `topk_idx`, or
     `(topk_idx, scores, block_scores)` with `need_scores` (the kernel skips writing them otherwise)."""
-    kw = dict(causal=causal, cache_lens=cache_lens, softmax_scale=cfg.softmax_scale, topk=cfg.topk,
-              local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks, block_size=cfg.block_size,
-              kernel_stride=cfg.kernel_stride, coarse_kernel_stride=cfg.coarse_kernel_stride,
-              varlen_offset_quirk=cfg.varlen_offset_quirk, score_dtype=cfg.score_dtype,
-              return_scores=need_scores)
     if kernels:
         return stage1_select(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q,
-                             backend="kernels", host_seqlens=host_seqlens, **kw)
-    return naive_stage1_select(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q, **kw)
+                             causal=causal, cache_lens=cache_lens, softmax_scale=cfg.softmax_scale,
+                             topk=cfg.topk, local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks,
+                             block_size=cfg.block_size, kernel_stride=cfg.kernel_stride,
+                             coarse_kernel_stride=cfg.coarse_kernel_stride,
+                             varlen_offset_quirk=cfg.varlen_offset_quirk, score_dtype=cfg.score_dtype,
+                             return_scores=need_scores, backend="kernels", host_seqlens=host_seqlens)
+    return naive_stage1_select(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q,
+                               causal=causal, cache_lens=cache_lens, softmax_scale=cfg.softmax_scale,
+                               topk=cfg.topk, local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks,
+                               block_size=cfg.block_size, kernel_stride=cfg.kernel_stride,
+                               coarse_kernel_stride=cfg.coarse_kernel_stride,
+                               varlen_offset_quirk=cfg.varlen_offset_quirk, score_dtype=cfg.score_dtype,
+                               return_scores=need_scores)
 
 
 def run_sparse_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q: int, max_seqlen_k: int,
@@ -366,7 +247,7 @@ def _compressed_offsets(cu_k: tuple[int, ...], kernel_size: int, kernel_stride: 
     """Host offsets of the compressed keys of keys with offsets `cu_k` (`compressed_cu_seqlens` on ints)."""
     out = [0]
     for a, b in itertools.pairwise(cu_k):
-        out.append(out[-1] + n_chunks(b - a, kernel_size, kernel_stride))
+        out.append(out[-1] + n_windows(b - a, kernel_size, kernel_stride))
     return tuple(out)
 
 
@@ -375,7 +256,7 @@ def select_blocks(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache_lens, ca
                   need_scores: bool = True, host_seqlens: HostSeqlens | None = None) -> dict:
     """Compression (unless given) -> stage 1 (scores, pooling, top-k), without gradients.
 
-    `kernels`: the stages' kernels (`uses_kernels`), else their references. `host_seqlens`: the
+    `kernels`: the stages' kernels (`runs_kernels`), else their references. `host_seqlens`: the
     offsets of `cu_seqlens_q` / `cu_seqlens_k` on the host, from a caller that checked the inputs
     (the given compressed keys must then be `compress_k`'s of k with the config's sizes).
 
@@ -425,12 +306,12 @@ def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k
     then stage 2 over the selected blocks, causal and bottom-right aligned (a query shorter than its
     keys sees the first `Lk - Lq` keys as its cache).
 
-    `kernels`: the stages' kernels, else their references (`uses_kernels`). `host_seqlens`: both
+    `kernels`: the stages' kernels, else their references (`runs_kernels`). `host_seqlens`: both
     offsets on the host; nothing below reads them back. `compressed`: `(ck1, cu_seqlens_c1, ck2,
     cu_seqlens_c2)` of k with the config's sizes, or None to compress here. Returns `out`, and the
     aux dict of `naive_infllmv2_attention` with `return_aux`.
     """
-    if uses_dense(cfg, max_seqlen_k):
+    if uses_dense(cfg.dense_len, max_seqlen_k):
         out = run_dense_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, cfg, causal=True, kernels=kernels,
                              host_seqlens=host_seqlens)
         return (out, dense_aux()) if return_aux else out
@@ -506,7 +387,7 @@ def stages_for(q: torch.Tensor, backend: str = "reference") -> dict:
         `naive_dense_attn_varlen`.
     """
     stages = dict(_REFERENCE_STAGES)
-    if not uses_kernels(q, backend):
+    if not runs_kernels(q, backend):
         return stages
     stages.update(compress_k=_kernel_compress_k, stage1_select=stage1_select, sparse_attn=_kernel_sparse_attn,
                   dense_attn=sdpa_dense_attn_varlen)

@@ -1,0 +1,91 @@
+"""The small rules of InfLLM-v2 that many modules apply, each written once here and imported
+everywhere else (ARCHITECTURE.md §3 lists them): the block size, the window count of a compression,
+the selection's slot count K, the dense/sparse split, the backend rule and the default softmax scale.
+Imports only torch, so every layer may use it.
+
+Not here on purpose: each reference's `_CHUNK_ELEMS` (stage1/naive.py, stage2/naive.py,
+selections.py) bounds the working set of its own loop, so the values differ and stay local; and
+the `WARPS`-like constants of each launcher mirror a `#define` of its own `.cu` file.
+"""
+from __future__ import annotations
+
+import torch
+
+# The `backend=` argument of every public op: "auto" runs the kernels on CUDA tensors and the
+# reference on CPU tensors; "kernels" and "reference" force one side (`runs_kernels`).
+BACKENDS = ("auto", "kernels", "reference")
+
+# Head dims every kernel is instantiated for (compression, stage 1, stage 2, decode).
+HEAD_DIMS = (64, 128)
+
+# Keys per selectable KV block: InfLLM-v2's block size, which stage 1 selects and the stage-2 and
+# decode kernels are built for (kernels_cu: BLOCK_N); also the block of the synthetic selections.
+KV_BLOCK = 64
+
+# The two key compressions, (kernel, stride): fine keys (stage-1 scores) and coarse keys (stage 1's
+# normaliser), spec section 3. The decode cache keeps these two, and the stage-1 kernels are built
+# for their strides.
+COMPRESSIONS = ((32, 16), (128, 64))
+
+
+def cdiv(a: int, b: int) -> int:
+    """`ceil(a / b)` for ints (`b > 0`)."""
+    return -(-a // b)
+
+
+def n_windows(L: int, kernel_size: int, kernel_stride: int) -> int:
+    """Complete compression windows `[i * stride, i * stride + kernel)` inside `L` keys: the compressed
+    keys of a sequence of `L` keys (none when `L < kernel_size`)."""
+    return 0 if L < kernel_size else (L - kernel_size) // kernel_stride + 1
+
+
+def n_windows_of(lengths: torch.Tensor, kernel_size: int, kernel_stride: int) -> torch.Tensor:
+    """`n_windows` of each entry of an integer tensor of lengths, on its device (no host read): int64."""
+    L = lengths.long()
+    return torch.where(L < kernel_size, torch.zeros_like(L),
+                       torch.div(L - kernel_size, kernel_stride, rounding_mode="floor") + 1)
+
+
+def selection_slots(topk: int, local_blocks: int, n_blocks: int) -> int:
+    """K, the block slots of a selection row: `topk + local_blocks` (MiniCPM4's budget, the forced
+    blocks included), at most the `n_blocks` there are."""
+    return min(topk + local_blocks, n_blocks)
+
+
+def uses_dense(dense_len: int, max_seqlen_k: int) -> bool:
+    """Spec section 9: dense attention while the longest key sequence (in decode: the longest cache,
+    the current token included) is shorter than `dense_len` (0 or -1: never)."""
+    return max_seqlen_k < dense_len
+
+
+def check_backend(backend) -> str:
+    """`backend` must be one of `BACKENDS` (ValueError otherwise); returns it."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def runs_kernels(t: torch.Tensor, backend: str = "auto", name: str = "q") -> bool:
+    """The backend rule of every entry point: whether the CUDA kernels run for tensor `name` (`t`).
+
+    "auto": the kernels on CUDA tensors, the references on CPU tensors. "reference": the references
+    on any device. "kernels": the kernels, and a ValueError naming `name` when `t` is not a CUDA
+    tensor (there are no CPU kernels).
+    """
+    if check_backend(backend) == "reference":
+        return False
+    if backend == "kernels" and not t.is_cuda:
+        raise ValueError(f"{name} must be a CUDA tensor for backend='kernels' (there are no CPU kernels), "
+                         f"got one on {t.device}; backend='auto' or 'reference' runs the reference")
+    return t.is_cuda
+
+
+def softmax_scale_of(softmax_scale: float | None, head_dim: int) -> float:
+    """The scale a checked `softmax_scale` stands for: itself as a float, or `1 / sqrt(head_dim)` for
+    None (ValueError for a head dim below 1)."""
+    if softmax_scale is not None:
+        return float(softmax_scale)
+    if head_dim < 1:
+        raise ValueError(f"the head dim must be at least 1 for the default softmax scale 1 / sqrt(D), got "
+                         f"{head_dim}")
+    return head_dim ** -0.5
