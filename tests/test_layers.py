@@ -199,3 +199,57 @@ def test_the_facade_rule_catches_a_re_export(tmp_path):
     modules = {m: (tmp_path / p.relative_to(ROOT), i) for m, (p, i) in _package_modules().items()}
     bad = [(i, s, n) for i, _, s, n in _facade_imports(modules, tmp_path)]
     assert ("infllm_cupy.pipeline", "infllm_cupy.prefill", "KV_BLOCK") in bad
+
+
+def _private_uses(modules) -> list[str]:
+    """Where a package module uses another module's private name: `from M import _x` of a module M of
+    the package (the package's `_`-prefixed modules themselves may be imported), or an attribute
+    `obj._x` that no class or assignment of the same module defines (another class's private state,
+    such as a `DecodeCache`'s, touched from outside decode/cache.py). Private names of other libraries
+    (`cupy.cuda.compiler._...`) are not the package's to police."""
+    bad = []
+    for name, (path, init) in modules.items():
+        tree = ast.parse(path.read_text())
+        package = name if init else name.rsplit(".", 1)[0]
+        owned = {n.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for n in c.body
+                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        owned |= {t.attr for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AnnAssign))
+                  for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                  if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+        foreign = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                source = node.module or ""
+                if node.level:
+                    base = package.split(".")
+                    source = ".".join(base[:len(base) - node.level + 1] + [node.module or ""]).rstrip(".")
+                if source.split(".")[0] != "infllm_cupy":
+                    foreign |= {a.asname or a.name for a in node.names}
+                    continue
+                bad += [f"{name}:{node.lineno} imports {a.name} from {source}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")
+                        and f"{source}.{a.name}" not in modules]
+            elif isinstance(node, ast.Import):
+                foreign |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                    and not node.attr.startswith("__")
+                    and isinstance(node.value, ast.Name) and node.attr not in owned
+                    and node.value.id not in foreign | {"self", "cls"}):
+                bad.append(f"{name}:{node.lineno} uses {node.value.id}.{node.attr}")
+    return bad
+
+
+def test_no_private_name_or_state_crosses_modules():
+    """A name starting with `_` stays in its module, and an object's private state (`cache._host_lens`,
+    ...) is touched only by its own class: `DecodeCache`'s state only in decode/cache.py."""
+    bad = _private_uses(_package_modules())
+    assert not bad, "\n".join(bad)
+
+
+def test_the_private_rule_catches_a_planted_use(tmp_path):
+    shutil.copytree(ROOT / "infllm_cupy", tmp_path / "infllm_cupy")
+    step = tmp_path / "infllm_cupy" / "decode" / "step.py"
+    step.write_text(step.read_text() + "\n\ndef _planted(cache):\n    return cache._host_lens\n")
+    modules = {m: (tmp_path / p.relative_to(ROOT), i) for m, (p, i) in _package_modules().items()}
+    assert any("uses cache._host_lens" in b for b in _private_uses(modules))

@@ -31,6 +31,8 @@ from .._dtypes import INT_DTYPES, REF_DTYPES
 from .._rules import COMPRESSIONS, KV_BLOCK, n_windows, n_windows_of
 from .cache_append import append_launches, kernel_appends
 
+MAX_PREPARED = 32      # prepared objects a cache keeps (`DecodeCache.prepared`)
+
 
 def _window_mean(x: torch.Tensor) -> torch.Tensor:
     """Mean over dim 1 of `[n, kernel, H, D]`, summed in fp32 (float64 for float64), rounded to x's
@@ -39,7 +41,7 @@ def _window_mean(x: torch.Tensor) -> torch.Tensor:
     return x.to(acc).mean(dim=1).to(x.dtype)
 
 
-def _capturing() -> bool:
+def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
@@ -77,7 +79,7 @@ class DecodeCache:
         # decode steps by (q shape, config, outputs) (`step.py`); None / empty until first used
         self._append_program = None
         self._kernel_appends = None    # whether cache_append.cu takes one-token appends (None: not asked yet)
-        self._step_programs = {}
+        self._prepared = {}             # `prepared`: the decode steps' prepared launches, by key
         self._min_room = None           # min over sequences of capacity - length (None: recount)
         # eager `infllmv2_decode` on CUDA replays a CUDA graph of each prepared step (docs/decode.md, 6)
         self.graphs = False
@@ -159,6 +161,34 @@ class DecodeCache:
     def lengths(self) -> list[int]:
         """Keys per sequence, from the host mirror (no device read)."""
         return list(self._host_lens)
+
+    @property
+    def lengths_in_sync(self) -> bool:
+        """Whether `lengths()` (the host mirror) equals the device lengths: False after one-token appends
+        under CUDA-graph capture or torch.compile (replays advance the device lengths only), until
+        `sync_lengths()` or `reset()`."""
+        return not self._host_stale
+
+    def current_lengths(self) -> list[int]:
+        """The lengths: the host mirror, refreshed from the device (one copy) only when it lags."""
+        return self.lengths() if not self._host_stale else self.sync_lengths()
+
+    def prepared(self, key, build, valid=None):
+        """The object this cache keeps under `key` (the decode step's prepared launches, docs/decode.md
+        §6), built by `build()` when missing or when `valid(entry)` is False. At most `MAX_PREPARED` are
+        kept: a caller that makes a new config object per call cannot grow the store without bound."""
+        entry = self._prepared.get(key)
+        if entry is None or (valid is not None and not valid(entry)):
+            entry = build()
+            if len(self._prepared) >= MAX_PREPARED:
+                self._prepared.clear()
+            self._prepared[key] = entry
+        return entry
+
+    @property
+    def n_prepared(self) -> int:
+        """How many prepared objects the cache keeps (`prepared`)."""
+        return len(self._prepared)
 
     def max_len(self) -> int:
         """The longest sequence: HF's `kv_seq_len`, which picks the dense path below `dense_len`
@@ -275,8 +305,8 @@ class DecodeCache:
                                                    self.seqlens, self.block_table)
                 self._host_stale = True
                 return
-            capturing = _capturing()
-            if not capturing:
+            in_capture = capturing()
+            if not in_capture:
                 self._check_room()
             if self._append_kernel_ok():
                 # the kernel reads dense [B, H, D] rows in 16-byte pieces
@@ -289,12 +319,12 @@ class DecodeCache:
                                                            self.seqlens, self.block_table).program(
                         k_new=k_new, v_new=v_new)
                 self._append_program.run(k_new=k_new, v_new=v_new)
-            elif (not capturing and not self._host_stale and not self.is_paged
+            elif (not in_capture and not self._host_stale and not self.is_paged
                   and len(set(self._host_lens)) == 1):
                 self._append_one_at(self._host_lens[0], k_new, v_new)
             else:
                 self._append_one(k_new, v_new)
-            if capturing:
+            if in_capture:
                 self._host_stale = True
             else:
                 self._host_lens = [L + 1 for L in self._host_lens]
@@ -362,12 +392,12 @@ class DecodeCache:
     def _append_chunks(self, k_new, v_new, counts) -> None:
         B = self.batch
         starts = self._host_lens
-        n_dev = _h2d(torch.tensor(counts, dtype=torch.long), self.device)
+        n_dev = h2d(torch.tensor(counts, dtype=torch.long), self.device)
         # output_size: the total is known on the host; without it repeat_interleave reads it back (a sync)
         seq = torch.repeat_interleave(torch.arange(B, device=self.device), n_dev, output_size=sum(counts))
         first = torch.cumsum(n_dev, 0) - n_dev                                                 # chunk offsets
         local = torch.arange(sum(counts), device=self.device) - first[seq]
-        pos = _h2d(torch.tensor(starts, dtype=torch.long), self.device)[seq] + local
+        pos = h2d(torch.tensor(starts, dtype=torch.long), self.device)[seq] + local
         row, slot = self._slots(pos, seq)
         self.k[row, slot] = k_new
         self.v[row, slot] = v_new
@@ -394,6 +424,16 @@ class DecodeCache:
                          + torch.arange(kr, device=self.device))
                     r, s = self._slots(t, torch.full_like(t, b))
                     ck[b, :n] = _window_mean(self.k[r, s])
+
+
+def append_chunk_tensors(k_new, v_new, k, v, ck1, ck2, seqlens, block_table, starts, counts) -> None:
+    """A chunk of `counts[b]` tokens per sequence (packed `[sum(counts), H, D]`) into a cache's tensors
+    whose sequences hold `starts[b]` keys, as `DecodeCache.append(k_new, v_new, cu_seqlens)` (which
+    checks them): the keys, values, the windows they complete and the lengths."""
+    page = k.shape[1] if block_table is not None else None
+    width = k.shape[1] * block_table.shape[1] if block_table is not None else k.shape[1]
+    view = DecodeCache(k, v, seqlens, block_table, page, ck1, ck2, starts, [width] * len(starts))
+    view._append_chunks(k_new, v_new, list(counts))
 
 
 def append_one_tensors(k_new, v_new, k, v, ck1, ck2, seqlens, block_table) -> None:
@@ -433,7 +473,7 @@ def append_one_tensors(k_new, v_new, k, v, ck1, ck2, seqlens, block_table) -> No
 
 
 # -------------------------------------------------------------------------------------- helpers
-def _h2d(t: torch.Tensor, device) -> torch.Tensor:
+def h2d(t: torch.Tensor, device) -> torch.Tensor:
     """A small host tensor on `device`, without a host sync: torch's blocking host-to-device copy
     synchronizes the stream, a non-blocking one from pinned memory does not (the pinned block is
     reused only after the copy, torch's caching host allocator records it on the stream)."""
@@ -447,7 +487,7 @@ def _cu(lengths, device) -> torch.Tensor:
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     if lengths:
         cu[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(torch.int32)
-    return _h2d(cu, device)
+    return h2d(cu, device)
 
 
 def _check_sizes(**sizes) -> None:

@@ -86,7 +86,7 @@ def naive_infllmv2_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return (out, dict(dense=False, **aux)) if return_aux else out
 
 
-def _cache_tensors(cache):
+def cache_tensors(cache):
     """`(k, v, seqlens, block_table, width)` of a DecodeCache or of a tuple `(k_cache, v_cache,
     seqlens[, block_table])`; width = positions a sequence can address (L_max or pages x page_size)."""
     from .cache import DecodeCache
@@ -144,7 +144,7 @@ def naive_sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = 
         out `[B, HQ, D]` in q's dtype, then lse and weights if asked for.
     """
     check_flags(return_lse=return_lse, return_attn_weights=return_attn_weights, upcast=upcast)
-    k, v, seqlens, bt, width = _cache_tensors(cache)
+    k, v, seqlens, bt, width = cache_tensors(cache)
     check_tensor("q", q, ndim=3, dtypes=(k.dtype,), device=k.device)
     check_head_dim("q", q.shape)
     B, HQ, D = q.shape
@@ -163,14 +163,14 @@ def naive_sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = 
         if tuple(topk_idx.shape[:2]) != (H, B):
             raise ValueError(f"topk_idx must have shape (H={H}, B={B}, K), got {tuple(topk_idx.shape)}")
     scale = check_softmax_scale(softmax_scale, D)
-    return _sparse_decode_checked(q, k, v, seqlens, bt, width, topk_idx, scale=scale, block_size=block_size,
+    return sparse_decode_checked(q, k, v, seqlens, bt, width, topk_idx, scale=scale, block_size=block_size,
                                   return_lse=return_lse, return_attn_weights=return_attn_weights,
                                   weights=weights, upcast=upcast)
 
 
-def _sparse_decode_checked(q, k, v, seqlens, bt, width: int, topk_idx, *, scale: float, block_size: int,
+def sparse_decode_checked(q, k, v, seqlens, bt, width: int, topk_idx, *, scale: float, block_size: int,
                            return_lse: bool, return_attn_weights: bool, weights: str, upcast: bool = True):
-    """`naive_sparse_decode` on checked inputs (the cache as `_cache_tensors` gives it, `scale` a float):
+    """`naive_sparse_decode` on checked inputs (the cache as `cache_tensors` gives it, `scale` a float):
     the decode step's reference path, which checked them at its own entry."""
     import math
 

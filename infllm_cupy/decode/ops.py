@@ -9,7 +9,7 @@
                                softmax_scale, score_dtype, exact, kernel) -> topk_idx int32 [H, B, K]
 
 `block_table` and `topk_idx` are optional (None: contiguous cache; dense decode). CUDA tensors run the
-kernels (`sparse_decode`; `_select` of `step.py`: the split stage-1 decode kernels), CPU tensors the
+kernels (`sparse_decode`; `select_on_cache` of `step.py`: the split stage-1 decode kernels), CPU tensors the
 references (`naive_sparse_decode`, `naive_stage1_select`). `kernel` is the kernel generation as in every
 op ("auto" | "sm80"; the decode kernels have no sm_90a form). The fake implementations give the output
 shapes from the input shapes alone: W is the cache's width (`L_max`, or `max_pages * page_size`) and
@@ -29,7 +29,7 @@ from .._checks import check_bool, check_flags, check_tensor
 from .._dtypes import REF_DTYPES
 from .._rules import KV_BLOCK, cdiv, selection_slots, softmax_scale_of, uses_dense
 from ..config import InfLLMv2Config
-from .cache import DecodeCache
+from .cache import DecodeCache, append_chunk_tensors
 from .naive import naive_sparse_decode
 from .sparse_decode import sparse_decode as _sparse_decode
 
@@ -111,11 +111,11 @@ def decode_select_op(q: Tensor, ck1: Tensor, ck2: Tensor, seqlens: Tensor, width
                      score_dtype: torch.dtype, exact: bool, kernel: str) -> Tensor:
     """Stage 1 for decode over the cache's compressed keys `ck1 [B, N1, H, D]`, `ck2 [B, N2, H, D]`:
     `topk_idx int32 [H, B, K]`, `K = min(topk + local_blocks, cdiv(width, block_size))`."""
-    from .step import _select, check_stage1
+    from .step import check_stage1, select_on_cache
 
     check_stage1("decode", kernel)
     cfg = _select_config(topk, local_blocks, init_blocks, block_size, softmax_scale, score_dtype, exact)
-    return _select(q, ck1, ck2, seqlens, width, cfg, kern=True, kernel=kernel)
+    return select_on_cache(q, ck1, ck2, seqlens, width, cfg, kern=True, kernel=kernel)
 
 
 @decode_select_op.register_kernel("cpu")
@@ -129,14 +129,14 @@ def _(q, ck1, ck2, seqlens, width, topk, local_blocks, init_blocks, block_size, 
 
 
 def _reference_select(q, ck1, ck2, seqlens, width: int, cfg: InfLLMv2Config) -> Tensor:
-    """The CPU kernels' stage 1: the op's tensors checked once, then the reference (`_select`), its K
+    """The CPU kernels' stage 1: the op's tensors checked once, then the reference (`select_on_cache`), its K
     (the longest sequence's) padded with -1 to the static K."""
     from .select_decode import check_compressed_keys
-    from .step import _select
+    from .step import select_on_cache
 
     check_tensor("q", q, ndim=3, dtypes=REF_DTYPES)
     check_compressed_keys(q, ck1, ck2, seqlens, exact=cfg.exact_stage1, contiguous=False)
-    return _select(q, ck1, ck2, seqlens, width, cfg, kern=False)
+    return select_on_cache(q, ck1, ck2, seqlens, width, cfg, kern=False)
 
 
 @decode_select_op.register_fake
@@ -214,12 +214,7 @@ def cache_append_chunk_op(k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache
     """A chunk of `counts[b]` tokens per sequence (packed `[sum(counts), H, D]`) into a cache's tensors
     whose sequences hold `starts[b]` keys, as `DecodeCache.append(k_new, v_new, cu_seqlens)` (checked
     there): the keys, values, the windows they complete and the lengths. Any device."""
-    from .cache import DecodeCache
-
-    page = k_cache.shape[1] if block_table is not None else None
-    width = _width(k_cache, block_table)
-    view = DecodeCache(k_cache, v_cache, seqlens, block_table, page, ck1, ck2, starts, [width] * len(starts))
-    view._append_chunks(k_new, v_new, list(counts))
+    append_chunk_tensors(k_new, v_new, k_cache, v_cache, ck1, ck2, seqlens, block_table, starts, counts)
 
 
 @cache_append_chunk_op.register_fake
@@ -282,12 +277,12 @@ def decode_step(q: Tensor, cache: DecodeCache, *, config: InfLLMv2Config | None 
     (a host int: inside a compiled region, pass it from outside to avoid a guard on the lengths). The
     selection's K is always sized on the cache's width.
     """
-    from .step import _check_step_inputs, is_dense
+    from .step import check_step_inputs, is_dense
 
     check_flags(return_attn_weights=return_attn_weights)
     if dense is not None:
         check_bool("dense", dense)
-    cfg, _ = _check_step_inputs(q, cache, config, weights, "auto", kernel)
+    cfg, _ = check_step_inputs(q, cache, config, weights, "auto", kernel)
     if dense is None:
         dense = is_dense(cache, cfg)
     scale = softmax_scale_of(cfg.softmax_scale, q.shape[2])

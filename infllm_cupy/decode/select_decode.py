@@ -151,13 +151,13 @@ def check_select_plan(plan, group: int, n1_max: int, n2_max: int, head_dim: int)
 
 
 @functools.cache
-def _sm_count(device_index: int) -> int:
+def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @functools.cache
 def _plan_for(B: int, H: int, G: int, N1: int, N2: int, D: int, device_index: int) -> SelectDecodePlan:
-    plan = plan_select_decode(B, H, G, N1, N2, _sm_count(device_index))
+    plan = plan_select_decode(B, H, G, N1, N2, sm_count(device_index))
     check_select_plan(plan, G, N1, N2, D)
     return plan
 

@@ -14,7 +14,7 @@ from .._dtypes import KERNEL_DTYPES
 from .._launch import CXX_TYPE, Launches, empty
 from .._params import KernelParams, constants
 from .._rules import HEAD_DIMS, KV_BLOCK, cdiv, check_backend, runs_kernels
-from .naive import _cache_tensors, naive_sparse_decode
+from .naive import cache_tensors, naive_sparse_decode
 
 SOURCE = "decode/sparse_decode.cu"
 WCHUNK = 1024          # positions per CTA of the weights pass
@@ -135,7 +135,7 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, n_entries: int, sm_co
 
 
 @functools.cache
-def _sm_count(device_index: int) -> int:
+def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
@@ -184,13 +184,13 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
     if not runs_kernels(q, backend):
         return naive_sparse_decode(q, cache, topk_idx, softmax_scale=softmax_scale, return_lse=return_lse,
                                    return_attn_weights=return_attn_weights, weights=weights)
-    k, v, seqlens, bt, width = _cache_tensors(cache)
-    B, _HQ, D, H, G, K = _check_kernel_inputs(q, k, v, seqlens, bt, topk_idx)
+    k, v, seqlens, bt, width = cache_tensors(cache)
+    B, _HQ, D, H, G, K = check_decode_kernel_inputs(q, k, v, seqlens, bt, topk_idx)
     check_aligned(q=q, k_cache=k, v_cache=v)       # 16-byte cp.async rows
     scale = check_softmax_scale(softmax_scale, D)
     n_entries = K if topk_idx is not None else cdiv(width, KV_BLOCK)
     if plan is None:
-        plan = plan_decode(B, H, G, n_entries, _sm_count(q.device.index))
+        plan = plan_decode(B, H, G, n_entries, sm_count(q.device.index))
     check_plan(plan, G, n_entries, D, K)
     run = Launches(q.device)
     res = add_sparse_decode(run, q, k, v, seqlens, bt, width, topk_idx, scale=scale, plan=plan,
@@ -292,7 +292,7 @@ def check_plan(plan, group: int, n_entries: int, head_dim: int, k: int = 0) -> N
                          f"({plan.split_smem_bytes(head_dim, True, k)} > {MAX_SMEM} bytes)")
 
 
-def _check_kernel_inputs(q, k, v, seqlens, bt, topk_idx):
+def check_decode_kernel_inputs(q, k, v, seqlens, bt, topk_idx):
     """Shapes, dtypes, devices and layouts the kernels need; raises naming the argument. Reads no values."""
     check_tensor("q", q, ndim=3, dtypes=KERNEL_DTYPES, contiguous=True)
     B, HQ, D = q.shape

@@ -29,16 +29,16 @@ from .._rules import (
 )
 from ..config import InfLLMv2Config, check_config
 from ..prefill import prefill
-from .cache import DecodeCache, _capturing
-from .naive import _sparse_decode_checked
+from .cache import DecodeCache, capturing
+from .naive import sparse_decode_checked
 from .select_decode import add_select_decode, check_select_inputs, select_decode
 from .sparse_decode import (
     WEIGHTS,
-    _check_kernel_inputs,
-    _sm_count,
     add_sparse_decode,
+    check_decode_kernel_inputs,
     check_plan,
     plan_decode,
+    sm_count,
 )
 
 STAGE1 = ("decode", "prefill")   # the `stage1=` argument: which stage-1 kernel runs on CUDA tensors
@@ -82,7 +82,7 @@ def _check_select_args(q, cache, config, backend, kernel, stage1) -> tuple[InfLL
     return cfg, runs_kernels(q, backend)
 
 
-def _check_step_inputs(q, cache, config, weights, backend, kernel,
+def check_step_inputs(q, cache, config, weights, backend, kernel,
                        stage1="decode") -> tuple[InfLLMv2Config, bool]:
     """Arguments of `infllmv2_decode` and `decode_step`, checked once per call (what runs below takes
     them as checked); raises naming the argument. Reads no device values. Returns the config and
@@ -91,7 +91,7 @@ def _check_step_inputs(q, cache, config, weights, backend, kernel,
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     cfg, kern = _check_select_args(q, cache, config, backend, kernel, stage1)
     lens = cache.lengths()          # host mirror, no device read (not advanced by graph replays)
-    if lens and min(lens) < 1 and not _capturing():
+    if lens and min(lens) < 1 and not capturing():
         raise ValueError(f"cache: every sequence must hold at least the current token (append it before the "
                          f"step), got lengths {lens[:16]}")
     return cfg, kern
@@ -146,8 +146,8 @@ def layout_of(ck1: torch.Tensor, ck2: torch.Tensor, seqlens: torch.Tensor, exact
     return (out[0], out[1], out[2], out[3], out[4], cache_lens)
 
 
-def _select(q, ck1, ck2, seqlens, width: int, cfg: InfLLMv2Config, *, kern: bool, stage1: str = "decode",
-            kernel: str = "auto", static_k: bool = True) -> torch.Tensor:
+def select_on_cache(q, ck1, ck2, seqlens, width: int, cfg: InfLLMv2Config, *, kern: bool,
+                    stage1: str = "decode", kernel: str = "auto", static_k: bool = True) -> torch.Tensor:
     """Stage 1 for decode over the cache's compressed keys (`ck1 [B, N1, H, D]`, `ck2 [B, N2, H, D]`,
     `seqlens int32 [B]`, `width` its positions per sequence), `topk_idx int32 [H, B, K]`, on arguments
     checked by the caller (`check_stage1` among them): the one implementation of `decode_select`, the
@@ -210,8 +210,8 @@ def decode_select(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Config
     same selection, for comparison).
     """
     cfg, kern = _check_select_args(q, cache, config, backend, kernel, stage1)
-    return _select(q, cache.ck1, cache.ck2, cache.seqlens, cache.capacity, cfg, kern=kern, stage1=stage1,
-                   kernel=kernel, static_k=kern)
+    return select_on_cache(q, cache.ck1, cache.ck2, cache.seqlens, cache.capacity, cfg, kern=kern,
+                           stage1=stage1, kernel=kernel, static_k=kern)
 
 
 def infllmv2_decode(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Config | None = None,
@@ -263,7 +263,7 @@ def infllmv2_decode(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Conf
     per (q shape, config, outputs, path), after the first call's full checks (docs/decode.md, 6); with
     `cache.graphs` they replay a CUDA graph of them.
 
-    Checks: the arguments once, here (`_check_step_inputs`); on CUDA tensors the kernels' own
+    Checks: the arguments once, here (`check_step_inputs`); on CUDA tensors the kernels' own
     requirements once more (`step_launches`); what runs below takes them as checked.
     """
     if (kernel in _FAST_KERNELS and stage1 == "decode" and backend in _FAST_BACKENDS
@@ -273,7 +273,7 @@ def infllmv2_decode(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Conf
             return fast
     check_flags(return_attn_weights=return_attn_weights, return_lse=return_lse,
                 return_topk_idx=return_topk_idx)
-    cfg, kern = _check_step_inputs(q, cache, config, weights, backend, kernel, stage1)
+    cfg, kern = check_step_inputs(q, cache, config, weights, backend, kernel, stage1)
     dense = is_dense(cache, cfg)
     keys = (cache.ck1, cache.ck2, cache.seqlens, cache.capacity, cfg)      # what stage 1 reads
     if kern:
@@ -282,14 +282,14 @@ def infllmv2_decode(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Conf
         q = q.contiguous()
         topk_idx = None
         if not dense and stage1 != "decode":
-            topk_idx = _select(q, *keys, kern=True, stage1=stage1, kernel=kernel)
+            topk_idx = select_on_cache(q, *keys, kern=True, stage1=stage1, kernel=kernel)
         run, (out, lse, w, topk_idx) = step_launches(
             q, cache.k, cache.v, cache.ck1, cache.ck2, cache.seqlens, cache.block_table, cache.capacity, cfg,
             dense=dense, topk_idx=topk_idx, return_attn_weights=return_attn_weights, weights=weights)
         run.run()
     else:
-        topk_idx = None if dense else _select(q, *keys, kern=False, static_k=False)
-        res = _sparse_decode_checked(q, cache.k, cache.v, cache.seqlens, cache.block_table, cache.capacity,
+        topk_idx = None if dense else select_on_cache(q, *keys, kern=False, static_k=False)
+        res = sparse_decode_checked(q, cache.k, cache.v, cache.seqlens, cache.block_table, cache.capacity,
                                      topk_idx, scale=check_softmax_scale(cfg.softmax_scale, q.shape[2]),
                                      block_size=cfg.block_size, return_lse=True,
                                      return_attn_weights=return_attn_weights, weights=weights)
@@ -372,22 +372,18 @@ def _fast_step(q, cache: DecodeCache, config, return_attn_weights, weights, retu
         return None
     if q.data_ptr() % 16:
         return None
-    if cache._host_stale:
+    if not cache.lengths_in_sync:
         dense = None        # the mirror lags (captured or compiled appends): the kernels decide on the device
     else:
-        lens = cache._host_lens
+        lens = cache.lengths()
         if lens and min(lens) < 1:
             return None                                   # the general path raises, naming the lengths
         dense = max(lens, default=0) < (config.dense_len if config is not None else _DEFAULT_DENSE)
     key = (id(config), q.shape, q.dtype, q.get_device(), return_attn_weights, weights, return_lse,
            return_topk_idx, dense)
-    entry = cache._step_programs.get(key)
-    if entry is None or entry.config is not config:
-        entry = _build_step(q, cache, config, return_attn_weights, weights, return_lse, return_topk_idx,
-                            dense=dense)
-        if len(cache._step_programs) >= _MAX_PROGRAMS:    # a config object per call: keep memory bounded
-            cache._step_programs.clear()
-        cache._step_programs[key] = entry
+    entry = cache.prepared(key, lambda: _build_step(q, cache, config, return_attn_weights, weights,
+                                                    return_lse, return_topk_idx, dense=dense),
+                           valid=lambda e: e.config is config)   # an id() may come back for a new config
     fresh = entry.run(q, cache.graphs)
     res = [fresh["out"]]
     if return_lse:
@@ -402,7 +398,6 @@ def _fast_step(q, cache: DecodeCache, config, return_attn_weights, weights, retu
 _DEFAULT_DENSE = InfLLMv2Config().dense_len
 _FAST_BACKENDS = ("auto", "kernels")
 _FAST_KERNELS = ("auto", "sm80")     # `kernel=` values that run the decode kernels
-_MAX_PROGRAMS = 32
 
 
 def _build_step(q, cache, config, return_attn_weights, weights, return_lse, return_topk_idx, *,
@@ -410,7 +405,7 @@ def _build_step(q, cache, config, return_attn_weights, weights, return_lse, retu
     """A `StepProgram` after every check of the general path (raises as it does)."""
     check_flags(return_attn_weights=return_attn_weights, return_lse=return_lse,
                 return_topk_idx=return_topk_idx)
-    cfg, _ = _check_step_inputs(q, cache, config, weights, "kernels", "auto")
+    cfg, _ = check_step_inputs(q, cache, config, weights, "kernels", "auto")
     run, res = step_launches(q, cache.k, cache.v, cache.ck1, cache.ck2, cache.seqlens, cache.block_table,
                              cache.capacity, cfg, dense=dense, return_attn_weights=return_attn_weights,
                              weights=weights)
@@ -439,7 +434,7 @@ def step_launches(q, k, v, ck1, ck2, seqlens, block_table, width: int, cfg: InfL
     (`infllmv2_decode`, the op)."""
     if cfg.block_size != KV_BLOCK:
         raise ValueError(f"config: block_size must be {KV_BLOCK} for the kernels, got {cfg.block_size}")
-    B, _HQ, D, H, G, _K = _check_kernel_inputs(q, k, v, seqlens, block_table, topk_idx)
+    B, _HQ, D, H, G, _K = check_decode_kernel_inputs(q, k, v, seqlens, block_table, topk_idx)
     check_aligned(q=q, k_cache=k, v_cache=v)
     scale = check_softmax_scale(cfg.softmax_scale, D)
     out_len = cdiv(width, KV_BLOCK)
@@ -454,7 +449,7 @@ def step_launches(q, k, v, ck1, ck2, seqlens, block_table, width: int, cfg: InfL
                                      exact=cfg.exact_stage1,
                                      dense_len=max(cfg.dense_len, 0) if dense is None else 0)
     n_entries = topk_idx.shape[2] if topk_idx is not None else out_len
-    plan = plan_decode(B, H, G, n_entries, _sm_count(q.device.index))
+    plan = plan_decode(B, H, G, n_entries, sm_count(q.device.index))
     check_plan(plan, G, n_entries, D, topk_idx.shape[2] if topk_idx is not None else 0)
     out, lse, w = add_sparse_decode(run, q, k, v, seqlens, block_table, width, topk_idx, scale=scale,
                                     plan=plan, return_attn_weights=return_attn_weights, weights=weights)

@@ -26,12 +26,12 @@ from ..stage2.naive import naive_sparse_attn_varlen, naive_sparse_attn_varlen_bw
 from .zigzag import (
     Slot,
     ZigzagPlan,
-    _group_info,
-    _lengths,
     all_gather_rows,
     check_zigzag_lengths,
+    group_info,
     put_rows,
     reduce_scatter_rows,
+    sequence_lengths,
     take_rows,
     zigzag_plan,
 )
@@ -104,7 +104,7 @@ def agree_across_ranks(meta: list[int], error: Exception | None, group=None) -> 
 
     `meta` follows `_META_FIELDS`; `error` is this rank's own input error (raised on this rank, the
     others name it by rank)."""
-    W, r = _group_info(group)
+    W, r = group_info(group)
     dev = _meta_device(group, None)
     mine = torch.tensor(meta, dtype=torch.int64, device=dev)
     allm = all_gather_rows(mine[None], group).cpu()  # [W, fields]
@@ -514,7 +514,7 @@ def cp_infllmv2_attention(
     """
     cfg = check_config(config)
     check_flags(check_ranks=check_ranks)
-    W, r = _group_info(group)
+    W, r = group_info(group)
     error, lengths, kernel_path = None, None, False
     try:
         check_backend(backend)
@@ -541,7 +541,7 @@ def cp_infllmv2_attention(
                 f"q {tuple(q.shape)} and k {tuple(k.shape)}: HQ must be a multiple of H and the head "
                 f"dims equal"
             )
-        lengths = _lengths(cu_seqlens)
+        lengths = sequence_lengths(cu_seqlens)
         check_zigzag_lengths(lengths, W, layout.q_block if layout is not None else 64)
         if q.shape[0] * W != sum(lengths) or k.shape[0] != q.shape[0]:
             raise ValueError(

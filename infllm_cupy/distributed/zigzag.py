@@ -221,7 +221,7 @@ def put_rows(out: torch.Tensor, rows, val: torch.Tensor) -> None:
         out.index_copy_(0, rows, val)
 
 
-def _group_info(group):
+def group_info(group):
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is not initialised: call torch.distributed.init_process_group "
@@ -230,7 +230,7 @@ def _group_info(group):
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _lengths(cu_seqlens: torch.Tensor) -> list[int]:
+def sequence_lengths(cu_seqlens: torch.Tensor) -> list[int]:
     if (
         not isinstance(cu_seqlens, torch.Tensor)
         or cu_seqlens.dim() != 1
@@ -261,8 +261,8 @@ def zigzag_shard(x: torch.Tensor, cu_seqlens: torch.Tensor, group=None) -> torch
         group (ProcessGroup, Optional):
             Default: `None` (the default group).
     """
-    W, r = _group_info(group)
-    lengths = _lengths(cu_seqlens)
+    W, r = group_info(group)
+    lengths = sequence_lengths(cu_seqlens)
     if x.shape[0] != sum(lengths):
         raise ValueError(f"x has {x.shape[0]} rows but cu_seqlens covers {sum(lengths)}")
     plan = zigzag_plan(lengths, W, r, x.device)
@@ -296,8 +296,8 @@ def zigzag_unshard(x_local: torch.Tensor, cu_seqlens: torch.Tensor, group=None) 
         group (ProcessGroup, Optional):
             Default: `None`.
     """
-    W, r = _group_info(group)
-    lengths = _lengths(cu_seqlens)
+    W, r = group_info(group)
+    lengths = sequence_lengths(cu_seqlens)
     if x_local.shape[0] * W != sum(lengths):
         raise ValueError(
             f"x_local has {x_local.shape[0]} rows; {W} ranks x that != {sum(lengths)} (cu_seqlens)"

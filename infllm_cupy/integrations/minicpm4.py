@@ -39,8 +39,10 @@ from ..compress import compress_k
 from ..stage1 import stage1_select
 from ..stage1.naive import naive_select_topk
 from ..stage1.plan import MAX_GROUP
-from .transformers import _CACHE_ATTR as _DECODE_CACHE_ATTR  # an InfLLMv2Cache key view's DecodeCache
-from .transformers import infllm_cupy_attention
+from .transformers import (
+    DECODE_CACHE_ATTR,  # an InfLLMv2Cache key view's DecodeCache
+    infllm_cupy_attention,
+)
 
 ROUTES = ("fused", "compat")
 
@@ -218,15 +220,14 @@ class MiniCPM4SparseAttention(nn.Module):
         q, k = _rope(q, k, *position_embeddings)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-            dc = getattr(k, _DECODE_CACHE_ATTR, None)
+            dc = getattr(k, DECODE_CACHE_ATTR, None)
             if dc is not None and self._fused(q):
                 # an InfLLMv2Cache: the backend's attention function on its DecodeCache and compressed keys
                 out, _ = infllm_cupy_attention(self, q, k, v, None, self.scaling)
                 return self.o_proj(out.reshape(B, q_len, HQ * D)), None
             if dc is not None:               # an InfLLMv2Cache's static views: its first L keys are the cache
-                if dc._host_stale:
-                    dc.sync_lengths()
-                k, v = k[:, :, :dc.max_len()], v[:, :, :dc.max_len()]
+                L = max(dc.current_lengths(), default=0)
+                k, v = k[:, :, :L], v[:, :, :L]
         kv_len = k.shape[2]
         # varlen, unpadded (every row one sequence of the same length)
         q = q.transpose(1, 2).reshape(B * q_len, HQ, D)

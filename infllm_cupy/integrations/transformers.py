@@ -37,7 +37,7 @@ import torch
 from .._rules import COMPRESSIONS, check_backend, n_windows, runs_kernels, softmax_scale_of
 from ..config import InfLLMv2Config
 from ..decode import DecodeCache, infllmv2_decode
-from ..decode.cache import _h2d
+from ..decode.cache import h2d
 from ..pipeline import infllmv2_attention_host_lengths
 
 # InfLLMv2Cache and InfLLMv2CacheLayer come from the module's __getattr__ (transformers imported on first
@@ -47,7 +47,8 @@ __all__ = ["ATTN_NAME", "InfLLMv2Cache", "InfLLMv2CacheLayer", "config_from_spar
 
 ATTN_NAME = "infllm_cupy"
 # Attribute of the key view an `InfLLMv2CacheLayer` returns: its DecodeCache (see the module docstring).
-_CACHE_ATTR = "_infllm_cupy_decode_cache"
+DECODE_CACHE_ATTR = "_infllm_cupy_decode_cache"
+_CONFIG_MEMO = "_infllm_cupy_cfg"     # on an attention module: its sparse_config and the config made of it
 SPARSE_CONFIG_KEYS = ("kernel_size", "kernel_stride", "init_blocks", "block_size", "window_size", "topk",
                       "use_nope", "dense_len")
 
@@ -102,12 +103,12 @@ def _config_of(module, scaling) -> InfLLMv2Config:
     """The module's InfLLMv2Config, converted once per (sparse_config, scaling) and kept on the module
     (the memo is checked by identity of the config dict first: a decode step pays one comparison)."""
     sc = getattr(getattr(module, "config", None), "sparse_config", None)
-    memo = getattr(module, "_infllm_cupy_cfg", None)
+    memo = getattr(module, _CONFIG_MEMO, None)
     if memo is not None and memo[0] is sc and memo[1] == scaling and memo[2] == sc:   # same dict, unchanged
         return memo[3]
     cfg = config_from_sparse_config(sc, softmax_scale=None if scaling is None else float(scaling))
     with contextlib.suppress(AttributeError):   # a module that refuses attributes: convert every call
-        module._infllm_cupy_cfg = (sc, scaling, sc.copy() if isinstance(sc, dict) else sc, cfg)
+        setattr(module, _CONFIG_MEMO, (sc, scaling, sc.copy() if isinstance(sc, dict) else sc, cfg))
     return cfg
 
 
@@ -155,7 +156,7 @@ def infllm_cupy_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     `Lk - Lq` keys as the cache, causal bottom-right), `Lq == 1` `infllmv2_decode` on a `DecodeCache`
     built from the keys at every step. Attention weights are not returned (None).
     """
-    cache = getattr(key, _CACHE_ATTR, None)
+    cache = getattr(key, DECODE_CACHE_ATTR, None)
     if query.dim() != 4 or key.dim() != 4 or value.shape != key.shape:
         raise ValueError(f"query must be [B, HQ, Lq, D] and key/value [B, H, Lk, D] of one shape, got "
                          f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
@@ -178,9 +179,8 @@ def infllm_cupy_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
         return out.unsqueeze(1), None
     ck1 = ck2 = None
     if cache is not None:
-        if cache._host_stale:                    # compiled or captured steps advanced the device lengths only
-            cache.sync_lengths()
-        Lk = cache.max_len()
+        # compiled or captured steps advance the device lengths only: the mirror is refreshed where it lags
+        Lk = max(cache.current_lengths(), default=0)
         key, value = key[:, :, :Lk], value[:, :, :Lk]
         if _cache_compression_matches(cfg):
             ck1, ck2 = cache.ck1, cache.ck2
@@ -250,9 +250,9 @@ def prefill_attention(query, key, value, ck1, ck2, cfg: InfLLMv2Config,
         compressed = []
         for ck, (kr, st) in zip((ck1, ck2), COMPRESSIONS):
             n = n_windows(Lk, kr, st)
-            compressed += [ck[:, :n].reshape(B * n, H, D), _h2d(steps * n, query.device)]
-    out = infllmv2_attention_host_lengths(q, k, v, _h2d(steps * Lq, query.device),
-                                          _h2d(steps * Lk, query.device),
+            compressed += [ck[:, :n].reshape(B * n, H, D), h2d(steps * n, query.device)]
+    out = infllmv2_attention_host_lengths(q, k, v, h2d(steps * Lq, query.device),
+                                          h2d(steps * Lk, query.device),
                                           [Lq] * B, [Lk] * B, cfg, backend=backend,
                                           compressed=None if compressed is None else tuple(compressed))
     return out.view(B, Lq, HQ, D)
@@ -339,7 +339,7 @@ def _make_classes():
             self.decode_cache = c
             self.keys = c.k.transpose(1, 2)
             self.values = c.v.transpose(1, 2)
-            setattr(self.keys, _CACHE_ATTR, c)
+            setattr(self.keys, DECODE_CACHE_ATTR, c)
             if not torch.compiler.is_compiling():
                 # fixed addresses: a compiled step's CUDA graph reads and writes them in place
                 for t in (c.k, c.v, c.ck1, c.ck2, c.seqlens, self.keys, self.values):
@@ -358,12 +358,11 @@ def _make_classes():
             k = key_states.transpose(1, 2)
             v = value_states.transpose(1, 2)
             if n == 1:
-                if not torch.compiler.is_compiling() and not c._host_stale:
+                if not torch.compiler.is_compiling() and c.lengths_in_sync:
                     self._check_room(1)
                 c.append(k.reshape(B, H, D), v.reshape(B, H, D))
             else:
-                if c._host_stale:
-                    c.sync_lengths()
+                c.current_lengths()
                 self._check_room(n)
                 c.append(k.reshape(B * n, H, D), v.reshape(B * n, H, D), [b * n for b in range(B + 1)])
             return self.keys, self.values
@@ -381,7 +380,7 @@ def _make_classes():
             if not self.is_initialized:
                 return 0
             c = self.decode_cache
-            if torch.compiler.is_compiling() or c._host_stale:
+            if torch.compiler.is_compiling() or not c.lengths_in_sync:
                 return c.seqlens[0]
             return c.max_len()
 
@@ -393,9 +392,7 @@ def _make_classes():
             if not self.is_initialized or tokens_to_remove == 0:
                 return
             c = self.decode_cache
-            if c._host_stale:
-                c.sync_lengths()
-            L = c.max_len()
+            L = max(c.current_lengths(), default=0)
             keep = L - abs(tokens_to_remove) if tokens_to_remove < 0 else tokens_to_remove
             c.reset([max(keep, 0)] * c.batch)
 

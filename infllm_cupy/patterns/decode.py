@@ -16,7 +16,7 @@ import torch
 from .._checks import check_flags, check_head_dim, check_tensor, validate_values
 from .._rules import check_backend
 from ..decode.cache import DecodeCache
-from ..decode.naive import _cache_tensors
+from ..decode.naive import cache_tensors
 from ..decode.sparse_decode import sparse_decode
 from ..stage2.layout import BlockLayout
 from .local_stride import per_kv_head
@@ -131,7 +131,7 @@ def pattern_decode(q: torch.Tensor, cache, layout, *, softmax_scale: float | Non
 
     check_backend(backend)
     check_flags(return_lse=return_lse)
-    k, _, seqlens, _, _ = _cache_tensors(cache)
+    k, _, seqlens, _, _ = cache_tensors(cache)
     check_tensor("q", q, ndim=3, dtypes=(k.dtype,), device=k.device)
     check_head_dim("q", q.shape)
     H = k.shape[2]

@@ -25,7 +25,7 @@ from .._dtypes import INT_DTYPES, REF_DTYPES, compute_dtype
 from .._rules import selection_slots, softmax_scale_of
 
 # Elements of one fp32 score chunk `[HQ, chunk, n]`; bounds memory to a few tens of MB.
-_CHUNK_ELEMS = 1 << 23
+CHUNK_ELEMS = 1 << 23
 
 
 def _trunc_div(a, b: int):
@@ -179,7 +179,7 @@ def _scores_checked(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, lq:
         k2 = ck2[cu2[b]:cu2[b + 1]].to(cdt)
         # Exact mode (spec 4.2): the coarse pass walks the fine keys with the fine stride.
         s2_stride = kernel_stride if n1 == n2 else coarse_kernel_stride
-        chunk = max(1, min(Lq, _CHUNK_ELEMS // (HQ * (n1 + n2))))
+        chunk = max(1, min(Lq, CHUNK_ELEMS // (HQ * (n1 + n2))))
         for start in range(0, Lq, chunk):
             end = min(Lq, start + chunk)
             rows = slice(cu_q[b] + start, cu_q[b] + end)
@@ -255,7 +255,7 @@ def naive_pool_blocks(scores: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqle
     j = torch.arange(out_len, device=scores.device)
     i = torch.arange(W, device=scores.device)
     out = []
-    rows_per_chunk = max(1, _CHUNK_ELEMS // (H * max(padded_len, W)))
+    rows_per_chunk = max(1, CHUNK_ELEMS // (H * max(padded_len, W)))
     for start in range(0, T, rows_per_chunk):
         rows = slice(start, min(T, start + rows_per_chunk))
         # Fine keys past the sequence's own n1 do not exist: they must not win a max (the tensor holds 0

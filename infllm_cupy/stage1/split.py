@@ -30,7 +30,7 @@ from .. import _checks
 from .._checks import check_int_args, check_lengths_arg, check_max_seqlen, seqlens_host
 from .._dtypes import compute_dtype
 from .._rules import selection_slots, softmax_scale_of
-from .naive import _CHUNK_ELEMS, q_block_idx_prefill, vis_limit
+from .naive import CHUNK_ELEMS, q_block_idx_prefill, vis_limit
 
 RANGE_ALIGN = 16   # blocks per 64-key fine tile of the kernels: a range starts on a tile
 
@@ -78,7 +78,7 @@ def row_stats(q, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, *, causal: boo
             continue
         k2 = ck2[cu2[b]:cu2[b + 1]].to(cdt)
         s2_stride = kernel_stride if n1 == n2 else coarse_kernel_stride
-        chunk = max(1, min(Lq, _CHUNK_ELEMS // (HQ * max(1, n2))))
+        chunk = max(1, min(Lq, CHUNK_ELEMS // (HQ * max(1, n2))))
         for start in range(0, Lq, chunk):
             end = min(Lq, start + chunk)
             r = torch.arange(start, end, device=q.device)
@@ -130,7 +130,7 @@ def range_block_scores(q, ck1, cu_seqlens_q, cu_seqlens_c1, stats, j0: int, j1: 
         g0, g1 = min(f0, n1), min(f1, n1)
         k1 = ck1[cu1[b] + g0:cu1[b] + g1].to(cdt)                                       # [nr, H, D]
         nr = g1 - g0
-        chunk = max(1, min(Lq, _CHUNK_ELEMS // (HQ * max(1, nr + W * (w + 1)))))
+        chunk = max(1, min(Lq, CHUNK_ELEMS // (HQ * max(1, nr + W * (w + 1)))))
         for start in range(0, Lq, chunk):
             end = min(Lq, start + chunk)
             C = end - start

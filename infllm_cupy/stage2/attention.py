@@ -25,7 +25,7 @@ from .._rules import check_backend, runs_kernels
 from .layout import BlockLayout
 from .naive import naive_block_sparse_attn_varlen, naive_sparse_attn_varlen
 from .ops import block_sparse_attn_fwd, sparse_attn_fwd
-from .qhead import _expand_kv, qhead_block_sparse_attn_fwd
+from .qhead import expand_kv, qhead_block_sparse_attn_fwd
 
 
 def _use_op(backend: str, q: torch.Tensor) -> bool:
@@ -213,7 +213,7 @@ def qhead_block_sparse_attn_varlen(
                          f"has one row per query head (a per-KV-head one goes to block_sparse_attn_varlen)")
     if not runs_kernels(q, backend):
         G = HQ // H
-        ke, ve = _expand_kv(k, v, G)
+        ke, ve = expand_kv(k, v, G)
         return block_sparse_attn_varlen(q, ke, ve, cu_seqlens_q, cu_seqlens_k, layout, max_seqlen_q,
                                         max_seqlen_k,
                                         causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,

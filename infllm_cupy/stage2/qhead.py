@@ -33,7 +33,7 @@ from .plan import BwdPlan, bwd_plan
 Tensor = torch.Tensor
 
 
-def _expand_kv(k: Tensor, v: Tensor, G: int) -> tuple[Tensor, Tensor]:
+def expand_kv(k: Tensor, v: Tensor, G: int) -> tuple[Tensor, Tensor]:
     return k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
 
 
@@ -72,7 +72,7 @@ def qhead_block_sparse_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: T
 @qhead_block_sparse_attn_fwd.register_kernel("cpu")
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal,
       softmax_scale, kernel):
-    ke, ve = _expand_kv(k, v, q.shape[1] // k.shape[1])
+    ke, ve = expand_kv(k, v, q.shape[1] // k.shape[1])
     out, lse = naive_block_sparse_attn_varlen(q, ke, ve, cu_seqlens_q, cu_seqlens_k,
                                               BlockLayout(layout_mask, q_block),
                                               max_seqlen_q, max_seqlen_k, causal=causal,
@@ -104,7 +104,7 @@ def _expanded_bwd(dout, q, k, v, out, lse, cu_q, cu_k, layout_mask, q_block, *ar
     """The expanded path: K/V repeated to HQ heads, the per-KV-head backward at G = 1 over the same
     layout, dK/dV of the G copies summed in fp32 (float64 stays float64)."""
     H, G = k.shape[1], q.shape[1] // k.shape[1]
-    ke, ve = _expand_kv(k, v, G)
+    ke, ve = expand_kv(k, v, G)
     dq, dke, dve = block_sparse_attn_bwd(dout, q, ke, ve, out, lse, cu_q, cu_k, layout_mask, q_block, *args)
     acc = torch.promote_types(k.dtype, torch.float32)
     dk = dke.view(k.shape[0], H, G, k.shape[2]).sum(2, dtype=acc).to(k.dtype)

@@ -420,7 +420,7 @@ def test_kernel_step_generation_and_prefill_stage1(case):
         got = infllmv2_decode(q, cache, config=CFG, return_lse=True, return_topk_idx=True, **kw)
         for a, b in zip(got, ref):
             assert torch.equal(a, b), kw
-    assert len(cache._step_programs) == 1             # "auto" and "sm80" share the prepared program
+    assert cache.n_prepared == 1             # "auto" and "sm80" share the prepared program
     with pytest.raises(ValueError, match="sm90a"):
         infllmv2_decode(q, cache, config=CFG, kernel="sm90a")
 
@@ -572,7 +572,7 @@ def test_cache_graphs_replay_equal_the_launches_across_dense_len(page_size):
             assert torch.equal(a, b)
         kept.append((res_g[0], res_g[0].clone()))
     assert all(torch.equal(a, b) for a, b in kept)
-    progs = graphed._step_programs.values()
+    progs = graphed._prepared.values()          # white box: the prepared steps hold their graphs
     assert len(progs) == 2 and all(p.graph is not None for p in progs)
 
 
@@ -631,7 +631,7 @@ def test_eager_step_program_rechecks_what_changes():
     out1 = infllmv2_decode(q, cache, config=CFG)
     keep = out1.clone()
     out2 = infllmv2_decode(torch.randn_like(q), cache, config=CFG)
-    assert len(cache._step_programs) == 1 and out1.data_ptr() != out2.data_ptr() and torch.equal(out1, keep)
+    assert cache.n_prepared == 1 and out1.data_ptr() != out2.data_ptr() and torch.equal(out1, keep)
     assert torch.equal(infllmv2_decode(q, cache, config=CFG), keep)
     with pytest.raises(TypeError, match="q must have dtype"):
         infllmv2_decode(q.to(torch.bfloat16), cache, config=CFG)

@@ -8,7 +8,7 @@ import torch
 from infllm_cupy.decode import DecodeCache, naive_sparse_decode, plan_decode, sparse_decode
 from infllm_cupy.decode.sparse_decode import (
     DecodePlan,
-    _check_kernel_inputs,
+    check_decode_kernel_inputs,
     check_plan,
     default_merge_groups,
     weights_scratch_floats,
@@ -225,9 +225,9 @@ def test_kernel_input_checks_name_the_argument():
         args = dict(q=q, k=k, v=v, s=s, bt=bt, topk=idx)
         args.update(change)
         with pytest.raises((ValueError, TypeError), match=match):
-            _check_kernel_inputs(args["q"], args["k"], args["v"], args["s"], args["bt"], args["topk"])
+            check_decode_kernel_inputs(args["q"], args["k"], args["v"], args["s"], args["bt"], args["topk"])
     with pytest.raises(ValueError, match="CUDA"):
-        _check_kernel_inputs(q, k, v, s, bt, idx)
+        check_decode_kernel_inputs(q, k, v, s, bt, idx)
     with pytest.raises(ValueError, match="weights"):
         sparse_decode(q, cache, weights="per_query")
 

@@ -214,7 +214,7 @@ def test_rows_without_coarse_key_are_zero_and_padding_is_zero():
 def test_query_chunking_does_not_change_scores(monkeypatch):
     q, ck1, ck2, cu, cu1, cu2 = make_ref_inputs([383, 250], 4, 2)
     ref = naive_stage1_scores(q, ck1, ck2, cu, cu1, cu2, score_dtype=None)
-    monkeypatch.setattr(s1, "_CHUNK_ELEMS", 1000)
+    monkeypatch.setattr(s1, "CHUNK_ELEMS", 1000)
     got = naive_stage1_scores(q, ck1, ck2, cu, cu1, cu2, score_dtype=None)
     torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-6)
 
