@@ -3,36 +3,19 @@
 CUDA tensors run the kernels in kernels_cu/ (compiled by NVRTC through CuPy on first use); CPU
 tensors run the PyTorch reference of the same op, so everything also works on a laptop. Every op
 is exported next to its reference, `naive_<op>` (same signature).
+
+The top level holds InfLLM-v2: the configuration, the whole attention (function and module), its
+stages and the decode step on a KV cache, each with its reference. Beside it: `infllm_cupy.decode`
+(the cache's helpers: chunked prefill into a cache, H2O eviction, the custom ops),
+`infllm_cupy.patterns` (other systems' sparsity patterns as `BlockLayout`s), `infllm_cupy.compat`
+(the original `infllm_v2` API), `infllm_cupy.distributed` (context parallelism) and
+`infllm_cupy.integrations` (transformers, MiniCPM4).
 """
 __version__ = "0.1.0"
 
 from .compress import compress_k, naive_compress_k
 from .config import InfLLMv2Config
-from .decode import (
-    H2O,
-    DecodeCache,
-    infllmv2_decode,
-    infllmv2_prefill_into_cache,
-    naive_infllmv2_decode,
-    naive_sparse_decode,
-    sparse_decode,
-)
-from .patterns import (
-    LocalStrideSparseAttention,
-    SparseAttention,
-    from_block_mask,
-    from_bsr,
-    from_csr,
-    local_stride,
-    naive_predict_sparge,
-    pattern_decode,
-    per_kv_head,
-    predict_sparge,
-    sliding_tile,
-    to_block_mask,
-    to_bsr,
-    to_csr,
-)
+from .decode import DecodeCache, infllmv2_decode, naive_infllmv2_decode, naive_sparse_decode, sparse_decode
 from .pipeline import InfLLMv2Attention, infllmv2_attention, naive_infllmv2_attention
 from .stage1 import naive_stage1_select, stage1_select
 from .stage2 import (
@@ -61,33 +44,13 @@ __all__ = [
     "naive_sparse_attn_varlen",
     "block_sparse_attn_varlen",
     "naive_block_sparse_attn_varlen",
-    # decode: one query per sequence against its KV cache (the whole step, its attention alone,
-    # chunked prefill into the cache, and H2O eviction scores from the step's attention weights)
+    # decode: one query per sequence against its KV cache, the whole step and its attention over a
+    # given selection
     "DecodeCache",
     "infllmv2_decode",
-    "infllmv2_prefill_into_cache",
-    "H2O",
+    "naive_infllmv2_decode",
     "sparse_decode",
     "naive_sparse_decode",
-    # references without a kernel of their own: the dense fallback (the pipeline runs it on torch
-    # SDPA) and a whole decode step (selection and attention)
+    # the reference of the dense fallback (the pipeline runs it on torch SDPA)
     "naive_dense_attn_varlen",
-    "naive_infllmv2_decode",
-    # the pattern zoo (docs/patterns.md): other systems' static patterns and formats as BlockLayouts,
-    # and SpargeAttn's predicted mask with its loop reference
-    "local_stride",
-    "sliding_tile",
-    "per_kv_head",
-    "to_csr",
-    "from_csr",
-    "to_bsr",
-    "from_bsr",
-    "to_block_mask",
-    "from_block_mask",
-    "predict_sparge",
-    "naive_predict_sparge",
-    # dkernel-like modules on our kernels, and decode over a static pattern
-    "SparseAttention",
-    "LocalStrideSparseAttention",
-    "pattern_decode",
 ]

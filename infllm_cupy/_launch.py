@@ -13,7 +13,7 @@ import functools
 import numpy as np
 import torch
 
-from . import _env
+from . import _env, _jit
 
 CXX_TYPE = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16", torch.float32: "float"}
 
@@ -303,8 +303,6 @@ class Launches:
     def program(self, **dynamic: torch.Tensor) -> Program:
         """The launches prepared; each field that is one of the `dynamic` tensors (by identity) is
         re-pointed by `Program.run(name=...)`. An empty grid launches nothing."""
-        from . import _jit
-
         launches, pdl, keep = [], [], []
         slots = {name: [] for name in dynamic}
         with torch.cuda.device(self.device):

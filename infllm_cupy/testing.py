@@ -1,7 +1,12 @@
 """Tolerance helpers shared by tests and benchmarks (FlashAttention's rule)."""
 from __future__ import annotations
 
+import math
+
 import torch
+
+from .decode import DecodeCache
+from .stage2.naive import naive_block_sparse_attn_varlen, naive_sparse_attn_varlen
 
 
 def max_abs_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -105,8 +110,6 @@ def sparse_attn_inputs(lengths_q, lengths_k, HQ: int, H: int, D: int, dtype: tor
 def reference_sparse_grads(q, k, v, dout, cu_q, cu_k, topk_idx, max_q, max_k, causal, *, exact: bool):
     """`(out, lse, (dq, dk, dv))` of the stage-2 reference through autograd: in float64 (`exact`) or
     as the low-precision twin (`upcast=False`, FlashAttention's baseline)."""
-    from .stage2.naive import naive_sparse_attn_varlen
-
     leaves = [t.detach().double().requires_grad_() if exact else t.detach().clone().requires_grad_()
               for t in (q, k, v)]
     out, lse = naive_sparse_attn_varlen(*leaves, cu_q, cu_k, topk_idx, max_q, max_k, causal=causal,
@@ -117,8 +120,6 @@ def reference_sparse_grads(q, k, v, dout, cu_q, cu_k, topk_idx, max_q, max_k, ca
 def _qhead_layout_ref(leaves, cu_q, cu_k, layout, max_q: int, max_k: int, *, exact: bool) -> torch.Tensor:
     """The reference output of a per-query-head `layout` on `leaves` (q, k, v) with K/V repeated to
     q's heads: float64 math (`exact`) or the low-precision twin."""
-    from .stage2.naive import naive_block_sparse_attn_varlen
-
     G = leaves[0].shape[1] // leaves[1].shape[1]
     return naive_block_sparse_attn_varlen(leaves[0], *(x.repeat_interleave(G, 1) for x in leaves[1:]),
                                           cu_q, cu_k, layout, max_q, max_k,
@@ -179,9 +180,6 @@ def random_decode_cache(lengths, H: int, D: int, dtype: torch.dtype, *, page_siz
                         device="cpu", seed: int = 0, spare: int = 70, spare_pages: int = 2):
     """A `DecodeCache` holding random K/V of `lengths` (appended as one chunk) with `spare` positions
     of room; a paged cache (`page_size`) gets shuffled pages out of `spare_pages` more than it needs."""
-    import math
-
-    from .decode import DecodeCache
 
     g = torch.Generator().manual_seed(seed)
     B, cap = len(lengths), max(lengths) + spare

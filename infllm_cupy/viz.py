@@ -7,6 +7,7 @@ tokens on a GPU; the `plot_*` helpers only draw their results.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -14,6 +15,8 @@ import torch
 
 from ._checks import check_cu_seqlens, check_head_dim, check_same_device, check_tensor, seqlens_host
 from ._rules import KV_BLOCK, softmax_scale_of
+from .config import check_config, check_topk_keeps_forced_blocks
+from .stage1.naive import naive_select_topk, q_block_idx_prefill
 
 
 def selection_density(topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *,
@@ -250,8 +253,6 @@ def attention_mass_captured(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torc
 def _progress(total: int, progress: bool | None, **kwargs):
     """A tqdm bar (`tqdm.auto`: a widget in Jupyter, text in a terminal); `progress=None` leaves the
     choice to tqdm (off when output is not a terminal), False turns it off."""
-    import warnings
-
     with warnings.catch_warnings():   # tqdm.auto warns once when Jupyter lacks ipywidgets, then uses text
         warnings.simplefilter("ignore")
         from tqdm.auto import tqdm
@@ -343,9 +344,6 @@ def topk_sweep(block_scores: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqle
     Returns:
         dict[int, torch.Tensor]: topk -> `topk_idx` int32 `[H, total_q, K]`.
     """
-    from .config import check_config, check_topk_keeps_forced_blocks
-    from .stage1.naive import naive_select_topk, q_block_idx_prefill
-
     cfg = check_config(config)
     for i, t in enumerate(topks):
         check_topk_keeps_forced_blocks(int(t), cfg.init_blocks, name=f"topks[{i}]")

@@ -26,6 +26,23 @@ def test_all_names_resolve():
     assert len(set(infllm_cupy.__all__)) == len(infllm_cupy.__all__)
 
 
+def test_the_top_level_is_infllm_v2():
+    """The top level holds InfLLM-v2 (config, attention and its module, the stages, the decode step and
+    its attention, the cache) and their references; the pattern zoo is `infllm_cupy.patterns`', the
+    cache's helpers (chunked prefill, H2O, the custom ops) `infllm_cupy.decode`'s."""
+    import infllm_cupy.decode
+    import infllm_cupy.patterns
+
+    public = set(infllm_cupy.__all__) - {"__version__"}
+    assert not public & set(infllm_cupy.patterns.__all__), public & set(infllm_cupy.patterns.__all__)
+    decode_like = {n for n in public if "decode" in n.lower() and not n.startswith("naive_")}
+    assert decode_like == {"infllmv2_decode", "sparse_decode", "DecodeCache"}, decode_like
+    for name in public - {"BlockLayout", "DecodeCache", "InfLLMv2Config", "InfLLMv2Attention"}:
+        assert name.startswith("naive_") or f"naive_{name}" in public or name == "naive_dense_attn_varlen" \
+            or name in {"InfLLMv2Attention"}, f"{name} has no reference at the top level"
+    assert {"H2O", "infllmv2_prefill_into_cache", "decode_step"} <= set(infllm_cupy.decode.__all__)
+
+
 @pytest.mark.parametrize("op", OPS)
 def test_op_exported_with_its_reference(op):
     assert op in infllm_cupy.__all__ and f"naive_{op}" in infllm_cupy.__all__
@@ -195,9 +212,9 @@ def _bool_cases():
         ("return_lse", lambda x: infllm_cupy.infllmv2_decode(q1, cache, return_lse=x)),
         ("return_attn_weights", lambda x: infllm_cupy.infllmv2_decode(q1, cache, return_attn_weights=x)),
         ("return_topk_idx", lambda x: infllm_cupy.infllmv2_decode(q1, cache, return_topk_idx=x)),
-        ("return_aux", lambda x: infllm_cupy.infllmv2_prefill_into_cache(
+        ("return_aux", lambda x: infllm_cupy.decode.infllmv2_prefill_into_cache(
             q1, torch.randn(1, 2, 64), torch.randn(1, 2, 64), cache, cu_seqlens_from_lengths([1]),
-                                                                         return_aux=x)),
+            return_aux=x)),
     ]
 
 

@@ -92,6 +92,18 @@ PLANTED = {
     "the decode reference imports a launcher": (
         "decode/naive.py", "from . import sparse_decode",
         "infllm_cupy.decode.naive is not allowed to import infllm_cupy.decode.sparse_decode"),
+    "decode takes a stage-1 internal": (
+        "decode/step.py", "from ..stage1.select import launch_select",
+        "infllm_cupy.decode is not allowed to import infllm_cupy.stage1.select"),
+    "the pattern zoo takes a decode internal": (
+        "patterns/decode.py", "from ..decode.naive import cache_tensors",
+        "infllm_cupy.patterns is not allowed to import infllm_cupy.decode.naive"),
+    "compat takes a stage-1 internal": (
+        "compat/infllm_v2.py", "from ..stage1.pool import pool_blocks",
+        "infllm_cupy.compat is not allowed to import infllm_cupy.stage1.pool"),
+    "compat takes a decode internal": (
+        "compat/infllm_v2.py", "from ..decode.sparse_decode import MAX_GROUP",
+        "infllm_cupy.compat is not allowed to import infllm_cupy.decode.sparse_decode"),
     "the package imports a benchmark": (
         "stage2/layout.py", "import benchmarks._harness",
         "infllm_cupy is not allowed to import benchmarks"),

@@ -51,6 +51,7 @@ def drive(families: list[str], dev: str = "cuda") -> None:
     import torch
 
     import infllm_cupy as ic
+    import infllm_cupy.patterns as icp
     from infllm_cupy.testing import cu_seqlens_from_lengths, random_topk_idx
 
     g = torch.Generator().manual_seed(0)
@@ -152,12 +153,12 @@ def drive(families: list[str], dev: str = "cuda") -> None:
     if "patterns" in families:
         HQ, H, D = 4, 2, 64
         q, k, v = rnd(T, HQ, D), rnd(T, H, D), rnd(T, H, D)
-        lay = ic.local_stride(H, max(lens) + 1, block_size=64, local_blocks=1, vert_stride=2)
+        lay = icp.local_stride(H, max(lens) + 1, block_size=64, local_blocks=1, vert_stride=2)
         step("local_stride through the stage-2 kernels",
              lambda: fwd_bwd(ic.block_sparse_attn_varlen, q, k, v, cu, cu, lay, max(lens), max(lens),
                              kernel="auto"))
         from infllm_cupy.patterns import qhead_block_sparse_attn_varlen
-        lay_q = ic.local_stride(HQ, max(lens) + 1, block_size=64, local_blocks=1, vert_stride=2,
+        lay_q = icp.local_stride(HQ, max(lens) + 1, block_size=64, local_blocks=1, vert_stride=2,
                                 homo_head=False)
         for kernel in kernels:
             step(f"per-query-head rows fwd+bwd {kernel}",
@@ -166,7 +167,7 @@ def drive(families: list[str], dev: str = "cuda") -> None:
         cache = ic.DecodeCache.contiguous(len(lens), max(lens) + 2, H, D, dtype=bf, device=dev)
         cache.append(k, v, cu)
         cache.append(rnd(len(lens), H, D), rnd(len(lens), H, D))
-        step("pattern_decode", lambda: ic.pattern_decode(rnd(len(lens), HQ, D), cache, lay))
+        step("pattern_decode", lambda: icp.pattern_decode(rnd(len(lens), HQ, D), cache, lay))
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ registered at import; `install()` makes `import infllm_v2` and its submodule pat
 import sys
 import types
 
+from . import infllm_v2
+
 __all__ = ["install", "SUBMODULES"]
 
 # The original package's submodules and the public names each defines (its `__init__` re-exports them),
@@ -29,8 +31,6 @@ def install() -> None:
     Existing code that does `import infllm_v2`, `from infllm_v2 import ...` or imports a submodule then
     runs on our ops. Replaces an `infllm_v2` (and its submodules) that was already imported.
     """
-    from . import infllm_v2
-
     sys.modules["infllm_v2"] = infllm_v2
     for name, names in SUBMODULES.items():
         sub = types.ModuleType(f"infllm_v2.{name}", f"infllm_v2.{name} of infllm-cupy's compat layer "

@@ -23,10 +23,11 @@ import sys
 
 import torch
 
+# the package, not its names: `decode.sparse_decode` is both a function and a module of it
+from .. import decode
 from .._checks import check_int_args, validate_values
-from ..decode import sparse_decode
-from ..stage1.pool import pool_blocks
-from ..stage1.select import stage1_scores
+from ..decode import MAX_GROUP
+from ..stage1 import pool_blocks, stage1_scores
 from ..stage2 import sparse_attn_varlen
 
 __all__ = [
@@ -424,8 +425,6 @@ def _check_attention(q, k_cache, v_cache, block_table, B: int) -> None:
     """What the attention step needs of q, the caches and the table, checked before any write (reads no
     values): q and the caches of one dtype and device, one head dim, whole KV groups; on CUDA tensors the
     decode kernel's limits (bf16/fp16, head dim 64 or 128, group size, pages of whole 64-key blocks)."""
-    from ..decode.sparse_decode import MAX_GROUP
-
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache and v_cache must be [.., .., nheads_k, headdim] of one shape, got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
@@ -687,7 +686,7 @@ def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=N
             k_cache, v_cache = k_cache.index_select(0, r), v_cache.index_select(0, r)
     cache = (_attention_view(k_cache), _attention_view(v_cache), seqlens.to(torch.int32).contiguous())
     cache = cache + ((block_table.contiguous(),) if paged else ())
-    res = sparse_decode(q[:, 0].contiguous(), cache, sel, softmax_scale=softmax_scale,
+    res = decode.sparse_decode(q[:, 0].contiguous(), cache, sel, softmax_scale=softmax_scale,
                         return_lse=bool(return_softmax_lse))
     if return_softmax_lse:
         out, lse = res

@@ -1,6 +1,8 @@
 """PyTorch reference of InfLLM-v2 decode (spec section 8): one new query per sequence against its KV cache."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .._checks import (
@@ -12,10 +14,11 @@ from .._checks import (
     check_tensor,
     seqlens_host,
 )
-from .._dtypes import INT_DTYPES, REF_DTYPES
+from .._dtypes import INT_DTYPES, REF_DTYPES, compute_dtype
 from .._rules import uses_dense
 from ..config import InfLLMv2Config, check_config
 from ..prefill import dense_aux, run_dense_attn, run_sparse_attn, select_blocks
+from .cache import DecodeCache
 
 
 def naive_infllmv2_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -89,8 +92,6 @@ def naive_infllmv2_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 def cache_tensors(cache):
     """`(k, v, seqlens, block_table, width)` of a DecodeCache or of a tuple `(k_cache, v_cache,
     seqlens[, block_table])`; width = positions a sequence can address (L_max or pages x page_size)."""
-    from .cache import DecodeCache
-
     if isinstance(cache, DecodeCache):
         return cache.k, cache.v, cache.seqlens, cache.block_table, cache.capacity
     if not isinstance(cache, (tuple, list)) or len(cache) not in (3, 4):
@@ -172,9 +173,6 @@ def sparse_decode_checked(q, k, v, seqlens, bt, width: int, topk_idx, *, scale: 
                            return_lse: bool, return_attn_weights: bool, weights: str, upcast: bool = True):
     """`naive_sparse_decode` on checked inputs (the cache as `cache_tensors` gives it, `scale` a float):
     the decode step's reference path, which checked them at its own entry."""
-    import math
-
-    from .._dtypes import compute_dtype
 
     B, HQ, D = q.shape
     H = k.shape[2]

@@ -29,9 +29,12 @@ from .._checks import check_bool, check_flags, check_tensor
 from .._dtypes import REF_DTYPES
 from .._rules import KV_BLOCK, cdiv, selection_slots, softmax_scale_of, uses_dense
 from ..config import InfLLMv2Config
-from .cache import DecodeCache, append_chunk_tensors
+from .cache import DecodeCache, append_chunk_tensors, append_one_tensors
+from .cache_append import append_launches, kernel_appends
 from .naive import naive_sparse_decode
+from .select_decode import check_compressed_keys
 from .sparse_decode import sparse_decode as _sparse_decode
+from .step import check_stage1, check_step_inputs, is_dense, select_on_cache, step_launches
 
 Tensor = torch.Tensor
 
@@ -111,8 +114,6 @@ def decode_select_op(q: Tensor, ck1: Tensor, ck2: Tensor, seqlens: Tensor, width
                      score_dtype: torch.dtype, exact: bool, kernel: str) -> Tensor:
     """Stage 1 for decode over the cache's compressed keys `ck1 [B, N1, H, D]`, `ck2 [B, N2, H, D]`:
     `topk_idx int32 [H, B, K]`, `K = min(topk + local_blocks, cdiv(width, block_size))`."""
-    from .step import check_stage1, select_on_cache
-
     check_stage1("decode", kernel)
     cfg = _select_config(topk, local_blocks, init_blocks, block_size, softmax_scale, score_dtype, exact)
     return select_on_cache(q, ck1, ck2, seqlens, width, cfg, kern=True, kernel=kernel)
@@ -121,8 +122,6 @@ def decode_select_op(q: Tensor, ck1: Tensor, ck2: Tensor, seqlens: Tensor, width
 @decode_select_op.register_kernel("cpu")
 def _(q, ck1, ck2, seqlens, width, topk, local_blocks, init_blocks, block_size, softmax_scale, score_dtype,
       exact, kernel):
-    from .step import check_stage1
-
     check_stage1("decode", kernel)
     cfg = _select_config(topk, local_blocks, init_blocks, block_size, softmax_scale, score_dtype, exact)
     return _reference_select(q, ck1, ck2, seqlens, width, cfg)
@@ -131,9 +130,6 @@ def _(q, ck1, ck2, seqlens, width, topk, local_blocks, init_blocks, block_size, 
 def _reference_select(q, ck1, ck2, seqlens, width: int, cfg: InfLLMv2Config) -> Tensor:
     """The CPU kernels' stage 1: the op's tensors checked once, then the reference (`select_on_cache`), its K
     (the longest sequence's) padded with -1 to the static K."""
-    from .select_decode import check_compressed_keys
-    from .step import select_on_cache
-
     check_tensor("q", q, ndim=3, dtypes=REF_DTYPES)
     check_compressed_keys(q, ck1, ck2, seqlens, exact=cfg.exact_stage1, contiguous=False)
     return select_on_cache(q, ck1, ck2, seqlens, width, cfg, kern=False)
@@ -174,11 +170,7 @@ def cache_append_op(k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tens
     `DecodeCache.append`: the key and value at `seqlens[b]`, the compression windows that end there,
     then `seqlens + 1`, positions read on the device. A sequence past its capacity is left unchanged
     (nothing is read back to check it)."""
-    from .cache_append import append_launches, kernel_appends
-
     if not kernel_appends(k_cache):
-        from .cache import append_one_tensors
-
         return append_one_tensors(k_new, v_new, k_cache, v_cache, ck1, ck2, seqlens, block_table)
     k_new, v_new = k_new.contiguous(), v_new.contiguous()
     if k_new.data_ptr() % 16 or v_new.data_ptr() % 16:
@@ -195,8 +187,6 @@ def cache_append_op(k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tens
 
 @cache_append_op.register_kernel("cpu")
 def _(k_new, v_new, k_cache, v_cache, ck1, ck2, seqlens, block_table):
-    from .cache import append_one_tensors
-
     append_one_tensors(k_new, v_new, k_cache, v_cache, ck1, ck2, seqlens, block_table)
 
 
@@ -231,8 +221,6 @@ def infllmv2_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, ck1: Tensor,
     dense), so that a captured graph follows the lengths at every replay. Same function as
     `infllmv2_decode` (whose eager path decides on the host: the dense split differs, not the result
     beyond rounding)."""
-    from .step import step_launches
-
     cfg = _select_config(topk, local_blocks, init_blocks, KV_BLOCK, softmax_scale, score_dtype, exact,
                          dense_len)
     q = q.contiguous()
@@ -277,8 +265,6 @@ def decode_step(q: Tensor, cache: DecodeCache, *, config: InfLLMv2Config | None 
     (a host int: inside a compiled region, pass it from outside to avoid a guard on the lengths). The
     selection's K is always sized on the cache's width.
     """
-    from .step import check_step_inputs, is_dense
-
     check_flags(return_attn_weights=return_attn_weights)
     if dense is not None:
         check_bool("dense", dense)

@@ -29,6 +29,7 @@ from .._rules import (
 )
 from ..config import InfLLMv2Config, check_config
 from ..prefill import prefill
+from ..stage1 import naive_stage1_select, stage1_select
 from .cache import DecodeCache, capturing
 from .naive import sparse_decode_checked
 from .select_decode import add_select_decode, check_select_inputs, select_decode
@@ -175,20 +176,22 @@ def select_on_cache(q, ck1, ck2, seqlens, width: int, cfg: InfLLMv2Config, *, ke
                                  softmax_scale=cfg.softmax_scale, score_dtype=cfg.score_dtype,
                                  exact=cfg.exact_stage1)
     cu_q, k1, cu1, k2, cu2, cache_lens = layout_of(ck1, ck2, seqlens, cfg.exact_stage1)
-    kw = dict(causal=False, cache_lens=cache_lens, softmax_scale=cfg.softmax_scale, topk=cfg.topk,
-              local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks, block_size=cfg.block_size)
     if kern:
-        from ..stage1.select import launch_select
-
-        idx = launch_select(q.contiguous(), k1, k2, cu_q, cu1, cu2, 1, score_dtype=cfg.score_dtype,
-                            kernel=kernel, **kw)
+        idx = stage1_select(q.contiguous(), k1, k2, cu_q, cu1, cu2, 1, causal=False, cache_lens=cache_lens,
+                            softmax_scale=cfg.softmax_scale, topk=cfg.topk, local_blocks=cfg.local_blocks,
+                            init_blocks=cfg.init_blocks, block_size=cfg.block_size,
+                            score_dtype=cfg.score_dtype, backend="kernels", kernel=kernel)
     else:
-        from ..stage1.naive import select_checked
-
-        # the layout's query lengths, known without reading cu_q back: 1, 0, 1, 0, ...
-        idx = select_checked(q, k1, k2, cu_q, cu1, cu2, [1, 0] * seqlens.shape[0], 1,
-                             kernel_stride=cfg.kernel_stride, coarse_kernel_stride=cfg.coarse_kernel_stride,
-                             varlen_offset_quirk=cfg.varlen_offset_quirk, score_dtype=cfg.score_dtype, **kw)
+        # the layout's query lengths, known without reading cu_q back: 1, 0, 1, 0, ... (stage 1 reads no
+        # key lengths from this)
+        layout = HostSeqlens.from_lengths([1, 0] * seqlens.shape[0], [])
+        idx = naive_stage1_select(q, k1, k2, cu_q, cu1, cu2, 1, causal=False, cache_lens=cache_lens,
+                                  softmax_scale=cfg.softmax_scale, topk=cfg.topk,
+                                  local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks,
+                                  block_size=cfg.block_size, kernel_stride=cfg.kernel_stride,
+                                  coarse_kernel_stride=cfg.coarse_kernel_stride,
+                                  varlen_offset_quirk=cfg.varlen_offset_quirk, score_dtype=cfg.score_dtype,
+                                  host_seqlens=layout)
         if not static_k:
             return idx
     return torch.nn.functional.pad(idx, (0, K - idx.shape[2]), value=-1) if idx.shape[2] < K else idx
@@ -238,8 +241,10 @@ def infllmv2_decode(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Conf
             width W (`cache.capacity`), 0 where not selected or past `L_b`: `[B, HQ, W]`
             (`weights="per_head"`) or summed over each group `[B, H, W]` (`"per_kv_head"`).
         return_lse (bool, Optional): Also return lse float32 `[B, HQ]` (natural log).
-        return_topk_idx (bool, Optional): Also return the selection `int32 [H, B, K]` (None on the
-            dense path).
+        return_topk_idx (bool, Optional): Also return the selection `int32 [H, B, K]`: None on a dense
+            step decided on the host; a step decided on the device (the host mirror lags after captured
+            or compiled appends) returns the rows it attended, every block of each sequence
+            (docs/decode.md, 6).
         backend (str, Optional): "auto" (kernels for CUDA tensors, references for CPU), "kernels"
             or "reference".
         kernel (str, Optional): the kernel generation, "auto" | "sm80" | "sm90a" as in every op

@@ -20,9 +20,10 @@ from .._dtypes import REF_DTYPES
 from .._kernel_arg import check_kernel
 from .._rules import KV_BLOCK, check_backend, runs_kernels
 from ..config import InfLLMv2Config, check_config
-from ..prefill import check_kernel_block_size, stages_for
+from ..prefill import check_kernel_block_size, run_compress, run_stage1
 from ..stage2.layout import BlockLayout
 from ..stage2.naive import naive_sparse_attn_varlen, naive_sparse_attn_varlen_bwd
+from ..stage2.ops import block_sparse_attn_bwd, block_sparse_attn_fwd, sparse_attn_bwd, sparse_attn_fwd
 from .zigzag import (
     Slot,
     ZigzagPlan,
@@ -156,8 +157,9 @@ def _dense_layout(lengths, H, device) -> BlockLayout:
     return BlockLayout(torch.ones((H, nb, nb), dtype=torch.bool, device=device), 64)
 
 
-def _select(plan: ZigzagPlan, q, k_full, cfg: InfLLMv2Config, stages) -> list:
-    """Compression of the gathered keys, then stage 1 and top-k for each slot's queries (no grad)."""
+def _select(plan: ZigzagPlan, q, k_full, cfg: InfLLMv2Config, kernels: bool) -> list:
+    """Compression of the gathered keys, then stage 1 and top-k for each slot's queries (no grad): the
+    prefill body's stages (`run_compress`, `run_stage1`), on the kernels or the references."""
     cu_full = torch.tensor(
         (0,) + tuple(sum(plan.lengths[: b + 1]) for b in range(len(plan.lengths))),
         dtype=torch.int32,
@@ -165,37 +167,21 @@ def _select(plan: ZigzagPlan, q, k_full, cfg: InfLLMv2Config, stages) -> list:
     )
     # gather K, then compress: every window, including those that straddle chunk boundaries, is the
     # single-GPU one bit for bit (docs/context_parallel.md §4)
-    ck1, _ = stages["compress_k"](k_full, cu_full, cfg.kernel_size, cfg.kernel_stride)
+    ck1, _ = run_compress(k_full, cu_full, cfg.kernel_size, cfg.kernel_stride, kernels=kernels)
     if cfg.exact_stage1:
         ck2, c2 = ck1, (cfg.kernel_size, cfg.kernel_stride)
     else:
-        ck2, _ = stages["compress_k"](k_full, cu_full, cfg.coarse_kernel_size, cfg.coarse_kernel_stride)
+        ck2, _ = run_compress(k_full, cu_full, cfg.coarse_kernel_size, cfg.coarse_kernel_stride,
+                              kernels=kernels)
         c2 = (cfg.coarse_kernel_size, cfg.coarse_kernel_stride)
     sels = []
     for slot in plan.slots:
         cu_c1, end1 = plan.slot_compressed_cu(slot, cfg.kernel_size, cfg.kernel_stride)
         cu_c2, end2 = plan.slot_compressed_cu(slot, *c2)
-        sel = stages["stage1_select"](
-            take_rows(q, slot.rows).contiguous(),
-            ck1[:end1],
-            ck2[:end2],
-            slot.cu_q,
-            cu_c1,
-            cu_c2,
-            slot.max_q,
-            causal=True,
-            cache_lens=slot.cache_lens,
-            softmax_scale=cfg.softmax_scale,
-            topk=cfg.topk,
-            local_blocks=cfg.local_blocks,
-            init_blocks=cfg.init_blocks,
-            block_size=cfg.block_size,
-            kernel_stride=cfg.kernel_stride,
-            coarse_kernel_stride=cfg.coarse_kernel_stride,
-            varlen_offset_quirk=False,
-            score_dtype=cfg.score_dtype,
-        )
-        sels.append(sel)
+        # the quirk's offset depends on the other sequences' query lengths: never here (the layer refuses it)
+        sels.append(run_stage1(take_rows(q, slot.rows).contiguous(), ck1[:end1], ck2[:end2], slot.cu_q, cu_c1,
+                               cu_c2, slot.max_q, cfg, causal=True, cache_lens=slot.cache_lens,
+                               need_scores=False, kernels=kernels))
     return sels
 
 
@@ -205,16 +191,12 @@ def _select(plan: ZigzagPlan, q, k_full, cfg: InfLLMv2Config, stages) -> list:
 def _s2_fwd(q, k, v, slot, sel, scale, kernel, use_ops):
     if isinstance(sel, BlockLayout):
         if use_ops:
-            from ..stage2.ops import block_sparse_attn_fwd
-
             return block_sparse_attn_fwd(
                 q, k, v, slot.cu_q, slot.cu_k, sel.mask, sel.q_block, slot.max_q, slot.max_k, True, scale,
                 kernel,
             )
         sel = sel.to_topk_idx(slot.cu_q)
     if use_ops:
-        from ..stage2.ops import sparse_attn_fwd
-
         return sparse_attn_fwd(
             q, k, v, slot.cu_q, slot.cu_k, sel, slot.max_q, slot.max_k, True, scale, kernel
         )
@@ -236,16 +218,12 @@ def _s2_fwd(q, k, v, slot, sel, scale, kernel, use_ops):
 def _s2_bwd(dout, q, k, v, out, lse, slot, sel, scale, kernel, use_ops):
     if isinstance(sel, BlockLayout):
         if use_ops:
-            from ..stage2.ops import block_sparse_attn_bwd
-
             return block_sparse_attn_bwd(
                 dout, q, k, v, out, lse, slot.cu_q, slot.cu_k, sel.mask, sel.q_block, slot.max_q, slot.max_k,
                 True, scale, kernel,
             )
         sel = sel.to_topk_idx(slot.cu_q)
     if use_ops:
-        from ..stage2.ops import sparse_attn_bwd
-
         return sparse_attn_bwd(
             dout, q, k, v, out, lse, slot.cu_q, slot.cu_k, sel, slot.max_q, slot.max_k, True, scale, kernel
         )
@@ -340,7 +318,6 @@ class _CPAttention(torch.autograd.Function):
         group,
         cfg,
         layout,
-        stages,
         scale,
         kernel,
         use_ops,
@@ -357,7 +334,7 @@ class _CPAttention(torch.autograd.Function):
                 lay = layout if layout is not None else _dense_layout(plan.lengths, H, q.device)
                 sels = [_slot_layout(lay, plan, s, q.device) for s in plan.slots]
             else:
-                sels = _select(plan, q, k_full, cfg, stages)
+                sels = _select(plan, q, k_full, cfg, use_ops)
         v_work.wait()
         v_full = v_gath.index_select(0, plan.nat_from_gath)
         del v_gath
@@ -452,7 +429,7 @@ class _CPAttention(torch.autograd.Function):
         del dvs
         dv = reduce_scatter_rows(dv_g, ctx.group)
         k_work.wait()
-        return (dq, dk.to(ctx.k_dtype), dv.to(ctx.k_dtype)) + (None,) * 10
+        return (dq, dk.to(ctx.k_dtype), dv.to(ctx.k_dtype)) + (None,) * 9
 
 
 def cp_infllmv2_attention(
@@ -572,7 +549,7 @@ def cp_infllmv2_attention(
     use_ops = kernel_path  # the custom ops on CUDA; the references (same math as the ops' CPU kernels) else
     reduce_dtype = grad_reduce_dtype or k.dtype
     return _CPAttention.apply(
-        q, k, v, plan, group, cfg, layout, stages_for(q, backend), scale, kernel, use_ops, reduce_dtype, dense
+        q, k, v, plan, group, cfg, layout, scale, kernel, use_ops, reduce_dtype, dense
     )
 
 

@@ -40,8 +40,11 @@ from ..stage1 import stage1_select
 from ..stage1.naive import naive_select_topk
 from ..stage1.plan import MAX_GROUP
 from .transformers import (
+    ATTN_NAME,
     DECODE_CACHE_ATTR,  # an InfLLMv2Cache key view's DecodeCache
+    config_from_sparse_config,
     infllm_cupy_attention,
+    register,
 )
 
 ROUTES = ("fused", "compat")
@@ -109,7 +112,6 @@ class MiniCPM4SparseAttention(nn.Module):
         if route not in ROUTES:
             raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
         self.route = route
-        from .transformers import config_from_sparse_config
 
         self.config = config
         self.layer_idx = layer_idx
@@ -251,8 +253,6 @@ def use_minicpm4_attention(model: nn.Module, *, route: str = "fused") -> nn.Modu
     Also registers the `infllm_cupy` attention name and selects it, so that the model builds no dense
     attention mask (its mask function gives None, or the padding mask that the layer refuses).
     """
-    from .transformers import ATTN_NAME, register
-
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise TypeError(f"model must be a Llama-style HF causal LM with model.model.layers, got "

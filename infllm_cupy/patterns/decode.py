@@ -13,13 +13,14 @@ import weakref
 
 import torch
 
+# the package, not its names: `decode.sparse_decode` is both a function and a module of it
+from .. import decode
 from .._checks import check_flags, check_head_dim, check_tensor, validate_values
 from .._rules import check_backend
-from ..decode.cache import DecodeCache
-from ..decode.naive import cache_tensors
-from ..decode.sparse_decode import sparse_decode
+from ..decode import DecodeCache, cache_tensors
 from ..stage2.layout import BlockLayout
 from .local_stride import per_kv_head
+from .modules import SparseAttention
 
 # id(mask) -> (weak ref to the mask, {(device, G, H): (rows, q_block, per_query_head)}), rows int32
 # [(B,) H', NQB, K]:
@@ -127,8 +128,6 @@ def pattern_decode(q: torch.Tensor, cache, layout, *, softmax_scale: float | Non
     host mirror) and validation on, a sequence longer than the layout covers raises; tuple caches
     are trusted as in `sparse_decode` (such a sequence would use the layout's last row).
     """
-    from .modules import SparseAttention
-
     check_backend(backend)
     check_flags(return_lse=return_lse)
     k, _, seqlens, _, _ = cache_tensors(cache)
@@ -155,13 +154,13 @@ def pattern_decode(q: torch.Tensor, cache, layout, *, softmax_scale: float | Non
     rows, q_block, per_query_head = _table(layout, G, H, q.device)
     idx = _gather(rows, q_block, seqlens.to(q.device), layout.per_sequence)
     if not per_query_head:
-        return sparse_decode(q, cache, idx, softmax_scale=softmax_scale, return_lse=return_lse,
+        return decode.sparse_decode(q, cache, idx, softmax_scale=softmax_scale, return_lse=return_lse,
                              backend=backend)
     # query heads of a group select differently: one G = 1 call per group member g (heads h*G + g)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
     for g in range(G):
-        res = sparse_decode(q[:, g::G].contiguous(), cache, idx[g::G].contiguous(),
+        res = decode.sparse_decode(q[:, g::G].contiguous(), cache, idx[g::G].contiguous(),
                             softmax_scale=softmax_scale, return_lse=return_lse, backend=backend)
         if return_lse:
             out[:, g::G], lse[:, g::G] = res

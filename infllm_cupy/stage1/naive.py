@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import (
+    HostSeqlens,
     check_cu_seqlens,
     check_cu_seqlens_any,
     check_flags,
@@ -372,7 +373,7 @@ def naive_stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, c
                         topk: int = 64, local_blocks: int = 32, init_blocks: int = 1, block_size: int = 64,
                         kernel_stride: int = 16, coarse_kernel_stride: int = 64,
                         varlen_offset_quirk: bool = False, score_dtype: torch.dtype | None = torch.bfloat16,
-                        return_scores: bool = False):
+                        return_scores: bool = False, host_seqlens: HostSeqlens | None = None):
     r"""Stage 1 end to end: scores, block pooling, top-k.
 
     Prefill: `causal=True`, `cache_lens` None (or the keys before each query chunk in chunked
@@ -397,15 +398,23 @@ def naive_stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, c
             dtype of scores and block scores (top-k runs on it). Default: `torch.bfloat16`.
         return_scores (bool, Optional):
             Also return the scores and block scores. Default: `False`.
+        host_seqlens (HostSeqlens, Optional):
+            `cu_seqlens_q` on the host (`host_seqlens.q`) from a caller that checked every input against
+            each other (the decode step over its cache's layout): the tensors are then not checked again
+            and the query lengths are not read back. Default: `None`.
 
     Returns:
         topk_idx (torch.Tensor): int32 `[H, total_q, K]`; with `return_scores`, the tuple
         `(topk_idx, scores [H, total_q, max_n1], block_scores [H, total_q, out_len])`.
     """
     check_flags(varlen_offset_quirk=varlen_offset_quirk, return_scores=return_scores)
-    lq = _check_scores_args(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q, causal,
-                            kernel_stride, coarse_kernel_stride, score_dtype)
-    return select_checked(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, lq, max_seqlen_q,
+    if host_seqlens is None:
+        lq = _check_scores_args(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q, causal,
+                                kernel_stride, coarse_kernel_stride, score_dtype)
+    else:
+        check_score_dtype(score_dtype)
+        lq = host_seqlens.lq
+    return _select_checked(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, lq, max_seqlen_q,
                           causal=causal, cache_lens=cache_lens, softmax_scale=softmax_scale, topk=topk,
                           local_blocks=local_blocks, init_blocks=init_blocks, block_size=block_size,
                           kernel_stride=kernel_stride, coarse_kernel_stride=coarse_kernel_stride,
@@ -413,11 +422,11 @@ def naive_stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, c
                           return_scores=return_scores)
 
 
-def select_checked(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, lq: list[int], max_seqlen_q: int,
+def _select_checked(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, lq: list[int], max_seqlen_q: int,
                    *, causal: bool, cache_lens, softmax_scale, topk: int, local_blocks: int, init_blocks: int,
                    block_size: int, kernel_stride: int, coarse_kernel_stride: int, varlen_offset_quirk: bool,
                    score_dtype, return_scores: bool = False):
-    """`naive_stage1_select` on inputs its caller checked (q, the keys and their offsets against each
+    """`naive_stage1_select` on inputs it or its caller checked (q, the keys and their offsets against each
     other; `lq` the query lengths on the host): the decode step checks its own arguments once and
     passes a layout it built. Pooling and top-k still check the intermediates they take."""
     scores = _scores_checked(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, lq, causal=causal,

@@ -1,4 +1,5 @@
-"""Launcher of kernels_cu/stage1/select.cu: InfLLM-v2 stage 1 (scores, block pooling, top-k) in one kernel.
+"""Launcher of kernels_cu/stage1/select.cu and select_sm90.cu (and merge_cand.cu for range passes):
+InfLLM-v2 stage 1 (scores, block pooling, top-k) in one kernel.
 
 The kernel never writes the `[H, total_q, n1]` score matrix: fine scores live in registers and in a
 per-token staging row of one 64-key tile; block scores live in shared memory (`TOK x out_len` keys
@@ -245,7 +246,8 @@ def stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
         host_seqlens (HostSeqlens, Optional):
             `cu_seqlens_q` and `cu_seqlens_c1` on the host (`host_seqlens.q`, `.c1`) from a caller that
             checked every input (the pipeline): the kernel path then skips its input checks and reads
-            no offsets back. Ignored by the reference. Default: `None`.
+            no offsets back; the reference takes the query lengths from it (`naive_stage1_select`).
+            Default: `None`.
 
     Returns:
         topk_idx (torch.Tensor): int32 `[H, total_q, K]`; with `return_scores`, the tuple
@@ -260,7 +262,7 @@ def stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
             cache_lens=cache_lens, softmax_scale=softmax_scale, topk=topk, local_blocks=local_blocks,
             init_blocks=init_blocks, block_size=block_size, kernel_stride=kernel_stride,
             coarse_kernel_stride=coarse_kernel_stride, varlen_offset_quirk=varlen_offset_quirk,
-            score_dtype=score_dtype, return_scores=return_scores)
+            score_dtype=score_dtype, return_scores=return_scores, host_seqlens=host_seqlens)
     return launch_select(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q, causal=causal,
                          cache_lens=cache_lens, softmax_scale=softmax_scale, topk=topk,
                          local_blocks=local_blocks,

@@ -1,10 +1,12 @@
-"""Launchers of kernels_cu/stage2/sparse_bwd.cu: block-sparse attention backward (dq, dk, dv).
+"""Launchers of kernels_cu/stage2/sparse_bwd.cu, sparse_bwd_sm90.cu and sparse_bwd_dq_sm90.cu:
+block-sparse attention backward (dq, dk, dv).
 
-Four launches, all on torch's current stream and with no host synchronisation:
+The launches, all on torch's current stream and with no host synchronisation (docs/stage2_bwd.md §2):
 `stage2_bwd_delta` (rowsum(dout * out)), `stage2_bwd_tiles` (for each KV block, the bitmask of
-64-row query tiles that selected it: the transposed index dk/dv need), dq (the forward's walk over
-each query tile's blocks; on Hopper `stage2_bwd_dq_ring_sm90`, the forward's warp-specialised K/V
-ring) and dk/dv (one CTA per KV block over its query tiles). Neither gradient kernel uses float
+64-row query tiles that selected it: the transposed index dk/dv need; once or twice), dq (the
+forward's walk over each query tile's blocks; on Hopper `stage2_bwd_dq_ring_sm90`, the forward's
+warp-specialised K/V ring), dk/dv (one CTA per KV block over its query tiles) and, where the plan
+splits block 0's queries, `stage2_bwd_dkdv_parts`. Neither gradient kernel uses float
 atomics, so results are bit-identical from run to run: there is no separate deterministic mode
 because the default already is one. Which kernels run, and how, is the caller's `BwdPlan` (plan.py).
 """

@@ -24,15 +24,14 @@ from infllm_cupy import (
     DecodeCache,
     block_sparse_attn_varlen,
     compress_k,
-    local_stride,
     naive_block_sparse_attn_varlen,
     naive_compress_k,
     naive_sparse_attn_varlen,
     naive_sparse_decode,
-    pattern_decode,
     sparse_attn_varlen,
     sparse_decode,
 )
+from infllm_cupy.patterns import local_stride, pattern_decode
 from infllm_cupy.patterns.decode import pattern_topk_idx
 from infllm_cupy.testing import assert_close_to_ref, check_sparse_grads, cu_seqlens_from_lengths
 

@@ -14,15 +14,13 @@ from hypothesis import strategies as st
 from infllm_cupy import (
     BlockLayout,
     DecodeCache,
-    from_csr,
-    local_stride,
     naive_block_sparse_attn_varlen,
     naive_compress_k,
     naive_sparse_attn_varlen,
     naive_sparse_decode,
     naive_stage1_select,
-    to_csr,
 )
+from infllm_cupy.patterns import from_csr, local_stride, to_csr
 from infllm_cupy.stage1.naive import q_block_idx_prefill
 from infllm_cupy.testing import cu_seqlens_from_lengths
 

@@ -20,12 +20,11 @@ from infllm_cupy import (
     compress_k,
     infllmv2_attention,
     infllmv2_decode,
-    local_stride,
-    pattern_decode,
     sparse_attn_varlen,
     sparse_decode,
     stage1_select,
 )
+from infllm_cupy.patterns import local_stride, pattern_decode
 from infllm_cupy.testing import cu_seqlens_from_lengths
 
 from conftest import HOPPER
