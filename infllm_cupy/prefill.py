@@ -196,24 +196,17 @@ def run_compress(k: torch.Tensor, cu_seqlens_k: torch.Tensor, kernel_size: int, 
 def run_stage1(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q: int,
                cfg: InfLLMv2Config, *, causal: bool, cache_lens, need_scores: bool, kernels: bool,
                host_seqlens: HostSeqlens | None = None):
-    """Stage 1 (scores, block pooling, top-k): the fused kernel `stage1_select` or
+    """Stage 1 (scores, block pooling, top-k): `stage1_select` on the fused kernel or on its reference
     `naive_stage1_select`, with the config's selection parameters. Returns `topk_idx`, or
     `(topk_idx, scores, block_scores)` with `need_scores` (the kernel skips writing them otherwise)."""
-    if kernels:
-        return stage1_select(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q,
-                             causal=causal, cache_lens=cache_lens, softmax_scale=cfg.softmax_scale,
-                             topk=cfg.topk, local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks,
-                             block_size=cfg.block_size, kernel_stride=cfg.kernel_stride,
-                             coarse_kernel_stride=cfg.coarse_kernel_stride,
-                             varlen_offset_quirk=cfg.varlen_offset_quirk, score_dtype=cfg.score_dtype,
-                             return_scores=need_scores, backend="kernels", host_seqlens=host_seqlens)
-    return naive_stage1_select(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q,
-                               causal=causal, cache_lens=cache_lens, softmax_scale=cfg.softmax_scale,
-                               topk=cfg.topk, local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks,
-                               block_size=cfg.block_size, kernel_stride=cfg.kernel_stride,
-                               coarse_kernel_stride=cfg.coarse_kernel_stride,
-                               varlen_offset_quirk=cfg.varlen_offset_quirk, score_dtype=cfg.score_dtype,
-                               return_scores=need_scores)
+    return stage1_select(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q,
+                         causal=causal, cache_lens=cache_lens, softmax_scale=cfg.softmax_scale,
+                         topk=cfg.topk, local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks,
+                         block_size=cfg.block_size, kernel_stride=cfg.kernel_stride,
+                         coarse_kernel_stride=cfg.coarse_kernel_stride,
+                         varlen_offset_quirk=cfg.varlen_offset_quirk, score_dtype=cfg.score_dtype,
+                         return_scores=need_scores, backend="kernels" if kernels else "reference",
+                         host_seqlens=host_seqlens)
 
 
 def run_sparse_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q: int, max_seqlen_k: int,
