@@ -18,6 +18,20 @@ def rel_l2_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return d / max(ref.double().norm().item(), 1e-30)
 
 
+def accuracy_per_head(out: torch.Tensor, ref: torch.Tensor) -> dict[str, torch.Tensor]:
+    """SageAttention's two accuracy figures of an attention output against its high-precision reference,
+    per head: `cosine` (the cosine similarity of the head's outputs over every token, flattened) and
+    `rel_l1` (sum |out - ref| / sum |ref|), float64 `[heads]` each, for `[tokens, heads, D]` outputs."""
+    if out.shape != ref.shape or out.dim() != 3:
+        raise ValueError(f"out and ref must be [tokens, heads, D] of one shape, got {tuple(out.shape)} and "
+                         f"{tuple(ref.shape)}")
+    o = out.double().transpose(0, 1).reshape(out.shape[1], -1)
+    r = ref.double().transpose(0, 1).reshape(ref.shape[1], -1)
+    cosine = (o * r).sum(1) / (o.norm(dim=1) * r.norm(dim=1)).clamp_min(1e-300)
+    rel_l1 = (o - r).abs().sum(1) / r.abs().sum(1).clamp_min(1e-300)
+    return {"cosine": cosine, "rel_l1": rel_l1}
+
+
 def assert_close_to_ref(name: str, out: torch.Tensor, ref: torch.Tensor, ref_lowp: torch.Tensor, *,
                         mult: float = 2.0, atol_floor: float = 1e-6) -> None:
     """FlashAttention's rule: the error of `out` against the high-precision `ref` may be at most
