@@ -23,6 +23,12 @@ Schemes (QK: the scores' product; PV: the values' product; scales as in SageAtte
   int8-token      int8-smooth with one scale per query row and per key instead of per tile and block
                   (the finest groups the mma layout allows: a row scale and a column scale per score)
   int8-token-qk   int8-token's Q K^T with bf16 P V
+  kv8-*           an FP8 KV cache (decode, docs/decode.md §15): K and V stored in e4m3 (kv8-e5m2-token: e5m2)
+                  with one scale per KV head over the whole cache (tensor), per 64-token page (page) or per
+                  token (token), dequantized to bf16 in registers; q, P and the products as bf16;
+                  kv8-token-smooth stores K less its per-head mean (any fixed vector subtracted from every
+                  key of a sequence leaves the softmax unchanged); kv8-kchannel scales K per channel and
+                  64-token page (KIVI's grouping) and V per token
 
     python tools/q8_accuracy.py --tokens 8192 --heads 16 --kv-heads 1 --head-dim 128 --rows 256
 """
@@ -40,7 +46,12 @@ from infllm_cupy.testing import accuracy_per_head, cu_seqlens_from_lengths
 
 E4M3_MAX = 448.0
 SCHEMES = ("bf16", "fp8", "fp8-smooth", "int8-smooth", "int8-1level", "int8-qk", "fp8-pv", "int8-token",
-           "int8-token-qk")
+           "int8-token-qk", "kv8-tensor", "kv8-page", "kv8-token", "kv8-e5m2-token", "kv8-token-smooth",
+           "kv8-kchannel")
+# 8-bit KV caches (decode): K and V stored in 8 bits with one scale per group, dequantized to bf16 for
+# bf16 products; a decode query of a cache of L keys is the prefill row L - 1 (same keys, same selection)
+CACHE_GROUPS = {"kv8-tensor": "tensor", "kv8-page": "page", "kv8-token": "token", "kv8-e5m2-token": "token",
+                "kv8-token-smooth": "token", "kv8-kchannel": "channel"}
 
 
 def e4m3(x: torch.Tensor) -> torch.Tensor:
@@ -87,11 +98,40 @@ def row_keys(topk_idx: torch.Tensor, rows: torch.Tensor, T: int) -> tuple[torch.
     return keys.clamp(max=T - 1), ok
 
 
+def cache_roundtrip(x: torch.Tensor, group: str, e5m2: bool = False) -> torch.Tensor:
+    """K or V `[T, H, D]` stored in FP8 with one scale per `group` ("tensor": per KV head; "page": per 64
+    tokens and KV head; "token": per token and KV head), read back to bf16 as a kernel would."""
+    fmax = 57344.0 if e5m2 else E4M3_MAX
+    fp8 = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
+    a = x.float().abs()
+    if group == "tensor":
+        amax = a.amax(dim=(0, 2), keepdim=True)
+    elif group in ("page", "channel"):
+        T = x.shape[0]
+        pad = (-T) % 64
+        dims = (1, 3) if group == "page" else (1,)
+        pages = torch.nn.functional.pad(a, (0, 0, 0, 0, 0, pad)).view(-1, 64, *x.shape[1:]).amax(dim=dims)
+        amax = pages.repeat_interleave(64, 0)[:T]
+        amax = amax[..., None] if group == "page" else amax
+    else:
+        amax = a.amax(dim=2, keepdim=True)
+    sc = amax.clamp_min(1e-30) / fmax
+    return ((x.float() / sc).clamp(-fmax, fmax).to(fp8).float() * sc).bfloat16()
+
+
 def run_scheme(scheme: str, q, k, v, rows, keys, ok, G: int, scale: float) -> torch.Tensor:
     """The output `[R, HQ, D]` of the sampled rows under `scheme` (float32), emulated block by block."""
     T, HQ, D = q.shape
     H = k.shape[1]
     R = rows.numel()
+    if scheme in CACHE_GROUPS:
+        e5m2 = "e5m2" in scheme
+        group = CACHE_GROUPS[scheme]
+        if scheme.endswith("smooth"):
+            k = (k.float() - k.float().mean(0, keepdim=True)).bfloat16()           # softmax-invariant
+        k = cache_roundtrip(k, group, e5m2)
+        v = cache_roundtrip(v, "token" if group == "channel" else group, e5m2)
+        scheme = "bf16"
     qf, kf, vf = q.float(), k.float(), v.float()
     if scheme.endswith("smooth") or scheme.startswith("int8"):
         kf = kf - kf.mean(0, keepdim=True)                                          # softmax-invariant
