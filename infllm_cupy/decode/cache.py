@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 
 import torch
 
@@ -261,8 +262,9 @@ class DecodeCache:
             new = [0] * self.batch
         else:
             new = seqlens.tolist() if isinstance(seqlens, torch.Tensor) else list(seqlens)
-            if any(isinstance(n, bool) or not isinstance(n, int) for n in new):
+            if any(isinstance(n, bool) or not isinstance(n, numbers.Integral) for n in new):
                 raise TypeError(f"seqlens must be ints (one length per sequence), got {new[:8]}")
+            new = [int(n) for n in new]
         if len(new) != self.batch or any(n < 0 or n > L for n, L in zip(new, self._host_lens)):
             raise ValueError(f"seqlens must have {self.batch} entries, each in [0, its current length "
                              f"{self._host_lens[:8]}], got {new[:8]}")

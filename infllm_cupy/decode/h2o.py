@@ -15,6 +15,8 @@ probabilities of each position summed over the query heads of the group, `[B, H,
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from .._checks import check_tensor, validate_values
@@ -101,9 +103,9 @@ class H2O:
             L = seqlens.reshape(-1)
         else:
             vals = list(seqlens)
-            if any(isinstance(x, bool) or not isinstance(x, int) for x in vals):
+            if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in vals):
                 raise TypeError(f"seqlens must be ints, got {vals[:8]}")
-            L = torch.tensor(vals, dtype=torch.int64)
+            L = torch.tensor([int(x) for x in vals], dtype=torch.int64)
         if L.numel() != B:
             raise ValueError(f"seqlens must have one length per sequence ({B}), got {L.numel()}")
         if validate_values() and not bool(((L >= 0) & (L <= W)).all()):
