@@ -74,10 +74,12 @@ def runs_kernels(t: torch.Tensor, backend: str = "auto", name: str = "q") -> boo
     """
     if check_backend(backend) == "reference":
         return False
-    if backend == "kernels" and not t.is_cuda:
+    cuda = isinstance(t, torch.Tensor) and t.is_cuda      # not a tensor: the op's own checks name it
+    if backend == "kernels" and not cuda:
+        got = f"one on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
         raise ValueError(f"{name} must be a CUDA tensor for backend='kernels' (there are no CPU kernels), "
-                         f"got one on {t.device}; backend='auto' or 'reference' runs the reference")
-    return t.is_cuda
+                         f"got {got}; backend='auto' or 'reference' runs the reference")
+    return cuda
 
 
 def softmax_scale_of(softmax_scale: float | None, head_dim: int) -> float:
