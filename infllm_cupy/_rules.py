@@ -1,11 +1,12 @@
 """The small rules of InfLLM-v2 that many modules apply, each written once here and imported
-everywhere else (ARCHITECTURE.md §3 lists them): the block size, the window count of a compression,
+everywhere else (ARCHITECTURE.md §1 lists them): the block size, the window count of a compression,
 the selection's slot count K, the dense/sparse split, the backend rule and the default softmax scale.
 Imports only torch, so every layer may use it.
 
-Not here on purpose: each reference's `_CHUNK_ELEMS` (stage1/naive.py, stage2/naive.py,
-selections.py) bounds the working set of its own loop, so the values differ and stay local; and
-the `WARPS`-like constants of each launcher mirror a `#define` of its own `.cu` file.
+Not here on purpose: each reference's chunk size (`CHUNK_ELEMS` of stage1/naive.py, `_CHUNK_ELEMS`
+of stage2/naive.py and selections.py) bounds the working set of its own loop, so the values differ
+and stay local; and the `WARPS`-like constants of each launcher mirror a `#define` of its own `.cu`
+file.
 """
 from __future__ import annotations
 

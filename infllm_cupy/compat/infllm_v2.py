@@ -460,7 +460,7 @@ def _check_attention(q, k_cache, v_cache, block_table, B: int) -> None:
             raise ValueError(f"q: group size {HQ // H} > {MAX_GROUP} is not supported by the decode kernel")
 
 
-def _check_rotary(cos, sin, q, seqlens, n_new: int) -> None:
+def _check_rotary(cos, sin, q, lens: list[int], n_new: int) -> None:
     for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape != cos.shape:
             raise ValueError(f"{name} must be [seqlen_ro, rotary_dim / 2] (both of one shape), got "
@@ -471,7 +471,7 @@ def _check_rotary(cos, sin, q, seqlens, n_new: int) -> None:
     if rd % 16 or rd > q.shape[-1]:
         raise ValueError(f"rotary_cos: rotary_dim = 2 x {cos.shape[1]} = {rd} must be a multiple of 16 and "
                          f"at most headdim {q.shape[-1]}")
-    need = int(seqlens.max()) + n_new if seqlens.numel() else 0
+    need = max(lens) + n_new if lens else 0
     if need > cos.shape[0]:
         raise ValueError(f"rotary_cos: {cos.shape[0]} positions, the new keys reach position {need - 1}")
 
@@ -493,12 +493,12 @@ def _rotate(x, cos, sin, pos, interleaved: bool):
     return torch.cat((out.to(x.dtype), x[..., rd:]), dim=-1)
 
 
-def _check_new_kv(k_cache, v_cache, k, v, seqlens, block_table, rows=None) -> None:
+def _check_new_kv(k_cache, v_cache, k, v, lens: list[int], block_table, rows=None) -> None:
     """Everything `_append_new_kv` needs, checked before it writes anything (a failed call leaves the
     caches as they were): shapes, dtype and device against the caches', and every new position inside
-    its sequence's cache (paged: on a page of the table, not -1). Reads the lengths and the table on the
-    host."""
-    B = seqlens.shape[0]
+    its sequence's cache (paged: on a page of the table, not -1). `lens`: the lengths on the host; reads
+    the table on the host."""
+    B = len(lens)
     for name, t in (("k", k), ("v", v)):
         if (not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[0] != B
                 or t.shape[2:] != k_cache.shape[2:]):
@@ -511,7 +511,6 @@ def _check_new_kv(k_cache, v_cache, k, v, seqlens, block_table, rows=None) -> No
         raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     n = k.shape[1]
     page = k_cache.shape[1]
-    lens = [int(x) for x in seqlens.tolist()]
     if block_table is None:
         if rows is None and k_cache.shape[0] != B:
             raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences, q {B} (or pass cache_batch_idx)")
@@ -629,8 +628,13 @@ def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=N
                          f"{getattr(cache_seqlens, 'dtype', type(cache_seqlens))}")
     if seqlens.shape != (B,):
         raise ValueError(f"cache_seqlens must be an int or [batch={B}], got shape {tuple(seqlens.shape)}")
-    if isinstance(cache_seqlens, int) or (cache_seqlens is not None and validate_values()):
-        lens = [cache_seqlens] if isinstance(cache_seqlens, int) else seqlens.tolist()
+    # the lengths on the host, read once for every check that needs them (none reads them again)
+    lens = None
+    if isinstance(cache_seqlens, int):
+        lens = [cache_seqlens] * B
+    elif cache_seqlens is not None and (validate_values() or k is not None):
+        lens = [int(x) for x in seqlens.tolist()]
+    if lens is not None:
         bad = [b for b, L in enumerate(lens) if not 0 <= L <= width]
         if bad:
             raise ValueError(f"cache_seqlens must be in [0, {width}] (the keys each sequence holds, at most "
@@ -661,9 +665,9 @@ def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=N
         if k is None:
             raise ValueError("rotary_cos/rotary_sin rotate the new keys and q: they need k and v "
                              "(FlashAttention's rule)")
-        _check_rotary(rotary_cos, rotary_sin, q, seqlens, k.shape[1] if isinstance(k, torch.Tensor) else 0)
+        _check_rotary(rotary_cos, rotary_sin, q, lens, k.shape[1] if isinstance(k, torch.Tensor) else 0)
     if k is not None:
-        _check_new_kv(k_cache, v_cache, k, v, seqlens, block_table, rows)
+        _check_new_kv(k_cache, v_cache, k, v, lens, block_table, rows)
     # ---- checks done: the writes ----
     if k is not None:
         if rotary_cos is not None:
