@@ -10,6 +10,8 @@ file.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # The `backend=` argument of every public op: "auto" runs the kernels on CUDA tensors and the
@@ -22,6 +24,10 @@ HEAD_DIMS = (64, 128)
 # Keys per selectable KV block: InfLLM-v2's block size, which stage 1 selects and the stage-2 and
 # decode kernels are built for (kernels_cu: BLOCK_N); also the block of the synthetic selections.
 KV_BLOCK = 64
+
+# Dynamic shared memory of one CTA on sm_90 (H100, H200), opt-in: what plans made without a device
+# assume (`smem_limits` gives a device's own numbers).
+SMEM_PER_BLOCK = 227 * 1024
 
 # The two key compressions, (kernel, stride): fine keys (stage-1 scores) and coarse keys (stage 1's
 # normaliser), spec section 3. The decode cache keeps these two, and the stage-1 kernels are built
@@ -92,3 +98,30 @@ def softmax_scale_of(softmax_scale: float | None, head_dim: int) -> float:
         raise ValueError(f"the head dim must be at least 1 for the default softmax scale 1 / sqrt(D), got "
                          f"{head_dim}")
     return head_dim ** -0.5
+
+
+def check_kernel_block(block_size, name: str = "block_size") -> None:
+    """The kernels are built for `KV_BLOCK`-key blocks: a ValueError naming `name` for any other
+    block size (the references take any)."""
+    if isinstance(block_size, bool) or block_size != KV_BLOCK:
+        raise ValueError(f"{name} must be {KV_BLOCK} for the kernels (the key block they are built for), got "
+                         f"{block_size!r}; the references (backend='reference') take any block size")
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of CUDA device `device_index` (plans size their grids by it)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def smem_limits(device_index: int) -> tuple[int, int]:
+    """`(per block opt-in, per SM)` dynamic shared memory of CUDA device `device_index`, in bytes:
+    the device's own numbers (torch's properties), the A100's (163 KB, 164 KB) where torch does not
+    report them."""
+    p = torch.cuda.get_device_properties(device_index)
+    per_block = int(getattr(p, "shared_memory_per_block_optin", 0) or 0)
+    per_sm = int(getattr(p, "shared_memory_per_multiprocessor", 0) or 0)
+    if not per_block or not per_sm:
+        return 163 * 1024, 164 * 1024
+    return per_block, per_sm
