@@ -108,6 +108,17 @@ def check_kernel_block(block_size, name: str = "block_size") -> None:
                          f"{block_size!r}; the references (backend='reference') take any block size")
 
 
+def check_block_multiple(**sizes) -> None:
+    """Each block size of a layout or pattern (`name=value`) must be a positive int multiple of
+    `KV_BLOCK`, so that its blocks are whole key blocks (ValueError naming it): the pattern zoo's
+    block sizes and `BlockLayout`'s `kv_block`. Not the kernels' own block, which is `KV_BLOCK` exactly
+    (`check_kernel_block`)."""
+    for name, v in sizes.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or v % KV_BLOCK:
+            raise ValueError(f"{name} must be a positive multiple of {KV_BLOCK} (64, 128, 192, ...: whole "
+                             f"{KV_BLOCK}-key blocks), got {v!r}")
+
+
 @functools.cache
 def sm_count(device_index: int) -> int:
     """Streaming multiprocessors of CUDA device `device_index` (plans size their grids by it)."""

@@ -18,17 +18,10 @@ import math
 import torch
 
 from .._checks import check_bool, check_int_args, check_tensor
-from .._rules import KV_BLOCK
+from .._rules import KV_BLOCK, check_block_multiple
 from ..stage2.layout import BlockLayout
 
 _INTS = (torch.int32, torch.int64)
-
-
-def _check_multiple_of_64(**sizes) -> None:
-    for name, v in sizes.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or v % KV_BLOCK != 0:
-            raise ValueError(f"{name} must be a positive multiple of {KV_BLOCK} (our key blocks have "
-                             f"{KV_BLOCK} keys), got {v!r}")
 
 
 def layout_q_block(block: int) -> int:
@@ -40,7 +33,7 @@ def layout_q_block(block: int) -> int:
 def coarse_to_layout(mask: torch.Tensor, q_block: int, kv_block: int) -> BlockLayout:
     """A bool mask `[..., NQB, NKB]` over blocks of `q_block` queries by `kv_block` keys (both
     multiples of 64) as a `BlockLayout` selecting the same tokens."""
-    _check_multiple_of_64(q_block=q_block, kv_block=kv_block)
+    check_block_multiple(q_block=q_block, kv_block=kv_block)
     qb = layout_q_block(q_block)
     m = mask.repeat_interleave(kv_block // KV_BLOCK, dim=-1).repeat_interleave(q_block // qb, dim=-2)
     return BlockLayout(m.contiguous(), qb)
@@ -70,7 +63,7 @@ def _merge(m: torch.Tensor, dim: int, r: int, name: str) -> torch.Tensor:
 def layout_to_coarse(layout: BlockLayout, q_block: int, kv_block: int, *, q_name: str = "q_block",
                      kv_name: str = "kv_block") -> torch.Tensor:
     """The layout as a bool mask over blocks of `q_block` x `kv_block` tokens; exact or ValueError."""
-    _check_multiple_of_64(**{q_name: q_block, kv_name: kv_block})
+    check_block_multiple(**{q_name: q_block, kv_name: kv_block})
     m = _merge(layout.mask, -1, kv_block // KV_BLOCK, kv_name)
     lq = layout.q_block
     g = math.gcd(lq, q_block)
@@ -117,7 +110,7 @@ def from_csr(crow: torch.Tensor, col: torch.Tensor, *, q_block: int, kv_block: i
     the largest column + 1."""
     check_tensor("crow", crow, dtypes=_INTS)
     check_tensor("col", col, dtypes=_INTS)
-    _check_multiple_of_64(q_block=q_block, kv_block=kv_block)
+    check_block_multiple(q_block=q_block, kv_block=kv_block)
     if crow.dim() == 1:
         crow, col = crow[None], col[None]
     if crow.dim() != 2 or col.dim() != 2 or col.shape[0] != crow.shape[0]:
@@ -155,7 +148,7 @@ def to_bsr(layout: BlockLayout, *, R: int, C: int, head: int | None = None) -> t
     pattern for all heads: the layout's heads must agree unless `head` picks one."""
     if not isinstance(layout, BlockLayout):
         raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
-    _check_multiple_of_64(R=R, C=C)
+    check_block_multiple(R=R, C=C)
     if layout.per_sequence:
         raise ValueError("to_bsr takes a layout shared by all sequences ([H, NQB, NKB])")
     m = layout.mask
@@ -175,7 +168,7 @@ def from_bsr(indptr: torch.Tensor, indices: torch.Tensor, *, R: int, C: int, num
     (FlashInfer's `N // C`; default the largest index + 1)."""
     check_tensor("indptr", indptr, ndim=1, dtypes=_INTS)
     check_tensor("indices", indices, ndim=1, dtypes=_INTS)
-    _check_multiple_of_64(R=R, C=C)
+    check_block_multiple(R=R, C=C)
     check_int_args(1, num_heads=num_heads)
     one = from_csr(indptr, indices, q_block=R, kv_block=C, num_kv_blocks=num_kv_blocks)
     return BlockLayout(one.mask.expand(num_heads, -1, -1).contiguous(), one.q_block)
@@ -199,7 +192,7 @@ def from_block_mask(block_mask) -> BlockLayout:
     per query head: collapse with `per_kv_head`). The mask_mod's token-level detail inside partial
     blocks is not carried: the layout selects whole blocks (causality comes from `causal=True`)."""
     qb, kb = _block_size_pair(block_mask.BLOCK_SIZE)
-    _check_multiple_of_64(**{"BLOCK_SIZE[0]": qb, "BLOCK_SIZE[1]": kb})
+    check_block_multiple(**{"BLOCK_SIZE[0]": qb, "BLOCK_SIZE[1]": kb})
     B, H, nqb = block_mask.kv_num_blocks.shape
     nkb = -(-block_mask.seq_lengths[1] // kb)
     m = torch.zeros(B, H, nqb, nkb + 1, dtype=torch.bool, device=block_mask.kv_num_blocks.device)

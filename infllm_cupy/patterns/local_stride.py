@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_bool, check_int_args
-from .._rules import KV_BLOCK
+from .._rules import KV_BLOCK, check_block_multiple
 from ..stage2.layout import BlockLayout
 
 
@@ -45,10 +45,7 @@ def expand_blocks(block_mask: torch.Tensor, block_size: int, max_seqlen: int) ->
     `BlockLayout` over 64-key blocks: `q_block = block_size` for 64 and 128, otherwise 128 (or 64
     when `block_size` is an odd multiple of 64) with each row repeated for the query blocks it covers.
     Rows and columns are trimmed to `max_seqlen` tokens."""
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 \
-            or block_size % KV_BLOCK != 0:
-        raise ValueError(f"block_size must be a positive multiple of {KV_BLOCK} (64, 128, 192, ...), "
-                         f"got {block_size!r}: other sizes do not map onto 64-key blocks")
+    check_block_multiple(block_size=block_size)
     q_block = block_size if block_size <= 128 else (128 if block_size % 128 == 0 else KV_BLOCK)
     nkb = -(-max_seqlen // KV_BLOCK)
     nqb = -(-max_seqlen // q_block)
@@ -109,10 +106,7 @@ def local_stride(num_heads: int, max_seqlen: int, *, block_size: int = 64, local
             (always true for `homo_head=True`; ValueError otherwise).
     """
     check_bool("homo_head", homo_head)
-    if block_size is None or isinstance(block_size, bool) or not isinstance(block_size, int) \
-            or block_size <= 0 or block_size % KV_BLOCK != 0:
-        raise ValueError(f"block_size must be a positive multiple of {KV_BLOCK} (64, 128, 192, ...), "
-                         f"got {block_size!r}: other sizes do not map onto 64-key blocks")
+    check_block_multiple(block_size=block_size)
     blocks = local_stride_block_mask(num_heads, max_seqlen, block_size=block_size, local_blocks=local_blocks,
                                      vert_stride=vert_stride, homo_head=homo_head)
     layout = expand_blocks(blocks, block_size, max_seqlen)

@@ -15,7 +15,7 @@ import torch
 
 from .._checks import check_bool, check_cu_seqlens, check_int_args, check_tensor, seqlens_host
 from .._kernel_arg import check_kernel
-from .._rules import KV_BLOCK, check_backend
+from .._rules import check_backend, check_block_multiple
 from ..stage2.attention import block_sparse_attn_varlen, qhead_block_sparse_attn_varlen
 from ..stage2.layout import BlockLayout
 from .local_stride import expand_blocks, per_kv_head
@@ -86,10 +86,7 @@ class SparseAttention(torch.nn.Module):
     def __init__(self, block_size: int, block_sparse_pattern: torch.Tensor, *, seq_dim: int = 1,
                  causal: bool = True, backend: str = "auto", kernel: str = "auto"):
         super().__init__()
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 \
-                or block_size % KV_BLOCK:
-            raise ValueError(f"block_size must be a positive multiple of {KV_BLOCK} (our key blocks), got "
-                             f"{block_size!r}: dkernel's 16 and 32 do not map onto 64-key blocks")
+        check_block_multiple(block_size=block_size)        # dkernel's 16 and 32 are not whole key blocks
         check_tensor("block_sparse_pattern", block_sparse_pattern)
         if block_sparse_pattern.dim() == 2:
             block_sparse_pattern = block_sparse_pattern[None]

@@ -11,7 +11,7 @@ import dataclasses
 import torch
 
 from .._checks import check_tensor
-from .._rules import KV_BLOCK
+from .._rules import KV_BLOCK, check_block_multiple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,14 +48,12 @@ class BlockLayout:
     def from_dense(cls, mask: torch.Tensor, q_block: int = 64, kv_block: int = 64) -> BlockLayout:
         """From a boolean block mask whose key blocks have `kv_block` keys (a multiple of 64)."""
         check_tensor("mask", mask, dtypes=(torch.bool,))
-        if kv_block % KV_BLOCK != 0 or kv_block <= 0:
-            raise ValueError(f"kv_block must be a positive multiple of {KV_BLOCK}, got {kv_block}")
+        check_block_multiple(kv_block=kv_block)
         return cls(mask.repeat_interleave(kv_block // KV_BLOCK, dim=-1).contiguous(), q_block)
 
     def to_dense(self, kv_block: int = 64) -> torch.Tensor:
         """The boolean mask with key blocks of `kv_block` keys (a block is set if any 64-block in it is)."""
-        if kv_block % KV_BLOCK != 0 or kv_block <= 0:
-            raise ValueError(f"kv_block must be a positive multiple of {KV_BLOCK}, got {kv_block}")
+        check_block_multiple(kv_block=kv_block)
         r = kv_block // KV_BLOCK
         m = self.mask
         pad = (-m.shape[-1]) % r
