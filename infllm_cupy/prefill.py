@@ -27,7 +27,7 @@ from ._checks import (
     check_softmax_scale,
     validate_values,
 )
-from ._rules import KV_BLOCK, n_windows, runs_kernels, uses_dense
+from ._rules import check_kernel_block, n_windows, runs_kernels, uses_dense
 from .compress.mean_pool import compress_k
 from .compress.naive import naive_compress_k
 from .config import InfLLMv2Config
@@ -39,21 +39,13 @@ from .stage2.naive import naive_dense_attn_varlen, naive_sparse_attn_varlen
 # ------------------------------------------------------------------------------ checks at the entry
 
 
-def check_kernel_block_size(block_size) -> None:
-    """The stage-2 kernels only do InfLLM-v2's 64-key blocks; any other `block_size` raises ValueError."""
-    if block_size != KV_BLOCK:
-        raise ValueError(f"config.block_size must be {KV_BLOCK} on the kernel path (the stage-2 kernels "
-                         f"only do {KV_BLOCK}-key blocks), got {block_size!r}; pass "
-                         f"backend='reference' for other block sizes")
-
-
 def check_kernel_path(cfg: InfLLMv2Config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Everything the sparse kernel path cannot do, raised before any launch.
 
     Raises:
         ValueError: `config.block_size` other than 64, or dtypes/head dims/devices the kernels lack.
     """
-    check_kernel_block_size(cfg.block_size)
+    check_kernel_block(cfg.block_size, "config.block_size")
     check_kernel_inputs(q, k, v)
 
 
@@ -339,7 +331,7 @@ def _kernel_sparse_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqle
 
     The kernel has no `block_size` (always 64) and always accumulates in fp32 (`upcast=True`).
     """
-    check_kernel_block_size(block_size)
+    check_kernel_block(block_size)
     if upcast is not True:
         raise ValueError("upcast=False (the low-precision reference twin) has no kernel; use "
                          "naive_sparse_attn_varlen")

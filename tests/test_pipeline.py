@@ -11,13 +11,12 @@ import time
 import pytest
 import torch
 
-from infllm_cupy._rules import n_windows
+from infllm_cupy._rules import check_kernel_block, n_windows
 from infllm_cupy.compress.naive import naive_compress_k
 from infllm_cupy.config import InfLLMv2Config
 from infllm_cupy.pipeline import InfLLMv2Attention, infllmv2_attention, naive_infllmv2_attention
 from infllm_cupy.prefill import (
     _kernel_sparse_attn,
-    check_kernel_block_size,
     check_kernel_path,
     sdpa_dense_attn_varlen,
     stage_names,
@@ -304,10 +303,10 @@ def test_rejects_bad_backend_and_config():
 
 
 def test_kernel_path_checks_without_gpu():
-    check_kernel_block_size(64)
-    for bs in (16, 128, 32):
-        with pytest.raises(ValueError, match=r"block_size"):
-            check_kernel_block_size(bs)
+    check_kernel_block(64)
+    for bs in (16, 128, 32, True):
+        with pytest.raises(ValueError, match=r"\bblock_size must be 64\b"):
+            check_kernel_block(bs)
     q, k, v = make_qkv([200], dtype=torch.bfloat16, D=64)
     cu = cu_seqlens_from_lengths([200])
     cfg128 = InfLLMv2Config(block_size=128, dense_len=0)

@@ -18,9 +18,9 @@ import torch.distributed as dist
 from .._checks import check_flags, check_kernel_inputs, check_softmax_scale, check_tensor
 from .._dtypes import REF_DTYPES
 from .._kernel_arg import check_kernel
-from .._rules import KV_BLOCK, check_backend, runs_kernels
+from .._rules import KV_BLOCK, cdiv, check_backend, runs_kernels, uses_dense
 from ..config import InfLLMv2Config, check_config
-from ..prefill import check_kernel_block_size, run_compress, run_stage1
+from ..prefill import run_compress, run_stage1
 from ..stage2.layout import BlockLayout
 from ..stage2.naive import naive_sparse_attn_varlen, naive_sparse_attn_varlen_bwd
 from ..stage2.ops import block_sparse_attn_bwd, block_sparse_attn_fwd, sparse_attn_bwd, sparse_attn_fwd
@@ -153,8 +153,8 @@ def _slot_layout(layout: BlockLayout, plan: ZigzagPlan, slot, device) -> BlockLa
 
 def _dense_layout(lengths, H, device) -> BlockLayout:
     """Every block (causality masks the future): the dense fallback below `dense_len` as a layout."""
-    nb = -(-max(lengths) // 64)
-    return BlockLayout(torch.ones((H, nb, nb), dtype=torch.bool, device=device), 64)
+    nb = cdiv(max(lengths), KV_BLOCK)
+    return BlockLayout(torch.ones((H, nb, nb), dtype=torch.bool, device=device), KV_BLOCK)
 
 
 def _select(plan: ZigzagPlan, q, k_full, cfg: InfLLMv2Config, kernels: bool) -> list:
@@ -498,10 +498,12 @@ def cp_infllmv2_attention(
         check_kernel(kernel)
         if layout is not None and not isinstance(layout, BlockLayout):
             raise TypeError(f"layout must be a BlockLayout or None, got {type(layout).__name__}")
-        if cfg.block_size != 64:
+        # on every path, the references' too: not the kernels' rule (`check_kernel_block`), which
+        # leaves the references any block size
+        if cfg.block_size != KV_BLOCK:
             raise ValueError(
-                f"config.block_size must be 64 with context parallelism (the zigzag chunks are whole "
-                f"64-key blocks), got {cfg.block_size}"
+                f"config.block_size must be {KV_BLOCK} with context parallelism (the zigzag chunks are "
+                f"whole {KV_BLOCK}-key blocks), got {cfg.block_size}"
             )
         if cfg.varlen_offset_quirk:
             raise ValueError(
@@ -529,12 +531,9 @@ def cp_infllmv2_attention(
             layout.check_against(k.shape[1], len(lengths), max(lengths), max(lengths))
         if grad_reduce_dtype is not None and grad_reduce_dtype not in REF_DTYPES:
             raise ValueError(f"grad_reduce_dtype must be a float dtype or None, got {grad_reduce_dtype!r}")
-        kernel_path = runs_kernels(q, backend)
+        kernel_path = runs_kernels(q, backend)     # "kernels" on CPU tensors raises here
         if kernel_path:
-            check_kernel_block_size(cfg.block_size)
-            check_kernel_inputs(q, k, v)
-        elif backend == "kernels":
-            raise ValueError(f"backend='kernels' needs CUDA tensors, got q on {q.device}")
+            check_kernel_inputs(q, k, v)             # the block size: checked above, for every path
     except (ValueError, TypeError) as e:
         error = e
     if check_ranks:
@@ -545,7 +544,7 @@ def cp_infllmv2_attention(
         raise error
     plan = zigzag_plan(lengths, W, r, q.device)
     scale = check_softmax_scale(cfg.softmax_scale, q.shape[2])
-    dense = layout is None and max(lengths) < cfg.dense_len
+    dense = layout is None and uses_dense(cfg.dense_len, max(lengths))
     use_ops = kernel_path  # the custom ops on CUDA; the references (same math as the ops' CPU kernels) else
     reduce_dtype = grad_reduce_dtype or k.dtype
     return _CPAttention.apply(

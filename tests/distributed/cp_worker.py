@@ -291,6 +291,20 @@ def case_bad_length_every_rank(W):
     )
 
 
+def case_block_size_and_backend_every_rank(W):
+    """A block size other than 64 (on the reference path too) and backend='kernels' on CPU tensors: every
+    rank raises its own check's error, none hangs."""
+    lengths = [2 * W * 64]
+    q, k, v, _, cu = _inputs(lengths, 4, 2, 16, torch.float64, "cpu", 0)
+    shards = [zigzag_shard(t, cu) for t in (q, k, v)]
+    return {
+        "block_128": _expect_raise(lambda: cp_infllmv2_attention(
+            *shards, cu, InfLLMv2Config(**dict(CFG_SMALL, block_size=128)), backend="reference")),
+        "kernels_on_cpu": _expect_raise(lambda: cp_infllmv2_attention(
+            *shards, cu, InfLLMv2Config(**CFG_SMALL), backend="kernels")),
+    }
+
+
 CPU_CASES = [
     case_token_b1,
     case_token_varlen_gqa,
@@ -308,6 +322,7 @@ CPU_CASES = [
     case_ranks_disagree_dtype,
     case_one_rank_bad_input,
     case_bad_length_every_rank,
+    case_block_size_and_backend_every_rank,
 ]
 
 
@@ -351,13 +366,13 @@ def _gpu_case(lengths, HQ, H, D, cfg=None, layout=None, seed=0, **kw):
 def _selection_mismatches(q, k, cu, cfg, sel, lengths) -> int:
     """(KV head, token) rows of this rank whose selected block set differs from the single-GPU one: the
     context-parallel stage 1 on its chunks (`cp._select`) against the whole sequence's, for diagnosis."""
+    from infllm_cupy._rules import runs_kernels
     from infllm_cupy.distributed.cp import _select
     from infllm_cupy.distributed.zigzag import zigzag_plan
-    from infllm_cupy.prefill import stages_for
 
     plan = zigzag_plan(lengths, dist.get_world_size(), dist.get_rank(), q.device)
     with torch.no_grad():
-        sels = _select(plan, zigzag_shard(q, cu), k, cfg, stages_for(q, "auto"))
+        sels = _select(plan, zigzag_shard(q, cu), k, cfg, runs_kernels(q, "auto"))
     bad = 0
     for slot, s_cp in zip(plan.slots, sels):
         rows = plan.local_rows[slot.rows]

@@ -139,6 +139,15 @@ def test_lengths_the_layout_cannot_split_raise(cpu2):
         assert d["raised"] == "ValueError" and "multiple of 256" in d["msg"], d
 
 
+def test_block_size_and_backend_checks_raise_on_every_rank(cpu2):
+    for d in ranks(cpu2, "case_block_size_and_backend_every_rank"):
+        bs, kern = d["block_128"], d["kernels_on_cpu"]
+        assert bs["raised"] == "ValueError", d
+        assert "config.block_size must be 64 with context parallelism" in bs["msg"], d
+        assert kern["raised"] == "ValueError", d
+        assert "q must be a CUDA tensor for backend='kernels'" in kern["msg"], d
+
+
 def test_dry_run_of_the_8_rank_launch(tmp_path_factory):
     """Issue #28's 8-rank zigzag launch on CPU (gloo), small sequences: outputs and gradients of every
     rank against the single-process result, and the disagreement check at 8 ranks."""
