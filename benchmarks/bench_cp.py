@@ -61,13 +61,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._harness import bench_gpu_time, env_line, env_stamp, format_table
 from infllm_cupy import InfLLMv2Config, infllmv2_attention
+from infllm_cupy._rules import SMEM_PER_BLOCK
 from infllm_cupy.distributed import (
     all_gather_rows,
     cp_infllmv2_attention,
     reduce_scatter_rows,
     zigzag_plan,
 )
-from infllm_cupy.stage2.plan import SM90_STAGES, SMEM_PER_BLOCK, sm90_smem_bytes
+from infllm_cupy.stage2.plan import SM90_STAGES, sm90_smem_bytes
 from infllm_cupy.stage2.sparse_bwd import bwd_max_keys
 from infllm_cupy.stage2.sparse_fwd import MASK_WARPS
 

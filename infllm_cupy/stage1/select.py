@@ -18,7 +18,6 @@ O(total_q x K) instead of the scratch (docs/stage1.md, 9. Long context: key rang
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 
@@ -46,8 +45,10 @@ from .._rules import (
     KV_BLOCK,
     cdiv,
     check_backend,
+    check_kernel_block,
     runs_kernels,
     selection_slots,
+    smem_limits,
     softmax_scale_of,
 )
 from .._tma import TMAP_DTYPE, rows_map
@@ -135,19 +136,9 @@ MERGE_PARAMS = KernelParams(MERGE_SOURCE, "MergeRangeCandidatesParams", """
 
 
 def _smem_limits(device: torch.device) -> tuple[int, int]:
-    """(opt-in per-block maximum, per-SM capacity) of dynamic shared memory, in bytes."""
-    return _smem_limits_of(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _smem_limits_of(device_index: int) -> tuple[int, int]:
-    try:
-        import cupy
-
-        p = cupy.cuda.runtime.getDeviceProperties(device_index)
-        return int(p["sharedMemPerBlockOptin"]), int(p["sharedMemPerMultiprocessor"])
-    except (ImportError, KeyError, RuntimeError):   # conservative: A100's numbers
-        return 163 * 1024, 164 * 1024
+    """`smem_limits` of `device` (a bare "cuda": the current device): (opt-in per-block maximum,
+    per-SM capacity) of dynamic shared memory, in bytes."""
+    return smem_limits(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def device_stage1_plan(device: torch.device, G: int, D: int, dtype: torch.dtype, score_dtype: torch.dtype,
@@ -173,8 +164,8 @@ def _kernel_checks(q, score_dtype, block_size, kernel_stride, coarse_kernel_stri
     if score_dtype is not None and score_dtype not in SCORE_DTYPES:
         raise ValueError(f"score_dtype must be bfloat16, float16, float32 or None for backend='kernels', "
                          f"got {score_dtype!r}")
-    for name, value, want in (("block_size", block_size, KV_BLOCK),
-                              ("kernel_stride", kernel_stride, KERNEL_STRIDE),
+    check_kernel_block(block_size)
+    for name, value, want in (("kernel_stride", kernel_stride, KERNEL_STRIDE),
                               ("coarse_kernel_stride", coarse_kernel_stride, COARSE_STRIDE)):
         if value != want:
             raise ValueError(f"{name} must be {want} for backend='kernels' (the kernel's tiling), "
@@ -285,15 +276,18 @@ def stage1_scores(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
     D in {64, 128}, G <= 128) the stage-1 kernel runs with `return_scores` and no top-k (its block
     scores are computed and dropped); other inputs, and `backend="reference"`, run the reference.
     The fused `stage1_select` never materialises this tensor: it exists for callers whose API returns
-    it (the `infllm_v2` compat layer's `infllmv2_attn_stage1`) and for inspection.
+    it (the `infllm_v2` compat layer's `infllmv2_attn_stage1`) and for inspection. `backend="kernels"`
+    on CPU tensors raises the ValueError of every entry (`runs_kernels`).
     """
     check_backend(backend)
     check_kernel(kernel)
     check_flags(causal=causal)
     G = q.shape[1] // max(ck1.shape[1], 1) if q.dim() == 3 and ck1.dim() == 3 else 0
-    on_kernels = (backend == "kernels" or
-                  (backend == "auto" and q.is_cuda and q.dtype in KERNEL_DTYPES and q.shape[-1] in HEAD_DIMS
-                   and 1 <= G <= MAX_GROUP))
+    # the backend rule, and under "auto" the kernel's shapes as well: the compat layer's stage 1 takes
+    # any shape (its docstring), so "auto" runs the reference on CUDA inputs the kernel lacks
+    on_kernels = runs_kernels(q, backend) and (
+        backend == "kernels"
+        or (q.dtype in KERNEL_DTYPES and q.shape[-1] in HEAD_DIMS and 1 <= G <= MAX_GROUP))
     if not on_kernels:
         return naive_stage1_scores(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q,
                                    causal=causal, softmax_scale=softmax_scale, score_dtype=score_dtype)

@@ -23,6 +23,7 @@ from .._kernel_arg import SM80, SM90A, wants_sm90a
 from .._launch import CXX_TYPE
 from .._rules import (
     KV_BLOCK,  # keys per KV block (kernels_cu: BLOCK_N)
+    SMEM_PER_BLOCK,  # the sm_90 CTA's dynamic shared memory: the plans are made without a device
     cdiv,
 )
 
@@ -31,7 +32,6 @@ from .._rules import (
 # --------------------------------------------------------------------------------------------
 SM90_CONSUMERS = 2      # consumer warpgroups of the ring CTA (NC; sparse_fwd.py checks it at compile time)
 SM90_STAGES = (6, 4)    # K/V ring depths compiled (template NS), deepest first: the deepest that fits
-SMEM_PER_BLOCK = 227 * 1024   # the H100's (and H200's) dynamic shared memory limit per block
 # Key-range passes of the sm_90a forward (docs/stage2_fwd.md, 6. Key-range passes): one pass per
 # PASS_KV_BYTES of a sequence's K and V per KV head, at most MAX_KV_PASSES. Tuned for the forward's
 # key ranges; the backward's query-range passes (DKDV_PASS_BYTES, DKDV_MAX_PASSES) are a separate

@@ -26,7 +26,9 @@ from .._params import KernelParams, constants
 from .._rules import (
     HEAD_DIMS,
     KV_BLOCK,  # keys per KV block (kernels_cu: BLOCK_N)
+    SMEM_PER_BLOCK,
     cdiv,
+    smem_limits,
 )
 from .._tma import TMAP_DTYPE, heads_map, rows_map
 from .plan import (
@@ -36,7 +38,6 @@ from .plan import (
     QT,
     SM90_CONSUMERS,
     SM90_STAGES,
-    SMEM_PER_BLOCK,
     BwdPlan,
     BwdTiles,
     qhead_instance,
@@ -221,12 +222,6 @@ def check_bwd_limits(plan: BwdPlan, *, B: int, H: int, G: int, D: int, itemsize:
                          f"words, {total_q} x {HQ} rows")
 
 
-def _device_smem(dev: torch.device) -> int:
-    """The device's shared memory per block (opt-in), SMEM_PER_BLOCK where torch does not say."""
-    return int(getattr(torch.cuda.get_device_properties(dev), "shared_memory_per_block_optin",
-                       0) or SMEM_PER_BLOCK)
-
-
 def dq_smem_bytes(D: int, tiles: BwdTiles, n_words: int, itemsize: int = 2) -> int:
     return (2 * 16 * tiles.dq_warps * D + 4 * KV_BLOCK * D) * itemsize + 4 * n_words
 
@@ -323,7 +318,7 @@ def stage2_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     dev = q.device
     check_bwd_limits(plan, B=B, H=H, G=G, D=D, itemsize=q.element_size(), total_q=total_q, HQ=HQ,
                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, n_words=n_words,
-                     smem=_device_smem(dev))
+                     smem=smem_limits(dev.index)[0])
     dout, out, lse = dout.contiguous(), out.contiguous(), lse.contiguous()
     dq = empty((total_q, HQ, D), dtype=q.dtype, device=dev)
     dk = empty((total_k, H_out, D), dtype=k.dtype, device=dev)

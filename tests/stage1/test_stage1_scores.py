@@ -31,8 +31,12 @@ def test_reference_route_off_the_kernels_shapes():
     q, ck1, ck2, cu, cu1, cu2 = _inputs([300, 77], 4, 2, 32, torch.float32, "cpu")
     want = naive_stage1_scores(q, ck1, ck2, cu, cu1, cu2, 300)
     assert torch.equal(stage1_scores(q, ck1, ck2, cu, cu1, cu2, 300), want)
-    with pytest.raises(ValueError, match="backend"):
+    with pytest.raises(ValueError, match="backend must be one of"):
         stage1_scores(q, ck1, ck2, cu, cu1, cu2, 300, backend="fast")
+    # the backend rule of every entry (`runs_kernels`): "kernels" on CPU tensors names q
+    with pytest.raises(ValueError, match=r"q must be a CUDA tensor for backend='kernels' \(there are no CPU"):
+        stage1_scores(q, ck1, ck2, cu, cu1, cu2, 300, backend="kernels")
+    assert torch.equal(stage1_scores(q, ck1, ck2, cu, cu1, cu2, 300, backend="reference"), want)
 
 
 @pytest.mark.gpu

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from infllm_cupy._kernel_arg import SM80, SM90A
-from infllm_cupy._rules import KV_BLOCK
+from infllm_cupy._rules import KV_BLOCK, SMEM_PER_BLOCK
 from infllm_cupy.stage2 import sparse_bwd as sb
-from infllm_cupy.stage2.plan import SMEM_PER_BLOCK, BwdPlan, BwdTiles, bwd_plan, n_mask_words
+from infllm_cupy.stage2.plan import BwdPlan, BwdTiles, bwd_plan, n_mask_words
 from infllm_cupy.stage2.sparse_bwd import (
     GRID_YZ_MAX,
     bwd_max_keys,
