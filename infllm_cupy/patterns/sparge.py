@@ -22,7 +22,7 @@ from .._checks import (
     check_int_args,
     check_tensor,
 )
-from .._rules import KV_BLOCK
+from .._rules import KV_BLOCK, softmax_scale_of
 from ..stage2.layout import BlockLayout
 
 # Elements of one [B, heads, NQB, NKB] score chunk: bounds the working set of the sort (the scores,
@@ -143,7 +143,7 @@ def predict_sparge(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor | 
             else torch.ones(nqb, nkb, dtype=torch.bool, device=dev)
         out = torch.empty(B, HQ, nqb, nkb, dtype=torch.bool, device=dev)
         step = max(1, _CHUNK_ELEMS // max(1, B * nqb * nkb))
-        scale = D ** -0.5
+        scale = softmax_scale_of(None, D)
         for h0 in range(0, HQ, step):                    # chunks of heads bound memory, not a per-block loop
             hs = slice(h0, min(HQ, h0 + step))
             qh = pq[:, :, hs].permute(0, 2, 1, 3)                                    # [B, h, NQB, D]
@@ -178,6 +178,7 @@ def naive_predict_sparge(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Ten
     one softmax and one running cumulative sum per query block (the reference of the tests)."""
     G, cu = _check(q, k, cu_seqlens, block_q, block_k, sink_blocks, causal, per_query_head)
     _T, HQ, D = q.shape
+    scale = softmax_scale_of(None, D)
     H = k.shape[1]
     B = cu.numel() - 1
     bounds = [(int(cu[b]), int(cu[b + 1])) for b in range(B)]
@@ -205,7 +206,7 @@ def naive_predict_sparge(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Ten
                         and (not causal or j * KV_BLOCK < (i + 1) * block_q)]
                 keep = set()
                 if cand:
-                    scores = torch.stack([pool_q @ kblocks[j][0] * D ** -0.5 for j in cand])
+                    scores = torch.stack([pool_q @ kblocks[j][0] * scale for j in cand])
                     probs = torch.softmax(scores, 0).tolist()
                     order = sorted(range(len(cand)), key=lambda t: (-probs[t], t))
                     total, n = 0.0, 0
