@@ -474,7 +474,7 @@ def add_common_args(p: argparse.ArgumentParser, impls: tuple[str, ...]) -> None:
     harness.add_run_args(p, target_ms=1000.0, min_rep=2, max_rep=10)
     p.add_argument("--max-configs", type=int, default=0, help="run only the first N configs (0: all)")
     p.add_argument("--backend", default="auto", choices=("auto", "kernels", "reference"),
-                   help="stage implementations (infllm_cupy.pipeline.stages_for). Default: auto")
+                   help="stage implementations (infllm_cupy.prefill.stages_for). Default: auto")
     p.add_argument("--topk", type=int, default=64,
                    help="blocks picked by score (MiniCPM4: 64); K = topk + local_blocks, forced blocks "
                         "included")
