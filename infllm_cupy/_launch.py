@@ -245,7 +245,8 @@ class PreparedLaunch:
 
 class Program:
     """Prepared launches in order, on one device; `run(**bindings)` re-points the named tensors'
-    pointer fields and launches them all on torch's current stream."""
+    pointer fields (a field that pointed inside a bound tensor at its build keeps its byte offset into
+    the new one) and launches them all on torch's current stream."""
 
     __slots__ = ("device", "keep", "launches", "pdl", "slots", "sm90")
 
@@ -256,8 +257,8 @@ class Program:
     def run(self, **bindings: torch.Tensor) -> None:
         for name, t in bindings.items():
             addr = t.data_ptr()
-            for words, i in self.slots[name]:
-                words[i] = addr
+            for words, i, offset in self.slots[name]:
+                words[i] = addr + offset
         index = self.device.index
         if torch.cuda.current_device() != index:
             with torch.cuda.device(index):
@@ -300,11 +301,16 @@ class Launches:
         self.items.append((source, name, tuple(int(g) for g in grid), tuple(int(b) for b in block),
                            int(shared_mem), params, values, pdl))
 
-    def program(self, **dynamic: torch.Tensor) -> Program:
-        """The launches prepared; each field that is one of the `dynamic` tensors (by identity) is
-        re-pointed by `Program.run(name=...)`. An empty grid launches nothing."""
+    def program(self, *, strict: bool = False, **dynamic: torch.Tensor) -> Program:
+        """The launches prepared; each field that is one of the `dynamic` tensors, or a view inside
+        one's memory, is re-pointed by `Program.run(name=...)` (at the same byte offset). Other tensor
+        fields keep the tensor they were given (the program holds it); with `strict` there may be none,
+        so the program holds no device memory and serves any call of the same shapes. An empty grid
+        launches nothing."""
         launches, pdl, keep = [], [], []
         slots = {name: [] for name in dynamic}
+        spans = [(dn, dt.data_ptr(), dt.data_ptr() + dt.numel() * dt.element_size())
+                 for dn, dt in dynamic.items()]
         with torch.cuda.device(self.device):
             for source, name, grid, block, smem, params, values, p in self.items:
                 if not all(g > 0 for g in grid):
@@ -314,10 +320,12 @@ class Launches:
                 rebind = []
                 for field, v in fields:
                     if isinstance(v, torch.Tensor):
-                        for dn, dt in dynamic.items():
-                            if v is dt:
-                                rebind.append((dn, field))
-                                break
+                        bound = _binding(v, dynamic, spans)
+                        if bound is not None:
+                            rebind.append((bound[0], field, bound[1]))
+                        elif strict:
+                            raise ValueError(f"a strict program binds every tensor: field {field!r} of "
+                                             f"{name} is none of {sorted(dynamic)} and inside none of them")
                         else:
                             keep.append(v)
                 if params is not None:
@@ -327,17 +335,30 @@ class Launches:
                                  for a in values)
                 launch = PreparedLaunch(_jit.get_kernel(source, name), name=name, grid=grid, block=block,
                                         shared_mem=smem, args=args)
-                for dn, field in rebind:
+                for dn, field, offset in rebind:
                     if params is not None:
-                        slots[dn].append((launch.bufs[0], params.offsets[field] // 8))
+                        slots[dn].append((launch.bufs[0], params.offsets[field] // 8, offset))
                     else:
-                        slots[dn].append((launch.bufs[field], 0))
+                        slots[dn].append((launch.bufs[field], 0, offset))
                 launches.append(launch)
                 pdl.append(p)
         return Program(self.device, launches, pdl, slots, keep)
 
     def run(self) -> None:
         self.program().run()
+
+
+def _binding(v: torch.Tensor, dynamic: dict, spans) -> tuple[str, int] | None:
+    """`(name, byte offset)` of the dynamic tensor that `v` is, or whose memory holds `v`'s; None."""
+    for dn, dt in dynamic.items():
+        if v is dt:
+            return dn, 0
+    addr = v.data_ptr()
+    end = addr + v.numel() * v.element_size()
+    for dn, lo, hi in spans:
+        if lo <= addr and end <= hi and hi > lo:
+            return dn, addr - lo
+    return None
 
 
 def raw_stream(device_index: int) -> int:

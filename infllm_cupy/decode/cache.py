@@ -227,14 +227,14 @@ class DecodeCache:
     def packed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`(k, v, cu_seqlens)` packed varlen `[total, H, D]`, as the prefill/stage-2 APIs take them."""
         ks, vs = zip(*(self.gather(b) for b in range(self.batch))) if self.batch else ((), ())
-        return torch.cat(ks), torch.cat(vs), _cu(self._host_lens, self.device)
+        return torch.cat(ks), torch.cat(vs), cu_seqlens_of(self._host_lens, self.device)
 
     def packed_compressed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """`(ck1, cu_seqlens_c1, ck2, cu_seqlens_c2)` packed varlen, as stage 1 takes them."""
         out = []
         for ck, (kr, st) in zip((self.ck1, self.ck2), COMPRESSIONS):
             n = [n_windows(L, kr, st) for L in self._host_lens]
-            out += [torch.cat([ck[b, :n[b]] for b in range(self.batch)]), _cu(n, self.device)]
+            out += [torch.cat([ck[b, :n[b]] for b in range(self.batch)]), cu_seqlens_of(n, self.device)]
         return tuple(out)
 
     # ------------------------------------------------------------------------------------ updates
@@ -475,6 +475,29 @@ def append_one_tensors(k_new, v_new, k, v, ck1, ck2, seqlens, block_table) -> No
 
 
 # -------------------------------------------------------------------------------------- helpers
+def cache_tensors(cache):
+    """`(k, v, seqlens, block_table, width)` of a DecodeCache or of a tuple `(k_cache, v_cache,
+    seqlens[, block_table])`; width = positions a sequence can address (L_max or pages x page_size)."""
+    if isinstance(cache, DecodeCache):
+        return cache.k, cache.v, cache.seqlens, cache.block_table, cache.capacity
+    if not isinstance(cache, (tuple, list)) or len(cache) not in (3, 4):
+        raise TypeError("cache must be a DecodeCache or a tuple (k_cache, v_cache, seqlens[, block_table])")
+    k, v, seqlens = cache[:3]
+    bt = cache[3] if len(cache) == 4 else None
+    check_tensor("k_cache", k, ndim=4)
+    check_tensor("v_cache", v, shape=tuple(k.shape), dtypes=(k.dtype,), device=k.device)
+    check_tensor("seqlens", seqlens, ndim=1, dtypes=INT_DTYPES)
+    if bt is not None:
+        check_tensor("block_table", bt, ndim=2, dtypes=(torch.int32,))
+        if bt.shape[0] != seqlens.shape[0]:
+            raise ValueError(f"block_table has {bt.shape[0]} rows but seqlens has {seqlens.shape[0]} "
+                             "sequences")
+        return k, v, seqlens, bt, bt.shape[1] * k.shape[1]
+    if k.shape[0] != seqlens.shape[0]:
+        raise ValueError(f"k_cache holds {k.shape[0]} sequences but seqlens has {seqlens.shape[0]}")
+    return k, v, seqlens, None, k.shape[1]
+
+
 def h2d(t: torch.Tensor, device) -> torch.Tensor:
     """A small host tensor on `device`, without a host sync: torch's blocking host-to-device copy
     synchronizes the stream, a non-blocking one from pinned memory does not (the pinned block is
@@ -485,7 +508,8 @@ def h2d(t: torch.Tensor, device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def _cu(lengths, device) -> torch.Tensor:
+def cu_seqlens_of(lengths, device) -> torch.Tensor:
+    """int32 `[len + 1]` offsets of host `lengths` on `device`, copied without a host sync (`h2d`)."""
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     if lengths:
         cu[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(torch.int32)

@@ -18,7 +18,7 @@ from .._dtypes import INT_DTYPES, REF_DTYPES, compute_dtype
 from .._rules import uses_dense
 from ..config import InfLLMv2Config, check_config
 from ..prefill import dense_aux, run_dense_attn, run_sparse_attn, select_blocks
-from .cache import DecodeCache
+from .cache import cache_tensors
 
 
 def naive_infllmv2_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -89,29 +89,6 @@ def naive_infllmv2_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return (out, dict(dense=False, **aux)) if return_aux else out
 
 
-def cache_tensors(cache):
-    """`(k, v, seqlens, block_table, width)` of a DecodeCache or of a tuple `(k_cache, v_cache,
-    seqlens[, block_table])`; width = positions a sequence can address (L_max or pages x page_size)."""
-    if isinstance(cache, DecodeCache):
-        return cache.k, cache.v, cache.seqlens, cache.block_table, cache.capacity
-    if not isinstance(cache, (tuple, list)) or len(cache) not in (3, 4):
-        raise TypeError("cache must be a DecodeCache or a tuple (k_cache, v_cache, seqlens[, block_table])")
-    k, v, seqlens = cache[:3]
-    bt = cache[3] if len(cache) == 4 else None
-    check_tensor("k_cache", k, ndim=4)
-    check_tensor("v_cache", v, shape=tuple(k.shape), dtypes=(k.dtype,), device=k.device)
-    check_tensor("seqlens", seqlens, ndim=1, dtypes=INT_DTYPES)
-    if bt is not None:
-        check_tensor("block_table", bt, ndim=2, dtypes=(torch.int32,))
-        if bt.shape[0] != seqlens.shape[0]:
-            raise ValueError(f"block_table has {bt.shape[0]} rows but seqlens has {seqlens.shape[0]} "
-                             "sequences")
-        return k, v, seqlens, bt, bt.shape[1] * k.shape[1]
-    if k.shape[0] != seqlens.shape[0]:
-        raise ValueError(f"k_cache holds {k.shape[0]} sequences but seqlens has {seqlens.shape[0]}")
-    return k, v, seqlens, None, k.shape[1]
-
-
 def naive_sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, *,
                         softmax_scale: float | None = None, block_size: int = 64, return_lse: bool = False,
                         return_attn_weights: bool = False, weights: str = "per_head", upcast: bool = True):
@@ -145,6 +122,16 @@ def naive_sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = 
         out `[B, HQ, D]` in q's dtype, then lse and weights if asked for.
     """
     check_flags(return_lse=return_lse, return_attn_weights=return_attn_weights, upcast=upcast)
+    k, v, seqlens, bt, width = check_sparse_decode_inputs(q, cache, topk_idx, weights)
+    scale = check_softmax_scale(softmax_scale, q.shape[2])
+    return sparse_decode_checked(q, k, v, seqlens, bt, width, topk_idx, scale=scale, block_size=block_size,
+                                  return_lse=return_lse, return_attn_weights=return_attn_weights,
+                                  weights=weights, upcast=upcast)
+
+
+def check_sparse_decode_inputs(q, cache, topk_idx, weights: str):
+    """`naive_sparse_decode`'s checks of q, the cache (as `cache_tensors` takes it), the selection and
+    `weights`; raises naming the argument. Returns `cache_tensors(cache)`."""
     k, v, seqlens, bt, width = cache_tensors(cache)
     check_tensor("q", q, ndim=3, dtypes=(k.dtype,), device=k.device)
     check_head_dim("q", q.shape)
@@ -163,10 +150,7 @@ def naive_sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = 
         check_tensor("topk_idx", topk_idx, ndim=3, dtypes=INT_DTYPES, device=k.device)
         if tuple(topk_idx.shape[:2]) != (H, B):
             raise ValueError(f"topk_idx must have shape (H={H}, B={B}, K), got {tuple(topk_idx.shape)}")
-    scale = check_softmax_scale(softmax_scale, D)
-    return sparse_decode_checked(q, k, v, seqlens, bt, width, topk_idx, scale=scale, block_size=block_size,
-                                  return_lse=return_lse, return_attn_weights=return_attn_weights,
-                                  weights=weights, upcast=upcast)
+    return k, v, seqlens, bt, width
 
 
 def sparse_decode_checked(q, k, v, seqlens, bt, width: int, topk_idx, *, scale: float, block_size: int,

@@ -23,7 +23,17 @@ from .._checks import check_aligned, check_tensor
 from .._dtypes import KERNEL_DTYPES
 from .._launch import CXX_TYPE, Launches, empty
 from .._params import KernelParams, constants
-from .._rules import COMPRESSIONS, HEAD_DIMS, KV_BLOCK, cdiv, n_windows, selection_slots, softmax_scale_of
+from .._rules import (
+    COMPRESSIONS,
+    HEAD_DIMS,
+    KV_BLOCK,
+    SMEM_PER_BLOCK,
+    cdiv,
+    n_windows,
+    selection_slots,
+    sm_count,
+    softmax_scale_of,
+)
 
 SOURCE = "decode/select_decode.cu"
 TILE = 64                  # compressed keys per tile
@@ -32,7 +42,6 @@ ROW_TILES = (1, 2, 4)      # MT: 16-row mma tiles of the query group, G <= 64
 MAX_GROUP = 16 * ROW_TILES[-1]
 SCORE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # `kind` of stage1/select_common.cuh
 KEY_TYPE = {0: "unsigned", 1: "unsigned short", 2: "unsigned short"}
-MAX_SMEM = 227 * 1024      # dynamic shared memory of one CTA on sm_90 (sm_80: 163 KB)
 TOPK_SCRATCH_BYTES = 4 * 584  # the CTA top-k's histograms and counts after the row
 # threads of the top-k kernel (any multiple of 32 up to 512 works): 512 took 5.6 us against 6.7 us for
 # 256 at 2048 blocks (docs/decode.md, 14. Stage 1 for decode: the split kernels)
@@ -146,13 +155,8 @@ def check_select_plan(plan, group: int, n1_max: int, n2_max: int, head_dim: int)
     if TILE * plan.coarse_tiles * plan.coarse_ranges < n2_max:
         raise ValueError(f"plan: {plan!r} covers {TILE * plan.coarse_tiles * plan.coarse_ranges} coarse "
                          f"keys, the cache holds up to {n2_max}")
-    if plan.score_smem_bytes(head_dim, True) > MAX_SMEM:
+    if plan.score_smem_bytes(head_dim, True) > SMEM_PER_BLOCK:
         raise ValueError(f"plan: {plan!r} needs {plan.score_smem_bytes(head_dim, True)} B of shared memory")
-
-
-@functools.cache
-def sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @functools.cache
@@ -251,13 +255,30 @@ def check_compressed_keys(q, ck1, ck2, seqlens, *, exact: bool, contiguous: bool
         raise ValueError(f"q has {HQ} heads, not a multiple of ck1's {H} KV heads")
 
 
+def plan_for(q_shape, ck1_shape, ck2_shape, exact: bool, device_index: int) -> SelectDecodePlan:
+    """The default plan of `select_decode` for these shapes on CUDA device `device_index` (checked)."""
+    B, HQ, D = q_shape
+    H, N1 = ck1_shape[2], ck1_shape[1]
+    return _plan_for(B, H, HQ // H, N1, N1 if exact else ck2_shape[1], D, device_index)
+
+
+def scratch_floats(q_shape, num_kv_heads: int, plan: SelectDecodePlan) -> int:
+    """fp32 words of `add_select_decode`'s scratch (the coarse partials, the block scores and each
+    range's lead score); a multiple of 4 (16 bytes)."""
+    B, HQ, _ = q_shape
+    H = num_kv_heads
+    n = B * H * plan.coarse_ranges * (HQ // H) * 2 + B * H * 16 * plan.fine_tiles * plan.fine_ranges
+    return 4 * cdiv(n + B * H * plan.fine_ranges, 4)
+
+
 def add_select_decode(run: Launches, q, ck1, ck2, seqlens, out_len: int, *, topk: int, local_blocks: int,
                       init_blocks: int, softmax_scale, score_dtype: torch.dtype, exact: bool,
                       plan: SelectDecodePlan | None = None, dense_len: int = 0,
-                      topk_idx=None) -> torch.Tensor:
+                      topk_idx=None, scratch=None) -> torch.Tensor:
     """Adds `select_decode`'s three launches to `run` on checked inputs (`select_decode` checks them) and
-    returns the `topk_idx` they write (allocated here unless given, `[H, B, select_width(...)]`). The
-    scratch they use is allocated here and referenced by `run`'s arguments."""
+    returns the `topk_idx` they write (allocated here unless given, `[H, B, select_width(...)]`).
+    `scratch`: float32 of at least `scratch_floats(...)` words, 8-byte aligned (allocated here when
+    None), referenced by `run`'s arguments."""
     B, HQ, D = q.shape
     H = ck1.shape[2]
     G = HQ // H
@@ -280,9 +301,10 @@ def add_select_decode(run: Launches, q, ck1, ck2, seqlens, out_len: int, *, topk
     # one scratch allocation (fewer allocator calls on the eager path): part float2 [B, H, R2, G] first
     # (8-byte aligned), then blk [B, H, 16 T1 R1] and lead [B, H, R1]
     n_part, n_blk, n_lead = B * H * R2 * G * 2, B * H * 16 * T1 * R1, B * H * R1
-    scratch = torch.empty(n_part + n_blk + n_lead, dtype=torch.float32, device=dev)
+    if scratch is None:
+        scratch = torch.empty(scratch_floats(q.shape, H, plan), dtype=torch.float32, device=dev)
     part, blk = scratch[:n_part], scratch[n_part:n_part + n_blk]
-    lead = scratch[n_part + n_blk:]
+    lead = scratch[n_part + n_blk:n_part + n_blk + n_lead]
     mt, T = plan.row_tiles, CXX_TYPE[q.dtype]
     run.add(SOURCE, f"select_decode_coarse<{T}, {D}, {mt}>", (R2, H, B), (128 * mt,),
             plan.score_smem_bytes(D, False), COARSE_PARAMS,
@@ -305,9 +327,9 @@ def _topk_row_smem(out_len: int, kind: int) -> tuple[int, int]:
     then the CTA top-k's scratch."""
     olp = cdiv(out_len, 64) * 64
     smem = olp * (4 if kind == 0 else 2) + TOPK_SCRATCH_BYTES
-    if smem > MAX_SMEM:
+    if smem > SMEM_PER_BLOCK:
         raise ValueError(f"the cache's width ({out_len} blocks) needs {smem} B of shared memory for the "
-                         f"top-k row; at most {MAX_SMEM}")
+                         f"top-k row; at most {SMEM_PER_BLOCK}")
     return olp, smem
 
 

@@ -1,20 +1,22 @@
 """Launcher of kernels_cu/decode/sparse_decode.cu: split-KV decode attention over the selected (or all)
-64-key blocks of a KV cache, with LSE and optional attention weights. Design: docs/decode.md."""
+64-key blocks of a KV cache, with LSE and optional attention weights. Design: docs/decode.md.
+
+`add_sparse_decode` adds the launches to a decode step's `Launches` (decode/step.py, where the public
+`sparse_decode` and `infllmv2_decode` run them); `plan_decode` is the split plan, `check_plan` and
+`check_decode_kernel_inputs` the kernels' requirements."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import torch
 
 from .. import _jit
-from .._checks import check_aligned, check_flags, check_softmax_scale, check_tensor
+from .._checks import check_tensor
 from .._dtypes import KERNEL_DTYPES
 from .._launch import CXX_TYPE, Launches, empty
 from .._params import KernelParams, constants
-from .._rules import HEAD_DIMS, KV_BLOCK, cdiv, check_backend, runs_kernels
-from .naive import cache_tensors, naive_sparse_decode
+from .._rules import HEAD_DIMS, KV_BLOCK, SMEM_PER_BLOCK, cdiv
 
 SOURCE = "decode/sparse_decode.cu"
 WCHUNK = 1024          # positions per CTA of the weights pass
@@ -22,8 +24,6 @@ ROW_TILES = (1, 2, 4)  # MT: 16-row tiles of the query group, so G <= 64
 MAX_GROUP = 16 * ROW_TILES[-1]
 WEIGHTS = ("per_head", "per_kv_head")
 PMAX_GROUP = 16        # keys per recorded max of the relative probabilities (a warp's key quarter of a block)
-# dynamic shared memory of one CTA on sm_90 (sm_80: 163 KB; the default plans stay far below)
-MAX_SMEM = 227 * 1024
 
 # Split planning (docs/decode.md, 4. Splits and the merge): at most CTAS_PER_SM CTAs per SM, in one
 # wave (one per SM measured 1.05-1.18x faster than two on the H100 for dense decode and for sparse
@@ -134,83 +134,25 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, n_entries: int, sm_co
     return DecodePlan(mt, cdiv(n_entries, per), per)
 
 
-@functools.cache
-def sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, *,
-                  softmax_scale: float | None = None, return_lse: bool = False,
-                  return_attn_weights: bool = False, weights: str = "per_head",
-                  plan: DecodePlan | None = None, backend: str = "auto"):
-    r"""Decode attention of one query token per sequence over the selected 64-key blocks of its cache.
-
-    Sequence b attends to the positions `t < L_b` whose block `t // 64` is listed in
-    `topk_idx[h, b]` (all blocks when `topk_idx` is None), non-causally: the cache already holds
-    the current token. Same semantics as `naive_sparse_decode`, which CPU tensors run.
-
-    Args:
-        q (torch.Tensor):
-            `[B, HQ, D]` bf16/fp16, D in {64, 128}, the cache's dtype; G = HQ / H in [1, 64].
-        cache (DecodeCache or tuple):
-            A `DecodeCache`, or `(k_cache, v_cache, seqlens[, block_table])` as in
-            `naive_sparse_decode` (contiguous `[B, L_max, H, D]`, or paged
-            `[num_pages, page_size, H, D]` with page_size a multiple of 64 and `block_table int32
-            [B, max_pages]`; `seqlens` int32 `[B]`). Tuples are trusted: the table and the lengths are
-            not read on the host (a DecodeCache checked them when they were written).
-        topk_idx (torch.Tensor, Optional):
-            int32 `[H, B, K]` block indices local to each sequence; -1 padding, out-of-range and
-            repeated entries ignored. Default: None (dense decode over every block).
-        softmax_scale (float, Optional): Default: `D ** -0.5`.
-        return_lse (bool, Optional): Also return lse float32 `[B, HQ]` (natural log; +inf where
-            nothing is selected).
-        return_attn_weights (bool, Optional): Also return float32 probabilities over every position
-            of the cache's width W (L_max or max_pages * page_size), 0 where not selected or past
-            `L_b`: `[B, HQ, W]` (`weights="per_head"`) or summed over the group `[B, H, W]`
-            (`"per_kv_head"`).
-        plan (DecodePlan, Optional): Default: `plan_decode(...)` for these shapes and this GPU.
-        backend (str, Optional): "auto" (kernels for CUDA tensors, reference for CPU), "kernels" or
-            "reference".
-
-    Returns:
-        out `[B, HQ, D]` in q's dtype, then lse and weights if asked for.
-
-    The launch path reads nothing back from the device, so a step can be captured in a CUDA graph.
-    """
-    check_backend(backend)
-    check_flags(return_lse=return_lse, return_attn_weights=return_attn_weights)
-    if weights not in WEIGHTS:
-        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
-    if not runs_kernels(q, backend):
-        return naive_sparse_decode(q, cache, topk_idx, softmax_scale=softmax_scale, return_lse=return_lse,
-                                   return_attn_weights=return_attn_weights, weights=weights)
-    k, v, seqlens, bt, width = cache_tensors(cache)
-    B, _HQ, D, H, G, K = check_decode_kernel_inputs(q, k, v, seqlens, bt, topk_idx)
-    check_aligned(q=q, k_cache=k, v_cache=v)       # 16-byte cp.async rows
-    scale = check_softmax_scale(softmax_scale, D)
-    n_entries = K if topk_idx is not None else cdiv(width, KV_BLOCK)
-    if plan is None:
-        plan = plan_decode(B, H, G, n_entries, sm_count(q.device.index))
-    check_plan(plan, G, n_entries, D, K)
-    run = Launches(q.device)
-    res = add_sparse_decode(run, q, k, v, seqlens, bt, width, topk_idx, scale=scale, plan=plan,
-                            return_attn_weights=return_attn_weights, weights=weights)
-    run.run()
-    out, lse, w_out = res
-    res = [out]
-    if return_lse:
-        res.append(lse)
-    if return_attn_weights:
-        res.append(w_out)
-    return res[0] if len(res) == 1 else tuple(res)
+def scratch_floats(q_shape, num_kv_heads: int, width: int, plan: DecodePlan,
+                   return_attn_weights: bool) -> int:
+    """fp32 words of `add_sparse_decode`'s scratch: the merge's partials (none with one split), the
+    weights' fp16 probabilities and maxima, the log2 LSE; a multiple of 4 (16 bytes)."""
+    B, HQ, D = q_shape
+    S = plan.num_splits
+    n_o, n_l = (0, 0) if S == 1 else (B * HQ * S * D, B * HQ * S)
+    n_p, n_m = (weights_scratch_floats(B, num_kv_heads, HQ // num_kv_heads, width) if return_attn_weights
+                else (0, 0))
+    return 4 * cdiv(n_o + n_p + n_m + n_l + B * HQ, 4)
 
 
 def add_sparse_decode(run: Launches, q, k, v, seqlens, bt, width: int, topk_idx, *, scale: float,
-                      plan: DecodePlan,
-                      return_attn_weights: bool = False, weights: str = "per_head", out=None, lse=None):
+                      plan: DecodePlan, return_attn_weights: bool = False, weights: str = "per_head",
+                      out=None, lse=None, w_out=None, scratch=None):
     """Adds `sparse_decode`'s launches (split, merge unless one split, weights pass) to `run` on checked
     inputs and a checked plan, and returns `(out, lse, weights or None)` they write (allocated here
-    unless given). Their scratch is allocated here and referenced by `run`'s arguments."""
+    unless given). `scratch`: float32 of at least `scratch_floats(...)` words, 16-byte aligned
+    (allocated here when None), referenced by `run`'s arguments."""
     B, HQ, D = q.shape
     H = k.shape[2]
     G = HQ // H
@@ -224,19 +166,20 @@ def add_sparse_decode(run: Launches, q, k, v, seqlens, bt, width: int, topk_idx,
     direct = S == 1       # one split writes out and lse itself: no partials, no merge launch
     n_o, n_l = (0, 0) if direct else (B * HQ * S * D, B * HQ * S)
     n_p, n_m = weights_scratch_floats(B, H, G, width) if return_attn_weights else (0, 0)
-    scratch = torch.empty(n_o + n_p + n_m + n_l + B * HQ, dtype=torch.float32, device=dev)
+    if scratch is None:
+        scratch = torch.empty(scratch_floats(q.shape, H, width, plan, return_attn_weights),
+                              dtype=torch.float32, device=dev)
     # prel and pmax 16-byte aligned (n_o, n_p, n_m are multiples of 4 floats): 8- and 16-byte accesses
     o_part = scratch[:n_o]
     prel = scratch[n_o:n_o + n_p].view(torch.float16)
     pmax = scratch[n_o + n_p:n_o + n_p + n_m]
     lse_part = scratch[n_o + n_p + n_m:n_o + n_p + n_m + n_l]
-    lse2 = scratch[n_o + n_p + n_m + n_l:]
+    lse2 = scratch[n_o + n_p + n_m + n_l:n_o + n_p + n_m + n_l + B * HQ]
     if out is None:
         out = empty((B, HQ, D), dtype=q.dtype, device=dev)
     if lse is None:
         lse = empty((B, HQ), dtype=torch.float32, device=dev)
-    w_out = None
-    if return_attn_weights:
+    if return_attn_weights and w_out is None:
         w_out = empty((B, HQ if weights == "per_head" else H, width), dtype=torch.float32, device=dev)
     paged = bt is not None
     run.add(SOURCE, f"sparse_decode_split<{CXX_TYPE[q.dtype]}, {D}, {plan.row_tiles}>", (S, H, B),
@@ -287,9 +230,9 @@ def check_plan(plan, group: int, n_entries: int, head_dim: int, k: int = 0) -> N
     if not is_int or g < 0 or (g & (g - 1)) or (g and not 32 <= g * (head_dim // 4) <= MERGE_MAX_THREADS):
         raise ValueError("plan: merge_groups must be 0 (default) or a power of two with 32 <= merge_groups "
                          f"x D / 4 <= {MERGE_MAX_THREADS} at D = {head_dim}, got {g!r}")
-    if plan.split_smem_bytes(head_dim, k > 0, k) > MAX_SMEM:
+    if plan.split_smem_bytes(head_dim, k > 0, k) > SMEM_PER_BLOCK:
         raise ValueError(f"topk_idx: K = {k} entries need more shared memory than a CTA has "
-                         f"({plan.split_smem_bytes(head_dim, True, k)} > {MAX_SMEM} bytes)")
+                         f"({plan.split_smem_bytes(head_dim, True, k)} > {SMEM_PER_BLOCK} bytes)")
 
 
 def check_decode_kernel_inputs(q, k, v, seqlens, bt, topk_idx):

@@ -1,16 +1,33 @@
-"""The whole InfLLM-v2 decode step over a `DecodeCache` (stage 1 for decode, top-k, sparse decode), and
-chunked prefill into the cache. Design: docs/decode.md ("The decode step", "Chunked prefill into the
-cache").
+"""The InfLLM-v2 decode step over a KV cache, as one body with a plan/run split, and chunked prefill into
+the cache. Design: docs/decode.md ("The decode step", "Custom ops and torch.compile", "Chunked prefill
+into the cache").
+
+One body, `run_step`, computes every decode call: stage 1 on the cache's compressed keys (or a given
+selection, or none: dense), then attention over the selected blocks, with the outputs a `StepSpec`
+asks for. A `StepSpec` is the plan half: what the step computes, as values (the config's fields, the
+outputs, the backend), hashable, and encoded as one string for the custom op. The run half, on CUDA
+tensors, is a `StepPlan`: the step's launches prepared once per (spec, tensor shapes), holding no
+device memory (every tensor, the one workspace allocation included, is re-pointed at each run), kept
+in one bounded store that every entry shares. Three entries reach the body:
+
+  * `infllmv2_decode(q, cache, ...)`: the whole step on a `DecodeCache` (eager; under torch.compile it
+    calls the op);
+  * `sparse_decode(q, cache, topk_idx, ...)`: attention over a given selection (or every block);
+  * the custom op `infllm_cupy::infllmv2_decode(q, k_cache, v_cache, ck1, ck2, seqlens, block_table,
+    topk_idx, spec)`: what compiled callers (and the transformers backend under torch.compile) run.
 
 `infllmv2_decode` is `naive_infllmv2_decode` (the oracle) on the cache the step keeps: the same
 dense/sparse rule (spec section 9: dense while the longest cache, the current token included, is
 shorter than `dense_len`), the same stage 1 (non-causal over the complete compressed windows,
 `cache_lens = L - 1`, spec section 4.4), the same top-k with forced init and local blocks, then
-attention over the selected blocks. CPU tensors run the references, CUDA tensors the kernels
-(the split stage-1 decode kernels, `sparse_decode`). `decode_select` and the ops' `decode_step` share
-this module's checks, dense/sparse rule and stage 1 (docs/decode.md, "The decode step").
+attention over the selected blocks. CPU tensors (or `backend="reference"`) run the references, CUDA
+tensors the kernels (the split stage-1 decode kernels, the split-KV attention).
 """
 from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
 
 import torch
 
@@ -22,26 +39,32 @@ from .._rules import (
     KV_BLOCK,
     cdiv,
     check_backend,
+    check_kernel_block,
     n_windows_of,
     runs_kernels,
     selection_slots,
+    sm_count,
+    softmax_scale_of,
     uses_dense,
 )
 from ..config import InfLLMv2Config, check_config
 from ..prefill import prefill
 from ..stage1 import naive_stage1_select, stage1_select
-from .cache import DecodeCache, capturing
-from .naive import sparse_decode_checked
-from .select_decode import add_select_decode, check_select_inputs, select_decode
+from .cache import DecodeCache, cache_tensors, capturing, cu_seqlens_of
+from .naive import check_sparse_decode_inputs, naive_sparse_decode, sparse_decode_checked
+from .select_decode import add_select_decode, check_select_inputs, plan_for, select_decode, select_width
+from .select_decode import scratch_floats as select_scratch_floats
 from .sparse_decode import (
     WEIGHTS,
+    DecodePlan,
     add_sparse_decode,
     check_decode_kernel_inputs,
     check_plan,
     plan_decode,
-    sm_count,
 )
+from .sparse_decode import scratch_floats as attention_scratch_floats
 
+Tensor = torch.Tensor
 STAGE1 = ("decode", "prefill")   # the `stage1=` argument: which stage-1 kernel runs on CUDA tensors
 
 
@@ -148,7 +171,8 @@ def layout_of(ck1: torch.Tensor, ck2: torch.Tensor, seqlens: torch.Tensor, exact
 
 
 def select_on_cache(q, ck1, ck2, seqlens, width: int, cfg: InfLLMv2Config, *, kern: bool,
-                    stage1: str = "decode", kernel: str = "auto", static_k: bool = True) -> torch.Tensor:
+                    stage1: str = "decode", kernel: str = "auto", static_k: bool = True,
+                    width_k: int | None = None) -> torch.Tensor:
     """Stage 1 for decode over the cache's compressed keys (`ck1 [B, N1, H, D]`, `ck2 [B, N2, H, D]`,
     `seqlens int32 [B]`, `width` its positions per sequence), `topk_idx int32 [H, B, K]`, on arguments
     checked by the caller (`check_stage1` among them): the one implementation of `decode_select`, the
@@ -164,12 +188,14 @@ def select_on_cache(q, ck1, ck2, seqlens, width: int, cfg: InfLLMv2Config, *, ke
 
     Otherwise the reference (`naive_stage1_select` over `layout_of`'s view, without its checks: the
     caller checked q against the keys, and the view is built here), K sized on the longest sequence as
-    `naive_infllmv2_decode`, or padded with -1 to the static K with `static_k`.
+    `naive_infllmv2_decode`, or padded with -1 to the static K with `static_k` (to `width_k` where
+    given: a device-decided step's rows, `select_width`).
     """
     K = selection_slots(cfg.topk, cfg.local_blocks, cdiv(width, cfg.block_size))
+    if width_k is not None:
+        K = width_k
     if kern:
-        if cfg.block_size != KV_BLOCK:
-            raise ValueError(f"config: block_size must be {KV_BLOCK} for the kernels, got {cfg.block_size}")
+        check_kernel_block(cfg.block_size, "config: block_size")
         if stage1 == "decode":
             return select_decode(q.contiguous(), ck1, ck2, seqlens, cdiv(width, KV_BLOCK), topk=cfg.topk,
                                  local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks,
@@ -217,6 +243,317 @@ def decode_select(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Config
                            stage1=stage1, kernel=kernel, static_k=kern)
 
 
+# ------------------------------------------------------------------------------------------ the plan
+SELECT = ("stage1", "given", "dense")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """What one decode call computes, as values: the plan half of the step (hashable, one string for
+    the custom op: `encode` / `decode`).
+
+    Attributes:
+        select (str): "stage1": stage 1 on the cache's compressed keys picks the blocks; "given": the
+            call passes `topk_idx`; "dense": every block.
+        topk, local_blocks, init_blocks, exact, score_dtype (str): stage 1's (`InfLLMv2Config`).
+        dense_len (int): with "stage1", > 0 applies spec section 9's rule inside the step from the
+            device lengths (a dense step's rows list every block; what compiled and captured steps
+            run); 0 always selects (an eager caller decided the path on the host).
+        static_k (bool): the reference's selection padded with -1 to the kernels' static width
+            (`select_width`), as the op's shapes need; False: sized on the longest sequence, as
+            `naive_infllmv2_decode`.
+        block_size (int): the key block (the kernels take 64 only).
+        softmax_scale (float or None): None is `1 / sqrt(D)`.
+        return_lse (bool), weights (str: "" none, "per_head", "per_kv_head"), return_topk_idx (bool):
+            the outputs after `out`, in that order.
+        backend (str): "auto", "kernels" or "reference" (the op honours it on CUDA tensors too).
+        decode_plan (tuple or None): a `DecodePlan`'s fields (`sparse_decode(plan=...)`), None for
+            `plan_decode`'s.
+    """
+    select: str
+    topk: int = 0
+    local_blocks: int = 0
+    init_blocks: int = 0
+    exact: bool = False
+    score_dtype: str = "float32"
+    dense_len: int = 0
+    static_k: bool = True
+    block_size: int = KV_BLOCK
+    softmax_scale: float | None = None
+    return_lse: bool = False
+    weights: str = ""
+    return_topk_idx: bool = False
+    backend: str = "auto"
+    decode_plan: tuple | None = None
+
+    def encode(self) -> str:
+        """The spec as one string (the custom op's argument); `StepSpec.decode` inverts it."""
+        return _encode(self)
+
+    @staticmethod
+    def decode(text: str) -> StepSpec:
+        return _decode(text)
+
+    @property
+    def score(self) -> torch.dtype:
+        return getattr(torch, self.score_dtype)
+
+    def config(self) -> InfLLMv2Config:
+        """The stage-1 fields as a config (the reference's selection takes one)."""
+        return _config_of(self)
+
+    def plan(self) -> DecodePlan | None:
+        if self.decode_plan is None:
+            return None
+        rt, ns, per, mg, pdl = self.decode_plan
+        return DecodePlan(rt, ns, per, merge_groups=mg, pdl=pdl)
+
+    def n_outputs(self) -> int:
+        return 1 + self.return_lse + bool(self.weights) + self.return_topk_idx
+
+
+def _encode(spec: StepSpec) -> str:
+    return repr(dataclasses.astuple(spec))
+
+
+@functools.lru_cache(maxsize=256)
+def _decode(text: str) -> StepSpec:
+    try:
+        return StepSpec(*ast.literal_eval(text))
+    except (ValueError, SyntaxError, TypeError) as e:
+        raise ValueError(f"spec: not a StepSpec's encoding ({e}): {text[:200]!r}") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _config_of(spec: StepSpec) -> InfLLMv2Config:
+    return InfLLMv2Config(topk=spec.topk, local_blocks=spec.local_blocks, init_blocks=spec.init_blocks,
+                          block_size=spec.block_size, softmax_scale=spec.softmax_scale,
+                          score_dtype=spec.score, exact_stage1=spec.exact, dense_len=max(spec.dense_len, 0))
+
+
+def step_spec(cfg: InfLLMv2Config, *, select: str, device_dense: bool = False, return_lse: bool = False,
+              weights: str = "", return_topk_idx: bool = False, backend: str = "auto",
+              static_k: bool = True) -> StepSpec:
+    """The spec of a step with `cfg`'s stage 1: `select` as `StepSpec.select`; `device_dense` keeps the
+    config's dense rule inside the step (spec section 9, decided on the device)."""
+    return StepSpec(select, cfg.topk, cfg.local_blocks, cfg.init_blocks, cfg.exact_stage1,
+                    str(cfg.score_dtype).removeprefix("torch."),
+                    max(cfg.dense_len, 0) if device_dense and select == "stage1" else 0, static_k,
+                    cfg.block_size, cfg.softmax_scale, return_lse, weights, return_topk_idx, backend)
+
+
+def attention_spec(*, given: bool, softmax_scale, return_lse: bool, weights: str, backend: str,
+                   plan: DecodePlan | None) -> StepSpec:
+    """The spec of `sparse_decode`: attention over a given selection, or over every block."""
+    dp = (None if plan is None
+          else (plan.row_tiles, plan.num_splits, plan.per_split, plan.merge_groups, plan.pdl))
+    return StepSpec("given" if given else "dense", softmax_scale=softmax_scale, return_lse=return_lse,
+                    weights=weights, backend=backend, decode_plan=dp)
+
+
+# ------------------------------------------------------------------------------------------ the body
+def run_step(q, k, v, ck1, ck2, seqlens, block_table, topk_idx, spec: StepSpec, *, kernels: bool,
+             host_lens: list[int] | None = None) -> list:
+    """The decode step: `[out, lse?, weights?, topk_idx?]` as `spec` asks (a dense step's topk_idx
+    decided on the host is None), on arguments its caller checked (`infllmv2_decode`, `sparse_decode`,
+    the op). `kernels`: the prepared launches (`StepPlan`); otherwise the references, with the lengths
+    `host_lens` where the caller knows them (else read from `seqlens`)."""
+    if kernels:
+        return plan_step(spec, q, k, v, ck1, ck2, seqlens, block_table, topk_idx).run(
+            q, k, v, ck1, ck2, seqlens, block_table, topk_idx)
+    return _reference_step(q, k, v, ck1, ck2, seqlens, block_table, topk_idx, spec, host_lens)
+
+
+def _reference_step(q, k, v, ck1, ck2, seqlens, bt, topk_idx, spec: StepSpec, host_lens) -> list:
+    width = k.shape[1] * bt.shape[1] if bt is not None else k.shape[1]
+    idx = attend = topk_idx if spec.select == "given" else None
+    if spec.select == "stage1":
+        lens = host_lens if host_lens is not None else [int(x) for x in seqlens.cpu().tolist()]
+        kout = select_width(spec.topk, spec.local_blocks, cdiv(width, spec.block_size), spec.dense_len)
+        if uses_dense(spec.dense_len, max(lens, default=0)):
+            idx = _dense_rows(lens, k.shape[2], kout, spec.block_size, q.device) if spec.static_k else None
+        else:
+            idx = attend = select_on_cache(q, ck1, ck2, seqlens, width, spec.config(), kern=False,
+                                           static_k=spec.static_k, width_k=kout)
+    scale = softmax_scale_of(spec.softmax_scale, q.shape[2])
+    res = sparse_decode_checked(q, k, v, seqlens, bt, width, attend, scale=scale, block_size=spec.block_size,
+                                return_lse=True, return_attn_weights=bool(spec.weights),
+                                weights=spec.weights or "per_head")
+    out, lse, w = res if spec.weights else (*res, None)
+    return _asked(spec, out, lse, w, idx)
+
+
+def _dense_rows(lens, H: int, width: int, block_size: int, device) -> torch.Tensor:
+    """A dense step's selection rows as the device-decided kernels write them: blocks `0 .. cdiv(L_b,
+    block_size) - 1`, then -1 (`[H, B, width]`)."""
+    j = torch.arange(width, dtype=torch.int32)
+    n = torch.tensor([cdiv(L, block_size) for L in lens], dtype=torch.int32)
+    rows = torch.where(j[None, :] < n[:, None], j[None, :], torch.full_like(j, -1)[None, :])
+    return rows[None].expand(H, -1, -1).contiguous().to(device)
+
+
+def _asked(spec: StepSpec, out, lse, w, idx) -> list:
+    res = [out]
+    if spec.return_lse:
+        res.append(lse)
+    if spec.weights:
+        res.append(w)
+    if spec.return_topk_idx:
+        res.append(idx)
+    return res
+
+
+# --------------------------------------------------------------------------------------- the run half
+class StepPlan:
+    """A decode step's launches for one (spec, tensor shapes), prepared once (docs/decode.md, 6): built
+    after every check of the kernels' requirements; it holds no device memory, so any call of the same
+    shapes runs it (the eager entries, the op, a captured graph). `run` allocates the outputs asked
+    for and one fp32 workspace (stage 1's scratch, the merge's partials, the outputs not asked for),
+    re-points every tensor field and launches on torch's current stream."""
+
+    __slots__ = ("outs", "program", "spec", "work")
+
+    def __init__(self, spec: StepSpec, program, outs, work: int):
+        self.spec, self.program, self.outs, self.work = spec, program, outs, work
+
+    def run(self, q, k, v, ck1, ck2, seqlens, block_table, topk_idx) -> list:
+        dev = q.device
+        fresh = {name: empty(shape, dtype=dtype, device=dev) for name, shape, dtype in self.outs}
+        work = torch.empty(self.work, dtype=torch.float32, device=dev)
+        bind = dict(q=q, k=k, v=v, seqlens=seqlens, work=work, **fresh)
+        if self.spec.select == "stage1":
+            bind["ck1"] = ck1
+            if not self.spec.exact:
+                bind["ck2"] = ck2
+        elif self.spec.select == "given":
+            bind["topk_idx_in"] = topk_idx
+        if block_table is not None:
+            bind["block_table"] = block_table
+        self.program.run(**bind)
+        idx = fresh.get("topk_idx", topk_idx if self.spec.select == "given" else None)
+        return _asked(self.spec, fresh["out"], fresh.get("lse"), fresh.get("weights"), idx)
+
+
+_PLANS: dict = {}
+_MAX_PLANS = 256
+
+
+def _signature(t) -> tuple | None:
+    """What a prepared step depends on in a tensor: shape, dtype, device, layout (not its address or
+    values)."""
+    return None if t is None else (t.shape, t.dtype, t.device, t.is_contiguous())
+
+
+def plan_step(spec: StepSpec, q, k, v, ck1, ck2, seqlens, block_table, topk_idx) -> StepPlan:
+    """The `StepPlan` of these tensors' shapes, from the store, or built after every check of the
+    kernels' requirements (raising as they do). A call whose tensors are not 16-byte aligned goes to
+    the checks, which name it."""
+    key = (spec, _signature(q), _signature(k), _signature(v), _signature(ck1), _signature(ck2),
+           _signature(seqlens), _signature(block_table), _signature(topk_idx))
+    plan = _PLANS.get(key)
+    aligned = not ((q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15)
+    if plan is None or not aligned:
+        plan = _build_plan(spec, q, k, v, ck1, ck2, seqlens, block_table, topk_idx)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
+
+
+def n_plans() -> int:
+    """How many prepared steps the store holds."""
+    return len(_PLANS)
+
+
+def _build_plan(spec: StepSpec, q, k, v, ck1, ck2, seqlens, bt, topk_idx) -> StepPlan:
+    check_kernel_block(spec.block_size, "config: block_size" if spec.select == "stage1" else "block_size")
+    given = topk_idx if spec.select == "given" else None
+    B, HQ, D, H, G, _K = check_decode_kernel_inputs(q, k, v, seqlens, bt, given)
+    check_aligned(q=q, k_cache=k, v_cache=v)
+    scale = check_softmax_scale(spec.softmax_scale, D)
+    width = k.shape[1] * bt.shape[1] if bt is not None else k.shape[1]
+    out_len = cdiv(width, KV_BLOCK)
+    dev = q.device
+    splan, sdt, kout = None, None, 0
+    if spec.select == "stage1":
+        sdt = check_select_inputs(q, ck1, ck2, seqlens, score_dtype=spec.score, exact=spec.exact,
+                                  dense_len=spec.dense_len, q_checked=True)
+        splan = plan_for(q.shape, ck1.shape, None if spec.exact else ck2.shape, spec.exact, dev.index)
+        kout = select_width(spec.topk, spec.local_blocks, out_len, spec.dense_len)
+    n_entries = {"stage1": kout, "given": _K, "dense": out_len}[spec.select]
+    plan = spec.plan() or plan_decode(B, H, G, n_entries, sm_count(dev.index))
+    check_plan(plan, G, n_entries, D, n_entries if spec.select != "dense" else 0)
+    # the outputs asked for are their own tensors; the rest lives in the workspace (16-byte pieces)
+    outs = [("out", (B, HQ, D), q.dtype)]
+    if spec.return_lse:
+        outs.append(("lse", (B, HQ), torch.float32))
+    if spec.weights:
+        outs.append(("weights", (B, HQ if spec.weights == "per_head" else H, width), torch.float32))
+    if spec.return_topk_idx and spec.select == "stage1":
+        outs.append(("topk_idx", (H, B, kout), torch.int32))
+    n_sel = select_scratch_floats(q.shape, H, splan) if splan is not None else 0
+    n_att = attention_scratch_floats(q.shape, H, width, plan, bool(spec.weights))
+    n_lse = 0 if spec.return_lse else 4 * cdiv(B * HQ, 4)
+    n_idx = 4 * cdiv(H * B * kout, 4) if splan is not None and not spec.return_topk_idx else 0
+    work = torch.empty(n_sel + n_att + n_lse + n_idx, dtype=torch.float32, device=dev)
+    fresh = {name: empty(shape, dtype=dtype, device=dev) for name, shape, dtype in outs}
+    lse = fresh.get("lse", work[n_sel + n_att:n_sel + n_att + B * HQ])
+    run = Launches(dev)
+    if splan is not None:
+        idx = fresh.get("topk_idx")
+        if idx is None:
+            at = n_sel + n_att + n_lse
+            idx = work[at:at + H * B * kout].view(torch.int32).view(H, B, kout)
+        add_select_decode(run, q, ck1, ck2, seqlens, out_len, topk=spec.topk, local_blocks=spec.local_blocks,
+                          init_blocks=spec.init_blocks, softmax_scale=scale, score_dtype=sdt,
+                          exact=spec.exact, plan=splan, dense_len=spec.dense_len, topk_idx=idx,
+                          scratch=work[:n_sel])
+    else:
+        idx = given
+    add_sparse_decode(run, q, k, v, seqlens, bt, width, idx, scale=scale, plan=plan,
+                      return_attn_weights=bool(spec.weights), weights=spec.weights or "per_head",
+                      out=fresh["out"], lse=lse, w_out=fresh.get("weights"),
+                      scratch=work[n_sel:n_sel + n_att])
+    bind = dict(q=q, k=k, v=v, seqlens=seqlens, work=work, **fresh)
+    if splan is not None:
+        bind["ck1"] = ck1
+        if not spec.exact:
+            bind["ck2"] = ck2
+    if given is not None:
+        bind["topk_idx_in"] = given
+    if bt is not None:
+        bind["block_table"] = bt
+    return StepPlan(spec, run.program(strict=True, **bind), outs, work.numel())
+
+
+# ------------------------------------------------------------------------- graphs of the eager entry
+class StepGraph:
+    """A CUDA graph of one `StepPlan` on one cache (`DecodeCache.graphs`): captured at its first call on
+    static copies of q and the outputs (after running the launches once, which loads every kernel);
+    later calls copy q in, replay and return clones of the outputs. The same launches on the same
+    plan: the same bits."""
+
+    __slots__ = ("graph", "plan", "static")
+
+    def __init__(self, plan: StepPlan):
+        self.plan, self.graph, self.static = plan, None, None
+
+    def run(self, q, cache: DecodeCache) -> list:
+        tensors = (cache.k, cache.v, cache.ck1, cache.ck2, cache.seqlens, cache.block_table, None)
+        if self.graph is None:
+            static_q = q.clone()
+            self.plan.run(static_q, *tensors)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                res = self.plan.run(static_q, *tensors)
+            self.graph, self.static = graph, (static_q, res)
+        else:
+            self.static[0].copy_(q)
+        self.graph.replay()
+        return [t.clone() if t is not None else None for t in self.static[1]]
+
+
+# ----------------------------------------------------------------------------------- the entries
 def infllmv2_decode(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Config | None = None,
                     return_attn_weights: bool = False, weights: str = "per_head", return_lse: bool = False,
                     return_topk_idx: bool = False, backend: str = "auto", kernel: str = "auto",
@@ -228,23 +565,23 @@ def infllmv2_decode(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Conf
     `cache.max_len()`, a host value) is shorter than `config.dense_len`, every sequence attends
     densely to its whole cache; from there on, stage 1 picks `K = topk + local_blocks` blocks per
     (sequence, KV head) from the cache's compressed keys (`decode_select`) and attention reads those
-    blocks only (`sparse_decode`). Same results as `naive_infllmv2_decode` on the packed cache.
+    blocks only. Same results as `naive_infllmv2_decode` on the packed cache.
 
     Args:
         q (torch.Tensor):
             `[B, HQ, D]`, one token per sequence, the cache's dtype and device; heads `h*G ..
             h*G+G-1` on KV head h. Kernels: bf16/fp16, D in {64, 128}, G <= 64.
-        cache (DecodeCache):
-            Contiguous or paged; compressions 32/16 and 128/64 (the config's must match).
-        config (InfLLMv2Config, Optional): Default: MiniCPM4's. Kernels need `block_size = 64`.
+        cache (DecodeCache): the cache, the current token's key and value appended.
+        config (InfLLMv2Config, Optional): Default: MiniCPM4's. Its compressions must be the cache's
+            (32/16 and 128/64); the kernels need `block_size` 64.
         return_attn_weights (bool, Optional): Also return the float32 probabilities over the cache's
             width W (`cache.capacity`), 0 where not selected or past `L_b`: `[B, HQ, W]`
             (`weights="per_head"`) or summed over each group `[B, H, W]` (`"per_kv_head"`).
         return_lse (bool, Optional): Also return lse float32 `[B, HQ]` (natural log).
         return_topk_idx (bool, Optional): Also return the selection `int32 [H, B, K]`: None on a dense
-            step decided on the host; a step decided on the device (the host mirror lags after captured
-            or compiled appends) returns the rows it attended, every block of each sequence
-            (docs/decode.md, 6).
+            step decided on the host; a step decided on the device (under torch.compile, or when the
+            host mirror lags after captured or compiled appends) returns the rows it attended, every
+            block of each sequence on a dense step (docs/decode.md, 6).
         backend (str, Optional): "auto" (kernels for CUDA tensors, references for CPU), "kernels"
             or "reference".
         kernel (str, Optional): the kernel generation, "auto" | "sm80" | "sm90a" as in every op
@@ -258,207 +595,290 @@ def infllmv2_decode(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Conf
         out `[B, HQ, D]` in q's dtype, then lse, weights and topk_idx as asked, in that order.
 
     Host synchronisation on the kernel path: none. The dense/sparse choice reads the cache's host
-    mirror of the lengths, the stage-1 layout and `cache_lens` are built on the device, the stage-1
-    output is sized on the cache's width and `sparse_decode` reads nothing back, so the step (with
-    `cache.append`) captures in a CUDA graph; the graph keeps the path (dense or sparse) it was
-    captured on (the op `infllm_cupy::infllmv2_decode` decides on the device instead). The reference
-    path reads lengths on the host.
+    mirror of the lengths, the stage-1 output is sized on the cache's width and the attention reads
+    nothing back, so the step (with `cache.append`) captures in a CUDA graph; the graph keeps the path
+    (dense or sparse) it was captured on. Under torch.compile the step is the custom op
+    `infllm_cupy::infllmv2_decode`, which decides dense or sparse on the device (`fullgraph=True`
+    works; `cache.append` traces too). The reference path reads lengths on the host.
 
-    Eager calls on a CUDA cache (`stage1="decode"`) reuse prepared launches kept on the cache, one set
-    per (q shape, config, outputs, path), after the first call's full checks (docs/decode.md, 6); with
-    `cache.graphs` they replay a CUDA graph of them.
-
-    Checks: the arguments once, here (`check_step_inputs`); on CUDA tensors the kernels' own
-    requirements once more (`step_launches`); what runs below takes them as checked.
+    Every call runs `run_step`; on CUDA tensors its launches are prepared once per (config, outputs,
+    shapes) and shared with the op and `sparse_decode` (docs/decode.md, 6); with `cache.graphs` eager
+    calls replay a CUDA graph of them. The arguments are checked at a configuration's first call;
+    later calls check only what can change between calls.
     """
-    if (kernel in _FAST_KERNELS and stage1 == "decode" and backend in _FAST_BACKENDS
-            and isinstance(cache, DecodeCache) and cache.k.is_cuda):
-        fast = _fast_step(q, cache, config, return_attn_weights, weights, return_lse, return_topk_idx)
+    if torch.compiler.is_compiling():
+        return _traced_step(q, cache, config, return_attn_weights, weights, return_lse, return_topk_idx,
+                            backend, kernel, stage1)
+    if stage1 == "decode" and kernel in _DECODE_KERNELS and type(cache) is DecodeCache:
+        fast = _prepared_step(q, cache, config, return_attn_weights, weights, return_lse, return_topk_idx,
+                              backend)
         if fast is not None:
             return fast
     check_flags(return_attn_weights=return_attn_weights, return_lse=return_lse,
                 return_topk_idx=return_topk_idx)
     cfg, kern = check_step_inputs(q, cache, config, weights, backend, kernel, stage1)
-    dense = is_dense(cache, cfg)
-    keys = (cache.ck1, cache.ck2, cache.seqlens, cache.capacity, cfg)      # what stage 1 reads
+    w = weights if return_attn_weights else ""
     if kern:
-        # q as the prepared path takes it (a contiguous copy where it is not); stage 1 among the step's
-        # launches unless it runs on the prefill kernel
         q = q.contiguous()
-        topk_idx = None
-        if not dense and stage1 != "decode":
-            topk_idx = select_on_cache(q, *keys, kern=True, stage1=stage1, kernel=kernel)
-        run, (out, lse, w, topk_idx) = step_launches(
-            q, cache.k, cache.v, cache.ck1, cache.ck2, cache.seqlens, cache.block_table, cache.capacity, cfg,
-            dense=dense, topk_idx=topk_idx, return_attn_weights=return_attn_weights, weights=weights)
-        run.run()
+        if q.data_ptr() % 16:
+            q = q.clone()
+    topk_idx = None
+    if not cache.lengths_in_sync and kern:
+        spec = step_spec(cfg, select="stage1", device_dense=True, return_lse=return_lse, weights=w,
+                         return_topk_idx=return_topk_idx, backend=backend)
+    elif is_dense(cache, cfg):
+        spec = step_spec(cfg, select="dense", return_lse=return_lse, weights=w, backend=backend)
+    elif kern and stage1 == "prefill":
+        topk_idx = select_on_cache(q, cache.ck1, cache.ck2, cache.seqlens, cache.capacity, cfg, kern=True,
+                                   stage1=stage1, kernel=kernel)
+        spec = step_spec(cfg, select="given", return_lse=return_lse, weights=w,
+                         return_topk_idx=return_topk_idx, backend=backend)
     else:
-        topk_idx = None if dense else select_on_cache(q, *keys, kern=False, static_k=False)
-        res = sparse_decode_checked(q, cache.k, cache.v, cache.seqlens, cache.block_table, cache.capacity,
-                                     topk_idx, scale=check_softmax_scale(cfg.softmax_scale, q.shape[2]),
-                                     block_size=cfg.block_size, return_lse=True,
-                                     return_attn_weights=return_attn_weights, weights=weights)
-        out, lse, w = res if return_attn_weights else (*res, None)
-    return _results(out, lse, w, topk_idx, return_lse, return_attn_weights, return_topk_idx)
+        spec = step_spec(cfg, select="stage1", return_lse=return_lse, weights=w,
+                         return_topk_idx=return_topk_idx, backend=backend, static_k=kern)
+    if kern and stage1 == "decode" and kernel in _DECODE_KERNELS and backend in _FAST_BACKENDS:
+        # later calls of this configuration take the prepared path
+        path = {"stage1": "device" if spec.dense_len else "stage1", "dense": "dense"}[spec.select]
+        _remember_spec(config, return_lse, w, return_topk_idx, backend, path, spec)
+    res = run_step(q, cache.k, cache.v, cache.ck1, cache.ck2, cache.seqlens, cache.block_table, topk_idx,
+                   spec, kernels=kern, host_lens=None if kern else cache.current_lengths())
+    if return_topk_idx and spec.select == "dense":
+        res.append(None)
+    return res[0] if len(res) == 1 else tuple(res)
+
+
+_DECODE_KERNELS = ("auto", "sm80")     # `kernel=` values that run the decode kernels
+_SPECS: dict = {}                      # (id(config), outputs, backend, path) -> (config, StepSpec)
+
+
+def _prepared_step(q, cache: DecodeCache, config, return_attn_weights, weights, return_lse, return_topk_idx,
+                   backend):
+    """`infllmv2_decode` on a CUDA cache through its prepared `StepPlan`, checking only what can differ
+    between calls of one configuration; None where the checked path must run (its first call, anything
+    unusual: that path raises what is wrong)."""
+    if not (type(q) is torch.Tensor and q.is_cuda and cache.k.is_cuda and backend in _FAST_BACKENDS):
+        return None
+    if (type(return_attn_weights) is not bool or type(return_lse) is not bool
+            or type(return_topk_idx) is not bool or weights not in WEIGHTS):
+        return None
+    k = cache.k
+    if (q.dim() != 3 or q.dtype != k.dtype or q.get_device() != k.get_device() or q.shape[2] != k.shape[3]
+            or q.shape[0] != cache.seqlens.shape[0] or q.shape[1] % k.shape[2]):
+        return None          # the checked path names what differs
+    if not q.is_contiguous():
+        q = q.contiguous()
+    if q.data_ptr() % 16:
+        return None
+    if not cache.lengths_in_sync:
+        path = "device"      # the mirror lags (captured or compiled appends): decided on the device
+    else:
+        lens = cache.lengths()
+        if not lens or min(lens) < 1:
+            return None      # the checked path raises, naming the lengths
+        path = "dense" if max(lens) < (_DEFAULT_DENSE if config is None else config.dense_len) else "stage1"
+    w = weights if return_attn_weights else ""
+    key = (id(config), return_lse, w, return_topk_idx, backend, path)
+    entry = _SPECS.get(key)
+    if entry is None or entry[0] is not config:
+        return None          # first call of this configuration: the checked path builds the entry
+    spec = entry[1]
+    if cache.graphs:
+        g = cache.prepared((spec, q.shape, q.dtype, q.device),
+                           lambda: StepGraph(plan_step(spec, q, *_cache_args(cache))))
+        res = g.run(q, cache)
+    else:
+        res = plan_step(spec, q, *_cache_args(cache)).run(q, *_cache_args(cache))
+    if return_topk_idx and path == "dense":
+        res.append(None)
+    return res[0] if len(res) == 1 else tuple(res)
+
+
+def _cache_args(cache: DecodeCache) -> tuple:
+    return cache.k, cache.v, cache.ck1, cache.ck2, cache.seqlens, cache.block_table, None
+
+
+def _remember_spec(config, return_lse, w, return_topk_idx, backend, path, spec) -> None:
+    if len(_SPECS) >= 256:
+        _SPECS.clear()
+    _SPECS[(id(config), return_lse, w, return_topk_idx, backend, path)] = (config, spec)
+
+
+_DEFAULT_DENSE = InfLLMv2Config().dense_len
+_FAST_BACKENDS = ("auto", "kernels")
+
+
+def _traced_step(q, cache, config, return_attn_weights, weights, return_lse, return_topk_idx, backend, kernel,
+                 stage1):
+    """`infllmv2_decode` inside torch.compile: the arguments' checks (traced once), then the op, which
+    decides dense or sparse on the device and honours `backend`."""
+    check_flags(return_attn_weights=return_attn_weights, return_lse=return_lse,
+                return_topk_idx=return_topk_idx)
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    if stage1 != "decode":
+        raise ValueError("stage1='prefill' reads lengths on the host and cannot run under torch.compile; use "
+                         "stage1='decode'")
+    cfg, _ = _check_select_args(q, cache, config, backend, kernel, stage1)
+    spec = step_spec(cfg, select="stage1", device_dense=True, return_lse=return_lse,
+                     weights=weights if return_attn_weights else "", return_topk_idx=return_topk_idx,
+                     backend=backend)
+    res = infllmv2_decode_op(q, cache.k, cache.v, cache.ck1, cache.ck2, cache.seqlens, cache.block_table,
+                             None, spec.encode())
+    return res[0] if len(res) == 1 else tuple(res)
+
+
+def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, *,
+                  softmax_scale: float | None = None, return_lse: bool = False,
+                  return_attn_weights: bool = False, weights: str = "per_head",
+                  plan: DecodePlan | None = None, backend: str = "auto"):
+    r"""Decode attention of one query token per sequence over the selected 64-key blocks of its cache.
+
+    Sequence b attends to the positions `t < L_b` whose block `t // 64` is listed in
+    `topk_idx[h, b]` (all blocks when `topk_idx` is None), non-causally: the cache already holds
+    the current token. Same semantics as `naive_sparse_decode`, which CPU tensors run.
+
+    Args:
+        q (torch.Tensor):
+            `[B, HQ, D]` bf16/fp16, D in {64, 128}, the cache's dtype; G = HQ / H in [1, 64].
+        cache (DecodeCache or tuple):
+            A `DecodeCache`, or `(k_cache, v_cache, seqlens[, block_table])` as in
+            `naive_sparse_decode` (contiguous `[B, L_max, H, D]`, or paged
+            `[num_pages, page_size, H, D]` with page_size a multiple of 64 and `block_table int32
+            [B, max_pages]`; `seqlens` int32 `[B]`). Tuples are trusted: the table and the lengths are
+            not read on the host (a DecodeCache checked them when they were written).
+        topk_idx (torch.Tensor, Optional):
+            int32 `[H, B, K]` block indices local to each sequence; -1 padding, out-of-range and
+            repeated entries ignored. Default: None (dense decode over every block).
+        softmax_scale (float, Optional): Default: `D ** -0.5`.
+        return_lse (bool, Optional): Also return lse float32 `[B, HQ]` (natural log; +inf where
+            nothing is selected).
+        return_attn_weights (bool, Optional): Also return float32 probabilities over every position
+            of the cache's width W (L_max or max_pages * page_size), 0 where not selected or past
+            `L_b`: `[B, HQ, W]` (`weights="per_head"`) or summed over the group `[B, H, W]`
+            (`"per_kv_head"`).
+        plan (DecodePlan, Optional): Default: `plan_decode(...)` for these shapes and this GPU.
+        backend (str, Optional): "auto" (kernels for CUDA tensors, reference for CPU), "kernels" or
+            "reference".
+
+    Returns:
+        out `[B, HQ, D]` in q's dtype, then lse and weights if asked for.
+
+    The step's body (`run_step`) with a given selection: its launches are prepared once per shapes and
+    reused, it reads nothing back from the device (a step can be captured in a CUDA graph), and under
+    torch.compile it is the custom op `infllm_cupy::infllmv2_decode`.
+    """
+    check_backend(backend)
+    check_flags(return_lse=return_lse, return_attn_weights=return_attn_weights)
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    if plan is not None and not isinstance(plan, DecodePlan):
+        raise TypeError(f"plan must be a DecodePlan or None, got {type(plan).__name__}")
+    if not torch.compiler.is_compiling() and not runs_kernels(q, backend):
+        return naive_sparse_decode(q, cache, topk_idx, softmax_scale=softmax_scale, return_lse=return_lse,
+                                   return_attn_weights=return_attn_weights, weights=weights)
+    k, v, seqlens, bt = _attention_cache(cache)
+    if softmax_scale is not None:
+        check_softmax_scale(softmax_scale, 1)
+    spec = attention_spec(given=topk_idx is not None, softmax_scale=softmax_scale, return_lse=return_lse,
+                          weights=weights if return_attn_weights else "", backend=backend, plan=plan)
+    if torch.compiler.is_compiling():
+        res = infllmv2_decode_op(q, k, v, None, None, seqlens, bt, topk_idx, spec.encode())
+    else:
+        if not (type(q) is torch.Tensor and q.is_contiguous()):
+            check_tensor("q", q, ndim=3, contiguous=True)
+        plan_ = plan_step(spec, q, k, v, None, None, seqlens, bt, topk_idx)
+        res = plan_.run(q, k, v, None, None, seqlens, bt, topk_idx)
+    return res[0] if len(res) == 1 else tuple(res)
+
+
+def _attention_cache(cache) -> tuple:
+    """`(k, v, seqlens, block_table or None)` of a DecodeCache or a tuple, without reading or checking
+    the tensors (the prepared step checks them at its first call of these shapes)."""
+    if type(cache) is DecodeCache:
+        return cache.k, cache.v, cache.seqlens, cache.block_table
+    if (isinstance(cache, (tuple, list)) and len(cache) in (3, 4)
+            and all(isinstance(t, torch.Tensor) for t in cache)):
+        return (*cache[:3], cache[3] if len(cache) == 4 else None)
+    k, v, seqlens, bt, _ = cache_tensors(cache)         # raises, naming what is wrong
+    return k, v, seqlens, bt
+
+
+# ------------------------------------------------------------------------------------ the custom op
+@torch.library.custom_op("infllm_cupy::infllmv2_decode", mutates_args=(), device_types="cuda")
+def infllmv2_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, ck1: Tensor | None, ck2: Tensor | None,
+                       seqlens: Tensor, block_table: Tensor | None, topk_idx: Tensor | None,
+                       spec: str) -> list[Tensor]:
+    """The decode step (`run_step`) on a cache's tensors, `spec` a `StepSpec.encode()`: `[out, lse?,
+    weights?, topk_idx?]` as the spec asks. With `select="stage1"` and `dense_len > 0` the dense/sparse
+    rule of spec section 9 is decided on the device from `seqlens`, so a captured graph follows the
+    lengths at every replay. The spec's backend is honoured ("reference" runs the references on CUDA
+    tensors too)."""
+    s = StepSpec.decode(spec)
+    kern = runs_kernels(q, s.backend)
+    _check_op(q, k_cache, v_cache, seqlens, block_table, ck1, ck2, topk_idx, s, kern)
+    if kern:
+        q = q.contiguous()
+        if q.data_ptr() % 16:
+            q = q.clone()
+    res = run_step(q, k_cache, v_cache, ck1, ck2, seqlens, block_table, topk_idx, s, kernels=kern)
+    return _op_outputs(res, s)
+
+
+@infllmv2_decode_op.register_kernel("cpu")
+def _(q, k_cache, v_cache, ck1, ck2, seqlens, block_table, topk_idx, spec):
+    s = StepSpec.decode(spec)
+    runs_kernels(q, s.backend)          # "kernels" on CPU tensors raises, naming q
+    _check_op(q, k_cache, v_cache, seqlens, block_table, ck1, ck2, topk_idx, s, False)
+    res = run_step(q, k_cache, v_cache, ck1, ck2, seqlens, block_table, topk_idx, s, kernels=False)
+    return _op_outputs(res, s)
+
+
+@infllmv2_decode_op.register_fake
+def _(q, k_cache, v_cache, ck1, ck2, seqlens, block_table, topk_idx, spec):
+    s = StepSpec.decode(spec)
+    B, HQ, _ = q.shape
+    H = k_cache.shape[2]
+    width = k_cache.shape[1] * block_table.shape[1] if block_table is not None else k_cache.shape[1]
+    res = [q.new_empty(q.shape)]
+    if s.return_lse:
+        res.append(q.new_empty((B, HQ), dtype=torch.float32))
+    if s.weights:
+        res.append(q.new_empty((B, HQ if s.weights == "per_head" else H, width), dtype=torch.float32))
+    if s.return_topk_idx:
+        kout = select_width(s.topk, s.local_blocks, cdiv(width, s.block_size), s.dense_len)
+        res.append(topk_idx.clone() if s.select == "given" else q.new_empty((H, B, kout), dtype=torch.int32))
+    return res
+
+
+def _check_op(q, k, v, seqlens, bt, ck1, ck2, topk_idx, s: StepSpec, kern: bool) -> None:
+    """What the op's tensors must hold for its spec beyond what the kernels' plan checks (under
+    torch.compile the op is all that runs per call); the references' input checks on their path."""
+    if kern:
+        check_tensor("q", q, ndim=3)
+    else:
+        check_sparse_decode_inputs(q, (k, v, seqlens) if bt is None else (k, v, seqlens, bt),
+                                   topk_idx if s.select == "given" else None, s.weights or "per_head")
+    if s.select == "stage1" and (ck1 is None or (ck2 is None and not s.exact)):
+        raise ValueError("ck1 and ck2: a spec with select='stage1' needs the cache's compressed keys")
+    if s.select == "given" and topk_idx is None:
+        raise ValueError("topk_idx: a spec with select='given' needs a selection")
+    if s.select == "dense" and s.return_topk_idx:
+        raise ValueError("spec: a dense step has no selection to return (return_topk_idx)")
+    if not kern and s.select == "stage1" and s.return_topk_idx and not s.static_k:
+        raise ValueError("spec: the op's selection has a static width (static_k=True)")
+
+
+def _op_outputs(res: list, s: StepSpec) -> list:
+    # a custom op returns fresh tensors: a given selection handed back is copied
+    if s.return_topk_idx and s.select == "given":
+        res[-1] = res[-1].clone()
+    return res
 
 
 def is_dense(cache: DecodeCache, cfg: InfLLMv2Config) -> bool:
     """The dense/sparse rule of spec section 9 (`uses_dense`) on the cache's host mirror: the longest
     cache, the current token included (HF's `kv_seq_len`)."""
     return uses_dense(cfg.dense_len, cache.max_len())
-
-
-def _results(out, lse, w, topk_idx, return_lse: bool, return_attn_weights: bool, return_topk_idx: bool):
-    """out, then lse, weights and topk_idx as asked, in that order (one tensor alone)."""
-    res = [out]
-    if return_lse:
-        res.append(lse)
-    if return_attn_weights:
-        res.append(w)
-    if return_topk_idx:
-        res.append(topk_idx)
-    return res[0] if len(res) == 1 else tuple(res)
-
-
-# ------------------------------------------------------------------------------ the eager fast path
-class StepProgram:
-    """One decode step's launches on one cache, prepared (docs/decode.md, 6): built by the first call
-    with a given q shape and dtype, config, outputs and path (dense or sparse), after the full checks;
-    later calls check only what can change between calls (q's identity-free properties, the lengths)
-    and re-point q and the outputs they allocate. Stage-1 and merge scratch belong to the program.
-
-    `run(q, graphs=True)` replays a CUDA graph of the same launches instead, captured at its first
-    such call on static copies of q and the outputs (the outputs returned are clones): the same
-    kernels on the same plan, so the same bits as the launches."""
-
-    __slots__ = ("config", "graph", "outs", "program", "static")
-
-    def __init__(self, config, program, outs):
-        self.config, self.program, self.outs = config, program, outs
-        self.graph = self.static = None
-
-    def run(self, q: torch.Tensor, graphs: bool = False) -> dict:
-        if graphs:
-            return self._replay(q)
-        fresh = {name: empty(shape, dtype=dtype, device=q.device)
-                 for name, (shape, dtype) in self.outs.items()}
-        self.program.run(q=q, **fresh)
-        return fresh
-
-    def _replay(self, q: torch.Tensor) -> dict:
-        if self.graph is None:
-            # the first call runs the launches on the static buffers (loading every kernel), then captures
-            static = {name: torch.empty(shape, dtype=dtype, device=q.device)
-                      for name, (shape, dtype) in self.outs.items()}
-            static["q"] = q.clone()
-            self.program.run(**static)
-            result = {name: static[name].clone() for name in self.outs}
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self.program.run(**static)
-            self.graph, self.static = graph, static
-            return result
-        self.static["q"].copy_(q)
-        self.graph.replay()
-        return {name: self.static[name].clone() for name in self.outs}
-
-
-def _fast_step(q, cache: DecodeCache, config, return_attn_weights, weights, return_lse, return_topk_idx):
-    """`infllmv2_decode` through a `StepProgram` of the cache, or None where the general path must run
-    (not a CUDA tensor of the cache's kind: the general path then raises its error)."""
-    if not (type(q) is torch.Tensor and q.is_cuda and q.dim() == 3):
-        return None
-    if not q.is_contiguous():
-        q = q.contiguous()
-    if (type(return_attn_weights) is not bool or type(return_lse) is not bool
-            or type(return_topk_idx) is not bool):
-        return None                                       # the general path names the flag
-    if weights not in WEIGHTS or (config is not None and type(config) is not InfLLMv2Config):
-        return None
-    if q.data_ptr() % 16:
-        return None
-    if not cache.lengths_in_sync:
-        dense = None        # the mirror lags (captured or compiled appends): the kernels decide on the device
-    else:
-        lens = cache.lengths()
-        if lens and min(lens) < 1:
-            return None                                   # the general path raises, naming the lengths
-        dense = max(lens, default=0) < (config.dense_len if config is not None else _DEFAULT_DENSE)
-    key = (id(config), q.shape, q.dtype, q.get_device(), return_attn_weights, weights, return_lse,
-           return_topk_idx, dense)
-    entry = cache.prepared(key, lambda: _build_step(q, cache, config, return_attn_weights, weights,
-                                                    return_lse, return_topk_idx, dense=dense),
-                           valid=lambda e: e.config is config)   # an id() may come back for a new config
-    fresh = entry.run(q, cache.graphs)
-    res = [fresh["out"]]
-    if return_lse:
-        res.append(fresh["lse"])
-    if return_attn_weights:
-        res.append(fresh["weights"])
-    if return_topk_idx:
-        res.append(fresh.get("topk_idx"))
-    return res[0] if len(res) == 1 else tuple(res)
-
-
-_DEFAULT_DENSE = InfLLMv2Config().dense_len
-_FAST_BACKENDS = ("auto", "kernels")
-_FAST_KERNELS = ("auto", "sm80")     # `kernel=` values that run the decode kernels
-
-
-def _build_step(q, cache, config, return_attn_weights, weights, return_lse, return_topk_idx, *,
-                dense: bool | None):
-    """A `StepProgram` after every check of the general path (raises as it does)."""
-    check_flags(return_attn_weights=return_attn_weights, return_lse=return_lse,
-                return_topk_idx=return_topk_idx)
-    cfg, _ = check_step_inputs(q, cache, config, weights, "kernels", "auto")
-    run, res = step_launches(q, cache.k, cache.v, cache.ck1, cache.ck2, cache.seqlens, cache.block_table,
-                             cache.capacity, cfg, dense=dense, return_attn_weights=return_attn_weights,
-                             weights=weights)
-    out, lse, w, topk_idx = res
-    outs = {"out": ((tuple(out.shape)), out.dtype)}
-    dyn = {"out": out}
-    for name, t, asked in (("lse", lse, return_lse), ("weights", w, return_attn_weights),
-                           ("topk_idx", topk_idx, return_topk_idx)):
-        if asked and t is not None:
-            outs[name] = (tuple(t.shape), t.dtype)
-            dyn[name] = t
-    return StepProgram(config, run.program(q=q, **dyn), outs)
-
-
-def step_launches(q, k, v, ck1, ck2, seqlens, block_table, width: int, cfg: InfLLMv2Config, *,
-                  dense: bool | None, return_attn_weights: bool = False, weights: str = "per_head",
-                  topk_idx: torch.Tensor | None = None):
-    """The launches of one decode step (stage 1 unless dense, then `sparse_decode`) after their checks:
-    `(Launches, (out, lse, weights or None, topk_idx or None))`. `dense`: the path, or None to decide
-    it on the device from the lengths at every run (spec section 9: stage 1's rows then list every block
-    while the longest sequence is shorter than `cfg.dense_len`; what a captured or compiled step runs).
-    `topk_idx`: a selection made elsewhere (the prefill stage-1 kernel), attended instead of stage 1's.
-
-    The kernels' requirements are checked here once for the whole step (q by `sparse_decode`'s checks,
-    the compressed keys against it by `select_decode`'s); the step's arguments were checked by its caller
-    (`infllmv2_decode`, the op)."""
-    if cfg.block_size != KV_BLOCK:
-        raise ValueError(f"config: block_size must be {KV_BLOCK} for the kernels, got {cfg.block_size}")
-    B, _HQ, D, H, G, _K = check_decode_kernel_inputs(q, k, v, seqlens, block_table, topk_idx)
-    check_aligned(q=q, k_cache=k, v_cache=v)
-    scale = check_softmax_scale(cfg.softmax_scale, D)
-    out_len = cdiv(width, KV_BLOCK)
-    run = Launches(q.device)
-    if not dense and topk_idx is None:
-        sdt = check_select_inputs(q, ck1, ck2, seqlens, score_dtype=cfg.score_dtype, exact=cfg.exact_stage1,
-                                  q_checked=True)
-        topk_idx = add_select_decode(run, q, ck1, ck2, seqlens, out_len, topk=cfg.topk,
-                                     local_blocks=cfg.local_blocks,
-                                     init_blocks=cfg.init_blocks, softmax_scale=cfg.softmax_scale,
-                                     score_dtype=sdt,
-                                     exact=cfg.exact_stage1,
-                                     dense_len=max(cfg.dense_len, 0) if dense is None else 0)
-    n_entries = topk_idx.shape[2] if topk_idx is not None else out_len
-    plan = plan_decode(B, H, G, n_entries, sm_count(q.device.index))
-    check_plan(plan, G, n_entries, D, topk_idx.shape[2] if topk_idx is not None else 0)
-    out, lse, w = add_sparse_decode(run, q, k, v, seqlens, block_table, width, topk_idx, scale=scale,
-                                    plan=plan, return_attn_weights=return_attn_weights, weights=weights)
-    return run, (out, lse, w, topk_idx)
 
 
 def infllmv2_prefill_into_cache(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: DecodeCache,
@@ -512,13 +932,6 @@ def infllmv2_prefill_into_cache(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     # cache's compressed keys instead of compressing k again
     host = HostSeqlens.from_lengths(n_new, after)
     compressed = None if uses_dense(cfg.dense_len, max_k) else cache.packed_compressed()
-    return prefill(q, k, v, _cu(n_new, cache.device), cu_k, max(n_new, default=0), max_k, cfg,
+    return prefill(q, k, v, cu_seqlens_of(n_new, cache.device), cu_k, max(n_new, default=0), max_k, cfg,
                    kernels=kernels, host_seqlens=host, return_aux=return_aux,
                    compressed=compressed)
-
-
-def _cu(lengths, device) -> torch.Tensor:
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    if lengths:
-        cu[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(torch.int32)
-    return cu.to(device)

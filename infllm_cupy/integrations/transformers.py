@@ -34,7 +34,7 @@ import functools
 
 import torch
 
-from .._rules import COMPRESSIONS, check_backend, n_windows, runs_kernels, softmax_scale_of
+from .._rules import COMPRESSIONS, check_backend, n_windows, runs_kernels
 from ..config import InfLLMv2Config
 from ..decode import DecodeCache, infllmv2_decode
 from ..decode.cache import h2d
@@ -150,8 +150,8 @@ def infllm_cupy_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
 
     Every sequence of the batch has the same length (no padding). With an `InfLLMv2Cache` (whose key
     view spans the whole preallocated cache and carries its `DecodeCache`): `Lq == 1` runs
-    `infllmv2_decode` on it (inside torch.compile: the custom op `infllm_cupy::infllmv2_decode`, which
-    decides dense or sparse on the device), `Lq > 1` the prefill pipeline over its first `L` keys. With
+    `infllmv2_decode` on it (inside torch.compile through its custom op, which decides dense or sparse on
+    the device and honours `backend`), `Lq > 1` the prefill pipeline over its first `L` keys. With
     another HF cache: `Lq > 1` runs the prefill pipeline (`infllmv2_attention_host_lengths`, the first
     `Lk - Lq` keys as the cache, causal bottom-right), `Lq == 1` `infllmv2_decode` on a `DecodeCache`
     built from the keys at every step. Attention weights are not returned (None).
@@ -160,22 +160,16 @@ def infllm_cupy_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     if query.dim() != 4 or key.dim() != 4 or value.shape != key.shape:
         raise ValueError(f"query must be [B, HQ, Lq, D] and key/value [B, H, Lk, D] of one shape, got "
                          f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
-    _B, _HQ, Lq, D = query.shape
+    _B, _HQ, Lq, _D = query.shape
     decode = Lq == 1 and cache is not None
     # the padding check reads the mask's values: once per prefill, never in a decode step (a batch
     # without padding at prefill has none later; generate appends ones)
     _check_unsupported(module, None if decode else attention_mask, dropout, kwargs)
     cfg = _config_of(module, scaling)
     if decode:
-        if torch.compiler.is_compiling():
-            scale = softmax_scale_of(cfg.softmax_scale, D)
-            out = torch.ops.infllm_cupy.infllmv2_decode(
-                query[:, :, 0], cache.k, cache.v, cache.ck1, cache.ck2, cache.seqlens, cache.block_table,
-                                                        cfg.topk,
-                cfg.local_blocks, cfg.init_blocks, max(cfg.dense_len, 0), scale, cfg.score_dtype,
-                                                        cfg.exact_stage1)
-        else:
-            out = infllmv2_decode(query[:, :, 0].contiguous(), cache, config=cfg, backend=backend)
+        # eager: the step's prepared launches; under torch.compile the step's op (dense or sparse decided
+        # on the device, `backend` honoured)
+        out = infllmv2_decode(query[:, :, 0], cache, config=cfg, backend=backend)
         return out.unsqueeze(1), None
     ck1 = ck2 = None
     if cache is not None:

@@ -15,8 +15,16 @@ from infllm_cupy._rules import n_windows
 from infllm_cupy.compress.naive import naive_compress_k
 from infllm_cupy.config import InfLLMv2Config
 from infllm_cupy.decode import DecodeCache, naive_infllmv2_decode, naive_sparse_decode, sparse_decode
-from infllm_cupy.decode.ops import decode_select_op, decode_step, sparse_decode_op, sparse_decode_weights_op
-from infllm_cupy.decode.step import decode_layout, decode_select, infllmv2_decode, infllmv2_prefill_into_cache
+from infllm_cupy.decode.step import (
+    StepSpec,
+    decode_layout,
+    decode_select,
+    infllmv2_decode,
+    infllmv2_decode_op,
+    infllmv2_prefill_into_cache,
+    n_plans,
+    step_spec,
+)
 from infllm_cupy.pipeline import naive_infllmv2_attention
 from infllm_cupy.stage2.naive import naive_dense_attn_varlen
 from infllm_cupy.testing import assert_close_to_ref, cu_seqlens_from_lengths, random_decode_cache
@@ -203,12 +211,10 @@ def test_bad_input_names_the_argument():
         (dict(config="minicpm"), "config"),
         (dict(cache=(cache.k, cache.v, cache.seqlens)), "cache"),
         (dict(return_lse=1), "return_lse"),
-        (dict(dense="yes"), "dense"),
     ]
     # every entry point of the step checks the arguments it takes, with the same messages
     entries = {infllmv2_decode: {"weights", "backend", "kernel", "stage1", "return_lse"},
-               decode_select: {"backend", "kernel", "stage1"},
-               decode_step: {"weights", "kernel", "dense"}}
+               decode_select: {"backend", "kernel", "stage1"}}
     for change, match in cases:
         a = dict(q=q, cache=cache)
         a.update(change)
@@ -218,9 +224,8 @@ def test_bad_input_names_the_argument():
                 with pytest.raises((ValueError, TypeError), match=match):
                     entry(q_, c_, **{"config": CFG, **a})
     empty = DecodeCache.contiguous(2, 64, 2, 32, dtype=torch.float32)
-    for entry in (infllmv2_decode, decode_step):
-        with pytest.raises(ValueError, match="cache: every sequence must hold"):
-            entry(q, empty, config=CFG)
+    with pytest.raises(ValueError, match="cache: every sequence must hold"):
+        infllmv2_decode(q, empty, config=CFG)
     # the prefill stage-1 switch and either generation of the decode kernels: the same step (the
     # reference on CPU tensors)
     ref = infllmv2_decode(q, cache, config=CFG, return_topk_idx=True)
@@ -275,36 +280,84 @@ def test_each_decode_entry_point_checks_q_once(monkeypatch):
         call()
         assert with_q == {"check_tensor": 1}, (what, dict(with_q))
         assert calls["check_backend"] <= 1 and calls["check_softmax_scale"] <= 1, (what, dict(calls))
-    # the step through the custom ops: its own check, then each op checks its tensors (the op's kernel is
-    # all that runs per call under torch.compile): selection and attention, or attention alone
-    for cfg, ops in ((CFG, 2), (dense, 1)):
+    # the step's custom op checks its tensors once too (under torch.compile the op is all that runs per
+    # call), on either path
+    for cfg in (CFG, dense):
         with_q.clear()
-        decode_step(q, cache, config=cfg)
-        assert with_q == {"check_tensor": 1 + ops}, dict(with_q)
+        spec = step_spec(cfg, select="stage1", device_dense=True, weights="per_head")
+        infllmv2_decode_op(q, cache.k, cache.v, cache.ck1, cache.ck2, cache.seqlens, cache.block_table, None,
+                           spec.encode())
+        assert with_q == {"check_tensor": 1}, dict(with_q)
 
 
-def test_decode_select_op_pads_to_the_static_k():
+def test_op_pads_the_selection_to_the_static_width():
     # the op sizes K on the cache's width (a static shape); the reference on the longest sequence
     cache = random_decode_cache([200, 130], 2, 32, torch.float32, spare=700)            # width 900: 15 blocks
     q = torch.randn(2, 4, 32)
-    ref = decode_select(q, cache, config=dataclasses.replace(CFG, topk=12))     # K = min(14, 4) = 4
-    got = decode_select_op(q, cache.ck1, cache.ck2, cache.seqlens, cache.capacity, 12, 2, 1, 64, 32 ** -0.5,
-                           torch.float32, False, "auto")
+    cfg = dataclasses.replace(CFG, topk=12)
+    ref = decode_select(q, cache, config=cfg)                                           # K = min(14, 4) = 4
+    spec = step_spec(cfg, select="stage1", return_topk_idx=True)
+    out, got = infllmv2_decode_op(q, cache.k, cache.v, cache.ck1, cache.ck2, cache.seqlens, None, None,
+                                  spec.encode())
     assert ref.shape == (2, 2, 4) and got.shape == (2, 2, 14)
     assert torch.equal(got[..., :4], ref) and bool((got[..., 4:] == -1).all())
+    assert torch.equal(out, infllmv2_decode(q, cache, config=cfg))
+    # a device-decided dense step (every length below dense_len) returns the rows it attended: every
+    # block of each sequence, then -1, as wide as the dense blocks (cdiv(dense_len - 1, 64) = 5 > K = 4)
+    spec = step_spec(dataclasses.replace(cfg, topk=2, dense_len=300), select="stage1", device_dense=True,
+                     return_topk_idx=True)
+    out, rows = infllmv2_decode_op(q, cache.k, cache.v, cache.ck1, cache.ck2, cache.seqlens, None, None,
+                                   spec.encode())
+    assert rows.shape == (2, 2, 5)
+    assert rows[0].tolist() == [[0, 1, 2, 3, -1], [0, 1, 2, -1, -1]]
+    torch.testing.assert_close(out, naive_sparse_decode(q, cache), atol=1e-6, rtol=0)
 
 
-def test_ops_fake_and_schema():
+def test_step_spec_round_trips_and_refuses_garbage():
+    spec = step_spec(dataclasses.replace(CFG, softmax_scale=0.1234567890123), select="stage1",
+                     device_dense=True, return_lse=True, weights="per_kv_head", backend="reference")
+    assert StepSpec.decode(spec.encode()) == spec
+    with pytest.raises(ValueError, match="spec"):
+        StepSpec.decode("import os")
+
+
+def test_op_fake_and_schema():
     # torch.library.opcheck: schema, fake implementation against the CPU kernel, autograd registration
     cache = random_decode_cache([100, 70], 2, 32, torch.float32, page_size=64)
     q = torch.randn(2, 4, 32)
     idx = torch.tensor([[[0, 1], [1, -1]], [[1, 0], [0, 0]]], dtype=torch.int32)
-    base = (q, cache.k, cache.v, cache.seqlens, cache.block_table)
-    torch.library.opcheck(sparse_decode_op, base + (idx, 0.2, 64))
-    torch.library.opcheck(sparse_decode_op, base + (None, 0.2, 64))
-    torch.library.opcheck(sparse_decode_weights_op, base + (idx, 0.2, 64, True))
-    torch.library.opcheck(decode_select_op, (q, cache.ck1, cache.ck2, cache.seqlens, cache.capacity, 4, 2, 1,
-                                             64, 0.2, torch.float32, False, "auto"))
+    tensors = (q, cache.k, cache.v, cache.ck1, cache.ck2, cache.seqlens, cache.block_table)
+    specs = [step_spec(CFG, select="stage1", return_lse=True, weights="per_head", return_topk_idx=True),
+             step_spec(dataclasses.replace(CFG, dense_len=90), select="stage1", device_dense=True,
+                       return_topk_idx=True),
+             step_spec(CFG, select="dense", weights="per_kv_head")]
+    for spec in specs:
+        torch.library.opcheck(infllmv2_decode_op, tensors + (None, spec.encode()))
+    given = StepSpec("given", softmax_scale=0.2, return_lse=True, weights="per_kv_head", return_topk_idx=True)
+    torch.library.opcheck(infllmv2_decode_op, (q, cache.k, cache.v, None, None, cache.seqlens,
+                                               cache.block_table, idx, given.encode()))
+
+
+def test_compiled_step_honours_the_reference_backend(monkeypatch):
+    # under torch.compile the step is the op; backend="reference" reaches its body as the reference (on
+    # CUDA tensors too: test_kernel_compiled_step_honours_the_reference_backend)
+    from infllm_cupy.decode import step as step_module
+
+    seen = []
+    body = step_module.run_step
+
+    def spy(*args, kernels, **kw):
+        seen.append((args[8].backend, kernels))
+        return body(*args, kernels=kernels, **kw)
+
+    monkeypatch.setattr(step_module, "run_step", spy)
+    torch._dynamo.reset()
+    cache = random_decode_cache([100, 70], 2, 32, torch.float32)
+    q = torch.randn(2, 4, 32)
+    f = torch.compile(lambda q: infllmv2_decode(q, cache, config=CFG, backend="reference"), fullgraph=True,
+                      backend="eager")
+    torch.testing.assert_close(f(q), infllmv2_decode(q, cache, config=CFG), atol=0, rtol=0)
+    assert ("reference", False) in seen
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -325,19 +378,18 @@ def test_decode_loop_compiles_fullgraph_on_cpu(backend):
     compiled = random_decode_cache([240, 100], H, D, torch.float32, page_size=64, spare=40)
 
     @torch.compile(fullgraph=True, backend=backend)
-    def step(cache, q, k, v, dense: bool):
+    def step(cache, q, k, v):
         cache.append(k, v)
-        return decode_step(q, cache, config=cfg, dense=dense, return_attn_weights=True)
+        return infllmv2_decode(q, cache, config=cfg, return_lse=True, return_attn_weights=True)
 
     g = torch.Generator().manual_seed(5)
     paths = set()
     for _ in range(16):
         q = torch.randn(2, HQ, D, generator=g)
         k, v = torch.randn(2, H, D, generator=g), torch.randn(2, H, D, generator=g)
-        dense = eager.max_len() + 1 < cfg.dense_len      # a traced append leaves the host mirror behind
-        paths.add(dense)
-        out, lse, w = step(compiled, q, k, v, dense)
+        out, lse, w = step(compiled, q, k, v)        # dense or sparse decided inside the op
         eager.append(k, v)
+        paths.add(eager.max_len() < cfg.dense_len)
         ref, ref_lse, ref_w = infllmv2_decode(q, eager, config=cfg, return_lse=True, return_attn_weights=True)
         assert same(out, ref) and same(lse, ref_lse) and same(w, ref_w)
     assert paths == {True, False}
@@ -346,8 +398,8 @@ def test_decode_loop_compiles_fullgraph_on_cpu(backend):
         assert torch.equal(getattr(compiled, name), getattr(eager, name)), name
     for name in ("ck1", "ck2"):
         assert same(getattr(compiled, name), getattr(eager, name)), name
-    # one graph per path, plus at most one recompile when the lengths become dynamic
-    assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
+    # one graph for both paths (the op decides on the lengths), plus at most one recompile
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
 
 
 # ------------------------------------------------------------------------------------------- GPU
@@ -416,11 +468,13 @@ def test_kernel_step_generation_and_prefill_stage1(case):
     cache = random_decode_cache(lengths, H, D, dtype, page_size=page_size, device="cuda")
     q = torch.randn(len(lengths), HQ, D, generator=torch.Generator().manual_seed(6)).to("cuda", dtype)
     ref = infllmv2_decode(q, cache, config=CFG, return_lse=True, return_topk_idx=True)
+    n = n_plans()
     for kw in (dict(kernel="sm80"), dict(stage1="prefill", kernel="sm80")):
         got = infllmv2_decode(q, cache, config=CFG, return_lse=True, return_topk_idx=True, **kw)
         for a, b in zip(got, ref):
             assert torch.equal(a, b), kw
-    assert cache.n_prepared == 1             # "auto" and "sm80" share the prepared program
+        if "stage1" not in kw:
+            assert n_plans() == n            # "auto" and "sm80" share the prepared step
     with pytest.raises(ValueError, match="sm90a"):
         infllmv2_decode(q, cache, config=CFG, kernel="sm90a")
 
@@ -470,9 +524,15 @@ def test_kernel_step_weights_per_kv_head(case, dense):
     assert_close_to_ref("weights per KV head", wk, ref_w.float(), lowp_w, atol_floor=1e-6)
     assert bool((wk[ref_w == 0] == 0).all()), "weights must be exactly 0 where nothing is selected"
     torch.testing.assert_close(wk.sum(-1), torch.full((B, H), float(G), device="cuda"), atol=G * 1e-4, rtol=0)
-    _, _, wk_op = decode_step(q, cache, config=cfg, dense=dense, return_attn_weights=True,
-                              weights="per_kv_head")
-    assert torch.equal(wk_op, wk)
+    # the compiled step (the op, dense or sparse decided on the device: on a dense step another split of
+    # the same blocks, so the same weights to fp32 rounding)
+    step = torch.compile(lambda q: infllmv2_decode(q, cache, config=cfg, return_attn_weights=True,
+                                                   weights="per_kv_head"), fullgraph=True, backend="eager")
+    wk_op = step(q)[1]
+    if dense:
+        torch.testing.assert_close(wk_op, wk, atol=1e-6, rtol=1e-5)
+    else:
+        assert torch.equal(wk_op, wk)
 
 
 @pytest.mark.gpu
@@ -541,7 +601,7 @@ def test_kernel_ops_under_compile():
     cfg = dataclasses.replace(CFG, dense_len=0)
     cache = random_decode_cache([500, 90], 2, 64, torch.float16, page_size=64, device="cuda")
     q = torch.randn(2, 8, 64, device="cuda", dtype=torch.float16)
-    step = torch.compile(lambda q: decode_step(q, cache, config=cfg, dense=False), fullgraph=True,
+    step = torch.compile(lambda q: infllmv2_decode(q, cache, config=cfg, return_lse=True), fullgraph=True,
                          backend="eager")
     out, lse = step(q)
     ref, ref_lse = infllmv2_decode(q, cache, config=cfg, return_lse=True)
@@ -589,14 +649,12 @@ def test_device_decided_step_in_a_graph_follows_the_lengths():
     g = torch.Generator().manual_seed(11)
     kn, vn = (torch.zeros(3, H, D, device="cuda", dtype=dtype) for _ in range(2))
     q = torch.zeros(3, HQ, D, device="cuda", dtype=dtype)
-    scale = D ** -0.5
+    spec = step_spec(cfg, select="stage1", device_dense=True).encode()
 
     def step(cache):
         cache.append(kn, vn)
         return torch.ops.infllm_cupy.infllmv2_decode(q, cache.k, cache.v, cache.ck1, cache.ck2, cache.seqlens,
-                                                     cache.block_table, cfg.topk, cfg.local_blocks,
-                                                     cfg.init_blocks,
-                                                     cfg.dense_len, scale, cfg.score_dtype, cfg.exact_stage1)
+                                                     cache.block_table, None, spec)[0]
 
     warm = random_decode_cache(lengths, H, D, dtype, page_size=64, device="cuda")
     step(warm)                                       # kernels loaded, prepared launches built
@@ -630,8 +688,9 @@ def test_eager_step_program_rechecks_what_changes():
     q = torch.randn(2, HQ, D, device="cuda", dtype=dtype)
     out1 = infllmv2_decode(q, cache, config=CFG)
     keep = out1.clone()
+    n = n_plans()
     out2 = infllmv2_decode(torch.randn_like(q), cache, config=CFG)
-    assert cache.n_prepared == 1 and out1.data_ptr() != out2.data_ptr() and torch.equal(out1, keep)
+    assert n_plans() == n and out1.data_ptr() != out2.data_ptr() and torch.equal(out1, keep)
     assert torch.equal(infllmv2_decode(q, cache, config=CFG), keep)
     with pytest.raises(TypeError, match="q must have dtype"):
         infllmv2_decode(q.to(torch.bfloat16), cache, config=CFG)

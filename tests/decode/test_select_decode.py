@@ -274,7 +274,7 @@ def test_topk_scratch_size_matches_the_kernel():
     assert sd.TOPK_SCRATCH_BYTES == 4 * ints and ints >= 2 * 256 + 64 + 2
     assert sd._topk_row_smem(100, 1) == (128, 256 + 4 * ints)
     with pytest.raises(ValueError, match="shared memory"):
-        sd._topk_row_smem(sd.MAX_SMEM // 4, 0)
+        sd._topk_row_smem(sd.SMEM_PER_BLOCK // 4, 0)
 
 def test_cta_topk_source_on_host_threads(tmp_path):
     # the kernel's own top-k code (from the CTA top-k's first comment to the end of sel_topk_row, and
