@@ -16,6 +16,8 @@ Implementations (rows; `weights` = with `return_attn_weights=True`, fp32 per que
                     the same calls with `weights="per_kv_head"`: fp32 weights summed over each group,
                     `[B, H, L]` (what H2O accumulates); rows with weights only (their time without
                     weights is the plain row's)
+    ours_op         (opt-in) the step's custom op `infllm_cupy::infllmv2_decode` called directly with the
+                    device-decided spec: what a torch.compile'd decode without CUDA graphs runs per layer
     ours_select     (opt-in) decode_select alone (stage 1 + top-k): the split decode kernels (select_decode)
     ours_select_s1  (opt-in) decode_select through the prefill stage-1 kernel (stage1="prefill"; kernel="auto":
                     its sm_90a form on H100 where G <= 32, else sm80): one CTA per (sequence, KV head), for
@@ -69,8 +71,8 @@ if str(ROOT) not in sys.path:
 from benchmarks import _harness as harness  # noqa: E402
 
 OURS = ("ours_sparse", "ours_step", "ours_dense", "ours_sparse_kvh", "ours_step_kvh", "ours_dense_kvh",
-        "ours_select", "ours_select_s1")
-NO_WEIGHTS = ("ours_select", "ours_select_s1")
+        "ours_op", "ours_select", "ours_select_s1")
+NO_WEIGHTS = ("ours_op", "ours_select", "ours_select_s1")
 # weights summed per KV head [B, H, L]: timed with weights only; the row without is the plain impl's
 # stage 1 alone: no attention, no weights; opt-in rows
 PER_KV_HEAD = {"ours_sparse_kvh": "ours_sparse", "ours_step_kvh": "ours_step", "ours_dense_kvh": "ours_dense"}
@@ -190,7 +192,7 @@ def mem_free(dev: torch.device) -> float:
 
 def load_ours():
     try:
-        from infllm_cupy.decode.sparse_decode import sparse_decode
+        from infllm_cupy.decode import sparse_decode
         from infllm_cupy.decode.step import infllmv2_decode
         return sparse_decode, infllmv2_decode, ""
     except Exception as e:  # noqa: BLE001 - mid-edit or broken: the anchors still run
@@ -348,12 +350,16 @@ def bench_config(r: Runner, B: int, L: int, flex, BlockMask, ours, flashinfer, f
                                                             weights="per_kv_head"), kv_sel + ck_bytes + qo),
         "ours_dense_kvh": (lambda w: lambda: sparse_decode(q, cache, None, return_attn_weights=True,
                                                            weights="per_kv_head"), kv_all + qo),
+        "ours_op": (lambda w: lambda: torch.ops.infllm_cupy.infllmv2_decode(
+            q, cache.k, cache.v, cache.ck1, cache.ck2, cache.seqlens, cache.block_table, None, op_spec),
+            kv_sel + ck_bytes + qo),
         "ours_select": (lambda w: lambda: decode_select(q, cache, config=step_cfg),
                         ck_bytes + B * HQ * D * esz),
         "ours_select_s1": (lambda w: lambda: decode_select(q, cache, config=step_cfg, stage1="prefill"),
                            ck_bytes + B * HQ * D * esz),
     }
-    from infllm_cupy.decode.step import decode_select
+    from infllm_cupy.decode.step import decode_select, step_spec
+    op_spec = step_spec(step_cfg, select="stage1", device_dense=True).encode()
     for impl in OURS:
         if impl not in a.impls:
             continue

@@ -33,7 +33,7 @@ def main() -> None:
     p.add_argument("--local-blocks", type=int, default=32)
     a = p.parse_args()
     from infllm_cupy.config import InfLLMv2Config
-    from infllm_cupy.decode.sparse_decode import sparse_decode
+    from infllm_cupy.decode import sparse_decode
     from infllm_cupy.decode.step import infllmv2_decode
 
     B, L = parse_decode_config(a.config)

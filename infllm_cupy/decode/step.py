@@ -51,7 +51,7 @@ from ..config import InfLLMv2Config, check_config
 from ..prefill import prefill
 from ..stage1 import naive_stage1_select, stage1_select
 from .cache import DecodeCache, cache_tensors, capturing, cu_seqlens_of
-from .naive import check_sparse_decode_inputs, naive_sparse_decode, sparse_decode_checked
+from .naive import check_sparse_decode_inputs, sparse_decode_checked
 from .select_decode import add_select_decode, check_select_inputs, plan_for, select_decode, select_width
 from .select_decode import scratch_floats as select_scratch_floats
 from .sparse_decode import (
@@ -773,14 +773,17 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     if plan is not None and not isinstance(plan, DecodePlan):
         raise TypeError(f"plan must be a DecodePlan or None, got {type(plan).__name__}")
+    spec = attention_spec(given=topk_idx is not None, softmax_scale=softmax_scale, return_lse=return_lse,
+                          weights=weights if return_attn_weights else "", backend=backend, plan=plan)
     if not torch.compiler.is_compiling() and not runs_kernels(q, backend):
-        return naive_sparse_decode(q, cache, topk_idx, softmax_scale=softmax_scale, return_lse=return_lse,
-                                   return_attn_weights=return_attn_weights, weights=weights)
+        # the references (`naive_sparse_decode`'s checks, then the body's reference path)
+        k, v, seqlens, bt, _ = check_sparse_decode_inputs(q, cache, topk_idx, weights)
+        check_softmax_scale(softmax_scale, q.shape[2])
+        res = run_step(q, k, v, None, None, seqlens, bt, topk_idx, spec, kernels=False)
+        return res[0] if len(res) == 1 else tuple(res)
     k, v, seqlens, bt = _attention_cache(cache)
     if softmax_scale is not None:
         check_softmax_scale(softmax_scale, 1)
-    spec = attention_spec(given=topk_idx is not None, softmax_scale=softmax_scale, return_lse=return_lse,
-                          weights=weights if return_attn_weights else "", backend=backend, plan=plan)
     if torch.compiler.is_compiling():
         res = infllmv2_decode_op(q, k, v, None, None, seqlens, bt, topk_idx, spec.encode())
     else:

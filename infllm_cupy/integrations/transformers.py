@@ -34,7 +34,7 @@ import functools
 
 import torch
 
-from .._rules import COMPRESSIONS, check_backend, n_windows, runs_kernels
+from .._rules import COMPRESSIONS, check_backend, n_windows, runs_kernels, uses_dense
 from ..config import InfLLMv2Config
 from ..decode import DecodeCache, infllmv2_decode
 from ..decode.cache import h2d
@@ -225,7 +225,7 @@ def prefill_attention(query, key, value, ck1, ck2, cfg: InfLLMv2Config,
     torch.compile."""
     B, HQ, Lq, D = query.shape
     H, Lk = key.shape[1], key.shape[2]
-    if Lq == Lk and Lk < cfg.dense_len and runs_kernels(query, backend):
+    if Lq == Lk and uses_dense(cfg.dense_len, Lk) and runs_kernels(query, backend):
         # The pipeline's dense branch on the kernel path is torch SDPA per sequence (causal, GQA); rows
         # of equal length make it one SDPA call on HF's own layout: no packing, no host reads.
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True,
@@ -240,7 +240,7 @@ def prefill_attention(query, key, value, ck1, ck2, cfg: InfLLMv2Config,
     # InfLLMv2Cache already compressed these keys at `update` (docs/integrations.md, "The cache"),
     # so the pipeline does not compress them a second time.
     compressed = None
-    if ck1 is not None and Lk >= cfg.dense_len:
+    if ck1 is not None and not uses_dense(cfg.dense_len, Lk):
         compressed = []
         for ck, (kr, st) in zip((ck1, ck2), COMPRESSIONS):
             n = n_windows(Lk, kr, st)

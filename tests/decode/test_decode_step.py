@@ -821,3 +821,70 @@ def test_decode_rejects_bad_inputs():
         naive_infllmv2_decode(qd, k, v, cu, config=SPARSE, ck1=k[:5])
     with pytest.raises(TypeError, match=r"\bconfig\b"):
         naive_infllmv2_decode(qd, k, v, cu, config={"topk": 3})
+
+
+def _count_body_calls(monkeypatch) -> list:
+    """Records `(spec.select, kernels)` of every call of the step's body (`run_step`)."""
+    from infllm_cupy.decode import step as step_module
+
+    seen, body = [], step_module.run_step
+
+    def counted(*args, kernels, **kw):
+        seen.append((args[8].select, kernels))
+        return body(*args, kernels=kernels, **kw)
+
+    monkeypatch.setattr(step_module, "run_step", counted)
+    return seen
+
+
+def _three_entries(q, cache, cfg):
+    """The decode entries, each called once: the whole step, attention over its selection, the op."""
+    out, idx = infllmv2_decode(q, cache, config=cfg, return_topk_idx=True)
+    att = sparse_decode(q, cache, idx)
+    spec = step_spec(cfg, select="stage1", device_dense=True).encode()
+    (op,) = infllmv2_decode_op(q, cache.k, cache.v, cache.ck1, cache.ck2, cache.seqlens, cache.block_table,
+                               None, spec)
+    return out, att, op
+
+
+def test_the_three_decode_entries_run_one_body(monkeypatch):
+    # infllmv2_decode, sparse_decode and the op each reach run_step once per call, on the references here
+    seen = _count_body_calls(monkeypatch)
+    cache = random_decode_cache([300, 1000], 2, 32, torch.float32, page_size=64)
+    q = torch.randn(2, 8, 32)
+    out, att, op = _three_entries(q, cache, CFG)
+    assert seen == [("stage1", False), ("given", False), ("stage1", False)], seen
+    assert torch.equal(out, att) and torch.equal(out, op)
+
+
+@pytest.mark.gpu
+def test_kernel_three_decode_entries_run_one_body_and_reuse_its_plans(monkeypatch):
+    # on CUDA tensors the same body runs the kernels for each entry; a second round of calls builds no
+    # new prepared step (each entry's plan is reused)
+    seen = _count_body_calls(monkeypatch)
+    cache = random_decode_cache([300, 1000, 65], 2, 128, torch.bfloat16, page_size=64, device="cuda")
+    q = torch.randn(3, 16, 128, device="cuda", dtype=torch.bfloat16)
+    first = _three_entries(q, cache, CFG)
+    n = n_plans()
+    second = _three_entries(q, cache, CFG)
+    assert n_plans() == n
+    assert seen == [("stage1", True), ("given", True), ("stage1", True)] * 2, seen
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    assert torch.equal(first[0], first[1]) and torch.equal(first[0], first[2])
+
+
+@pytest.mark.gpu
+def test_kernel_compiled_step_honours_the_reference_backend(monkeypatch):
+    # under torch.compile on CUDA tensors, backend="reference" runs the references (the op honours the
+    # spec's backend), and "auto" the kernels
+    seen = _count_body_calls(monkeypatch)
+    torch._dynamo.reset()
+    cache = random_decode_cache([300, 90], 2, 64, torch.float16, device="cuda")
+    q = torch.randn(2, 8, 64, device="cuda", dtype=torch.float16)
+    for backend, kernels in (("reference", False), ("auto", True)):
+        seen.clear()
+        f = torch.compile(lambda q, b=backend: infllmv2_decode(q, cache, config=CFG, backend=b),
+                          fullgraph=True, backend="eager")
+        f(q)
+        assert seen and all(k == kernels for _, k in seen), (backend, seen)
