@@ -108,7 +108,7 @@ def _check_select_args(q, cache, config, backend, kernel, stage1) -> tuple[InfLL
 
 def check_step_inputs(q, cache, config, weights, backend, kernel,
                       stage1="decode") -> tuple[InfLLMv2Config, bool]:
-    """Arguments of `infllmv2_decode` and `decode_step`, checked once per call (what runs below takes
+    """Arguments of `infllmv2_decode`, checked once per call (what runs below takes
     them as checked); raises naming the argument. Reads no device values. Returns the config and
     whether the kernels run."""
     if weights not in WEIGHTS:
