@@ -25,9 +25,19 @@ import torch
 
 # the package, not its names: `decode.sparse_decode` is both a function and a module of it
 from .. import decode
-from .._checks import check_int_args, validate_values
+from .._checks import (
+    HostSeqlens,
+    check_attn_inputs,
+    check_int_args,
+    check_max_seqlen,
+    check_stage1_inputs,
+    check_tensor,
+    validate_values,
+)
+from .._dtypes import KERNEL_DTYPES
+from .._rules import HEAD_DIMS
 from ..decode import MAX_GROUP
-from ..stage1 import pool_blocks, stage1_scores
+from ..stage1 import pool_blocks, stage1_scores, stage1_select
 from ..stage2 import sparse_attn_varlen
 
 __all__ = [
@@ -73,6 +83,24 @@ def _unsupported(**args) -> None:
                    "layer does not implement it")
             raise NotImplementedError(f"infllm_v2 compat: {name}={shown} is not supported (only "
                                       f"{name}={default!r}); {why}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Lengths the shapes fix (no read back from the device)
+# ----------------------------------------------------------------------------------------------
+
+def _uniform(cu, total: int, max_seqlen) -> bool:
+    """Whether the shapes fix every length of `cu` at `max_seqlen`: `B = cu.numel() - 1` sequences of at
+    most `max_seqlen` tokens each (the caller's bound, which the value checks confirm under validation) hold
+    `total == B * max_seqlen` tokens only if each holds `max_seqlen`, so the offsets are `0, m, 2m, ..., B m`
+    (a batch of equal-length rows, and every decode step: one query per sequence). Reads nothing."""
+    return (isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.numel() >= 2
+            and isinstance(max_seqlen, int) and not isinstance(max_seqlen, bool) and max_seqlen >= 0
+            and total == (cu.numel() - 1) * max_seqlen)
+
+
+def _uniform_offsets(B: int, n: int) -> tuple[int, ...]:
+    return tuple(range(0, (B + 1) * n, n)) if n else (0,) * (B + 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -230,8 +258,17 @@ def infllmv2_attn_stage1(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_v, max_
     """
     _unsupported(dropout_p=(dropout_p, 0.0), window_size=(window_size, (-1, -1)), softcap=(softcap, 0.0),
                  alibi_slopes=(alibi_slopes, None), block_table=(block_table, None))
-    scores = stage1_scores(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_v, int(max_seqlen_q),
-                           causal=bool(causal), softmax_scale=softmax_scale, score_dtype=torch.bfloat16)
+    max_seqlen_q = int(max_seqlen_q)
+    host = _stage1_known_lengths(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_v, max_seqlen_q,
+                                 max_seqlen_k)
+    if host is None:
+        scores = stage1_scores(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_v, max_seqlen_q,
+                               causal=bool(causal), softmax_scale=softmax_scale, score_dtype=torch.bfloat16)
+    else:   # the same kernel launch as stage1_scores', sized by the host offsets: no read back
+        _, scores, _ = stage1_select(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_v, max_seqlen_q,
+                                     causal=bool(causal), softmax_scale=softmax_scale, topk=0, local_blocks=0,
+                                     init_blocks=0, score_dtype=torch.bfloat16, return_scores=True,
+                                     host_seqlens=host)
     width = scores.shape[2]
     if width > max_seqlen_k:
         scores = scores[:, :, :max_seqlen_k].contiguous()
@@ -239,6 +276,35 @@ def infllmv2_attn_stage1(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_v, max_
         scores = torch.nn.functional.pad(scores, (0, max_seqlen_k - width))
     # in place: `scores` is this call's own tensor (no second [H, total_q, n1] copy)
     return scores.nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf"))
+
+
+def _stage1_on_kernels(q, k) -> bool:
+    """Whether `stage1_scores` runs the stage-1 kernel on these inputs: CUDA tensors of its dtypes and head
+    dims, at a group size the decode kernels take too (`decode.MAX_GROUP`, within the stage-1 kernel's;
+    a larger group keeps the call that reads its offsets back)."""
+    return (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.is_cuda and q.dim() == 3
+            and k.dim() == 3 and q.dtype in KERNEL_DTYPES and q.shape[2] in HEAD_DIMS and k.shape[1] > 0
+            and q.shape[1] % k.shape[1] == 0 and q.shape[1] // k.shape[1] <= MAX_GROUP)
+
+
+def _stage1_known_lengths(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_v, max_seqlen_q: int,
+                          max_seqlen_k) -> HostSeqlens | None:
+    """The host offsets `stage1_select` takes (`host_seqlens`: queries and fine keys) when the shapes fix them
+    (`_uniform`: `max_seqlen_q` queries and `max_seqlen_k` fine keys per sequence) and the kernel runs, after
+    every check of `stage1_scores` (their one read of the offsets under validation); None otherwise.
+
+    The kernel reads the offsets on the device; the host copy only sizes the score rows, `max_seqlen_k`
+    columns, which is this function's output width either way: a sequence with more fine keys than
+    `max_seqlen_k` (the original slices its buffer) has its row cut at `max_seqlen_k` by the kernel as by
+    the slice, and one with fewer gets zeros there, as the original's zero-initialised buffer."""
+    if not (_stage1_on_kernels(q, k) and _uniform(cu_seqlens_q, q.shape[0], max_seqlen_q)
+            and _uniform(cu_seqlens_k, k.shape[0], max_seqlen_k)):
+        return None
+    check_max_seqlen("max_seqlen_q", max_seqlen_q, [])
+    check_stage1_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_v, max_seqlen_q)
+    B = cu_seqlens_q.numel() - 1
+    c1 = _uniform_offsets(B, max_seqlen_k)
+    return HostSeqlens(q=_uniform_offsets(B, max_seqlen_q), k=c1, c1=c1)
 
 
 def max_pooling_1d(input: torch.Tensor, cache_len: int, local_blocks: int, init_blocks: int,
@@ -269,22 +335,32 @@ def max_pooling_1d_varlen(input: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_se
     masked. Output `[num_heads, total_q, ceil((max_seqlen_q + max(cache_lens)) / block_size)]`, input dtype.
 
     Device-side tensor code (`infllm_cupy.stage1.pool.pool_blocks`, equal bit for bit to the reference
-    `naive_pool_blocks`): no host loop; one small read back to the host for the output width
-    (`max(cache_lens)`, as the original) and the value checks. A NaN in a window gives NaN (the original
-    kernel keeps a NaN only when it is the window's first entry); stage 1's scores hold no NaN.
+    `naive_pool_blocks`): no host loop. The output width needs `max(cache_lens)`: a `cache_lens` on the
+    device costs one small read back to the host (as in the original, which reads it with `.item()`); one
+    on the CPU (an int32 tensor the caller built from host lengths; beyond the original, whose kernel takes
+    device pointers) is read on the host and copied to the device without a sync, so the call reads nothing
+    back. The value checks (`INFLLM_CUPY_VALIDATE`) ride on one read. A NaN in a window gives NaN (the
+    original kernel keeps a NaN only when it is the window's first entry); stage 1's scores hold no NaN.
     """
     if input.dim() != 3:
         raise ValueError(f"Expected 3D input, got {input.dim()}D")
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
                     ("cache_lens", cache_lens)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be an int32 tensor, got {type(t).__name__}")
         if t.dtype != torch.int32:
             raise TypeError(f"{name} must be int32, got {t.dtype}")
     if input.shape[2] != max_seqlen_k:
         raise ValueError(f"max_k mismatch: {input.shape[2]} vs {max_seqlen_k}")
+    if cache_lens.dim() != 1:
+        raise ValueError(f"cache_lens must be [batch], got shape {tuple(cache_lens.shape)}")
     if cache_lens.shape[0] != cu_seqlens_q.shape[0] - 1:
         raise ValueError(f"cache_lens batch size mismatch: {cache_lens.shape[0]} vs "
                          f"{cu_seqlens_q.shape[0] - 1}")
-    return pool_blocks(input, cu_seqlens_q, cu_seqlens_k, cache_lens, int(max_seqlen_q),
+    # host lengths (a CPU tensor) as ints: pool_blocks copies them to the device without a sync and knows
+    # the output width without reading it back
+    lens = cache_lens.tolist() if cache_lens.device.type == "cpu" else cache_lens
+    return pool_blocks(input, cu_seqlens_q, cu_seqlens_k, lens, int(max_seqlen_q),
                        init_blocks=init_blocks,
                        local_blocks=local_blocks, block_size=block_size, kernel_stride=stride)
 
@@ -364,16 +440,17 @@ def infllmv2_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     if HQ % H:
         raise ValueError(f"the number of query heads ({HQ}) must be a multiple of the KV heads ({H})")
     sparse = topk_idx is not None
-    if sparse:
-        if topk_idx.dtype != torch.int32:
-            raise TypeError(f"topk_idx must be int32, got {topk_idx.dtype}")
-    else:
-        nb = (int(max_seqlen_k) + _BLOCK - 1) // _BLOCK
-        topk_idx = torch.arange(max(nb, 1), dtype=torch.int32, device=q.device).expand(H, T,
-                                                                                       max(nb,
-                                                                                           1)).contiguous()
-    res = sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, int(max_seqlen_q),
-                             int(max_seqlen_k), causal=bool(causal), softmax_scale=softmax_scale,
+    if sparse and (not isinstance(topk_idx, torch.Tensor) or topk_idx.dtype != torch.int32):
+        raise TypeError(f"topk_idx must be int32, got {getattr(topk_idx, 'dtype', type(topk_idx))}")
+    max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+    if _one_query_each(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk_idx):
+        return _varlen_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale, topk_idx,
+                              bool(return_attn_probs))
+    if not sparse:
+        nb = max((max_seqlen_k + _BLOCK - 1) // _BLOCK, 1)
+        topk_idx = torch.arange(nb, dtype=torch.int32, device=q.device).expand(H, T, nb).contiguous()
+    res = sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
+                             causal=bool(causal), softmax_scale=softmax_scale,
                              return_lse=bool(return_attn_probs))
     if not return_attn_probs:
         return res
@@ -382,6 +459,58 @@ def infllmv2_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         G = HQ // H
         lse = lse.reshape(H, G, T).transpose(1, 2).reshape(H, T * G)
     return out, lse, None
+
+
+def _one_query_each(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                    topk_idx) -> bool:
+    """Whether `infllmv2_attn_varlen_func` is a decode step that the decode attention runs: the shapes fix one
+    query and `max_seqlen_k >= 1` keys per sequence (`_uniform`), no gradient is asked for (the decode
+    attention has no backward), at least one slot per `topk_idx` row, and `decode.sparse_decode` takes the
+    tensors (its reference on CPU tensors; on CUDA tensors its kernel's dtypes, head dims and group sizes).
+    Other calls go to the stage-2 attention, which names what it refuses."""
+    if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dim() == 3 and max_seqlen_q == 1
+            and max_seqlen_k >= 1 and _uniform(cu_seqlens_q, q.shape[0], 1)
+            and _uniform(cu_seqlens_k, k.shape[0], max_seqlen_k)):
+        return False
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    if topk_idx is not None and (topk_idx.dim() != 3 or topk_idx.shape[2] == 0):
+        return False
+    if not q.is_cuda:
+        return True
+    return (q.dtype in KERNEL_DTYPES and q.shape[2] in HEAD_DIMS
+            and q.shape[1] // k.shape[1] <= MAX_GROUP)
+
+
+def _varlen_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scale, topk_idx,
+                   return_lse: bool):
+    """`infllmv2_attn_varlen_func` on one query per sequence and `max_seqlen_k` keys each (`_one_query_each`)
+    as decode attention, `decode.sparse_decode`: the packed keys viewed as a contiguous cache
+    `[B, max_seqlen_k, h_kv, d]` (a view of contiguous k and v), the lengths filled on the device, and
+    `topk_idx [h_kv, total_q, K]` as decode's `[h_kv, B, K]` (the same tensor: one query per sequence).
+
+    The same attention as the stage-2 path: a query sees the keys of its sequence in its selected blocks,
+    negative and out-of-range indices select nothing, a row with nothing selected gives 0 (lse +inf), and
+    the causal mask, bottom-right aligned, hides none of a sequence's keys from its one query, so `causal`
+    changes nothing. Checks as the stage-2 path (the offsets' values, one read, under validation only);
+    reads nothing else back."""
+    check_attn_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=1, max_seqlen_k=max_seqlen_k)
+    T, HQ, D = q.shape
+    H = k.shape[1]
+    if topk_idx is not None:
+        check_tensor("topk_idx", topk_idx, ndim=3, dtypes=(torch.int32,), shape=(H, T, None), device=q.device)
+        topk_idx = topk_idx.contiguous()
+    shape = (T, max_seqlen_k, H, D)
+    seqlens = torch.full((T,), max_seqlen_k, dtype=torch.int32, device=q.device)
+    cache = (_attention_view(k.reshape(shape)), _attention_view(v.reshape(shape)), seqlens)
+    res = decode.sparse_decode(q.contiguous(), cache, topk_idx, softmax_scale=softmax_scale,
+                               return_lse=return_lse)
+    if not return_lse:
+        return res
+    out, lse = res                                          # lse [B, h_q]: row t, head h * G + g
+    if topk_idx is not None:                                # the original's [h_kv, total_q * G]
+        return out, lse.view(T, H, HQ // H).permute(1, 0, 2).reshape(H, T * (HQ // H)), None
+    return out, lse.t().contiguous(), None                  # [h_q, total_q]
 
 
 def _check_batch_vector(name: str, t, B: int, device) -> None:

@@ -497,6 +497,299 @@ def test_varlen_dense_and_bf16():
 
 
 # ---------------------------------------------------------------------------------------------
+# one query per sequence: the varlen function as decode attention, stage 1 sized by the shapes
+# ---------------------------------------------------------------------------------------------
+
+def _one_query_inputs(B=3, L=300, hk=2, G=4, d=32, K=6, dtype=torch.float32, device="cpu", seed=11):
+    """A decode step in the varlen layout: B sequences of one query and L keys each, and a selection with
+    every kind of junk the ops ignore: -1, blocks past the last, duplicates, a row with nothing."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, hk * G, d, generator=g).to(dtype)
+    k = torch.randn(B * L, hk, d, generator=g).to(dtype)
+    v = torch.randn(B * L, hk, d, generator=g).to(dtype)
+    nb = math.ceil(L / 64)
+    topk = torch.randint(-1, nb + 2, (hk, B, K), generator=g, dtype=torch.int32)
+    topk[0, 0] = torch.tensor([2, 2, 0, -1, nb + 5, 1], dtype=torch.int32)
+    topk[hk - 1, B - 1] = -1
+    return [t.to(device) for t in (q, k, v, topk, _cu([1] * B), _cu([L] * B))]
+
+
+class _DecodeSpy:
+    """`decode.sparse_decode` as the compat layer calls it, recording each call's selection and cache."""
+
+    def __init__(self, monkeypatch):
+        from infllm_cupy import decode
+
+        self.calls = []
+        run = decode.sparse_decode
+
+        def spy(q, cache, topk_idx=None, **kw):
+            self.calls.append((q, cache, topk_idx))
+            return run(q, cache, topk_idx, **kw)
+
+        monkeypatch.setattr(decode, "sparse_decode", spy)
+
+
+@pytest.mark.parametrize("sparse", [True, False], ids=["topk_idx", "dense"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_one_query_per_sequence_runs_decode_attention(sparse, causal, monkeypatch):
+    """One query per sequence and the same key count in each (the shapes say so: total_q = B, total_k = B x
+    max_seqlen_k): `decode.sparse_decode` on the packed keys viewed as `[B, L, h_kv, d]`, the lengths filled
+    on the device, `topk_idx [h_kv, total_q, K]` as its `[h_kv, B, K]`. Same output and lse (both layouts) as
+    the original's transcription and as the stage-2 path of the same call; causal changes nothing."""
+    q, k, v, topk, cu_q, cu_k = _one_query_inputs()
+    B, L, hk = q.shape[0], k.shape[0] // q.shape[0], k.shape[1]
+    G = q.shape[1] // hk
+    sel = topk if sparse else None
+    spy = _DecodeSpy(monkeypatch)
+    out, lse, s = iv2.infllmv2_attn_varlen_func(q, k, v, cu_q, cu_k, 1, L, causal=causal,
+                                                return_attn_probs=True, topk_idx=sel)
+    assert s is None and len(spy.calls) == 1
+    _, (kc, vc, seqlens), got_sel = spy.calls[0]
+    assert kc.shape == (B, L, hk, q.shape[2])
+    assert kc.data_ptr() == k.data_ptr() and vc.data_ptr() == v.data_ptr()      # views, no copy
+    assert seqlens.dtype == torch.int32 and seqlens.tolist() == [L] * B
+    assert (got_sel is None) == (not sparse) and (not sparse or torch.equal(got_sel, topk))
+    every = torch.arange(math.ceil(L / 64), dtype=torch.int32).expand(hk, B, -1)
+    want, want_lse = _orig_stage2(q, k, v, [1] * B, [L] * B, topk if sparse else every, causal=causal)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+    if sparse:      # the original's [h_kv, total_q * G] (row t * G + g); the empty row: lse +inf, out 0
+        want_lse = want_lse.reshape(hk, G, B).transpose(1, 2).reshape(hk, B * G)
+        assert torch.isinf(lse[hk - 1, (B - 1) * G:]).all() and (out[B - 1, (hk - 1) * G:] == 0).all()
+    assert lse.shape == want_lse.shape
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-6)
+    # the stage-2 path of the same call (the decode attention refused) gives the same numbers
+    monkeypatch.setattr(iv2, "_one_query_each", lambda *args: False)
+    old, old_lse, _ = iv2.infllmv2_attn_varlen_func(q, k, v, cu_q, cu_k, 1, L, causal=causal,
+                                                    return_attn_probs=True, topk_idx=sel)
+    assert len(spy.calls) == 1
+    torch.testing.assert_close(out, old, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse, old_lse, rtol=1e-5, atol=1e-6)
+
+
+def test_varlen_decode_attention_only_where_the_shapes_fix_the_lengths(monkeypatch):
+    """Ragged keys, several queries per sequence, gradients asked for, an empty selection row width: the
+    stage-2 path (no decode call), with the same results as before."""
+    q, k, v, topk, cu_q, _ = _one_query_inputs()
+    spy = _DecodeSpy(monkeypatch)
+    lk = [300, 250, 350]                              # total 900 = 3 x 300, but max_seqlen_k 350 > 300
+    out = iv2.infllmv2_attn_varlen_func(q, k, v, cu_q, _cu(lk), 1, 350, topk_idx=topk)
+    want, _ = _orig_stage2(q, k, v, [1] * 3, lk, topk, causal=False)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+    qg = q.clone().requires_grad_()                   # the decode attention has no backward
+    o = iv2.infllmv2_attn_varlen_func(qg, k, v, cu_q, _cu([300] * 3), 1, 300, topk_idx=topk)
+    o.sum().backward()
+    assert qg.grad is not None and torch.isfinite(qg.grad).all()
+    q2 = torch.cat([q, q])                            # two queries per sequence
+    iv2.infllmv2_attn_varlen_func(q2, k, v, _cu([2] * 3), _cu([300] * 3), 2, 300, causal=True,
+                                  topk_idx=torch.cat([topk, topk], 1))
+    iv2.infllmv2_attn_varlen_func(q, k, v, cu_q, _cu([300] * 3), 1, 300, topk_idx=topk[:, :, :0])
+    assert spy.calls == []
+    with torch.no_grad():                             # no gradient asked for: the decode attention
+        iv2.infllmv2_attn_varlen_func(qg, k, v, cu_q, _cu([300] * 3), 1, 300, topk_idx=topk)
+    assert len(spy.calls) == 1
+
+
+def test_varlen_decode_attention_checks_name_the_argument(monkeypatch):
+    """The decode path raises what the stage-2 path raises, naming the argument; the offsets' values are
+    checked (one read) under validation, never read without it."""
+    from infllm_cupy import _checks, _env
+
+    q, k, v, topk, cu_q, cu_k = _one_query_inputs()
+    L = 300
+    with pytest.raises(ValueError, match=r"topk_idx must have shape \(2, 3, '\*'\)"):
+        iv2.infllmv2_attn_varlen_func(q, k, v, cu_q, cu_k, 1, L, topk_idx=torch.cat([topk, topk], 1)[:, :4])
+    with pytest.raises(TypeError, match="topk_idx must be int32"):
+        iv2.infllmv2_attn_varlen_func(q, k, v, cu_q, cu_k, 1, L, topk_idx=topk.long())
+    with pytest.raises(ValueError, match="v must have the shape of k"):
+        iv2.infllmv2_attn_varlen_func(q, k, v[:, :1], cu_q, cu_k, 1, L, topk_idx=topk)
+    with pytest.raises(TypeError, match="k must have dtype float32"):
+        iv2.infllmv2_attn_varlen_func(q, k.double(), v.double(), cu_q, cu_k, 1, L, topk_idx=topk)
+    with pytest.raises(TypeError, match="cu_seqlens_k must have dtype int32"):
+        iv2.infllmv2_attn_varlen_func(q, k, v, cu_q, cu_k.long(), 1, L, topk_idx=topk)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        iv2.infllmv2_attn_varlen_func(q, k, v, cu_q, cu_k, 1, L, softmax_scale=-1.0, topk_idx=topk)
+    reads = []
+    read = _checks.cu_seqlens_host
+    monkeypatch.setattr(_checks, "cu_seqlens_host", lambda *cus: reads.append(len(cus)) or read(*cus))
+    bad_k = torch.tensor([0, 250, 600, 900], dtype=torch.int32)    # the shapes' total, a sequence over 300
+    with pytest.raises(ValueError, match=r"max_seqlen_k must be >= the longest sequence \(350\)"):
+        iv2.infllmv2_attn_varlen_func(q, k, v, cu_q, bad_k, 1, L, topk_idx=topk)
+    assert reads == [2]                              # both offsets in one read
+    reads.clear()
+    iv2.infllmv2_attn_varlen_func(q, k, v, cu_q, cu_k, 1, L, topk_idx=topk)
+    assert reads == [2]
+    reads.clear()
+    with _env.override(validate=False):
+        iv2.infllmv2_attn_varlen_func(q, k, v, cu_q, cu_k, 1, L, topk_idx=topk)
+    assert reads == []
+
+
+def test_stage1_sized_by_the_shapes_reads_no_offsets(monkeypatch):
+    """`infllmv2_attn_stage1` on the kernel path (forced here; the kernel replaced by the reference, its score
+    rows `max_n1` wide as the kernel writes them) with `max_seqlen_q` queries and `max_seqlen_k` fine keys
+    in every sequence: `stage1_select(return_scores=True)` with the offsets taken from the shapes, no read
+    without validation and one (the checks) with it; the same scores as `stage1_scores`, sliced or padded
+    to `max_seqlen_k`. Ragged batches keep `stage1_scores`."""
+    from infllm_cupy import _checks, _env
+    from infllm_cupy.stage1 import naive_stage1_scores
+
+    g = torch.Generator().manual_seed(13)
+    B, Lq, n1, n2, hk, G, d = 2, 5, 20, 5, 2, 4, 32
+    q = torch.randn(B * Lq, hk * G, d, generator=g).to(torch.bfloat16)
+    ck1 = torch.randn(B * n1, hk, d, generator=g).to(torch.bfloat16)
+    ck2 = torch.randn(B * n2, hk, d, generator=g).to(torch.bfloat16)
+    cu_q, cu1, cu2 = _cu([Lq] * B), _cu([n1] * B), _cu([n2] * B)
+    wants = {c: naive_stage1_scores(q, ck1, ck2, cu_q, cu1, cu2, Lq, causal=c) for c in (True, False)}
+    want = wants[True]
+    calls, reads, counting = [], [], [True]
+
+    def kernel(q, k, v, cu_q, cu_k, cu_v, max_seqlen_q, *, host_seqlens, return_scores, topk, local_blocks,
+               init_blocks, causal, softmax_scale, score_dtype):
+        assert return_scores and (topk, local_blocks, init_blocks) == (0, 0, 0)
+        calls.append(host_seqlens)
+        counting[0] = False                 # the reference's own reads are not the kernel's
+        scores = naive_stage1_scores(q, k, v, cu_q, cu_k, cu_v, max_seqlen_q, causal=causal,
+                                     softmax_scale=softmax_scale, score_dtype=score_dtype)
+        counting[0] = True
+        width = max(b - a for a, b in zip(host_seqlens.c1, host_seqlens.c1[1:]))
+        scores = torch.nn.functional.pad(scores, (0, max(0, width - scores.shape[2])))[:, :, :width]
+        return None, scores, None
+
+    def counted(*cus):
+        if counting[0]:
+            reads.append(len(cus))
+        return read(*cus)
+
+    monkeypatch.setattr(iv2, "_stage1_on_kernels", lambda q, k: True)
+    monkeypatch.setattr(iv2, "stage1_select", kernel)
+    read = _checks.cu_seqlens_host
+    monkeypatch.setattr(_checks, "cu_seqlens_host", counted)
+    for causal in (True, False):
+        with _env.override(validate=False):
+            got = iv2.infllmv2_attn_stage1(q, ck1, ck2, cu_q, cu1, cu2, Lq, n1, causal=causal)
+        assert reads == [] and calls[-1].q == (0, Lq, 2 * Lq) and calls[-1].c1 == (0, n1, 2 * n1)
+        assert torch.equal(got, wants[causal])
+    got = iv2.infllmv2_attn_stage1(q, ck1, ck2, cu_q, cu1, cu2, Lq, n1, causal=True)
+    assert reads == [3] and torch.equal(got, want)      # the checks' one read of the three offsets
+    # wider or narrower max_seqlen_k: the shapes no longer fix the lengths, stage1_scores pads or slices
+    monkeypatch.setattr(iv2, "stage1_scores", lambda *a, **kw: want.clone())
+    n_calls = len(calls)
+    wide = iv2.infllmv2_attn_stage1(q, ck1, ck2, cu_q, cu1, cu2, Lq, n1 + 3, causal=True)
+    assert torch.equal(wide[..., :n1], want) and (wide[..., n1:] == 0).all()
+    assert iv2.infllmv2_attn_stage1(q, ck1, ck2, cu_q, _cu([15, 25]), cu2, Lq, 25).shape == (hk, B * Lq, 25)
+    assert len(calls) == n_calls
+    # the checks run before the kernel, naming the argument
+    with pytest.raises(ValueError, match="ck2 must have shape"):
+        iv2.infllmv2_attn_stage1(q, ck1, ck2[:, :1], cu_q, cu1, cu2, Lq, n1)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must end at the total token count 10, got 11"):
+        iv2.infllmv2_attn_stage1(q, ck1, ck2, torch.tensor([0, 6, 11], dtype=torch.int32), cu1, cu2, Lq, n1)
+    with pytest.raises(TypeError, match="cu_seqlens_c1 must have dtype int32"):
+        iv2.infllmv2_attn_stage1(q, ck1, ck2, cu_q, cu1.long(), cu2, Lq, n1)
+    assert len(calls) == n_calls
+
+
+def test_pooling_takes_host_lengths_without_a_read(monkeypatch):
+    """`max_pooling_1d_varlen` with `cache_lens` on the CPU: the output width from the host values, nothing
+    read back without validation, the result of the device-tensor call; bad values still named."""
+    from infllm_cupy import _env
+    from infllm_cupy.stage1 import pool as pool_module
+
+    g = torch.Generator().manual_seed(14)
+    score = torch.randn(2, 3, 40, generator=g).to(torch.bfloat16)
+    cu_q, cu_k = _cu([1, 1, 1]), _cu([40, 0, 17])
+    cl = [700, 15, 300]
+    reads = []
+    real = pool_module._read_back
+
+    def read_back(scores, cu_q, cu_k, cache, cache_max, max_seqlen_q):
+        reads.append(cache_max)
+        return real(scores, cu_q, cu_k, cache, cache_max, max_seqlen_q)
+
+    monkeypatch.setattr(pool_module, "_read_back", read_back)
+    with _env.override(validate=False):
+        got = iv2.max_pooling_1d_varlen(score, cu_q, cu_k, torch.tensor(cl, dtype=torch.int32), 1, 40, 2, 1)
+    assert reads == [700]                # the width known on the host: _read_back returns it, reads nothing
+    assert torch.equal(got, _orig_pool(score, cu_q.tolist(), cu_k.tolist(), cl, 1, 2, 1))
+    with pytest.raises(ValueError, match=r"cache_lens must be \[batch\]"):
+        iv2.max_pooling_1d_varlen(score, cu_q, cu_k, torch.tensor([cl], dtype=torch.int32), 1, 40, 2, 1)
+    with pytest.raises(ValueError, match="cache_lens must be non-negative"):
+        iv2.max_pooling_1d_varlen(score, cu_q, cu_k, torch.tensor([7, -1, 3], dtype=torch.int32), 1, 40, 2, 1)
+    with pytest.raises(TypeError, match="cache_lens must be an int32 tensor"):
+        iv2.max_pooling_1d_varlen(score, cu_q, cu_k, cl, 1, 40, 2, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sparse", [True, False], ids=["topk_idx", "dense"])
+def test_varlen_one_query_per_sequence_decode_kernel_gpu(sparse, monkeypatch):
+    """On CUDA (bf16, MiniCPM4's heads: G 16, D 128, 2 KV heads): the decode kernel behind the varlen
+    function, within FlashAttention's rule of the float64 stage-2 reference (the same reference in bf16
+    without upcasting as the low-precision baseline), its lse too; with the value checks off the call
+    synchronizes nothing."""
+    from infllm_cupy import _env
+    from infllm_cupy.stage2 import naive_sparse_attn_varlen
+    from infllm_cupy.testing import assert_close_to_ref
+
+    B, L = 3, 1000
+    q, k, v, topk, cu_q, cu_k = _one_query_inputs(B=B, L=L, hk=2, G=16, d=128, K=8, dtype=torch.bfloat16,
+                                                  device="cuda")
+    sel = topk if sparse else None
+    spy = _DecodeSpy(monkeypatch)
+    out, lse, _ = iv2.infllmv2_attn_varlen_func(q, k, v, cu_q, cu_k, 1, L, return_attn_probs=True,
+                                                topk_idx=sel)
+    assert len(spy.calls) == 1
+    every = torch.arange(math.ceil(L / 64), dtype=torch.int32, device="cuda").expand(2, B, -1).contiguous()
+    idx = topk if sparse else every
+    ref, ref_lse = naive_sparse_attn_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, idx, 1, L,
+                                            causal=False, return_lse=True)
+    lowp = naive_sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, 1, L, causal=False, upcast=False)
+    assert_close_to_ref("out", out, ref, lowp)
+    G = 16
+    want_lse = ref_lse.reshape(2, G, B).transpose(1, 2).reshape(2, B * G) if sparse else ref_lse
+    fin = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), fin)
+    torch.testing.assert_close(lse[fin].double(), want_lse[fin].double(), rtol=1e-3, atol=1e-2)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with _env.override(validate=False):
+            again = iv2.infllmv2_attn_varlen_func(q, k, v, cu_q, cu_k, 1, L, topk_idx=sel)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(again, out)
+
+
+@pytest.mark.gpu
+def test_stage1_and_pooling_sized_by_the_shapes_gpu():
+    """On CUDA: `infllmv2_attn_stage1` with the same counts in every sequence (prefill of equal rows, and a
+    decode step) equals `stage1_scores` bit for bit (the same kernel), and with the value checks off it and
+    the pooling with host `cache_lens` synchronize nothing; the pooling equals the device-lengths call."""
+    from infllm_cupy import _env
+    from infllm_cupy.stage1 import stage1_scores
+
+    g = torch.Generator().manual_seed(15)
+    hk, G, d = 2, 16, 128
+    for B, Lq, n1, n2, causal in ((2, 300, 40, 9, True), (3, 1, 200, 49, False)):
+        q = torch.randn(B * Lq, hk * G, d, generator=g).to(torch.bfloat16).cuda()
+        ck1 = torch.randn(B * n1, hk, d, generator=g).to(torch.bfloat16).cuda()
+        ck2 = torch.randn(B * n2, hk, d, generator=g).to(torch.bfloat16).cuda()
+        cu_q, cu1, cu2 = (_cu([n] * B).cuda() for n in (Lq, n1, n2))
+        want = stage1_scores(q, ck1, ck2, cu_q, cu1, cu2, Lq, causal=causal, score_dtype=torch.bfloat16)
+        want = want.nan_to_num(nan=0.0, posinf=float("inf"), neginf=float("-inf"))
+        cache_cpu = torch.full((B,), 16 * n1 + 31 - Lq, dtype=torch.int32)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with _env.override(validate=False):
+                got = iv2.infllmv2_attn_stage1(q, ck1, ck2, cu_q, cu1, cu2, Lq, n1, causal=causal)
+                pooled = iv2.max_pooling_1d_varlen(got, cu_q, cu1, cache_cpu, Lq, n1, 32, 1)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(got, want)
+        assert torch.equal(pooled, iv2.max_pooling_1d_varlen(got, cu_q, cu1, cache_cpu.cuda(), Lq, n1, 32, 1))
+
+
+# ---------------------------------------------------------------------------------------------
 # decode with a KV cache
 # ---------------------------------------------------------------------------------------------
 
