@@ -12,7 +12,12 @@ calling only the original package's public functions as `infllm_cupy.compat.infl
     set to -1, then `infllmv2_attn_varlen_func(..., causal=q_len != 1, topk_idx=...)`.
 
 Decode is HF's path (spec section 8): the one query attends the whole cached K/V through the varlen
-function with the selection of a non-causal stage 1 over the compressed cache.
+function with the selection of a non-causal stage 1 over the compressed cache. The layer knows every length
+on the host, and the compat functions take what the shapes fix, so a compat decode step reads nothing back
+from the device (the value checks of INFLLM_CUPY_VALIDATE aside): offsets built on the device and kept
+(`_offsets`), `cache_lens` a CPU tensor (`_cache_lens`), the mask's values checked in prefill only, and the
+varlen function runs the decode kernel for one query per sequence (docs/integrations.md, "The MiniCPM4-style
+layer").
 
 `route` picks how the selection runs. `"compat"` calls exactly the sequence above, each step a compat
 function (stage 1 materialises the `[H, total_q, n1]` scores, pooling and top-k follow; the top-k
@@ -52,6 +57,7 @@ ROUTES = ("fused", "compat")
 __all__ = ["MiniCPM4SparseAttention", "use_minicpm4_attention"]
 
 _SIDE_TABLE = "_infllm_cupy_compressed_keys"     # attribute of the HF cache: {layer_idx: _Compressed}
+_OFFSETS_KEPT = 8                                  # offsets tensors a layer keeps (`_offsets`)
 
 
 def _rotate_half(x):
@@ -132,6 +138,7 @@ class MiniCPM4SparseAttention(nn.Module):
         self.dense_len = sc.dense_len
         # the fused stage-1 kernel's tiling (block 64, fine keys 32/16, coarse keys 128/64)
         self._fusable = (self.block_size, self.kernel_size, self.kernel_stride) == (64, 32, 16)
+        self._offsets_memo: dict[tuple, torch.Tensor] = {}
 
     def _fused(self, x: torch.Tensor) -> bool:
         """Whether the fused route runs for activations like `x`: on CUDA the kernels' dtypes, head dims and
@@ -140,6 +147,26 @@ class MiniCPM4SparseAttention(nn.Module):
             return False
         return not x.is_cuda or (x.dtype in (torch.bfloat16, torch.float16) and self.head_dim in HEAD_DIMS
                                  and self.num_heads // self.num_kv_heads <= MAX_GROUP)
+
+    def _offsets(self, B: int, n: int, device) -> torch.Tensor:
+        """int32 `[0, n, 2n, ..., B n]` on `device` (the varlen offsets of B rows of n tokens), built on the
+        device (no host copy) and kept (the `_OFFSETS_KEPT` most recently used): a decode step's query
+        offsets repeat at every step, the compressed keys' for 16 and 64 steps."""
+        memo, key = self._offsets_memo, (B, n, device)
+        cu = memo.pop(key, None)
+        if cu is None:
+            if len(memo) >= _OFFSETS_KEPT:          # the least recently used goes (dicts keep their order)
+                memo.pop(next(iter(memo)))
+            cu = torch.arange(B + 1, dtype=torch.int32, device=device) * n
+        memo[key] = cu
+        return cu
+
+    @staticmethod
+    def _cache_lens(B: int, n: int) -> torch.Tensor:
+        """The pooling's `cache_lens`, `n` keys before every sequence's queries, as a CPU int32 tensor: the
+        lengths are host ints here, and the compat pooling reads a CPU tensor on the host (its output width)
+        and copies it to the device without a sync, where a device tensor would cost a read back."""
+        return torch.full((B,), n, dtype=torch.int32)
 
     # -------------------------------------------------------------------------------- compressed keys
     def _compressed_keys(self, cache, k: torch.Tensor, q_len: int) -> _Compressed:
@@ -177,8 +204,7 @@ class MiniCPM4SparseAttention(nn.Module):
         H, D = self.num_kv_heads, self.head_dim
         st = self._compressed_keys(cache, k.view(B, kv_len, H, D), q_len)
         n1, n2 = st.ck1.shape[1], st.ck2.shape[1]
-        steps = torch.arange(B + 1, dtype=torch.int32, device=dev)
-        cu_c1, cu_c2 = steps * n1, steps * n2
+        cu_c1, cu_c2 = self._offsets(B, n1, dev), self._offsets(B, n2, dev)
         with torch.no_grad():
             if self._fused(q):    # scores, pooling and top-k in one kernel: the same topk_idx
                 topk_idx = stage1_select(
@@ -192,13 +218,16 @@ class MiniCPM4SparseAttention(nn.Module):
             score = infllm_v2.infllmv2_attn_stage1(
                 q, st.ck1.reshape(B * n1, H, D), st.ck2.reshape(B * n2, H, D), cu_q, cu_c1, cu_c2, q_len, n1,
                 softmax_scale=self.scaling, causal=q_len != 1)
-            cache_lens = torch.full((B,), kv_len - q_len, dtype=torch.int32, device=dev)
             block_score = infllm_v2.max_pooling_1d_varlen(
-                score, cu_q, cu_c1, cache_lens, q_len, n1, local_blocks=self.local_blocks,
-                init_blocks=self.init_blocks, block_size=self.block_size, stride=self.kernel_stride)
+                score, cu_q, cu_c1, self._cache_lens(B, kv_len - q_len), q_len, n1,
+                local_blocks=self.local_blocks, init_blocks=self.init_blocks, block_size=self.block_size,
+                stride=self.kernel_stride)
             # K = topk + window_size // block_size best blocks; a query's own block is the last it may
             # select (spec section 6: strict '>')
-            q_idx = ((torch.arange(q_len, device=dev) + kv_len - q_len) // self.block_size).repeat(B)
+            if q_len == 1:
+                q_idx = torch.full((B,), (kv_len - 1) // self.block_size, dtype=torch.int64, device=dev)
+            else:
+                q_idx = ((torch.arange(q_len, device=dev) + kv_len - q_len) // self.block_size).repeat(B)
             topk_idx = naive_select_topk(block_score, q_idx, topk=self.topk, local_blocks=0)
         return infllm_v2.infllmv2_attn_varlen_func(q, k, v, cu_q, cu_k, q_len, kv_len,
                                                    softmax_scale=self.scaling,
@@ -208,13 +237,17 @@ class MiniCPM4SparseAttention(nn.Module):
                 past_key_values=None, cache=None, **kwargs):
         # transformers renamed the decoder layers' `past_key_values` argument to `cache` (5.2x); take either
         cache = cache if cache is not None else past_key_values
-        if attention_mask is not None and (attention_mask.dim() != 2 or not bool(attention_mask.all())):
+        B, q_len, _ = hidden_states.shape
+        # the padding check reads the mask's values: once per prefill, never in a decode step (a batch without
+        # padding at prefill has none later; generate appends ones), as the backend's attention function
+        decode = q_len == 1 and cache is not None
+        if attention_mask is not None and (attention_mask.dim() != 2
+                                           or (not decode and not bool(attention_mask.all()))):
             raise NotImplementedError("MiniCPM4SparseAttention: attention_mask with padding (or a custom 4-D "
                                       "mask) is not supported; run sequences of equal length per batch "
                                       "without padding")
         if position_embeddings is None:
             raise ValueError("position_embeddings (cos, sin) are required (the model's rotary embedding)")
-        B, q_len, _ = hidden_states.shape
         HQ, H, D = self.num_heads, self.num_kv_heads, self.head_dim
         q = self.q_proj(hidden_states).view(B, q_len, HQ, D).transpose(1, 2)
         k = self.k_proj(hidden_states).view(B, q_len, H, D).transpose(1, 2)
@@ -235,8 +268,7 @@ class MiniCPM4SparseAttention(nn.Module):
         q = q.transpose(1, 2).reshape(B * q_len, HQ, D)
         k = k.transpose(1, 2).reshape(B * kv_len, H, D)
         v = v.transpose(1, 2).reshape(B * kv_len, H, D)
-        steps = torch.arange(B + 1, dtype=torch.int32, device=q.device)
-        cu_q, cu_k = steps * q_len, steps * kv_len
+        cu_q, cu_k = self._offsets(B, q_len, q.device), self._offsets(B, kv_len, q.device)
         if self.dense_len < 0 or kv_len >= self.dense_len:   # MiniCPM4: dense_len = -1 means always sparse
             out = self._sparse_attention(q, k, v, cu_q, cu_k, B, q_len, kv_len, cache)
         else:
