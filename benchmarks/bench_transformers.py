@@ -4,6 +4,8 @@ run it, eager against eager and compiled against compiled, with each row's byte 
     python benchmarks/bench_transformers.py --json benchmarks/results/transformers.json   # 1,8 x 16k,64k: 3.5 min, H200
     python benchmarks/bench_transformers.py --batches 1,8 --contexts 16k,64k --rep 1 --new-tokens 32 \
         --impls sdpa_static,sdpa_static_compiled,ours,ours_graphs,ours_compiled   # short: 2.5 min, H200
+    python benchmarks/bench_transformers.py --batches 1 --contexts 32k --rep 3 --new-tokens 32 \
+        --impls ours,minicpm4,minicpm4_compat        # the MiniCPM4-style layer's two routes against native
     python benchmarks/bench_transformers.py --quick                  # smoke run: 12k, 2 small layers, 8 new tokens
     python benchmarks/bench_transformers.py --device cpu --dtype float32 --contexts 1k --layers 1 --hidden 256 \
         --intermediate 512 --hq 16 --h 2 --d 64 --vocab 128 --dense-len 256 --topk 4 --window 128 --new-tokens 2
@@ -59,6 +61,7 @@ compressed keys stage 1 reads, B x H x (L/16 + L/64) x D; below dense_len the wh
 ms/step / floor ms. `vs anchor` = the fair anchor's ms/step over the row's (> 1: the row decodes faster):
 ours, ours_graphs and sdpa_dynamic against sdpa_static (eager), ours_compiled against sdpa_static_compiled,
 ours_dynamic against sdpa_dynamic, the minicpm4 rows against ours; `prefill vs anchor` likewise for prefill.
+Under the table, one line per such row gives both ratios with both rows' times and torch syncs per step.
 
 A row that does not fit (torch.cuda.OutOfMemoryError) frees memory and is recorded as "skipped: out of
 memory" (and the larger configs of that row after it); any other failure is recorded as the row's note
@@ -451,6 +454,24 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
+def ratio_lines(rows: list[dict], ratios: list[dict]) -> list[str]:
+    """One line per row with an anchor that ran: its decode and prefill against the anchor's (the anchor's
+    time over the row's: the minicpm4 rows as a share of native speed), with both times and, where counted,
+    both rows' torch syncs per decode step."""
+    by = {(r["impl"], r["batch"], r["context"]): r for r in rows}
+    out = []
+    for x in ratios:
+        r, an = by[(x["impl"], x["batch"], x["context"])], by[(x["anchor"], x["batch"], x["context"])]
+        syncs = ""
+        if r.get("syncs_per_step") is not None and an.get("syncs_per_step") is not None:
+            syncs = f"; torch syncs/step {r['syncs_per_step']} against {an['syncs_per_step']}"
+        ms, ms_an = r["decode_ms_per_step"], an["decode_ms_per_step"]
+        out.append(f"{x['impl']} / {x['anchor']} {x['batch']}x{context_id(x['context'])}: decode "
+                   f"{x['decode']:.2f}x ({ms:.2f} against {ms_an:.2f} ms/step{syncs}), prefill "
+                   f"{x['prefill']:.2f}x ({r['prefill_ms']:.1f} against {an['prefill_ms']:.1f} ms)")
+    return out
+
+
 COLUMNS = {"impl": "impl", "batch": "batch", "context": "context", "prefill_ms": "prefill ms",
            "decode_tok_s": "decode tok/s", "decode_ms_per_step": "ms/step", "floor_ms": "floor ms",
            "x_floor": "x floor", "anchor": "anchor", "vs_anchor": "vs anchor",
@@ -551,6 +572,8 @@ def main(argv=None) -> list[dict]:
     print(table(rows))
     print("\nvs anchor: the fair anchor's ms/step over the row's (> 1: faster than the anchor); "
           "x floor: ms/step over the byte floor")
+    for line in ratio_lines(rows, ratios):
+        print(line)
     print("largest batch x context that ran: " + (", ".join(
         f"{i} {b}x{context_id(t)}" for i, (_, b, t) in largest.items()) or "none"))
     print(harness.env_line(env, t0), flush=True)
