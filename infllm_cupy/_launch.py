@@ -246,7 +246,8 @@ class PreparedLaunch:
 class Program:
     """Prepared launches in order, on one device; `run(**bindings)` re-points the named tensors'
     pointer fields (a field that pointed inside a bound tensor at its build keeps its byte offset into
-    the new one) and launches them all on torch's current stream."""
+    the new one), writes the named int32 fields given as ints, and launches them all on torch's
+    current stream."""
 
     __slots__ = ("device", "keep", "launches", "pdl", "slots", "sm90")
 
@@ -254,8 +255,12 @@ class Program:
         self.device, self.launches, self.pdl, self.slots, self.keep = device, launches, pdl, slots, keep
         self.sm90 = torch.cuda.get_device_capability(device)[0] >= 9
 
-    def run(self, **bindings: torch.Tensor) -> None:
+    def run(self, **bindings) -> None:
         for name, t in bindings.items():
+            if type(t) is int:                       # an int32 field's value (`program(scalars=...)`)
+                for words, i, _ in self.slots[name]:
+                    words[i] = t
+                continue
             addr = t.data_ptr()
             for words, i, offset in self.slots[name]:
                 words[i] = addr + offset
@@ -301,14 +306,15 @@ class Launches:
         self.items.append((source, name, tuple(int(g) for g in grid), tuple(int(b) for b in block),
                            int(shared_mem), params, values, pdl))
 
-    def program(self, *, strict: bool = False, **dynamic: torch.Tensor) -> Program:
+    def program(self, *, strict: bool = False, scalars=(), **dynamic: torch.Tensor) -> Program:
         """The launches prepared; each field that is one of the `dynamic` tensors, or a view inside
         one's memory, is re-pointed by `Program.run(name=...)` (at the same byte offset). Other tensor
         fields keep the tensor they were given (the program holds it); with `strict` there may be none,
-        so the program holds no device memory and serves any call of the same shapes. An empty grid
-        launches nothing."""
+        so the program holds no device memory and serves any call of the same shapes. The int32 fields
+        named in `scalars` take the value `Program.run(name=int)` gives. An empty grid launches
+        nothing."""
         launches, pdl, keep = [], [], []
-        slots = {name: [] for name in dynamic}
+        slots = {name: [] for name in (*dynamic, *scalars)}
         spans = [(dn, dt.data_ptr(), dt.data_ptr() + dt.numel() * dt.element_size())
                  for dn, dt in dynamic.items()]
         with torch.cuda.device(self.device):
@@ -340,6 +346,9 @@ class Launches:
                         slots[dn].append((launch.bufs[0], params.offsets[field] // 8, offset))
                     else:
                         slots[dn].append((launch.bufs[field], 0, offset))
+                for field in scalars:
+                    if params is not None and params.kinds.get(field) == "i32":
+                        slots[field].append((launch.bufs[0].view(np.int32), params.offsets[field] // 4, 0))
                 launches.append(launch)
                 pdl.append(p)
         return Program(self.device, launches, pdl, slots, keep)

@@ -411,16 +411,19 @@ class StepPlan:
     for and one fp32 workspace (stage 1's scratch, the merge's partials, the outputs not asked for),
     re-points every tensor field and launches on torch's current stream."""
 
-    __slots__ = ("outs", "program", "spec", "work")
+    __slots__ = ("any_rows", "outs", "program", "spec", "work")
 
-    def __init__(self, spec: StepSpec, program, outs, work: int):
+    def __init__(self, spec: StepSpec, program, outs, work: int, any_rows: bool):
         self.spec, self.program, self.outs, self.work = spec, program, outs, work
+        self.any_rows = any_rows
 
     def run(self, q, k, v, ck1, ck2, seqlens, block_table, topk_idx) -> list:
         dev = q.device
         fresh = {name: empty(shape, dtype=dtype, device=dev) for name, shape, dtype in self.outs}
         work = torch.empty(self.work, dtype=torch.float32, device=dev)
         bind = dict(q=q, k=k, v=v, seqlens=seqlens, work=work, **fresh)
+        if self.any_rows:            # a contiguous cache's row length: its width, the rows' stride
+            bind["seq_rows"] = bind["W"] = k.shape[1]
         if self.spec.select == "stage1":
             bind["ck1"] = ck1
             if not self.spec.exact:
@@ -444,18 +447,30 @@ def _signature(t) -> tuple | None:
     return None if t is None else (t.shape, t.dtype, t.device, t.is_contiguous())
 
 
+def _any_rows(spec: StepSpec, block_table) -> bool:
+    """Whether a plan serves a contiguous cache of any row length: attention over a given selection
+    without weights depends on the length only through two int fields that each run writes (the
+    compat layer's decode hands caches one key longer at every step)."""
+    return spec.select == "given" and not spec.weights and block_table is None
+
+
 def plan_step(spec: StepSpec, q, k, v, ck1, ck2, seqlens, block_table, topk_idx) -> StepPlan:
     """The `StepPlan` of these tensors' shapes, from the store, or built after every check of the
     kernels' requirements (raising as they do). A call whose tensors are not 16-byte aligned goes to
     the checks, which name it."""
-    key = (spec, _signature(q), _signature(k), _signature(v), _signature(ck1), _signature(ck2),
-           _signature(seqlens), _signature(block_table), _signature(topk_idx))
+    if _any_rows(spec, block_table) and k.shape == v.shape and k.dim() == 4:
+        kv = (k.shape[0], k.shape[2], k.shape[3], k.dtype, k.device, k.is_contiguous(), v.dtype, v.device,
+              v.is_contiguous())
+    else:
+        kv = (_signature(k), _signature(v))
+    key = (spec, _signature(q), kv, _signature(ck1), _signature(ck2), _signature(seqlens),
+           _signature(block_table), _signature(topk_idx))
     plan = _PLANS.get(key)
     aligned = not ((q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15)
     if plan is None or not aligned:
         plan = _build_plan(spec, q, k, v, ck1, ck2, seqlens, block_table, topk_idx)
         if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
+            del _PLANS[next(iter(_PLANS))]          # the oldest entry
         _PLANS[key] = plan
     return plan
 
@@ -523,7 +538,9 @@ def _build_plan(spec: StepSpec, q, k, v, ck1, ck2, seqlens, bt, topk_idx) -> Ste
         bind["topk_idx_in"] = given
     if bt is not None:
         bind["block_table"] = bt
-    return StepPlan(spec, run.program(strict=True, **bind), outs, work.numel())
+    any_rows = _any_rows(spec, bt)
+    program = run.program(strict=True, scalars=("seq_rows", "W") if any_rows else (), **bind)
+    return StepPlan(spec, program, outs, work.numel(), any_rows)
 
 
 # ------------------------------------------------------------------------- graphs of the eager entry

@@ -430,3 +430,27 @@ def test_empty_sequence_and_raw_tuple_cache():
         lowp = naive_sparse_decode(q, (k, v, seqlens), idx, upcast=False)
         assert_close_to_ref("out", out, ref, lowp)
         torch.testing.assert_close(w[1].sum(-1), torch.ones(4, device="cuda"), atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+def test_tuple_cache_growing_by_one_key_reuses_one_plan():
+    # the compat layer's decode: a contiguous cache one key longer at every step (a new [B, L, H, D] view)
+    # and a given selection: one prepared plan serves every length (its row stride and width are written
+    # per run), and every step matches the reference
+    from infllm_cupy.decode.step import n_plans
+
+    g = torch.Generator().manual_seed(5)
+    B, H, HQ, D, dtype = 2, 2, 16, 128, torch.bfloat16
+    kv = [torch.randn(B, 400, H, D, generator=g).to("cuda", dtype) for _ in range(2)]
+    idx = torch.tensor([[[0, 3], [5, -1]], [[2, 0], [1, 4]]], dtype=torch.int32, device="cuda")
+    sizes = []
+    for L in range(320, 330):
+        k, v = (t[:, :L].contiguous() for t in kv)
+        seqlens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+        q = torch.randn(B, HQ, D, generator=g).to("cuda", dtype)
+        out = sparse_decode(q, (k, v, seqlens), idx)
+        sizes.append(n_plans())
+        ref = naive_sparse_decode(q.double(), (k.double(), v.double(), seqlens), idx)
+        lowp = naive_sparse_decode(q, (k, v, seqlens), idx, upcast=False)
+        assert_close_to_ref(f"out at L={L}", out, ref, lowp)
+    assert len(set(sizes)) == 1, sizes
