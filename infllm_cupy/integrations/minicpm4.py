@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._rules import HEAD_DIMS, n_windows
+from .._rules import HEAD_DIMS, n_windows, softmax_scale_of, uses_dense
 from ..compat import infllm_v2
 from ..compress import compress_k
 from ..stage1 import stage1_select
@@ -124,7 +124,7 @@ class MiniCPM4SparseAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = softmax_scale_of(None, self.head_dim)
         self.is_causal = True
         bias = bool(getattr(config, "attention_bias", False))
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
@@ -269,7 +269,7 @@ class MiniCPM4SparseAttention(nn.Module):
         k = k.transpose(1, 2).reshape(B * kv_len, H, D)
         v = v.transpose(1, 2).reshape(B * kv_len, H, D)
         cu_q, cu_k = self._offsets(B, q_len, q.device), self._offsets(B, kv_len, q.device)
-        if self.dense_len < 0 or kv_len >= self.dense_len:   # MiniCPM4: dense_len = -1 means always sparse
+        if not uses_dense(self.dense_len, kv_len):           # MiniCPM4: dense_len = -1 means always sparse
             out = self._sparse_attention(q, k, v, cu_q, cu_k, B, q_len, kv_len, cache)
         else:
             out = infllm_v2.infllmv2_attn_varlen_func(q, k, v, cu_q, cu_k, q_len, kv_len,
