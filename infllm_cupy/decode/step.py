@@ -704,7 +704,7 @@ def _prepared_step(q, cache: DecodeCache, config, return_attn_weights, weights, 
                            lambda: StepGraph(plan_step(spec, q, *_cache_args(cache))))
         res = g.run(q, cache)
     else:
-        res = plan_step(spec, q, *_cache_args(cache)).run(q, *_cache_args(cache))
+        res = run_step(q, *_cache_args(cache), spec, kernels=True)
     if return_topk_idx and path == "dense":
         res.append(None)
     return res[0] if len(res) == 1 else tuple(res)
@@ -806,8 +806,7 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
     else:
         if not (type(q) is torch.Tensor and q.is_contiguous()):
             check_tensor("q", q, ndim=3, contiguous=True)
-        plan_ = plan_step(spec, q, k, v, None, None, seqlens, bt, topk_idx)
-        res = plan_.run(q, k, v, None, None, seqlens, bt, topk_idx)
+        res = run_step(q, k, v, None, None, seqlens, bt, topk_idx, spec, kernels=True)
     return res[0] if len(res) == 1 else tuple(res)
 
 
