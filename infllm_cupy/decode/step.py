@@ -25,7 +25,6 @@ tensors the kernels (the split stage-1 decode kernels, the split-KV attention).
 """
 from __future__ import annotations
 
-import ast
 import dataclasses
 import functools
 
@@ -313,15 +312,51 @@ class StepSpec:
 
 
 def _encode(spec: StepSpec) -> str:
-    return repr(dataclasses.astuple(spec))
+    # str() of each field joined (not repr of the tuple: torch.compile traces this, and its dynamo traces
+    # str() of constants where some versions refuse repr() of a tuple); floats print exactly
+    text = ""
+    for name in _FIELD_NAMES:
+        v = getattr(spec, name)
+        if type(v) is tuple:
+            v = "/".join([str(x) for x in v])
+        text = text + ";" + str(v) if text else str(v)
+    return text
 
 
 @functools.lru_cache(maxsize=256)
 def _decode(text: str) -> StepSpec:
     try:
-        return StepSpec(*ast.literal_eval(text))
-    except (ValueError, SyntaxError, TypeError) as e:
+        parts = text.split(";")
+        if len(parts) != len(_FIELD_NAMES):
+            raise ValueError(f"{len(parts)} fields, not {len(_FIELD_NAMES)}")
+        return StepSpec(*[_parse(name, p) for name, p in zip(_FIELD_NAMES, parts)])
+    except (ValueError, TypeError) as e:
         raise ValueError(f"spec: not a StepSpec's encoding ({e}): {text[:200]!r}") from None
+
+
+def _parse(name: str, text: str):
+    kind = _FIELD_KINDS[name]
+    if text == "None" and kind in ("float?", "plan?"):
+        return None
+    if kind == "bool":
+        if text not in ("True", "False"):
+            raise ValueError(f"{name}: {text!r} is not a bool")
+        return text == "True"
+    if kind == "int":
+        return int(text)
+    if kind == "float?":
+        return float(text)
+    if kind == "plan?":
+        rt, ns, per, mg, pdl = text.split("/")
+        return (int(rt), int(ns), int(per), int(mg), pdl == "True")
+    return text
+
+
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(StepSpec))
+_FIELD_KINDS = {"select": "str", "topk": "int", "local_blocks": "int", "init_blocks": "int", "exact": "bool",
+                "score_dtype": "str", "dense_len": "int", "static_k": "bool", "block_size": "int",
+                "softmax_scale": "float?", "return_lse": "bool", "weights": "str", "return_topk_idx": "bool",
+                "backend": "str", "decode_plan": "plan?"}
 
 
 @functools.lru_cache(maxsize=64)

@@ -509,7 +509,7 @@ def _one_query_inputs(B=3, L=300, hk=2, G=4, d=32, K=6, dtype=torch.float32, dev
     v = torch.randn(B * L, hk, d, generator=g).to(dtype)
     nb = math.ceil(L / 64)
     topk = torch.randint(-1, nb + 2, (hk, B, K), generator=g, dtype=torch.int32)
-    topk[0, 0] = torch.tensor([2, 2, 0, -1, nb + 5, 1], dtype=torch.int32)
+    topk[0, 0, :6] = torch.tensor([2, 2, 0, -1, nb + 5, 1], dtype=torch.int32)
     topk[hk - 1, B - 1] = -1
     return [t.to(device) for t in (q, k, v, topk, _cu([1] * B), _cu([L] * B))]
 
