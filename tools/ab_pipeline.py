@@ -27,7 +27,8 @@ ROWS = "selection,stage2,pipeline"
 
 def run_once(tree: Path, configs: str, inputs: str, out: Path) -> dict:
     """One benchmark run of checkout `tree`: {(config, impl): ms}."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)}
+    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
     cmd = [sys.executable, str(tree / "benchmarks" / "bench_pipeline.py"), "--configs", configs,
            "--inputs", inputs, "--impls", ROWS, "--skip-check", "--json", str(out)]
     subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
