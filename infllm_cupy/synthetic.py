@@ -282,10 +282,13 @@ class NeedleRetrieval(NamedTuple):
             return ("its block is forced for every query of its run (an init block, or inside the local "
                     "window): nothing to retrieve by score")
         if self.open_pairs == 0:
-            return (f"its queries select its block without the needle too ({self.control_recall:.0%} of "
-                    f"{self.pairs} pairs): the budget holds it anyway, nothing to retrieve")
+            return (f"the control's queries select its block in every one of the {self.pairs} pairs (a "
+                    f"budget that holds it anyway, or a block that stands out for any query): nothing to "
+                    f"retrieve")
+        few = (f" (few: the control selects it in {self.control_recall:.0%} of the {self.pairs} pairs)"
+               if self.open_pairs < 10 else "")
         return (f"selected in {self.gain:.0%} of the {self.open_pairs} pairs whose control query leaves it "
-                f"out, {RETRIEVAL_GAIN:.0%} needed")
+                f"out{few}, {RETRIEVAL_GAIN:.0%} needed")
 
 
 def compare_to_control(hit: torch.Tensor, control_hit: torch.Tensor) -> NeedleRetrieval:
