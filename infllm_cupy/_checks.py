@@ -7,8 +7,10 @@ host read would break the graph).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, pairwise
@@ -224,6 +226,22 @@ def host_int_list(name: str, value, *, what: str = "ints") -> list[int]:
         raise TypeError(f"{name} must be {what}, got {type(bad[0]).__name__} {bad[0]!r} in "
                         f"{list(value)[:8]}")
     return [int(x) for x in value]
+
+
+@contextlib.contextmanager
+def argument_names(**names: str):
+    """Within the block, a TypeError or ValueError whose message names an argument of a function called
+    inside it (`ck1`, `crow`, ...) is raised again naming the caller's argument instead (`k`, `indptr`, ...):
+    same type, same traceback; other errors pass unchanged. For the entries that take an argument under
+    another name and pass it on (the compat layer, the patterns' format converters)."""
+    try:
+        yield
+    except (TypeError, ValueError) as e:
+        msg = str(e)
+        new = re.sub(r"\b(" + "|".join(map(re.escape, names)) + r")\b", lambda m: names[m.group(1)], msg)
+        if new == msg or type(e) not in (TypeError, ValueError):
+            raise
+        raise type(e)(new).with_traceback(e.__traceback__) from None
 
 
 def check_lengths_arg(name: str, value, batch: int, device: torch.device) -> torch.Tensor:
