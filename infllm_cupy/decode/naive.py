@@ -10,6 +10,7 @@ from .._checks import (
     check_cu_seqlens,
     check_flags,
     check_head_dim,
+    check_int_args,
     check_softmax_scale,
     check_tensor,
     seqlens_host,
@@ -123,6 +124,7 @@ def naive_sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = 
         out `[B, HQ, D]` in q's dtype, then lse and weights if asked for.
     """
     check_flags(return_lse=return_lse, return_attn_weights=return_attn_weights, upcast=upcast)
+    check_int_args(1, block_size=block_size)
     k, v, seqlens, bt, width = check_sparse_decode_inputs(q, cache, topk_idx, weights)
     scale = check_softmax_scale(softmax_scale, q.shape[2])
     return sparse_decode_checked(q, k, v, seqlens, bt, width, topk_idx, scale=scale, block_size=block_size,

@@ -183,8 +183,9 @@ def from_bsr(indptr: torch.Tensor, indices: torch.Tensor, *, R: int, C: int, num
 def _block_size_pair(block_size) -> tuple[int, int]:
     if isinstance(block_size, int) and not isinstance(block_size, bool):
         return block_size, block_size
-    if isinstance(block_size, (tuple, list)) and len(block_size) == 2:
-        return int(block_size[0]), int(block_size[1])
+    if (isinstance(block_size, (tuple, list)) and len(block_size) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) for b in block_size)):
+        return block_size[0], block_size[1]
     raise ValueError(f"BLOCK_SIZE must be an int or a (Q, KV) pair, got {block_size!r}")
 
 

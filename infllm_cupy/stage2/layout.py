@@ -94,6 +94,7 @@ class BlockLayout:
 
     def to_topk_idx(self, cu_seqlens_q: torch.Tensor) -> torch.Tensor:
         """InfLLM-v2's token-level form: int32 `[H, total_q, K]`, ascending, -1 tail padding."""
+        check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1)
         m = self.mask if self.per_sequence else self.mask[None]
         B = cu_seqlens_q.numel() - 1
         K = max(1, int(m.sum(-1).max()) if m.numel() else 1)
