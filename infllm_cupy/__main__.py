@@ -17,18 +17,21 @@ the first block and the local window (the query's own block and the local-blocks
 and count inside K, and the other topk - 2 slots go to the best-scoring blocks. MiniCPM4: topk 64,
 local-blocks 32, so K = 96 = 1 + 33 forced + 62 by score.
 
-Retrieval is measured against a control: every key block of the sequence points its own way (so no
-block stands out under mean pooling), and a needle counts as retrieved when its own 64 queries select
-its block at least 50 points more often than the other queries that could select it by score do
-(the lift). --control plants the same keys without the queries that look for them: there is then
-nothing to retrieve, and the demo must report that and fail.
+Retrieval is measured against a control: the same sequence without the needles' queries (the same keys,
+the needle blocks included; each needle's 64 queries without the direction that looks for its block).
+Stage 1 runs on each needle's queries as they are and as the control's, and counts only the (query
+token, KV head) pairs for which the needle's block is a choice by score (not an init block, not in the
+token's local window). A needle is retrieved when, among those pairs whose control query leaves its
+block out, at least half select it (the gain): the control's gain is 0 by construction, perfect
+retrieval's 1, at any budget. --control runs the control itself: there is then nothing to retrieve,
+and the demo must report that and fail. A budget that holds the block for every query, or a window
+that forces it, leaves nothing to show and fails too, with a hint.
 
-Exit status: 0 when every needle is retrieved (lift >= 0.5), 1 when one is not (always with --control),
+Exit status: 0 when every needle is retrieved (gain >= 0.5), 1 when one is not (always with --control),
 2 for a bad option."""
 
 INIT_BLOCKS = 1     # MiniCPM4's init_blocks, which the demo does not expose
 BLOCK = 64
-MIN_LIFT = 0.5      # a needle is retrieved when its queries pick it this much more often than the others
 
 
 def _timed(fn, device):
@@ -60,6 +63,18 @@ _positive_int = _int_at_least(1)
 _nonnegative_int = _int_at_least(0)
 
 
+def _needle_count(text: str) -> int:
+    """--needles: at least 1. With none the retrieval check would have nothing to measure, and a check
+    that passes on nothing could not fail its control."""
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError as e:
+        if "at least" not in str(e):
+            raise
+        raise argparse.ArgumentTypeError(f"{e}: with no needle there is nothing to retrieve, and the "
+                                         f"retrieval check could not fail") from None
+
+
 def add_demo_arguments(p: argparse.ArgumentParser, has_gpu: bool) -> None:
     # sizes default by machine (a CPU runs the references, much slower); the help shows this machine's
     p.add_argument("--tokens", type=_int_at_least(4 * BLOCK), default=32768 if has_gpu else 4096,
@@ -72,8 +87,9 @@ def add_demo_arguments(p: argparse.ArgumentParser, has_gpu: bool) -> None:
     p.add_argument("--kv-heads", type=_positive_int, default=2, help="key/value heads H")
     p.add_argument("--head-dim", type=_positive_int, default=128,
                    help="head dimension D (the CUDA kernels take 64 or 128)")
-    p.add_argument("--needles", type=_nonnegative_int, default=4,
-                   help="needles to plant: key blocks in the first quarter, their queries in the second half")
+    p.add_argument("--needles", type=_needle_count, default=4,
+                   help="needles to plant: key blocks in the first quarter, their queries in the second "
+                        "half; at least 1 (the retrieval check needs something to retrieve)")
     p.add_argument("--topk", type=_int_at_least(INIT_BLOCKS + 1), default=64 if has_gpu else 8,
                    help="selection budget: K = topk + local-blocks blocks per query token, the forced "
                         f"init block and local window included; at least {INIT_BLOCKS + 1} (MiniCPM4: 64; 8 "
@@ -183,7 +199,7 @@ def run_demo(args: argparse.Namespace, device) -> int:
     from .config import InfLLMv2Config
     from .stage1 import stage1_select
     from .stage2.attention import sparse_attn_varlen
-    from .synthetic import needle_retrieval, synthetic_sequence
+    from .synthetic import RETRIEVAL_GAIN, needle_retrieval, synthetic_sequence
     from .viz import plot_selection_maps, selection_density
 
     T, HQ, H, D = args.tokens, args.heads, args.kv_heads, args.head_dim
@@ -198,8 +214,9 @@ def run_demo(args: argparse.Namespace, device) -> int:
           f"blocks of {cfg.block_size} keys per token: {cfg.init_blocks} init + {cfg.local_blocks + 1} local "
           f"(the query's own block and the {cfg.local_blocks} before it) forced, "
           f"{K - cfg.init_blocks - cfg.local_blocks - 1} by score")
-    q, k, v, needles = synthetic_sequence(T, HQ, H, D, args.needles, torch.bfloat16, device,
-                                          needle_logit=0.0 if args.control else 8.0)
+    q, k, v, needles, q_control = synthetic_sequence(T, HQ, H, D, args.needles, torch.bfloat16, device,
+                                                     needle_logit=0.0 if args.control else 8.0,
+                                                     return_control=True)
     if args.control:
         print("control: the needle keys are planted, the queries that look for them are not")
     cu = torch.tensor([0, T], dtype=torch.int32, device=device)
@@ -210,7 +227,7 @@ def run_demo(args: argparse.Namespace, device) -> int:
 
     timings = {}
     # one bar step per stage (stage 2 takes seconds on CPU); off when stderr is not a terminal
-    with tqdm(total=4, unit="stage", disable=None, leave=False) as bar:
+    with tqdm(total=5, unit="stage", disable=None, leave=False) as bar:
         if kernels:   # compile outside the timings
             bar.set_description("compiling kernels")
             cu256 = torch.tensor([0, 256], dtype=torch.int32, device=device)
@@ -236,6 +253,10 @@ def run_demo(args: argparse.Namespace, device) -> int:
             out, timings[f"stage 2 sparse attention [{impl}]"] = _timed(
                 lambda: sparse_attn_varlen(q, k, v, cu, cu, topk_idx, T, T, backend=backend), device)
         bar.update()
+        bar.set_description("retrieval check")
+        found, timings[f"retrieval check: stage 1 x2 [{impl}]"] = _timed(
+            lambda: needle_retrieval(q, k, q_control, needles, cfg, backend=backend), device)
+        bar.update()
 
     print("\nstage timings (ms, one run after warm-up compiles):" if kernels else
           "\nstage timings (ms, one run of each reference):")
@@ -246,15 +267,20 @@ def run_demo(args: argparse.Namespace, device) -> int:
     K = topk_idx.shape[-1]
     print(f"\nselection: K = {K} slots per token and KV head; {valid.float().mean().item():.1%} of slots "
           f"used (early tokens have fewer than K causal blocks, tail -1)")
-    found = needle_retrieval(topk_idx, needles, local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks)
-    if needles:
-        print("  retrieval: the share of (query token, KV head) pairs selecting each needle's block, among "
-              "its own 64 queries\n  and among the other queries that could select it by score (its lift: "
-              "the difference)")
+    print("  retrieval, per needle: the (query token, KV head) pairs of its 64 queries for which its block "
+          "is a choice by\n  score (not forced), the share selecting it with the needle and without it (the "
+          "control's queries), and\n  the gain: the share selecting it among the pairs whose control "
+          "leaves it out")
     for (kb, qs), r in zip(needles, found):
-        print(f"  needle keys in block {kb:4d}, queries {qs}-{qs + BLOCK - 1}: {r.recall:4.0%} of its "
-              f"queries, {r.base_rate:4.0%} of the others, lift {r.lift:+.2f}")
-    t = needles[0][1] + 32 if needles else T - 1
+        where = f"needle keys in block {kb:4d}, queries {qs}-{qs + BLOCK - 1}:"
+        if not r.pairs:
+            print(f"  {where} no pair by score (the block is forced for every one of its queries)")
+            continue
+        gain = (f"gain {r.gain:.2f} of {r.open_pairs} pairs" if r.open_pairs else
+                "no pair left out by the control")
+        print(f"  {where} {r.pairs:3d} pairs by score, {r.recall:4.0%} with the needle, "
+              f"{r.control_recall:4.0%} without: {gain}")
+    t = needles[0][1] + 32
     row = topk_idx[0, t]
     print(f"  token {t}, KV head 0 selects: {row[row >= 0].tolist()}")
     last = topk_idx[0, -1]
@@ -284,21 +310,27 @@ def run_demo(args: argparse.Namespace, device) -> int:
         nqb = dens.shape[0]
         share = dens.sum().item() / (nqb * (nqb + 1) / 2)
         print(f"  density: {share:.1%} of the causal (query block, key block) pairs")
-    missed = [(kb, r) for (kb, _), r in zip(needles, found) if not r.lift >= MIN_LIFT]
+    missed = [(kb, r) for (kb, _), r in zip(needles, found) if not r.retrieved]
     if missed:
         kb, r = missed[0]
-        hint = (" (--control: expected)" if args.control else
-                f"; K = {K} slots leave little to choose (the others pick it {r.base_rate:.0%} of the time): "
-                f"lower --topk or raise --tokens" if r.base_rate > 0.5 else "")
-        print(f"\nno retrieval: the needle(s) in key block(s) {[b for b, _ in missed]} have a lift below "
-              f"{MIN_LIFT:.2f} (block {kb}: {r.recall:.0%} of its queries against {r.base_rate:.0%} of the "
-              f"others){hint}; exit status 1", file=sys.stderr)
+        if args.control:
+            hint = " (--control: expected)"
+        elif r.pairs == 0:
+            hint = (f"; the local window of {cfg.local_blocks + 1} blocks reaches back to the needle block "
+                    f"from its queries: lower --local-blocks or raise --tokens")
+        elif cfg.topk <= cfg.init_blocks + 1:
+            hint = f"; --topk {cfg.topk} keeps only the forced blocks, no slot by score: raise --topk"
+        elif r.open_pairs == 0:
+            hint = (f"; K = {K} slots leave little to choose (the control selects the block for every pair): "
+                    f"lower --topk or raise --tokens")
+        else:
+            hint = ""
+        print(f"\nno retrieval: the needle(s) in key block(s) {[b for b, _ in missed]} are not retrieved "
+              f"(block {kb}: {r.reason()}){hint}; exit status 1", file=sys.stderr)
         return 1
-    if needles:
-        print(f"\nretrieved: every needle's lift is {min(r.lift for r in found):+.2f} or more (at least "
-              f"{MIN_LIFT:.2f} needed)")
-    else:
-        print("\nno needles planted: no retrieval to check")
+    print(f"\nretrieved: every needle's block is selected in at least {min(r.gain for r in found):.0%} of "
+          f"the pairs whose control query leaves it out ({RETRIEVAL_GAIN:.0%} needed; the control: 0% by "
+          f"construction)")
     return 0
 
 

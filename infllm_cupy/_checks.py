@@ -7,7 +7,10 @@ host read would break the graph).
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import numbers
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, pairwise
@@ -203,10 +206,42 @@ def check_max_seqlen(name: str, value, lengths: Sequence[int]) -> int:
     # torch.SymInt: an int that torch.compile traces symbolically (automatic dynamic shapes)
     if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0 (a length: at least the longest sequence's), got {value}")
     longest = max(lengths, default=0)
-    if value < 0 or (validate_values() and value < longest):
+    if validate_values() and value < longest:
         raise ValueError(f"{name} must be >= the longest sequence ({longest}), got {value}")
     return value
+
+
+def host_int_list(name: str, value, *, what: str = "ints") -> list[int]:
+    """A list or tuple of ints (numpy ints too, no bools) as Python ints, or a TypeError naming `name`:
+    `5`, `"abc"`, `None` or `[0, 1.5]` passed where one length per sequence was expected are refused,
+    not iterated, parsed or truncated."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be {what} (a list, or an integer tensor), got {type(value).__name__} "
+                        f"{value!r}"[:200])
+    bad = [x for x in value if isinstance(x, bool) or not isinstance(x, numbers.Integral)]
+    if bad:
+        raise TypeError(f"{name} must be {what}, got {type(bad[0]).__name__} {bad[0]!r} in "
+                        f"{list(value)[:8]}")
+    return [int(x) for x in value]
+
+
+@contextlib.contextmanager
+def argument_names(**names: str):
+    """Within the block, a TypeError or ValueError whose message names an argument of a function called
+    inside it (`ck1`, `crow`, ...) is raised again naming the caller's argument instead (`k`, `indptr`, ...):
+    same type, same traceback; other errors pass unchanged. For the entries that take an argument under
+    another name and pass it on (the compat layer, the patterns' format converters)."""
+    try:
+        yield
+    except (TypeError, ValueError) as e:
+        msg = str(e)
+        new = re.sub(r"\b(" + "|".join(map(re.escape, names)) + r")\b", lambda m: names[m.group(1)], msg)
+        if new == msg or type(e) not in (TypeError, ValueError):
+            raise
+        raise type(e)(new).with_traceback(e.__traceback__) from None
 
 
 def check_lengths_arg(name: str, value, batch: int, device: torch.device) -> torch.Tensor:
@@ -218,7 +253,7 @@ def check_lengths_arg(name: str, value, batch: int, device: torch.device) -> tor
         return torch.zeros(batch, dtype=torch.int64, device=device)
     if not isinstance(value, torch.Tensor):
         # ints are checked on the host, before their copy: no read back from the device
-        out = torch.as_tensor(list(value), dtype=torch.int64)
+        out = torch.as_tensor(host_int_list(name, value), dtype=torch.int64)
         if out.numel() != batch:
             raise ValueError(f"{name} must have one entry per sequence ({batch}), got {out.numel()}")
         if validate_values() and bool((out < 0).any()):

@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -28,7 +28,8 @@
 # block of keys early on that a later run of 64 queries looks for), this notebook decodes a few hundred
 # tokens (thousands on a GPU) on a `DecodeCache` and shows:
 #
-# 1. which blocks each step picks, over time (the needle block appears while its queries run);
+# 1. which blocks each step picks, over time, and whether the steps whose query looks for a needle
+#    retrieve its block (against the same steps' queries without the needle: the control);
 # 2. H2O's kept positions against InfLLM-v2's selection at the same token budget;
 # 3. the share of each step's dense attention that each of them captures.
 #
@@ -71,7 +72,7 @@ import matplotlib.pyplot as plt
 
 from infllm_cupy.config import InfLLMv2Config
 from infllm_cupy.decode import H2O, DecodeCache, infllmv2_decode, naive_infllmv2_decode, sparse_decode
-from infllm_cupy.synthetic import structured_sequence
+from infllm_cupy.synthetic import compare_to_control, structured_sequence
 
 # %% [markdown]
 # ## A cache to decode on
@@ -108,15 +109,20 @@ for i, n in enumerate(needles):
 # softmax summed over the 16 query heads of each KV head, `[B, H, W]`. H2O accumulates those
 # weights (`H2O.update`) and keeps, per KV head, the `recent` last positions and the highest
 # accumulated scores, with the same token budget as InfLLM-v2 (`K * 64` positions) and the same local
-# window. H2O here starts accumulating at the first decode step, and `H2O.kept` is re-evaluated
-# every step: a position it dropped earlier may come back, which real eviction does not allow, so
-# its numbers below are an upper bound for H2O.
+# window. H2O here starts accumulating at the first decode step, and `H2O.kept` is re-evaluated every
+# step: a position it dropped earlier may come back, which real eviction does not allow, so its numbers
+# below are an upper bound for H2O. At the steps whose query looks for a needle, the step also runs on
+# the control's query (the same query without the needle direction, `data.q_control`) against the same
+# cache: what that step would select without the needle.
 
 # %%
 W = cache.capacity
 nb = -(-W // 64)
 h2o = H2O(1, H, W, budget=64 * K, recent=64 * (LOCAL_BLOCKS + 1), device=DEVICE)
 sel = torch.zeros(STEPS, H, nb, dtype=torch.bool)
+sel_control = torch.zeros(STEPS, H, nb, dtype=torch.bool)     # filled at the needles' query steps only
+control_rows = {n.query_start + r - START: data.q_control[64 * i + r:64 * i + r + 1]
+                for i, n in enumerate(needles) for r in range(64)}     # step -> the control's query
 mass_sel = torch.zeros(STEPS, H)
 mass_h2o = torch.zeros(STEPS, H)
 G = HQ // H
@@ -128,9 +134,13 @@ with torch.no_grad():
         out, topk_idx = infllmv2_decode(q, cache, config=cfg, return_topk_idx=True)
         _, w = sparse_decode(q, cache, None, return_attn_weights=True, weights="per_kv_head")   # dense
         h2o.update(w)
-        idx = topk_idx[:, 0].long().cpu()                                  # [H, K], -1 padded
-        ok = (idx >= 0) & (idx < nb)
-        sel[s].scatter_(1, idx.clamp(min=0), ok)
+        picks = [(sel, topk_idx)]
+        if s in control_rows:       # the same step on the control's query: what it selects without the needle
+            picks.append((sel_control, infllmv2_decode(control_rows[s], cache, config=cfg,
+                                                       return_topk_idx=True)[1]))
+        for out_sel, idx in picks:
+            idx = idx[:, 0].long().cpu()                                    # [H, K], -1 padded
+            out_sel[s].scatter_(1, idx.clamp(min=0), (idx >= 0) & (idx < nb))
         pos_sel = sel[s].to(DEVICE).repeat_interleave(64, dim=1)[:, :W]     # [H, W] selected positions
         mass_sel[s] = (w[0] * pos_sel).sum(-1).cpu() / G                    # mean over the group's heads
         kept = h2o.kept(cache.seqlens)[0]                                   # [H, budget], -1 padded
@@ -155,8 +165,9 @@ assert err < 5e-2
 # One map per KV head: decode step on the y axis, key block on the x axis, dark where the step
 # selected the block. Column 0 (the sink) and the diagonal band at the right (the local window,
 # moving with the cache) are forced. Dashed lines mark the needle blocks and the steps when their
-# queries run: the head that carries a needle picks its block during those steps (how sharply differs
-# from head to head: the map shows it).
+# queries run. A needle's column may darken during those steps only, or be dark throughout: a block whose
+# keys all point one way (a needle's) keeps its norm under mean pooling and can win for any query of its
+# head. The map cannot tell retrieval from that; the check below can.
 
 # %%
 fig, axes = plt.subplots(1, H, figsize=(6 * H, 5), squeeze=False)
@@ -172,13 +183,30 @@ fig.suptitle(f"blocks selected per decode step (K = {K}, {START}..{START + STEPS
 fig.tight_layout()
 fig.savefig(FIG_DIR / "02_selection_over_time.png", dpi=110)
 
+# %% [markdown]
+# **Does a step retrieve the needle?** The demo's check (`needle_retrieval`, notebook 01) on decode steps:
+# of the needle's 64 query steps, only those for which its block is a choice by score count (not forced:
+# not block 0, not in the step's local window); each has two outcomes, the step's selection and the
+# control's (the same step on the query without the needle direction). The **gain** is the share of the
+# steps whose control leaves the block out that select it: 1 for perfect retrieval, 0 for a query that
+# does not look for the needle. A needle whose block its control selects at every step shows nothing:
+# the block is picked anyway. Last, for comparison, how often the head's other steps (queries that do not
+# look for the needle, at other positions) pick the block.
+
 # %%
 for i, n in enumerate(needles):
-    run = slice(n.query_start - START, n.query_start - START + 64)
-    inside = sel[run, n.kv_head, n.key_block].float().mean().item()
-    outside = torch.cat([sel[:run.start, n.kv_head, n.key_block], sel[run.stop:, n.kv_head, n.key_block]])
-    print(f"needle {i}: block {n.key_block} picked at {inside:.0%} of its query steps, "
-          f"{outside.float().mean().item():.0%} of the others")
+    run = torch.arange(n.query_start, n.query_start + 64)
+    steps = run - START
+    by_score = (n.key_block >= cfg.init_blocks) & (n.key_block < run // 64 - cfg.local_blocks)
+    r = compare_to_control(sel[steps, n.kv_head, n.key_block][by_score],
+                           sel_control[steps, n.kv_head, n.key_block][by_score])
+    others = torch.ones(STEPS, dtype=torch.bool)
+    others[steps] = False
+    elsewhere = sel[others, n.kv_head, n.key_block].float().mean().item()
+    print(f"needle {i} (KV head {n.kv_head}, block {n.key_block}): picked at {r.recall:.0%} of its {r.pairs} "
+          f"query steps by score, {r.control_recall:.0%} of them without the needle; "
+          f"{'retrieved' if r.retrieved else 'not retrieved'}: {r.reason()}; the head's other steps pick it "
+          f"at {elsewhere:.0%}")
 changes = (sel[1:] ^ sel[:-1]).sum(-1).float().mean(0) / 2
 print("blocks swapped per step (mean, per KV head):", [round(x, 2) for x in changes.tolist()])
 

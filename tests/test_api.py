@@ -253,7 +253,7 @@ def test_decode_names_what_the_user_passed():
     with pytest.raises(ValueError, match="cu_seqlens_c1 has 1 sequences but cu_seqlens_k has 2"):
         naive_infllmv2_decode(torch.randn(2, 4, 64), k, k, cu_k, ck1=ck[:1], cu_seqlens_c1=cuc[:2].clone(),
                               ck2=ck, cu_seqlens_c2=cuc)
-    cache = (torch.randn(2, 64, 2, 64), torch.randn(2, 64, 2, 64), torch.tensor([5, 9]))
+    cache = (torch.randn(2, 64, 2, 64), torch.randn(2, 64, 2, 64), torch.tensor([5, 9], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"q has 3 rows .* the cache holds 2 sequences"):
         naive_sparse_decode(torch.randn(3, 4, 64), cache)
 

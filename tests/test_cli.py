@@ -78,7 +78,10 @@ def _demo_error(capsys, *args) -> str:
     (["--tokens", "4k"], "argument --tokens: expected an integer, got '4k'"),
     (["--tokens", "300"], "argument --tokens: at least 1024 tokens for 4 needle(s)"),
     (["--tokens", "500", "--needles", "2"], "argument --tokens: at least 512 tokens for 2 needle(s)"),
-    (["--needles", "-1"], "argument --needles: must be at least 0, got -1"),
+    (["--needles", "-1"], "argument --needles: must be at least 1, got -1"),
+    (["--needles", "0"], "argument --needles: must be at least 1, got 0: with no needle there is nothing to "
+                         "retrieve"),
+    (["--needles", "0", "--control"], "argument --needles: must be at least 1, got 0"),
     (["--heads", "3"], "argument --heads: 3 query heads is not a multiple of --kv-heads 2"),
     (["--kv-heads", "0"], "argument --kv-heads: must be at least 1, got 0"),
     (["--head-dim", "0"], "argument --head-dim: must be at least 1, got 0"),
@@ -107,7 +110,7 @@ def test_demo_device_cuda_without_a_gpu(capsys):
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs a path whose parent exists but takes no files")
 def test_demo_png_write_failure_after_the_run_is_a_message(tmp_path):
-    r = run_cli("demo", *SMALL, "--needles", "0", "--png", "/proc/infllm_selection.png", cwd=tmp_path)
+    r = run_cli("demo", *SMALL, "--needles", "1", "--png", "/proc/infllm_selection.png", cwd=tmp_path)
     assert r.returncode == 2, r
     assert "error: argument --png: cannot write '/proc/infllm_selection.png'" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
@@ -121,33 +124,54 @@ def test_demo_runs_on_cpu_and_writes_the_png(tmp_path):
     assert ("K = topk 4 + local_blocks 2 = 6 blocks of 64 keys per token: 1 init + 3 local (the query's own "
             "block and the 2 before it) forced, 2 by score") in r.stdout, r.stdout
     assert "stage timings (ms, one run of each reference):" in r.stdout, r.stdout
-    lifts = [float(x) for x in re.findall(r"lift ([+-]\d\.\d\d)", r.stdout)]
-    assert len(lifts) == 4 and min(lifts) >= 0.5, r.stdout
-    assert "retrieved: every needle's lift is" in r.stdout, r.stdout
+    gains = [float(x) for x in re.findall(r"gain (\d\.\d\d) of \d+ pairs", r.stdout)]
+    assert len(gains) == 4 and min(gains) >= 0.5, r.stdout
+    assert "retrieved: every needle's block is selected in at least" in r.stdout, r.stdout
     assert png.stat().st_size > 1000
     # output is not a terminal: no progress bar in either stream
     assert "stage/s" not in r.stderr and "it/s" not in r.stderr and "\r" not in r.stdout + r.stderr, r.stderr
 
 
-def _demo_retrieval(device, *extra, cwd):
-    r = run_cli("demo", *small_args(32 if device == "cpu" else 64), "--device", device, "--no-png", *extra,
-                cwd=cwd)
-    lifts = [float(x) for x in re.findall(r"lift ([+-]\d\.\d\d)", r.stdout)]
-    return r, lifts
+def _demo_retrieval(device, *extra, cwd, args=None):
+    args = small_args(32 if device == "cpu" else 64) if args is None else args
+    r = run_cli("demo", *args, "--device", device, "--no-png", *extra, cwd=cwd)
+    gains = [float(x) for x in re.findall(r"gain (\d\.\d\d) of \d+ pairs", r.stdout)]
+    return r, gains
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_demo_fails_its_control_and_passes_the_real_sequence(tmp_path, device):
     # the same keys, the needle blocks included; only the queries that look for them differ
-    real, real_lifts = _demo_retrieval(device, cwd=tmp_path)
-    ctrl, ctrl_lifts = _demo_retrieval(device, "--control", cwd=tmp_path)
-    assert real.returncode == 0 and len(real_lifts) == 4 and min(real_lifts) >= 0.5, real.stdout + real.stderr
+    real, real_gains = _demo_retrieval(device, cwd=tmp_path)
+    ctrl, ctrl_gains = _demo_retrieval(device, "--control", cwd=tmp_path)
+    assert real.returncode == 0 and len(real_gains) == 4 and min(real_gains) >= 0.5, real.stdout + real.stderr
     assert ctrl.returncode == 1, ctrl.stdout + ctrl.stderr
-    assert len(ctrl_lifts) == 4 and max(ctrl_lifts) < 0.2, ctrl.stdout
+    assert ctrl_gains == [0.0] * 4, ctrl.stdout            # the control's gain is 0 by construction
     assert "control: the needle keys are planted, the queries that look for them are not" in ctrl.stdout
     assert "no retrieval: the needle(s) in key block(s)" in ctrl.stderr, ctrl.stderr
     assert "(--control: expected)" in ctrl.stderr, ctrl.stderr
     assert "Traceback" not in ctrl.stderr and "retrieved" not in ctrl.stdout
+
+
+@pytest.mark.parametrize("extra, status, says", [
+    # the settings: a window that forces the needle blocks passed the control; 2048 tokens and
+    # --topk 16 failed the real run, whose needles were all found
+    (["--control", "--topk", "2", "--local-blocks", "42"], 1, "forced for every query of its run"),
+    (["--control", "--topk", "4", "--local-blocks", "42"], 1, "(--control: expected)"),
+    (["--topk", "4", "--local-blocks", "42"], 1, "lower --local-blocks or raise --tokens"),
+    (["--topk", "2"], 1, "no slot by score: raise --topk"),
+    (["--tokens", "2048"], 0, "retrieved: every needle's block"),
+    (["--topk", "16"], 0, "retrieved: every needle's block"),
+    (["--control", "--topk", "16"], 1, "(--control: expected)"),
+])
+def test_demo_retrieval_check_cannot_be_fooled(tmp_path, extra, status, says):
+    args = ["--heads", "4", "--kv-heads", "2", "--head-dim", "32"]       # the default 4096 tokens and budget
+    r, gains = _demo_retrieval("cpu", *extra, cwd=tmp_path, args=args)
+    assert r.returncode == status and says in r.stdout + r.stderr, r.stdout + r.stderr
+    if status == 0:
+        assert len(gains) == 4 and min(gains) >= 0.5, r.stdout
+    if "--control" in extra:
+        assert all(g == 0.0 for g in gains), r.stdout
 
 
 def test_demo_without_room_to_choose_fails_with_a_hint(tmp_path):

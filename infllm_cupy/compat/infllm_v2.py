@@ -19,6 +19,7 @@ offset hard-codes 2, spec 8). With G = 16, bf16 and 2 KV heads the results are t
 from __future__ import annotations
 
 import math
+import numbers
 import sys
 
 import torch
@@ -27,7 +28,9 @@ import torch
 from .. import decode
 from .._checks import (
     HostSeqlens,
+    argument_names,
     check_attn_inputs,
+    check_flags,
     check_int_args,
     check_max_seqlen,
     check_stage1_inputs,
@@ -83,6 +86,24 @@ def _unsupported(**args) -> None:
                    "layer does not implement it")
             raise NotImplementedError(f"infllm_v2 compat: {name}={shown} is not supported (only "
                                       f"{name}={default!r}); {why}")
+
+
+def _int_arg(name: str, value, minimum: int = 0) -> int:
+    """An int argument of the original API (a Python or numpy int, a 0-d integer tensor, or a SymInt that
+    torch.compile traces) as an int, or a TypeError/ValueError naming `name`: `None`, `2.5` or `"8"` are
+    refused, not converted by `int()` (which truncates a float and parses a string)."""
+    if (isinstance(value, torch.Tensor) and value.dim() == 0 and not value.dtype.is_floating_point
+            and not value.dtype.is_complex and value.dtype != torch.bool):
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.SymInt)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}"[:200])
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value if isinstance(value, torch.SymInt) else int(value)
+
+
+# the stage-1 ops' names of the original's stage-1 arguments
+_STAGE1_NAMES = {"ck1": "k", "ck2": "v", "cu_seqlens_c1": "cu_seqlens_k", "cu_seqlens_c2": "cu_seqlens_v"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -161,8 +182,9 @@ def topk_to_uint64(topk_idx: torch.Tensor, max_seqlen_k: int, block_size: int,
         indices (the -1 padding) and indices `>= 64 * n_words` set nothing; indices in
         `[k_blocks, 64 * n_words)` are kept, as in the original kernel.
     """
-    if topk_idx.dtype != torch.int32:
-        raise TypeError(f"topk_idx must be int32, got {topk_idx.dtype}")
+    if not isinstance(topk_idx, torch.Tensor) or topk_idx.dtype != torch.int32:
+        got = topk_idx.dtype if isinstance(topk_idx, torch.Tensor) else type(topk_idx).__name__
+        raise TypeError(f"topk_idx must be an int32 tensor, got {got}")
     if topk_idx.dim() not in (3, 4):
         raise ValueError(f"topk_idx must be 3-D or 4-D, got shape {tuple(topk_idx.shape)}")
     check_int_args(0, max_seqlen_k=max_seqlen_k)
@@ -210,6 +232,10 @@ def uint64_to_bool(uint64_array: torch.Tensor, last_dim_size: int) -> torch.Tens
     if not isinstance(uint64_array, torch.Tensor) or uint64_array.dtype not in _WORD_DTYPES:
         raise TypeError(f"uint64_array must be an int64 or uint64 tensor (64-bit words), got "
                         f"{getattr(uint64_array, 'dtype', type(uint64_array))}")
+    if uint64_array.dim() == 0:
+        raise ValueError("uint64_array must have at least one dimension (the words of each row), got a 0-d "
+                         "tensor")
+    last_dim_size = _int_arg("last_dim_size", last_dim_size)
     lead = tuple(uint64_array.shape[:-1])
     n_words = uint64_array.shape[-1]
     if last_dim_size > 64 * n_words:
@@ -221,6 +247,10 @@ def uint64_to_bool(uint64_array: torch.Tensor, last_dim_size: int) -> torch.Tens
 def blockmask_to_uint64(blockmask: torch.Tensor) -> tuple[torch.Tensor, int]:
     """bool `[..., n]` -> `(int64 [..., ceil(n / 64)], n)`, the inverse of `uint64_to_bool` (a nonzero
     entry of another dtype counts as set)."""
+    check_tensor("blockmask", blockmask)
+    if blockmask.dim() == 0:
+        raise ValueError("blockmask must have at least one dimension (the blocks of each row), got a 0-d "
+                         "tensor")
     n = blockmask.shape[-1]
     n_words = (n + 63) // 64
     lead = tuple(blockmask.shape[:-1])
@@ -258,17 +288,21 @@ def infllmv2_attn_stage1(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_v, max_
     """
     _unsupported(dropout_p=(dropout_p, 0.0), window_size=(window_size, (-1, -1)), softcap=(softcap, 0.0),
                  alibi_slopes=(alibi_slopes, None), block_table=(block_table, None))
-    max_seqlen_q = int(max_seqlen_q)
-    host = _stage1_known_lengths(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_v, max_seqlen_q,
-                                 max_seqlen_k)
-    if host is None:
-        scores = stage1_scores(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_v, max_seqlen_q,
-                               causal=bool(causal), softmax_scale=softmax_scale, score_dtype=torch.bfloat16)
-    else:   # the same kernel launch as stage1_scores', sized by the host offsets: no read back
-        _, scores, _ = stage1_select(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_v, max_seqlen_q,
-                                     causal=bool(causal), softmax_scale=softmax_scale, topk=0, local_blocks=0,
-                                     init_blocks=0, score_dtype=torch.bfloat16, return_scores=True,
-                                     host_seqlens=host)
+    check_flags(causal=causal)
+    max_seqlen_q = _int_arg("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _int_arg("max_seqlen_k", max_seqlen_k)     # the output's width: a slice of it below
+    with argument_names(**_STAGE1_NAMES):
+        host = _stage1_known_lengths(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_v, max_seqlen_q,
+                                     max_seqlen_k)
+        if host is None:
+            scores = stage1_scores(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_v, max_seqlen_q,
+                                   causal=bool(causal), softmax_scale=softmax_scale,
+                                   score_dtype=torch.bfloat16)
+        else:   # the same kernel launch as stage1_scores', sized by the host offsets: no read back
+            _, scores, _ = stage1_select(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_v, max_seqlen_q,
+                                         causal=bool(causal), softmax_scale=softmax_scale, topk=0,
+                                         local_blocks=0, init_blocks=0, score_dtype=torch.bfloat16,
+                                         return_scores=True, host_seqlens=host)
     width = scores.shape[2]
     if width > max_seqlen_k:
         scores = scores[:, :, :max_seqlen_k].contiguous()
@@ -314,13 +348,16 @@ def max_pooling_1d(input: torch.Tensor, cache_len: int, local_blocks: int, init_
     Returns `[num_heads, q_len, ceil((q_len + cache_len) / block_size)]` in `input`'s dtype. Device-side
     tensor code (`infllm_cupy.stage1.pool.pool_blocks`); reads nothing back to the host but the value checks.
     """
+    check_tensor("input", input)
     if input.dim() != 3:
         raise ValueError(f"input must be [num_heads, q_len, k_len], got {tuple(input.shape)}")
+    cache_len = _int_arg("cache_len", cache_len)
     dev = input.device
     _, q_len, k_len = input.shape
     two = torch.arange(2, dtype=torch.int32, device=dev)      # [0, 1] built on the device: no host copy
-    return pool_blocks(input, two * q_len, two * k_len, [int(cache_len)], q_len, init_blocks=init_blocks,
-                       local_blocks=local_blocks, block_size=block_size, kernel_stride=stride)
+    with argument_names(kernel_stride="stride"):
+        return pool_blocks(input, two * q_len, two * k_len, [cache_len], q_len, init_blocks=init_blocks,
+                           local_blocks=local_blocks, block_size=block_size, kernel_stride=stride)
 
 
 def max_pooling_1d_varlen(input: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
@@ -342,8 +379,11 @@ def max_pooling_1d_varlen(input: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_se
     back. The value checks (`INFLLM_CUPY_VALIDATE`) ride on one read. A NaN in a window gives NaN (the
     original kernel keeps a NaN only when it is the window's first entry); stage 1's scores hold no NaN.
     """
+    check_tensor("input", input)
     if input.dim() != 3:
         raise ValueError(f"Expected 3D input, got {input.dim()}D")
+    max_seqlen_q = _int_arg("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _int_arg("max_seqlen_k", max_seqlen_k)
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
                     ("cache_lens", cache_lens)):
         if not isinstance(t, torch.Tensor):
@@ -360,9 +400,9 @@ def max_pooling_1d_varlen(input: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_se
     # host lengths (a CPU tensor) as ints: pool_blocks copies them to the device without a sync and knows
     # the output width without reading it back
     lens = cache_lens.tolist() if cache_lens.device.type == "cpu" else cache_lens
-    return pool_blocks(input, cu_seqlens_q, cu_seqlens_k, lens, int(max_seqlen_q),
-                       init_blocks=init_blocks,
-                       local_blocks=local_blocks, block_size=block_size, kernel_stride=stride)
+    with argument_names(kernel_stride="stride"):
+        return pool_blocks(input, cu_seqlens_q, cu_seqlens_k, lens, max_seqlen_q, init_blocks=init_blocks,
+                           local_blocks=local_blocks, block_size=block_size, kernel_stride=stride)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -375,6 +415,8 @@ def _gather_pages(k_cache, v_cache, cu_seqlens_k, block_table):
     is at `k_cache[block_table[b, t // page_size], t % page_size]`. Returns packed `[total_k, h_kv, d]`
     copies (differentiable: the gradients flow back to the pages). Reads the lengths and the table on the
     host to check that every key has a page."""
+    check_tensor("k", k_cache)          # the varlen function's k and v
+    check_tensor("v", v_cache)
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError("with block_table, k and v must be [num_pages, page_size, nheads_k, headdim] of "
                          f"one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
@@ -433,8 +475,13 @@ def infllmv2_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     """
     _unsupported(dropout_p=(dropout_p, 0.0), window_size=(window_size, (-1, -1)), softcap=(softcap, 0.0),
                  alibi_slopes=(alibi_slopes, None))
+    check_tensor("q", q, ndim=3)
+    check_flags(causal=causal, return_attn_probs=return_attn_probs, deterministic=deterministic)
+    max_seqlen_q = _int_arg("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _int_arg("max_seqlen_k", max_seqlen_k)
     if block_table is not None:
         k, v = _gather_pages(k, v, cu_seqlens_k, block_table)
+    check_tensor("k", k, ndim=3)
     T, HQ, _ = q.shape
     H = k.shape[1]
     if HQ % H:
@@ -442,7 +489,6 @@ def infllmv2_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     sparse = topk_idx is not None
     if sparse and (not isinstance(topk_idx, torch.Tensor) or topk_idx.dtype != torch.int32):
         raise TypeError(f"topk_idx must be int32, got {getattr(topk_idx, 'dtype', type(topk_idx))}")
-    max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     if _one_query_each(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, topk_idx):
         return _varlen_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale, topk_idx,
                               bool(return_attn_probs))
@@ -554,6 +600,8 @@ def _check_attention(q, k_cache, v_cache, block_table, B: int) -> None:
     """What the attention step needs of q, the caches and the table, checked before any write (reads no
     values): q and the caches of one dtype and device, one head dim, whole KV groups; on CUDA tensors the
     decode kernel's limits (bf16/fp16, head dim 64 or 128, group size, pages of whole 64-key blocks)."""
+    check_tensor("k_cache", k_cache)
+    check_tensor("v_cache", v_cache)
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache and v_cache must be [.., .., nheads_k, headdim] of one shape, got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
@@ -726,8 +774,9 @@ def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=N
     """
     _unsupported(window_size=(window_size, (-1, -1)), softcap=(softcap, 0.0),
                  alibi_slopes=(alibi_slopes, None))
-    if not isinstance(q, torch.Tensor) or q.dim() != 4:
-        raise ValueError(f"q must be [batch, seqlen, nheads, headdim], got {tuple(getattr(q, 'shape', ()))}")
+    check_tensor("q", q)
+    if q.dim() != 4:
+        raise ValueError(f"q must be [batch, seqlen, nheads, headdim], got {tuple(q.shape)}")
     B, Lq, _HQ, _D = q.shape
     if Lq != 1:
         raise NotImplementedError(
@@ -748,10 +797,10 @@ def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=N
         seqlens = torch.full((B,), width, dtype=torch.int32, device=q.device)
     elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
-    elif isinstance(cache_seqlens, torch.Tensor) and not cache_seqlens.is_floating_point():
+    elif isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dtype == torch.int32:   # as the original
         if cache_seqlens.device != q.device:
             raise ValueError(f"cache_seqlens must be on {q.device} (q's), got {cache_seqlens.device}")
-        seqlens = cache_seqlens.to(torch.int32)
+        seqlens = cache_seqlens
     else:
         raise ValueError(f"cache_seqlens must be an int or an int32 tensor [batch={B}], got "
                          f"{getattr(cache_seqlens, 'dtype', type(cache_seqlens))}")

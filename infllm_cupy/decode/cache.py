@@ -27,7 +27,7 @@ import numbers
 
 import torch
 
-from .._checks import check_tensor
+from .._checks import check_tensor, host_int_list
 from .._dtypes import INT_DTYPES, REF_DTYPES
 from .._rules import COMPRESSIONS, KV_BLOCK, n_windows, n_windows_of
 from .cache_append import append_launches, kernel_appends
@@ -260,11 +260,14 @@ class DecodeCache:
         length; the compressed keys of the kept prefix are unchanged, those past it unused)."""
         if seqlens is None:
             new = [0] * self.batch
+        elif isinstance(seqlens, torch.Tensor):
+            new = seqlens.tolist() if seqlens.dim() == 1 else None
+            if new is None or any(isinstance(n, bool) or not isinstance(n, numbers.Integral) for n in new):
+                dt = str(seqlens.dtype).replace("torch.", "")
+                raise TypeError(f"seqlens must be ints, one per sequence, got a tensor of dtype {dt} and "
+                                f"shape {tuple(seqlens.shape)}")
         else:
-            new = seqlens.tolist() if isinstance(seqlens, torch.Tensor) else list(seqlens)
-            if any(isinstance(n, bool) or not isinstance(n, numbers.Integral) for n in new):
-                raise TypeError(f"seqlens must be ints (one length per sequence), got {new[:8]}")
-            new = [int(n) for n in new]
+            new = host_int_list("seqlens", seqlens, what="ints, one per sequence")
         if len(new) != self.batch or any(n < 0 or n > L for n, L in zip(new, self._host_lens)):
             raise ValueError(f"seqlens must have {self.batch} entries, each in [0, its current length "
                              f"{self._host_lens[:8]}], got {new[:8]}")
@@ -486,7 +489,8 @@ def cache_tensors(cache):
     bt = cache[3] if len(cache) == 4 else None
     check_tensor("k_cache", k, ndim=4)
     check_tensor("v_cache", v, shape=tuple(k.shape), dtypes=(k.dtype,), device=k.device)
-    check_tensor("seqlens", seqlens, ndim=1, dtypes=INT_DTYPES)
+    # int32 as the kernels take it (`check_decode_kernel_inputs`): a CPU call accepts what a GPU call does
+    check_tensor("seqlens", seqlens, ndim=1, dtypes=(torch.int32,))
     if bt is not None:
         check_tensor("block_table", bt, ndim=2, dtypes=(torch.int32,))
         if bt.shape[0] != seqlens.shape[0]:
@@ -527,7 +531,7 @@ def _chunk_counts(cu, B: int) -> list[int]:
         check_tensor("cu_seqlens_new", cu, ndim=1, dtypes=INT_DTYPES)
         c = [int(x) for x in cu.cpu().tolist()]
     else:
-        c = [int(x) for x in cu]
+        c = host_int_list("cu_seqlens_new", cu, what="int offsets")
     if len(c) != B + 1 or c[0] != 0 or any(b < a for a, b in itertools.pairwise(c)):
         raise ValueError(f"cu_seqlens_new must be {B + 1} non-decreasing offsets from 0, got {c[:16]}")
     return [b - a for a, b in itertools.pairwise(c)]

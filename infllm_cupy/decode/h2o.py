@@ -15,11 +15,9 @@ probabilities of each position summed over the query heads of the group, `[B, H,
 """
 from __future__ import annotations
 
-import numbers
-
 import torch
 
-from .._checks import check_tensor, validate_values
+from .._checks import check_tensor, host_int_list, validate_values
 
 
 class H2O:
@@ -101,11 +99,9 @@ class H2O:
             if seqlens.dtype.is_floating_point or seqlens.dtype == torch.bool:
                 raise TypeError(f"seqlens must hold integers, got a {seqlens.dtype} tensor")
             L = seqlens.reshape(-1)
-        else:
-            vals = list(seqlens)
-            if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in vals):
-                raise TypeError(f"seqlens must be ints, got {vals[:8]}")
-            L = torch.tensor([int(x) for x in vals], dtype=torch.int64)
+        else:   # a list of ints; None, an int or a string is refused here, not iterated
+            L = torch.tensor(host_int_list("seqlens", seqlens, what="ints, one length per sequence"),
+                             dtype=torch.int64)
         if L.numel() != B:
             raise ValueError(f"seqlens must have one length per sequence ({B}), got {L.numel()}")
         if validate_values() and not bool(((L >= 0) & (L <= W)).all()):

@@ -10,11 +10,12 @@ from .._checks import (
     check_cu_seqlens,
     check_flags,
     check_head_dim,
+    check_int_args,
     check_softmax_scale,
     check_tensor,
     seqlens_host,
 )
-from .._dtypes import INT_DTYPES, REF_DTYPES, compute_dtype
+from .._dtypes import REF_DTYPES, compute_dtype
 from .._rules import uses_dense
 from ..config import InfLLMv2Config, check_config
 from ..prefill import dense_aux, run_dense_attn, run_sparse_attn, select_blocks
@@ -104,9 +105,10 @@ def naive_sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = 
         cache (DecodeCache or tuple):
             A `DecodeCache`, or `(k_cache, v_cache, seqlens[, block_table])`: k/v `[B, L_max, H, D]`
             (contiguous) or `[num_pages, page_size, H, D]` with `block_table int32 [B, max_pages]`
-            (paged), and `seqlens` int `[B]`. The cache holds the current token's key.
+            (paged), and `seqlens` int32 `[B]`. The cache holds the current token's key.
         topk_idx (torch.Tensor, Optional):
-            int `[H, B, K]` block indices local to each sequence, -1 padding. Default: None (dense).
+            int32 `[H, B, K]` block indices local to each sequence, -1 padding. Default: None (dense).
+            int32 both, as the kernels take them (`sparse_decode` accepts the same on every device).
         softmax_scale (float, Optional): Default: `D ** -0.5`.
         block_size (int, Optional): Default: 64.
         return_lse (bool, Optional): Also return lse float32 `[B, HQ]` (natural log; +inf where
@@ -122,6 +124,7 @@ def naive_sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = 
         out `[B, HQ, D]` in q's dtype, then lse and weights if asked for.
     """
     check_flags(return_lse=return_lse, return_attn_weights=return_attn_weights, upcast=upcast)
+    check_int_args(1, block_size=block_size)
     k, v, seqlens, bt, width = check_sparse_decode_inputs(q, cache, topk_idx, weights)
     scale = check_softmax_scale(softmax_scale, q.shape[2])
     return sparse_decode_checked(q, k, v, seqlens, bt, width, topk_idx, scale=scale, block_size=block_size,
@@ -147,7 +150,8 @@ def check_sparse_decode_inputs(q, cache, topk_idx, weights: str):
     if weights not in ("per_head", "per_kv_head"):
         raise ValueError(f"weights must be 'per_head' or 'per_kv_head', got {weights!r}")
     if topk_idx is not None:
-        check_tensor("topk_idx", topk_idx, ndim=3, dtypes=INT_DTYPES, device=k.device)
+        # int32 as the kernels take it (`check_decode_kernel_inputs`): CPU accepts what the GPU does
+        check_tensor("topk_idx", topk_idx, ndim=3, dtypes=(torch.int32,), device=k.device)
         if tuple(topk_idx.shape[:2]) != (H, B):
             raise ValueError(f"topk_idx must have shape (H={H}, B={B}, K), got {tuple(topk_idx.shape)}")
     return k, v, seqlens, bt, width

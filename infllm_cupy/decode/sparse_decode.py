@@ -12,7 +12,7 @@ import math
 import torch
 
 from .. import _jit
-from .._checks import check_tensor
+from .._checks import check_int_args, check_tensor
 from .._dtypes import KERNEL_DTYPES
 from .._launch import CXX_TYPE, Launches, empty
 from .._params import KernelParams, constants
@@ -123,6 +123,8 @@ def default_merge_groups(num_splits: int, head_dim: int) -> int:
 def plan_decode(batch: int, num_kv_heads: int, group: int, n_entries: int, sm_count: int) -> DecodePlan:
     """The launch plan for `batch` sequences x `num_kv_heads` with `n_entries` topk entries per row
     (sparse) or blocks of the cache's width (dense), on a GPU of `sm_count` SMs."""
+    check_int_args(1, batch=batch, num_kv_heads=num_kv_heads, group=group, sm_count=sm_count)
+    check_int_args(0, n_entries=n_entries)
     if not 1 <= group <= MAX_GROUP:
         raise ValueError(f"the query group G = HQ / H must be in [1, {MAX_GROUP}], got {group}")
     mt = next(t for t in ROW_TILES if group <= 16 * t)

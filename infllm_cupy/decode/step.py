@@ -113,11 +113,18 @@ def check_step_inputs(q, cache, config, weights, backend, kernel,
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     cfg, kern = _check_select_args(q, cache, config, backend, kernel, stage1)
+    _check_current_token(cache)
+    return cfg, kern
+
+
+def _check_current_token(cache: DecodeCache) -> None:
+    """A decode query is the cache's last token: a sequence with none (an empty cache) has no query
+    position and no block to select (ValueError naming `cache`). Reads the host mirror, no device value;
+    skipped while a CUDA graph captures (replays advance the lengths the mirror does not see)."""
     lens = cache.lengths()          # host mirror, no device read (not advanced by graph replays)
     if lens and min(lens) < 1 and not capturing():
         raise ValueError(f"cache: every sequence must hold at least the current token (append it before the "
                          f"step), got lengths {lens[:16]}")
-    return cfg, kern
 
 
 def _check_compression(cfg: InfLLMv2Config) -> None:
@@ -238,6 +245,7 @@ def decode_select(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Config
     same selection, for comparison).
     """
     cfg, kern = _check_select_args(q, cache, config, backend, kernel, stage1)
+    _check_current_token(cache)
     return select_on_cache(q, cache.ck1, cache.ck2, cache.seqlens, cache.capacity, cfg, kern=kern,
                            stage1=stage1, kernel=kernel, static_k=kern)
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import numbers
 
 import torch
 
@@ -80,22 +81,37 @@ def config_from_sparse_config(sparse_config: dict | None, *,
     if unknown:
         raise ValueError(f"sparse_config: unknown key(s) {unknown}; expected some of "
                          f"{list(SPARSE_CONFIG_KEYS)}")
-    if sparse_config.get("use_nope", False):
+    use_nope = sparse_config.get("use_nope", False)
+    if not isinstance(use_nope, bool):
+        raise TypeError(f"sparse_config['use_nope'] must be a bool, got {type(use_nope).__name__} "
+                        f"{use_nope!r}")
+    if use_nope:
         raise NotImplementedError("sparse_config: use_nope=True (stage 1 on pre-RoPE keys) is not supported; "
                                   "the attention function receives post-RoPE keys only")
     d = InfLLMv2Config()
-    block = int(sparse_config.get("block_size", d.block_size))
-    window = int(sparse_config.get("window_size", d.local_blocks * block))
+
+    def entry(key: str, default: int, minimum: int) -> int:
+        # an int as MiniCPM4's code uses it (a range, a slice, torch.topk's k): 2.7 or "8" is refused, not
+        # truncated or parsed by int()
+        val = sparse_config.get(key, default)
+        if isinstance(val, bool) or not isinstance(val, numbers.Integral):
+            raise TypeError(f"sparse_config['{key}'] must be an int, got {type(val).__name__} {val!r}")
+        if val < minimum:
+            raise ValueError(f"sparse_config['{key}'] must be >= {minimum}, got {val}")
+        return int(val)
+
+    block = entry("block_size", d.block_size, 1)
+    window = entry("window_size", d.local_blocks * block, 0)
     if window % block:
         raise ValueError(f"sparse_config: window_size ({window}) must be a multiple of block_size ({block})")
-    ks = int(sparse_config.get("kernel_size", d.kernel_size))
-    st = int(sparse_config.get("kernel_stride", d.kernel_stride))
+    ks = entry("kernel_size", d.kernel_size, 1)
+    st = entry("kernel_stride", d.kernel_stride, 1)
     return InfLLMv2Config(kernel_size=ks, kernel_stride=st, coarse_kernel_size=4 * ks,
                           coarse_kernel_stride=4 * st,
-                          block_size=block, topk=int(sparse_config.get("topk", d.topk)),
+                          block_size=block, topk=entry("topk", d.topk, 0),
                           local_blocks=window // block,
-                          init_blocks=int(sparse_config.get("init_blocks", d.init_blocks)),
-                          dense_len=int(sparse_config.get("dense_len", d.dense_len)),
+                          init_blocks=entry("init_blocks", d.init_blocks, 0),
+                          dense_len=entry("dense_len", d.dense_len, -1),
                           softmax_scale=softmax_scale)
 
 

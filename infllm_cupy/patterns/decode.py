@@ -78,10 +78,13 @@ def pattern_topk_idx(layout: BlockLayout, seqlens: torch.Tensor) -> torch.Tensor
     """The decode step's block selection under `layout`: int32 `[H', B, K]`, row `(L_b - 1) // q_block`
     of head h' (and of sequence b for a per-sequence layout), ascending, -1 padded; H' is the layout's
     head count. Built on seqlens' device without a host read (lengths past the layout use its last
-    row: `pattern_decode` checks them when it can read them for free)."""
+    row: `pattern_decode` checks them when it can read them for free). CPU lengths, free to read, must
+    be >= 0 (ValueError); CUDA ones are not read (a negative length takes row 0)."""
     if not isinstance(layout, BlockLayout):
         raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
     check_tensor("seqlens", seqlens, ndim=1, dtypes=(torch.int32, torch.int64))
+    if seqlens.device.type == "cpu" and validate_values() and bool((seqlens < 0).any()):
+        raise ValueError(f"seqlens must be >= 0 (each sequence's length), got {seqlens.tolist()[:16]}")
     heads = layout.mask.shape[-3]
     rows, q_block, _ = _table(layout, 1, heads, seqlens.device)
     return _gather(rows, q_block, seqlens, layout.per_sequence)

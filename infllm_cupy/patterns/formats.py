@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from .._checks import check_bool, check_int_args, check_tensor
+from .._checks import argument_names, check_bool, check_int_args, check_tensor
 from .._rules import KV_BLOCK, check_block_multiple
 from ..stage2.layout import BlockLayout
 
@@ -157,6 +157,8 @@ def to_bsr(layout: BlockLayout, *, R: int, C: int, head: int | None = None) -> t
             raise ValueError("the layout's heads differ and FlashInfer's BSR holds one pattern: pass head=")
         head = 0
     check_int_args(0, head=head)
+    if head >= m.shape[0]:
+        raise ValueError(f"head must be in [0, {m.shape[0]}) (the layout's heads), got {head}")
     crow, col = to_csr(BlockLayout(m[head:head + 1], layout.q_block), q_block=R, kv_block=C)
     return crow[0].to(torch.int32), col[0].to(torch.int32)
 
@@ -170,7 +172,8 @@ def from_bsr(indptr: torch.Tensor, indices: torch.Tensor, *, R: int, C: int, num
     check_tensor("indices", indices, ndim=1, dtypes=_INTS)
     check_block_multiple(R=R, C=C)
     check_int_args(1, num_heads=num_heads)
-    one = from_csr(indptr, indices, q_block=R, kv_block=C, num_kv_blocks=num_kv_blocks)
+    with argument_names(crow="indptr", col="indices", q_block="R", kv_block="C"):   # from_csr's names
+        one = from_csr(indptr, indices, q_block=R, kv_block=C, num_kv_blocks=num_kv_blocks)
     return BlockLayout(one.mask.expand(num_heads, -1, -1).contiguous(), one.q_block)
 
 
@@ -180,8 +183,9 @@ def from_bsr(indptr: torch.Tensor, indices: torch.Tensor, *, R: int, C: int, num
 def _block_size_pair(block_size) -> tuple[int, int]:
     if isinstance(block_size, int) and not isinstance(block_size, bool):
         return block_size, block_size
-    if isinstance(block_size, (tuple, list)) and len(block_size) == 2:
-        return int(block_size[0]), int(block_size[1])
+    if (isinstance(block_size, (tuple, list)) and len(block_size) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) for b in block_size)):
+        return block_size[0], block_size[1]
     raise ValueError(f"BLOCK_SIZE must be an int or a (Q, KV) pair, got {block_size!r}")
 
 
@@ -191,6 +195,11 @@ def from_block_mask(block_mask) -> BlockLayout:
     `[B, H, ...]` layout when B > 1, else `[H, ...]`) and heads (query heads when the mask was built
     per query head: collapse with `per_kv_head`). The mask_mod's token-level detail inside partial
     blocks is not carried: the layout selects whole blocks (causality comes from `causal=True`)."""
+    fields = ("BLOCK_SIZE", "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+              "seq_lengths")
+    if not all(hasattr(block_mask, f) for f in fields):
+        raise TypeError(f"block_mask must be a FlexAttention BlockMask (torch.nn.attention.flex_attention; "
+                        f"with {', '.join(fields)}), got {type(block_mask).__name__}")
     qb, kb = _block_size_pair(block_mask.BLOCK_SIZE)
     check_block_multiple(**{"BLOCK_SIZE[0]": qb, "BLOCK_SIZE[1]": kb})
     B, H, nqb = block_mask.kv_num_blocks.shape

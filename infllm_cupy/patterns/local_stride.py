@@ -15,6 +15,7 @@ def head_sliding_step(num_heads: int, vert_stride: int, *, homo_head: bool) -> i
     """How far the vertical-stride columns move from one head to the next: 0 for homogeneous heads,
     else `max(1, vert_stride // num_heads)` (vLLM truncates `vert_stride / num_heads`)."""
     check_bool("homo_head", homo_head)
+    check_int_args(1, num_heads=num_heads, vert_stride=vert_stride)
     if homo_head:
         return 0
     return max(1, vert_stride // num_heads)

@@ -50,6 +50,8 @@ def tile_window_mask(tiles, window) -> torch.Tensor:
     """bool `[NT, NT]` over tiles (row-major): tile q attends tile k when along every axis k lies
     in the window of `window[a]` tiles around q, shifted inward at the edges: it starts at
     `clamp(q - window // 2, 0, n - window)` (all tiles when the window exceeds the grid)."""
+    tiles = _dims("tiles", tiles, len(tiles) if isinstance(tiles, (tuple, list)) and tiles else None)
+    window = _dims("window", window, len(tiles))
     masks = []
     for n, w in zip(tiles, window):
         q = torch.arange(n)

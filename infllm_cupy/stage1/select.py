@@ -33,6 +33,7 @@ from .._checks import (
     check_lengths_arg,
     check_max_seqlen,
     check_stage1_inputs,
+    check_tensor,
     seqlens_host,
 )
 from .._dtypes import KERNEL_DTYPES
@@ -282,6 +283,8 @@ def stage1_scores(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
     check_backend(backend)
     check_kernel(kernel)
     check_flags(causal=causal)
+    check_tensor("q", q)
+    check_tensor("ck1", ck1)
     G = q.shape[1] // max(ck1.shape[1], 1) if q.dim() == 3 and ck1.dim() == 3 else 0
     # the backend rule, and under "auto" the kernel's shapes as well: the compat layer's stage 1 takes
     # any shape (its docstring), so "auto" runs the reference on CUDA inputs the kernel lacks

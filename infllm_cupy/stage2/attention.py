@@ -22,7 +22,7 @@ from .._checks import (
 )
 from .._kernel_arg import check_kernel
 from .._rules import check_backend, runs_kernels
-from .layout import BlockLayout
+from .layout import BlockLayout, check_layout_call
 from .naive import naive_block_sparse_attn_varlen, naive_sparse_attn_varlen
 from .ops import block_sparse_attn_fwd, sparse_attn_fwd
 from .qhead import expand_kv, qhead_block_sparse_attn_fwd
@@ -145,12 +145,10 @@ def block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     Returns:
         out (torch.Tensor): `[total_q, HQ, D]`; and `lse` with `return_lse`.
     """
-    if not isinstance(layout, BlockLayout):
-        raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
+    B = check_layout_call(layout, q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     check_kernel(kernel)
     check_flags(causal=causal, return_lse=return_lse)
-    B = cu_seqlens_q.numel() - 1
-    hq = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 3 else None
+    hq = q.shape[1]
     if hq is not None and layout.num_kv_heads == hq != k.shape[1]:
         # one row per query head
         return qhead_block_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, layout, max_seqlen_q,
@@ -195,8 +193,7 @@ def qhead_block_sparse_attn_varlen(
     Returns:
         out (torch.Tensor): `[total_q, HQ, D]`; and `lse` `[HQ, total_q]` with `return_lse`.
     """
-    if not isinstance(layout, BlockLayout):
-        raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
+    B = check_layout_call(layout, q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     check_kernel(kernel)
     check_flags(causal=causal, return_lse=return_lse)
     backend = check_backend(backend)
@@ -218,7 +215,7 @@ def qhead_block_sparse_attn_varlen(
                                         max_seqlen_k,
                                         causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
                                         backend=backend, kernel=kernel)
-    layout.check_against(HQ, cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k)
+    layout.check_against(HQ, B, max_seqlen_q, max_seqlen_k)
     _check_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend)
     out, lse = qhead_block_sparse_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, layout.mask.to(q.device),
                                            layout.q_block, max_seqlen_q, max_seqlen_k, bool(causal),

@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from .._checks import check_tensor
+from .._checks import check_max_seqlen, check_tensor
 from .._rules import KV_BLOCK, check_block_multiple
 
 
@@ -94,6 +94,7 @@ class BlockLayout:
 
     def to_topk_idx(self, cu_seqlens_q: torch.Tensor) -> torch.Tensor:
         """InfLLM-v2's token-level form: int32 `[H, total_q, K]`, ascending, -1 tail padding."""
+        check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1)
         m = self.mask if self.per_sequence else self.mask[None]
         B = cu_seqlens_q.numel() - 1
         K = max(1, int(m.sum(-1).max()) if m.numel() else 1)
@@ -126,3 +127,17 @@ class BlockLayout:
         else:
             base = None
         return words, base, NQB
+
+
+def check_layout_call(layout, q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k) -> int:
+    """What a call with a layout checks before it reads the layout against its inputs: the layout's type,
+    q and k as 3-D tensors, `cu_seqlens_q` as a 1-D tensor and both maximum lengths as ints >= 0, each a
+    TypeError/ValueError naming the argument. Returns the batch size."""
+    if not isinstance(layout, BlockLayout):
+        raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
+    check_tensor("q", q, ndim=3)
+    check_tensor("k", k, ndim=3)
+    check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1)
+    check_max_seqlen("max_seqlen_q", max_seqlen_q, [])
+    check_max_seqlen("max_seqlen_k", max_seqlen_k, [])
+    return cu_seqlens_q.numel() - 1

@@ -19,7 +19,7 @@ from .._checks import (
 )
 from .._dtypes import compute_dtype
 from .._rules import softmax_scale_of
-from .layout import BlockLayout
+from .layout import BlockLayout, check_layout_call
 
 # Elements of one fp32 score tile `[H, G, chunk, keys]`: 16M (64 MB), enough to keep BLAS busy.
 _CHUNK_ELEMS = 1 << 24
@@ -193,9 +193,8 @@ def naive_block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     Returns:
         out (torch.Tensor): `[total_q, HQ, D]`; and `lse` with `return_lse`.
     """
-    if not isinstance(layout, BlockLayout):
-        raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
-    layout.check_against(k.shape[1], cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k)
+    B = check_layout_call(layout, q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    layout.check_against(k.shape[1], B, max_seqlen_q, max_seqlen_k)
     return naive_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                     layout.to_topk_idx(cu_seqlens_q).to(q.device),
                                     max_seqlen_q, max_seqlen_k, causal=causal, softmax_scale=softmax_scale,

@@ -680,11 +680,11 @@ def test_stage1_sized_by_the_shapes_reads_no_offsets(monkeypatch):
     assert iv2.infllmv2_attn_stage1(q, ck1, ck2, cu_q, _cu([15, 25]), cu2, Lq, 25).shape == (hk, B * Lq, 25)
     assert len(calls) == n_calls
     # the checks run before the kernel, naming the argument
-    with pytest.raises(ValueError, match="ck2 must have shape"):
+    with pytest.raises(ValueError, match="v must have shape"):
         iv2.infllmv2_attn_stage1(q, ck1, ck2[:, :1], cu_q, cu1, cu2, Lq, n1)
     with pytest.raises(ValueError, match=r"cu_seqlens_q must end at the total token count 10, got 11"):
         iv2.infllmv2_attn_stage1(q, ck1, ck2, torch.tensor([0, 6, 11], dtype=torch.int32), cu1, cu2, Lq, n1)
-    with pytest.raises(TypeError, match="cu_seqlens_c1 must have dtype int32"):
+    with pytest.raises(TypeError, match="cu_seqlens_k must have dtype int32"):
         iv2.infllmv2_attn_stage1(q, ck1, ck2, cu_q, cu1.long(), cu2, Lq, n1)
     assert len(calls) == n_calls
 
