@@ -24,6 +24,8 @@ ulp, and the selections by as much as a near-tie at that scale allows (docs/cpu.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from .._checks import (
@@ -139,14 +141,16 @@ class _Run:
         self.sdt = self.cdt if score_dtype is None else score_dtype
         self.s1 = kernel_stride
         self.s2c = coarse_kernel_stride
-        self._ws: list[torch.Tensor | None] = [None, None]      # the coarse and fine GEMMs' outputs
+        self._ws = threading.local()          # per thread: the coarse and fine GEMMs' outputs
 
     def new_scores(self) -> torch.Tensor:
         return torch.zeros(self.H, self.T, max(self.n1s, default=0), dtype=self.sdt, device=self.q.device)
 
     def sweep(self, *, scores: torch.Tensor | None = None, select: _Selection | None = None) -> None:
         """Every query tile of every sequence: its scores (rounded to the score dtype) into `scores`,
-        its pooled rows and top-k into `select`."""
+        its pooled rows and top-k into `select`. Tiles run on `torch.get_num_threads()` threads, one
+        tile per thread at a time (`run_tiles`); each writes its own rows only."""
+        keys, tiles = {}, []
         for b, Lq in enumerate(self.lq):
             if Lq == 0:
                 continue
@@ -156,18 +160,28 @@ class _Run:
             k1 = self._keys(self.ck1, self.cu1[b], n1)
             k2 = k1 if self.ck2 is self.ck1 and self.cu2[b] == self.cu1[b] and n1 == n2 else \
                 self._keys(self.ck2, self.cu2[b], n2)
+            keys[b] = (k1, k2, s2)
             start = 0
             while start < Lq:
                 end = self._tile_end(start, Lq, n1, n2, s2)
-                l1 = vis_limit(torch.arange(start, end), self.s1, n1, Lq, causal=self.causal)
-                l2 = vis_limit(torch.arange(start, end), s2, n2, Lq, causal=self.causal)
-                tile = self._tile(b, start, end, k1, k2, l1, l2) if n1 > 0 else None
-                t0 = self.cu_q[b] + start
-                if scores is not None and tile is not None:
-                    scores[:, t0:t0 + end - start, :tile.shape[2]] = tile
-                if select is not None:
-                    select.rows(b, start, end, tile, n1)
+                tiles.append((b, start, end))
                 start = end
+
+        def one(tile_rows):
+            b, start, end = tile_rows
+            k1, k2, s2 = keys[b]
+            Lq, n1, n2 = self.lq[b], self.n1s[b], self.n2s[b]
+            l1 = vis_limit(torch.arange(start, end), self.s1, n1, Lq, causal=self.causal)
+            l2 = vis_limit(torch.arange(start, end), s2, n2, Lq, causal=self.causal)
+            tile = self._tile(b, start, end, k1, k2, l1, l2) if n1 > 0 else None
+            t0 = self.cu_q[b] + start
+            if scores is not None and tile is not None:
+                scores[:, t0:t0 + end - start, :tile.shape[2]] = tile
+            if select is not None:
+                select.rows(b, start, end, tile, n1)
+
+        # the costliest tiles (a sequence's last rows see the most keys) first: the threads finish together
+        run_tiles(tiles[::-1], one)
 
     def _keys(self, ck: torch.Tensor, c0: int, n: int) -> torch.Tensor:
         """One sequence's compressed keys `[H, n', D]` in the compute dtype, contiguous, with zero rows up
@@ -242,13 +256,62 @@ class _Run:
         H, CG, _ = qh.shape
         n = c1 - c0
         need = H * CG * n
-        ws = self._ws[slot]
+        bufs = getattr(self._ws, "bufs", None)
+        if bufs is None:
+            bufs = self._ws.bufs = [None, None]
+        ws = bufs[slot]
         if ws is None or ws.numel() < need:
-            ws = self._ws[slot] = torch.empty(max(need, TILE_ELEMS), dtype=self.cdt)
+            ws = bufs[slot] = torch.empty(max(need, TILE_ELEMS), dtype=self.cdt)
         out = ws[:need].view(H, CG, n)
         for h in range(H):
             torch.mm(qh[h], k[h, c0:c1].t(), out=out[h])
         return out.view(H, C, CG // C, n)
+
+
+def run_tiles(tiles: list, fn) -> None:
+    """`fn(tile)` for every tile, on `torch.get_num_threads()` threads that each take the next tile
+    when done with one, torch's own threads set to 1 meanwhile (restored after).
+
+    Why not torch's intra-op threads: a tile is a dozen torch calls, each a parallel region whose
+    threads meet at its end; on a 2-core machine shared with other work one descheduled thread stalls
+    every call (measured: 5x slower under load, docs/cpu.md), and each region costs its fork and join
+    even when idle. Tiles on threads of their own meet once, at the end of the call. Every torch call
+    of a tile runs on one thread, so a tile's result does not depend on the thread count.
+    """
+    n = min(torch.get_num_threads(), len(tiles))
+    if n <= 1:
+        for t in tiles:
+            fn(t)
+        return
+    it = iter(tiles)
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def worker():
+        with torch.no_grad():
+            while not errors:
+                with lock:
+                    t = next(it, None)
+                if t is None:
+                    return
+                try:
+                    fn(t)
+                except BaseException as e:      # noqa: BLE001 - re-raised by the calling thread below
+                    errors.append(e)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        helpers = [threading.Thread(target=worker, daemon=True) for _ in range(n - 1)]
+        for h in helpers:
+            h.start()
+        worker()
+        for h in helpers:
+            h.join()
+    finally:
+        torch.set_num_threads(threads)
+    if errors:
+        raise errors[0]
 
 
 def _pad(n: int) -> int:

@@ -376,3 +376,35 @@ def test_oversized_max_seqlen_q_costs_no_memory():
     grown_kib, ok = res.stdout.split()
     assert ok == "True"
     assert int(grown_kib) < 64 * 1024, f"peak RSS grew by {int(grown_kib) / 1024:.0f} MiB"
+
+
+def test_tiles_on_threads_same_bits_for_any_thread_count_and_errors_propagate(monkeypatch):
+    # every torch call of a tile runs on one thread: 1, 2 or 3 threads give the same bits; torch's
+    # thread count is restored, also when a tile raises (the error reaches the caller)
+    inputs = make_inputs([1500, 700, 33], 16, 2, 64, torch.bfloat16)
+    kw = dict(topk=5, local_blocks=2, score_dtype=torch.float32, return_scores=True)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(cpu_stage1_select(*inputs, 1500, **kw))
+            assert torch.get_num_threads() == n
+        for r in results[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(r, results[0]))
+        torch.set_num_threads(2)
+        calls = []
+
+        def broken(self, b, start, *a):
+            calls.append(start)
+            if start == 0:
+                raise RuntimeError("tile failed")
+            return tile(self, b, start, *a)
+
+        tile = cpu._Run._tile
+        monkeypatch.setattr(cpu._Run, "_tile", broken)
+        with pytest.raises(RuntimeError, match="tile failed"):
+            cpu_stage1_select(*inputs, 1500, **kw)
+        assert torch.get_num_threads() == 2 and calls
+    finally:
+        torch.set_num_threads(before)
