@@ -358,6 +358,14 @@ class _Selection:
         H, C = run.H, end - start
         sdt = run.sdt
         lc = 0 if tile is None else tile.shape[2]                 # fine keys computed in the tile
+        off_last = (end - 1 + self.cache[b]) // self.block_size   # the tile's last row's own block
+        if self.block_scores is None:
+            # Past the columns whose window meets a computed score, the init blocks and the local
+            # windows, every column scores 0 (masked fine keys) or -inf (no fine key), and every column
+            # before scores more or the same (scores are >= 0; -inf only past n1, where those are -inf
+            # too): each precedes each of those (ties to the lower index), so the row's top-K lies in
+            # the first max(K, ...) columns (for a causal tile's rows about half the row)
+            W = min(W, max(self.K, self.init_blocks, off_last + 1, cdiv(lc + 1, w)))
         jc = min(W, cdiv(lc + 1, w))                              # columns whose window meets them
         jn = min(W, cdiv(n1 + 1, w)) if n1 > 0 else 0             # columns with a fine key at all
         pooled = torch.full((H, C, W), float("-inf"), dtype=sdt)
@@ -384,8 +392,6 @@ class _Selection:
         if self.block_scores is not None:
             self.block_scores[:, t0:t0 + C, :W] = pooled
         self.topk_idx[:, t0:t0 + C] = topk_rows(pooled, self.q_blocks[t0:t0 + C], self.K)
-
-
 
 @torch.no_grad()
 def cpu_select_topk(block_scores: torch.Tensor, q_block_idx: torch.Tensor, *, topk: int = 64,
