@@ -10,7 +10,8 @@ One causal sequence of T tokens, HQ 32, H 2, D 128, bf16 (the demo's shapes), K 
     compress   both compressions (32/16 and 128/64), `compress_k` on CPU (`cpu_compress_k`)
     stage1     `stage1_select` on CPU (`cpu_stage1_select`): scores, pooling, top-k
     oracle_*   with --oracle: `naive_compress_k` and `naive_stage1_select` on the same inputs
-Stage 1's useful FLOP count: 2 D per (query head, query token, visible compressed key), fine and coarse
+`extra_mib`: the most the process's resident set grew during a call above its level before it (sampled
+every 2 ms): what the call allocates beyond its inputs. Stage 1's useful FLOP count: 2 D per (query head, query token, visible compressed key), fine and coarse
 keys, causal (what a GEMM over the visible keys costs; the implementation computes a few percent more:
 each tile to its last row's keys, widths rounded up to 32). It grows as T^2 / 16 (fine keys) + T^2 / 64
 (coarse keys), so time should grow about 4x per doubling of T.
@@ -25,6 +26,7 @@ import argparse
 import resource
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -56,14 +58,35 @@ def useful_flop(T: int, HQ: int, D: int, n1: int, n2: int) -> float:
     return 2.0 * D * HQ * keys
 
 
-def timed(fn, rep: int) -> tuple[float, float]:
-    """(best, median) seconds of `rep` calls."""
-    times = []
+def _rss_mib() -> float:
+    """The process's resident set now (Linux: /proc/self/statm), MiB."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except OSError:
+        return float("nan")
+    return pages * resource.getpagesize() / 2 ** 20
+
+
+def timed(fn, rep: int) -> tuple[float, float, float]:
+    """(best, median) seconds of `rep` calls, and the most the resident set grew above its level before
+    each call (sampled every 2 ms on a thread: what the call allocates beyond its inputs), MiB."""
+    times, grown = [], 0.0
     for _ in range(rep):
+        base, peak, done = _rss_mib(), [0.0], threading.Event()
+
+        def sample(base=base, peak=peak, done=done):
+            while not done.wait(0.002):
+                peak[0] = max(peak[0], _rss_mib() - base)
+
+        watcher = threading.Thread(target=sample, daemon=True)
+        watcher.start()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return min(times), statistics.median(times)
+        done.set()
+        watcher.join()
+        grown = max(grown, peak[0], _rss_mib() - base)
+    return min(times), statistics.median(times), grown
 
 
 def main(argv=None) -> int:
@@ -97,7 +120,9 @@ def main(argv=None) -> int:
     for T in a.tokens:
         floors.append(fp32_gemm_rate())
         g = torch.Generator().manual_seed(0)
-        q = torch.randn(T, a.hq, a.d, generator=g).to(torch.bfloat16)
+        q = torch.empty(T, a.hq, a.d, dtype=torch.bfloat16)
+        for t0 in range(0, T, 4096):          # in chunks: no fp32 copy of q raises the process's peak
+            q[t0:t0 + 4096] = torch.randn(min(4096, T - t0), a.hq, a.d, generator=g)
         k = (4 * torch.randn(T, a.h, a.d, generator=g)).to(torch.bfloat16)
         cu = torch.tensor([0, T], dtype=torch.int32)
         impls = [("", compress_k, stage1_select)]
@@ -105,13 +130,13 @@ def main(argv=None) -> int:
             impls.append(("oracle_", naive_compress_k, naive_stage1_select))
         for prefix, compress, select in impls:
             (ck1, cu1), (ck2, cu2) = compress(k, cu, 32, 16), compress(k, cu, 128, 64)
-            best, med = timed(lambda: (compress(k, cu, 32, 16), compress(k, cu, 128, 64)), a.rep)
-            rows.append({"impl": prefix + "compress", "T": T, "s": best, "median_s": med})
-            best, med = timed(lambda: select(q, ck1, ck2, cu, cu1, cu2, T, topk=a.topk,
+            best, med, mib = timed(lambda: (compress(k, cu, 32, 16), compress(k, cu, 128, 64)), a.rep)
+            rows.append({"impl": prefix + "compress", "T": T, "s": best, "median_s": med, "extra_mib": mib})
+            best, med, mib = timed(lambda: select(q, ck1, ck2, cu, cu1, cu2, T, topk=a.topk,
                                              local_blocks=a.local_blocks), a.rep)
             flop = useful_flop(T, a.hq, a.d, ck1.shape[0], ck2.shape[0])
             row = {"impl": prefix + "stage1", "T": T, "s": best, "median_s": med, "gflop": flop / 1e9,
-                   "gflops": flop / best / 1e9}
+                   "gflops": flop / best / 1e9, "extra_mib": mib}
             if not prefix and prev is not None:
                 row["growth"] = best / prev[1]
                 row["growth_T2"] = (T / prev[0]) ** 2
@@ -127,7 +152,7 @@ def main(argv=None) -> int:
     print(f"\nfp32 GEMM floor (torch.matmul, 2048^2, {env['threads']} threads): {floor:.1f} GFLOP/s "
           f"(measured {', '.join(f'{f:.0f}' for f in floors)})")
     print(format_table(rows, ("impl", "T", "s", "median_s", "gflop", "gflops", "of_floor", "growth",
-                              "growth_T2")))
+                              "growth_T2", "extra_mib")))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak RSS of the process: {peak:.0f} MiB")
     if a.json:

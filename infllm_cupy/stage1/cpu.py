@@ -24,6 +24,7 @@ ulp, and the selections by as much as a near-tie at that scale allows (docs/cpu.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import threading
 
@@ -194,11 +195,13 @@ class _Run:
         return out
 
     def _tile_end(self, start: int, Lq: int, n1: int, n2: int, s2: int) -> int:
-        """The end of the tile from `start`: as many rows as keep its coarse scores `[HQ, C, l2]` within
-        `TILE_ELEMS` (the fine scores go in column chunks of the same size)."""
+        """The end of the tile from `start`: as many rows as keep its coarse scores `[HQ, C, l2]` and one
+        column chunk of its fine scores (at least `FINE_MIN_COLS` keys) within `TILE_ELEMS`."""
         rows = min(MAX_TILE_ROWS, Lq - start)
         while rows > MIN_TILE_ROWS:
-            width = _pad(vis_limit(start + rows - 1, s2, n2, Lq, causal=self.causal))
+            r = start + rows - 1
+            fine = min(_pad(vis_limit(r, self.s1, n1, Lq, causal=self.causal)), FINE_MIN_COLS)
+            width = max(_pad(vis_limit(r, s2, n2, Lq, causal=self.causal)), fine)
             if self.HQ * rows * width <= TILE_ELEMS:
                 break
             rows //= 2
@@ -279,12 +282,15 @@ def run_tiles(tiles: list, fn) -> None:
 
     Why not torch's intra-op threads: a tile is a dozen torch calls, each a parallel region whose
     threads meet at its end; on a 2-core machine shared with other work one descheduled thread stalls
-    every call (measured: 5x slower under load, docs/cpu.md), and each region costs its fork and join
-    even when idle. Tiles on threads of their own meet once, at the end of the call. Every torch call
-    of a tile runs on one thread, so a tile's result does not depend on the thread count.
+    every call (docs/cpu.md, "Stage 1 and compression"), and each region costs its fork and join even
+    when idle. Tiles on threads of their own meet once, at the end of the call. Every torch call of a
+    tile runs on one thread, so a tile's result does not depend on the thread count. The helper
+    threads are kept between calls (`_helpers`): a new thread would allocate MKL's GEMM buffers anew
+    (about 50 MiB) at every call. One call at a time uses them; a call made while another runs takes
+    its tiles on its own thread.
     """
     n = min(torch.get_num_threads(), len(tiles))
-    if n <= 1:
+    if n <= 1 or not _HELPERS_LOCK.acquire(blocking=False):
         for t in tiles:
             fn(t)
         return
@@ -307,16 +313,29 @@ def run_tiles(tiles: list, fn) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        helpers = [threading.Thread(target=worker, daemon=True) for _ in range(n - 1)]
-        for h in helpers:
-            h.start()
+        pending = [_helpers(n - 1).submit(worker) for _ in range(n - 1)]
         worker()
-        for h in helpers:
-            h.join()
+        for f in pending:
+            f.result()
     finally:
         torch.set_num_threads(threads)
+        _HELPERS_LOCK.release()
     if errors:
         raise errors[0]
+
+
+_HELPERS_LOCK = threading.Lock()          # held by the one call that uses the helper threads
+_HELPER_POOL: list = [None]               # the ThreadPoolExecutor of `_helpers`
+
+
+def _helpers(n: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The helper threads of `run_tiles`, at least `n`, kept between calls."""
+    pool = _HELPER_POOL[0]
+    if pool is None or pool._max_workers < n:
+        if pool is not None:
+            pool.shutdown(wait=False)
+        pool = _HELPER_POOL[0] = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="stage1-cpu")
+    return pool
 
 
 def _pad(n: int) -> int:
