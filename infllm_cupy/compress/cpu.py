@@ -40,16 +40,24 @@ def cpu_compress_k(k: torch.Tensor, cu_seqlens_k: torch.Tensor, kernel_size: int
     per = max(1, CHUNK_ELEMS // (kernel_size * H * D))          # windows per chunk
     buf = None
     k = k.contiguous()
-    for b in range(len(cu) - 1):
-        s, n = cu_k[b], cu[b + 1] - cu[b]
-        for i0 in range(0, n, per):
-            c = min(per, n - i0)
-            # windows i0 .. i0 + c - 1 of sequence b: rows s + i * stride .. s + i * stride + kernel - 1
-            win = k[s + i0 * kernel_stride:].as_strided((c, kernel_size, H, D),
-                                                         (kernel_stride * H * D, H * D, D, 1))
-            if buf is None or buf.numel() < c * kernel_size * H * D:
-                buf = torch.empty(per * kernel_size * H * D, dtype=acc)
-            x = buf[:c * kernel_size * H * D].view(c, kernel_size, H, D)
-            x.copy_(win)
-            out[cu[b] + i0:cu[b] + i0 + c] = x.mean(dim=1)
+    # One thread: each chunk is two memory-bound torch calls too short to share (32k tokens, H 2,
+    # D 128, both compressions: 8.5 ms); on a shared 2-core machine two threads per call stall on each
+    # other (docs/cpu.md, "Stage 1 and compression").
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for b in range(len(cu) - 1):
+            s, n = cu_k[b], cu[b + 1] - cu[b]
+            for i0 in range(0, n, per):
+                c = min(per, n - i0)
+                # windows i0 .. i0 + c - 1 of sequence b: rows s + i stride .. s + i stride + kernel - 1
+                win = k[s + i0 * kernel_stride:].as_strided((c, kernel_size, H, D),
+                                                             (kernel_stride * H * D, H * D, D, 1))
+                if buf is None or buf.numel() < c * kernel_size * H * D:
+                    buf = torch.empty(per * kernel_size * H * D, dtype=acc)
+                x = buf[:c * kernel_size * H * D].view(c, kernel_size, H, D)
+                x.copy_(win)
+                out[cu[b] + i0:cu[b] + i0 + c] = x.mean(dim=1)
+    finally:
+        torch.set_num_threads(threads)
     return out, cu_c
