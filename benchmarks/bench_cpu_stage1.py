@@ -1,9 +1,9 @@
 r"""Stage 1 and key compression on CPU: the CPU implementations' time and effective rate against the
 CPU's fp32 GEMM rate, from 4k to 64k tokens (docs/cpu.md, "Stage 1 and compression").
 
-    python benchmarks/bench_cpu_stage1.py                                  # 4k, 8k, 16k: about a minute
-    python benchmarks/bench_cpu_stage1.py --tokens 4k,8k,16k,32k,64k --json benchmarks/results/cpu_stage1.json
-    python benchmarks/bench_cpu_stage1.py --tokens 2k,4k --oracle          # also the naive references
+    python benchmarks/bench_cpu_stage1.py                          # 4k, 8k, 16k: about 20 s on 2 cores
+    python benchmarks/bench_cpu_stage1.py --tokens 4k,8k,16k,32k,64k --json cpu_stage1.json   # about 1.5 min
+    python benchmarks/bench_cpu_stage1.py --tokens 2k,4k --oracle  # also the naive references
 
 One causal sequence of T tokens, HQ 32, H 2, D 128, bf16 (the demo's shapes), K = topk 8 + local-blocks 4
 = 12 (the demo's CPU budget), random q and keys. Rows per T:
@@ -11,10 +11,11 @@ One causal sequence of T tokens, HQ 32, H 2, D 128, bf16 (the demo's shapes), K 
     stage1     `stage1_select` on CPU (`cpu_stage1_select`): scores, pooling, top-k
     oracle_*   with --oracle: `naive_compress_k` and `naive_stage1_select` on the same inputs
 `extra_mib`: the most the process's resident set grew during a call above its level before it (sampled
-every 2 ms): what the call allocates beyond its inputs. Stage 1's useful FLOP count: 2 D per (query head, query token, visible compressed key), fine and coarse
-keys, causal (what a GEMM over the visible keys costs; the implementation computes a few percent more:
-each tile to its last row's keys, widths rounded up to 32). It grows as T^2 / 16 (fine keys) + T^2 / 64
-(coarse keys), so time should grow about 4x per doubling of T.
+every 2 ms): what the call allocates beyond its inputs. Stage 1's useful FLOP count: 2 D per (query
+head, query token, visible compressed key), fine and coarse keys, causal (what a GEMM over the visible
+keys costs; the implementation computes a few percent more: each tile to its last row's keys, widths
+rounded up to 32). It grows as T^2 / 16 (fine keys) + T^2 / 64 (coarse keys), so time should grow about
+4x per doubling of T.
 
 The floor: `torch.matmul` of 2048 x 2048 fp32 squares (`_harness.fp32_gemm_rate`), measured before
 each T and after the last; `floor` is the best of them. Each time is the best of `--rep` runs (the machine
