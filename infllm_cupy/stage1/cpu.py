@@ -325,16 +325,17 @@ def run_tiles(tiles: list, fn) -> None:
 
 
 _HELPERS_LOCK = threading.Lock()          # held by the one call that uses the helper threads
-_HELPER_POOL: list = [None]               # the ThreadPoolExecutor of `_helpers`
+_HELPER_POOL: list = [None, 0]            # the ThreadPoolExecutor of `_helpers` and its thread count
 
 
 def _helpers(n: int) -> concurrent.futures.ThreadPoolExecutor:
     """The helper threads of `run_tiles`, at least `n`, kept between calls."""
-    pool = _HELPER_POOL[0]
-    if pool is None or pool._max_workers < n:
+    pool, size = _HELPER_POOL
+    if pool is None or size < n:
         if pool is not None:
             pool.shutdown(wait=False)
-        pool = _HELPER_POOL[0] = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="stage1-cpu")
+        pool = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="stage1-cpu")
+        _HELPER_POOL[:] = [pool, n]
     return pool
 
 
