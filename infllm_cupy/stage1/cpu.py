@@ -217,7 +217,7 @@ class _Run:
         t0 = self.cu_q[b] + start
         # [C, HQ, D] -> [H, C G, D] in the compute dtype, one copy: rows (c, g) of each KV head
         qh = torch.empty(H, C, G, D, dtype=self.cdt)
-        qh.copy_(self.q[t0:t0 + C].view(C, H, G, D).transpose(0, 1))
+        qh.copy_(self.q[t0:t0 + C].unflatten(1, (H, G)).transpose(0, 1))
         qh = qh.view(H, C * G, D)
         # exp(x) as exp2(x log2 e) with log2 e folded into the scale: torch's exp2 runs 2.7x faster than its
         # exp on CPU (docs/cpu.md), and the rounding steps stay the oracle's (a product, a difference,

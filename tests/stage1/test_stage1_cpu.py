@@ -410,3 +410,18 @@ def test_tiles_on_threads_same_bits_for_any_thread_count_and_errors_propagate(mo
         assert torch.get_num_threads() == 2 and calls
     finally:
         torch.set_num_threads(before)
+
+
+def test_strided_inputs():
+    # q and the compressed keys as views with strides of their own (a slice of wider heads, every other
+    # key row): the same selection and scores as their contiguous copies
+    q, ck1, ck2, cu, cu1, cu2 = make_inputs([700, 90], 8, 2, 32, torch.bfloat16)
+    wide = torch.zeros(q.shape[0], 16, 32, dtype=q.dtype)
+    wide[:, ::2] = q
+    rows1 = torch.zeros(2 * ck1.shape[0], 2, 32, dtype=ck1.dtype)
+    rows1[::2] = ck1
+    kw = dict(topk=4, local_blocks=1, score_dtype=torch.float32, return_scores=True)
+    got = cpu_stage1_select(wide[:, ::2], rows1[::2], ck2, cu, cu1, cu2, 700, **kw)
+    want = cpu_stage1_select(q, ck1, ck2, cu, cu1, cu2, 700, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(got[0], naive_stage1_select(q, ck1, ck2, cu, cu1, cu2, 700, **kw)[0])
