@@ -481,3 +481,17 @@ def write_json(rows: Sequence[Row], path: str | os.PathLike, env: dict[str, str]
     payload = {"env": env, **(extra or {}), "rows": [{**dataclasses.asdict(r), **env} for r in rows]}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=1, default=str))
+
+
+def fp32_gemm_rate(n: int = 2048, rep: int = 3) -> float:
+    """The CPU's fp32 GEMM rate in GFLOP/s, the floor the CPU implementations are measured against
+    (docs/cpu.md): the best of `rep` timed `torch.matmul` calls on `n x n` fp32 squares, after one
+    untimed call, with torch's current thread count."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = math.inf
+    for _ in range(rep):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best / 1e9

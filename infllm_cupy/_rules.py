@@ -14,8 +14,9 @@ import functools
 
 import torch
 
-# The `backend=` argument of every public op: "auto" runs the kernels on CUDA tensors and the
-# reference on CPU tensors; "kernels" and "reference" force one side (`runs_kernels`).
+# The `backend=` argument of every public op: "auto" runs the kernels on CUDA tensors and, on CPU
+# tensors, the op's CPU implementation where it has one (`runs_cpu`), else its reference; "kernels" and
+# "reference" force one side (`runs_kernels`): "reference" is always the naive oracle.
 BACKENDS = ("auto", "kernels", "reference")
 
 # Head dims every kernel is instantiated for (compression, stage 1, stage 2, decode).
@@ -75,9 +76,9 @@ def check_backend(backend) -> str:
 def runs_kernels(t: torch.Tensor, backend: str = "auto", name: str = "q") -> bool:
     """The backend rule of every entry point: whether the CUDA kernels run for tensor `name` (`t`).
 
-    "auto": the kernels on CUDA tensors, the references on CPU tensors. "reference": the references
-    on any device. "kernels": the kernels, and a ValueError naming `name` when `t` is not a CUDA
-    tensor (there are no CPU kernels).
+    "auto": the kernels on CUDA tensors; on CPU tensors the CPU implementation where the op has one
+    (`runs_cpu`), else the reference. "reference": the references on any device. "kernels": the
+    kernels, and a ValueError naming `name` when `t` is not a CUDA tensor (there are no CPU kernels).
     """
     if check_backend(backend) == "reference":
         return False
@@ -87,6 +88,17 @@ def runs_kernels(t: torch.Tensor, backend: str = "auto", name: str = "q") -> boo
         raise ValueError(f"{name} must be a CUDA tensor for backend='kernels' (there are no CPU kernels), "
                          f"got {got}; backend='auto' or 'reference' runs the reference")
     return cuda
+
+
+def runs_cpu(t: torch.Tensor, backend: str = "auto") -> bool:
+    """The backend rule's CPU side: whether an op with a CPU implementation (stage 1 and compression:
+    `stage1/cpu.py`, `compress/cpu.py`) runs it rather than its reference, for tensor `t`.
+
+    "auto" on a CPU tensor: the CPU implementation (chunked fp32 GEMMs, memory bounded by the chunk).
+    "reference" on any device: the reference (the naive oracle every implementation is tested against).
+    "kernels", and CUDA tensors: not this (`runs_kernels` decides). Other devices run the reference.
+    """
+    return check_backend(backend) == "auto" and isinstance(t, torch.Tensor) and t.device.type == "cpu"
 
 
 def softmax_scale_of(softmax_scale: float | None, head_dim: int) -> float:

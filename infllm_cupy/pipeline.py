@@ -12,7 +12,7 @@ import torch
 
 from ._checks import HostSeqlens, check_attn_inputs, check_flags, check_max_seqlen, check_tensor
 from ._dtypes import REF_DTYPES
-from ._rules import check_backend, runs_kernels
+from ._rules import check_backend, runs_cpu, runs_kernels
 from .config import InfLLMv2Config, check_config
 from .prefill import check_prefill_inputs, prefill
 
@@ -77,8 +77,10 @@ def infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     Which implementation runs each stage (`runs_kernels`; the `run_*` stages of prefill.py): for
     CUDA tensors with `backend` "auto" or "kernels", key compression, stage 1 (scores, pooling, top-k
     in one launch) and stage 2 are the CUDA kernels, and the dense fallback is torch SDPA per
-    sequence. `backend="reference"` runs every stage's reference, as CPU tensors do under "auto";
-    `backend="kernels"` refuses CPU tensors (ValueError naming q), as every entry point does.
+    sequence. CPU tensors under "auto" run the stages' CPU implementations where they have one (key
+    compression and stage 1: `runs_cpu`, chunked fp32 GEMMs) and the references elsewhere;
+    `backend="reference"` runs every stage's reference (the oracle) on any device; `backend="kernels"`
+    refuses CPU tensors (ValueError naming q), as every entry point does.
 
     Gradients: `q`, `k` and `v` get theirs through stage 2 (the stage-2 backward kernel on the
     kernel path, autograd of the reference otherwise) or through the dense fallback (SDPA's own
@@ -129,7 +131,8 @@ def infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     host, max_seqlen_q, max_seqlen_k = check_prefill_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                             max_seqlen_k)
     return prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cfg,
-                   kernels=runs_kernels(q, backend), host_seqlens=host, return_aux=return_aux)
+                   kernels=runs_kernels(q, backend), cpu=runs_cpu(q, backend), host_seqlens=host,
+                   return_aux=return_aux)
 
 
 def infllmv2_attention_host_lengths(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -180,7 +183,8 @@ def infllmv2_attention_host_lengths(q: torch.Tensor, k: torch.Tensor, v: torch.T
     # the offsets on the host from the given lengths: nothing below reads cu_seqlens back
     host = HostSeqlens.from_lengths(seqlens_q, seqlens_k)
     return prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max(seqlens_q, default=0), max(seqlens_k, default=0),
-                   cfg, kernels=runs_kernels(q, backend), host_seqlens=host, compressed=compressed)
+                   cfg, kernels=runs_kernels(q, backend), cpu=runs_cpu(q, backend), host_seqlens=host,
+                   compressed=compressed)
 
 
 class InfLLMv2Attention(torch.nn.Module):

@@ -6,9 +6,11 @@ attention (torch SDPA on the kernel path) below `dense_len`.
 
 Each stage is one function that calls the kernel or the reference by an `if` on `kernels`
 (`run_compress`, `run_stage1`, `run_sparse_attn`, `run_dense_attn`), with the config's fields as named
-arguments. A call is checked once, at its public entry: `check_prefill_inputs` reads both `cu_seqlens`
-to the host in one copy, and the stages below get that copy (`HostSeqlens`, keyword `host_seqlens`), so
-they neither check again nor read back.
+arguments; `cpu` (`runs_cpu`: "auto" on CPU tensors) picks a stage's CPU implementation over its
+reference where it has one (compression and stage 1: `compress/cpu.py`, `stage1/cpu.py`). A call is
+checked once, at its public entry: `check_prefill_inputs` reads both `cu_seqlens` to the host in one
+copy, and the stages below get that copy (`HostSeqlens`, keyword `host_seqlens`), so they neither check
+again nor read back.
 """
 from __future__ import annotations
 
@@ -27,10 +29,12 @@ from ._checks import (
     check_softmax_scale,
     validate_values,
 )
-from ._rules import check_kernel_block, n_windows, runs_kernels, uses_dense
+from ._rules import check_kernel_block, n_windows, runs_cpu, runs_kernels, uses_dense
+from .compress.cpu import cpu_compress_k
 from .compress.mean_pool import compress_k
 from .compress.naive import naive_compress_k
 from .config import InfLLMv2Config
+from .stage1.cpu import cpu_stage1_select
 from .stage1.naive import naive_stage1_select
 from .stage1.select import stage1_select
 from .stage2.attention import sparse_attn_varlen
@@ -172,25 +176,36 @@ def sdpa_dense_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 # -------------------------------------------------------------- the stages: kernel or reference
 
 # With `kernels` (`runs_kernels`: CUDA tensors, backend not "reference") each stage runs its kernel
-# and takes `host_seqlens` from the checked entry; otherwise its reference, which checks and reads
-# its own inputs (runs on CPU and CUDA tensors alike).
+# and takes `host_seqlens` from the checked entry; otherwise, with `cpu` (`runs_cpu`: CPU tensors under
+# "auto"), its CPU implementation where it has one; otherwise its reference, which checks and reads its
+# own inputs (runs on CPU and CUDA tensors alike).
 
 
 def run_compress(k: torch.Tensor, cu_seqlens_k: torch.Tensor, kernel_size: int, kernel_stride: int, *,
-                 kernels: bool, host_seqlens: HostSeqlens | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Key compression: `compress_k`'s kernel or `naive_compress_k`."""
+                 kernels: bool, host_seqlens: HostSeqlens | None = None,
+                 cpu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key compression: `compress_k`'s kernel, `cpu_compress_k` (`cpu`) or `naive_compress_k`."""
     if kernels:
         return compress_k(k, cu_seqlens_k, kernel_size, kernel_stride, backend="kernels",
                           host_seqlens=host_seqlens)
-    return naive_compress_k(k, cu_seqlens_k, kernel_size, kernel_stride)
+    return (cpu_compress_k if cpu else naive_compress_k)(k, cu_seqlens_k, kernel_size, kernel_stride)
 
 
 def run_stage1(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q: int,
                cfg: InfLLMv2Config, *, causal: bool, cache_lens, need_scores: bool, kernels: bool,
-               host_seqlens: HostSeqlens | None = None):
-    """Stage 1 (scores, block pooling, top-k): `stage1_select` on the fused kernel or on its reference
-    `naive_stage1_select`, with the config's selection parameters. Returns `topk_idx`, or
-    `(topk_idx, scores, block_scores)` with `need_scores` (the kernel skips writing them otherwise)."""
+               host_seqlens: HostSeqlens | None = None, cpu: bool = False):
+    """Stage 1 (scores, block pooling, top-k): `stage1_select` on the fused kernel, on the CPU
+    implementation `cpu_stage1_select` (`cpu`) or on the reference `naive_stage1_select`, with the
+    config's selection parameters. Returns `topk_idx`, or `(topk_idx, scores, block_scores)` with
+    `need_scores` (the kernel skips writing them otherwise)."""
+    if not kernels and cpu:
+        return cpu_stage1_select(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q,
+                                 causal=causal, cache_lens=cache_lens, softmax_scale=cfg.softmax_scale,
+                                 topk=cfg.topk, local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks,
+                                 block_size=cfg.block_size, kernel_stride=cfg.kernel_stride,
+                                 coarse_kernel_stride=cfg.coarse_kernel_stride,
+                                 varlen_offset_quirk=cfg.varlen_offset_quirk, score_dtype=cfg.score_dtype,
+                                 return_scores=need_scores)
     return stage1_select(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q,
                          causal=causal, cache_lens=cache_lens, softmax_scale=cfg.softmax_scale,
                          topk=cfg.topk, local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks,
@@ -238,10 +253,12 @@ def _compressed_offsets(cu_k: tuple[int, ...], kernel_size: int, kernel_stride: 
 
 def select_blocks(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache_lens, causal, cfg: InfLLMv2Config,
                   ck1=None, cu_seqlens_c1=None, ck2=None, cu_seqlens_c2=None, *, kernels: bool = False,
-                  need_scores: bool = True, host_seqlens: HostSeqlens | None = None) -> dict:
+                  need_scores: bool = True, host_seqlens: HostSeqlens | None = None,
+                  cpu: bool = False) -> dict:
     """Compression (unless given) -> stage 1 (scores, pooling, top-k), without gradients.
 
-    `kernels`: the stages' kernels (`runs_kernels`), else their references. `host_seqlens`: the
+    `kernels`: the stages' kernels (`runs_kernels`), else with `cpu` (`runs_cpu`) their CPU
+    implementations, else their references. `host_seqlens`: the
     offsets of `cu_seqlens_q` / `cu_seqlens_k` on the host, from a caller that checked the inputs
     (the given compressed keys must then be `compress_k`'s of k with the config's sizes).
 
@@ -249,7 +266,7 @@ def select_blocks(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache_lens, ca
     `topk_idx`) that `return_aux` exposes; `scores` and `block_scores` are None unless `need_scores`
     (a stage-1 kernel can then skip writing them).
     """
-    check_flags(kernels=kernels, need_scores=need_scores)
+    check_flags(kernels=kernels, need_scores=need_scores, cpu=cpu)
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__} (the stages are chosen by "
                         f"kernels=, not passed in)")
@@ -263,16 +280,16 @@ def select_blocks(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache_lens, ca
     with torch.no_grad():
         if ck1 is None:
             ck1, cu_seqlens_c1 = run_compress(k, cu_seqlens_k, cfg.kernel_size, cfg.kernel_stride,
-                                              kernels=kernels, host_seqlens=host_seqlens)
+                                              kernels=kernels, host_seqlens=host_seqlens, cpu=cpu)
         if cfg.exact_stage1:
             ck2, cu_seqlens_c2 = ck1, cu_seqlens_c1
         elif ck2 is None:
             ck2, cu_seqlens_c2 = run_compress(k, cu_seqlens_k, cfg.coarse_kernel_size,
                                               cfg.coarse_kernel_stride, kernels=kernels,
-                                              host_seqlens=host_seqlens)
+                                              host_seqlens=host_seqlens, cpu=cpu)
         selected = run_stage1(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q, cfg,
                               causal=causal, cache_lens=cache_lens, need_scores=need_scores, kernels=kernels,
-                              host_seqlens=host1)
+                              host_seqlens=host1, cpu=cpu)
         topk_idx, scores, block_scores = selected if need_scores else (selected, None, None)
     return {"ck1": ck1, "ck2": ck2, "cu_seqlens_c1": cu_seqlens_c1, "cu_seqlens_c2": cu_seqlens_c2,
             "scores": scores, "block_scores": block_scores, "topk_idx": topk_idx}
@@ -285,13 +302,15 @@ def dense_aux(**given) -> dict:
 
 
 def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, cfg: InfLLMv2Config,
-            *, kernels: bool, host_seqlens: HostSeqlens, return_aux: bool = False, compressed=None):
+            *, kernels: bool, host_seqlens: HostSeqlens, return_aux: bool = False, compressed=None,
+            cpu: bool = False):
     """The prefill body over inputs checked at a public entry (`check_prefill_inputs`, or a caller
     that knows the lengths): dense attention below `dense_len`, else compression, stage 1 and top-k,
     then stage 2 over the selected blocks, causal and bottom-right aligned (a query shorter than its
     keys sees the first `Lk - Lq` keys as its cache).
 
-    `kernels`: the stages' kernels, else their references (`runs_kernels`). `host_seqlens`: both
+    `kernels`: the stages' kernels (`runs_kernels`), else with `cpu` (`runs_cpu`) the CPU
+    implementations where a stage has one, else the references. `host_seqlens`: both
     offsets on the host; nothing below reads them back. `compressed`: `(ck1, cu_seqlens_c1, ck2,
     cu_seqlens_c2)` of k with the config's sizes, or None to compress here. Returns `out`, and the
     aux dict of `naive_infllmv2_attention` with `return_aux`.
@@ -310,7 +329,7 @@ def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k
         cache_lens = None
     aux = select_blocks(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache_lens, True, cfg,
                         *(compressed or ()), kernels=kernels, need_scores=return_aux,
-                        host_seqlens=host_seqlens)
+                        host_seqlens=host_seqlens, cpu=cpu)
     out = run_sparse_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, aux["topk_idx"], max_seqlen_q, max_seqlen_k,
                           cfg, causal=True, kernels=kernels, host_seqlens=host_seqlens)
     return (out, dict(dense=False, **aux)) if return_aux else out
@@ -356,8 +375,10 @@ def stages_for(q: torch.Tensor, backend: str = "reference") -> dict:
     With CUDA tensors and `backend` "auto" or "kernels": `compress_k` and `sparse_attn` are the
     kernels (`sparse_attn` raises ValueError for a `block_size` other than 64), `dense_attn` is torch
     SDPA (`sdpa_dense_attn_varlen`), and `stage1_select` is the fused stage-1 kernel
-    (`infllm_cupy.stage1.select`). Otherwise, or with `backend="reference"`, every stage is the
-    reference, which runs on CPU and CUDA tensors alike.
+    (`infllm_cupy.stage1.select`). With CPU tensors and `backend="auto"`, `compress_k` and
+    `stage1_select` are the CPU implementations (`cpu_compress_k`, `cpu_stage1_select`) and the other
+    stages the references. Otherwise, or with `backend="reference"`, every stage is the reference,
+    which runs on CPU and CUDA tensors alike.
 
     Args:
         q (torch.Tensor):
@@ -372,6 +393,8 @@ def stages_for(q: torch.Tensor, backend: str = "reference") -> dict:
         `naive_dense_attn_varlen`.
     """
     stages = dict(_REFERENCE_STAGES)
+    if runs_cpu(q, backend):
+        stages.update(compress_k=cpu_compress_k, stage1_select=cpu_stage1_select)
     if not runs_kernels(q, backend):
         return stages
     stages.update(compress_k=_kernel_compress_k, stage1_select=stage1_select, sparse_attn=_kernel_sparse_attn,

@@ -59,6 +59,21 @@ def test_bench_pipeline_and_stage1_help_and_cpu_run(script, tmp_path):
                                                                            row["note"]) for row in rows]
 
 
+def test_bench_cpu_stage1_runs(tmp_path):
+    out = tmp_path / "cpu_stage1.json"
+    r = run_script("bench_cpu_stage1.py", "--tokens", "300,1k", "--hq", "4", "--h", "2", "--d", "32",
+                   "--rep", "1", "--oracle", "--threads", "2", "--json", str(out))
+    assert "fp32 GEMM floor (torch.matmul, 2048^2, 2 threads)" in r.stdout, r.stdout
+    payload = json.loads(out.read_text())
+    assert payload["env"]["commit"] and payload["floor_gflops"] > 0
+    rows = payload["rows"]
+    impls = ("compress", "stage1", "oracle_compress", "oracle_stage1")
+    assert {(row["impl"], row["T"]) for row in rows} == {(i, T) for i in impls for T in (300, 1024)}
+    stage1 = [row for row in rows if row["impl"] == "stage1"]
+    assert all(row["s"] > 0 and row["gflops"] > 0 and row["of_floor"] > 0 for row in stage1)
+    assert stage1[1]["growth_T2"] == (1024 / 300) ** 2
+
+
 DECODE_IMPLS = ("ours_sparse", "ours_step", "ours_dense", "ours_sparse_kvh", "ours_step_kvh",
                 "ours_dense_kvh",
                 "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "flex", "eager_grouped",

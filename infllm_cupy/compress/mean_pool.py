@@ -7,7 +7,8 @@ from .. import _jit
 from .._checks import HostSeqlens, check_aligned, check_compress_args
 from .._launch import CXX_TYPE, empty, launch
 from .._params import KernelParams, constants
-from .._rules import HEAD_DIMS, cdiv, n_windows, runs_kernels
+from .._rules import HEAD_DIMS, cdiv, n_windows, runs_cpu, runs_kernels
+from .cpu import cpu_compress_k
 from .naive import compressed_cu_seqlens, naive_compress_k
 
 SOURCE = "compress/mean_pool.cu"
@@ -36,11 +37,13 @@ def compress_k(k: torch.Tensor, cu_seqlens_k: torch.Tensor, kernel_size: int = 3
         kernel_size, kernel_stride (int):
             Window length and step: 32/16 (fine keys) or 128/64 (coarse keys). Default: 32, 16.
         backend (str, Optional):
-            "auto" (kernel for CUDA tensors, reference for CPU), "kernels" or "reference".
+            "auto" (the kernel for CUDA tensors, the CPU implementation `cpu_compress_k` for CPU
+            tensors: the oracle's result in bounded chunks), "kernels" or "reference" (the oracle
+            `naive_compress_k` on any device).
         host_seqlens (HostSeqlens, Optional):
             `cu_seqlens_k` on the host (`host_seqlens.k`) from a caller that checked every input (the
-            pipeline): the kernel path then skips its input checks and reads nothing back. Ignored by
-            the reference. Default: `None`.
+            pipeline): the kernel path then skips its input checks and reads nothing back. Ignored on
+            CPU. Default: `None`.
 
     Returns:
         ck (torch.Tensor): `[total_c, H, D]`, k's dtype; window `i` of sequence `b` is the fp32 mean of
@@ -51,7 +54,8 @@ def compress_k(k: torch.Tensor, cu_seqlens_k: torch.Tensor, kernel_size: int = 3
     Sizing the output reads `cu_seqlens_c[-1]` back to the host (one sync), unless `host_seqlens` gives it.
     """
     if not runs_kernels(k, backend, "k"):
-        return naive_compress_k(k, cu_seqlens_k, kernel_size, kernel_stride)
+        impl = cpu_compress_k if runs_cpu(k, backend) else naive_compress_k
+        return impl(k, cu_seqlens_k, kernel_size, kernel_stride)
     if host_seqlens is None:
         check_compress_args(k, cu_seqlens_k, kernel_size, kernel_stride, dtypes=DTYPES)
     if not k.is_cuda:

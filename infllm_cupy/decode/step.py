@@ -20,8 +20,9 @@ in one bounded store that every entry shares. Three entries reach the body:
 dense/sparse rule (spec section 9: dense while the longest cache, the current token included, is
 shorter than `dense_len`), the same stage 1 (non-causal over the complete compressed windows,
 `cache_lens = L - 1`, spec section 4.4), the same top-k with forced init and local blocks, then
-attention over the selected blocks. CPU tensors (or `backend="reference"`) run the references, CUDA
-tensors the kernels (the split stage-1 decode kernels, the split-KV attention).
+attention over the selected blocks. CUDA tensors run the kernels (the split stage-1 decode kernels,
+the split-KV attention); CPU tensors run stage 1's CPU implementation under "auto" (`runs_cpu`) and the
+references elsewhere; `backend="reference"` runs the references on any device.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from .._rules import (
     check_backend,
     check_kernel_block,
     n_windows_of,
+    runs_cpu,
     runs_kernels,
     selection_slots,
     sm_count,
@@ -48,7 +50,7 @@ from .._rules import (
 )
 from ..config import InfLLMv2Config, check_config
 from ..prefill import prefill
-from ..stage1 import naive_stage1_select, stage1_select
+from ..stage1 import stage1_select
 from .cache import DecodeCache, cache_tensors, capturing, cu_seqlens_of
 from .naive import check_sparse_decode_inputs, sparse_decode_checked
 from .select_decode import add_select_decode, check_select_inputs, plan_for, select_decode, select_width
@@ -178,7 +180,7 @@ def layout_of(ck1: torch.Tensor, ck2: torch.Tensor, seqlens: torch.Tensor, exact
 
 def select_on_cache(q, ck1, ck2, seqlens, width: int, cfg: InfLLMv2Config, *, kern: bool,
                     stage1: str = "decode", kernel: str = "auto", static_k: bool = True,
-                    width_k: int | None = None) -> torch.Tensor:
+                    width_k: int | None = None, cpu: bool = False) -> torch.Tensor:
     """Stage 1 for decode over the cache's compressed keys (`ck1 [B, N1, H, D]`, `ck2 [B, N2, H, D]`,
     `seqlens int32 [B]`, `width` its positions per sequence), `topk_idx int32 [H, B, K]`, on arguments
     checked by the caller (`check_stage1` among them): the one implementation of `decode_select`, the
@@ -192,8 +194,10 @@ def select_on_cache(q, ck1, ck2, seqlens, width: int, cfg: InfLLMv2Config, *, ke
     kernels. K is static, `min(topk + local_blocks, cdiv(width, 64))`, padded with -1 (the same
     selection).
 
-    Otherwise the reference (`naive_stage1_select` over `layout_of`'s view, without its checks: the
-    caller checked q against the keys, and the view is built here), K sized on the longest sequence as
+    Otherwise, with `cpu` (`runs_cpu`: CPU tensors under "auto"), the CPU implementation of stage 1
+    (`stage1_select` on CPU: chunked fp32 GEMMs, one query row per sequence), else the reference
+    (`naive_stage1_select`), each over `layout_of`'s view without its checks (the caller checked q
+    against the keys, and the view is built here), K sized on the longest sequence as
     `naive_infllmv2_decode`, or padded with -1 to the static K with `static_k` (to `width_k` where
     given: a device-decided step's rows, `select_width`).
     """
@@ -217,13 +221,12 @@ def select_on_cache(q, ck1, ck2, seqlens, width: int, cfg: InfLLMv2Config, *, ke
         # the layout's query lengths, known without reading cu_q back: 1, 0, 1, 0, ... (stage 1 reads no
         # key lengths from this)
         layout = HostSeqlens.from_lengths([1, 0] * seqlens.shape[0], [])
-        idx = naive_stage1_select(q, k1, k2, cu_q, cu1, cu2, 1, causal=False, cache_lens=cache_lens,
-                                  softmax_scale=cfg.softmax_scale, topk=cfg.topk,
-                                  local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks,
-                                  block_size=cfg.block_size, kernel_stride=cfg.kernel_stride,
-                                  coarse_kernel_stride=cfg.coarse_kernel_stride,
-                                  varlen_offset_quirk=cfg.varlen_offset_quirk, score_dtype=cfg.score_dtype,
-                                  host_seqlens=layout)
+        idx = stage1_select(q, k1, k2, cu_q, cu1, cu2, 1, causal=False, cache_lens=cache_lens,
+                            softmax_scale=cfg.softmax_scale, topk=cfg.topk, local_blocks=cfg.local_blocks,
+                            init_blocks=cfg.init_blocks, block_size=cfg.block_size,
+                            kernel_stride=cfg.kernel_stride, coarse_kernel_stride=cfg.coarse_kernel_stride,
+                            varlen_offset_quirk=cfg.varlen_offset_quirk, score_dtype=cfg.score_dtype,
+                            backend="auto" if cpu else "reference", host_seqlens=layout)
         if not static_k:
             return idx
     return torch.nn.functional.pad(idx, (0, K - idx.shape[2]), value=-1) if idx.shape[2] < K else idx
@@ -235,9 +238,10 @@ def decode_select(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Config
 
     Non-causal scores over the complete compressed windows of each sequence's cache (the cache's
     own ck1/ck2), pooling with the init blocks and the local window ending at block
-    `(L_b - 1) // 64` forced, top-K, blocks after the query's own block `-1`. CPU tensors (or
-    `backend="reference"`) run `naive_stage1_select`, with `K = min(topk + local_blocks,
-    cdiv(max L, 64))` as `naive_infllmv2_decode`; the kernels size K on the cache's width
+    `(L_b - 1) // 64` forced, top-K, blocks after the query's own block `-1`. CPU tensors run the
+    CPU implementation of stage 1 under "auto" and `naive_stage1_select` under `backend="reference"`
+    (as CUDA tensors do), with `K = min(topk + local_blocks, cdiv(max L, 64))` as
+    `naive_infllmv2_decode`; the kernels size K on the cache's width
     (`cdiv(capacity, 64)`) so that shapes stay the same from step to step (extra slots are `-1`).
     `kernel`: the kernel generation, "auto" | "sm80" | "sm90a" as in every op; the decode kernels
     have only the sm80 form. `stage1` (keyword): "decode" runs the split decode kernels
@@ -247,7 +251,7 @@ def decode_select(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Config
     cfg, kern = _check_select_args(q, cache, config, backend, kernel, stage1)
     _check_current_token(cache)
     return select_on_cache(q, cache.ck1, cache.ck2, cache.seqlens, cache.capacity, cfg, kern=kern,
-                           stage1=stage1, kernel=kernel, static_k=kern)
+                           stage1=stage1, kernel=kernel, static_k=kern, cpu=runs_cpu(q, backend))
 
 
 # ------------------------------------------------------------------------------------------ the plan
@@ -417,7 +421,8 @@ def _reference_step(q, k, v, ck1, ck2, seqlens, bt, topk_idx, spec: StepSpec, ho
             idx = _dense_rows(lens, k.shape[2], kout, spec.block_size, q.device) if spec.static_k else None
         else:
             idx = attend = select_on_cache(q, ck1, ck2, seqlens, width, spec.config(), kern=False,
-                                           static_k=spec.static_k, width_k=kout)
+                                           static_k=spec.static_k, width_k=kout,
+                                           cpu=runs_cpu(q, spec.backend))
     scale = softmax_scale_of(spec.softmax_scale, q.shape[2])
     res = sparse_decode_checked(q, k, v, seqlens, bt, width, attend, scale=scale, block_size=spec.block_size,
                                 return_lse=True, return_attn_weights=bool(spec.weights),
@@ -995,5 +1000,5 @@ def infllmv2_prefill_into_cache(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     host = HostSeqlens.from_lengths(n_new, after)
     compressed = None if uses_dense(cfg.dense_len, max_k) else cache.packed_compressed()
     return prefill(q, k, v, cu_seqlens_of(n_new, cache.device), cu_k, max(n_new, default=0), max_k, cfg,
-                   kernels=kernels, host_seqlens=host, return_aux=return_aux,
+                   kernels=kernels, cpu=runs_cpu(q, backend), host_seqlens=host, return_aux=return_aux,
                    compressed=compressed)

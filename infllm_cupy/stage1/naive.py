@@ -141,16 +141,17 @@ def naive_stage1_scores(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, c
     Returns:
         scores (torch.Tensor): `[H, total_q, max_n1]` in `score_dtype`.
     """
-    lq = _check_scores_args(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q, causal,
-                            kernel_stride, coarse_kernel_stride, score_dtype)
+    lq = check_scores_args(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q, causal,
+                           kernel_stride, coarse_kernel_stride, score_dtype)
     return _scores_checked(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, lq, causal=causal,
                            softmax_scale=softmax_scale, score_dtype=score_dtype, kernel_stride=kernel_stride,
                            coarse_kernel_stride=coarse_kernel_stride)
 
 
-def _check_scores_args(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q, causal,
-                       kernel_stride, coarse_kernel_stride, score_dtype) -> list[int]:
-    """`naive_stage1_scores`' checks; returns the query lengths (host ints)."""
+def check_scores_args(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q, causal,
+                      kernel_stride, coarse_kernel_stride, score_dtype) -> list[int]:
+    """`naive_stage1_scores`' checks (also the CPU implementation's, `cpu.py`); returns the query lengths
+    (host ints)."""
     check_stage1_inputs(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2)
     check_flags(causal=causal)
     check_score_dtype(score_dtype)
@@ -409,8 +410,8 @@ def naive_stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, c
     """
     check_flags(varlen_offset_quirk=varlen_offset_quirk, return_scores=return_scores)
     if host_seqlens is None:
-        lq = _check_scores_args(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q, causal,
-                                kernel_stride, coarse_kernel_stride, score_dtype)
+        lq = check_scores_args(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q, causal,
+                               kernel_stride, coarse_kernel_stride, score_dtype)
     else:
         check_score_dtype(score_dtype)
         lq = host_seqlens.lq

@@ -47,12 +47,14 @@ from .._rules import (
     cdiv,
     check_backend,
     check_kernel_block,
+    runs_cpu,
     runs_kernels,
     selection_slots,
     smem_limits,
     softmax_scale_of,
 )
 from .._tma import TMAP_DTYPE, rows_map
+from .cpu import cpu_stage1_scores, cpu_stage1_select
 from .naive import naive_stage1_scores, naive_stage1_select, q_block_idx_checked
 from .plan import (
     MAX_GROUP,
@@ -229,7 +231,9 @@ def stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
             Also return `scores [H, total_q, max_n1]` and `block_scores [H, total_q, out_len]`.
             Default: `False`.
         backend (str, Optional):
-            "auto" (kernels for CUDA tensors), "kernels" or "reference". Default: "auto".
+            "auto" (the kernels for CUDA tensors, the CPU implementation `cpu_stage1_select` for CPU
+            tensors), "kernels" or "reference" (the oracle `naive_stage1_select` on any device).
+            Default: "auto".
         kernel (str, Optional):
             Which kernel runs on CUDA tensors: "auto" (sm_90a on compute capability 9.0 when
             G <= 32, the SM80 kernel otherwise), "sm80" or "sm90a" (ValueError on another
@@ -249,7 +253,8 @@ def stage1_select(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
     check_kernel(kernel)
     check_flags(causal=causal, varlen_offset_quirk=varlen_offset_quirk, return_scores=return_scores)
     if not runs_kernels(q, backend):
-        return naive_stage1_select(
+        impl = cpu_stage1_select if runs_cpu(q, backend) else naive_stage1_select
+        return impl(
             q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q, causal=causal,
             cache_lens=cache_lens, softmax_scale=softmax_scale, topk=topk, local_blocks=local_blocks,
             init_blocks=init_blocks, block_size=block_size, kernel_stride=kernel_stride,
@@ -275,7 +280,8 @@ def stage1_scores(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
     normaliser, summed over each KV group, rounded to `score_dtype`; zeros past a sequence's own `n1`
     and in rows with no visible coarse key). On CUDA tensors of the kernels' shapes (bf16 or fp16,
     D in {64, 128}, G <= 128) the stage-1 kernel runs with `return_scores` and no top-k (its block
-    scores are computed and dropped); other inputs, and `backend="reference"`, run the reference.
+    scores are computed and dropped); CPU tensors under "auto" the CPU implementation
+    (`cpu_stage1_scores`, chunked fp32 GEMMs); other inputs, and `backend="reference"`, the reference.
     The fused `stage1_select` never materialises this tensor: it exists for callers whose API returns
     it (the `infllm_v2` compat layer's `infllmv2_attn_stage1`) and for inspection. `backend="kernels"`
     on CPU tensors raises the ValueError of every entry (`runs_kernels`).
@@ -292,8 +298,9 @@ def stage1_scores(q: torch.Tensor, ck1: torch.Tensor, ck2: torch.Tensor, cu_seql
         backend == "kernels"
         or (q.dtype in KERNEL_DTYPES and q.shape[-1] in HEAD_DIMS and 1 <= G <= MAX_GROUP))
     if not on_kernels:
-        return naive_stage1_scores(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q,
-                                   causal=causal, softmax_scale=softmax_scale, score_dtype=score_dtype)
+        impl = cpu_stage1_scores if runs_cpu(q, backend) else naive_stage1_scores
+        return impl(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q, causal=causal,
+                    softmax_scale=softmax_scale, score_dtype=score_dtype)
     _, scores, _ = launch_select(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q,
                                  causal=causal, softmax_scale=softmax_scale, topk=0, local_blocks=0,
                                  init_blocks=0, score_dtype=score_dtype, return_scores=True, kernel=kernel)

@@ -1,9 +1,12 @@
-"""Key compression: the reference against a loop, and the kernel against the reference."""
+"""Key compression: the reference against a loop, the CPU implementation against the reference (bit for
+bit), and the kernel against the reference."""
 import pytest
 import torch
 
+import infllm_cupy.compress.cpu as compress_cpu
 from infllm_cupy._rules import n_windows
 from infllm_cupy.compress import compress_k, compressed_cu_seqlens, naive_compress_k
+from infllm_cupy.compress.cpu import cpu_compress_k
 from infllm_cupy.testing import assert_close_to_ref
 
 WINDOWS = [(32, 16), (128, 64)]
@@ -64,8 +67,52 @@ def test_compress_cu_seqlens():
 def test_compress_rejects_bad_inputs_naming_the_argument(bad, match):
     k = bad.get("k", torch.randn(10, 2, 64))
     cu = bad.get("cu", torch.tensor([0, 10], dtype=torch.int32))
-    with pytest.raises((ValueError, TypeError), match=match):
-        compress_k(k, cu, bad.get("kernel", 4), 2)
+    for backend in ("auto", "reference"):          # the CPU implementation and the oracle
+        with pytest.raises((ValueError, TypeError), match=match):
+            compress_k(k, cu, bad.get("kernel", 4), 2, backend=backend)
+
+
+# ------------------------------------------------------------------------------- CPU implementation
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64],
+                         ids=["bf16", "fp16", "fp32", "fp64"])
+@pytest.mark.parametrize("H,D", [(1, 64), (2, 128), (8, 32), (3, 80)])
+@pytest.mark.parametrize("window", WINDOWS + [(5, 3), (4, 4)], ids=lambda w: f"{w[0]}s{w[1]}")
+@pytest.mark.parametrize("lengths", LENGTHS, ids=lambda x: "L" + "-".join(map(str, x)))
+def test_compress_cpu_equals_reference_bit_for_bit(lengths, window, H, D, dtype):
+    kernel, stride = window
+    k = (4 * torch.randn(sum(lengths), H, D)).to(dtype)
+    ck, cu_c = cpu_compress_k(k, make_cu(lengths), kernel, stride)
+    ref, ref_cu = naive_compress_k(k, make_cu(lengths), kernel, stride)
+    assert torch.equal(cu_c, ref_cu) and ck.dtype == dtype
+    assert torch.equal(ck, ref)
+
+
+def test_compress_cpu_in_chunks_and_on_views(monkeypatch):
+    # a chunk of a few windows: chunk boundaries inside every sequence; a non-contiguous k
+    lengths = [1000, 129, 31, 500]
+    k = torch.randn(sum(lengths), 2, 64, dtype=torch.bfloat16)
+    want = [naive_compress_k(k, make_cu(lengths), *w) for w in WINDOWS]
+    monkeypatch.setattr(compress_cpu, "CHUNK_ELEMS", 3 * 128 * 2 * 64)
+    for w, (ref, ref_cu) in zip(WINDOWS, want):
+        ck, cu_c = cpu_compress_k(k, make_cu(lengths), *w)
+        assert torch.equal(ck, ref) and torch.equal(cu_c, ref_cu)
+    wide = torch.randn(sum(lengths), 4, 64, dtype=torch.bfloat16)
+    view = wide[:, ::2]
+    assert torch.equal(cpu_compress_k(view, make_cu(lengths))[0], naive_compress_k(view, make_cu(lengths))[0])
+
+
+def test_compress_k_backend_rule_on_cpu(monkeypatch):
+    # "auto" on CPU tensors: the CPU implementation; "reference": the oracle
+    calls = []
+    monkeypatch.setattr("infllm_cupy.compress.mean_pool.cpu_compress_k",
+                        lambda *a: calls.append("cpu") or cpu_compress_k(*a))
+    monkeypatch.setattr("infllm_cupy.compress.mean_pool.naive_compress_k",
+                        lambda *a: calls.append("naive") or naive_compress_k(*a))
+    k, cu = torch.randn(300, 2, 64), make_cu([300])
+    a = compress_k(k, cu)
+    b = compress_k(k, cu, backend="reference")
+    assert calls == ["cpu", "naive"] and torch.equal(a[0], b[0])
 
 
 @pytest.mark.gpu

@@ -76,6 +76,47 @@ def test_step_equals_the_reference(page_size, exact):
     assert int((idx[:, -1] >= 0).sum(-1).min()) == 6
 
 
+@pytest.mark.parametrize("G", [1, 16, 32])
+@pytest.mark.parametrize("page_size", [None, 64], ids=["contiguous", "page64"])
+def test_cpu_stage1_of_the_step_equals_the_oracle(page_size, G):
+    # CPU tensors under "auto": the decode step's stage 1 is stage 1's CPU implementation (one query row
+    # per sequence); with fp32 scores it selects exactly the oracle's blocks (backend="reference")
+    lengths, H, D = [1, 64, 65, 300, 1025, 2047], 2, 64
+    cache = random_decode_cache(lengths, H, D, torch.bfloat16, page_size=page_size)
+    q = torch.randn(len(lengths), H * G, D).to(torch.bfloat16)
+    for cfg in (CFG, dataclasses.replace(CFG, exact_stage1=True), dataclasses.replace(CFG, topk=20)):
+        want = decode_select(q, cache, config=cfg, backend="reference")
+        assert torch.equal(decode_select(q, cache, config=cfg), want)
+        out, idx = infllmv2_decode(q, cache, config=cfg, return_topk_idx=True)
+        ref, ref_idx = infllmv2_decode(q, cache, config=cfg, return_topk_idx=True, backend="reference")
+        assert torch.equal(idx, ref_idx) and torch.equal(out, ref)
+
+
+def test_cpu_decode_and_prefill_into_cache_dispatch(monkeypatch):
+    # which stage 1 runs: "auto" on CPU tensors the CPU implementation, "reference" the oracle, on every
+    # decode entry (decode_select, infllmv2_decode, infllmv2_prefill_into_cache)
+    from infllm_cupy import prefill as prefill_module
+    from infllm_cupy.stage1 import select as select_module
+
+    calls = []
+    for module in (select_module, prefill_module):
+        for name in ("cpu_stage1_select", "naive_stage1_select"):
+            if hasattr(module, name):
+                fn = getattr(module, name)
+                monkeypatch.setattr(module, name,
+                                    lambda *a, _n=name, _f=fn, **k: calls.append(_n[:3]) or _f(*a, **k))
+    cache = random_decode_cache([300, 700], 2, 32, torch.float32, spare=200)
+    q = torch.randn(2, 4, 32)
+    for backend, want in (("auto", "cpu"), ("reference", "nai")):
+        calls.clear()
+        decode_select(q, cache, config=CFG, backend=backend)
+        infllmv2_decode(q, cache, config=CFG, backend=backend)
+        n = [10, 3]
+        infllmv2_prefill_into_cache(torch.randn(13, 4, 32), torch.randn(13, 2, 32), torch.randn(13, 2, 32),
+                                    cache, cu_seqlens_from_lengths(n), config=CFG, backend=backend)
+        assert calls == [want] * 3, (backend, calls)
+
+
 def test_step_bf16_within_flash_attention_rule_and_default_scores():
     # MiniCPM4's bf16 stage-1 scores; the output against float64 attention over the same selection
     lengths, H, HQ, D = [130, 900, 640], 2, 16, 64

@@ -176,8 +176,8 @@ def test_prefill_reuses_cache_compressed_keys_and_reads_no_lengths(monkeypatch):
     ids = prompt(2, PROMPT)
     m = model_for(cfg)
     calls = []
-    compress = prefill_module.naive_compress_k
-    monkeypatch.setattr(prefill_module, "naive_compress_k",
+    compress = prefill_module.cpu_compress_k         # CPU tensors under "auto": compression's CPU path
+    monkeypatch.setattr(prefill_module, "cpu_compress_k",
                         lambda *a, **kw: calls.append(a[2:4]) or compress(*a, **kw))
 
     def no_host_read(*args, **kwargs):
