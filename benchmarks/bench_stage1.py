@@ -10,8 +10,8 @@ Rows (impl), all under `no_grad`, with the implementations `stages_for(q, --back
     stage1_select    scores + block pooling + top-k from the compressed keys (`stages["stage1_select"]`,
                      as the pipeline calls it without `return_aux`: only `topk_idx` returned)
     scores, pool, topk
-                     the three steps of `stage1_select` separately (PyTorch references: shown while
-                     stage 1 has no kernel, to see where its time goes)
+                     the three steps of `stage1_select` separately, timed where `--backend` picks the
+                     reference (the CUDA kernels and the CPU implementation fuse them)
     selection        all of it as the pipeline runs it (`pipeline.select_blocks`)
     sdpa_cudnn       dense causal SDPA (cuDNN) on the same inputs, the scale to compare with
 Memory: each step's extra GPU memory (`torch.cuda.max_memory_allocated()` during one call minus what
@@ -101,7 +101,7 @@ def bench_config(r: bp.Runner, T: int, B: int) -> dict:
         if impl not in a.impls:
             continue
         fn = fns.get(impl)
-        skip = "" if fn is not None else "stage 1 is not the reference: no separate steps"
+        skip = "" if fn is not None else "stage 1 is fused here: its steps are timed with --backend reference"
         r.time(Row(impl, cfg_id, "-", K, "fwd"), fn, None, n_q_rows, D, skip, memory=mem)
     if "sdpa_cudnn" in a.impls:
         try:

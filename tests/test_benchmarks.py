@@ -42,13 +42,17 @@ def test_bench_stage2_runs_on_cpu(tmp_path):
     assert "ms per implementation (median)" in r.stdout and "anchor ms / ours ms" in r.stdout
 
 
-@pytest.mark.parametrize("script", ["bench_pipeline.py", "bench_stage1.py"])
-def test_bench_pipeline_and_stage1_help_and_cpu_run(script, tmp_path):
+# On CPU "auto" runs stage 1's CPU implementation, which has no separate steps; the reference has them.
+@pytest.mark.parametrize("script,backend,impls", [
+    ("bench_pipeline.py", "auto", "selection,stage2,pipeline,sdpa_cudnn"),
+    ("bench_stage1.py", "auto", "compress_fine,stage1_select,selection,sdpa_cudnn"),
+    ("bench_stage1.py", "reference", "compress_fine,stage1_select,scores,pool,topk,selection"),
+])
+def test_bench_pipeline_and_stage1_help_and_cpu_run(script, backend, impls, tmp_path):
     assert "--max-configs" in run_script(script, "--help").stdout
-    impls = ("selection,stage2,pipeline,sdpa_cudnn" if script == "bench_pipeline.py"
-             else "compress_fine,stage1_select,scores,pool,topk,selection,sdpa_cudnn")
     out = tmp_path / "rows.json"
-    r = run_script(script, "--device", "cpu", "--configs", "300x2,256x1", "--max-configs", "1", "--topk", "2",
+    r = run_script(script, "--device", "cpu", "--backend", backend, "--configs", "300x2,256x1",
+                   "--max-configs", "1", "--topk", "2",
                    "--local-blocks", "1", "--hq", "4", "--h", "2", "--d", "64", "--warmup", "0", "--rep", "1",
                    "--budget-s", "0", "--impls", impls, "--json", str(out))
     assert "check PASSED" in r.stdout
