@@ -14,8 +14,10 @@ import functools
 
 import torch
 
-# The `backend=` argument of every public op: "auto" runs the kernels on CUDA tensors and the
-# reference on CPU tensors; "kernels" and "reference" force one side (`runs_kernels`).
+# The `backend=` argument of every public op: "auto" runs the kernels on CUDA tensors and, on CPU
+# tensors, the CPU implementation where a stage has one (stage 2: stage2/cpu.py; the dense fallback:
+# torch SDPA), its reference where it has none; "kernels" forces the kernels (`runs_kernels`),
+# "reference" the references, the oracle every implementation is tested against (`runs_reference`).
 BACKENDS = ("auto", "kernels", "reference")
 
 # Head dims every kernel is instantiated for (compression, stage 1, stage 2, decode).
@@ -75,9 +77,10 @@ def check_backend(backend) -> str:
 def runs_kernels(t: torch.Tensor, backend: str = "auto", name: str = "q") -> bool:
     """The backend rule of every entry point: whether the CUDA kernels run for tensor `name` (`t`).
 
-    "auto": the kernels on CUDA tensors, the references on CPU tensors. "reference": the references
-    on any device. "kernels": the kernels, and a ValueError naming `name` when `t` is not a CUDA
-    tensor (there are no CPU kernels).
+    "auto": the kernels on CUDA tensors; on CPU tensors the CPU implementations, or the references
+    where a stage has none (`runs_reference`). "reference": the references on any device. "kernels":
+    the kernels, and a ValueError naming `name` when `t` is not a CUDA tensor (there are no CPU
+    kernels).
     """
     if check_backend(backend) == "reference":
         return False
@@ -87,6 +90,14 @@ def runs_kernels(t: torch.Tensor, backend: str = "auto", name: str = "q") -> boo
         raise ValueError(f"{name} must be a CUDA tensor for backend='kernels' (there are no CPU kernels), "
                          f"got {got}; backend='auto' or 'reference' runs the reference")
     return cuda
+
+
+def runs_reference(backend: str) -> bool:
+    """The other half of the backend rule: whether the references (`naive_*`, the oracle) run, on any
+    device: `backend="reference"` only. Where neither this nor `runs_kernels` holds ("auto" on a CPU
+    tensor), a stage runs its CPU implementation if it has one (stage 2's forward: the selected blocks
+    only; the dense fallback: torch SDPA), else its reference."""
+    return check_backend(backend) == "reference"
 
 
 def softmax_scale_of(softmax_scale: float | None, head_dim: int) -> float:

@@ -12,7 +12,7 @@ import torch
 
 from ._checks import HostSeqlens, check_attn_inputs, check_flags, check_max_seqlen, check_tensor
 from ._dtypes import REF_DTYPES
-from ._rules import check_backend, runs_kernels
+from ._rules import check_backend, runs_kernels, runs_reference
 from .config import InfLLMv2Config, check_config
 from .prefill import check_prefill_inputs, prefill
 
@@ -55,7 +55,7 @@ def naive_infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     check_max_seqlen("max_seqlen_k", max_seqlen_k, [])
     host, _, _ = check_prefill_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cfg, kernels=False,
-                   host_seqlens=host, return_aux=return_aux)
+                   reference=True, host_seqlens=host, return_aux=return_aux)
 
 
 def infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -74,16 +74,19 @@ def infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
         keys   0 1 2 3 4 5
         mask   1 1 0 0 1 1
 
-    Which implementation runs each stage (`runs_kernels`; the `run_*` stages of prefill.py): for
-    CUDA tensors with `backend` "auto" or "kernels", key compression, stage 1 (scores, pooling, top-k
-    in one launch) and stage 2 are the CUDA kernels, and the dense fallback is torch SDPA per
-    sequence. `backend="reference"` runs every stage's reference, as CPU tensors do under "auto";
+    Which implementation runs each stage (`runs_kernels`, `runs_reference`; the `run_*` stages of
+    prefill.py): for CUDA tensors with `backend` "auto" or "kernels", key compression, stage 1
+    (scores, pooling, top-k in one launch) and stage 2 are the CUDA kernels, and the dense fallback is
+    torch SDPA per sequence. CPU tensors under "auto" run stage 2's CPU implementation (the selected
+    blocks only, stage2/cpu.py) and torch SDPA for the dense fallback, and the references of the other
+    stages. `backend="reference"` runs every stage's reference (the oracle, `naive_infllmv2_attention`);
     `backend="kernels"` refuses CPU tensors (ValueError naming q), as every entry point does.
 
     Gradients: `q`, `k` and `v` get theirs through stage 2 (the stage-2 backward kernel on the
-    kernel path, autograd of the reference otherwise) or through the dense fallback (SDPA's own
-    backward); compression, stage 1 and top-k run under `torch.no_grad()` and give none, as in
-    InfLLM-v2 (the selection is not trained).
+    kernel path, the reference's backward on CPU tensors, autograd of the reference with
+    `backend="reference"`) or through the dense fallback (SDPA's own backward, or the reference's
+    autograd with `backend="reference"`); compression, stage 1 and top-k run under `torch.no_grad()`
+    and give none, as in InfLLM-v2 (the selection is not trained).
 
     Args:
         q (torch.Tensor):
@@ -129,7 +132,8 @@ def infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     host, max_seqlen_q, max_seqlen_k = check_prefill_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                             max_seqlen_k)
     return prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cfg,
-                   kernels=runs_kernels(q, backend), host_seqlens=host, return_aux=return_aux)
+                   kernels=runs_kernels(q, backend), reference=runs_reference(backend), host_seqlens=host,
+                   return_aux=return_aux)
 
 
 def infllmv2_attention_host_lengths(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -180,7 +184,8 @@ def infllmv2_attention_host_lengths(q: torch.Tensor, k: torch.Tensor, v: torch.T
     # the offsets on the host from the given lengths: nothing below reads cu_seqlens back
     host = HostSeqlens.from_lengths(seqlens_q, seqlens_k)
     return prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max(seqlens_q, default=0), max(seqlens_k, default=0),
-                   cfg, kernels=runs_kernels(q, backend), host_seqlens=host, compressed=compressed)
+                   cfg, kernels=runs_kernels(q, backend), reference=runs_reference(backend),
+                   host_seqlens=host, compressed=compressed)
 
 
 class InfLLMv2Attention(torch.nn.Module):

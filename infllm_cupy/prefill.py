@@ -2,13 +2,15 @@
 decode cache (`decode/step.py`) and context parallelism: the checks of a prefill call, the choice of
 each stage's implementation, and the body that chains the stages (spec section 9): key compression,
 stage 1 (scores, block pooling, top-k) under `no_grad`, then stage 2 over the selected blocks; dense
-attention (torch SDPA on the kernel path) below `dense_len`.
+attention (torch SDPA on the kernel and CPU paths) below `dense_len`.
 
 Each stage is one function that calls the kernel or the reference by an `if` on `kernels`
 (`run_compress`, `run_stage1`, `run_sparse_attn`, `run_dense_attn`), with the config's fields as named
-arguments. A call is checked once, at its public entry: `check_prefill_inputs` reads both `cu_seqlens`
-to the host in one copy, and the stages below get that copy (`HostSeqlens`, keyword `host_seqlens`), so
-they neither check again nor read back.
+arguments; stage 2 and the dense fallback also have a CPU implementation, which CPU tensors run
+unless `reference` (`backend="reference"`: the references, the oracle) asks for the reference. A call
+is checked once, at its public entry: `check_prefill_inputs` reads both `cu_seqlens` to the host in
+one copy, and the stages below get that copy (`HostSeqlens`, keyword `host_seqlens`), so they neither
+check again nor read back.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from ._checks import (
     check_softmax_scale,
     validate_values,
 )
-from ._rules import check_kernel_block, n_windows, runs_kernels, uses_dense
+from ._rules import KV_BLOCK, check_kernel_block, n_windows, runs_kernels, runs_reference, uses_dense
 from .compress.mean_pool import compress_k
 from .compress.naive import naive_compress_k
 from .config import InfLLMv2Config
@@ -173,7 +175,8 @@ def sdpa_dense_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 
 # With `kernels` (`runs_kernels`: CUDA tensors, backend not "reference") each stage runs its kernel
 # and takes `host_seqlens` from the checked entry; otherwise its reference, which checks and reads
-# its own inputs (runs on CPU and CUDA tensors alike).
+# its own inputs (runs on CPU and CUDA tensors alike), or, for stage 2 and the dense fallback, its CPU
+# implementation unless `reference` (`runs_reference`: backend="reference").
 
 
 def run_compress(k: torch.Tensor, cu_seqlens_k: torch.Tensor, kernel_size: int, kernel_stride: int, *,
@@ -202,23 +205,26 @@ def run_stage1(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seql
 
 
 def run_sparse_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q: int, max_seqlen_k: int,
-                    cfg: InfLLMv2Config, *, causal: bool, kernels: bool,
+                    cfg: InfLLMv2Config, *, causal: bool, kernels: bool, reference: bool = False,
                     host_seqlens: HostSeqlens | None = None) -> torch.Tensor:
     """Stage 2 over the selected blocks: `sparse_attn_varlen`'s kernels (64-key blocks, checked by
-    `check_kernel_path`) or `naive_sparse_attn_varlen` with the config's block size."""
+    `check_kernel_path`); else its CPU path (`cpu_sparse_attn`: the CPU implementation's forward, the
+    reference's backward); with `reference`, `naive_sparse_attn_varlen` with the config's block size."""
     if kernels:
         return sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
                                   causal=causal, softmax_scale=cfg.softmax_scale, backend="kernels",
                                   host_seqlens=host_seqlens)
-    return naive_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
-                                    causal=causal, softmax_scale=cfg.softmax_scale, block_size=cfg.block_size)
+    attend = naive_sparse_attn_varlen if reference else cpu_sparse_attn
+    return attend(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal=causal,
+                  softmax_scale=cfg.softmax_scale, block_size=cfg.block_size)
 
 
 def run_dense_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, cfg: InfLLMv2Config, *, causal: bool, kernels: bool,
-                   host_seqlens: HostSeqlens | None = None) -> torch.Tensor:
-    """Dense attention (the fallback below `dense_len`): torch SDPA per sequence on the kernel path
-    (`sdpa_dense_attn_varlen`), `naive_dense_attn_varlen` otherwise."""
-    if kernels:
+                   reference: bool = False, host_seqlens: HostSeqlens | None = None) -> torch.Tensor:
+    """Dense attention (the fallback below `dense_len`): torch SDPA per sequence
+    (`sdpa_dense_attn_varlen`; on CPU tensors torch's CPU kernels, 2-3x the reference's rate:
+    docs/cpu.md), `naive_dense_attn_varlen` with `reference`."""
+    if not reference:
         return sdpa_dense_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal,
                                       softmax_scale=cfg.softmax_scale, host_seqlens=host_seqlens)
     return naive_dense_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal,
@@ -285,20 +291,22 @@ def dense_aux(**given) -> dict:
 
 
 def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, cfg: InfLLMv2Config,
-            *, kernels: bool, host_seqlens: HostSeqlens, return_aux: bool = False, compressed=None):
+            *, kernels: bool, host_seqlens: HostSeqlens, return_aux: bool = False, compressed=None,
+            reference: bool = False):
     """The prefill body over inputs checked at a public entry (`check_prefill_inputs`, or a caller
     that knows the lengths): dense attention below `dense_len`, else compression, stage 1 and top-k,
     then stage 2 over the selected blocks, causal and bottom-right aligned (a query shorter than its
     keys sees the first `Lk - Lq` keys as its cache).
 
-    `kernels`: the stages' kernels, else their references (`runs_kernels`). `host_seqlens`: both
-    offsets on the host; nothing below reads them back. `compressed`: `(ck1, cu_seqlens_c1, ck2,
-    cu_seqlens_c2)` of k with the config's sizes, or None to compress here. Returns `out`, and the
-    aux dict of `naive_infllmv2_attention` with `return_aux`.
+    `kernels`: the stages' kernels (`runs_kernels`), else the CPU implementations where a stage has one
+    and the references otherwise; `reference`: the references only (`runs_reference`, the oracle).
+    `host_seqlens`: both offsets on the host; nothing below reads them back. `compressed`: `(ck1,
+    cu_seqlens_c1, ck2, cu_seqlens_c2)` of k with the config's sizes, or None to compress here. Returns
+    `out`, and the aux dict of `naive_infllmv2_attention` with `return_aux`.
     """
     if uses_dense(cfg.dense_len, max_seqlen_k):
         out = run_dense_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, cfg, causal=True, kernels=kernels,
-                             host_seqlens=host_seqlens)
+                             reference=reference, host_seqlens=host_seqlens)
         return (out, dense_aux()) if return_aux else out
     if kernels:
         check_kernel_path(cfg, q, k, v)
@@ -312,7 +320,7 @@ def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k
                         *(compressed or ()), kernels=kernels, need_scores=return_aux,
                         host_seqlens=host_seqlens)
     out = run_sparse_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, aux["topk_idx"], max_seqlen_q, max_seqlen_k,
-                          cfg, causal=True, kernels=kernels, host_seqlens=host_seqlens)
+                          cfg, causal=True, kernels=kernels, reference=reference, host_seqlens=host_seqlens)
     return (out, dict(dense=False, **aux)) if return_aux else out
 
 
@@ -340,6 +348,25 @@ def _kernel_sparse_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqle
                               backend="kernels")
 
 
+def cpu_sparse_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, *, causal=True,
+                    softmax_scale=None, return_lse=False, block_size: int = 64, upcast: bool = True):
+    """Stage 2's CPU path, taking `naive_sparse_attn_varlen`'s keywords: `sparse_attn_varlen` under
+    "auto" on 64-key blocks (the CPU implementation's forward, stage2/cpu.py, and the reference's
+    backward), the reference for another block size (which only the references take).
+
+    Always fp32 math (`upcast=True`): the low-precision twin (`upcast=False`) is the reference's.
+    """
+    if upcast is not True:
+        raise ValueError("upcast=False (the low-precision reference twin) has no CPU implementation; use "
+                         "naive_sparse_attn_varlen")
+    if block_size == KV_BLOCK:
+        return sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
+                                  causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
+    return naive_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
+                                    causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+                                    block_size=block_size)
+
+
 _REFERENCE_STAGES = {
     "compress_k": naive_compress_k,
     "stage1_select": naive_stage1_select,
@@ -356,8 +383,9 @@ def stages_for(q: torch.Tensor, backend: str = "reference") -> dict:
     With CUDA tensors and `backend` "auto" or "kernels": `compress_k` and `sparse_attn` are the
     kernels (`sparse_attn` raises ValueError for a `block_size` other than 64), `dense_attn` is torch
     SDPA (`sdpa_dense_attn_varlen`), and `stage1_select` is the fused stage-1 kernel
-    (`infllm_cupy.stage1.select`). Otherwise, or with `backend="reference"`, every stage is the
-    reference, which runs on CPU and CUDA tensors alike.
+    (`infllm_cupy.stage1.select`). With CPU tensors and "auto": `sparse_attn` is the CPU path
+    (`cpu_sparse_attn`) and `dense_attn` torch SDPA, the others their references. With
+    `backend="reference"`, every stage is the reference, which runs on CPU and CUDA tensors alike.
 
     Args:
         q (torch.Tensor):
@@ -372,7 +400,10 @@ def stages_for(q: torch.Tensor, backend: str = "reference") -> dict:
         `naive_dense_attn_varlen`.
     """
     stages = dict(_REFERENCE_STAGES)
+    if runs_reference(backend):
+        return stages
     if not runs_kernels(q, backend):
+        stages.update(sparse_attn=cpu_sparse_attn, dense_attn=sdpa_dense_attn_varlen)
         return stages
     stages.update(compress_k=_kernel_compress_k, stage1_select=stage1_select, sparse_attn=_kernel_sparse_attn,
                   dense_attn=sdpa_dense_attn_varlen)

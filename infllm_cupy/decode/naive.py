@@ -75,17 +75,17 @@ def naive_infllmv2_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if any(L < 1 for L in lk):
         raise ValueError(f"cu_seqlens_k: every cache must hold at least the current token, got lengths {lk}")
     max_seqlen_k = max(lk, default=0)
-    # every stage's reference (kernels=False), as in the prefill reference
+    # every stage's reference (kernels=False, reference=True), as in the prefill reference
     if uses_dense(cfg.dense_len, max_seqlen_k):
         out = run_dense_attn(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, cfg, causal=False,
-                             kernels=False)
+                             kernels=False, reference=True)
         aux = dense_aux(ck1=ck1, ck2=ck2, cu_seqlens_c1=cu_seqlens_c1, cu_seqlens_c2=cu_seqlens_c2)
         return (out, aux) if return_aux else out
     cache_lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1] - 1).to(torch.int32)
     aux = select_blocks(q, k_cache, cu_seqlens_q, cu_seqlens_k, 1, cache_lens, False, cfg, ck1=ck1,
                         cu_seqlens_c1=cu_seqlens_c1, ck2=ck2, cu_seqlens_c2=cu_seqlens_c2, kernels=False)
     out = run_sparse_attn(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, aux["topk_idx"], 1, max_seqlen_k,
-                          cfg, causal=False, kernels=False)
+                          cfg, causal=False, kernels=False, reference=True)
     return (out, dict(dense=False, **aux)) if return_aux else out
 
 

@@ -42,6 +42,7 @@ from .._rules import (
     check_kernel_block,
     n_windows_of,
     runs_kernels,
+    runs_reference,
     selection_slots,
     sm_count,
     softmax_scale_of,
@@ -952,5 +953,5 @@ def infllmv2_prefill_into_cache(q: torch.Tensor, k_new: torch.Tensor, v_new: tor
     host = HostSeqlens.from_lengths(n_new, after)
     compressed = None if uses_dense(cfg.dense_len, max_k) else cache.packed_compressed()
     return prefill(q, k, v, cu_seqlens_of(n_new, cache.device), cu_k, max(n_new, default=0), max_k, cfg,
-                   kernels=kernels, host_seqlens=host, return_aux=return_aux,
-                   compressed=compressed)
+                   kernels=kernels, reference=runs_reference(backend), host_seqlens=host,
+                   return_aux=return_aux, compressed=compressed)

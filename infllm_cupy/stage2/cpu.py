@@ -1,0 +1,389 @@
+"""Stage 2's forward on CPU tensors over the selected blocks only (docs/cpu.md, "Stage 2").
+
+What `sparse_attn_varlen` and `block_sparse_attn_varlen` compute on CPU tensors under `backend="auto"`:
+the semantics of `naive_sparse_attn_varlen` (the oracle, which computes every causal key and masks),
+at a cost that grows with the selected work (T x K), not with T^2. Per sequence, KV head and chunk of
+query blocks (64 tokens each, the kernels' unit), the selected (token, key block) pairs are split in two:
+
+- **dense pairs**: blocks that more than half the tokens of a query block selected. The query block
+  attends the union of its dense blocks as one fp32 GEMM (`[64 G, D] x [D, U 64]`, the kernels' plan:
+  docs/stage2_fwd.md §3), each token masked to its own selection and causality.
+- **sparse pairs**: the rest (per-token picks). They run block by block (the transposed index of the
+  backward kernels: docs/stage2_bwd.md §4): the tokens that picked key block j, gathered, against
+  block j's 64 keys, in batched GEMMs over pieces of equal length; the per-pair scores keep their
+  row maxima, and each token's pairs are combined by gathers (never a scatter-add, which CPU torch
+  runs one index at a time).
+
+The two parts merge by their softmax statistics (max, sum), as split-KV attention does. All math is
+fp32 (float64 for float64 inputs): scores, softmax and P.V; `out` is in q's dtype and `lse` float32,
+as the oracle returns them. No autograd of its own: `sparse_attn_varlen`'s CPU backward is the
+oracle's written-out gradient (`naive_sparse_attn_varlen_bwd`), so this runs under `no_grad`.
+
+Memory: a chunk's buffers are sized by its tokens times K (the slots of a selection row), at most
+`_CHUNK_ELEMS` fp32 elements; K and V of one sequence's KV head are upcast once (`Lk x D` each).
+Nothing is sized from `max_seqlen_q` or `max_seqlen_k`, which are only checked.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .._checks import (
+    HostSeqlens,
+    check_attn_tensors,
+    check_attn_values,
+    check_flags,
+    check_int_args,
+    check_max_seqlen,
+    check_softmax_scale,
+    check_tensor,
+    validate_values,
+)
+from .._dtypes import compute_dtype
+from .._rules import cdiv
+from .layout import BlockLayout
+
+# Tokens of one query block: the unit whose commonly selected key blocks run as one dense GEMM (the
+# kernels' CTA unit, docs/stage2_fwd.md §3). Chunks start at multiples of it within a sequence.
+_Q_BLOCK = 64
+
+# A key block selected by more than this share of a query block's tokens runs in the query block's
+# dense GEMM (computing it for the tokens that did not select it, then masking them), below it in the
+# per-block GEMMs of its pairs (docs/cpu.md, "Stage 2": the cost of each path per pair).
+_DENSE_SHARE = 0.5
+
+# Rows (tokens x G) of one piece of the per-block GEMMs: a key block's pairs are cut into pieces of at
+# most this many rows, batched with the pieces of the same length.
+_PIECE_ROWS = 512
+
+# fp32 elements of one chunk's buffers (scores and per-pair outputs of the sparse pairs, the dense
+# GEMM's scores): 64 MB. Bounds the tokens of a chunk through K, never through max_seqlen.
+_CHUNK_ELEMS = 1 << 24
+
+# Score elements of one batched dense GEMM (a tile of query blocks).
+_TILE_ELEMS = 1 << 22
+
+
+def cpu_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, topk_idx: torch.Tensor, max_seqlen_q: int,
+                           max_seqlen_k: int, *, causal: bool = True, softmax_scale: float | None = None,
+                           return_lse: bool = False, block_size: int = 64,
+                           host_seqlens: HostSeqlens | None = None):
+    r"""`naive_sparse_attn_varlen`'s forward at the cost of the selected blocks (the CPU path of
+    `sparse_attn_varlen`; the module docstring has the plan).
+
+    Same semantics, arguments and results as `naive_sparse_attn_varlen` (its `upcast=True`): query `t`
+    (row `r` of sequence `b`), head `hq`, attends keys `j` with `j // block_size` in
+    `topk_idx[hq // G, t]`, `j < Lk` and, if causal, `j <= r + Lk - Lq`; negative, out-of-range and
+    future entries select nothing, duplicates count once; a row with no allowed key gives 0 and
+    `lse = +inf`. Scores, softmax and P.V in fp32 (float64 for float64 inputs). No gradient: the
+    result is computed under `no_grad` (`sparse_attn_varlen` on CPU tensors differentiates through
+    the oracle's backward).
+
+    Args:
+        q (torch.Tensor):
+            `[total_q, HQ, D]`, bf16, fp16, fp32 or float64, any D.
+        k, v (torch.Tensor):
+            `[total_k, H, D]`, q's dtype and device.
+        cu_seqlens_q, cu_seqlens_k (torch.Tensor):
+            int32 `[B+1]`.
+        topk_idx (torch.Tensor):
+            int32 `[H, total_q, K]`, block indices local to each sequence.
+        max_seqlen_q, max_seqlen_k (int):
+            Longest query / key sequence (checked only: nothing is sized from them).
+        causal (bool, Optional):
+            Default: `True`.
+        softmax_scale (float, Optional):
+            Default: `None` (`1 / sqrt(D)`).
+        return_lse (bool, Optional):
+            Also return `lse`, float32 `[HQ, total_q]`. Default: `False`.
+        block_size (int, Optional):
+            Keys per block. Default: 64.
+        host_seqlens (HostSeqlens, Optional):
+            Both offsets on the host from a caller that checked every input: no checks here and no
+            read back. Default: `None`.
+
+    Returns:
+        out (torch.Tensor): `[total_q, HQ, D]` in q's dtype; and `lse` with `return_lse`.
+    """
+    check_flags(causal=causal, return_lse=return_lse)
+    if host_seqlens is None:
+        check_attn_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        check_tensor("topk_idx", topk_idx, ndim=3, dtypes=(torch.int32,),
+                     shape=(k.shape[1], q.shape[0], None), device=q.device)
+        check_int_args(1, block_size=block_size)
+        host_seqlens = HostSeqlens.read(cu_seqlens_q, cu_seqlens_k)
+        if validate_values():
+            check_attn_values(host_seqlens, q, k)
+        check_max_seqlen("max_seqlen_q", max_seqlen_q, host_seqlens.lq)
+        check_max_seqlen("max_seqlen_k", max_seqlen_k, host_seqlens.lk)
+    scale = check_softmax_scale(softmax_scale, q.shape[2])
+    with torch.no_grad():
+        out, lse = _forward(q, k, v, host_seqlens, topk_idx, causal, scale, block_size)
+    return (out, lse) if return_lse else out
+
+
+def cpu_block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, layout: BlockLayout,
+                                 max_seqlen_q: int,
+                                 max_seqlen_k: int, *, causal: bool = True,
+                                 softmax_scale: float | None = None, return_lse: bool = False):
+    r"""`naive_block_sparse_attn_varlen`'s forward at the cost of the selected blocks: the layout's
+    token-level form (`layout.to_topk_idx`) through `cpu_sparse_attn_varlen`. The tokens of a query
+    block share their selection, so every pair is dense and each query block runs one GEMM.
+
+    Args:
+        layout (BlockLayout): `mask` bool `[H, NQB, NKB]` or `[B, H, NQB, NKB]`, and `q_block`.
+        Others: as `cpu_sparse_attn_varlen`.
+
+    Returns:
+        out (torch.Tensor): `[total_q, HQ, D]`; and `lse` with `return_lse`.
+    """
+    if not isinstance(layout, BlockLayout):
+        raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
+    layout.check_against(k.shape[1], cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k)
+    return cpu_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                  layout.to_topk_idx(cu_seqlens_q).to(q.device), max_seqlen_q, max_seqlen_k,
+                                  causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
+
+
+# ------------------------------------------------------------------------------------------ the body
+
+
+def chunk_tokens(K: int, G: int, D: int, block_size: int) -> int:
+    """Tokens of one chunk (a multiple of `_Q_BLOCK`): its buffers, about `K x G x (3 block_size + 2 D)`
+    elements per token (the sparse pairs' scores and outputs with their padding, the dense GEMM's
+    scores), stay within `_CHUNK_ELEMS`."""
+    per_token = max(1, K) * G * (3 * block_size + 2 * D)
+    return max(1, _CHUNK_ELEMS // (per_token * _Q_BLOCK)) * _Q_BLOCK
+
+
+def _forward(q, k, v, host: HostSeqlens, topk_idx, causal: bool, scale: float, bs: int):
+    """`(out, lse)` of every sequence, KV head and chunk."""
+    total_q, HQ, D = q.shape
+    H = k.shape[1]
+    G = HQ // H
+    K = topk_idx.shape[2]
+    cdt = compute_dtype(q.dtype)
+    out = q.new_zeros(total_q, HQ, D)
+    lse = torch.full((HQ, total_q), math.inf, dtype=torch.float32)
+    C_max = chunk_tokens(K, G, D, bs)
+    for b, (Lq, Lk) in enumerate(zip(host.lq, host.lk)):
+        q0, k0 = host.q[b], host.k[b]
+        if Lq == 0 or Lk == 0 or K == 0:
+            continue                                        # no key: out 0, lse +inf
+        nb = cdiv(Lk, bs)
+        for h in range(H):
+            # this KV head's keys and values in the compute dtype, as whole blocks, and one zero block
+            # (index nb) that padding entries point to
+            kb = torch.zeros(nb + 1, bs, D, dtype=cdt)
+            vb = torch.zeros(nb + 1, bs, D, dtype=cdt)
+            kb.view(-1, D)[:Lk] = k[k0:k0 + Lk, h]
+            vb.view(-1, D)[:Lk] = v[k0:k0 + Lk, h]
+            heads = slice(h * G, (h + 1) * G)
+            for r0 in range(0, Lq, C_max):
+                r1 = min(Lq, r0 + C_max)
+                r = torch.arange(r0, r1)
+                # the last key each row sees (-1: none): causal bottom-right, and the sequence's end
+                last = (r + Lk - Lq).clamp(max=Lk - 1) if causal else torch.full_like(r, Lk - 1)
+                idx = _clean(topk_idx[h, q0 + r0:q0 + r1].long(), last, bs, nb)
+                qf = q[q0 + r0:q0 + r1, heads].to(cdt) * scale
+                o, ls = _chunk(qf, kb, vb, idx, last, bs)
+                out[q0 + r0:q0 + r1, heads] = o.to(q.dtype)
+                lse[heads, q0 + r0:q0 + r1] = ls.t().float()
+    return out, lse
+
+
+def _clean(idx: torch.Tensor, last: torch.Tensor, bs: int, nb: int) -> torch.Tensor:
+    """`idx [C, K]` with every entry that selects nothing (negative, `>= nb`, wholly in the future of
+    its row) and every repeat set to -1 (rows sorted)."""
+    ok = (idx >= 0) & (idx < nb) & (idx * bs <= last[:, None])
+    s = torch.where(ok, idx, nb).sort(dim=1).values
+    repeat = torch.zeros_like(ok)
+    repeat[:, 1:] = s[:, 1:] == s[:, :-1]
+    return torch.where(repeat | (s == nb), -1, s)
+
+
+def _chunk(qf, kb, vb, idx, last, bs):
+    """One chunk of one KV head: `qf [C, G, D]` (scaled, compute dtype; token 0 starts a query
+    block), `kb, vb [nb + 1, bs, D]`, `idx [C, K]` cleaned, `last [C]`. Returns `out [C, G, D]`
+    (normalised) and `lse [C, G]`."""
+    C, G, D = qf.shape
+    nb = kb.shape[0] - 1
+    nqb = cdiv(C, _Q_BLOCK)
+    valid = idx >= 0
+    # tokens of each query block that selected each key block -> the dense blocks of each query block
+    sel = torch.zeros(nqb * _Q_BLOCK, nb + 1, dtype=torch.bool)
+    sel[:C].scatter_(1, torch.where(valid, idx, nb), True)
+    sel[:, nb] = False
+    n_tok = torch.full((nqb,), _Q_BLOCK, dtype=torch.long)
+    n_tok[-1] = C - (nqb - 1) * _Q_BLOCK
+    counts = sel.view(nqb, _Q_BLOCK, nb + 1).sum(1)                     # [nqb, nb + 1]
+    dense = counts > _DENSE_SHARE * n_tok[:, None]
+    tok_qb = torch.arange(C) // _Q_BLOCK
+    is_dense = valid & dense[tok_qb[:, None], idx.clamp(min=0)]
+    parts = []
+    if bool(dense.any()):
+        parts.append(_dense_part(qf, kb, vb, sel, dense, last, bs))
+    sparse = valid & ~is_dense
+    if bool(sparse.any()):
+        parts.append(_sparse_part(qf, kb, vb, torch.where(sparse, idx, -1), last, bs))
+    if not parts:
+        return qf.new_zeros(C, G, D), torch.full((C, G), math.inf, dtype=qf.dtype)
+    m, ls, o = parts[0]
+    if len(parts) == 2:
+        m2, ls2, o2 = parts[1]
+        mm = torch.maximum(m, m2)
+        mm = torch.where(mm > -math.inf, mm, 0.0)
+        a1, a2 = (m - mm).exp(), (m2 - mm).exp()
+        ls = ls * a1 + ls2 * a2
+        o = o * a1[..., None] + o2 * a2[..., None]
+        m = torch.maximum(m, m2)
+    has = ls > 0
+    out = o / torch.where(has, ls, 1.0)[..., None]
+    lse = torch.where(has, m + ls.log(), math.inf)
+    return out, lse
+
+
+def _pad_len(n: int) -> int:
+    """The padded length of a piece of `n` tokens: `n` up to 4, else `n` rounded up to an eighth of its
+    power of two (pieces of one padded length batch into one GEMM; padding < 25%)."""
+    if n <= 4:
+        return n
+    step = 1 << (n.bit_length() - 3)
+    return -(-n // step) * step
+
+
+def _buckets(sizes: list[int]) -> list[tuple[int, list[int]]]:
+    """`(padded size, [indices])` of `sizes` grouped by `_pad_len`."""
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(sizes):
+        groups.setdefault(_pad_len(n), []).append(i)
+    return sorted(groups.items())
+
+
+def _dense_part(qf, kb, vb, sel, dense, last, bs):
+    """The dense pairs: each query block against the union of its dense key blocks, one GEMM per tile
+    of query blocks with the same (padded) union size. Returns `(m, l, o)` `[C, G]`, `[C, G]`,
+    `[C, G, D]`: row max, sum of `exp(s - m)` and unnormalised output (`m = -inf`, `l = 0`, `o = 0`
+    where a row has no dense pair)."""
+    C, G, D = qf.shape
+    nb = kb.shape[0] - 1
+    nqb = dense.shape[0]
+    Cp = nqb * _Q_BLOCK
+    qp = qf if Cp == C else torch.cat([qf, qf.new_zeros(Cp - C, G, D)])
+    lastp = last if Cp == C else torch.cat([last, last.new_full((Cp - C,), -1)])
+    m = torch.full((Cp, G), -math.inf, dtype=qf.dtype)
+    ls = torch.zeros(Cp, G, dtype=qf.dtype)
+    o = torch.zeros(Cp, G, D, dtype=qf.dtype)
+    sizes = dense.sum(1).tolist()
+    order = torch.argsort(dense.to(torch.uint8), dim=1, descending=True, stable=True)  # dense blocks first
+    for u, qbs in _buckets(sizes):
+        if u == 0:
+            continue
+        step = max(1, _TILE_ELEMS // (_Q_BLOCK * G * u * bs))
+        for t0 in range(0, len(qbs), step):
+            ib = torch.tensor(qbs[t0:t0 + step])
+            n = ib.numel()
+            blocks = order[ib, :u]                                      # [n, u]
+            blocks = torch.where(dense[ib[:, None], blocks], blocks, nb)  # padding -> the zero block
+            rows = (ib[:, None] * _Q_BLOCK + torch.arange(_Q_BLOCK)).view(-1)
+            s = torch.bmm(qp.view(nqb, _Q_BLOCK * G, D).index_select(0, ib),
+                          kb.index_select(0, blocks.view(-1)).view(n, u * bs, D).transpose(1, 2))
+            s = s.view(n, _Q_BLOCK, G, u * bs)
+            keys = (blocks[:, :, None] * bs + torch.arange(bs)).view(n, 1, u * bs)
+            allow = sel[rows].view(n, _Q_BLOCK, nb + 1).gather(2, blocks[:, None, :].expand(n, _Q_BLOCK, u))
+            allow = allow.repeat_interleave(bs, dim=2) & (keys <= lastp[rows].view(n, _Q_BLOCK, 1))
+            if not bool(allow.all()):
+                s.masked_fill_(~allow[:, :, None, :], -math.inf)
+            mt = s.amax(-1)                                              # [n, 64, G]
+            mt0 = torch.where(mt > -math.inf, mt, 0.0)
+            s.sub_(mt0[..., None]).exp_()
+            lt = s.sum(-1)
+            ot = torch.bmm(s.view(n, _Q_BLOCK * G, u * bs),
+                           vb.index_select(0, blocks.view(-1)).view(n, u * bs, D))
+            m[rows] = mt.view(-1, G)
+            ls[rows] = lt.view(-1, G)
+            o[rows] = ot.view(-1, G, D)
+    return m[:C], ls[:C], o[:C]
+
+
+def _sparse_part(qf, kb, vb, idx, last, bs):
+    """The sparse pairs `idx [C, K]` (-1: none), block by block: each key block's pairs cut into pieces
+    of at most `_PIECE_ROWS` rows; pieces of one padded length run as one batched GEMM per tile. Each
+    pair keeps its scores `[G, bs]` until the token's max over all its pairs is known; its output
+    `[G, D]` rows are summed per token by gathers. Returns `(m, l, o)` as `_dense_part`."""
+    C, K = idx.shape
+    G, D = qf.shape[1], qf.shape[2]
+    nb = kb.shape[0] - 1
+    cap = max(1, _PIECE_ROWS // G)
+    flat = (idx >= 0).view(-1).nonzero().squeeze(1)                     # slot t * K + s of each pair
+    j = idx.view(-1)[flat]
+    order = torch.argsort(j, stable=True)                               # pairs by block, then token
+    j, flat = j[order], flat[order]
+    tok = flat // K
+    n_pairs = j.numel()
+    lim = last[tok] - j * bs                                            # the pair's last key in its block
+    # pieces: runs of one block, at most `cap` tokens
+    first = torch.cumsum(torch.bincount(j, minlength=nb), 0)
+    rank = torch.arange(n_pairs) - (first - torch.bincount(j, minlength=nb))[j]
+    cut = torch.ones(n_pairs, dtype=torch.bool)
+    cut[1:] = (j[1:] != j[:-1]) | (rank[1:] // cap != rank[:-1] // cap)
+    p_first = cut.nonzero().squeeze(1)                                  # first pair of each piece
+    piece = torch.cumsum(cut, 0) - 1
+    p_len = torch.diff(p_first, append=p_first.new_tensor([n_pairs]))
+    p_mask = torch.zeros(p_first.numel(), dtype=torch.bool).scatter_reduce_(0, piece, lim < bs - 1, "amax")
+    # rows: pieces of one padded length and mask need side by side (one batched GEMM each)
+    lens = p_len.tolist()
+    masks = p_mask.tolist()
+    groups: dict[tuple[int, bool], list[int]] = {}
+    for i, (n, mk) in enumerate(zip(lens, masks)):
+        groups.setdefault((_pad_len(n), mk), []).append(i)
+    p_row = torch.empty(p_first.numel(), dtype=torch.long)
+    tiles = []
+    R = 0
+    tile_rows = max(1, _TILE_ELEMS // (G * bs))
+    for (npd, mk), ps in sorted(groups.items()):
+        pt = torch.tensor(ps)
+        p_row[pt] = R + torch.arange(len(ps)) * npd
+        step = max(1, tile_rows // npd)
+        for t0 in range(0, len(ps), step):
+            t1 = min(len(ps), t0 + step)
+            tiles.append((R + t0 * npd, R + t1 * npd, t1 - t0, npd, mk, j[p_first[pt[t0:t1]]]))
+        R += len(ps) * npd
+    row = p_row[piece] + (torch.arange(n_pairs) - p_first[piece])       # the row of each pair
+    tok_row = torch.full((R,), C, dtype=torch.long)                     # padding rows: token C (zeros)
+    tok_row[row] = tok
+    lim_row = torch.full((R,), bs - 1, dtype=torch.long)
+    lim_row[row] = lim
+    slot_row = torch.full((C * K,), R, dtype=torch.long)                # empty slots: row R
+    slot_row[flat] = row
+    slot_row = slot_row.view(C, K)
+
+    qx = torch.cat([qf, qf.new_zeros(1, G, D)])
+    s = torch.empty(R + 1, G, bs, dtype=qf.dtype)
+    s[R] = -math.inf
+    ar = torch.arange(bs)
+    for r0, r1, n, npd, mk, blocks in tiles:
+        torch.bmm(qx.index_select(0, tok_row[r0:r1]).view(n, npd * G, D),
+                  kb.index_select(0, blocks).transpose(1, 2), out=s[r0:r1].view(n, npd * G, bs))
+        if mk:
+            s[r0:r1].masked_fill_((ar > lim_row[r0:r1, None])[:, None, :], -math.inf)
+    m_row = s.amax(-1)                                                  # [R + 1, G]
+    m = m_row.index_select(0, slot_row.view(-1)).view(C, K, G).amax(1)
+    m0 = torch.where(m > -math.inf, m, 0.0)
+    s[:R].sub_(torch.cat([m0, m0.new_zeros(1, G)]).index_select(0, tok_row)[..., None]).exp_()
+    l_row = s.sum(-1)
+    l_row[R] = 0
+    ls = l_row.index_select(0, slot_row.view(-1)).view(C, K, G).sum(1)
+    o_row = torch.empty(R + 1, G, D, dtype=qf.dtype)
+    o_row[R] = 0
+    for r0, r1, n, npd, _, blocks in tiles:
+        torch.bmm(s[r0:r1].view(n, npd * G, bs), vb.index_select(0, blocks),
+                  out=o_row[r0:r1].view(n, npd * G, D))
+    o = o_row.index_select(0, slot_row[:, 0])
+    buf = torch.empty_like(o)
+    for slot in range(1, K):
+        o.add_(torch.index_select(o_row, 0, slot_row[:, slot], out=buf))
+    return m, ls, o
