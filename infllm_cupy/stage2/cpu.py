@@ -61,8 +61,12 @@ _PIECE_ROWS = 512
 # GEMM's scores): 64 MB. Bounds the tokens of a chunk through K, never through max_seqlen.
 _CHUNK_ELEMS = 1 << 24
 
-# Score elements of one batched dense GEMM (a tile of query blocks).
-_TILE_ELEMS = 1 << 22
+# Score elements of one batched GEMM (a tile of query blocks, or of pieces).
+_TILE_ELEMS = 1 << 20
+
+# Scores are base 2 (q scaled by `softmax_scale * log2(e)`), as in the kernels: `exp2` is CPU torch's
+# fast exponential.
+_LOG2E = math.log2(math.e)
 
 
 def cpu_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -151,11 +155,11 @@ def cpu_block_sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 # ------------------------------------------------------------------------------------------ the body
 
 
-def chunk_tokens(K: int, G: int, D: int, block_size: int) -> int:
-    """Tokens of one chunk (a multiple of `_Q_BLOCK`): its buffers, about `K x G x (3 block_size + 2 D)`
-    elements per token (the sparse pairs' scores and outputs with their padding, the dense GEMM's
-    scores), stay within `_CHUNK_ELEMS`."""
-    per_token = max(1, K) * G * (3 * block_size + 2 * D)
+def chunk_tokens(K: int, G: int, D: int) -> int:
+    """Tokens of one chunk (a multiple of `_Q_BLOCK`): its sparse pairs' outputs, at most `K x G x D`
+    elements per token (and their padding), stay within `_CHUNK_ELEMS` with the per-token combine's
+    buffers; the GEMM tiles are bounded apart (`_TILE_ELEMS`)."""
+    per_token = max(1, K) * G * 2 * D
     return max(1, _CHUNK_ELEMS // (per_token * _Q_BLOCK)) * _Q_BLOCK
 
 
@@ -168,7 +172,7 @@ def _forward(q, k, v, host: HostSeqlens, topk_idx, causal: bool, scale: float, b
     cdt = compute_dtype(q.dtype)
     out = q.new_zeros(total_q, HQ, D)
     lse = torch.full((HQ, total_q), math.inf, dtype=torch.float32)
-    C_max = chunk_tokens(K, G, D, bs)
+    C_max = chunk_tokens(K, G, D)
     for b, (Lq, Lk) in enumerate(zip(host.lq, host.lk)):
         q0, k0 = host.q[b], host.k[b]
         if Lq == 0 or Lk == 0 or K == 0:
@@ -188,7 +192,7 @@ def _forward(q, k, v, host: HostSeqlens, topk_idx, causal: bool, scale: float, b
                 # the last key each row sees (-1: none): causal bottom-right, and the sequence's end
                 last = (r + Lk - Lq).clamp(max=Lk - 1) if causal else torch.full_like(r, Lk - 1)
                 idx = _clean(topk_idx[h, q0 + r0:q0 + r1].long(), last, bs, nb)
-                qf = q[q0 + r0:q0 + r1, heads].to(cdt) * scale
+                qf = q[q0 + r0:q0 + r1, heads].to(cdt) * (scale * _LOG2E)
                 o, ls = _chunk(qf, kb, vb, idx, last, bs)
                 out[q0 + r0:q0 + r1, heads] = o.to(q.dtype)
                 lse[heads, q0 + r0:q0 + r1] = ls.t().float()
@@ -206,9 +210,9 @@ def _clean(idx: torch.Tensor, last: torch.Tensor, bs: int, nb: int) -> torch.Ten
 
 
 def _chunk(qf, kb, vb, idx, last, bs):
-    """One chunk of one KV head: `qf [C, G, D]` (scaled, compute dtype; token 0 starts a query
-    block), `kb, vb [nb + 1, bs, D]`, `idx [C, K]` cleaned, `last [C]`. Returns `out [C, G, D]`
-    (normalised) and `lse [C, G]`."""
+    """One chunk of one KV head: `qf [C, G, D]` (scaled by `scale * log2(e)`, compute dtype; token 0
+    starts a query block), `kb, vb [nb + 1, bs, D]`, `idx [C, K]` cleaned, `last [C]`. Returns `out
+    [C, G, D]` and the natural `lse [C, G]` (+inf on rows with no key)."""
     C, G, D = qf.shape
     nb = kb.shape[0] - 1
     nqb = cdiv(C, _Q_BLOCK)
@@ -219,30 +223,17 @@ def _chunk(qf, kb, vb, idx, last, bs):
     sel[:, nb] = False
     n_tok = torch.full((nqb,), _Q_BLOCK, dtype=torch.long)
     n_tok[-1] = C - (nqb - 1) * _Q_BLOCK
-    counts = sel.view(nqb, _Q_BLOCK, nb + 1).sum(1)                     # [nqb, nb + 1]
-    dense = counts > _DENSE_SHARE * n_tok[:, None]
-    tok_qb = torch.arange(C) // _Q_BLOCK
-    is_dense = valid & dense[tok_qb[:, None], idx.clamp(min=0)]
-    parts = []
+    dense = sel.view(nqb, _Q_BLOCK, nb + 1).sum(1) > _DENSE_SHARE * n_tok[:, None]   # [nqb, nb + 1]
     if bool(dense.any()):
-        parts.append(_dense_part(qf, kb, vb, sel, dense, last, bs))
-    sparse = valid & ~is_dense
+        m, ls, o = _dense_part(qf, kb, vb, sel, dense, last, bs)
+    else:
+        m, ls, o = qf.new_full((C, G), -math.inf), qf.new_zeros(C, G), qf.new_zeros(C, G, D)
+    sparse = valid & ~dense[(torch.arange(C) // _Q_BLOCK)[:, None], idx.clamp(min=0)]
     if bool(sparse.any()):
-        parts.append(_sparse_part(qf, kb, vb, torch.where(sparse, idx, -1), last, bs))
-    if not parts:
-        return qf.new_zeros(C, G, D), torch.full((C, G), math.inf, dtype=qf.dtype)
-    m, ls, o = parts[0]
-    if len(parts) == 2:
-        m2, ls2, o2 = parts[1]
-        mm = torch.maximum(m, m2)
-        mm = torch.where(mm > -math.inf, mm, 0.0)
-        a1, a2 = (m - mm).exp(), (m2 - mm).exp()
-        ls = ls * a1 + ls2 * a2
-        o = o * a1[..., None] + o2 * a2[..., None]
-        m = torch.maximum(m, m2)
+        m, ls, o = _sparse_part(qf, kb, vb, torch.where(sparse, idx, -1), last, bs, m, ls, o)
     has = ls > 0
     out = o / torch.where(has, ls, 1.0)[..., None]
-    lse = torch.where(has, m + ls.log(), math.inf)
+    lse = torch.where(has, (m + ls.log2()) * math.log(2.0), math.inf)
     return out, lse
 
 
@@ -263,23 +254,39 @@ def _buckets(sizes: list[int]) -> list[tuple[int, list[int]]]:
     return sorted(groups.items())
 
 
+def _exp2_rows(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`s [..., N]` (base-2 scores, -inf: masked) turned in place into `exp2(s - m)` with `m` its row
+    max; returns `(m, sum)`. A row with no finite score gives `m = -inf`, zeros and sum 0. (exp2 is
+    the fast exponential of CPU torch, ~3x `exp`; the scale carries `log2(e)`, as the kernels do.)"""
+    m = s.amax(-1)
+    s.sub_(torch.where(m > -math.inf, m, 0.0)[..., None]).exp2_()
+    return m, s.sum(-1)
+
+
+def _bias(ok: torch.Tensor, dtype) -> torch.Tensor:
+    """0 where `ok`, -inf elsewhere: a mask added to scores (a broadcast add is several times faster
+    than a broadcast `masked_fill_` on CPU)."""
+    return torch.zeros(ok.shape, dtype=dtype).masked_fill_(~ok, -math.inf)
+
+
 def _dense_part(qf, kb, vb, sel, dense, last, bs):
     """The dense pairs: each query block against the union of its dense key blocks, one GEMM per tile
-    of query blocks with the same (padded) union size. Returns `(m, l, o)` `[C, G]`, `[C, G]`,
-    `[C, G, D]`: row max, sum of `exp(s - m)` and unnormalised output (`m = -inf`, `l = 0`, `o = 0`
-    where a row has no dense pair)."""
+    of query blocks with the same (padded) union size, each token masked to its own selection and
+    causality (only in the blocks where some token needs it). Returns `(m, l, o)` `[C, G]`, `[C, G]`,
+    `[C, G, D]`: row max (base 2), sum of `exp2(s - m)` and the unnormalised output (`-inf`, 0, 0 on
+    rows with no dense pair)."""
     C, G, D = qf.shape
     nb = kb.shape[0] - 1
     nqb = dense.shape[0]
     Cp = nqb * _Q_BLOCK
     qp = qf if Cp == C else torch.cat([qf, qf.new_zeros(Cp - C, G, D)])
     lastp = last if Cp == C else torch.cat([last, last.new_full((Cp - C,), -1)])
-    m = torch.full((Cp, G), -math.inf, dtype=qf.dtype)
-    ls = torch.zeros(Cp, G, dtype=qf.dtype)
-    o = torch.zeros(Cp, G, D, dtype=qf.dtype)
-    sizes = dense.sum(1).tolist()
+    m = qf.new_full((Cp, G), -math.inf)
+    ls = qf.new_zeros(Cp, G)
+    o = qf.new_zeros(Cp, G, D)
     order = torch.argsort(dense.to(torch.uint8), dim=1, descending=True, stable=True)  # dense blocks first
-    for u, qbs in _buckets(sizes):
+    ar = torch.arange(bs)
+    for u, qbs in _buckets(dense.sum(1).tolist()):
         if u == 0:
             continue
         step = max(1, _TILE_ELEMS // (_Q_BLOCK * G * u * bs))
@@ -292,15 +299,14 @@ def _dense_part(qf, kb, vb, sel, dense, last, bs):
             s = torch.bmm(qp.view(nqb, _Q_BLOCK * G, D).index_select(0, ib),
                           kb.index_select(0, blocks.view(-1)).view(n, u * bs, D).transpose(1, 2))
             s = s.view(n, _Q_BLOCK, G, u * bs)
-            keys = (blocks[:, :, None] * bs + torch.arange(bs)).view(n, 1, u * bs)
-            allow = sel[rows].view(n, _Q_BLOCK, nb + 1).gather(2, blocks[:, None, :].expand(n, _Q_BLOCK, u))
-            allow = allow.repeat_interleave(bs, dim=2) & (keys <= lastp[rows].view(n, _Q_BLOCK, 1))
-            if not bool(allow.all()):
-                s.masked_fill_(~allow[:, :, None, :], -math.inf)
-            mt = s.amax(-1)                                              # [n, 64, G]
-            mt0 = torch.where(mt > -math.inf, mt, 0.0)
-            s.sub_(mt0[..., None]).exp_()
-            lt = s.sum(-1)
+            # each token's view of each block: selected, and its last key there (< bs - 1: partly)
+            picked = sel[rows].view(n, _Q_BLOCK, nb + 1).gather(2, blocks[:, None, :].expand(n, _Q_BLOCK, u))
+            lim = lastp[rows].view(n, _Q_BLOCK, 1) - blocks[:, None, :] * bs      # [n, 64, u]
+            whole = (picked & (lim >= bs - 1)).all(1)                   # [n, u]
+            for c in (~whole).any(0).nonzero().squeeze(1).tolist():     # usually the diagonal block alone
+                ok = picked[:, :, c, None] & (ar <= lim[:, :, c, None])  # [n, 64, bs]
+                s[..., c * bs:(c + 1) * bs].add_(_bias(ok, s.dtype)[:, :, None, :])
+            mt, lt = _exp2_rows(s)
             ot = torch.bmm(s.view(n, _Q_BLOCK * G, u * bs),
                            vb.index_select(0, blocks.view(-1)).view(n, u * bs, D))
             m[rows] = mt.view(-1, G)
@@ -309,11 +315,13 @@ def _dense_part(qf, kb, vb, sel, dense, last, bs):
     return m[:C], ls[:C], o[:C]
 
 
-def _sparse_part(qf, kb, vb, idx, last, bs):
-    """The sparse pairs `idx [C, K]` (-1: none), block by block: each key block's pairs cut into pieces
-    of at most `_PIECE_ROWS` rows; pieces of one padded length run as one batched GEMM per tile. Each
-    pair keeps its scores `[G, bs]` until the token's max over all its pairs is known; its output
-    `[G, D]` rows are summed per token by gathers. Returns `(m, l, o)` as `_dense_part`."""
+def _sparse_part(qf, kb, vb, idx, last, bs, m, ls, o):
+    """The sparse pairs `idx [C, K]` (-1: none), block by block, merged into the dense part's `(m, l,
+    o)` (`_dense_part`'s form). Each key block's pairs are cut into pieces of at most `_PIECE_ROWS`
+    rows; pieces of one padded length run as one batched GEMM per tile. Each pair keeps its own row
+    max, sum and unnormalised output (split-KV attention with one split per pair), so a tile needs
+    nothing of the others; a token's pairs then combine by gathers (never a scatter-add, which CPU
+    torch runs one index at a time). Returns the merged `(m, l, o)`."""
     C, K = idx.shape
     G, D = qf.shape[1], qf.shape[2]
     nb = kb.shape[0] - 1
@@ -326,19 +334,17 @@ def _sparse_part(qf, kb, vb, idx, last, bs):
     n_pairs = j.numel()
     lim = last[tok] - j * bs                                            # the pair's last key in its block
     # pieces: runs of one block, at most `cap` tokens
-    first = torch.cumsum(torch.bincount(j, minlength=nb), 0)
-    rank = torch.arange(n_pairs) - (first - torch.bincount(j, minlength=nb))[j]
+    count = torch.bincount(j, minlength=nb)
+    rank = torch.arange(n_pairs) - (torch.cumsum(count, 0) - count)[j]
     cut = torch.ones(n_pairs, dtype=torch.bool)
     cut[1:] = (j[1:] != j[:-1]) | (rank[1:] // cap != rank[:-1] // cap)
     p_first = cut.nonzero().squeeze(1)                                  # first pair of each piece
     piece = torch.cumsum(cut, 0) - 1
     p_len = torch.diff(p_first, append=p_first.new_tensor([n_pairs]))
     p_mask = torch.zeros(p_first.numel(), dtype=torch.bool).scatter_reduce_(0, piece, lim < bs - 1, "amax")
-    # rows: pieces of one padded length and mask need side by side (one batched GEMM each)
-    lens = p_len.tolist()
-    masks = p_mask.tolist()
+    # rows: pieces of one padded length and mask need side by side (one batched GEMM per tile)
     groups: dict[tuple[int, bool], list[int]] = {}
-    for i, (n, mk) in enumerate(zip(lens, masks)):
+    for i, (n, mk) in enumerate(zip(p_len.tolist(), p_mask.tolist())):
         groups.setdefault((_pad_len(n), mk), []).append(i)
     p_row = torch.empty(p_first.numel(), dtype=torch.long)
     tiles = []
@@ -362,28 +368,27 @@ def _sparse_part(qf, kb, vb, idx, last, bs):
     slot_row = slot_row.view(C, K)
 
     qx = torch.cat([qf, qf.new_zeros(1, G, D)])
-    s = torch.empty(R + 1, G, bs, dtype=qf.dtype)
-    s[R] = -math.inf
+    m_row = qf.new_full((R + 1, G), -math.inf)                          # row R: the empty slot
+    l_row = qf.new_zeros(R + 1, G)
+    o_row = qf.new_empty(R + 1, G, D)
+    o_row[R] = 0
     ar = torch.arange(bs)
     for r0, r1, n, npd, mk, blocks in tiles:
-        torch.bmm(qx.index_select(0, tok_row[r0:r1]).view(n, npd * G, D),
-                  kb.index_select(0, blocks).transpose(1, 2), out=s[r0:r1].view(n, npd * G, bs))
+        s = torch.bmm(qx.index_select(0, tok_row[r0:r1]).view(n, npd * G, D),
+                      kb.index_select(0, blocks).transpose(1, 2)).view(r1 - r0, G, bs)
         if mk:
-            s[r0:r1].masked_fill_((ar > lim_row[r0:r1, None])[:, None, :], -math.inf)
-    m_row = s.amax(-1)                                                  # [R + 1, G]
-    m = m_row.index_select(0, slot_row.view(-1)).view(C, K, G).amax(1)
-    m0 = torch.where(m > -math.inf, m, 0.0)
-    s[:R].sub_(torch.cat([m0, m0.new_zeros(1, G)]).index_select(0, tok_row)[..., None]).exp_()
-    l_row = s.sum(-1)
-    l_row[R] = 0
-    ls = l_row.index_select(0, slot_row.view(-1)).view(C, K, G).sum(1)
-    o_row = torch.empty(R + 1, G, D, dtype=qf.dtype)
-    o_row[R] = 0
-    for r0, r1, n, npd, _, blocks in tiles:
-        torch.bmm(s[r0:r1].view(n, npd * G, bs), vb.index_select(0, blocks),
-                  out=o_row[r0:r1].view(n, npd * G, D))
-    o = o_row.index_select(0, slot_row[:, 0])
+            s.add_(_bias(ar <= lim_row[r0:r1, None], s.dtype)[:, None, :])
+        m_row[r0:r1], l_row[r0:r1] = _exp2_rows(s)
+        torch.bmm(s.view(n, npd * G, bs), vb.index_select(0, blocks), out=o_row[r0:r1].view(n, npd * G, D))
+    # combine: every slot's pair and the dense part against the token's max
+    m_slots = m_row.index_select(0, slot_row.view(-1)).view(C, K, G)
+    top = torch.maximum(m, m_slots.amax(1))
+    top0 = torch.where(top > -math.inf, top, 0.0)
+    w = (m_slots - top0[:, None]).exp2()                                # [C, K, G]; 0 for empty slots
+    wd = (m - top0).exp2()
+    ls = ls * wd + (w * l_row.index_select(0, slot_row.view(-1)).view(C, K, G)).sum(1)
+    o = o * wd[..., None]
     buf = torch.empty_like(o)
-    for slot in range(1, K):
-        o.add_(torch.index_select(o_row, 0, slot_row[:, slot], out=buf))
-    return m, ls, o
+    for slot in range(K):
+        o.addcmul_(torch.index_select(o_row, 0, slot_row[:, slot], out=buf), w[:, slot, :, None])
+    return top, ls, o

@@ -160,8 +160,8 @@ def test_cpu_fwd_oversized_max_seqlen_costs_no_memory():
     assert torch.equal(cpu_sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, big, big), want)
     assert torch.equal(sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, big, big), want)
     # the chunk of tokens is a function of K, G, D and the block size alone
-    assert chunk_tokens(6, 2, 64, 64) % 64 == 0 and chunk_tokens(6, 2, 64, 64) >= 64
-    assert chunk_tokens(10_000, 32, 256, 64) == 64
+    assert chunk_tokens(6, 2, 64) % 64 == 0 and chunk_tokens(6, 2, 64) >= 64
+    assert chunk_tokens(10_000, 32, 256) == 64
 
 
 def test_cpu_fwd_is_the_op_forward_and_layouts_share_it():
