@@ -170,20 +170,22 @@ def _forward(q, k, v, host: HostSeqlens, topk_idx, causal: bool, scale: float, b
     G = HQ // H
     K = topk_idx.shape[2]
     cdt = compute_dtype(q.dtype)
-    out = q.new_zeros(total_q, HQ, D)
+    out = q.new_empty(total_q, HQ, D)
     lse = torch.full((HQ, total_q), math.inf, dtype=torch.float32)
     C_max = chunk_tokens(K, G, D)
     for b, (Lq, Lk) in enumerate(zip(host.lq, host.lk)):
         q0, k0 = host.q[b], host.k[b]
         if Lq == 0 or Lk == 0 or K == 0:
-            continue                                        # no key: out 0, lse +inf
+            out[q0:q0 + Lq] = 0                             # no key: out 0, lse +inf
+            continue
         nb = cdiv(Lk, bs)
         for h in range(H):
-            # this KV head's keys and values in the compute dtype, as whole blocks, and one zero block
-            # (index nb) that padding entries point to
+            # this KV head's keys (scaled by `scale * log2(e)`: base-2 scores) and values in the
+            # compute dtype, as whole blocks, and one zero block (index nb) that padding points to
             kb = torch.zeros(nb + 1, bs, D, dtype=cdt)
             vb = torch.zeros(nb + 1, bs, D, dtype=cdt)
             kb.view(-1, D)[:Lk] = k[k0:k0 + Lk, h]
+            kb.mul_(scale * _LOG2E)
             vb.view(-1, D)[:Lk] = v[k0:k0 + Lk, h]
             heads = slice(h * G, (h + 1) * G)
             for r0 in range(0, Lq, C_max):
@@ -192,10 +194,10 @@ def _forward(q, k, v, host: HostSeqlens, topk_idx, causal: bool, scale: float, b
                 # the last key each row sees (-1: none): causal bottom-right, and the sequence's end
                 last = (r + Lk - Lq).clamp(max=Lk - 1) if causal else torch.full_like(r, Lk - 1)
                 idx = _clean(topk_idx[h, q0 + r0:q0 + r1].long(), last, bs, nb)
-                qf = q[q0 + r0:q0 + r1, heads].to(cdt) * (scale * _LOG2E)
+                qf = q[q0 + r0:q0 + r1, heads].to(cdt).contiguous()
                 o, ls = _chunk(qf, kb, vb, idx, last, bs)
-                out[q0 + r0:q0 + r1, heads] = o.to(q.dtype)
-                lse[heads, q0 + r0:q0 + r1] = ls.t().float()
+                out[q0 + r0:q0 + r1, heads].copy_(o)
+                lse[heads, q0 + r0:q0 + r1] = ls.t()
     return out, lse
 
 
@@ -210,9 +212,9 @@ def _clean(idx: torch.Tensor, last: torch.Tensor, bs: int, nb: int) -> torch.Ten
 
 
 def _chunk(qf, kb, vb, idx, last, bs):
-    """One chunk of one KV head: `qf [C, G, D]` (scaled by `scale * log2(e)`, compute dtype; token 0
-    starts a query block), `kb, vb [nb + 1, bs, D]`, `idx [C, K]` cleaned, `last [C]`. Returns `out
-    [C, G, D]` and the natural `lse [C, G]` (+inf on rows with no key)."""
+    """One chunk of one KV head: `qf [C, G, D]` (compute dtype; token 0 starts a query block), `kb, vb
+    [nb + 1, bs, D]` (keys scaled by `scale * log2(e)`), `idx [C, K]` cleaned, `last [C]`. Returns
+    `out [C, G, D]` and the natural `lse [C, G]` (+inf on rows with no key)."""
     C, G, D = qf.shape
     nb = kb.shape[0] - 1
     nqb = cdiv(C, _Q_BLOCK)
@@ -230,11 +232,14 @@ def _chunk(qf, kb, vb, idx, last, bs):
         m, ls, o = qf.new_full((C, G), -math.inf), qf.new_zeros(C, G), qf.new_zeros(C, G, D)
     sparse = valid & ~dense[(torch.arange(C) // _Q_BLOCK)[:, None], idx.clamp(min=0)]
     if bool(sparse.any()):
-        m, ls, o = _sparse_part(qf, kb, vb, torch.where(sparse, idx, -1), last, bs, m, ls, o)
+        return _sparse_part(qf, kb, vb, torch.where(sparse, idx, -1), last, bs, m, ls, o)
     has = ls > 0
-    out = o / torch.where(has, ls, 1.0)[..., None]
-    lse = torch.where(has, (m + ls.log2()) * math.log(2.0), math.inf)
-    return out, lse
+    return o.div_(torch.where(has, ls, 1.0)[..., None]), _lse(m, ls, has)
+
+
+def _lse(m: torch.Tensor, ls: torch.Tensor, has: torch.Tensor) -> torch.Tensor:
+    """The natural log-sum-exp of base-2 row maxima `m` and sums `ls`, +inf where not `has`."""
+    return torch.where(has, (m + ls.log2()) * math.log(2.0), math.inf)
 
 
 def _pad_len(n: int) -> int:
@@ -316,12 +321,13 @@ def _dense_part(qf, kb, vb, sel, dense, last, bs):
 
 
 def _sparse_part(qf, kb, vb, idx, last, bs, m, ls, o):
-    """The sparse pairs `idx [C, K]` (-1: none), block by block, merged into the dense part's `(m, l,
+    """The sparse pairs `idx [C, K]` (-1: none), block by block, merged with the dense part's `(m, l,
     o)` (`_dense_part`'s form). Each key block's pairs are cut into pieces of at most `_PIECE_ROWS`
     rows; pieces of one padded length run as one batched GEMM per tile. Each pair keeps its own row
     max, sum and unnormalised output (split-KV attention with one split per pair), so a tile needs
     nothing of the others; a token's pairs then combine by gathers (never a scatter-add, which CPU
-    torch runs one index at a time). Returns the merged `(m, l, o)`."""
+    torch runs one index at a time), weighted and normalised in one pass. Returns `(out, lse)` as
+    `_chunk`."""
     C, K = idx.shape
     G, D = qf.shape[1], qf.shape[2]
     nb = kb.shape[0] - 1
@@ -363,9 +369,12 @@ def _sparse_part(qf, kb, vb, idx, last, bs, m, ls, o):
     tok_row[row] = tok
     lim_row = torch.full((R,), bs - 1, dtype=torch.long)
     lim_row[row] = lim
-    slot_row = torch.full((C * K,), R, dtype=torch.long)                # empty slots: row R
-    slot_row[flat] = row
-    slot_row = slot_row.view(C, K)
+    # each token's pairs, left-aligned in Ks <= K slots; empty slots: row R
+    has_pair = idx >= 0
+    Ks = int(has_pair.sum(1).max())
+    slot_row = torch.full((C * Ks,), R, dtype=torch.long)
+    slot_row[tok * Ks + (has_pair.cumsum(1) - 1).view(-1)[flat]] = row
+    slot_row = slot_row.view(C, Ks)
 
     qx = torch.cat([qf, qf.new_zeros(1, G, D)])
     m_row = qf.new_full((R + 1, G), -math.inf)                          # row R: the empty slot
@@ -380,15 +389,18 @@ def _sparse_part(qf, kb, vb, idx, last, bs, m, ls, o):
             s.add_(_bias(ar <= lim_row[r0:r1, None], s.dtype)[:, None, :])
         m_row[r0:r1], l_row[r0:r1] = _exp2_rows(s)
         torch.bmm(s.view(n, npd * G, bs), vb.index_select(0, blocks), out=o_row[r0:r1].view(n, npd * G, D))
-    # combine: every slot's pair and the dense part against the token's max
-    m_slots = m_row.index_select(0, slot_row.view(-1)).view(C, K, G)
+    # combine: every slot's pair and the dense part against the token's max, the weights normalised first
+    m_slots = m_row.index_select(0, slot_row.view(-1)).view(C, Ks, G)
     top = torch.maximum(m, m_slots.amax(1))
     top0 = torch.where(top > -math.inf, top, 0.0)
-    w = (m_slots - top0[:, None]).exp2()                                # [C, K, G]; 0 for empty slots
+    w = (m_slots - top0[:, None]).exp2()                                # [C, Ks, G]; 0 for empty slots
     wd = (m - top0).exp2()
-    ls = ls * wd + (w * l_row.index_select(0, slot_row.view(-1)).view(C, K, G)).sum(1)
-    o = o * wd[..., None]
-    buf = torch.empty_like(o)
-    for slot in range(K):
-        o.addcmul_(torch.index_select(o_row, 0, slot_row[:, slot], out=buf), w[:, slot, :, None])
-    return top, ls, o
+    ls = ls * wd + (w * l_row.index_select(0, slot_row.view(-1)).view(C, Ks, G)).sum(1)
+    has = ls > 0
+    inv = torch.where(has, ls, 1.0).reciprocal()
+    out = o.mul_((wd * inv)[..., None])
+    w.mul_(inv[:, None])
+    buf = torch.empty_like(out)
+    for slot in range(Ks):
+        out.addcmul_(torch.index_select(o_row, 0, slot_row[:, slot], out=buf), w[:, slot, :, None])
+    return out, _lse(top, ls, has)
