@@ -26,6 +26,7 @@ Nothing is sized from `max_seqlen_q` or `max_seqlen_k`, which are only checked.
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -164,7 +165,9 @@ def chunk_tokens(K: int, G: int, D: int) -> int:
 
 
 def _forward(q, k, v, host: HostSeqlens, topk_idx, causal: bool, scale: float, bs: int):
-    """`(out, lse)` of every sequence, KV head and chunk."""
+    """`(out, lse)` of every sequence, KV head and chunk. The chunks of one (sequence, KV head) run on
+    `torch.get_num_threads()` Python threads, each with one intra-op thread: many small ops in parallel
+    regions of two threads lose to two single-threaded streams of them (docs/cpu.md, "Stage 2")."""
     total_q, HQ, D = q.shape
     H = k.shape[1]
     G = HQ // H
@@ -173,31 +176,48 @@ def _forward(q, k, v, host: HostSeqlens, topk_idx, causal: bool, scale: float, b
     out = q.new_empty(total_q, HQ, D)
     lse = torch.full((HQ, total_q), math.inf, dtype=torch.float32)
     C_max = chunk_tokens(K, G, D)
-    for b, (Lq, Lk) in enumerate(zip(host.lq, host.lk)):
-        q0, k0 = host.q[b], host.k[b]
-        if Lq == 0 or Lk == 0 or K == 0:
-            out[q0:q0 + Lq] = 0                             # no key: out 0, lse +inf
-            continue
-        nb = cdiv(Lk, bs)
-        for h in range(H):
-            # this KV head's keys (scaled by `scale * log2(e)`: base-2 scores) and values in the
-            # compute dtype, as whole blocks, and one zero block (index nb) that padding points to
-            kb = torch.zeros(nb + 1, bs, D, dtype=cdt)
-            vb = torch.zeros(nb + 1, bs, D, dtype=cdt)
-            kb.view(-1, D)[:Lk] = k[k0:k0 + Lk, h]
-            kb.mul_(scale * _LOG2E)
-            vb.view(-1, D)[:Lk] = v[k0:k0 + Lk, h]
-            heads = slice(h * G, (h + 1) * G)
-            for r0 in range(0, Lq, C_max):
-                r1 = min(Lq, r0 + C_max)
-                r = torch.arange(r0, r1)
-                # the last key each row sees (-1: none): causal bottom-right, and the sequence's end
-                last = (r + Lk - Lq).clamp(max=Lk - 1) if causal else torch.full_like(r, Lk - 1)
-                idx = _clean(topk_idx[h, q0 + r0:q0 + r1].long(), last, bs, nb)
-                qf = q[q0 + r0:q0 + r1, heads].to(cdt).contiguous()
-                o, ls = _chunk(qf, kb, vb, idx, last, bs)
-                out[q0 + r0:q0 + r1, heads].copy_(o)
-                lse[heads, q0 + r0:q0 + r1] = ls.t()
+    workers = torch.get_num_threads()
+    inference = torch.is_inference_mode_enabled()          # grad and inference modes are per thread
+    pool = None if workers == 1 else ThreadPoolExecutor(workers, initializer=torch.set_num_threads,
+                                                        initargs=(1,))
+    try:
+        for b, (Lq, Lk) in enumerate(zip(host.lq, host.lk)):
+            q0, k0 = host.q[b], host.k[b]
+            if Lq == 0 or Lk == 0 or K == 0:
+                out[q0:q0 + Lq] = 0                         # no key: out 0, lse +inf
+                continue
+            nb = cdiv(Lk, bs)
+            for h in range(H):
+                # this KV head's keys (scaled by `scale * log2(e)`: base-2 scores) and values in the
+                # compute dtype, as whole blocks, and one zero block (index nb) that padding points to
+                kb = torch.zeros(nb + 1, bs, D, dtype=cdt)
+                vb = torch.zeros(nb + 1, bs, D, dtype=cdt)
+                kb.view(-1, D)[:Lk] = k[k0:k0 + Lk, h]
+                kb.mul_(scale * _LOG2E)
+                vb.view(-1, D)[:Lk] = v[k0:k0 + Lk, h]
+                heads = slice(h * G, (h + 1) * G)
+
+                def attend(r0, b=b, h=h, heads=heads, kb=kb, vb=vb, Lq=Lq, Lk=Lk, q0=q0, nb=nb):
+                    with torch.inference_mode(inference), torch.no_grad():
+                        r1 = min(Lq, r0 + C_max)
+                        r = torch.arange(r0, r1)
+                        # the last key each row sees (-1: none): causal bottom-right, the sequence's end
+                        last = (r + Lk - Lq).clamp(max=Lk - 1) if causal else torch.full_like(r, Lk - 1)
+                        idx = _clean(topk_idx[h, q0 + r0:q0 + r1].long(), last, bs, nb)
+                        o, ls = _chunk(q[q0 + r0:q0 + r1, heads].to(cdt).contiguous(), kb, vb, idx, last, bs)
+                        out[q0 + r0:q0 + r1, heads].copy_(o)
+                        lse[heads, q0 + r0:q0 + r1] = ls.t()
+
+                starts = range(0, Lq, C_max)
+                if pool is None or len(starts) == 1:
+                    for r0 in starts:
+                        attend(r0)
+                else:
+                    for f in [pool.submit(attend, r0) for r0 in starts]:
+                        f.result()
+    finally:
+        if pool is not None:
+            pool.shutdown()
     return out, lse
 
 

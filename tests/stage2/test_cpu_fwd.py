@@ -151,6 +151,25 @@ def test_cpu_fwd_slot_order_and_repeats_change_nothing():
         assert torch.equal(o2, out) and torch.equal(l2, lse)
 
 
+def test_cpu_fwd_on_worker_threads(monkeypatch):
+    """Chunks run on `torch.get_num_threads()` Python threads of one intra-op thread each: the same bits
+    as one thread inline, under no_grad and inference_mode alike, and the caller's thread count kept."""
+    monkeypatch.setattr(cpu, "_CHUNK_ELEMS", 1 << 16)                  # chunks of 64 tokens
+    q, k, v, cu_q, cu_k, idx = inputs(HQ=4, H=2, K=6, seed=17)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = run(q, k, v, cu_q, cu_k, idx)
+        torch.set_num_threads(2)
+        for mode in (torch.no_grad, torch.inference_mode, torch.enable_grad):
+            with mode():
+                got = run(q, k, v, cu_q, cu_k, idx)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), mode
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_cpu_fwd_oversized_max_seqlen_costs_no_memory():
     """`max_seqlen_q` / `max_seqlen_k` are checked, never used to size a buffer: at 2^40 any tensor
     sized from them could not be allocated (terabytes), and the result is the exact call's."""
