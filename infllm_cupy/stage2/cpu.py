@@ -197,9 +197,12 @@ def _forward(q, k, v, host: HostSeqlens, topk_idx, causal: bool, scale: float, b
                 vb.view(-1, D)[:Lk] = v[k0:k0 + Lk, h]
                 heads = slice(h * G, (h + 1) * G)
 
-                def attend(r0, b=b, h=h, heads=heads, kb=kb, vb=vb, Lq=Lq, Lk=Lk, q0=q0, nb=nb):
+                # chunks of at most C_max tokens, at least one per worker
+                step = min(C_max, max(1, cdiv(cdiv(Lq, workers), _Q_BLOCK)) * _Q_BLOCK)
+
+                def attend(r0, h=h, heads=heads, kb=kb, vb=vb, Lq=Lq, Lk=Lk, q0=q0, nb=nb, step=step):
                     with torch.inference_mode(inference), torch.no_grad():
-                        r1 = min(Lq, r0 + C_max)
+                        r1 = min(Lq, r0 + step)
                         r = torch.arange(r0, r1)
                         # the last key each row sees (-1: none): causal bottom-right, the sequence's end
                         last = (r + Lk - Lq).clamp(max=Lk - 1) if causal else torch.full_like(r, Lk - 1)
@@ -208,12 +211,11 @@ def _forward(q, k, v, host: HostSeqlens, topk_idx, causal: bool, scale: float, b
                         out[q0 + r0:q0 + r1, heads].copy_(o)
                         lse[heads, q0 + r0:q0 + r1] = ls.t()
 
-                starts = range(0, Lq, C_max)
-                if pool is None or len(starts) == 1:
-                    for r0 in starts:
+                if pool is None:
+                    for r0 in range(0, Lq, step):
                         attend(r0)
                 else:
-                    for f in [pool.submit(attend, r0) for r0 in starts]:
+                    for f in [pool.submit(attend, r0) for r0 in range(0, Lq, step)]:
                         f.result()
     finally:
         if pool is not None:
