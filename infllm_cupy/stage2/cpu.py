@@ -8,20 +8,24 @@ query blocks (64 tokens each, the kernels' unit), the selected (token, key block
 - **dense pairs**: blocks that more than half the tokens of a query block selected. The query block
   attends the union of its dense blocks as one fp32 GEMM (`[64 G, D] x [D, U 64]`, the kernels' plan:
   docs/stage2_fwd.md §3), each token masked to its own selection and causality.
-- **sparse pairs**: the rest (per-token picks). They run block by block (the transposed index of the
-  backward kernels: docs/stage2_bwd.md §4): the tokens that picked key block j, gathered, against
-  block j's 64 keys, in batched GEMMs over pieces of equal length; the per-pair scores keep their
-  row maxima, and each token's pairs are combined by gathers (never a scatter-add, which CPU torch
+- **sparse pairs**: the rest (per-token picks, whose union over a query block is many times their
+  number). They run block by block (the transposed index of the backward kernels: docs/stage2_bwd.md
+  §4): the tokens that picked key block j, gathered, against block j's keys, in batched GEMMs over
+  pieces of equal length. Each pair is a split of its token's softmax (its own row max, sum and
+  unnormalised output); a token's pairs combine by gathers, never a scatter-add (which CPU torch
   runs one index at a time).
 
-The two parts merge by their softmax statistics (max, sum), as split-KV attention does. All math is
-fp32 (float64 for float64 inputs): scores, softmax and P.V; `out` is in q's dtype and `lse` float32,
-as the oracle returns them. No autograd of its own: `sparse_attn_varlen`'s CPU backward is the
-oracle's written-out gradient (`naive_sparse_attn_varlen_bwd`), so this runs under `no_grad`.
+The two parts merge by their softmax statistics, as split-KV attention does. Scores are base 2 (the
+keys carry `softmax_scale * log2(e)`; `exp2` is CPU torch's fast exponential), all math in fp32
+(float64 for float64 inputs): scores, softmax and P.V; `out` is in q's dtype and `lse` float32 (natural
+log), as the oracle returns them. The chunks run on `torch.get_num_threads()` Python threads of one
+intra-op thread each. No autograd of its own: `sparse_attn_varlen`'s CPU backward is the oracle's
+written-out gradient (`naive_sparse_attn_varlen_bwd`), so this runs under `no_grad`.
 
 Memory: a chunk's buffers are sized by its tokens times K (the slots of a selection row), at most
-`_CHUNK_ELEMS` fp32 elements; K and V of one sequence's KV head are upcast once (`Lk x D` each).
-Nothing is sized from `max_seqlen_q` or `max_seqlen_k`, which are only checked.
+`_CHUNK_ELEMS` fp32 elements, its GEMM tiles by `_TILE_ELEMS`; K and V of one sequence's KV head are
+upcast once (`Lk x D` each). Nothing is sized from `max_seqlen_q` or `max_seqlen_k`, which are only
+checked.
 """
 from __future__ import annotations
 
@@ -58,11 +62,12 @@ _DENSE_SHARE = 0.5
 # most this many rows, batched with the pieces of the same length.
 _PIECE_ROWS = 512
 
-# fp32 elements of one chunk's buffers (scores and per-pair outputs of the sparse pairs, the dense
-# GEMM's scores): 64 MB. Bounds the tokens of a chunk through K, never through max_seqlen.
+# fp32 elements of one chunk's buffers (the sparse pairs' outputs and the per-token combine): 64 MB.
+# Bounds the tokens of a chunk through K, never through max_seqlen. Larger chunks make larger pieces
+# but leave the caches: 2^25 and 2^26 were 6-15% slower at 32k, 2^23 3-10% (docs/cpu.md, "Stage 2").
 _CHUNK_ELEMS = 1 << 24
 
-# Score elements of one batched GEMM (a tile of query blocks, or of pieces).
+# Score elements of one batched GEMM (a tile of query blocks, or of pieces): 4 MB, cache-sized.
 _TILE_ELEMS = 1 << 20
 
 # Scores are base 2 (q scaled by `softmax_scale * log2(e)`), as in the kernels: `exp2` is CPU torch's
