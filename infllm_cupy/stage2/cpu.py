@@ -295,16 +295,10 @@ def _exp2_rows(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return m, s.sum(-1)
 
 
-def _bias(ok: torch.Tensor, dtype) -> torch.Tensor:
-    """0 where `ok`, -inf elsewhere: a mask added to scores (a broadcast add is several times faster
-    than a broadcast `masked_fill_` on CPU)."""
-    return torch.zeros(ok.shape, dtype=dtype).masked_fill_(~ok, -math.inf)
-
-
 def _dense_part(qf, kb, vb, sel, dense, last, bs):
     """The dense pairs: each query block against the union of its dense key blocks, one GEMM per tile
     of query blocks with the same (padded) union size, each token masked to its own selection and
-    causality (only in the blocks where some token needs it). Returns `(m, l, o)` `[C, G]`, `[C, G]`,
+    causality (only in the blocks where some token needs one). Returns `(m, l, o)` `[C, G]`, `[C, G]`,
     `[C, G, D]`: row max (base 2), sum of `exp2(s - m)` and the unnormalised output (`-inf`, 0, 0 on
     rows with no dense pair)."""
     C, G, D = qf.shape
@@ -335,9 +329,10 @@ def _dense_part(qf, kb, vb, sel, dense, last, bs):
             picked = sel[rows].view(n, _Q_BLOCK, nb + 1).gather(2, blocks[:, None, :].expand(n, _Q_BLOCK, u))
             lim = lastp[rows].view(n, _Q_BLOCK, 1) - blocks[:, None, :] * bs      # [n, 64, u]
             whole = (picked & (lim >= bs - 1)).all(1)                   # [n, u]
+            # a fill, not an added -inf: a non-finite key stays out of the rows that do not attend it
             for c in (~whole).any(0).nonzero().squeeze(1).tolist():     # usually the diagonal block alone
                 ok = picked[:, :, c, None] & (ar <= lim[:, :, c, None])  # [n, 64, bs]
-                s[..., c * bs:(c + 1) * bs].add_(_bias(ok, s.dtype)[:, :, None, :])
+                s[..., c * bs:(c + 1) * bs].masked_fill_(~ok[:, :, None, :], -math.inf)
             mt, lt = _exp2_rows(s)
             ot = torch.bmm(s.view(n, _Q_BLOCK * G, u * bs),
                            vb.index_select(0, blocks.view(-1)).view(n, u * bs, D))
@@ -413,7 +408,7 @@ def _sparse_part(qf, kb, vb, idx, last, bs, m, ls, o):
         s = torch.bmm(qx.index_select(0, tok_row[r0:r1]).view(n, npd * G, D),
                       kb.index_select(0, blocks).transpose(1, 2)).view(r1 - r0, G, bs)
         if mk:
-            s.add_(_bias(ar <= lim_row[r0:r1, None], s.dtype)[:, None, :])
+            s.masked_fill_((ar > lim_row[r0:r1, None])[:, None, :], -math.inf)
         m_row[r0:r1], l_row[r0:r1] = _exp2_rows(s)
         torch.bmm(s.view(n, npd * G, bs), vb.index_select(0, blocks), out=o_row[r0:r1].view(n, npd * G, D))
     # combine: every slot's pair and the dense part against the token's max, the weights normalised first
