@@ -390,6 +390,21 @@ def test_sdpa_dense_fallback_matches_reference(causal, monkeypatch):
         sdpa_dense_attn_varlen(q, k, v, cuq, cuk, return_lse=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_sdpa_dense_fallback_low_precision_within_the_rule(dtype, D):
+    """The dense fallback on CPU tensors under "auto" (torch SDPA's CPU kernels) within FlashAttention's
+    rule of the float64 reference, as the kernels are held to."""
+    lq, lk = [300, 1, 129], [300, 65, 200]
+    q, k, v = make_qkv(lq, lk, HQ=8, H=2, D=D, dtype=dtype)
+    cuq, cuk = cu_seqlens_from_lengths(lq), cu_seqlens_from_lengths(lk)
+    out = sdpa_dense_attn_varlen(q, k, v, cuq, cuk)
+    ref = naive_dense_attn_varlen(q.double(), k.double(), v.double(), cuq, cuk)
+    lowp = naive_dense_attn_varlen(q, k, v, cuq, cuk, upcast=False)
+    assert out.dtype == dtype
+    assert_close_to_ref("out", out, ref, lowp)
+
+
 # ------------------------------------------------------ one check and one host read per call, CPU
 
 
