@@ -92,9 +92,10 @@ def runs_kernels(t: torch.Tensor, backend: str = "auto", name: str = "q") -> boo
 
 def runs_cpu(t: torch.Tensor, backend: str = "auto") -> bool:
     """The backend rule's CPU side: whether an op with a CPU implementation (stage 1 and compression:
-    `stage1/cpu.py`, `compress/cpu.py`) runs it rather than its reference, for tensor `t`.
+    `stage1/cpu.py`, `compress/cpu.py`; stage 2's forward over the selected blocks only: `stage2/cpu.py`;
+    the dense fallback: torch SDPA) runs it rather than its reference, for tensor `t`.
 
-    "auto" on a CPU tensor: the CPU implementation (chunked fp32 GEMMs, memory bounded by the chunk).
+    "auto" on a CPU tensor: the CPU implementation (fp32 GEMMs in chunks, memory bounded by the chunk).
     "reference" on any device: the reference (the naive oracle every implementation is tested against).
     "kernels", and CUDA tensors: not this (`runs_kernels` decides). Other devices run the reference.
     """

@@ -83,9 +83,10 @@ def infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     refuses CPU tensors (ValueError naming q), as every entry point does.
 
     Gradients: `q`, `k` and `v` get theirs through stage 2 (the stage-2 backward kernel on the
-    kernel path, autograd of the reference otherwise) or through the dense fallback (SDPA's own
-    backward); compression, stage 1 and top-k run under `torch.no_grad()` and give none, as in
-    InfLLM-v2 (the selection is not trained).
+    kernel path, the reference's backward on CPU tensors, autograd of the reference with
+    `backend="reference"`) or through the dense fallback (SDPA's own backward, or the reference's
+    autograd with `backend="reference"`); compression, stage 1 and top-k run under `torch.no_grad()`
+    and give none, as in InfLLM-v2 (the selection is not trained).
 
     Args:
         q (torch.Tensor):

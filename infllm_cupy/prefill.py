@@ -2,12 +2,13 @@
 decode cache (`decode/step.py`) and context parallelism: the checks of a prefill call, the choice of
 each stage's implementation, and the body that chains the stages (spec section 9): key compression,
 stage 1 (scores, block pooling, top-k) under `no_grad`, then stage 2 over the selected blocks; dense
-attention (torch SDPA on the kernel path) below `dense_len`.
+attention (torch SDPA on the kernel and CPU paths) below `dense_len`.
 
 Each stage is one function that calls the kernel or the reference by an `if` on `kernels`
 (`run_compress`, `run_stage1`, `run_sparse_attn`, `run_dense_attn`), with the config's fields as named
 arguments; `cpu` (`runs_cpu`: "auto" on CPU tensors) picks a stage's CPU implementation over its
-reference where it has one (compression and stage 1: `compress/cpu.py`, `stage1/cpu.py`). A call is
+reference (compression, stage 1 and stage 2's forward: `compress/cpu.py`, `stage1/cpu.py`,
+`stage2/cpu.py`; the dense fallback: torch SDPA). A call is
 checked once, at its public entry: `check_prefill_inputs` reads both `cu_seqlens` to the host in one
 copy, and the stages below get that copy (`HostSeqlens`, keyword `host_seqlens`), so they neither check
 again nor read back.
@@ -29,7 +30,7 @@ from ._checks import (
     check_softmax_scale,
     validate_values,
 )
-from ._rules import check_kernel_block, n_windows, runs_cpu, runs_kernels, uses_dense
+from ._rules import KV_BLOCK, check_kernel_block, n_windows, runs_cpu, runs_kernels, uses_dense
 from .compress.cpu import cpu_compress_k
 from .compress.mean_pool import compress_k
 from .compress.naive import naive_compress_k
@@ -217,23 +218,26 @@ def run_stage1(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seql
 
 
 def run_sparse_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q: int, max_seqlen_k: int,
-                    cfg: InfLLMv2Config, *, causal: bool, kernels: bool,
+                    cfg: InfLLMv2Config, *, causal: bool, kernels: bool, cpu: bool = False,
                     host_seqlens: HostSeqlens | None = None) -> torch.Tensor:
     """Stage 2 over the selected blocks: `sparse_attn_varlen`'s kernels (64-key blocks, checked by
-    `check_kernel_path`) or `naive_sparse_attn_varlen` with the config's block size."""
+    `check_kernel_path`); else with `cpu` its CPU path (`cpu_sparse_attn`: the CPU implementation's
+    forward, the reference's backward); else `naive_sparse_attn_varlen` with the config's block size."""
     if kernels:
         return sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
                                   causal=causal, softmax_scale=cfg.softmax_scale, backend="kernels",
                                   host_seqlens=host_seqlens)
-    return naive_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
-                                    causal=causal, softmax_scale=cfg.softmax_scale, block_size=cfg.block_size)
+    attend = cpu_sparse_attn if cpu else naive_sparse_attn_varlen
+    return attend(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal=causal,
+                  softmax_scale=cfg.softmax_scale, block_size=cfg.block_size)
 
 
 def run_dense_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, cfg: InfLLMv2Config, *, causal: bool, kernels: bool,
-                   host_seqlens: HostSeqlens | None = None) -> torch.Tensor:
-    """Dense attention (the fallback below `dense_len`): torch SDPA per sequence on the kernel path
-    (`sdpa_dense_attn_varlen`), `naive_dense_attn_varlen` otherwise."""
-    if kernels:
+                   cpu: bool = False, host_seqlens: HostSeqlens | None = None) -> torch.Tensor:
+    """Dense attention (the fallback below `dense_len`): torch SDPA per sequence
+    (`sdpa_dense_attn_varlen`) with `kernels` or `cpu` (on CPU tensors torch's CPU kernels, 2-3x the
+    reference's rate: docs/cpu.md), else `naive_dense_attn_varlen`."""
+    if kernels or cpu:
         return sdpa_dense_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal,
                                       softmax_scale=cfg.softmax_scale, host_seqlens=host_seqlens)
     return naive_dense_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal,
@@ -317,7 +321,7 @@ def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k
     """
     if uses_dense(cfg.dense_len, max_seqlen_k):
         out = run_dense_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, cfg, causal=True, kernels=kernels,
-                             host_seqlens=host_seqlens)
+                             cpu=cpu, host_seqlens=host_seqlens)
         return (out, dense_aux()) if return_aux else out
     if kernels:
         check_kernel_path(cfg, q, k, v)
@@ -331,7 +335,7 @@ def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k
                         *(compressed or ()), kernels=kernels, need_scores=return_aux,
                         host_seqlens=host_seqlens, cpu=cpu)
     out = run_sparse_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, aux["topk_idx"], max_seqlen_q, max_seqlen_k,
-                          cfg, causal=True, kernels=kernels, host_seqlens=host_seqlens)
+                          cfg, causal=True, kernels=kernels, cpu=cpu, host_seqlens=host_seqlens)
     return (out, dict(dense=False, **aux)) if return_aux else out
 
 
@@ -359,6 +363,25 @@ def _kernel_sparse_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqle
                               backend="kernels")
 
 
+def cpu_sparse_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, *, causal=True,
+                    softmax_scale=None, return_lse=False, block_size: int = 64, upcast: bool = True):
+    """Stage 2's CPU path, taking `naive_sparse_attn_varlen`'s keywords: `sparse_attn_varlen` under
+    "auto" on 64-key blocks (the CPU implementation's forward, stage2/cpu.py, and the reference's
+    backward), the reference for another block size (which only the references take).
+
+    Always fp32 math (`upcast=True`): the low-precision twin (`upcast=False`) is the reference's.
+    """
+    if upcast is not True:
+        raise ValueError("upcast=False (the low-precision reference twin) has no CPU implementation; use "
+                         "naive_sparse_attn_varlen")
+    if block_size == KV_BLOCK:
+        return sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
+                                  causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
+    return naive_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
+                                    causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+                                    block_size=block_size)
+
+
 _REFERENCE_STAGES = {
     "compress_k": naive_compress_k,
     "stage1_select": naive_stage1_select,
@@ -375,9 +398,9 @@ def stages_for(q: torch.Tensor, backend: str = "reference") -> dict:
     With CUDA tensors and `backend` "auto" or "kernels": `compress_k` and `sparse_attn` are the
     kernels (`sparse_attn` raises ValueError for a `block_size` other than 64), `dense_attn` is torch
     SDPA (`sdpa_dense_attn_varlen`), and `stage1_select` is the fused stage-1 kernel
-    (`infllm_cupy.stage1.select`). With CPU tensors and `backend="auto"`, `compress_k` and
-    `stage1_select` are the CPU implementations (`cpu_compress_k`, `cpu_stage1_select`) and the other
-    stages the references. Otherwise, or with `backend="reference"`, every stage is the reference,
+    (`infllm_cupy.stage1.select`). With CPU tensors and `backend="auto"` (`runs_cpu`), the CPU
+    implementations: `cpu_compress_k`, `cpu_stage1_select`, `cpu_sparse_attn` (stage2/cpu.py's forward,
+    the reference's backward) and torch SDPA for `dense_attn`. Otherwise, or with `backend="reference"`, every stage is the reference,
     which runs on CPU and CUDA tensors alike.
 
     Args:
@@ -394,7 +417,8 @@ def stages_for(q: torch.Tensor, backend: str = "reference") -> dict:
     """
     stages = dict(_REFERENCE_STAGES)
     if runs_cpu(q, backend):
-        stages.update(compress_k=cpu_compress_k, stage1_select=cpu_stage1_select)
+        stages.update(compress_k=cpu_compress_k, stage1_select=cpu_stage1_select, sparse_attn=cpu_sparse_attn,
+                      dense_attn=sdpa_dense_attn_varlen)
     if not runs_kernels(q, backend):
         return stages
     stages.update(compress_k=_kernel_compress_k, stage1_select=stage1_select, sparse_attn=_kernel_sparse_attn,

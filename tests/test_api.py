@@ -65,10 +65,15 @@ def test_block_layout_reference_matches_the_op():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(194, h, 64, generator=g) for h in (4, 2, 2))
     layout = BlockLayout(torch.rand(2, 2, 3, generator=g) < 0.5, q_block=128)
-    out, lse = block_sparse_attn_varlen(q, k, v, cu, cu, layout, 130, 130, return_lse=True)
     ref, ref_lse = naive_block_sparse_attn_varlen(q, k, v, cu, cu, layout, 130, 130, return_lse=True)
+    out, lse = block_sparse_attn_varlen(q, k, v, cu, cu, layout, 130, 130, return_lse=True,
+                                        backend="reference")
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
     assert out.abs().sum() > 0
+    # backend "auto" on CPU tensors: the CPU implementation, within fp32 rounding of the reference
+    out, lse = block_sparse_attn_varlen(q, k, v, cu, cu, layout, 130, 130, return_lse=True)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
 
 
 def test_block_layout_reference_rejects_bad_layouts():

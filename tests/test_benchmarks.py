@@ -42,6 +42,29 @@ def test_bench_stage2_runs_on_cpu(tmp_path):
     assert "ms per implementation (median)" in r.stdout and "anchor ms / ours ms" in r.stdout
 
 
+@pytest.mark.slow
+def test_bench_cpu_runs(tmp_path):
+    """The CPU benchmark: the matmul floor, stage 2 and the oracle on two lengths, each row with its
+    selected work, rate, floor and memory; the goal line appears only with a 32k row."""
+    out = tmp_path / "cpu.json"
+    r = run_script("bench_cpu.py", "--lengths", "512,1k", "--selections", "demo,b", "--hq", "4", "--h", "2",
+                   "--d", "64", "--warmup", "0", "--rep", "1", "--oracle-max", "512", "--json", str(out))
+    assert "check PASSED" in r.stdout and "fp32 matmul:" in r.stdout and "goal:" not in r.stdout
+    rows = json_rows(out)
+    floor = [row for row in rows if row["impl"] == "matmul_fp32"]
+    assert [row["config"] for row in floor] == ["1024^3", "2048^3"]
+    assert all(row["gflops"] > 0 for row in floor)
+    timed = [row for row in rows if row["impl"] != "matmul_fp32" and row["ms"] is not None]
+    assert {(row["impl"], row["config"], row["selection"]) for row in timed} == {
+        ("stage2", f"T{T}-HQ4-H2-D64", sel) for T in (512, 1024) for sel in ("demo", "b")} | {
+        ("oracle", "T512-HQ4-H2-D64", sel) for sel in ("demo", "b")}
+    for row in timed:
+        assert row["gflop"] > 0 and row["gflops"] > 0 and row["floor_ms"] > 0
+        assert row["over_floor"] == pytest.approx(row["ms"] / row["floor_ms"])
+    skipped = [row for row in rows if row["ms"] is None and row["impl"] == "oracle"]
+    assert skipped and all(row["note"].startswith("skipped: T > --oracle-max") for row in skipped)
+
+
 # On CPU "auto" runs stage 1's CPU implementation, which has no separate steps; the reference has them.
 @pytest.mark.parametrize("script,backend,impls", [
     ("bench_pipeline.py", "auto", "selection,stage2,pipeline,sdpa_cudnn"),

@@ -89,6 +89,9 @@ PLANTED = {
     "a reference reaches a launcher": (
         "compress/naive.py", "from .. import _launch",
         "infllm_cupy.compress.naive is not allowed to import infllm_cupy._launch"),
+    "the CPU implementation reaches the loader": (
+        "stage2/cpu.py", "from .. import _launch",
+        "infllm_cupy.stage2.cpu is not allowed to import infllm_cupy._launch"),
     "the decode reference imports a launcher": (
         "decode/naive.py", "from . import sparse_decode",
         "infllm_cupy.decode.naive is not allowed to import infllm_cupy.decode.sparse_decode"),

@@ -1,7 +1,7 @@
 """The whole pipeline: the reference `naive_infllmv2_attention` (CPU: dense fallback, sparse path,
 chunked prefill, gradients, timing); `infllmv2_attention` and `InfLLMv2Attention` (dispatch, the
-reference path on CPU, the kernel-path checks, the SDPA dense fallback); and (gpu marker) the kernel
-path against the reference."""
+CPU path and the reference path on CPU, the kernel-path checks, the SDPA dense fallback); and (gpu
+marker) the kernel path against the reference."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,6 +18,7 @@ from infllm_cupy.pipeline import InfLLMv2Attention, infllmv2_attention, naive_in
 from infllm_cupy.prefill import (
     _kernel_sparse_attn,
     check_kernel_path,
+    cpu_sparse_attn,
     sdpa_dense_attn_varlen,
     stage_names,
     stages_for,
@@ -182,10 +183,11 @@ def test_reference_pipeline_timing_4096_tokens_bf16():
 
 @pytest.mark.parametrize("backend", ["auto", "reference"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cpu_equals_naive_pipeline(backend, dtype):
-    # CPU tensors run the references under "reference": bit-identical to the reference pipeline; under
-    # "auto", compression and stage 1 run their CPU implementations: the compressed keys bit for bit,
-    # the scores within an ulp of the score dtype (fp32 sums in another order), the same selection here
+def test_cpu_pipeline_against_naive_pipeline(backend, dtype):
+    """CPU tensors: backend="reference" is the reference pipeline bit for bit; "auto" runs compression
+    and stage 1's CPU implementations (the compressed keys bit for bit, the scores within an ulp of the
+    score dtype: fp32 sums in another order, the same selection here) and stage 2's, within
+    FlashAttention's rule of the reference on that selection."""
     lengths = [1000, 200, 31]
     q, k, v = make_qkv(lengths, dtype=dtype)
     cu = cu_seqlens_from_lengths(lengths)
@@ -198,49 +200,62 @@ def test_cpu_equals_naive_pipeline(backend, dtype):
         assert torch.equal(out, ref)
         for key in ("scores", "block_scores"):
             assert torch.equal(aux[key], ref_aux[key]), key
-    else:
-        torch.testing.assert_close(out, ref)
-        for key in ("scores", "block_scores"):
-            got, want = aux[key].double(), ref_aux[key].double()
-            fin = torch.isfinite(want)
-            assert torch.equal(torch.isfinite(got), fin) and torch.equal(got[~fin], want[~fin]), key
-            assert bool(((got - want)[fin].abs() <= 2.0 ** -7 * want[fin].abs()).all()), key
+        return
+    for key in ("scores", "block_scores"):
+        got, want = aux[key].double(), ref_aux[key].double()
+        fin = torch.isfinite(want)
+        assert torch.equal(torch.isfinite(got), fin) and torch.equal(got[~fin], want[~fin]), key
+        assert bool(((got - want)[fin].abs() <= 2.0 ** -7 * want[fin].abs()).all()), key
+    idx = ref_aux["topk_idx"]
+    exact = naive_sparse_attn_varlen(q.double(), k.double(), v.double(), cu, cu, idx, 1000, 1000)
+    lowp = naive_sparse_attn_varlen(q, k, v, cu, cu, idx, 1000, 1000, upcast=False)
+    assert_close_to_ref("out", out, exact, lowp)
 
 
-def test_cpu_dense_fallback_and_chunked_prefill_equal_naive():
+def test_cpu_dense_fallback_and_chunked_prefill_against_naive():
+    """CPU tensors under "auto": the dense fallback is torch SDPA and chunked prefill's stage 2 the CPU
+    implementation, both within fp32 rounding of the reference pipeline; "reference" is it exactly."""
     lq, lk = [300, 90], [400, 90]
     q, k, v = make_qkv(lq, lk)
     cuq, cuk = cu_seqlens_from_lengths(lq), cu_seqlens_from_lengths(lk)
     out, aux = infllmv2_attention(q, k, v, cuq, cuk, 300, 400, return_aux=True)     # 400 < dense_len
     assert aux["dense"] and aux["topk_idx"] is None
-    assert torch.equal(out, naive_infllmv2_attention(q, k, v, cuq, cuk, 300, 400))
+    assert torch.equal(out, sdpa_dense_attn_varlen(q, k, v, cuq, cuk))
+    ref = naive_infllmv2_attention(q, k, v, cuq, cuk, 300, 400)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(infllmv2_attention(q, k, v, cuq, cuk, 300, 400, backend="reference"), ref)
     out = infllmv2_attention(q, k, v, cuq, cuk, config=SPARSE)
-    assert torch.equal(out, naive_infllmv2_attention(q, k, v, cuq, cuk, 300, 400, SPARSE))
+    ref = naive_infllmv2_attention(q, k, v, cuq, cuk, 300, 400, SPARSE)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(infllmv2_attention(q, k, v, cuq, cuk, config=SPARSE, backend="reference"), ref)
 
 
 def test_cu_seqlens_k_and_max_seqlens_default_from_cu_seqlens_q():
     lengths = [700, 65]
     q, k, v = make_qkv(lengths)
     cu = cu_seqlens_from_lengths(lengths)
-    want = naive_infllmv2_attention(q, k, v, cu, cu, 700, 700, SPARSE)
+    want = infllmv2_attention(q, k, v, cu, cu, 700, 700, SPARSE)
     assert torch.equal(infllmv2_attention(q, k, v, cu, config=SPARSE), want)
     assert torch.equal(infllmv2_attention(q, k, v, cu, None, 700, None, SPARSE), want)
 
 
-def test_stages_for_cpu_is_the_reference_or_the_cpu_implementation():
-    # "reference" (stages_for's default): every stage's oracle; "auto" on CPU tensors: compression and
-    # stage 1 run their CPU implementations (the backend rule, _rules.runs_cpu)
+def test_stages_for_cpu_reference_and_auto():
+    """backend="reference" (stages_for's default): every stage's reference; "auto" on CPU tensors: the
+    CPU implementations (the backend rule, _rules.runs_cpu) and torch SDPA for the dense fallback."""
     q = torch.zeros(1, 1, 8)
     ref = stages_for(q)
     assert set(ref) == {"compress_k", "stage1_select", "sparse_attn", "dense_attn"}
     assert stages_for(q, "reference") == ref
     names = stage_names(ref)
     assert names["sparse_attn"].endswith("naive_sparse_attn_varlen")
+    assert names["dense_attn"].endswith("naive_dense_attn_varlen")
     assert names["stage1_select"].endswith("naive_stage1_select")
     assert names["compress_k"].endswith("naive_compress_k")
-    auto = stage_names(stages_for(q, "auto"))
-    assert auto["stage1_select"] == "infllm_cupy.stage1.cpu.cpu_stage1_select"
-    assert auto["compress_k"] == "infllm_cupy.compress.cpu.cpu_compress_k"
+    auto = stages_for(q, "auto")
+    assert auto["sparse_attn"] is cpu_sparse_attn and auto["dense_attn"] is sdpa_dense_attn_varlen
+    auto_names = stage_names(auto)
+    assert auto_names["stage1_select"] == "infllm_cupy.stage1.cpu.cpu_stage1_select"
+    assert auto_names["compress_k"] == "infllm_cupy.compress.cpu.cpu_compress_k"
 
 
 CPU_KERNELS = "q must be a CUDA tensor for backend='kernels' (there are no CPU kernels)"
@@ -356,10 +371,13 @@ def test_module_forward_backward_through_reference():
     for g, w in zip(grads, want):
         assert bool(torch.isfinite(g).all()) and g.abs().sum() > 0
         torch.testing.assert_close(g, w)
-    # backend "auto" on CPU: stage 1's CPU implementation (the same selection here) and stage 2's
-    # reference, so the default module trains on CPU
+    # backend "auto" on CPU: the CPU implementations (stage 2's forward, the reference's backward), so
+    # the default module trains on CPU too
     out2 = InfLLMv2Attention(SPARSE)(q, k, v, cu, cu, 700, 700)
-    assert torch.equal(out2, ref) and out2.requires_grad
+    assert out2.requires_grad
+    torch.testing.assert_close(out2, ref, atol=1e-5, rtol=1e-5)
+    for g, w in zip(torch.autograd.grad(out2, (q, k, v), do), want):
+        torch.testing.assert_close(g, w)
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
@@ -380,6 +398,21 @@ def test_sdpa_dense_fallback_matches_reference(causal, monkeypatch):
         torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
     with pytest.raises(ValueError, match=r"return_lse"):
         sdpa_dense_attn_varlen(q, k, v, cuq, cuk, return_lse=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_sdpa_dense_fallback_low_precision_within_the_rule(dtype, D):
+    """The dense fallback on CPU tensors under "auto" (torch SDPA's CPU kernels) within FlashAttention's
+    rule of the float64 reference, as the kernels are held to."""
+    lq, lk = [300, 1, 129], [300, 65, 200]
+    q, k, v = make_qkv(lq, lk, HQ=8, H=2, D=D, dtype=dtype)
+    cuq, cuk = cu_seqlens_from_lengths(lq), cu_seqlens_from_lengths(lk)
+    out = sdpa_dense_attn_varlen(q, k, v, cuq, cuk)
+    ref = naive_dense_attn_varlen(q.double(), k.double(), v.double(), cuq, cuk)
+    lowp = naive_dense_attn_varlen(q, k, v, cuq, cuk, upcast=False)
+    assert out.dtype == dtype
+    assert_close_to_ref("out", out, ref, lowp)
 
 
 # ------------------------------------------------------ one check and one host read per call, CPU

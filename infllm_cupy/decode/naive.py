@@ -76,7 +76,7 @@ def naive_infllmv2_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if any(L < 1 for L in lk):
         raise ValueError(f"cu_seqlens_k: every cache must hold at least the current token, got lengths {lk}")
     max_seqlen_k = max(lk, default=0)
-    # every stage's reference (kernels=False), as in the prefill reference
+    # every stage's reference (kernels=False, cpu=False), as in the prefill reference
     if uses_dense(cfg.dense_len, max_seqlen_k):
         out = run_dense_attn(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, cfg, causal=False,
                              kernels=False)

@@ -276,8 +276,8 @@ def _prefill_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ck1
                 local_blocks: int, init_blocks: int,
                 dense_len: int, exact_stage1: bool, varlen_offset_quirk: bool, softmax_scale: float | None,
                 score_dtype: torch.dtype, backend: str) -> torch.Tensor:
-    """`prefill_attention` as an op (any device: CUDA tensors run the kernels, CPU tensors the references),
-    after the padding check on `attention_mask`."""
+    """`prefill_attention` as an op (any device: CUDA tensors run the kernels, CPU tensors the CPU paths,
+    `backend="reference"` the references), after the padding check on `attention_mask`."""
     _check_padding(attention_mask)
     cfg = InfLLMv2Config(kernel_size=kernel_size, kernel_stride=kernel_stride,
                          coarse_kernel_size=coarse_kernel_size,

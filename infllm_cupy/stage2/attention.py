@@ -3,7 +3,8 @@
 
 Both go through the custom ops of ops.py (differentiable in q, k, v; torch.compile traces them
 without graph breaks): CUDA tensors run kernels_cu/stage2 (one forward and one backward kernel for
-both forms), CPU tensors the PyTorch reference in naive.py inside the same ops. Layouts with one row
+both forms), CPU tensors the CPU implementation in cpu.py (the selected blocks only; the
+reference's backward) inside the same ops. Layouts with one row
 per query head go through the custom ops of qhead.py. `backend="reference"` calls the reference
 directly (plain autograd, no custom op).
 """
@@ -30,9 +31,9 @@ from .qhead import expand_kv, qhead_block_sparse_attn_fwd
 
 def _use_op(backend: str, q: torch.Tensor) -> bool:
     """Whether the call goes through the custom op: everything but `backend="reference"`. The op runs the
-    kernels on CUDA tensors and the reference on CPU tensors (its CPU kernel, so that a CPU caller also
-    compiles with `fullgraph=True`), which is the backend rule (`runs_kernels`, whose error a CPU tensor
-    under backend="kernels" gets)."""
+    kernels on CUDA tensors and the CPU implementation on CPU tensors (its CPU kernel, so that a CPU
+    caller also compiles with `fullgraph=True`), which is the backend rule (`runs_kernels`, whose error
+    a CPU tensor under backend="kernels" gets)."""
     runs_kernels(q, backend)
     return backend != "reference"
 
@@ -66,7 +67,7 @@ def sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
         1 1 0 0 1
 
     Differentiable in `q`, `k` and `v` (the stage-2 backward kernel on CUDA tensors, the
-    reference's autograd on CPU tensors); `topk_idx`, the `cu_seqlens` and `lse` get no gradient,
+    reference's backward on CPU tensors); `topk_idx`, the `cu_seqlens` and `lse` get no gradient,
     as in InfLLM-v2 (the selection is not trained through this op). The backward is deterministic
     (no float atomics). Goes through the custom op `infllm_cupy::sparse_attn_fwd` (ops.py), so
     `torch.compile(fullgraph=True)` traces it; under compilation the checks that read the
@@ -90,10 +91,12 @@ def sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
         return_lse (bool, Optional):
             Also return `lse`, float32 `[HQ, total_q]`, natural log, no gradient. Default: `False`.
         backend (str, Optional):
-            "auto": the custom op, which runs the kernels on CUDA tensors and the reference on CPU
-            tensors; "kernels": the op, refusing what the kernels cannot do (CPU tensors, fp32, other
-            head dims); "reference": `naive_sparse_attn_varlen` called directly (plain autograd, any
-            dtype, no custom op, so torch.compile graph-breaks on its host reads). Default: "auto".
+            "auto": the custom op, which runs the kernels on CUDA tensors and, on CPU tensors, the
+            CPU implementation (`cpu_sparse_attn_varlen`, cpu.py: the selected blocks only) forward
+            and the reference's backward; "kernels": the op, refusing what the kernels cannot do (CPU
+            tensors, fp32, other head dims); "reference": `naive_sparse_attn_varlen` called directly
+            (plain autograd, any dtype, no custom op, so torch.compile graph-breaks on its host reads).
+            Default: "auto".
         kernel (str, Optional):
             Which kernels run on CUDA tensors, forward and backward: "auto" (the sm_90a kernels on
             compute capability 9.0, the SM80 kernels elsewhere), "sm80" (the mma.sync kernels, also
@@ -185,7 +188,7 @@ def qhead_block_sparse_attn_varlen(
     Args:
         layout (BlockLayout): `mask` bool `[HQ, NQB, NKB]` or `[B, HQ, NQB, NKB]` (HQ = q's heads).
         backend (str, Optional): "auto" (the per-query-head kernels on CUDA tensors, forward and
-            backward, the expanded reference on CPU tensors), "kernels" (refuses CPU tensors) or
+            backward, the expanded CPU implementation on CPU tensors), "kernels" (refuses CPU tensors) or
             "reference" (the expanded path through `block_sparse_attn_varlen(..., backend="reference")`).
             Default: "auto".
         Others: as `block_sparse_attn_varlen`.

@@ -12,9 +12,10 @@ Four ops, a forward and a backward for each input form:
                                        max_seqlen_q, max_seqlen_k, causal, softmax_scale, kernel) -> (dq, dk, dv)
 
 CUDA tensors run the kernels (`stage2_fwd`, `stage2_bwd` over the bitmask rows of `token_block_masks` or
-`BlockLayout.packed`); CPU tensors run the PyTorch reference (`naive_sparse_attn_varlen`, and for
-the backward `naive_sparse_attn_varlen_bwd`, its gradient written out, which recomputes the
-probabilities from q and k and equals autograd through the reference up to rounding). The forward ops carry an
+`BlockLayout.packed`); CPU tensors run the CPU implementation of the forward (`cpu_sparse_attn_varlen`,
+cpu.py: the selected blocks only) and, for the backward, the reference's gradient written out
+(`naive_sparse_attn_varlen_bwd`, which recomputes the probabilities from q and k and equals autograd
+through the reference up to rounding). The forward ops carry an
 autograd formula (`register_autograd`): gradients flow to q, k and v only; `lse` is marked
 non-differentiable; `topk_idx`, the layout, the `cu_seqlens` and the ints get none. The fake
 (meta) implementations give torch.compile the output shapes without running anything, so a model
@@ -38,8 +39,9 @@ backward's own launches). The CPU backward recomputes from q, k, v and ignores o
 """  # noqa: E501 - verbatim commands, signatures and tables
 import torch
 
+from .cpu import cpu_sparse_attn_varlen
 from .layout import BlockLayout
-from .naive import naive_sparse_attn_varlen, naive_sparse_attn_varlen_bwd
+from .naive import naive_sparse_attn_varlen_bwd
 from .plan import BwdPlan, FwdPlan, bwd_plan, fwd_plan, n_mask_words
 from .sparse_bwd import stage2_bwd
 from .sparse_fwd import stage2_fwd, token_block_masks
@@ -84,14 +86,15 @@ def _contig(*ts):
     return tuple(t.contiguous() for t in ts)
 
 
-# ------------------------------------------------------------------------------ reference (CPU) parts
+# -------------------------------------------------------------------------------------- CPU parts
 
 
-def _ref_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal,
+def _cpu_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal,
              softmax_scale):
-    out, lse = naive_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q,
-                                        max_seqlen_k,
-                                        causal=causal, softmax_scale=softmax_scale, return_lse=True)
+    # the selected blocks only (cpu.py); the oracle's semantics, checked against it in tests/stage2
+    out, lse = cpu_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q,
+                                      max_seqlen_k,
+                                      causal=causal, softmax_scale=softmax_scale, return_lse=True)
     return out.contiguous(), lse.contiguous()
 
 
@@ -149,7 +152,7 @@ def sparse_attn_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_se
 @sparse_attn_fwd.register_kernel("cpu")
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
       kernel):
-    return _ref_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal,
+    return _cpu_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal,
                     softmax_scale)
 
 
@@ -246,7 +249,7 @@ def _layout_topk_idx(layout_mask, q_block, cu_seqlens_q):
 @block_sparse_attn_fwd.register_kernel("cpu")
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, layout_mask, q_block, max_seqlen_q, max_seqlen_k, causal,
       softmax_scale, kernel):
-    return _ref_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, _layout_topk_idx(layout_mask, q_block, cu_seqlens_q),
+    return _cpu_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, _layout_topk_idx(layout_mask, q_block, cu_seqlens_q),
                     max_seqlen_q, max_seqlen_k, causal, softmax_scale)
 
 

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from infllm_cupy.stage2.attention import block_sparse_attn_varlen
+from infllm_cupy.stage2.cpu import cpu_block_sparse_attn_varlen, cpu_sparse_attn_varlen
 from infllm_cupy.stage2.layout import BlockLayout
 from infllm_cupy.stage2.naive import naive_sparse_attn_varlen
 from infllm_cupy.testing import cu_seqlens_from_lengths
@@ -36,13 +37,19 @@ def test_packed_bits():
 
 
 def test_reference_path_matches_token_level():
+    """A layout is its token-level form on every CPU path: the reference (bit for bit) and the CPU
+    implementation (bit for bit with its token-level call, within fp32 rounding of the reference)."""
     lq = [130, 64]
     cu = cu_seqlens_from_lengths(lq)
     q, k, v = torch.randn(194, 4, 64), torch.randn(194, 2, 64), torch.randn(194, 2, 64)
     layout = BlockLayout(torch.rand(2, 2, 3) < 0.5, q_block=128)
+    idx = layout.to_topk_idx(cu)
+    ref = naive_sparse_attn_varlen(q, k, v, cu, cu, idx, 130, 130)
+    assert torch.equal(block_sparse_attn_varlen(q, k, v, cu, cu, layout, 130, 130, backend="reference"), ref)
     out = block_sparse_attn_varlen(q, k, v, cu, cu, layout, 130, 130)
-    ref = naive_sparse_attn_varlen(q, k, v, cu, cu, layout.to_topk_idx(cu), 130, 130)
-    assert torch.equal(out, ref)
+    assert torch.equal(out, cpu_sparse_attn_varlen(q, k, v, cu, cu, idx, 130, 130))
+    assert torch.equal(out, cpu_block_sparse_attn_varlen(q, k, v, cu, cu, layout, 130, 130))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("layout, match", [
