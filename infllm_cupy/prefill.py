@@ -400,8 +400,8 @@ def stages_for(q: torch.Tensor, backend: str = "reference") -> dict:
     SDPA (`sdpa_dense_attn_varlen`), and `stage1_select` is the fused stage-1 kernel
     (`infllm_cupy.stage1.select`). With CPU tensors and `backend="auto"` (`runs_cpu`), the CPU
     implementations: `cpu_compress_k`, `cpu_stage1_select`, `cpu_sparse_attn` (stage2/cpu.py's forward,
-    the reference's backward) and torch SDPA for `dense_attn`. Otherwise, or with `backend="reference"`, every stage is the reference,
-    which runs on CPU and CUDA tensors alike.
+    the reference's backward) and torch SDPA for `dense_attn`. Otherwise, or with
+    `backend="reference"`, every stage is the reference, which runs on CPU and CUDA tensors alike.
 
     Args:
         q (torch.Tensor):
