@@ -21,8 +21,9 @@ dense/sparse rule (spec section 9: dense while the longest cache, the current to
 shorter than `dense_len`), the same stage 1 (non-causal over the complete compressed windows,
 `cache_lens = L - 1`, spec section 4.4), the same top-k with forced init and local blocks, then
 attention over the selected blocks. CUDA tensors run the kernels (the split stage-1 decode kernels,
-the split-KV attention); CPU tensors run stage 1's CPU implementation under "auto" (`runs_cpu`) and the
-references elsewhere; `backend="reference"` runs the references on any device.
+the split-KV attention); CPU tensors under "auto" (`runs_cpu`) run the CPU implementations of stage 1
+and of the attention over the selected blocks (`stage1/cpu.py`, `decode/cpu.py`);
+`backend="reference"` runs the references on any device.
 """
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ from ..config import InfLLMv2Config, check_config
 from ..prefill import prefill
 from ..stage1 import stage1_select
 from .cache import DecodeCache, cache_tensors, capturing, cu_seqlens_of
+from .cpu import cpu_sparse_decode
 from .naive import check_sparse_decode_inputs, sparse_decode_checked
 from .select_decode import add_select_decode, check_select_inputs, plan_for, select_decode, select_width
 from .select_decode import scratch_floats as select_scratch_floats
@@ -412,6 +414,7 @@ def run_step(q, k, v, ck1, ck2, seqlens, block_table, topk_idx, spec: StepSpec, 
 
 
 def _reference_step(q, k, v, ck1, ck2, seqlens, bt, topk_idx, spec: StepSpec, host_lens) -> list:
+    """The step without the kernels: the references, or with `runs_cpu` the CPU implementations."""
     width = k.shape[1] * bt.shape[1] if bt is not None else k.shape[1]
     idx = attend = topk_idx if spec.select == "given" else None
     if spec.select == "stage1":
@@ -424,9 +427,11 @@ def _reference_step(q, k, v, ck1, ck2, seqlens, bt, topk_idx, spec: StepSpec, ho
                                            static_k=spec.static_k, width_k=kout,
                                            cpu=runs_cpu(q, spec.backend))
     scale = softmax_scale_of(spec.softmax_scale, q.shape[2])
-    res = sparse_decode_checked(q, k, v, seqlens, bt, width, attend, scale=scale, block_size=spec.block_size,
-                                return_lse=True, return_attn_weights=bool(spec.weights),
-                                weights=spec.weights or "per_head")
+    # CPU tensors under "auto": the selected blocks only (cpu.py); else the reference over every key
+    attention = cpu_sparse_decode if runs_cpu(q, spec.backend) else sparse_decode_checked
+    res = attention(q, k, v, seqlens, bt, width, attend, scale=scale, block_size=spec.block_size,
+                    return_lse=True, return_attn_weights=bool(spec.weights),
+                    weights=spec.weights or "per_head")
     out, lse, w = res if spec.weights else (*res, None)
     return _asked(spec, out, lse, w, idx)
 

@@ -80,7 +80,8 @@ def test_step_equals_the_reference(page_size, exact):
 @pytest.mark.parametrize("page_size", [None, 64], ids=["contiguous", "page64"])
 def test_cpu_stage1_of_the_step_equals_the_oracle(page_size, G):
     # CPU tensors under "auto": the decode step's stage 1 is stage 1's CPU implementation (one query row
-    # per sequence); with fp32 scores it selects exactly the oracle's blocks (backend="reference")
+    # per sequence); with fp32 scores it selects exactly the oracle's blocks (backend="reference"), and
+    # the attention over them (decode/cpu.py) is the oracle's up to fp32 rounding
     lengths, H, D = [1, 64, 65, 300, 1025, 2047], 2, 64
     cache = random_decode_cache(lengths, H, D, torch.bfloat16, page_size=page_size)
     q = torch.randn(len(lengths), H * G, D).to(torch.bfloat16)
@@ -89,7 +90,8 @@ def test_cpu_stage1_of_the_step_equals_the_oracle(page_size, G):
         assert torch.equal(decode_select(q, cache, config=cfg), want)
         out, idx = infllmv2_decode(q, cache, config=cfg, return_topk_idx=True)
         ref, ref_idx = infllmv2_decode(q, cache, config=cfg, return_topk_idx=True, backend="reference")
-        assert torch.equal(idx, ref_idx) and torch.equal(out, ref)
+        assert torch.equal(idx, ref_idx)
+        torch.testing.assert_close(out, ref, atol=2e-2, rtol=0)          # bf16: one ulp of |out| <= 4
 
 
 def test_cpu_decode_and_prefill_into_cache_dispatch(monkeypatch):
@@ -143,7 +145,7 @@ def test_dense_below_dense_len_and_sparse_from_it():
     ref, ref_idx = oracle(q, cache, cfg)
     assert idx is None and ref_idx is None
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out, naive_sparse_decode(q, cache), atol=0, rtol=0)
+    torch.testing.assert_close(out, naive_sparse_decode(q, cache), atol=1e-6, rtol=1e-6)
     cache.append(torch.randn(2, H, D), torch.randn(2, H, D))          # longest = 512 = dense_len
     out, idx = infllmv2_decode(q, cache, config=cfg, return_topk_idx=True)
     ref, ref_idx = oracle(q, cache, cfg)
@@ -158,7 +160,8 @@ def test_weights_of_the_step():
     q = torch.randn(2, HQ, D)
     _out, w, idx = infllmv2_decode(q, cache, config=CFG, return_attn_weights=True, return_topk_idx=True)
     _, wr = naive_sparse_decode(q, cache, idx, return_attn_weights=True)
-    assert torch.equal(w, wr) and w.shape == (2, HQ, cache.capacity)
+    assert w.shape == (2, HQ, cache.capacity)
+    torch.testing.assert_close(w, wr, atol=1e-6, rtol=0)
     torch.testing.assert_close(w.sum(-1), torch.ones(2, HQ), atol=1e-5, rtol=0)
     blocks = torch.arange(cache.capacity) // 64
     for b in range(2):
@@ -407,7 +410,8 @@ def test_compiled_step_honours_the_reference_backend(monkeypatch):
     q = torch.randn(2, 4, 32)
     f = torch.compile(lambda q: infllmv2_decode(q, cache, config=CFG, backend="reference"), fullgraph=True,
                       backend="eager")
-    torch.testing.assert_close(f(q), infllmv2_decode(q, cache, config=CFG), atol=0, rtol=0)
+    want = infllmv2_decode(q, cache, config=CFG, backend="reference")
+    torch.testing.assert_close(f(q), want, atol=0, rtol=0)
     assert ("reference", False) in seen
 
 
