@@ -13,7 +13,14 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import check_cu_seqlens, check_head_dim, check_same_device, check_tensor, seqlens_host
+from ._checks import (
+    check_cu_seqlens,
+    check_head_dim,
+    check_int_args,
+    check_same_device,
+    check_tensor,
+    seqlens_host,
+)
 from ._rules import KV_BLOCK, softmax_scale_of
 from .config import check_config, check_topk_keeps_forced_blocks
 from .stage1.naive import naive_select_topk, q_block_idx_prefill
@@ -224,17 +231,23 @@ def attention_mass_captured(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torc
             if n <= 0:
                 continue
             rows = slice(cu_q[b] + s, cu_q[b] + e)
+            C = e - s
             last = torch.arange(s, e, device=q.device) + Lk - Lq                  # [C] last visible key
-            qh = q[rows].to(cdt).reshape(e - s, H, G, D).permute(1, 2, 0, 3)      # [H, G, C, D]
-            logits = torch.matmul(qh * scale, kb[..., :n])                        # [H, G, C, n]
-            j = torch.arange(n, device=q.device)
-            logits.masked_fill_(j[None, :] > last[:, None], float("-inf"))
-            p = torch.softmax(logits, dim=-1)
+            # the G heads of a KV head as one GEMM of G*C rows
+            qh = (q[rows].to(cdt) * scale).reshape(C, H, G, D).permute(1, 2, 0, 3).reshape(H, G * C, D)
+            logits = torch.bmm(qh, kb[:, 0, :, :n]).view(H, G, C, n)              # [H, G, C, n]
+            lo = max(0, int(last[0]) + 1)                     # from here on, columns some row cannot see
+            j = torch.arange(lo, n, device=q.device)
+            logits[..., lo:].masked_fill_(j[None, :] > last[:, None], float("-inf"))
+            # the softmax in place, summed per block before its normalisation: [H, G, C] rows
+            logits.sub_(logits.amax(-1, keepdim=True)).exp_()
+            nb, full = -(-n // block_size), n // block_size
+            block_mass = logits.new_empty(H, G, C, nb)
+            block_mass[..., :full] = logits[..., :full * block_size].unflatten(-1, (full, block_size)).sum(-1)
+            if nb > full:
+                block_mass[..., full] = logits[..., full * block_size:].sum(-1)
             del logits
-            nb = -(-n // block_size)
-            p = torch.nn.functional.pad(p, (0, nb * block_size - n))
-            block_mass = p.view(H, G, e - s, nb, block_size).sum(-1)             # [H, G, C, nb]
-            del p
+            block_mass /= block_mass.sum(-1, keepdim=True)                        # [H, G, C, nb]
             # causal keys of block c for each row: the row sees keys [0, last]
             start = torch.arange(nb, device=q.device) * block_size
             per_block = (last[:, None] + 1 - start[None, :]).clamp(0, block_size).to(cdt)   # [C, nb]
@@ -434,17 +447,19 @@ def _share_axes(ax, xlabel: str, ylabel: str, title: str):
     return ax
 
 
-def plot_mass_by_query_block(curves: Mapping[str, torch.Tensor], *, q_block: int = 64, ax=None,
-                             title: str | None = None):
+def plot_mass_by_query_block(curves: Mapping[str, torch.Tensor], *, q_block: int = 64, first_block: int = 0,
+                             ax=None, title: str | None = None):
     """Captured attention mass against the query block, one line per entry of `curves`
-    (label -> `[NQB]`, e.g. from `per_query_block`, averaged over heads). Returns the Axes."""
+    (label -> `[NQB]`, e.g. from `per_query_block`, averaged over heads), the first value at query
+    block `first_block` (for the mass of a sequence's later rows only). Returns the Axes."""
     import matplotlib.pyplot as plt
 
+    check_int_args(0, first_block=first_block)
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 4))
     for label, y in curves.items():
         y = torch.as_tensor(y).float().cpu()
-        ax.plot(range(y.numel()), y.numpy(), label=label, lw=1.4)
+        ax.plot(range(first_block, first_block + y.numel()), y.numpy(), label=label, lw=1.4)
     return _share_axes(ax, f"query block i ({q_block} tokens)", "dense attention mass in the selected blocks",
                        title or "attention mass captured along the sequence")
 

@@ -58,7 +58,7 @@ def test_demo_help_shows_every_option_with_help_and_default(capsys):
         main(["demo", "--help"])
     assert e.value.code == 0
     out = " ".join(capsys.readouterr().out.split())     # help lines wrap with the terminal width
-    assert "(default: 4096)" in out or "(default: 32768)" in out, out
+    assert "(default: 32768)" in out, out
     assert "(default: infllm_selection.png)" in out and "K = topk + local-blocks" in out, out
 
 
@@ -166,7 +166,7 @@ def test_demo_fails_its_control_and_passes_the_real_sequence(tmp_path, device):
     (["--control", "--topk", "16"], 1, "(--control: expected)"),
 ])
 def test_demo_retrieval_check_cannot_be_fooled(tmp_path, extra, status, says):
-    args = ["--heads", "4", "--kv-heads", "2", "--head-dim", "32"]       # the default 4096 tokens and budget
+    args = ["--tokens", "4096", "--heads", "4", "--kv-heads", "2", "--head-dim", "32"]   # the CPU budget
     r, gains = _demo_retrieval("cpu", *extra, cwd=tmp_path, args=args)
     assert r.returncode == status and says in r.stdout + r.stderr, r.stdout + r.stderr
     if status == 0:
