@@ -284,7 +284,7 @@ def run_demo(args: argparse.Namespace, device) -> int:
     print(f"  token {t}, KV head 0 selects: {row[row >= 0].tolist()}")
     last = topk_idx[0, -1]
     print(f"  the last token attends {int((last >= 0).sum())} of its {-(-T // BLOCK)} causal blocks")
-    print(f"  output finite: {bool(torch.isfinite(out.float()).all())}")
+    print(f"  output finite: {bool(torch.isfinite(out).all())}")
 
     if not args.no_png:
         import matplotlib

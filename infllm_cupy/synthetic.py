@@ -98,17 +98,30 @@ def synthetic_sequence(T: int, HQ: int, H: int, D: int, n_needles: int, dtype, d
     if not math.isfinite(needle_logit) or needle_logit < 0:
         raise ValueError(f"needle_logit must be a finite number >= 0, got {needle_logit!r}")
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(T, HQ, D, generator=g)
+    needles = needle_positions(T, n_needles)
+    # q drawn in chunks of whole rows (the same numbers as one draw: HQ * D is a multiple of randn's
+    # 16-value blocks) and stored in `dtype` as it goes, so fp32 q never exists whole (537 MB at 32k
+    # tokens, MiniCPM4's heads); the needles' rows are kept in fp32 until their directions are drawn
+    q = torch.empty(T, HQ, D, dtype=dtype, device=device)
+    rows = max(1, 2**22 // max(1, HQ * D)) if (HQ * D) % 16 == 0 else T
+    kept = {}
+    for s in range(0, T, rows):
+        x = torch.randn(min(rows, T - s), HQ, D, generator=g)
+        for _, qs in needles:
+            lo, hi = max(qs, s), min(qs + KV_BLOCK, s + x.shape[0])
+            if lo < hi:
+                kept.setdefault(qs, []).append(x[lo - s:hi - s].clone())
+        q[s:s + x.shape[0]] = x.to(device, dtype)
     k = torch.randn(T, H, D, generator=g)
     v = torch.randn(T, H, D, generator=g)
     nb = -(-T // KV_BLOCK)
     block_dirs = _unit_dirs(nb, D, g)                                       # [NB, D], norm sqrt(D)
     k += block_dirs.repeat_interleave(KV_BLOCK, 0)[:T, None, :]
-    needles = needle_positions(T, n_needles)
-    q_control = torch.cat([q[qs:qs + KV_BLOCK] for _, qs in needles]) if needles else q[:0]
+    control = {qs: torch.cat(kept[qs]) for _, qs in needles}
+    q_control = torch.cat([control[qs] for _, qs in needles]) if needles else torch.zeros(0, HQ, D)
     for kb, qs in needles:
-        q[qs:qs + KV_BLOCK] += needle_logit / math.sqrt(D) * block_dirs[kb]
-    out = q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), needles
+        q[qs:qs + KV_BLOCK] = (control[qs] + needle_logit / math.sqrt(D) * block_dirs[kb]).to(device, dtype)
+    out = q, k.to(device, dtype), v.to(device, dtype), needles
     return (*out, q_control.to(device, dtype)) if return_control else out
 
 
