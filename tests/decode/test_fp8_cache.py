@@ -330,3 +330,29 @@ def test_kernel_path_refuses_the_fp8_cache(monkeypatch):
         infllmv2_decode(q, c, config=InfLLMv2Config(dense_len=0))
     with pytest.raises(NotImplementedError, match=r"sparse_decode.*not yet verified"):
         sparse_decode(q, c)
+
+
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_chunked_prefill_into_the_fp8_cache(page_size):
+    """`infllmv2_prefill_into_cache` writes the FP8 storage as `append` does and attends over the
+    dequantized cache: the 16-bit cache's compressed keys, outputs close to the 16-bit cache's."""
+    from infllm_cupy.decode import infllmv2_prefill_into_cache
+    H, G, D, dtype = 2, 2, 64, torch.bfloat16
+    cfg = InfLLMv2Config(topk=4, dense_len=128)
+    kv = tokens([300, 1, 190], H, D, dtype, seed=10)
+    c8, c16 = new_cache(3, 320, H, D, dtype, page_size), new_cache(3, 320, H, D, dtype, page_size, None)
+    for lo, hi in ((0, 100), (100, 300)):
+        n = [max(0, min(hi, k.shape[0]) - lo) for k, _ in kv]
+        k = torch.cat([k[lo:lo + c] for (k, _), c in zip(kv, n)])
+        v = torch.cat([v[lo:lo + c] for (_, v), c in zip(kv, n)])
+        q = torch.randn(sum(n), H * G, D).to(dtype)
+        o8 = infllmv2_prefill_into_cache(q, k, v, c8, cu_seqlens_from_lengths(n), config=cfg)
+        o16 = infllmv2_prefill_into_cache(q, k, v, c16, cu_seqlens_from_lengths(n), config=cfg)
+        if sum(n):
+            acc = accuracy_per_head(o8.float(), o16.float())
+            assert acc["cosine"].min() >= 0.995, acc
+    assert c8.lengths() == [300, 1, 190] and torch.equal(c8.ck1, c16.ck1) and torch.equal(c8.ck2, c16.ck2)
+    d = new_cache(3, 320, H, D, dtype, page_size)
+    fill(d, kv, [400])
+    for b in range(3):
+        assert all(torch.equal(x, y) for x, y in zip(c8.gather(b), d.gather(b)))
