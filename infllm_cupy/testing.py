@@ -191,19 +191,21 @@ def check_sparse_grads(grads, q, k, v, dout, cu_q, cu_k, topk_idx, max_q, max_k,
 
 
 def random_decode_cache(lengths, H: int, D: int, dtype: torch.dtype, *, page_size: int | None = None,
-                        device="cpu", seed: int = 0, spare: int = 70, spare_pages: int = 2):
+                        device="cpu", seed: int = 0, spare: int = 70, spare_pages: int = 2, kv_dtype=None):
     """A `DecodeCache` holding random K/V of `lengths` (appended as one chunk) with `spare` positions
-    of room; a paged cache (`page_size`) gets shuffled pages out of `spare_pages` more than it needs."""
+    of room; a paged cache (`page_size`) gets shuffled pages out of `spare_pages` more than it needs;
+    `kv_dtype` its K/V storage (`DecodeCache`'s)."""
 
     g = torch.Generator().manual_seed(seed)
     B, cap = len(lengths), max(lengths) + spare
     if page_size is None:
-        cache = DecodeCache.contiguous(B, cap, H, D, dtype=dtype, device=device)
+        cache = DecodeCache.contiguous(B, cap, H, D, dtype=dtype, device=device, kv_dtype=kv_dtype)
     else:
         per = math.ceil(cap / page_size)
         n_pages = B * per + spare_pages
         bt = torch.randperm(n_pages, generator=g)[:B * per].view(B, per).to(torch.int32)
-        cache = DecodeCache.paged(n_pages, page_size, H, D, bt.to(device), dtype=dtype, device=device)
+        cache = DecodeCache.paged(n_pages, page_size, H, D, bt.to(device), dtype=dtype, device=device,
+                                  kv_dtype=kv_dtype)
     k = (torch.randn(sum(lengths), H, D, generator=g) * 2).to(device, dtype)
     v = torch.randn(sum(lengths), H, D, generator=g).to(device, dtype)
     cache.append(k, v, cu_seqlens_from_lengths(lengths))

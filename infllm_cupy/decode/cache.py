@@ -31,6 +31,17 @@ from .._checks import check_tensor, host_int_list
 from .._dtypes import INT_DTYPES, REF_DTYPES
 from .._rules import COMPRESSIONS, KV_BLOCK, n_windows, n_windows_of
 from .cache_append import append_launches, kernel_appends
+from .fp8 import (
+    E4M3,
+    RECENT,
+    check_kv_dtype,
+    dequantize_k_pages,
+    dequantize_rows,
+    dequantize_v,
+    not_verified,
+    quantize_k_pages,
+    quantize_v,
+)
 
 MAX_PREPARED = 32      # prepared objects a cache keeps (`DecodeCache.prepared`)
 
@@ -67,9 +78,11 @@ class DecodeCache:
     one stream at a time (as its appends must).
     """
 
-    def __init__(self, k, v, seqlens, block_table, page_size, ck1, ck2, host_lens, capacities):
+    def __init__(self, k, v, seqlens, block_table, page_size, ck1, ck2, host_lens, capacities, fp8=None):
         self.k, self.v, self.seqlens, self.block_table, self.page_size = k, v, seqlens, block_table, page_size
         self.ck1, self.ck2 = ck1, ck2
+        # the FP8 storage's scales and 16-bit buffers (`fp8.py`), None for a 16-bit cache
+        self.k_scale, self.v_scale, self.k_recent, self.v_open = fp8 if fp8 is not None else (None,) * 4
         self._host_lens = list(host_lens)
         self._capacities = list(capacities)
         # True once a one-token append ran under CUDA-graph capture or torch.compile (replays advance the
@@ -88,42 +101,53 @@ class DecodeCache:
     # ---------------------------------------------------------------------------------------- build
     @classmethod
     def contiguous(cls, batch: int, max_len: int, num_heads: int, head_dim: int, *,
-                   dtype=torch.bfloat16, device="cpu") -> DecodeCache:
-        """An empty contiguous cache `[batch, max_len, num_heads, head_dim]`."""
+                   dtype=torch.bfloat16, device="cpu", kv_dtype=None) -> DecodeCache:
+        """An empty contiguous cache `[batch, max_len, num_heads, head_dim]`; `kv_dtype`: the storage
+        of K and V, None (`dtype`) or `torch.float8_e4m3fn` (docs/decode.md §16)."""
         _check_sizes(batch=batch, max_len=max_len, num_heads=num_heads, head_dim=head_dim)
         if dtype not in REF_DTYPES:
             raise TypeError(f"dtype must be one of {REF_DTYPES}, got {dtype}")
+        store = check_kv_dtype(kv_dtype, dtype) or dtype
         shape = (batch, max_len, num_heads, head_dim)
-        k = torch.zeros(shape, dtype=dtype, device=device)
-        v = torch.zeros(shape, dtype=dtype, device=device)
-        return cls._with_compressed(k, v, None, None, [max_len] * batch)
+        k = torch.zeros(shape, dtype=store, device=device)
+        v = torch.zeros(shape, dtype=store, device=device)
+        return cls._with_compressed(k, v, None, None, [max_len] * batch, dtype)
 
     @classmethod
     def paged(cls, num_pages: int, page_size: int, num_heads: int, head_dim: int, block_table: torch.Tensor,
-              *, dtype=torch.bfloat16, device="cpu") -> DecodeCache:
+              *, dtype=torch.bfloat16, device="cpu", kv_dtype=None) -> DecodeCache:
         """An empty paged cache `[num_pages, page_size, num_heads, head_dim]` with `block_table`
-        int32 `[B, max_pages]` (checked: entries in [0, num_pages) then -1 tail, no page twice)."""
+        int32 `[B, max_pages]` (checked: entries in [0, num_pages) then -1 tail, no page twice);
+        `kv_dtype` as in `contiguous`."""
         _check_sizes(num_pages=num_pages, page_size=page_size, num_heads=num_heads, head_dim=head_dim)
         if page_size % KV_BLOCK:
             raise ValueError(f"page_size must be a multiple of {KV_BLOCK} (a key block never straddles "
                              f"pages), got {page_size}")
         if dtype not in REF_DTYPES:
             raise TypeError(f"dtype must be one of {REF_DTYPES}, got {dtype}")
+        store = check_kv_dtype(kv_dtype, dtype) or dtype
         shape = (num_pages, page_size, num_heads, head_dim)
-        k = torch.zeros(shape, dtype=dtype, device=device)
-        v = torch.zeros(shape, dtype=dtype, device=device)
+        k = torch.zeros(shape, dtype=store, device=device)
+        v = torch.zeros(shape, dtype=store, device=device)
         caps = _check_block_table(block_table, num_pages, page_size, k.device)
-        return cls._with_compressed(k, v, block_table.contiguous(), page_size, caps)
+        return cls._with_compressed(k, v, block_table.contiguous(), page_size, caps, dtype)
 
     @classmethod
-    def _with_compressed(cls, k, v, block_table, page_size, caps):
+    def _with_compressed(cls, k, v, block_table, page_size, caps, dtype):
         B = len(caps)
-        H, D = k.shape[2], k.shape[3]
-        width = block_table.shape[1] * page_size if block_table is not None else k.shape[1]
-        ck = [torch.zeros((B, n_windows(width, kr, st), H, D), dtype=k.dtype, device=k.device)
+        R, S, H, D = k.shape
+        dev = k.device
+        width = block_table.shape[1] * page_size if block_table is not None else S
+        ck = [torch.zeros((B, n_windows(width, kr, st), H, D), dtype=dtype, device=dev)
               for kr, st in COMPRESSIONS]
-        seqlens = torch.zeros(B, dtype=torch.int32, device=k.device)
-        return cls(k, v, seqlens, block_table, page_size, ck[0], ck[1], [0] * B, caps)
+        seqlens = torch.zeros(B, dtype=torch.int32, device=dev)
+        fp8 = None
+        if k.dtype == E4M3:
+            fp8 = (torch.zeros((R, -(-S // KV_BLOCK), H, D), dtype=torch.float32, device=dev),
+                   torch.zeros((R, S, H), dtype=torch.float32, device=dev),
+                   torch.zeros((B, RECENT, H, D), dtype=dtype, device=dev),
+                   torch.zeros((B, KV_BLOCK, H, D), dtype=dtype, device=dev))
+        return cls(k, v, seqlens, block_table, page_size, ck[0], ck[1], [0] * B, caps, fp8)
 
     # ------------------------------------------------------------------------------------ queries
     @property
@@ -140,7 +164,34 @@ class DecodeCache:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The queries', new keys' and compressed keys' dtype (the K/V storage's: `kv_dtype`)."""
+        return self.ck1.dtype
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The storage of K and V: `dtype`, or `torch.float8_e4m3fn` (docs/decode.md §16)."""
         return self.k.dtype
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.k_scale is not None
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Bytes of K and V storage one cached token takes over all KV heads, scales included (the
+        open page's 16-bit buffers, a fixed cost per sequence, are in `nbytes`)."""
+        H, D = self.num_heads, self.head_dim
+        if not self.is_fp8:
+            return 2 * H * D * self.k.element_size()
+        return H * (2 * D + 4 * D / KV_BLOCK + 4)      # e4m3 K and V, K's channel scales per page, V's
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor the cache holds (K/V storage, scales, 16-bit buffers, compressed keys,
+        lengths, block table)."""
+        ts = (self.k, self.v, self.ck1, self.ck2, self.seqlens, self.block_table, self.k_scale, self.v_scale,
+              self.k_recent, self.v_open)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     @property
     def device(self) -> torch.device:
@@ -217,12 +268,51 @@ class DecodeCache:
         return self.block_table[b, t // self.page_size].long(), t % self.page_size
 
     def gather(self, b: int, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values `[L_b, H, D]` of sequence b (a copy for paged caches)."""
+        """Keys and values `[L_b, H, D]` of sequence b (a copy for paged and FP8 caches; an FP8 cache's
+        read as `dequantized` reads them)."""
         L = self._host_lens[b] if stop is None else stop
-        if not self.is_paged:
+        if not self.is_paged and not self.is_fp8:
             return self.k[b, :L], self.v[b, :L]
-        r, s = self.positions(b, 0, L)
-        return self.k[r, s], self.v[r, s]
+        return self._read(b, 0, L)
+
+    def _read(self, b: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        r, s = self.positions(b, start, stop)
+        if not self.is_fp8:
+            return self.k[r, s], self.v[r, s]
+        dt = self.dtype
+        # per token, the pages' expression (`dequantize_k_pages`): the same fp32 product and rounding
+        k = dequantize_k_pages(self.k[r, s].unsqueeze(-3), self.k_scale[r, s // KV_BLOCK], dt).squeeze(-3)
+        v = dequantize_v(self.v[r, s], self.v_scale[r, s], dt)
+        L = self._host_lens[b]
+        o = max(L - L % KV_BLOCK, start)                       # the open page's part of [start, stop)
+        if o < stop:
+            t = torch.arange(o, stop, device=self.device)
+            k[o - start:] = self.k_recent[b, t % RECENT]
+            v[o - start:] = self.v_open[b, t % KV_BLOCK]
+        return k, v
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V in `dtype`, in the cache's layout: a 16-bit cache's own `k`, `v`; for an FP8 cache its
+        stored pages read as the kernels read them and each sequence's open page from its 16-bit buffers
+        (positions past a sequence's length unspecified). Device ops with static shapes, no host read:
+        what the references, and a step traced by torch.compile, attend over."""
+        if not self.is_fp8:
+            return self.k, self.v
+        return dequantized_tensors(self.k, self.v, self.seqlens, self.block_table, self.fp8_tensors())
+
+    def read_kv(self, kernels: bool, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as a step on this cache reads them: `k`, `v`, or an FP8 cache's `dequantized()` on
+        the references' path; an FP8 cache refuses the kernels (`fp8.not_verified`, naming `what`) until
+        their GPU tests have passed on hardware."""
+        if not self.is_fp8:
+            return self.k, self.v
+        if kernels:
+            raise not_verified(what)
+        return self.dequantized()
+
+    def fp8_tensors(self) -> tuple | None:
+        """`(k_scale, v_scale, k_recent, v_open)` of an FP8 cache (`fp8.py`), None for a 16-bit one."""
+        return (self.k_scale, self.v_scale, self.k_recent, self.v_open) if self.is_fp8 else None
 
     def packed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`(k, v, cu_seqlens)` packed varlen `[total, H, D]`, as the prefill/stage-2 APIs take them."""
@@ -271,6 +361,8 @@ class DecodeCache:
         if len(new) != self.batch or any(n < 0 or n > L for n, L in zip(new, self._host_lens)):
             raise ValueError(f"seqlens must have {self.batch} entries, each in [0, its current length "
                              f"{self._host_lens[:8]}], got {new[:8]}")
+        if self.is_fp8:
+            self._reopen(new)
         self.seqlens.copy_(torch.tensor(new, dtype=torch.int32))
         self._host_lens = new
         self._host_stale = False
@@ -295,7 +387,7 @@ class DecodeCache:
         """
         B, H, D = self.batch, self.num_heads, self.head_dim
         if cu_seqlens_new is None:
-            dt, dev = self.k.dtype, self.k.device
+            dt, dev = self.dtype, self.k.device
             if not (type(k_new) is torch.Tensor and type(v_new) is torch.Tensor and k_new.dtype == dt
                     and v_new.dtype == dt and k_new.shape == (B, H, D) and v_new.shape == (B, H, D)
                     and k_new.device == dev and v_new.device == dev):     # else the checks name what differs
@@ -306,8 +398,13 @@ class DecodeCache:
             v_new = v_new.reshape(B, H, D)
             if torch.compiler.is_compiling():
                 # traced: the op keeps the cache's tensors whole; the host mirror lags from here on
-                torch.ops.infllm_cupy.cache_append(k_new, v_new, self.k, self.v, self.ck1, self.ck2,
-                                                   self.seqlens, self.block_table)
+                if self.is_fp8:
+                    torch.ops.infllm_cupy.cache_append_fp8(k_new, v_new, self.k, self.v, self.ck1, self.ck2,
+                                                           self.seqlens, self.block_table,
+                                                           *self.fp8_tensors())
+                else:
+                    torch.ops.infllm_cupy.cache_append(k_new, v_new, self.k, self.v, self.ck1, self.ck2,
+                                                       self.seqlens, self.block_table)
                 self._host_stale = True
                 return
             in_capture = capturing()
@@ -324,7 +421,7 @@ class DecodeCache:
                                                            self.seqlens, self.block_table).program(
                         k_new=k_new, v_new=v_new)
                 self._append_program.run(k_new=k_new, v_new=v_new)
-            elif (not in_capture and not self._host_stale and not self.is_paged
+            elif (not in_capture and not self._host_stale and not self.is_paged and not self.is_fp8
                   and len(set(self._host_lens)) == 1):
                 self._append_one_at(self._host_lens[0], k_new, v_new)
             else:
@@ -342,9 +439,15 @@ class DecodeCache:
         self._check_capacity(counts)
         if torch.compiler.is_compiling():
             # traced (a compiled prefill): one op, the lengths known on the host as in eager
-            torch.ops.infllm_cupy.cache_append_chunk(k_new, v_new, self.k, self.v, self.ck1, self.ck2,
-                                                     self.seqlens,
-                                                     self.block_table, list(self._host_lens), counts)
+            if self.is_fp8:
+                torch.ops.infllm_cupy.cache_append_chunk_fp8(k_new, v_new, self.k, self.v, self.ck1, self.ck2,
+                                                             self.seqlens, self.block_table,
+                                                             *self.fp8_tensors(), list(self._host_lens),
+                                                             counts)
+            else:
+                torch.ops.infllm_cupy.cache_append_chunk(k_new, v_new, self.k, self.v, self.ck1, self.ck2,
+                                                         self.seqlens,
+                                                         self.block_table, list(self._host_lens), counts)
             self._host_lens = [L + n for L, n in zip(self._host_lens, counts)]
             self._min_room = None
             return
@@ -379,7 +482,8 @@ class DecodeCache:
         return page, pos % self.page_size
 
     def _append_one(self, k_new, v_new) -> None:
-        append_one_tensors(k_new, v_new, self.k, self.v, self.ck1, self.ck2, self.seqlens, self.block_table)
+        append_one_tensors(k_new, v_new, self.k, self.v, self.ck1, self.ck2, self.seqlens, self.block_table,
+                           self.fp8_tensors())
 
     def _append_one_at(self, L: int, k_new, v_new) -> None:
         # Eager step of a contiguous cache whose sequences all hold L keys (HF's batches), the host
@@ -395,6 +499,8 @@ class DecodeCache:
         self.seqlens.add_(1)
 
     def _append_chunks(self, k_new, v_new, counts) -> None:
+        if self.is_fp8:
+            return self._append_chunks_fp8(k_new, v_new, counts)
         B = self.batch
         starts = self._host_lens
         n_dev = h2d(torch.tensor(counts, dtype=torch.long), self.device)
@@ -419,32 +525,98 @@ class DecodeCache:
         self._host_lens = [L + n for L, n in zip(starts, counts)]
         self._min_room = None
 
+    def _append_chunks_fp8(self, k_new, v_new, counts) -> None:
+        # Per sequence, on the host lengths: the chunk after the unquantized keys of the last 128
+        # positions (`k_recent`) and the open page's values (`v_open`); the windows it completes from
+        # those unquantized keys (the 16-bit cache's compressed keys, bit for bit), the pages it fills
+        # quantized, the last 128 keys and the open page's values back into the 16-bit buffers.
+        dev, off = self.device, 0
+        k_recent, v_open = self.k_recent, self.v_open
+        for b, (L0, n) in enumerate(zip(self._host_lens, counts)):
+            kn, vn, off = k_new[off:off + n], v_new[off:off + n], off + n
+            if n == 0:
+                continue
+            L1 = L0 + n
+            lo, o = max(0, L0 - RECENT), L0 - L0 % KV_BLOCK            # ring start, open page start
+            ku = torch.cat([k_recent[b, torch.arange(lo, L0, device=dev) % RECENT], kn])   # positions lo..L1
+            vu = torch.cat([v_open[b, torch.arange(o, L0, device=dev) % KV_BLOCK], vn])     # positions o..L1
+            for ck, (kr, st) in zip((self.ck1, self.ck2), COMPRESSIONS):
+                w0, w1 = n_windows(L0, kr, st), n_windows(L1, kr, st)
+                if w1 > w0:
+                    t = (torch.arange(w0, w1, device=dev)[:, None] * st
+                         + torch.arange(kr, device=dev)[None, :]) - lo
+                    ck[b, w0:w1] = _window_mean(ku[t])
+            full = (L1 - o) // KV_BLOCK                                 # pages this chunk fills
+            if full:
+                m = full * KV_BLOCK
+                k8, ks = quantize_k_pages(ku[o - lo:o - lo + m].view(full, KV_BLOCK, *ku.shape[1:]))
+                v8, vs = quantize_v(vu[:m])
+                r, s = self.positions(b, o, o + m)
+                self.k[r, s] = k8.flatten(0, 1)
+                self.v[r, s] = v8
+                self.v_scale[r, s] = vs
+                self.k_scale[r[::KV_BLOCK], s[::KV_BLOCK] // KV_BLOCK] = ks
+            t = torch.arange(max(lo, L1 - RECENT), L1, device=dev)
+            k_recent[b, t % RECENT] = ku[t - lo]
+            t = torch.arange(L1 - L1 % KV_BLOCK, L1, device=dev)
+            v_open[b, t % KV_BLOCK] = vu[t - o]
+        n_dev = h2d(torch.tensor(counts, dtype=torch.int32), dev)
+        self.seqlens.add_(n_dev)
+        self._host_lens = [L + n for L, n in zip(self._host_lens, counts)]
+        self._min_room = None
+
+    def _reopen(self, new: list[int]) -> None:
+        """Before an FP8 cache is truncated to `new`: the 16-bit buffers of each shortened sequence
+        filled for its new length (the unquantized keys of its last 128 positions, the open page's values).
+        Positions the buffers no longer hold come from their stored pages, dequantized: compression
+        windows over them, and the reopened page once it is quantized again, then read those numbers."""
+        for b, (L1, L0) in enumerate(zip(new, self._host_lens)):
+            if L1 == L0:
+                continue
+            lo, keep = max(0, L1 - RECENT), max(0, L0 - RECENT)        # the buffer holds [keep, L0) exactly
+            if lo < min(L1, keep):
+                k, _ = self._read(b, lo, min(L1, keep))
+                self.k_recent[b, torch.arange(lo, min(L1, keep), device=self.device) % RECENT] = k
+            o = L1 - L1 % KV_BLOCK
+            if o < L1 and o != L0 - L0 % KV_BLOCK:                      # a page quantized before: read back
+                _, v = self._read(b, o, L1)
+                self.v_open[b, torch.arange(o, L1, device=self.device) % KV_BLOCK] = v
+
     def recompress(self) -> None:
-        """Recompute ck1/ck2 of every sequence from its keys (a cache filled by hand through `k`)."""
+        """Recompute ck1/ck2 of every sequence from its keys (a cache filled by hand through `k`; an FP8
+        cache's keys as it reads them)."""
         for ck, (kr, st) in zip((self.ck1, self.ck2), COMPRESSIONS):
             for b, L in enumerate(self._host_lens):
                 n = n_windows(L, kr, st)
-                if n:
+                if n and self.is_fp8:
+                    t = (torch.arange(n, device=self.device)[:, None] * st
+                         + torch.arange(kr, device=self.device))
+                    ck[b, :n] = _window_mean(self.gather(b)[0][t])
+                elif n:
                     t = (torch.arange(n, device=self.device)[:, None] * st
                          + torch.arange(kr, device=self.device))
                     r, s = self._slots(t, torch.full_like(t, b))
                     ck[b, :n] = _window_mean(self.k[r, s])
 
 
-def append_chunk_tensors(k_new, v_new, k, v, ck1, ck2, seqlens, block_table, starts, counts) -> None:
+def append_chunk_tensors(k_new, v_new, k, v, ck1, ck2, seqlens, block_table, starts, counts,
+                         fp8=None) -> None:
     """A chunk of `counts[b]` tokens per sequence (packed `[sum(counts), H, D]`) into a cache's tensors
     whose sequences hold `starts[b]` keys, as `DecodeCache.append(k_new, v_new, cu_seqlens)` (which
-    checks them): the keys, values, the windows they complete and the lengths."""
+    checks them): the keys, values, the windows they complete and the lengths. `fp8`: an FP8 cache's
+    `fp8_tensors()`."""
     page = k.shape[1] if block_table is not None else None
     width = k.shape[1] * block_table.shape[1] if block_table is not None else k.shape[1]
-    view = DecodeCache(k, v, seqlens, block_table, page, ck1, ck2, starts, [width] * len(starts))
+    view = DecodeCache(k, v, seqlens, block_table, page, ck1, ck2, starts, [width] * len(starts), fp8)
     view._append_chunks(k_new, v_new, list(counts))
 
 
-def append_one_tensors(k_new, v_new, k, v, ck1, ck2, seqlens, block_table) -> None:
+def append_one_tensors(k_new, v_new, k, v, ck1, ck2, seqlens, block_table, fp8=None) -> None:
     """One token per sequence into a cache's tensors, in torch ops with device-side positions (static
     shapes, capturable): the key and value at `seqlens[b]`, the windows that end there, then the
-    lengths + 1. What `cache_append.cu` does in one launch; the CPU path and the op's CPU kernel."""
+    lengths + 1. What `cache_append.cu` does in one launch; the CPU path and the op's CPU kernel.
+    `fp8`: an FP8 cache's `fp8_tensors()`: the key and value go to its 16-bit buffers, the windows read
+    the unquantized keys there, and a page whose 64th key this is is quantized into `k`, `v`."""
     B = seqlens.shape[0]
     dev = k.device
     paged = block_table is not None
@@ -458,9 +630,14 @@ def append_one_tensors(k_new, v_new, k, v, ck1, ck2, seqlens, block_table) -> No
 
     b = torch.arange(B, device=dev)
     pos = seqlens.long()
-    row, slot = slots(pos, b)
-    k[row, slot] = k_new
-    v[row, slot] = v_new
+    if fp8 is None:
+        row, slot = slots(pos, b)
+        k[row, slot] = k_new
+        v[row, slot] = v_new
+    else:
+        k_scale, v_scale, k_recent, v_open = fp8
+        k_recent[b, pos % RECENT] = k_new
+        v_open[b, pos % KV_BLOCK] = v_new
     L = pos + 1
     # each step recomputes the window that ends at the new key for every sequence and writes it only
     # where that window is complete now
@@ -471,18 +648,62 @@ def append_one_tensors(k_new, v_new, k, v, ck1, ck2, seqlens, block_table) -> No
         done = (first >= 0) & (torch.remainder(first, st) == 0)
         i = torch.div(first.clamp(min=0), st, rounding_mode="floor").clamp(max=ck.shape[1] - 1)
         t = first.clamp(min=0)[:, None] + torch.arange(kr, device=dev)[None, :]   # [B, kr]
-        r, s = slots(t.clamp(max=capacity - 1), b[:, None].expand(-1, kr))
-        win = _window_mean(k[r, s])                                # [B, H, D]
+        if fp8 is None:
+            r, s = slots(t.clamp(max=capacity - 1), b[:, None].expand(-1, kr))
+            win = _window_mean(k[r, s])                            # [B, H, D]
+        else:
+            win = _window_mean(k_recent[b[:, None], t % RECENT])   # kr <= 128: the buffer holds them all
         ck[b, i] = torch.where(done[:, None, None], win, ck[b, i])
+    if fp8 is not None:
+        # quantize every sequence's open page and store it where this key filled it (static shapes)
+        full = (L % KV_BLOCK) == 0
+        t = (pos - pos % KV_BLOCK)[:, None] + torch.arange(KV_BLOCK, device=dev)[None, :]   # [B, 64]
+        k8, ks = quantize_k_pages(k_recent[b[:, None], t % RECENT])
+        v8, vs = quantize_v(v_open)
+        # a page not full is written back unchanged; its positions are the sequence's own (< capacity)
+        r, s = slots(t.clamp(max=capacity - 1), b[:, None].expand(-1, KV_BLOCK))
+        m = full[:, None, None, None]
+        k[r, s] = torch.where(m, k8, k[r, s])
+        v[r, s] = torch.where(m, v8, v[r, s])
+        v_scale[r, s] = torch.where(m[..., 0], vs, v_scale[r, s])
+        r0, s0 = r[:, 0], s[:, 0] // KV_BLOCK
+        k_scale[r0, s0] = torch.where(m[:, 0], ks, k_scale[r0, s0])
     seqlens.add_(1)
+
+
+def dequantized_tensors(k, v, seqlens, block_table, fp8) -> tuple[torch.Tensor, torch.Tensor]:
+    """`DecodeCache.dequantized` on a cache's tensors (`fp8`: its `fp8_tensors()`)."""
+    k_scale, v_scale, k_recent, v_open = fp8
+    kd, vd = dequantize_rows(k, v, k_scale, v_scale, k_recent.dtype)
+    R, S, H, D = k.shape
+    B, dev = seqlens.shape[0], k.device
+    L = seqlens.long()
+    t = (L - L % KV_BLOCK)[:, None] + torch.arange(KV_BLOCK, device=dev)[None, :]     # [B, 64] open page
+    live = t < L[:, None]
+    b = torch.arange(B, device=dev)[:, None].expand(-1, KV_BLOCK)
+    if block_table is not None:
+        page = torch.div(t, S, rounding_mode="floor").clamp(max=block_table.shape[1] - 1)
+        row = block_table[b, page].long()
+        slot = t % S
+    else:
+        row, slot = b, t.clamp(max=S - 1)
+    # positions past a length go to a scratch row: the writes that count never collide
+    row = torch.where(live, row, R)
+    kd = torch.cat([kd, kd.new_zeros(1, S, H, D)])
+    vd = torch.cat([vd, vd.new_zeros(1, S, H, D)])
+    kd[row, slot] = k_recent[b, t % RECENT]
+    vd[row, slot] = v_open[b, t % KV_BLOCK]
+    return kd[:R], vd[:R]
 
 
 # -------------------------------------------------------------------------------------- helpers
 def cache_tensors(cache):
-    """`(k, v, seqlens, block_table, width)` of a DecodeCache or of a tuple `(k_cache, v_cache,
-    seqlens[, block_table])`; width = positions a sequence can address (L_max or pages x page_size)."""
+    """`(k, v, seqlens, block_table, width)` of a DecodeCache (an FP8 cache's K and V `dequantized()`)
+    or of a tuple `(k_cache, v_cache, seqlens[, block_table])`; width = positions a sequence can
+    address (L_max or pages x page_size)."""
     if isinstance(cache, DecodeCache):
-        return cache.k, cache.v, cache.seqlens, cache.block_table, cache.capacity
+        # an FP8 cache's K and V as the references read them (a kernel launcher refuses it first)
+        return (*cache.read_kv(False, "cache"), cache.seqlens, cache.block_table, cache.capacity)
     if not isinstance(cache, (tuple, list)) or len(cache) not in (3, 4):
         raise TypeError("cache must be a DecodeCache or a tuple (k_cache, v_cache, seqlens[, block_table])")
     k, v, seqlens = cache[:3]

@@ -7,7 +7,11 @@ whose op `infllm_cupy::infllmv2_decode` lives with its body in `step.py`). Desig
     infllm_cupy::cache_append_chunk(k_new, v_new, k_cache, v_cache, ck1, ck2, seqlens, block_table, starts,
                                     counts)
 
-Both mutate the cache's tensors (keys, values, the compression windows they complete, the lengths).
+    infllm_cupy::cache_append_fp8(..., block_table, k_scale, v_scale, k_recent, v_open)
+    infllm_cupy::cache_append_chunk_fp8(..., block_table, k_scale, v_scale, k_recent, v_open, starts, counts)
+
+They mutate the cache's tensors (keys, values, the compression windows they complete, the lengths; an
+FP8 cache's scales and 16-bit buffers, docs/decode.md §16).
 """
 from __future__ import annotations
 
@@ -88,4 +92,37 @@ def _(k_new, v_new, k_cache, v_cache, ck1, ck2, seqlens, block_table, starts, co
     return None
 
 
-__all__ = ["cache_append_chunk_op", "cache_append_op"]
+_FP8_MUTATES = ("k_cache", "v_cache", "ck1", "ck2", "seqlens", "k_scale", "v_scale", "k_recent", "v_open")
+
+
+@torch.library.custom_op("infllm_cupy::cache_append_fp8", mutates_args=_FP8_MUTATES)
+def cache_append_fp8_op(k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor, ck1: Tensor,
+                        ck2: Tensor, seqlens: Tensor, block_table: Tensor | None, k_scale: Tensor,
+                        v_scale: Tensor, k_recent: Tensor, v_open: Tensor) -> None:
+    """`cache_append` into an FP8 cache (torch ops on any device: no kernel writes FP8 pages yet)."""
+    append_one_tensors(k_new, v_new, k_cache, v_cache, ck1, ck2, seqlens, block_table,
+                       (k_scale, v_scale, k_recent, v_open))
+
+
+@cache_append_fp8_op.register_fake
+def _(k_new, v_new, k_cache, v_cache, ck1, ck2, seqlens, block_table, k_scale, v_scale, k_recent, v_open):
+    return None
+
+
+@torch.library.custom_op("infllm_cupy::cache_append_chunk_fp8", mutates_args=_FP8_MUTATES)
+def cache_append_chunk_fp8_op(k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor, ck1: Tensor,
+                              ck2: Tensor, seqlens: Tensor, block_table: Tensor | None, k_scale: Tensor,
+                              v_scale: Tensor, k_recent: Tensor, v_open: Tensor, starts: list[int],
+                              counts: list[int]) -> None:
+    """`cache_append_chunk` into an FP8 cache."""
+    append_chunk_tensors(k_new, v_new, k_cache, v_cache, ck1, ck2, seqlens, block_table, starts, counts,
+                         (k_scale, v_scale, k_recent, v_open))
+
+
+@cache_append_chunk_fp8_op.register_fake
+def _(k_new, v_new, k_cache, v_cache, ck1, ck2, seqlens, block_table, k_scale, v_scale, k_recent, v_open,
+      starts, counts):
+    return None
+
+
+__all__ = ["cache_append_chunk_fp8_op", "cache_append_chunk_op", "cache_append_fp8_op", "cache_append_op"]

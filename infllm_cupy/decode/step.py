@@ -679,7 +679,7 @@ def infllmv2_decode(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Conf
     if torch.compiler.is_compiling():
         return _traced_step(q, cache, config, return_attn_weights, weights, return_lse, return_topk_idx,
                             backend, kernel, stage1)
-    if stage1 == "decode" and kernel in _DECODE_KERNELS and type(cache) is DecodeCache:
+    if stage1 == "decode" and kernel in _DECODE_KERNELS and type(cache) is DecodeCache and not cache.is_fp8:
         fast = _prepared_step(q, cache, config, return_attn_weights, weights, return_lse, return_topk_idx,
                               backend)
         if fast is not None:
@@ -710,7 +710,8 @@ def infllmv2_decode(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Conf
         # later calls of this configuration take the prepared path
         path = {"stage1": "device" if spec.dense_len else "stage1", "dense": "dense"}[spec.select]
         _remember_spec(config, return_lse, w, return_topk_idx, backend, path, spec)
-    res = run_step(q, cache.k, cache.v, cache.ck1, cache.ck2, cache.seqlens, cache.block_table, topk_idx,
+    k, v = cache.read_kv(kern, "infllmv2_decode")
+    res = run_step(q, k, v, cache.ck1, cache.ck2, cache.seqlens, cache.block_table, topk_idx,
                    spec, kernels=kern, host_lens=None if kern else cache.current_lengths())
     if return_topk_idx and spec.select == "dense":
         res.append(None)
@@ -788,11 +789,12 @@ def _traced_step(q, cache, config, return_attn_weights, weights, return_lse, ret
     if stage1 != "decode":
         raise ValueError("stage1='prefill' reads lengths on the host and cannot run under torch.compile; use "
                          "stage1='decode'")
-    cfg, _ = _check_select_args(q, cache, config, backend, kernel, stage1)
+    cfg, kern = _check_select_args(q, cache, config, backend, kernel, stage1)
     spec = step_spec(cfg, select="stage1", device_dense=True, return_lse=return_lse,
                      weights=weights if return_attn_weights else "", return_topk_idx=return_topk_idx,
                      backend=backend)
-    res = infllmv2_decode_op(q, cache.k, cache.v, cache.ck1, cache.ck2, cache.seqlens, cache.block_table,
+    k, v = cache.read_kv(kern, "infllmv2_decode")
+    res = infllmv2_decode_op(q, k, v, cache.ck1, cache.ck2, cache.seqlens, cache.block_table,
                              None, spec.encode())
     return res[0] if len(res) == 1 else tuple(res)
 
@@ -852,6 +854,8 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
         res = run_step(q, k, v, None, None, seqlens, bt, topk_idx, spec, kernels=False)
         return res[0] if len(res) == 1 else tuple(res)
     k, v, seqlens, bt = _attention_cache(cache)
+    if type(cache) is DecodeCache and cache.is_fp8:
+        k, v = cache.read_kv(runs_kernels(q, backend), "sparse_decode")
     if softmax_scale is not None:
         check_softmax_scale(softmax_scale, 1)
     if torch.compiler.is_compiling():

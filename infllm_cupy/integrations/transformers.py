@@ -191,6 +191,9 @@ def infllm_cupy_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     if cache is not None:
         # compiled or captured steps advance the device lengths only: the mirror is refreshed where it lags
         Lk = max(cache.current_lengths(), default=0)
+        if cache.is_fp8:
+            # the layer's views hold e4m3 bytes: attend over the pages as the references read them
+            key, value = (t.transpose(1, 2) for t in cache.dequantized())
         key, value = key[:, :, :Lk], value[:, :, :Lk]
         if _cache_compression_matches(cfg):
             ck1, ck2 = cache.ck1, cache.ck2
@@ -333,18 +336,22 @@ def _make_classes():
         function reads the valid length from it), so a compiled decode step sees the same tensors at
         every step."""
 
-        def __init__(self, max_cache_len: int, **kwargs):
+        def __init__(self, max_cache_len: int, kv_dtype=None, **kwargs):
             if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
                 raise ValueError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
+            if kv_dtype is not None and kv_dtype is not torch.float8_e4m3fn:
+                raise ValueError(f"kv_dtype must be None (the model's dtype) or torch.float8_e4m3fn, got "
+                                 f"{kv_dtype!r}")
             super().__init__(max_cache_len, **kwargs)
             self.decode_cache: DecodeCache | None = None
             self.decode_graphs = False
+            self.kv_dtype = kv_dtype
 
         def lazy_initialization(self, key_states, value_states, *args, **kwargs) -> None:
             B, H, _, D = key_states.shape
             self.device = key_states.device
             c = DecodeCache.contiguous(B, self.max_cache_len, H, D, dtype=key_states.dtype,
-                                       device=key_states.device)
+                                       device=key_states.device, kv_dtype=self.kv_dtype)
             c.graphs = self.decode_graphs
             self.decode_cache = c
             self.keys = c.k.transpose(1, 2)
@@ -352,7 +359,8 @@ def _make_classes():
             setattr(self.keys, DECODE_CACHE_ATTR, c)
             if not torch.compiler.is_compiling():
                 # fixed addresses: a compiled step's CUDA graph reads and writes them in place
-                for t in (c.k, c.v, c.ck1, c.ck2, c.seqlens, self.keys, self.values):
+                fp8 = c.fp8_tensors() or ()
+                for t in (c.k, c.v, c.ck1, c.ck2, c.seqlens, self.keys, self.values, *fp8):
                     torch._dynamo.mark_static_address(t)
             self.is_initialized = True
 
@@ -429,10 +437,13 @@ def _make_classes():
             decode_graphs (bool, Optional): eager decode steps replay a CUDA graph of each layer's
                 attention, captured at its first step (per path, dense or sparse): for callers that do not
                 compile (`DecodeCache.graphs`). Default: False.
+            kv_dtype (torch.dtype, Optional): the K/V storage, `DecodeCache`'s: None (the model's dtype)
+                or `torch.float8_e4m3fn` (docs/decode.md §16; on CUDA tensors the decode kernels refuse it
+                until verified on hardware: `register(backend="reference")`). Default: None.
         """
 
         def __init__(self, config=None, *, max_cache_len: int, num_layers: int | None = None,
-                     decode_graphs: bool = False):
+                     decode_graphs: bool = False, kv_dtype=None):
             if num_layers is None:
                 if config is None:
                     raise ValueError("InfLLMv2Cache needs config or num_layers")
@@ -441,7 +452,7 @@ def _make_classes():
                 raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
             if not isinstance(decode_graphs, bool):
                 raise TypeError(f"decode_graphs must be a bool, got {decode_graphs!r}")
-            layers = [InfLLMv2CacheLayer(max_cache_len) for _ in range(num_layers)]
+            layers = [InfLLMv2CacheLayer(max_cache_len, kv_dtype) for _ in range(num_layers)]
             for layer in layers:
                 layer.decode_graphs = decode_graphs
             Cache.__init__(self, layers=layers)

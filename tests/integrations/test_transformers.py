@@ -513,3 +513,33 @@ def test_readme_transformers_block_runs():
     out = ns["out"]
     assert out.shape == (1, 528) and torch.equal(out[:, :512], ns["ids"])
     assert ns["model"].config._attn_implementation == hf.ATTN_NAME
+
+
+def test_fp8_cache_eager_and_compiled_on_cpu():
+    """InfLLMv2Cache(kv_dtype=torch.float8_e4m3fn), bf16 model on CPU across dense_len: compiled steps
+    (aot_eager) give the eager steps' tokens and logits; the logits stay close to the 16-bit cache's;
+    the caches hold e4m3 pages and the 16-bit cache's compressed keys."""
+    cfg = small_config(SPARSE)
+    m = model_for(cfg, dtype=torch.bfloat16)
+    ids = prompt(2, 250)
+    fp8 = torch.float8_e4m3fn
+    toks_16, logits_16 = _greedy(m, ids, 12, hf.InfLLMv2Cache(cfg, max_cache_len=300), m.forward)
+    eager = hf.InfLLMv2Cache(cfg, max_cache_len=300, kv_dtype=fp8)
+    toks_e, logits_e = _greedy(m, ids, 12, eager, m.forward, feed=toks_16)
+    torch._dynamo.reset()
+    cache = hf.InfLLMv2Cache(cfg, max_cache_len=300, kv_dtype=fp8)
+    toks_c, logits_c = _greedy(m, ids, 12, cache, torch.compile(m.forward, backend="aot_eager"), feed=toks_16)
+    assert torch.equal(toks_c, toks_e)
+    torch.testing.assert_close(logits_c, logits_e, atol=1e-4, rtol=1e-4)
+    cos = torch.nn.functional.cosine_similarity(logits_e.flatten(1), logits_16.flatten(1), dim=-1)
+    # two layers of a random bf16 model carry the attention error on (the per-head contract: tests/decode)
+    assert cos.min() > 0.98 and not torch.equal(logits_e, logits_16)
+    ref = hf.InfLLMv2Cache(cfg, max_cache_len=300)
+    _greedy(m, ids, 12, ref, m.forward, feed=toks_16)
+    for a in cache.decode_caches():
+        assert a.kv_dtype == fp8 and a.sync_lengths() == [262, 262]
+    # the first layer's keys do not depend on attention: its compressed keys are the 16-bit cache's
+    a, b = cache.decode_caches()[0], ref.decode_caches()[0]
+    assert torch.equal(a.ck1, b.ck1) and torch.equal(a.ck2, b.ck2)
+    with pytest.raises(ValueError, match="kv_dtype"):
+        hf.InfLLMv2Cache(cfg, max_cache_len=300, kv_dtype=torch.float8_e5m2)
