@@ -225,16 +225,18 @@ def run_sparse_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q:
     """Stage 2 over the selected blocks: `sparse_attn_varlen`'s kernels (64-key blocks, checked by
     `check_kernel_path`); else with `cpu` its CPU path (`cpu_sparse_attn`: the CPU implementation's
     forward, the reference's backward); else `naive_sparse_attn_varlen` with the config's block size.
-    On `config.precision="int8-fp8"` off the kernels, the 8-bit plan's reference
-    (`naive_q8_sparse_attn_varlen`: its CPU implementation and its oracle alike)."""
-    if cfg.precision == "int8-fp8" and not kernels:
+    On `config.precision="int8-fp8"` the 8-bit plan's reference (`naive_q8_sparse_attn_varlen`: its CPU
+    implementation and its oracle alike); CUDA tensors are refused (`check_q8_device`) while its
+    kernels are not verified on hardware."""
+    if cfg.precision == "int8-fp8":
+        check_q8_device(q)
         return naive_q8_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q,
                                            max_seqlen_k, causal=causal, softmax_scale=cfg.softmax_scale,
                                            host_seqlens=host_seqlens)
     if kernels:
         return sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
                                   causal=causal, softmax_scale=cfg.softmax_scale, backend="kernels",
-                                  host_seqlens=host_seqlens, precision=cfg.precision)
+                                  host_seqlens=host_seqlens)
     attend = cpu_sparse_attn if cpu else naive_sparse_attn_varlen
     return attend(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, causal=causal,
                   softmax_scale=cfg.softmax_scale, block_size=cfg.block_size)
