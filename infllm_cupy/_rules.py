@@ -19,6 +19,11 @@ import torch
 # "reference" force one side (`runs_kernels`): "reference" is always the naive oracle.
 BACKENDS = ("auto", "kernels", "reference")
 
+# The `precision=` plan of stage 2 (the config's field and every entry's argument): "16bit" computes in
+# the inputs' own bf16/fp16 (today's kernels); "int8-fp8" is the 8-bit forward of docs/stage2_q8.md (Q K^T
+# in int8 on K smoothed by its mean, P V in e4m3 with V scaled per channel, fp32 across blocks).
+PRECISIONS = ("16bit", "int8-fp8")
+
 # Head dims every kernel is instantiated for (compression, stage 1, stage 2, decode).
 HEAD_DIMS = (64, 128)
 
@@ -71,6 +76,21 @@ def check_backend(backend) -> str:
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     return backend
+
+
+def check_precision(precision, name: str = "precision") -> str:
+    """`precision` must be one of `PRECISIONS` (ValueError naming `name` otherwise); returns it."""
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"{name} must be one of {PRECISIONS}, got {precision!r}")
+    return precision
+
+
+def check_precision_block(precision: str, block_size, name: str = "block_size") -> None:
+    """The 8-bit plan's K scales are per `KV_BLOCK`-key block: on precision "int8-fp8" a block size other
+    than `KV_BLOCK` is a ValueError naming `name`."""
+    if precision == "int8-fp8" and (isinstance(block_size, bool) or block_size != KV_BLOCK):
+        raise ValueError(f"{name} must be {KV_BLOCK} on precision='int8-fp8' (its K scales are per "
+                         f"{KV_BLOCK}-key block), got {block_size!r}")
 
 
 def runs_kernels(t: torch.Tensor, backend: str = "auto", name: str = "q") -> bool:

@@ -14,6 +14,7 @@ from ._checks import (
     check_window_covers_stride,
 )
 from ._dtypes import REF_DTYPES
+from ._rules import check_precision, check_precision_block
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +58,11 @@ class InfLLMv2Config:
         score_dtype (torch.dtype):
             dtype of stage-1 scores and block scores, on which top-k runs. Default: `torch.bfloat16`
             (as the original; fp32 gives tie-free comparisons in tests).
+        precision (str):
+            Stage 2's plan (`_rules.PRECISIONS`): "16bit" (the inputs' bf16/fp16, fp32 accumulation) or
+            "int8-fp8" (the 8-bit forward of docs/stage2_q8.md: no gradients, 64-key blocks only, CPU
+            tensors only until its kernels are verified on hardware; compression, stage 1 and the
+            dense fallback stay in 16 bits). Default: "16bit".
     """
     kernel_size: int = 32
     kernel_stride: int = 16
@@ -71,6 +77,7 @@ class InfLLMv2Config:
     varlen_offset_quirk: bool = False
     softmax_scale: float | None = None
     score_dtype: torch.dtype = torch.bfloat16
+    precision: str = "16bit"
 
     def __post_init__(self):
         check_int_args(1, kernel_size=self.kernel_size, kernel_stride=self.kernel_stride,
@@ -96,6 +103,8 @@ class InfLLMv2Config:
         if self.score_dtype is None:
             raise ValueError(f"score_dtype must be one of {tuple(REF_DTYPES)}, got None")
         check_score_dtype(self.score_dtype)
+        check_precision(self.precision)
+        check_precision_block(self.precision, self.block_size)
 
 
 def check_topk_keeps_forced_blocks(topk: int, init_blocks: int, name: str = "topk") -> None:

@@ -8,11 +8,13 @@ attention below `dense_len`). The configuration is `config.py`'s.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ._checks import HostSeqlens, check_attn_inputs, check_flags, check_max_seqlen, check_tensor
 from ._dtypes import REF_DTYPES
-from ._rules import check_backend, runs_cpu, runs_kernels
+from ._rules import check_backend, check_precision, runs_cpu, runs_kernels
 from .config import InfLLMv2Config, check_config
 from .prefill import check_prefill_inputs, prefill
 
@@ -61,7 +63,7 @@ def naive_infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 def infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                        cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
                        max_seqlen_k: int | None = None, config: InfLLMv2Config | None = None, *,
-                       backend: str = "auto", return_aux: bool = False):
+                       backend: str = "auto", return_aux: bool = False, precision: str | None = None):
     r"""InfLLM-v2 prefill attention: compression -> stage 1 -> top-k -> stage 2, on kernels where they exist.
 
     Same semantics as `naive_infllmv2_attention` (MiniCPM4 defaults: kernels 32/16 and 128/64,
@@ -105,6 +107,10 @@ def infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
             "auto", "kernels" or "reference". Default: "auto".
         return_aux (bool, Optional):
             Also return the intermediates dict of `naive_infllmv2_attention`. Default: `False`.
+        precision (str, Optional):
+            Stage 2's plan, in place of `config.precision` (`InfLLMv2Config`): "16bit" or "int8-fp8"
+            (the 8-bit forward, docs/stage2_q8.md: no gradients, CPU tensors only for now; the dense
+            fallback stays in 16 bits). Default: `None` (the config's).
 
     Returns:
         out (torch.Tensor): `[total_q, HQ, D]` in q's dtype (and the aux dict with `return_aux`).
@@ -112,11 +118,13 @@ def infllmv2_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     Raises:
         ValueError: bad inputs (naming the argument), a `backend` outside `BACKENDS`, or what the
             kernel path cannot do (`config.block_size != 64`, dtype, head dim), before any launch.
+        NotImplementedError: CUDA tensors on precision "int8-fp8" (its kernels are not yet verified
+            on hardware).
 
     Host synchronisation: one device-to-host copy per call, of both `cu_seqlens` at once, by the
     checks here; the stages below take that copy and read nothing back.
     """
-    cfg = check_config(config)
+    cfg = with_precision(check_config(config), precision)
     check_backend(backend)
     check_flags(return_aux=return_aux)
     if cu_seqlens_k is None:
@@ -188,6 +196,13 @@ def infllmv2_attention_host_lengths(q: torch.Tensor, k: torch.Tensor, v: torch.T
                    compressed=compressed)
 
 
+def with_precision(cfg: InfLLMv2Config, precision: str | None) -> InfLLMv2Config:
+    """`cfg` with `precision` in place of its own (checked, naming the argument), or `cfg` for None."""
+    if precision is None or check_precision(precision) == cfg.precision:
+        return cfg
+    return dataclasses.replace(cfg, precision=precision)      # the config's own checks run again
+
+
 class InfLLMv2Attention(torch.nn.Module):
     r"""`infllmv2_attention` as a module that holds its configuration (no parameters).
 
@@ -196,15 +211,19 @@ class InfLLMv2Attention(torch.nn.Module):
             Default: `None` (MiniCPM4 defaults).
         backend (str, Optional):
             "auto", "kernels" or "reference" (see `infllmv2_attention`). Default: "auto".
+        precision (str, Optional):
+            Stage 2's plan in place of `config.precision`: "16bit" or "int8-fp8" (see
+            `infllmv2_attention`). Default: `None` (the config's).
 
     Example:
         >>> attn = InfLLMv2Attention(InfLLMv2Config(dense_len=0))
         >>> out = attn(q, k, v, cu_seqlens)            # q [total, HQ, D], k, v [total, H, D]
     """
 
-    def __init__(self, config: InfLLMv2Config | None = None, *, backend: str = "auto"):
+    def __init__(self, config: InfLLMv2Config | None = None, *, backend: str = "auto",
+                 precision: str | None = None):
         super().__init__()
-        self.config = check_config(config)
+        self.config = with_precision(check_config(config), precision)
         self.backend = check_backend(backend)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,

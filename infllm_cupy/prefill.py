@@ -40,6 +40,8 @@ from .stage1.naive import naive_stage1_select
 from .stage1.select import stage1_select
 from .stage2.attention import sparse_attn_varlen
 from .stage2.naive import naive_dense_attn_varlen, naive_sparse_attn_varlen
+from .stage2.q8_fwd import check_q8_device
+from .stage2.q8_naive import naive_q8_sparse_attn_varlen
 
 # ------------------------------------------------------------------------------ checks at the entry
 
@@ -222,7 +224,15 @@ def run_sparse_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q:
                     host_seqlens: HostSeqlens | None = None) -> torch.Tensor:
     """Stage 2 over the selected blocks: `sparse_attn_varlen`'s kernels (64-key blocks, checked by
     `check_kernel_path`); else with `cpu` its CPU path (`cpu_sparse_attn`: the CPU implementation's
-    forward, the reference's backward); else `naive_sparse_attn_varlen` with the config's block size."""
+    forward, the reference's backward); else `naive_sparse_attn_varlen` with the config's block size.
+    On `config.precision="int8-fp8"` the 8-bit plan's reference (`naive_q8_sparse_attn_varlen`: its CPU
+    implementation and its oracle alike); CUDA tensors are refused (`check_q8_device`) while its
+    kernels are not verified on hardware."""
+    if cfg.precision == "int8-fp8":
+        check_q8_device(q)
+        return naive_q8_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q,
+                                           max_seqlen_k, causal=causal, softmax_scale=cfg.softmax_scale,
+                                           host_seqlens=host_seqlens)
     if kernels:
         return sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
                                   causal=causal, softmax_scale=cfg.softmax_scale, backend="kernels",
@@ -317,8 +327,11 @@ def prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k
     implementations where a stage has one, else the references. `host_seqlens`: both
     offsets on the host; nothing below reads them back. `compressed`: `(ck1, cu_seqlens_c1, ck2,
     cu_seqlens_c2)` of k with the config's sizes, or None to compress here. Returns `out`, and the
-    aux dict of `naive_infllmv2_attention` with `return_aux`.
+    aux dict of `naive_infllmv2_attention` with `return_aux`. `config.precision="int8-fp8"` refuses
+    CUDA tensors (`check_q8_device`) whatever the length, before any stage runs.
     """
+    if cfg.precision == "int8-fp8":
+        check_q8_device(q)
     if uses_dense(cfg.dense_len, max_seqlen_k):
         out = run_dense_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, cfg, causal=True, kernels=kernels,
                              cpu=cpu, host_seqlens=host_seqlens)

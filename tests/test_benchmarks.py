@@ -216,3 +216,27 @@ def test_bench_patterns_quick_on_gpu(tmp_path):
     assert all(row["ms"] and row["ms"] > 0 for row in timed), \
         [(row["impl"], row["selection"], row["mode"], row["note"]) for row in timed if not row["ms"]]
     assert {g["goals"] for g in payload["goals"]} <= {"met", "MISSED"} and len(payload["goals"]) == 10
+
+
+def test_bench_model_runs_on_cpu_at_a_tiny_size(tmp_path):
+    """bench_model.py: time to first token, decode ms/step and its byte floor, and the prefill split by
+    kernel family, for SDPA + StaticCache and our 16-bit and 8-bit plans (the 8-bit one runs its
+    reference on CPU tensors)."""
+    out = tmp_path / "model.json"
+    r = run_script("bench_model.py", "--device", "cpu", "--dtype", "float32", "--context", "400",
+                   "--layers", "1", "--hidden", "128", "--intermediate", "256", "--hq", "8", "--h", "2",
+                   "--d", "64", "--vocab", "128", "--dense-len", "256", "--topk", "2", "--window", "64",
+                   "--new-tokens", "2", "--rep", "1", "--warmup-steps", "1", "--json", str(out))
+    assert "prefill time by kernel family (ms)" in r.stdout
+    payload = json.loads(out.read_text())
+    assert payload["env"]["commit"] and payload["env"]["torch"]
+    rows = {row["impl"]: row for row in payload["rows"]}
+    assert set(rows) == {"sdpa_static", "ours:16bit", "ours:int8-fp8"}
+    for row in rows.values():
+        assert row["ttft_ms"] > 0 and row["decode_ms_per_step"] > 0 and row["floor_ms_per_step"] > 0, row
+        assert set(row["split_ms"]) == {"GEMM", "compression", "stage 1", "stage 2", "dense attention",
+                                        "elementwise", "other"}
+    assert rows["sdpa_static"]["split_ms"]["dense attention"] > 0
+    for impl in ("ours:16bit", "ours:int8-fp8"):                   # 400 tokens >= dense_len: sparse
+        assert rows[impl]["split_ms"]["stage 1"] > 0 and rows[impl]["split_ms"]["stage 2"] > 0, rows[impl]
+    assert rows["ours:int8-fp8"]["ttft_vs_ours16"] > 0

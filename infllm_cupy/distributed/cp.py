@@ -510,6 +510,12 @@ def cp_infllmv2_attention(
                 "config.varlen_offset_quirk=True is not supported with context parallelism (HF's "
                 "offset depends on the whole batch's query lengths)"
             )
+        if cfg.precision != "16bit":
+            # its stage 2 runs the 16-bit ops: an 8-bit config would be ignored without a word
+            raise ValueError(
+                f"config.precision must be '16bit' with context parallelism, got {cfg.precision!r}: the "
+                f"8-bit plan runs in one process (infllmv2_attention)"
+            )
         check_tensor("q", q, ndim=3, dtypes=REF_DTYPES)
         check_tensor("k", k, ndim=3, dtypes=(q.dtype,))
         check_tensor("v", v, ndim=3, dtypes=(q.dtype,))

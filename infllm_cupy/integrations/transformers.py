@@ -30,12 +30,13 @@ The sparse hyper-parameters come from the model config's `sparse_config` dict, M
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import numbers
 
 import torch
 
-from .._rules import COMPRESSIONS, check_backend, n_windows, runs_kernels, uses_dense
+from .._rules import COMPRESSIONS, check_backend, check_precision, n_windows, runs_kernels, uses_dense
 from ..config import InfLLMv2Config
 from ..decode import DecodeCache, infllmv2_decode
 from ..decode.cache import h2d
@@ -160,7 +161,8 @@ def _check_unsupported(module, attention_mask, dropout, kwargs) -> None:
 def infllm_cupy_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                           value: torch.Tensor,
                           attention_mask: torch.Tensor | None, scaling: float | None = None,
-                          dropout: float = 0.0, *, backend: str = "auto", **kwargs):
+                          dropout: float = 0.0, *, backend: str = "auto", precision: str | None = None,
+                          **kwargs):
     """HF attention function: `query [B, HQ, Lq, D]`, `key`/`value [B, H, Lk, D]` (the cache's keys,
     current ones included) -> `([B, Lq, HQ, D], None)`.
 
@@ -170,7 +172,9 @@ def infllm_cupy_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     the device and honours `backend`), `Lq > 1` the prefill pipeline over its first `L` keys. With
     another HF cache: `Lq > 1` runs the prefill pipeline (`infllmv2_attention_host_lengths`, the first
     `Lk - Lq` keys as the cache, causal bottom-right), `Lq == 1` `infllmv2_decode` on a `DecodeCache`
-    built from the keys at every step. Attention weights are not returned (None).
+    built from the keys at every step. Attention weights are not returned (None). `precision`: the
+    prefill's stage-2 plan in place of the config's ("16bit" or "int8-fp8", `register`'s); decode
+    steps stay in 16 bits.
     """
     cache = getattr(key, DECODE_CACHE_ATTR, None)
     if query.dim() != 4 or key.dim() != 4 or value.shape != key.shape:
@@ -182,6 +186,8 @@ def infllm_cupy_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     # without padding at prefill has none later; generate appends ones)
     _check_unsupported(module, None if decode else attention_mask, dropout, kwargs)
     cfg = _config_of(module, scaling)
+    if precision is not None and check_precision(precision) != cfg.precision:
+        cfg = dataclasses.replace(cfg, precision=precision)
     if decode:
         # eager: the step's prepared launches; under torch.compile the step's op (dense or sparse decided
         # on the device, `backend` honoured)
@@ -217,7 +223,8 @@ def infllm_cupy_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
                                                       cfg.coarse_kernel_size,
             cfg.coarse_kernel_stride, cfg.block_size, cfg.topk, cfg.local_blocks, cfg.init_blocks,
                                                       cfg.dense_len,
-            cfg.exact_stage1, cfg.varlen_offset_quirk, cfg.softmax_scale, cfg.score_dtype, backend), None
+            cfg.exact_stage1, cfg.varlen_offset_quirk, cfg.softmax_scale, cfg.score_dtype, backend,
+            cfg.precision), None
     return prefill_attention(query, key, value, ck1, ck2, cfg, backend), None
 
 
@@ -244,9 +251,11 @@ def prefill_attention(query, key, value, ck1, ck2, cfg: InfLLMv2Config,
     torch.compile."""
     B, HQ, Lq, D = query.shape
     H, Lk = key.shape[1], key.shape[2]
-    if Lq == Lk and uses_dense(cfg.dense_len, Lk) and runs_kernels(query, backend):
+    if (Lq == Lk and uses_dense(cfg.dense_len, Lk) and runs_kernels(query, backend)
+            and cfg.precision == "16bit"):
         # The pipeline's dense branch on the kernel path is torch SDPA per sequence (causal, GQA); rows
-        # of equal length make it one SDPA call on HF's own layout: no packing, no host reads.
+        # of equal length make it one SDPA call on HF's own layout: no packing, no host reads. (The
+        # 8-bit plan goes through the pipeline, which refuses CUDA tensors until its kernels are verified.)
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True,
                                                                scale=cfg.softmax_scale, enable_gqa=True)
         return out.transpose(1, 2).contiguous()
@@ -278,7 +287,7 @@ def _prefill_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ck1
                 coarse_kernel_size: int, coarse_kernel_stride: int, block_size: int, topk: int,
                 local_blocks: int, init_blocks: int,
                 dense_len: int, exact_stage1: bool, varlen_offset_quirk: bool, softmax_scale: float | None,
-                score_dtype: torch.dtype, backend: str) -> torch.Tensor:
+                score_dtype: torch.dtype, backend: str, precision: str) -> torch.Tensor:
     """`prefill_attention` as an op (any device: CUDA tensors run the kernels, CPU tensors the CPU paths,
     `backend="reference"` the references), after the padding check on `attention_mask`."""
     _check_padding(attention_mask)
@@ -287,7 +296,7 @@ def _prefill_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ck1
                          coarse_kernel_stride=coarse_kernel_stride, block_size=block_size, topk=topk,
                          local_blocks=local_blocks, init_blocks=init_blocks, dense_len=dense_len,
                          exact_stage1=exact_stage1, varlen_offset_quirk=varlen_offset_quirk,
-                         softmax_scale=softmax_scale, score_dtype=score_dtype)
+                         softmax_scale=softmax_scale, score_dtype=score_dtype, precision=precision)
     return prefill_attention(query, key, value, ck1, ck2, cfg, backend)
 
 
@@ -303,22 +312,27 @@ def _cache_compression_matches(cfg: InfLLMv2Config) -> bool:
             (cfg.coarse_kernel_size, cfg.coarse_kernel_stride)) == COMPRESSIONS
 
 
-def register(name: str = ATTN_NAME, *, backend: str = "auto") -> str:
+def register(name: str = ATTN_NAME, *, backend: str = "auto", precision: str | None = None) -> str:
     """Register the attention function (and FlashAttention's mask function, which gives None or the 2-D
     padding mask) under `name` in transformers' `AttentionInterface` / `AttentionMaskInterface`.
 
     After this, `attn_implementation=name` (from_pretrained, the config, `set_attn_implementation`) runs
-    InfLLM-v2. `backend` ("auto", "kernels", "reference") is passed to our ops. Idempotent; returns `name`.
+    InfLLM-v2. `backend` ("auto", "kernels", "reference") is passed to our ops; `precision` ("16bit" or
+    "int8-fp8", `InfLLMv2Config`), when given, replaces the config's plan for the prefill's stage 2.
+    Idempotent; returns `name`.
     """
     check_backend(backend)
+    if precision is not None:
+        check_precision(precision)
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty str, got {name!r}")
     _transformers()
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    fn = (infllm_cupy_attention if backend == "auto"
-          else functools.partial(infllm_cupy_attention, backend=backend))
+    given = {k: v for k, v in (("backend", backend), ("precision", precision))
+             if v is not None and not (k == "backend" and v == "auto")}
+    fn = functools.partial(infllm_cupy_attention, **given) if given else infllm_cupy_attention
     AttentionInterface.register(name, fn)
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
     return name

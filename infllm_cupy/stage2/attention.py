@@ -22,10 +22,12 @@ from .._checks import (
     check_tensor,
 )
 from .._kernel_arg import check_kernel
-from .._rules import check_backend, runs_kernels
+from .._rules import check_backend, check_precision, runs_kernels
 from .layout import BlockLayout, check_layout_call
 from .naive import naive_block_sparse_attn_varlen, naive_sparse_attn_varlen
 from .ops import block_sparse_attn_fwd, sparse_attn_fwd
+from .q8_fwd import check_q8_device
+from .q8_naive import naive_q8_sparse_attn_varlen
 from .qhead import expand_kv, qhead_block_sparse_attn_fwd
 
 
@@ -54,7 +56,8 @@ def sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
                        cu_seqlens_k: torch.Tensor, topk_idx: torch.Tensor, max_seqlen_q: int,
                        max_seqlen_k: int,
                        *, causal: bool = True, softmax_scale: float | None = None, return_lse: bool = False,
-                       backend: str = "auto", kernel: str = "auto", host_seqlens: HostSeqlens | None = None):
+                       backend: str = "auto", kernel: str = "auto", host_seqlens: HostSeqlens | None = None,
+                       precision: str = "16bit"):
     r"""Attention of each query token over the 64-key blocks its KV head selected (InfLLM-v2 stage 2).
 
     Query `t` (row `r` of sequence `b`), head `hq`, attends keys `c` of its sequence with
@@ -107,12 +110,25 @@ def sparse_attn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
             Given by a caller that checked every input against the kernels (the pipeline): the op
             path then skips its checks, and with them their host copy of the `cu_seqlens`. Ignored
             by the reference. Default: `None`.
+        precision (str, Optional):
+            "16bit": the math above in q's bf16/fp16 with fp32 accumulation. "int8-fp8": the 8-bit
+            forward (docs/stage2_q8.md: Q K^T in int8 on K smoothed by its mean, P V in e4m3), within
+            its accuracy contract of the 16-bit result (cosine >= 0.999 per head); no gradients (a
+            backward through its output raises); CPU tensors run its reference
+            (`naive_q8_sparse_attn_varlen`) under every backend but "kernels", CUDA tensors raise
+            NotImplementedError until its kernels are verified on hardware. Default: "16bit".
 
     Returns:
         out (torch.Tensor): `[total_q, HQ, D]` in q's dtype; and `lse` with `return_lse`.
     """
     check_kernel(kernel)
     check_flags(causal=causal, return_lse=return_lse)
+    if check_precision(precision) == "int8-fp8":
+        runs_kernels(q, backend)                   # the backend rule's errors first (CPU and "kernels")
+        check_q8_device(q)
+        return naive_q8_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q,
+                                           max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+                                           return_lse=return_lse, host_seqlens=host_seqlens)
     if not _use_op(backend, q):
         return naive_sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q,
                                         max_seqlen_k,

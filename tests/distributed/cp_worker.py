@@ -292,8 +292,8 @@ def case_bad_length_every_rank(W):
 
 
 def case_block_size_and_backend_every_rank(W):
-    """A block size other than 64 (on the reference path too) and backend='kernels' on CPU tensors: every
-    rank raises its own check's error, none hangs."""
+    """A block size other than 64 (on the reference path too), backend='kernels' on CPU tensors and the
+    8-bit plan: every rank raises its own check's error, none hangs."""
     lengths = [2 * W * 64]
     q, k, v, _, cu = _inputs(lengths, 4, 2, 16, torch.float64, "cpu", 0)
     shards = [zigzag_shard(t, cu) for t in (q, k, v)]
@@ -302,6 +302,8 @@ def case_block_size_and_backend_every_rank(W):
             *shards, cu, InfLLMv2Config(**dict(CFG_SMALL, block_size=128)), backend="reference")),
         "kernels_on_cpu": _expect_raise(lambda: cp_infllmv2_attention(
             *shards, cu, InfLLMv2Config(**CFG_SMALL), backend="kernels")),
+        "int8_fp8": _expect_raise(lambda: cp_infllmv2_attention(
+            *shards, cu, InfLLMv2Config(**dict(CFG_SMALL, precision="int8-fp8")), backend="reference")),
     }
 
 

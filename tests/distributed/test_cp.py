@@ -146,6 +146,9 @@ def test_block_size_and_backend_checks_raise_on_every_rank(cpu2):
         assert "config.block_size must be 64 with context parallelism" in bs["msg"], d
         assert kern["raised"] == "ValueError", d
         assert "q must be a CUDA tensor for backend='kernels'" in kern["msg"], d
+        q8 = d["int8_fp8"]
+        assert q8["raised"] == "ValueError", d
+        assert "config.precision must be '16bit' with context parallelism" in q8["msg"], d
 
 
 def test_dry_run_of_the_8_rank_launch(tmp_path_factory):
