@@ -37,7 +37,7 @@
 # `.ipynb` (outputs stripped). The sequence is 32k tokens on any machine. On a CUDA GPU: MiniCPM4's
 # settings, every stage on its CUDA kernel (seconds). Without one: the demo's budget (topk 8, 4 local
 # blocks, K = 12), every stage on its CPU implementation, whose work grows with the selection (about
-# a minute on a 2-core laptop); the dense comparisons, whose cost grows with T^2, then run on the last
+# 30 s on a 2-core machine); the dense comparisons, whose cost grows with T^2, then run on the last
 # 1024 query tokens. `NB_SMOKE=1` runs a 2k-token smoke size (the test suite's).
 # Figures go to `figures/` (or `$NB_FIG_DIR`).
 
