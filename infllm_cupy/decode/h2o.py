@@ -114,6 +114,11 @@ class H2O:
         scores of the kept positions to the front (the rest zero), so accumulation continues on
         the compacted cache. Positions past a sequence's new length are zero."""
         B, H, W = self.scores.shape
+        if isinstance(k_cache, torch.Tensor) and k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            # an 8-bit cache's values mean nothing without its scales, which live in the DecodeCache
+            raise ValueError(f"k_cache must be a 16- or 32-bit cache, got {k_cache.dtype}: for an FP8 "
+                             "DecodeCache, evict from cache.dequantized() and append the result to a new "
+                             "cache (docs/decode.md §16)")
         check_tensor("k_cache", k_cache, ndim=4, device=self.scores.device)
         check_tensor("v_cache", v_cache, shape=tuple(k_cache.shape), dtypes=(k_cache.dtype,),
                      device=self.scores.device)

@@ -135,6 +135,33 @@ def test_evict_compacts_per_head_and_attention_continues():
             torch.testing.assert_close(out[b, hq], p @ v[b, pos, h], atol=1e-5, rtol=1e-5)
 
 
+def test_evict_refuses_an_fp8_cache_and_the_dequantized_one_compacts():
+    # e4m3 values without their scales mean nothing: refused, nothing changed; the way the message names
+    # (dequantized values, appended to a new FP8 cache) keeps what the kept positions held
+    from infllm_cupy.testing import random_decode_cache
+
+    B, H, D, budget = 2, 2, 64, 128
+    cache = random_decode_cache([300, 90], H, D, torch.bfloat16, kv_dtype=torch.float8_e4m3fn, spare=20)
+    h2o = H2O(B, H, cache.capacity, budget=budget, recent=16)
+    h2o.update(torch.rand(B, H, cache.capacity))
+    before = h2o.scores.clone()
+    with pytest.raises(ValueError, match=r"k_cache.*FP8 DecodeCache.*dequantized\(\)"):
+        h2o.evict(cache.k, cache.v, cache.seqlens)
+    assert torch.equal(h2o.scores, before)
+    k, v = cache.dequantized()
+    kept = h2o.kept(cache.seqlens)
+    k2, v2, lens = h2o.evict(k, v, cache.seqlens)
+    new = DecodeCache.contiguous(B, budget, H, D, dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn)
+    n = lens.tolist()
+    new.append(torch.cat([k2[b, :n[b]] for b in range(B)]), torch.cat([v2[b, :n[b]] for b in range(B)]),
+               cu_seqlens_from_lengths(n))
+    nk, nv = new.dequantized()
+    for b in range(B):
+        pos = [x for x in kept[b, 0].tolist() if x >= 0]
+        # a re-quantized page rounds again: within e4m3's step of the first quantization
+        torch.testing.assert_close(nk[b, :len(pos), 0].float(), k[b, pos, 0].float(), atol=0.25, rtol=0.07)
+
+
 def test_h2o_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="recent"):
         H2O(1, 1, 10, budget=4, recent=5)
