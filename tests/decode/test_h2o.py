@@ -160,6 +160,7 @@ def test_evict_refuses_an_fp8_cache_and_the_dequantized_one_compacts():
         pos = [x for x in kept[b, 0].tolist() if x >= 0]
         # a re-quantized page rounds again: within e4m3's step of the first quantization
         torch.testing.assert_close(nk[b, :len(pos), 0].float(), k[b, pos, 0].float(), atol=0.25, rtol=0.07)
+        torch.testing.assert_close(nv[b, :len(pos), 0].float(), v[b, pos, 0].float(), atol=0.25, rtol=0.07)
 
 
 def test_h2o_bad_input_names_the_argument():
