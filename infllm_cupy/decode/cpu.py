@@ -12,10 +12,44 @@ selected gives `out = 0` and `lse = +inf`, and the weights are the softmax over 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .._dtypes import compute_dtype
-from .._rules import cdiv
+from .._rules import KV_BLOCK, cdiv
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Pages:
+    """K or V of an FP8 cache (docs/decode.md §16) as the CPU step reads it: only the gathered rows are
+    dequantized, so a step costs the selection, not the cache (`DecodeCache.dequantized` reads every
+    page). `data`: e4m3 `[rows, S, H, D]`; `scale`: K's `[rows, ceil(S / 64), H, D]` (per channel of
+    each 64-token page) or V's `[rows, S, H]`; `open_`: the open page's buffer in the query's dtype
+    (`k_recent`, slot `t % 128`, or `v_open`, slot `t % 64`); `is_k`: which of the two."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    open_: torch.Tensor
+    is_k: bool
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def rows(self, b: int, t: torch.Tensor, heads: torch.Tensor, row: torch.Tensor, slot: torch.Tensor,
+             L: int) -> torch.Tensor:
+        """Positions `t [H, S]` of sequence b (storage `row`, `slot`), heads `[H, 1]`, in the query's
+        dtype: `(e4m3 as fp32) * scale` rounded once, as `fp8.dequantize_*` and the kernels read them;
+        positions of the open page (at or past `L - L % 64`) from its buffer."""
+        x = self.data[row, slot, heads].float()                              # [H, S, D]
+        if self.is_k:
+            x = x * self.scale[row, slot // KV_BLOCK, heads]
+        else:
+            x = x * self.scale[row, slot, heads][..., None]
+        x = x.to(self.open_.dtype)
+        buf = self.open_[b, t % self.open_.shape[1], heads]
+        return torch.where((t >= L - L % KV_BLOCK)[..., None], buf, x)
 
 
 def _selected_positions(ids: torch.Tensor, L: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,11 +65,20 @@ def _selected_positions(ids: torch.Tensor, L: int, block_size: int) -> tuple[tor
     return torch.where(ok, pos, torch.zeros_like(pos)).flatten(1), ok.flatten(1)
 
 
-def _gather(cache: torch.Tensor, b: int, bt: torch.Tensor | None, pos: torch.Tensor | None, L: int,
-            dtype: torch.dtype) -> torch.Tensor:
+def _gather(cache: torch.Tensor | Fp8Pages, b: int, bt: torch.Tensor | None, pos: torch.Tensor | None,
+            L: int, dtype: torch.dtype) -> torch.Tensor:
     """Rows of sequence b's cache as `[H, S, D]` in `dtype`: positions `pos [H, S]` per KV head, or
     `0 .. L-1` for every head when `pos` is None."""
     H = cache.shape[2]
+    if isinstance(cache, Fp8Pages):
+        t = torch.arange(L).expand(H, L) if pos is None else pos
+        heads = torch.arange(H)[:, None]
+        if bt is None:
+            row, slot = torch.full_like(t, b), t
+        else:
+            ps = cache.shape[1]
+            row, slot = bt[b].long()[t // ps], t % ps
+        return cache.rows(b, t, heads, row, slot, L).to(dtype)
     if pos is None:
         if bt is None:
             return cache[b, :L].transpose(0, 1).to(dtype)
@@ -53,8 +96,8 @@ def cpu_sparse_decode(q, k, v, seqlens, bt, width: int, topk_idx, *, scale: floa
                       return_lse: bool, return_attn_weights: bool, weights: str,
                       host_lens: list[int] | None = None):
     """`sparse_decode_checked` (the reference on checked inputs) over the selected blocks only: the same
-    arguments and results. `host_lens`: the lengths where the caller knows them (else read from
-    `seqlens`)."""
+    arguments and results; `k` and `v` may also be an FP8 cache's `Fp8Pages`. `host_lens`: the lengths
+    where the caller knows them (else read from `seqlens`)."""
     B, HQ, D = q.shape
     H = k.shape[2]
     G = HQ // H

@@ -53,7 +53,7 @@ from ..config import InfLLMv2Config, check_config
 from ..prefill import prefill
 from ..stage1 import stage1_select
 from .cache import DecodeCache, cache_tensors, capturing, cu_seqlens_of
-from .cpu import cpu_sparse_decode
+from .cpu import Fp8Pages, cpu_sparse_decode
 from .naive import check_sparse_decode_inputs, sparse_decode_checked
 from .select_decode import add_select_decode, check_select_inputs, plan_for, select_decode, select_width
 from .select_decode import scratch_floats as select_scratch_floats
@@ -710,7 +710,12 @@ def infllmv2_decode(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Conf
         # later calls of this configuration take the prepared path
         path = {"stage1": "device" if spec.dense_len else "stage1", "dense": "dense"}[spec.select]
         _remember_spec(config, return_lse, w, return_topk_idx, backend, path, spec)
-    k, v = cache.read_kv(kern, "infllmv2_decode")
+    if cache.is_fp8 and not kern and runs_cpu(q, backend):
+        # the CPU implementation dequantizes the rows it gathers only (decode/cpu.py)
+        k = Fp8Pages(cache.k, cache.k_scale, cache.k_recent, is_k=True)
+        v = Fp8Pages(cache.v, cache.v_scale, cache.v_open, is_k=False)
+    else:
+        k, v = cache.read_kv(kern, "infllmv2_decode")
     res = run_step(q, k, v, cache.ck1, cache.ck2, cache.seqlens, cache.block_table, topk_idx,
                    spec, kernels=kern, host_lens=None if kern else cache.current_lengths())
     if return_topk_idx and spec.select == "dense":

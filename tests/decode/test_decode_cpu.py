@@ -110,3 +110,26 @@ def test_reads_only_the_selected_rows():
     ref = cpu_sparse_decode(q, k, v, seqlens, bt, width, idx, **kw)
     assert bool(torch.isfinite(ref).all()) and torch.equal(out, ref)
     torch.testing.assert_close(ref, naive_sparse_decode(q, cache, idx), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("page_size", [None, 64, 256], ids=["contiguous", "page64", "page256"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fp8_cache_reads_only_the_gathered_pages_as_the_reference_does(page_size, dtype):
+    # an FP8 cache (docs/decode.md §16): the CPU step dequantizes the rows it gathers (Fp8Pages), the
+    # reference the whole cache; both read the same numbers, so they agree to fp32 rounding, through
+    # one-token appends that fill and open pages
+    cfg = InfLLMv2Config(topk=3, local_blocks=1, dense_len=0)
+    lengths, H, G, D = [1, 63, 64, 65, 300, 1025], 2, 4, 64
+    cache = random_decode_cache(lengths, H, D, dtype, page_size=page_size, kv_dtype=torch.float8_e4m3fn,
+                                spare=80, seed=3)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(70):
+        q = torch.randn(len(lengths), H * G, D, generator=g).to(dtype)
+        out, lse, idx = infllmv2_decode(q, cache, config=cfg, return_lse=True, return_topk_idx=True)
+        ref, ref_lse, ref_idx = infllmv2_decode(q, cache, config=cfg, return_lse=True, return_topk_idx=True,
+                                                backend="reference")
+        assert torch.equal(idx, ref_idx)
+        torch.testing.assert_close(out, ref, atol=2 * torch.finfo(dtype).eps * 4, rtol=0)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+        k_new = torch.randn(len(lengths), H, D, generator=g).to(dtype)
+        cache.append(k_new, torch.randn(len(lengths), H, D, generator=g).to(dtype))
