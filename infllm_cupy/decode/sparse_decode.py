@@ -38,6 +38,20 @@ MERGE_SPLITS_PER_GROUP = 4
 MERGE_MAX_THREADS = 1024
 
 constants(SOURCE, BLK=KV_BLOCK, WCHUNK=WCHUNK)
+KV8_TYPE = "fp8_e4m3"    # the FP8 cache's storage element in the .cu (one e4m3 byte)
+
+
+def split_name(dtype: torch.dtype, head_dim: int, row_tiles: int, kv8: bool = False) -> str:
+    """The split kernel's instance: `sparse_decode_split<T, D, MT>`, or with `kv8` the FP8 cache's
+    `sparse_decode_split<T, D, MT, fp8_e4m3>`."""
+    tail = f", {KV8_TYPE}" if kv8 else ""
+    return f"sparse_decode_split<{CXX_TYPE[dtype]}, {head_dim}, {row_tiles}{tail}>"
+
+
+def fp8_stage_bytes(head_dim: int) -> int:
+    """Bytes of one FP8 staging stage (Fp8Stage<D> in the .cu): e4m3 K and V blocks, K's head_dim
+    channel scales, V's 64 row scales."""
+    return 2 * KV_BLOCK * head_dim + 4 * head_dim + 4 * KV_BLOCK
 SPLIT_PARAMS = KernelParams(SOURCE, "SparseDecodeSplitParams<float>", """
     ptr q, k, v, seqlens, block_table
     i32 max_pages, page_size, seq_rows
@@ -47,6 +61,7 @@ SPLIT_PARAMS = KernelParams(SOURCE, "SparseDecodeSplitParams<float>", """
     ptr o_part, lse_part, prel, pmax
     i32 W
     ptr out, lse_out, lse2_out
+    ptr k_scale, v_scale, k_recent, v_open
 """)
 MERGE_PARAMS = KernelParams(SOURCE, "SparseDecodeMergeParams<float>", """
     ptr o_part, lse_part
@@ -61,6 +76,14 @@ WEIGHTS_PARAMS = KernelParams(SOURCE, "SparseDecodeWeightsParams", """
 
 _jit.register_instances(SOURCE, [f"sparse_decode_split<{CXX_TYPE[t]}, {d}, {mt}>"
                                  for t in KERNEL_DTYPES for d in HEAD_DIMS for mt in ROW_TILES])
+# the FP8 cache's instances (docs/decode.md §16): compiled by the CPU suite, launched only once
+# `fp8.VERIFIED_ON_HARDWARE` (their GPU tests passed on a GPU). At D = 128 with 2 and 4 row tiles they
+# spill 4-12 bytes under the 128 registers of their residency (not strict until tuned on hardware).
+_KV8_SPILLS = {(128, 2), (128, 4)}
+_jit.register_instances(SOURCE, [split_name(t, d, mt, True) for t in KERNEL_DTYPES for d in HEAD_DIMS
+                                 for mt in ROW_TILES if (d, mt) not in _KV8_SPILLS])
+_jit.register_instances(SOURCE, [split_name(t, d, mt, True) for t in KERNEL_DTYPES for d in HEAD_DIMS
+                                 for mt in ROW_TILES if (d, mt) in _KV8_SPILLS], strict=False)
 _jit.register_instances(SOURCE,
                         [f"sparse_decode_merge<{CXX_TYPE[t]}, {d}>" for t in KERNEL_DTYPES
                          for d in HEAD_DIMS])
@@ -97,19 +120,23 @@ class DecodePlan:
         groups = self.merge_groups or default_merge_groups(self.num_splits, head_dim)
         return groups * (head_dim // 4)
 
-    def split_smem_bytes(self, head_dim: int, sparse: bool, k: int = 0) -> int:
-        """Dynamic shared memory of the split kernel (SplitSmem<D, MT> in the .cu, whose LIST offset is
-        checked at compile time): Q, two K/V stages, row stats, warp counts, then (sparse) the split's
-        block list and the first k topk entries."""
+    def split_smem_bytes(self, head_dim: int, sparse: bool, k: int = 0, kv8: bool = False) -> int:
+        """Dynamic shared memory of the split kernel (SplitSmem<D, MT, KV8> in the .cu, whose LIST offset
+        is checked at compile time): Q, two K/V stages, row stats, warp counts, (`kv8`: the FP8 cache)
+        the e4m3 staging stages, then (sparse) the split's block list and the first k topk entries."""
         rowb = 2 * head_dim
         mt = self.row_tiles
         return (16 * mt * rowb + kv_stages(head_dim) * 2 * KV_BLOCK * rowb + 2 * mt * 4 * 16 * 4 + 4 * mt * 4
+                + (kv_stages(head_dim) * fp8_stage_bytes(head_dim) if kv8 else 0)
                 + (4 * (self.per_split + k) if sparse else 0))
 
 
 constants(SOURCE, **{f"KVLayout<{d}>::NSTAGE": kv_stages(d) for d in HEAD_DIMS},
           **{f"SplitSmem<{d}, {mt}>::LIST": DecodePlan(mt, 1, 1).split_smem_bytes(d, False)
-             for d in HEAD_DIMS for mt in ROW_TILES})
+             for d in HEAD_DIMS for mt in ROW_TILES},
+          **{f"SplitSmem<{d}, {mt}, true>::LIST": DecodePlan(mt, 1, 1).split_smem_bytes(d, False, kv8=True)
+             for d in HEAD_DIMS for mt in ROW_TILES},
+          **{f"Fp8Stage<{d}>::BYTES": fp8_stage_bytes(d) for d in HEAD_DIMS})
 
 
 def default_merge_groups(num_splits: int, head_dim: int) -> int:
