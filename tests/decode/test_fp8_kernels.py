@@ -262,3 +262,59 @@ def test_fp8_kernel_path_is_refused_until_verified():
     with pytest.raises(NotImplementedError, match="not yet verified on hardware"):
         sparse_decode(q, cache)
     assert sparse_decode(q, cache, backend="reference").shape == q.shape
+
+
+# ------------------------------------------------------------------------------ the launch path (CPU)
+def test_fp8_plan_shared_memory_and_input_checks():
+    from infllm_cupy.decode.sparse_decode import check_fp8_tensors, check_plan, fp8_stage_bytes
+    plan = DecodePlan(1, 4, 8)
+    assert fp8_stage_bytes(128) == 2 * 64 * 128 + 4 * 128 + 4 * 64
+    assert (plan.split_smem_bytes(128, True, 96, kv8=True) - plan.split_smem_bytes(128, True, 96)
+            == 2 * fp8_stage_bytes(128))
+    check_plan(plan, 16, 32, 128, 96, kv8=True)
+    with pytest.raises(ValueError, match="more shared memory"):
+        check_plan(DecodePlan(4, 1, 20_000), 64, 20_000, 128, 20_000, kv8=True)
+    c = DecodeCache.paged(6, 128, 2, 64, torch.arange(6, dtype=torch.int32).view(2, 3), kv_dtype=FP8)
+    q = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
+    check_fp8_tensors(q, c.k, c.fp8_tensors())
+    k_scale, v_scale, k_recent, v_open = c.fp8_tensors()
+    for i, (name, bad) in enumerate((("k_scale", k_scale[:, :1]), ("v_scale", v_scale.double()),
+                                     ("k_recent", k_recent.half()), ("v_open", v_open[:1]))):
+        kv8 = list(c.fp8_tensors())
+        kv8[i] = bad
+        with pytest.raises((TypeError, ValueError), match=name):
+            check_fp8_tensors(q, c.k, kv8)
+
+
+def test_fp8_launcher_refuses_until_verified():
+    from infllm_cupy._launch import Launches
+    from infllm_cupy.decode.sparse_decode import add_sparse_decode
+    c = DecodeCache.contiguous(1, 128, 1, 64, kv_dtype=FP8)
+    q = torch.zeros(1, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match=r"fp8_e4m3.*not yet verified on hardware"):
+        add_sparse_decode(Launches("cpu"), q, c.k, c.v, c.seqlens, None, 128, None, scale=0.125,
+                          plan=DecodePlan(1, 1, 2), kv8=c.fp8_tensors())
+
+
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_op_on_cpu_reads_the_fp8_tensors_dequantized(page_size):
+    """The custom op given an FP8 cache's tensors on CPU (its reference) equals the op on the dequantized
+    cache, and equals the step."""
+    from infllm_cupy.decode.step import infllmv2_decode_op, step_spec
+    H, D, dtype = 2, 64, torch.bfloat16
+    c = (DecodeCache.contiguous(2, 200, H, D, dtype=dtype, kv_dtype=FP8) if page_size is None else
+         DecodeCache.paged(8, page_size, H, D, torch.arange(8, dtype=torch.int32).view(2, 4), dtype=dtype,
+                           kv_dtype=FP8))
+    g = torch.Generator().manual_seed(5)
+    k_new, v_new = (torch.randn(200, H, D, generator=g).to(dtype) for _ in range(2))
+    c.append(k_new, v_new, cu_seqlens_from_lengths([130, 70]))
+    q = torch.randn(2, 4 * H, D, generator=g).to(dtype)
+    cfg = dataclasses.replace(CFG, dense_len=0, topk=2)
+    spec = step_spec(cfg, select="stage1", device_dense=True, return_lse=True).encode()
+    k, v = c.dequantized()
+    args = (c.ck1, c.ck2, c.seqlens, c.block_table, None, spec)
+    got = infllmv2_decode_op(q, c.k, c.v, *args, *c.fp8_tensors())
+    want = infllmv2_decode_op(q, k, v, *args)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(ValueError, match="all four"):
+        infllmv2_decode_op(q, c.k, c.v, *args, c.k_scale)
