@@ -32,7 +32,7 @@
 //   pmax    float [B, H, cdiv(W, 16), GP], GP = G rounded up to 4: that m, per (16-key group read, row
 //           g < GP; rows >= G hold the zero rows' m): a group's 4 heads are one 16-byte load
 //
-// sparse_decode_split<T, D, MT, fp8_e4m3>(the same fields): the FP8 KV cache (docs/decode.md §16-17,
+// sparse_decode_split<T, D, MT, fp8_e4m3>(the same fields): the FP8 KV cache (docs/decode.md §16,
 //   infllm_cupy/decode/fp8.py): k, v hold e4m3 bytes in the same layouts; every full 64-token page
 //   (block j with 64 j + 64 <= L_b) is read from them with its scales, dequantized as fp8.py reads it
 //   ((e4m3 as fp32) * scale, rounded once to T) into the 16-bit tile the rest of the kernel reads; the
