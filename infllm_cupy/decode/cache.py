@@ -35,10 +35,10 @@ from .fp8 import (
     E4M3,
     RECENT,
     check_kv_dtype,
+    check_verified,
     dequantize_k_pages,
     dequantize_rows,
     dequantize_v,
-    not_verified,
     quantize_k_pages,
     quantize_v,
 )
@@ -302,12 +302,14 @@ class DecodeCache:
 
     def read_kv(self, kernels: bool, what: str) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V as a step on this cache reads them: `k`, `v`, or an FP8 cache's `dequantized()` on
-        the references' path; an FP8 cache refuses the kernels (`fp8.not_verified`, naming `what`) until
-        their GPU tests have passed on hardware."""
+        the references' path. On the kernels' path an FP8 cache gives its stored e4m3 `k`, `v` (the
+        kernels take `fp8_tensors()` with them) and refuses (`fp8.not_verified`, naming `what`) until
+        their GPU tests have passed on hardware (`fp8.VERIFIED_ON_HARDWARE`)."""
         if not self.is_fp8:
             return self.k, self.v
         if kernels:
-            raise not_verified(what)
+            check_verified(what)
+            return self.k, self.v
         return self.dequantized()
 
     def fp8_tensors(self) -> tuple | None:

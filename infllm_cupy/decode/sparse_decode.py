@@ -17,6 +17,7 @@ from .._dtypes import KERNEL_DTYPES
 from .._launch import CXX_TYPE, Launches, empty
 from .._params import KernelParams, constants
 from .._rules import HEAD_DIMS, KV_BLOCK, SMEM_PER_BLOCK, cdiv
+from .fp8 import E4M3, RECENT, check_verified
 
 SOURCE = "decode/sparse_decode.cu"
 WCHUNK = 1024          # positions per CTA of the weights pass
@@ -38,6 +39,20 @@ MERGE_SPLITS_PER_GROUP = 4
 MERGE_MAX_THREADS = 1024
 
 constants(SOURCE, BLK=KV_BLOCK, WCHUNK=WCHUNK)
+KV8_TYPE = "fp8_e4m3"    # the FP8 cache's storage element in the .cu (one e4m3 byte)
+
+
+def split_name(dtype: torch.dtype, head_dim: int, row_tiles: int, kv8: bool = False) -> str:
+    """The split kernel's instance: `sparse_decode_split<T, D, MT>`, or with `kv8` the FP8 cache's
+    `sparse_decode_split<T, D, MT, fp8_e4m3>`."""
+    tail = f", {KV8_TYPE}" if kv8 else ""
+    return f"sparse_decode_split<{CXX_TYPE[dtype]}, {head_dim}, {row_tiles}{tail}>"
+
+
+def fp8_stage_bytes(head_dim: int) -> int:
+    """Bytes of one FP8 staging stage (Fp8Stage<D> in the .cu): e4m3 K and V blocks, K's head_dim
+    channel scales, V's 64 row scales."""
+    return 2 * KV_BLOCK * head_dim + 4 * head_dim + 4 * KV_BLOCK
 SPLIT_PARAMS = KernelParams(SOURCE, "SparseDecodeSplitParams<float>", """
     ptr q, k, v, seqlens, block_table
     i32 max_pages, page_size, seq_rows
@@ -47,6 +62,7 @@ SPLIT_PARAMS = KernelParams(SOURCE, "SparseDecodeSplitParams<float>", """
     ptr o_part, lse_part, prel, pmax
     i32 W
     ptr out, lse_out, lse2_out
+    ptr k_scale, v_scale, k_recent, v_open
 """)
 MERGE_PARAMS = KernelParams(SOURCE, "SparseDecodeMergeParams<float>", """
     ptr o_part, lse_part
@@ -61,6 +77,14 @@ WEIGHTS_PARAMS = KernelParams(SOURCE, "SparseDecodeWeightsParams", """
 
 _jit.register_instances(SOURCE, [f"sparse_decode_split<{CXX_TYPE[t]}, {d}, {mt}>"
                                  for t in KERNEL_DTYPES for d in HEAD_DIMS for mt in ROW_TILES])
+# the FP8 cache's instances (docs/decode.md §16): compiled by the CPU suite, launched only once
+# `fp8.VERIFIED_ON_HARDWARE` (their GPU tests passed on a GPU). At D = 128 with 2 and 4 row tiles they
+# spill 4-12 bytes under the 128 registers of their residency (not strict until tuned on hardware).
+_KV8_SPILLS = {(128, 2), (128, 4)}
+_jit.register_instances(SOURCE, [split_name(t, d, mt, True) for t in KERNEL_DTYPES for d in HEAD_DIMS
+                                 for mt in ROW_TILES if (d, mt) not in _KV8_SPILLS])
+_jit.register_instances(SOURCE, [split_name(t, d, mt, True) for t in KERNEL_DTYPES for d in HEAD_DIMS
+                                 for mt in ROW_TILES if (d, mt) in _KV8_SPILLS], strict=False)
 _jit.register_instances(SOURCE,
                         [f"sparse_decode_merge<{CXX_TYPE[t]}, {d}>" for t in KERNEL_DTYPES
                          for d in HEAD_DIMS])
@@ -97,19 +121,23 @@ class DecodePlan:
         groups = self.merge_groups or default_merge_groups(self.num_splits, head_dim)
         return groups * (head_dim // 4)
 
-    def split_smem_bytes(self, head_dim: int, sparse: bool, k: int = 0) -> int:
-        """Dynamic shared memory of the split kernel (SplitSmem<D, MT> in the .cu, whose LIST offset is
-        checked at compile time): Q, two K/V stages, row stats, warp counts, then (sparse) the split's
-        block list and the first k topk entries."""
+    def split_smem_bytes(self, head_dim: int, sparse: bool, k: int = 0, kv8: bool = False) -> int:
+        """Dynamic shared memory of the split kernel (SplitSmem<D, MT, KV8> in the .cu, whose LIST offset
+        is checked at compile time): Q, two K/V stages, row stats, warp counts, (`kv8`: the FP8 cache)
+        the e4m3 staging stages, then (sparse) the split's block list and the first k topk entries."""
         rowb = 2 * head_dim
         mt = self.row_tiles
         return (16 * mt * rowb + kv_stages(head_dim) * 2 * KV_BLOCK * rowb + 2 * mt * 4 * 16 * 4 + 4 * mt * 4
+                + (kv_stages(head_dim) * fp8_stage_bytes(head_dim) if kv8 else 0)
                 + (4 * (self.per_split + k) if sparse else 0))
 
 
 constants(SOURCE, **{f"KVLayout<{d}>::NSTAGE": kv_stages(d) for d in HEAD_DIMS},
           **{f"SplitSmem<{d}, {mt}>::LIST": DecodePlan(mt, 1, 1).split_smem_bytes(d, False)
-             for d in HEAD_DIMS for mt in ROW_TILES})
+             for d in HEAD_DIMS for mt in ROW_TILES},
+          **{f"SplitSmem<{d}, {mt}, true>::LIST": DecodePlan(mt, 1, 1).split_smem_bytes(d, False, kv8=True)
+             for d in HEAD_DIMS for mt in ROW_TILES},
+          **{f"Fp8Stage<{d}>::BYTES": fp8_stage_bytes(d) for d in HEAD_DIMS})
 
 
 def default_merge_groups(num_splits: int, head_dim: int) -> int:
@@ -150,11 +178,15 @@ def scratch_floats(q_shape, num_kv_heads: int, width: int, plan: DecodePlan,
 
 def add_sparse_decode(run: Launches, q, k, v, seqlens, bt, width: int, topk_idx, *, scale: float,
                       plan: DecodePlan, return_attn_weights: bool = False, weights: str = "per_head",
-                      out=None, lse=None, w_out=None, scratch=None):
+                      out=None, lse=None, w_out=None, scratch=None, kv8=None):
     """Adds `sparse_decode`'s launches (split, merge unless one split, weights pass) to `run` on checked
     inputs and a checked plan, and returns `(out, lse, weights or None)` they write (allocated here
     unless given). `scratch`: float32 of at least `scratch_floats(...)` words, 16-byte aligned
-    (allocated here when None), referenced by `run`'s arguments."""
+    (allocated here when None), referenced by `run`'s arguments. `kv8`: an FP8 cache's `(k_scale,
+    v_scale, k_recent, v_open)` (`DecodeCache.fp8_tensors()`, `k`, `v` its e4m3 storage): the FP8
+    split kernel, refused until verified on hardware (`fp8.check_verified`)."""
+    if kv8 is not None:
+        check_verified("sparse_decode_split<..., fp8_e4m3>")
     B, HQ, D = q.shape
     H = k.shape[2]
     G = HQ // H
@@ -184,15 +216,17 @@ def add_sparse_decode(run: Launches, q, k, v, seqlens, bt, width: int, topk_idx,
     if return_attn_weights and w_out is None:
         w_out = empty((B, HQ if weights == "per_head" else H, width), dtype=torch.float32, device=dev)
     paged = bt is not None
-    run.add(SOURCE, f"sparse_decode_split<{CXX_TYPE[q.dtype]}, {D}, {plan.row_tiles}>", (S, H, B),
-            (128 * plan.row_tiles,), plan.split_smem_bytes(D, sparse, K), SPLIT_PARAMS,
+    k_scale, v_scale, k_recent, v_open = kv8 if kv8 is not None else (None,) * 4
+    run.add(SOURCE, split_name(q.dtype, D, plan.row_tiles, kv8 is not None), (S, H, B),
+            (128 * plan.row_tiles,), plan.split_smem_bytes(D, sparse, K, kv8 is not None), SPLIT_PARAMS,
             dict(q=q, k=k, v=v, seqlens=seqlens, block_table=bt, max_pages=bt.shape[1] if paged else 0,
                  page_size=k.shape[1] if paged else 0, seq_rows=0 if paged else k.shape[1], topk=topk_idx,
                  K=K, B=B, H=H, G=G, per_split=plan.per_split, scale_log2=scale * math.log2(math.e),
                  o_part=None if direct else o_part, lse_part=None if direct else lse_part,
                  prel=prel if return_attn_weights else None, pmax=pmax if return_attn_weights else None,
                  W=width, out=out if direct else None, lse_out=lse if direct else None,
-                 lse2_out=lse2 if direct else None))
+                 lse2_out=lse2 if direct else None, k_scale=k_scale, v_scale=v_scale, k_recent=k_recent,
+                 v_open=v_open))
     if not direct:
         nt = plan.merge_threads(D)
         run.add(SOURCE, f"sparse_decode_merge<{CXX_TYPE[q.dtype]}, {D}>", (B * HQ,), (nt,), 16 * nt,
@@ -216,7 +250,7 @@ def weights_scratch_floats(batch: int, kv_heads: int, group: int, width: int) ->
     return 4 * cdiv(rows * width, 8), batch * kv_heads * cdiv(width, PMAX_GROUP) * 4 * cdiv(group, 4)
 
 
-def check_plan(plan, group: int, n_entries: int, head_dim: int, k: int = 0) -> None:
+def check_plan(plan, group: int, n_entries: int, head_dim: int, k: int = 0, kv8: bool = False) -> None:
     """`plan` must cover the group and every entry (sparse: the K topk entries; dense: the blocks of
     the cache's width), and its shared memory must fit a CTA (the topk row is staged there)."""
     if not isinstance(plan, DecodePlan) or plan.row_tiles not in ROW_TILES or 16 * plan.row_tiles < group:
@@ -232,17 +266,21 @@ def check_plan(plan, group: int, n_entries: int, head_dim: int, k: int = 0) -> N
     if not is_int or g < 0 or (g & (g - 1)) or (g and not 32 <= g * (head_dim // 4) <= MERGE_MAX_THREADS):
         raise ValueError("plan: merge_groups must be 0 (default) or a power of two with 32 <= merge_groups "
                          f"x D / 4 <= {MERGE_MAX_THREADS} at D = {head_dim}, got {g!r}")
-    if plan.split_smem_bytes(head_dim, k > 0, k) > SMEM_PER_BLOCK:
+    if plan.split_smem_bytes(head_dim, k > 0, k, kv8) > SMEM_PER_BLOCK:
         raise ValueError(f"topk_idx: K = {k} entries need more shared memory than a CTA has "
-                         f"({plan.split_smem_bytes(head_dim, True, k)} > {SMEM_PER_BLOCK} bytes)")
+                         f"({plan.split_smem_bytes(head_dim, True, k, kv8)} > {SMEM_PER_BLOCK} bytes)")
 
 
-def check_decode_kernel_inputs(q, k, v, seqlens, bt, topk_idx):
-    """Shapes, dtypes, devices and layouts the kernels need; raises naming the argument. Reads no values."""
+def check_decode_kernel_inputs(q, k, v, seqlens, bt, topk_idx, kv8=None):
+    """Shapes, dtypes, devices and layouts the kernels need; raises naming the argument. Reads no values.
+    `kv8`: an FP8 cache's `(k_scale, v_scale, k_recent, v_open)`, `k` and `v` then e4m3."""
     check_tensor("q", q, ndim=3, dtypes=KERNEL_DTYPES, contiguous=True)
     B, HQ, D = q.shape
-    check_tensor("k_cache", k, ndim=4, dtypes=(q.dtype,), device=q.device, contiguous=True)
-    check_tensor("v_cache", v, shape=tuple(k.shape), dtypes=(q.dtype,), device=q.device, contiguous=True)
+    store = (E4M3,) if kv8 is not None else (q.dtype,)
+    check_tensor("k_cache", k, ndim=4, dtypes=store, device=q.device, contiguous=True)
+    check_tensor("v_cache", v, shape=tuple(k.shape), dtypes=store, device=q.device, contiguous=True)
+    if kv8 is not None:
+        check_fp8_tensors(q, k, kv8)
     H = k.shape[2]
     if D not in HEAD_DIMS or k.shape[3] != D:
         raise ValueError(f"q has head dim {D} and the cache {k.shape[3]}; the kernel takes equal dims in "
@@ -273,3 +311,18 @@ def check_decode_kernel_inputs(q, k, v, seqlens, bt, topk_idx):
     if not q.is_cuda:
         raise ValueError(f"q must be a CUDA tensor for backend='kernels', got one on {q.device}")
     return B, HQ, D, H, G, K
+
+
+def check_fp8_tensors(q, k, kv8) -> None:
+    """An FP8 cache's `(k_scale, v_scale, k_recent, v_open)` beside its e4m3 `k` `[rows, R, H, D]`
+    (docs/decode.md §16): shapes, dtypes, device, contiguity; raises naming the tensor."""
+    if not isinstance(kv8, (tuple, list)) or len(kv8) != 4:
+        raise TypeError("kv8 must be (k_scale, v_scale, k_recent, v_open)")
+    rows, R, H, D = k.shape
+    B = q.shape[0]
+    k_scale, v_scale, k_recent, v_open = kv8
+    for name, t, shape, dt in (("k_scale", k_scale, (rows, cdiv(R, KV_BLOCK), H, D), torch.float32),
+                               ("v_scale", v_scale, (rows, R, H), torch.float32),
+                               ("k_recent", k_recent, (B, RECENT, H, D), q.dtype),
+                               ("v_open", v_open, (B, KV_BLOCK, H, D), q.dtype)):
+        check_tensor(name, t, shape=shape, dtypes=(dt,), device=q.device, contiguous=True)

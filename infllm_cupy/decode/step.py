@@ -52,7 +52,8 @@ from .._rules import (
 from ..config import InfLLMv2Config, check_config
 from ..prefill import prefill
 from ..stage1 import stage1_select
-from .cache import DecodeCache, cache_tensors, capturing, cu_seqlens_of
+from . import fp8
+from .cache import DecodeCache, cache_tensors, capturing, cu_seqlens_of, dequantized_tensors
 from .cpu import Fp8Pages, cpu_sparse_decode
 from .naive import check_sparse_decode_inputs, sparse_decode_checked
 from .select_decode import add_select_decode, check_select_inputs, plan_for, select_decode, select_width
@@ -402,14 +403,17 @@ def attention_spec(*, given: bool, softmax_scale, return_lse: bool, weights: str
 
 # ------------------------------------------------------------------------------------------ the body
 def run_step(q, k, v, ck1, ck2, seqlens, block_table, topk_idx, spec: StepSpec, *, kernels: bool,
-             host_lens: list[int] | None = None) -> list:
+             host_lens: list[int] | None = None, kv8=None) -> list:
     """The decode step: `[out, lse?, weights?, topk_idx?]` as `spec` asks (a dense step's topk_idx
     decided on the host is None), on arguments its caller checked (`infllmv2_decode`, `sparse_decode`,
     the op). `kernels`: the prepared launches (`StepPlan`); otherwise the references, with the lengths
-    `host_lens` where the caller knows them (else read from `seqlens`)."""
+    `host_lens` where the caller knows them (else read from `seqlens`). `kv8`: an FP8 cache's
+    `fp8_tensors()` with its e4m3 `k`, `v` (the kernels read them; the references read them dequantized)."""
     if kernels:
-        return plan_step(spec, q, k, v, ck1, ck2, seqlens, block_table, topk_idx).run(
-            q, k, v, ck1, ck2, seqlens, block_table, topk_idx)
+        return plan_step(spec, q, k, v, ck1, ck2, seqlens, block_table, topk_idx, kv8).run(
+            q, k, v, ck1, ck2, seqlens, block_table, topk_idx, kv8)
+    if kv8 is not None:
+        k, v = dequantized_tensors(k, v, seqlens, block_table, kv8)
     return _reference_step(q, k, v, ck1, ck2, seqlens, block_table, topk_idx, spec, host_lens)
 
 
@@ -470,7 +474,7 @@ class StepPlan:
         self.spec, self.program, self.outs, self.work = spec, program, outs, work
         self.any_rows = any_rows
 
-    def run(self, q, k, v, ck1, ck2, seqlens, block_table, topk_idx) -> list:
+    def run(self, q, k, v, ck1, ck2, seqlens, block_table, topk_idx, kv8=None) -> list:
         dev = q.device
         fresh = {name: empty(shape, dtype=dtype, device=dev) for name, shape, dtype in self.outs}
         work = torch.empty(self.work, dtype=torch.float32, device=dev)
@@ -485,6 +489,8 @@ class StepPlan:
             bind["topk_idx_in"] = topk_idx
         if block_table is not None:
             bind["block_table"] = block_table
+        if kv8 is not None:
+            bind.update(zip(KV8_FIELDS, kv8))
         self.program.run(**bind)
         idx = fresh.get("topk_idx", topk_idx if self.spec.select == "given" else None)
         return _asked(self.spec, fresh["out"], fresh.get("lse"), fresh.get("weights"), idx)
@@ -507,7 +513,10 @@ def _any_rows(spec: StepSpec, block_table) -> bool:
     return spec.select == "given" and not spec.weights and block_table is None
 
 
-def plan_step(spec: StepSpec, q, k, v, ck1, ck2, seqlens, block_table, topk_idx) -> StepPlan:
+KV8_FIELDS = ("k_scale", "v_scale", "k_recent", "v_open")   # an FP8 cache's tensors, as the kernel names them
+
+
+def plan_step(spec: StepSpec, q, k, v, ck1, ck2, seqlens, block_table, topk_idx, kv8=None) -> StepPlan:
     """The `StepPlan` of these tensors' shapes, from the store, or built after every check of the
     kernels' requirements (raising as they do). A call whose tensors are not 16-byte aligned goes to
     the checks, which name it."""
@@ -517,11 +526,14 @@ def plan_step(spec: StepSpec, q, k, v, ck1, ck2, seqlens, block_table, topk_idx)
     else:
         kv = (_signature(k), _signature(v))
     key = (spec, _signature(q), kv, _signature(ck1), _signature(ck2), _signature(seqlens),
-           _signature(block_table), _signature(topk_idx))
+           _signature(block_table), _signature(topk_idx),
+           None if kv8 is None else tuple(_signature(t) for t in kv8))
     plan = _PLANS.get(key)
     aligned = not ((q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15)
+    if kv8 is not None:
+        aligned = aligned and not ((kv8[0].data_ptr() | kv8[2].data_ptr() | kv8[3].data_ptr()) & 15)
     if plan is None or not aligned:
-        plan = _build_plan(spec, q, k, v, ck1, ck2, seqlens, block_table, topk_idx)
+        plan = _build_plan(spec, q, k, v, ck1, ck2, seqlens, block_table, topk_idx, kv8)
         if len(_PLANS) >= _MAX_PLANS:
             del _PLANS[next(iter(_PLANS))]          # the oldest entry
         _PLANS[key] = plan
@@ -533,11 +545,13 @@ def n_plans() -> int:
     return len(_PLANS)
 
 
-def _build_plan(spec: StepSpec, q, k, v, ck1, ck2, seqlens, bt, topk_idx) -> StepPlan:
+def _build_plan(spec: StepSpec, q, k, v, ck1, ck2, seqlens, bt, topk_idx, kv8=None) -> StepPlan:
     check_kernel_block(spec.block_size, "config: block_size" if spec.select == "stage1" else "block_size")
     given = topk_idx if spec.select == "given" else None
-    B, HQ, D, H, G, _K = check_decode_kernel_inputs(q, k, v, seqlens, bt, given)
+    B, HQ, D, H, G, _K = check_decode_kernel_inputs(q, k, v, seqlens, bt, given, kv8)
     check_aligned(q=q, k_cache=k, v_cache=v)
+    if kv8 is not None:
+        check_aligned(**dict(zip(KV8_FIELDS, kv8)))
     scale = check_softmax_scale(spec.softmax_scale, D)
     width = k.shape[1] * bt.shape[1] if bt is not None else k.shape[1]
     out_len = cdiv(width, KV_BLOCK)
@@ -550,7 +564,7 @@ def _build_plan(spec: StepSpec, q, k, v, ck1, ck2, seqlens, bt, topk_idx) -> Ste
         kout = select_width(spec.topk, spec.local_blocks, out_len, spec.dense_len)
     n_entries = {"stage1": kout, "given": _K, "dense": out_len}[spec.select]
     plan = spec.plan() or plan_decode(B, H, G, n_entries, sm_count(dev.index))
-    check_plan(plan, G, n_entries, D, n_entries if spec.select != "dense" else 0)
+    check_plan(plan, G, n_entries, D, n_entries if spec.select != "dense" else 0, kv8 is not None)
     # the outputs asked for are their own tensors; the rest lives in the workspace (16-byte pieces)
     outs = [("out", (B, HQ, D), q.dtype)]
     if spec.return_lse:
@@ -581,7 +595,7 @@ def _build_plan(spec: StepSpec, q, k, v, ck1, ck2, seqlens, bt, topk_idx) -> Ste
     add_sparse_decode(run, q, k, v, seqlens, bt, width, idx, scale=scale, plan=plan,
                       return_attn_weights=bool(spec.weights), weights=spec.weights or "per_head",
                       out=fresh["out"], lse=lse, w_out=fresh.get("weights"),
-                      scratch=work[n_sel:n_sel + n_att])
+                      scratch=work[n_sel:n_sel + n_att], kv8=kv8)
     bind = dict(q=q, k=k, v=v, seqlens=seqlens, work=work, **fresh)
     if splan is not None:
         bind["ck1"] = ck1
@@ -591,6 +605,8 @@ def _build_plan(spec: StepSpec, q, k, v, ck1, ck2, seqlens, bt, topk_idx) -> Ste
         bind["topk_idx_in"] = given
     if bt is not None:
         bind["block_table"] = bt
+    if kv8 is not None:
+        bind.update(zip(KV8_FIELDS, kv8))
     any_rows = _any_rows(spec, bt)
     program = run.program(strict=True, scalars=("seq_rows", "W") if any_rows else (), **bind)
     return StepPlan(spec, program, outs, work.numel(), any_rows)
@@ -609,7 +625,8 @@ class StepGraph:
         self.plan, self.graph, self.static = plan, None, None
 
     def run(self, q, cache: DecodeCache) -> list:
-        tensors = (cache.k, cache.v, cache.ck1, cache.ck2, cache.seqlens, cache.block_table, None)
+        tensors = (cache.k, cache.v, cache.ck1, cache.ck2, cache.seqlens, cache.block_table, None,
+                   cache.fp8_tensors())
         if self.graph is None:
             static_q = q.clone()
             self.plan.run(static_q, *tensors)
@@ -679,7 +696,8 @@ def infllmv2_decode(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Conf
     if torch.compiler.is_compiling():
         return _traced_step(q, cache, config, return_attn_weights, weights, return_lse, return_topk_idx,
                             backend, kernel, stage1)
-    if stage1 == "decode" and kernel in _DECODE_KERNELS and type(cache) is DecodeCache and not cache.is_fp8:
+    if (stage1 == "decode" and kernel in _DECODE_KERNELS and type(cache) is DecodeCache
+            and (not cache.is_fp8 or fp8.VERIFIED_ON_HARDWARE)):
         fast = _prepared_step(q, cache, config, return_attn_weights, weights, return_lse, return_topk_idx,
                               backend)
         if fast is not None:
@@ -717,7 +735,8 @@ def infllmv2_decode(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Conf
     else:
         k, v = cache.read_kv(kern, "infllmv2_decode")
     res = run_step(q, k, v, cache.ck1, cache.ck2, cache.seqlens, cache.block_table, topk_idx,
-                   spec, kernels=kern, host_lens=None if kern else cache.current_lengths())
+                   spec, kernels=kern, host_lens=None if kern else cache.current_lengths(),
+                   kv8=cache.fp8_tensors() if kern else None)
     if return_topk_idx and spec.select == "dense":
         res.append(None)
     return res[0] if len(res) == 1 else tuple(res)
@@ -738,7 +757,7 @@ def _prepared_step(q, cache: DecodeCache, config, return_attn_weights, weights, 
             or type(return_topk_idx) is not bool or weights not in WEIGHTS):
         return None
     k = cache.k
-    if (q.dim() != 3 or q.dtype != k.dtype or q.get_device() != k.get_device() or q.shape[2] != k.shape[3]
+    if (q.dim() != 3 or q.dtype != cache.dtype or q.get_device() != k.get_device() or q.shape[2] != k.shape[3]
             or q.shape[0] != cache.seqlens.shape[0] or q.shape[1] % k.shape[2]):
         return None          # the checked path names what differs
     if not q.is_contiguous():
@@ -760,10 +779,10 @@ def _prepared_step(q, cache: DecodeCache, config, return_attn_weights, weights, 
     spec = entry[1]
     if cache.graphs:
         g = cache.prepared((spec, q.shape, q.dtype, q.device),
-                           lambda: StepGraph(plan_step(spec, q, *_cache_args(cache))))
+                           lambda: StepGraph(plan_step(spec, q, *_cache_args(cache), cache.fp8_tensors())))
         res = g.run(q, cache)
     else:
-        res = run_step(q, *_cache_args(cache), spec, kernels=True)
+        res = run_step(q, *_cache_args(cache), spec, kernels=True, kv8=cache.fp8_tensors())
     if return_topk_idx and path == "dense":
         res.append(None)
     return res[0] if len(res) == 1 else tuple(res)
@@ -799,8 +818,9 @@ def _traced_step(q, cache, config, return_attn_weights, weights, return_lse, ret
                      weights=weights if return_attn_weights else "", return_topk_idx=return_topk_idx,
                      backend=backend)
     k, v = cache.read_kv(kern, "infllmv2_decode")
+    kv8 = (cache.fp8_tensors() if kern else None) or (None,) * 4
     res = infllmv2_decode_op(q, k, v, cache.ck1, cache.ck2, cache.seqlens, cache.block_table,
-                             None, spec.encode())
+                             None, spec.encode(), *kv8)
     return res[0] if len(res) == 1 else tuple(res)
 
 
@@ -859,16 +879,20 @@ def sparse_decode(q: torch.Tensor, cache, topk_idx: torch.Tensor | None = None, 
         res = run_step(q, k, v, None, None, seqlens, bt, topk_idx, spec, kernels=False)
         return res[0] if len(res) == 1 else tuple(res)
     k, v, seqlens, bt = _attention_cache(cache)
+    kv8 = None
     if type(cache) is DecodeCache and cache.is_fp8:
-        k, v = cache.read_kv(runs_kernels(q, backend), "sparse_decode")
+        kern = runs_kernels(q, backend)
+        k, v = cache.read_kv(kern, "sparse_decode")
+        kv8 = cache.fp8_tensors() if kern else None
     if softmax_scale is not None:
         check_softmax_scale(softmax_scale, 1)
     if torch.compiler.is_compiling():
-        res = infllmv2_decode_op(q, k, v, None, None, seqlens, bt, topk_idx, spec.encode())
+        res = infllmv2_decode_op(q, k, v, None, None, seqlens, bt, topk_idx, spec.encode(),
+                                 *(kv8 or (None,) * 4))
     else:
         if not (type(q) is torch.Tensor and q.is_contiguous()):
             check_tensor("q", q, ndim=3, contiguous=True)
-        res = run_step(q, k, v, None, None, seqlens, bt, topk_idx, spec, kernels=True)
+        res = run_step(q, k, v, None, None, seqlens, bt, topk_idx, spec, kernels=True, kv8=kv8)
     return res[0] if len(res) == 1 else tuple(res)
 
 
@@ -888,34 +912,58 @@ def _attention_cache(cache) -> tuple:
 @torch.library.custom_op("infllm_cupy::infllmv2_decode", mutates_args=(), device_types="cuda")
 def infllmv2_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, ck1: Tensor | None, ck2: Tensor | None,
                        seqlens: Tensor, block_table: Tensor | None, topk_idx: Tensor | None,
-                       spec: str) -> list[Tensor]:
+                       spec: str, k_scale: Tensor | None = None, v_scale: Tensor | None = None,
+                       k_recent: Tensor | None = None, v_open: Tensor | None = None) -> list[Tensor]:
     """The decode step (`run_step`) on a cache's tensors, `spec` a `StepSpec.encode()`: `[out, lse?,
     weights?, topk_idx?]` as the spec asks. With `select="stage1"` and `dense_len > 0` the dense/sparse
     rule of spec section 9 is decided on the device from `seqlens`, so a captured graph follows the
     lengths at every replay. The spec's backend is honoured ("reference" runs the references on CUDA
-    tensors too)."""
+    tensors too). An FP8 cache (docs/decode.md §16) passes its e4m3 `k_cache`, `v_cache` with
+    `k_scale, v_scale, k_recent, v_open` (`DecodeCache.fp8_tensors()`): the kernels read them (refused
+    until verified on hardware, `fp8.check_verified`), the references read them dequantized."""
     s = StepSpec.decode(spec)
     kern = runs_kernels(q, s.backend)
+    kv8 = _op_kv8(k_scale, v_scale, k_recent, v_open)
+    if kv8 is not None:
+        if kern:
+            fp8.check_verified("infllm_cupy::infllmv2_decode")
+        else:
+            k_cache, v_cache = dequantized_tensors(k_cache, v_cache, seqlens, block_table, kv8)
+            kv8 = None
     _check_op(q, k_cache, v_cache, seqlens, block_table, ck1, ck2, topk_idx, s, kern)
     if kern:
         q = q.contiguous()
         if q.data_ptr() % 16:
             q = q.clone()
-    res = run_step(q, k_cache, v_cache, ck1, ck2, seqlens, block_table, topk_idx, s, kernels=kern)
+    res = run_step(q, k_cache, v_cache, ck1, ck2, seqlens, block_table, topk_idx, s, kernels=kern, kv8=kv8)
     return _op_outputs(res, s)
 
 
+def _op_kv8(k_scale, v_scale, k_recent, v_open) -> tuple | None:
+    kv8 = (k_scale, v_scale, k_recent, v_open)
+    if all(t is None for t in kv8):
+        return None
+    if any(t is None for t in kv8):
+        raise ValueError("k_scale, v_scale, k_recent, v_open: an FP8 cache passes all four (fp8_tensors())")
+    return kv8
+
+
 @infllmv2_decode_op.register_kernel("cpu")
-def _(q, k_cache, v_cache, ck1, ck2, seqlens, block_table, topk_idx, spec):
+def _(q, k_cache, v_cache, ck1, ck2, seqlens, block_table, topk_idx, spec, k_scale=None, v_scale=None,
+      k_recent=None, v_open=None):
     s = StepSpec.decode(spec)
     runs_kernels(q, s.backend)          # "kernels" on CPU tensors raises, naming q
+    kv8 = _op_kv8(k_scale, v_scale, k_recent, v_open)
+    if kv8 is not None:
+        k_cache, v_cache = dequantized_tensors(k_cache, v_cache, seqlens, block_table, kv8)
     _check_op(q, k_cache, v_cache, seqlens, block_table, ck1, ck2, topk_idx, s, False)
     res = run_step(q, k_cache, v_cache, ck1, ck2, seqlens, block_table, topk_idx, s, kernels=False)
     return _op_outputs(res, s)
 
 
 @infllmv2_decode_op.register_fake
-def _(q, k_cache, v_cache, ck1, ck2, seqlens, block_table, topk_idx, spec):
+def _(q, k_cache, v_cache, ck1, ck2, seqlens, block_table, topk_idx, spec, k_scale=None, v_scale=None,
+      k_recent=None, v_open=None):
     s = StepSpec.decode(spec)
     B, HQ, _ = q.shape
     H = k_cache.shape[2]

@@ -32,6 +32,19 @@
 //   pmax    float [B, H, cdiv(W, 16), GP], GP = G rounded up to 4: that m, per (16-key group read, row
 //           g < GP; rows >= G hold the zero rows' m): a group's 4 heads are one 16-byte load
 //
+// sparse_decode_split<T, D, MT, fp8_e4m3>(the same fields): the FP8 KV cache (docs/decode.md §16,
+//   infllm_cupy/decode/fp8.py): k, v hold e4m3 bytes in the same layouts; every full 64-token page
+//   (block j with 64 j + 64 <= L_b) is read from them with its scales, dequantized as fp8.py reads it
+//   ((e4m3 as fp32) * scale, rounded once to T) into the 16-bit tile the rest of the kernel reads; the
+//   open page (the tail block, positions 64 (L_b / 64) .. L_b - 1) from the 16-bit buffers:
+//   k_scale  float [rows, cdiv(R, 64), H, D]   R = seq_rows (contiguous) or page_size (paged): the
+//            per-channel scales of page j of storage row r at [r, j]
+//   v_scale  float [rows, R, H]                per token and KV head
+//   k_recent T [B, 128, H, D]   position t at slot t % 128;   v_open  T [B, 64, H, D]   slot t % 64
+//   smem     DecodePlan.split_smem_bytes(D, sparse, K, kv8=True): the 16-bit layout plus NSTAGE e4m3
+//            staging stages (Fp8Stage<D>) before the lists
+//   16-bit instances take these fields as nullptr and never read them.
+//
 // sparse_decode_merge<T, D>(the fields of SparseDecodeMergeParams<T>)
 //   grid (B * HQ)  block (P * D / 4) for a power of two P, 32 .. 1024 threads (DecodePlan.merge_threads)
 //   dynamic shared memory 16 * blockDim bytes (the groups' float4 sums)
@@ -69,14 +82,29 @@ struct KVLayout {
     static constexpr int NSTAGE = 2;
 };
 
-// Dynamic shared memory: Q [16 MT rows], 2 K/V stages, per-warp row stats, warp counts, block list.
-template <int D, int MT>
+// The FP8 cache's storage element (k, v of the FP8 instances): one e4m3 byte (sign, 4 exponent bits
+// with bias 7, 3 mantissa bits; no infinities), converted by bit manipulation (e4m3_dequant4 below):
+// sm_80 has no e4m3 conversion instruction.
+struct fp8_e4m3 { unsigned char bits; };
+
+// One staging stage of an FP8 block (the cp.async target; converted into the 16-bit K/V stage):
+// e4m3 K [64][D], e4m3 V [64][D] (rows of D bytes, unswizzled), K's D channel scales, V's 64 row scales.
+template <int D>
+struct Fp8Stage {
+    static constexpr int K8 = 0, V8 = BLK * D, KS = 2 * BLK * D, VS = KS + 4 * D;
+    static constexpr int BYTES = VS + 4 * BLK;
+};
+
+// Dynamic shared memory: Q [16 MT rows], 2 K/V stages, per-warp row stats, warp counts, (FP8) the
+// staging stages, block list.
+template <int D, int MT, bool KV8 = false>
 struct SplitSmem {
     static constexpr int Q = 0;
     static constexpr int KV = Q + 16 * MT * KVLayout<D>::ROWB;
     static constexpr int STATS = KV + KVLayout<D>::NSTAGE * KVLayout<D>::STAGE;          // m, l: float [MT][4][16] each
     static constexpr int WCNT = STATS + 2 * MT * 4 * 16 * 4;           // int [4 MT]
-    static constexpr int LIST = WCNT + 4 * MT * 4;                     // int [per_split], then int [K] (sparse)
+    static constexpr int STG = WCNT + 4 * MT * 4;                      // FP8: NSTAGE Fp8Stage<D>
+    static constexpr int LIST = STG + (KV8 ? KVLayout<D>::NSTAGE * Fp8Stage<D>::BYTES : 0);   // int [per_split], then int [K] (sparse)
 };
 
 // 16-byte cp.async forms of the split kernel's K/V loads (docs/decode.md, 3. The split kernel): a full
@@ -89,6 +117,33 @@ __device__ __forceinline__ void cp_async_16_full(u32 dst, const void* src) {
 __device__ __forceinline__ const void* step_ptr(const void* p, long long bytes) {
     asm volatile("add.s64 %0, %0, %1;\n" : "+l"(p) : "l"(bytes));
     return p;
+}
+
+// 16-byte shared store of two 8-byte halves at a shared-space address
+__device__ __forceinline__ void st_shared_16(u32 addr, uint2 lo, uint2 hi) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" :: "r"(addr), "r"(lo.x), "r"(lo.y), "r"(hi.x), "r"(hi.y));
+}
+
+// 4-byte cp.async (through L1: the .cg form takes 16 bytes only), for V's per-token scales
+__device__ __forceinline__ void cp_async_4(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" :: "r"(dst), "l"(src));
+}
+
+// Four e4m3 values (the bytes of w, lowest first) times their fp32 scales s, rounded once to T: what
+// infllm_cupy/decode/fp8.py's reads compute ((e4m3 as fp32) * scale, then .to(T)). Each byte moves into
+// the fp16 bit pattern of value * 2^-8 (sign to bit 15, exponent and mantissa bits 7 places up: the
+// exponent bias 15 of fp16 against 7, subnormals included, and fp16 holds every e4m3 value exactly);
+// s holds scale * 256 (exact: a power of two), so the fp32 product is the reference's product exactly.
+// The byte 0x7f (e4m3's NaN) reads 480 * scale, not NaN: a stored NaN comes only from a group whose
+// amax, hence scale, is NaN, and reads NaN either way.
+template <typename T>
+__device__ __forceinline__ uint2 e4m3_dequant4(u32 w, float4 s) {
+    const u32 x01 = __byte_perm(w, 0u, 0x1404), x23 = __byte_perm(w, 0u, 0x3424);   // bytes at 8..15, 24..31
+    const u32 h01 = (x01 & 0x80008000u) | ((x01 >> 1) & 0x3f803f80u);
+    const u32 h23 = (x23 & 0x80008000u) | ((x23 >> 1) & 0x3f803f80u);
+    const float2 f01 = unpack2<__half>(h01), f23 = unpack2<__half>(h23);
+    return make_uint2(pack2<T>(__fmul_rn(f01.x, s.x), __fmul_rn(f01.y, s.y)),
+                      pack2<T>(__fmul_rn(f23.x, s.z), __fmul_rn(f23.y, s.w)));
 }
 
 // Programmatic dependent launch (common/pdl.cuh): the merge and the weights pass may be launched as
@@ -122,8 +177,8 @@ struct EpilogueSmem {
 
 #define SPARSE_DECODE_SPLIT_PARAMS(F, M) \
     F(const T* __restrict__, q)                 /* [B, HQ, D] */ \
-    F(const T* __restrict__, k)                 /* [B, L_max, H, D], or [num_pages, page_size, H, D] (paged) */ \
-    F(const T* __restrict__, v)                 /* as k */ \
+    F(const KT* __restrict__, k)                /* [B, L_max, H, D], or [num_pages, page_size, H, D] (paged) */ \
+    F(const KT* __restrict__, v)                /* as k */ \
     F(const int* __restrict__, seqlens)         /* [B] */ \
     F(const int* __restrict__, block_table)     /* [B, max_pages] (paged), or nullptr (contiguous) */ \
     F(int, max_pages) F(int, page_size)         /* the table's width and the page size (paged) */ \
@@ -136,17 +191,27 @@ struct EpilogueSmem {
     F(__half* __restrict__, prel)               /* [B, HQ, W], or nullptr (no weights) */ \
     F(float* __restrict__, pmax)                /* [B, H, cdiv(W, 16), GP], or nullptr (no weights) */ \
     F(int, W)                                   /* the cache's width (prel's rows) */ \
-    SPARSE_DECODE_MERGED_FIELDS(F)              /* S = 1: written here instead of o_part, lse_part; or nullptr */
-template <typename T>
+    SPARSE_DECODE_MERGED_FIELDS(F)              /* S = 1: written here instead of o_part, lse_part; or nullptr */ \
+    F(const float* __restrict__, k_scale)       /* FP8: [rows, cdiv(R, 64), H, D]; nullptr (16-bit) */ \
+    F(const float* __restrict__, v_scale)       /* FP8: [rows, R, H] */ \
+    F(const T* __restrict__, k_recent)          /* FP8: [B, 128, H, D] the last 128 keys (the open page's) */ \
+    F(const T* __restrict__, v_open)            /* FP8: [B, 64, H, D] the open page's values */
+// KT: the K/V storage element, T (the 16-bit cache) or fp8_e4m3 (the FP8 cache)
+template <typename T, typename KT = T>
 struct SparseDecodeSplitParams { PARAM_FIELDS(SPARSE_DECODE_SPLIT_PARAMS) };
 
 // At most 128 registers per thread (4 / MT CTAs of 128 MT threads per SM): enough for the fp32 output
 // tile of D = 128, and without the bound ptxas picked 80 at D = 64 on sm_80 and spilled.
-template <typename T, int D, int MT>
-__global__ void __launch_bounds__(128 * MT, 4 / MT)
+// KT = fp8_e4m3: the FP8 cache (the launch contract above); the 16-bit instances compile to the code
+// they had before it (every FP8 step is under `if constexpr (KV8)`). The FP8 instances' staging stages
+// leave room for two CTAs per SM at MT <= 2 and one at MT = 4 (D = 128; Fp8Stage), so their bound is
+// the registers of that residency: 255 at MT = 1, 128 at MT = 2 and 4.
+template <typename T, int D, int MT, typename KT = T>
+__global__ void __launch_bounds__(128 * MT, sizeof(KT) == 1 ? (MT == 4 ? 1 : 2) : 4 / MT)
 sparse_decode_split(PARAM_ARGS(SPARSE_DECODE_SPLIT_PARAMS)) {
+    constexpr bool KV8 = sizeof(KT) == 1;
     constexpr int NT = 128 * MT, NW = 4 * MT, ROWB = KVLayout<D>::ROWB, CH = D / 8;
-    typedef SplitSmem<D, MT> SM;
+    typedef SplitSmem<D, MT, KV8> SM;
     extern __shared__ __align__(128) unsigned char smem[];
     float* m_s = reinterpret_cast<float*>(smem + SM::STATS);
     float* l_s = m_s + MT * 64;
@@ -232,22 +297,51 @@ sparse_decode_split(PARAM_ARGS(SPARSE_DECODE_SPLIT_PARAMS)) {
     // a shift for the usual power-of-two page sizes (a FastDiv here cost registers and spills on sm_80)
     const int bpp = block_table != nullptr ? page_size / BLK : 1;
     const int bpp_log2 = (bpp & (bpp - 1)) == 0 ? __ffs(bpp) - 1 : -1;
+    // FP8 staging loads: 16-byte chunk ld8_c of row ld8_r + RPI8 p (rows of D e4m3 bytes)
+    constexpr int CH8 = D / 16, RPI8 = NT / CH8, NPASS8 = RPI8 >= BLK ? 1 : BLK / RPI8;
+    const int ld8_r = tid / CH8, ld8_c = tid % CH8;
     auto load_block = [&](int j, int st) {
-        int64 row0;
+        int64 row0, srow;                      // srow (FP8): k_scale's row of block j's page
         if (block_table != nullptr) {
             const int pg = bpp_log2 >= 0 ? j >> bpp_log2 : j / bpp;
             const int p = block_table[(int64)b * max_pages + pg];
             row0 = (int64)p * page_size + (j - pg * bpp) * BLK;
+            srow = (int64)p * bpp + (j - pg * bpp);
         } else {
             row0 = (int64)b * seq_rows + (int64)j * BLK;
+            srow = (int64)b * ((seq_rows + BLK - 1) / BLK) + j;
         }
-        const int64 off = row0 * tok_stride + ld_src;
-        const void* kp = k + off;
-        const void* vp = v + off;
+        if constexpr (KV8) {
+            if (L - j * BLK >= BLK) {          // a stored page: e4m3 bytes and scales into the staging stage
+                const u32 stg = s_base + SM::STG + st * Fp8Stage<D>::BYTES;
+                const unsigned char* k8 = reinterpret_cast<const unsigned char*>(k) + row0 * tok_stride;
+                const unsigned char* v8 = reinterpret_cast<const unsigned char*>(v) + row0 * tok_stride;
+#pragma unroll
+                for (int p = 0; p < NPASS8; ++p) {
+                    const int r = ld8_r + RPI8 * p;
+                    if (RPI8 <= BLK || r < BLK) {
+                        const int src = (r * H + h) * D + ld8_c * 16;
+                        cp_async_16_full(stg + Fp8Stage<D>::K8 + r * D + ld8_c * 16, k8 + src);
+                        cp_async_16_full(stg + Fp8Stage<D>::V8 + r * D + ld8_c * 16, v8 + src);
+                    }
+                }
+                // page j's channel scales, then V's scales of its 64 tokens
+                if (tid < D / 4) cp_async_16_full(stg + Fp8Stage<D>::KS + 16 * tid, k_scale + (srow * H + h) * D + 4 * tid);
+                if (tid < BLK) cp_async_4(stg + Fp8Stage<D>::VS + 4 * tid, v_scale + (row0 + tid) * H + h);
+                return;
+            }
+        }
+        // the open page of an FP8 cache comes from its 16-bit buffers, as a 16-bit cache's tail block
+        const int64 off = KV8 ? ((int64)b * 2 * BLK + (j & 1) * BLK) * tok_stride + ld_src : row0 * tok_stride + ld_src;
+        const int64 voff = KV8 ? (int64)b * BLK * tok_stride + ld_src : off;
+        const T* kbase = KV8 ? k_recent : reinterpret_cast<const T*>(k);
+        const T* vbase = KV8 ? v_open : reinterpret_cast<const T*>(v);
+        const void* kp = kbase + off;
+        const void* vp = vbase + voff;
         const long long step = (long long)pass_stride * sizeof(T);
         const u32 ks = kv_s + st * KVLayout<D>::STAGE + ld_dst, vs = ks + KVLayout<D>::TILE;
         const int avail = L - j * BLK;         // rows of the block below L (CTA-uniform)
-        if (avail >= BLK) {
+        if (!KV8 && avail >= BLK) {
 #pragma unroll
             for (int p = 0; p < NPASS; ++p) {
                 if (p > 0) kp = step_ptr(kp, step), vp = step_ptr(vp, step);
@@ -259,8 +353,8 @@ sparse_decode_split(PARAM_ARGS(SPARSE_DECODE_SPLIT_PARAMS)) {
             for (int p = 0; p < NPASS; ++p) {
                 const bool ok = ld_r + RPI * p < avail;
                 if (p > 0) kp = step_ptr(kp, step), vp = step_ptr(vp, step);
-                cp_async_16(ks + p * RPI * ROWB, ok ? kp : k, ok ? 16 : 0);
-                cp_async_16(vs + p * RPI * ROWB, ok ? vp : v, ok ? 16 : 0);
+                cp_async_16(ks + p * RPI * ROWB, ok ? kp : kbase, ok ? 16 : 0);
+                cp_async_16(vs + p * RPI * ROWB, ok ? vp : vbase, ok ? 16 : 0);
             }
         }
     };
@@ -286,6 +380,36 @@ sparse_decode_split(PARAM_ARGS(SPARSE_DECODE_SPLIT_PARAMS)) {
         cp_async_commit();
         cp_async_wait<NS - 1>();                           // block i has landed
         __syncthreads();
+        if constexpr (KV8) {
+            if (j * BLK + BLK <= L) {                      // CTA-uniform: a stored page, dequantized here
+                const unsigned char* stg = smem + SM::STG + (i % NS) * Fp8Stage<D>::BYTES;
+                const u32 tile = kv_s + (i % NS) * KVLayout<D>::STAGE;
+                const float* kscale = reinterpret_cast<const float*>(stg + Fp8Stage<D>::KS) + ld8_c * 16;
+                const float* vscale = reinterpret_cast<const float*>(stg + Fp8Stage<D>::VS);
+                // one pass at a time (unrolled, the passes' loads were hoisted together and spilled at D = 128)
+#pragma unroll 1
+                for (int p = 0; p < NPASS8; ++p) {
+                    const int r = ld8_r + RPI8 * p;
+                    if (RPI8 <= BLK || r < BLK) {
+                        // elements 16 c .. 16 c + 15 of row r: 16-byte chunks 2 c and 2 c + 1 of the tile
+                        const uint4 k8w = *reinterpret_cast<const uint4*>(stg + Fp8Stage<D>::K8 + r * D + ld8_c * 16);
+                        const uint4 v8w = *reinterpret_cast<const uint4*>(stg + Fp8Stage<D>::V8 + r * D + ld8_c * 16);
+                        const u32 kc0 = tile + swz<D>(r, 2 * ld8_c) * 16, kc1 = tile + swz<D>(r, 2 * ld8_c + 1) * 16;
+                        const float vsc = vscale[r] * 256.f;
+                        const float4 vs4 = make_float4(vsc, vsc, vsc, vsc);
+                        st_shared_16(kc0 + KVLayout<D>::TILE, e4m3_dequant4<T>(v8w.x, vs4), e4m3_dequant4<T>(v8w.y, vs4));
+                        st_shared_16(kc1 + KVLayout<D>::TILE, e4m3_dequant4<T>(v8w.z, vs4), e4m3_dequant4<T>(v8w.w, vs4));
+                        auto ksc = [&](int e) {           // K's scales of elements 4 e .. 4 e + 3, times 256
+                            const float4 x = *reinterpret_cast<const float4*>(kscale + 4 * e);
+                            return make_float4(x.x * 256.f, x.y * 256.f, x.z * 256.f, x.w * 256.f);
+                        };
+                        st_shared_16(kc0, e4m3_dequant4<T>(k8w.x, ksc(0)), e4m3_dequant4<T>(k8w.y, ksc(1)));
+                        st_shared_16(kc1, e4m3_dequant4<T>(k8w.z, ksc(2)), e4m3_dequant4<T>(k8w.w, ksc(3)));
+                    }
+                }
+                __syncthreads();
+            }
+        }
         const u32 kt = kv_s + (i % NS) * KVLayout<D>::STAGE + 16 * kw * ROWB;
         const u32 vt = kt + KVLayout<D>::TILE;
 
