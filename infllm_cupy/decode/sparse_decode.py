@@ -121,7 +121,7 @@ class DecodePlan:
         groups = self.merge_groups or default_merge_groups(self.num_splits, head_dim)
         return groups * (head_dim // 4)
 
-    def split_smem_bytes(self, head_dim: int, sparse: bool, k: int = 0, kv8: bool = False) -> int:
+    def split_smem_bytes(self, head_dim: int, sparse: bool, k: int = 0, *, kv8: bool = False) -> int:
         """Dynamic shared memory of the split kernel (SplitSmem<D, MT, KV8> in the .cu, whose LIST offset
         is checked at compile time): Q, two K/V stages, row stats, warp counts, (`kv8`: the FP8 cache)
         the e4m3 staging stages, then (sparse) the split's block list and the first k topk entries."""
@@ -218,7 +218,7 @@ def add_sparse_decode(run: Launches, q, k, v, seqlens, bt, width: int, topk_idx,
     paged = bt is not None
     k_scale, v_scale, k_recent, v_open = kv8 if kv8 is not None else (None,) * 4
     run.add(SOURCE, split_name(q.dtype, D, plan.row_tiles, kv8 is not None), (S, H, B),
-            (128 * plan.row_tiles,), plan.split_smem_bytes(D, sparse, K, kv8 is not None), SPLIT_PARAMS,
+            (128 * plan.row_tiles,), plan.split_smem_bytes(D, sparse, K, kv8=kv8 is not None), SPLIT_PARAMS,
             dict(q=q, k=k, v=v, seqlens=seqlens, block_table=bt, max_pages=bt.shape[1] if paged else 0,
                  page_size=k.shape[1] if paged else 0, seq_rows=0 if paged else k.shape[1], topk=topk_idx,
                  K=K, B=B, H=H, G=G, per_split=plan.per_split, scale_log2=scale * math.log2(math.e),
@@ -250,7 +250,7 @@ def weights_scratch_floats(batch: int, kv_heads: int, group: int, width: int) ->
     return 4 * cdiv(rows * width, 8), batch * kv_heads * cdiv(width, PMAX_GROUP) * 4 * cdiv(group, 4)
 
 
-def check_plan(plan, group: int, n_entries: int, head_dim: int, k: int = 0, kv8: bool = False) -> None:
+def check_plan(plan, group: int, n_entries: int, head_dim: int, k: int = 0, *, kv8: bool = False) -> None:
     """`plan` must cover the group and every entry (sparse: the K topk entries; dense: the blocks of
     the cache's width), and its shared memory must fit a CTA (the topk row is staged there)."""
     if not isinstance(plan, DecodePlan) or plan.row_tiles not in ROW_TILES or 16 * plan.row_tiles < group:
@@ -266,9 +266,9 @@ def check_plan(plan, group: int, n_entries: int, head_dim: int, k: int = 0, kv8:
     if not is_int or g < 0 or (g & (g - 1)) or (g and not 32 <= g * (head_dim // 4) <= MERGE_MAX_THREADS):
         raise ValueError("plan: merge_groups must be 0 (default) or a power of two with 32 <= merge_groups "
                          f"x D / 4 <= {MERGE_MAX_THREADS} at D = {head_dim}, got {g!r}")
-    if plan.split_smem_bytes(head_dim, k > 0, k, kv8) > SMEM_PER_BLOCK:
+    if plan.split_smem_bytes(head_dim, k > 0, k, kv8=kv8) > SMEM_PER_BLOCK:
         raise ValueError(f"topk_idx: K = {k} entries need more shared memory than a CTA has "
-                         f"({plan.split_smem_bytes(head_dim, True, k, kv8)} > {SMEM_PER_BLOCK} bytes)")
+                         f"({plan.split_smem_bytes(head_dim, True, k, kv8=kv8)} > {SMEM_PER_BLOCK} bytes)")
 
 
 def check_decode_kernel_inputs(q, k, v, seqlens, bt, topk_idx, kv8=None):

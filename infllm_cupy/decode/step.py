@@ -564,7 +564,7 @@ def _build_plan(spec: StepSpec, q, k, v, ck1, ck2, seqlens, bt, topk_idx, kv8=No
         kout = select_width(spec.topk, spec.local_blocks, out_len, spec.dense_len)
     n_entries = {"stage1": kout, "given": _K, "dense": out_len}[spec.select]
     plan = spec.plan() or plan_decode(B, H, G, n_entries, sm_count(dev.index))
-    check_plan(plan, G, n_entries, D, n_entries if spec.select != "dense" else 0, kv8 is not None)
+    check_plan(plan, G, n_entries, D, n_entries if spec.select != "dense" else 0, kv8=kv8 is not None)
     # the outputs asked for are their own tensors; the rest lives in the workspace (16-byte pieces)
     outs = [("out", (B, HQ, D), q.dtype)]
     if spec.return_lse:
