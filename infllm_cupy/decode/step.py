@@ -408,11 +408,15 @@ def run_step(q, k, v, ck1, ck2, seqlens, block_table, topk_idx, spec: StepSpec, 
     decided on the host is None), on arguments its caller checked (`infllmv2_decode`, `sparse_decode`,
     the op). `kernels`: the prepared launches (`StepPlan`); otherwise the references, with the lengths
     `host_lens` where the caller knows them (else read from `seqlens`). `kv8`: an FP8 cache's
-    `fp8_tensors()` with its e4m3 `k`, `v` (the kernels read them; the references read them dequantized)."""
+    `fp8_tensors()` with its e4m3 `k`, `v`: the kernels read them, the CPU implementation dequantizes
+    the rows it gathers (`Fp8Pages`), the references read the whole cache dequantized."""
     if kernels:
         return plan_step(spec, q, k, v, ck1, ck2, seqlens, block_table, topk_idx, kv8).run(
             q, k, v, ck1, ck2, seqlens, block_table, topk_idx, kv8)
-    if kv8 is not None:
+    if kv8 is not None and runs_cpu(q, spec.backend):
+        k_scale, v_scale, k_recent, v_open = kv8
+        k, v = Fp8Pages(k, k_scale, k_recent, is_k=True), Fp8Pages(v, v_scale, v_open, is_k=False)
+    elif kv8 is not None:
         k, v = dequantized_tensors(k, v, seqlens, block_table, kv8)
     return _reference_step(q, k, v, ck1, ck2, seqlens, block_table, topk_idx, spec, host_lens)
 
@@ -728,15 +732,11 @@ def infllmv2_decode(q: torch.Tensor, cache: DecodeCache, *, config: InfLLMv2Conf
         # later calls of this configuration take the prepared path
         path = {"stage1": "device" if spec.dense_len else "stage1", "dense": "dense"}[spec.select]
         _remember_spec(config, return_lse, w, return_topk_idx, backend, path, spec)
-    if cache.is_fp8 and not kern and runs_cpu(q, backend):
-        # the CPU implementation dequantizes the rows it gathers only (decode/cpu.py)
-        k = Fp8Pages(cache.k, cache.k_scale, cache.k_recent, is_k=True)
-        v = Fp8Pages(cache.v, cache.v_scale, cache.v_open, is_k=False)
-    else:
-        k, v = cache.read_kv(kern, "infllmv2_decode")
+    # an FP8 cache passes its e4m3 storage and `kv8`; `read_kv` refuses the kernels until verified on hardware
+    k, v = cache.read_kv(True, "infllmv2_decode") if kern else (cache.k, cache.v)
     res = run_step(q, k, v, cache.ck1, cache.ck2, cache.seqlens, cache.block_table, topk_idx,
                    spec, kernels=kern, host_lens=None if kern else cache.current_lengths(),
-                   kv8=cache.fp8_tensors() if kern else None)
+                   kv8=cache.fp8_tensors())
     if return_topk_idx and spec.select == "dense":
         res.append(None)
     return res[0] if len(res) == 1 else tuple(res)
