@@ -495,3 +495,57 @@ def fp32_gemm_rate(n: int = 2048, rep: int = 3) -> float:
         a @ b
         best = min(best, time.perf_counter() - t0)
     return 2 * n ** 3 / best / 1e9
+
+
+# ------------------------------------------------ the MiniCPM4-shaped model (bench_transformers, bench_model)
+MODEL_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def parse_context(text: str) -> int:
+    """A context length: an int, or thousands of 1024 tokens with a `k` suffix (`16k`, `1.5k`)."""
+    t = text.strip().lower()
+    return int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
+
+
+def build_model(a: argparse.Namespace, dev, max_positions: int):
+    """A Llama of MiniCPM4-8B's attention shape from the arguments `a` (`vocab`, `hidden`, `intermediate`,
+    `layers`, `hq`, `h`, `d`, `window`, `topk`, `dense_len`, `seed`, `dtype`): random weights in `a.dtype`
+    built on `dev`, and its config carrying MiniCPM4's `sparse_config`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
+                      num_hidden_layers=a.layers, num_attention_heads=a.hq, num_key_value_heads=a.h,
+                      head_dim=a.d, max_position_embeddings=max_positions, initializer_range=0.02)
+    cfg.sparse_config = dict(kernel_size=32, kernel_stride=16, init_blocks=1, block_size=64,
+                             window_size=a.window, topk=a.topk, use_nope=False, dense_len=a.dense_len)
+    torch.manual_seed(a.seed)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(MODEL_DTYPES[a.dtype])          # the weights in the run's dtype, on the device
+    try:
+        with torch.device(dev):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    return model.eval(), cfg
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the parameters a decode step reads: all but the input embedding table (B rows of it are
+    read), unless that table is tied to the LM head."""
+    emb = model.get_input_embeddings().weight
+    tied = any(p is emb for n, p in model.named_parameters() if "lm_head" in n) or \
+        model.get_output_embeddings().weight is emb
+    return sum(p.numel() * p.element_size() for p in model.parameters() if tied or p is not emb)
+
+
+def kv_floor_bytes(a: argparse.Namespace, impl: str, B: int, L: int, esz: int) -> int:
+    """K/V bytes one decode step must read over all layers at context L: every key and value for SDPA
+    rows (`impl` "sdpa*") and below `dense_len`; else the selected blocks (topk + the window's blocks +
+    the query's own) and both compressed keys."""
+    per_layer_all = B * L * a.h * a.d * 2 * esz
+    if impl.startswith("sdpa") or L < a.dense_len:
+        return a.layers * per_layer_all
+    keys = min(L, 64 * (a.topk + a.window // 64 + 1))
+    sel = B * a.h * keys * a.d * 2 * esz
+    ck = B * a.h * (L // 16 + L // 64) * a.d * esz
+    return a.layers * (sel + ck)

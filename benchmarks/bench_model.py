@@ -54,9 +54,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import _harness as harness  # noqa: E402
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 PRECISIONS = ("16bit", "int8-fp8")
-BLOCK = 64
 ATTN_Q8 = "infllm_cupy_int8_fp8"          # our backend registered with precision="int8-fp8"
 
 # (family, pattern on the lower-cased kernel or op name), first match wins: our kernels by their
@@ -77,18 +75,13 @@ FAMILIES = (
 FAMILY_NAMES = tuple(f for f, _ in FAMILIES) + ("other",)
 
 
-def parse_context(text: str) -> int:
-    t = text.strip().lower()
-    return int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPES))
+    p.add_argument("--dtype", default="bfloat16", choices=tuple(harness.MODEL_DTYPES))
     p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--context", type=parse_context, default=parse_context("128k"))
+    p.add_argument("--context", type=harness.parse_context, default=harness.parse_context("128k"))
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--precision", default="16bit,int8-fp8", help="our rows' stage-2 plans, comma-separated")
     p.add_argument("--no-sdpa", action="store_true", help="skip the SDPA + StaticCache row")
@@ -112,43 +105,6 @@ def parse_args(argv=None):
         if getattr(a, name) < 1:
             p.error(f"argument --{name.replace('_', '-')}: must be at least 1")
     return a
-
-
-def build_model(a, dev):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
-                      num_hidden_layers=a.layers, num_attention_heads=a.hq, num_key_value_heads=a.h,
-                      head_dim=a.d, max_position_embeddings=a.context + a.new_tokens * (a.rep + 1)
-                      + a.warmup_steps + 64, initializer_range=0.02)
-    cfg.sparse_config = dict(kernel_size=32, kernel_stride=16, init_blocks=1, block_size=BLOCK,
-                             window_size=a.window, topk=a.topk, use_nope=False, dense_len=a.dense_len)
-    torch.manual_seed(a.seed)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(DTYPES[a.dtype])        # the weights in the run's dtype, built on the device
-    try:
-        with torch.device(dev):
-            model = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(old)
-    return model.eval(), cfg
-
-
-def weight_bytes(model) -> int:
-    """Parameter bytes a decode step reads: all but the input embedding table (B of its rows)."""
-    emb = model.get_input_embeddings().weight
-    tied = model.get_output_embeddings().weight is emb
-    return sum(p.numel() * p.element_size() for p in model.parameters() if tied or p is not emb)
-
-
-def kv_floor_bytes(a, impl: str, L: int, esz: int) -> int:
-    per_layer_all = a.batch * L * a.h * a.d * 2 * esz
-    if impl == "sdpa_static" or L < a.dense_len:
-        return a.layers * per_layer_all
-    keys = min(L, BLOCK * (a.topk + a.window // BLOCK + 1))
-    sel = a.batch * a.h * keys * a.d * 2 * esz
-    ck = a.batch * a.h * (L // 16 + L // 64) * a.d * esz
-    return a.layers * (sel + ck)
 
 
 def family_of(name: str) -> str:
@@ -323,9 +279,10 @@ def main(argv=None) -> list[dict]:
     copy_ms = statistics.median(harness.bench_gpu_time(fn, warmup=2, rep=10, device=dev))
     del fn
     gbps = nbytes / (copy_ms / 1e3) / 1e9
-    model, cfg = build_model(a, dev)
-    wbytes = weight_bytes(model)
-    esz = torch.tensor([], dtype=DTYPES[a.dtype]).element_size()
+    positions = a.context + a.new_tokens * (a.rep + 1) + a.warmup_steps + 64
+    model, cfg = harness.build_model(a, dev, positions)
+    wbytes = harness.weight_bytes(model)
+    esz = torch.tensor([], dtype=harness.MODEL_DTYPES[a.dtype]).element_size()
     g = torch.Generator().manual_seed(a.seed + 1)
     ids = torch.randint(0, a.vocab, (a.batch, a.context), generator=g).to(dev)
     impls = ([] if a.no_sdpa else ["sdpa_static"]) + [f"ours:{p}" for p in a.precisions]
@@ -334,7 +291,7 @@ def main(argv=None) -> list[dict]:
     for impl in impls:
         row = {"impl": impl, "config": config, "ttft_ms": None, "decode_ms_per_step": None, "note": ""}
         L = a.context + a.warmup_steps + a.rep * a.new_tokens // 2     # the cache length mid-decode
-        floor_bytes = wbytes + kv_floor_bytes(a, impl, L, esz)
+        floor_bytes = wbytes + harness.kv_floor_bytes(a, impl, a.batch, L, esz)
         row["floor_ms_per_step"] = floor_bytes / (gbps * 1e9) * 1e3
         t0 = time.perf_counter()
         try:

@@ -101,13 +101,14 @@ ANCHOR = {"ours": "sdpa_static", "ours_graphs": "sdpa_static", "sdpa_dynamic": "
           "ours_compiled": "sdpa_static_compiled", "ours_dynamic": "sdpa_dynamic",
           "minicpm4": "ours", "minicpm4_compat": "ours"}
 COMPILED = ("sdpa_static_compiled", "ours_compiled")
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-BLOCK = 64
 
 
-def parse_context(text: str) -> int:
-    t = text.strip().lower()
-    return int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
+
+
+def build_model(a, dev):
+    """The model of the arguments (`harness.build_model`) with room for this script's longest run."""
+    return harness.build_model(a, dev, max(a.contexts) + a.new_tokens + a.warmup_steps
+                               + a.compile_warmup_steps + 64)
 
 
 def context_id(T: int) -> str:
@@ -145,7 +146,7 @@ def parse_args(argv=None):
     p.add_argument("--rep", type=int, default=None,
                    help="timed prefills, and timed decode spans of --new-tokens steps (median of each). "
                    "Default: 3 (--quick: 1)")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(harness.MODEL_DTYPES))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the rows (with GPU, versions, commit) to this file")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -155,7 +156,8 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     q = a.quick
     try:
-        a.contexts = [parse_context(x) for x in (a.contexts or ("12k" if q else "16k,64k")).split(",") if x]
+        a.contexts = [harness.parse_context(x)
+                      for x in (a.contexts or ("12k" if q else "16k,64k")).split(",") if x]
         a.batches = [int(x) for x in (a.batches or ("1" if q else "1,8")).split(",") if x]
     except ValueError as e:
         p.error(f"--contexts / --batches: {e}")
@@ -179,45 +181,10 @@ def parse_args(argv=None):
     return a
 
 
-def build_model(a, dev):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
-                      num_hidden_layers=a.layers, num_attention_heads=a.hq, num_key_value_heads=a.h,
-                      head_dim=a.d, max_position_embeddings=max(a.contexts) + a.new_tokens + a.warmup_steps
-                      + a.compile_warmup_steps + 64,
-                      initializer_range=0.02)
-    cfg.sparse_config = dict(kernel_size=32, kernel_stride=16, init_blocks=1, block_size=BLOCK,
-                             window_size=a.window, topk=a.topk, use_nope=False, dense_len=a.dense_len)
-    torch.manual_seed(a.seed)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(DTYPES[a.dtype])        # build the weights in the run's dtype, on the device
-    try:
-        with torch.device(dev):
-            model = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(old)
-    return model.eval(), cfg
 
 
-def weight_bytes(model) -> int:
-    """Bytes of the parameters a decode step reads: all but the input embedding table (B rows of it are read),
-    unless that table is tied to the LM head."""
-    emb = model.get_input_embeddings().weight
-    tied = any(p is emb for n, p in model.named_parameters() if "lm_head" in n) or \
-        model.get_output_embeddings().weight is emb
-    return sum(p.numel() * p.element_size() for p in model.parameters() if tied or p is not emb)
 
 
-def kv_floor_bytes(a, impl: str, B: int, L: int, esz: int) -> int:
-    """K/V bytes one decode step must read over all layers (see the docstring)."""
-    per_layer_all = B * L * a.h * a.d * 2 * esz
-    if impl.startswith("sdpa") or L < a.dense_len:
-        return a.layers * per_layer_all
-    keys = min(L, BLOCK * (a.topk + a.window // BLOCK + 1))
-    sel = B * a.h * keys * a.d * 2 * esz
-    ck = B * a.h * (L // 16 + L // 64) * a.d * esz
-    return a.layers * (sel + ck)
 
 
 class Timer:
@@ -292,7 +259,7 @@ class Bench:
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
         self.cache_position = "cache_position" in params      # older transformers index a StaticCache with it
         self.compiled: dict[str, object] = {}
-        self.esz = torch.tensor([], dtype=DTYPES[a.dtype]).element_size()
+        self.esz = torch.tensor([], dtype=harness.MODEL_DTYPES[a.dtype]).element_size()
         self.native_attn = [layer.self_attn for layer in model.model.layers]
         self.minicpm4: dict[str, list] = {}
 
@@ -502,7 +469,7 @@ def main(argv=None) -> list[dict]:
     gbps = nbytes / (copy_ms * 1e6)
     model, cfg = build_model(a, dev)
     bench = Bench(a, dev, model, cfg)
-    wbytes = weight_bytes(model)
+    wbytes = harness.weight_bytes(model)
     print(f"copy bandwidth {gbps:.0f} GB/s (read + written); weights a decode step reads {wbytes / 1e9:.3g} "
           f"GB; model forward keyword {bench.cache_kw!r}", flush=True)
     rows: list[dict] = []
@@ -550,7 +517,7 @@ def main(argv=None) -> list[dict]:
                             reset_cudagraph_trees()
                         bench.compiled.clear()
                 harness.free_gpu_memory(dev)
-                finish_floor(row, wbytes, kv_floor_bytes(a, impl, B, T, bench.esz), gbps)
+                finish_floor(row, wbytes, harness.kv_floor_bytes(a, impl, B, T, bench.esz), gbps)
                 if dev.type == "cuda":
                     row["mem_after_gib"] = torch.cuda.memory_allocated() / 2**30
                     left = row["mem_after_gib"] - mem_before
