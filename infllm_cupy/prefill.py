@@ -201,21 +201,15 @@ def run_stage1(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seql
     implementation `cpu_stage1_select` (`cpu`) or on the reference `naive_stage1_select`, with the
     config's selection parameters. Returns `topk_idx`, or `(topk_idx, scores, block_scores)` with
     `need_scores` (the kernel skips writing them otherwise)."""
+    args = (q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q)
+    kw = dict(causal=causal, cache_lens=cache_lens, softmax_scale=cfg.softmax_scale, topk=cfg.topk,
+              local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks, block_size=cfg.block_size,
+              kernel_stride=cfg.kernel_stride, coarse_kernel_stride=cfg.coarse_kernel_stride,
+              varlen_offset_quirk=cfg.varlen_offset_quirk, score_dtype=cfg.score_dtype,
+              return_scores=need_scores)
     if not kernels and cpu:
-        return cpu_stage1_select(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q,
-                                 causal=causal, cache_lens=cache_lens, softmax_scale=cfg.softmax_scale,
-                                 topk=cfg.topk, local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks,
-                                 block_size=cfg.block_size, kernel_stride=cfg.kernel_stride,
-                                 coarse_kernel_stride=cfg.coarse_kernel_stride,
-                                 varlen_offset_quirk=cfg.varlen_offset_quirk, score_dtype=cfg.score_dtype,
-                                 return_scores=need_scores)
-    return stage1_select(q, ck1, ck2, cu_seqlens_q, cu_seqlens_c1, cu_seqlens_c2, max_seqlen_q,
-                         causal=causal, cache_lens=cache_lens, softmax_scale=cfg.softmax_scale,
-                         topk=cfg.topk, local_blocks=cfg.local_blocks, init_blocks=cfg.init_blocks,
-                         block_size=cfg.block_size, kernel_stride=cfg.kernel_stride,
-                         coarse_kernel_stride=cfg.coarse_kernel_stride,
-                         varlen_offset_quirk=cfg.varlen_offset_quirk, score_dtype=cfg.score_dtype,
-                         return_scores=need_scores, backend="kernels" if kernels else "reference",
+        return cpu_stage1_select(*args, **kw)
+    return stage1_select(*args, **kw, backend="kernels" if kernels else "reference",
                          host_seqlens=host_seqlens)
 
 
