@@ -57,6 +57,19 @@ def assert_close_to_ref(name: str, out: torch.Tensor, ref: torch.Tensor, ref_low
         f"rel L2 {rel_l2_err(out, ref):.2e}")
 
 
+def assert_decode_close_to_ref(out, lse, w, ref, ref_lse, ref_w, lowp, lowp_lse, lowp_w) -> None:
+    """A decode attention's `out`, `lse` and per-head weights against the high-precision reference and
+    its low-precision twin (`assert_close_to_ref`): heads with nothing selected (`ref_lse` +inf) give
+    `out = 0` and `lse = +inf`, weights are exactly 0 where the reference's are and sum to 1 elsewhere."""
+    assert_close_to_ref("out", out, ref, lowp)
+    empty = torch.isinf(ref_lse)
+    assert bool(torch.isinf(lse[empty]).all()) and bool((out[empty] == 0).all())
+    assert_close_to_ref("lse", lse[~empty], ref_lse[~empty], lowp_lse[~empty], atol_floor=1e-5)
+    assert_close_to_ref("weights", w, ref_w, lowp_w, atol_floor=1e-6)
+    assert bool((w[ref_w == 0] == 0).all()), "weights must be exactly 0 where nothing is selected"
+    torch.testing.assert_close(w.sum(-1)[~empty], torch.ones_like(lse)[~empty], atol=1e-4, rtol=0)
+
+
 def assert_grads_close_to_ref(out: torch.Tensor, ref: torch.Tensor, ref_lowp: torch.Tensor, inputs,
                               ref_inputs) -> None:
     """dq, dk, dv of `out` against the float64 `ref` by FlashAttention's rule (at most 3x the error of

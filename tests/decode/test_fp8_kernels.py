@@ -26,7 +26,12 @@ from infllm_cupy.config import InfLLMv2Config
 from infllm_cupy.decode import DecodeCache, infllmv2_decode, naive_sparse_decode, sparse_decode
 from infllm_cupy.decode import fp8 as fp8_module
 from infllm_cupy.decode.sparse_decode import DecodePlan
-from infllm_cupy.testing import assert_close_to_ref, cu_seqlens_from_lengths, random_topk_idx
+from infllm_cupy.testing import (
+    assert_close_to_ref,
+    assert_decode_close_to_ref,
+    cu_seqlens_from_lengths,
+    random_topk_idx,
+)
 
 FP8 = torch.float8_e4m3fn
 CFG = InfLLMv2Config()
@@ -114,13 +119,7 @@ def test_fp8_kernel_matches_the_reference_on_the_dequantized_cache(case, verifie
                                               return_lse=True, return_attn_weights=True)
     lowp, lowp_lse, lowp_w = naive_sparse_decode(q, deq, idx, return_lse=True, return_attn_weights=True,
                                                  upcast=False)
-    assert_close_to_ref("out", out, ref, lowp)
-    empty = torch.isinf(ref_lse)
-    assert bool(torch.isinf(lse[empty]).all()) and bool((out[empty] == 0).all())
-    assert_close_to_ref("lse", lse[~empty], ref_lse[~empty], lowp_lse[~empty], atol_floor=1e-5)
-    assert_close_to_ref("weights", w, ref_w, lowp_w, atol_floor=1e-6)
-    assert bool((w[ref_w == 0] == 0).all()), "weights must be exactly 0 where nothing is selected"
-    torch.testing.assert_close(w.sum(-1)[~empty], torch.ones_like(lse)[~empty], atol=1e-4, rtol=0)
+    assert_decode_close_to_ref(out, lse, w, ref, ref_lse, ref_w, lowp, lowp_lse, lowp_w)
     wk = sparse_decode(q, cache, idx, return_attn_weights=True, weights="per_kv_head")[1]
     torch.testing.assert_close(wk, w.view(B, H, HQ // H, -1).sum(2), atol=1e-5, rtol=0)
     assert torch.equal(sparse_decode(q, cache, idx), out)
